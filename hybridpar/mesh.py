@@ -1,0 +1,95 @@
+"""Device meshes from a one-line spec such as ``"data:4,model:2"``.
+
+Every mesh has the three axes ``data``, ``fsdp`` and ``model`` (in that order; axes the spec
+leaves out have size 1), so rules and steps can name any axis on any mesh. ``model`` is the
+innermost axis: ``jax.make_mesh`` lays devices out so that the innermost axes are the
+closest devices (same host, same NVLink/ICI island), which is where the chatty
+model-parallel collectives belong. The data axes then span hosts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from hybridpar.errors import ConfigError
+
+AXES = ("data", "fsdp", "model")
+# Batch dimensions are split over every data-parallel axis: FSDP is data parallel too.
+BATCH_AXES = ("data", "fsdp")
+
+
+def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
+    """``"data:4,model:2"`` -> ``{"data": 4, "fsdp": 1, "model": 2}``; ``-1`` fills the rest."""
+    sizes: dict[str, int] = {}
+    fill = None
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, size = part.partition(":")
+        name = name.strip()
+        if not sep or name not in AXES:
+            raise ConfigError(
+                f"mesh spec {spec!r}: {part!r} is not AXIS:SIZE with AXIS one of {AXES}; "
+                "write it like 'data:4,model:2' (-1 means the rest of the devices)")
+        if name in sizes or name == fill:
+            raise ConfigError(f"mesh spec {spec!r} names axis {name!r} twice")
+        try:
+            n = int(size)
+        except ValueError:
+            raise ConfigError(f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer") from None
+        if n == -1:
+            if fill is not None:
+                raise ConfigError(f"mesh spec {spec!r}: only one axis may be -1")
+            fill = name
+        elif n < 1:
+            raise ConfigError(f"mesh spec {spec!r}: axis {name!r} has size {n}; sizes are >= 1 or -1")
+        else:
+            sizes[name] = n
+    known = math.prod(sizes.values())
+    if fill is not None:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh spec {spec!r}: the fixed axes ({known} devices) do not divide the "
+                f"{num_devices} devices, so -1 cannot fill the rest")
+        sizes[fill] = num_devices // known
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        raise ConfigError(
+            f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
+            f"make the sizes multiply to {num_devices} (e.g. --config.mesh=data:-1), or run on "
+            f"{total} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})")
+    return {axis: sizes.get(axis, 1) for axis in AXES}
+
+
+def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a ``Mesh`` with axes ``("data", "fsdp", "model")`` from a spec string or dict.
+
+    ``devices`` defaults to all devices of all processes. Axes are ``AxisType.Auto`` so XLA's
+    partitioner propagates shardings through the model (we constrain only inputs, parameters
+    and outputs).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(spec, dict):
+        spec = ",".join(f"{k}:{v}" for k, v in spec.items())
+    sizes = parse_mesh_spec(spec, len(devices))
+    shape = tuple(sizes[a] for a in AXES)
+    if jax.process_count() > 1 and sizes["model"] > 1 and jax.local_device_count() % sizes["model"]:
+        raise ConfigError(
+            f"mesh {spec!r}: model axis of size {sizes['model']} does not divide the "
+            f"{jax.local_device_count()} devices of one host; model-parallel groups must stay "
+            "inside a host (fast links), so choose a model size that divides the devices per host")
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways the batch is split: the product of the data-parallel axes."""
+    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    axes = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    kind = mesh.devices.flat[0].platform
+    return (f"mesh: {axes} ({mesh.size} {kind} devices, {jax.process_count()} process(es); "
+            f"batch split {data_parallel_size(mesh)} ways)")

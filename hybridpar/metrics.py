@@ -1,0 +1,58 @@
+"""Run records: ``metrics.jsonl`` (the contract in GUIDE section 3), TensorBoard events, summary.
+
+Only process 0 writes; the others keep the same calls so the training loop has no branches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+
+import jax
+
+
+class MetricsWriter:
+    def __init__(self, workdir: str, start_time: float | None = None):
+        self.workdir = workdir
+        self.start = time.time() if start_time is None else start_time
+        self.active = jax.process_index() == 0
+        self._jsonl = None
+        self._tb = None
+        if self.active:
+            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+            from tensorboardX import SummaryWriter  # lazy: only the writing process needs it
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def wall_s(self) -> float:
+        return time.time() - self.start
+
+    def write(self, event: str, step: int, epoch: float, **values) -> dict:
+        record = {"event": event, "step": int(step), "epoch": round(float(epoch), 4),
+                  "wall_s": round(self.wall_s(), 3), **values}
+        if self.active:
+            self._jsonl.write(json.dumps(record, default=_plain) + "\n")
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(f"{event}/{k}", v, int(step))
+        return record
+
+    def summary(self, values: dict) -> None:
+        if self.active:
+            path = os.path.join(self.workdir, "summary.json")
+            with open(path + ".tmp", "w") as f:
+                json.dump(values, f, indent=2, default=_plain)
+            os.replace(path + ".tmp", path)  # never a half-written summary
+
+    def close(self) -> None:
+        if self.active:
+            self._jsonl.close()
+            self._tb.close()
+
+
+def _plain(x):
+    try:
+        return x.item()
+    except AttributeError:
+        return str(x)

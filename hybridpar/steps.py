@@ -1,0 +1,102 @@
+"""Train and eval steps: pure functions of (state, batch), jitted with explicit shardings.
+
+Batches hold ``image`` (uint8 or float, NHWC, normalised here on the device so the host ships
+1 byte per pixel), ``label`` (int32) and, for eval, ``mask`` (1 for real examples, 0 for the
+padding of a last partial batch). Under ``jax.jit`` with the batch split over the data axes,
+BatchNorm statistics and the mean loss are global: XLA inserts the all-reduces, so a sharded
+step computes what one device would.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from hybridpar.partitioning import batch_sharding, replicated
+from hybridpar.precision import Policy, all_finite
+from hybridpar.state import TrainState
+
+
+def normalize(images, mean, std, dtype):
+    """uint8 or float pixels in 0..255 -> (x - mean) / std in the compute dtype."""
+    x = images.astype(jnp.float32)
+    x = (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
+    return x.astype(dtype)
+
+
+def cross_entropy(logits, labels, label_smoothing: float = 0.0):
+    """Mean softmax cross-entropy with label smoothing, in float32, per example."""
+    logits = logits.astype(jnp.float32)
+    num_classes = logits.shape[-1]
+    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
+    return optax.softmax_cross_entropy(logits, targets)
+
+
+def make_train_step(model, tx, policy: Policy, schedule: Callable, *, mean, std,
+                    label_smoothing: float = 0.0):
+    def train_step(state: TrainState, batch):
+        images = normalize(batch["image"], mean, std, policy.compute_dtype)
+        labels = batch["label"]
+
+        def loss_fn(params):
+            logits, new_vars = model.apply(
+                {"params": params, "batch_stats": state.batch_stats}, images, train=True,
+                mutable=["batch_stats"])
+            loss = cross_entropy(logits, labels, label_smoothing).mean()
+            return loss * state.loss_scale.scale, (loss, new_vars["batch_stats"])
+
+        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        grads = state.loss_scale.unscale(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
+                            opt_state=opt_state)
+        finite = jnp.asarray(True)
+        if state.loss_scale.dynamic:
+            # float16: a step with overflowing gradients changes nothing but the scale.
+            finite = all_finite(grads)
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+            new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
+        metrics = {"loss": loss, "lr": schedule(state.step), "grads_finite": finite,
+                   "loss_scale": state.loss_scale.scale}
+        return new, metrics
+
+    return train_step
+
+
+def make_eval_step(model, policy: Policy, *, mean, std, label_smoothing: float = 0.0):
+    """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples."""
+
+    def eval_step(state: TrainState, batch):
+        images = normalize(batch["image"], mean, std, policy.compute_dtype)
+        logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
+                             images, train=False).astype(jnp.float32)
+        labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
+        loss = cross_entropy(logits, labels, label_smoothing)
+        k = min(5, logits.shape[-1])
+        _, top = jax.lax.top_k(logits, k)
+        hit5 = jnp.any(top == labels[:, None], axis=-1)
+        hit1 = top[:, 0] == labels
+        return {"loss_sum": jnp.sum(loss * mask), "top1_sum": jnp.sum(hit1 * mask),
+                "top5_sum": jnp.sum(hit5 * mask), "count": jnp.sum(mask)}
+
+    return eval_step
+
+
+def batch_shardings(mesh, batch_spec: dict):
+    """``{"image": ndim, ...}`` -> per-key batch shardings."""
+    return {k: batch_sharding(mesh, ndim) for k, ndim in batch_spec.items()}
+
+
+def jit_train_step(step_fn, state_shardings, mesh, batch_spec: dict):
+    """Train step with in/out shardings and the old state donated (updated in place)."""
+    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
+
+
+def jit_eval_step(step_fn, state_shardings, mesh, batch_spec: dict):
+    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
+                   out_shardings=replicated(mesh))

@@ -1,0 +1,281 @@
+"""``python -m hybridpar.train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE]``.
+
+One linear ``train_and_evaluate`` in banner-commented sections, in the order data flows:
+config -> mesh and rules -> data -> model, optimizer and sharded state -> compiled steps ->
+loop (metrics) -> summary. Bad config or input stops with one ``error:`` line that names the
+fix; no traceback.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
+
+from hybridpar import partitioning
+from hybridpar.config import validate
+from hybridpar.errors import ConfigError
+from hybridpar.input import arrays
+from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
+from hybridpar.metrics import MetricsWriter
+from hybridpar.models import create_model
+from hybridpar.optim import make_optimizer
+from hybridpar.precision import LossScale, make_policy
+from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
+from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary and events.")
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+def rules_from_config(c, mesh) -> partitioning.Rules:
+    """The config's own rules first, then the preset's."""
+    own = partitioning.Rules(path=tuple(tuple(r) for r in c.rules),
+                             logical=tuple(tuple(r) for r in c.logical_rules))
+    rules = own + partitioning.preset_rules(c.preset, mesh)
+    if c.fsdp_min_size >= 0:
+        rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
+    return rules
+
+
+def make_data(c, pi: int, pc: int):
+    """Returns (train_batches(epoch), eval_batches(), steps_per_epoch, num_eval, image shape)."""
+    d = c.data
+    if d.name == "digits":
+        if d.channels != 1:
+            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
+        train, test = arrays.load_digits(d.image_size)
+        spe = arrays.steps_per_epoch(train, c.global_batch)
+    elif d.name == "synthetic":
+        # A pool of random images stands in for an epoch of train_examples.
+        train = arrays.synthetic(min(d.train_examples, 4 * c.global_batch), d.image_size,
+                                 d.num_classes, c.seed, d.channels)
+        test = arrays.synthetic(min(d.eval_examples, 2 * c.eval_batch), d.image_size,
+                                d.num_classes, c.seed + 1, d.channels)
+        spe = max(d.train_examples // c.global_batch, 1)
+    else:
+        raise ConfigError(f"data.name={d.name!r}: use 'digits' or 'synthetic' (image folders, "
+                          "tars and tfds datasets arrive with the input pipeline)")
+
+    def train_batches(epoch):
+        done, cycle = 0, 0
+        while done < spe:  # the synthetic pool is cycled to make a nominal epoch
+            for b in arrays.train_batches(train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc):
+                if done == spe:
+                    return
+                done += 1
+                yield b
+            cycle += 1
+
+    return (train_batches, lambda: arrays.eval_batches(test, c.eval_batch, pi, pc), spe,
+            len(test["label"]), (d.image_size, d.image_size, d.channels))
+
+
+def check_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(f"workdir {workdir!r} is not writable ({e.strerror}); pass a "
+                          "--workdir you can write to") from None
+
+
+def memory_line(compiled) -> tuple[str, dict]:
+    m = compiled.memory_analysis()
+    if m is None:
+        return "per-device memory of the train step: not reported by this backend", {}
+    fields = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
+                  temp=m.temp_size_in_bytes, aliased=m.alias_size_in_bytes)
+    total = fields["arguments"] + fields["outputs"] + fields["temp"] - fields["aliased"]
+    fields["total"] = total
+    mib = {k: v / 2**20 for k, v in fields.items()}
+    return ("per-device memory of the train step: {total:.1f} MiB (arguments {arguments:.1f}, "
+            "outputs {outputs:.1f}, temp {temp:.1f}, donated/aliased {aliased:.1f})".format(**mib),
+            fields)
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    start = time.time()
+    validate(config)
+    check_workdir(workdir)
+    if config.distributed:
+        jax.distributed.initialize()
+    pi, pc = jax.process_index(), jax.process_count()
+
+    # ---- Mesh and placement rules ----------------------------------------------------------
+    mesh = make_mesh(config.mesh)
+    rules = rules_from_config(config.partitioning, mesh)
+    dp = data_parallel_size(mesh)
+    for name in ("global_batch", "eval_batch"):
+        if config[name] % dp:
+            raise ConfigError(
+                f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
+                f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
+                f"--config.{name}={max(dp, config[name] // dp * dp)}")
+    log(describe_mesh(mesh))
+
+    # ---- Data --------------------------------------------------------------------------------
+    train_batches, eval_batches, spe, num_eval, image_shape = make_data(config, pi, pc)
+    total_steps = max(int(round(config.num_epochs * spe)), 1)
+    eval_every = max(int(round(config.eval_every_epochs * spe)), 1)
+
+    # ---- Model, optimizer and sharded state --------------------------------------------------
+    policy = make_policy(config.precision.compute, config.precision.params,
+                         config.precision.output)
+    m = config.model
+    model = create_model(m.name, num_classes=config.data.num_classes,
+                         num_filters=m.num_filters, zero_init_last_bn=m.zero_init_last_bn,
+                         bn_momentum=m.bn_momentum, bn_epsilon=m.bn_epsilon,
+                         small_stem=m.small_stem, dtype=policy.compute_dtype,
+                         param_dtype=policy.param_dtype)
+    tx, schedule = make_optimizer(config.optim, config.global_batch, spe, total_steps)
+    loss_scale = LossScale.create(policy.needs_loss_scale, config.precision.loss_scale_initial,
+                                  config.precision.loss_scale_period)
+    init = make_init_fn(model, tx, (1, *image_shape), loss_scale)
+    state, shardings, abstract = create_sharded_state(init, rules, mesh, jax.random.key(config.seed))
+    log("parameter and optimizer-state placement:\n"
+        + partitioning.sharding_table(shardings, abstract))
+
+    # ---- Steps, compiled ahead of the loop ---------------------------------------------------
+    mean, std = tuple(config.data.mean), tuple(config.data.std)
+    train_jit = jit_train_step(
+        make_train_step(model, tx, policy, schedule, mean=mean, std=std,
+                        label_smoothing=config.label_smoothing),
+        shardings, mesh, {"image": 4, "label": 1})
+    eval_jit = jit_eval_step(
+        make_eval_step(model, policy, mean=mean, std=std,
+                       label_smoothing=config.label_smoothing),
+        shardings, mesh, {"image": 4, "label": 1, "mask": 1})
+
+    def abstract_batch(n, keys):
+        specs = {"image": ((n, *image_shape), np.uint8), "label": ((n,), np.int32),
+                 "mask": ((n,), np.float32)}
+        return {k: jax.ShapeDtypeStruct(specs[k][0], specs[k][1],
+                                        sharding=partitioning.batch_sharding(mesh, len(specs[k][0])))
+                for k in keys}
+
+    abstract_state = abstract_like(abstract, shardings)
+    t0 = time.time()
+    train_step = train_jit.lower(abstract_state, abstract_batch(config.global_batch, ("image", "label"))).compile()
+    eval_step = eval_jit.lower(abstract_state, abstract_batch(config.eval_batch, ("image", "label", "mask"))).compile()
+    compile_s = time.time() - t0
+    mem_text, mem = memory_line(train_step)
+    log(mem_text)
+
+    writer = MetricsWriter(workdir, start)
+    writer.write("compile", 0, 0.0, compile_s=round(compile_s, 3), memory_per_device_bytes=mem)
+    log(f"compiled train and eval steps in {compile_s:.1f}s; training {total_steps} steps "
+        f"({config.num_epochs:g} epochs of {spe}), global batch {config.global_batch}")
+
+    # ---- Loop ----------------------------------------------------------------------------------
+    def evaluate(step):
+        sums = None
+        for batch in eval_batches():
+            out = eval_step(state, partitioning.shard_batch(batch, mesh))
+            sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+        sums = jax.device_get(sums)
+        n = float(sums["count"])
+        if round(n) != num_eval:
+            raise AssertionError(f"eval counted {n} examples, expected {num_eval}")
+        rec = writer.write("eval", step, step / spe, split="test", loss=float(sums["loss_sum"]) / n,
+                           top1=float(sums["top1_sum"]) / n, top5=float(sums["top5_sum"]) / n,
+                           examples=int(n))
+        log(f"eval  step {step:>6}  epoch {step / spe:6.2f}  loss {rec['loss']:.4f}  "
+            f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)")
+        return rec
+
+    step, last_eval, time_to_target = 0, None, None
+    pending, t_log, steps_at_log = [], time.time(), 0
+    train_time, images_seen = 0.0, 0
+    try:
+        while step < total_steps:
+            epoch = step // spe
+            for batch in train_batches(epoch):
+                state, metrics = train_step(state, partitioning.shard_batch(batch, mesh))
+                pending.append(metrics)
+                step += 1
+                now = time.time()
+                is_eval = step % eval_every == 0 or step == total_steps
+                if now - t_log >= config.log_every_s or is_eval:
+                    fetched = jax.device_get(pending)  # waits for the steps: honest timing
+                    now = time.time()
+                    loss = float(np.mean([f["loss"] for f in fetched]))
+                    if not math.isfinite(loss):
+                        raise ConfigError(
+                            f"non-finite loss ({loss}) at step {step}: the run diverged; lower "
+                            "optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 / "
+                            "float16 with loss scaling instead of pure low precision")
+                    dt = now - t_log
+                    ips = (step - steps_at_log) * config.global_batch / dt
+                    train_time += dt
+                    images_seen += (step - steps_at_log) * config.global_batch
+                    eta = (total_steps - step) * dt / (step - steps_at_log)
+                    skipped = sum(not bool(f["grads_finite"]) for f in fetched)
+                    writer.write("train", step, step / spe, loss=loss, lr=float(fetched[-1]["lr"]),
+                                 images_per_s=round(ips, 2), image_size=image_shape[0],
+                                 global_batch=config.global_batch, skipped_steps=skipped,
+                                 loss_scale=float(fetched[-1]["loss_scale"]))
+                    log(f"train step {step:>6}/{total_steps}  epoch {step / spe:6.2f}  "
+                        f"loss {loss:.4f}  {ips:8.1f} img/s  ETA {eta:6.0f}s")
+                    pending, t_log, steps_at_log = [], time.time(), step
+                if is_eval:
+                    last_eval = evaluate(step)
+                    if (time_to_target is None and config.target_top1 > 0
+                            and last_eval["top1"] >= config.target_top1):
+                        time_to_target = {"wall_s": last_eval["wall_s"], "step": step,
+                                          "epoch": step / spe, "top1": last_eval["top1"]}
+                    t_log = time.time()  # eval time is not training throughput
+                if step >= total_steps:
+                    break
+    finally:
+        summary = {
+            "mesh": dict(mesh.shape), "steps": step, "total_steps": total_steps,
+            "completed": step >= total_steps, "final_eval": last_eval,
+            "wall_s": round(time.time() - start, 3), "compile_s": round(compile_s, 3),
+            "train_images_per_s": round(images_seen / train_time, 2) if train_time else None,
+            "target_top1": config.target_top1 if config.target_top1 > 0 else None,
+            "time_to_target": time_to_target, "memory_per_device_bytes": mem,
+        }
+        writer.summary(summary)
+        writer.close()
+    return summary
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if _CONFIG.value is None or not _WORKDIR.value:
+        print("error: pass --config experiments/NAME.py and --workdir DIR", file=sys.stderr)
+        sys.exit(2)
+    try:
+        summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    ev = summary["final_eval"] or {}
+    log(f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
+        f"(compile {summary['compile_s']:.1f}s); summary in {_WORKDIR.value}/summary.json")
+
+
+def run():
+    """Console-script entry point (``hybridpar-train``)."""
+    app.run(main)
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,1 @@
+"""Input pipelines (installed as ``hybridpar.input``): host-local numpy batches per process."""

@@ -1,0 +1,98 @@
+"""In-memory data sets and their batching: scikit-learn's digits and synthetic images.
+
+Both need no download. Batches are host-local numpy dicts (``image`` uint8 NHWC, ``label``
+int32, and ``mask`` for eval); ``hybridpar.partitioning.shard_batch`` turns them into global
+arrays. Every process computes the same global permutation from (seed, epoch) and takes its
+own contiguous slice of each global batch, so hosts read disjoint examples and a given seed
+and step always give the same batch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from hybridpar.errors import ConfigError
+
+
+def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
+    """(N, h, w) float -> (N, size, size) by bilinear interpolation (align_corners=False)."""
+    n, h, w = images.shape
+
+    def grid(src, dst):
+        x = (np.arange(dst) + 0.5) * src / dst - 0.5
+        x = np.clip(x, 0, src - 1)
+        lo = np.floor(x).astype(int)
+        hi = np.minimum(lo + 1, src - 1)
+        return lo, hi, x - lo
+
+    y0, y1, fy = grid(h, size)
+    x0, x1, fx = grid(w, size)
+    rows = images[:, y0] * (1 - fy)[None, :, None] + images[:, y1] * fy[None, :, None]
+    return rows[:, :, x0] * (1 - fx) + rows[:, :, x1] * fx
+
+
+def load_digits(image_size: int, test_fraction: float = 0.2, split_seed: int = 0):
+    """scikit-learn's 1,797 handwritten 8x8 digits (shipped with the package), upsampled.
+
+    Returns ``(train, test)`` dicts with ``image`` uint8 (N, S, S, 1) in 0..255 and ``label``.
+    The split is a fixed seeded, class-stratified permutation, so runs are comparable.
+    """
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    d = sk_digits()
+    images = _resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), image_size)
+    images = np.clip(np.round(images), 0, 255).astype(np.uint8)[..., None]
+    labels = d.target.astype(np.int32)
+    tr_x, te_x, tr_y, te_y = train_test_split(images, labels, test_size=test_fraction,
+                                              random_state=split_seed, stratify=labels)
+    return {"image": tr_x, "label": tr_y}, {"image": te_x, "label": te_y}
+
+
+def synthetic(num: int, image_size: int, num_classes: int, seed: int = 0, channels: int = 3):
+    """Random uint8 images and labels: for speed and memory runs before real data exists."""
+    rng = np.random.default_rng(seed)
+    return {"image": rng.integers(0, 256, (num, image_size, image_size, channels), np.uint8),
+            "label": rng.integers(0, num_classes, (num,), np.int32)}
+
+
+def _host_slice(global_batch: int, process_index: int, process_count: int) -> slice:
+    if global_batch % process_count:
+        raise ConfigError(f"global batch {global_batch} does not divide over {process_count} "
+                          "processes; make it a multiple of the process count")
+    per = global_batch // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+def train_batches(data: dict, global_batch: int, seed: int, epoch: int,
+                  process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
+    """One epoch of shuffled host-local batches; the last partial global batch is dropped."""
+    n = len(data["label"])
+    if n < global_batch:
+        raise ConfigError(f"the training set has {n} examples, fewer than one global batch of "
+                          f"{global_batch}; lower global_batch")
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    mine = _host_slice(global_batch, process_index, process_count)
+    for b in range(n // global_batch):
+        idx = perm[b * global_batch:(b + 1) * global_batch][mine]
+        yield {k: v[idx] for k, v in data.items()}
+
+
+def eval_batches(data: dict, global_batch: int, process_index: int = 0,
+                 process_count: int = 1) -> Iterator[dict]:
+    """Every example exactly once, in order; the last batch is padded and masked out."""
+    n = len(data["label"])
+    mine = _host_slice(global_batch, process_index, process_count)
+    for start in range(0, n, global_batch):
+        idx = np.arange(start, start + global_batch)
+        mask = idx < n
+        idx = np.where(mask, idx, 0)[mine]
+        batch = {k: v[idx] for k, v in data.items()}
+        batch["mask"] = mask[mine].astype(np.float32)
+        yield batch
+
+
+def steps_per_epoch(data: dict, global_batch: int) -> int:
+    return len(data["label"]) // global_batch
