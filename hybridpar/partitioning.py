@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from flax.core import meta
 from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -55,7 +56,7 @@ class Rules:
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
 # and the logical axes the models annotate.
 DATA_PARALLEL = Rules()
-FSDP = Rules(fsdp_min_size=2**12)  # below 4k elements the gather costs more than it saves
+FSDP = Rules(fsdp_min_size=2**10)  # smaller arrays (BN vectors): one gather costs more than it saves
 # Data x model hybrid: the classifier head is split along the classes, and the wide
 # convolutions of the last two stages along their output channels; everything else is
 # replicated over `model` and the batch is split over the data axes.
@@ -95,7 +96,15 @@ def path_str(path) -> str:
 
 
 def _is_box(x) -> bool:
-    return isinstance(x, meta.AxisMetadata)
+    """Leaves that wrap an array: linen's axis boxes and NNX Variables (whose pytree path
+    would otherwise end in ``/value`` and miss rules such as ``kernel$``)."""
+    return isinstance(x, (meta.AxisMetadata, nnx.Variable))
+
+
+def _unbox(x):
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    return x.unbox() if isinstance(x, meta.AxisMetadata) else x
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -126,12 +135,27 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
 
 
 def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
-    """Adds ``fsdp`` to the largest free dimension that it divides, if the array is big enough."""
+    """Adds ``fsdp`` to one dimension of an array that is big enough.
+
+    An array the rules already split (say output channels over ``model``) gets ``fsdp``
+    stacked on that same dimension, ``("model", "fsdp")``: gathering over ``fsdp`` then gives
+    back exactly the model-parallel layout. Putting ``fsdp`` on a second dimension instead
+    (input channels) also makes XLA's SPMD partitioner (jax 0.10.2, Shardy and GSPMD alike)
+    compute a wrong input gradient for strided convolutions; ``tests/test_parity.py`` pins
+    that bug. Other arrays get ``fsdp`` on their largest dimension that it divides.
+    """
     n = mesh.shape.get("fsdp", 1)
     used = {a for e in spec for a in _axes(e)}
     if n == 1 or "fsdp" in used or math.prod(shape) < min_size:
         return spec
-    free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
+    sharded = [d for d in range(len(shape)) if spec[d] is not None]
+    if sharded:
+        d = sharded[-1]
+        axes = _axes(spec[d]) + ("fsdp",)
+        if shape[d] % math.prod(mesh.shape[a] for a in axes):
+            return spec
+        return spec[:d] + (axes,) + spec[d + 1:]
+    free = [d for d in range(len(shape)) if shape[d] % n == 0]
     if not free:
         return spec
     d = max(free, key=lambda i: (shape[i], i))
@@ -163,7 +187,8 @@ def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh)
     """A tree of ``NamedSharding`` for ``tree``'s arrays (or ShapeDtypeStructs).
 
     ``tree`` may hold Flax boxed leaves (``LogicallyPartitioned``, ``Partitioned``): their
-    names are used and the result has the unboxed structure. ``rules`` may be a ``Rules`` or
+    names are used and the result has the unboxed structure. An NNX ``Variable`` gets one
+    sharding (a valid ``out_shardings`` prefix for its State); path rules and FSDP apply. ``rules`` may be a ``Rules`` or
     a plain sequence of ``(path_regex, spec)`` pairs.
     """
     if not isinstance(rules, Rules):
@@ -177,7 +202,7 @@ def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh)
             spec = P(*_check(leaf.names, np.shape(leaf.unbox()), mesh, f"array {p!r}",
                              "its nn.Partitioned annotation"))
         else:
-            spec = infer_spec(p, np.shape(leaf), rules, mesh)
+            spec = infer_spec(p, np.shape(_unbox(leaf)), rules, mesh)
         return NamedSharding(mesh, spec)
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
@@ -223,8 +248,7 @@ def sharding_table(shardings, tree, max_rows: int = 24) -> str:
     flat_s = jax.tree_util.tree_flatten_with_path(shardings)[0]
     flat_t = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
     for (path, s), leaf in zip(flat_s, flat_t):
-        if isinstance(leaf, meta.AxisMetadata):
-            leaf = leaf.unbox()
+        leaf = _unbox(leaf)
         group = re.sub(r"_block\d+", "_block*", path_str(path))
         group = re.sub(r"^opt_state/.*?/(params/)?", "opt_state/.../", group)
         key = (group, str(s.spec))

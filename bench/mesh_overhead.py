@@ -1,0 +1,102 @@
+"""Overhead of the data x model hybrid mesh: train-step time on ``data:4,model:2`` (8 virtual
+CPU devices) versus one device, same model, optimizer, global batch and float32.
+
+    python3 bench/mesh_overhead.py [--batch 64] [--repeats 7] [--steps 10] [--mesh data:4,model:2]
+
+Prints a table, then one line of key=value figures (ratio first). Timings on shared machines
+are noisy, so both meshes run in one process, interleaved, and we compare medians.
+"""
+
+import os
+
+# 8 virtual CPU devices; must be set before JAX initialises (appended: ours wins).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the virtual devices are CPU devices
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+
+from hybridpar import make_mesh, preset_rules, shard_batch  # noqa: E402
+from hybridpar.models import create_model  # noqa: E402
+from hybridpar.optim import make_optimizer  # noqa: E402
+from hybridpar.precision import LossScale, make_policy  # noqa: E402
+from hybridpar.state import create_sharded_state, make_init_fn  # noqa: E402
+from hybridpar.steps import jit_train_step, make_train_step  # noqa: E402
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--batch", type=int, default=64, help="global batch (both meshes)")
+p.add_argument("--repeats", type=int, default=7, help="timed blocks per mesh (median over them)")
+p.add_argument("--steps", type=int, default=10, help="train steps per timed block")
+p.add_argument("--image-size", type=int, default=32)
+p.add_argument("--channels", type=int, default=1)
+p.add_argument("--mesh", default="data:4,model:2", help="the hybrid mesh (over all devices)")
+args = p.parse_args()
+
+# The digits experiment's model and optimizer (experiments/digits.py), in float32.
+model = create_model("resnet_tiny", num_classes=10, num_filters=16, small_stem=True)
+optim = ml_collections.ConfigDict(dict(
+    name="sgd", base_lr=0.4, lr_batch_base=256, momentum=0.9, nesterov=True, weight_decay=5e-4,
+    schedule="cosine", warmup_epochs=1.0, warmup_start_factor=0.0, end_lr_factor=0.0))
+tx, schedule = make_optimizer(optim, args.batch, steps_per_epoch=20, total_steps=1000)
+policy = make_policy("float32")
+mean, std = (0.3 * 255,) * args.channels, (0.4 * 255,) * args.channels
+shape = (args.image_size, args.image_size, args.channels)
+init = make_init_fn(model, tx, (1, *shape), LossScale.create(dynamic=False))
+step_fn = make_train_step(model, tx, policy, schedule, mean=mean, std=std, label_smoothing=0.1)
+
+# One fixed random batch, made once on the host.
+rng = np.random.default_rng(0)
+host_batch = {"image": rng.integers(0, 256, (args.batch, *shape), dtype=np.uint8),
+              "label": rng.integers(0, 10, (args.batch,), dtype=np.int32)}
+
+runs = {}
+for name, mesh in (("single", make_mesh("data:1", devices=jax.devices()[:1])),
+                   ("hybrid", make_mesh(args.mesh))):
+    # Same seed on both meshes, so both start from the same parameters.
+    state, shardings, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh,
+                                               jax.random.key(0))
+    train = jit_train_step(step_fn, shardings, mesh, {"image": 4, "label": 1})
+    # Sharded once, before timing: host-to-device transfer is not part of what we measure.
+    batch = shard_batch(host_batch, mesh)
+    t0 = time.perf_counter()
+    state, metrics = jax.block_until_ready(train(state, batch))  # compile + first step
+    compile_s = time.perf_counter() - t0
+    for _ in range(3):  # warm-up steps, untimed
+        state, metrics = train(state, batch)
+    jax.block_until_ready(state)
+    runs[name] = dict(mesh=mesh, state=state, train=train, batch=batch, times=[],
+                      compile_s=compile_s, metrics=metrics)
+
+# Interleaved blocks, so drifting load on the shared cores hits both meshes alike.
+for _ in range(args.repeats):
+    for r in runs.values():
+        state, train, batch = r["state"], r["train"], r["batch"]
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            state, metrics = train(state, batch)  # old state is donated: keep the new one
+        jax.block_until_ready(state)
+        r["times"].append((time.perf_counter() - t0) / args.steps * 1e3)
+        r["state"], r["metrics"] = state, metrics
+
+print(f"CPU cores (os.cpu_count()): {os.cpu_count()}; devices: {jax.device_count()} "
+      f"{jax.devices()[0].platform}; batch {args.batch}; image {shape}; "
+      f"{args.repeats} x {args.steps} steps per mesh")
+print(f"{'mesh':<22} {'devices':>7} {'median ms':>10} {'min ms':>8} {'max ms':>8} "
+      f"{'images/s':>9} {'compile s':>9} {'last loss':>9}")
+med = {}
+for name, r in runs.items():
+    spec = ",".join(f"{a}:{n}" for a, n in r["mesh"].shape.items() if n > 1) or "data:1"
+    med[name] = statistics.median(r["times"])
+    print(f"{name + ' ' + spec:<22} {r['mesh'].size:>7} {med[name]:>10.2f} {min(r['times']):>8.2f} "
+          f"{max(r['times']):>8.2f} {args.batch / med[name] * 1e3:>9.1f} {r['compile_s']:>9.1f} "
+          f"{float(r['metrics']['loss']):>9.4f}")  # same steps, same data: losses should agree
+print(f"ratio_hybrid_vs_single={med['hybrid'] / med['single']:.3f} hybrid_ms={med['hybrid']:.2f} "
+      f"single_ms={med['single']:.2f} batch={args.batch} mesh={args.mesh} "
+      f"devices={runs['hybrid']['mesh'].size} repeats={args.repeats} steps={args.steps} "
+      f"cpu_cores={os.cpu_count()}")

@@ -1,0 +1,407 @@
+"""Tests for hybridpar.mesh and hybridpar.partitioning (on 8 virtual CPU devices).
+
+Everything works on shapes (ShapeDtypeStruct / jax.eval_shape) where it can, so nothing
+large is allocated and nothing is compiled.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from hybridpar import (AXES, ConfigError, Rules, infer_shardings, make_mesh, parse_mesh_spec,
+                       preset_rules, shard_batch)
+
+F32 = jnp.float32
+
+
+def sds(*shape):
+    return jax.ShapeDtypeStruct(shape, F32)
+
+
+@pytest.fixture(scope="module")
+def mesh_dm():
+    return make_mesh("data:4,model:2")
+
+
+@pytest.fixture(scope="module")
+def mesh_fsdp():
+    return make_mesh("fsdp:8")
+
+
+@pytest.fixture(scope="module")
+def mesh_dfm():
+    return make_mesh("data:2,fsdp:2,model:2")
+
+
+# ----------------------------------------------------------------------------- mesh spec
+
+def test_parse_mesh_spec_fills_missing_axes_in_order():
+    sizes = parse_mesh_spec("data:4,model:2", 8)
+    assert sizes == {"data": 4, "fsdp": 1, "model": 2}
+    assert tuple(sizes) == ("data", "fsdp", "model")
+
+
+def test_parse_mesh_spec_minus_one_fills_the_rest():
+    assert parse_mesh_spec("data:-1,model:2", 8) == {"data": 4, "fsdp": 1, "model": 2}
+    assert parse_mesh_spec("model:2,fsdp:-1", 8) == {"data": 1, "fsdp": 4, "model": 2}
+    assert parse_mesh_spec("data:-1", 8) == {"data": 8, "fsdp": 1, "model": 1}
+
+
+def test_parse_mesh_spec_wrong_product_names_device_count_and_flag():
+    with pytest.raises(ConfigError) as e:
+        parse_mesh_spec("data:4,model:4", 8)
+    msg = str(e.value)
+    assert "8" in msg and "16" in msg
+    assert "xla_force_host_platform_device_count" in msg
+    assert "data:-1" in msg  # the other fix: let one axis fill the devices
+
+
+def test_parse_mesh_spec_unknown_axis():
+    with pytest.raises(ConfigError) as e:
+        parse_mesh_spec("dta:8", 8)
+    msg = str(e.value)
+    assert "dta" in msg
+    # names the valid axes and shows the right form
+    for axis in AXES:
+        assert axis in msg
+    assert "data:4,model:2" in msg
+
+
+def test_parse_mesh_spec_missing_colon():
+    with pytest.raises(ConfigError, match="AXIS:SIZE"):
+        parse_mesh_spec("data8", 8)
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("data:abc", "not an integer"),
+    ("data:0,model:8", ">= 1 or -1"),
+    ("data:-2,model:4", ">= 1 or -1"),
+])
+def test_parse_mesh_spec_bad_size(spec, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_mesh_spec(spec, 8)
+
+
+def test_parse_mesh_spec_two_fills():
+    with pytest.raises(ConfigError, match="only one axis may be -1"):
+        parse_mesh_spec("data:-1,model:-1", 8)
+
+
+@pytest.mark.parametrize("spec", ["data:4,data:2", "data:-1,data:2", "data:2,data:-1"])
+def test_parse_mesh_spec_duplicate_axis(spec):
+    with pytest.raises(ConfigError, match="twice"):
+        parse_mesh_spec(spec, 8)
+
+
+def test_parse_mesh_spec_fill_that_cannot_divide():
+    with pytest.raises(ConfigError, match="-1 cannot fill"):
+        parse_mesh_spec("data:-1,model:3", 8)
+
+
+@pytest.mark.parametrize("spec,shape", [
+    ("data:8", (8, 1, 1)),
+    ("model:2,data:4", (4, 1, 2)),
+    ("fsdp:-1", (1, 8, 1)),
+    ({"data": 2, "fsdp": 2, "model": 2}, (2, 2, 2)),
+])
+def test_make_mesh_axes_always_in_order(spec, shape):
+    mesh = make_mesh(spec)
+    assert mesh.axis_names == ("data", "fsdp", "model")
+    assert tuple(mesh.shape[a] for a in AXES) == shape
+    assert mesh.size == 8
+
+
+def test_make_mesh_on_one_device():
+    mesh = make_mesh("data:1", devices=jax.devices()[:1])
+    assert mesh.axis_names == ("data", "fsdp", "model")
+    assert mesh.size == 1
+    assert mesh.devices.flat[0] == jax.devices()[0]
+
+
+def test_make_mesh_wrong_size_is_config_error():
+    with pytest.raises(ConfigError, match="xla_force_host_platform_device_count"):
+        make_mesh("data:8", devices=jax.devices()[:4])
+
+
+# ----------------------------------------------------------------------------- path rules
+
+def test_first_matching_rule_wins(mesh_dm):
+    tree = {"enc": {"kernel": sds(8, 4)}, "dec": {"kernel": sds(8, 4)}}
+    rules = Rules(path=((r"enc/kernel$", ("data", None)),
+                        (r"kernel$", (None, "model"))))
+    s = infer_shardings(tree, rules, mesh_dm)
+    assert s["enc"]["kernel"].spec == P("data", None)
+    assert s["dec"]["kernel"].spec == P(None, "model")
+    # The same rules in the other order: the broad rule now shadows the specific one.
+    s2 = infer_shardings(tree, Rules(path=tuple(reversed(rules.path))), mesh_dm)
+    assert s2["enc"]["kernel"].spec == P(None, "model")
+
+
+def test_plain_sequence_of_pairs_is_accepted(mesh_dm):
+    tree = {"a": sds(8, 4), "b": sds(8, 4)}
+    s = infer_shardings(tree, [(r"^a$", ("data",)), (r"^b$", (None, "model"))], mesh_dm)
+    assert isinstance(s["a"], NamedSharding)
+    assert s["a"].mesh is mesh_dm
+    assert s["a"].spec == P("data", None)
+    assert s["b"].spec == P(None, "model")
+
+
+def test_short_spec_pads_with_none(mesh_dm):
+    s = infer_shardings({"w": sds(4, 3, 5)}, [(r"w", ("data",))], mesh_dm)
+    assert tuple(s["w"].spec) == ("data", None, None)
+
+
+def test_spec_longer_than_array_is_error(mesh_dm):
+    with pytest.raises(ConfigError, match="entries"):
+        infer_shardings({"w": sds(4)}, [(r"w", ("data", None))], mesh_dm)
+
+
+def test_tuple_entry_shards_one_dim_over_two_axes(mesh_dfm):
+    s = infer_shardings({"w": sds(16, 3)}, [(r"w", (("data", "fsdp"), None))], mesh_dfm)
+    assert s["w"].spec == P(("data", "fsdp"), None)
+    # 4 shards of 4 rows each along dim 0
+    shard_shape = s["w"].shard_shape((16, 3))
+    assert shard_shape == (4, 3)
+
+
+def test_unmatched_arrays_are_replicated(mesh_dm):
+    s = infer_shardings({"w": sds(8, 4), "b": sds(4)}, [(r"^w$", ("data",))], mesh_dm)
+    assert s["b"].spec == P(None)
+    assert s["b"].is_fully_replicated
+
+
+def test_non_dividing_rule_names_path_shape_and_axis(mesh_dm):
+    tree = {"layer": {"w": sds(6, 3)}}
+    with pytest.raises(ConfigError) as e:
+        infer_shardings(tree, [(r"w$", ("data",))], mesh_dm)
+    msg = str(e.value)
+    assert "layer/w" in msg
+    assert "(6, 3)" in msg
+    assert "'data'" in msg
+
+
+def test_non_dividing_tuple_entry_names_both_axes(mesh_dfm):
+    with pytest.raises(ConfigError) as e:
+        infer_shardings({"w": sds(10, 3)}, [(r"w", (("data", "fsdp"),))], mesh_dfm)
+    msg = str(e.value)  # 10 rows over data x fsdp = 4 shards
+    assert "data" in msg and "fsdp" in msg and "(10, 3)" in msg
+
+
+def test_rule_with_unknown_mesh_axis(mesh_dm):
+    with pytest.raises(ConfigError) as e:
+        infer_shardings({"w": sds(8, 4)}, [(r"w", ("tensor", None))], mesh_dm)
+    assert "tensor" in str(e.value)
+
+
+# ----------------------------------------------------------------------------- logical rules
+
+def _dense_shapes(features=8):
+    module = nn.Dense(
+        features,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
+                                                 ("embed", "classes")))
+    return jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 16), F32))
+
+
+def test_logical_table_for_boxed_leaves(mesh_dm):
+    shapes = _dense_shapes()
+    assert isinstance(shapes["params"]["kernel"], nn.LogicallyPartitioned)
+    s = infer_shardings(shapes, Rules(logical=(("classes", "model"),)), mesh_dm)
+    # unboxed structure: the kernel's sharding is a NamedSharding, not a box
+    assert isinstance(s["params"]["kernel"], NamedSharding)
+    assert s["params"]["kernel"].spec == P(None, "model")
+    assert s["params"]["bias"].spec == P(None)
+
+
+def test_logical_first_entry_for_a_name_wins(mesh_dm):
+    rules = Rules(logical=(("classes", "model"), ("classes", "data")))
+    s = infer_shardings(_dense_shapes(), rules, mesh_dm)
+    assert s["params"]["kernel"].spec == P(None, "model")
+
+
+def test_path_rules_take_priority_over_logical(mesh_dm):
+    rules = Rules(path=((r"kernel$", ("data", None)),), logical=(("classes", "model"),))
+    s = infer_shardings(_dense_shapes(), rules, mesh_dm)
+    assert s["params"]["kernel"].spec == P("data", None)
+
+
+def test_logical_rule_that_does_not_divide(mesh_dm):
+    with pytest.raises(ConfigError) as e:
+        infer_shardings(_dense_shapes(features=9), Rules(logical=(("classes", "model"),)),
+                        mesh_dm)
+    msg = str(e.value)
+    assert "params/kernel" in msg and "(16, 9)" in msg and "model" in msg
+
+
+# ----------------------------------------------------------------------------- FSDP pass
+
+def test_fsdp_shards_largest_divisible_dim(mesh_fsdp):
+    tree = {
+        "big": sds(16, 32),     # both divide 8: largest (32) gets fsdp
+        "mixed": sds(16, 30),   # 30 does not divide 8: falls back to 16
+        "small": sds(4, 4),     # below min size: replicated
+        "odd": sds(9, 15),      # big enough, nothing divides: replicated
+        "vec": sds(64),
+    }
+    s = infer_shardings(tree, Rules(fsdp_min_size=64), mesh_fsdp)
+    assert s["big"].spec == P(None, "fsdp")
+    assert s["mixed"].spec == P("fsdp", None)
+    assert s["small"].spec == P(None, None)
+    assert s["odd"].spec == P(None, None)
+    assert s["vec"].spec == P("fsdp")
+
+
+def test_fsdp_disabled_without_min_size(mesh_fsdp):
+    s = infer_shardings({"big": sds(16, 32)}, Rules(), mesh_fsdp)
+    assert s["big"].spec == P(None, None)
+
+
+def test_fsdp_stacks_on_the_dim_a_rule_split(mesh_dfm):
+    rules = Rules(path=((r"w", (None, "model")),), fsdp_min_size=1)
+    s = infer_shardings({"w": sds(8, 64), "w2": sds(8, 2)}, rules, mesh_dfm)
+    # dim 1 is split over model; fsdp goes on the same dim, so gathering over fsdp yields
+    # the model-parallel layout (and avoids an XLA conv-gradient bug, see partitioning._fsdp)
+    assert s["w"].spec == P(None, ("model", "fsdp"))
+    # when model x fsdp does not divide that dim, the array stays replicated over fsdp
+    assert s["w2"].spec == P(None, "model")
+
+
+# ----------------------------------------------------------------------------- pytrees
+
+def test_plain_nested_dict_of_numpy_arrays(mesh_dm):
+    tree = {"outer": {"inner": {"kernel": np.zeros((8, 4), np.float32)},
+                      "bias": np.zeros((4,), np.float32)}}
+    s = infer_shardings(tree, [(r"outer/inner/kernel$", ("data", "model"))], mesh_dm)
+    assert s["outer"]["inner"]["kernel"].spec == P("data", "model")
+    assert s["outer"]["bias"].spec == P(None)
+    assert jax.tree.structure(s) == jax.tree.structure(tree)
+
+
+def test_lists_and_tuples(mesh_dm):
+    tree = [sds(8, 4), (sds(4, 2), {"k": sds(2, 8)})]
+    rules = [(r"^0$", ("data",)), (r"^1/0$", (None, "model")), (r"^1/1/k$", (None, "data"))]
+    s = infer_shardings(tree, rules, mesh_dm)
+    assert isinstance(s, list) and isinstance(s[1], tuple)
+    assert s[0].spec == P("data", None)
+    assert s[1][0].spec == P(None, "model")
+    assert s[1][1]["k"].spec == P(None, "data")
+
+
+def test_shardings_place_real_arrays(mesh_dm):
+    x = np.arange(32, dtype=np.float32).reshape(8, 4)
+    s = infer_shardings({"w": x}, [(r"w", ("data", "model"))], mesh_dm)
+    y = jax.device_put(x, s["w"])
+    assert y.sharding.shard_shape(x.shape) == (2, 2)
+    np.testing.assert_array_equal(np.asarray(y), x)
+
+
+def _nnx_state():
+    return nnx.state(nnx.Linear(16, 32, rngs=nnx.Rngs(0)))
+
+
+def test_nnx_state_gives_named_shardings(mesh_dm):
+    state = _nnx_state()
+    s = infer_shardings(state, Rules(), mesh_dm)
+    leaves = jax.tree.leaves(s)
+    assert len(leaves) == 2
+    assert all(isinstance(x, NamedSharding) for x in leaves)
+    # One sharding per Variable: a valid out_shardings prefix of the State.
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    assert jax.tree.structure(s) == jax.tree.structure(
+        jax.tree.map(lambda v: 0, state, is_leaf=is_var))
+
+
+def test_nnx_state_respects_path_rules(mesh_dm):
+    s = infer_shardings(_nnx_state(), [(r"kernel$", (None, "model"))], mesh_dm)
+    (kernel,) = jax.tree.leaves(s["kernel"])
+    (bias,) = jax.tree.leaves(s["bias"])
+    assert bias.spec == P(None)
+    assert kernel.spec == P(None, "model")
+
+
+# ----------------------------------------------------------------------------- presets
+
+def _head_tree():
+    box = nn.LogicallyPartitioned(sds(16, 8), ("embed", "classes"))
+    return {"params": {"head": {"kernel": box, "bias": sds(8)},
+                       "stem": {"kernel": sds(3, 3, 3, 64)}}}
+
+
+def test_auto_preset_on_data_mesh_shards_no_params():
+    mesh = make_mesh("data:8")
+    rules = preset_rules("auto", mesh)
+    s = infer_shardings(_head_tree(), rules, mesh)
+    assert all(x.is_fully_replicated for x in jax.tree.leaves(s))
+
+
+def test_auto_preset_on_fsdp_mesh_shards_over_fsdp(mesh_fsdp):
+    tree = {"params": {"big": sds(64, 128), "bias": sds(128)}}
+    s = infer_shardings(tree, preset_rules("auto", mesh_fsdp), mesh_fsdp)
+    assert "fsdp" in tuple(s["params"]["big"].spec)
+    assert s["params"]["bias"].is_fully_replicated  # small
+
+
+def test_auto_preset_on_hybrid_mesh_puts_head_over_model(mesh_dm):
+    s = infer_shardings(_head_tree(), preset_rules("auto", mesh_dm), mesh_dm)
+    assert s["params"]["head"]["kernel"].spec == P(None, "model")
+    assert s["params"]["stem"]["kernel"].is_fully_replicated
+
+
+def test_hybrid_preset_shards_stage3_convs(mesh_dm):
+    tree = {"params": {"stage3_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}},
+                       "stage1_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}}}}
+    s = infer_shardings(tree, preset_rules("hybrid", mesh_dm), mesh_dm)
+    assert s["params"]["stage3_block0"]["conv2"]["kernel"].spec == P(None, None, None, "model")
+    assert s["params"]["stage1_block0"]["conv2"]["kernel"].is_fully_replicated
+
+
+def test_unknown_preset(mesh_dm):
+    with pytest.raises(ConfigError) as e:
+        preset_rules("tensor", mesh_dm)
+    assert "auto" in str(e.value) and "hybrid" in str(e.value)
+
+
+def test_rules_add_keeps_priority_order(mesh_dm):
+    a = Rules(path=((r"w", ("data", None)),), logical=(("classes", "model"),),
+              fsdp_min_size=100)
+    b = Rules(path=((r"w", (None, "model")),), logical=(("classes", None),), fsdp_min_size=10)
+    ab, ba = a + b, b + a
+    assert ab.path == a.path + b.path
+    assert ab.logical == a.logical + b.logical
+    assert ab.fsdp_min_size == 10
+    assert (a + Rules()).fsdp_min_size == 100
+    assert (Rules() + Rules()).fsdp_min_size is None
+    tree = {"w": sds(8, 4)}
+    assert infer_shardings(tree, ab, mesh_dm)["w"].spec == P("data", None)
+    assert infer_shardings(tree, ba, mesh_dm)["w"].spec == P(None, "model")
+    box_tree = {"k": nn.LogicallyPartitioned(sds(16, 8), ("embed", "classes"))}
+    assert infer_shardings(box_tree, Rules(logical=a.logical) + Rules(logical=b.logical),
+                           mesh_dm)["k"].spec == P(None, "model")
+    assert infer_shardings(box_tree, Rules(logical=b.logical) + Rules(logical=a.logical),
+                           mesh_dm)["k"].spec == P(None, None)
+
+
+# ----------------------------------------------------------------------------- shard_batch
+
+def test_shard_batch_makes_global_arrays(mesh_dfm):
+    batch = {"image": np.arange(8 * 2 * 2 * 1, dtype=np.uint8).reshape(8, 2, 2, 1),
+             "label": np.arange(8, dtype=np.int32)}
+    out = shard_batch(batch, mesh_dfm)
+    for k, x in batch.items():
+        y = out[k]
+        assert isinstance(y, jax.Array)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert y.sharding.spec == P(("data", "fsdp"), *([None] * (x.ndim - 1)))
+        # 4 data-parallel shards of 2 examples, each replicated over model
+        assert y.sharding.shard_shape(y.shape)[0] == 2
+        np.testing.assert_array_equal(np.asarray(y), x)
+
+
+def test_shard_batch_rejects_indivisible_batch(mesh_dfm):
+    with pytest.raises(ConfigError) as e:
+        shard_batch({"label": np.arange(6, dtype=np.int32)}, mesh_dfm)
+    assert "label" in str(e.value)

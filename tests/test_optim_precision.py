@@ -1,0 +1,252 @@
+"""Tests for hybridpar.optim (schedules, optimizers, weight-decay mask) and hybridpar.precision."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from hybridpar.config import base_config
+from hybridpar.errors import ConfigError
+from hybridpar.optim import decay_mask, make_optimizer, make_schedule, peak_lr
+from hybridpar.precision import DTYPES, LossScale, Policy, all_finite, make_policy
+
+
+def optim_cfg(**overrides):
+    cfg = ml_collections.ConfigDict(base_config().optim.to_dict())
+    cfg.update(overrides)
+    return cfg
+
+
+def small_params():
+    rng = np.random.default_rng(0)
+    return {
+        "conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 2, 4)), jnp.float32)},
+        "dense": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+                  "bias": jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
+        "bn": {"scale": jnp.asarray(1.0 + rng.normal(size=(4,)), jnp.float32),
+               "bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32)},
+    }
+
+
+# ----------------------------------------------------------------------------- optim
+
+def test_decay_mask_kernels_only():
+    mask = decay_mask(small_params())
+    assert bool(mask["conv"]["kernel"]) and bool(mask["dense"]["kernel"])
+    assert not bool(mask["dense"]["bias"])
+    assert not bool(mask["bn"]["scale"]) and not bool(mask["bn"]["bias"])
+
+
+def test_decay_mask_on_shapes():
+    tree = {"k4": jax.ShapeDtypeStruct((3, 3, 8, 8), jnp.float32),
+            "k2": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+            "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    assert decay_mask(tree) == {"k4": True, "k2": True, "b": False}
+
+
+@pytest.mark.parametrize("batch", [128, 256, 1024, 8192])
+def test_peak_lr_scales_linearly_with_batch(batch):
+    cfg = optim_cfg(base_lr=0.1)
+    assert peak_lr(cfg, batch) == pytest.approx(0.1 * batch / 256)
+
+
+def test_peak_lr_uses_batch_base():
+    assert peak_lr(optim_cfg(base_lr=0.2, lr_batch_base=512), 1024) == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_schedule_warmup_then_decay(schedule):
+    cfg = optim_cfg(schedule=schedule, base_lr=0.1, warmup_epochs=2.0, warmup_start_factor=0.1,
+                    end_lr_factor=0.01)
+    spe, total, batch = 10, 100, 512
+    peak = 0.1 * batch / 256
+    s = make_schedule(cfg, batch, spe, total)
+    assert float(s(0)) == pytest.approx(0.1 * peak, rel=1e-5)
+    assert float(s(10)) == pytest.approx(0.55 * peak, rel=1e-5)  # halfway through warmup
+    assert float(s(20)) == pytest.approx(peak, rel=1e-5)  # end of warmup (2 epochs x 10)
+    assert float(s(total)) == pytest.approx(0.01 * peak, rel=1e-4)
+    lrs = np.array([float(s(i)) for i in range(0, total + 1, 5)])
+    assert np.all(np.diff(lrs[:5]) > 0)  # warmup rises
+    assert np.all(np.diff(lrs[4:]) < 0)  # then decays monotonically
+    assert lrs.max() == pytest.approx(peak, rel=1e-5)
+
+
+def test_cosine_and_linear_differ_in_the_middle():
+    kw = dict(warmup_epochs=0.0, end_lr_factor=0.0)
+    cos = make_schedule(optim_cfg(schedule="cosine", **kw), 256, 10, 100)
+    lin = make_schedule(optim_cfg(schedule="linear", **kw), 256, 10, 100)
+    assert float(cos(0)) == pytest.approx(0.1) and float(lin(0)) == pytest.approx(0.1)
+    assert float(lin(50)) == pytest.approx(0.05, rel=1e-5)
+    assert float(cos(25)) == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 0.25)), rel=1e-5)
+    assert float(cos(100)) == pytest.approx(0.0, abs=1e-7)
+
+
+def test_constant_schedule():
+    s = make_schedule(optim_cfg(schedule="constant", warmup_epochs=0.0), 256, 10, 100)
+    assert float(s(0)) == pytest.approx(0.1) and float(s(99)) == pytest.approx(0.1)
+
+
+def test_unknown_schedule():
+    with pytest.raises(ConfigError, match="cosine"):
+        make_schedule(optim_cfg(schedule="step"), 256, 10, 100)
+
+
+def test_unknown_optimizer():
+    with pytest.raises(ConfigError) as e:
+        make_optimizer(optim_cfg(name="adam"), 256, 10, 100)
+    assert "adam" in str(e.value) and "sgd" in str(e.value) and "lars" in str(e.value)
+
+
+def _one_update(cfg, params, grads):
+    tx, _ = make_optimizer(cfg, 256, 10, 100)
+    state = tx.init(params)
+    updates, _ = tx.update(grads, state, params)
+    return updates
+
+
+def test_sgd_weight_decay_shrinks_kernels_only():
+    cfg = optim_cfg(name="sgd", weight_decay=0.1, warmup_epochs=0.0)
+    params = small_params()
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates = _one_update(cfg, params, zeros)
+    new = jax.tree.map(lambda p, u: p + u, params, updates)
+    for path in [("conv", "kernel"), ("dense", "kernel")]:
+        p0, p1 = params[path[0]][path[1]], new[path[0]][path[1]]
+        assert float(jnp.linalg.norm(p1)) < float(jnp.linalg.norm(p0))
+        # the step moves each weight towards zero (same sign, smaller magnitude)
+        assert bool(jnp.all(jnp.abs(p1) < jnp.abs(p0)))
+    for path in [("dense", "bias"), ("bn", "scale"), ("bn", "bias")]:
+        np.testing.assert_array_equal(new[path[0]][path[1]], params[path[0]][path[1]])
+
+
+def test_lars_one_update_no_decay_on_1d():
+    params = small_params()
+    grads = jax.tree.map(lambda p: 0.01 * jnp.ones_like(p), params)
+    cfg = optim_cfg(name="lars", weight_decay=0.1, warmup_epochs=0.0)
+    cfg_nowd = optim_cfg(name="lars", weight_decay=0.0, warmup_epochs=0.0)
+    upd = _one_update(cfg, params, grads)
+    upd_nowd = _one_update(cfg_nowd, params, grads)
+    for leaf in jax.tree.leaves(upd):
+        assert bool(jnp.all(jnp.isfinite(leaf)))
+    # 1D params: identical update with or without weight decay, and no trust ratio either
+    for path in [("dense", "bias"), ("bn", "scale"), ("bn", "bias")]:
+        np.testing.assert_allclose(upd[path[0]][path[1]], upd_nowd[path[0]][path[1]], rtol=1e-6)
+    # with momentum 0.9 and Nesterov the first step is -(1 + 0.9) * lr * g
+    np.testing.assert_allclose(upd["bn"]["scale"], -1.9 * 0.1 * 0.01 * np.ones(4), rtol=1e-5)
+    # kernels: weight decay changes the update
+    assert not np.allclose(upd["dense"]["kernel"], upd_nowd["dense"]["kernel"])
+
+
+def test_lars_zero_grads_moves_only_kernels():
+    params = small_params()
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    upd = _one_update(optim_cfg(name="lars", weight_decay=1e-4, warmup_epochs=0.0), params, zeros)
+    assert float(jnp.abs(upd["conv"]["kernel"]).max()) > 0
+    for path in [("dense", "bias"), ("bn", "scale"), ("bn", "bias")]:
+        np.testing.assert_array_equal(upd[path[0]][path[1]], 0.0)
+
+
+# ----------------------------------------------------------------------------- precision
+
+@pytest.mark.parametrize("compute,params,output", [
+    ("float32", "float32", "float32"),
+    ("bfloat16", "float32", "float32"),
+    ("float16", "float32", "float16"),
+    ("bfloat16", "bfloat16", "bfloat16"),
+])
+def test_make_policy_names_to_dtypes(compute, params, output):
+    p = make_policy(compute=compute, params=params, output=output)
+    assert isinstance(p, Policy)
+    assert jnp.dtype(p.compute_dtype) == jnp.dtype(compute)
+    assert jnp.dtype(p.param_dtype) == jnp.dtype(params)
+    assert jnp.dtype(p.output_dtype) == jnp.dtype(output)
+    assert p.needs_loss_scale == (compute == "float16")
+
+
+def test_make_policy_defaults_float32():
+    p = make_policy()
+    assert jnp.dtype(p.compute_dtype) == jnp.float32
+    assert not p.needs_loss_scale
+
+
+def test_needs_loss_scale_follows_compute_dtype_only():
+    assert make_policy(compute="float16").needs_loss_scale
+    assert not make_policy(compute="bfloat16", params="float16").needs_loss_scale
+
+
+@pytest.mark.parametrize("kw", [dict(compute="fp16"), dict(params="float64"),
+                                dict(output="half")])
+def test_make_policy_unknown_dtype(kw):
+    with pytest.raises(ConfigError) as e:
+        make_policy(**kw)
+    msg = str(e.value)
+    bad = next(iter(kw.values()))
+    assert bad in msg
+    for name in DTYPES:
+        assert name in msg
+
+
+def test_loss_scale_halves_on_overflow_and_never_below_one():
+    ls = LossScale.create(dynamic=True, initial=8.0, period=3)
+    ls = ls.update(jnp.asarray(True))
+    assert int(ls.good_steps) == 1
+    ls = ls.update(jnp.asarray(False))
+    assert float(ls.scale) == 4.0
+    assert int(ls.good_steps) == 0
+    for _ in range(5):
+        ls = ls.update(jnp.asarray(False))
+    assert float(ls.scale) == 1.0
+
+
+def test_loss_scale_doubles_after_period_finite_steps():
+    period = 3
+    ls = LossScale.create(dynamic=True, initial=4.0, period=period)
+    for i in range(period - 1):
+        ls = ls.update(jnp.asarray(True))
+        assert float(ls.scale) == 4.0, f"grew early, after {i + 1} steps"
+    ls = ls.update(jnp.asarray(True))
+    assert float(ls.scale) == 8.0
+    assert int(ls.good_steps) == 0
+    for _ in range(period):
+        ls = ls.update(jnp.asarray(True))
+    assert float(ls.scale) == 16.0
+
+
+def test_loss_scale_update_under_jit():
+    ls = LossScale.create(dynamic=True, initial=2.0, period=2)
+    step = jax.jit(lambda s, f: s.update(f))
+    ls = step(ls, jnp.asarray(True))
+    ls = step(ls, jnp.asarray(True))
+    assert float(ls.scale) == 4.0
+    ls = step(ls, jnp.asarray(False))
+    assert float(ls.scale) == 2.0
+
+
+def test_static_loss_scale_is_identity():
+    ls = LossScale.create(dynamic=False, initial=1024.0)
+    assert float(ls.scale) == 1.0
+    assert ls.update(jnp.asarray(False)) is ls
+    assert ls.update(jnp.asarray(True)) is ls
+    g = {"w": jnp.asarray([1.5, -2.0])}
+    np.testing.assert_array_equal(ls.unscale(g)["w"], g["w"])
+
+
+def test_unscale_divides_and_keeps_dtype():
+    ls = LossScale.create(dynamic=True, initial=8.0)
+    g = {"a": jnp.asarray([8.0, -16.0], jnp.float32), "b": jnp.asarray([4.0], jnp.float16)}
+    out = ls.unscale(g)
+    np.testing.assert_allclose(out["a"], [1.0, -2.0])
+    np.testing.assert_allclose(np.asarray(out["b"], np.float32), [0.5])
+    assert out["b"].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_false_on_nan_or_inf(bad):
+    tree = {"a": jnp.ones((3,)), "b": {"c": jnp.asarray([1.0, bad, 2.0])}}
+    assert not bool(all_finite(tree))
+
+
+def test_all_finite_true_on_finite_trees():
+    assert bool(all_finite({"a": jnp.ones((3,)), "b": [jnp.zeros((2, 2), jnp.bfloat16)]}))
+    assert bool(all_finite({}))
