@@ -8,6 +8,7 @@ fix; no traceback.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -199,7 +200,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)")
         return rec
 
-    step, last_eval, time_to_target = 0, None, None
+    step, last_eval, time_to_target, failure = 0, None, None, None
     pending, t_log, steps_at_log = [], time.time(), 0
     train_time, images_seen = 0.0, 0
     try:
@@ -242,10 +243,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
                     t_log = time.time()  # eval time is not training throughput
                 if step >= total_steps:
                     break
+    except BaseException as e:  # recorded in the summary, then raised as it was
+        failure = f"{type(e).__name__}: {e}"
+        raise
     finally:
         summary = {
             "mesh": dict(mesh.shape), "steps": step, "total_steps": total_steps,
-            "completed": step >= total_steps, "final_eval": last_eval,
+            "completed": failure is None and step >= total_steps, "error": failure,
+            "final_eval": last_eval,
             "wall_s": round(time.time() - start, 3), "compile_s": round(compile_s, 3),
             "train_images_per_s": round(images_seen / train_time, 2) if train_time else None,
             "target_top1": config.target_top1 if config.target_top1 > 0 else None,
@@ -263,7 +268,14 @@ def main(argv):
         print("error: pass --config experiments/NAME.py and --workdir DIR", file=sys.stderr)
         sys.exit(2)
     try:
-        summary = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+        config = _CONFIG.value
+        config.to_dict()  # config_flags loads lazily: a missing or broken file raises here
+    except OSError as e:
+        print(f"error: could not load the config file: {' '.join(str(e).split())}",
+              file=sys.stderr)
+        sys.exit(2)
+    try:
+        summary = train_and_evaluate(config, _WORKDIR.value)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -272,9 +284,64 @@ def main(argv):
         f"(compile {summary['compile_s']:.1f}s); summary in {_WORKDIR.value}/summary.json")
 
 
+def _config_keys(path: str) -> list[str]:
+    """Every dotted key of the config file named by --config (for "did you mean")."""
+    try:
+        cfg = _load_config_file(path)
+    except Exception:  # the file itself is broken: absl's message says why
+        return []
+    keys = []
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            keys.append(prefix + k)
+            if hasattr(v, "items"):
+                walk(v, prefix + k + ".")
+
+    walk(cfg, "")
+    return keys
+
+
+def _load_config_file(path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_hybridpar_config", path.split(":")[0])
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = path.split(":", 1)[1:]
+    return module.get_config(*args)
+
+
+def _parse_flags(argv):
+    """absl's parser, but a misspelt --config.KEY gives one line naming the fix."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+                           argv[argv.index("--config") + 1] if "--config" in argv else None)
+        keys = _config_keys(config_path) if config_path else []
+        bad = [a.split("=", 1)[0][len("--config."):] for a in argv
+               if a.startswith("--config.") and a.split("=", 1)[0][len("--config."):] not in keys]
+        if keys and bad:
+            import difflib
+            hints = []
+            for key in bad:
+                close = difflib.get_close_matches(key, keys, n=3)
+                hints.append(f"no config key {key!r}" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
+            print(f"error: {'; '.join(hints)} (keys are set as --config.KEY=VALUE; see "
+                  f"{config_path} and hybridpar/config.py for the valid ones)", file=sys.stderr)
+        else:
+            print(f"error: bad --config override: {type(e).__name__}: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run():
     """Console-script entry point (``hybridpar-train``)."""
-    app.run(main)
+    # jax logs at INFO that it found no TPU; that is noise on every CPU and GPU machine.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

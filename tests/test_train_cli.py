@@ -1,0 +1,89 @@
+"""The CLI end to end, in subprocesses, as a user runs it.
+
+The two digits runs are the spine's acceptance check: the default main job reaches >= 97%
+test top-1 on the hybrid 8-device mesh and on one device (about 1.5 and 1 minute here).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "experiments" / "digits.py")
+
+
+def _run(args, devices=8, timeout=600):
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "hybridpar.train", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _records(workdir):
+    return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mesh,devices", [("data:4,model:2", 8), ("data:1", 1)])
+def test_digits_reaches_97_percent(tmp_path, mesh, devices):
+    r = _run(["--config", DIGITS, "--workdir", str(tmp_path), f"--config.mesh={mesh}"], devices)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    # Before the first step: the mesh, the placement table and the compiled step's memory.
+    assert out.index("mesh: data=") < out.index("placement") < out.index("per-device memory") \
+        < out.index("train step")
+    records = _records(tmp_path)
+    events = {rec["event"] for rec in records}
+    assert {"compile", "train", "eval"} <= events
+    for rec in records:
+        assert {"event", "step", "epoch", "wall_s"} <= rec.keys()
+    train = [rec for rec in records if rec["event"] == "train"]
+    assert {"loss", "lr", "images_per_s", "image_size", "global_batch"} <= train[0].keys()
+    evals = [rec for rec in records if rec["event"] == "eval"]
+    assert evals[-1]["examples"] == 360 and evals[-1]["split"] == "test"
+    assert evals[-1]["top1"] >= 0.97, evals[-1]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] and summary["final_eval"]["top1"] == evals[-1]["top1"]
+    assert summary["time_to_target"]["top1"] >= 0.97
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--config.mesh_typo=data:8"], "no config key 'mesh_typo'; did you mean 'mesh'"),
+    (["--config.mesh=data:3"], "needs 3 devices but 8 are available"),
+    (["--config.mesh=data:8", "--config.global_batch=60"],
+     "global_batch=60 does not divide over the 8 data-parallel devices"),
+    (["--config.mesh=data:8", "--config.partitioning.rules=((r'head/kernel$', (None, 'data')),)"],
+     "array 'params/head/kernel' with shape (128, 10): dimension 1 (size 10) does not divide "
+     "mesh axis 'data' (size 8)"),
+    (["--config.partitioning.preset=hybrd"], "unknown partitioning preset 'hybrd'"),
+])
+def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
+    r = _run(["--config", DIGITS, "--workdir", str(tmp_path), *args])
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert expect in r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_missing_config_and_unwritable_workdir(tmp_path):
+    r = _run(["--config", str(tmp_path / "nope.py"), "--workdir", str(tmp_path)])
+    assert r.returncode == 2 and "could not load the config file" in r.stderr
+    assert "Traceback" not in r.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = _run(["--config", DIGITS, "--workdir", str(blocker / "sub")])
+    assert r.returncode == 2 and "is not writable" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_diverging_run_stops_and_keeps_its_records(tmp_path):
+    r = _run(["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
+              "--config.optim.base_lr=1e30", "--config.num_epochs=1"])
+    assert r.returncode == 2 and "non-finite loss" in r.stderr, r.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["completed"]
+    assert any(rec["event"] == "compile" for rec in _records(tmp_path))
