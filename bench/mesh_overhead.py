@@ -17,12 +17,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the virtual devices are CPU dev
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybridpar import make_mesh, preset_rules, shard_batch  # noqa: E402
+from hybridpar.config import load_config  # noqa: E402
 from hybridpar.models import create_model  # noqa: E402
 from hybridpar.optim import make_optimizer  # noqa: E402
 from hybridpar.precision import LossScale, make_policy  # noqa: E402
@@ -38,17 +39,18 @@ p.add_argument("--channels", type=int, default=1)
 p.add_argument("--mesh", default="data:4,model:2", help="the hybrid mesh (over all devices)")
 args = p.parse_args()
 
-# The digits experiment's model and optimizer (experiments/digits.py), in float32.
-model = create_model("resnet_tiny", num_classes=10, num_filters=16, small_stem=True)
-optim = ml_collections.ConfigDict(dict(
-    name="sgd", base_lr=0.4, lr_batch_base=256, momentum=0.9, nesterov=True, weight_decay=5e-4,
-    schedule="cosine", warmup_epochs=1.0, warmup_start_factor=0.0, end_lr_factor=0.0))
-tx, schedule = make_optimizer(optim, args.batch, steps_per_epoch=20, total_steps=1000)
+# The default main job's model and optimizer (experiments/digits.py), in float32.
+cfg = load_config(str(Path(__file__).resolve().parents[1] / "experiments" / "digits.py"))
+model = create_model(cfg.model.name, num_classes=cfg.data.num_classes,
+                     num_filters=cfg.model.num_filters, small_stem=cfg.model.small_stem)
+tx, schedule = make_optimizer(cfg.optim, args.batch, steps_per_epoch=20, total_steps=1000)
 policy = make_policy("float32")
-mean, std = (0.3 * 255,) * args.channels, (0.4 * 255,) * args.channels
+mean = (cfg.data.mean[0],) * args.channels
+std = (cfg.data.std[0],) * args.channels
 shape = (args.image_size, args.image_size, args.channels)
 init = make_init_fn(model, tx, (1, *shape), LossScale.create(dynamic=False))
-step_fn = make_train_step(model, tx, policy, schedule, mean=mean, std=std, label_smoothing=0.1)
+step_fn = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
+                          label_smoothing=cfg.label_smoothing)
 
 # One fixed random batch, made once on the host.
 rng = np.random.default_rng(0)

@@ -6,6 +6,8 @@ The CLI locks the config, so ``--config.KEY=VALUE`` with a misspelt KEY is an er
 
 from __future__ import annotations
 
+import importlib.util
+
 import ml_collections
 
 from hybridpar.errors import ConfigError
@@ -63,3 +65,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if len(c.data.mean) != c.data.channels or len(c.data.std) != c.data.channels:
         raise ConfigError(f"data.mean and data.std need {c.data.channels} entries "
                           "(one per channel, data.channels)")
+
+
+def load_config(path: str) -> ml_collections.ConfigDict:
+    """``experiments/NAME.py[:ARGS]`` -> its ``get_config(ARGS)``, as the CLI would load it."""
+    file, _, arg = path.partition(":")
+    spec = importlib.util.spec_from_file_location("_hybridpar_experiment", file)
+    if spec is None:
+        raise ConfigError(f"config file {file!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(arg) if arg else module.get_config()

@@ -20,7 +20,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from hybridpar import partitioning
-from hybridpar.config import validate
+from hybridpar.config import load_config, validate
 from hybridpar.errors import ConfigError
 from hybridpar.input import arrays
 from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
@@ -287,7 +287,7 @@ def main(argv):
 def _config_keys(path: str) -> list[str]:
     """Every dotted key of the config file named by --config (for "did you mean")."""
     try:
-        cfg = _load_config_file(path)
+        cfg = load_config(path)
     except Exception:  # the file itself is broken: absl's message says why
         return []
     keys = []
@@ -300,16 +300,6 @@ def _config_keys(path: str) -> list[str]:
 
     walk(cfg, "")
     return keys
-
-
-def _load_config_file(path: str):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_hybridpar_config", path.split(":")[0])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    args = path.split(":", 1)[1:]
-    return module.get_config(*args)
 
 
 def _parse_flags(argv):

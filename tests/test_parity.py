@@ -40,22 +40,28 @@ def _batches():
              "label": rng.integers(0, CLASSES, (BATCH,), np.int32)} for _ in range(STEPS)]
 
 
-def _train(spec, devices):
-    mesh = make_mesh(spec, devices)
-    rules = preset_rules("auto", mesh)
+def _step_and_state(mesh):
+    """The tiny ResNet's jitted train step and initial state, placed by the auto preset."""
     model = ResNetTiny(num_classes=CLASSES)
     tx = optax.chain(optax.add_decayed_weights(1e-4, mask=decay_mask),
                      optax.sgd(0.1, momentum=0.9, nesterov=True))
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
-    state, shardings, abstract = create_sharded_state(init, rules, mesh, jax.random.key(0))
+    state, shardings, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh,
+                                               jax.random.key(0))
     step = jit_train_step(
         make_train_step(model, tx, Policy(), lambda s: 0.1, mean=(127.5,) * 3, std=(64.0,) * 3),
         shardings, mesh, {"image": 4, "label": 1})
+    return step, state, shardings
+
+
+def _train(spec, devices):
+    mesh = make_mesh(spec, devices)
+    step, state, shardings = _step_and_state(mesh)
     losses = []
     for batch in _batches():
         state, metrics = step(state, shard_batch(batch, mesh))
         losses.append(metrics["loss"])
-    return {"mesh": mesh, "rules": rules, "state": state, "shardings": shardings,
+    return {"mesh": mesh, "state": state, "shardings": shardings,
             "losses": np.asarray(jax.device_get(losses))}
 
 
