@@ -13,23 +13,32 @@ from .resnet import (
 )
 
 MODELS = {
-    'resnet18': ResNet18,
-    'resnet34': ResNet34,
-    'resnet50': ResNet50,
-    'resnet101': ResNet101,
-    'resnet152': ResNet152,
-    'resnet_tiny': ResNetTiny,
+    "resnet18": ResNet18,
+    "resnet34": ResNet34,
+    "resnet50": ResNet50,
+    "resnet101": ResNet101,
+    "resnet152": ResNet152,
+    "resnet_tiny": ResNetTiny,
 }
 
 
 def create_model(name: str, **kwargs):
-  """Builds the registered model ``name`` with ``kwargs`` (e.g. num_classes, dtype)."""
-  if name not in MODELS:
-    raise ValueError(f'Unknown model {name!r}; valid names: {", ".join(sorted(MODELS))}')
-  return MODELS[name](**kwargs)
+    """Builds the registered model ``name`` with ``kwargs`` (e.g. num_classes, dtype)."""
+    if name not in MODELS:
+        raise ValueError(f"Unknown model {name!r}; valid names: {', '.join(sorted(MODELS))}")
+    return MODELS[name](**kwargs)
 
 
 __all__ = [
-    'BottleneckResNetBlock', 'MODELS', 'ResNet', 'ResNet18', 'ResNet34', 'ResNet50',
-    'ResNet101', 'ResNet152', 'ResNetBlock', 'ResNetTiny', 'create_model',
+    "BottleneckResNetBlock",
+    "MODELS",
+    "ResNet",
+    "ResNet18",
+    "ResNet34",
+    "ResNet50",
+    "ResNet101",
+    "ResNet152",
+    "ResNetBlock",
+    "ResNetTiny",
+    "create_model",
 ]

@@ -11,12 +11,13 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
-CONV_AXES = ('conv_h', 'conv_w', 'conv_in', 'conv_out')
-NORM_AXES = ('norm',)
+CONV_AXES = ("conv_h", "conv_w", "conv_in", "conv_out")
+NORM_AXES = ("norm",)
 
 # He init on fan_out, as torchvision does for ResNet convs.
 conv_kernel_init = nn.with_logical_partitioning(
-    nn.initializers.variance_scaling(2.0, 'fan_out', 'normal'), CONV_AXES)
+    nn.initializers.variance_scaling(2.0, "fan_out", "normal"), CONV_AXES
+)
 norm_ones = nn.with_logical_partitioning(nn.initializers.ones, NORM_AXES)
 norm_zeros = nn.with_logical_partitioning(nn.initializers.zeros, NORM_AXES)
 
@@ -24,109 +25,137 @@ ModuleDef = Callable[..., nn.Module]
 
 
 def _pad(kernel: int):
-  # Symmetric padding like torchvision; 'SAME' would pad (0, 1) for stride 2.
-  p = (kernel - 1) // 2
-  return ((p, p), (p, p))
+    # Symmetric padding like torchvision; 'SAME' would pad (0, 1) for stride 2.
+    p = (kernel - 1) // 2
+    return ((p, p), (p, p))
 
 
 class ResNetBlock(nn.Module):
-  """Basic block: two 3x3 convs."""
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  strides: int = 1
-  zero_init_last_bn: bool = True
+    """Basic block: two 3x3 convs."""
 
-  @nn.compact
-  def __call__(self, x):
-    residual = x
-    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3),
-                  name='conv1')(x)
-    y = nn.relu(self.norm(name='bn1')(y))
-    y = self.conv(self.filters, (3, 3), padding=_pad(3), name='conv2')(y)
-    # A zero gamma makes the block start as identity, which helps early training.
-    y = self.norm(name='bn2', scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.filters, (1, 1), (self.strides, self.strides),
-                           name='proj_conv')(residual)
-      residual = self.norm(name='proj_bn')(residual)
-    return nn.relu(residual + y)
+    filters: int
+    conv: ModuleDef
+    norm: ModuleDef
+    strides: int = 1
+    zero_init_last_bn: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = self.conv(
+            self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv1"
+        )(x)
+        y = nn.relu(self.norm(name="bn1")(y))
+        y = self.conv(self.filters, (3, 3), padding=_pad(3), name="conv2")(y)
+        # A zero gamma makes the block start as identity, which helps early training.
+        y = self.norm(name="bn2", scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
+        if residual.shape != y.shape:
+            residual = self.conv(
+                self.filters, (1, 1), (self.strides, self.strides), name="proj_conv"
+            )(residual)
+            residual = self.norm(name="proj_bn")(residual)
+        return nn.relu(residual + y)
 
 
 class BottleneckResNetBlock(nn.Module):
-  """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x expansion."""
-  filters: int
-  conv: ModuleDef
-  norm: ModuleDef
-  strides: int = 1
-  zero_init_last_bn: bool = True
+    """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x expansion."""
 
-  @nn.compact
-  def __call__(self, x):
-    residual = x
-    y = self.conv(self.filters, (1, 1), name='conv1')(x)
-    y = nn.relu(self.norm(name='bn1')(y))
-    y = self.conv(self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3),
-                  name='conv2')(y)
-    y = nn.relu(self.norm(name='bn2')(y))
-    y = self.conv(self.filters * 4, (1, 1), name='conv3')(y)
-    y = self.norm(name='bn3', scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.filters * 4, (1, 1), (self.strides, self.strides),
-                           name='proj_conv')(residual)
-      residual = self.norm(name='proj_bn')(residual)
-    return nn.relu(residual + y)
+    filters: int
+    conv: ModuleDef
+    norm: ModuleDef
+    strides: int = 1
+    zero_init_last_bn: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        residual = x
+        y = self.conv(self.filters, (1, 1), name="conv1")(x)
+        y = nn.relu(self.norm(name="bn1")(y))
+        y = self.conv(
+            self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv2"
+        )(y)
+        y = nn.relu(self.norm(name="bn2")(y))
+        y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
+        y = self.norm(name="bn3", scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
+        if residual.shape != y.shape:
+            residual = self.conv(
+                self.filters * 4, (1, 1), (self.strides, self.strides), name="proj_conv"
+            )(residual)
+            residual = self.norm(name="proj_bn")(residual)
+        return nn.relu(residual + y)
 
 
 class ResNet(nn.Module):
-  """ResNet returning logits of shape (batch, num_classes) in ``dtype``."""
-  stage_sizes: Sequence[int]
-  block_cls: ModuleDef
-  num_classes: int
-  num_filters: int = 64
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-  bn_momentum: float = 0.9
-  bn_epsilon: float = 1e-5
-  zero_init_last_bn: bool = True
-  small_stem: bool = False
+    """ResNet returning logits of shape (batch, num_classes) in ``dtype``."""
 
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    conv = functools.partial(nn.Conv, use_bias=False, padding='VALID',
-                             kernel_init=conv_kernel_init,
-                             dtype=self.dtype, param_dtype=self.param_dtype)
-    # No axis_name: under jax.jit with a sharded batch the statistics are already global.
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
-                             momentum=self.bn_momentum, epsilon=self.bn_epsilon,
-                             dtype=self.dtype, param_dtype=self.param_dtype,
-                             scale_init=norm_ones, bias_init=norm_zeros)
+    stage_sizes: Sequence[int]
+    block_cls: ModuleDef
+    num_classes: int
+    num_filters: int = 64
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+    bn_momentum: float = 0.9
+    bn_epsilon: float = 1e-5
+    zero_init_last_bn: bool = True
+    small_stem: bool = False
 
-    x = jnp.asarray(x, self.dtype)
-    if self.small_stem:
-      # Small images (e.g. 32x32) would lose too much resolution to a strided stem.
-      x = conv(self.num_filters, (3, 3), padding=_pad(3), name='stem_conv')(x)
-      x = nn.relu(norm(name='stem_bn')(x))
-    else:
-      x = conv(self.num_filters, (7, 7), (2, 2), padding=_pad(7), name='stem_conv')(x)
-      x = nn.relu(norm(name='stem_bn')(x))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=_pad(3))
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        conv = functools.partial(
+            nn.Conv,
+            use_bias=False,
+            padding="VALID",
+            kernel_init=conv_kernel_init,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+        )
+        # No axis_name: under jax.jit with a sharded batch the statistics are already global.
+        norm = functools.partial(
+            nn.BatchNorm,
+            use_running_average=not train,
+            momentum=self.bn_momentum,
+            epsilon=self.bn_epsilon,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            scale_init=norm_ones,
+            bias_init=norm_zeros,
+        )
 
-    for i, num_blocks in enumerate(self.stage_sizes, start=1):
-      for j in range(num_blocks):
-        strides = 2 if i > 1 and j == 0 else 1
-        x = self.block_cls(filters=self.num_filters * 2 ** (i - 1), strides=strides,
-                           conv=conv, norm=norm, zero_init_last_bn=self.zero_init_last_bn,
-                           name=f'stage{i}_block{j}')(x)
+        x = jnp.asarray(x, self.dtype)
+        if self.small_stem:
+            # Small images (e.g. 32x32) would lose too much resolution to a strided stem.
+            x = conv(self.num_filters, (3, 3), padding=_pad(3), name="stem_conv")(x)
+            x = nn.relu(norm(name="stem_bn")(x))
+        else:
+            x = conv(self.num_filters, (7, 7), (2, 2), padding=_pad(7), name="stem_conv")(x)
+            x = nn.relu(norm(name="stem_bn")(x))
+            x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=_pad(3))
 
-    x = jnp.mean(x, axis=(1, 2))
-    # Small-std normal head init as in Goyal et al.
-    x = nn.Dense(self.num_classes, dtype=self.dtype, param_dtype=self.param_dtype,
-                 kernel_init=nn.with_logical_partitioning(
-                     nn.initializers.normal(0.01), ('embed', 'classes')),
-                 bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ('classes',)),
-                 name='head')(x)
-    return x
+        for i, num_blocks in enumerate(self.stage_sizes, start=1):
+            for j in range(num_blocks):
+                strides = 2 if i > 1 and j == 0 else 1
+                x = self.block_cls(
+                    filters=self.num_filters * 2 ** (i - 1),
+                    strides=strides,
+                    conv=conv,
+                    norm=norm,
+                    zero_init_last_bn=self.zero_init_last_bn,
+                    name=f"stage{i}_block{j}",
+                )(x)
+
+        x = jnp.mean(x, axis=(1, 2))
+        # Small-std normal head init as in Goyal et al.
+        x = nn.Dense(
+            self.num_classes,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            kernel_init=nn.with_logical_partitioning(
+                nn.initializers.normal(0.01), ("embed", "classes")
+            ),
+            bias_init=nn.with_logical_partitioning(nn.initializers.zeros, ("classes",)),
+            name="head",
+        )(x)
+        return x
 
 
 ResNet18 = functools.partial(ResNet, stage_sizes=[2, 2, 2, 2], block_cls=ResNetBlock)
@@ -135,5 +164,6 @@ ResNet50 = functools.partial(ResNet, stage_sizes=[3, 4, 6, 3], block_cls=Bottlen
 ResNet101 = functools.partial(ResNet, stage_sizes=[3, 4, 23, 3], block_cls=BottleneckResNetBlock)
 ResNet152 = functools.partial(ResNet, stage_sizes=[3, 8, 36, 3], block_cls=BottleneckResNetBlock)
 # For tests: stage widths 8, 16, 32, 64, so every channel count divides by 8.
-ResNetTiny = functools.partial(ResNet, stage_sizes=[1, 1, 1, 1], block_cls=ResNetBlock,
-                               num_filters=8, small_stem=True)
+ResNetTiny = functools.partial(
+    ResNet, stage_sizes=[1, 1, 1, 1], block_cls=ResNetBlock, num_filters=8, small_stem=True
+)

@@ -17,97 +17,118 @@ from hybridpar.models import (
 )
 
 # Threefry init graphs take ~20 s to compile on a small CPU; the RBG generator takes ~3 s.
-RNG = jax.random.key(0, impl='unsafe_rbg')
+RNG = jax.random.key(0, impl="unsafe_rbg")
 TINY_X = jnp.ones((2, 32, 32, 3), jnp.float32)
 
 
 def _abstract_init(model, shape):
-  # eval_shape traces init without allocating any parameters.
-  return jax.eval_shape(lambda: model.init(RNG, jnp.zeros(shape, jnp.float32), train=False))
+    # eval_shape traces init without allocating any parameters.
+    return jax.eval_shape(lambda: model.init(RNG, jnp.zeros(shape, jnp.float32), train=False))
 
 
 def _init(model):
-  return jax.jit(lambda x: model.init(RNG, x, train=False))(TINY_X)
+    return jax.jit(lambda x: model.init(RNG, x, train=False))(TINY_X)
 
 
 def _num_params(variables):
-  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(variables['params'])))
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(variables["params"])))
 
 
-@pytest.fixture(scope='module')
+@pytest.fixture(scope="module")
 def tiny_vars():
-  return _init(ResNetTiny(num_classes=10))
+    return _init(ResNetTiny(num_classes=10))
 
 
-@pytest.mark.parametrize('ctor,expected', [(ResNet18, 11_689_512), (ResNet50, 25_557_032)])
+@pytest.mark.parametrize("ctor,expected", [(ResNet18, 11_689_512), (ResNet50, 25_557_032)])
 def test_param_count_matches_torchvision(ctor, expected):
-  variables = _abstract_init(ctor(num_classes=1000), (1, 224, 224, 3))
-  assert _num_params(variables) == expected
+    variables = _abstract_init(ctor(num_classes=1000), (1, 224, 224, 3))
+    assert _num_params(variables) == expected
 
 
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_tiny_output_shape_and_dtypes(dtype, tiny_vars):
-  model = ResNetTiny(num_classes=10, dtype=dtype)
-  variables = tiny_vars if dtype == jnp.float32 else _init(model)
-  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, TINY_X)
-  assert logits.shape == (2, 10)
-  assert logits.dtype == dtype
-  for leaf in jax.tree.leaves(nn.unbox(variables['params'])):
-    assert leaf.dtype == jnp.float32
-  for leaf in jax.tree.leaves(variables['batch_stats']):
-    assert leaf.dtype == jnp.float32
+    model = ResNetTiny(num_classes=10, dtype=dtype)
+    variables = tiny_vars if dtype == jnp.float32 else _init(model)
+    logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(variables, TINY_X)
+    assert logits.shape == (2, 10)
+    assert logits.dtype == dtype
+    for leaf in jax.tree.leaves(nn.unbox(variables["params"])):
+        assert leaf.dtype == jnp.float32
+    for leaf in jax.tree.leaves(variables["batch_stats"]):
+        assert leaf.dtype == jnp.float32
 
 
 def test_logical_partition_specs(tiny_vars):
-  specs = nn.get_partition_spec(tiny_vars)['params']
-  assert tuple(specs['stage3_block0']['conv2']['kernel']) == ('conv_h', 'conv_w', 'conv_in', 'conv_out')
-  assert tuple(specs['stem_conv']['kernel']) == ('conv_h', 'conv_w', 'conv_in', 'conv_out')
-  assert tuple(specs['stage1_block0']['bn1']['scale']) == ('norm',)
-  assert tuple(specs['head']['kernel']) == ('embed', 'classes')
-  assert tuple(specs['head']['bias']) == ('classes',)
+    specs = nn.get_partition_spec(tiny_vars)["params"]
+    assert tuple(specs["stage3_block0"]["conv2"]["kernel"]) == (
+        "conv_h",
+        "conv_w",
+        "conv_in",
+        "conv_out",
+    )
+    assert tuple(specs["stem_conv"]["kernel"]) == ("conv_h", "conv_w", "conv_in", "conv_out")
+    assert tuple(specs["stage1_block0"]["bn1"]["scale"]) == ("norm",)
+    assert tuple(specs["head"]["kernel"]) == ("embed", "classes")
+    assert tuple(specs["head"]["bias"]) == ("classes",)
 
 
-@pytest.mark.parametrize('zero_init', [True, False])
+@pytest.mark.parametrize("zero_init", [True, False])
 def test_zero_init_last_bn(zero_init, tiny_vars):
-  variables = tiny_vars if zero_init else _init(ResNetTiny(num_classes=10, zero_init_last_bn=False))
-  params = nn.unbox(variables['params'])
-  blocks = [k for k in params if k.startswith('stage')]
-  assert len(blocks) == 4
-  expected = 0.0 if zero_init else 1.0
-  for name in blocks:
-    np.testing.assert_array_equal(params[name]['bn2']['scale'], expected)
-  # Only the residual branch's last BN is zeroed.
-  np.testing.assert_array_equal(params['stage2_block0']['proj_bn']['scale'], 1.0)
+    variables = (
+        tiny_vars if zero_init else _init(ResNetTiny(num_classes=10, zero_init_last_bn=False))
+    )
+    params = nn.unbox(variables["params"])
+    blocks = [k for k in params if k.startswith("stage")]
+    assert len(blocks) == 4
+    expected = 0.0 if zero_init else 1.0
+    for name in blocks:
+        np.testing.assert_array_equal(params[name]["bn2"]["scale"], expected)
+    # Only the residual branch's last BN is zeroed.
+    np.testing.assert_array_equal(params["stage2_block0"]["proj_bn"]["scale"], 1.0)
 
 
 def test_train_updates_batch_stats_eval_does_not_need_mutable(tiny_vars):
-  model = ResNetTiny(num_classes=10)
-  x = jax.random.normal(RNG, TINY_X.shape)
-  _, updates = jax.jit(lambda v, x: model.apply(v, x, train=True, mutable=['batch_stats']))(
-      tiny_vars, x)
-  old = tiny_vars['batch_stats']['stem_bn']['mean']
-  new = updates['batch_stats']['stem_bn']['mean']
-  assert not np.allclose(old, new)
-  logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(tiny_vars, x)
-  assert logits.shape == (2, 10)
+    model = ResNetTiny(num_classes=10)
+    x = jax.random.normal(RNG, TINY_X.shape)
+    _, updates = jax.jit(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))(
+        tiny_vars, x
+    )
+    old = tiny_vars["batch_stats"]["stem_bn"]["mean"]
+    new = updates["batch_stats"]["stem_bn"]["mean"]
+    assert not np.allclose(old, new)
+    logits = jax.jit(lambda v, x: model.apply(v, x, train=False))(tiny_vars, x)
+    assert logits.shape == (2, 10)
 
 
 def test_submodule_names(tiny_vars):
-  params, stats = tiny_vars['params'], tiny_vars['batch_stats']
-  assert {'stem_conv', 'stem_bn', 'head', 'stage1_block0', 'stage4_block0'} <= set(params)
-  assert set(params['stage1_block0']) == {'conv1', 'bn1', 'conv2', 'bn2'}
-  assert {'proj_conv', 'proj_bn'} <= set(params['stage2_block0'])
-  assert set(stats['stage1_block0']['bn1']) == {'mean', 'var'}
+    params, stats = tiny_vars["params"], tiny_vars["batch_stats"]
+    assert {"stem_conv", "stem_bn", "head", "stage1_block0", "stage4_block0"} <= set(params)
+    assert set(params["stage1_block0"]) == {"conv1", "bn1", "conv2", "bn2"}
+    assert {"proj_conv", "proj_bn"} <= set(params["stage2_block0"])
+    assert set(stats["stage1_block0"]["bn1"]) == {"mean", "var"}
 
-  bottleneck = ResNet(stage_sizes=[1, 1], block_cls=BottleneckResNetBlock, num_classes=3,
-                      num_filters=4, small_stem=True)
-  bparams = _abstract_init(bottleneck, (1, 8, 8, 3))['params']
-  assert {'conv1', 'bn1', 'conv2', 'bn2', 'conv3', 'bn3', 'proj_conv', 'proj_bn'} == set(
-      bparams['stage1_block0'])
+    bottleneck = ResNet(
+        stage_sizes=[1, 1],
+        block_cls=BottleneckResNetBlock,
+        num_classes=3,
+        num_filters=4,
+        small_stem=True,
+    )
+    bparams = _abstract_init(bottleneck, (1, 8, 8, 3))["params"]
+    assert {"conv1", "bn1", "conv2", "bn2", "conv3", "bn3", "proj_conv", "proj_bn"} == set(
+        bparams["stage1_block0"]
+    )
 
 
 def test_registry():
-  assert set(MODELS) == {'resnet18', 'resnet34', 'resnet50', 'resnet101', 'resnet152', 'resnet_tiny'}
-  assert isinstance(create_model('resnet_tiny', num_classes=10), ResNet)
-  with pytest.raises(ValueError, match='resnet50'):
-    create_model('resnet51')
+    assert set(MODELS) == {
+        "resnet18",
+        "resnet34",
+        "resnet50",
+        "resnet101",
+        "resnet152",
+        "resnet_tiny",
+    }
+    assert isinstance(create_model("resnet_tiny", num_classes=10), ResNet)
+    with pytest.raises(ValueError, match="resnet50"):
+        create_model("resnet51")
