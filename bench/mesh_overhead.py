@@ -10,8 +10,9 @@ are noisy, so both meshes run in one process, interleaved, and we compare median
 import os
 
 # 8 virtual CPU devices; must be set before JAX initialises (appended: ours wins).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the virtual devices are CPU devices
 
 import argparse  # noqa: E402
@@ -41,28 +42,38 @@ args = p.parse_args()
 
 # The default main job's model and optimizer (experiments/digits.py), in float32.
 cfg = load_config(str(Path(__file__).resolve().parents[1] / "experiments" / "digits.py"))
-model = create_model(cfg.model.name, num_classes=cfg.data.num_classes,
-                     num_filters=cfg.model.num_filters, small_stem=cfg.model.small_stem)
+model = create_model(
+    cfg.model.name,
+    num_classes=cfg.data.num_classes,
+    num_filters=cfg.model.num_filters,
+    small_stem=cfg.model.small_stem,
+)
 tx, schedule = make_optimizer(cfg.optim, args.batch, steps_per_epoch=20, total_steps=1000)
 policy = make_policy("float32")
 mean = (cfg.data.mean[0],) * args.channels
 std = (cfg.data.std[0],) * args.channels
 shape = (args.image_size, args.image_size, args.channels)
 init = make_init_fn(model, tx, (1, *shape), LossScale.create(dynamic=False))
-step_fn = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
-                          label_smoothing=cfg.label_smoothing)
+step_fn = make_train_step(
+    model, tx, policy, schedule, mean=mean, std=std, label_smoothing=cfg.label_smoothing
+)
 
 # One fixed random batch, made once on the host.
 rng = np.random.default_rng(0)
-host_batch = {"image": rng.integers(0, 256, (args.batch, *shape), dtype=np.uint8),
-              "label": rng.integers(0, 10, (args.batch,), dtype=np.int32)}
+host_batch = {
+    "image": rng.integers(0, 256, (args.batch, *shape), dtype=np.uint8),
+    "label": rng.integers(0, 10, (args.batch,), dtype=np.int32),
+}
 
 runs = {}
-for name, mesh in (("single", make_mesh("data:1", devices=jax.devices()[:1])),
-                   ("hybrid", make_mesh(args.mesh))):
+for name, mesh in (
+    ("single", make_mesh("data:1", devices=jax.devices()[:1])),
+    ("hybrid", make_mesh(args.mesh)),
+):
     # Same seed on both meshes, so both start from the same parameters.
-    state, shardings, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh,
-                                               jax.random.key(0))
+    state, shardings, _ = create_sharded_state(
+        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
+    )
     train = jit_train_step(step_fn, shardings, mesh, {"image": 4, "label": 1})
     # Sharded once, before timing: host-to-device transfer is not part of what we measure.
     batch = shard_batch(host_batch, mesh)
@@ -72,8 +83,15 @@ for name, mesh in (("single", make_mesh("data:1", devices=jax.devices()[:1])),
     for _ in range(3):  # warm-up steps, untimed
         state, metrics = train(state, batch)
     jax.block_until_ready(state)
-    runs[name] = dict(mesh=mesh, state=state, train=train, batch=batch, times=[],
-                      compile_s=compile_s, metrics=metrics)
+    runs[name] = dict(
+        mesh=mesh,
+        state=state,
+        train=train,
+        batch=batch,
+        times=[],
+        compile_s=compile_s,
+        metrics=metrics,
+    )
 
 # Interleaved blocks, so drifting load on the shared cores hits both meshes alike.
 for _ in range(args.repeats):
@@ -86,19 +104,27 @@ for _ in range(args.repeats):
         r["times"].append((time.perf_counter() - t0) / args.steps * 1e3)
         r["state"], r["metrics"] = state, metrics
 
-print(f"CPU cores (os.cpu_count()): {os.cpu_count()}; devices: {jax.device_count()} "
-      f"{jax.devices()[0].platform}; batch {args.batch}; image {shape}; "
-      f"{args.repeats} x {args.steps} steps per mesh")
-print(f"{'mesh':<22} {'devices':>7} {'median ms':>10} {'min ms':>8} {'max ms':>8} "
-      f"{'images/s':>9} {'compile s':>9} {'last loss':>9}")
+print(
+    f"CPU cores (os.cpu_count()): {os.cpu_count()}; devices: {jax.device_count()} "
+    f"{jax.devices()[0].platform}; batch {args.batch}; image {shape}; "
+    f"{args.repeats} x {args.steps} steps per mesh"
+)
+print(
+    f"{'mesh':<22} {'devices':>7} {'median ms':>10} {'min ms':>8} {'max ms':>8} "
+    f"{'images/s':>9} {'compile s':>9} {'last loss':>9}"
+)
 med = {}
 for name, r in runs.items():
     spec = ",".join(f"{a}:{n}" for a, n in r["mesh"].shape.items() if n > 1) or "data:1"
     med[name] = statistics.median(r["times"])
-    print(f"{name + ' ' + spec:<22} {r['mesh'].size:>7} {med[name]:>10.2f} {min(r['times']):>8.2f} "
-          f"{max(r['times']):>8.2f} {args.batch / med[name] * 1e3:>9.1f} {r['compile_s']:>9.1f} "
-          f"{float(r['metrics']['loss']):>9.4f}")  # same steps, same data: losses should agree
-print(f"ratio_hybrid_vs_single={med['hybrid'] / med['single']:.3f} hybrid_ms={med['hybrid']:.2f} "
-      f"single_ms={med['single']:.2f} batch={args.batch} mesh={args.mesh} "
-      f"devices={runs['hybrid']['mesh'].size} repeats={args.repeats} steps={args.steps} "
-      f"cpu_cores={os.cpu_count()}")
+    print(
+        f"{name + ' ' + spec:<22} {r['mesh'].size:>7} {med[name]:>10.2f} {min(r['times']):>8.2f} "
+        f"{max(r['times']):>8.2f} {args.batch / med[name] * 1e3:>9.1f} {r['compile_s']:>9.1f} "
+        f"{float(r['metrics']['loss']):>9.4f}"
+    )  # same steps, same data: losses should agree
+print(
+    f"ratio_hybrid_vs_single={med['hybrid'] / med['single']:.3f} hybrid_ms={med['hybrid']:.2f} "
+    f"single_ms={med['single']:.2f} batch={args.batch} mesh={args.mesh} "
+    f"devices={runs['hybrid']['mesh'].size} repeats={args.repeats} steps={args.steps} "
+    f"cpu_cores={os.cpu_count()}"
+)

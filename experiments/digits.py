@@ -11,8 +11,14 @@ def get_config():
     c = base_config()
     c.mesh = "data:-1"
     c.model.update(name="resnet_tiny", num_filters=16, small_stem=True)
-    c.data.update(name="digits", image_size=32, num_classes=10, channels=1,
-                  mean=(0.3 * 255,), std=(0.4 * 255,))
+    c.data.update(
+        name="digits",
+        image_size=32,
+        num_classes=10,
+        channels=1,
+        mean=(0.3 * 255,),
+        std=(0.4 * 255,),
+    )
     c.global_batch = 64
     c.eval_batch = 128
     c.num_epochs = 15.0

@@ -14,8 +14,13 @@ def get_config():
     c = base_config()
     c.model.update(name="resnet50")
     c.precision.update(compute="bfloat16")
-    c.data.update(name="synthetic", image_size=224, num_classes=1000,
-                  train_examples=1_281_167, eval_examples=50_000)
+    c.data.update(
+        name="synthetic",
+        image_size=224,
+        num_classes=1000,
+        train_examples=1_281_167,
+        eval_examples=50_000,
+    )
     c.global_batch = 1024
     c.eval_batch = 1000
     c.num_epochs = 35.0

@@ -9,11 +9,34 @@ The partitioning API for your own training code:
 
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import AXES, BATCH_AXES, data_parallel_size, make_mesh, parse_mesh_spec
-from hybridpar.partitioning import (DATA_PARALLEL, FSDP, HYBRID, PRESETS, Rules, batch_sharding,
-                                    infer_shardings, infer_spec, preset_rules, shard_batch)
+from hybridpar.partitioning import (
+    DATA_PARALLEL,
+    FSDP,
+    HYBRID,
+    PRESETS,
+    Rules,
+    batch_sharding,
+    infer_shardings,
+    infer_spec,
+    preset_rules,
+    shard_batch,
+)
 
 __all__ = [
-    "AXES", "BATCH_AXES", "ConfigError", "DATA_PARALLEL", "FSDP", "HYBRID", "PRESETS", "Rules",
-    "batch_sharding", "data_parallel_size", "infer_shardings", "infer_spec", "make_mesh",
-    "parse_mesh_spec", "preset_rules", "shard_batch",
+    "AXES",
+    "BATCH_AXES",
+    "ConfigError",
+    "DATA_PARALLEL",
+    "FSDP",
+    "HYBRID",
+    "PRESETS",
+    "Rules",
+    "batch_sharding",
+    "data_parallel_size",
+    "infer_shardings",
+    "infer_spec",
+    "make_mesh",
+    "parse_mesh_spec",
+    "preset_rules",
+    "shard_batch",
 ]

@@ -21,30 +21,63 @@ def base_config() -> ml_collections.ConfigDict:
     # Where parameters go: a preset ("auto" follows the mesh: FSDP when fsdp > 1, the
     # data x model hybrid when model > 1), plus rules of our own that take priority:
     # rules = ((path_regex, spec), ...), logical_rules = ((logical_name, mesh_axis), ...).
-    c.partitioning = ml_collections.ConfigDict(dict(
-        preset="auto", rules=(), logical_rules=(), fsdp_min_size=-1))  # -1: preset default
+    c.partitioning = ml_collections.ConfigDict(
+        dict(preset="auto", rules=(), logical_rules=(), fsdp_min_size=-1)
+    )  # -1: preset default
 
-    c.model = ml_collections.ConfigDict(dict(
-        name="resnet50", num_filters=64, zero_init_last_bn=True, bn_momentum=0.9,
-        bn_epsilon=1e-5, small_stem=False))
+    c.model = ml_collections.ConfigDict(
+        dict(
+            name="resnet50",
+            num_filters=64,
+            zero_init_last_bn=True,
+            bn_momentum=0.9,
+            bn_epsilon=1e-5,
+            small_stem=False,
+        )
+    )
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.
-    c.precision = ml_collections.ConfigDict(dict(
-        params="float32", compute="float32", output="float32",
-        loss_scale_initial=2.0**15, loss_scale_period=2000))
+    c.precision = ml_collections.ConfigDict(
+        dict(
+            params="float32",
+            compute="float32",
+            output="float32",
+            loss_scale_initial=2.0**15,
+            loss_scale_period=2000,
+        )
+    )
 
-    c.data = ml_collections.ConfigDict(dict(
-        name="synthetic", image_size=224, num_classes=1000, channels=3,
-        train_examples=4096, eval_examples=1024,
-        # Normalisation on the device, in 0..255 pixel units (ImageNet statistics).
-        mean=(123.675, 116.28, 103.53), std=(58.395, 57.12, 57.375)))
+    c.data = ml_collections.ConfigDict(
+        dict(
+            name="synthetic",
+            image_size=224,
+            num_classes=1000,
+            channels=3,
+            train_examples=4096,
+            eval_examples=1024,
+            # Normalisation on the device, in 0..255 pixel units (ImageNet statistics).
+            mean=(123.675, 116.28, 103.53),
+            std=(58.395, 57.12, 57.375),
+        )
+    )
     c.global_batch = 256
     c.eval_batch = 256
     c.num_epochs = 1.0
 
-    c.optim = ml_collections.ConfigDict(dict(
-        name="sgd", base_lr=0.1, lr_batch_base=256, momentum=0.9, nesterov=True,
-        weight_decay=1e-4, schedule="cosine", warmup_epochs=0.0, warmup_start_factor=0.0,
-        end_lr_factor=0.0, lars_trust=0.001))
+    c.optim = ml_collections.ConfigDict(
+        dict(
+            name="sgd",
+            base_lr=0.1,
+            lr_batch_base=256,
+            momentum=0.9,
+            nesterov=True,
+            weight_decay=1e-4,
+            schedule="cosine",
+            warmup_epochs=0.0,
+            warmup_start_factor=0.0,
+            end_lr_factor=0.0,
+            lars_trust=0.001,
+        )
+    )
     c.label_smoothing = 0.0
 
     c.eval_every_epochs = 1.0
@@ -63,8 +96,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if not 0.0 <= c.label_smoothing < 1.0:
         raise ConfigError(f"label_smoothing={c.label_smoothing} must be in [0, 1)")
     if len(c.data.mean) != c.data.channels or len(c.data.std) != c.data.channels:
-        raise ConfigError(f"data.mean and data.std need {c.data.channels} entries "
-                          "(one per channel, data.channels)")
+        raise ConfigError(
+            f"data.mean and data.std need {c.data.channels} entries "
+            "(one per channel, data.channels)"
+        )
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:

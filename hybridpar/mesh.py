@@ -32,19 +32,24 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
         if not sep or name not in AXES:
             raise ConfigError(
                 f"mesh spec {spec!r}: {part!r} is not AXIS:SIZE with AXIS one of {AXES}; "
-                "write it like 'data:4,model:2' (-1 means the rest of the devices)")
+                "write it like 'data:4,model:2' (-1 means the rest of the devices)"
+            )
         if name in sizes or name == fill:
             raise ConfigError(f"mesh spec {spec!r} names axis {name!r} twice")
         try:
             n = int(size)
         except ValueError:
-            raise ConfigError(f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer") from None
+            raise ConfigError(
+                f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer"
+            ) from None
         if n == -1:
             if fill is not None:
                 raise ConfigError(f"mesh spec {spec!r}: only one axis may be -1")
             fill = name
         elif n < 1:
-            raise ConfigError(f"mesh spec {spec!r}: axis {name!r} has size {n}; sizes are >= 1 or -1")
+            raise ConfigError(
+                f"mesh spec {spec!r}: axis {name!r} has size {n}; sizes are >= 1 or -1"
+            )
         else:
             sizes[name] = n
     known = math.prod(sizes.values())
@@ -52,14 +57,16 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
         if num_devices % known:
             raise ConfigError(
                 f"mesh spec {spec!r}: the fixed axes ({known} devices) do not divide the "
-                f"{num_devices} devices, so -1 cannot fill the rest")
+                f"{num_devices} devices, so -1 cannot fill the rest"
+            )
         sizes[fill] = num_devices // known
     total = math.prod(sizes.values())
     if total != num_devices:
         raise ConfigError(
             f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
             f"make the sizes multiply to {num_devices} (e.g. --config.mesh=data:-1), or run on "
-            f"{total} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})")
+            f"{total} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})"
+        )
     return {axis: sizes.get(axis, 1) for axis in AXES}
 
 
@@ -79,7 +86,8 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
         raise ConfigError(
             f"mesh {spec!r}: model axis of size {sizes['model']} does not divide the "
             f"{jax.local_device_count()} devices of one host; model-parallel groups must stay "
-            "inside a host (fast links), so choose a model size that divides the devices per host")
+            "inside a host (fast links), so choose a model size that divides the devices per host"
+        )
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
@@ -91,5 +99,7 @@ def data_parallel_size(mesh: Mesh) -> int:
 def describe_mesh(mesh: Mesh) -> str:
     axes = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     kind = mesh.devices.flat[0].platform
-    return (f"mesh: {axes} ({mesh.size} {kind} devices, {jax.process_count()} process(es); "
-            f"batch split {data_parallel_size(mesh)} ways)")
+    return (
+        f"mesh: {axes} ({mesh.size} {kind} devices, {jax.process_count()} process(es); "
+        f"batch split {data_parallel_size(mesh)} ways)"
+    )

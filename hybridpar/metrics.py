@@ -23,14 +23,20 @@ class MetricsWriter:
         if self.active:
             self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
             from tensorboardX import SummaryWriter  # lazy: only the writing process needs it
+
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
     def wall_s(self) -> float:
         return time.time() - self.start
 
     def write(self, event: str, step: int, epoch: float, **values) -> dict:
-        record = {"event": event, "step": int(step), "epoch": round(float(epoch), 4),
-                  "wall_s": round(self.wall_s(), 3), **values}
+        record = {
+            "event": event,
+            "step": int(step),
+            "epoch": round(float(epoch), 4),
+            "wall_s": round(self.wall_s(), 3),
+            **values,
+        }
         if self.active:
             self._jsonl.write(json.dumps(record, default=_plain) + "\n")
             for k, v in values.items():

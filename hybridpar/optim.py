@@ -40,8 +40,9 @@ def make_schedule(cfg, global_batch: int, steps_per_epoch: int, total_steps: int
         raise ConfigError(f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear' or 'constant'")
     if warmup == 0:
         return decay
-    return optax.join_schedules([optax.linear_schedule(peak * cfg.warmup_start_factor, peak, warmup),
-                                 decay], [warmup])
+    return optax.join_schedules(
+        [optax.linear_schedule(peak * cfg.warmup_start_factor, peak, warmup), decay], [warmup]
+    )
 
 
 def make_optimizer(cfg, global_batch: int, steps_per_epoch: int, total_steps: int):
@@ -53,9 +54,15 @@ def make_optimizer(cfg, global_batch: int, steps_per_epoch: int, total_steps: in
             optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
         )
     elif cfg.name == "lars":
-        tx = optax.lars(schedule, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
-                        trust_coefficient=cfg.lars_trust, trust_ratio_mask=decay_mask,
-                        momentum=cfg.momentum, nesterov=cfg.nesterov)
+        tx = optax.lars(
+            schedule,
+            weight_decay=cfg.weight_decay,
+            weight_decay_mask=decay_mask,
+            trust_coefficient=cfg.lars_trust,
+            trust_ratio_mask=decay_mask,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+        )
     else:
         raise ConfigError(f"optim.name={cfg.name!r}: use 'sgd' or 'lars'")
     return tx, schedule

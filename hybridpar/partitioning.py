@@ -48,15 +48,19 @@ class Rules:
     def __add__(self, other: "Rules") -> "Rules":
         """Concatenates: ``self``'s rules take priority over ``other``'s."""
         mins = [m for m in (self.fsdp_min_size, other.fsdp_min_size) if m is not None]
-        return Rules(tuple(self.path) + tuple(other.path),
-                     tuple(self.logical) + tuple(other.logical),
-                     min(mins) if mins else None)
+        return Rules(
+            tuple(self.path) + tuple(other.path),
+            tuple(self.logical) + tuple(other.logical),
+            min(mins) if mins else None,
+        )
 
 
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
 # and the logical axes the models annotate.
 DATA_PARALLEL = Rules()
-FSDP = Rules(fsdp_min_size=2**10)  # smaller arrays (BN vectors): one gather costs more than it saves
+FSDP = Rules(
+    fsdp_min_size=2**10
+)  # smaller arrays (BN vectors): one gather costs more than it saves
 # Data x model hybrid: the classifier head is split along the classes, and the wide
 # convolutions of the last two stages along their output channels; everything else is
 # replicated over `model` and the batch is split over the data axes.
@@ -77,8 +81,9 @@ def preset_rules(name: str, mesh: Mesh) -> Rules:
             rules = rules + FSDP
         return rules
     if name not in PRESETS:
-        raise ConfigError(f"unknown partitioning preset {name!r}; choose one of "
-                          f"{sorted(PRESETS) + ['auto']}")
+        raise ConfigError(
+            f"unknown partitioning preset {name!r}; choose one of {sorted(PRESETS) + ['auto']}"
+        )
     return PRESETS[name]
 
 
@@ -116,21 +121,26 @@ def _axes(entry) -> tuple[str, ...]:
 def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
     spec = tuple(spec)
     if len(spec) > len(shape):
-        raise ConfigError(f"{where}: spec {spec} has {len(spec)} entries but the array has "
-                          f"shape {tuple(shape)} ({why})")
+        raise ConfigError(
+            f"{where}: spec {spec} has {len(spec)} entries but the array has "
+            f"shape {tuple(shape)} ({why})"
+        )
     spec = spec + (None,) * (len(shape) - len(spec))
     for dim, (entry, size) in enumerate(zip(spec, shape)):
         axes = _axes(entry)
         for a in axes:
             if a not in mesh.shape:
-                raise ConfigError(f"{where}: spec {spec} names mesh axis {a!r}, not one of "
-                                  f"{tuple(mesh.axis_names)} ({why})")
+                raise ConfigError(
+                    f"{where}: spec {spec} names mesh axis {a!r}, not one of "
+                    f"{tuple(mesh.axis_names)} ({why})"
+                )
         n = math.prod(mesh.shape[a] for a in axes)
         if size % n:
             raise ConfigError(
                 f"{where} with shape {tuple(shape)}: dimension {dim} (size {size}) does not "
                 f"divide mesh axis {'x'.join(axes)!r} (size {n}) ({why}); change the rule or "
-                f"the mesh so the size divides")
+                f"the mesh so the size divides"
+            )
     return spec
 
 
@@ -154,12 +164,12 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
         axes = _axes(spec[d]) + ("fsdp",)
         if shape[d] % math.prod(mesh.shape[a] for a in axes):
             return spec
-        return spec[:d] + (axes,) + spec[d + 1:]
+        return spec[:d] + (axes,) + spec[d + 1 :]
     free = [d for d in range(len(shape)) if shape[d] % n == 0]
     if not free:
         return spec
     d = max(free, key=lambda i: (shape[i], i))
-    return spec[:d] + ("fsdp",) + spec[d + 1:]
+    return spec[:d] + ("fsdp",) + spec[d + 1 :]
 
 
 def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -> P:
@@ -174,8 +184,9 @@ def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -
         for name, axis in rules.logical:  # first entry for a name wins, like path rules
             table.setdefault(name, axis)
         mapped = tuple(table.get(name) for name in logical_names)
-        spec = _check(mapped, shape, mesh, f"array {path!r}",
-                      f"logical axes {tuple(logical_names)}")
+        spec = _check(
+            mapped, shape, mesh, f"array {path!r}", f"logical axes {tuple(logical_names)}"
+        )
     if spec is None:
         spec = (None,) * len(shape)
     if rules.fsdp_min_size is not None:
@@ -188,8 +199,8 @@ def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh)
 
     ``tree`` may hold Flax boxed leaves (``LogicallyPartitioned``, ``Partitioned``): their
     names are used and the result has the unboxed structure. An NNX ``Variable`` gets one
-    sharding (a valid ``out_shardings`` prefix for its State); path rules and FSDP apply. ``rules`` may be a ``Rules`` or
-    a plain sequence of ``(path_regex, spec)`` pairs.
+    sharding (a valid ``out_shardings`` prefix for its State); path rules and FSDP apply.
+    ``rules`` may be a ``Rules`` or a plain sequence of ``(path_regex, spec)`` pairs.
     """
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
@@ -199,8 +210,15 @@ def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh)
         if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
             spec = infer_spec(p, np.shape(leaf.unbox()), rules, mesh, leaf.names)
         elif isinstance(leaf, meta.Partitioned):  # mesh axes given directly by the model
-            spec = P(*_check(leaf.names, np.shape(leaf.unbox()), mesh, f"array {p!r}",
-                             "its nn.Partitioned annotation"))
+            spec = P(
+                *_check(
+                    leaf.names,
+                    np.shape(leaf.unbox()),
+                    mesh,
+                    f"array {p!r}",
+                    "its nn.Partitioned annotation",
+                )
+            )
         else:
             spec = infer_spec(p, np.shape(_unbox(leaf)), rules, mesh)
         return NamedSharding(mesh, spec)
@@ -219,6 +237,7 @@ def shard_batch(batch, mesh: Mesh):
     Each process passes its own slice of the global batch (all processes the same size);
     the global batch is the concatenation in process order. Works on any pytree of arrays.
     """
+
     def one(path, x):
         x = np.asarray(x)
         n_local = mesh.shape["data"] * mesh.shape["fsdp"] // jax.process_count()
@@ -226,7 +245,8 @@ def shard_batch(batch, mesh: Mesh):
             raise ConfigError(
                 f"batch array {path_str(path)!r} has leading size {x.shape[:1]} on this host, "
                 f"which does not divide the {max(n_local, 1)} data-parallel shards of this host; "
-                "make the per-host batch a multiple of the data axes (data x fsdp) per host")
+                "make the per-host batch a multiple of the data axes (data x fsdp) per host"
+            )
         sharding = batch_sharding(mesh, x.ndim)
         global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
@@ -241,20 +261,27 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def sharding_table(shardings, tree, max_rows: int = 24) -> str:
     """A short table of how parameter groups are placed: one row per distinct (spec, group).
 
-    Groups are the path with block indices dropped (``stage3_block*/conv2/kernel``), so a
-    ResNet-50 prints in a couple of dozen lines.
+    Groups are the path with block indices and the params / optimizer-state prefix dropped
+    (``stage3_block*/conv2/kernel`` counts the kernels and their momentum), so a ResNet-50
+    prints in a couple of dozen lines.
     """
     rows: dict[tuple[str, str], list] = {}
     flat_s = jax.tree_util.tree_flatten_with_path(shardings)[0]
     flat_t = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
     for (path, s), leaf in zip(flat_s, flat_t):
         leaf = _unbox(leaf)
+        # A parameter and its optimizer buffers (same name under opt_state) share a row.
         group = re.sub(r"_block\d+", "_block*", path_str(path))
-        group = re.sub(r"^opt_state/.*?/(params/)?", "opt_state/.../", group)
+        group = re.sub(
+            r"^(params|opt_state/(\w+/)*?(trace|mu|nu)|opt_state/\d+(/\d+)*)/", "", group
+        )
         key = (group, str(s.spec))
         nbytes = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
-        per_dev = nbytes // math.prod(
-            s.mesh.shape[a] for e in s.spec for a in _axes(e)) if s.spec else nbytes
+        per_dev = (
+            nbytes // math.prod(s.mesh.shape[a] for e in s.spec for a in _axes(e))
+            if s.spec
+            else nbytes
+        )
         r = rows.setdefault(key, [0, 0, 0])
         r[0] += 1
         r[1] += nbytes
@@ -265,10 +292,13 @@ def sharding_table(shardings, tree, max_rows: int = 24) -> str:
         lines.append(f"{n:>6} {b / 2**20:>10.2f} {d / 2**20:>10.2f}  {spec}  {group}")
     if len(ordered) > max_rows:
         rest = ordered[max_rows:]
-        lines.append(f"{sum(r[0] for _, r in rest):>6} {sum(r[1] for _, r in rest) / 2**20:>10.2f} "
-                     f"{sum(r[2] for _, r in rest) / 2**20:>10.2f}  ...  ({len(rest)} more groups)")
+        lines.append(
+            f"{sum(r[0] for _, r in rest):>6} {sum(r[1] for _, r in rest) / 2**20:>10.2f} "
+            f"{sum(r[2] for _, r in rest) / 2**20:>10.2f}  ...  ({len(rest)} more groups)"
+        )
     total = sum(r[1] for r in rows.values())
     dev = sum(r[2] for r in rows.values())
-    lines.append(f"{sum(r[0] for r in rows.values()):>6} {total / 2**20:>10.2f} "
-                 f"{dev / 2**20:>10.2f}  total")
+    lines.append(
+        f"{sum(r[0] for r in rows.values()):>6} {total / 2**20:>10.2f} {dev / 2**20:>10.2f}  total"
+    )
     return "\n".join(lines)

@@ -38,11 +38,15 @@ def _dtype(name: str, what: str):
     return DTYPES[name]
 
 
-def make_policy(compute: str = "float32", params: str = "float32", output: str = "float32") -> Policy:
+def make_policy(
+    compute: str = "float32", params: str = "float32", output: str = "float32"
+) -> Policy:
     """Policy from dtype names (config: precision.compute / .params / .output)."""
-    return Policy(param_dtype=_dtype(params, "precision.params"),
-                  compute_dtype=_dtype(compute, "precision.compute"),
-                  output_dtype=_dtype(output, "precision.output"))
+    return Policy(
+        param_dtype=_dtype(params, "precision.params"),
+        compute_dtype=_dtype(compute, "precision.compute"),
+        output_dtype=_dtype(output, "precision.output"),
+    )
 
 
 class LossScale(struct.PyTreeNode):
@@ -55,10 +59,16 @@ class LossScale(struct.PyTreeNode):
     dynamic: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
-    def create(cls, dynamic: bool, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0):
-        return cls(scale=jnp.asarray(initial if dynamic else 1.0, jnp.float32),
-                   good_steps=jnp.zeros((), jnp.int32), period=period, factor=factor,
-                   dynamic=dynamic)
+    def create(
+        cls, dynamic: bool, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0
+    ):
+        return cls(
+            scale=jnp.asarray(initial if dynamic else 1.0, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            period=period,
+            factor=factor,
+            dynamic=dynamic,
+        )
 
     def unscale(self, grads):
         inv = 1.0 / self.scale
@@ -69,8 +79,11 @@ class LossScale(struct.PyTreeNode):
         if not self.dynamic:
             return self
         grow = finite & (self.good_steps + 1 >= self.period)
-        scale = jnp.where(finite, jnp.where(grow, self.scale * self.factor, self.scale),
-                          jnp.maximum(self.scale / self.factor, 1.0))
+        scale = jnp.where(
+            finite,
+            jnp.where(grow, self.scale * self.factor, self.scale),
+            jnp.maximum(self.scale / self.factor, 1.0),
+        )
         good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
         return self.replace(scale=scale, good_steps=good)
 

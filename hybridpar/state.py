@@ -26,16 +26,22 @@ class TrainState(struct.PyTreeNode):
     loss_scale: LossScale
 
 
-def make_init_fn(model, tx, input_shape, loss_scale: LossScale) -> Callable[[jax.Array], TrainState]:
+def make_init_fn(
+    model, tx, input_shape, loss_scale: LossScale
+) -> Callable[[jax.Array], TrainState]:
     """``rng -> TrainState`` with Flax's logical-axis boxes left on (for the rules)."""
 
     def init(rng):
         variables = model.init(rng, jnp.zeros(input_shape, jnp.float32), train=False)
         params = variables["params"]
         # optax maps through the boxes, so momentum buffers keep their parameter's axis names.
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                          batch_stats=variables.get("batch_stats", {}),
-                          opt_state=tx.init(params), loss_scale=loss_scale)
+        return TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=params,
+            batch_stats=variables.get("batch_stats", {}),
+            opt_state=tx.init(params),
+            loss_scale=loss_scale,
+        )
 
     return init
 
@@ -48,12 +54,15 @@ def create_sharded_state(init: Callable, rules: Rules, mesh, rng):
     # The init runs once, but XLA's CPU backend spends ~10 s optimising the random-number
     # hashing of a small ResNet's init at the default level (2 s at level 0; the values
     # differ by float rounding only). Other backends compile it quickly as it is.
-    options = {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else {}
+    options = (
+        {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else {}
+    )
     state = lowered.compile(compiler_options=options)(rng)
     return state, shardings, abstract
 
 
 def abstract_like(tree, shardings):
     """ShapeDtypeStructs carrying shardings, for ahead-of-time lowering."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        meta.unbox(tree), shardings)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), meta.unbox(tree), shardings
+    )

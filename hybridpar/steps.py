@@ -35,16 +35,20 @@ def cross_entropy(logits, labels, label_smoothing: float = 0.0):
     return optax.softmax_cross_entropy(logits, targets)
 
 
-def make_train_step(model, tx, policy: Policy, schedule: Callable, *, mean, std,
-                    label_smoothing: float = 0.0):
+def make_train_step(
+    model, tx, policy: Policy, schedule: Callable, *, mean, std, label_smoothing: float = 0.0
+):
     def train_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
 
         def loss_fn(params):
             logits, new_vars = model.apply(
-                {"params": params, "batch_stats": state.batch_stats}, images, train=True,
-                mutable=["batch_stats"])
+                {"params": params, "batch_stats": state.batch_stats},
+                images,
+                train=True,
+                mutable=["batch_stats"],
+            )
             loss = cross_entropy(logits, labels, label_smoothing).mean()
             return loss * state.loss_scale.scale, (loss, new_vars["batch_stats"])
 
@@ -52,16 +56,21 @@ def make_train_step(model, tx, policy: Policy, schedule: Callable, *, mean, std,
         grads = state.loss_scale.unscale(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats,
-                            opt_state=opt_state)
+        new = state.replace(
+            step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
+        )
         finite = jnp.asarray(True)
         if state.loss_scale.dynamic:
             # float16: a step with overflowing gradients changes nothing but the scale.
             finite = all_finite(grads)
             new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
             new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
-        metrics = {"loss": loss, "lr": schedule(state.step), "grads_finite": finite,
-                   "loss_scale": state.loss_scale.scale}
+        metrics = {
+            "loss": loss,
+            "lr": schedule(state.step),
+            "grads_finite": finite,
+            "loss_scale": state.loss_scale.scale,
+        }
         return new, metrics
 
     return train_step
@@ -72,16 +81,21 @@ def make_eval_step(model, policy: Policy, *, mean, std, label_smoothing: float =
 
     def eval_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
-        logits = model.apply({"params": state.params, "batch_stats": state.batch_stats},
-                             images, train=False).astype(jnp.float32)
+        logits = model.apply(
+            {"params": state.params, "batch_stats": state.batch_stats}, images, train=False
+        ).astype(jnp.float32)
         labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
         loss = cross_entropy(logits, labels, label_smoothing)
         k = min(5, logits.shape[-1])
         _, top = jax.lax.top_k(logits, k)
         hit5 = jnp.any(top == labels[:, None], axis=-1)
         hit1 = top[:, 0] == labels
-        return {"loss_sum": jnp.sum(loss * mask), "top1_sum": jnp.sum(hit1 * mask),
-                "top5_sum": jnp.sum(hit5 * mask), "count": jnp.sum(mask)}
+        return {
+            "loss_sum": jnp.sum(loss * mask),
+            "top1_sum": jnp.sum(hit1 * mask),
+            "top5_sum": jnp.sum(hit5 * mask),
+            "count": jnp.sum(mask),
+        }
 
     return eval_step
 
@@ -93,10 +107,17 @@ def batch_shardings(mesh, batch_spec: dict):
 
 def jit_train_step(step_fn, state_shardings, mesh, batch_spec: dict):
     """Train step with in/out shardings and the old state donated (updated in place)."""
-    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
-                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
+        out_shardings=(state_shardings, replicated(mesh)),
+        donate_argnums=0,
+    )
 
 
 def jit_eval_step(step_fn, state_shardings, mesh, batch_spec: dict):
-    return jax.jit(step_fn, in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
-                   out_shardings=replicated(mesh))
+    return jax.jit(
+        step_fn,
+        in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
+        out_shardings=replicated(mesh),
+    )

@@ -31,8 +31,9 @@ from hybridpar.precision import LossScale, make_policy
 from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
 from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary and events.")
 
 
@@ -43,8 +44,9 @@ def log(msg: str) -> None:
 
 def rules_from_config(c, mesh) -> partitioning.Rules:
     """The config's own rules first, then the preset's."""
-    own = partitioning.Rules(path=tuple(tuple(r) for r in c.rules),
-                             logical=tuple(tuple(r) for r in c.logical_rules))
+    own = partitioning.Rules(
+        path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
+    )
     rules = own + partitioning.preset_rules(c.preset, mesh)
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
@@ -61,27 +63,46 @@ def make_data(c, pi: int, pc: int):
         spe = arrays.steps_per_epoch(train, c.global_batch)
     elif d.name == "synthetic":
         # A pool of random images stands in for an epoch of train_examples.
-        train = arrays.synthetic(min(d.train_examples, 4 * c.global_batch), d.image_size,
-                                 d.num_classes, c.seed, d.channels)
-        test = arrays.synthetic(min(d.eval_examples, 2 * c.eval_batch), d.image_size,
-                                d.num_classes, c.seed + 1, d.channels)
+        train = arrays.synthetic(
+            min(d.train_examples, 4 * c.global_batch),
+            d.image_size,
+            d.num_classes,
+            c.seed,
+            d.channels,
+        )
+        test = arrays.synthetic(
+            min(d.eval_examples, 2 * c.eval_batch),
+            d.image_size,
+            d.num_classes,
+            c.seed + 1,
+            d.channels,
+        )
         spe = max(d.train_examples // c.global_batch, 1)
     else:
-        raise ConfigError(f"data.name={d.name!r}: use 'digits' or 'synthetic' (image folders, "
-                          "tars and tfds datasets arrive with the input pipeline)")
+        raise ConfigError(
+            f"data.name={d.name!r}: use 'digits' or 'synthetic' (image folders, "
+            "tars and tfds datasets arrive with the input pipeline)"
+        )
 
     def train_batches(epoch):
         done, cycle = 0, 0
         while done < spe:  # the synthetic pool is cycled to make a nominal epoch
-            for b in arrays.train_batches(train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc):
+            for b in arrays.train_batches(
+                train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc
+            ):
                 if done == spe:
                     return
                 done += 1
                 yield b
             cycle += 1
 
-    return (train_batches, lambda: arrays.eval_batches(test, c.eval_batch, pi, pc), spe,
-            len(test["label"]), (d.image_size, d.image_size, d.channels))
+    return (
+        train_batches,
+        lambda: arrays.eval_batches(test, c.eval_batch, pi, pc),
+        spe,
+        len(test["label"]),
+        (d.image_size, d.image_size, d.channels),
+    )
 
 
 def check_workdir(workdir: str) -> None:
@@ -92,22 +113,29 @@ def check_workdir(workdir: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"workdir {workdir!r} is not writable ({e.strerror}); pass a "
-                          "--workdir you can write to") from None
+        raise ConfigError(
+            f"workdir {workdir!r} is not writable ({e.strerror}); pass a --workdir you can write to"
+        ) from None
 
 
 def memory_line(compiled) -> tuple[str, dict]:
     m = compiled.memory_analysis()
     if m is None:
         return "per-device memory of the train step: not reported by this backend", {}
-    fields = dict(arguments=m.argument_size_in_bytes, outputs=m.output_size_in_bytes,
-                  temp=m.temp_size_in_bytes, aliased=m.alias_size_in_bytes)
+    fields = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+    )
     total = fields["arguments"] + fields["outputs"] + fields["temp"] - fields["aliased"]
     fields["total"] = total
     mib = {k: v / 2**20 for k, v in fields.items()}
-    return ("per-device memory of the train step: {total:.1f} MiB (arguments {arguments:.1f}, "
-            "outputs {outputs:.1f}, temp {temp:.1f}, donated/aliased {aliased:.1f})".format(**mib),
-            fields)
+    return (
+        "per-device memory of the train step: {total:.1f} MiB (arguments {arguments:.1f}, "
+        "outputs {outputs:.1f}, temp {temp:.1f}, donated/aliased {aliased:.1f})".format(**mib),
+        fields,
+    )
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -127,7 +155,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
             raise ConfigError(
                 f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
                 f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
-                f"--config.{name}={max(dp, config[name] // dp * dp)}")
+                f"--config.{name}={max(dp, config[name] // dp * dp)}"
+            )
     log(describe_mesh(mesh))
 
     # ---- Data --------------------------------------------------------------------------------
@@ -136,52 +165,84 @@ def train_and_evaluate(config, workdir: str) -> dict:
     eval_every = max(int(round(config.eval_every_epochs * spe)), 1)
 
     # ---- Model, optimizer and sharded state --------------------------------------------------
-    policy = make_policy(config.precision.compute, config.precision.params,
-                         config.precision.output)
+    policy = make_policy(config.precision.compute, config.precision.params, config.precision.output)
     m = config.model
-    model = create_model(m.name, num_classes=config.data.num_classes,
-                         num_filters=m.num_filters, zero_init_last_bn=m.zero_init_last_bn,
-                         bn_momentum=m.bn_momentum, bn_epsilon=m.bn_epsilon,
-                         small_stem=m.small_stem, dtype=policy.compute_dtype,
-                         param_dtype=policy.param_dtype)
+    model = create_model(
+        m.name,
+        num_classes=config.data.num_classes,
+        num_filters=m.num_filters,
+        zero_init_last_bn=m.zero_init_last_bn,
+        bn_momentum=m.bn_momentum,
+        bn_epsilon=m.bn_epsilon,
+        small_stem=m.small_stem,
+        dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+    )
     tx, schedule = make_optimizer(config.optim, config.global_batch, spe, total_steps)
-    loss_scale = LossScale.create(policy.needs_loss_scale, config.precision.loss_scale_initial,
-                                  config.precision.loss_scale_period)
+    loss_scale = LossScale.create(
+        policy.needs_loss_scale,
+        config.precision.loss_scale_initial,
+        config.precision.loss_scale_period,
+    )
     init = make_init_fn(model, tx, (1, *image_shape), loss_scale)
-    state, shardings, abstract = create_sharded_state(init, rules, mesh, jax.random.key(config.seed))
-    log("parameter and optimizer-state placement:\n"
-        + partitioning.sharding_table(shardings, abstract))
+    state, shardings, abstract = create_sharded_state(
+        init, rules, mesh, jax.random.key(config.seed)
+    )
+    log(
+        "parameter and optimizer-state placement:\n"
+        + partitioning.sharding_table(shardings, abstract)
+    )
 
     # ---- Steps, compiled ahead of the loop ---------------------------------------------------
     mean, std = tuple(config.data.mean), tuple(config.data.std)
     train_jit = jit_train_step(
-        make_train_step(model, tx, policy, schedule, mean=mean, std=std,
-                        label_smoothing=config.label_smoothing),
-        shardings, mesh, {"image": 4, "label": 1})
+        make_train_step(
+            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=config.label_smoothing
+        ),
+        shardings,
+        mesh,
+        {"image": 4, "label": 1},
+    )
     eval_jit = jit_eval_step(
-        make_eval_step(model, policy, mean=mean, std=std,
-                       label_smoothing=config.label_smoothing),
-        shardings, mesh, {"image": 4, "label": 1, "mask": 1})
+        make_eval_step(model, policy, mean=mean, std=std, label_smoothing=config.label_smoothing),
+        shardings,
+        mesh,
+        {"image": 4, "label": 1, "mask": 1},
+    )
 
     def abstract_batch(n, keys):
-        specs = {"image": ((n, *image_shape), np.uint8), "label": ((n,), np.int32),
-                 "mask": ((n,), np.float32)}
-        return {k: jax.ShapeDtypeStruct(specs[k][0], specs[k][1],
-                                        sharding=partitioning.batch_sharding(mesh, len(specs[k][0])))
-                for k in keys}
+        specs = {
+            "image": ((n, *image_shape), np.uint8),
+            "label": ((n,), np.int32),
+            "mask": ((n,), np.float32),
+        }
+        return {
+            k: jax.ShapeDtypeStruct(
+                specs[k][0],
+                specs[k][1],
+                sharding=partitioning.batch_sharding(mesh, len(specs[k][0])),
+            )
+            for k in keys
+        }
 
     abstract_state = abstract_like(abstract, shardings)
     t0 = time.time()
-    train_step = train_jit.lower(abstract_state, abstract_batch(config.global_batch, ("image", "label"))).compile()
-    eval_step = eval_jit.lower(abstract_state, abstract_batch(config.eval_batch, ("image", "label", "mask"))).compile()
+    train_step = train_jit.lower(
+        abstract_state, abstract_batch(config.global_batch, ("image", "label"))
+    ).compile()
+    eval_step = eval_jit.lower(
+        abstract_state, abstract_batch(config.eval_batch, ("image", "label", "mask"))
+    ).compile()
     compile_s = time.time() - t0
     mem_text, mem = memory_line(train_step)
     log(mem_text)
 
     writer = MetricsWriter(workdir, start)
     writer.write("compile", 0, 0.0, compile_s=round(compile_s, 3), memory_per_device_bytes=mem)
-    log(f"compiled train and eval steps in {compile_s:.1f}s; training {total_steps} steps "
-        f"({config.num_epochs:g} epochs of {spe}), global batch {config.global_batch}")
+    log(
+        f"compiled train and eval steps in {compile_s:.1f}s; training {total_steps} steps "
+        f"({config.num_epochs:g} epochs of {spe}), global batch {config.global_batch}"
+    )
 
     # ---- Loop ----------------------------------------------------------------------------------
     def evaluate(step):
@@ -193,11 +254,20 @@ def train_and_evaluate(config, workdir: str) -> dict:
         n = float(sums["count"])
         if round(n) != num_eval:
             raise AssertionError(f"eval counted {n} examples, expected {num_eval}")
-        rec = writer.write("eval", step, step / spe, split="test", loss=float(sums["loss_sum"]) / n,
-                           top1=float(sums["top1_sum"]) / n, top5=float(sums["top5_sum"]) / n,
-                           examples=int(n))
-        log(f"eval  step {step:>6}  epoch {step / spe:6.2f}  loss {rec['loss']:.4f}  "
-            f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)")
+        rec = writer.write(
+            "eval",
+            step,
+            step / spe,
+            split="test",
+            loss=float(sums["loss_sum"]) / n,
+            top1=float(sums["top1_sum"]) / n,
+            top5=float(sums["top5_sum"]) / n,
+            examples=int(n),
+        )
+        log(
+            f"eval  step {step:>6}  epoch {step / spe:6.2f}  loss {rec['loss']:.4f}  "
+            f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
+        )
         return rec
 
     step, last_eval, time_to_target, failure = 0, None, None, None
@@ -220,26 +290,44 @@ def train_and_evaluate(config, workdir: str) -> dict:
                         raise ConfigError(
                             f"non-finite loss ({loss}) at step {step}: the run diverged; lower "
                             "optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 / "
-                            "float16 with loss scaling instead of pure low precision")
+                            "float16 with loss scaling instead of pure low precision"
+                        )
                     dt = now - t_log
                     ips = (step - steps_at_log) * config.global_batch / dt
                     train_time += dt
                     images_seen += (step - steps_at_log) * config.global_batch
                     eta = (total_steps - step) * dt / (step - steps_at_log)
                     skipped = sum(not bool(f["grads_finite"]) for f in fetched)
-                    writer.write("train", step, step / spe, loss=loss, lr=float(fetched[-1]["lr"]),
-                                 images_per_s=round(ips, 2), image_size=image_shape[0],
-                                 global_batch=config.global_batch, skipped_steps=skipped,
-                                 loss_scale=float(fetched[-1]["loss_scale"]))
-                    log(f"train step {step:>6}/{total_steps}  epoch {step / spe:6.2f}  "
-                        f"loss {loss:.4f}  {ips:8.1f} img/s  ETA {eta:6.0f}s")
+                    writer.write(
+                        "train",
+                        step,
+                        step / spe,
+                        loss=loss,
+                        lr=float(fetched[-1]["lr"]),
+                        images_per_s=round(ips, 2),
+                        image_size=image_shape[0],
+                        global_batch=config.global_batch,
+                        skipped_steps=skipped,
+                        loss_scale=float(fetched[-1]["loss_scale"]),
+                    )
+                    log(
+                        f"train step {step:>6}/{total_steps}  epoch {step / spe:6.2f}  "
+                        f"loss {loss:.4f}  {ips:8.1f} img/s  ETA {eta:6.0f}s"
+                    )
                     pending, t_log, steps_at_log = [], time.time(), step
                 if is_eval:
                     last_eval = evaluate(step)
-                    if (time_to_target is None and config.target_top1 > 0
-                            and last_eval["top1"] >= config.target_top1):
-                        time_to_target = {"wall_s": last_eval["wall_s"], "step": step,
-                                          "epoch": step / spe, "top1": last_eval["top1"]}
+                    if (
+                        time_to_target is None
+                        and config.target_top1 > 0
+                        and last_eval["top1"] >= config.target_top1
+                    ):
+                        time_to_target = {
+                            "wall_s": last_eval["wall_s"],
+                            "step": step,
+                            "epoch": step / spe,
+                            "top1": last_eval["top1"],
+                        }
                     t_log = time.time()  # eval time is not training throughput
                 if step >= total_steps:
                     break
@@ -248,13 +336,18 @@ def train_and_evaluate(config, workdir: str) -> dict:
         raise
     finally:
         summary = {
-            "mesh": dict(mesh.shape), "steps": step, "total_steps": total_steps,
-            "completed": failure is None and step >= total_steps, "error": failure,
+            "mesh": dict(mesh.shape),
+            "steps": step,
+            "total_steps": total_steps,
+            "completed": failure is None and step >= total_steps,
+            "error": failure,
             "final_eval": last_eval,
-            "wall_s": round(time.time() - start, 3), "compile_s": round(compile_s, 3),
+            "wall_s": round(time.time() - start, 3),
+            "compile_s": round(compile_s, 3),
             "train_images_per_s": round(images_seen / train_time, 2) if train_time else None,
             "target_top1": config.target_top1 if config.target_top1 > 0 else None,
-            "time_to_target": time_to_target, "memory_per_device_bytes": mem,
+            "time_to_target": time_to_target,
+            "memory_per_device_bytes": mem,
         }
         writer.summary(summary)
         writer.close()
@@ -271,8 +364,7 @@ def main(argv):
         config = _CONFIG.value
         config.to_dict()  # config_flags loads lazily: a missing or broken file raises here
     except OSError as e:
-        print(f"error: could not load the config file: {' '.join(str(e).split())}",
-              file=sys.stderr)
+        print(f"error: could not load the config file: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     try:
         summary = train_and_evaluate(config, _WORKDIR.value)
@@ -280,8 +372,10 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     ev = summary["final_eval"] or {}
-    log(f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
-        f"(compile {summary['compile_s']:.1f}s); summary in {_WORKDIR.value}/summary.json")
+    log(
+        f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
+        f"(compile {summary['compile_s']:.1f}s); summary in {_WORKDIR.value}/summary.json"
+    )
 
 
 def _config_keys(path: str) -> list[str]:
@@ -309,19 +403,29 @@ def _parse_flags(argv):
     except flags.Error as e:
         print(f"error: {e}", file=sys.stderr)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
-        config_path = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
-                           argv[argv.index("--config") + 1] if "--config" in argv else None)
+        config_path = next(
+            (a.split("=", 1)[1] for a in argv if a.startswith("--config=")),
+            argv[argv.index("--config") + 1] if "--config" in argv else None,
+        )
         keys = _config_keys(config_path) if config_path else []
-        bad = [a.split("=", 1)[0][len("--config."):] for a in argv
-               if a.startswith("--config.") and a.split("=", 1)[0][len("--config."):] not in keys]
+        bad = [
+            a.split("=", 1)[0][len("--config.") :]
+            for a in argv
+            if a.startswith("--config.") and a.split("=", 1)[0][len("--config.") :] not in keys
+        ]
         if keys and bad:
             import difflib
+
             hints = []
             for key in bad:
                 close = difflib.get_close_matches(key, keys, n=3)
-                hints.append(f"no config key {key!r}" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else ""))
-            print(f"error: {'; '.join(hints)} (keys are set as --config.KEY=VALUE; see "
-                  f"{config_path} and hybridpar/config.py for the valid ones)", file=sys.stderr)
+                hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+                hints.append(f"no config key {key!r}{hint}")
+            print(
+                f"error: {'; '.join(hints)} (keys are set as --config.KEY=VALUE; see "
+                f"{config_path} and hybridpar/config.py for the valid ones)",
+                file=sys.stderr,
+            )
         else:
             print(f"error: bad --config override: {type(e).__name__}: {e}", file=sys.stderr)
     sys.exit(2)

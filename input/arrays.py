@@ -46,42 +46,56 @@ def load_digits(image_size: int, test_fraction: float = 0.2, split_seed: int = 0
     images = _resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), image_size)
     images = np.clip(np.round(images), 0, 255).astype(np.uint8)[..., None]
     labels = d.target.astype(np.int32)
-    tr_x, te_x, tr_y, te_y = train_test_split(images, labels, test_size=test_fraction,
-                                              random_state=split_seed, stratify=labels)
+    tr_x, te_x, tr_y, te_y = train_test_split(
+        images, labels, test_size=test_fraction, random_state=split_seed, stratify=labels
+    )
     return {"image": tr_x, "label": tr_y}, {"image": te_x, "label": te_y}
 
 
 def synthetic(num: int, image_size: int, num_classes: int, seed: int = 0, channels: int = 3):
     """Random uint8 images and labels: for speed and memory runs before real data exists."""
     rng = np.random.default_rng(seed)
-    return {"image": rng.integers(0, 256, (num, image_size, image_size, channels), np.uint8),
-            "label": rng.integers(0, num_classes, (num,), np.int32)}
+    return {
+        "image": rng.integers(0, 256, (num, image_size, image_size, channels), np.uint8),
+        "label": rng.integers(0, num_classes, (num,), np.int32),
+    }
 
 
 def _host_slice(global_batch: int, process_index: int, process_count: int) -> slice:
     if global_batch % process_count:
-        raise ConfigError(f"global batch {global_batch} does not divide over {process_count} "
-                          "processes; make it a multiple of the process count")
+        raise ConfigError(
+            f"global batch {global_batch} does not divide over {process_count} "
+            "processes; make it a multiple of the process count"
+        )
     per = global_batch // process_count
     return slice(process_index * per, (process_index + 1) * per)
 
 
-def train_batches(data: dict, global_batch: int, seed: int, epoch: int,
-                  process_index: int = 0, process_count: int = 1) -> Iterator[dict]:
+def train_batches(
+    data: dict,
+    global_batch: int,
+    seed: int,
+    epoch: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Iterator[dict]:
     """One epoch of shuffled host-local batches; the last partial global batch is dropped."""
     n = len(data["label"])
     if n < global_batch:
-        raise ConfigError(f"the training set has {n} examples, fewer than one global batch of "
-                          f"{global_batch}; lower global_batch")
+        raise ConfigError(
+            f"the training set has {n} examples, fewer than one global batch of "
+            f"{global_batch}; lower global_batch"
+        )
     perm = np.random.default_rng([seed, epoch]).permutation(n)
     mine = _host_slice(global_batch, process_index, process_count)
     for b in range(n // global_batch):
-        idx = perm[b * global_batch:(b + 1) * global_batch][mine]
+        idx = perm[b * global_batch : (b + 1) * global_batch][mine]
         yield {k: v[idx] for k, v in data.items()}
 
 
-def eval_batches(data: dict, global_batch: int, process_index: int = 0,
-                 process_count: int = 1) -> Iterator[dict]:
+def eval_batches(
+    data: dict, global_batch: int, process_index: int = 0, process_count: int = 1
+) -> Iterator[dict]:
     """Every example exactly once, in order; the last batch is padded and masked out."""
     n = len(data["label"])
     mine = _host_slice(global_batch, process_index, process_count)

@@ -16,8 +16,12 @@ import jax  # noqa: E402
 
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 port, process_id, mesh_spec = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
-                           process_id=process_id, initialization_timeout=120)
+jax.distributed.initialize(
+    coordinator_address=f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process_id,
+    initialization_timeout=120,
+)
 
 import numpy as np  # noqa: E402
 
@@ -36,8 +40,16 @@ for batch in _batches():
     state, metrics = step(state, shard_batch(local, mesh))
     losses.append(float(metrics["loss"]))
 head = state.params["head"]["kernel"]
-print(json.dumps({"losses": losses, "local_devices": jax.local_device_count(),
-                  "head_local_shards": len(head.addressable_shards),
-                  "head_sum": float(np.sum(jax.device_get(
-                      jax.jit(lambda x: x.sum(), out_shardings=None)(head))))}))
+print(
+    json.dumps(
+        {
+            "losses": losses,
+            "local_devices": jax.local_device_count(),
+            "head_local_shards": len(head.addressable_shards),
+            "head_sum": float(
+                np.sum(jax.device_get(jax.jit(lambda x: x.sum(), out_shardings=None)(head)))
+            ),
+        }
+    )
+)
 jax.distributed.shutdown()

@@ -14,12 +14,15 @@ def digits():
 
 def indexed(n, size=2):
     """A tiny data set whose labels are the example indices, so batches can be traced back."""
-    return {"image": np.arange(n, dtype=np.uint8)[:, None, None, None]
-            * np.ones((1, size, size, 1), np.uint8),
-            "label": np.arange(n, dtype=np.int32)}
+    return {
+        "image": np.arange(n, dtype=np.uint8)[:, None, None, None]
+        * np.ones((1, size, size, 1), np.uint8),
+        "label": np.arange(n, dtype=np.int32),
+    }
 
 
 # ----------------------------------------------------------------------------- digits
+
 
 def test_load_digits_shapes_and_dtypes(digits):
     train, test = digits
@@ -47,6 +50,7 @@ def test_load_digits_other_size():
 
 
 # ----------------------------------------------------------------------------- train batches
+
 
 def test_train_batches_deterministic_per_seed_and_epoch(digits):
     train, _ = digits
@@ -105,6 +109,7 @@ def test_train_batches_global_batch_not_divisible_by_hosts():
 
 
 # ----------------------------------------------------------------------------- eval batches
+
 
 @pytest.mark.parametrize("n,batch", [(10, 4), (12, 4), (3, 8), (360, 64)])
 def test_eval_batches_every_example_once(n, batch):

@@ -12,8 +12,16 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from hybridpar import (AXES, ConfigError, Rules, infer_shardings, make_mesh, parse_mesh_spec,
-                       preset_rules, shard_batch)
+from hybridpar import (
+    AXES,
+    ConfigError,
+    Rules,
+    infer_shardings,
+    make_mesh,
+    parse_mesh_spec,
+    preset_rules,
+    shard_batch,
+)
 
 F32 = jnp.float32
 
@@ -38,6 +46,7 @@ def mesh_dfm():
 
 
 # ----------------------------------------------------------------------------- mesh spec
+
 
 def test_parse_mesh_spec_fills_missing_axes_in_order():
     sizes = parse_mesh_spec("data:4,model:2", 8)
@@ -76,11 +85,14 @@ def test_parse_mesh_spec_missing_colon():
         parse_mesh_spec("data8", 8)
 
 
-@pytest.mark.parametrize("spec,needle", [
-    ("data:abc", "not an integer"),
-    ("data:0,model:8", ">= 1 or -1"),
-    ("data:-2,model:4", ">= 1 or -1"),
-])
+@pytest.mark.parametrize(
+    "spec,needle",
+    [
+        ("data:abc", "not an integer"),
+        ("data:0,model:8", ">= 1 or -1"),
+        ("data:-2,model:4", ">= 1 or -1"),
+    ],
+)
 def test_parse_mesh_spec_bad_size(spec, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_mesh_spec(spec, 8)
@@ -102,12 +114,15 @@ def test_parse_mesh_spec_fill_that_cannot_divide():
         parse_mesh_spec("data:-1,model:3", 8)
 
 
-@pytest.mark.parametrize("spec,shape", [
-    ("data:8", (8, 1, 1)),
-    ("model:2,data:4", (4, 1, 2)),
-    ("fsdp:-1", (1, 8, 1)),
-    ({"data": 2, "fsdp": 2, "model": 2}, (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "spec,shape",
+    [
+        ("data:8", (8, 1, 1)),
+        ("model:2,data:4", (4, 1, 2)),
+        ("fsdp:-1", (1, 8, 1)),
+        ({"data": 2, "fsdp": 2, "model": 2}, (2, 2, 2)),
+    ],
+)
 def test_make_mesh_axes_always_in_order(spec, shape):
     mesh = make_mesh(spec)
     assert mesh.axis_names == ("data", "fsdp", "model")
@@ -129,10 +144,10 @@ def test_make_mesh_wrong_size_is_config_error():
 
 # ----------------------------------------------------------------------------- path rules
 
+
 def test_first_matching_rule_wins(mesh_dm):
     tree = {"enc": {"kernel": sds(8, 4)}, "dec": {"kernel": sds(8, 4)}}
-    rules = Rules(path=((r"enc/kernel$", ("data", None)),
-                        (r"kernel$", (None, "model"))))
+    rules = Rules(path=((r"enc/kernel$", ("data", None)), (r"kernel$", (None, "model"))))
     s = infer_shardings(tree, rules, mesh_dm)
     assert s["enc"]["kernel"].spec == P("data", None)
     assert s["dec"]["kernel"].spec == P(None, "model")
@@ -199,11 +214,14 @@ def test_rule_with_unknown_mesh_axis(mesh_dm):
 
 # ----------------------------------------------------------------------------- logical rules
 
+
 def _dense_shapes(features=8):
     module = nn.Dense(
         features,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(),
-                                                 ("embed", "classes")))
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.lecun_normal(), ("embed", "classes")
+        ),
+    )
     return jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 16), F32))
 
 
@@ -231,20 +249,20 @@ def test_path_rules_take_priority_over_logical(mesh_dm):
 
 def test_logical_rule_that_does_not_divide(mesh_dm):
     with pytest.raises(ConfigError) as e:
-        infer_shardings(_dense_shapes(features=9), Rules(logical=(("classes", "model"),)),
-                        mesh_dm)
+        infer_shardings(_dense_shapes(features=9), Rules(logical=(("classes", "model"),)), mesh_dm)
     msg = str(e.value)
     assert "params/kernel" in msg and "(16, 9)" in msg and "model" in msg
 
 
 # ----------------------------------------------------------------------------- FSDP pass
 
+
 def test_fsdp_shards_largest_divisible_dim(mesh_fsdp):
     tree = {
-        "big": sds(16, 32),     # both divide 8: largest (32) gets fsdp
-        "mixed": sds(16, 30),   # 30 does not divide 8: falls back to 16
-        "small": sds(4, 4),     # below min size: replicated
-        "odd": sds(9, 15),      # big enough, nothing divides: replicated
+        "big": sds(16, 32),  # both divide 8: largest (32) gets fsdp
+        "mixed": sds(16, 30),  # 30 does not divide 8: falls back to 16
+        "small": sds(4, 4),  # below min size: replicated
+        "odd": sds(9, 15),  # big enough, nothing divides: replicated
         "vec": sds(64),
     }
     s = infer_shardings(tree, Rules(fsdp_min_size=64), mesh_fsdp)
@@ -272,9 +290,14 @@ def test_fsdp_stacks_on_the_dim_a_rule_split(mesh_dfm):
 
 # ----------------------------------------------------------------------------- pytrees
 
+
 def test_plain_nested_dict_of_numpy_arrays(mesh_dm):
-    tree = {"outer": {"inner": {"kernel": np.zeros((8, 4), np.float32)},
-                      "bias": np.zeros((4,), np.float32)}}
+    tree = {
+        "outer": {
+            "inner": {"kernel": np.zeros((8, 4), np.float32)},
+            "bias": np.zeros((4,), np.float32),
+        }
+    }
     s = infer_shardings(tree, [(r"outer/inner/kernel$", ("data", "model"))], mesh_dm)
     assert s["outer"]["inner"]["kernel"].spec == P("data", "model")
     assert s["outer"]["bias"].spec == P(None)
@@ -312,7 +335,8 @@ def test_nnx_state_gives_named_shardings(mesh_dm):
     # One sharding per Variable: a valid out_shardings prefix of the State.
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     assert jax.tree.structure(s) == jax.tree.structure(
-        jax.tree.map(lambda v: 0, state, is_leaf=is_var))
+        jax.tree.map(lambda v: 0, state, is_leaf=is_var)
+    )
 
 
 def test_nnx_state_respects_path_rules(mesh_dm):
@@ -325,10 +349,12 @@ def test_nnx_state_respects_path_rules(mesh_dm):
 
 # ----------------------------------------------------------------------------- presets
 
+
 def _head_tree():
     box = nn.LogicallyPartitioned(sds(16, 8), ("embed", "classes"))
-    return {"params": {"head": {"kernel": box, "bias": sds(8)},
-                       "stem": {"kernel": sds(3, 3, 3, 64)}}}
+    return {
+        "params": {"head": {"kernel": box, "bias": sds(8)}, "stem": {"kernel": sds(3, 3, 3, 64)}}
+    }
 
 
 def test_auto_preset_on_data_mesh_shards_no_params():
@@ -352,8 +378,12 @@ def test_auto_preset_on_hybrid_mesh_puts_head_over_model(mesh_dm):
 
 
 def test_hybrid_preset_shards_stage3_convs(mesh_dm):
-    tree = {"params": {"stage3_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}},
-                       "stage1_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}}}}
+    tree = {
+        "params": {
+            "stage3_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}},
+            "stage1_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}},
+        }
+    }
     s = infer_shardings(tree, preset_rules("hybrid", mesh_dm), mesh_dm)
     assert s["params"]["stage3_block0"]["conv2"]["kernel"].spec == P(None, None, None, "model")
     assert s["params"]["stage1_block0"]["conv2"]["kernel"].is_fully_replicated
@@ -366,8 +396,7 @@ def test_unknown_preset(mesh_dm):
 
 
 def test_rules_add_keeps_priority_order(mesh_dm):
-    a = Rules(path=((r"w", ("data", None)),), logical=(("classes", "model"),),
-              fsdp_min_size=100)
+    a = Rules(path=((r"w", ("data", None)),), logical=(("classes", "model"),), fsdp_min_size=100)
     b = Rules(path=((r"w", (None, "model")),), logical=(("classes", None),), fsdp_min_size=10)
     ab, ba = a + b, b + a
     assert ab.path == a.path + b.path
@@ -379,17 +408,22 @@ def test_rules_add_keeps_priority_order(mesh_dm):
     assert infer_shardings(tree, ab, mesh_dm)["w"].spec == P("data", None)
     assert infer_shardings(tree, ba, mesh_dm)["w"].spec == P(None, "model")
     box_tree = {"k": nn.LogicallyPartitioned(sds(16, 8), ("embed", "classes"))}
-    assert infer_shardings(box_tree, Rules(logical=a.logical) + Rules(logical=b.logical),
-                           mesh_dm)["k"].spec == P(None, "model")
-    assert infer_shardings(box_tree, Rules(logical=b.logical) + Rules(logical=a.logical),
-                           mesh_dm)["k"].spec == P(None, None)
+    assert infer_shardings(box_tree, Rules(logical=a.logical) + Rules(logical=b.logical), mesh_dm)[
+        "k"
+    ].spec == P(None, "model")
+    assert infer_shardings(box_tree, Rules(logical=b.logical) + Rules(logical=a.logical), mesh_dm)[
+        "k"
+    ].spec == P(None, None)
 
 
 # ----------------------------------------------------------------------------- shard_batch
 
+
 def test_shard_batch_makes_global_arrays(mesh_dfm):
-    batch = {"image": np.arange(8 * 2 * 2 * 1, dtype=np.uint8).reshape(8, 2, 2, 1),
-             "label": np.arange(8, dtype=np.int32)}
+    batch = {
+        "image": np.arange(8 * 2 * 2 * 1, dtype=np.uint8).reshape(8, 2, 2, 1),
+        "label": np.arange(8, dtype=np.int32),
+    }
     out = shard_batch(batch, mesh_dfm)
     for k, x in batch.items():
         y = out[k]

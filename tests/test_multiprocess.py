@@ -31,9 +31,16 @@ def _free_port() -> int:
 def test_two_processes_match_one_device(mesh):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    procs = [subprocess.Popen([sys.executable, str(WORKER), port, str(i), mesh], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), port, str(i), mesh],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     for p in procs:
         try:
@@ -50,4 +57,5 @@ def test_two_processes_match_one_device(mesh):
         assert o["head_local_shards"] == 4  # each process holds only its own shards
         np.testing.assert_allclose(o["losses"], single["losses"], rtol=1e-4, atol=1e-5)
     assert outs[0]["head_sum"] == pytest.approx(
-        float(np.sum(jax.device_get(single["state"].params["head"]["kernel"]))), rel=1e-4, abs=1e-5)
+        float(np.sum(jax.device_get(single["state"].params["head"]["kernel"]))), rel=1e-4, abs=1e-5
+    )

@@ -22,14 +22,19 @@ def small_params():
     rng = np.random.default_rng(0)
     return {
         "conv": {"kernel": jnp.asarray(rng.normal(size=(3, 3, 2, 4)), jnp.float32)},
-        "dense": {"kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
-                  "bias": jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
-        "bn": {"scale": jnp.asarray(1.0 + rng.normal(size=(4,)), jnp.float32),
-               "bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32)},
+        "dense": {
+            "kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+            "bias": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+        },
+        "bn": {
+            "scale": jnp.asarray(1.0 + rng.normal(size=(4,)), jnp.float32),
+            "bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32),
+        },
     }
 
 
 # ----------------------------------------------------------------------------- optim
+
 
 def test_decay_mask_kernels_only():
     mask = decay_mask(small_params())
@@ -39,9 +44,11 @@ def test_decay_mask_kernels_only():
 
 
 def test_decay_mask_on_shapes():
-    tree = {"k4": jax.ShapeDtypeStruct((3, 3, 8, 8), jnp.float32),
-            "k2": jax.ShapeDtypeStruct((8, 8), jnp.float32),
-            "b": jax.ShapeDtypeStruct((8,), jnp.float32)}
+    tree = {
+        "k4": jax.ShapeDtypeStruct((3, 3, 8, 8), jnp.float32),
+        "k2": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+        "b": jax.ShapeDtypeStruct((8,), jnp.float32),
+    }
     assert decay_mask(tree) == {"k4": True, "k2": True, "b": False}
 
 
@@ -57,8 +64,13 @@ def test_peak_lr_uses_batch_base():
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
 def test_schedule_warmup_then_decay(schedule):
-    cfg = optim_cfg(schedule=schedule, base_lr=0.1, warmup_epochs=2.0, warmup_start_factor=0.1,
-                    end_lr_factor=0.01)
+    cfg = optim_cfg(
+        schedule=schedule,
+        base_lr=0.1,
+        warmup_epochs=2.0,
+        warmup_start_factor=0.1,
+        end_lr_factor=0.01,
+    )
     spe, total, batch = 10, 100, 512
     peak = 0.1 * batch / 256
     s = make_schedule(cfg, batch, spe, total)
@@ -149,12 +161,16 @@ def test_lars_zero_grads_moves_only_kernels():
 
 # ----------------------------------------------------------------------------- precision
 
-@pytest.mark.parametrize("compute,params,output", [
-    ("float32", "float32", "float32"),
-    ("bfloat16", "float32", "float32"),
-    ("float16", "float32", "float16"),
-    ("bfloat16", "bfloat16", "bfloat16"),
-])
+
+@pytest.mark.parametrize(
+    "compute,params,output",
+    [
+        ("float32", "float32", "float32"),
+        ("bfloat16", "float32", "float32"),
+        ("float16", "float32", "float16"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+    ],
+)
 def test_make_policy_names_to_dtypes(compute, params, output):
     p = make_policy(compute=compute, params=params, output=output)
     assert isinstance(p, Policy)
@@ -175,8 +191,7 @@ def test_needs_loss_scale_follows_compute_dtype_only():
     assert not make_policy(compute="bfloat16", params="float16").needs_loss_scale
 
 
-@pytest.mark.parametrize("kw", [dict(compute="fp16"), dict(params="float64"),
-                                dict(output="half")])
+@pytest.mark.parametrize("kw", [dict(compute="fp16"), dict(params="float64"), dict(output="half")])
 def test_make_policy_unknown_dtype(kw):
     with pytest.raises(ConfigError) as e:
         make_policy(**kw)

@@ -36,21 +36,32 @@ BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 
 def _batches():
     rng = np.random.default_rng(0)
-    return [{"image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), np.uint8),
-             "label": rng.integers(0, CLASSES, (BATCH,), np.int32)} for _ in range(STEPS)]
+    return [
+        {
+            "image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), np.uint8),
+            "label": rng.integers(0, CLASSES, (BATCH,), np.int32),
+        }
+        for _ in range(STEPS)
+    ]
 
 
 def _step_and_state(mesh):
     """The tiny ResNet's jitted train step and initial state, placed by the auto preset."""
     model = ResNetTiny(num_classes=CLASSES)
-    tx = optax.chain(optax.add_decayed_weights(1e-4, mask=decay_mask),
-                     optax.sgd(0.1, momentum=0.9, nesterov=True))
+    tx = optax.chain(
+        optax.add_decayed_weights(1e-4, mask=decay_mask),
+        optax.sgd(0.1, momentum=0.9, nesterov=True),
+    )
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
-    state, shardings, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh,
-                                               jax.random.key(0))
+    state, shardings, _ = create_sharded_state(
+        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
+    )
     step = jit_train_step(
         make_train_step(model, tx, Policy(), lambda s: 0.1, mean=(127.5,) * 3, std=(64.0,) * 3),
-        shardings, mesh, {"image": 4, "label": 1})
+        shardings,
+        mesh,
+        {"image": 4, "label": 1},
+    )
     return step, state, shardings
 
 
@@ -61,8 +72,12 @@ def _train(spec, devices):
     for batch in _batches():
         state, metrics = step(state, shard_batch(batch, mesh))
         losses.append(metrics["loss"])
-    return {"mesh": mesh, "state": state, "shardings": shardings,
-            "losses": np.asarray(jax.device_get(losses))}
+    return {
+        "mesh": mesh,
+        "state": state,
+        "shardings": shardings,
+        "losses": np.asarray(jax.device_get(losses)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -145,36 +160,49 @@ def test_fsdp_resnet50_an_eighth_per_device():
     mesh = make_mesh("fsdp:8")
     model = ResNet50(num_classes=1000)
     tx = optax.sgd(0.1, momentum=0.9)
-    abstract = jax.eval_shape(make_init_fn(model, tx, (1, 224, 224, 3),
-                                           LossScale.create(dynamic=False)), jax.random.key(0))
+    abstract = jax.eval_shape(
+        make_init_fn(model, tx, (1, 224, 224, 3), LossScale.create(dynamic=False)),
+        jax.random.key(0),
+    )
     shardings = infer_shardings(abstract, preset_rules("auto", mesh), mesh)
     leaves = jax.tree.leaves(meta.unbox(abstract))
     total = sum(x.size * x.dtype.itemsize for x in leaves)
-    held = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
-               for x, s in zip(leaves, jax.tree.leaves(shardings)))
+    held = sum(
+        math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+        for x, s in zip(leaves, jax.tree.leaves(shardings))
+    )
     assert total / 8 <= held <= total / 8 * 1.01, held / total
 
 
-@pytest.mark.xfail(strict=True, reason="XLA SPMD bug (jax 0.10.2): wrong input gradient of a "
-                   "strided conv whose kernel is split over fsdp (in) and model (out) after a "
-                   "model-split activation; the FSDP pass avoids that layout. When this XPASSes, "
-                   "XLA is fixed and the pass may use either layout.")
+@pytest.mark.xfail(
+    strict=True,
+    reason="XLA SPMD bug (jax 0.10.2): wrong input gradient of a "
+    "strided conv whose kernel is split over fsdp (in) and model (out) after a "
+    "model-split activation; the FSDP pass avoids that layout. When this XPASSes, "
+    "XLA is fixed and the pass may use either layout.",
+)
 def test_xla_strided_conv_gradient_bug_is_still_there():
     mesh = make_mesh("data:2,fsdp:2,model:2")
     rng = np.random.default_rng(0)
-    x, w1, w2 = (rng.normal(size=s).astype(np.float32)
-                 for s in [(16, 4, 4, 16), (1, 1, 16, 32), (1, 1, 32, 64)])
+    x, w1, w2 = (
+        rng.normal(size=s).astype(np.float32)
+        for s in [(16, 4, 4, 16), (1, 1, 16, 32), (1, 1, 32, 64)]
+    )
 
     def conv(x, w, stride):
-        return jax.lax.conv_general_dilated(x, w, (stride, stride), "VALID",
-                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.lax.conv_general_dilated(
+            x, w, (stride, stride), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
 
     def loss(ws, x):
         return jnp.sum(jnp.tanh(conv(jax.nn.relu(conv(x, ws[0], 1)), ws[1], 2)) * jnp.arange(64.0))
 
     want = jax.grad(loss)((w1, w2), x)
-    shard = (NamedSharding(mesh, P(None, None, None, "model")),
-             NamedSharding(mesh, P(None, None, "fsdp", "model")))
+    shard = (
+        NamedSharding(mesh, P(None, None, None, "model")),
+        NamedSharding(mesh, P(None, None, "fsdp", "model")),
+    )
     got = jax.jit(jax.grad(loss), in_shardings=(shard, NamedSharding(mesh, P(("data", "fsdp")))))(
-        (w1, w2), x)
+        (w1, w2), x
+    )
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-3)

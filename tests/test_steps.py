@@ -11,8 +11,14 @@ from hybridpar.input.arrays import eval_batches
 from hybridpar.models import ResNetTiny
 from hybridpar.precision import LossScale, Policy, make_policy
 from hybridpar.state import create_sharded_state, make_init_fn
-from hybridpar.steps import (cross_entropy, jit_eval_step, jit_train_step, make_eval_step,
-                             make_train_step, normalize)
+from hybridpar.steps import (
+    cross_entropy,
+    jit_eval_step,
+    jit_train_step,
+    make_eval_step,
+    make_train_step,
+    normalize,
+)
 
 SIZE, CLASSES = 8, 10
 MEAN, STD = (127.5,) * 3, (64.0,) * 3
@@ -20,35 +26,44 @@ MEAN, STD = (127.5,) * 3, (64.0,) * 3
 
 def _setup(mesh_spec, policy=Policy(), loss_scale=None, devices=None):
     mesh = make_mesh(mesh_spec, devices)
-    model = ResNetTiny(num_classes=CLASSES, dtype=policy.compute_dtype,
-                       param_dtype=policy.param_dtype)
+    model = ResNetTiny(
+        num_classes=CLASSES, dtype=policy.compute_dtype, param_dtype=policy.param_dtype
+    )
     tx = optax.sgd(0.05, momentum=0.9)
     loss_scale = loss_scale or LossScale.create(dynamic=False)
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), loss_scale)
-    state, shardings, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh,
-                                               jax.random.key(0))
+    state, shardings, _ = create_sharded_state(
+        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
+    )
     return mesh, model, tx, state, shardings
 
 
 def _batch(n, seed=0):
     rng = np.random.default_rng(seed)
-    return {"image": rng.integers(0, 256, (n, SIZE, SIZE, 3), np.uint8),
-            "label": rng.integers(0, CLASSES, (n,), np.int32)}
+    return {
+        "image": rng.integers(0, 256, (n, SIZE, SIZE, 3), np.uint8),
+        "label": rng.integers(0, CLASSES, (n,), np.int32),
+    }
 
 
 def test_eval_counts_each_example_once_with_padding():
     mesh, model, _, state, shardings = _setup("data:8")
     data = _batch(37)  # 37 = 2 full batches of 16 + 5, so the last batch is mostly padding
-    step = jit_eval_step(make_eval_step(model, Policy(), mean=MEAN, std=STD), shardings, mesh,
-                         {"image": 4, "label": 1, "mask": 1})
+    step = jit_eval_step(
+        make_eval_step(model, Policy(), mean=MEAN, std=STD),
+        shardings,
+        mesh,
+        {"image": 4, "label": 1, "mask": 1},
+    )
     sums = None
     for b in eval_batches(data, 16):
         out = step(state, shard_batch(b, mesh))
         sums = out if sums is None else jax.tree.map(jnp.add, sums, out)
     # Reference: all 37 at once on the host's default device, no padding at all.
     params = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
-    logits = np.asarray(model.apply(params, normalize(data["image"], MEAN, STD, jnp.float32),
-                                    train=False))
+    logits = np.asarray(
+        model.apply(params, normalize(data["image"], MEAN, STD, jnp.float32), train=False)
+    )
     top5 = np.argsort(-logits, axis=1)[:, :5]
     assert float(sums["count"]) == 37
     assert float(sums["top1_sum"]) == np.sum(logits.argmax(1) == data["label"])
@@ -62,17 +77,22 @@ def test_bfloat16_compute_keeps_float32_params_and_tracks_float32_loss():
     for name in ("float32", "bfloat16"):
         policy = make_policy(name)
         mesh, model, tx, state, shardings = _setup("data:4,model:2", policy)
-        step = jit_train_step(make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN,
-                                              std=STD), shardings, mesh, {"image": 4, "label": 1})
+        step = jit_train_step(
+            make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN, std=STD),
+            shardings,
+            mesh,
+            {"image": 4, "label": 1},
+        )
         state, metrics = step(state, shard_batch(_batch(16), mesh))
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.params))
         assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(state.batch_stats))
         assert metrics["loss"].dtype == jnp.float32
         losses[name] = float(metrics["loss"])
         if name == "bfloat16":  # the model really computes in bfloat16
-            out = jax.eval_shape(lambda p: model.apply(p, jnp.zeros((2, SIZE, SIZE, 3)),
-                                                       train=False),
-                                 {"params": state.params, "batch_stats": state.batch_stats})
+            out = jax.eval_shape(
+                lambda p: model.apply(p, jnp.zeros((2, SIZE, SIZE, 3)), train=False),
+                {"params": state.params, "batch_stats": state.batch_stats},
+            )
             assert out.dtype == jnp.bfloat16
     assert losses["bfloat16"] == pytest.approx(losses["float32"], rel=2e-2)
 
@@ -82,9 +102,14 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
     assert policy.needs_loss_scale
     # A scale of 2**127 overflows float32 in the scaled loss itself: the gradients are inf/nan.
     mesh, model, tx, state, shardings = _setup(
-        "data:8", policy, LossScale.create(dynamic=True, initial=2.0**127, period=2))
-    step = jit_train_step(make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN, std=STD),
-                          shardings, mesh, {"image": 4, "label": 1})
+        "data:8", policy, LossScale.create(dynamic=True, initial=2.0**127, period=2)
+    )
+    step = jit_train_step(
+        make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN, std=STD),
+        shardings,
+        mesh,
+        {"image": 4, "label": 1},
+    )
     before = jax.device_get(state.params)
     state, metrics = step(state, shard_batch(_batch(16), mesh))
     assert not bool(metrics["grads_finite"])
@@ -101,6 +126,8 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
             break
     assert applied == 3 and np.isfinite(float(metrics["loss"]))
     assert float(state.loss_scale.scale) < 2.0**126
-    changed = any(not np.array_equal(a, b) for a, b in
-                  zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before)))
+    changed = any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before))
+    )
     assert changed

@@ -17,10 +17,19 @@ DIGITS = str(ROOT / "experiments" / "digits.py")
 
 
 def _run(args, devices=8, timeout=600):
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "hybridpar.train", *args], env=env,
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar.train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def _records(workdir):
@@ -33,8 +42,12 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
     # Before the first step: the mesh, the placement table and the compiled step's memory.
-    assert out.index("mesh: data=") < out.index("placement") < out.index("per-device memory") \
+    assert (
+        out.index("mesh: data=")
+        < out.index("placement")
+        < out.index("per-device memory")
         < out.index("train step")
+    )
     records = _records(tmp_path)
     events = {rec["event"] for rec in records}
     assert {"compile", "train", "eval"} <= events
@@ -51,16 +64,26 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
     assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tb").iterdir())
 
 
-@pytest.mark.parametrize("args,expect", [
-    (["--config.mesh_typo=data:8"], "no config key 'mesh_typo'; did you mean 'mesh'"),
-    (["--config.mesh=data:3"], "needs 3 devices but 8 are available"),
-    (["--config.mesh=data:8", "--config.global_batch=60"],
-     "global_batch=60 does not divide over the 8 data-parallel devices"),
-    (["--config.mesh=data:8", "--config.partitioning.rules=((r'head/kernel$', (None, 'data')),)"],
-     "array 'params/head/kernel' with shape (128, 10): dimension 1 (size 10) does not divide "
-     "mesh axis 'data' (size 8)"),
-    (["--config.partitioning.preset=hybrd"], "unknown partitioning preset 'hybrd'"),
-])
+@pytest.mark.parametrize(
+    "args,expect",
+    [
+        (["--config.mesh_typo=data:8"], "no config key 'mesh_typo'; did you mean 'mesh'"),
+        (["--config.mesh=data:3"], "needs 3 devices but 8 are available"),
+        (
+            ["--config.mesh=data:8", "--config.global_batch=60"],
+            "global_batch=60 does not divide over the 8 data-parallel devices",
+        ),
+        (
+            [
+                "--config.mesh=data:8",
+                "--config.partitioning.rules=((r'head/kernel$', (None, 'data')),)",
+            ],
+            "array 'params/head/kernel' with shape (128, 10): dimension 1 (size 10) does not "
+            "divide mesh axis 'data' (size 8)",
+        ),
+        (["--config.partitioning.preset=hybrd"], "unknown partitioning preset 'hybrd'"),
+    ],
+)
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
     r = _run(["--config", DIGITS, "--workdir", str(tmp_path), *args])
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
@@ -81,9 +104,34 @@ def test_missing_config_and_unwritable_workdir(tmp_path):
 
 
 def test_diverging_run_stops_and_keeps_its_records(tmp_path):
-    r = _run(["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
-              "--config.optim.base_lr=1e30", "--config.num_epochs=1"])
+    r = _run(
+        [
+            "--config",
+            DIGITS,
+            "--workdir",
+            str(tmp_path),
+            "--config.mesh=data:8",
+            "--config.optim.base_lr=1e30",
+            "--config.num_epochs=1",
+        ]
+    )
     assert r.returncode == 2 and "non-finite loss" in r.stderr, r.stderr[-2000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["completed"]
     assert any(rec["event"] == "compile" for rec in _records(tmp_path))
+
+
+def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
+    """The full ResNet-50 config (bfloat16, SGD + Nesterov, label smoothing) on synthetic
+    data, shrunk to 3 steps at 32 px: it builds, shards, compiles and trains."""
+    cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
+    r = _run(["--config", cfg, "--workdir", str(tmp_path), "--config.mesh=data:2,fsdp:2,model:2",
+              "--config.data.image_size=32", "--config.global_batch=16",
+              "--config.eval_batch=16", "--config.data.train_examples=48",
+              "--config.data.eval_examples=16", "--config.num_epochs=1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "('model', 'fsdp')" in r.stdout  # hybrid and FSDP both in force
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["completed"] and summary["steps"] == 3
+    assert summary["final_eval"]["examples"] == 16
+    assert summary["memory_per_device_bytes"]["total"] > 0
