@@ -48,15 +48,42 @@ def base_config() -> ml_collections.ConfigDict:
 
     c.data = ml_collections.ConfigDict(
         dict(
+            # "digits" (scikit-learn, in memory), "synthetic" (random, in memory), "images"
+            # (prepared TFRecords: a tar or folder in SPLIT/CLASS/FILE layout), "tfds" (a
+            # tensorflow-datasets dataset).
             name="synthetic",
             image_size=224,
             num_classes=1000,
             channels=3,
+            # synthetic only: the nominal size of an epoch
             train_examples=4096,
             eval_examples=1024,
             # Normalisation on the device, in 0..255 pixel units (ImageNet statistics).
             mean=(123.675, 116.28, 103.53),
             std=(58.395, 57.12, 57.375),
+            # images: tars or folders to prepare (comma-separated) and where the prepared
+            # records live; an empty prepared_dir means ~/.cache/hybridpar/<source names>.
+            source="",
+            prepared_dir="",
+            # Reduced copies to prepare besides the full one (longest side in px, comma-
+            # separated, e.g. "160" as MoXing's 128-px stages used): the cache level on disk.
+            reduced_copies="",
+            reduced_quality=90,
+            # tfds: dataset name (or builder directory), data_dir, and manual_dir for
+            # datasets such as imagenet2012 that are built from downloaded tars.
+            tfds_name="",
+            tfds_data_dir="",
+            tfds_manual_dir="",
+            train_split="train",
+            eval_split="test",
+            # Train transform: random-resized crop (fused into JPEG decoding) and flip.
+            min_scale=0.08,
+            # Eval transform: centre crop of this fraction of the shorter side, resized.
+            eval_crop_ratio=0.875,
+            ram_cache=False,  # keep encoded bytes in RAM after the first epoch
+            shuffle_buffer=16384,
+            prefetch=2,  # global batches placed on the devices ahead of the step
+            threads=0,  # tf.data threads; 0: as many as cores
         )
     )
     c.global_batch = 256

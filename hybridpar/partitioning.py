@@ -28,7 +28,8 @@ import numpy as np
 from flax import nnx
 from flax.core import meta
 from flax.linen.spmd import LogicallyPartitioned
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import BATCH_AXES

@@ -22,7 +22,8 @@ from ml_collections import config_flags
 from hybridpar import partitioning
 from hybridpar.config import load_config, validate
 from hybridpar.errors import ConfigError
-from hybridpar.input import arrays
+from hybridpar.input.datasets import make_data
+from hybridpar.input.prefetch import prefetch_to_mesh
 from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.models import create_model
@@ -51,58 +52,6 @@ def rules_from_config(c, mesh) -> partitioning.Rules:
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
     return rules
-
-
-def make_data(c, pi: int, pc: int):
-    """Returns (train_batches(epoch), eval_batches(), steps_per_epoch, num_eval, image shape)."""
-    d = c.data
-    if d.name == "digits":
-        if d.channels != 1:
-            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
-        train, test = arrays.load_digits(d.image_size)
-        spe = arrays.steps_per_epoch(train, c.global_batch)
-    elif d.name == "synthetic":
-        # A pool of random images stands in for an epoch of train_examples.
-        train = arrays.synthetic(
-            min(d.train_examples, 4 * c.global_batch),
-            d.image_size,
-            d.num_classes,
-            c.seed,
-            d.channels,
-        )
-        test = arrays.synthetic(
-            min(d.eval_examples, 2 * c.eval_batch),
-            d.image_size,
-            d.num_classes,
-            c.seed + 1,
-            d.channels,
-        )
-        spe = max(d.train_examples // c.global_batch, 1)
-    else:
-        raise ConfigError(
-            f"data.name={d.name!r}: use 'digits' or 'synthetic' (image folders, "
-            "tars and tfds datasets arrive with the input pipeline)"
-        )
-
-    def train_batches(epoch):
-        done, cycle = 0, 0
-        while done < spe:  # the synthetic pool is cycled to make a nominal epoch
-            for b in arrays.train_batches(
-                train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc
-            ):
-                if done == spe:
-                    return
-                done += 1
-                yield b
-            cycle += 1
-
-    return (
-        train_batches,
-        lambda: arrays.eval_batches(test, c.eval_batch, pi, pc),
-        spe,
-        len(test["label"]),
-        (d.image_size, d.image_size, d.channels),
-    )
 
 
 def check_workdir(workdir: str) -> None:
@@ -160,7 +109,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     log(describe_mesh(mesh))
 
     # ---- Data --------------------------------------------------------------------------------
-    train_batches, eval_batches, spe, num_eval, image_shape = make_data(config, pi, pc)
+    data = make_data(config, pi, pc)
+    spe, image_shape = data.steps_per_epoch, data.image_shape
     total_steps = max(int(round(config.num_epochs * spe)), 1)
     eval_every = max(int(round(config.eval_every_epochs * spe)), 1)
 
@@ -238,6 +188,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     log(mem_text)
 
     writer = MetricsWriter(workdir, start)
+    writer.write("data", 0, 0.0, **data.info)
     writer.write("compile", 0, 0.0, compile_s=round(compile_s, 3), memory_per_device_bytes=mem)
     log(
         f"compiled train and eval steps in {compile_s:.1f}s; training {total_steps} steps "
@@ -247,13 +198,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # ---- Loop ----------------------------------------------------------------------------------
     def evaluate(step):
         sums = None
-        for batch in eval_batches():
-            out = eval_step(state, partitioning.shard_batch(batch, mesh))
+        for batch in prefetch_to_mesh(data.eval_batches(), mesh, config.data.prefetch):
+            out = eval_step(state, batch)
             sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
         sums = jax.device_get(sums)
         n = float(sums["count"])
-        if round(n) != num_eval:
-            raise AssertionError(f"eval counted {n} examples, expected {num_eval}")
+        if round(n) != data.num_eval:
+            raise AssertionError(f"eval counted {n} examples, expected {data.num_eval}")
         rec = writer.write(
             "eval",
             step,
@@ -276,8 +227,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     try:
         while step < total_steps:
             epoch = step // spe
-            for batch in train_batches(epoch):
-                state, metrics = train_step(state, partitioning.shard_batch(batch, mesh))
+            batches = data.train_batches(epoch, start_step=step - epoch * spe)
+            for batch in prefetch_to_mesh(batches, mesh, config.data.prefetch):
+                state, metrics = train_step(state, batch)
                 pending.append(metrics)
                 step += 1
                 now = time.time()

@@ -15,7 +15,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from test_parity import _train
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from flax.core import meta
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from hybridpar import FSDP, infer_shardings, make_mesh, preset_rules, shard_batch
 from hybridpar.models import ResNet50, ResNetTiny

@@ -125,13 +125,57 @@ def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
     """The full ResNet-50 config (bfloat16, SGD + Nesterov, label smoothing) on synthetic
     data, shrunk to 3 steps at 32 px: it builds, shards, compiles and trains."""
     cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
-    r = _run(["--config", cfg, "--workdir", str(tmp_path), "--config.mesh=data:2,fsdp:2,model:2",
-              "--config.data.image_size=32", "--config.global_batch=16",
-              "--config.eval_batch=16", "--config.data.train_examples=48",
-              "--config.data.eval_examples=16", "--config.num_epochs=1"])
+    r = _run(
+        [
+            "--config",
+            cfg,
+            "--workdir",
+            str(tmp_path),
+            "--config.mesh=data:2,fsdp:2,model:2",
+            "--config.data.image_size=32",
+            "--config.global_batch=16",
+            "--config.eval_batch=16",
+            "--config.data.train_examples=48",
+            "--config.data.eval_examples=16",
+            "--config.num_epochs=1",
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "('model', 'fsdp')" in r.stdout  # hybrid and FSDP both in force
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 3
     assert summary["final_eval"]["examples"] == 16
     assert summary["memory_per_device_bytes"]["total"] > 0
+
+
+DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
+
+
+@pytest.mark.skipif(
+    not (DATA / "cifar10-jpeg" / "test.tar").is_file(),
+    reason=f"shared data not found in {DATA} (set HYBRIDPAR_DATA)",
+)
+def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path):
+    """experiments/cifar10.py on 8 devices, from a JPEG tar: prepared on first use, then
+    tf.data batches as global arrays. test.tar stands in for both splits to keep CI short."""
+    tar = DATA / "cifar10-jpeg" / "test.tar"
+    args = [
+        "--config",
+        str(ROOT / "experiments" / "cifar10.py"),
+        "--workdir",
+        str(tmp_path / "w"),
+        f"--config.data.source={tar}",
+        f"--config.data.prepared_dir={tmp_path / 'prep'}",
+        "--config.data.train_split=test",
+        "--config.num_epochs=0.1",
+        "--config.eval_every_epochs=1",
+        "--config.mesh=data:4,model:2",
+    ]
+    r = _run(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = _records(tmp_path / "w")
+    data = next(rec for rec in records if rec["event"] == "data")
+    assert data["train_examples"] == data["eval_examples"] == 10000 and data["skipped"] == 0
+    evals = [rec for rec in records if rec["event"] == "eval"]
+    assert evals[-1]["examples"] == 10000 and 0.0 <= evals[-1]["top1"] <= 1.0
+    assert (tmp_path / "prep" / "manifest.json").is_file()

@@ -1,0 +1,177 @@
+"""Input throughput: our tf.data train transform vs a plain PIL loader, on real ImageNet photos.
+
+    python bench/input_pipeline.py [--images 2000] [--repeats 3] [--workers 2]
+
+Data: ``$HYBRIDPAR_DATA/imagenet-sample/train.tar`` (1,000 real ImageNet photos, median
+500x375), prepared once into a temp dir with the full copy and reduced copies of longest side
+160 (serves 128 px) and 280 (serves 224 px). Each measurement decodes ``--images`` images
+(the 1,000 repeated) at 128 and 224 px on all cores:
+
+* ``tfdata/full``: random-resized crop fused into JPEG decoding, from the original bytes;
+* ``tfdata/reduced``: the same from the reduced copy (MoXing's "data compression" level);
+* ``pil``: the reference a user would write: decode the whole image with PIL, random-resized
+  crop, resize (bilinear), flip, in a multiprocessing pool of the same number of processes.
+
+Loaders run interleaved, median of repeats. The last line starts with the best ratio at
+128 px (ours / PIL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import os
+import random
+import statistics
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
+# Assumed, not measured here: MLPerf's 8 x H200 ResNet-50 result is about 7,700 images/s per
+# GPU at 224 px (GUIDE section 5); at 128 px a step costs about (128/224)^2 of the FLOPs, so
+# about 3x that rate.
+GPU_RATE = {224: 7700, 128: 7700 * 3}
+
+
+def pil_sample(args):
+    """Decode the whole image, random-resized crop (torchvision's sampling), resize, flip."""
+    from PIL import Image
+
+    path, size, seed = args
+    rng = random.Random(seed)
+    with Image.open(path) as im:
+        im = im.convert("RGB")
+        w, h = im.size
+        area = w * h
+        for _ in range(10):
+            target = area * rng.uniform(0.08, 1.0)
+            ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+            cw, ch = round(math.sqrt(target * ratio)), round(math.sqrt(target / ratio))
+            if 0 < cw <= w and 0 < ch <= h:
+                x, y = rng.randint(0, w - cw), rng.randint(0, h - ch)
+                break
+        else:  # centre crop, as torchvision falls back
+            cw = ch = min(w, h)
+            x, y = (w - cw) // 2, (h - ch) // 2
+        im = im.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+        if rng.random() < 0.5:
+            im = im.transpose(Image.FLIP_LEFT_RIGHT)
+        return np.asarray(im, np.uint8).shape
+
+
+def time_pil(pool, paths, size, n, epoch):
+    jobs = [(paths[i % len(paths)], size, epoch * n + i) for i in range(n)]
+    t0 = time.perf_counter()
+    for _ in pool.imap_unordered(pil_sample, jobs, chunksize=16):
+        pass
+    return n / (time.perf_counter() - t0)
+
+
+def time_tfdata(pipe, size, n, copy, batch=50):
+    t0 = time.perf_counter()
+    done, epoch = 0, 0
+    while done < n:
+        for b in pipe.train_batches(epoch, image_size=size, global_batch=batch, copy=copy):
+            done += len(b["label"])
+            if done >= n:
+                break
+        epoch += 1
+    return done / (time.perf_counter() - t0)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--images", type=int, default=2000, help="images per measurement")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--workers", type=int, default=os.cpu_count(), help="cores to use")
+    args = p.parse_args()
+    tar = DATA / "imagenet-sample" / "train.tar"
+    if not tar.is_file():
+        raise SystemExit(f"error: {tar} not found; set HYBRIDPAR_DATA to the shared data folder")
+
+    from hybridpar.input.pipeline import ImagePipeline
+    from hybridpar.input.prepare import prepare
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_input_"))
+    with tarfile.open(tar) as t:  # the PIL loader reads the original files from disk
+        t.extractall(tmp / "files", filter="data")
+    paths = sorted(str(f) for f in (tmp / "files").rglob("*") if f.is_file())
+    t0 = time.perf_counter()
+    prepare(
+        [str(tar)],
+        str(tmp / "prepared"),
+        copies=(None, 160, 280),
+        workers=args.workers,
+        examples_per_shard=128,
+        progress=False,
+    )
+    prep_s = time.perf_counter() - t0
+    pipe = ImagePipeline(
+        str(tmp / "prepared"),
+        "train",
+        seed=0,
+        process_index=0,
+        process_count=1,
+        ram_cache=True,
+        threads=args.workers,
+    )
+    sizes = {"full": pipe.copy_for(10_000)}
+    print(
+        f"{len(paths)} photos; prepared in {prep_s:.1f}s (copies {sorted(pipe.info['copies'])}); "
+        f"{args.workers} workers on {os.cpu_count()} cores; {args.images} images x "
+        f"{args.repeats} repeats per cell; RAM cache on (file reads excluded for both loaders: "
+        "the OS caches the originals too)"
+    )
+
+    loaders = [(s, name) for s in (128, 224) for name in ("tfdata/full", "tfdata/reduced", "pil")]
+    rates = {k: [] for k in loaders}
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        for s in (128, 224):  # warm-up: caches filled, graphs traced, pool started
+            time_tfdata(pipe, s, 200, "full")
+            time_tfdata(pipe, s, 200, pipe.copy_for(s))
+            time_pil(pool, paths, s, 64, 0)
+        for r in range(args.repeats):
+            for s, name in loaders:
+                if name == "pil":
+                    rate = time_pil(pool, paths, s, args.images, r + 1)
+                else:
+                    copy = "full" if name == "tfdata/full" else pipe.copy_for(s)
+                    rate = time_tfdata(pipe, s, args.images, copy)
+                rates[(s, name)].append(rate)
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(
+        f"{'size':>4}  {'loader':<15} {'copy':<6} {'img/s':>8} {'img/s/core':>10} "
+        f"{'vs pil':>6} {'cores/GPU':>9}"
+    )
+    for s, name in loaders:
+        copy = {"tfdata/full": sizes["full"], "tfdata/reduced": pipe.copy_for(s)}.get(name, "orig")
+        per_core = med[(s, name)] / args.workers
+        print(
+            f"{s:>4}  {name:<15} {copy:<6} {med[(s, name)]:>8.0f} {per_core:>10.0f} "
+            f"{med[(s, name)] / med[(s, 'pil')]:>6.2f} {GPU_RATE[s] / per_core:>9.0f}"
+        )
+    best128 = max(med[(128, n)] for n in ("tfdata/full", "tfdata/reduced")) / med[(128, "pil")]
+    best224 = max(med[(224, n)] for n in ("tfdata/full", "tfdata/reduced")) / med[(224, "pil")]
+    print(
+        f"(cores/GPU: an assumed {GPU_RATE[224]} img/s per GPU at 224 px and "
+        f"{GPU_RATE[128]} at 128 px, ResNet-50 on an H200 as in MLPerf; not measured here)"
+    )
+    print(
+        f"best_ratio_128={best128:.2f} best_ratio_224={best224:.2f} "
+        f"tfdata_reduced_128={med[(128, 'tfdata/reduced')]:.0f} "
+        f"tfdata_full_128={med[(128, 'tfdata/full')]:.0f} pil_128={med[(128, 'pil')]:.0f} "
+        f"tfdata_reduced_224={med[(224, 'tfdata/reduced')]:.0f} "
+        f"tfdata_full_224={med[(224, 'tfdata/full')]:.0f} pil_224={med[(224, 'pil')]:.0f} "
+        f"workers={args.workers} images={args.images} repeats={args.repeats}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""One entry point from the ``data`` config section to host-local batches.
+
+``make_data(config, process_index, process_count)`` returns a ``Data``: train batches per
+epoch, eval batches, steps per epoch and facts for the run's records. The kinds:
+
+* ``digits``, ``synthetic``: in memory (``arrays.py``), no download, no TensorFlow.
+* ``images``: tars or folders in the SPLIT/CLASS/FILE layout, prepared once into TFRecords
+  (``prepare.py``) and read by the tf.data pipeline (``pipeline.py``).
+* ``tfds``: a tensorflow-datasets dataset, read by the same pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Callable, Iterator
+
+from hybridpar.errors import ConfigError
+from hybridpar.input import arrays
+
+
+@dataclasses.dataclass
+class Data:
+    train_batches: Callable[..., Iterator[dict]]  # (epoch, start_step=0) -> host batches
+    eval_batches: Callable[[], Iterator[dict]]
+    steps_per_epoch: int
+    num_eval: int
+    image_shape: tuple[int, int, int]
+    info: dict  # recorded as the run's "data" event
+
+
+def make_data(c, pi: int, pc: int) -> Data:
+    d = c.data
+    shape = (d.image_size, d.image_size, d.channels)
+    if d.name in ("digits", "synthetic"):
+        return _in_memory(c, pi, pc, shape)
+    if d.name in ("images", "tfds"):
+        if d.channels != 3:
+            raise ConfigError(f"data.name={d.name} decodes RGB images: set data.channels=3")
+        return _pipeline(c, pi, pc, shape)
+    raise ConfigError(f"data.name={d.name!r}: use 'digits', 'synthetic', 'images' or 'tfds'")
+
+
+def _in_memory(c, pi, pc, shape) -> Data:
+    d = c.data
+    if d.name == "digits":
+        if d.channels != 1:
+            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
+        train, test = arrays.load_digits(d.image_size)
+        spe = arrays.steps_per_epoch(train, c.global_batch)
+    else:  # a pool of random images stands in for an epoch of train_examples
+        pool = min(d.train_examples, 4 * c.global_batch)
+        train = arrays.synthetic(pool, d.image_size, d.num_classes, c.seed, d.channels)
+        test = arrays.synthetic(
+            min(d.eval_examples, 2 * c.eval_batch),
+            d.image_size,
+            d.num_classes,
+            c.seed + 1,
+            d.channels,
+        )
+        spe = max(d.train_examples // c.global_batch, 1)
+
+    def train_batches(epoch, start_step=0):
+        done, cycle = 0, 0
+        while done < spe:  # the synthetic pool is cycled to make a nominal epoch
+            for b in arrays.train_batches(
+                train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc
+            ):
+                if done == spe:
+                    return
+                if done >= start_step:
+                    yield b
+                done += 1
+            cycle += 1
+
+    return Data(
+        train_batches,
+        lambda: arrays.eval_batches(test, c.eval_batch, pi, pc),
+        spe,
+        len(test["label"]),
+        shape,
+        {
+            "source": d.name,
+            "train_examples": len(train["label"]),
+            "eval_examples": len(test["label"]),
+        },
+    )
+
+
+def default_prepared_dir(sources: list[str]) -> str:
+    """``~/.cache/hybridpar/<names>-<hash of the absolute paths>``: one cache per source set."""
+    key = hashlib.sha1("\n".join(os.path.abspath(s) for s in sources).encode()).hexdigest()[:10]
+    names = "-".join(os.path.basename(s.rstrip("/")).split(".")[0] for s in sources)[:60]
+    root = os.environ.get(
+        "HYBRIDPAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hybridpar")
+    )
+    return os.path.join(root, f"{names}-{key}")
+
+
+def _pipeline(c, pi, pc, shape) -> Data:
+    from hybridpar.input.pipeline import ImagePipeline
+
+    d = c.data
+    common = dict(
+        seed=c.seed,
+        process_index=pi,
+        process_count=pc,
+        ram_cache=d.ram_cache,
+        shuffle_buffer=d.shuffle_buffer,
+        eval_crop_ratio=d.eval_crop_ratio,
+        threads=d.threads or None,
+    )
+    if d.name == "images":
+        prepared = _ensure_prepared(d)
+        train = ImagePipeline(prepared, d.train_split, **common)
+        test = ImagePipeline(prepared, d.eval_split, **common)
+    else:
+        from hybridpar.input.tfds_source import TfdsPipeline
+
+        kw = dict(data_dir=d.tfds_data_dir or None, manual_dir=d.tfds_manual_dir or None)
+        train = TfdsPipeline(d.tfds_name, d.train_split, **kw, **common)
+        test = TfdsPipeline(d.tfds_name, d.eval_split, **kw, **common)
+    if train.num_classes != d.num_classes:
+        raise ConfigError(
+            f"the data has {train.num_classes} classes but data.num_classes={d.num_classes}; "
+            f"set --config.data.num_classes={train.num_classes}"
+        )
+    spe = train.steps_per_epoch(c.global_batch)
+    if spe == 0:
+        raise ConfigError(
+            f"split {d.train_split!r} has {train.num_examples} examples, fewer than one global "
+            f"batch of {c.global_batch} per epoch; lower global_batch"
+        )
+
+    def train_batches(epoch, start_step=0):
+        return train.train_batches(
+            epoch,
+            image_size=d.image_size,
+            global_batch=c.global_batch,
+            min_scale=d.min_scale,
+            start_step=start_step,
+        )
+
+    def eval_batches():
+        return test.eval_batches(image_size=d.image_size, global_batch=c.eval_batch)
+
+    info = {
+        "source": d.source or d.tfds_name,
+        "train_examples": train.num_examples,
+        "eval_examples": test.num_examples,
+        "skipped": train.skipped + test.skipped,
+        "converted": train.converted + test.converted,
+    }
+    return Data(train_batches, eval_batches, spe, test.num_examples, shape, info)
+
+
+def _ensure_prepared(d) -> str:
+    """The prepared directory, preparing the sources first if they are not yet."""
+    from hybridpar.input import records
+
+    sources = [s.strip() for s in d.source.split(",") if s.strip()]
+    prepared = d.prepared_dir or (default_prepared_dir(sources) if sources else "")
+    if not prepared:
+        raise ConfigError(
+            "data.name=images needs data.source (tars or folders in SPLIT/CLASS/FILE layout) "
+            "or data.prepared_dir (the output of `python -m hybridpar.input.prepare`)"
+        )
+    have = set()
+    if os.path.isfile(os.path.join(prepared, records.MANIFEST)):
+        have = set(records.load_manifest(prepared)["splits"])
+    if sources and not {d.train_split, d.eval_split} <= have:
+        from hybridpar.input.prepare import prepare
+
+        copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
+        print(
+            f"preparing {', '.join(sources)} into {prepared} (once; later runs reuse it)",
+            flush=True,
+        )
+        prepare(sources, prepared, copies=copies, quality=d.reduced_quality)
+    return prepared

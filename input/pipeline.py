@@ -1,0 +1,372 @@
+"""The tf.data pipeline over a prepared split (``hybridpar.input.records`` format).
+
+``ImagePipeline`` yields host-local numpy batches with the same contract as
+``hybridpar.input.arrays`` (``image`` uint8 NHWC, ``label`` int32, eval adds ``mask``
+float32 1/0); ``hybridpar.partitioning.shard_batch`` (or ``input/prefetch.py``'s ``prefetch_to_mesh``) turns
+them into global arrays. The cache levels, from slowest to fastest:
+
+1. prepared shards chosen by the current image size (``records.choose_copy``: a 128-px
+   stage reads the reduced 160-px copy, decoding far fewer pixels);
+2. RAM (``ram_cache=True``): the parsed, still-encoded records of each copy, kept for the
+   life of the pipeline, so later epochs and curriculum stages do no file I/O;
+3. ``input/prefetch.py``: the next N global batches already on the devices.
+
+Per-host sharding: host ``p`` of ``P`` reads shard files ``p, p+P, ...`` (disjoint), shuffles
+them with a seed from (seed, epoch, p), and crops each example with a stateless seed from
+(seed, epoch, p, position in the epoch), so a given (seed, epoch, step) is always the same
+batch: ``train_batches(..., start_step=k)`` resumes an epoch exactly. Every host knows every
+host's example count from the manifest, so all agree on the number of steps.
+
+The pre-shuffle order is fixed (files cycled round-robin, in order), so ``ram_cache`` does not
+change any batch; the shuffle buffer does the mixing.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import tensorflow as tf
+
+from hybridpar.errors import ConfigError
+from hybridpar.input import records
+from hybridpar.input.transforms import eval_transform, train_transform
+
+# The same process runs JAX on the GPUs: TensorFlow must not claim them (this fails, and is
+# harmless, once TensorFlow has initialised its devices).
+try:
+    tf.config.set_visible_devices([], "GPU")
+except (RuntimeError, ValueError):
+    pass
+
+AUTOTUNE = tf.data.AUTOTUNE
+_MAX_CYCLE = 64  # shard files read round-robin at once (each holds a read buffer)
+_READ_BUFFER = 256 * 1024  # bytes per open shard file
+
+
+def _stream_seed(*parts: int) -> int:
+    """A non-negative int63 from integers (independent streams for independent tags)."""
+    state = np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1])) & (2**63 - 1)
+
+
+_TAG_SHUFFLE, _TAG_AUGMENT = 1, 2
+
+
+def _read(filename):
+    return tf.data.TFRecordDataset(filename, buffer_size=_READ_BUFFER)
+
+
+def _parse(serialized):
+    ex = tf.io.parse_single_example(serialized, records.feature_spec())
+    return {"image": ex["image"], "label": tf.cast(ex["label"], tf.int32), "id": ex["id"]}
+
+
+class ImagePipeline:
+    """Train and eval batches of one prepared split, for this host."""
+
+    def __init__(
+        self,
+        prepared_dir: str,
+        split: str,
+        *,
+        seed: int = 0,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        ram_cache: bool = False,
+        shuffle_buffer: int = 16384,
+        eval_crop_ratio: float = 0.875,
+        threads: int | None = None,
+    ):
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= process_index < process_count:
+            raise ConfigError(
+                f"process_index {process_index} is not in 0..{process_count - 1} (process_count)"
+            )
+        self.prepared_dir = prepared_dir
+        self.split = split
+        self.seed = int(seed)
+        self.process_index = int(process_index)
+        self.process_count = int(process_count)
+        self.ram_cache = bool(ram_cache)
+        self.shuffle_buffer = int(shuffle_buffer)
+        self.eval_crop_ratio = float(eval_crop_ratio)
+        self.threads = threads
+
+        self._load_layout(prepared_dir, split)
+        self.num_classes = len(self.classes)
+        self.host_examples = self.host_counts[self.process_index]
+        self._caches: dict[tuple[str, str], tf.data.Dataset] = {}
+
+    # ---- layout ------------------------------------------------------------------------
+
+    def _load_layout(self, prepared_dir: str, split: str) -> None:
+        """Classes, example counts and each host's share, from the manifest."""
+        manifest = records.load_manifest(prepared_dir)
+        self.info = records.split_info(manifest, split, prepared_dir)
+        self.classes = list(self.info["classes"])
+        self.num_examples = int(self.info["num_examples"])
+        self.skipped = len(self.info.get("skipped", []))
+        self.converted = len(self.info.get("converted", []))
+
+        copies = self.info.get("copies") or {}
+        if not copies:
+            raise ConfigError(
+                f"split {split!r} in {prepared_dir!r} lists no copies in its manifest; "
+                "prepare it again with `python -m hybridpar.input.prepare`"
+            )
+        # Every copy holds the same examples in the same shard layout (records.py), so the
+        # per-host counts are the same whichever copy an epoch reads; check that they are.
+        counts = {name: [int(s["num_examples"]) for s in c["shards"]] for name, c in copies.items()}
+        ref_name = "full" if "full" in counts else min(counts)
+        ref = counts[ref_name]
+        for name, c in counts.items():
+            if c != ref:
+                raise ConfigError(
+                    f"copies {ref_name!r} and {name!r} of split {split!r} in {prepared_dir!r} "
+                    "have different shard layouts; prepare the split again"
+                )
+        if len(ref) < self.process_count:
+            raise ConfigError(
+                f"split {split!r} in {prepared_dir!r} has {len(ref)} shard files but there are "
+                f"{self.process_count} processes; every process needs at least one file: "
+                "prepare it again with more shards (--shards)"
+            )
+        self.host_counts = [sum(ref[p :: self.process_count]) for p in range(self.process_count)]
+
+    def copy_for(self, image_size: int) -> str:
+        """The prepared copy that serves ``image_size`` (smallest reduced one, else ``full``)."""
+        return records.choose_copy(self.info, int(image_size))
+
+    def files(self, copy: str) -> list[str]:
+        """This host's shard files of ``copy``: ``shards[process_index::process_count]``."""
+        shards = self.info["copies"][copy]["shards"]
+        return [
+            os.path.join(self.prepared_dir, s["file"])
+            for s in shards[self.process_index :: self.process_count]
+        ]
+
+    def _per_host(self, global_batch: int) -> int:
+        global_batch = int(global_batch)
+        if global_batch < 1 or global_batch % self.process_count:
+            raise ConfigError(
+                f"global batch {global_batch} does not divide over {self.process_count} "
+                "processes; make it a positive multiple of the process count"
+            )
+        return global_batch // self.process_count
+
+    def steps_per_epoch(self, global_batch: int) -> int:
+        """Full global batches per epoch: the same on every host (the smallest host decides)."""
+        per = self._per_host(global_batch)
+        return min(n // per for n in self.host_counts)
+
+    def eval_steps(self, global_batch: int) -> int:
+        """Batches that cover every host's examples (the largest host decides; padded)."""
+        per = self._per_host(global_batch)
+        return max(math.ceil(n / per) for n in self.host_counts)
+
+    # ---- datasets ----------------------------------------------------------------------
+
+    def _options(self) -> tf.data.Options:
+        opts = tf.data.Options()
+        opts.deterministic = True
+        if self.threads:
+            opts.threading.private_threadpool_size = int(self.threads)
+            opts.threading.max_intra_op_parallelism = 1
+        return opts
+
+    def _records(self, copy: str, ordered: bool, cache: bool = True) -> tf.data.Dataset:
+        """Parsed records (encoded image bytes) of this host's files of ``copy``.
+
+        ``ordered``: file after file (eval); else files cycled round-robin (train).
+        With ``ram_cache`` the dataset is built once per (copy, order) and kept, so its
+        in-memory cache outlives epochs and curriculum changes.
+        """
+        cache = cache and self.ram_cache
+        key = (copy, "ordered" if ordered else "cycled")
+        if cache and key in self._caches:
+            return self._caches[key]
+        files = self.files(copy)
+        ds = tf.data.Dataset.from_tensor_slices(files)
+        if ordered:
+            ds = ds.interleave(
+                _read,
+                cycle_length=1,
+                num_parallel_calls=AUTOTUNE,
+                deterministic=True,
+            )
+        else:
+            ds = ds.interleave(
+                _read,
+                cycle_length=min(len(files), _MAX_CYCLE),
+                block_length=1,
+                num_parallel_calls=AUTOTUNE,
+                deterministic=True,
+            )
+        ds = ds.map(_parse, num_parallel_calls=AUTOTUNE, deterministic=True)
+        if cache:
+            ds = ds.cache()
+            self._caches[key] = ds
+        return ds
+
+    def _epoch_order(self, copy: str, epoch: int, cache: bool = True) -> tf.data.Dataset:
+        """(position, record) pairs in this host's training order of ``epoch``."""
+        ds = self._records(copy, ordered=False, cache=cache)
+        shuffle_seed = _stream_seed(self.seed, epoch, self.process_index, _TAG_SHUFFLE)
+        ds = ds.shuffle(
+            max(1, min(self.shuffle_buffer, self.host_examples)),
+            seed=shuffle_seed,
+            reshuffle_each_iteration=False,
+        )
+        return ds.enumerate()
+
+    def train_dataset(
+        self,
+        epoch: int,
+        *,
+        image_size: int,
+        global_batch: int,
+        min_scale: float = 0.08,
+        start_step: int = 0,
+        copy: str | None = None,
+    ) -> tf.data.Dataset:
+        """The ``tf.data.Dataset`` behind ``train_batches`` (batches ``start_step..``).
+
+        ``copy`` forces a prepared copy (e.g. ``"full"`` to measure what the reduced copy
+        saves); by default the smallest copy that serves ``image_size``.
+        """
+        per = self._per_host(global_batch)
+        steps = self.steps_per_epoch(global_batch)
+        if steps == 0:
+            raise ConfigError(
+                f"global batch {global_batch} ({per} per host) is larger than the "
+                f"{min(self.host_counts)} training examples of the smallest host; lower it"
+            )
+        if not 0 <= start_step <= steps:
+            raise ConfigError(f"start_step {start_step} is not in 0..{steps} (steps per epoch)")
+        copy = copy or self.copy_for(image_size)
+        augment_key = _stream_seed(self.seed, epoch, self.process_index, _TAG_AUGMENT)
+        ds = self._epoch_order(copy, epoch)
+        # Skip / stop on positions before any decoding. Positions (hence crop seeds) are those
+        # of an uninterrupted epoch, so resuming at start_step gives the same batches.
+        begin, end = start_step * per, steps * per
+        if begin:
+            ds = ds.skip(begin)
+        if self.ram_cache:
+            # A filter still reads the input to its end, which completes the RAM cache.
+            ds = ds.filter(lambda pos, ex: pos < end)
+        else:
+            ds = ds.take(end - begin)
+        image_size, min_scale = int(image_size), float(min_scale)
+
+        def transform(pos, ex):
+            seed = tf.stack([tf.constant(augment_key, tf.int64), pos])
+            image = train_transform(ex["image"], seed, image_size, min_scale=min_scale)
+            return {"image": image, "label": ex["label"]}
+
+        ds = ds.map(transform, num_parallel_calls=AUTOTUNE, deterministic=True)
+        ds = ds.batch(per, drop_remainder=True)
+        return ds.prefetch(AUTOTUNE).with_options(self._options())
+
+    def train_batches(
+        self,
+        epoch: int,
+        *,
+        image_size: int,
+        global_batch: int,
+        min_scale: float = 0.08,
+        start_step: int = 0,
+        copy: str | None = None,
+    ) -> Iterator[dict]:
+        """Host-local batches ``start_step..steps_per_epoch-1`` of ``epoch``:
+        ``{"image": uint8 [B, S, S, 3], "label": int32 [B]}``, B = global_batch // processes.
+
+        Image size, batch and crop scale may differ from call to call (curriculum stages).
+        """
+        ds = self.train_dataset(
+            epoch,
+            image_size=image_size,
+            global_batch=global_batch,
+            min_scale=min_scale,
+            start_step=start_step,
+            copy=copy,
+        )
+        return _drain_ahead(ds)
+
+    def eval_dataset(
+        self, *, image_size: int, global_batch: int, with_ids: bool = False
+    ) -> tf.data.Dataset:
+        """The ``tf.data.Dataset`` behind ``eval_batches``."""
+        per = self._per_host(global_batch)
+        steps = self.eval_steps(global_batch)
+        image_size = int(image_size)
+        crop_ratio = self.eval_crop_ratio
+        ds = self._records(self.copy_for(image_size), ordered=True)
+
+        def transform(ex):
+            out = {
+                "image": eval_transform(ex["image"], image_size, crop_ratio),
+                "label": ex["label"],
+                "mask": tf.constant(1.0, tf.float32),
+            }
+            if with_ids:
+                out["id"] = ex["id"]
+            return out
+
+        ds = ds.map(transform, num_parallel_calls=AUTOTUNE, deterministic=True)
+        pad = steps * per - self.host_examples
+        if pad:
+            blank = {
+                "image": tf.zeros([image_size, image_size, 3], tf.uint8),
+                "label": tf.constant(0, tf.int32),
+                "mask": tf.constant(0.0, tf.float32),
+            }
+            if with_ids:
+                blank["id"] = tf.constant(-1, tf.int64)
+            ds = ds.concatenate(tf.data.Dataset.from_tensors(blank).repeat(pad))
+        ds = ds.batch(per, drop_remainder=True)
+        return ds.prefetch(AUTOTUNE).with_options(self._options())
+
+    def eval_batches(
+        self, *, image_size: int, global_batch: int, with_ids: bool = False
+    ) -> Iterator[dict]:
+        """Exactly ``eval_steps`` host-local batches: every example of this host's files once,
+        in file order, then padding (zero image, label 0, ``mask`` 0).
+
+        ``with_ids`` adds ``id`` (int64, -1 for padding), for checks.
+        """
+        ds = self.eval_dataset(image_size=image_size, global_batch=global_batch, with_ids=with_ids)
+        return _drain_ahead(ds)
+
+    def examples(self, epoch: int) -> Iterator[tuple[int, int]]:
+        """This host's ``(id, label)`` pairs in the training order of ``epoch`` (no decoding).
+
+        All of this host's examples; an epoch trains on the first
+        ``steps_per_epoch(global_batch) * per_host_batch`` of them.
+        """
+        # The smallest copy (fewest bytes to read): every copy has the same order.
+        ds = self._epoch_order(self.copy_for(0), epoch, cache=False)
+        ds = ds.map(lambda pos, ex: (ex["id"], ex["label"]), num_parallel_calls=AUTOTUNE)
+        ds = ds.prefetch(AUTOTUNE).with_options(self._options())
+        for i, label in ds.as_numpy_iterator():
+            yield int(i), int(label)
+
+
+def _drain_ahead(ds: tf.data.Dataset) -> Iterator[dict]:
+    """Yields ``ds``'s batches as numpy, reading one batch ahead: the input is at its end when
+    the last batch is handed out, so a RAM cache is complete even if the consumer stops
+    pulling right after the last batch."""
+    it = ds.as_numpy_iterator()
+    prev = next(it, None)
+    while prev is not None:
+        cur = next(it, None)
+        if "label" in prev:
+            prev["label"] = prev["label"].astype(np.int32, copy=False)
+        yield prev
+        prev = cur

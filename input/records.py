@@ -1,0 +1,131 @@
+"""The prepared on-disk format: sharded TFRecord files plus ``manifest.json``.
+
+``python -m hybridpar.input.prepare`` writes it once; the pipeline reads it every epoch.
+
+Layout::
+
+    OUT/manifest.json
+    OUT/SPLIT/COPY/SPLIT-COPY-00000-of-00008.tfrecord
+
+``COPY`` is ``full`` (the original bytes, re-encoded only when they were not a clean RGB or
+grayscale JPEG) or ``{max_side}px`` (a reduced copy: longest side at most ``max_side`` px,
+re-encoded at ``quality``), MoXing's "training data compression" cache level. A reduced copy
+serves the image sizes up to ``serves_up_to`` (= max_side / serve_ratio, so a 160-px copy
+serves the 128-px stages), which keeps random-resized crops from upsampling much.
+
+Each record is a ``tf.train.Example`` with ``image`` (JPEG bytes), ``label`` (int64, index
+into the split's sorted class names), ``id`` (int64, the example's index in the split's
+sorted file list: unique, so tests can check every example is read once) and ``name``
+(the file's path relative to the split folder).
+
+``manifest.json``::
+
+    {"format": "hybridpar-tfrecord-v1",
+     "splits": {"train": {
+        "source": "/data/train.tar", "classes": ["airplane", ...], "num_examples": 50000,
+        "skipped": [{"name": "cat/12.jpg", "reason": "truncated JPEG"}, ...],
+        "converted": [{"name": "dog/3.jpg", "reason": "PNG content"}, ...],
+        "copies": {"full": {"max_side": null, "quality": null, "serves_up_to": null,
+                            "shards": [{"file": "train/full/train-full-00000-of-00049.tfrecord",
+                                        "num_examples": 1024}, ...]},
+                   "160px": {"max_side": 160, "quality": 90, "serves_up_to": 128,
+                             "shards": [...]}}}}}
+
+Shard ``i`` of every copy holds the same examples in the same order, so the copies are
+interchangeable at any epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hybridpar.errors import ConfigError
+
+FORMAT = "hybridpar-tfrecord-v1"
+MANIFEST = "manifest.json"
+
+
+def feature_spec():
+    import tensorflow as tf
+
+    return {
+        "image": tf.io.FixedLenFeature([], tf.string),
+        "label": tf.io.FixedLenFeature([], tf.int64),
+        "id": tf.io.FixedLenFeature([], tf.int64),
+        "name": tf.io.FixedLenFeature([], tf.string, default_value=""),
+    }
+
+
+def encode_example(image: bytes, label: int, example_id: int, name: str) -> bytes:
+    """One serialized ``tf.train.Example`` (used by prepare and by tests)."""
+    import tensorflow as tf
+
+    f = tf.train.Feature
+    return tf.train.Example(
+        features=tf.train.Features(
+            feature={
+                "image": f(bytes_list=tf.train.BytesList(value=[image])),
+                "label": f(int64_list=tf.train.Int64List(value=[label])),
+                "id": f(int64_list=tf.train.Int64List(value=[example_id])),
+                "name": f(bytes_list=tf.train.BytesList(value=[name.encode()])),
+            }
+        )
+    ).SerializeToString()
+
+
+def copy_name(max_side: int | None) -> str:
+    return "full" if max_side is None else f"{max_side}px"
+
+
+def load_manifest(prepared_dir: str) -> dict:
+    path = os.path.join(prepared_dir, MANIFEST)
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"no prepared data in {prepared_dir!r} (missing {MANIFEST}); prepare it once with "
+            f"`python -m hybridpar.input.prepare SOURCE --out {prepared_dir}` where SOURCE is a "
+            "tar or folder in the SPLIT/CLASS/FILE layout"
+        )
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"{path} is unreadable or corrupt ({e}); delete it and run "
+            "`python -m hybridpar.input.prepare` again (finished shards are kept)"
+        ) from None
+    if manifest.get("format") != FORMAT:
+        raise ConfigError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def split_info(manifest: dict, split: str, prepared_dir: str) -> dict:
+    splits = manifest.get("splits", {})
+    if split not in splits:
+        raise ConfigError(
+            f"split {split!r} is not prepared in {prepared_dir!r} (it has {sorted(splits)}); "
+            f"prepare it with `python -m hybridpar.input.prepare SOURCE --out {prepared_dir}`"
+        )
+    info = splits[split]
+    if info.get("num_examples", 0) == 0:
+        raise ConfigError(
+            f"split {split!r} in {prepared_dir!r} has no examples (source {info.get('source')!r} "
+            "held no readable images in SPLIT/CLASS/FILE layout); check the source and prepare again"
+        )
+    return info
+
+
+def choose_copy(info: dict, image_size: int) -> str:
+    """The smallest copy that serves ``image_size``; ``full`` when none does."""
+    best, best_side = "full", None
+    for name, copy in info["copies"].items():
+        up_to = copy.get("serves_up_to")
+        if up_to is not None and image_size <= up_to:
+            if best_side is None or copy["max_side"] < best_side:
+                best, best_side = name, copy["max_side"]
+    if best not in info["copies"]:
+        raise ConfigError(
+            f"no prepared copy serves image size {image_size} and there is no full-size copy; "
+            "prepare again with the full copy (--copies full,...)"
+        )
+    return best

@@ -1,0 +1,273 @@
+"""The tf.data pipeline over prepared TFRecords (input/pipeline.py, input/transforms.py).
+
+The prepared directory is written here with ``records.encode_example`` and a hand-written
+manifest (not by ``prepare``), so these tests pin the reader to the format in records.py.
+"""
+
+import io
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+from PIL import Image
+
+from hybridpar.errors import ConfigError
+from hybridpar.input import records
+from hybridpar.input import transforms as T
+from hybridpar.input.pipeline import ImagePipeline
+from hybridpar.input.prefetch import prefetch_to_mesh
+from hybridpar.mesh import make_mesh
+from hybridpar.partitioning import batch_sharding
+
+SHARD_SIZES = [24, 25, 26, 25, 27, 23, 25, 25]  # uneven, so hosts hold different counts
+N = sum(SHARD_SIZES)
+NUM_CLASSES = 10
+PNG_ID, GRAY_ID = 5, 17
+
+
+def _encode(array, fmt="JPEG"):
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def _image(rng, h, w):
+    """A smooth random-coloured picture (a 4x4 colour grid upsampled), so crops differ."""
+    small = rng.integers(0, 256, (4, 4, 3), np.uint8)
+    return np.asarray(Image.fromarray(small).resize((w, h), Image.BILINEAR))
+
+
+def _write_prepared(root):
+    rng = np.random.default_rng(0)
+    split = "train"
+    copies = {
+        "full": {"max_side": None, "quality": None, "serves_up_to": None, "shards": []},
+        "64px": {"max_side": 64, "quality": 90, "serves_up_to": 51, "shards": []},
+    }
+    writers, ex_id = {}, 0
+    for s, size in enumerate(SHARD_SIZES):
+        for copy in copies:
+            rel = f"{split}/{copy}/{split}-{copy}-{s:05d}-of-{len(SHARD_SIZES):05d}.tfrecord"
+            os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+            writers[copy] = tf.io.TFRecordWriter(os.path.join(root, rel))
+            copies[copy]["shards"].append({"file": rel, "num_examples": size})
+        for _ in range(size):
+            label = ex_id % NUM_CLASSES
+            h, w = (int(v) for v in rng.integers(20, 97, 2))
+            img = _image(rng, h, w)
+            if ex_id == GRAY_ID:
+                img = img[..., 0]
+            full = _encode(img, "PNG" if ex_id == PNG_ID else "JPEG")
+            small = Image.fromarray(img)
+            small.thumbnail((64, 64))
+            name = f"c{label}/{ex_id}.jpg"
+            writers["full"].write(records.encode_example(full, label, ex_id, name))
+            writers["64px"].write(
+                records.encode_example(_encode(np.asarray(small)), label, ex_id, name)
+            )
+            ex_id += 1
+        for wr in writers.values():
+            wr.close()
+    manifest = {
+        "format": records.FORMAT,
+        "splits": {
+            split: {
+                "source": "synthetic",
+                "classes": [f"c{i}" for i in range(NUM_CLASSES)],
+                "num_examples": N,
+                "skipped": [{"name": "c0/bad.jpg", "reason": "truncated JPEG"}],
+                "converted": [],
+                "copies": copies,
+            }
+        },
+    }
+    with open(os.path.join(root, records.MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("prepared"))
+    _write_prepared(root)
+    return root
+
+
+def _epoch(pipe, epoch=0, **kw):
+    kw = {"image_size": 32, "global_batch": 16, **kw}
+    return list(pipe.train_batches(epoch, **kw))
+
+
+def _same(a, b):
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x) for x, y in zip(a, b)
+    )
+
+
+def test_shapes_dtypes_and_training_order(prepared):
+    pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
+    assert (pipe.num_examples, pipe.num_classes, pipe.skipped, pipe.converted) == (N, 10, 1, 0)
+    assert pipe.steps_per_epoch(16) == N // 16
+    for size in (32, 64):
+        batches = _epoch(pipe, image_size=size)
+        assert len(batches) == N // 16
+        for b in batches:
+            assert set(b) == {"image", "label"}
+            assert b["image"].shape == (16, size, size, 3) and b["image"].dtype == np.uint8
+            assert b["label"].shape == (16,) and b["label"].dtype == np.int32
+        # The batches follow examples(epoch), the epoch's training order.
+        order = list(pipe.examples(0))[: len(batches) * 16]
+        np.testing.assert_array_equal(
+            np.concatenate([b["label"] for b in batches]), [label for _, label in order]
+        )
+    assert [i % NUM_CLASSES for i, _ in order] == [label for _, label in order]
+
+
+def test_determinism_epochs_and_exact_resume(prepared):
+    a = ImagePipeline(prepared, "train", seed=3, process_index=0, process_count=1)
+    b = ImagePipeline(prepared, "train", seed=3, process_index=0, process_count=1)
+    e0 = _epoch(a, 0)
+    assert _same(e0, _epoch(b, 0))
+    e1 = _epoch(a, 1)
+    assert not np.array_equal(e0[0]["image"], e1[0]["image"])
+    assert [i for i, _ in a.examples(0)] != [i for i, _ in a.examples(1)]
+    # Resuming at step k gives batches k.. of the uninterrupted epoch.
+    assert _same(_epoch(b, 0, start_step=5), e0[5:])
+    assert _epoch(b, 0, start_step=len(e0)) == []
+
+
+def test_two_hosts_read_disjoint_examples(prepared):
+    hosts = [ImagePipeline(prepared, "train", process_index=p, process_count=2) for p in (0, 1)]
+    assert set(hosts[0].files("full")).isdisjoint(hosts[1].files("full"))
+    assert hosts[0].steps_per_epoch(16) == hosts[1].steps_per_epoch(16)
+    assert hosts[0].eval_steps(16) == hosts[1].eval_steps(16)
+    for epoch in (0, 1):
+        ids = [[i for i, _ in h.examples(epoch)] for h in hosts]
+        assert set(ids[0]).isdisjoint(ids[1])
+        assert sorted(ids[0] + ids[1]) == list(range(N))
+    steps = hosts[0].steps_per_epoch(16)
+    assert steps == min(hosts[0].host_counts) // 8
+    batches = [_epoch(h, 0) for h in hosts]
+    assert all(len(b) == steps and b[0]["image"].shape[0] == 8 for b in batches)
+
+
+def test_eval_every_example_once_over_two_hosts(prepared):
+    seen, total_mask = [], 0.0
+    for p in (0, 1):
+        pipe = ImagePipeline(prepared, "train", process_index=p, process_count=2)
+        batches = list(pipe.eval_batches(image_size=32, global_batch=16, with_ids=True))
+        assert len(batches) == pipe.eval_steps(16) == -(-max(pipe.host_counts) // 8)
+        for b in batches:
+            assert b["image"].shape == (8, 32, 32, 3) and b["image"].dtype == np.uint8
+            assert b["label"].dtype == np.int32 and b["mask"].dtype == np.float32
+            real = b["mask"] == 1
+            assert set(np.unique(b["mask"])) <= {0.0, 1.0}
+            np.testing.assert_array_equal(b["label"][real], b["id"][real] % NUM_CLASSES)
+            assert not b["image"][~real].any() and not b["label"][~real].any()
+            assert (b["id"][~real] == -1).all()
+            seen += b["id"][real].tolist()
+            total_mask += b["mask"].sum()
+        # The ids of this host, in file order.
+        mine = [s for s in range(len(SHARD_SIZES)) if s % 2 == p]
+        starts = np.cumsum([0] + SHARD_SIZES)
+        expect = [i for s in mine for i in range(starts[s], starts[s + 1])]
+        assert seen[-len(expect) :] == expect
+    assert total_mask == N and sorted(seen) == list(range(N))
+
+
+def test_image_size_chooses_copy(prepared, tmp_path):
+    pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
+    assert pipe.copy_for(32) == pipe.copy_for(51) == "64px"
+    assert pipe.copy_for(52) == pipe.copy_for(224) == "full"
+    # Without the full copy's files, small stages still run and large ones cannot.
+    root = str(tmp_path / "p")
+    shutil.copytree(prepared, root)
+    shutil.rmtree(os.path.join(root, "train", "full"))
+    pipe = ImagePipeline(root, "train", process_index=0, process_count=1)
+    assert len(_epoch(pipe, image_size=32)) == N // 16
+    assert len(list(pipe.eval_batches(image_size=48, global_batch=16))) == -(-N // 16)
+    with pytest.raises(tf.errors.NotFoundError):
+        next(pipe.train_batches(0, image_size=64, global_batch=16))
+
+
+def test_ram_cache_same_batches_and_kept_across_epochs(prepared, tmp_path):
+    root = str(tmp_path / "p")
+    shutil.copytree(prepared, root)
+    plain = ImagePipeline(prepared, "train", process_index=0, process_count=1)
+    cached = ImagePipeline(root, "train", process_index=0, process_count=1, ram_cache=True)
+    # Stop pulling right after the last batch: the cache must be complete all the same.
+    it = cached.train_batches(0, image_size=32, global_batch=16)
+    first = [next(it) for _ in range(cached.steps_per_epoch(16))]
+    assert _same(first, _epoch(plain, 0))
+    shutil.rmtree(os.path.join(root, "train"))  # later epochs read RAM only
+    assert _same(
+        _epoch(cached, 1, global_batch=8, min_scale=0.5),
+        _epoch(plain, 1, global_batch=8, min_scale=0.5),
+    )
+    assert _same(_epoch(cached, 2, start_step=4), _epoch(plain, 2, start_step=4))
+
+
+def test_transforms_fused_and_fallback_decoders():
+    rng = np.random.default_rng(1)
+    img = _image(rng, 75, 120)
+    fn = tf.function(lambda b, s: T.train_transform(b, s, 40))
+    for data in (_encode(img), _encode(img, "PNG"), _encode(img[..., 0])):
+        x = fn(tf.constant(data), tf.constant([4, 2], tf.int32)).numpy()
+        assert x.shape == (40, 40, 3) and x.dtype == np.uint8
+        np.testing.assert_array_equal(x, fn(tf.constant(data), tf.constant([4, 2], tf.int32)))
+        assert not np.array_equal(x, fn(tf.constant(data), tf.constant([4, 3], tf.int32)))
+        e = T.eval_transform(tf.constant(data), 40).numpy()
+        assert e.shape == (40, 40, 3) and e.dtype == np.uint8
+    gray = T.train_transform(tf.constant(_encode(img[..., 0])), tf.constant([1, 1]), 16).numpy()
+    np.testing.assert_array_equal(gray[..., 0], gray[..., 2])
+    # Centre crop: a picture black on the left half and white on the right stays symmetric.
+    half = np.zeros((100, 200, 3), np.uint8)
+    half[:, 100:] = 255
+    for data in (_encode(half), _encode(half, "PNG")):
+        e = T.eval_transform(tf.constant(data), 32).numpy().astype(float)
+        assert e[:, :15].max() < 30 and e[:, 17:].min() > 225
+        assert np.abs(e[:, ::-1] - (255 - e)).max() <= 8
+
+
+def test_config_errors(prepared, tmp_path):
+    with pytest.raises(ConfigError, match="hybridpar.input.prepare"):
+        ImagePipeline(str(tmp_path / "missing"), "train", process_index=0, process_count=1)
+    with pytest.raises(ConfigError, match="not prepared"):
+        ImagePipeline(prepared, "validation", process_index=0, process_count=1)
+    pipe = ImagePipeline(prepared, "train", process_index=1, process_count=2)
+    with pytest.raises(ConfigError, match="divide"):
+        pipe.steps_per_epoch(15)
+    with pytest.raises(ConfigError, match="divide"):
+        pipe.train_batches(0, image_size=32, global_batch=15)
+    with pytest.raises(ConfigError, match="larger than"):
+        pipe.train_batches(0, image_size=32, global_batch=400)
+    with pytest.raises(ConfigError, match="shard files"):
+        ImagePipeline(prepared, "train", process_index=0, process_count=9)
+
+
+def test_prefetch_to_mesh(prepared):
+    mesh = make_mesh("data:8")
+    pipe = ImagePipeline(prepared, "train")  # process index/count from JAX
+    assert (pipe.process_index, pipe.process_count) == (0, 1)
+    expect = _epoch(pipe, 0)[:4]
+    got = list(prefetch_to_mesh(iter(expect), mesh, size=2))
+    assert len(got) == 4
+    for g, e in zip(got, expect):
+        for k in ("image", "label"):
+            assert isinstance(g[k], jax.Array)
+            assert g[k].sharding.is_equivalent_to(batch_sharding(mesh, e[k].ndim), e[k].ndim)
+            np.testing.assert_array_equal(np.asarray(g[k]), e[k])
+    # Errors in the producer reach the consumer; stopping early stops the producer.
+
+    def broken():
+        yield expect[0]
+        raise RuntimeError("reader broke")
+
+    with pytest.raises(RuntimeError, match="reader broke"):
+        list(prefetch_to_mesh(broken(), mesh))
+    gen = prefetch_to_mesh(pipe.train_batches(0, image_size=32, global_batch=16), mesh, size=1)
+    next(gen)
+    gen.close()

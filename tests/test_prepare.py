@@ -1,0 +1,332 @@
+"""hybridpar.input.prepare: SPLIT/CLASS/FILE folders and tars -> sharded TFRecords + manifest.
+
+Only the CIFAR-10 test needs the shared data; the rest build small image folders with PIL.
+Two calls start a pool of 2 worker processes (each imports TensorFlow, the largest cost);
+the others run in-process (one pending shard, or workers=1).
+"""
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hybridpar.errors import ConfigError
+from hybridpar.input import records
+from hybridpar.input.prepare import prepare
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TF loads, here and in the workers
+import tensorflow as tf
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
+CIFAR_CLASSES = [
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+]
+COPIES = (None, 160)
+PHOTOS = {  # name: (width, height, mode); the 160-px copy shrinks those over 160 px
+    "cat/wide.jpg": (400, 300, "RGB"),
+    "cat/tall.jpg": (300, 400, "RGB"),
+    "cat/just_over.jpg": (161, 100, "RGB"),
+    "dog/exact.jpg": (160, 120, "RGB"),
+    "dog/small.jpg": (100, 50, "RGB"),
+    "dog/gray.jpg": (320, 200, "L"),
+    "dog/strip.jpg": (900, 30, "RGB"),
+}
+JUNK = ["b/.DS_Store", "b/notes.txt", ".hidden/x.JPEG", "a/._good.JPEG"]
+
+
+def _image(w, h, mode="RGB", seed=0):
+    rng = np.random.default_rng(seed)
+    ramp = np.linspace(0, 200, w)[None, :, None] + rng.integers(0, 50, (h, w, 3))
+    return Image.fromarray(ramp.astype(np.uint8)).convert(mode)
+
+
+def _jpeg(img, **kw):
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", **kw)
+    return buf.getvalue()
+
+
+def _write(path, data):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def _make_odd(folder):
+    """One split of awkward files: the skipped, the converted and the kept-as-is."""
+    good = _jpeg(_image(64, 48, seed=1))
+    big = _jpeg(_image(200, 200, seed=2), quality=90)
+    png = io.BytesIO()
+    _image(50, 40, seed=3).save(png, "PNG")
+    files = {
+        "a/good.JPEG": good,
+        "a/truncated.JPEG": big[: len(big) * 6 // 10],
+        "a/empty.JPEG": b"",
+        "a/png.JPEG": png.getvalue(),
+        "b/cmyk.JPEG": _jpeg(_image(60, 30, "CMYK", seed=4)),
+        "b/gray.JPEG": _jpeg(_image(70, 90, "L", seed=5)),
+        "b/tiny.JPEG": _jpeg(_image(20, 20)),
+        "b/text.jpg": b"hello, I am not an image\n",
+    }
+    for name, data in files.items():
+        _write(folder / name, data)
+    for name in JUNK:
+        _write(folder / name, good)
+    return files
+
+
+def _read(out, files, single=False):
+    """Every record of the shard files, in order: a dict of numpy arrays.
+
+    ``single`` parses record by record in tf.data as the pipeline does; otherwise one eager
+    ``parse_example`` call, which skips tracing a function for each small read.
+    """
+    ds = tf.data.TFRecordDataset([str(Path(out) / f) for f in files])
+    if single:
+        ds = ds.map(lambda r: tf.io.parse_single_example(r, records.feature_spec()))
+        return next(ds.batch(1 << 20).as_numpy_iterator())
+    raw = [r.numpy() for r in ds]
+    return {k: v.numpy() for k, v in tf.io.parse_example(raw, records.feature_spec()).items()}
+
+
+def _mtimes(folder):
+    return {
+        str(p.relative_to(folder)): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """Two splits in one folder (photos: 7 synthetic photos; odd: awkward files)."""
+    root = tmp_path_factory.mktemp("small")
+    src, out = root / "src", root / "out"
+    for i, (name, (w, h, mode)) in enumerate(PHOTOS.items()):
+        _write(src / "photos" / name, _jpeg(_image(w, h, mode, seed=10 + i)))
+    odd = _make_odd(src / "odd")
+    manifest = prepare([src], out, copies=COPIES, examples_per_shard=3, workers=2, progress=False)
+    return src, out, manifest, odd
+
+
+def test_cifar10_test_tar_every_example_once_with_its_label(tmp_path):
+    tar_path = DATA / "cifar10-jpeg" / "test.tar"
+    if not tar_path.exists():
+        pytest.skip(f"shared data not found at {tar_path} (set HYBRIDPAR_DATA)")
+    manifest = prepare([tar_path], tmp_path, workers=2, progress=False)
+    assert manifest == records.load_manifest(str(tmp_path))
+    info = manifest["splits"]["test"]
+    assert info["classes"] == CIFAR_CLASSES
+    assert info["num_examples"] == 10_000 and info["skipped"] == [] and info["converted"] == []
+    shards = info["copies"]["full"]["shards"]
+    assert len(shards) == 10 and sum(s["num_examples"] for s in shards) == 10_000
+    rec = _read(tmp_path, [s["file"] for s in shards], single=True)
+    assert sorted(rec["id"].tolist()) == list(range(10_000))
+    names = [n.decode() for n in rec["name"]]
+    assert rec["label"].tolist() == [CIFAR_CLASSES.index(n.split("/")[0]) for n in names]
+    assert len(set(rec["label"][:1024].tolist())) == 10  # the shuffle mixes classes in a shard
+    with tarfile.open(tar_path) as tar:  # clean JPEGs are stored byte for byte
+        for i in range(3):
+            assert rec["image"][i] == tar.extractfile(f"test/{names[i]}").read()
+
+
+def test_reduced_copy_matches_full_shard_by_shard(small):
+    src, out, manifest, _ = small
+    info = manifest["splits"]["photos"]
+    assert info["classes"] == ["cat", "dog"] and info["num_examples"] == len(PHOTOS)
+    full, reduced = info["copies"]["full"], info["copies"]["160px"]
+    assert (full["max_side"], full["quality"], full["serves_up_to"]) == (None, None, None)
+    assert (reduced["max_side"], reduced["quality"], reduced["serves_up_to"]) == (160, 90, 128)
+    assert records.choose_copy(info, 128) == "160px" and records.choose_copy(info, 224) == "full"
+    assert len(full["shards"]) == 3
+    ids = []
+    for fs, rs in zip(full["shards"], reduced["shards"]):
+        assert fs["num_examples"] == rs["num_examples"]
+        f, r = _read(out, [fs["file"]]), _read(out, [rs["file"]])
+        assert f["id"].tolist() == r["id"].tolist() and f["label"].tolist() == r["label"].tolist()
+        ids += f["id"].tolist()
+        for name, big, little in zip(f["name"], f["image"], r["image"]):
+            name = name.decode()
+            assert big == (src / "photos" / name).read_bytes()
+            w, h, _ = PHOTOS[name]
+            hb, wb, _ = tf.io.decode_jpeg(big).shape
+            hs, ws, _ = tf.io.decode_jpeg(little, channels=3).shape
+            assert (wb, hb) == (w, h) and max(ws, hs) == min(160, max(w, h))
+            assert abs(ws / hs - w / h) < 0.1 * w / h  # the aspect ratio is kept
+            if max(w, h) <= 160:
+                assert little == big  # small enough already: the bytes are kept
+    assert sorted(ids) == list(range(len(PHOTOS)))  # id = index in the sorted file list
+    names = sorted(PHOTOS)
+    for fs in full["shards"]:
+        rec = _read(out, [fs["file"]])
+        assert [names[i] for i in rec["id"]] == [n.decode() for n in rec["name"]]
+
+
+def test_corrupt_files_are_skipped_or_converted_never_fatal(small):
+    _, out, manifest, files = small
+    info = manifest["splits"]["odd"]
+    assert info["classes"] == ["a", "b"]
+    skipped = {x["name"]: x["reason"] for x in info["skipped"]}
+    converted = {x["name"]: x["reason"] for x in info["converted"]}
+    assert set(skipped) == {"a/truncated.JPEG", "a/empty.JPEG", "b/text.jpg"}
+    assert skipped["a/empty.JPEG"] == "empty file" and "truncated" in skipped["a/truncated.JPEG"]
+    assert "not an image" in skipped["b/text.jpg"]
+    assert converted == {"a/png.JPEG": "PNG content", "b/cmyk.JPEG": "CMYK JPEG"}
+    kept = ["a/good.JPEG", "a/png.JPEG", "b/cmyk.JPEG", "b/gray.JPEG", "b/tiny.JPEG"]
+    assert info["num_examples"] == len(kept)
+    listed = sorted(files)  # junk (hidden, .txt) is not listed at all, so not in any list
+    for copy in info["copies"].values():
+        rec = _read(out, [s["file"] for s in copy["shards"]])
+        names = [n.decode() for n in rec["name"]]
+        assert sorted(names) == kept
+        assert [listed.index(n) for n in names] == rec["id"].tolist()
+        for name, data in zip(names, rec["image"]):
+            image = tf.io.decode_jpeg(data, channels=3)
+            assert image.shape[2] == 3
+            if name in ("b/gray.JPEG", "b/tiny.JPEG"):
+                assert data == files[name]  # grayscale and tiny JPEGs are valid: kept as they are
+            if name == "b/tiny.JPEG":
+                assert image.shape == (20, 20, 3)
+
+
+def test_images_over_the_pixel_limit_are_skipped(tmp_path, monkeypatch):
+    from hybridpar.input import prepare as module
+
+    limit = Image.MAX_IMAGE_PIXELS
+    monkeypatch.setattr(module, "MAX_PIXELS", 1000)  # stands in for 200 MP
+    for name, size in [("a/ok.jpg", (30, 30)), ("a/big.jpg", (40, 40)), ("a/bomb.jpg", (99, 99))]:
+        _write(tmp_path / "s" / name, _jpeg(_image(*size)))
+    info = prepare([tmp_path / "s"], tmp_path / "out", split="s", workers=1, progress=False)
+    assert info["splits"]["s"]["num_examples"] == 1
+    reasons = {x["name"]: x["reason"] for x in info["splits"]["s"]["skipped"]}
+    assert sorted(reasons) == ["a/big.jpg", "a/bomb.jpg"]  # 99x99 trips PIL's own check
+    assert all(r.startswith("over 1,000 pixels") for r in reasons.values())
+    assert Image.MAX_IMAGE_PIXELS == limit  # one shard ran in this process: PIL's limit is back
+
+
+def test_resume_rewrites_only_missing_shards(small, tmp_path):
+    src, done, manifest, _ = small
+    out = tmp_path / "out"
+    shutil.copytree(done, out)  # keeps mtimes
+    shards = manifest["splits"]["photos"]["copies"]
+    lost = out / shards["full"]["shards"][1]["file"]
+    old = out / shards["160px"]["shards"][0]["file"]
+    lost.unlink()
+    (out / (str(lost) + ".tmp")).write_bytes(b"half a shard from an interrupted run")
+    os.utime(old, ns=(10**18, 10**18))
+    before = _mtimes(out)
+    again = prepare([src], out, copies=COPIES, examples_per_shard=3, workers=2, progress=False)
+    after = _mtimes(out)
+    assert again == manifest
+    assert json.loads((out / records.MANIFEST).read_text()) == manifest
+    assert lost.exists() and not Path(str(lost) + ".tmp").exists()
+    assert after[str(old.relative_to(out))] == 10**18
+    shard1 = "00001-of-00003"
+    changed = {k for k in after if after[k] != before.get(k)}
+    assert changed - {records.MANIFEST} == {
+        f"photos/full/photos-full-{shard1}.tfrecord",
+        f"photos/160px/photos-160px-{shard1}.tfrecord",
+        f"photos/photos-{shard1}.json",
+    }
+    rewritten = _read(out, [shards["full"]["shards"][1]["file"]])
+    kept = _read(out, [shards["160px"]["shards"][1]["file"]])
+    assert rewritten["id"].tolist() == kept["id"].tolist()
+
+
+def test_tar_gz_and_split_folder_give_the_same_records(small, tmp_path):
+    src, done, manifest, _ = small
+    with tarfile.open(tmp_path / "odd.tar", "w") as tar:
+        tar.add(src / "odd", arcname=".")
+    with tarfile.open(tmp_path / "odd.tar.gz", "w:gz") as tar:
+        tar.add(src / "odd", arcname="odd")
+    with pytest.raises(ConfigError, match="--split"):  # a split folder without --split
+        prepare([src / "odd"], tmp_path / "x", progress=False)
+    want = dict(manifest["splits"]["odd"], source=None)
+    for source, split in [(tmp_path / "odd.tar", "odd"), (tmp_path / "odd.tar.gz", None)]:
+        out = tmp_path / f"out-{source.name}"
+        got = prepare(
+            [source],
+            out,
+            copies=COPIES,
+            examples_per_shard=3,
+            workers=1,
+            split=split,
+            progress=False,
+        )["splits"]["odd"]
+        assert dict(got, source=None) == want
+        for copy in want["copies"].values():
+            files = [s["file"] for s in copy["shards"]]
+            assert _read(out, files)["image"].tolist() == _read(done, files)["image"].tolist()
+        assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # staging gone
+    # A second split prepared into the same --out is merged into its manifest.
+    kwargs = {"copies": COPIES, "examples_per_shard": 3, "workers": 1, "progress": False}
+    prepare([src / "photos"], out, split="photos", **kwargs)
+    merged = records.load_manifest(str(out))["splits"]
+    assert sorted(merged) == ["odd", "photos"] and dict(merged["odd"], source=None) == want
+
+
+def test_changed_arguments_into_the_same_out_are_refused(small):
+    src, out, _, _ = small
+    before = _mtimes(out)
+    for kwargs, what in [
+        ({"seed": 1}, "seed"),
+        ({"copies": (None,)}, "copies"),
+        ({"examples_per_shard": 4}, "examples_per_shard"),
+        ({"quality": 80}, "quality"),
+    ]:
+        args = {"copies": COPIES, "examples_per_shard": 3, "workers": 2, "progress": False}
+        args |= kwargs
+        with pytest.raises(ConfigError, match=f"{what}.*new --out"):
+            prepare([src], out, **args)
+    assert _mtimes(out) == before
+
+
+def test_bad_sources_and_out_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        prepare([tmp_path / "missing.tar"], tmp_path / "out")
+    empty = tmp_path / "empty"
+    _write(empty / "train" / "cat" / "notes.txt", b"no images here")
+    with pytest.raises(ConfigError, match="SPLIT/CLASS/FILE"):
+        prepare([empty], tmp_path / "out")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="neither a folder nor a tar"):
+        prepare([tmp_path / "file"], tmp_path / "out")
+    _write(empty / "train" / "cat" / "x.jpg", _jpeg(_image(8, 8)))
+    with pytest.raises(ConfigError, match="cannot write"):
+        prepare([empty], tmp_path / "file")
+
+
+def test_cli_missing_source_prints_one_error_line(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridpar.input.prepare",
+            str(tmp_path / "nope.tar"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "nope.tar" in lines[0]

@@ -1,0 +1,41 @@
+"""tfds datasets through the same pipeline: a locally built dummy dataset (no download)."""
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+from hybridpar.errors import ConfigError
+from hybridpar.input.tfds_source import TfdsPipeline
+
+
+@pytest.fixture(scope="module")
+def builder_dir(tmp_path_factory):
+    b = tfds.testing.DummyMnist(data_dir=str(tmp_path_factory.mktemp("tfds")))
+    b.download_and_prepare()  # generated locally: 20 train + 20 test grayscale PNGs
+    return b.data_dir
+
+
+def test_hosts_split_the_data_and_batches_are_rgb_uint8(builder_dir):
+    hosts = [TfdsPipeline(builder_dir, "train", process_index=i, process_count=2) for i in (0, 1)]
+    assert [h.host_examples for h in hosts] == [10, 10]
+    assert hosts[0].num_classes == 10 and hosts[0].num_examples == 20
+    assert hosts[0].steps_per_epoch(8) == hosts[1].steps_per_epoch(8) == 2
+    batches = list(hosts[0].train_batches(0, image_size=24, global_batch=8))
+    assert len(batches) == 2
+    assert batches[0]["image"].shape == (4, 24, 24, 3) and batches[0]["image"].dtype == np.uint8
+    again = list(hosts[0].train_batches(0, image_size=24, global_batch=8))
+    np.testing.assert_array_equal(batches[1]["image"], again[1]["image"])
+    ids = [i for h in hosts for i, _ in h.examples(0)]
+    assert len(ids) == 10 + 10
+    # each host enumerates its own slice from 0; labels over both hosts cover the split
+    evals = [list(h.eval_batches(image_size=24, global_batch=16)) for h in hosts]
+    assert sum(float(b["mask"].sum()) for e in evals for b in e) == 20
+
+
+def test_unbuilt_dataset_says_how_to_build_it(tmp_path):
+    with pytest.raises(ConfigError, match="nothing may be downloaded"):
+        TfdsPipeline("mnist", "train", data_dir=str(tmp_path), process_index=0, process_count=1)
+    with pytest.raises(ConfigError, match="has no split"):
+        b = tfds.testing.DummyMnist(data_dir=str(tmp_path))
+        b.download_and_prepare()
+        TfdsPipeline(b.data_dir, "validation", process_index=0, process_count=1)
