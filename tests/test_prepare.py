@@ -20,6 +20,7 @@ from PIL import Image
 
 from hybridpar.errors import ConfigError
 from hybridpar.input import records
+from hybridpar.input.pipeline import ImagePipeline
 from hybridpar.input.prepare import prepare
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TF loads, here and in the workers
@@ -143,6 +144,38 @@ def test_cifar10_test_tar_every_example_once_with_its_label(tmp_path):
     with tarfile.open(tar_path) as tar:  # clean JPEGs are stored byte for byte
         for i in range(3):
             assert rec["image"][i] == tar.extractfile(f"test/{names[i]}").read()
+    # Read back through the pipeline as 2 hosts: disjoint, and every image once per epoch.
+    hosts = [ImagePipeline(str(tmp_path), "test", process_index=i, process_count=2) for i in (0, 1)]
+    seen = [[i for i, _ in h.examples(epoch=3)] for h in hosts]
+    assert not set(seen[0]) & set(seen[1])
+    assert sorted(seen[0] + seen[1]) == list(range(10_000))
+    assert hosts[0].steps_per_epoch(512) == hosts[1].steps_per_epoch(512) == 5000 // 256
+
+
+@pytest.mark.parametrize("size", [128, 224])
+def test_all_imagenet_sample_photos_decode(size, imagenet_sample):
+    """1,000 real ImageNet photos (grayscale, tiny and 2400x1600 ones among them) decode with
+    both transforms; none is skipped."""
+    pipe = ImagePipeline(imagenet_sample, "train", process_index=0, process_count=1)
+    assert pipe.num_examples == 1000 and pipe.skipped == 0
+    n = 0
+    for b in pipe.eval_batches(image_size=size, global_batch=200):
+        assert b["image"].shape == (200, size, size, 3)
+        n += int(b["mask"].sum())
+    assert n == 1000
+    batches = list(pipe.train_batches(0, image_size=size, global_batch=200))
+    assert len(batches) == 5 and all(b["image"].shape == (200, size, size, 3) for b in batches)
+    assert np.mean([b["image"].std() for b in batches]) > 10  # real pixels, not blanks
+
+
+@pytest.fixture(scope="module")
+def imagenet_sample(tmp_path_factory):
+    tar_path = DATA / "imagenet-sample" / "train.tar"
+    if not tar_path.exists():
+        pytest.skip(f"shared data not found at {tar_path} (set HYBRIDPAR_DATA)")
+    out = tmp_path_factory.mktemp("imagenet_sample")
+    prepare([tar_path], out, copies=(None,), examples_per_shard=250, workers=2, progress=False)
+    return str(out)
 
 
 def test_reduced_copy_matches_full_shard_by_shard(small):
