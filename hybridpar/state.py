@@ -50,15 +50,18 @@ def create_sharded_state(init: Callable, rules: Rules, mesh, rng):
     """Returns ``(state, shardings, abstract_state)``; ``abstract_state`` keeps the boxes."""
     abstract = jax.eval_shape(init, rng)
     shardings = infer_shardings(abstract, rules, mesh)
+    return init_sharded(init, shardings, rng), shardings, abstract
+
+
+def init_sharded(init: Callable, shardings, rng):
+    """Runs ``init`` with every array born in its place (``out_shardings``)."""
     lowered = jax.jit(lambda r: meta.unbox(init(r)), out_shardings=shardings).lower(rng)
     # The init runs once, but XLA's CPU backend spends ~10 s optimising the random-number
     # hashing of a small ResNet's init at the default level (2 s at level 0; the values
     # differ by float rounding only). Other backends compile it quickly as it is.
-    options = (
-        {"xla_backend_optimization_level": 0} if mesh.devices.flat[0].platform == "cpu" else {}
-    )
-    state = lowered.compile(compiler_options=options)(rng)
-    return state, shardings, abstract
+    platform = jax.tree.leaves(shardings)[0].mesh.devices.flat[0].platform
+    options = {"xla_backend_optimization_level": 0} if platform == "cpu" else {}
+    return lowered.compile(compiler_options=options)(rng)
 
 
 def abstract_like(tree, shardings):

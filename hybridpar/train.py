@@ -26,11 +26,8 @@ from hybridpar.input.datasets import make_data
 from hybridpar.input.prefetch import prefetch_to_mesh
 from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
 from hybridpar.metrics import MetricsWriter
-from hybridpar.models import create_model
-from hybridpar.optim import make_optimizer
-from hybridpar.precision import LossScale, make_policy
-from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
-from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from hybridpar.program import build_program
+from hybridpar.state import init_sharded
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file.", lock_config=True
@@ -41,17 +38,6 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for metrics, summary 
 def log(msg: str) -> None:
     if jax.process_index() == 0:
         print(msg, flush=True)
-
-
-def rules_from_config(c, mesh) -> partitioning.Rules:
-    """The config's own rules first, then the preset's."""
-    own = partitioning.Rules(
-        path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
-    )
-    rules = own + partitioning.preset_rules(c.preset, mesh)
-    if c.fsdp_min_size >= 0:
-        rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
-    return rules
 
 
 def check_workdir(workdir: str) -> None:
@@ -97,7 +83,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     # ---- Mesh and placement rules ----------------------------------------------------------
     mesh = make_mesh(config.mesh)
-    rules = rules_from_config(config.partitioning, mesh)
     dp = data_parallel_size(mesh)
     for name in ("global_batch", "eval_batch"):
         if config[name] % dp:
@@ -115,74 +100,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
     eval_every = max(int(round(config.eval_every_epochs * spe)), 1)
 
     # ---- Model, optimizer and sharded state --------------------------------------------------
-    policy = make_policy(config.precision.compute, config.precision.params, config.precision.output)
-    m = config.model
-    model = create_model(
-        m.name,
-        num_classes=config.data.num_classes,
-        num_filters=m.num_filters,
-        zero_init_last_bn=m.zero_init_last_bn,
-        bn_momentum=m.bn_momentum,
-        bn_epsilon=m.bn_epsilon,
-        small_stem=m.small_stem,
-        dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype,
-    )
-    tx, schedule = make_optimizer(config.optim, config.global_batch, spe, total_steps)
-    loss_scale = LossScale.create(
-        policy.needs_loss_scale,
-        config.precision.loss_scale_initial,
-        config.precision.loss_scale_period,
-    )
-    init = make_init_fn(model, tx, (1, *image_shape), loss_scale)
-    state, shardings, abstract = create_sharded_state(
-        init, rules, mesh, jax.random.key(config.seed)
-    )
+    program = build_program(config, mesh, image_shape, spe, total_steps)
+    state = init_sharded(program.init, program.shardings, jax.random.key(config.seed))
     log(
         "parameter and optimizer-state placement:\n"
-        + partitioning.sharding_table(shardings, abstract)
+        + partitioning.sharding_table(program.shardings, program.abstract)
     )
 
     # ---- Steps, compiled ahead of the loop ---------------------------------------------------
-    mean, std = tuple(config.data.mean), tuple(config.data.std)
-    train_jit = jit_train_step(
-        make_train_step(
-            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=config.label_smoothing
-        ),
-        shardings,
-        mesh,
-        {"image": 4, "label": 1},
-    )
-    eval_jit = jit_eval_step(
-        make_eval_step(model, policy, mean=mean, std=std, label_smoothing=config.label_smoothing),
-        shardings,
-        mesh,
-        {"image": 4, "label": 1, "mask": 1},
-    )
-
-    def abstract_batch(n, keys):
-        specs = {
-            "image": ((n, *image_shape), np.uint8),
-            "label": ((n,), np.int32),
-            "mask": ((n,), np.float32),
-        }
-        return {
-            k: jax.ShapeDtypeStruct(
-                specs[k][0],
-                specs[k][1],
-                sharding=partitioning.batch_sharding(mesh, len(specs[k][0])),
-            )
-            for k in keys
-        }
-
-    abstract_state = abstract_like(abstract, shardings)
     t0 = time.time()
-    train_step = train_jit.lower(
-        abstract_state, abstract_batch(config.global_batch, ("image", "label"))
-    ).compile()
-    eval_step = eval_jit.lower(
-        abstract_state, abstract_batch(config.eval_batch, ("image", "label", "mask"))
-    ).compile()
+    train_step = program.lower_train(config.global_batch).compile()
+    eval_step = program.lower_eval(config.eval_batch).compile()
     compile_s = time.time() - t0
     mem_text, mem = memory_line(train_step)
     log(mem_text)
