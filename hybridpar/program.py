@@ -14,6 +14,8 @@ import jax
 import numpy as np
 
 from hybridpar import partitioning
+from hybridpar.errors import ConfigError
+from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
 from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
@@ -30,6 +32,18 @@ def rules_from_config(c, mesh) -> partitioning.Rules:
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
     return rules
+
+
+def check_batch_sizes(config, mesh) -> None:
+    """Both batches must split evenly over the data-parallel devices (data x fsdp)."""
+    dp = data_parallel_size(mesh)
+    for name in ("global_batch", "eval_batch"):
+        if config[name] % dp:
+            raise ConfigError(
+                f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
+                f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
+                f"--config.{name}={max(dp, config[name] // dp * dp)}"
+            )
 
 
 @dataclasses.dataclass

@@ -24,9 +24,9 @@ from hybridpar.config import load_config, validate
 from hybridpar.errors import ConfigError
 from hybridpar.input.datasets import make_data
 from hybridpar.input.prefetch import prefetch_to_mesh
-from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
+from hybridpar.mesh import describe_mesh, make_mesh
 from hybridpar.metrics import MetricsWriter
-from hybridpar.program import build_program
+from hybridpar.program import build_program, check_batch_sizes
 from hybridpar.state import init_sharded
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -83,14 +83,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     # ---- Mesh and placement rules ----------------------------------------------------------
     mesh = make_mesh(config.mesh)
-    dp = data_parallel_size(mesh)
-    for name in ("global_batch", "eval_batch"):
-        if config[name] % dp:
-            raise ConfigError(
-                f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
-                f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
-                f"--config.{name}={max(dp, config[name] // dp * dp)}"
-            )
+    check_batch_sizes(config, mesh)
     log(describe_mesh(mesh))
 
     # ---- Data --------------------------------------------------------------------------------
