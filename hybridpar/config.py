@@ -121,7 +121,7 @@ def base_config() -> ml_collections.ConfigDict:
             # decide how far collectives combine: few large NCCL calls instead of one per
             # parameter (each call costs tens of microseconds of latency). <= 0: XLA's default.
             # TPU: libtpu's combiner flags are not public, so this is not applied there.
-            # CPU: XLA's CPU backend has no combiner (one all-reduce per gradient).
+            # CPU: no such flags; XLA's CPU pipeline combines (or not) on its own.
             combine_threshold_mb=256.0,
             # GPU/TPU: XLA's latency-hiding scheduler, which moves async collectives to
             # overlap with the backward pass that follows them.

@@ -19,7 +19,7 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from hybridpar import partitioning
+from hybridpar import comm, partitioning
 from hybridpar.config import load_config, validate
 from hybridpar.errors import ConfigError
 from hybridpar.input.datasets import make_data
@@ -77,6 +77,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     start = time.time()
     validate(config)
     check_workdir(workdir)
+    comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         jax.distributed.initialize()
     pi, pc = jax.process_index(), jax.process_count()

@@ -1,0 +1,222 @@
+"""The communication report (HLO parsing and the CLI) and the ``comm`` XLA flags."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from hybridpar import comm
+from hybridpar.comm_report import parse_collectives, shape_bytes
+from hybridpar.config import base_config, load_config
+from hybridpar.models import create_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "experiments" / "digits.py")
+
+HLO = """
+HloModule jit_step, entry_computation_layout={(f32[16]{0})->f32[16]{0}}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %x, f32[] %y)
+}
+
+%async_rs (p0: f32[16]) -> f32[4] {
+  %p0 = f32[16]{0} parameter(0)
+  ROOT %reduce-scatter.9 = f32[4]{0} reduce-scatter(f32[16]{0} %p0), channel_id=9, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[16], b: bf16[8,4], c: f32[4,8], d: f32[16,8], e: f32[16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %b = bf16[8,4]{1,0} parameter(1)
+  %all-reduce.1 = (f32[16]{0}, f32[16]{0}, bf16[8,4]{1,0}) all-reduce(f32[16]{0} %a, f32[16]{0} %a, bf16[8,4]{1,0} %b), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/psum"}
+  %get-tuple-element.1 = f32[16]{0} get-tuple-element((f32[16]{0}, f32[16]{0}, bf16[8,4]{1,0}) %all-reduce.1), index=0
+  %all-reduce.2 = (f32[16]{0}, f32[16]{0}, bf16[8,4]{1,0}) all-reduce(f32[16]{0} %a, f32[16]{0} %a, bf16[8,4]{1,0} %b), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %c = f32[4,8]{1,0} parameter(2)
+  %all-gather-start = (f32[4,8]{1,0}, f32[32,8]{1,0}) all-gather-start(f32[4,8]{1,0} %c), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+  %all-gather-done = f32[32,8]{1,0} all-gather-done((f32[4,8]{1,0}, f32[32,8]{1,0}) %all-gather-start)
+  %d = f32[16,8]{1,0} parameter(3)
+  %reduce-scatter.1 = f32[2,8]{1,0} reduce-scatter(f32[16,8]{1,0} %d), channel_id=4, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}, to_apply=%add
+  %e = f32[16]{0} parameter(4)
+  %rs-start = ((f32[16]{0}), f32[4]{0}) async-start(f32[16]{0} %e), calls=%async_rs
+  %rs-done = f32[4]{0} async-done(((f32[16]{0}), f32[4]{0}) %rs-start), calls=%async_rs
+  %all-reduce.3 = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=5, replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  ROOT %out = f32[16]{0} add(f32[16]{0} %get-tuple-element.1, f32[16]{0} %all-reduce.3)
+}
+"""
+
+
+def _find(rows, **want):
+    hits = [r for r in rows if all(r[k] == v for k, v in want.items())]
+    assert len(hits) == 1, (want, rows)
+    return hits[0]
+
+
+def test_parse_collectives_on_hand_written_hlo():
+    rows = parse_collectives(HLO)
+    # Two identical sync all-reduces of a tuple: 16*4 + 16*4 + 8*4*2 bytes each, one row.
+    ar = _find(rows, kind="all-reduce", bytes=192)
+    assert ar["count"] == 2 and ar["total_bytes"] == 384 and ar["async"] is False
+    assert ar["group_size"] == 8
+    # The async all-gather counts once, with the bytes of its -done result (32*8*4).
+    ag = _find(rows, kind="all-gather")
+    assert (ag["count"], ag["bytes"], ag["async"], ag["group_size"]) == (1, 1024, True, 8)
+    # A sync reduce-scatter in two groups of 4, and one wrapped in an async computation.
+    sync_rs = [r for r in rows if r["kind"] == "reduce-scatter" and not r["async"]]
+    async_rs = [r for r in rows if r["kind"] == "reduce-scatter" and r["async"]]
+    assert len(sync_rs) == 1 and len(async_rs) == 1
+    assert (sync_rs[0]["count"], sync_rs[0]["bytes"], sync_rs[0]["group_size"]) == (1, 64, 4)
+    assert sync_rs[0]["groups"] == "{{0,1,2,3},{4,5,6,7}}"
+    assert (async_rs[0]["bytes"], async_rs[0]["group_size"]) == (16, 4)
+    # Replica groups over named mesh axes (newer XLA): size-1 axes dropped.
+    ar3 = _find(rows, kind="all-reduce", bytes=64)
+    assert ar3["groups"] == "mesh[4,2] over axis 0" and ar3["group_size"] == 4
+    # Nothing else: no -done, get-tuple-element or add counted.
+    assert sum(r["count"] for r in rows) == 6
+    assert {r["kind"] for r in rows} == {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+def test_shape_bytes():
+    assert shape_bytes("f32[2,3]{1,0}") == 24
+    assert shape_bytes("(bf16[4]{0}, s8[3], pred[])") == 12
+    assert shape_bytes("token[]") == 0
+
+
+def _report(args, devices=8, timeout=300, config=DIGITS):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar.comm_report", "--config", config, *args]
+        + ([f"--devices={devices}"] if devices else []),
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _float32_grad_bytes(config) -> int:
+    m = config.model
+    model = create_model(
+        m.name,
+        num_classes=config.data.num_classes,
+        num_filters=m.num_filters,
+        small_stem=m.small_stem,
+    )
+    shape = (1, config.data.image_size, config.data.image_size, config.data.channels)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(shape), train=False))
+    return 4 * sum(x.size for x in jax.tree.leaves(variables["params"]))
+
+
+def test_cli_json_data_parallel_reports_the_gradient_all_reduce():
+    r = _report(["--config.mesh=data:8", "--json"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)  # one JSON object, nothing else on stdout
+    assert rep["mesh"] == {"data": 8, "fsdp": 1, "model": 1}
+    assert rep["devices"]["count"] == 8 and rep["devices"]["platform"] == "cpu"
+    assert rep["config"]["mesh"] == "data:8"
+    for row in rep["collectives"]:
+        assert {"kind", "count", "bytes", "groups", "async"} <= row.keys()
+    all_reduce = sum(
+        r["count"] * r["bytes"] for r in rep["collectives"] if r["kind"] == "all-reduce"
+    )
+    assert all_reduce >= _float32_grad_bytes(load_config(DIGITS)) > 0
+    assert rep["total_bytes"] >= all_reduce
+    assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
+
+
+def test_cli_text_on_hybrid_mesh():
+    r = _report(["--config.mesh=data:4,model:2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    assert "mesh data=4, fsdp=1, model=2" in out and "all-reduce" in out
+    assert "total per step:" in out and "FLOPs per step" in out and "per-device memory" in out
+
+
+@pytest.mark.parametrize(
+    "args,devices,expect",
+    [
+        (["--config.mesh_typo=data:8"], 8, "no config key 'mesh_typo'; did you mean 'mesh'"),
+        (["--config.mesh=data:8"], 4, "needs 8 devices but 4 are available"),
+    ],
+)
+def test_cli_errors_are_one_line(args, devices, expect):
+    r = _report(args, devices)
+    assert r.returncode == 2, (r.stdout, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expect in errors[0], r.stderr
+
+
+def test_xla_flags_per_platform():
+    c = base_config().comm
+    assert c.mode == "xla" and c.bucket_mb == 32.0
+    gpu = comm.xla_flags(c, "gpu")
+    nbytes = int(c.combine_threshold_mb * 2**20)
+    assert f"--xla_gpu_all_reduce_combine_threshold_bytes={nbytes}" in gpu
+    assert f"--xla_gpu_reduce_scatter_combine_threshold_bytes={nbytes}" in gpu
+    assert "--xla_gpu_enable_latency_hiding_scheduler=true" in gpu
+    assert comm.xla_flags(c, "cuda") == gpu
+    assert comm.xla_flags(c, "cpu") == []
+    assert comm.xla_flags(c, "tpu") == ["--xla_tpu_enable_latency_hiding_scheduler=true"]
+    off = ml_collections.ConfigDict(dict(c, combine_threshold_mb=0.0, latency_hiding=False))
+    assert comm.xla_flags(off, "gpu") == ["--xla_gpu_enable_latency_hiding_scheduler=false"]
+
+
+def test_apply_keeps_flags_already_in_the_environment(monkeypatch):
+    c = base_config().comm
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_all_reduce_combine_threshold_bytes=1 --foo=1")
+    added = comm.apply(c, "gpu")
+    flags = os.environ["XLA_FLAGS"].split()
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=1" in flags  # the environment wins
+    assert not any(f.startswith("--xla_gpu_all_reduce_") for f in added)
+    assert comm.apply(c, "gpu") == [] and os.environ["XLA_FLAGS"].split() == flags
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
+    comm.apply(c, "tpu")
+    assert os.environ["LIBTPU_INIT_ARGS"] == "--xla_tpu_enable_latency_hiding_scheduler=true"
+    assert comm.apply(c, "cpu") == []
+    assert comm.detect_platform() == "cpu"  # tests run with JAX_PLATFORMS=cpu
+
+
+def test_gpu_flags_do_not_break_a_cpu_only_jax():
+    code = (
+        "from hybridpar import comm, config\n"
+        "print(comm.apply(config.base_config().comm, 'gpu'))\n"
+        "import jax, jax.numpy as jnp\n"
+        "print(float(jax.jit(lambda x: (2 * x).sum())(jnp.ones(4))))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "combine_threshold_bytes" in r.stdout and r.stdout.strip().endswith("8.0")
+
+
+def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
+    """The full ResNet-50 recipe, compile-only on 64 virtual CPU devices (about 30 s here)."""
+    cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
+    r = _report(
+        ["--config.mesh=data:64", "--config.global_batch=64", "--json"], devices=64, config=cfg
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert rep["devices"]["count"] == 64 and rep["mesh"]["data"] == 64
+    grads = 25_557_032 * 4  # float32 parameters: the gradient all-reduce is at least this
+    reduced = sum(c["count"] * c["bytes"] for c in rep["collectives"] if c["kind"] == "all-reduce")
+    assert reduced >= grads
+    assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
