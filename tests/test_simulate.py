@@ -1,0 +1,479 @@
+"""The scaling model (hybridpar.simulate): formulas by hand, invariants, inputs, CLI.
+
+Plain Python: nothing here needs JAX or a device.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hybridpar import simulate as sim
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def test_ring_allreduce_hand_worked():
+    """p = 4 devices, n = 100 MB = 1e8 bytes, B = 10 GB/s = 1e10 bytes/s, alpha = 5 us.
+
+    latency   2 (p-1) alpha     = 2 * 3 * 5e-6           = 3.0e-5 s
+    bandwidth 2 (p-1)/p * n / B = 2 * 0.75 * 1e8 / 1e10  = 1.5e-2 s
+    total                                                = 1.503e-2 s = 15.03 ms
+    """
+    t = sim.ring_allreduce_time(100e6, 4, 10e9, 5e-6)
+    assert t == pytest.approx(0.01503, rel=1e-12, abs=0)
+    assert sim.ring_allreduce_time(100e6, 1, 10e9, 5e-6) == 0.0
+
+
+def test_tree_allreduce_hand_worked():
+    """p = 8, n = 1 MB, B = 1 GB/s, alpha = 10 us:
+    2 * ceil(log2 8) * 1e-5 + 2 * 1e6 / 1e9 = 6e-5 + 2e-3 = 2.06e-3 s."""
+    assert sim.tree_allreduce_time(1e6, 8, 1e9, 1e-5) == pytest.approx(2.06e-3, rel=1e-12)
+
+
+def test_hierarchical_hand_worked():
+    """2 nodes x 4 devices, n = 100 MB; intra B_i = 100 GB/s, a_i = 5 us; inter 1 GB/s per
+    device (4 GB/s per node), a_e = 20 us.
+
+    intra reduce-scatter: 3 * 5e-6 + 0.75 * 1e8 / 1e11     = 7.65e-4
+    inter all-reduce of n/g = 25 MB over 2 nodes:
+        ring 2 * 1 * 2e-5 + 2 * 0.5 * 2.5e7 / 1e9          = 2.504e-2
+        tree 2 * 1 * 2e-5 + 2 * 2.5e7 / 1e9                = 5.004e-2  -> ring
+    intra all-gather: same as the reduce-scatter           = 7.65e-4
+    total                                                  = 2.657e-2 s
+    """
+    t, inner = sim.hierarchical_allreduce_time(100e6, 4, 2, 100e9, 5e-6, 1e9, 20e-6)
+    assert inner == "ring"
+    assert t == pytest.approx(2.657e-2, rel=1e-12)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 8, 16, 128, 1000])
+@pytest.mark.parametrize("n", [1.0, 4e3, 25e6, 102.2e6])
+def test_reduce_scatter_plus_all_gather_is_ring_allreduce(p, n):
+    bw, a = 37e9, 7e-6
+    rs = sim.reduce_scatter_time(n, p, bw, a)
+    ag = sim.all_gather_time(n, p, bw, a)
+    assert rs + ag == pytest.approx(sim.ring_allreduce_time(n, p, bw, a), rel=1e-12, abs=0)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 7, 8, 16])
+def test_hierarchical_is_ring_on_one_node(p):
+    n, bw, a = 51.1e6, 150e9, 5e-6
+    t, _ = sim.hierarchical_allreduce_time(n, p, 1, bw, a, 3.125e9 / 8, 25e-6)
+    assert t == pytest.approx(sim.ring_allreduce_time(n, p, bw, a), rel=1e-12, abs=0)
+
+
+def test_best_algorithm_is_the_cheapest_and_named():
+    preset = sim.get_preset("v100-25gbe")
+    for n in (1e3, 1e6, 32e6, 102.2e6):
+        for p in (8, 16, 128, 1024):
+            opts = sim.collective_options("all-reduce", n, p, preset)
+            name, t = sim.best_algorithm("all-reduce", n, p, preset)
+            assert t == min(opts.values()) and opts[name] == t
+    # within one node there is no hierarchy to exploit; across nodes it is an option
+    assert "hier-ring" not in sim.collective_options("all-reduce", 1e8, 8, preset)
+    assert any(k.startswith("hier") for k in sim.collective_options("all-reduce", 1e8, 16, preset))
+    # a tiny buffer on many devices is latency-bound: the tree beats the flat ring
+    opts = sim.collective_options("all-reduce", 1e3, 1024, preset)
+    assert opts["tree"] < opts["ring"]
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+def test_efficiency_never_exceeds_one_and_is_one_on_one_device():
+    wl = sim.resnet50_workload("fp32", 32.0)
+    small = sim.resnet50_workload("fp32", 0.25)  # many small buckets: latency-heavy
+    for preset in sim.PRESETS.values():
+        for p in range(1, 4097):
+            for w, size, batch, overlap in ((wl, 224, 256, 0.8), (small, 128, 16, 0.0)):
+                s = sim.predict_step(w, preset, p, batch, size, overlap)
+                assert 0.0 < s.efficiency <= 1.0, (preset.name, p, s)
+                if p == 1:
+                    assert s.efficiency == 1.0 and s.comm_s == 0.0
+                    assert s.step_s == s.compute_s
+
+
+def test_efficiency_is_throughput_ratio():
+    preset = sim.get_preset("h100")
+    wl = sim.resnet50_workload("fp32")
+    one = sim.predict_step(wl, preset, 1, 64, 128, 0.5)
+    for p in (8, 64, 1024):
+        s = sim.predict_step(wl, preset, p, 64, 128, 0.5)
+        assert s.efficiency == pytest.approx(s.images_per_s / (p * one.images_per_s), rel=1e-12)
+        assert s.global_batch == 64 * p
+
+
+@pytest.mark.parametrize("name", sorted(sim.PRESETS))
+def test_more_bandwidth_never_slows_a_step(name):
+    base = sim.get_preset(name)
+    factors = [0.25, 0.5, 1.0, 2.0, 4.0, 16.0]
+    workloads = [sim.resnet50_workload("fp32", 32.0), sim.resnet50_workload("fp16", 1.0)]
+    for wl in workloads:
+        for p in (2, 8, 9, 16, 100, 1024, 4096):
+            for which in ("intra", "inter", "both"):
+                prev = math.inf
+                for f in factors:
+                    kw = {"intra": f, "inter": f} if which == "both" else {which: f}
+                    s = sim.predict_step(wl, base.scaled(**kw), p, 64, 160, 0.3)
+                    assert s.step_s <= prev * (1 + 1e-12), (name, p, which, f)
+                    prev = s.step_s
+
+
+def test_overlap_hides_communication():
+    preset = sim.get_preset("v100-25gbe")
+    wl = sim.resnet50_workload("fp32")
+    none = sim.predict_step(wl, preset, 128, 64, 128, 0.0)
+    some = sim.predict_step(wl, preset, 128, 64, 128, 0.8)
+    assert none.exposed_comm_s == pytest.approx(none.comm_s)
+    assert some.exposed_comm_s == pytest.approx(
+        max(0.0, some.comm_s - 0.8 * 2 / 3 * some.compute_s), rel=1e-12
+    )
+    assert some.step_s <= none.step_s
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize("name", sorted(sim.PRESETS))
+def test_calibrate_round_trips(name):
+    preset = sim.get_preset(name)
+    wl = sim.resnet50_workload()
+    for rate, size, batch in ((1234.5, 224, 256), (3000.0, 128, 64), (95.0, 288, 8)):
+        eff = sim.calibrate(rate, size, batch, preset)
+        s = sim.predict_step(wl, preset, 1, batch, size, 0.8, efficiency=eff)
+        assert s.images_per_s == pytest.approx(rate, rel=1e-12)
+    # the preset's own efficiency reproduces its stated reference rate
+    s = sim.predict_step(wl, preset, 1, preset.reference_batch, preset.reference_image_size, 0.8)
+    assert s.images_per_s == pytest.approx(preset.reference_images_per_s, rel=1e-12)
+    assert 0 < preset.efficiency < 1
+
+
+def test_resnet50_analytic_numbers():
+    fp32 = sim.resnet50_workload("fp32", None)
+    bf16 = sim.resnet50_workload("bf16", None)
+    assert fp32.gradient_bytes() == pytest.approx(102.2e6, rel=1e-3)
+    assert bf16.gradient_bytes() == pytest.approx(fp32.gradient_bytes() / 2)
+    assert len(fp32.collectives) == 1 and fp32.collectives[0].count == 1
+    # 4.1 G multiply-adds forward at 224 px = 8.2 GFLOP, x3 for training, x (size/224)^2
+    assert fp32.step_flops(1, 224) == pytest.approx(3 * 8.2e9)
+    assert fp32.step_flops(10, 112) == pytest.approx(10 * 3 * 8.2e9 / 4)
+    # buckets: 102.2 MB in 32 MB buckets -> 3 full + 1 remainder, bytes preserved
+    b = sim.resnet50_workload("fp32", 32.0)
+    assert sum(c.count for c in b.collectives) == 4
+    assert b.gradient_bytes() == pytest.approx(fp32.gradient_bytes())
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+REPORT = {
+    "collectives": [
+        {
+            "kind": "all-reduce",
+            "count": 3,
+            "bytes": 32_000_000,
+            "groups": [[0, 1, 2, 3], [4, 5, 6, 7]],
+            "async": True,
+        },
+        {
+            "kind": "all-reduce-start",
+            "count": 1,
+            "bytes": 4_000_000,
+            "groups": "{{0,1,2,3},{4,5,6,7}}",
+            "async": True,
+        },
+        {
+            "kind": "all-reduce-done",
+            "count": 1,
+            "bytes": 4_000_000,
+            "groups": "{{0,1,2,3},{4,5,6,7}}",
+            "async": True,
+        },
+        {"kind": "all-reduce", "count": 10, "bytes": 1_000, "groups": "[4,2]<=[8]", "async": False},
+        {
+            "kind": "reduce-scatter",
+            "count": 2,
+            "bytes": 250_000,
+            "groups": [[0, 1, 2, 3], [4, 5, 6, 7]],
+            "async": False,
+        },
+    ],
+    "total_bytes": 3 * 32_000_000 + 2 * 4_000_000 + 10 * 1_000 + 2 * 250_000,
+    "flops": 6.0e12,
+    "memory_per_device_bytes": 12_345_678,
+    "mesh": {"data": 4, "model": 2},
+    "devices": 8,
+}
+
+
+def test_comm_report_json_is_read(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(REPORT))
+    wl = sim.load_comm_report(str(path), per_device_batch=100, image_size=224)
+    assert wl.model_parallel == 2 and wl.source == "comm_report"
+    assert wl.flops_per_image == pytest.approx(6.0e12 / 100)
+    kinds = [(c.kind, c.count, c.nbytes, c.group_size) for c in wl.collectives]
+    assert kinds == [
+        ("all-reduce", 3, 32e6, None),  # data-axis groups: grow with the devices
+        ("all-reduce", 1, 4e6, None),  # -start counted once, -done skipped
+        ("all-reduce", 10, 1e3, 2),  # model-axis groups of 2: fixed
+        ("reduce-scatter", 2, 1e6, None),  # shard bytes x group size = the full buffer
+    ]
+
+    # step on 16 devices = 8 replicas of 2: hand-sum the chosen algorithms
+    preset = sim.get_preset("h100")
+    s = sim.predict_step(wl, preset, 16, 100, 224, overlap=0.0)
+    expected = (
+        3 * sim.best_algorithm("all-reduce", 32e6, 8, preset)[1]
+        + sim.best_algorithm("all-reduce", 4e6, 8, preset)[1]
+        + 10 * sim.best_algorithm("all-reduce", 1e3, 2, preset)[1]
+        + 2 * sim.best_algorithm("reduce-scatter", 1e6, 8, preset)[1]
+    )
+    assert s.comm_s == pytest.approx(expected, rel=1e-12)
+    assert s.global_batch == 8 * 100
+    assert s.compute_s == pytest.approx(6.0e12 / (preset.peak_flops * preset.efficiency))
+    with pytest.raises(ValueError, match="not a multiple"):
+        sim.predict_step(wl, preset, 9, 100, 224)
+
+    # image size scales the report's FLOPs; the batch and size in the report win
+    rep2 = dict(REPORT, per_device_batch=50, image_size=112)
+    wl2 = sim.workload_from_report(rep2, per_device_batch=999, image_size=999)
+    assert wl2.step_flops(50, 224) == pytest.approx(4 * 6.0e12)
+
+
+def test_comm_report_bytes_as_totals_and_cli(tmp_path, capsys):
+    # `bytes` given as the total over `count` ops (sum(bytes) == total_bytes)
+    rep = {
+        "collectives": [{"kind": "all-reduce", "count": 4, "bytes": 400, "groups": []}],
+        "total_bytes": 400,
+        "flops": 1e9,
+        "mesh": "data:8",
+        "devices": 8,
+    }
+    wl = sim.workload_from_report(rep, per_device_batch=8, image_size=64)
+    assert wl.collectives[0].nbytes == 100 and wl.collectives[0].count == 4
+    path = tmp_path / "r.json"
+    path.write_text("compiling...\n" + json.dumps(rep) + "\n")  # a preamble line is tolerated
+    rc = sim.main(
+        [
+            "--comm-report",
+            str(path),
+            "--per-device-batch",
+            "8",
+            "--image-size",
+            "64",
+            "--devices",
+            "1,8,64",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["devices"] for r in out["rows"]] == [1, 8, 64]
+    assert out["workload"]["source"] == "comm_report"
+    assert out["rows"][0]["efficiency"] == 1.0
+
+
+def test_comm_report_native_shape():
+    """The shape `hybridpar.comm_report --json` prints: `devices` as a dict, each row's own
+    `group_size` (None: all devices), shortened group strings, `global_batch`, `image_shape`."""
+    rep = {
+        "collectives": [
+            {
+                "kind": "all-reduce",
+                "count": 2,
+                "bytes": 192,
+                "total_bytes": 384,
+                "groups": "{{0,1,2,3,4,5,6,7}}",
+                "group_size": 8,
+                "async": False,
+            },
+            {
+                "kind": "all-reduce",
+                "count": 1,
+                "bytes": 64,
+                "total_bytes": 64,
+                "groups": "mesh[4,2] over axis 1",
+                "group_size": 2,
+                "async": False,
+            },
+            {
+                "kind": "reduce-scatter",
+                "count": 1,
+                "bytes": 16,
+                "total_bytes": 16,
+                "groups": "[2,4]<=[8]",
+                "group_size": 4,
+                "async": True,
+            },
+            {
+                "kind": "collective-permute",
+                "count": 1,
+                "bytes": 32,
+                "total_bytes": 32,
+                "groups": "8 source-target pairs",
+                "group_size": None,
+                "async": False,
+            },
+        ],
+        "total_bytes": 384 + 64 + 16 + 32,
+        "flops": 1e10,
+        "memory_per_device_bytes": 1000,
+        "mesh": {"data": 4, "fsdp": 1, "model": 2},
+        "devices": {"count": 8, "platform": "cpu", "kind": "cpu", "virtual": True},
+        "global_batch": 64,
+        "image_shape": [32, 32, 3],
+    }
+    wl = sim.workload_from_report(rep)
+    assert wl.model_parallel == 2 and wl.reference_image_size == 32
+    assert wl.flops_per_image == pytest.approx(1e10 / 16)  # 64 images over 4 batch shards
+    got = [(c.kind, c.count, c.nbytes, c.group_size, c.spans_all) for c in wl.collectives]
+    assert got == [
+        ("all-reduce", 2, 192.0, None, True),
+        ("all-reduce", 1, 64.0, 2, False),
+        ("reduce-scatter", 1, 64.0, None, False),
+        ("collective-permute", 1, 32.0, None, True),
+    ]
+    s = sim.predict_step(wl, sim.get_preset("a100"), 64, 16, 32)
+    assert s.global_batch == 32 * 16 and 0 < s.efficiency <= 1
+
+
+@pytest.mark.parametrize(
+    "groups,size",
+    [
+        ([[0, 1], [2, 3]], 2),
+        ("{{0,1,2,3}}", 4),
+        ("[2,4]<=[8]", 4),
+        (None, 8),
+        ([], 8),
+        (4, 4),
+        ({"group_size": 2}, 2),
+        ("replica_groups={{0,2},{1,3}}", 2),
+        ("2x4 {{0,1,2,3},...}", 4),
+        ("{} (all devices)", 8),
+    ],
+)
+def test_group_size_spellings(groups, size):
+    assert sim._group_size(groups, 8) == size
+
+
+# ----------------------------------------------------------------------------- curriculum
+
+
+def test_parse_stages_moxing():
+    stages = sim.parse_stages("20:128-224,38:224-224,40:288-128")
+    assert stages == [
+        sim.Stage(20.0, 128, 224),
+        sim.Stage(38.0, 224, 224),
+        sim.Stage(40.0, 288, 128),
+    ]
+    assert sim.format_stages(stages) == "20:128-224,38:224-224,40:288-128"
+    assert sim.parse_stages("0.5:64-8")[0].end_epoch == 0.5
+    for bad in ("20:128", "20-128:224", "20:128-224,10:224-224", "", "5:0-8"):
+        with pytest.raises(ValueError):
+            sim.parse_stages(bad)
+
+
+def test_time_to_train_sums_stages_and_eval():
+    preset = sim.get_preset("v100-25gbe")
+    wl = sim.resnet50_workload("fp16")
+    stages = sim.parse_stages("20:128-224,38:224-224,40:288-128")
+    tt = sim.time_to_train(wl, preset, 128, stages, images_per_epoch=1000, eval_s_per_epoch=2)
+    by_hand = 0.0
+    start = 0.0
+    for st in stages:
+        s = sim.predict_step(wl, preset, 128, st.per_device_batch, st.image_size, 0.8)
+        by_hand += (st.end_epoch - start) * 1000 / s.images_per_s
+        start = st.end_epoch
+    assert tt.train_s == pytest.approx(by_hand, rel=1e-12)
+    assert tt.eval_s == 80.0 and tt.total_s == pytest.approx(by_hand + 80.0)
+    # one device, no communication: epochs * images * seconds per image
+    one = sim.time_to_train(wl, preset, 1, [sim.Stage(2, 224, 256)], images_per_epoch=1000)
+    per_image = 3 * 8.2e9 / (preset.peak_flops * preset.efficiency)
+    assert one.total_s == pytest.approx(2 * 1000 * per_image, rel=1e-12)
+
+
+def test_validation_table_runs():
+    rows = sim.validation_table()
+    assert len(rows) == len(sim.VALIDATION_CASES)
+    for r in rows:
+        assert r["predicted"] > 0 and math.isfinite(r["ratio"])
+        assert r["predicted_no_overlap"] > 0
+    goyal = next(r for r in rows if r["metric"] == "efficiency")
+    assert goyal["predicted_no_overlap"] <= goyal["predicted"] <= 1.0
+
+
+def test_parse_devices():
+    assert sim.parse_devices("8,16,32") == [8, 16, 32]
+    assert sim.parse_devices("8..64") == [8, 16, 32, 64]
+    assert sim.parse_devices("1,8..16,100") == [1, 8, 16, 100]
+    with pytest.raises(ValueError):
+        sim.parse_devices("0")
+
+
+def test_png_or_clear_skip(tmp_path, capsys):
+    rows = [{"devices": d, "images_per_s": 100.0 * d, "efficiency": 1.0} for d in (1, 2, 4)]
+    out = tmp_path / "s.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert sim.write_png(rows, str(out), "t") is False
+        assert "matplotlib is not installed" in capsys.readouterr().err
+        assert not out.exists()
+    else:
+        assert sim.write_png(rows, str(out), "t") is True
+        assert out.stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def test_cli_json_subprocess():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridpar.simulate",
+            "--preset",
+            "v100",
+            "--devices",
+            "8,128,1024",
+            "--image-size",
+            "128",
+            "--stages",
+            "20:128-224,38:224-224,40:288-128",
+            "--json",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        check=False,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["preset"]["name"] == "v100-25gbe"
+    assert out["stages"] == "20:128-224,38:224-224,40:288-128"
+    rows = out["rows"]
+    assert [r["devices"] for r in rows] == [8, 128, 1024]
+    assert [r["nodes"] for r in rows] == [1, 16, 128]
+    for r in rows:
+        assert 0 < r["efficiency"] <= 1 and r["time_to_train_s"] > 0
+        assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"])
+    # the same devices predict less time to train as they grow
+    assert rows[0]["time_to_train_s"] > rows[1]["time_to_train_s"] > rows[2]["time_to_train_s"]
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert sim.main(["--stages", "20:128", "--devices", "8"]) == 2
+    assert "error:" in capsys.readouterr().err
+    assert sim.main(["--preset", "nope"]) == 2
