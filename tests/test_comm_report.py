@@ -211,7 +211,9 @@ def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
     """The full ResNet-50 recipe, compile-only on 64 virtual CPU devices (about 30 s here)."""
     cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
     r = _report(
-        ["--config.mesh=data:64", "--config.global_batch=64", "--json"], devices=64, config=cfg
+        ["--config.mesh=data:64", "--config.global_batch=64", "--config.eval_batch=64", "--json"],
+        devices=64,
+        config=cfg,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
