@@ -33,6 +33,12 @@ def base_config() -> ml_collections.ConfigDict:
             bn_momentum=0.9,
             bn_epsilon=1e-5,
             small_stem=False,
+            # BatchNorm statistics over: "global" (the whole global batch: what one device
+            # computes; one all-reduce per BN layer per pass), "local" (each device's own
+            # examples: no communication, as most DAWNBench/MLPerf GPU entries did), or
+            # "group:N" (groups of N devices, as MLPerf's TPU entries did). See
+            # models/batchnorm.py for the trade-off.
+            bn_sync="global",
         )
     )
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.

@@ -14,9 +14,11 @@ import jax
 import numpy as np
 
 from hybridpar import partitioning
+from hybridpar.bucketed import make_bucketed_train_step
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
+from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
 from hybridpar.state import abstract_like, make_init_fn
@@ -102,6 +104,7 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
         small_stem=m.small_stem,
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
+        bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),
     )
     tx, schedule = make_optimizer(config.optim, config.global_batch, steps_per_epoch, total_steps)
     loss_scale = LossScale.create(
@@ -112,8 +115,27 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
     shardings = partitioning.infer_shardings(abstract, rules, mesh)
     mean, std = tuple(config.data.mean), tuple(config.data.std)
     smoothing = config.label_smoothing
+    if config.comm.mode == "bucketed":  # our own fused, ordered gradient all-reduces
+        step_fn = make_bucketed_train_step(
+            model,
+            tx,
+            policy,
+            schedule,
+            mean=mean,
+            std=std,
+            label_smoothing=smoothing,
+            mesh=mesh,
+            bucket_mb=config.comm.bucket_mb,
+            bn_sync=m.bn_sync,
+        )
+    elif config.comm.mode == "xla":  # XLA inserts and combines the collectives
+        step_fn = make_train_step(
+            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=smoothing
+        )
+    else:
+        raise ConfigError(f"comm.mode={config.comm.mode!r}: use 'xla' or 'bucketed'")
     train_jit = jit_train_step(
-        make_train_step(model, tx, policy, schedule, mean=mean, std=std, label_smoothing=smoothing),
+        step_fn,
         shardings,
         mesh,
         {"image": 4, "label": 1},

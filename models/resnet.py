@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from .batchnorm import BatchNorm
+
 CONV_AXES = ("conv_h", "conv_w", "conv_in", "conv_out")
 NORM_AXES = ("norm",)
 
@@ -98,6 +100,14 @@ class ResNet(nn.Module):
     bn_epsilon: float = 1e-5
     zero_init_last_bn: bool = True
     small_stem: bool = False
+    # BatchNorm statistics (see models/batchnorm.py and model.bn_sync): under jax.jit,
+    # bn_groups > 1 normalises contiguous groups of the batch separately (bn_group_sharding
+    # optionally pins the group axis to the data axes); inside jax.shard_map, bn_axis_name
+    # (and bn_axis_index_groups) average the statistics over devices.
+    bn_groups: int = 1
+    bn_axis_name: Any = None
+    bn_axis_index_groups: Any = None
+    bn_group_sharding: Any = None
 
     @nn.compact
     def __call__(self, x, train: bool = True):
@@ -109,9 +119,10 @@ class ResNet(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
-        # No axis_name: under jax.jit with a sharded batch the statistics are already global.
+        # Defaults (one group, no axis_name): under jax.jit with a sharded batch the
+        # statistics are global, as on one device.
         norm = functools.partial(
-            nn.BatchNorm,
+            BatchNorm,
             use_running_average=not train,
             momentum=self.bn_momentum,
             epsilon=self.bn_epsilon,
@@ -119,6 +130,10 @@ class ResNet(nn.Module):
             param_dtype=self.param_dtype,
             scale_init=norm_ones,
             bias_init=norm_zeros,
+            num_groups=self.bn_groups,
+            axis_name=self.bn_axis_name,
+            axis_index_groups=self.bn_axis_index_groups,
+            group_sharding=self.bn_group_sharding,
         )
 
         x = jnp.asarray(x, self.dtype)

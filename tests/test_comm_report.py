@@ -222,3 +222,21 @@ def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
     reduced = sum(c["count"] * c["bytes"] for c in rep["collectives"] if c["kind"] == "all-reduce")
     assert reduced >= grads
     assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
+
+
+def test_bucketed_resnet50_on_data8_has_at_most_8_all_reduces():
+    """The issue's acceptance line: bucketed reduction (32 MiB) with local BatchNorm."""
+    cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
+    args = [
+        "--config.mesh=data:8",
+        "--config.comm.mode=bucketed",
+        "--config.comm.bucket_mb=32",
+        "--config.model.bn_sync=local",
+        "--config.data.image_size=64",
+        "--json",
+    ]
+    r = _report(args, devices=8, config=cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    ops = sum(c["count"] for c in rep["collectives"] if c["kind"] == "all-reduce")
+    assert 1 < ops <= 8, rep["collectives"]

@@ -179,3 +179,14 @@ def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path):
     evals = [rec for rec in records if rec["event"] == "eval"]
     assert evals[-1]["examples"] == 10000 and 0.0 <= evals[-1]["top1"] <= 1.0
     assert (tmp_path / "prep" / "manifest.json").is_file()
+
+
+def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_path):
+    common = ["--config", DIGITS, "--config.comm.mode=bucketed", "--config.model.bn_sync=local"]
+    r = _run(
+        [*common, "--workdir", str(tmp_path / "a"), "--config.mesh=data:8", "--config.num_epochs=1"]
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"]
+    r = _run([*common, "--workdir", str(tmp_path / "b"), "--config.mesh=data:4,model:2"])
+    assert r.returncode == 2 and "comm.mode=xla" in r.stderr and "Traceback" not in r.stderr
