@@ -27,7 +27,6 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax.core import meta
 from jax import lax
 from jax.sharding import PartitionSpec as P
@@ -35,9 +34,9 @@ from jax.sharding import PartitionSpec as P
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import BATCH_AXES, data_parallel_size
 from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
-from hybridpar.precision import Policy, all_finite
+from hybridpar.precision import Policy
 from hybridpar.state import TrainState
-from hybridpar.steps import cross_entropy, normalize
+from hybridpar.steps import apply_gradients, cross_entropy, normalize
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -290,26 +289,7 @@ def make_bucketed_train_step(
         grads, loss, batch_stats = sharded(
             state.params, state.batch_stats, state.loss_scale.scale, images, batch["label"]
         )
-        # From here on as in steps.make_train_step.
-        grads = state.loss_scale.unscale(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = state.replace(
-            step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
-        )
-        finite = jnp.asarray(True)
-        if state.loss_scale.dynamic:
-            # float16: a step with overflowing gradients changes nothing but the scale.
-            finite = all_finite(grads)
-            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-            new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
-        metrics = {
-            "loss": loss,
-            "lr": schedule(state.step),
-            "grads_finite": finite,
-            "loss_scale": state.loss_scale.scale,
-        }
-        return new, metrics
+        return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
 
     train_step.plan_for = plan_for  # the buckets the step uses, for reports and tests
     return train_step

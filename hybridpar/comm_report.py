@@ -98,7 +98,7 @@ from hybridpar.program import build_program, check_batch_sizes
 
 # The train CLI's --config flag (ml_collections, lock_config=True) and its parser, so both
 # tools read configs and report misspelt keys the same way.
-from hybridpar.train import _CONFIG, _parse_flags, memory_line
+from hybridpar.train import _parse_flags, config_from_flags, memory_line
 
 _DEVICES = flags.DEFINE_integer(
     "devices", None, "Compile for this many virtual CPU devices instead of the real ones."
@@ -409,15 +409,7 @@ def format_report(rep: dict, config_path: str) -> str:
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None:
-        print("error: pass --config experiments/NAME.py", file=sys.stderr)
-        sys.exit(2)
-    try:
-        config = _CONFIG.value
-        config.to_dict()  # config_flags loads lazily: a missing or broken file raises here
-    except OSError as e:
-        print(f"error: could not load the config file: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+    config = config_from_flags()
     try:
         rep = report(config, _DEVICES.value)
     except ConfigError as e:

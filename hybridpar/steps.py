@@ -53,27 +53,33 @@ def make_train_step(
             return loss * state.loss_scale.scale, (loss, new_vars["batch_stats"])
 
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
-        grads = state.loss_scale.unscale(grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = state.replace(
-            step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
-        )
-        finite = jnp.asarray(True)
-        if state.loss_scale.dynamic:
-            # float16: a step with overflowing gradients changes nothing but the scale.
-            finite = all_finite(grads)
-            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-            new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
-        metrics = {
-            "loss": loss,
-            "lr": schedule(state.step),
-            "grads_finite": finite,
-            "loss_scale": state.loss_scale.scale,
-        }
-        return new, metrics
+        return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
 
     return train_step
+
+
+def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, schedule):
+    """The update shared by every train step: unscale, optimizer, and for float16 the skip
+    of a step whose gradients overflowed. Returns ``(new_state, metrics)``."""
+    grads = state.loss_scale.unscale(scaled_grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    new = state.replace(
+        step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
+    )
+    finite = jnp.asarray(True)
+    if state.loss_scale.dynamic:
+        # float16: a step with overflowing gradients changes nothing but the scale.
+        finite = all_finite(grads)
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
+    metrics = {
+        "loss": loss,
+        "lr": schedule(state.step),
+        "grads_finite": finite,
+        "loss_scale": state.loss_scale.scale,
+    }
+    return new, metrics
 
 
 def make_eval_step(model, policy: Policy, *, mean, std, label_smoothing: float = 0.0):

@@ -228,11 +228,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     return summary
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if _CONFIG.value is None or not _WORKDIR.value:
-        print("error: pass --config experiments/NAME.py and --workdir DIR", file=sys.stderr)
+def config_from_flags():
+    """The --config value, or one ``error:`` line and exit 2 when it is missing or broken."""
+    if _CONFIG.value is None:
+        print("error: pass --config experiments/NAME.py", file=sys.stderr)
         sys.exit(2)
     try:
         config = _CONFIG.value
@@ -240,6 +239,16 @@ def main(argv):
     except OSError as e:
         print(f"error: could not load the config file: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    return config
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not _WORKDIR.value:
+        print("error: pass --config experiments/NAME.py and --workdir DIR", file=sys.stderr)
+        sys.exit(2)
+    config = config_from_flags()
     try:
         summary = train_and_evaluate(config, _WORKDIR.value)
     except ConfigError as e:
