@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import BATCH_AXES, data_parallel_size
 from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
+from hybridpar.partitioning import path_str
 from hybridpar.precision import Policy
 from hybridpar.state import TrainState
 from hybridpar.steps import apply_gradients, cross_entropy, normalize
@@ -41,14 +42,9 @@ from hybridpar.steps import apply_gradients, cross_entropy, normalize
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
 
-def _leaf_nbytes(x) -> int:
-    x = x.unbox() if isinstance(x, meta.AxisMetadata) else x
-    return int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize
-
-
-def _leaf_dtype(x):
-    x = x.unbox() if isinstance(x, meta.AxisMetadata) else x
-    return np.dtype(x.dtype)
+def _nbytes_and_dtype(x) -> tuple[int, np.dtype]:
+    x = meta.unbox(x)
+    return int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize, np.dtype(x.dtype)
 
 
 def _leaves_in_order(tree, prefix: Path = ()):
@@ -107,7 +103,7 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
     cur: list[Path] = []
     cur_bytes, cur_dtype = 0, None
     for path, leaf in reversed(list(_leaves_in_order(params))):
-        nbytes, dtype = _leaf_nbytes(leaf), _leaf_dtype(leaf)
+        nbytes, dtype = _nbytes_and_dtype(leaf)
         if cur and (cur_bytes + nbytes > limit or dtype != cur_dtype):
             plan.append(cur)
             cur, cur_bytes = [], 0
@@ -120,7 +116,7 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
 
 
 def _path_of(keypath) -> Path:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in keypath)
+    return tuple(path_str(keypath).split("/"))
 
 
 def _to_varying(x, axes):

@@ -2,8 +2,8 @@
 
 ``ImagePipeline`` yields host-local numpy batches with the same contract as
 ``hybridpar.input.arrays`` (``image`` uint8 NHWC, ``label`` int32, eval adds ``mask``
-float32 1/0); ``hybridpar.partitioning.shard_batch`` (or ``input/prefetch.py``'s ``prefetch_to_mesh``) turns
-them into global arrays. The cache levels, from slowest to fastest:
+float32 1/0); ``hybridpar.partitioning.shard_batch`` (or ``prefetch_to_mesh`` in
+``input/prefetch.py``) turns them into global arrays. The cache levels, from slowest to fastest:
 
 1. prepared shards chosen by the current image size (``records.choose_copy``: a 128-px
    stage reads the reduced 160-px copy, decoding far fewer pixels);
@@ -274,30 +274,14 @@ class ImagePipeline:
         ds = ds.batch(per, drop_remainder=True)
         return ds.prefetch(AUTOTUNE).with_options(self._options())
 
-    def train_batches(
-        self,
-        epoch: int,
-        *,
-        image_size: int,
-        global_batch: int,
-        min_scale: float = 0.08,
-        start_step: int = 0,
-        copy: str | None = None,
-    ) -> Iterator[dict]:
+    def train_batches(self, epoch: int, **kwargs) -> Iterator[dict]:
         """Host-local batches ``start_step..steps_per_epoch-1`` of ``epoch``:
         ``{"image": uint8 [B, S, S, 3], "label": int32 [B]}``, B = global_batch // processes.
+        Keyword arguments as for ``train_dataset``.
 
         Image size, batch and crop scale may differ from call to call (curriculum stages).
         """
-        ds = self.train_dataset(
-            epoch,
-            image_size=image_size,
-            global_batch=global_batch,
-            min_scale=min_scale,
-            start_step=start_step,
-            copy=copy,
-        )
-        return _drain_ahead(ds)
+        return _drain_ahead(self.train_dataset(epoch, **kwargs))
 
     def eval_dataset(
         self, *, image_size: int, global_batch: int, with_ids: bool = False

@@ -328,7 +328,8 @@ def _summary(out: str, entry: dict, plan: dict, processed: int, seconds: float) 
     return (
         f"{plan['split']}: {entry['num_examples']} examples in {len(plan['shards'])} shards "
         f"({len(plan['shards']) - len(plan['tasks'])} reused) from {plan['source']}; "
-        f"{len(entry['skipped'])} skipped, {len(entry['converted'])} converted; {', '.join(sizes)}; "
+        f"{len(entry['skipped'])} skipped, {len(entry['converted'])} converted; "
+        f"{', '.join(sizes)}; "
         f"{seconds:.1f} s, {processed / max(seconds, 1e-9):.0f} images/s"
     )
 

@@ -110,7 +110,8 @@ def split_info(manifest: dict, split: str, prepared_dir: str) -> dict:
     if info.get("num_examples", 0) == 0:
         raise ConfigError(
             f"split {split!r} in {prepared_dir!r} has no examples (source {info.get('source')!r} "
-            "held no readable images in SPLIT/CLASS/FILE layout); check the source and prepare again"
+            "held no readable images in SPLIT/CLASS/FILE layout); check the source and prepare "
+            "again"
         )
     return info
 
