@@ -10,12 +10,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_parity import _batches, _step_and_state
 
-from hybridpar import BATCH_AXES, ConfigError, make_mesh, preset_rules, shard_batch
+from hybridpar import BATCH_AXES, ConfigError, make_mesh, shard_batch
 from hybridpar.models import ResNetTiny
 from hybridpar.models.batchnorm import (
     BatchNorm,
@@ -23,10 +23,6 @@ from hybridpar.models.batchnorm import (
     bn_groups_for,
     parse_bn_sync,
 )
-from hybridpar.optim import decay_mask
-from hybridpar.precision import LossScale, Policy
-from hybridpar.state import create_sharded_state, make_init_fn
-from hybridpar.steps import jit_train_step, make_train_step
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 2
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -134,35 +130,10 @@ def test_bn_sync_strings():
 # --- sharded step == one device computing the same groups ---------------------------------
 
 
-def _batches():
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), np.uint8),
-            "label": rng.integers(0, CLASSES, (BATCH,), np.int32),
-        }
-        for _ in range(STEPS)
-    ]
-
-
 def _train(spec, devices, bn_groups):
     mesh = make_mesh(spec, devices)
-    model = ResNetTiny(num_classes=CLASSES, bn_groups=bn_groups)
-    tx = optax.chain(
-        optax.add_decayed_weights(1e-4, mask=decay_mask),
-        optax.sgd(0.1, momentum=0.9, nesterov=True),
-    )
-    init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
-    state, shardings, _ = create_sharded_state(
-        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
-    )
-    step = jit_train_step(
-        make_train_step(model, tx, Policy(), lambda s: 0.1, mean=(127.5,) * 3, std=(64.0,) * 3),
-        shardings,
-        mesh,
-        {"image": 4, "label": 1},
-    )
-    batches = [shard_batch(b, mesh) for b in _batches()]
+    step, state, _ = _step_and_state(mesh, ResNetTiny(num_classes=CLASSES, bn_groups=bn_groups))
+    batches = [shard_batch(b, mesh) for b in _batches(STEPS)]
     compiled = step.lower(state, batches[0]).compile()
     losses = []
     for b in batches:

@@ -17,12 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_parity import _batches, tiny_tx
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
 from hybridpar.bucketed import bucket_plan, forward_params, make_bucketed_train_step
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.optim import decay_mask
 from hybridpar.partitioning import batch_sharding, infer_shardings
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
@@ -32,24 +32,6 @@ BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3
 TINY_BUCKET_MB = 0.1  # several buckets for the tiny ResNet (its params take 0.7 MiB)
 TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-def _tx():
-    return optax.chain(
-        optax.add_decayed_weights(1e-4, mask=decay_mask),
-        optax.sgd(0.1, momentum=0.9, nesterov=True),
-    )
-
-
-def _batches():
-    rng = np.random.default_rng(0)
-    return [
-        {
-            "image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), np.uint8),
-            "label": rng.integers(0, CLASSES, (BATCH,), np.int32),
-        }
-        for _ in range(STEPS)
-    ]
 
 
 def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
@@ -62,7 +44,7 @@ def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(bn_sync, 8),
     )
-    tx = _tx()
+    tx = tiny_tx()
     loss_scale = loss_scale or LossScale.create(dynamic=False)
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), loss_scale)
     state, shardings, _ = create_sharded_state(
@@ -185,13 +167,18 @@ def test_rejects_model_parallel_and_fsdp_meshes():
     model = ResNetTiny(num_classes=CLASSES)
     with pytest.raises(ConfigError, match="comm.mode=xla"):
         make_bucketed_train_step(
-            model, _tx(), Policy(), None, mesh=make_mesh("data:4,model:2"), **kw
+            model, tiny_tx(), Policy(), None, mesh=make_mesh("data:4,model:2"), **kw
         )
     with pytest.raises(ConfigError, match="fsdp"):
-        make_bucketed_train_step(model, _tx(), Policy(), None, mesh=make_mesh("fsdp:8"), **kw)
+        make_bucketed_train_step(model, tiny_tx(), Policy(), None, mesh=make_mesh("fsdp:8"), **kw)
     with pytest.raises(ConfigError, match="bn_sync"):
         make_bucketed_train_step(
-            model, _tx(), Policy(), None, mesh=make_mesh("data:8"), **{**kw, "bn_sync": "group:3"}
+            model,
+            tiny_tx(),
+            Policy(),
+            None,
+            mesh=make_mesh("data:8"),
+            **{**kw, "bn_sync": "group:3"},
         )
 
 
@@ -230,7 +217,7 @@ def test_bucketed_float16_loss_scale_skips_overflow():
 def _fresh_params(policy):
     mesh = make_mesh("data:8")
     model = ResNetTiny(num_classes=CLASSES, dtype=policy.compute_dtype)
-    init = make_init_fn(model, _tx(), (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
+    init = make_init_fn(model, tiny_tx(), (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
     state, _, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh, jax.random.key(0))
     return state.params
 

@@ -34,24 +34,30 @@ MESHES = ["data:8", "fsdp:8", "data:4,model:2", "data:2,fsdp:2,model:2"]
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 
 
-def _batches():
+def _batches(steps=STEPS):
+    """The same random batches for every test that compares a sharded run with one device."""
     rng = np.random.default_rng(0)
     return [
         {
             "image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), np.uint8),
             "label": rng.integers(0, CLASSES, (BATCH,), np.int32),
         }
-        for _ in range(STEPS)
+        for _ in range(steps)
     ]
 
 
-def _step_and_state(mesh):
-    """The tiny ResNet's jitted train step and initial state, placed by the auto preset."""
-    model = ResNetTiny(num_classes=CLASSES)
-    tx = optax.chain(
+def tiny_tx():
+    return optax.chain(
         optax.add_decayed_weights(1e-4, mask=decay_mask),
         optax.sgd(0.1, momentum=0.9, nesterov=True),
     )
+
+
+def _step_and_state(mesh, model=None):
+    """The tiny ResNet's (or ``model``'s) jitted train step and initial state, placed by
+    the auto preset."""
+    model = model or ResNetTiny(num_classes=CLASSES)
+    tx = tiny_tx()
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
     state, shardings, _ = create_sharded_state(
         init, preset_rules("auto", mesh), mesh, jax.random.key(0)
