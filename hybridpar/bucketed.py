@@ -12,10 +12,16 @@ DDP and MoXing do. The loss and the BatchNorm running statistics share one more 
 The optimizer update then runs under ``jax.jit`` on the replicated parameters, exactly as in
 ``hybridpar.steps.make_train_step``, so the two steps are numerically equal.
 
-Limits: parameters must be replicated. A ``model`` axis > 1 is an error (use
-``comm.mode=xla`` for model parallelism); so is ``fsdp`` > 1 for now (FSDP needs a
-reduce-scatter plus all-gather per bucket, not yet written here: use ``comm.mode=xla``, or
-put the data parallelism on the ``data`` axis).
+FSDP (``fsdp`` > 1): parameters split over ``fsdp`` (by the partitioning rules, passed in
+as the state ``shardings``) are gathered before the forward pass with ONE ``all_gather`` per bucket
+(buckets in forward order), and their gradients are reduced with ONE ``psum_scatter`` per
+bucket over ``fsdp`` (plus one ``psum`` over ``data`` when both axes are > 1), so each
+device keeps only its shard of the gradient, as ZeRO/FSDP do. Small parameters the rules
+leave replicated are reduced with one more ``psum`` per bucket. The optimizer then updates
+each shard where it lives.
+
+Limits: a ``model`` axis > 1 is an error (use ``comm.mode=xla`` for model parallelism), and
+parameters may be split over ``fsdp`` only.
 """
 
 from __future__ import annotations
@@ -164,25 +170,135 @@ def _flat_pmean(leaves, axes, n, after=None):
     return out
 
 
-def reduce_in_buckets(grads, plan, axes=BATCH_AXES, n: int | None = None, after=None):
+def _as_rows(x, dim: int, rows: int):
+    """``x`` as ``(rows, -1)``: row i holds shard i of ``x`` split along ``dim``."""
+    return jnp.moveaxis(x, dim, 0).reshape(rows, -1)
+
+
+def _from_rows(flat, shape, dim: int):
+    """Inverse of ``_as_rows``: the rows of ``flat``, in order, as an array of ``shape``
+    (row i filling block i of ``dim``)."""
+    moved = (shape[dim],) + tuple(np.delete(np.asarray(shape), dim))
+    return jnp.moveaxis(flat.reshape(moved), 0, dim)
+
+
+def _with_dim(shape, dim: int, size: int) -> tuple:
+    return tuple(size if i == dim else s for i, s in enumerate(shape))
+
+
+def _flat_scatter_mean(leaves, dims, axes, n, after=None):
+    """Mean over the data-parallel devices of several FSDP-split gradients, each device
+    keeping only its own ``fsdp`` shard: ONE ``psum_scatter`` over ``fsdp`` of their
+    concatenation (laid out so that shard i of every gradient lands on device i), then
+    one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``."""
+    leaves = [_to_varying(x, axes) for x in leaves]
+    f = lax.axis_size("fsdp")
+    dtype = jnp.result_type(*leaves)
+    flat = jnp.concatenate([_as_rows(x, d, f).astype(dtype) for x, d in zip(leaves, dims)], 1)
+    if after is not None:
+        flat = flat + _zero_from(after).astype(flat.dtype)
+    flat = lax.psum_scatter(flat, "fsdp", scatter_dimension=0, tiled=True)  # (1, total / f)
+    if "data" in axes:
+        flat = lax.psum(flat, "data")
+    flat = flat / n
+    out, offset = [], 0
+    for x, d in zip(leaves, dims):
+        size = x.size // f
+        piece = flat[:, offset : offset + size]
+        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] // f), d).astype(x.dtype))
+        offset += size
+    return out
+
+
+def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
+    """Full parameters from their ``fsdp`` shards, ONE ``all_gather`` per bucket.
+
+    Call inside ``jax.shard_map``. The buckets go in forward order (the reverse of ``plan``,
+    which is the gradient order) so the first layers' parameters arrive first. Parameters
+    with no entry in ``shard_dims`` (replicated) pass through.
+    """
+    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    full = dict(by_path)
+    f = lax.axis_size("fsdp")
+    for bucket in reversed(plan):
+        paths = [p for p in reversed(bucket) if shard_dims.get(p) is not None]
+        if not paths:
+            continue
+        shards = [by_path[p] for p in paths]
+        dtype = jnp.result_type(*shards)
+        flat = jnp.concatenate(
+            [_as_rows(x, shard_dims[p], 1).astype(dtype) for p, x in zip(paths, shards)], 1
+        )
+        if after is not None:
+            flat = flat + _zero_from(after).astype(flat.dtype)
+        flat = lax.all_gather(flat, "fsdp", axis=0, tiled=True)  # (f, total / f)
+        offset = 0
+        for p, x in zip(paths, shards):
+            piece = flat[:, offset : offset + x.size]
+            d = shard_dims[p]
+            full[p] = _from_rows(piece, _with_dim(x.shape, d, x.shape[d] * f), d).astype(x.dtype)
+            offset += x.size
+        after = flat
+    return jax.tree_util.tree_map_with_path(lambda kp, _: full[_path_of(kp)], params)
+
+
+def reduce_in_buckets(
+    grads, plan, axes=BATCH_AXES, n: int | None = None, after=None, shard_dims=None
+):
     """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
 
     Call inside ``jax.shard_map``; ``grads`` has any dict structure holding the plan's
     paths. The buckets are reduced in plan order, each after the previous one (and after
-    ``after``, if given), so they stay separate collectives.
+    ``after``, if given), so they stay separate collectives. ``shard_dims`` (FSDP) maps a
+    path to the dimension its parameter is split along over ``fsdp``: those gradients are
+    reduce-scattered (one ``psum_scatter`` per bucket) and come back as this device's shard.
     """
     if n is None:
         n = math.prod(lax.axis_size(a) for a in axes)
+    shard_dims = shard_dims or {}
     by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     planned = [p for bucket in plan for p in bucket]
     if sorted(map(str, planned)) != sorted(map(str, by_path)):
         raise ValueError("the bucket plan does not cover the gradients exactly once each")
     reduced = {}
     for bucket in plan:
-        out = _flat_pmean([by_path[p] for p in bucket], axes, n, after)
-        reduced.update(zip(bucket, out))
-        after = out[0]
+        split = [p for p in bucket if shard_dims.get(p) is not None]
+        whole = [p for p in bucket if shard_dims.get(p) is None]
+        if split:
+            dims = [shard_dims[p] for p in split]
+            out = _flat_scatter_mean([by_path[p] for p in split], dims, axes, n, after)
+            reduced.update(zip(split, out))
+            after = out[0]
+        if whole:
+            out = _flat_pmean([by_path[p] for p in whole], axes, n, after)
+            reduced.update(zip(whole, out))
+            after = out[0]
     return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, (P, jax.sharding.NamedSharding))
+
+
+def fsdp_dims(specs) -> dict[Path, int]:
+    """``{path: dim}`` for the arrays whose spec splits a dimension over ``fsdp``.
+
+    ``specs``: a tree of ``PartitionSpec`` or ``NamedSharding`` (parameters or BatchNorm
+    statistics). A spec naming ``data`` (an array split over the batch axis) is an error.
+    """
+    dims = {}
+    for kp, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
+        spec = getattr(spec, "spec", spec)
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            if "data" in axes:
+                raise ConfigError(
+                    f"comm.mode=bucketed: parameter {path_str(kp)!r} is split over 'data' "
+                    f"({spec}); split parameters over 'fsdp' (or use comm.mode=xla)"
+                )
+            if "fsdp" in axes:
+                dims[_path_of(kp)] = d
+    return dims
 
 
 def _check_mesh(mesh) -> int:
@@ -191,16 +307,19 @@ def _check_mesh(mesh) -> int:
             f"comm.mode=bucketed is data parallel only, but the mesh has model="
             f"{mesh.shape['model']}; use comm.mode=xla for model parallelism"
         )
-    if mesh.shape.get("fsdp", 1) > 1:
-        raise ConfigError(
-            f"comm.mode=bucketed does not support fsdp > 1 yet (the mesh has fsdp="
-            f"{mesh.shape['fsdp']}; FSDP needs a reduce-scatter and an all-gather per bucket): "
-            "use comm.mode=xla, or split the batch over the data axis (e.g. mesh=data:-1)"
-        )
     return data_parallel_size(mesh)
 
 
-def bucketed_model(model, bn_sync: str, data_parallel_size: int):
+def active_axes(mesh) -> tuple[str, ...]:
+    """The data-parallel axes of ``mesh`` with more than one device.
+
+    The step names only these: an axis of size 1 named in a spec would make JAX's
+    autodiff and our reductions emit all-reduces over one device each, which XLA keeps.
+    """
+    return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) or BATCH_AXES
+
+
+def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):
     """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
     kind, _ = parse_bn_sync(bn_sync)
     groups = bn_axis_index_groups_for(bn_sync, data_parallel_size)
@@ -214,7 +333,7 @@ def bucketed_model(model, bn_sync: str, data_parallel_size: int):
     return model.clone(
         bn_groups=1,
         bn_group_sharding=None,
-        bn_axis_name=None if kind == "local" else BATCH_AXES,
+        bn_axis_name=None if kind == "local" else axes,
         bn_axis_index_groups=groups,
     )
 
@@ -231,19 +350,33 @@ def make_bucketed_train_step(
     mesh,
     bucket_mb: float,
     bn_sync: str = "global",
+    shardings=None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, like ``steps.make_train_step``.
 
-    Jit it with ``steps.jit_train_step`` and the same state shardings (replicated
-    parameters). ``model`` may be the one built for ``comm.mode=xla`` (any ``bn_groups``):
-    its BatchNorm is reconfigured for ``bn_sync`` inside shard_map.
+    Jit it with ``steps.jit_train_step`` and the same state ``shardings`` (a ``TrainState``
+    of ``NamedSharding``s; None: all replicated). Parameters split over ``fsdp`` are
+    gathered and reduce-scattered in buckets. ``model`` may be the one built for
+    ``comm.mode=xla`` (any ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync``
+    inside shard_map.
     """
     dp = _check_mesh(mesh)
     if not bucket_mb > 0:
         raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
-    local_model = bucketed_model(model, bn_sync, dp)
-    axes = BATCH_AXES
+    axes = active_axes(mesh)
+    local_model = bucketed_model(model, bn_sync, dp, axes)
     plans: dict[tuple, list] = {}
+    fsdp = mesh.shape.get("fsdp", 1) > 1  # a spec naming fsdp of size 1 splits nothing
+    param_specs, stats_specs = P(), P()
+    param_dims, stats_dims = {}, {}
+    if shardings is not None:
+        param_specs, stats_specs = (
+            jax.tree.map(lambda s: s.spec, tree, is_leaf=_is_spec)
+            for tree in (shardings.params, shardings.batch_stats)
+        )
+        param_dims, stats_dims = fsdp_dims(param_specs), fsdp_dims(stats_specs)
+        if not fsdp:
+            param_dims, stats_dims = {}, {}
 
     def plan_for(image_shape) -> list[list[Path]]:
         key = tuple(image_shape)
@@ -252,6 +385,11 @@ def make_bucketed_train_step(
         return plans[key]
 
     def per_device(params, batch_stats, scale, images, labels):
+        plan = plan_for(images.shape[1:])
+        if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
+            batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
+        if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
+            params = gather_in_buckets(params, plan, param_dims)
         params = jax.tree.map(lambda p: _to_varying(p, axes), params)
 
         def loss_fn(params):
@@ -270,14 +408,16 @@ def make_bucketed_train_step(
         flat, treedef = jax.tree.flatten((loss, new_stats))
         flat = _flat_pmean(flat, axes, dp)
         loss, new_stats = jax.tree.unflatten(treedef, flat)
-        grads = reduce_in_buckets(grads, plan_for(images.shape[1:]), axes, dp, after=flat[0])
+        grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0], shard_dims=param_dims)
         return grads, loss, new_stats
 
+    # Gradients come out split like the parameters; the BatchNorm statistics come out
+    # whole, and jit's out_shardings keep each device's slice (no communication).
     sharded = jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(P(), P(), P(), P(axes), P(axes)),
-        out_specs=(P(), P(), P()),
+        in_specs=(param_specs, stats_specs, P(), P(axes), P(axes)),
+        out_specs=(param_specs, P(), P()),
     )
 
     def train_step(state: TrainState, batch):
@@ -295,6 +435,8 @@ __all__ = [
     "bucket_plan",
     "bucketed_model",
     "forward_params",
+    "fsdp_dims",
+    "gather_in_buckets",
     "make_bucketed_train_step",
     "reduce_in_buckets",
 ]

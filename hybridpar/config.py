@@ -118,7 +118,8 @@ def base_config() -> ml_collections.ConfigDict:
         dict(
             # "xla": XLA inserts and combines the collectives itself (under the flags below);
             # "bucketed": the data-parallel step reduces the gradients itself, in buckets of
-            # at most bucket_mb MiB in reverse layer order, one psum per bucket.
+            # at most bucket_mb MiB in reverse layer order, one psum per bucket (with fsdp > 1:
+            # one all-gather of the parameters and one reduce-scatter per bucket).
             mode="xla",
             bucket_mb=32.0,
             # GPU: --xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes.

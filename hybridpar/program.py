@@ -127,6 +127,7 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
             mesh=mesh,
             bucket_mb=config.comm.bucket_mb,
             bn_sync=m.bn_sync,
+            shardings=shardings,
         )
     elif config.comm.mode == "xla":  # XLA inserts and combines the collectives
         step_fn = make_train_step(

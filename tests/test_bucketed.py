@@ -11,19 +11,22 @@ and BatchNorm running averages, while the plain jitted step has about a hundred 
 """
 
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from test_parity import _batches, tiny_tx
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
 from hybridpar.bucketed import bucket_plan, forward_params, make_bucketed_train_step
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.partitioning import batch_sharding, infer_shardings
+from hybridpar.partitioning import Rules, batch_sharding, infer_shardings
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
 from hybridpar.steps import jit_train_step, make_train_step
@@ -34,8 +37,8 @@ TINY_BUCKET_MB = 0.1  # several buckets for the tiny ResNet (its params take 0.7
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
-    mesh = make_mesh("data:8")
+def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS, mesh="data:8", rules=None):
+    mesh = make_mesh(mesh)
     # The xla step gets the model the config would build for it (bn_groups from bn_sync);
     # the bucketed step reconfigures the same model's BatchNorm for shard_map.
     model = ResNetTiny(
@@ -47,9 +50,8 @@ def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
     tx = tiny_tx()
     loss_scale = loss_scale or LossScale.create(dynamic=False)
     init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), loss_scale)
-    state, shardings, _ = create_sharded_state(
-        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
-    )
+    rules = rules or preset_rules("auto", mesh)
+    state, shardings, _ = create_sharded_state(init, rules, mesh, jax.random.key(0))
     kw = dict(mean=MEAN, std=STD, label_smoothing=0.1)
     if mode == "xla":
         fn = make_train_step(model, tx, policy, lambda s: 0.1, **kw)
@@ -62,6 +64,7 @@ def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
             mesh=mesh,
             bucket_mb=TINY_BUCKET_MB,
             bn_sync=bn_sync,
+            shardings=shardings,
             **kw,
         )
     step = jit_train_step(fn, shardings, mesh, {"image": 4, "label": 1})
@@ -79,8 +82,8 @@ def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS):
     }
 
 
-def _all_reduces(hlo: str) -> list[str]:
-    return [ln for ln in hlo.splitlines() if " all-reduce(" in ln or "all-reduce-start(" in ln]
+def _all_reduces(hlo: str, kind: str = "all-reduce") -> list[str]:
+    return [ln for ln in hlo.splitlines() if f" {kind}(" in ln or f" {kind}-start(" in ln]
 
 
 def _assert_same(got, want):
@@ -162,15 +165,21 @@ def test_bucket_plan_big_tensor_alone_and_forward_order():
         bucket_plan(params, 0)
 
 
-def test_rejects_model_parallel_and_fsdp_meshes():
+def test_rejects_model_parallel_meshes_and_params_split_over_data():
     kw = dict(mean=MEAN, std=STD, bucket_mb=32, bn_sync="global")
     model = ResNetTiny(num_classes=CLASSES)
     with pytest.raises(ConfigError, match="comm.mode=xla"):
         make_bucketed_train_step(
             model, tiny_tx(), Policy(), None, mesh=make_mesh("data:4,model:2"), **kw
         )
-    with pytest.raises(ConfigError, match="fsdp"):
-        make_bucketed_train_step(model, tiny_tx(), Policy(), None, mesh=make_mesh("fsdp:8"), **kw)
+    mesh = make_mesh("data:8")
+    params = forward_params(model, (1, SIZE, SIZE, 3))
+    on_data = jax.tree.map(lambda x: NamedSharding(mesh, P("data")), params)
+    shardings = SimpleNamespace(params=on_data, batch_stats={})
+    with pytest.raises(ConfigError, match="split over 'data'"):
+        make_bucketed_train_step(
+            model, tiny_tx(), Policy(), None, mesh=mesh, shardings=shardings, **kw
+        )
     with pytest.raises(ConfigError, match="bn_sync"):
         make_bucketed_train_step(
             model,
@@ -201,6 +210,21 @@ def test_bucketed_equals_xla(bn_sync):
         assert n_got == len(plan) + 1
 
 
+@pytest.mark.parametrize("mesh", ["fsdp:8", "data:2,fsdp:4"])
+def test_bucketed_fsdp_equals_xla(mesh):
+    # Split every array of >= 64 elements (most of the tiny ResNet, BN vectors included):
+    # the bucketed step gathers those parameters and reduce-scatters their gradients.
+    rules = Rules(fsdp_min_size=64)
+    want = _train("xla", "global", mesh=mesh, rules=rules)
+    got = _train("bucketed", "global", mesh=mesh, rules=rules)
+    _assert_same(got, want)
+    plan = got["step"].plan_for((SIZE, SIZE, 3))
+    scatters = _all_reduces(got["hlo"], "reduce-scatter")
+    print(f"tiny {mesh}: {len(plan)} buckets, {len(scatters)} reduce-scatters")
+    assert len(scatters) == len(plan)  # every bucket holds split parameters here
+    assert not _all_reduces(want["hlo"], "reduce-scatter")  # XLA's own step: all-reduces
+
+
 def test_bucketed_float16_loss_scale_skips_overflow():
     policy = Policy(compute_dtype=jnp.float16)
     # A scale of 2**40 overflows float16 activations' gradients: the step must be skipped.
@@ -225,8 +249,8 @@ def _fresh_params(policy):
 # --- HLO: ResNet-50 on data:8, compiled only --------------------------------------------
 
 
-def _resnet50_hlo(mode):
-    mesh = make_mesh("data:8")
+def _resnet50_hlo(mode, mesh="data:8"):
+    mesh = make_mesh(mesh)
     # xla: the plain jitted step with global BN. bucketed: the model as a config with
     # bn_sync=local builds it (8 BN groups), reconfigured for shard_map by the step.
     groups = 1 if mode == "xla" else bn_groups_for("local", 8)
@@ -241,7 +265,15 @@ def _resnet50_hlo(mode):
         fn = make_train_step(model, tx, Policy(), lambda s: 0.1, **kw)
     else:
         fn = make_bucketed_train_step(
-            model, tx, Policy(), lambda s: 0.1, mesh=mesh, bucket_mb=32, bn_sync="local", **kw
+            model,
+            tx,
+            Policy(),
+            lambda s: 0.1,
+            mesh=mesh,
+            bucket_mb=32,
+            bn_sync="local",
+            shardings=shardings,
+            **kw,
         )
     step = jit_train_step(fn, shardings, mesh, {"image": 4, "label": 1})
     batch = {
@@ -252,9 +284,9 @@ def _resnet50_hlo(mode):
     return hlo, abstract
 
 
-def _result_sizes(line: str) -> list[int]:
+def _result_sizes(line: str, kind: str = "all-reduce") -> list[int]:
     """Element counts of an all-reduce's results: ``= (f32[10]{0}, f32[3]{0}) all-reduce(``."""
-    lhs = re.split(r" all-reduce(-start)?\(", line)[0].split("=", 1)[1]
+    lhs = re.split(rf" {kind}(-start)?\(", line)[0].split("=", 1)[1]
     return [
         int(np.prod([int(d) for d in dims.split(",") if d]))
         for dims in re.findall(r"\[([\d,]*)\]", lhs)
@@ -275,6 +307,38 @@ def test_resnet50_bucketed_local_all_reduce_count(resnet50_params):
     assert len(plan) == 4
     assert sizes == sorted(bucket_sizes + [1 + stats])
     assert len(lines) == len(plan) + 1 <= 8
+
+
+def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
+    # fsdp:8 with the FSDP preset (arrays >= 1024 elements split): per bucket ONE all-gather
+    # of its split parameters and ONE reduce-scatter of their gradients (plus one all-reduce
+    # of the small replicated ones); one more all-gather for the split BN statistics and one
+    # all-reduce for the loss and BN running averages.
+    hlo, abstract = _resnet50_hlo("bucketed", "fsdp:8")
+    plan = bucket_plan(resnet50_params, 32)
+    split = [
+        sum(
+            int(np.prod(_get(resnet50_params, p).shape))
+            for p in b
+            if int(np.prod(_get(resnet50_params, p).shape)) >= 1024
+        )
+        for b in plan
+    ]
+    scatters = _all_reduces(hlo, "reduce-scatter")
+    gathers = _all_reduces(hlo, "all-gather")
+    reduces = _all_reduces(hlo, "all-reduce")
+    print(
+        f"bucketed fsdp:8: {len(scatters)} reduce-scatters, {len(gathers)} all-gathers, "
+        f"{len(reduces)} all-reduces, {len(plan)} buckets"
+    )
+    assert len(plan) == 4 and all(split)
+    # Each reduce-scatter's result is this device's eighth of its bucket's split gradients.
+    got = sorted(s for ln in scatters for s in _result_sizes(ln, "reduce-scatter"))
+    assert got == sorted(n // 8 for n in split)
+    assert len(gathers) == len(plan) + 1
+    assert len(reduces) <= len(plan) + 1
+    xla_hlo, _ = _resnet50_hlo("xla", "fsdp:8")
+    assert len(_all_reduces(xla_hlo, "all-gather")) > 50  # XLA's own: one per array
 
 
 def test_resnet50_xla_step_has_many_all_reduces():
