@@ -69,7 +69,23 @@ HYBRID = Rules(
     path=((r"stage[34]_block\d+/(conv\d|proj_conv)/kernel$", (None, None, None, "model")),),
     logical=(("classes", "model"),),
 )
-PRESETS = {"data": DATA_PARALLEL, "fsdp": FSDP, "hybrid": HYBRID}
+# Megatron-style tensor parallelism for the wide bottlenecks of the last two stages (their
+# conv1 and conv2 are 73% of Wide-ResNet-50-2's weights): conv1 split over `model` along its
+# output channels, conv2 along its input channels, so the activation between them stays
+# split (no collective) and conv2's partial sums take one all-reduce over `model` forward
+# (and the block input's gradient one backward). conv3, the projections and BatchNorm stay
+# replicated. Activations shrink with depth while weights grow, so these stages are where
+# splitting weights saves the most memory per byte communicated (docs/model_parallel.md).
+# XLA's wrong strided-conv gradient (see _fsdp) needs a kernel split on both channel
+# dimensions; this layout is checked against one device in tests/test_tensor_parallel.py.
+TENSOR = Rules(
+    path=(
+        (r"stage[34]_block\d+/conv1/kernel$", (None, None, None, "model")),
+        (r"stage[34]_block\d+/conv2/kernel$", (None, None, "model", None)),
+    ),
+    logical=(("classes", "model"),),
+)
+PRESETS = {"data": DATA_PARALLEL, "fsdp": FSDP, "hybrid": HYBRID, "tensor": TENSOR}
 
 
 def preset_rules(name: str, mesh: Mesh) -> Rules:

@@ -10,6 +10,7 @@ from .resnet import (
     ResNet152,
     ResNetBlock,
     ResNetTiny,
+    WideResNet50_2,
 )
 
 MODELS = {
@@ -19,6 +20,7 @@ MODELS = {
     "resnet101": ResNet101,
     "resnet152": ResNet152,
     "resnet_tiny": ResNetTiny,
+    "wide_resnet50_2": WideResNet50_2,
 }
 
 
@@ -40,5 +42,6 @@ __all__ = [
     "ResNet152",
     "ResNetBlock",
     "ResNetTiny",
+    "WideResNet50_2",
     "create_model",
 ]

@@ -3,6 +3,11 @@
 Submodule names and logical axis names are a contract with the partitioning rules:
 parameter paths look like ``params/stage3_block1/conv2/kernel`` and every parameter is
 annotated with logical axes, so the model itself stays free of any parallelism.
+
+``model.apply(..., return_features=True)`` stops before the classifier and returns the pooled
+features ``(batch, embed)``: steps that place the head themselves (class-sharded softmax,
+``hybridpar/sharded_head.py``) apply ``params["head"]`` to them. The head's parameters are
+still created by ``init`` (which runs the whole model).
 """
 
 import functools
@@ -40,9 +45,12 @@ class ResNetBlock(nn.Module):
     norm: ModuleDef
     strides: int = 1
     zero_init_last_bn: bool = True
+    width_factor: int = 1
 
     @nn.compact
     def __call__(self, x):
+        if self.width_factor != 1:  # as torchvision's BasicBlock
+            raise ValueError("basic blocks have no bottleneck to widen; use width_factor=1")
         residual = x
         y = self.conv(
             self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv1"
@@ -60,22 +68,26 @@ class ResNetBlock(nn.Module):
 
 
 class BottleneckResNetBlock(nn.Module):
-    """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x expansion."""
+    """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x expansion.
+
+    ``width_factor`` widens the inner 1x1 and 3x3 convs (not the block's output), as
+    torchvision's ``width_per_group=64 * width_factor``: 2 gives Wide-ResNet-50-2.
+    """
 
     filters: int
     conv: ModuleDef
     norm: ModuleDef
     strides: int = 1
     zero_init_last_bn: bool = True
+    width_factor: int = 1
 
     @nn.compact
     def __call__(self, x):
         residual = x
-        y = self.conv(self.filters, (1, 1), name="conv1")(x)
+        width = self.filters * self.width_factor
+        y = self.conv(width, (1, 1), name="conv1")(x)
         y = nn.relu(self.norm(name="bn1")(y))
-        y = self.conv(
-            self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv2"
-        )(y)
+        y = self.conv(width, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv2")(y)
         y = nn.relu(self.norm(name="bn2")(y))
         y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
         y = self.norm(name="bn3", scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
@@ -100,6 +112,7 @@ class ResNet(nn.Module):
     bn_epsilon: float = 1e-5
     zero_init_last_bn: bool = True
     small_stem: bool = False
+    width_factor: int = 1  # bottleneck width multiplier (2: Wide-ResNet-50-2)
     # BatchNorm statistics (see models/batchnorm.py and model.bn_sync): under jax.jit,
     # bn_groups > 1 normalises contiguous groups of the batch separately (bn_group_sharding
     # optionally pins the group axis to the data axes); inside jax.shard_map, bn_axis_name
@@ -110,7 +123,7 @@ class ResNet(nn.Module):
     bn_group_sharding: Any = None
 
     @nn.compact
-    def __call__(self, x, train: bool = True):
+    def __call__(self, x, train: bool = True, return_features: bool = False):
         conv = functools.partial(
             nn.Conv,
             use_bias=False,
@@ -155,10 +168,13 @@ class ResNet(nn.Module):
                     conv=conv,
                     norm=norm,
                     zero_init_last_bn=self.zero_init_last_bn,
+                    width_factor=self.width_factor,
                     name=f"stage{i}_block{j}",
                 )(x)
 
         x = jnp.mean(x, axis=(1, 2))
+        if return_features and not self.is_initializing():  # init must create the head
+            return x
         # Small-std normal head init as in Goyal et al.
         x = nn.Dense(
             self.num_classes,
@@ -178,6 +194,8 @@ ResNet34 = functools.partial(ResNet, stage_sizes=[3, 4, 6, 3], block_cls=ResNetB
 ResNet50 = functools.partial(ResNet, stage_sizes=[3, 4, 6, 3], block_cls=BottleneckResNetBlock)
 ResNet101 = functools.partial(ResNet, stage_sizes=[3, 4, 23, 3], block_cls=BottleneckResNetBlock)
 ResNet152 = functools.partial(ResNet, stage_sizes=[3, 8, 36, 3], block_cls=BottleneckResNetBlock)
+# torchvision's wide_resnet50_2: ResNet-50 with the bottleneck 1x1/3x3 convs twice as wide.
+WideResNet50_2 = functools.partial(ResNet50, width_factor=2)
 # For tests: stage widths 8, 16, 32, 64, so every channel count divides by 8.
 ResNetTiny = functools.partial(
     ResNet, stage_sizes=[1, 1, 1, 1], block_cls=ResNetBlock, num_filters=8, small_stem=True

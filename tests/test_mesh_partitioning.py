@@ -392,7 +392,7 @@ def test_hybrid_preset_shards_stage3_convs(mesh_dm):
 
 def test_unknown_preset(mesh_dm):
     with pytest.raises(ConfigError) as e:
-        preset_rules("tensor", mesh_dm)
+        preset_rules("pipeline", mesh_dm)
     assert "auto" in str(e.value) and "hybrid" in str(e.value)
 
 

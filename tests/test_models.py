@@ -13,6 +13,7 @@ from hybridpar.models import (
     ResNet18,
     ResNet50,
     ResNetTiny,
+    WideResNet50_2,
     create_model,
 )
 
@@ -39,7 +40,10 @@ def tiny_vars():
     return _init(ResNetTiny(num_classes=10))
 
 
-@pytest.mark.parametrize("ctor,expected", [(ResNet18, 11_689_512), (ResNet50, 25_557_032)])
+@pytest.mark.parametrize(
+    "ctor,expected",
+    [(ResNet18, 11_689_512), (ResNet50, 25_557_032), (WideResNet50_2, 68_883_240)],
+)
 def test_param_count_matches_torchvision(ctor, expected):
     variables = _abstract_init(ctor(num_classes=1000), (1, 224, 224, 3))
     assert _num_params(variables) == expected
@@ -128,7 +132,32 @@ def test_registry():
         "resnet101",
         "resnet152",
         "resnet_tiny",
+        "wide_resnet50_2",
     }
     assert isinstance(create_model("resnet_tiny", num_classes=10), ResNet)
     with pytest.raises(ValueError, match="resnet50"):
         create_model("resnet51")
+
+
+def test_wide_bottleneck_doubles_the_inner_convs_only():
+    params = _abstract_init(WideResNet50_2(num_classes=10), (1, 64, 64, 3))["params"]
+    block = nn.unbox(params["stage4_block0"])
+    assert block["conv1"]["kernel"].shape == (1, 1, 1024, 1024)  # 512 * 2
+    assert block["conv2"]["kernel"].shape == (3, 3, 1024, 1024)
+    assert block["conv3"]["kernel"].shape == (1, 1, 1024, 2048)  # output as ResNet-50's
+    with pytest.raises(ValueError, match="basic blocks"):
+        _abstract_init(ResNetTiny(num_classes=10, width_factor=2), (1, 8, 8, 3))
+
+
+def test_return_features_stops_before_the_head(tiny_vars):
+    model = ResNetTiny(num_classes=10)
+    x = jax.random.normal(RNG, TINY_X.shape)
+    features = model.apply(tiny_vars, x, train=False, return_features=True)
+    assert features.shape == (2, 64)
+    head = nn.unbox(tiny_vars["params"]["head"])
+    np.testing.assert_allclose(
+        features @ head["kernel"] + head["bias"],
+        model.apply(tiny_vars, x, train=False),
+        rtol=1e-5,
+        atol=1e-6,
+    )
