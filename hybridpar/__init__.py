@@ -14,6 +14,7 @@ from hybridpar.partitioning import (
     FSDP,
     HYBRID,
     PRESETS,
+    TENSOR,
     Rules,
     batch_sharding,
     infer_shardings,
@@ -21,6 +22,7 @@ from hybridpar.partitioning import (
     preset_rules,
     shard_batch,
 )
+from hybridpar.sharded_head import ShardedHead, sharded_cross_entropy, sharded_topk_hits
 
 __all__ = [
     "AXES",
@@ -31,6 +33,8 @@ __all__ = [
     "HYBRID",
     "PRESETS",
     "Rules",
+    "ShardedHead",
+    "TENSOR",
     "batch_sharding",
     "data_parallel_size",
     "infer_shardings",
@@ -39,4 +43,6 @@ __all__ = [
     "parse_mesh_spec",
     "preset_rules",
     "shard_batch",
+    "sharded_cross_entropy",
+    "sharded_topk_hits",
 ]

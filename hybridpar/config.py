@@ -39,6 +39,13 @@ def base_config() -> ml_collections.ConfigDict:
             # "group:N" (groups of N devices, as MLPerf's TPU entries did). See
             # models/batchnorm.py for the trade-off.
             bn_sync="global",
+            # Classifier head (hybridpar/sharded_head.py): "dense" (the model's own layer,
+            # placed by XLA), "sharded" (classes split over `model`, softmax cross-entropy
+            # and top-k without gathering the logits) or "partial_fc" (classes split over
+            # all devices, features all-gathered for the head only: the cheaper plan when
+            # global_batch < num_classes / model size). Both run the trunk data parallel
+            # over all devices, so both batches must divide the device count.
+            head="dense",
         )
     )
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.

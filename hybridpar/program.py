@@ -21,15 +21,18 @@ from hybridpar.models import create_model
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
+from hybridpar.sharded_head import make_head
 from hybridpar.state import abstract_like, make_init_fn
 from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
 
 
-def rules_from_config(c, mesh) -> partitioning.Rules:
-    """The config's own rules first, then the preset's."""
+def rules_from_config(c, mesh, head=None) -> partitioning.Rules:
+    """The config's own rules first, then the sharded head's (if any), then the preset's."""
     own = partitioning.Rules(
         path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
     )
+    if head is not None:  # the head's kernel must sit where its shard_map computes
+        own = own + head.rules()
     rules = own + partitioning.preset_rules(c.preset, mesh)
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
@@ -90,7 +93,8 @@ class Program:
 
 
 def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: int) -> Program:
-    rules = rules_from_config(config.partitioning, mesh)
+    head = make_head(config, mesh)  # None for model.head=dense
+    rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision
     policy = make_policy(p.compute, p.params, p.output)
     m = config.model
@@ -131,7 +135,7 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
         )
     elif config.comm.mode == "xla":  # XLA inserts and combines the collectives
         step_fn = make_train_step(
-            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=smoothing
+            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=smoothing, head=head
         )
     else:
         raise ConfigError(f"comm.mode={config.comm.mode!r}: use 'xla' or 'bucketed'")
@@ -142,7 +146,7 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
         {"image": 4, "label": 1},
     )
     eval_jit = jit_eval_step(
-        make_eval_step(model, policy, mean=mean, std=std, label_smoothing=smoothing),
+        make_eval_step(model, policy, mean=mean, std=std, label_smoothing=smoothing, head=head),
         shardings,
         mesh,
         {"image": 4, "label": 1, "mask": 1},

@@ -17,6 +17,7 @@ import optax
 
 from hybridpar.partitioning import batch_sharding, replicated
 from hybridpar.precision import Policy, all_finite
+from hybridpar.sharded_head import ShardedHead
 from hybridpar.state import TrainState
 
 
@@ -36,20 +37,44 @@ def cross_entropy(logits, labels, label_smoothing: float = 0.0):
 
 
 def make_train_step(
-    model, tx, policy: Policy, schedule: Callable, *, mean, std, label_smoothing: float = 0.0
+    model,
+    tx,
+    policy: Policy,
+    schedule: Callable,
+    *,
+    mean,
+    std,
+    label_smoothing: float = 0.0,
+    head: ShardedHead | None = None,
 ):
+    """``train_step(state, batch) -> (state, metrics)``.
+
+    ``head``: None runs the model's own classifier (XLA places the logits); a
+    ``ShardedHead`` (``model.head``: sharded, partial_fc) takes the model's features and
+    applies ``params["head"]`` class-sharded, never gathering the logits.
+    """
+
     def train_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
 
         def loss_fn(params):
-            logits, new_vars = model.apply(
-                {"params": params, "batch_stats": state.batch_stats},
-                images,
-                train=True,
-                mutable=["batch_stats"],
-            )
-            loss = cross_entropy(logits, labels, label_smoothing).mean()
+            variables = {"params": params, "batch_stats": state.batch_stats}
+            if head is None:
+                logits, new_vars = model.apply(
+                    variables, images, train=True, mutable=["batch_stats"]
+                )
+                loss = cross_entropy(logits, labels, label_smoothing).mean()
+            else:
+                features, new_vars = model.apply(
+                    variables,
+                    head.split_batch(images),
+                    train=True,
+                    mutable=["batch_stats"],
+                    return_features=True,
+                )
+                out = head(features, params["head"], labels, label_smoothing=label_smoothing)
+                loss = out["loss"].mean()
             return loss * state.loss_scale.scale, (loss, new_vars["batch_stats"])
 
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
@@ -82,20 +107,39 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
     return new, metrics
 
 
-def make_eval_step(model, policy: Policy, *, mean, std, label_smoothing: float = 0.0):
-    """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples."""
+def make_eval_step(
+    model,
+    policy: Policy,
+    *,
+    mean,
+    std,
+    label_smoothing: float = 0.0,
+    head: ShardedHead | None = None,
+):
+    """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples.
+
+    ``head`` as in ``make_train_step``."""
 
     def eval_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
-        logits = model.apply(
-            {"params": state.params, "batch_stats": state.batch_stats}, images, train=False
-        ).astype(jnp.float32)
+        variables = {"params": state.params, "batch_stats": state.batch_stats}
         labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
-        loss = cross_entropy(logits, labels, label_smoothing)
-        k = min(5, logits.shape[-1])
-        _, top = jax.lax.top_k(logits, k)
-        hit5 = jnp.any(top == labels[:, None], axis=-1)
-        hit1 = top[:, 0] == labels
+        if head is None:
+            logits = model.apply(variables, images, train=False).astype(jnp.float32)
+            loss = cross_entropy(logits, labels, label_smoothing)
+            k = min(5, logits.shape[-1])
+            _, top = jax.lax.top_k(logits, k)
+            hit5 = jnp.any(top == labels[:, None], axis=-1)
+            hit1 = top[:, 0] == labels
+        else:
+            features = model.apply(
+                variables, head.split_batch(images), train=False, return_features=True
+            )
+            k = min(5, state.params["head"]["kernel"].shape[-1])
+            out = head(
+                features, state.params["head"], labels, label_smoothing=label_smoothing, topk=(1, k)
+            )
+            loss, hit1, hit5 = out["loss"], out["top1"], out[f"top{k}"]
         return {
             "loss_sum": jnp.sum(loss * mask),
             "top1_sum": jnp.sum(hit1 * mask),

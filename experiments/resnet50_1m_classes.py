@@ -1,0 +1,42 @@
+"""ResNet-50 with 1M classes: a classifier head that pure data parallelism cannot hold.
+
+The head alone is 2048 x 1M = 2.05G parameters: 8.2 GB in float32, as much again for the
+momentum and for the gradient, plus logits of batch x 1M. ``data:-1`` replicates all of it on
+every device. Here the head is partial-FC (``model.head=partial_fc``, see
+``hybridpar/sharded_head.py``): its classes are split over all devices, the features are
+all-gathered over the data axes for the head only, and the trunk stays data parallel.
+Softmax cross-entropy and top-k never gather the logits.
+
+Images and labels are synthetic (data.name="synthetic"): enough to measure memory,
+communication and speed. The compile-only report, on 64 virtual CPU devices (a few minutes):
+
+    python -m hybridpar.comm_report --config experiments/resnet50_1m_classes.py --devices 64
+    ... --config.mesh=data:8,model:8 --config.model.head=sharded   # classes over model only
+
+``:N`` sets the class count (``experiments/resnet50_1m_classes.py:100352``); the head needs
+it to be a multiple of its shards (all devices for partial_fc, ``model`` for sharded).
+1,000,000 = 2^6 x 5^6 splits over up to 64 devices; pad it (1,000,448 = 1954 x 512) for more.
+"""
+
+from hybridpar.config import base_config
+
+
+def get_config(num_classes: str = "1000000"):
+    c = base_config()
+    c.mesh = "data:-1"
+    c.model.update(name="resnet50", head="partial_fc")
+    c.precision.update(compute="bfloat16")
+    c.data.update(
+        name="synthetic",
+        image_size=224,
+        num_classes=int(num_classes),
+        train_examples=1_281_167,  # nominal ImageNet-sized epochs of synthetic data
+        eval_examples=50_176,
+    )
+    c.global_batch = 1024
+    c.eval_batch = 1024  # a multiple of every power-of-two data axis up to 1024
+    c.num_epochs = 35.0
+    c.optim.update(base_lr=0.1, weight_decay=5e-5, warmup_epochs=5.0)
+    c.label_smoothing = 0.1
+    c.eval_every_epochs = 5.0
+    return c
