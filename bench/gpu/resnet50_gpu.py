@@ -1,0 +1,224 @@
+"""ResNet-50 training throughput on one GPU: hybridpar bfloat16 vs PyTorch AMP channels_last.
+
+    python3 bench/gpu/resnet50_gpu.py [--quick | --smoke] [--sizes 128,224] [--batch 256]
+
+For a single-H200 machine with jax, flax, optax and torch but no TensorFlow (nothing here
+imports it: hybridpar.program does not). Synthetic data placed on the device before timing.
+Rows:
+
+* ``hybridpar``: ``build_program`` on ``experiments/resnet50_imagenet.py`` (bfloat16
+  compute, float32 parameters, SGD + Nesterov, label smoothing, sharded state, donation,
+  the ``comm`` section's XLA GPU flags), compiled ahead of time;
+* ``torch``: the same ResNet-50 v1.5 in eager PyTorch, channels_last,
+  ``torch.autocast(bfloat16)``, cudnn.benchmark on.
+
+Interleaved rounds of ``--steps`` steps per candidate, median round; MFU against the
+measured bfloat16 matmul peak (``--matmul-n`` square product, the faster of JAX and
+PyTorch), with model FLOPs = 3 x the forward convolutions and head (analytic, as in
+bench/resnet50_step.py). For scale: MLPerf's 8 x H200 result is about 7,700 images/s per
+GPU (224 px, bfloat16/fp16, DALI input, tuned kernels).
+
+``--quick`` (128 and 224 px, few steps) finishes in under 5 minutes on an H200;
+``--smoke`` (32 px, batch 2, one step) only checks that everything runs, on any device
+(CPU included). Prints a table and one key=value line, ratios first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# JAX and PyTorch share the GPU in this process: JAX must not take 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def _ml_collections_shim():
+    """A minimal stand-in for ml_collections.ConfigDict (attribute access, update), enough
+    for hybridpar.config, where ml_collections is not installed (the H200 image)."""
+
+    class ConfigDict(dict):
+        def __init__(self, d=None, **kw):
+            super().__init__()
+            for k, v in {**(d or {}), **kw}.items():
+                self[k] = ConfigDict(v) if isinstance(v, dict) else v
+
+        def __getattr__(self, k):
+            try:
+                return self[k]
+            except KeyError:
+                raise AttributeError(k) from None
+
+        def __setattr__(self, k, v):
+            self[k] = v
+
+        def update(self, *a, **kw):
+            for k, v in dict(*a, **kw).items():
+                self[k] = v
+
+    mod = types.ModuleType("ml_collections")
+    mod.ConfigDict = ConfigDict
+    return mod
+
+
+def ensure_hybridpar_importable():
+    """Import hybridpar from this checkout without installing it: ``models/`` is mapped to
+    ``hybridpar.models`` by the package's install (setuptools package-dir); do the same here.
+    """
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import ml_collections  # noqa: F401
+    except ImportError:
+        sys.modules["ml_collections"] = _ml_collections_shim()
+    import hybridpar
+
+    try:
+        import hybridpar.models
+    except ModuleNotFoundError:
+        spec = importlib.util.spec_from_file_location(
+            "hybridpar.models",
+            ROOT / "models" / "__init__.py",
+            submodule_search_locations=[str(ROOT / "models")],
+        )
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["hybridpar.models"] = mod
+        spec.loader.exec_module(mod)
+        hybridpar.models = mod
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps; under 5 minutes")
+    p.add_argument("--smoke", action="store_true", help="32 px, batch 2, 1 step: runs anywhere")
+    p.add_argument("--sizes", default="128,224")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--dtype", default="bfloat16", help="compute dtype of both candidates")
+    p.add_argument("--steps", type=int, default=20, help="steps per candidate per round")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
+    p.add_argument("--matmul-n", type=int, default=8192)
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="hybridpar config override, repeatable")  # fmt: skip
+    a = p.parse_args(argv)
+    if a.quick:
+        a.steps, a.repeats, a.warmup = 10, 3, 3
+    if a.smoke:
+        a.sizes, a.batch, a.steps, a.repeats, a.warmup, a.matmul_n = "32", 2, 1, 1, 0, 256
+    return a
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    ensure_hybridpar_importable()
+    from hybridpar import comm
+    from hybridpar.config import base_config
+
+    comm.apply(base_config().comm)  # XLA GPU collective/scheduler flags, before jax starts
+
+    import jax
+    import resnet50_step as rs
+
+    torch = None if args.no_torch else rs.torch
+    tdev = "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+    if torch is not None:
+        torch.backends.cudnn.benchmark = True
+    dev = jax.devices()[0]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    overrides = [tuple(kv.split("=", 1)) for kv in args.set]
+
+    mm = {"jax": rs.JaxMatmul(args.dtype, args.matmul_n)}
+    if torch is not None:
+        mm["torch"] = rs.TorchMatmul(args.dtype, args.matmul_n, tdev)
+    mm_samples = {k: [] for k in mm}
+
+    rows, state0 = [], {}
+    for size in sizes:
+        host = rs.host_batch(args.batch, size)
+        cands, setup = [], {}
+        t0 = time.perf_counter()
+        c = rs.make_hybridpar("hybridpar", args.dtype, size, args.batch, overrides, state0, host)
+        cands.append(c)
+        setup[id(c)] = time.perf_counter() - t0
+        if torch is not None:
+            cfg = c.cfg
+            c = rs.TorchStep(
+                args.dtype,
+                size,
+                args.batch,
+                host,
+                lr=cfg.optim.base_lr * args.batch / 256,
+                weight_decay=cfg.optim.weight_decay,
+                label_smoothing=cfg.label_smoothing,
+                device=tdev,
+            )
+            cands.append(c)
+            setup[id(c)] = 0.0
+        for c in cands:
+            t0 = time.perf_counter()
+            c.run(1)
+            setup[id(c)] += time.perf_counter() - t0
+            c.run(args.warmup)
+        times = {id(c): [] for c in cands}
+        for _ in range(args.repeats):
+            for c in cands:
+                t0 = time.perf_counter()
+                c.run(args.steps)
+                times[id(c)].append((time.perf_counter() - t0) / args.steps)
+            for k, f in mm.items():
+                mm_samples[k].append(f.time())
+        for c in cands:
+            ips = args.batch / statistics.median(times[id(c)])
+            rows.append((c.name, size, ips, setup[id(c)], c.loss()))
+        del cands
+
+    peaks = {k: statistics.median(v) for k, v in mm_samples.items()}
+    peak = max(peaks.values())
+    gpu = torch.cuda.get_device_name() if tdev == "cuda" else dev.device_kind
+    print(
+        f"device: {gpu} ({dev.platform}); jax {jax.__version__}"
+        + (f", torch {torch.__version__} on {tdev}" if torch is not None else ", no torch")
+        + f"; batch {args.batch}; {args.dtype}; {args.repeats} rounds x {args.steps} steps"
+    )
+    print(
+        f"{args.dtype} matmul peak ({args.matmul_n}^3, median): "
+        + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in peaks.items())
+    )
+    print(f"{'impl':<10} {'size':>4} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+          f"{'compile s':>9} {'last loss':>9}")  # fmt: skip
+    ips = {}
+    for name, size, rate, setup_s, loss in rows:
+        tf = rate * rs.train_flops(size) / 1e12
+        ips[(name, size)] = (rate, tf * 1e12 / peak)
+        print(
+            f"{name:<10} {size:>4} {rate:>9.1f} {tf:>8.1f} {tf * 1e12 / peak:>6.3f} "
+            f"{setup_s:>9.1f} {loss:>9.4f}"
+        )
+    print("(MLPerf 8 x H200, per GPU, 224 px: about 7,700 images/s)")
+    figs = [
+        f"ratio_vs_torch_{s}={ips[('hybridpar', s)][0] / ips[('torch', s)][0]:.3f}"
+        for s in sizes
+        if ("torch", s) in ips
+    ]
+    figs += [f"mfu_hybridpar_{s}={ips[('hybridpar', s)][1]:.3f}" for s in sizes]
+    figs += [f"mfu_torch_{s}={ips[('torch', s)][1]:.3f}" for s in sizes if ("torch", s) in ips]
+    figs += [f"hybridpar_ips_{s}={ips[('hybridpar', s)][0]:.1f}" for s in sizes]
+    figs += [f"torch_ips_{s}={ips[('torch', s)][0]:.1f}" for s in sizes if ("torch", s) in ips]
+    figs += [
+        f"peak_tflops={peak / 1e12:.1f}",
+        f"batch={args.batch}",
+        f"dtype={args.dtype}",
+        f"device={dev.platform}",
+    ]
+    print(" ".join(figs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# ResNet-50 training throughput on one GPU (written for a single H200): hybridpar bfloat16
+# vs PyTorch AMP channels_last, at 128 and 224 px, batch 256, synthetic on-device data, with
+# MFU against a measured bfloat16 matmul peak. Needs jax (with its CUDA plugin), flax,
+# optax and torch; not TensorFlow, and hybridpar need not be installed (run from the
+# checkout; ml_collections is replaced by a small shim if missing).
+#
+#   bench/gpu/run.sh            # full: 5 rounds x 20 steps per candidate
+#   bench/gpu/run.sh --quick    # under 5 minutes on an H200
+#   bench/gpu/run.sh --smoke    # 32 px, batch 2, 1 step: checks it runs (CPU too)
+#
+# Extra arguments go to bench/gpu/resnet50_gpu.py (--sizes, --batch, --set KEY=VALUE, ...).
+# Ends with one key=value line: ratio_vs_torch_128=... (hybridpar / PyTorch images/s).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY="${PYTHON:-python3}"
+"$PY" - <<'PYCHECK'
+import importlib.util, sys
+missing = [m for m in ("jax", "flax", "optax") if importlib.util.find_spec(m) is None]
+if missing:
+    sys.exit(f"error: missing Python packages: {', '.join(missing)}")
+if importlib.util.find_spec("torch") is None:
+    print("note: torch is not installed; the PyTorch row is skipped", file=sys.stderr)
+PYCHECK
+if "$PY" -c "import torch" 2>/dev/null; then
+  exec "$PY" -u bench/gpu/resnet50_gpu.py "$@"
+else
+  exec "$PY" -u bench/gpu/resnet50_gpu.py --no-torch "$@"
+fi
