@@ -46,6 +46,9 @@ def base_config() -> ml_collections.ConfigDict:
             # global_batch < num_classes / model size). Both run the trunk data parallel
             # over all devices, so both batches must divide the device count.
             head="dense",
+            # 1x1 convolutions as matrix products (same parameters): 1.5-1.8x faster
+            # ResNet-50 steps on XLA:CPU; False: nn.Conv.
+            pointwise_dot=True,
         )
     )
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.

@@ -106,6 +106,7 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
         bn_momentum=m.bn_momentum,
         bn_epsilon=m.bn_epsilon,
         small_stem=m.small_stem,
+        pointwise_dot=m.pointwise_dot,
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),

@@ -176,10 +176,13 @@ class BatchNorm(nn.Module):
         """Per-group ``(mean, var)``, each of shape ``(groups, *feature_shape)``."""
         dtype = jnp.promote_types(self.dtype or jnp.result_type(x), jnp.float32)
         x = x.astype(dtype)
-        xg = self._constrain(x.reshape((groups, x.shape[0] // groups) + x.shape[1:]))
-        axes = tuple(a + 1 for a in reduction_axes)
-        mu = xg.mean(axes)
-        mu2 = lax.square(xg).mean(axes)
+        if groups == 1:  # no (1, B, ...) view: XLA:CPU turned it into thousands of bitcasts
+            mu, mu2 = x.mean(reduction_axes)[None], lax.square(x).mean(reduction_axes)[None]
+        else:
+            xg = self._constrain(x.reshape((groups, x.shape[0] // groups) + x.shape[1:]))
+            axes = tuple(a + 1 for a in reduction_axes)
+            mu = xg.mean(axes)
+            mu2 = lax.square(xg).mean(axes)
         if self.axis_name is not None and not self.is_initializing():
             both = jnp.stack([mu, mu2])
             if self.axis_index_groups is None:
@@ -233,12 +236,14 @@ class BatchNorm(nn.Module):
                 ra_mean.value = self.momentum * ra_mean.value + (1 - self.momentum) * mean.mean(0)
                 ra_var.value = self.momentum * ra_var.value + (1 - self.momentum) * var.mean(0)
         stat_shape[0] = groups
-        mean, var = mean.reshape(stat_shape), var.reshape(stat_shape)
-
-        xg = x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
         param_shape = [1] * (x.ndim + 1)
         for a in feature_axes:
             param_shape[a + 1] = x.shape[a]
+        if groups == 1:  # plain (B, ...) arithmetic, as nn.BatchNorm's
+            stat_shape, param_shape, xg = stat_shape[1:], param_shape[1:], x
+        else:
+            xg = x.reshape((groups, x.shape[0] // groups) + x.shape[1:])
+        mean, var = mean.reshape(stat_shape), var.reshape(stat_shape)
         y = xg - mean
         mul = lax.rsqrt(var + self.epsilon)
         args = [x]

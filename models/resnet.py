@@ -31,6 +31,55 @@ norm_zeros = nn.with_logical_partitioning(nn.initializers.zeros, NORM_AXES)
 ModuleDef = Callable[..., nn.Module]
 
 
+class PointwiseConv(nn.Module):
+    """A 1x1 convolution (any stride) computed as a matrix product.
+
+    Same parameter as ``nn.Conv`` (``kernel`` of shape ``(1, 1, in, out)``, so paths, rules
+    and checkpoints do not change), but run as ``(B*H*W, in) @ (in, out)`` on the strided
+    input: XLA's CPU backend ran 1x1 convolutions (forward and backward) 2-5x slower than
+    the same product as a dot, and on GPU/TPU both lower to the same GEMM.
+    """
+
+    features: int
+    strides: tuple[int, int] = (1, 1)
+    kernel_init: Callable = nn.initializers.lecun_normal()
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        cin = x.shape[-1]
+        kernel = self.param(
+            "kernel", self.kernel_init, (1, 1, cin, self.features), self.param_dtype
+        )
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        sh, sw = self.strides
+        if (sh, sw) != (1, 1):  # a strided 1x1 conv with VALID padding reads every s-th pixel
+            x = x[:, ::sh, ::sw, :]
+        y = jnp.dot(x.reshape(-1, cin), kernel.reshape(cin, self.features))
+        return y.reshape(x.shape[:-1] + (self.features,))
+
+
+def _conv_factory(pointwise_dot: bool, **defaults) -> ModuleDef:
+    """``conv(features, kernel_size, strides=(1, 1), **kw)``: ``nn.Conv``, or for 1x1
+    kernels with ``pointwise_dot`` a ``PointwiseConv`` with the same parameter."""
+
+    def conv(features, kernel_size, strides=(1, 1), **kw):
+        kw = {**defaults, **kw}
+        if pointwise_dot and tuple(kernel_size) == (1, 1) and kw.get("padding") == "VALID":
+            return PointwiseConv(
+                features,
+                tuple(strides),
+                kernel_init=kw["kernel_init"],
+                dtype=kw["dtype"],
+                param_dtype=kw["param_dtype"],
+                name=kw.get("name"),
+            )
+        return nn.Conv(features, kernel_size, strides, **kw)
+
+    return conv
+
+
 def _pad(kernel: int):
     # Symmetric padding like torchvision; 'SAME' would pad (0, 1) for stride 2.
     p = (kernel - 1) // 2
@@ -113,6 +162,7 @@ class ResNet(nn.Module):
     zero_init_last_bn: bool = True
     small_stem: bool = False
     width_factor: int = 1  # bottleneck width multiplier (2: Wide-ResNet-50-2)
+    pointwise_dot: bool = True  # 1x1 convolutions as matrix products (see PointwiseConv)
     # BatchNorm statistics (see models/batchnorm.py and model.bn_sync): under jax.jit,
     # bn_groups > 1 normalises contiguous groups of the batch separately (bn_group_sharding
     # optionally pins the group axis to the data axes); inside jax.shard_map, bn_axis_name
@@ -124,8 +174,8 @@ class ResNet(nn.Module):
 
     @nn.compact
     def __call__(self, x, train: bool = True, return_features: bool = False):
-        conv = functools.partial(
-            nn.Conv,
+        conv = _conv_factory(
+            self.pointwise_dot,
             use_bias=False,
             padding="VALID",
             kernel_init=conv_kernel_init,

@@ -161,3 +161,26 @@ def test_return_features_stops_before_the_head(tiny_vars):
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_pointwise_dot_equals_the_1x1_convolution(dtype):
+    # Same parameters either way; strided projections included (stage 2-4 first blocks).
+    kw = {"stage_sizes": [1, 1, 1, 1], "num_classes": 10, "num_filters": 8, "dtype": dtype}
+    dot = ResNet(block_cls=BottleneckResNetBlock, pointwise_dot=True, **kw)
+    conv = ResNet(block_cls=BottleneckResNetBlock, pointwise_dot=False, **kw)
+    x = jax.random.normal(RNG, (2, 32, 32, 3))
+    variables = dot.init(RNG, x, train=False)
+    assert jax.tree.structure(variables) == jax.tree.structure(conv.init(RNG, x, train=False))
+
+    def loss(params, model):
+        out, _ = model.apply(
+            {**variables, "params": params}, x, train=True, mutable=["batch_stats"]
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == jnp.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    (a, ga), (b, gb) = (jax.value_and_grad(loss)(variables["params"], m) for m in (dot, conv))
+    np.testing.assert_allclose(a, b, **tol)
+    for u, v in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32), **tol)
