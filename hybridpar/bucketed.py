@@ -43,7 +43,7 @@ from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
 from hybridpar.partitioning import path_str
 from hybridpar.precision import Policy
 from hybridpar.state import TrainState
-from hybridpar.steps import apply_gradients, cross_entropy, normalize
+from hybridpar.steps import apply_gradients, normalize, scaled_loss_fn
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -392,16 +392,7 @@ def make_bucketed_train_step(
             params = gather_in_buckets(params, plan, param_dims)
         params = jax.tree.map(lambda p: _to_varying(p, axes), params)
 
-        def loss_fn(params):
-            logits, new_vars = local_model.apply(
-                {"params": params, "batch_stats": batch_stats},
-                images,
-                train=True,
-                mutable=["batch_stats"],
-            )
-            loss = cross_entropy(logits, labels, label_smoothing).mean()
-            return loss * scale, (loss, new_vars["batch_stats"])
-
+        loss_fn = scaled_loss_fn(local_model, batch_stats, images, labels, scale, label_smoothing)
         grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
         # Loss and BN running averages (per device for local/group statistics): one psum,
         # first, as they are ready when the forward pass ends; then the gradient buckets.

@@ -36,6 +36,31 @@ def cross_entropy(logits, labels, label_smoothing: float = 0.0):
     return optax.softmax_cross_entropy(logits, targets)
 
 
+def scaled_loss_fn(model, batch_stats, images, labels, scale, label_smoothing, head=None):
+    """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
+    the forward pass in train mode and the mean cross-entropy, shared by every train step.
+    ``head`` as in ``make_train_step``."""
+
+    def loss_fn(params):
+        variables = {"params": params, "batch_stats": batch_stats}
+        if head is None:
+            logits, new_vars = model.apply(variables, images, train=True, mutable=["batch_stats"])
+            loss = cross_entropy(logits, labels, label_smoothing).mean()
+        else:
+            features, new_vars = model.apply(
+                variables,
+                head.split_batch(images),
+                train=True,
+                mutable=["batch_stats"],
+                return_features=True,
+            )
+            out = head(features, params["head"], labels, label_smoothing=label_smoothing)
+            loss = out["loss"].mean()
+        return loss * scale, (loss, new_vars["batch_stats"])
+
+    return loss_fn
+
+
 def make_train_step(
     model,
     tx,
@@ -57,26 +82,9 @@ def make_train_step(
     def train_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
-
-        def loss_fn(params):
-            variables = {"params": params, "batch_stats": state.batch_stats}
-            if head is None:
-                logits, new_vars = model.apply(
-                    variables, images, train=True, mutable=["batch_stats"]
-                )
-                loss = cross_entropy(logits, labels, label_smoothing).mean()
-            else:
-                features, new_vars = model.apply(
-                    variables,
-                    head.split_batch(images),
-                    train=True,
-                    mutable=["batch_stats"],
-                    return_features=True,
-                )
-                out = head(features, params["head"], labels, label_smoothing=label_smoothing)
-                loss = out["loss"].mean()
-            return loss * state.loss_scale.scale, (loss, new_vars["batch_stats"])
-
+        loss_fn = scaled_loss_fn(
+            model, state.batch_stats, images, labels, state.loss_scale.scale, label_smoothing, head
+        )
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
         return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
 
