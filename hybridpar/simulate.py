@@ -132,6 +132,45 @@ class Preset:
 _ETH_ALPHA = 25 * US
 _IB_ALPHA = 5 * US
 
+# V100 SXM2 16 GB (DGX-1V, AWS p3.16xlarge): 125 TFLOP/s fp16 tensor core (datasheet).
+# NVLink 2: 6 links x 25 GB/s = 150 GB/s per direction per GPU; we take ~150 GB/s
+# effective ring bandwidth within the node of 8 (NCCL measures ~130 on DGX-1V).
+# Between nodes: 25 Gb/s (p3.16xlarge, the fast.ai runs) or 100 Gb/s Ethernet per node.
+# Reference rate: ASSUMPTION ~1,200 images/s fp16 ResNet-50 at 224 px with DALI
+# (MLPerf v0.5/v0.6-era MXNet figures for one V100).
+_V100_25GBE = Preset(
+    name="v100-25gbe",
+    description="V100 SXM2 fp16, 8/node NVLink 2, 25 GbE per node (AWS p3.16xlarge)",
+    peak_flops=125 * TFLOPS,
+    dtype="float16",
+    grad_dtype="fp16",
+    devices_per_node=8,
+    intra=Link(150 * GB, 5 * US, name="NVLink 2 (~150 GB/s ring)"),
+    inter=Link(25 * GBIT, _ETH_ALPHA, per="node", name="25 GbE per node"),
+    reference_images_per_s=1200.0,
+    reference_note="ASSUMPTION: ~1,200 img/s fp16 at 224 px (MLPerf-era MXNet + DALI)",
+)
+
+
+# H100 SXM5 (DGX H100): 989 TFLOP/s bf16 dense (datasheet; 1,979 with sparsity).
+# NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per GPU.
+# 8 x NDR InfiniBand 400 Gb/s, one per GPU.
+# Reference rate: ASSUMPTION ~3,000 images/s bf16 at 224 px for a plain framework step
+# (tuned MLPerf stacks reach more: see the H200 preset).
+_H100 = Preset(
+    name="h100",
+    description="H100 SXM5 bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU (DGX H100)",
+    peak_flops=989 * TFLOPS,
+    dtype="bfloat16",
+    grad_dtype="bf16",
+    devices_per_node=8,
+    intra=Link(450 * GB, 3 * US, name="NVLink 4 (450 GB/s)"),
+    inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
+    reference_images_per_s=3000.0,
+    reference_note="ASSUMPTION: ~3,000 img/s bf16 at 224 px (plain framework step)",
+)
+
+
 _PRESET_LIST = [
     # P100 SXM2 (Goyal et al. 2017, Facebook "Big Basin": 8 P100 + NVLink per server, one
     # Mellanox ConnectX-4 50 Gb/s Ethernet NIC per server). Peak: 10.6 TFLOP/s fp32,
@@ -153,35 +192,12 @@ _PRESET_LIST = [
         reference_batch=32,
         reference_note="Goyal et al. 2017: backprop 120 ms at 32 img/GPU -> step ~180 ms",
     ),
-    # V100 SXM2 16 GB (DGX-1V, AWS p3.16xlarge): 125 TFLOP/s fp16 tensor core (datasheet).
-    # NVLink 2: 6 links x 25 GB/s = 150 GB/s per direction per GPU; we take ~150 GB/s
-    # effective ring bandwidth within the node of 8 (NCCL measures ~130 on DGX-1V).
-    # Between nodes: 25 Gb/s (p3.16xlarge, the fast.ai runs) or 100 Gb/s Ethernet per node.
-    # Reference rate: ASSUMPTION ~1,200 images/s fp16 ResNet-50 at 224 px with DALI
-    # (MLPerf v0.5/v0.6-era MXNet figures for one V100).
-    Preset(
-        name="v100-25gbe",
-        description="V100 SXM2 fp16, 8/node NVLink 2, 25 GbE per node (AWS p3.16xlarge)",
-        peak_flops=125 * TFLOPS,
-        dtype="float16",
-        grad_dtype="fp16",
-        devices_per_node=8,
-        intra=Link(150 * GB, 5 * US, name="NVLink 2 (~150 GB/s ring)"),
-        inter=Link(25 * GBIT, _ETH_ALPHA, per="node", name="25 GbE per node"),
-        reference_images_per_s=1200.0,
-        reference_note="ASSUMPTION: ~1,200 img/s fp16 at 224 px (MLPerf-era MXNet + DALI)",
-    ),
-    Preset(
+    _V100_25GBE,
+    dataclasses.replace(
+        _V100_25GBE,
         name="v100-100gbe",
         description="V100 SXM2 fp16, 8/node NVLink 2, 100 GbE per node",
-        peak_flops=125 * TFLOPS,
-        dtype="float16",
-        grad_dtype="fp16",
-        devices_per_node=8,
-        intra=Link(150 * GB, 5 * US, name="NVLink 2 (~150 GB/s ring)"),
         inter=Link(100 * GBIT, _ETH_ALPHA, per="node", name="100 GbE per node"),
-        reference_images_per_s=1200.0,
-        reference_note="ASSUMPTION: ~1,200 img/s fp16 at 224 px (MLPerf-era MXNet + DALI)",
     ),
     # A100 SXM4 (DGX A100): 312 TFLOP/s bf16 dense (datasheet). NVLink 3: 600 GB/s
     # bidirectional = 300 GB/s per direction per GPU, taken as the ring bus bandwidth.
@@ -200,36 +216,15 @@ _PRESET_LIST = [
         reference_images_per_s=2500.0,
         reference_note="ASSUMPTION: ~2,500 img/s bf16 at 224 px",
     ),
-    # H100 SXM5 (DGX H100): 989 TFLOP/s bf16 dense (datasheet; 1,979 with sparsity).
-    # NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per GPU.
-    # 8 x NDR InfiniBand 400 Gb/s, one per GPU.
-    # Reference rate: ASSUMPTION ~3,000 images/s bf16 at 224 px for a plain framework step
-    # (tuned MLPerf stacks reach more: see the H200 preset).
-    Preset(
-        name="h100",
-        description="H100 SXM5 bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU (DGX H100)",
-        peak_flops=989 * TFLOPS,
-        dtype="bfloat16",
-        grad_dtype="bf16",
-        devices_per_node=8,
-        intra=Link(450 * GB, 3 * US, name="NVLink 4 (450 GB/s)"),
-        inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
-        reference_images_per_s=3000.0,
-        reference_note="ASSUMPTION: ~3,000 img/s bf16 at 224 px (plain framework step)",
-    ),
+    _H100,
     # H200 SXM: same compute and links as H100 (989 TFLOP/s bf16 dense, NVLink 4, NDR 400);
     # 141 GB HBM3e at 4.8 TB/s. Reference rate: MLPerf Training v4.0, one node of 8 H200,
     # ResNet-50 in 12.0 min, about 7,700 images/s per GPU (GUIDE section 5): a tuned
     # MXNet + DALI stack. The difference from the h100 preset is the software, not the chip.
-    Preset(
+    dataclasses.replace(
+        _H100,
         name="h200",
         description="H200 SXM bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU",
-        peak_flops=989 * TFLOPS,
-        dtype="bfloat16",
-        grad_dtype="bf16",
-        devices_per_node=8,
-        intra=Link(450 * GB, 3 * US, name="NVLink 4 (450 GB/s)"),
-        inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
         reference_images_per_s=7700.0,
         reference_note="MLPerf Training v4.0 (8 x H200, 12.0 min): ~7,700 img/s/GPU, tuned",
     ),
