@@ -208,6 +208,21 @@ def train_step(
     return new_state, metrics
 
 
+def recipe_of(config) -> dict:
+    """``make_reference``'s hyperparameters read from a hybridpar experiment config (any
+    object with its fields), so the reference trains what hybridpar's step trains."""
+    return {
+        "num_classes": config.data.num_classes,
+        "base_lr": config.optim.base_lr,
+        "weight_decay": config.optim.weight_decay,
+        "label_smoothing": config.label_smoothing,
+        "warmup_epochs": config.optim.warmup_epochs,
+        "num_epochs": config.num_epochs,
+        "momentum": config.optim.momentum,
+        "nesterov": config.optim.nesterov,
+    }
+
+
 def make_reference(
     *,
     image_size: int,

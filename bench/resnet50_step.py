@@ -240,16 +240,9 @@ def make_flax(dtype, size, batch, cfg, variables, host):
         image_size=size,
         batch=batch,
         dtype=jnp.dtype(dtype),
-        num_classes=cfg.data.num_classes,
-        base_lr=cfg.optim.base_lr,
-        weight_decay=cfg.optim.weight_decay,
-        label_smoothing=cfg.label_smoothing,
-        warmup_epochs=cfg.optim.warmup_epochs,
-        num_epochs=cfg.num_epochs,
         steps_per_epoch=max(cfg.data.train_examples // batch, 1),
-        momentum=cfg.optim.momentum,
-        nesterov=cfg.optim.nesterov,
         variables=variables,
+        **flax_reference.recipe_of(cfg),
     )
     dev_batch = jax.tree.map(jnp.asarray, host)
     compiled = step_fn.lower(state, dev_batch).compile()
@@ -340,6 +333,22 @@ class TorchStep:
         self._loss = None
         self.note = ""
 
+    @classmethod
+    def from_config(cls, cfg, dtype, size, batch, host, *, device, threads=None):
+        """The step with hybridpar's recipe from ``cfg`` (its defaults where ``cfg`` is None:
+        no hybridpar candidate was built)."""
+        return cls(
+            dtype,
+            size,
+            batch,
+            host,
+            lr=cfg.optim.base_lr * batch / 256 if cfg else 0.1,
+            weight_decay=cfg.optim.weight_decay if cfg else 5e-5,
+            label_smoothing=cfg.label_smoothing if cfg else 0.1,
+            device=device,
+            threads=threads,
+        )
+
     def _step(self):
         x = (self.images.float() - self.mean) / self.std
         x = x.contiguous(memory_format=torch.channels_last)
@@ -366,6 +375,30 @@ class TorchStep:
 
 
 # ---- Main --------------------------------------------------------------------------------
+def time_interleaved(cands, setup_s, peak_fns, peak_samples, args) -> dict:
+    """Median images/s of each candidate, ``{id(c): rate}``, timed round-robin.
+
+    Each candidate first runs one step (compiling anything left; its time is added to
+    ``setup_s[id(c)]``) and ``args.warmup`` untimed steps; then ``args.repeats`` rounds time
+    ``args.steps`` steps of every candidate in turn (so load drifting on shared cores hits
+    all alike) and, in each round, every matmul of ``peak_fns`` (into ``peak_samples``).
+    """
+    for c in cands:
+        t0 = time.perf_counter()
+        c.run(1)
+        setup_s[id(c)] += time.perf_counter() - t0
+        c.run(args.warmup)
+    times = {id(c): [] for c in cands}
+    for _ in range(args.repeats):
+        for c in cands:
+            t0 = time.perf_counter()
+            c.run(args.steps)
+            times[id(c)].append((time.perf_counter() - t0) / args.steps)
+        for k, f in peak_fns.items():
+            peak_samples[k].append(f.time())
+    return {id(c): args.batch / statistics.median(times[id(c)]) for c in cands}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="128,224", help="image sizes (px), comma-separated")
@@ -459,34 +492,14 @@ def main(argv=None):
                 compile_s[id(c)] = time.perf_counter() - t0
             for threads in torch_threads if use_torch else ():
                 cfg = cands[0].cfg if variants else None
-                c = TorchStep(
-                    dtype,
-                    size,
-                    args.batch,
-                    host,
-                    lr=cfg.optim.base_lr * args.batch / 256 if cfg else 0.1,
-                    weight_decay=cfg.optim.weight_decay if cfg else 5e-5,
-                    label_smoothing=cfg.label_smoothing if cfg else 0.1,
-                    device="cpu",
-                    threads=threads,
+                c = TorchStep.from_config(
+                    cfg, dtype, size, args.batch, host, device="cpu", threads=threads
                 )
                 cands.append(c)
                 compile_s[id(c)] = 0.0
-        for c in cands:  # first step (compiles anything left) and warm-up, untimed
-            t0 = time.perf_counter()
-            c.run(1)
-            compile_s[id(c)] += time.perf_counter() - t0
-            c.run(args.warmup)
-        times = {id(c): [] for c in cands}
-        for _ in range(args.repeats):
-            for c in cands:
-                t0 = time.perf_counter()
-                c.run(args.steps)
-                times[id(c)].append((time.perf_counter() - t0) / args.steps)
-            for k, f in peaks_fns.items():
-                peak_samples[k].append(f.time())
+        rates = time_interleaved(cands, compile_s, peaks_fns, peak_samples, args)
         for c in cands:
-            ips = args.batch / statistics.median(times[id(c)])
+            ips = rates[id(c)]
             per_img = c.xla_flops / args.batch if c.xla_flops else None
             results.append((c.name, c.dtype, size, ips, per_img, c.loss(), compile_s[id(c)]))
         del cands

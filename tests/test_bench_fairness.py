@@ -92,16 +92,9 @@ def test_reference_and_hybridpar_compute_the_same_steps():
         image_size=SIZE,
         batch=BATCH,
         dtype=jnp.float32,
-        num_classes=cfg.data.num_classes,
-        base_lr=cfg.optim.base_lr,
-        weight_decay=cfg.optim.weight_decay,
-        label_smoothing=cfg.label_smoothing,
-        warmup_epochs=cfg.optim.warmup_epochs,
-        num_epochs=cfg.num_epochs,
         steps_per_epoch=STEPS_PER_EPOCH,
-        momentum=cfg.optim.momentum,
-        nesterov=cfg.optim.nesterov,
         variables={"params": params0, "batch_stats": stats0},
+        **flax_reference.recipe_of(cfg),
     )
     assert jax.tree.structure(ref.params) == jax.tree.structure(hp.params)
     assert jax.tree.structure(ref.batch_stats) == jax.tree.structure(hp.batch_stats)

@@ -148,35 +148,12 @@ def main(argv=None):
         cands.append(c)
         setup[id(c)] = time.perf_counter() - t0
         if torch is not None:
-            cfg = c.cfg
-            c = rs.TorchStep(
-                args.dtype,
-                size,
-                args.batch,
-                host,
-                lr=cfg.optim.base_lr * args.batch / 256,
-                weight_decay=cfg.optim.weight_decay,
-                label_smoothing=cfg.label_smoothing,
-                device=tdev,
-            )
+            c = rs.TorchStep.from_config(c.cfg, args.dtype, size, args.batch, host, device=tdev)
             cands.append(c)
             setup[id(c)] = 0.0
+        rates = rs.time_interleaved(cands, setup, mm, mm_samples, args)
         for c in cands:
-            t0 = time.perf_counter()
-            c.run(1)
-            setup[id(c)] += time.perf_counter() - t0
-            c.run(args.warmup)
-        times = {id(c): [] for c in cands}
-        for _ in range(args.repeats):
-            for c in cands:
-                t0 = time.perf_counter()
-                c.run(args.steps)
-                times[id(c)].append((time.perf_counter() - t0) / args.steps)
-            for k, f in mm.items():
-                mm_samples[k].append(f.time())
-        for c in cands:
-            ips = args.batch / statistics.median(times[id(c)])
-            rows.append((c.name, size, ips, setup[id(c)], c.loss()))
+            rows.append((c.name, size, rates[id(c)], setup[id(c)], c.loss()))
         del cands
 
     peaks = {k: statistics.median(v) for k, v in mm_samples.items()}
