@@ -86,8 +86,8 @@ def _pad(kernel: int):
     return ((p, p), (p, p))
 
 
-class ResNetBlock(nn.Module):
-    """Basic block: two 3x3 convs."""
+class _Block(nn.Module):
+    """What the two ResNet blocks share: their fields and their ending."""
 
     filters: int
     conv: ModuleDef
@@ -96,56 +96,52 @@ class ResNetBlock(nn.Module):
     zero_init_last_bn: bool = True
     width_factor: int = 1
 
+    def last_norm(self, name: str) -> nn.Module:
+        # A zero gamma makes the block start as identity, which helps early training.
+        return self.norm(name=name, scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)
+
+
+def _add_shortcut(block: _Block, residual, y):
+    """``relu(shortcut(residual) + y)``; the shortcut projects (1x1 conv + BN, strided) when
+    the shapes differ. A function, not a method, so its submodules belong to ``block``'s
+    compact ``__call__``."""
+    if residual.shape != y.shape:
+        s = block.strides
+        residual = block.conv(y.shape[-1], (1, 1), (s, s), name="proj_conv")(residual)
+        residual = block.norm(name="proj_bn")(residual)
+    return nn.relu(residual + y)
+
+
+class ResNetBlock(_Block):
+    """Basic block: two 3x3 convs."""
+
     @nn.compact
     def __call__(self, x):
         if self.width_factor != 1:  # as torchvision's BasicBlock
             raise ValueError("basic blocks have no bottleneck to widen; use width_factor=1")
-        residual = x
-        y = self.conv(
-            self.filters, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv1"
-        )(x)
+        s = self.strides
+        y = self.conv(self.filters, (3, 3), (s, s), padding=_pad(3), name="conv1")(x)
         y = nn.relu(self.norm(name="bn1")(y))
         y = self.conv(self.filters, (3, 3), padding=_pad(3), name="conv2")(y)
-        # A zero gamma makes the block start as identity, which helps early training.
-        y = self.norm(name="bn2", scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
-        if residual.shape != y.shape:
-            residual = self.conv(
-                self.filters, (1, 1), (self.strides, self.strides), name="proj_conv"
-            )(residual)
-            residual = self.norm(name="proj_bn")(residual)
-        return nn.relu(residual + y)
+        return _add_shortcut(self, x, self.last_norm("bn2")(y))
 
 
-class BottleneckResNetBlock(nn.Module):
+class BottleneckResNetBlock(_Block):
     """Bottleneck block: 1x1, 3x3 (strided, v1.5), 1x1 with 4x expansion.
 
     ``width_factor`` widens the inner 1x1 and 3x3 convs (not the block's output), as
     torchvision's ``width_per_group=64 * width_factor``: 2 gives Wide-ResNet-50-2.
     """
 
-    filters: int
-    conv: ModuleDef
-    norm: ModuleDef
-    strides: int = 1
-    zero_init_last_bn: bool = True
-    width_factor: int = 1
-
     @nn.compact
     def __call__(self, x):
-        residual = x
-        width = self.filters * self.width_factor
+        s, width = self.strides, self.filters * self.width_factor
         y = self.conv(width, (1, 1), name="conv1")(x)
         y = nn.relu(self.norm(name="bn1")(y))
-        y = self.conv(width, (3, 3), (self.strides, self.strides), padding=_pad(3), name="conv2")(y)
+        y = self.conv(width, (3, 3), (s, s), padding=_pad(3), name="conv2")(y)
         y = nn.relu(self.norm(name="bn2")(y))
         y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
-        y = self.norm(name="bn3", scale_init=norm_zeros if self.zero_init_last_bn else norm_ones)(y)
-        if residual.shape != y.shape:
-            residual = self.conv(
-                self.filters * 4, (1, 1), (self.strides, self.strides), name="proj_conv"
-            )(residual)
-            residual = self.norm(name="proj_bn")(residual)
-        return nn.relu(residual + y)
+        return _add_shortcut(self, x, self.last_norm("bn3")(y))
 
 
 class ResNet(nn.Module):
