@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import BATCH_AXES, data_parallel_size
+from hybridpar.mesh import BATCH_AXES, axes_with_devices, data_parallel_size
 from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
 from hybridpar.partitioning import path_str
 from hybridpar.precision import Policy
@@ -313,10 +313,9 @@ def _check_mesh(mesh) -> int:
 def active_axes(mesh) -> tuple[str, ...]:
     """The data-parallel axes of ``mesh`` with more than one device.
 
-    The step names only these: an axis of size 1 named in a spec would make JAX's
-    autodiff and our reductions emit all-reduces over one device each, which XLA keeps.
+    The step names only these (see ``mesh.axes_with_devices``); all of them on one device.
     """
-    return tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1) or BATCH_AXES
+    return axes_with_devices(mesh, BATCH_AXES) or BATCH_AXES
 
 
 def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):

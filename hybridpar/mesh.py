@@ -22,6 +22,16 @@ AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
 
 
+def axes_with_devices(mesh, axes) -> tuple[str, ...]:
+    """The axes of ``axes`` over more than one device of ``mesh``, in order.
+
+    Code that names mesh axes in collectives or shard_map specs uses only these: JAX and
+    XLA keep a collective over a size-1 axis as one-device all-reduces (XLA:CPU does not
+    remove them).
+    """
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
 def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
     """``"data:4,model:2"`` -> ``{"data": 4, "fsdp": 1, "model": 2}``; ``-1`` fills the rest."""
     sizes: dict[str, int] = {}

@@ -61,7 +61,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import AXES, BATCH_AXES
+from hybridpar.mesh import AXES, BATCH_AXES, axes_with_devices
 from hybridpar.partitioning import Rules
 
 HEADS = ("dense", "sharded", "partial_fc")
@@ -197,12 +197,9 @@ def make_head(config, mesh: Mesh) -> ShardedHead | None:
             "replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
         )
 
-    def present(axes):  # size-1 axes left out: XLA would keep a collective over one device
-        return tuple(a for a in axes if mesh.shape[a] > 1)
-
     # The trunk is data parallel over every device (its batch split over all axes), so no
     # device computes an example twice; only the head uses the model axis as such.
-    batch = present(AXES) or BATCH_AXES
+    batch = axes_with_devices(mesh, AXES) or BATCH_AXES
     for name in ("global_batch", "eval_batch"):
         if config[name] % mesh.size:
             raise ConfigError(
@@ -214,7 +211,7 @@ def make_head(config, mesh: Mesh) -> ShardedHead | None:
     if kind == "sharded":
         head = ShardedHead(mesh, ("model",), batch)
     else:  # partial_fc: classes over all devices (AXES puts the batch axes first)
-        head = ShardedHead(mesh, present(AXES) or ("model",), batch)
+        head = ShardedHead(mesh, axes_with_devices(mesh, AXES) or ("model",), batch)
     n, c = head.num_shards, config.data.num_classes
     if c % n:
         over = " x ".join(f"{a}:{mesh.shape[a]}" for a in head.class_axes if mesh.shape[a] > 1)
