@@ -5,44 +5,52 @@ The partitioning API for your own training code:
     mesh = hybridpar.make_mesh("data:4,model:2")
     shardings = hybridpar.infer_shardings(params, rules, mesh)
     batch = hybridpar.shard_batch(host_local_numpy_batch, mesh)
+
+The names below are imported on first use (PEP 562), so ``import hybridpar`` does not start
+JAX: a tool can still set device counts and XLA flags before the backend starts, and the
+JAX-free parts (``hybridpar.simulate``, the config schema) stay JAX-free.
 """
 
-from hybridpar.errors import ConfigError
-from hybridpar.mesh import AXES, BATCH_AXES, data_parallel_size, make_mesh, parse_mesh_spec
-from hybridpar.partitioning import (
-    DATA_PARALLEL,
-    FSDP,
-    HYBRID,
-    PRESETS,
-    TENSOR,
-    Rules,
-    batch_sharding,
-    infer_shardings,
-    infer_spec,
-    preset_rules,
-    shard_batch,
-)
-from hybridpar.sharded_head import ShardedHead, sharded_cross_entropy, sharded_topk_hits
+from __future__ import annotations
 
-__all__ = [
-    "AXES",
-    "BATCH_AXES",
-    "ConfigError",
-    "DATA_PARALLEL",
-    "FSDP",
-    "HYBRID",
-    "PRESETS",
-    "Rules",
-    "ShardedHead",
-    "TENSOR",
-    "batch_sharding",
-    "data_parallel_size",
-    "infer_shardings",
-    "infer_spec",
-    "make_mesh",
-    "parse_mesh_spec",
-    "preset_rules",
-    "shard_batch",
-    "sharded_cross_entropy",
-    "sharded_topk_hits",
-]
+import importlib
+
+from hybridpar.errors import ConfigError
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "AXES": "hybridpar.mesh",
+    "BATCH_AXES": "hybridpar.mesh",
+    "data_parallel_size": "hybridpar.mesh",
+    "make_mesh": "hybridpar.mesh",
+    "parse_mesh_spec": "hybridpar.mesh",
+    "DATA_PARALLEL": "hybridpar.partitioning",
+    "FSDP": "hybridpar.partitioning",
+    "HYBRID": "hybridpar.partitioning",
+    "PRESETS": "hybridpar.partitioning",
+    "TENSOR": "hybridpar.partitioning",
+    "Rules": "hybridpar.partitioning",
+    "batch_sharding": "hybridpar.partitioning",
+    "infer_shardings": "hybridpar.partitioning",
+    "infer_spec": "hybridpar.partitioning",
+    "preset_rules": "hybridpar.partitioning",
+    "shard_batch": "hybridpar.partitioning",
+    "ShardedHead": "hybridpar.sharded_head",
+    "sharded_cross_entropy": "hybridpar.sharded_head",
+    "sharded_topk_hits": "hybridpar.sharded_head",
+}
+
+__all__ = ["ConfigError", *sorted(_EXPORTS)]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridpar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
