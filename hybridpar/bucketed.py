@@ -391,7 +391,9 @@ def make_bucketed_train_step(
             params = gather_in_buckets(params, plan, param_dims)
         params = jax.tree.map(lambda p: _to_varying(p, axes), params)
 
-        loss_fn = scaled_loss_fn(local_model, batch_stats, images, labels, scale, label_smoothing)
+        loss_fn = scaled_loss_fn(
+            local_model, batch_stats, images, labels, scale, label_smoothing, policy=policy
+        )
         grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
         # Loss and BN running averages (per device for local/group statistics): one psum,
         # first, as they are ready when the forward pass ends; then the gradient buckets.

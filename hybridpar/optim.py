@@ -1,8 +1,11 @@
 """Optimizers and learning-rate schedules (optax), from the ``optim`` config section.
 
 * The learning rate scales linearly with the global batch: ``lr = base_lr * batch / 256``
-  (Goyal et al. 2017), so a config keeps its meaning when the batch changes.
-* Linear warmup, then cosine or linear decay to ``end_lr_factor * lr``.
+  (Goyal et al. 2017), so a config keeps its meaning when the batch changes
+  (``optim.lr_batch_scaling``: ``linear``, ``sqrt`` or ``none``).
+* Linear warmup, then cosine or linear decay to ``end_lr_factor * lr``, as functions of the
+  epoch reached (``hybridpar.curriculum.StagePlan``), so they stay right when a stage
+  changes the batch and so the steps per epoch.
 * SGD with (Nesterov) momentum, or LARS (You et al. 2017) for very large batches.
 * Weight decay applies to kernels only: BatchNorm scales/offsets and biases are left alone
   (as fast.ai and MLPerf do), and LARS's trust ratio is masked the same way.
@@ -11,8 +14,10 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
+from hybridpar.curriculum import StagePlan
 from hybridpar.errors import ConfigError
 
 
@@ -21,33 +26,62 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
+def lr_batch_factor(cfg, global_batch):
+    """How the learning rate follows the global batch: ``linear`` (Goyal et al.: x batch /
+    lr_batch_base), ``sqrt`` (for LARS at very large batch) or ``none``. ``global_batch``
+    may be a traced value (the batch of the stage a step is in)."""
+    ratio = global_batch / cfg.lr_batch_base
+    if cfg.lr_batch_scaling == "sqrt":
+        return ratio**0.5
+    return 1.0 if cfg.lr_batch_scaling == "none" else ratio
+
+
 def peak_lr(cfg, global_batch: int) -> float:
-    return cfg.base_lr * global_batch / cfg.lr_batch_base
+    return cfg.base_lr * lr_batch_factor(cfg, global_batch)
 
 
-def make_schedule(cfg, global_batch: int, steps_per_epoch: int, total_steps: int) -> optax.Schedule:
-    peak = peak_lr(cfg, global_batch)
-    warmup = min(int(round(cfg.warmup_epochs * steps_per_epoch)), max(total_steps - 1, 0))
-    end = peak * cfg.end_lr_factor
-    decay_steps = max(total_steps - warmup, 1)
+def lr_factor(cfg, epoch, num_epochs: float):
+    """The schedule's shape in [0, 1] at ``epoch`` (float; traced or not): linear warmup from
+    ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear or constant decay to
+    ``end_lr_factor`` at ``num_epochs``. A function of epochs, so it is continuous however
+    the batch (and so the steps per epoch) changes from stage to stage."""
+    warm = min(cfg.warmup_epochs, num_epochs)
+    t = jnp.clip((epoch - warm) / max(num_epochs - warm, 1e-9), 0.0, 1.0)
+    end = cfg.end_lr_factor
     if cfg.schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.end_lr_factor)
+        decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * t))
     elif cfg.schedule == "linear":
-        decay = optax.linear_schedule(peak, end, decay_steps)
+        decay = 1 + (end - 1) * t
     elif cfg.schedule == "constant":
-        decay = optax.constant_schedule(peak)
+        decay = jnp.ones_like(t)
     else:
         raise ConfigError(f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear' or 'constant'")
-    if warmup == 0:
+    if warm <= 0:
         return decay
-    return optax.join_schedules(
-        [optax.linear_schedule(peak * cfg.warmup_start_factor, peak, warmup), decay], [warmup]
-    )
+    f0 = cfg.warmup_start_factor
+    warmup = f0 + (1 - f0) * jnp.clip(epoch / warm, 0.0, 1.0)
+    return jnp.where(epoch < warm, warmup, decay)
 
 
-def make_optimizer(cfg, global_batch: int, steps_per_epoch: int, total_steps: int):
-    """Returns ``(tx, schedule)`` for the ``optim`` config section."""
-    schedule = make_schedule(cfg, global_batch, steps_per_epoch, total_steps)
+def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
+    """``step -> learning rate`` over the stages of ``plan``: the epoch a step reaches sets
+    the schedule's shape, the batch of its stage the scale (``lr_batch_factor``)."""
+    lr_factor(cfg, 0.0, plan.num_epochs)  # an unknown schedule name fails here, not in jit
+
+    def schedule(step):
+        epoch = plan.epoch_at(step)
+        return (
+            cfg.base_lr
+            * lr_batch_factor(cfg, plan.batch_at(step))
+            * lr_factor(cfg, epoch, plan.num_epochs)
+        )
+
+    return schedule
+
+
+def make_optimizer(cfg, plan: StagePlan):
+    """Returns ``(tx, schedule)`` for the ``optim`` config section and the run's stages."""
+    schedule = make_schedule(cfg, plan)
     if cfg.name == "sgd":
         tx = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),

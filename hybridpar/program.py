@@ -8,6 +8,8 @@ the very same step. Shapes come from ``jax.eval_shape``; lowering uses abstract 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -15,6 +17,7 @@ import numpy as np
 
 from hybridpar import partitioning
 from hybridpar.bucketed import make_bucketed_train_step
+from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
@@ -40,9 +43,11 @@ def rules_from_config(c, mesh, head=None) -> partitioning.Rules:
 
 
 def check_batch_sizes(config, mesh) -> None:
-    """Both batches must split evenly over the data-parallel devices (data x fsdp)."""
+    """Every batch must split evenly over the data-parallel devices (data x fsdp); a
+    curriculum's batches are per device, so they always do."""
     dp = data_parallel_size(mesh)
-    for name in ("global_batch", "eval_batch"):
+    names = ("eval_batch",) if config.stages else ("global_batch", "eval_batch")
+    for name in names:
         if config[name] % dp:
             raise ConfigError(
                 f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
@@ -53,25 +58,43 @@ def check_batch_sizes(config, mesh) -> None:
 
 @dataclasses.dataclass
 class Program:
+    """What a run compiles, for any (batch, image size): the model, optimizer, precision and
+    placement, and the train and eval steps built from them. Steps are compiled ahead of
+    time per (batch, image size) and cached, so a curriculum's stages each compile once and
+    a stage that comes back costs nothing. The steps are built from the fields, so
+    ``dataclasses.replace(program, tx=other)`` is a program with other steps (the tests'
+    negative controls use that)."""
+
+    config: Any
     mesh: Any
     rules: partitioning.Rules
     policy: Policy
     model: Any
     tx: Any
-    schedule: Callable
+    schedule: Callable  # step -> learning rate (over the run's stages)
+    plan: StagePlan
+    head: Any  # None: the model's own dense head; else a ShardedHead
     init: Callable  # rng -> boxed TrainState
     abstract: Any  # boxed abstract TrainState (logical names kept, for the placement table)
     shardings: Any  # NamedSharding tree of the (unboxed) TrainState
-    train_jit: Any
-    eval_jit: Any
-    image_shape: tuple[int, int, int]
+    channels: int
+    # (kind, batch, image size) -> compiled step; and one record per compilation
+    _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    compiles: list = dataclasses.field(default_factory=list, init=False, repr=False)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """The first stage's image shape (the one the parameters were initialised with)."""
+        size = self.plan.stages[0].stage.image_size or self.config.data.image_size
+        return (size, size, self.channels)
 
     def abstract_state(self):
         return abstract_like(self.abstract, self.shardings)
 
-    def abstract_batch(self, n: int, keys=("image", "label")) -> dict:
+    def abstract_batch(self, n: int, image_size: int | None = None, keys=("image", "label")):
+        size = image_size or self.image_shape[0]
         specs = {
-            "image": ((n, *self.image_shape), np.uint8),
+            "image": ((n, size, size, self.channels), np.uint8),
             "label": ((n,), np.int32),
             "mask": ((n,), np.float32),
         }
@@ -84,15 +107,90 @@ class Program:
             for k in keys
         }
 
-    def lower_train(self, global_batch: int):
-        return self.train_jit.lower(self.abstract_state(), self.abstract_batch(global_batch))
+    @functools.cached_property
+    def train_jit(self):
+        """The jitted ``(state, batch) -> (state, metrics)``, old state donated."""
+        return jit_train_step(
+            self._train_step_fn(), self.shardings, self.mesh, {"image": 4, "label": 1}
+        )
 
-    def lower_eval(self, eval_batch: int):
-        keys = ("image", "label", "mask")
-        return self.eval_jit.lower(self.abstract_state(), self.abstract_batch(eval_batch, keys))
+    @functools.cached_property
+    def eval_jit(self):
+        """The jitted ``(state, batch) -> sums`` of loss, top-1/5 hits and real examples."""
+        c = self.config
+        step = make_eval_step(
+            self.model,
+            self.policy,
+            mean=tuple(c.data.mean),
+            std=tuple(c.data.std),
+            label_smoothing=c.label_smoothing,
+            head=self.head,
+        )
+        return jit_eval_step(step, self.shardings, self.mesh, {"image": 4, "label": 1, "mask": 1})
+
+    def _train_step_fn(self):
+        c = self.config
+        common = dict(
+            mean=tuple(c.data.mean), std=tuple(c.data.std), label_smoothing=c.label_smoothing
+        )
+        if c.comm.mode == "bucketed":  # our own fused, ordered gradient all-reduces
+            return make_bucketed_train_step(
+                self.model,
+                self.tx,
+                self.policy,
+                self.schedule,
+                mesh=self.mesh,
+                bucket_mb=c.comm.bucket_mb,
+                bn_sync=c.model.bn_sync,
+                shardings=self.shardings,
+                **common,
+            )
+        # "xla": XLA inserts and combines the collectives
+        return make_train_step(
+            self.model, self.tx, self.policy, self.schedule, head=self.head, **common
+        )
+
+    def lower_train(self, global_batch: int, image_size: int | None = None):
+        return self.train_jit.lower(
+            self.abstract_state(), self.abstract_batch(global_batch, image_size)
+        )
+
+    def lower_eval(self, eval_batch: int, image_size: int | None = None):
+        batch = self.abstract_batch(eval_batch, image_size, ("image", "label", "mask"))
+        return self.eval_jit.lower(self.abstract_state(), batch)
+
+    def train_step(self, global_batch: int, image_size: int | None = None):
+        """The train step compiled for this batch and size (cached)."""
+        return self._compile("train", global_batch, image_size or self.image_shape[0])
+
+    def eval_step(self, eval_batch: int, image_size: int | None = None):
+        """The eval step compiled for this batch and size (cached)."""
+        return self._compile("eval", eval_batch, image_size or self.image_shape[0])
+
+    def _compile(self, kind: str, batch: int, size: int):
+        key = (kind, batch, size)
+        if key not in self._compiled:
+            t0 = time.time()
+            lower = self.lower_train if kind == "train" else self.lower_eval
+            self._compiled[key] = lower(batch, size).compile()
+            self.compiles.append(
+                {
+                    "program": kind,
+                    "batch": batch,
+                    "image_size": size,
+                    "compile_s": round(time.time() - t0, 3),
+                }
+            )
+        return self._compiled[key]
 
 
-def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: int) -> Program:
+def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
+    """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
+    size); None for tools that compile without data, which get one stage of the config's
+    nominal ``data.train_examples``."""
+    if plan is None:
+        stages = stages_from_config(config, data_parallel_size(mesh))
+        plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
     head = make_head(config, mesh)  # None for model.head=dense
     rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision
@@ -111,58 +209,26 @@ def build_program(config, mesh, image_shape, steps_per_epoch: int, total_steps: 
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),
     )
-    tx, schedule = make_optimizer(config.optim, config.global_batch, steps_per_epoch, total_steps)
+    tx, schedule = make_optimizer(config.optim, plan)
     loss_scale = LossScale.create(
         policy.needs_loss_scale, p.loss_scale_initial, p.loss_scale_period
     )
-    init = make_init_fn(model, tx, (1, *image_shape), loss_scale)
+    size = plan.stages[0].stage.image_size or config.data.image_size
+    init = make_init_fn(model, tx, (1, size, size, config.data.channels), loss_scale)
     abstract = jax.eval_shape(init, jax.random.key(config.seed))
     shardings = partitioning.infer_shardings(abstract, rules, mesh)
-    mean, std = tuple(config.data.mean), tuple(config.data.std)
-    smoothing = config.label_smoothing
-    if config.comm.mode == "bucketed":  # our own fused, ordered gradient all-reduces
-        step_fn = make_bucketed_train_step(
-            model,
-            tx,
-            policy,
-            schedule,
-            mean=mean,
-            std=std,
-            label_smoothing=smoothing,
-            mesh=mesh,
-            bucket_mb=config.comm.bucket_mb,
-            bn_sync=m.bn_sync,
-            shardings=shardings,
-        )
-    elif config.comm.mode == "xla":  # XLA inserts and combines the collectives
-        step_fn = make_train_step(
-            model, tx, policy, schedule, mean=mean, std=std, label_smoothing=smoothing, head=head
-        )
-    else:
-        raise ConfigError(f"comm.mode={config.comm.mode!r}: use 'xla' or 'bucketed'")
-    train_jit = jit_train_step(
-        step_fn,
-        shardings,
-        mesh,
-        {"image": 4, "label": 1},
-    )
-    eval_jit = jit_eval_step(
-        make_eval_step(model, policy, mean=mean, std=std, label_smoothing=smoothing, head=head),
-        shardings,
-        mesh,
-        {"image": 4, "label": 1, "mask": 1},
-    )
     return Program(
+        config,
         mesh,
         rules,
         policy,
         model,
         tx,
         schedule,
+        plan,
+        head,
         init,
         abstract,
         shardings,
-        train_jit,
-        eval_jit,
-        tuple(image_shape),
+        config.data.channels,
     )

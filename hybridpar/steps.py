@@ -36,16 +36,24 @@ def cross_entropy(logits, labels, label_smoothing: float = 0.0):
     return optax.softmax_cross_entropy(logits, targets)
 
 
-def scaled_loss_fn(model, batch_stats, images, labels, scale, label_smoothing, head=None):
+def logits_in(policy: Policy | None, logits):
+    """The logits in the policy's output dtype (``precision.output``); the softmax and the
+    loss then run in float32 whatever it is."""
+    return logits if policy is None else logits.astype(policy.output_dtype)
+
+
+def scaled_loss_fn(
+    model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None
+):
     """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
     the forward pass in train mode and the mean cross-entropy, shared by every train step.
-    ``head`` as in ``make_train_step``."""
+    ``head`` as in ``make_train_step``; ``policy`` sets the logits' dtype."""
 
     def loss_fn(params):
         variables = {"params": params, "batch_stats": batch_stats}
         if head is None:
             logits, new_vars = model.apply(variables, images, train=True, mutable=["batch_stats"])
-            loss = cross_entropy(logits, labels, label_smoothing).mean()
+            loss = cross_entropy(logits_in(policy, logits), labels, label_smoothing).mean()
         else:
             features, new_vars = model.apply(
                 variables,
@@ -83,7 +91,14 @@ def make_train_step(
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
         loss_fn = scaled_loss_fn(
-            model, state.batch_stats, images, labels, state.loss_scale.scale, label_smoothing, head
+            model,
+            state.batch_stats,
+            images,
+            labels,
+            state.loss_scale.scale,
+            label_smoothing,
+            head,
+            policy,
         )
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
         return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
@@ -133,7 +148,8 @@ def make_eval_step(
         variables = {"params": state.params, "batch_stats": state.batch_stats}
         labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
         if head is None:
-            logits = model.apply(variables, images, train=False).astype(jnp.float32)
+            logits = logits_in(policy, model.apply(variables, images, train=False))
+            logits = logits.astype(jnp.float32)
             loss = cross_entropy(logits, labels, label_smoothing)
             k = min(5, logits.shape[-1])
             _, top = jax.lax.top_k(logits, k)

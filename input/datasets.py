@@ -12,6 +12,7 @@ epoch, eval batches, steps per epoch and facts for the run's records. The kinds:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 from typing import Callable, Iterator
@@ -22,12 +23,16 @@ from hybridpar.input import arrays
 
 @dataclasses.dataclass
 class Data:
-    train_batches: Callable[..., Iterator[dict]]  # (epoch, start_step=0) -> host batches
-    eval_batches: Callable[[], Iterator[dict]]
-    steps_per_epoch: int
+    # (epoch, start_step=0, *, global_batch=, image_size=, min_scale=) -> host batches; the
+    # keywords are a curriculum stage's (default: the config's own keys)
+    train_batches: Callable[..., Iterator[dict]]
+    eval_batches: Callable[[], Iterator[dict]]  # at data.image_size, every example once
+    steps_per_epoch: int  # at the config's global_batch
     num_eval: int
     image_shape: tuple[int, int, int]
     info: dict  # recorded as the run's "data" event
+    # global batch -> full steps in an epoch at that batch (for a curriculum's stage plan)
+    steps_for: Callable[[int], int] | None = None
 
 
 def make_data(c, pi: int, pc: int) -> Data:
@@ -49,6 +54,7 @@ def _in_memory(c, pi, pc, shape) -> Data:
             raise ConfigError("data.name=digits is grayscale: set data.channels=1")
         train, test = arrays.load_digits(d.image_size)
         spe = arrays.steps_per_epoch(train, c.global_batch)
+        steps_for = functools.partial(arrays.steps_per_epoch, train)
     else:  # a pool of random images stands in for an epoch of train_examples
         pool = min(d.train_examples, 4 * c.global_batch)
         train = arrays.synthetic(pool, d.image_size, d.num_classes, c.seed, d.channels)
@@ -60,14 +66,28 @@ def _in_memory(c, pi, pc, shape) -> Data:
             d.channels,
         )
         spe = max(d.train_examples // c.global_batch, 1)
+        def steps_for(batch):
+            return max(d.train_examples // batch, 1)
 
-    def train_batches(epoch, start_step=0):
+    pools = {(d.image_size, c.global_batch): train}
+
+    def train_batches(epoch, start_step=0, *, global_batch=None, image_size=None, **_):
+        batch, size = global_batch or c.global_batch, image_size or d.image_size
+        key = (size, batch)
+        if key not in pools:  # a stage at another size or batch: the examples resized
+            pools[key] = (
+                arrays.load_digits(size)[0]
+                if d.name == "digits"
+                else arrays.synthetic(
+                    min(d.train_examples, 4 * batch), size, d.num_classes, c.seed, d.channels
+                )
+            )
+        examples = pools[key]
+        steps = steps_for(batch)
         done, cycle = 0, 0
-        while done < spe:  # the synthetic pool is cycled to make a nominal epoch
-            for b in arrays.train_batches(
-                train, c.global_batch, c.seed, epoch * 1000 + cycle, pi, pc
-            ):
-                if done == spe:
+        while done < steps:  # the synthetic pool is cycled to make a nominal epoch
+            for b in arrays.train_batches(examples, batch, c.seed, epoch * 1000 + cycle, pi, pc):
+                if done == steps:
                     return
                 if done >= start_step:
                     yield b
@@ -85,6 +105,7 @@ def _in_memory(c, pi, pc, shape) -> Data:
             "train_examples": len(train["label"]),
             "eval_examples": len(test["label"]),
         },
+        steps_for,
     )
 
 
@@ -133,12 +154,12 @@ def _pipeline(c, pi, pc, shape) -> Data:
             f"batch of {c.global_batch} per epoch; lower global_batch"
         )
 
-    def train_batches(epoch, start_step=0):
+    def train_batches(epoch, start_step=0, *, global_batch=None, image_size=None, min_scale=None):
         return train.train_batches(
             epoch,
-            image_size=d.image_size,
-            global_batch=c.global_batch,
-            min_scale=d.min_scale,
+            image_size=image_size or d.image_size,
+            global_batch=global_batch or c.global_batch,
+            min_scale=d.min_scale if min_scale is None else min_scale,
             start_step=start_step,
         )
 
@@ -152,7 +173,7 @@ def _pipeline(c, pi, pc, shape) -> Data:
         "skipped": train.skipped + test.skipped,
         "converted": train.converted + test.converted,
     }
-    return Data(train_batches, eval_batches, spe, test.num_examples, shape, info)
+    return Data(train_batches, eval_batches, spe, test.num_examples, shape, info, train.steps_per_epoch)
 
 
 def _ensure_prepared(d) -> str:

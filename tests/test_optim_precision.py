@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from hybridpar.config import base_config
+from hybridpar.curriculum import single_stage_plan
 from hybridpar.errors import ConfigError
 from hybridpar.optim import decay_mask, make_optimizer, make_schedule, peak_lr
 from hybridpar.precision import DTYPES, LossScale, Policy, all_finite, make_policy
@@ -73,7 +74,7 @@ def test_schedule_warmup_then_decay(schedule):
     )
     spe, total, batch = 10, 100, 512
     peak = 0.1 * batch / 256
-    s = make_schedule(cfg, batch, spe, total)
+    s = make_schedule(cfg, single_stage_plan(spe, total, batch))
     assert float(s(0)) == pytest.approx(0.1 * peak, rel=1e-5)
     assert float(s(10)) == pytest.approx(0.55 * peak, rel=1e-5)  # halfway through warmup
     assert float(s(20)) == pytest.approx(peak, rel=1e-5)  # end of warmup (2 epochs x 10)
@@ -86,8 +87,8 @@ def test_schedule_warmup_then_decay(schedule):
 
 def test_cosine_and_linear_differ_in_the_middle():
     kw = dict(warmup_epochs=0.0, end_lr_factor=0.0)
-    cos = make_schedule(optim_cfg(schedule="cosine", **kw), 256, 10, 100)
-    lin = make_schedule(optim_cfg(schedule="linear", **kw), 256, 10, 100)
+    cos = make_schedule(optim_cfg(schedule="cosine", **kw), single_stage_plan(10, 100, 256))
+    lin = make_schedule(optim_cfg(schedule="linear", **kw), single_stage_plan(10, 100, 256))
     assert float(cos(0)) == pytest.approx(0.1) and float(lin(0)) == pytest.approx(0.1)
     assert float(lin(50)) == pytest.approx(0.05, rel=1e-5)
     assert float(cos(25)) == pytest.approx(0.1 * 0.5 * (1 + np.cos(np.pi * 0.25)), rel=1e-5)
@@ -95,23 +96,25 @@ def test_cosine_and_linear_differ_in_the_middle():
 
 
 def test_constant_schedule():
-    s = make_schedule(optim_cfg(schedule="constant", warmup_epochs=0.0), 256, 10, 100)
+    s = make_schedule(
+        optim_cfg(schedule="constant", warmup_epochs=0.0), single_stage_plan(10, 100, 256)
+    )
     assert float(s(0)) == pytest.approx(0.1) and float(s(99)) == pytest.approx(0.1)
 
 
 def test_unknown_schedule():
     with pytest.raises(ConfigError, match="cosine"):
-        make_schedule(optim_cfg(schedule="step"), 256, 10, 100)
+        make_schedule(optim_cfg(schedule="step"), single_stage_plan(10, 100, 256))
 
 
 def test_unknown_optimizer():
     with pytest.raises(ConfigError) as e:
-        make_optimizer(optim_cfg(name="adam"), 256, 10, 100)
+        make_optimizer(optim_cfg(name="adam"), single_stage_plan(10, 100, 256))
     assert "adam" in str(e.value) and "sgd" in str(e.value) and "lars" in str(e.value)
 
 
 def _one_update(cfg, params, grads):
-    tx, _ = make_optimizer(cfg, 256, 10, 100)
+    tx, _ = make_optimizer(cfg, single_stage_plan(10, 100, 256))
     state = tx.init(params)
     updates, _ = tx.update(grads, state, params)
     return updates

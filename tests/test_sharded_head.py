@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from hybridpar import ConfigError, make_mesh, shard_batch
 from hybridpar.config import base_config
 from hybridpar.mesh import AXES, BATCH_AXES
+from hybridpar.curriculum import single_stage_plan
 from hybridpar.program import build_program
 from hybridpar.sharded_head import ShardedHead, make_head
 from hybridpar.state import init_sharded
@@ -146,7 +147,7 @@ def _batches(steps=2):
 def _run(head, mesh_spec, devices=None):
     config = _config(head, mesh_spec)
     mesh = make_mesh(mesh_spec, devices)
-    program = build_program(config, mesh, (16, 16, 3), steps_per_epoch=10, total_steps=10)
+    program = build_program(config, mesh, single_stage_plan(10, 10, config.global_batch))
     state = init_sharded(program.init, program.shardings, jax.random.key(0))
     train = program.lower_train(B).compile()
     evaluate = program.lower_eval(B).compile()

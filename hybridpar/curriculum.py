@@ -1,0 +1,179 @@
+"""Training stages: image size, batch and crop scale by epoch, and where each stage's steps lie.
+
+A run is one or more stages. With ``config.stages`` empty there is one stage, from
+``num_epochs``, ``data.image_size``, ``global_batch`` and ``data.min_scale``. Otherwise
+``config.stages`` is MoXing's notation, ``END:SIZE-BATCH[,END:SIZE-BATCH...]``: the stage
+runs until epoch END at SIZE px with BATCH examples per data-parallel device (so the same
+string means the same thing on 8 or 1,024 devices), e.g. ``20:128-224,38:224-224,40:288-128``.
+
+``plan_stages`` turns stages into steps once the data size is known: each stage runs whole
+epochs of the full steps an epoch holds at its global batch (the input drops the last partial
+batch) and a fractional end epoch ends the stage part-way through an epoch. The learning
+rate and other schedules are functions of the epoch reached (``StagePlan.epoch_at``), not
+of a step count under one batch, so they stay right when the batch changes. Nothing here
+touches JAX's devices; ``epoch_at`` works on NumPy and traced JAX integers alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable
+
+import numpy as np
+
+from hybridpar.errors import ConfigError
+
+_STAGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    end_epoch: float
+    image_size: int
+    global_batch: int
+    min_scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedStage:
+    index: int
+    stage: Stage
+    start_epoch: float
+    start_step: int  # global step at which the stage begins
+    num_steps: int
+    steps_per_epoch: int
+
+    @property
+    def end_step(self) -> int:
+        return self.start_step + self.num_steps
+
+
+def parse_stages(text: str) -> list[tuple[float, int, int]]:
+    """``"20:128-224,38:224-224"`` -> ``[(20.0, 128, 224), (38.0, 224, 224)]`` (end epoch,
+    image size, per-device batch). Epochs must increase; sizes and batches be positive."""
+    out = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        m = _STAGE.match(part)
+        if not m:
+            raise ConfigError(
+                f"stages={text!r}: {part!r} is not END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE; "
+                "write e.g. --config.stages=20:128-224,38:224-224,40:288-128"
+            )
+        end, size, batch = float(m[1]), int(m[2]), int(m[3])
+        if size <= 0 or batch <= 0 or end <= 0:
+            raise ConfigError(f"stages={text!r}: {part!r} needs an epoch, size and batch > 0")
+        if out and end <= out[-1][0]:
+            raise ConfigError(
+                f"stages={text!r}: end epochs must increase, but {part!r} ends at epoch "
+                f"{end:g}, not after the previous stage's {out[-1][0]:g}"
+            )
+        out.append((end, size, batch))
+    if not out:
+        raise ConfigError(f"stages={text!r} names no stage; leave it empty for one stage")
+    return out
+
+
+def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
+    """The run's stages; with ``config.stages`` empty, the one stage the flat keys give."""
+    d = config.data
+    if not config.stages:
+        return [Stage(float(config.num_epochs), d.image_size, config.global_batch, d.min_scale)]
+    return [
+        Stage(end, size, per_device * data_parallel_size, d.min_scale)
+        for end, size, per_device in parse_stages(config.stages)
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    stages: tuple[PlannedStage, ...]
+
+    @property
+    def total_steps(self) -> int:
+        return self.stages[-1].end_step
+
+    @property
+    def num_epochs(self) -> float:
+        return self.stages[-1].stage.end_epoch
+
+    def stage_of(self, step: int) -> PlannedStage:
+        """The stage that runs global step ``step`` (the last one past the end)."""
+        for s in self.stages:
+            if step < s.end_step:
+                return s
+        return self.stages[-1]
+
+    def epoch_at(self, step):
+        """Epochs completed after ``step`` steps: piecewise linear in the step, exact at
+        stage boundaries. ``step`` may be a traced JAX integer (used inside the train step)."""
+        xs = [s.start_step for s in self.stages] + [self.total_steps]
+        ys = [s.start_epoch for s in self.stages]
+        last = self.stages[-1]
+        ys.append(last.start_epoch + last.num_steps / last.steps_per_epoch)
+        if isinstance(step, (int, np.integer, float)):
+            return float(np.interp(step, xs, ys))
+        import jax.numpy as jnp  # traced: the schedule inside the step
+
+        return jnp.interp(
+            jnp.asarray(step, jnp.float32),
+            jnp.asarray(xs, jnp.float32),
+            jnp.asarray(ys, jnp.float32),
+        )
+
+    def batch_at(self, step):
+        """The global batch of the stage that runs ``step`` (traced or not)."""
+        bounds = [s.end_step for s in self.stages[:-1]]
+        batches = [s.stage.global_batch for s in self.stages]
+        if isinstance(step, (int, np.integer)):
+            return batches[int(np.searchsorted(bounds, step, side="right"))]
+        import jax.numpy as jnp
+
+        i = jnp.searchsorted(jnp.asarray(bounds, jnp.int32), step, side="right")
+        return jnp.asarray(batches, jnp.float32)[i]
+
+
+def plan_stages(stages: list[Stage], steps_per_epoch: Callable[[int], int]) -> StagePlan:
+    """Steps of each stage, given the data's full steps per epoch at a global batch."""
+    planned, step, start = [], 0, 0.0
+    for i, st in enumerate(stages):
+        spe = steps_per_epoch(st.global_batch)
+        if spe == 0:
+            raise ConfigError(
+                f"stage {i}'s global batch of {st.global_batch} is more than one epoch of the "
+                "training split: lower the batch"
+            )
+        steps = max(int(round((st.end_epoch - start) * spe)), 1 if i == 0 else 0)
+        planned.append(PlannedStage(i, st, start, step, steps, spe))
+        step, start = step + steps, st.end_epoch
+    return StagePlan(tuple(planned))
+
+
+def single_stage_plan(steps_per_epoch: int, total_steps: int, global_batch: int) -> StagePlan:
+    """One stage of ``total_steps`` steps: for tools that compile a step without data."""
+    stage = Stage(total_steps / steps_per_epoch, 0, global_batch, 0.0)
+    return StagePlan((PlannedStage(0, stage, 0.0, 0, total_steps, steps_per_epoch),))
+
+
+def describe(plan: StagePlan) -> str:
+    lines = []
+    for s in plan.stages:
+        st = s.stage
+        lines.append(
+            f"stage {s.index}: epochs {s.start_epoch:g}-{st.end_epoch:g}, {st.image_size} px, "
+            f"global batch {st.global_batch}, {s.num_steps} steps ({s.steps_per_epoch}/epoch)"
+            f", min crop scale {st.min_scale:g}"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "PlannedStage",
+    "Stage",
+    "StagePlan",
+    "describe",
+    "parse_stages",
+    "plan_stages",
+    "single_stage_plan",
+    "stages_from_config",
+]
