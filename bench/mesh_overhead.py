@@ -23,13 +23,9 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hybridpar import make_mesh, preset_rules, shard_batch  # noqa: E402
-from hybridpar.config import load_config  # noqa: E402
-from hybridpar.models import create_model  # noqa: E402
-from hybridpar.optim import make_optimizer  # noqa: E402
-from hybridpar.precision import LossScale, make_policy  # noqa: E402
-from hybridpar.state import create_sharded_state, make_init_fn  # noqa: E402
-from hybridpar.steps import jit_train_step, make_train_step  # noqa: E402
+from hybridpar import cli, shard_batch  # noqa: E402
+from hybridpar.state import init_sharded  # noqa: E402
+from hybridpar.trainer import setup  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--batch", type=int, default=64, help="global batch (both meshes)")
@@ -39,24 +35,23 @@ p.add_argument("--image-size", type=int, default=32)
 p.add_argument("--channels", type=int, default=1)
 p.add_argument("--mesh", default="data:4,model:2", help="the hybrid mesh (over all devices)")
 args = p.parse_args()
-
-# The default main job's model and optimizer (experiments/digits.py), in float32.
-cfg = load_config(str(Path(__file__).resolve().parents[1] / "experiments" / "digits.py"))
-model = create_model(
-    cfg.model.name,
-    num_classes=cfg.data.num_classes,
-    num_filters=cfg.model.num_filters,
-    small_stem=cfg.model.small_stem,
-)
-tx, schedule = make_optimizer(cfg.optim, args.batch, steps_per_epoch=20, total_steps=1000)
-policy = make_policy("float32")
-mean = (cfg.data.mean[0],) * args.channels
-std = (cfg.data.std[0],) * args.channels
 shape = (args.image_size, args.image_size, args.channels)
-init = make_init_fn(model, tx, (1, *shape), LossScale.create(dynamic=False))
-step_fn = make_train_step(
-    model, tx, policy, schedule, mean=mean, std=std, label_smoothing=cfg.label_smoothing
-)
+DIGITS = str(Path(__file__).resolve().parents[1] / "experiments" / "digits.py")
+
+
+def digits_program(mesh: str, devices=None):
+    """The default main job's model and optimizer (experiments/digits.py), in float32, on
+    ``mesh``, through the train CLI's own set-up (no data)."""
+    cfg = cli.load(DIGITS)
+    cfg.mesh, cfg.global_batch, cfg.eval_batch = mesh, args.batch, args.batch
+    cfg.data.update(image_size=args.image_size, channels=args.channels)
+    cfg.data.mean, cfg.data.std = (
+        (cfg.data.mean[0],) * args.channels,
+        (cfg.data.std[0],) * args.channels,
+    )
+    cfg.data.train_examples = 20 * args.batch  # a nominal schedule: 20 steps per epoch
+    return setup(cfg, with_data=False, devices=devices).program
+
 
 # One fixed random batch, made once on the host.
 rng = np.random.default_rng(0)
@@ -66,18 +61,17 @@ host_batch = {
 }
 
 runs = {}
-for name, mesh in (
-    ("single", make_mesh("data:1", devices=jax.devices()[:1])),
-    ("hybrid", make_mesh(args.mesh)),
+for name, program in (
+    ("single", digits_program("data:1", jax.devices()[:1])),
+    ("hybrid", digits_program(args.mesh)),
 ):
+    mesh = program.mesh
     # Same seed on both meshes, so both start from the same parameters.
-    state, shardings, _ = create_sharded_state(
-        init, preset_rules("auto", mesh), mesh, jax.random.key(0)
-    )
-    train = jit_train_step(step_fn, shardings, mesh, {"image": 4, "label": 1})
+    state = init_sharded(program.init, program.shardings, jax.random.key(0))
+    t0 = time.perf_counter()
+    train = program.train_step(args.batch, args.image_size)
     # Sharded once, before timing: host-to-device transfer is not part of what we measure.
     batch = shard_batch(host_batch, mesh)
-    t0 = time.perf_counter()
     state, metrics = jax.block_until_ready(train(state, batch))  # compile + first step
     compile_s = time.perf_counter() - t0
     for _ in range(3):  # warm-up steps, untimed

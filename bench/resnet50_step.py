@@ -43,7 +43,6 @@ images/s first, then hybridpar / PyTorch, then hybridpar's fraction of the matmu
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import statistics
 import sys
@@ -149,40 +148,19 @@ class TorchMatmul:
 
 
 # ---- Candidates --------------------------------------------------------------------------
-def set_key(cfg, key: str, value):
-    """``cfg.a.b = value`` for ``key="a.b"``; a string value is parsed as a Python literal."""
-    if isinstance(value, str):
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            pass
-    *parents, leaf = key.split(".")
-    node = cfg
-    for p in parents:
-        node = node[p]
-    if leaf not in node:
-        raise KeyError(f"config has no key {key!r}")
-    node[leaf] = value
-
-
 def hybridpar_program(dtype: str, size: int, batch: int, overrides=(), config_file=None):
-    """``(config, mesh, program)``: the recipe with ``precision.compute=dtype`` at ``size``."""
-    from hybridpar.config import load_config
-    from hybridpar.mesh import make_mesh
-    from hybridpar.program import build_program, check_batch_sizes
+    """``(config, mesh, program)``: the recipe with ``precision.compute=dtype`` at ``size``,
+    through the train CLI's own override parser and set-up (no data)."""
+    from hybridpar import cli
+    from hybridpar.trainer import setup
 
-    cfg = load_config(str(config_file or ROOT / "experiments" / "resnet50_imagenet.py"))
+    cfg = cli.load(str(config_file or ROOT / "experiments" / "resnet50_imagenet.py"))
     cfg.precision.compute = dtype
     cfg.global_batch = cfg.eval_batch = batch
     cfg.data.image_size = size
-    for k, v in overrides:
-        set_key(cfg, k, v)
-    mesh = make_mesh(cfg.mesh)
-    check_batch_sizes(cfg, mesh)
-    spe = max(cfg.data.train_examples // batch, 1)
-    total = max(int(cfg.num_epochs * spe), 1)
-    program = build_program(cfg, mesh, (size, size, cfg.data.channels), spe, total)
-    return cfg, mesh, program
+    cli.apply_overrides(cfg, overrides, "--set")
+    run = setup(cfg, with_data=False)
+    return cfg, run.mesh, run.program
 
 
 class JaxStep:
@@ -226,7 +204,7 @@ def make_hybridpar(name, dtype, size, batch, overrides, state0, host):
     if key not in state0:
         state0[key] = init_sharded(program.init, program.shardings, jax.random.key(cfg.seed))
     state = jax.tree.map(jnp.copy, state0[key])
-    compiled = program.lower_train(batch).compile()
+    compiled = program.train_step(batch, size)
     step = JaxStep(name, dtype, size, batch, compiled, state, compiled)
     step.batch = shard_batch(host, mesh)
     step.cfg, step.program = cfg, program
@@ -584,4 +562,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from hybridpar import cli
+
+    cli.main(main)  # a bad --set is one error: line

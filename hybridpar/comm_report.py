@@ -5,13 +5,10 @@ reports what the optimized HLO communicates: every collective (kind, count, byte
 groups, async or not), the bytes per step, the FLOPs and the per-device memory.
 
 ``--devices N`` compiles for N virtual CPU devices instead of the real ones, so a pod's step
-can be inspected on a laptop. XLA reads the device count when the backend starts, and jax
-reads ``JAX_PLATFORMS`` when it is imported, which ``python -m`` has already done (through
-``hybridpar/__init__.py``) by the time this module runs. So the top of this module, before
-anything else of ours is imported, sets ``XLA_FLAGS`` and ``JAX_PLATFORMS`` for any later
-process and updates ``jax.config`` (``jax_platforms``, ``jax_num_cpu_devices``) for this one;
-only if the backend had somehow started already does it re-execute the interpreter with the
-environment set.
+can be inspected on a laptop. XLA reads the device count when the backend starts; nothing
+imports JAX before the command line is parsed (``import hybridpar`` is lazy), so setting
+``XLA_FLAGS`` and ``JAX_PLATFORMS`` then is enough. The set-up is the train CLI's own
+(``hybridpar.trainer.setup``, without data), so both check a config alike.
 
 Bytes are those of each op's result shape (tuples summed; for async ``-start``/``-done``
 pairs, the ``-done`` result): the payload, not the wire traffic (a ring all-reduce of B
@@ -21,89 +18,18 @@ program; a collective inside a loop body would run once per iteration.
 
 from __future__ import annotations
 
-import os
-import sys
-
-_REEXEC_GUARD = "_HYBRIDPAR_COMM_REPORT_REEXEC"
-
-
-def _devices_from_argv(argv: list[str]) -> str | None:
-    for i, a in enumerate(argv):
-        if a == "--devices" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--devices="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _use_virtual_cpu_devices(value: str) -> None:
-    """N virtual CPU devices for this process, set before the jax backend starts."""
-    try:
-        n = int(value)
-        if n < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --devices={value!r} must be a positive integer", file=sys.stderr)
-        sys.exit(2)
-    kept = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    if "jax" not in sys.modules:
-        return  # jax will read the environment when it is imported and started
-    import jax
-
-    try:
-        from jax._src import xla_bridge
-
-        started = xla_bridge.backends_are_initialized()
-    except (ImportError, AttributeError):  # private API moved: assume the worst
-        started = True
-    if not started:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", n)
-        return
-    if os.environ.get(_REEXEC_GUARD):
-        print("error: could not switch to virtual CPU devices", file=sys.stderr)
-        sys.exit(2)
-    os.environ[_REEXEC_GUARD] = "1"
-    sys.stdout.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "hybridpar.comm_report", *sys.argv[1:]])
-
-
-if __name__ == "__main__":
-    _n = _devices_from_argv(sys.argv[1:])
-    if _n is not None:
-        _use_virtual_cpu_devices(_n)
-
-# ---- From here on jax may start -------------------------------------------------------------
 import json
-import logging
 import math
+import os
 import re
-import time
+import sys
 from collections import Counter
 
-import jax
-from absl import app, flags
-
-from hybridpar import comm
-from hybridpar.config import validate
+from hybridpar import cli
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import make_mesh
-from hybridpar.program import build_program, check_batch_sizes
 
-# The train CLI's --config flag (ml_collections, lock_config=True) and its parser, so both
-# tools read configs and report misspelt keys the same way.
-from hybridpar.train import _parse_flags, config_from_flags, memory_line
-
-_DEVICES = flags.DEFINE_integer(
-    "devices", None, "Compile for this many virtual CPU devices instead of the real ones."
-)
-_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+# Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
+# the virtual CPU device count before the backend starts.
 
 # ---- HLO parsing ----------------------------------------------------------------------------
 
@@ -316,23 +242,22 @@ def _flops(compiled) -> float | None:
 
 def report(config, virtual_devices: int | None = None) -> dict:
     """Compiles the config's train step for the mesh and returns the report as a dict."""
-    validate(config)
-    platform = comm.detect_platform()
-    applied = comm.apply(config.comm, platform)  # before the backend starts
+    import jax
+
+    from hybridpar.trainer import memory_line, setup
 
     try:
-        mesh = make_mesh(config.mesh)
+        run = setup(config, with_data=False)  # the train CLI's own set-up and checks
     except ConfigError as e:
+        if "devices" not in str(e):
+            raise
         hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
         raise ConfigError(f"{e}{hint}") from None
-    check_batch_sizes(config, mesh)  # the same checks as the train CLI
+    mesh, program, applied = run.mesh, run.program, run.xla_flags
     d = config.data
     image_shape = (d.image_size, d.image_size, d.channels)
-
-    t0 = time.time()
-    program = build_program(config, mesh, image_shape, steps_per_epoch=1, total_steps=1)
-    compiled = program.lower_train(config.global_batch).compile()
-    compile_s = time.time() - t0
+    compiled = program.train_step(config.global_batch, d.image_size)
+    compile_s = program.compiles[-1]["compile_s"]
 
     collectives = parse_collectives(compiled.as_text())
     by_kind: dict = {}
@@ -406,26 +331,39 @@ def format_report(rep: dict, config_path: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    config = config_from_flags()
-    try:
-        rep = report(config, _DEVICES.value)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    if _JSON.value:
-        rep = {k: v for k, v in rep.items() if k != "memory_text"}
-        print(json.dumps(rep))
-    else:
-        print(format_report(rep, flags.FLAGS["config"].config_filename))
+def use_virtual_cpu_devices(n: int) -> None:
+    """N virtual CPU devices for this process; must run before JAX's backend starts."""
+    if n < 1:
+        cli.fail(f"--devices={n} must be a positive integer")
+    kept = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 
-def run():
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
-    app.run(main, flags_parser=_parse_flags)
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.comm_report", __doc__)
+    parser.add_argument(
+        "--devices", type=int, help="compile for N virtual CPU devices instead of the real ones"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, config = cli.parse(parser, argv)
+    if args.devices is not None:
+        use_virtual_cpu_devices(args.devices)
+    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
+
+    def run():
+        rep = report(config, args.devices)
+        if args.json:
+            print(json.dumps({k: v for k, v in rep.items() if k != "memory_text"}))
+        else:
+            print(format_report(rep, config_path))
+
+    cli.main(run)
 
 
 if __name__ == "__main__":
-    run()
+    main()

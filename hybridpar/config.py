@@ -105,12 +105,18 @@ def base_config() -> ml_collections.ConfigDict:
     c.global_batch = 256
     c.eval_batch = 256
     c.num_epochs = 1.0
+    # Curriculum (hybridpar/curriculum.py): "" is one stage from the keys above; else
+    # MoXing's "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE,...", e.g. "20:128-224,38:224-224".
+    c.stages = ""
 
     c.optim = ml_collections.ConfigDict(
         dict(
             name="sgd",
             base_lr=0.1,
             lr_batch_base=256,
+            # How the LR follows the global batch: "linear" (x batch / lr_batch_base),
+            # "sqrt" (LARS at very large batch) or "none".
+            lr_batch_scaling="linear",
             momentum=0.9,
             nesterov=True,
             weight_decay=1e-4,
@@ -153,19 +159,121 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+# ---- The schema: every value checked before any device, data or file is touched ----------
+
+DATA_NAMES = ("digits", "synthetic", "images", "tfds")
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CHOICES = {
+    "data.name": DATA_NAMES,
+    "comm.mode": ("xla", "bucketed"),
+    "optim.name": ("sgd", "lars"),
+    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.lr_batch_scaling": ("linear", "sqrt", "none"),
+    "precision.compute": DTYPE_NAMES,
+    "precision.params": DTYPE_NAMES,
+    "precision.output": DTYPE_NAMES,
+}
+# key -> the interval its value must lie in, as (low, high, closed on the low side, closed on
+# the high side); None: unbounded.
+RANGES = {
+    "data.image_size": (1, None, True, True),
+    "data.num_classes": (1, None, True, True),
+    "global_batch": (1, None, True, True),
+    "eval_batch": (1, None, True, True),
+    "num_epochs": (0, None, False, True),
+    "optim.base_lr": (0, None, False, True),
+    "optim.lr_batch_base": (0, None, False, True),
+    "optim.momentum": (0, 1, True, False),
+    "optim.weight_decay": (0, None, True, True),
+    "optim.warmup_epochs": (0, None, True, True),
+    "optim.warmup_start_factor": (0, 1, True, True),
+    "optim.end_lr_factor": (0, 1, True, True),
+    "label_smoothing": (0, 1, True, False),
+    "data.min_scale": (0, 1, False, True),
+    "data.eval_crop_ratio": (0, 1, False, True),
+    "data.prefetch": (0, None, True, True),
+    "data.threads": (0, None, True, True),
+    "comm.bucket_mb": (0, None, False, True),
+    "eval_every_epochs": (0, None, True, True),
+    "log_every_s": (0, None, True, True),
+    "precision.loss_scale_initial": (0, None, False, True),
+    "precision.loss_scale_period": (1, None, True, True),
+}
+
+
+def _interval(lo, hi, lo_closed, hi_closed) -> str:
+    parts = [] if lo is None else [f"{'>=' if lo_closed else '>'} {lo}"]
+    return " and ".join(parts + ([] if hi is None else [f"{'<=' if hi_closed else '<'} {hi}"]))
+
+
+def _get(c, key: str):
+    for part in key.split("."):
+        c = c[part]
+    return c
+
+
+def _choice_error(key: str, value, valid) -> ConfigError:
+    import difflib
+
+    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+    fix = f"--config.{key}={close[0]}" if close else f"--config.{key}={valid[0]}"
+    return ConfigError(
+        f"{key}={value!r} is not one of {', '.join(map(str, valid))}; use e.g. {fix}"
+    )
+
+
+def _model_choices() -> dict:
+    # The registries live beside the code they name; importing them imports jax but starts
+    # no backend, so XLA flags and device counts can still be set afterwards.
+    from hybridpar.models import MODELS
+    from hybridpar.partitioning import PRESETS
+    from hybridpar.sharded_head import HEADS
+
+    return {
+        "model.name": tuple(sorted(MODELS)),
+        "model.head": HEADS,
+        "partitioning.preset": ("auto", *sorted(PRESETS)),
+    }
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
-    """Checks that need no devices; mesh and rule checks happen where those are built."""
-    if c.global_batch <= 0 or c.eval_batch <= 0:
-        raise ConfigError("global_batch and eval_batch must be positive")
-    if c.num_epochs <= 0:
-        raise ConfigError(f"num_epochs={c.num_epochs} must be positive")
-    if not 0.0 <= c.label_smoothing < 1.0:
-        raise ConfigError(f"label_smoothing={c.label_smoothing} must be in [0, 1)")
+    """Checks every enum-like key, range and cross-key rule that needs no devices, and
+    raises one ``ConfigError`` naming the key, the bad value, the valid ones and the fix.
+    Mesh-dependent checks (batch divisibility, rules that must divide) come when the mesh
+    is built."""
+    for key, valid in {**CHOICES, **_model_choices()}.items():
+        if _get(c, key) not in valid:
+            raise _choice_error(key, _get(c, key), valid)
+    from hybridpar.models.batchnorm import parse_bn_sync
+
+    parse_bn_sync(c.model.bn_sync)  # "global", "local" or "group:N"; its error names them
+    for key, (lo, hi, lo_closed, hi_closed) in RANGES.items():
+        v = _get(c, key)
+        below = lo is not None and (v < lo if lo_closed else v <= lo)
+        above = hi is not None and (v > hi if hi_closed else v >= hi)
+        if below or above:
+            raise ConfigError(
+                f"{key}={v!r} is out of range: it must be "
+                f"{_interval(lo, hi, lo_closed, hi_closed)} (set --config.{key}=...)"
+            )
+    if c.data.channels not in (1, 3):
+        raise ConfigError(f"data.channels={c.data.channels} must be 1 (grayscale) or 3 (RGB)")
     if len(c.data.mean) != c.data.channels or len(c.data.std) != c.data.channels:
         raise ConfigError(
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
+    if c.model.head != "dense" and c.comm.mode != "xla":
+        raise ConfigError(
+            f"model.head={c.model.head!r} needs comm.mode=xla (comm.mode={c.comm.mode!r} "
+            "reduces replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
+        )
+    if c.target_top1 > 1:
+        raise ConfigError(f"target_top1={c.target_top1} is a fraction: use e.g. 0.93, not 93")
+    if c.stages:
+        from hybridpar.curriculum import parse_stages
+
+        parse_stages(c.stages)  # syntax and increasing epochs; batches need the mesh
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:

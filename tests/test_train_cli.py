@@ -81,7 +81,7 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
             "array 'params/head/kernel' with shape (128, 10): dimension 1 (size 10) does not "
             "divide mesh axis 'data' (size 8)",
         ),
-        (["--config.partitioning.preset=hybrd"], "unknown partitioning preset 'hybrd'"),
+        (["--config.partitioning.preset=hybrd"], "partitioning.preset='hybrd' is not one of"),
     ],
 )
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):

@@ -1,0 +1,387 @@
+"""A run from set-up to the last step, top to bottom.
+
+    run = setup(config, workdir)   # config -> mesh and rules -> data -> program (shardings)
+    summary = train(run)           # state -> stages of steps -> metrics and summary
+
+``setup`` is the one set-up sequence every tool shares (the train CLI, comm_report, the
+benches): check the config, set XLA's flags before the backend starts, build the mesh, check
+the batches against it, open the data (optional: compile-only tools skip it), plan the
+stages in steps and build the program. ``train`` runs the loop: for each stage, its step
+compiled once, then for each batch: step, then the hooks (progress log, evaluation; the
+checkpointer joins them later), with everything a resumed run needs besides the train state
+in one ``LoopState``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import time
+
+import jax
+import numpy as np
+
+from hybridpar import comm, partitioning
+from hybridpar.config import validate
+from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
+from hybridpar.errors import ConfigError
+from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
+from hybridpar.metrics import MetricsWriter
+from hybridpar.program import Program, build_program, check_batch_sizes
+from hybridpar.state import init_sharded
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+# ---- Set-up ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    config: object
+    workdir: str | None
+    mesh: object
+    program: Program
+    plan: StagePlan
+    data: object | None  # hybridpar.input.datasets.Data; None for compile-only tools
+    start_time: float
+    xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
+
+
+def check_workdir(workdir: str) -> None:
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, ".write_test")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"workdir {workdir!r} is not writable ({e.strerror}); pass a --workdir you can write to"
+        ) from None
+
+
+def setup(config, workdir: str | None = None, *, with_data: bool = True, devices=None) -> Run:
+    """Everything before the first step, in the order data flows; every check that needs no
+    device comes first (``validate``), so a bad value stops before data or devices are
+    touched. ``devices``: the mesh's devices (default: all of them)."""
+    start = time.time()
+    validate(config)
+    if workdir is not None:
+        check_workdir(workdir)
+    flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
+    if config.distributed:
+        jax.distributed.initialize()
+
+    # ---- Mesh and placement rules ----
+    mesh = make_mesh(config.mesh, devices=devices)
+    check_batch_sizes(config, mesh)
+    stages = stages_from_config(config, data_parallel_size(mesh))
+
+    # ---- Data: host-local batches, and so the steps each stage runs ----
+    data, plan = None, None
+    if with_data:
+        from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
+
+        data = make_data(config, jax.process_index(), jax.process_count())
+        plan = plan_stages(stages, data.steps_for)
+
+    # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
+    program = build_program(config, mesh, plan)
+    return Run(config, workdir, mesh, program, program.plan, data, start, flags)
+
+
+def memory_line(compiled) -> tuple[str, dict]:
+    m = compiled.memory_analysis()
+    if m is None:
+        return "per-device memory of the train step: not reported by this backend", {}
+    fields = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+    )
+    total = fields["arguments"] + fields["outputs"] + fields["temp"] - fields["aliased"]
+    fields["total"] = total
+    mib = {k: v / 2**20 for k, v in fields.items()}
+    return (
+        "per-device memory of the train step: {total:.1f} MiB (arguments {arguments:.1f}, "
+        "outputs {outputs:.1f}, temp {temp:.1f}, donated/aliased {aliased:.1f})".format(**mib),
+        fields,
+    )
+
+
+# ---- The loop's state ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Everything a resumed run needs besides the train state: where the loop is (step,
+    stage, data position as epoch and step within it), what it has seen, and the eval and
+    time-to-target bookkeeping. Plain values, so a checkpoint can hold it as JSON."""
+
+    step: int = 0
+    stage: int = 0
+    epoch: int = 0  # the epoch the next batch comes from
+    step_in_epoch: int = 0  # and its index in that epoch (at the stage's batch)
+    samples_seen: int = 0
+    seed: int = 0  # the data order is a function of (seed, epoch, step)
+    last_eval: dict | None = None
+    best_eval: dict | None = None
+    time_to_target: dict | None = None
+    train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
+    train_images: int = 0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopState":
+        return cls(**d)
+
+    def enter(self, stage: PlannedStage) -> None:
+        """Move the data position to where ``stage`` begins (unless already inside it)."""
+        if self.step == stage.start_step:
+            self.stage = stage.index
+            self.epoch = math.floor(stage.start_epoch + 1e-9)
+            self.step_in_epoch = int(
+                round((stage.start_epoch - self.epoch) * stage.steps_per_epoch)
+            )
+
+    def advance(self, stage: PlannedStage) -> None:
+        self.step += 1
+        self.samples_seen += stage.stage.global_batch
+        self.step_in_epoch += 1
+        if self.step_in_epoch == stage.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+
+def stage_batches(run: Run, stage: PlannedStage, loop: LoopState):
+    """The stage's global batches from the loop's data position on, epoch after epoch,
+    placed on the mesh ahead of the step (``data.prefetch`` deep)."""
+    from hybridpar.input.prefetch import prefetch_to_mesh
+
+    st = stage.stage
+    epoch, start, left = loop.epoch, loop.step_in_epoch, stage.end_step - loop.step
+    while left > 0:
+        n = min(stage.steps_per_epoch - start, left)
+        host = run.data.train_batches(
+            epoch, start, global_batch=st.global_batch, image_size=st.image_size,
+            min_scale=st.min_scale,
+        )  # fmt: skip
+        yield from prefetch_to_mesh(itertools.islice(host, n), run.mesh, run.config.data.prefetch)
+        epoch, start, left = epoch + 1, 0, left - n
+
+
+# ---- Hooks: what happens after a step ---------------------------------------------------------
+
+
+class Progress:
+    """Train lines in metrics.jsonl and on stdout every ``log_every_s`` seconds (and before
+    each eval); stops the run on a non-finite loss. Fetching the metrics waits for the steps,
+    so images/s is honest."""
+
+    def __init__(self, run: Run, writer: MetricsWriter):
+        self.run, self.writer = run, writer
+        self.pending, self.t0, self.step0 = [], time.time(), 0
+
+    def restart(self, loop: LoopState) -> None:
+        """Time from now on counts as training (after set-up, compilation or evaluation)."""
+        self.t0, self.step0 = time.time(), loop.step
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        self.pending.append(metrics)
+        if time.time() - self.t0 >= self.run.config.log_every_s:
+            self.flush(loop, stage)
+
+    def flush(self, loop: LoopState, stage: PlannedStage) -> None:
+        if not self.pending:
+            return
+        fetched = jax.device_get(self.pending)
+        now = time.time()
+        loss = float(np.mean([f["loss"] for f in fetched]))
+        if not math.isfinite(loss):
+            raise ConfigError(
+                f"non-finite loss ({loss}) at step {loop.step}: the run diverged; lower "
+                "optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 / "
+                "float16 with loss scaling instead of pure low precision"
+            )
+        steps, dt = loop.step - self.step0, now - self.t0
+        batch = stage.stage.global_batch
+        loop.train_time_s += dt
+        loop.train_images += steps * batch
+        total = self.run.plan.total_steps
+        epoch = self.run.plan.epoch_at(loop.step)
+        self.writer.write(
+            "train",
+            loop.step,
+            epoch,
+            loss=loss,
+            lr=float(fetched[-1]["lr"]),
+            images_per_s=round(steps * batch / dt, 2),
+            image_size=stage.stage.image_size,
+            global_batch=batch,
+            stage=stage.index,
+            skipped_steps=sum(not bool(f["grads_finite"]) for f in fetched),
+            loss_scale=float(fetched[-1]["loss_scale"]),
+        )
+        log(
+            f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
+            f"{steps * batch / dt:8.1f} img/s  ETA {(total - loop.step) * dt / steps:6.0f}s"
+        )
+        self.pending = []
+        self.restart(loop)
+
+
+class Evaluate:
+    """Every ``eval_every_epochs`` (and after the last step): the eval split, an ``eval``
+    line, and the time to ``target_top1`` the first time it is reached."""
+
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress):
+        self.run, self.writer, self.progress = run, writer, progress
+        self.every = run.config.eval_every_epochs
+
+    def due(self, loop: LoopState) -> bool:
+        if loop.step >= self.run.plan.total_steps:
+            return True
+        if self.every <= 0:
+            return False
+        plan = self.run.plan
+        crossed = math.floor(plan.epoch_at(loop.step) / self.every + 1e-6)
+        return crossed > math.floor(plan.epoch_at(loop.step - 1) / self.every + 1e-6)
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        if not self.due(loop):
+            return
+        self.progress.flush(loop, stage)
+        rec = evaluate(self.run, state, loop.step, self.writer)
+        loop.last_eval = rec
+        if loop.best_eval is None or rec["top1"] > loop.best_eval["top1"]:
+            loop.best_eval = rec
+        target = self.run.config.target_top1
+        if loop.time_to_target is None and target > 0 and rec["top1"] >= target:
+            keys = ("wall_s", "step", "epoch", "top1")
+            loop.time_to_target = {k: rec[k] for k in keys}
+        self.progress.restart(loop)  # eval time is not training throughput
+
+
+def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
+    """The whole eval split at ``data.image_size`` (padded batches, every example once)."""
+    from hybridpar.input.prefetch import prefetch_to_mesh
+
+    c = run.config
+    eval_step = run.program.eval_step(c.eval_batch, c.data.image_size)
+    sums = None
+    for batch in prefetch_to_mesh(run.data.eval_batches(), run.mesh, c.data.prefetch):
+        out = eval_step(state, batch)
+        sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+    sums = jax.device_get(sums)
+    n = float(sums["count"])
+    if round(n) != run.data.num_eval:
+        raise AssertionError(f"eval counted {n} examples, expected {run.data.num_eval}")
+    epoch = run.plan.epoch_at(step)
+    rec = writer.write(
+        "eval",
+        step,
+        epoch,
+        split=c.data.eval_split if c.data.name in ("images", "tfds") else "test",
+        loss=float(sums["loss_sum"]) / n,
+        top1=float(sums["top1_sum"]) / n,
+        top5=float(sums["top5_sum"]) / n,
+        examples=int(n),
+    )
+    log(
+        f"eval  step {step:>6}  epoch {epoch:6.2f}  loss {rec['loss']:.4f}  "
+        f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
+    )
+    return rec
+
+
+# ---- The run -------------------------------------------------------------------------------------
+
+
+def compile_all(run: Run, writer: MetricsWriter) -> dict:
+    """Every stage's train step and the eval step, before the first step (so no stage
+    switch waits for the compiler); one ``compile`` line each. Returns the first train
+    step's per-device memory."""
+    c, program, mem = run.config, run.program, {}
+    for i, s in enumerate(run.plan.stages):
+        compiled = program.train_step(s.stage.global_batch, s.stage.image_size)
+        if i == 0:
+            text, mem = memory_line(compiled)
+            log(text)
+    program.eval_step(c.eval_batch, c.data.image_size)
+    for rec in program.compiles:
+        writer.write("compile", 0, 0.0, **rec, memory_per_device_bytes=mem)
+    return mem
+
+
+def train(run: Run) -> dict:
+    """Trains ``run`` to its last step; returns (and writes) the summary."""
+    c, program, plan = run.config, run.program, run.plan
+    log(describe_mesh(run.mesh))
+    state = init_sharded(program.init, program.shardings, jax.random.key(c.seed))
+    log(
+        "parameter and optimizer-state placement:\n"
+        + partitioning.sharding_table(program.shardings, program.abstract)
+    )
+    log(describe(plan))
+    writer = MetricsWriter(run.workdir, run.start_time)
+    writer.write("data", 0, 0.0, **run.data.info)
+    mem = compile_all(run, writer)
+    compile_s = sum(r["compile_s"] for r in program.compiles)
+    log(
+        f"compiled {len(program.compiles)} programs in {compile_s:.1f}s; training "
+        f"{plan.total_steps} steps ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
+    )
+
+    loop = LoopState(seed=c.seed)
+    progress = Progress(run, writer)
+    hooks = [progress, Evaluate(run, writer, progress)]
+    failure = None
+    try:
+        for stage in plan.stages[loop.stage :]:
+            loop.enter(stage)
+            st = stage.stage
+            train_step = program.train_step(st.global_batch, st.image_size)  # compiled above
+            writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
+                         image_size=st.image_size, global_batch=st.global_batch,
+                         min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
+            progress.restart(loop)
+            for batch in stage_batches(run, stage, loop):
+                state, metrics = train_step(state, batch)
+                loop.advance(stage)
+                for hook in hooks:
+                    hook(loop, state, metrics, stage)
+            progress.flush(loop, stage)  # a stage's steps are logged at its own batch
+    except BaseException as e:  # recorded in the summary, then raised as it was
+        failure = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        summary = {
+            "mesh": dict(run.mesh.shape),
+            "steps": loop.step,
+            "total_steps": plan.total_steps,
+            "completed": failure is None and loop.step >= plan.total_steps,
+            "error": failure,
+            "final_eval": loop.last_eval,
+            "best_eval": loop.best_eval,
+            "wall_s": round(time.time() - run.start_time, 3),
+            "compile_s": round(compile_s, 3),
+            "train_images_per_s": (
+                round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None
+            ),
+            "target_top1": c.target_top1 if c.target_top1 > 0 else None,
+            "time_to_target": loop.time_to_target,
+            "memory_per_device_bytes": mem,
+            "stages": [dataclasses.asdict(s.stage) | {"steps": s.num_steps} for s in plan.stages],
+            "loop": loop.to_dict(),
+        }
+        writer.summary(summary)
+        writer.close()
+    return summary

@@ -1,0 +1,169 @@
+"""The trainer: one set-up, a loop over stages, checks before anything is touched.
+
+* A one-stage run through ``trainer.train`` logs, step for step, the losses of the same
+  steps built by hand from its program (so the loop adds or drops nothing).
+* Two stages of different image size and batch run in one process: each stage's step is
+  compiled once, before the first step, and the learning rate (per unit of the batch
+  scaling) is continuous at the switch.
+* The config errors the issue lists are one ``error:`` line, exit 2, before the workdir or
+  any data is touched.
+* ``import hybridpar`` (and its command-line parser) does not start JAX.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hybridpar import cli, shard_batch, trainer
+from hybridpar.optim import lr_batch_factor
+from hybridpar.state import init_sharded
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "experiments" / "digits.py")
+
+
+def tiny_digits(**overrides):
+    """The digits job shrunk to a few seconds: 8 filters, 16 px, a fraction of an epoch,
+    a train line after every step."""
+    c = cli.load(DIGITS)
+    c.model.num_filters = 8
+    c.data.image_size = 16
+    c.mesh = "data:4,model:2"
+    c.global_batch, c.eval_batch = 32, 120
+    c.num_epochs = 0.25
+    c.log_every_s = 0.0
+    c.optim.warmup_epochs = 0.1
+    for k, v in overrides.items():
+        cli.apply_overrides(c, [(k, str(v))])
+    return c
+
+
+def records(workdir, event):
+    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+def test_one_stage_run_logs_the_losses_of_the_same_steps_built_by_hand(tmp_path):
+    run = trainer.setup(tiny_digits(), str(tmp_path))
+    summary = trainer.train(run)
+    assert summary["completed"] and summary["steps"] == run.plan.total_steps > 5
+    logged = [r["loss"] for r in records(tmp_path, "train")]
+    assert [r["step"] for r in records(tmp_path, "train")] == list(range(1, summary["steps"] + 1))
+
+    # The same steps by hand: the program's jitted step on the data's own batches.
+    program, steps = run.program, summary["steps"]
+    state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
+    by_hand = []
+    for host in run.data.train_batches(0):
+        if len(by_hand) == steps:
+            break
+        state, metrics = program.train_jit(state, shard_batch(host, run.mesh))
+        by_hand.append(float(metrics["loss"]))
+    assert len(by_hand) == steps
+    np.testing.assert_allclose(logged, by_hand, rtol=1e-6)
+    assert len(set(np.round(by_hand, 4))) > 1  # the steps really train
+
+
+def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_continuous(
+    tmp_path,
+):
+    # data:4 x model:2: per-device batches 8 then 16 are global 32 then 64.
+    config = tiny_digits(stages="0.3:16-8,0.6:24-16")
+    run = trainer.setup(config, str(tmp_path))
+    s0, s1 = run.plan.stages
+    assert (s0.stage.global_batch, s1.stage.global_batch) == (32, 64)
+    summary = trainer.train(run)
+    assert summary["completed"] and summary["steps"] == s1.end_step
+
+    # Each program compiled once, all of them before the first step.
+    compiles = records(tmp_path, "compile")
+    keys = [(c["program"], c["batch"], c["image_size"]) for c in compiles]
+    assert sorted(keys) == sorted([("train", 32, 16), ("train", 64, 24), ("eval", 120, 16)])
+    assert len(run.program.compiles) == 3  # no compilation after the loop began
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(x)["event"] for x in lines]
+    assert max(i for i, e in enumerate(events) if e == "compile") < events.index("train")
+    stages = records(tmp_path, "stage")
+    assert [(s["image_size"], s["global_batch"]) for s in stages] == [(16, 32), (24, 64)]
+
+    train = {r["step"]: r for r in records(tmp_path, "train")}
+    assert {train[s0.end_step]["image_size"], train[s0.end_step + 1]["image_size"]} == {16, 24}
+    # lr per unit of batch scaling, at each step: continuous across the switch, i.e. the
+    # jump there is no larger than the per-step change on either side of it.
+    rel = {s: r["lr"] / lr_batch_factor(config.optim, r["global_batch"]) for s, r in train.items()}
+    k = s0.end_step
+    jump = abs(rel[k + 1] - rel[k])
+    assert jump <= 1.5 * max(abs(rel[k] - rel[k - 1]), abs(rel[k + 2] - rel[k + 1])) + 1e-9
+    assert train[k + 1]["lr"] > train[k]["lr"]  # the batch doubled: the linear rule holds
+
+
+def _cli(args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+@pytest.mark.parametrize(
+    "override,expect",
+    [
+        ("model.name=resnet5", "model.name='resnet5' is not one of"),
+        ("data.name=imagenett", "data.name='imagenett' is not one of"),
+        ("model.head=full", "model.head='full' is not one of"),
+        ("precision.compute=float8", "precision.compute='float8' is not one of"),
+        ("data.image_size=0", "data.image_size=0 is out of range"),
+        ("num_epochs=-1", "num_epochs=-1.0 is out of range"),
+        ("stages=3:32-8,2:32-8", "end epochs must increase"),
+    ],
+)
+def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect):
+    workdir = tmp_path / "w"
+    r = _cli(["--config", DIGITS, "--workdir", str(workdir), f"--config.{override}"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and expect in errors[0], r.stderr
+    assert not workdir.exists()  # not even the workdir: nothing was touched
+
+
+def test_import_hybridpar_and_its_parser_do_not_start_jax():
+    code = (
+        "import sys, hybridpar, hybridpar.cli, hybridpar.config, hybridpar.curriculum; "
+        "assert 'jax' not in sys.modules, 'jax imported'; "
+        "hybridpar.make_mesh; assert 'jax' in sys.modules"  # and the names still resolve
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
+    """As on the GPU machine, which has neither: the bench must run the first time."""
+    blocker = (
+        "import runpy, sys; "
+        "[sys.modules.__setitem__(m, None) for m in "
+        "('tensorflow', 'tensorflow_datasets', 'ml_collections')]; "
+        "sys.argv = ['resnet50_gpu.py', '--smoke', '--no-torch']; "
+        "runpy.run_path('bench/gpu/resnet50_gpu.py', run_name='__main__')"
+    )
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    r = subprocess.run(
+        [sys.executable, "-c", blocker],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert "hybridpar_ips_32=" in last and "device=cpu" in last
