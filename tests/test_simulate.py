@@ -361,7 +361,9 @@ def test_comm_report_native_shape():
     ],
 )
 def test_group_size_spellings(groups, size):
-    assert sim._group_size(groups, 8) == size
+    from hybridpar.simulate.workload import _group_size
+
+    assert _group_size(groups, 8) == size
 
 
 # ----------------------------------------------------------------------------- curriculum
