@@ -307,7 +307,7 @@ def _main(args) -> int:
 
     preset = get_preset(args.preset)
     if args.comm_report:
-        workload = load_comm_report(args.comm_report, args.per_device_batch, args.image_size)
+        workload = load_comm_report(args.comm_report)
         # by default simulate the step the report was compiled for
         if args.per_device_batch is None:
             args.per_device_batch = round(workload.reference_batch)

@@ -7,10 +7,10 @@ from `python -m hybridpar.comm_report --json` (`load_comm_report`).
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
+
+from hybridpar.comm_report_schema import CommReport
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_EVAL_IMAGES = 50_000
@@ -108,191 +108,59 @@ def resnet50_workload(grad_dtype: str = "fp32", bucket_mb: float | None = 32.0) 
     )
 
 
-_KIND_ALIASES = {
+# hybridpar.mesh.BATCH_AXES, restated: importing hybridpar.mesh would start JAX
+_BATCH_AXES = ("data", "fsdp")
+
+# comm_report's kinds (comm_report.KINDS) -> the cost model's
+_COST_KIND = {
     "all-reduce": "all-reduce",
-    "allreduce": "all-reduce",
-    "all_reduce": "all-reduce",
-    "reduce-scatter": "reduce-scatter",
-    "reducescatter": "reduce-scatter",
-    "reduce_scatter": "reduce-scatter",
     "all-gather": "all-gather",
-    "allgather": "all-gather",
-    "all_gather": "all-gather",
+    "reduce-scatter": "reduce-scatter",
     "all-to-all": "all-to-all",
-    "alltoall": "all-to-all",
-    "all_to_all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",  # costed at its full output buffer: an upper bound
     "collective-permute": "collective-permute",
-    "collective_permute": "collective-permute",
-    "collective-broadcast": "collective-permute",
+    "collective-broadcast": "collective-permute",  # one send from the root to each peer
 }
 
 
-def _group_size(groups, default: int) -> int:
-    """Replica-group size from comm_report's `groups` field, in any of its likely spellings.
+def workload_from_report(report: CommReport) -> Workload:
+    """The step a comm_report describes, as a Workload.
 
-    Accepts a list of lists ([[0,1,2,3],[4,5,6,7]]), an int (the size), a dict with
-    `group_size`, or HLO text: "{{0,1,2,3},{4,5,6,7}}", comm_report's shortened
-    "2x4 {{0,1,2,3},...}", or the iota form "[2,4]<=[8]" (2 groups of 4). Empty, missing,
-    "{} (all devices)" or "N source-target pairs" -> `default` (every device).
+    - FLOPs per image = `flops` (one device's share) / per-device batch, at the report's
+      image size (`image_shape[0]`); the per-device batch is `global_batch` over the
+      batch-axis (`data`, `fsdp`) devices. Every other mesh axis is model parallelism.
+    - A row's `bytes` is one op's result: for a reduce-scatter that is one shard, so the
+      full buffer is bytes x group size.
+    - A row's group (`group_size`, None: all devices) that spans all batch-axis devices (or
+      all devices) grows with the simulated device count; a smaller group (a `model` axis)
+      keeps its size.
     """
-    if groups is None or groups == "" or groups == [] or groups == "{}":
-        return default
-    if isinstance(groups, str) and (
-        groups.startswith("{}") or "all devices" in groups or "source-target" in groups
-    ):
-        return default
-    if isinstance(groups, bool):
-        raise TypeError(f"bad replica groups {groups!r}")
-    if isinstance(groups, int):
-        return groups
-    if isinstance(groups, dict):
-        if "group_size" in groups:
-            return int(groups["group_size"])
-        raise ValueError(f"replica groups dict without group_size: {groups!r}")
-    if isinstance(groups, (list, tuple)):
-        first = groups[0]
-        if isinstance(first, (list, tuple)):
-            return len(first) if len(first) else default
-        return len(groups)  # a single flat group
-    if isinstance(groups, str):
-        s = groups.strip()
-        m = re.search(r"\[\s*(\d+)\s*,\s*(\d+)\s*\]\s*<=", s)
-        if m:
-            return int(m.group(2))
-        m = re.search(r"[\[{]\s*[\[{]([^\]}]*)[\]}]", s)
-        if m:
-            ids = [x for x in re.split(r"[,\s]+", m.group(1)) if x]
-            return len(ids) if ids else default
-        if s.isdigit():
-            return int(s)
-    raise ValueError(f"cannot read replica groups {groups!r}")
-
-
-def _mesh_sizes(mesh, devices: int) -> tuple[int, int]:
-    """(batch-axis devices, model-parallel devices) from comm_report's `mesh` field.
-
-    `data` and `fsdp` are batch axes (GUIDE: BATCH_AXES); every other axis multiplies the
-    devices per model replica. Accepts {"data": 4, "model": 2}, "data:4,model:2" or a list of
-    [name, size] pairs; missing -> pure data parallelism over `devices`.
-    """
-    if not mesh:
-        return devices, 1
-    if isinstance(mesh, str):
-        pairs = []
-        for part in mesh.split(","):
-            name, _, size = part.partition(":")
-            pairs.append((name.strip(), int(size)))
-    elif isinstance(mesh, dict):
-        # {"data": 4, "model": 2} or {"axis_names": [...], "shape": [...]}
-        if "axis_names" in mesh and "shape" in mesh:
-            pairs = list(zip(mesh["axis_names"], mesh["shape"]))
-        elif "axes" in mesh and isinstance(mesh["axes"], dict):
-            pairs = list(mesh["axes"].items())
-        else:
-            pairs = list(mesh.items())
-    else:
-        pairs = [tuple(p) for p in mesh]
-    batch = model = 1
-    for name, size in pairs:
-        size = int(size)
-        if size == -1:
-            continue
-        if name in ("data", "fsdp"):
-            batch *= size
-        else:
-            model *= size
-    if batch * model != devices and devices:
-        batch = max(1, devices // model)
-    return batch, model
-
-
-def workload_from_report(
-    report: dict, per_device_batch: int | None = None, image_size: int | None = None
-) -> Workload:
-    """A Workload from `python -m hybridpar.comm_report --json` output.
-
-    The report gives, for one step: `collectives` [{kind, count, bytes, groups, async}],
-    `total_bytes`, `flops` (one device's share), `mesh`, `devices`.
-    - FLOPs per image = flops / per-device batch, at the report's image size. The batch and
-      size are read from the report's `per_device_batch` / `image_size` (or `global_batch`
-      divided by the batch-axis devices) when present, else taken from the arguments (the CLI
-      passes --per-device-batch / --image-size, which must then describe the compiled step).
-    - `bytes` is per op when sum(count * bytes) == total_bytes (or no total is given), else
-      it is read as the total over `count` ops. It is the HLO result size: for a
-      reduce-scatter that is one shard, so the full buffer is bytes * group size (an explicit
-      `full_bytes` key wins).
-    - The group size is the entry's `group_size` when present (None: all devices), else read
-      from `groups`. A collective whose group spans all batch-axis devices (or all devices)
-      grows with the simulated device count; a smaller group (a `model` axis) keeps its size.
-    - `devices` may be a number or comm_report's {"count": N, ...}; the image size may come
-      as `image_size` or `image_shape` [h, w, c].
-    - `-done` halves of async pairs are skipped (their `-start` carries the bytes).
-    """
-    devices = report.get("devices") or 0
-    if isinstance(devices, dict):  # comm_report: {"count": N, "platform": ..., ...}
-        devices = devices.get("count") or 0
-    devices = int(devices)
-    batch_devs, model = _mesh_sizes(report.get("mesh"), devices)
-    if not devices:
-        devices = batch_devs * model
-    colls_in = report.get("collectives") or []
-    total_bytes = report.get("total_bytes")
-    per_op_guess = [float(c.get("bytes", 0)) * int(c.get("count", 1)) for c in colls_in]
-    bytes_are_totals = (
-        total_bytes is not None
-        and colls_in
-        and not math.isclose(sum(per_op_guess), float(total_bytes), rel_tol=1e-6)
-        and math.isclose(
-            sum(float(c.get("bytes", 0)) for c in colls_in), float(total_bytes), rel_tol=1e-6
-        )
-    )
+    devices = int(report.devices["count"])
+    batch_devs = math.prod(n for a, n in report.mesh.items() if a in _BATCH_AXES)
+    model = math.prod(n for a, n in report.mesh.items() if a not in _BATCH_AXES)
+    if batch_devs * model != devices:
+        raise ValueError(f"the comm report's mesh {report.mesh} is not its {devices} devices")
     colls = []
-    for c in colls_in:
-        raw_kind = str(c["kind"]).lower().strip()
-        if raw_kind.endswith(("-done", "_done")):
-            continue
-        base = re.sub(r"[-_]start$", "", raw_kind)
-        kind = _KIND_ALIASES.get(base)
+    for c in report.collectives:
+        kind = _COST_KIND.get(c.kind)
         if kind is None:
-            raise ValueError(f"unknown collective kind {c['kind']!r} in the comm report")
-        count = int(c.get("count", 1))
-        if count <= 0:
-            continue
-        nbytes = float(c.get("bytes", 0))
-        if bytes_are_totals:
-            nbytes /= count
-        if "group_size" in c:  # comm_report's own reading of the groups; None = all devices
-            group = int(c["group_size"]) if c["group_size"] else devices
-        else:
-            group = _group_size(c.get("groups"), devices)
-        if kind == "reduce-scatter" and "full_bytes" not in c:
-            nbytes *= group
-        if "full_bytes" in c:
-            nbytes = float(c["full_bytes"])
+            raise ValueError(f"unknown collective kind {c.kind!r} in the comm report")
+        group = c.group_size or devices
+        nbytes = float(c.bytes) * (group if kind == "reduce-scatter" else 1)
         spans_all = group >= devices
         scales = spans_all or group >= batch_devs
         colls.append(
-            Collective(kind, count, nbytes, None if scales else group, c.get("async"), spans_all)
+            Collective(kind, c.count, nbytes, None if scales else group, c.is_async, spans_all)
         )
-    b = report.get("per_device_batch")
-    if b is None and report.get("global_batch") is not None:
-        b = report["global_batch"] / batch_devs
-    if b is None:
-        b = per_device_batch
-    size = report.get("image_size")
-    if size is None and report.get("image_shape"):
-        size = report["image_shape"][0]  # comm_report: [height, width, channels]
-    if size is None:
-        size = image_size
-    if b is None or size is None:
-        raise ValueError("the comm report names no batch/image size: pass them explicitly")
-    flops = float(report.get("flops") or 0.0)
-    if flops <= 0:
-        raise ValueError("the comm report has no positive `flops`")
+    if not report.flops or report.flops <= 0:
+        raise ValueError(
+            "the comm report has no positive `flops` (its backend's cost_analysis gave none)"
+        )
+    b = report.global_batch / batch_devs
     return Workload(
-        name=f"comm_report ({len(colls)} collective kinds, mesh {report.get('mesh')})",
-        flops_per_image=flops / float(b),
-        reference_image_size=int(size),
+        name=f"comm_report ({len(colls)} collective kinds, mesh {report.mesh})",
+        flops_per_image=float(report.flops) / b,
+        reference_image_size=int(report.image_shape[0]),
         collectives=tuple(colls),
         model_parallel=model,
         source="comm_report",
@@ -300,20 +168,6 @@ def workload_from_report(
     )
 
 
-def load_comm_report(path: str, per_device_batch=None, image_size=None) -> Workload:
+def load_comm_report(path: str) -> Workload:
     with open(path) as f:
-        text = f.read()
-    try:
-        report = json.loads(text)
-    except json.JSONDecodeError:
-        # tolerate a human-readable preamble: take the last line that parses as an object
-        report = None
-        for line in reversed(text.strip().splitlines()):
-            try:
-                report = json.loads(line)
-                break
-            except json.JSONDecodeError:
-                continue
-        if report is None:
-            raise ValueError(f"{path}: no JSON object found") from None
-    return workload_from_report(report, per_device_batch, image_size)
+        return workload_from_report(CommReport.from_json(f.read(), source=path))
