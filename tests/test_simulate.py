@@ -468,3 +468,49 @@ def test_cli_errors_are_one_line(capsys):
     assert sim.main(["--stages", "20:128", "--devices", "8"]) == 2
     assert "error:" in capsys.readouterr().err
     assert sim.main(["--preset", "nope"]) == 2
+
+
+# ----------------------------------------------------------------------------- no JAX
+
+# Runs the CLI as `python -m` does (runpy), then says whether jax was ever imported.
+_RUN_WITHOUT_JAX = """
+import runpy, sys
+sys.argv = ["python -m hybridpar.simulate", *sys.argv[1:]]
+try:
+    runpy.run_module("hybridpar.simulate", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    assert not e.code, e.code
+print("jax imported:", sorted(m for m in sys.modules if m == "jax" or m.startswith("jax.")))
+"""
+
+
+def _python(*args):
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    "module,jax_free",
+    [
+        ("hybridpar.simulate", True),
+        ("hybridpar.comm_report_schema", True),
+        ("hybridpar.mesh", False),  # the control: a module that does need JAX
+    ],
+)
+def test_import_does_not_start_jax(module, jax_free):
+    proc = _python("-c", f"import {module}, sys; assert 'jax' not in sys.modules, 'jax imported'")
+    assert (proc.returncode == 0) == jax_free, proc.stderr[-2000:]
+    assert jax_free or "AssertionError: jax imported" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["--validate"], ["--list-presets"], ["--devices", "8,64"], ["REPORT"]]
+)
+def test_cli_runs_without_jax(tmp_path, argv):
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(_report_dict([_row("all-reduce", 1, 4, None)], {"data": 8})))
+    argv = ["--comm-report", str(report)] if argv == ["REPORT"] else argv
+    proc = _python("-c", _RUN_WITHOUT_JAX, *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("jax imported: []"), proc.stdout[-2000:]
