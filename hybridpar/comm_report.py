@@ -26,6 +26,7 @@ import sys
 from collections import Counter
 
 from hybridpar import cli
+from hybridpar.comm_report_schema import CollectiveRow, CommReport
 from hybridpar.errors import ConfigError
 
 # Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
@@ -240,8 +241,8 @@ def _flops(compiled) -> float | None:
     return None
 
 
-def report(config, virtual_devices: int | None = None) -> dict:
-    """Compiles the config's train step for the mesh and returns the report as a dict."""
+def report(config, virtual_devices: int | None = None) -> CommReport:
+    """Compiles the config's train step for the mesh and returns the report."""
     import jax
 
     from hybridpar.trainer import memory_line, setup
@@ -267,28 +268,28 @@ def report(config, virtual_devices: int | None = None) -> dict:
         k["bytes"] += r["total_bytes"]
     mem_text, mem = memory_line(compiled)
     dev = jax.devices()[0]
-    return {
-        "collectives": collectives,
-        "by_kind": by_kind,
-        "total_bytes": sum(r["total_bytes"] for r in collectives),
-        "total_ops": sum(r["count"] for r in collectives),
-        "flops": _flops(compiled),
-        "memory_per_device_bytes": mem.get("total"),
-        "memory": mem,
-        "memory_text": mem_text,
-        "mesh": dict(mesh.shape),
-        "devices": {
+    return CommReport(
+        collectives=tuple(CollectiveRow.from_dict(r) for r in collectives),
+        by_kind=by_kind,
+        total_bytes=sum(r["total_bytes"] for r in collectives),
+        total_ops=sum(r["count"] for r in collectives),
+        flops=_flops(compiled),
+        memory_per_device_bytes=mem.get("total"),
+        memory=mem,
+        memory_text=mem_text,
+        mesh=dict(mesh.shape),
+        devices={
             "count": jax.device_count(),
             "platform": dev.platform,
             "kind": dev.device_kind,
             "virtual": virtual_devices is not None,
         },
-        "xla_flags_applied": applied,
-        "global_batch": config.global_batch,
-        "image_shape": list(image_shape),
-        "compile_s": round(compile_s, 3),
-        "config": json.loads(config.to_json()),
-    }
+        xla_flags_applied=applied,
+        global_batch=config.global_batch,
+        image_shape=list(image_shape),
+        compile_s=round(compile_s, 3),
+        config=json.loads(config.to_json()),
+    )
 
 
 def _mib(n: float) -> str:
@@ -297,36 +298,36 @@ def _mib(n: float) -> str:
     return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{int(n)} B"
 
 
-def format_report(rep: dict, config_path: str) -> str:
-    mesh = ", ".join(f"{k}={v}" for k, v in rep["mesh"].items())
-    dev = rep["devices"]
+def format_report(rep: CommReport, config_path: str) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in rep.mesh.items())
+    dev = rep.devices
     lines = [
         (
             f"comm_report: {config_path} on {dev['count']} {dev['platform']} devices"
             f"{' (virtual)' if dev['virtual'] else ''}; mesh {mesh}; global batch "
-            f"{rep['global_batch']}; images {'x'.join(map(str, rep['image_shape']))}"
+            f"{rep.global_batch}; images {'x'.join(map(str, rep.image_shape))}"
         ),
-        f"compiled the train step in {rep['compile_s']:.1f}s"
-        + (f" with {' '.join(rep['xla_flags_applied'])}" if rep["xla_flags_applied"] else ""),
+        f"compiled the train step in {rep.compile_s:.1f}s"
+        + (f" with {' '.join(rep.xla_flags_applied)}" if rep.xla_flags_applied else ""),
         "",
         "collectives in the optimized HLO (bytes per op from its result shape):",
         f"  {'kind':<20} {'count':>5} {'bytes/op':>12} {'total':>12}  {'async':<5}  groups",
     ]
-    for r in rep["collectives"]:
+    for r in rep.collectives:
         lines.append(
-            f"  {r['kind']:<20} {r['count']:>5} {_mib(r['bytes']):>12} {_mib(r['total_bytes']):>12}"
-            f"  {'yes' if r['async'] else 'no':<5}  {r['groups']}"
+            f"  {r.kind:<20} {r.count:>5} {_mib(r.bytes):>12} {_mib(r.total_bytes):>12}"
+            f"  {'yes' if r.is_async else 'no':<5}  {r.groups}"
         )
-    if not rep["collectives"]:
+    if not rep.collectives:
         lines.append("  (none)")
-    kinds = ", ".join(f"{k} {v['count']} ops {_mib(v['bytes'])}" for k, v in rep["by_kind"].items())
+    kinds = ", ".join(f"{k} {v['count']} ops {_mib(v['bytes'])}" for k, v in rep.by_kind.items())
     lines += [
         "",
-        f"total per step: {rep['total_ops']} collective ops, {_mib(rep['total_bytes'])}"
+        f"total per step: {rep.total_ops} collective ops, {_mib(rep.total_bytes)}"
         + (f" ({kinds})" if kinds else ""),
         "FLOPs per step per device (cost_analysis): "
-        + (f"{rep['flops']:.4g}" if rep["flops"] is not None else "not reported"),
-        rep["memory_text"],
+        + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported"),
+        rep.memory_text,
     ]
     return "\n".join(lines)
 
@@ -358,7 +359,7 @@ def main(argv=None) -> None:
     def run():
         rep = report(config, args.devices)
         if args.json:
-            print(json.dumps({k: v for k, v in rep.items() if k != "memory_text"}))
+            print(rep.to_json())
         else:
             print(format_report(rep, config_path))
 

@@ -268,7 +268,7 @@ def test_1m_classes_data8_model8_needs_a_quarter_of_data64s_memory():
         "for mesh, head in (('data:64', 'dense'), ('data:8,model:8', 'sharded')):\n"
         "    c = load_config('experiments/resnet50_1m_classes.py')\n"
         "    c.mesh, c.model.head = mesh, head\n"
-        "    out[mesh] = report(c, 64)['memory_per_device_bytes']\n"
+        "    out[mesh] = report(c, 64).memory_per_device_bytes\n"
         "print(json.dumps(out))\n"
     )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64")

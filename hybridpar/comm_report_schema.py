@@ -1,0 +1,134 @@
+"""What ``python -m hybridpar.comm_report --json`` prints, as one dataclass.
+
+comm_report builds a `CommReport` and writes it with `to_json`; ``hybridpar.simulate``
+reads it back with `from_json`. One definition keeps the writer and the reader from
+drifting apart. Plain Python, no JAX: the simulator must run without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+_WRITER = "python -m hybridpar.comm_report --config ... --json"
+
+
+@dataclass(frozen=True)
+class CollectiveRow:
+    """The ops of one (kind, bytes, groups, async) in the optimized HLO.
+
+    kind: the HLO opcode without ``-start``/``-done`` (an async pair counts once).
+    bytes: of one op's result shape (for a reduce-scatter, one shard), not wire traffic.
+    groups: the replica groups as printed, shortened; group_size: devices per op, None where
+      the HLO does not say (all devices, or the source-target pairs of a permute).
+    """
+
+    kind: str
+    count: int
+    bytes: int
+    total_bytes: int
+    groups: str
+    group_size: int | None
+    is_async: bool  # "async" in the JSON: a Python keyword
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["async"] = d.pop("is_async")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CollectiveRow:
+        d = dict(d)
+        d["is_async"] = d.pop("async")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class CommReport:
+    """One compiled train step: its collectives, FLOPs, memory, mesh and config.
+
+    flops and memory_per_device_bytes are one device's share, None where the backend does
+    not report them. memory_text is the table's memory line; the JSON has `memory` instead.
+    """
+
+    collectives: tuple[CollectiveRow, ...]
+    by_kind: dict[str, dict[str, int]]  # kind -> {"count", "bytes"} summed over its rows
+    total_bytes: int
+    total_ops: int
+    flops: float | None
+    memory_per_device_bytes: int | None
+    memory: dict[str, int]
+    mesh: dict[str, int]  # every axis, size-1 ones too: {"data": 8, "fsdp": 1, "model": 1}
+    devices: dict  # {"count": N, "platform": ..., "kind": ..., "virtual": bool}
+    xla_flags_applied: list[str]
+    global_batch: int
+    image_shape: list[int]  # [height, width, channels]
+    compile_s: float
+    config: dict
+    memory_text: str = dataclasses.field(default="", compare=False)
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        del d["memory_text"]
+        d["collectives"] = [c.to_dict() for c in self.collectives]
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d, source: str = "the input") -> CommReport:
+        """A report from its JSON object; anything else is one ValueError naming `source`."""
+        problem = _problem(d)
+        if problem is not None:
+            raise ValueError(
+                f"{source} is not a comm_report JSON ({problem}); write one with `{_WRITER} > FILE`"
+            )
+        rows = tuple(CollectiveRow.from_dict(c) for c in d["collectives"])
+        return cls(**dict(d, collectives=rows))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "the input") -> CommReport:
+        """The report in `text`. Lines before it are skipped: a redirect with ``2>&1`` puts
+        JAX's warnings ahead of the JSON, which comm_report prints as one last line."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError:
+            lines = text.strip().splitlines() or [""]
+            try:
+                d = json.loads(lines[-1])
+            except json.JSONDecodeError:
+                raise ValueError(
+                    f"{source} is not a comm_report JSON (no JSON object in it); write one "
+                    f"with `{_WRITER} > FILE`"
+                ) from None
+        return cls.from_dict(d, source)
+
+
+_REPORT_KEYS = {f.name for f in dataclasses.fields(CommReport)} - {"memory_text"}
+_ROW_KEYS = {f.name for f in dataclasses.fields(CollectiveRow)} - {"is_async"} | {"async"}
+
+
+def _problem(d) -> str | None:
+    """The first thing that keeps `d` from being comm_report's JSON object, or None."""
+    if (bad := _keys(d, _REPORT_KEYS)) is not None:
+        return bad
+    if not isinstance(d["collectives"], list):
+        return "`collectives` is not a list"
+    for i, row in enumerate(d["collectives"]):
+        if (bad := _keys(row, _ROW_KEYS)) is not None:
+            return f"collectives[{i}]: {bad}"
+    if not isinstance(d["devices"], dict) or "count" not in d["devices"]:
+        return "`devices` has no count"
+    return None
+
+
+def _keys(d, keys: set[str]) -> str | None:
+    """What keeps `d` from being an object with exactly `keys`, or None."""
+    if not isinstance(d, dict):
+        return f"a {type(d).__name__}, not an object"
+    missing, extra = sorted(keys - d.keys()), sorted(d.keys() - keys)
+    said = [f"missing {', '.join(missing)}"] * bool(missing)
+    said += [f"unexpected {', '.join(extra)}"] * bool(extra)
+    return "; ".join(said) or None

@@ -1,0 +1,177 @@
+"""Scaling model: predicted step time, throughput, scaling efficiency and time to train.
+
+    python -m hybridpar.simulate [--preset h100] [--devices 8,16,...,4096]
+        [--comm-report FILE] [--per-device-batch 256] [--image-size 224]
+        [--stages "20:128-224,38:224-224,40:288-128"] [--overlap 0.8] [--png out.png] [--json]
+
+The model (plain Python, no JAX; every number is per training step of data-parallel weak
+scaling, i.e. the per-device batch stays fixed while devices are added):
+
+    compute   = FLOPs per device per step / (peak FLOP/s * efficiency)
+    comm      = sum over collectives of count * cost(cheapest algorithm)   (alpha-beta model)
+    exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
+    step      = compute + exposed
+    images/s  = global batch / step
+    scaling efficiency = images/s(p) / (p * images/s(1))          (= compute / step <= 1)
+    time to train = sum over curriculum stages of epochs * images per epoch / images/s(stage)
+                    + epochs * eval seconds per epoch
+
+`efficiency` is the fraction of peak a single device reaches on a ResNet-50 step; each preset
+calibrates it from a stated single-device images/s (`calibrate`). The collectives come either
+from the built-in analytic ResNet-50 data-parallel description (one fused gradient all-reduce,
+split into buckets) or from `python -m hybridpar.comm_report --json` (`--comm-report FILE`).
+
+What the model leaves out (see docs/scaling.md): the input pipeline, evaluation (except as a
+fixed per-epoch cost), stragglers and jitter, link contention from other jobs, the cost of
+image size on per-FLOP efficiency (small images run at a lower fraction of peak), compilation
+and start-up.
+
+FLOP convention: a multiply-add is 2 FLOPs, as in XLA's `cost_analysis` (so a comm_report
+`flops` figure and the built-in ResNet-50 figure mean the same thing). The much-quoted
+"4.1 GFLOPs" of a ResNet-50 forward pass at 224 px counts multiply-adds; in this convention it
+is 8.2 GFLOP. Since `efficiency` is calibrated against a measured images/s, the convention
+changes the reported fraction of peak, never a predicted time.
+
+The package, one job a module (each imports only the ones above it):
+
+    hardware.py    presets as data: peak FLOP/s, links, reference single-device rates
+    workload.py    FLOPs and collectives of a step: analytic ResNet-50, or a comm_report
+    cost.py        alpha-beta costs of ring, tree, hierarchical and torus collectives
+    step.py        calibrated presets, step time and efficiency, stages, time to train
+    validation.py  the published runs of docs/scaling.md section 3
+    plot.py, cli.py, __main__.py   the command line
+
+Everything public is importable from here (`from hybridpar import simulate as sim`).
+"""
+
+from __future__ import annotations
+
+from hybridpar.simulate.cli import (
+    DEFAULT_DEVICES,
+    build_parser,
+    format_rows,
+    format_validation,
+    main,
+    parse_devices,
+    simulate,
+)
+from hybridpar.simulate.cost import (
+    Topology,
+    all_gather_time,
+    allreduce_options,
+    best_algorithm,
+    collective_options,
+    hierarchical_allreduce_time,
+    reduce_scatter_time,
+    ring_allreduce_time,
+    torus_allreduce_time,
+    tree_allreduce_time,
+)
+from hybridpar.simulate.hardware import (
+    ALIASES,
+    GB,
+    GBIT,
+    TFLOPS,
+    UNCALIBRATED_PRESETS,
+    US,
+    Link,
+    Preset,
+)
+from hybridpar.simulate.plot import write_png
+from hybridpar.simulate.step import (
+    PRESETS,
+    Stage,
+    StepPrediction,
+    TrainPrediction,
+    calibrate,
+    comm_time,
+    format_stages,
+    get_preset,
+    parse_stages,
+    predict_step,
+    time_to_train,
+    with_calibrated_efficiency,
+)
+from hybridpar.simulate.validation import (
+    FASTAI_STAGES,
+    MOXING_STAGES,
+    VALIDATION_CASES,
+    ValidationCase,
+    run_validation_case,
+    validation_table,
+)
+from hybridpar.simulate.workload import (
+    BACKWARD_FRACTION,
+    GRAD_BYTES,
+    IMAGENET_EVAL_IMAGES,
+    IMAGENET_TRAIN_IMAGES,
+    RESNET50_FWD_FLOPS_224,
+    RESNET50_PARAMS,
+    TRAIN_FLOPS_FACTOR,
+    Collective,
+    Workload,
+    bucket_sizes,
+    load_comm_report,
+    resnet50_workload,
+    workload_from_report,
+)
+
+__all__ = [
+    "ALIASES",
+    "BACKWARD_FRACTION",
+    "DEFAULT_DEVICES",
+    "FASTAI_STAGES",
+    "GB",
+    "GBIT",
+    "GRAD_BYTES",
+    "IMAGENET_EVAL_IMAGES",
+    "IMAGENET_TRAIN_IMAGES",
+    "MOXING_STAGES",
+    "PRESETS",
+    "RESNET50_FWD_FLOPS_224",
+    "RESNET50_PARAMS",
+    "TFLOPS",
+    "TRAIN_FLOPS_FACTOR",
+    "UNCALIBRATED_PRESETS",
+    "US",
+    "VALIDATION_CASES",
+    "Collective",
+    "Link",
+    "Preset",
+    "Stage",
+    "StepPrediction",
+    "Topology",
+    "TrainPrediction",
+    "ValidationCase",
+    "Workload",
+    "all_gather_time",
+    "allreduce_options",
+    "best_algorithm",
+    "bucket_sizes",
+    "build_parser",
+    "calibrate",
+    "collective_options",
+    "comm_time",
+    "format_rows",
+    "format_stages",
+    "format_validation",
+    "get_preset",
+    "hierarchical_allreduce_time",
+    "load_comm_report",
+    "main",
+    "parse_devices",
+    "parse_stages",
+    "predict_step",
+    "reduce_scatter_time",
+    "resnet50_workload",
+    "ring_allreduce_time",
+    "run_validation_case",
+    "simulate",
+    "time_to_train",
+    "torus_allreduce_time",
+    "tree_allreduce_time",
+    "validation_table",
+    "with_calibrated_efficiency",
+    "workload_from_report",
+    "write_png",
+]

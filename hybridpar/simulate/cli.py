@@ -1,0 +1,390 @@
+"""The scaling model's command line: a table (or JSON) of predicted steps and times to train
+over device counts, the validation table, the presets (`python -m hybridpar.simulate`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Iterable, Sequence
+
+from hybridpar.simulate.hardware import GB, TFLOPS, Preset
+from hybridpar.simulate.plot import write_png
+from hybridpar.simulate.step import (
+    PRESETS,
+    Stage,
+    calibrate,
+    format_stages,
+    get_preset,
+    parse_stages,
+    predict_step,
+    time_to_train,
+)
+from hybridpar.simulate.validation import validation_table
+from hybridpar.simulate.workload import (
+    IMAGENET_TRAIN_IMAGES,
+    Workload,
+    load_comm_report,
+    resnet50_workload,
+)
+
+DEFAULT_DEVICES = [2**k for k in range(3, 13)]  # 8 .. 4096
+
+
+def parse_devices(text: str) -> list[int]:
+    """ "8,16,32" or a doubling range "8..4096" (or a mix)."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if ".." in part:
+            lo, hi = (int(x) for x in part.split(".."))
+            if lo < 1 or hi < lo:
+                raise ValueError(f"bad device range {part!r}")
+            v = lo
+            while v <= hi:
+                out.append(v)
+                v *= 2
+        else:
+            v = int(part)
+            if v < 1:
+                raise ValueError(f"device counts must be >= 1, got {v}")
+            out.append(v)
+    if not out:
+        raise ValueError("no device counts given")
+    return out
+
+
+def _fmt_duration(s: float) -> str:
+    if s >= 3600:
+        return f"{s / 3600:.2f} h"
+    if s >= 60:
+        return f"{s / 60:.1f} min"
+    return f"{s:.0f} s"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def simulate(
+    workload: Workload,
+    preset: Preset,
+    devices: Iterable[int],
+    per_device_batch: int,
+    image_size: int,
+    stages: Sequence[Stage],
+    overlap: float = 0.8,
+    efficiency: float | None = None,
+    images_per_epoch: int = IMAGENET_TRAIN_IMAGES,
+    eval_s_per_epoch: float = 0.0,
+) -> list[dict]:
+    """One row per device count: the step at (per_device_batch, image_size) and the time to
+    train through `stages`. Device counts that the model-parallel size does not divide are
+    skipped."""
+    rows = []
+    for p in devices:
+        if p % workload.model_parallel:
+            continue
+        step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
+        tt = time_to_train(
+            workload, preset, p, stages, images_per_epoch, overlap, efficiency, eval_s_per_epoch
+        )
+        row = dataclasses.asdict(step)
+        row["time_to_train_s"] = tt.total_s
+        row["eval_s"] = tt.eval_s
+        row["stage_s"] = [secs for _, _, secs in tt.stages]
+        row["stage_efficiency"] = [s.efficiency for _, s, _ in tt.stages]
+        rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    header = [
+        "devices",
+        "nodes",
+        "algorithm",
+        "step ms",
+        "compute ms",
+        "exposed ms",
+        "comm ms",
+        "images/s",
+        "efficiency",
+        "time to train",
+    ]
+    body = [
+        [
+            str(r["devices"]),
+            str(r["nodes"]),
+            r["algorithms"],
+            f"{r['step_s'] * 1e3:.1f}",
+            f"{r['compute_s'] * 1e3:.1f}",
+            f"{r['exposed_comm_s'] * 1e3:.1f}",
+            f"{r['comm_s'] * 1e3:.1f}",
+            f"{r['images_per_s']:,.0f}",
+            f"{r['efficiency']:.3f}",
+            _fmt_duration(r["time_to_train_s"]),
+        ]
+        for r in rows
+    ]
+    return _table(body, header)
+
+
+def format_validation(results: list[dict]) -> str:
+    ov = results[0]["overlap"] if results else 0.8
+    header = [
+        "run",
+        "reported",
+        f"predicted (overlap {ov:g})",
+        "ratio",
+        "algorithm",
+        "predicted (overlap 0)",
+        "ratio",
+    ]
+    body = []
+    for r in results:
+        fmt = (lambda v: f"{v:.3f}") if r["metric"] == "efficiency" else (lambda v: f"{v:.0f} s")
+        body.append(
+            [
+                r["run"],
+                r["reported"],
+                fmt(r["predicted"]),
+                f"{r['ratio']:.2f}",
+                r["algorithm"],
+                fmt(r["predicted_no_overlap"]),
+                f"{r['predicted_no_overlap'] / r['reported_value']:.2f}",
+            ]
+        )
+    return _table(body, header)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m hybridpar.simulate",
+        description="Predict ResNet-50 step time, throughput, scaling efficiency and time to "
+        "train on 8 to 4,096 devices (alpha-beta communication model).",
+    )
+    ap.add_argument(
+        "--preset", default="h100", help=f"hardware: {', '.join(PRESETS)} (aliases: v100, p100)"
+    )
+    ap.add_argument(
+        "--devices",
+        default=None,
+        help="comma list and/or doubling range, e.g. 8,16,32 or 8..4096 (default 8..4096)",
+    )
+    ap.add_argument(
+        "--comm-report",
+        default=None,
+        metavar="FILE",
+        help="take FLOPs and collectives from `hybridpar.comm_report --json`",
+    )
+    ap.add_argument(
+        "--per-device-batch",
+        type=int,
+        default=None,
+        help="images per device (per batch shard) per step (default 256, or the comm "
+        "report's own batch)",
+    )
+    ap.add_argument(
+        "--image-size",
+        type=int,
+        default=None,
+        help="image side in px (default 224, or the comm report's own size)",
+    )
+    ap.add_argument(
+        "--stages",
+        default=None,
+        help="curriculum END_EPOCH:IMAGE_SIZE-PER_GPU_BATCH,... "
+        "(default: --epochs at --image-size/--per-device-batch)",
+    )
+    ap.add_argument(
+        "--epochs", type=float, default=35.0, help="epochs when --stages is not given (default 35)"
+    )
+    ap.add_argument(
+        "--overlap",
+        type=float,
+        default=0.8,
+        help="fraction of the backward pass that can hide communication "
+        "(0.8: bucketed/fused reductions; 0: no overlap)",
+    )
+    ap.add_argument(
+        "--grad-dtype",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16", "preset"],
+        help="gradient dtype of the analytic ResNet-50 all-reduce (default fp32: "
+        "hybridpar keeps float32 parameters, so their gradients are float32; "
+        "'preset': the dtype the preset's reference recipe reduced)",
+    )
+    ap.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=32.0,
+        help="analytic model: gradient buckets of at most this many MB (0: one fused buffer)",
+    )
+    ap.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="fraction of peak for a ResNet-50 step (default: the preset's calibrated value)",
+    )
+    ap.add_argument(
+        "--calibrate",
+        type=float,
+        default=None,
+        metavar="IMAGES_PER_S",
+        help="calibrate efficiency from a measured single-device rate at "
+        "--image-size and --per-device-batch",
+    )
+    ap.add_argument("--images-per-epoch", type=int, default=IMAGENET_TRAIN_IMAGES)
+    ap.add_argument(
+        "--eval-s-per-epoch",
+        type=float,
+        default=0.0,
+        help="fixed evaluation cost added per epoch (seconds)",
+    )
+    ap.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument(
+        "--validate", action="store_true", help="print the validation table against published runs"
+    )
+    ap.add_argument("--list-presets", action="store_true")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _main(args)
+    except (ValueError, TypeError, KeyError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(args) -> int:
+    if args.list_presets:
+        rows = [
+            [
+                p.name,
+                f"{p.peak_flops / TFLOPS:g}",
+                p.dtype,
+                f"{p.efficiency:.3f}",
+                f"{p.reference_images_per_s:,.0f}",
+                str(p.devices_per_node),
+                f"{p.intra.bandwidth / GB:.4g}",
+                f"{p.inter.bandwidth / GB:.4g}/{p.inter.per}",
+            ]
+            for p in PRESETS.values()
+        ]
+        hdr = [
+            "preset",
+            "peak TFLOP/s",
+            "dtype",
+            "eff",
+            "ref img/s",
+            "per node",
+            "intra GB/s",
+            "inter GB/s",
+        ]
+        if args.json:
+            print(json.dumps({k: dataclasses.asdict(v) for k, v in PRESETS.items()}))
+        else:
+            print(_table(rows, hdr))
+        return 0
+    if args.validate:
+        results = validation_table(args.overlap)
+        if args.json:
+            print(json.dumps({"validation": results}))
+        else:
+            print(format_validation(results))
+        return 0
+
+    preset = get_preset(args.preset)
+    if args.comm_report:
+        workload = load_comm_report(args.comm_report)
+        # by default simulate the step the report was compiled for
+        if args.per_device_batch is None:
+            args.per_device_batch = round(workload.reference_batch)
+        if args.image_size is None:
+            args.image_size = workload.reference_image_size
+    else:
+        grad_dtype = preset.grad_dtype if args.grad_dtype == "preset" else args.grad_dtype
+        workload = resnet50_workload(grad_dtype, args.bucket_mb or None)
+    if args.per_device_batch is None:
+        args.per_device_batch = 256
+    if args.image_size is None:
+        args.image_size = 224
+    efficiency = args.efficiency
+    if args.calibrate is not None:
+        efficiency = calibrate(
+            args.calibrate, args.image_size, args.per_device_batch, preset, workload
+        )
+    devices = parse_devices(args.devices) if args.devices else DEFAULT_DEVICES
+    if args.stages:
+        stages = parse_stages(args.stages)
+    else:
+        stages = [Stage(args.epochs, args.image_size, args.per_device_batch)]
+    rows = simulate(
+        workload,
+        preset,
+        devices,
+        args.per_device_batch,
+        args.image_size,
+        stages,
+        args.overlap,
+        efficiency,
+        args.images_per_epoch,
+        args.eval_s_per_epoch,
+    )
+    eff = preset.efficiency if efficiency is None else efficiency
+    title = (
+        f"{preset.name}: {workload.name}; {args.per_device_batch}/device at "
+        f"{args.image_size} px; overlap {args.overlap:g}; efficiency {eff:.3f} of "
+        f"{preset.peak_flops / TFLOPS:g} TFLOP/s"
+    )
+    png_written = None
+    if args.png:
+        png_written = write_png(rows, args.png, title)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "preset": dataclasses.asdict(preset),
+                    "efficiency": eff,
+                    "workload": {
+                        "name": workload.name,
+                        "source": workload.source,
+                        "flops_per_image": workload.flops_per_image,
+                        "reference_image_size": workload.reference_image_size,
+                        "model_parallel": workload.model_parallel,
+                        "gradient_bytes": workload.gradient_bytes(),
+                        "collectives": [dataclasses.asdict(c) for c in workload.collectives],
+                    },
+                    "per_device_batch": args.per_device_batch,
+                    "image_size": args.image_size,
+                    "overlap": args.overlap,
+                    "stages": format_stages(stages),
+                    "images_per_epoch": args.images_per_epoch,
+                    "eval_s_per_epoch": args.eval_s_per_epoch,
+                    "png": args.png if png_written else None,
+                    "rows": rows,
+                }
+            )
+        )
+        return 0
+    print(title)
+    print(
+        f"time to train: {format_stages(stages)} (END_EPOCH:SIZE-BATCH), "
+        f"{args.images_per_epoch:,} images/epoch"
+        + (f", eval {args.eval_s_per_epoch:g} s/epoch" if args.eval_s_per_epoch else "")
+    )
+    print(format_rows(rows))
+    if png_written:
+        print(f"wrote {args.png}")
+    return 0

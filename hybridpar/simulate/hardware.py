@@ -1,0 +1,226 @@
+"""Hardware presets as data: devices, nodes and links (public spec figures; assumptions
+marked as such).
+
+The presets here are raw: each states the single-device ResNet-50 rate it is calibrated
+from, and `hybridpar.simulate.step.PRESETS` fills in the fraction of peak that reproduces
+it (calibration needs the workload's FLOPs, which live in `workload.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+GB = 1e9  # bytes; link figures below are decimal GB/s as vendors quote them
+GBIT = 1e9 / 8  # bytes per second in one Gb/s
+US = 1e-6  # seconds
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Link:
+    """One level of interconnect in the alpha-beta model.
+
+    bandwidth: bytes/s. For an intra-node link it is the per-device bus bandwidth a ring
+      all-reduce reaches through each device (NCCL's "busbw"). For an inter-node link it is
+      per node or per device, as `per` says (a DGX H100 has one 400 Gb/s NIC per GPU; an AWS
+      p3.16xlarge has one 25 Gb/s interface for its 8 GPUs).
+    latency: alpha, seconds per message step (one hop of a ring, one level of a tree).
+    """
+
+    bandwidth: float
+    latency: float
+    per: str = "device"  # "device" or "node"; only meaningful for inter-node links
+    name: str = ""
+
+    def __post_init__(self):
+        if self.per not in ("device", "node"):
+            raise ValueError(f"Link.per must be 'device' or 'node', got {self.per!r}")
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"bad link {self}")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A device type, its node and its network.
+
+    peak_flops: per device, dense, for the training dtype (`dtype`).
+    reference_images_per_s / reference_image_size / reference_batch: the single-device
+      ResNet-50 training rate that `efficiency` is calibrated from (see `calibrate`).
+    efficiency: fraction of peak achieved by a ResNet-50 training step; filled in from the
+      reference rate when the presets are built (`with_calibrated_efficiency`).
+    devices_per_node: devices sharing the fast intra-node link (NVLink island, ICI domain).
+    torus_dims: > 0 for TPU ICI, which is a 2D/3D torus rather than nodes + a switch.
+    """
+
+    name: str
+    description: str
+    peak_flops: float
+    dtype: str
+    grad_dtype: str  # the gradient dtype the reference recipe reduces
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    reference_images_per_s: float
+    reference_image_size: int = 224
+    reference_batch: int = 256
+    reference_note: str = ""
+    torus_dims: int = 0
+    efficiency: float = float("nan")
+
+    def inter_bandwidth_per_node(self) -> float:
+        """Bytes/s leaving one node (all of its NICs together)."""
+        if self.inter.per == "node":
+            return self.inter.bandwidth
+        return self.inter.bandwidth * self.devices_per_node
+
+    def scaled(self, intra: float = 1.0, inter: float = 1.0) -> Preset:
+        """The same preset with link bandwidths multiplied (for what-if studies and tests)."""
+        return dataclasses.replace(
+            self,
+            intra=dataclasses.replace(self.intra, bandwidth=self.intra.bandwidth * intra),
+            inter=dataclasses.replace(self.inter, bandwidth=self.inter.bandwidth * inter),
+        )
+
+
+# Latency assumptions (alpha), not spec figures: NVLink ring step 3-5 us (NCCL "Simple"
+# protocol, includes the kernel's per-step synchronisation); InfiniBand/RoCE with GPUDirect
+# ~5 us; TCP sockets over Ethernet (NCCL's socket transport or Gloo in 2017-2018) ~25 us;
+# TPU ICI ~2 us per hop.
+_ETH_ALPHA = 25 * US
+_IB_ALPHA = 5 * US
+
+# V100 SXM2 16 GB (DGX-1V, AWS p3.16xlarge): 125 TFLOP/s fp16 tensor core (datasheet).
+# NVLink 2: 6 links x 25 GB/s = 150 GB/s per direction per GPU; we take ~150 GB/s
+# effective ring bandwidth within the node of 8 (NCCL measures ~130 on DGX-1V).
+# Between nodes: 25 Gb/s (p3.16xlarge, the fast.ai runs) or 100 Gb/s Ethernet per node.
+# Reference rate: ASSUMPTION ~1,200 images/s fp16 ResNet-50 at 224 px with DALI
+# (MLPerf v0.5/v0.6-era MXNet figures for one V100).
+_V100_25GBE = Preset(
+    name="v100-25gbe",
+    description="V100 SXM2 fp16, 8/node NVLink 2, 25 GbE per node (AWS p3.16xlarge)",
+    peak_flops=125 * TFLOPS,
+    dtype="float16",
+    grad_dtype="fp16",
+    devices_per_node=8,
+    intra=Link(150 * GB, 5 * US, name="NVLink 2 (~150 GB/s ring)"),
+    inter=Link(25 * GBIT, _ETH_ALPHA, per="node", name="25 GbE per node"),
+    reference_images_per_s=1200.0,
+    reference_note="ASSUMPTION: ~1,200 img/s fp16 at 224 px (MLPerf-era MXNet + DALI)",
+)
+
+
+# H100 SXM5 (DGX H100): 989 TFLOP/s bf16 dense (datasheet; 1,979 with sparsity).
+# NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per GPU.
+# 8 x NDR InfiniBand 400 Gb/s, one per GPU.
+# Reference rate: ASSUMPTION ~3,000 images/s bf16 at 224 px for a plain framework step
+# (tuned MLPerf stacks reach more: see the H200 preset).
+_H100 = Preset(
+    name="h100",
+    description="H100 SXM5 bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU (DGX H100)",
+    peak_flops=989 * TFLOPS,
+    dtype="bfloat16",
+    grad_dtype="bf16",
+    devices_per_node=8,
+    intra=Link(450 * GB, 3 * US, name="NVLink 4 (450 GB/s)"),
+    inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
+    reference_images_per_s=3000.0,
+    reference_note="ASSUMPTION: ~3,000 img/s bf16 at 224 px (plain framework step)",
+)
+
+
+# efficiency is NaN here: step.PRESETS calibrates it from each reference rate
+UNCALIBRATED_PRESETS = [
+    # P100 SXM2 (Goyal et al. 2017, Facebook "Big Basin": 8 P100 + NVLink per server, one
+    # Mellanox ConnectX-4 50 Gb/s Ethernet NIC per server). Peak: 10.6 TFLOP/s fp32,
+    # 21.2 TFLOP/s fp16 (NVIDIA P100 datasheet); Goyal et al. trained in fp32.
+    # NVLink 1: 4 links x 20 GB/s per direction per GPU; a ring uses part of them:
+    # ASSUMPTION ~40 GB/s ring bus bandwidth.
+    # Reference rate: the paper says backprop takes 120 ms per GPU at 32 images; with the
+    # backward pass = 2/3 of the step that is 180 ms per 32 images = ~178 images/s (fp32, 224 px).
+    Preset(
+        name="p100-50gbe",
+        description="P100 SXM2 fp32, 8/node NVLink 1, 50 GbE per node (Goyal et al. 2017)",
+        peak_flops=10.6 * TFLOPS,
+        dtype="float32",
+        grad_dtype="fp32",
+        devices_per_node=8,
+        intra=Link(40 * GB, 5 * US, name="NVLink 1 (~40 GB/s ring, assumed)"),
+        inter=Link(50 * GBIT, _ETH_ALPHA, per="node", name="50 GbE per node"),
+        reference_images_per_s=32 / 0.180,
+        reference_batch=32,
+        reference_note="Goyal et al. 2017: backprop 120 ms at 32 img/GPU -> step ~180 ms",
+    ),
+    _V100_25GBE,
+    dataclasses.replace(
+        _V100_25GBE,
+        name="v100-100gbe",
+        description="V100 SXM2 fp16, 8/node NVLink 2, 100 GbE per node",
+        inter=Link(100 * GBIT, _ETH_ALPHA, per="node", name="100 GbE per node"),
+    ),
+    # A100 SXM4 (DGX A100): 312 TFLOP/s bf16 dense (datasheet). NVLink 3: 600 GB/s
+    # bidirectional = 300 GB/s per direction per GPU, taken as the ring bus bandwidth.
+    # 8 x HDR InfiniBand 200 Gb/s, one per GPU.
+    # Reference rate: ASSUMPTION ~2,500 images/s bf16 at 224 px (MLPerf v1.x-era A100 figures
+    # are ~2,500-2,800 with MXNet + DALI).
+    Preset(
+        name="a100",
+        description="A100 SXM4 bf16, 8/node NVLink 3, HDR IB 200 Gb/s per GPU (DGX A100)",
+        peak_flops=312 * TFLOPS,
+        dtype="bfloat16",
+        grad_dtype="bf16",
+        devices_per_node=8,
+        intra=Link(300 * GB, 3 * US, name="NVLink 3 (300 GB/s)"),
+        inter=Link(200 * GBIT, _IB_ALPHA, per="device", name="HDR IB 200 Gb/s per GPU"),
+        reference_images_per_s=2500.0,
+        reference_note="ASSUMPTION: ~2,500 img/s bf16 at 224 px",
+    ),
+    _H100,
+    # H200 SXM: same compute and links as H100 (989 TFLOP/s bf16 dense, NVLink 4, NDR 400);
+    # 141 GB HBM3e at 4.8 TB/s. Reference rate: MLPerf Training v4.0, one node of 8 H200,
+    # ResNet-50 in 12.0 min, about 7,700 images/s per GPU (GUIDE section 5): a tuned
+    # MXNet + DALI stack. The difference from the h100 preset is the software, not the chip.
+    dataclasses.replace(
+        _H100,
+        name="h200",
+        description="H200 SXM bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU",
+        reference_images_per_s=7700.0,
+        reference_note="MLPerf Training v4.0 (8 x H200, 12.0 min): ~7,700 img/s/GPU, tuned",
+    ),
+    # TPU v3: 123 TFLOP/s bf16 per chip; pod of 1,024 chips on a 2D torus; "all-reduce
+    # bandwidth per pod 340 TB/s" (Cloud TPU v3 docs) = ~332 GB/s per chip, used as the
+    # ring bus bandwidth. ASSUMPTIONS: ICI spans the whole slice (no separate "node" link:
+    # MLPerf's 4,096-chip v3 multipod was also joined by ICI), alpha 2 us per hop, and
+    # ~2,000 images/s per chip at 224 px.
+    Preset(
+        name="tpu-v3",
+        description="TPU v3 bf16, 2D torus ICI (~332 GB/s all-reduce bandwidth per chip)",
+        peak_flops=123 * TFLOPS,
+        dtype="bfloat16",
+        grad_dtype="fp32",
+        devices_per_node=4096,
+        intra=Link(340e12 / 1024, 2 * US, name="ICI 2D torus"),
+        inter=Link(340e12 / 1024, 2 * US, per="device", name="ICI 2D torus"),
+        reference_images_per_s=2000.0,
+        reference_note="ASSUMPTION: ~2,000 img/s per chip at 224 px",
+        torus_dims=2,
+    ),
+    # TPU v4: 275 TFLOP/s bf16 per chip; pod of 4,096 chips, 3D torus; "all-reduce bandwidth
+    # per pod 1.1 PB/s" (Cloud TPU v4 docs) = ~269 GB/s per chip. ASSUMPTIONS: alpha 2 us,
+    # and the same fraction of peak as the v3 assumption (2,000 * 275/123 = ~4,470 img/s).
+    Preset(
+        name="tpu-v4",
+        description="TPU v4 bf16, 3D torus ICI (~269 GB/s all-reduce bandwidth per chip)",
+        peak_flops=275 * TFLOPS,
+        dtype="bfloat16",
+        grad_dtype="fp32",
+        devices_per_node=4096,
+        intra=Link(1.1e15 / 4096, 2 * US, name="ICI 3D torus"),
+        inter=Link(1.1e15 / 4096, 2 * US, per="device", name="ICI 3D torus"),
+        reference_images_per_s=2000.0 * 275 / 123,
+        reference_note="ASSUMPTION: same fraction of peak as the tpu-v3 assumption",
+        torus_dims=3,
+    ),
+]
+
+ALIASES = {"v100": "v100-25gbe", "p100": "p100-50gbe"}

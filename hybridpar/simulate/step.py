@@ -1,0 +1,240 @@
+"""The step model: compute, exposed communication, step time, throughput and scaling
+efficiency on p devices; the calibrated presets; curriculum stages and time to train.
+
+    compute   = FLOPs per device per step / (peak FLOP/s * efficiency)
+    comm      = sum over collectives of count * cost(cheapest algorithm)
+    exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
+    step      = compute + exposed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridpar.simulate.cost import Topology, best_algorithm
+from hybridpar.simulate.hardware import ALIASES, UNCALIBRATED_PRESETS, Preset
+from hybridpar.simulate.workload import IMAGENET_TRAIN_IMAGES, Workload, resnet50_workload
+
+
+def calibrate(
+    measured_images_per_s: float,
+    image_size: int,
+    batch: int,
+    preset: Preset,
+    workload: Workload | None = None,
+) -> float:
+    """Efficiency (fraction of peak) that reproduces a measured single-device rate.
+
+    efficiency = FLOPs per step / (peak * measured step time),
+    measured step time = batch / measured_images_per_s.
+    """
+    if measured_images_per_s <= 0 or batch <= 0:
+        raise ValueError("measured rate and batch must be positive")
+    workload = workload or resnet50_workload()
+    step_s = batch / measured_images_per_s
+    flops = workload.step_flops(batch, image_size) * workload.model_parallel
+    return flops / (preset.peak_flops * step_s)
+
+
+def with_calibrated_efficiency(preset: Preset, workload: Workload | None = None) -> Preset:
+    eff = calibrate(
+        preset.reference_images_per_s,
+        preset.reference_image_size,
+        preset.reference_batch,
+        preset,
+        workload,
+    )
+    return dataclasses.replace(preset, efficiency=eff)
+
+
+PRESETS: dict[str, Preset] = {p.name: with_calibrated_efficiency(p) for p in UNCALIBRATED_PRESETS}
+
+
+def get_preset(name: str) -> Preset:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in PRESETS:
+        raise ValueError(
+            f"unknown preset {name!r}; choose from {', '.join(sorted(PRESETS))} "
+            f"(aliases: {', '.join(f'{k}={v}' for k, v in ALIASES.items())})"
+        )
+    return PRESETS[key]
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    devices: int
+    nodes: int
+    per_device_batch: int
+    image_size: int
+    global_batch: int
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    step_s: float
+    images_per_s: float
+    efficiency: float  # scaling efficiency against one device
+    algorithms: str  # the chosen algorithm(s), e.g. "hier-ring" or "ring x2, tree x1"
+
+
+def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, str]:
+    """Total collective seconds per step on `devices`, and the algorithms chosen."""
+    replicas = devices // workload.model_parallel
+    total = 0.0
+    chosen: dict[str, int] = {}
+    for c in workload.collectives:
+        if c.group_size is not None:
+            p = min(c.group_size, devices)
+        else:
+            p = devices if c.spans_all else replicas
+        name, t = best_algorithm(c.kind, c.nbytes, p, preset)
+        total += c.count * t
+        if name != "none":
+            chosen[name] = chosen.get(name, 0) + c.count
+    if not chosen:
+        return total, "-"
+    if len(chosen) == 1:
+        return total, next(iter(chosen))
+    return total, ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
+
+
+def predict_step(
+    workload: Workload,
+    preset: Preset,
+    devices: int,
+    per_device_batch: int,
+    image_size: int,
+    overlap: float = 0.8,
+    efficiency: float | None = None,
+) -> StepPrediction:
+    """Step time on `devices` devices (weak scaling: fixed per-device batch).
+
+    compute = FLOPs per device per step / (peak * efficiency)
+    exposed = max(0, comm - overlap * backward_fraction * compute)
+    step = compute + exposed;  images/s = global batch / step
+    scaling efficiency = images/s / (devices * images/s of one device) = compute / step
+    """
+    if devices < 1:
+        raise ValueError("devices must be >= 1")
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap must be in [0, 1], got {overlap}")
+    m = workload.model_parallel
+    if devices % m:
+        raise ValueError(f"{devices} devices is not a multiple of the model-parallel size {m}")
+    eff = preset.efficiency if efficiency is None else efficiency
+    if not eff > 0:
+        raise ValueError(f"efficiency must be positive, got {eff}")
+    compute = workload.step_flops(per_device_batch, image_size) / (preset.peak_flops * eff)
+    comm, algos = comm_time(workload, preset, devices)
+    exposed = max(0.0, comm - overlap * workload.backward_fraction * compute)
+    step = compute + exposed
+    global_batch = devices // m * per_device_batch
+    images_per_s = global_batch / step
+    # one device runs the whole model: m times one device's share of the work
+    single = per_device_batch / (m * compute)
+    scaling = images_per_s / (devices * single)
+    assert scaling <= 1.0 + 1e-9, (scaling, compute, step)
+    scaling = min(scaling, 1.0)
+    return StepPrediction(
+        devices=devices,
+        nodes=Topology.of(devices, preset.devices_per_node).nodes,
+        per_device_batch=per_device_batch,
+        image_size=image_size,
+        global_batch=global_batch,
+        compute_s=compute,
+        comm_s=comm,
+        exposed_comm_s=exposed,
+        step_s=step,
+        images_per_s=images_per_s,
+        efficiency=scaling,
+        algorithms=algos,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Curriculum and time to train
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Train until `end_epoch` at `image_size` px with `per_device_batch` images per device."""
+
+    end_epoch: float
+    image_size: int
+    per_device_batch: int
+
+
+_STAGE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def parse_stages(text: str) -> list[Stage]:
+    """MoXing's curriculum syntax, `END_EPOCH:IMAGE_SIZE-PER_GPU_BATCH,...`.
+
+    "20:128-224,38:224-224,40:288-128" -> epochs 0-20 at 128 px batch 224, 20-38 at 224 px
+    batch 224, 38-40 at 288 px batch 128. End epochs must increase.
+    """
+    stages = []
+    prev = 0.0
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        m = _STAGE_RE.match(part)
+        if not m:
+            raise ValueError(
+                f"bad stage {part!r}: expected END_EPOCH:IMAGE_SIZE-PER_GPU_BATCH, e.g. 20:128-224"
+            )
+        end, size, batch = float(m.group(1)), int(m.group(2)), int(m.group(3))
+        if end <= prev:
+            raise ValueError(f"stage end epochs must increase: {end:g} after {prev:g}")
+        if size <= 0 or batch <= 0:
+            raise ValueError(f"bad stage {part!r}: size and batch must be positive")
+        stages.append(Stage(end, size, batch))
+        prev = end
+    if not stages:
+        raise ValueError("no stages given")
+    return stages
+
+
+def format_stages(stages: Sequence[Stage]) -> str:
+    return ",".join(f"{s.end_epoch:g}:{s.image_size}-{s.per_device_batch}" for s in stages)
+
+
+@dataclass(frozen=True)
+class TrainPrediction:
+    devices: int
+    total_s: float
+    train_s: float
+    eval_s: float
+    epochs: float
+    stages: tuple[tuple[Stage, StepPrediction, float], ...]  # (stage, step, seconds)
+
+
+def time_to_train(
+    workload: Workload,
+    preset: Preset,
+    devices: int,
+    stages: Sequence[Stage],
+    images_per_epoch: int = IMAGENET_TRAIN_IMAGES,
+    overlap: float = 0.8,
+    efficiency: float | None = None,
+    eval_s_per_epoch: float = 0.0,
+) -> TrainPrediction:
+    """Sum over stages of (end - start epochs) * images per epoch / images/s at that stage,
+    plus `eval_s_per_epoch` for every epoch trained."""
+    start = 0.0
+    parts = []
+    train_s = 0.0
+    for st in stages:
+        step = predict_step(
+            workload, preset, devices, st.per_device_batch, st.image_size, overlap, efficiency
+        )
+        secs = (st.end_epoch - start) * images_per_epoch / step.images_per_s
+        parts.append((st, step, secs))
+        train_s += secs
+        start = st.end_epoch
+    epochs = stages[-1].end_epoch
+    eval_s = eval_s_per_epoch * epochs
+    return TrainPrediction(devices, train_s + eval_s, train_s, eval_s, epochs, tuple(parts))

@@ -1,0 +1,173 @@
+"""Workloads: what one device computes and communicates per training step.
+
+Two sources: the analytic ResNet-50 data-parallel step (`resnet50_workload`: one fused
+gradient all-reduce, split into buckets) and a compiled step's collectives and FLOPs read
+from `python -m hybridpar.comm_report --json` (`load_comm_report`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridpar.comm_report_schema import CommReport
+
+IMAGENET_TRAIN_IMAGES = 1_281_167
+IMAGENET_EVAL_IMAGES = 50_000
+
+RESNET50_PARAMS = 25_557_032  # torchvision/Flax ResNet-50, 1,000 classes, incl. BN gamma/beta
+RESNET50_FWD_FLOPS_224 = 8.2e9  # 4.1 G multiply-adds forward at 224 px, 2 FLOPs each
+TRAIN_FLOPS_FACTOR = 3.0  # forward + backward (backward ~2x forward)
+BACKWARD_FRACTION = 2.0 / 3.0  # share of the step's compute that is the backward pass
+
+GRAD_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in a step.
+
+    nbytes: the full (unsharded) buffer n of ONE op: the all-reduced buffer, the input of a
+      reduce-scatter, the output of an all-gather, one device's buffer for all-to-all/permute.
+    group_size: devices per replica group; None means the group grows with the simulated
+      device count: all data-parallel replicas (devices / model_parallel), or all devices
+      when `spans_all`.
+    """
+
+    kind: str
+    count: int
+    nbytes: float
+    group_size: int | None = None
+    is_async: bool | None = None
+    spans_all: bool = False
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one device does per step: FLOPs per image and the collectives.
+
+    flops_per_image: forward + backward FLOPs per image per device at `reference_image_size`
+      (scaled by (image_size / reference_image_size)^2 for other sizes).
+    model_parallel: devices per model replica (1 for pure data parallelism / FSDP).
+    """
+
+    name: str
+    flops_per_image: float
+    reference_image_size: int
+    collectives: tuple[Collective, ...]
+    model_parallel: int = 1
+    backward_fraction: float = BACKWARD_FRACTION
+    source: str = "analytic"
+    reference_batch: float | None = None  # per-device batch the FLOPs were measured at
+
+    def step_flops(self, per_device_batch: int, image_size: int) -> float:
+        """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
+        scale = (image_size / self.reference_image_size) ** 2
+        return self.flops_per_image * per_device_batch * scale
+
+    def gradient_bytes(self) -> float:
+        return sum(c.count * c.nbytes for c in self.collectives)
+
+
+def bucket_sizes(total_bytes: float, bucket_bytes: float | None) -> list[float]:
+    """Split a flat gradient of `total_bytes` into buckets of at most `bucket_bytes`.
+
+    Full buckets first, then the remainder; None or <= 0 means one fused buffer.
+    """
+    if not bucket_bytes or bucket_bytes <= 0 or bucket_bytes >= total_bytes:
+        return [float(total_bytes)]
+    full = int(total_bytes // bucket_bytes)
+    rest = total_bytes - full * bucket_bytes
+    return [float(bucket_bytes)] * full + ([float(rest)] if rest > 0 else [])
+
+
+def resnet50_workload(grad_dtype: str = "fp32", bucket_mb: float | None = 32.0) -> Workload:
+    """Analytic ResNet-50 data-parallel training step on ImageNet.
+
+    25.56M parameters -> gradient bytes 102.2 MB in fp32 (51.1 MB in bf16/fp16), reduced as
+    fused all-reduces of at most `bucket_mb` MB (BatchNorm statistics local: no extra
+    collectives). Forward 4.1 G multiply-adds = 8.2 GFLOP at 224 px, x3 for training.
+    """
+    if grad_dtype not in GRAD_BYTES:
+        raise ValueError(f"grad dtype {grad_dtype!r}: choose from {sorted(GRAD_BYTES)}")
+    total = RESNET50_PARAMS * GRAD_BYTES[grad_dtype]
+    bucket = None if bucket_mb is None else bucket_mb * 1e6
+    sizes = bucket_sizes(total, bucket)
+    # group buckets of equal size into one Collective with a count
+    groups: dict[float, int] = {}
+    for s in sizes:
+        groups[s] = groups.get(s, 0) + 1
+    colls = tuple(Collective("all-reduce", c, s, None, True) for s, c in groups.items())
+    return Workload(
+        name=f"resnet50 (analytic, {grad_dtype} gradients, "
+        f"{len(sizes)} bucket{'s' if len(sizes) > 1 else ''})",
+        flops_per_image=RESNET50_FWD_FLOPS_224 * TRAIN_FLOPS_FACTOR,
+        reference_image_size=224,
+        collectives=colls,
+        source="analytic",
+    )
+
+
+# hybridpar.mesh.BATCH_AXES, restated: importing hybridpar.mesh would start JAX
+_BATCH_AXES = ("data", "fsdp")
+
+# comm_report's kinds (comm_report.KINDS) -> the cost model's
+_COST_KIND = {
+    "all-reduce": "all-reduce",
+    "all-gather": "all-gather",
+    "reduce-scatter": "reduce-scatter",
+    "all-to-all": "all-to-all",
+    "ragged-all-to-all": "all-to-all",  # costed at its full output buffer: an upper bound
+    "collective-permute": "collective-permute",
+    "collective-broadcast": "collective-permute",  # one send from the root to each peer
+}
+
+
+def workload_from_report(report: CommReport) -> Workload:
+    """The step a comm_report describes, as a Workload.
+
+    - FLOPs per image = `flops` (one device's share) / per-device batch, at the report's
+      image size (`image_shape[0]`); the per-device batch is `global_batch` over the
+      batch-axis (`data`, `fsdp`) devices. Every other mesh axis is model parallelism.
+    - A row's `bytes` is one op's result: for a reduce-scatter that is one shard, so the
+      full buffer is bytes x group size.
+    - A row's group (`group_size`, None: all devices) that spans all batch-axis devices (or
+      all devices) grows with the simulated device count; a smaller group (a `model` axis)
+      keeps its size.
+    """
+    devices = int(report.devices["count"])
+    batch_devs = math.prod(n for a, n in report.mesh.items() if a in _BATCH_AXES)
+    model = math.prod(n for a, n in report.mesh.items() if a not in _BATCH_AXES)
+    if batch_devs * model != devices:
+        raise ValueError(f"the comm report's mesh {report.mesh} is not its {devices} devices")
+    colls = []
+    for c in report.collectives:
+        kind = _COST_KIND.get(c.kind)
+        if kind is None:
+            raise ValueError(f"unknown collective kind {c.kind!r} in the comm report")
+        group = c.group_size or devices
+        nbytes = float(c.bytes) * (group if kind == "reduce-scatter" else 1)
+        spans_all = group >= devices
+        scales = spans_all or group >= batch_devs
+        colls.append(
+            Collective(kind, c.count, nbytes, None if scales else group, c.is_async, spans_all)
+        )
+    if not report.flops or report.flops <= 0:
+        raise ValueError(
+            "the comm report has no positive `flops` (its backend's cost_analysis gave none)"
+        )
+    b = report.global_batch / batch_devs
+    return Workload(
+        name=f"comm_report ({len(colls)} collective kinds, mesh {report.mesh})",
+        flops_per_image=float(report.flops) / b,
+        reference_image_size=int(report.image_shape[0]),
+        collectives=tuple(colls),
+        model_parallel=model,
+        source="comm_report",
+        reference_batch=float(b),
+    )
+
+
+def load_comm_report(path: str) -> Workload:
+    with open(path) as f:
+        return workload_from_report(CommReport.from_json(f.read(), source=path))
