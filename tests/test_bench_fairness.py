@@ -29,6 +29,7 @@ from hybridpar import make_mesh, shard_batch
 from hybridpar.config import load_config
 from hybridpar.models.resnet import BottleneckResNetBlock, ResNet
 from hybridpar.precision import LossScale
+from hybridpar.curriculum import single_stage_plan
 from hybridpar.program import build_program
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,9 @@ def test_reference_and_hybridpar_compute_the_same_steps():
     cfg.optim.weight_decay = 1e-2
     cfg.num_epochs = float(EPOCHS)
     mesh = make_mesh("data:1", devices=jax.devices()[:1])
-    program = build_program(cfg, mesh, (SIZE, SIZE, 3), STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH)
+    program = build_program(
+        cfg, mesh, single_stage_plan(STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH, BATCH)
+    )
 
     # One set of initial values for both (the same module names: the trees match as they are).
     rng = np.random.default_rng(0)
