@@ -26,6 +26,7 @@ parameters may be split over ``fsdp`` only.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Callable
@@ -43,7 +44,7 @@ from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
 from hybridpar.partitioning import path_str
 from hybridpar.precision import Policy
 from hybridpar.state import TrainState
-from hybridpar.steps import apply_gradients, normalize, scaled_loss_fn
+from hybridpar.steps import XlaSync, make_train_step
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -337,6 +338,96 @@ def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES
     )
 
 
+class BucketedSync:
+    """``comm.mode=bucketed``: the gradient sync of ``steps.make_train_step`` done by us.
+
+    Each device computes its own slice's loss and gradients under ``jax.shard_map``; the
+    gradients are reduced in buckets (one ``psum``, or with FSDP one ``psum_scatter``, per
+    bucket), and FSDP-split parameters gathered in buckets before the forward pass. Same
+    ``gradients`` as ``steps.XlaSync``, so the step around it is the one plain step.
+
+    ``shardings``: the state's ``NamedSharding`` tree (None: all replicated). The model
+    passed to ``gradients`` may be the one built for ``comm.mode=xla`` (any
+    ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync`` inside shard_map.
+    """
+
+    def __init__(self, mesh, bucket_mb: float, bn_sync: str = "global", shardings=None):
+        self.dp = _check_mesh(mesh)
+        if not bucket_mb > 0:
+            raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
+        self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
+        self.axes = active_axes(mesh)
+        bn_axis_index_groups_for(bn_sync, self.dp)  # a bad bn_sync fails here, not in jit
+        self.param_specs, self.stats_specs = P(), P()
+        self.param_dims, self.stats_dims = {}, {}
+        fsdp = mesh.shape.get("fsdp", 1) > 1  # a spec naming fsdp of size 1 splits nothing
+        if shardings is not None:
+            self.param_specs, self.stats_specs = (
+                jax.tree.map(lambda s: s.spec, tree, is_leaf=_is_spec)
+                for tree in (shardings.params, shardings.batch_stats)
+            )
+            # fsdp_dims also refuses a parameter split over another axis, fsdp or not.
+            dims = fsdp_dims(self.param_specs), fsdp_dims(self.stats_specs)
+            if fsdp:
+                self.param_dims, self.stats_dims = dims
+        self._local: dict[int, object] = {}
+        self._plans: dict[tuple, list] = {}
+
+    def local_model(self, model):
+        """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
+        if id(model) not in self._local:
+            self._local[id(model)] = bucketed_model(model, self.bn_sync, self.dp, self.axes)
+        return self._local[id(model)]
+
+    def plan_for(self, model, image_shape) -> list[list[Path]]:
+        """The buckets (parameter paths, forward order) for images of ``image_shape``."""
+        key = (id(model), tuple(image_shape))
+        if key not in self._plans:
+            local = self.local_model(model)
+            self._plans[key] = bucket_plan(forward_params(local, (1, *key[1])), self.bucket_mb)
+        return self._plans[key]
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        local, axes, dp = self.local_model(model), self.axes, self.dp
+        param_dims, stats_dims = self.param_dims, self.stats_dims
+
+        def per_device(params, batch_stats, scale, images, labels):
+            plan = self.plan_for(model, images.shape[1:])
+            if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
+                batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
+            if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
+                params = gather_in_buckets(params, plan, param_dims)
+            params = jax.tree.map(lambda p: _to_varying(p, axes), params)
+
+            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
+            grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
+            # Loss and BN running averages (per device for local/group statistics): one
+            # psum, first, as they are ready when the forward pass ends; then the buckets.
+            flat, treedef = jax.tree.flatten((loss, new_stats))
+            flat = _flat_pmean(flat, axes, dp)
+            loss, new_stats = jax.tree.unflatten(treedef, flat)
+            grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0], shard_dims=param_dims)
+            return grads, loss, new_stats
+
+        # Gradients come out split like the parameters; the BatchNorm statistics come out
+        # whole, and jit's out_shardings keep each device's slice (no communication).
+        sharded = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
+            out_specs=(self.param_specs, P(), P()),
+        )
+        return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
+
+
+def make_sync(config, mesh, shardings):
+    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name)."""
+    if config.comm.mode == "bucketed":
+        c = config.comm
+        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings)
+    return XlaSync()
+
+
 def make_bucketed_train_step(
     model,
     tx,
@@ -351,84 +442,23 @@ def make_bucketed_train_step(
     bn_sync: str = "global",
     shardings=None,
 ):
-    """``train_step(state, batch) -> (state, metrics)``, like ``steps.make_train_step``.
-
-    Jit it with ``steps.jit_train_step`` and the same state ``shardings`` (a ``TrainState``
-    of ``NamedSharding``s; None: all replicated). Parameters split over ``fsdp`` are
-    gathered and reduce-scattered in buckets. ``model`` may be the one built for
-    ``comm.mode=xla`` (any ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync``
-    inside shard_map.
-    """
-    dp = _check_mesh(mesh)
-    if not bucket_mb > 0:
-        raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
-    axes = active_axes(mesh)
-    local_model = bucketed_model(model, bn_sync, dp, axes)
-    plans: dict[tuple, list] = {}
-    fsdp = mesh.shape.get("fsdp", 1) > 1  # a spec naming fsdp of size 1 splits nothing
-    param_specs, stats_specs = P(), P()
-    param_dims, stats_dims = {}, {}
-    if shardings is not None:
-        param_specs, stats_specs = (
-            jax.tree.map(lambda s: s.spec, tree, is_leaf=_is_spec)
-            for tree in (shardings.params, shardings.batch_stats)
-        )
-        param_dims, stats_dims = fsdp_dims(param_specs), fsdp_dims(stats_specs)
-        if not fsdp:
-            param_dims, stats_dims = {}, {}
-
-    def plan_for(image_shape) -> list[list[Path]]:
-        key = tuple(image_shape)
-        if key not in plans:
-            plans[key] = bucket_plan(forward_params(local_model, (1, *key)), bucket_mb)
-        return plans[key]
-
-    def per_device(params, batch_stats, scale, images, labels):
-        plan = plan_for(images.shape[1:])
-        if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
-            batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
-        if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
-            params = gather_in_buckets(params, plan, param_dims)
-        params = jax.tree.map(lambda p: _to_varying(p, axes), params)
-
-        loss_fn = scaled_loss_fn(
-            local_model, batch_stats, images, labels, scale, label_smoothing, policy=policy
-        )
-        grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
-        # Loss and BN running averages (per device for local/group statistics): one psum,
-        # first, as they are ready when the forward pass ends; then the gradient buckets.
-        flat, treedef = jax.tree.flatten((loss, new_stats))
-        flat = _flat_pmean(flat, axes, dp)
-        loss, new_stats = jax.tree.unflatten(treedef, flat)
-        grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0], shard_dims=param_dims)
-        return grads, loss, new_stats
-
-    # Gradients come out split like the parameters; the BatchNorm statistics come out
-    # whole, and jit's out_shardings keep each device's slice (no communication).
-    sharded = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(param_specs, stats_specs, P(), P(axes), P(axes)),
-        out_specs=(param_specs, P(), P()),
-    )
-
-    def train_step(state: TrainState, batch):
-        images = normalize(batch["image"], mean, std, policy.compute_dtype)
-        grads, loss, batch_stats = sharded(
-            state.params, state.batch_stats, state.loss_scale.scale, images, batch["label"]
-        )
-        return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
-
-    train_step.plan_for = plan_for  # the buckets the step uses, for reports and tests
-    return train_step
+    """``steps.make_train_step`` with a ``BucketedSync``; ``train_step.plan_for(image_shape)``
+    gives the buckets it uses (for reports and tests)."""
+    sync = BucketedSync(mesh, bucket_mb, bn_sync, shardings)
+    step = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
+                           label_smoothing=label_smoothing, sync=sync)  # fmt: skip
+    step.plan_for = functools.partial(sync.plan_for, model)
+    return step
 
 
 __all__ = [
+    "BucketedSync",
     "bucket_plan",
     "bucketed_model",
     "forward_params",
     "fsdp_dims",
     "gather_in_buckets",
     "make_bucketed_train_step",
+    "make_sync",
     "reduce_in_buckets",
 ]

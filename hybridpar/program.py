@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from hybridpar import partitioning
-from hybridpar.bucketed import make_bucketed_train_step
+from hybridpar.bucketed import make_sync
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size
@@ -26,17 +26,22 @@ from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
 from hybridpar.sharded_head import make_head
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from hybridpar.steps import (
+    DenseHead,
+    jit_eval_step,
+    jit_train_step,
+    make_eval_step,
+    make_train_step,
+)
 
 
 def rules_from_config(c, mesh, head=None) -> partitioning.Rules:
-    """The config's own rules first, then the sharded head's (if any), then the preset's."""
+    """The config's own rules first, then the head's (a sharded head's kernel must sit where
+    its shard_map computes; the dense head has none), then the preset's."""
     own = partitioning.Rules(
         path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
     )
-    if head is not None:  # the head's kernel must sit where its shard_map computes
-        own = own + head.rules()
-    rules = own + partitioning.preset_rules(c.preset, mesh)
+    rules = own + (head or DenseHead()).rules() + partitioning.preset_rules(c.preset, mesh)
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
     return rules
@@ -73,7 +78,7 @@ class Program:
     tx: Any
     schedule: Callable  # step -> learning rate (over the run's stages)
     plan: StagePlan
-    head: Any  # None: the model's own dense head; else a ShardedHead
+    head: Any  # steps.DenseHead (the model's own classifier) or a ShardedHead
     init: Callable  # rng -> boxed TrainState
     abstract: Any  # boxed abstract TrainState (logical names kept, for the placement table)
     shardings: Any  # NamedSharding tree of the (unboxed) TrainState
@@ -130,24 +135,16 @@ class Program:
 
     def _train_step_fn(self):
         c = self.config
-        common = dict(
-            mean=tuple(c.data.mean), std=tuple(c.data.std), label_smoothing=c.label_smoothing
-        )
-        if c.comm.mode == "bucketed":  # our own fused, ordered gradient all-reduces
-            return make_bucketed_train_step(
-                self.model,
-                self.tx,
-                self.policy,
-                self.schedule,
-                mesh=self.mesh,
-                bucket_mb=c.comm.bucket_mb,
-                bn_sync=c.model.bn_sync,
-                shardings=self.shardings,
-                **common,
-            )
-        # "xla": XLA inserts and combines the collectives
         return make_train_step(
-            self.model, self.tx, self.policy, self.schedule, head=self.head, **common
+            self.model,
+            self.tx,
+            self.policy,
+            self.schedule,
+            mean=tuple(c.data.mean),
+            std=tuple(c.data.std),
+            label_smoothing=c.label_smoothing,
+            head=self.head,
+            sync=make_sync(c, self.mesh, self.shardings),
         )
 
     def lower_train(self, global_batch: int, image_size: int | None = None):
@@ -191,7 +188,7 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
     if plan is None:
         stages = stages_from_config(config, data_parallel_size(mesh))
         plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
-    head = make_head(config, mesh)  # None for model.head=dense
+    head = make_head(config, mesh) or DenseHead()  # make_head: None for model.head=dense
     rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision
     policy = make_policy(p.compute, p.params, p.output)

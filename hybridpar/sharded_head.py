@@ -155,6 +155,28 @@ class ShardedHead:
         split over fewer axes (the input's data x fsdp), each device just keeps its part."""
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(self.batch_axes)))
 
+    def apply(
+        self, model, variables, images, labels, *, train, label_smoothing=0.0, topk=(), policy=None
+    ):
+        """As ``steps.DenseHead.apply``: the model's trunk (its features), then this head on
+        ``params["head"]``. ``policy`` is unused: the matmul runs in the features' dtype
+        and the softmax in float32."""
+        del policy
+        x = self.split_batch(images)
+        if train:
+            features, new_vars = model.apply(
+                variables, x, train=True, mutable=["batch_stats"], return_features=True
+            )
+        else:
+            features, new_vars = model.apply(variables, x, train=False, return_features=True), {}
+        head = variables["params"]["head"]
+        classes = head["kernel"].shape[-1]
+        ks = {k: min(k, classes) for k in topk}  # fewer classes than k: every class is a hit
+        topk = tuple(sorted(set(ks.values())))
+        out = self(features, head, labels, label_smoothing=label_smoothing, topk=topk)
+        hits = {f"top{k}": out[f"top{v}"] for k, v in ks.items()}
+        return {"loss": out["loss"], **hits}, new_vars
+
     def __call__(self, features, params, labels, *, label_smoothing: float = 0.0, topk=()):
         """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example.
 

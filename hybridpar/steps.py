@@ -15,9 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from hybridpar.partitioning import batch_sharding, replicated
+from hybridpar.partitioning import Rules, batch_sharding, replicated
 from hybridpar.precision import Policy, all_finite
-from hybridpar.sharded_head import ShardedHead
 from hybridpar.state import TrainState
 
 
@@ -42,28 +41,63 @@ def logits_in(policy: Policy | None, logits):
     return logits if policy is None else logits.astype(policy.output_dtype)
 
 
+class DenseHead:
+    """The model's own classifier: the logits are an activation like any other, placed by
+    XLA. The other heads (``sharded_head.ShardedHead``) have the same ``apply`` and
+    ``rules``."""
+
+    def rules(self) -> Rules:
+        """No placement of its own: the partitioning rules place the head like any layer."""
+        return Rules()
+
+    def apply(
+        self, model, variables, images, labels, *, train, label_smoothing=0.0, topk=(), policy=None
+    ):
+        """``({"loss": (B,), "top{k}": (B,) bool for k in topk}, new model variables)``."""
+        if train:
+            logits, new_vars = model.apply(variables, images, train=True, mutable=["batch_stats"])
+        else:
+            logits, new_vars = model.apply(variables, images, train=False), {}
+        logits = logits_in(policy, logits).astype(jnp.float32)
+        out = {"loss": cross_entropy(logits, labels, label_smoothing)}
+        if topk:
+            _, top = jax.lax.top_k(logits, min(max(topk), logits.shape[-1]))
+            out.update({f"top{k}": jnp.any(top[:, :k] == labels[:, None], axis=-1) for k in topk})
+        return out, new_vars
+
+
+class XlaSync:
+    """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
+    (and combines them as its flags allow; ``comm.mode=xla``). ``bucketed.BucketedSync`` is
+    the other choice, with the same ``gradients``."""
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
+        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        return grads, loss, batch_stats
+
+
 def scaled_loss_fn(
     model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None
 ):
     """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
     the forward pass in train mode and the mean cross-entropy, shared by every train step.
-    ``head`` as in ``make_train_step``; ``policy`` sets the logits' dtype."""
+    ``head``: a ``DenseHead`` (default) or ``ShardedHead``; ``policy`` sets the logits'
+    dtype."""
+    head = head or DenseHead()
 
     def loss_fn(params):
         variables = {"params": params, "batch_stats": batch_stats}
-        if head is None:
-            logits, new_vars = model.apply(variables, images, train=True, mutable=["batch_stats"])
-            loss = cross_entropy(logits_in(policy, logits), labels, label_smoothing).mean()
-        else:
-            features, new_vars = model.apply(
-                variables,
-                head.split_batch(images),
-                train=True,
-                mutable=["batch_stats"],
-                return_features=True,
-            )
-            out = head(features, params["head"], labels, label_smoothing=label_smoothing)
-            loss = out["loss"].mean()
+        out, new_vars = head.apply(
+            model,
+            variables,
+            images,
+            labels,
+            train=True,
+            label_smoothing=label_smoothing,
+            policy=policy,
+        )
+        loss = out["loss"].mean()
         return loss * scale, (loss, new_vars["batch_stats"])
 
     return loss_fn
@@ -78,29 +112,25 @@ def make_train_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head: ShardedHead | None = None,
+    head=None,
+    sync=None,
 ):
-    """``train_step(state, batch) -> (state, metrics)``.
+    """``train_step(state, batch) -> (state, metrics)``, with its choices passed in:
 
-    ``head``: None runs the model's own classifier (XLA places the logits); a
-    ``ShardedHead`` (``model.head``: sharded, partial_fc) takes the model's features and
-    applies ``params["head"]`` class-sharded, never gathering the logits.
+    ``head``: ``DenseHead()`` (default: the model's own classifier) or a ``ShardedHead``
+    (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
+    ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
+    ``bucketed.BucketedSync`` (``comm.mode=bucketed``).
     """
+    sync = sync or XlaSync()
+
+    def loss_fn_for(m, batch_stats, images, labels, scale):
+        return scaled_loss_fn(m, batch_stats, images, labels, scale, label_smoothing, head, policy)
 
     def train_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
-        loss_fn = scaled_loss_fn(
-            model,
-            state.batch_stats,
-            images,
-            labels,
-            state.loss_scale.scale,
-            label_smoothing,
-            head,
-            policy,
-        )
-        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        grads, loss, batch_stats = sync.gradients(model, state, images, labels, loss_fn_for)
         return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
 
     return train_step
@@ -137,37 +167,31 @@ def make_eval_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head: ShardedHead | None = None,
+    head=None,
 ):
     """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples.
 
     ``head`` as in ``make_train_step``."""
+    head = head or DenseHead()
 
     def eval_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         variables = {"params": state.params, "batch_stats": state.batch_stats}
         labels, mask = batch["label"], batch["mask"].astype(jnp.float32)
-        if head is None:
-            logits = logits_in(policy, model.apply(variables, images, train=False))
-            logits = logits.astype(jnp.float32)
-            loss = cross_entropy(logits, labels, label_smoothing)
-            k = min(5, logits.shape[-1])
-            _, top = jax.lax.top_k(logits, k)
-            hit5 = jnp.any(top == labels[:, None], axis=-1)
-            hit1 = top[:, 0] == labels
-        else:
-            features = model.apply(
-                variables, head.split_batch(images), train=False, return_features=True
-            )
-            k = min(5, state.params["head"]["kernel"].shape[-1])
-            out = head(
-                features, state.params["head"], labels, label_smoothing=label_smoothing, topk=(1, k)
-            )
-            loss, hit1, hit5 = out["loss"], out["top1"], out[f"top{k}"]
+        out, _ = head.apply(
+            model,
+            variables,
+            images,
+            labels,
+            train=False,
+            label_smoothing=label_smoothing,
+            topk=(1, 5),
+            policy=policy,
+        )
         return {
-            "loss_sum": jnp.sum(loss * mask),
-            "top1_sum": jnp.sum(hit1 * mask),
-            "top5_sum": jnp.sum(hit5 * mask),
+            "loss_sum": jnp.sum(out["loss"] * mask),
+            "top1_sum": jnp.sum(out["top1"] * mask),
+            "top5_sum": jnp.sum(out["top5"] * mask),
             "count": jnp.sum(mask),
         }
 
