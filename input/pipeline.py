@@ -114,6 +114,7 @@ class ImagePipeline:
         self.num_examples = int(self.info["num_examples"])
         self.skipped = len(self.info.get("skipped", []))
         self.converted = len(self.info.get("converted", []))
+        self.rotated = int(self.info.get("rotated", 0))
 
         copies = self.info.get("copies") or {}
         if not copies:
@@ -136,7 +137,7 @@ class ImagePipeline:
             raise ConfigError(
                 f"split {split!r} in {prepared_dir!r} has {len(ref)} shard files but there are "
                 f"{self.process_count} processes; every process needs at least one file: "
-                "prepare it again with more shards (--shards)"
+                "prepare it again into a new --out with a smaller --examples-per-shard"
             )
         self.host_counts = [sum(ref[p :: self.process_count]) for p in range(self.process_count)]
 
