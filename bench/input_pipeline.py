@@ -12,8 +12,14 @@ Data: ``$HYBRIDPAR_DATA/imagenet-sample/train.tar`` (1,000 real ImageNet photos,
 * ``pil``: the reference a user would write: decode the whole image with PIL, random-resized
   crop, resize (bilinear), flip, in a multiprocessing pool of the same number of processes.
 
-Loaders run interleaved, median of repeats. The last line starts with the best ratio at
-128 px (ours / PIL).
+* ``bare``: the decoder's own limit: ``decode_and_crop_jpeg`` (full scale) + bilinear resize
+  of the same kind of random crops, one thread, no tf.data (one graph loop over the encoded
+  bytes, in a spawned process with TF's thread pools at 1): what one core can do at most
+  without reduced-scale decoding. Per core, ``tfdata/full`` is compared with it.
+
+Loaders run interleaved, median of repeats. The last line starts with the ratios: the full
+copy per core vs PIL per core at 128 px (target >= 2) and vs the bare decoder at 224 px
+(target >= 0.9), then the best ratios over both copies.
 """
 
 from __future__ import annotations
@@ -71,6 +77,54 @@ def time_pil(pool, paths, size, n, epoch):
     for _ in pool.imap_unordered(pil_sample, jobs, chunksize=16):
         pass
     return n / (time.perf_counter() - t0)
+
+
+def bare_worker(args):
+    """Images/s of the bare decoder at each size, one thread (runs in a spawned process)."""
+    prepared, sizes, repeats = args
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow as tf
+
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    from hybridpar.input import transforms as T
+    from hybridpar.input.pipeline import ImagePipeline
+
+    pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
+    recs = list(pipe._records("full", ordered=True, cache=False).as_numpy_iterator())
+    data = tf.constant([r["image"] for r in recs])
+    ids = tf.range(len(recs), dtype=tf.int64)
+
+    @tf.function
+    def windows():  # the train transform's random-resized crops, drawn outside the timing
+        def one(x):
+            shape = tf.image.extract_jpeg_shape(x[0])
+            seed = tf.stack([tf.constant(7, tf.int64), x[1]])
+            return tf.stack(T._random_window(shape, seed, 0.08, 1.0, (3 / 4, 4 / 3)))
+
+        return tf.map_fn(one, (data, ids), fn_output_signature=tf.int32)
+
+    win = windows()
+    rates = {}
+    for size in sizes:
+
+        @tf.function
+        def bare(size=size):
+            def one(x):
+                image = tf.image.decode_and_crop_jpeg(x[0], x[1], channels=3)
+                return T._resize_uint8(image, size)
+
+            spec = tf.TensorSpec([size, size, 3], tf.uint8)
+            return tf.map_fn(one, (data, win), fn_output_signature=spec, parallel_iterations=1)
+
+        bare()
+        runs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            bare()
+            runs.append(len(recs) / (time.perf_counter() - t0))
+        rates[size] = statistics.median(runs)
+    return rates
 
 
 def time_tfdata(pipe, size, n, copy, batch=50):
@@ -145,6 +199,9 @@ def main():
                     rate = time_tfdata(pipe, s, args.images, copy)
                 rates[(s, name)].append(rate)
 
+        # The bare decoder last, in its own process, while the pool's workers sit idle.
+        bare = pool.apply(bare_worker, ((str(tmp / "prepared"), (128, 224), args.repeats),))
+
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(
         f"{'size':>4}  {'loader':<15} {'copy':<6} {'img/s':>8} {'img/s/core':>10} "
@@ -157,6 +214,14 @@ def main():
             f"{s:>4}  {name:<15} {copy:<6} {med[(s, name)]:>8.0f} {per_core:>10.0f} "
             f"{med[(s, name)] / med[(s, 'pil')]:>6.2f} {GPU_RATE[s] / per_core:>9.0f}"
         )
+    for s in (128, 224):
+        print(
+            f"{s:>4}  {'bare decoder':<15} {'full':<6} {bare[s]:>8.0f} {bare[s]:>10.0f} "
+            f"{bare[s] / (med[(s, 'pil')] / args.workers):>6.2f} {GPU_RATE[s] / bare[s]:>9.0f}"
+            "   (one thread)"
+        )
+    full_vs_pil_128 = med[(128, "tfdata/full")] / med[(128, "pil")]  # same cores: per core too
+    full_vs_bare_224 = med[(224, "tfdata/full")] / args.workers / bare[224]
     best128 = max(med[(128, n)] for n in ("tfdata/full", "tfdata/reduced")) / med[(128, "pil")]
     best224 = max(med[(224, n)] for n in ("tfdata/full", "tfdata/reduced")) / med[(224, "pil")]
     print(
@@ -164,11 +229,13 @@ def main():
         f"{GPU_RATE[128]} at 128 px, ResNet-50 on an H200 as in MLPerf; not measured here)"
     )
     print(
+        f"full_vs_pil_128={full_vs_pil_128:.2f} full_per_core_vs_bare_224={full_vs_bare_224:.2f} "
         f"best_ratio_128={best128:.2f} best_ratio_224={best224:.2f} "
         f"tfdata_reduced_128={med[(128, 'tfdata/reduced')]:.0f} "
         f"tfdata_full_128={med[(128, 'tfdata/full')]:.0f} pil_128={med[(128, 'pil')]:.0f} "
         f"tfdata_reduced_224={med[(224, 'tfdata/reduced')]:.0f} "
         f"tfdata_full_224={med[(224, 'tfdata/full')]:.0f} pil_224={med[(224, 'pil')]:.0f} "
+        f"bare_decode_128={bare[128]:.0f} bare_decode_224={bare[224]:.0f} "
         f"workers={args.workers} images={args.images} repeats={args.repeats}"
     )
 

@@ -92,6 +92,11 @@ def base_config() -> ml_collections.ConfigDict:
             tfds_manual_dir="",
             train_split="train",
             eval_split="test",
+            # images: the class list (comma-separated names or a file, one name a line);
+            # empty: the train split's class folders. Every split is labelled by this list.
+            classes="",
+            # images: let a train class have no usable example (else an error naming it).
+            allow_empty_classes=False,
             # Train transform: random-resized crop (fused into JPEG decoding) and flip.
             min_scale=0.08,
             # Eval transform: centre crop of this fraction of the shorter side, resized.

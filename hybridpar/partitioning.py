@@ -252,8 +252,24 @@ def shard_batch(batch, mesh: Mesh):
     """Host-local numpy arrays -> global ``jax.Array``s split over the data axes.
 
     Each process passes its own slice of the global batch (all processes the same size);
-    the global batch is the concatenation in process order. Works on any pytree of arrays.
+    the global batch is the concatenation in process order. Works on any pytree of arrays,
+    all of whose leaves must hold the same number of examples (leading dimension): an image
+    batch and a label batch of different lengths would otherwise pair the wrong examples, or
+    train on padding, without an error.
     """
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    lengths = {}
+    for path, x in leaves:
+        shape = np.shape(x)
+        lengths[path_str(path)] = shape[0] if shape else None
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(
+            f"{name!r}: {'a scalar' if n is None else n}" for name, n in lengths.items()
+        )
+        raise ConfigError(
+            f"batch leaves have different leading (example) dimensions on this host ({listed}); "
+            "every leaf of a batch must hold the same examples, e.g. one label per image"
+        )
 
     def one(path, x):
         x = np.asarray(x)

@@ -168,16 +168,40 @@ def _pipeline(c, pi, pc, shape) -> Data:
 
     info = {
         "source": d.source or d.tfds_name,
+        "train_split": d.train_split,
+        "eval_split": d.eval_split,
         "train_examples": train.num_examples,
         "eval_examples": test.num_examples,
-        "skipped": train.skipped + test.skipped,
-        "converted": train.converted + test.converted,
+        "num_classes": train.num_classes,
     }
-    return Data(train_batches, eval_batches, spe, test.num_examples, shape, info, train.steps_per_epoch)
+    info.update(split_counts({d.train_split: train, d.eval_split: test}))
+    return Data(
+        train_batches, eval_batches, spe, test.num_examples, shape, info, train.steps_per_epoch
+    )
+
+
+def split_counts(pipes: dict) -> dict:
+    """The ``data`` event's counts: per split (each split once, also when the eval split is
+    the train split), and ``skipped`` / ``converted`` / ``rotated`` totals over those."""
+    splits = {}
+    for name, pipe in pipes.items():
+        info = getattr(pipe, "info", {}) or {}
+        splits[name] = {
+            "examples": pipe.num_examples,
+            "skipped": pipe.skipped,
+            "converted": pipe.converted,
+            "rotated": pipe.rotated,
+            "empty_folders": list(info.get("empty_folders", [])),
+            "classes_without_examples": sorted(info.get("classes_without_examples", {})),
+        }
+    totals = {k: sum(s[k] for s in splits.values()) for k in ("skipped", "converted", "rotated")}
+    return totals | {"splits": splits}
 
 
 def _ensure_prepared(d) -> str:
-    """The prepared directory, preparing the sources first if they are not yet."""
+    """The prepared directory, preparing the sources first if they are not yet, or again if
+    they changed since; with only ``prepared_dir``, a changed source is an error."""
+    from hybridpar.input import prepare as prep
     from hybridpar.input import records
 
     sources = [s.strip() for s in d.source.split(",") if s.strip()]
@@ -187,16 +211,77 @@ def _ensure_prepared(d) -> str:
             "data.name=images needs data.source (tars or folders in SPLIT/CLASS/FILE layout) "
             "or data.prepared_dir (the output of `python -m hybridpar.input.prepare`)"
         )
-    have = set()
+    wanted = [d.train_split] + ([d.eval_split] if d.eval_split != d.train_split else [])
+    manifest = None
     if os.path.isfile(os.path.join(prepared, records.MANIFEST)):
-        have = set(records.load_manifest(prepared)["splits"])
-    if sources and not {d.train_split, d.eval_split} <= have:
-        from hybridpar.input.prepare import prepare
-
-        copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
-        print(
-            f"preparing {', '.join(sources)} into {prepared} (once; later runs reuse it)",
-            flush=True,
-        )
-        prepare(sources, prepared, copies=copies, quality=d.reduced_quality)
+        try:
+            manifest = records.load_manifest(prepared)
+        except ConfigError:
+            if not sources:
+                raise
+    if sources:
+        classes = prep.parse_classes(d.classes)
+        stale = _stale(manifest, wanted, sources) if manifest else "not prepared yet"
+        if not stale and classes is not None and manifest.get("classes") != classes:
+            stale = "data.classes differs from the prepared class list"
+        if stale:
+            copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
+            print(
+                f"preparing {', '.join(sources)} into {prepared} ({stale}; later runs reuse it)",
+                flush=True,
+            )
+            manifest = prep.prepare(
+                sources,
+                prepared,
+                copies=copies,
+                quality=d.reduced_quality,
+                train_split=d.train_split,
+                classes=classes,
+                allow_empty_classes=d.allow_empty_classes,
+            )
+    elif manifest:
+        for split in wanted:
+            entry = manifest["splits"].get(split) or {}
+            fp = entry.get("fingerprint")
+            if fp and os.path.exists(fp["path"]):  # a moved or remote source cannot be checked
+                change = prep.describe_change(fp, prep.source_fingerprint(fp))
+                if change:
+                    raise ConfigError(
+                        f"split {split!r} in data.prepared_dir={prepared!r} is out of date: "
+                        f"{change} since it was prepared; set data.source={entry['source']!r} "
+                        "to prepare it again (or run `python -m hybridpar.input.prepare`)"
+                    )
+    if manifest and sources:
+        have = sorted(manifest["splits"])
+        for key, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
+            if split not in manifest["splits"]:
+                raise ConfigError(
+                    f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has "
+                    f"{have}): set --config.data.{key} to one of those, or add a folder "
+                    f"{split}/CLASS/FILE to the source"
+                )
     return prepared
+
+
+def _stale(manifest: dict, splits: list[str], sources: list[str]) -> str:
+    """Why the prepared copy cannot serve ``splits`` of ``sources`` as they are now ('' if
+    it can): a split missing, prepared from elsewhere, or a source changed since."""
+    from hybridpar.input import prepare as prep
+
+    have = manifest["splits"]
+    missing = [s for s in splits if s not in have]
+    if missing:
+        return f"split(s) {missing} not prepared yet"
+    paths = {os.path.abspath(s) for s in sources}
+    for split in splits:
+        entry = have[split]
+        fp = entry.get("fingerprint")
+        if entry.get("source") not in paths or not fp:
+            return f"split {split!r} was prepared from {entry.get('source')!r}"
+        try:
+            change = prep.describe_change(fp, prep.source_fingerprint(fp))
+        except ConfigError as e:
+            return f"its source cannot be checked ({e})"
+        if change:
+            return f"split {split!r} is out of date: {change}"
+    return ""

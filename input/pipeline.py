@@ -103,6 +103,7 @@ class ImagePipeline:
         self.num_classes = len(self.classes)
         self.host_examples = self.host_counts[self.process_index]
         self._caches: dict[tuple[str, str], tf.data.Dataset] = {}
+        self._fns: dict[tuple, object] = {}  # traced transforms, reused by every epoch
 
     # ---- layout ------------------------------------------------------------------------
 
@@ -114,6 +115,7 @@ class ImagePipeline:
         self.num_examples = int(self.info["num_examples"])
         self.skipped = len(self.info.get("skipped", []))
         self.converted = len(self.info.get("converted", []))
+        self.rotated = int(self.info.get("rotated", 0))
 
         copies = self.info.get("copies") or {}
         if not copies:
@@ -136,7 +138,7 @@ class ImagePipeline:
             raise ConfigError(
                 f"split {split!r} in {prepared_dir!r} has {len(ref)} shard files but there are "
                 f"{self.process_count} processes; every process needs at least one file: "
-                "prepare it again with more shards (--shards)"
+                "prepare it again into a new --out with a smaller --examples-per-shard"
             )
         self.host_counts = [sum(ref[p :: self.process_count]) for p in range(self.process_count)]
 
@@ -263,16 +265,28 @@ class ImagePipeline:
             ds = ds.filter(lambda pos, ex: pos < end)
         else:
             ds = ds.take(end - begin)
-        image_size, min_scale = int(image_size), float(min_scale)
+        crop = self._train_fn(int(image_size), float(min_scale))
+        key = tf.constant(augment_key, tf.int64)
 
         def transform(pos, ex):
-            seed = tf.stack([tf.constant(augment_key, tf.int64), pos])
-            image = train_transform(ex["image"], seed, image_size, min_scale=min_scale)
-            return {"image": image, "label": ex["label"]}
+            return {"image": crop(ex["image"], tf.stack([key, pos])), "label": ex["label"]}
 
         ds = ds.map(transform, num_parallel_calls=AUTOTUNE, deterministic=True)
         ds = ds.batch(per, drop_remainder=True)
         return ds.prefetch(AUTOTUNE).with_options(self._options())
+
+    def _train_fn(self, image_size: int, min_scale: float):
+        """The train transform as a ``tf.function`` traced once per (size, scale) and kept:
+        tracing it (four DCT-scale branches) took longer than decoding a 1,000-image epoch's
+        first batches, and every epoch and stage used to trace it again."""
+        key = ("train", image_size, min_scale)
+        if key not in self._fns:
+            spec = (tf.TensorSpec([], tf.string), tf.TensorSpec([2], tf.int64))
+            self._fns[key] = tf.function(
+                lambda data, seed: train_transform(data, seed, image_size, min_scale=min_scale),
+                input_signature=spec,
+            )
+        return self._fns[key]
 
     def train_batches(self, epoch: int, **kwargs) -> Iterator[dict]:
         """Host-local batches ``start_step..steps_per_epoch-1`` of ``epoch``:

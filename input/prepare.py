@@ -12,24 +12,37 @@ same command reuses finished shards, and an interrupted run never leaves a half 
 from __future__ import annotations
 
 import argparse
+import collections
+import hashlib
 import io
 import json
+import lzma
 import math
 import multiprocessing
 import os
 import posixpath
 import shutil
+import stat
 import sys
 import tarfile
 import tempfile
 import time
 import warnings
+import zlib
 
 from hybridpar.errors import ConfigError
-from hybridpar.input.records import FORMAT, MANIFEST, copy_name, encode_example, load_manifest
+from hybridpar.input.records import (
+    FORMAT,
+    MANIFEST,
+    OLD_FORMATS,
+    copy_name,
+    encode_example,
+    load_manifest,
+)
 
 # Decided by content, not name; the name only tells images from junk such as README.txt.
 IMAGE_EXTS = {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+ROTATED = "EXIF orientation"  # converted reasons that start so count as rotated
 MAX_PIXELS = 200_000_000  # above this an image is more likely a decompression bomb than a photo
 FULL_QUALITY = 95  # for full-copy images that had to be re-encoded: keep them near-lossless
 LAYOUT = (
@@ -41,48 +54,180 @@ LAYOUT = (
 # ---- listing sources ------------------------------------------------------------------------
 
 
+def _hidden(name: str) -> bool:
+    return name.startswith(".") or name == "__MACOSX"
+
+
 def _wanted(parts: list[str], depth: int) -> bool:
-    if len(parts) != depth or any(p.startswith(".") or p == "__MACOSX" for p in parts):
+    if len(parts) != depth or any(_hidden(p) for p in parts):
         return False
     return os.path.splitext(parts[-1])[1].lower() in IMAGE_EXTS
 
 
-def _list_tar(path: str, depth: int, staging_dir: str, staging: list) -> list:
-    """Regular members as (parts, file, offset, size), read once here so workers can seek.
+def _digest(lines) -> str:
+    h = hashlib.sha1()
+    for line in lines:
+        h.update(line.encode("utf-8", "surrogateescape") + b"\n")
+    return h.hexdigest()[:16]
+
+
+def _tar_fingerprint(path: str) -> dict:
+    st = os.stat(path)
+    return {"kind": "tar", "path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _tar_error(path: str, what: str) -> ConfigError:
+    return ConfigError(
+        f"tar archive {path!r} is {what}; copy or download it again (or extract it and pass "
+        "the folder)"
+    )
+
+
+def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
+    """Regular members as (parts, file, offset, size), read once here so workers can seek,
+    and the class folders seen (as parts). A truncated or corrupt archive is a ConfigError.
 
     A compressed tar cannot be seeked cheaply, so it is streamed once into an uncompressed
     staging file in --out (removed at the end) and indexed there instead.
     """
+    size = os.path.getsize(path)
     try:
         tar, compressed = tarfile.open(path, "r:"), False
     except tarfile.ReadError:
         try:
             tar, compressed = tarfile.open(path, "r:*"), True
-        except (tarfile.ReadError, EOFError, OSError) as e:
-            raise ConfigError(f"source {path!r} is neither a folder nor a tar archive ({e})")
-    entries, out_file, data_file = [], None, path
+        except (tarfile.ReadError, EOFError, OSError, zlib.error, lzma.LZMAError):
+            raise ConfigError(
+                f"source {path!r} is neither a folder nor a tar archive (not a tar, nor a gzip, "
+                "bzip2 or xz compressed one); pass a tar or a folder in the SPLIT/CLASS/FILE "
+                "layout"
+            ) from None
+    entries, dirs, out_file, data_file = [], set(), None, path
     if compressed:
         data_file = os.path.join(staging_dir, f".staging-{len(staging)}-{os.path.basename(path)}")
         staging.append(data_file)
         out_file = open(data_file, "wb")
-    with tar:
-        while (m := tar.next()) is not None:
-            tar.members = []  # tarfile keeps every header otherwise: too much for 1.28M files
-            parts = [p for p in posixpath.normpath(m.name).split("/") if p not in ("", ".")]
-            if not m.isreg() or not _wanted(parts, depth):
+    after = "at its start"
+    try:
+        with tar:
+            while (m := tar.next()) is not None:
+                tar.members = []  # tarfile keeps every header otherwise: too much for 1.28M files
+                after = f"after member {m.name!r}"
+                parts = [p for p in posixpath.normpath(m.name).split("/") if p not in ("", ".")]
+                if m.isdir() and len(parts) == depth - 1 and not any(map(_hidden, parts)):
+                    dirs.add(tuple(parts))
+                if not m.isreg() or not _wanted(parts, depth):
+                    continue
+                if out_file is None:
+                    if m.offset_data + m.size > size:
+                        raise _tar_error(
+                            path,
+                            f"truncated: member {m.name!r} needs bytes up to "
+                            f"{m.offset_data + m.size:,} but the file has {size:,}",
+                        )
+                    entries.append((parts, data_file, m.offset_data, m.size))
+                else:
+                    entries.append((parts, data_file, out_file.tell(), m.size))
+                    shutil.copyfileobj(tar.extractfile(m), out_file)
+            end_at = tar.offset
+    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError) as e:
+        detail = " ".join(str(e).split())  # one line: the CLI prints one error line
+        raise _tar_error(path, f"truncated or corrupt {after} ({detail})") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read tar archive {path!r} ({e.strerror or e})") from None
+    finally:
+        if out_file is not None:
+            out_file.close()
+    if not compressed:
+        # tarfile takes a file that stops at a member boundary (or inside a header) for the
+        # end of the archive: a tar always ends with zero blocks, so look for them.
+        with open(path, "rb") as f:
+            f.seek(end_at)
+            tail = f.read(tarfile.BLOCKSIZE)
+        if len(tail) < tarfile.BLOCKSIZE or tail.count(0) != len(tail):
+            raise _tar_error(
+                path, f"truncated {after} (no end-of-archive marker at byte {end_at:,})"
+            )
+    return entries, dirs
+
+
+def _walk_split(root: str):
+    """One split folder: (files as (class, name, path, stat)), class folder names), sorted."""
+    try:
+        with os.scandir(root) as it:
+            classes = sorted(e.name for e in it if not _hidden(e.name) and e.is_dir())
+    except OSError as e:
+        raise ConfigError(f"cannot read source folder {root!r} ({e.strerror or e})") from None
+    files = []
+    for cls in classes:
+        folder = os.path.join(root, cls)
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError as e:
+            raise ConfigError(f"cannot read class folder {folder!r} ({e.strerror or e})") from None
+        for name in names:
+            if not _wanted([cls, name], 2):
                 continue
-            if out_file is None:
-                entries.append((parts, data_file, m.offset_data, m.size))
-            else:
-                entries.append((parts, data_file, out_file.tell(), m.size))
-                shutil.copyfileobj(tar.extractfile(m), out_file)
-    if out_file is not None:
-        out_file.close()
-    return entries
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                raise ConfigError(f"cannot read {path!r} ({e.strerror or e})") from None
+            if stat.S_ISREG(st.st_mode):
+                files.append((cls, name, path, st))
+    return files, classes
+
+
+def _folder_fingerprint(root: str, files) -> dict:
+    """Names, sizes and modification times of a split's files, with one digest per class so
+    that a change can be named (class added, files added, files changed)."""
+    per_class: dict[str, list] = {}
+    for cls, name, _, st in files:
+        per_class.setdefault(cls, []).append(f"{name}\t{st.st_size}\t{st.st_mtime_ns}")
+    classes = {c: [len(v), _digest(v)] for c, v in sorted(per_class.items())}
+    return {"kind": "folder", "path": root, "files": len(files), "classes": classes}
+
+
+def source_fingerprint(fingerprint: dict) -> dict:
+    """The fingerprint the same source (tar, or split folder) has now; ConfigError if gone."""
+    path = fingerprint["path"]
+    if fingerprint["kind"] == "tar":
+        return _tar_fingerprint(path)
+    return _folder_fingerprint(path, _walk_split(path)[0])
+
+
+def describe_change(old: dict | None, new: dict) -> str:
+    """What differs between two fingerprints of one split, in words ('' when nothing)."""
+    if old == new:
+        return ""
+    if not old or old.get("kind") != new["kind"] or old.get("path") != new["path"]:
+        return f"it now comes from {new['path']!r}"
+    if new["kind"] == "tar":
+        what = (
+            [f"size {old['size']:,} -> {new['size']:,} bytes"] if old["size"] != new["size"] else []
+        )
+        if old["mtime_ns"] != new["mtime_ns"]:
+            what.append("modification time changed")
+        return f"{new['path']!r} changed ({', '.join(what)})"
+    what = []
+    a, b = old["classes"], new["classes"]
+    for c in sorted(set(a) | set(b)):
+        if c not in a:
+            what.append(f"class {c!r} added ({b[c][0]} files)")
+        elif c not in b:
+            what.append(f"class {c!r} removed")
+        elif a[c][0] != b[c][0]:
+            what.append(f"class {c!r}: {a[c][0]} -> {b[c][0]} files")
+        elif a[c] != b[c]:
+            what.append(f"class {c!r}: files changed (names, sizes or times)")
+    shown = "; ".join(what[:5]) + (f"; and {len(what) - 5} more" if len(what) > 5 else "")
+    return f"{new['path']!r} changed ({shown})"
 
 
 def list_source(source: str, split: str | None = None, staging_dir=None, staging=None):
-    """``{split: [(name, class, file, offset, size), ...]}``, each list sorted by name.
+    """``{split: listing}``, ``listing`` a dict of ``files`` (``[(name, class, file, offset,
+    size), ...]`` sorted by name), ``class_dirs`` (every class folder, empty ones too) and
+    ``fingerprint`` (what ``describe_change`` compares).
 
     ``name`` is the path relative to the split folder; ``size`` -1 means the whole file.
     With ``split``, the source itself is one split (CLASS/FILE). A compressed tar is
@@ -92,28 +237,50 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
     source = os.path.abspath(source)
     if not os.path.exists(source):
         raise ConfigError(f"source {source!r} does not exist")
-    depth = 2 if split else 3
+    splits: dict[str, dict] = {}
     if os.path.isdir(source):
-        entries = []
-        for root, dirs, files in os.walk(source, followlinks=True):
-            rel = os.path.relpath(root, source)
-            parts = [] if rel == "." else rel.split(os.sep)
-            deeper = len(parts) < depth - 1  # below class folders nothing is read
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".")) if deeper else []
-            if len(parts) == depth - 1:
-                entries += [(parts + [f], os.path.join(root, f), 0, -1) for f in files]
-        entries = [e for e in entries if _wanted(e[0], depth)]
+        if split:
+            roots = {split: source}
+        else:
+            try:
+                names = sorted(n for n in os.listdir(source) if not _hidden(n))
+            except OSError as e:
+                raise ConfigError(f"cannot read source {source!r} ({e.strerror or e})") from None
+            roots = {n: os.path.join(source, n) for n in names}
+            roots = {n: r for n, r in roots.items() if os.path.isdir(r)}
+        for name, root in roots.items():
+            files, classes = _walk_split(root)
+            if files:
+                splits[name] = {
+                    "files": [(f"{c}/{n}", c, p, 0, -1) for c, n, p, _ in files],
+                    "class_dirs": classes,
+                    "fingerprint": _folder_fingerprint(root, files),
+                }
     else:
         staging_dir = staging_dir or tempfile.gettempdir()
-        entries = _list_tar(source, depth, staging_dir, [] if staging is None else staging)
-    splits: dict[str, dict] = {}
-    for parts, file, offset, size in entries:
-        parts = [split, *parts] if split else parts
-        name = f"{parts[1]}/{parts[2]}"  # a name repeated in a tar: the later member wins
-        splits.setdefault(parts[0], {})[name] = (name, parts[1], file, offset, size)
+        entries, dirs = _list_tar(
+            source, 2 if split else 3, staging_dir, [] if staging is None else staging
+        )
+        fingerprint = _tar_fingerprint(source)
+        by_split: dict[str, dict] = {}
+        for parts, file, offset, size in entries:
+            parts = [split, *parts] if split else parts
+            name = f"{parts[1]}/{parts[2]}"  # a name repeated in a tar: the later member wins
+            by_split.setdefault(parts[0], {})[name] = (name, parts[1], file, offset, size)
+        class_dirs: dict[str, set] = {}
+        for parts in dirs:
+            parts = [split, *parts] if split else list(parts)
+            class_dirs.setdefault(parts[0], set()).add(parts[1])
+        for name, files in by_split.items():
+            classes = class_dirs.get(name, set()) | {f[1] for f in files.values()}
+            splits[name] = {
+                "files": [files[n] for n in sorted(files)],
+                "class_dirs": sorted(classes),
+                "fingerprint": fingerprint,
+            }
     if not splits:
         raise ConfigError(f"no images found in {source!r}: expected {LAYOUT}")
-    return {s: [files[n] for n in sorted(files)] for s, files in splits.items()}
+    return splits
 
 
 # ---- one shard (runs in a worker process) ---------------------------------------------------
@@ -155,13 +322,24 @@ def _check(data: bytes):
         if "truncated" in str(e):
             return None, None, "truncated image"
         return None, None, f"undecodable ({type(e).__name__}: {str(e)[:200]})"
-    if img.format == "JPEG" and img.mode in ("RGB", "L"):
+    # TF's decoders ignore EXIF orientation, so a photo taken sideways would train sideways:
+    # turn the pixels upright here and store them without the tag.
+    orientation = _orientation(img)
+    if img.format == "JPEG" and img.mode in ("RGB", "L") and orientation == 1:
         # The training pipeline decodes with TF, which fails on a few files PIL accepts: ask it.
         if _tf_decodes(data):
             return img, data, None
         reason = "JPEG that TF cannot decode"
+    elif img.format == "JPEG" and img.mode in ("RGB", "L"):
+        reason = None
     else:
         reason = f"{img.mode} JPEG" if img.format == "JPEG" else f"{img.format} content"
+    if orientation != 1:
+        from PIL import ImageOps
+
+        img = ImageOps.exif_transpose(img)
+        rotated = f"{ROTATED} {orientation} applied"
+        reason = f"{reason}; {rotated}" if reason else rotated
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         rgba = img.convert("RGBA")  # transparent pixels become white, not whatever RGB is there
         img = Image.new("RGB", img.size, (255, 255, 255))
@@ -169,6 +347,15 @@ def _check(data: bytes):
     else:
         img = img.convert("RGB")
     return img, _jpeg(img, FULL_QUALITY), reason
+
+
+def _orientation(img) -> int:
+    """The EXIF orientation (1..8; 1 is upright), 1 where the tag is absent or nonsense."""
+    try:
+        value = int(img.getexif().get(0x0112, 1))
+    except Exception:  # a broken EXIF block is not worth skipping a readable photo for
+        return 1
+    return value if 1 <= value <= 8 else 1
 
 
 def _tf_decodes(data: bytes) -> bool:
@@ -255,16 +442,25 @@ def _load_json(path: str):
         return None
 
 
-def _plan(out, split, source, files, copies, quality, eps, seed):
+# Arguments of a preparation: a different value for an existing split is refused (mixing
+# shards of two preparations would be silently wrong). The other keys of a shard's config
+# describe the source data: when they differ the split is out of date and is prepared again.
+ARG_KEYS = ("source", "copies", "quality", "examples_per_shard", "seed")
+
+
+def _plan(out, split, source, listing, classes, copies, quality, eps, seed):
     """Shard tasks of one split and the sidecars of shards already finished."""
     import numpy as np
 
+    files = listing["files"]
     names = [copy_name(c) for c in copies]
-    n, classes = len(files), sorted({f[1] for f in files})
+    n = len(files)
     label = {c: i for i, c in enumerate(classes)}
     has_reduced = any(c is not None for c in copies)
     config = {"source": source, "copies": names, "quality": quality if has_reduced else None}
     config.update(examples_per_shard=eps, seed=seed, num_files=n)
+    # Labels index the dataset's class list, and the bytes come from the source as it is now.
+    config.update(classes=_digest(classes), fingerprint=_digest([_canon(listing["fingerprint"])]))
     order = np.random.default_rng(seed).permutation(n)  # shards mix classes
     num_shards = math.ceil(n / eps)
     shards, tasks, done = [], [], {}
@@ -284,7 +480,13 @@ def _plan(out, split, source, files, copies, quality, eps, seed):
         task.update(items=items, copies=list(zip(names, copies)), quality=quality, config=config)
         tasks.append(task)
     plan = {"split": split, "source": source, "classes": classes, "config": config, "n": n}
+    plan.update(fingerprint=listing["fingerprint"], class_dirs=listing["class_dirs"])
+    plan["file_counts"] = collections.Counter(f[1] for f in files)
     return plan | {"shards": shards, "tasks": tasks, "done": done}
+
+
+def _canon(obj) -> str:
+    return json.dumps(obj, sort_keys=True)
 
 
 def _changed(out: str, split: str, old: dict, config: dict) -> list[str]:
@@ -294,17 +496,54 @@ def _changed(out: str, split: str, old: dict, config: dict) -> list[str]:
     prev = prev.get("config") or {"source": old.get("source"), "copies": list(old["copies"])}
     return [
         f"{k} {prev[k]!r} -> {config[k]!r}"
-        for k in config
+        for k in ARG_KEYS
         if prev.get(k, config[k]) != config[k] and None not in (prev[k], config[k])
     ]
+
+
+def _class_change(old: list, new: list) -> str:
+    if old == new:
+        return ""
+    added, removed = [c for c in new if c not in old], [c for c in old if c not in new]
+    what = [f"added {', '.join(map(repr, added[:5]))}"] if added else []
+    what += [f"removed {', '.join(map(repr, removed[:5]))}"] if removed else []
+    return f"the class list changed ({'; '.join(what) or 'reordered'})"
+
+
+def _usable(plan: dict) -> dict:
+    """Usable examples per class of a processed split (its files minus the skipped ones)."""
+    counts = collections.Counter(plan["file_counts"])
+    for s in plan["done"].values():
+        counts.subtract(x["name"].split("/")[0] for x in s["skipped"])
+    return counts
+
+
+def _no_examples(plan: dict, counts: dict) -> dict:
+    """{class: why} for the classes of the list with no usable example in this split."""
+    why = {}
+    for c in plan["classes"]:
+        if counts.get(c, 0) > 0:
+            continue
+        if c not in plan["class_dirs"]:
+            why[c] = "no folder"
+        elif not plan["file_counts"].get(c):
+            why[c] = "empty folder"
+        else:
+            why[c] = f"all {plan['file_counts'][c]} files skipped"
+    return why
 
 
 def _entry(plan: dict, copies, quality: int, serve_ratio: float) -> dict:
     sidecars = [plan["done"][i] for i in range(len(plan["shards"]))]
     entry = {"source": plan["source"], "classes": plan["classes"]}
+    entry["fingerprint"] = plan["fingerprint"]
+    entry["num_files"] = plan["n"]
     entry["num_examples"] = sum(s["num_examples"] for s in sidecars)
     for key in ("skipped", "converted"):
         entry[key] = sorted((x for s in sidecars for x in s[key]), key=lambda x: x["name"])
+    entry["rotated"] = sum(ROTATED in x["reason"] for x in entry["converted"])
+    entry["empty_folders"] = [c for c in plan["class_dirs"] if not plan["file_counts"].get(c)]
+    entry["classes_without_examples"] = _no_examples(plan, _usable(plan))
     entry["copies"] = {}
     for c in copies:
         name = copy_name(c)
@@ -328,10 +567,91 @@ def _summary(out: str, entry: dict, plan: dict, processed: int, seconds: float) 
     return (
         f"{plan['split']}: {entry['num_examples']} examples in {len(plan['shards'])} shards "
         f"({len(plan['shards']) - len(plan['tasks'])} reused) from {plan['source']}; "
-        f"{len(entry['skipped'])} skipped, {len(entry['converted'])} converted; "
+        f"{len(entry['skipped'])} skipped, {len(entry['converted'])} converted "
+        f"({entry['rotated']} rotated upright by EXIF); "
         f"{', '.join(sizes)}; "
         f"{seconds:.1f} s, {processed / max(seconds, 1e-9):.0f} images/s"
     )
+
+
+def _names(items, limit=10) -> str:
+    items = list(items)
+    text = ", ".join(map(repr, items[:limit]))
+    return text + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def parse_classes(text) -> list[str] | None:
+    """A class list from config or the command line: None/'' (from the train split), a
+    comma-separated list, or the path of a text file with one class name per line."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, (list, tuple)):
+        names = [str(c).strip() for c in text]
+    elif os.path.isfile(text):
+        try:
+            with open(text) as f:
+                names = [line.strip() for line in f if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"cannot read the class list {text!r} ({e.strerror})") from None
+    else:
+        names = [c.strip() for c in text.split(",")]
+    dup = sorted({c for c in names if names.count(c) > 1})
+    if not all(names) or dup:
+        raise ConfigError(
+            f"the class list must name each class once and none empty (repeated: {dup}); "
+            "give comma-separated names or a file with one name per line"
+        )
+    return names
+
+
+def _choose_classes(listed, manifest, train_split, classes, out):
+    """The dataset's one class list, and the message naming where it came from."""
+    if classes is not None:
+        return list(classes), "the given class list"
+    if train_split in listed:
+        return list(listed[train_split][1]["class_dirs"]), f"train split {train_split!r}"
+    if manifest.get("classes"):
+        return list(manifest["classes"]), f"the class list already in {out!r}"
+    raise ConfigError(
+        f"no class list to label {_names(sorted(listed))} with: the sources hold no train "
+        f"split {train_split!r} and {out!r} has none from an earlier run. Prepare the train "
+        "split first or together with them, name the split that defines the classes "
+        "(--train-split NAME, data.train_split), or list the classes (--classes, data.classes)"
+    )
+
+
+def _check_splits(listed, classes, origin, train_split, allow_empty):
+    """Errors before any work: a class that the class list lacks; a train class without
+    files (unless allowed)."""
+    known = set(classes)
+    for name, (source, listing) in sorted(listed.items()):
+        extra = sorted({f[1] for f in listing["files"]} - known)
+        if extra:
+            raise ConfigError(
+                f"split {name!r} of {source!r} has class folder(s) {_names(extra)} that "
+                f"{origin} lacks, so they have no label; remove or rename them, add them to "
+                "the train split, or list every class (--classes, data.classes)"
+            )
+    if train_split in listed and not allow_empty:
+        files = collections.Counter(f[1] for f in listed[train_split][1]["files"])
+        dirs = set(listed[train_split][1]["class_dirs"])
+        empty = {c: "empty folder" if c in dirs else "no folder" for c in classes if not files[c]}
+        if empty:
+            raise _empty_error(train_split, listed[train_split][0], empty)
+
+
+def _empty_error(split, source, why: dict) -> ConfigError:
+    listed = ", ".join(f"{c!r} ({w})" for c, w in list(why.items())[:10])
+    more = f" and {len(why) - 10} more" if len(why) > 10 else ""
+    return ConfigError(
+        f"train split {split!r} of {source!r} has no usable example of class(es) {listed}{more}: "
+        "the model would keep a label it never sees. Add images, remove the class, or allow "
+        "it (--allow-empty-classes, data.allow_empty_classes=True)"
+    )
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
 
 
 def prepare(
@@ -345,12 +665,22 @@ def prepare(
     seed=0,
     split=None,
     progress=True,
+    train_split="train",
+    classes=None,
+    allow_empty_classes=False,
 ) -> dict:
     """Prepare every split found in ``sources`` into ``out``; returns the merged manifest.
 
     ``copies``: max sides of the copies to write, None meaning the full-size copy.
     ``split``: each source is itself that one split (CLASS/FILE). ``progress``: a bar and a
-    summary per split on stderr. Rerunning with the same arguments reuses finished shards.
+    summary per split on stderr. Rerunning with the same arguments reuses finished shards;
+    a split whose source changed since (files, sizes, times) is prepared again, saying so.
+
+    Labels: one class list for the whole dataset, ``classes`` (names, a comma-separated
+    string or a file; see ``parse_classes``) or else the class folders of ``train_split``
+    (or the list ``out`` already has). Every split maps its folders into it by name; a
+    folder outside the list is an error, and so is a train class with no usable example
+    unless ``allow_empty_classes``.
     """
     from functools import partial
 
@@ -368,6 +698,7 @@ def prepare(
         raise ConfigError(
             "need 1 <= quality <= 100, serve_ratio > 0, examples_per_shard >= 1 and workers >= 1"
         )
+    classes = parse_classes(classes)
     for s in sources:
         if not os.path.exists(s):
             raise ConfigError(f"source {os.path.abspath(s)!r} does not exist")
@@ -378,22 +709,42 @@ def prepare(
     except OSError as e:
         raise ConfigError(f"cannot write to --out {out!r} ({e.strerror}); choose a writable folder")
     path = os.path.join(out, MANIFEST)
-    manifest = load_manifest(out) if os.path.exists(path) else {"format": FORMAT, "splits": {}}
+    manifest = {"format": FORMAT, "splits": {}}
+    if os.path.exists(path):
+        old_format = _load_json(path) or {}
+        if old_format.get("format") in OLD_FORMATS:
+            _note(
+                f"{out!r} was prepared by an older hybridpar ({old_format['format']}: each split "
+                "numbered its own classes); preparing again"
+            )
+        else:
+            manifest = load_manifest(out)
 
     staging, pool = [], None
     try:
         listed = {}
         for source in sources:
-            for name, files in list_source(source, split, out, staging).items():
+            for name, listing in list_source(source, split, out, staging).items():
                 if name in listed:
                     raise ConfigError(
                         f"split {name!r} is in both {listed[name][0]!r} and "
                         f"{source!r}; prepare them into different --out folders"
                     )
-                listed[name] = (os.path.abspath(source), files)
+                listed[name] = (os.path.abspath(source), listing)
+        classes, origin = _choose_classes(listed, manifest, train_split, classes, out)
+        relabel = _class_change(manifest.get("classes") or classes, classes)
+        left = sorted(set(manifest["splits"]) - set(listed))
+        if relabel and left:
+            raise ConfigError(
+                f"{relabel} since {out!r} was prepared, and its split(s) {_names(left)} carry the "
+                "old labels: prepare all splits together (every source in one command), or "
+                "into a new --out"
+            )
+        _check_splits(listed, classes, origin, train_split, allow_empty_classes)
         plans = []
         for name in sorted(listed):
-            plan = _plan(out, name, *listed[name], copies, quality, examples_per_shard, seed)
+            args = (out, name, *listed[name], classes, copies, quality, examples_per_shard, seed)
+            plan = _plan(*args)
             # An entry whose folder was deleted is stale: preparing it again is what was asked.
             old = manifest["splits"].get(name) if os.path.isdir(os.path.join(out, name)) else None
             diff = _changed(out, name, old, plan["config"]) if old else []
@@ -403,12 +754,18 @@ def prepare(
                     f"({'; '.join(diff)}); use a new --out or delete the old one "
                     f"(rm -r {os.path.join(out, name)})"
                 )
+            why = old and (describe_change(old.get("fingerprint"), plan["fingerprint"]) or relabel)
+            if why:
+                _note(f"split {name!r} in {out!r} is out of date: {why}; preparing it again")
+                shutil.rmtree(os.path.join(out, name))  # no shard of the old copy may remain
+                plan = _plan(*args)
             plans.append(plan)
 
         pending = sum(len(p["tasks"]) for p in plans)
         if workers > 1 and pending > 1:  # spawn: workers must not inherit JAX/TF threads
             ctx = multiprocessing.get_context("spawn")
             pool = ctx.Pool(min(workers, pending), initializer=_init_worker)
+        manifest["classes"] = classes
         for plan in plans:
             t0, processed = time.time(), sum(len(t["items"]) for t in plan["tasks"])
             skipped = sum(len(s["skipped"]) for s in plan["done"].values())
@@ -425,11 +782,19 @@ def prepare(
                 bar.update(sizes[i])
             bar.close()
             entry = _entry(plan, copies, quality, serve_ratio)
+            empty = entry["classes_without_examples"]
+            if plan["split"] == train_split and empty and not allow_empty_classes:
+                raise _empty_error(plan["split"], plan["source"], empty)  # shards are kept
             manifest["splits"][plan["split"]] = entry
             _write_json(path, manifest)  # after each split, so a later failure keeps this one
             if progress:
                 summary = _summary(out, entry, plan, processed, time.time() - t0)
                 print(summary, file=sys.stderr)
+            if entry["empty_folders"]:
+                _note(f"{plan['split']}: empty class folder(s) {_names(entry['empty_folders'])}")
+            if empty:
+                listed_empty = ", ".join(f"{c!r} ({w})" for c, w in list(empty.items())[:10])
+                _note(f"{plan['split']}: no usable example of class(es) {listed_empty}")
     finally:
         if pool is not None:
             pool.terminate()
@@ -468,6 +833,17 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle into shards")
     p.add_argument("--split", help="SOURCE is itself one split (CLASS/FILE) with this name")
+    p.add_argument(
+        "--train-split", default="train", help="the split whose class folders are the classes"
+    )
+    p.add_argument(
+        "--classes", help="the class list instead: comma-separated, or a file, one name a line"
+    )
+    p.add_argument(
+        "--allow-empty-classes",
+        action="store_true",
+        help="let a train class have no usable example (an error otherwise)",
+    )
     args = vars(p.parse_args(argv))  # the options are named like prepare()'s arguments
     try:
         copies = _parse_copies(args.pop("copies"))

@@ -13,18 +13,29 @@ re-encoded at ``quality``), MoXing's "training data compression" cache level. A 
 serves the image sizes up to ``serves_up_to`` (= max_side / serve_ratio, so a 160-px copy
 serves the 128-px stages), which keeps random-resized crops from upsampling much.
 
-Each record is a ``tf.train.Example`` with ``image`` (JPEG bytes), ``label`` (int64, index
-into the split's sorted class names), ``id`` (int64, the example's index in the split's
-sorted file list: unique, so tests can check every example is read once) and ``name``
-(the file's path relative to the split folder).
+Each record is a ``tf.train.Example`` with ``image`` (JPEG bytes, upright: EXIF orientation
+is applied when preparing), ``label`` (int64, index into the dataset's one class list),
+``id`` (int64, the example's index in the split's sorted file list: unique, so tests can
+check every example is read once) and ``name`` (the file's path relative to the split folder).
+
+The class list is one per dataset: the train split's class folders (or a list given when
+preparing), stored once at the top of the manifest (and repeated in each split entry); every
+other split maps its folders into it by name, so a validation folder lacking a class keeps
+the train split's labels. ``fingerprint`` records the source as it was prepared (a tar's size
+and modification time; a folder's file names, sizes and times, digested per class), so a
+changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``).
 
 ``manifest.json``::
 
-    {"format": "hybridpar-tfrecord-v1",
+    {"format": "hybridpar-tfrecord-v2", "classes": ["airplane", ...],
      "splits": {"train": {
         "source": "/data/train.tar", "classes": ["airplane", ...], "num_examples": 50000,
+        "num_files": 50000,
+        "fingerprint": {"kind": "tar", "path": "/data/train.tar", "size": 77240320,
+                        "mtime_ns": 1764592320000000000},
         "skipped": [{"name": "cat/12.jpg", "reason": "truncated JPEG"}, ...],
         "converted": [{"name": "dog/3.jpg", "reason": "PNG content"}, ...],
+        "rotated": 0, "empty_folders": [], "classes_without_examples": {},
         "copies": {"full": {"max_side": null, "quality": null, "serves_up_to": null,
                             "shards": [{"file": "train/full/train-full-00000-of-00049.tfrecord",
                                         "num_examples": 1024}, ...]},
@@ -42,7 +53,9 @@ import os
 
 from hybridpar.errors import ConfigError
 
-FORMAT = "hybridpar-tfrecord-v1"
+FORMAT = "hybridpar-tfrecord-v2"
+# v1 numbered each split's own sorted class list, so labels could disagree between splits.
+OLD_FORMATS = ("hybridpar-tfrecord-v1",)
 MANIFEST = "manifest.json"
 
 
@@ -94,6 +107,13 @@ def load_manifest(prepared_dir: str) -> dict:
             f"{path} is unreadable or corrupt ({e}); delete it and run "
             "`python -m hybridpar.input.prepare` again (finished shards are kept)"
         ) from None
+    if manifest.get("format") in OLD_FORMATS:
+        raise ConfigError(
+            f"{path} was written by an older hybridpar ({manifest['format']}: each split numbered "
+            "its own classes, so labels could disagree between splits); prepare it again: give "
+            "the sources as data.source (the run re-prepares them), or run "
+            f"`python -m hybridpar.input.prepare SOURCE --out {prepared_dir}`"
+        )
     if manifest.get("format") != FORMAT:
         raise ConfigError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
@@ -103,10 +123,14 @@ def split_info(manifest: dict, split: str, prepared_dir: str) -> dict:
     splits = manifest.get("splits", {})
     if split not in splits:
         raise ConfigError(
-            f"split {split!r} is not prepared in {prepared_dir!r} (it has {sorted(splits)}); "
-            f"prepare it with `python -m hybridpar.input.prepare SOURCE --out {prepared_dir}`"
+            f"split {split!r} is not prepared in {prepared_dir!r}, which has {sorted(splits)}: "
+            "name one of those (in a training config: data.train_split / data.eval_split), or "
+            f"add the folder {split}/CLASS/FILE to a source and prepare it "
+            f"(`python -m hybridpar.input.prepare SOURCE --out {prepared_dir}`)"
         )
-    info = splits[split]
+    info = dict(splits[split])
+    if manifest.get("classes"):  # one class list for the dataset (v2); every split indexes it
+        info["classes"] = list(manifest["classes"])
     if info.get("num_examples", 0) == 0:
         raise ConfigError(
             f"split {split!r} in {prepared_dir!r} has no examples (source {info.get('source')!r} "

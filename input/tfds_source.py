@@ -66,7 +66,7 @@ class TfdsPipeline(ImagePipeline):
         self.host_counts = [info.splits[s].num_examples for s in self.host_splits]
         self.classes = list(info.features["label"].names)
         self.num_examples = sum(self.host_counts)
-        self.skipped = self.converted = 0
+        self.skipped = self.converted = self.rotated = 0
         self.info = {"copies": {"full": {"max_side": None, "serves_up_to": None}}}
 
     def _records(self, copy: str, ordered: bool, cache: bool = True) -> tf.data.Dataset:

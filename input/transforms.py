@@ -3,8 +3,9 @@
 Both transforms take the encoded bytes of one image and return uint8 ``[S, S, 3]``:
 
 * ``train_transform``: Inception-style random-resized crop *fused into JPEG decoding* (only
-  the crop window is decoded: ``tf.image.decode_and_crop_jpeg``), bilinear resize to S x S,
-  random horizontal flip. Every random choice is stateless, from ``seed`` (shape [2]), so
+  the crop window is decoded: ``tf.image.decode_and_crop_jpeg``), at a reduced DCT scale
+  (``ratio`` 2, 4 or 8 of libjpeg, as FFCV and DALI do) when the crop is at least that many
+  times the output size, bilinear resize to S x S, random horizontal flip. Every random choice is stateless, from ``seed`` (shape [2]), so
   the same seed gives the same output on any host and after a restart.
 * ``eval_transform``: the centre ``crop_ratio`` x (shorter side) square, fused into
   decoding, resized to S x S (crop_ratio 0.875 at 224 px is the usual "resize to 256,
@@ -55,13 +56,56 @@ def _random_window(shape, seed, min_scale, max_scale, ratio):
     )
 
 
-def _decode_window(image_bytes, window_fn):
-    """Decodes only ``window_fn(shape)`` of a JPEG; other formats decode fully and slice."""
+# DCT scales of libjpeg (TensorFlow's ``ratio``): decoding at 1/r costs far fewer IDCT and
+# colour-conversion operations, and the scaled IDCT is itself a low-pass filter.
+DCT_RATIOS = (1, 2, 4, 8)
+
+
+def dct_ratio(crop_h, crop_w, image_size: int):
+    """The largest DCT scale 1/r (r in 1, 2, 4, 8) at which the crop still has at least
+    ``image_size`` pixels on its shorter side: the index into ``DCT_RATIOS``."""
+    short = tf.minimum(crop_h, crop_w)
+    steps = [tf.cast(short >= r * image_size, tf.int32) for r in DCT_RATIOS[1:]]
+    return steps[0] + steps[1] + steps[2]  # the conditions are nested: 8x implies 4x implies 2x
+
+
+def _decode_crop_jpeg(image_bytes, shape, window, image_size):
+    """``decode_and_crop_jpeg`` of ``window`` (original pixel coordinates), at the DCT scale
+    that ``dct_ratio`` picks; ``image_size`` None decodes at full scale."""
+    oy, ox, h, w = window
+
+    def at(r):
+        def decode():
+            if r == 1:
+                return tf.image.decode_and_crop_jpeg(
+                    image_bytes, tf.stack([oy, ox, h, w]), channels=3
+                )
+            # The window in the coordinates of the 1/r image (ceil(H/r) x ceil(W/r)): its
+            # edges move by at most r/2 original pixels, under half an output pixel since the
+            # crop is >= r x image_size.
+            hs, ws = (shape[0] + r - 1) // r, (shape[1] + r - 1) // r
+            y0 = tf.minimum((oy + r // 2) // r, hs - 1)
+            x0 = tf.minimum((ox + r // 2) // r, ws - 1)
+            y1 = tf.clip_by_value((oy + h + r // 2) // r, y0 + 1, hs)
+            x1 = tf.clip_by_value((ox + w + r // 2) // r, x0 + 1, ws)
+            crop = tf.stack([y0, x0, y1 - y0, x1 - x0])
+            return tf.image.decode_and_crop_jpeg(image_bytes, crop, channels=3, ratio=r)
+
+        return decode
+
+    if image_size is None:
+        return at(1)()
+    return tf.switch_case(dct_ratio(h, w, image_size), [at(r) for r in DCT_RATIOS])
+
+
+def _decode_window(image_bytes, window_fn, image_size=None, jpeg_only=False):
+    """Decodes only ``window_fn(shape)`` of a JPEG (at a reduced DCT scale where the window is
+    at least 2x ``image_size``; None: full scale); other formats decode fully and slice.
+    ``jpeg_only``: the bytes are known to be JPEG (prepared records), so no format test."""
 
     def jpeg():
         shape = tf.image.extract_jpeg_shape(image_bytes)
-        oy, ox, h, w = window_fn(shape)
-        return tf.image.decode_and_crop_jpeg(image_bytes, tf.stack([oy, ox, h, w]), channels=3)
+        return _decode_crop_jpeg(image_bytes, shape, window_fn(shape), image_size)
 
     def other():
         image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
@@ -69,12 +113,15 @@ def _decode_window(image_bytes, window_fn):
         oy, ox, h, w = window_fn(tf.shape(image))
         return tf.slice(image, tf.stack([oy, ox, 0]), tf.stack([h, w, 3]))
 
+    if jpeg_only:
+        return jpeg()
     return tf.cond(tf.io.is_jpeg(image_bytes), jpeg, other)
 
 
 def _resize_uint8(image, image_size: int):
     x = tf.image.resize(image, [image_size, image_size], method="bilinear", antialias=False)
-    x = tf.cast(tf.clip_by_value(tf.round(x), 0.0, 255.0), tf.uint8)
+    # Bilinear weights are convex, so x is already in [0, 255]: round half up, no clip.
+    x = tf.cast(x + 0.5, tf.uint8)
     return tf.ensure_shape(x, [image_size, image_size, 3])
 
 
@@ -86,10 +133,15 @@ def train_transform(
     max_scale: float = 1.0,
     ratio=(3 / 4, 4 / 3),
     flip: bool = True,
+    dct_scaling: bool = True,
+    jpeg_only: bool = False,
 ):
     """Random-resized crop (fused decode) + resize + flip -> uint8 ``[S, S, 3]``.
 
-    ``seed``: int32/int64 tensor of shape [2]; all randomness derives from it.
+    ``seed``: int32/int64 tensor of shape [2]; all randomness derives from it. The crop
+    window is drawn from the original size whatever the decoding scale, so ``dct_scaling``
+    (decode at 1/2, 1/4, 1/8 where the crop is that much larger than S) keeps the
+    augmentation's distribution; False decodes every crop at full scale.
     """
     seeds = tf.random.experimental.stateless_split(seed, num=2)
     box_seed, flip_seed = seeds[0], seeds[1]
@@ -97,14 +149,21 @@ def train_transform(
     def window(shape):
         return _random_window(shape, box_seed, min_scale, max_scale, ratio)
 
-    image = _resize_uint8(_decode_window(image_bytes, window), image_size)
+    scale_for = image_size if dct_scaling else None
+    image = _resize_uint8(_decode_window(image_bytes, window, scale_for, jpeg_only), image_size)
     if flip:
         image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return image
 
 
-def eval_transform(image_bytes, image_size: int, crop_ratio: float = 0.875):
+def eval_transform(
+    image_bytes,
+    image_size: int,
+    crop_ratio: float = 0.875,
+    dct_scaling: bool = True,
+    jpeg_only: bool = False,
+):
     """Centre crop of ``crop_ratio`` x the shorter side (fused decode), resized -> ``[S, S, 3]``."""
-    return _resize_uint8(
-        _decode_window(image_bytes, lambda shape: _center_window(shape, crop_ratio)), image_size
-    )
+    window = lambda shape: _center_window(shape, crop_ratio)  # noqa: E731
+    scale_for = image_size if dct_scaling else None
+    return _resize_uint8(_decode_window(image_bytes, window, scale_for, jpeg_only), image_size)

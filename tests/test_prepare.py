@@ -28,6 +28,16 @@ import tensorflow as tf
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
+
+
+def _need(path):
+    """Skip where the shared data is absent (a user's clone); fail in CI, where it must be."""
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"shared data not found at {path} and CI is set (set HYBRIDPAR_DATA)")
+        pytest.skip(f"shared data not found at {path} (set HYBRIDPAR_DATA)")
+
+
 CIFAR_CLASSES = [
     "airplane",
     "automobile",
@@ -41,6 +51,10 @@ CIFAR_CLASSES = [
     "truck",
 ]
 COPIES = (None, 160)
+# The small source's two splits (photos: cat, dog; odd: a, b) share one given class list:
+# neither is a train split whose folders could define it.
+CLASSES = ["a", "b", "cat", "dog"]
+KW = {"copies": COPIES, "examples_per_shard": 3, "classes": CLASSES, "progress": False}
 PHOTOS = {  # name: (width, height, mode); the 160-px copy shrinks those over 160 px
     "cat/wide.jpg": (400, 300, "RGB"),
     "cat/tall.jpg": (300, 400, "RGB"),
@@ -121,15 +135,14 @@ def small(tmp_path_factory):
     for i, (name, (w, h, mode)) in enumerate(PHOTOS.items()):
         _write(src / "photos" / name, _jpeg(_image(w, h, mode, seed=10 + i)))
     odd = _make_odd(src / "odd")
-    manifest = prepare([src], out, copies=COPIES, examples_per_shard=3, workers=2, progress=False)
+    manifest = prepare([src], out, workers=2, **KW)
     return src, out, manifest, odd
 
 
 def test_cifar10_test_tar_every_example_once_with_its_label(tmp_path):
     tar_path = DATA / "cifar10-jpeg" / "test.tar"
-    if not tar_path.exists():
-        pytest.skip(f"shared data not found at {tar_path} (set HYBRIDPAR_DATA)")
-    manifest = prepare([tar_path], tmp_path, workers=2, progress=False)
+    _need(tar_path)
+    manifest = prepare([tar_path], tmp_path, workers=2, progress=False, train_split="test")
     assert manifest == records.load_manifest(str(tmp_path))
     info = manifest["splits"]["test"]
     assert info["classes"] == CIFAR_CLASSES
@@ -171,8 +184,7 @@ def test_all_imagenet_sample_photos_decode(size, imagenet_sample):
 @pytest.fixture(scope="module")
 def imagenet_sample(tmp_path_factory):
     tar_path = DATA / "imagenet-sample" / "train.tar"
-    if not tar_path.exists():
-        pytest.skip(f"shared data not found at {tar_path} (set HYBRIDPAR_DATA)")
+    _need(tar_path)
     out = tmp_path_factory.mktemp("imagenet_sample")
     prepare([tar_path], out, copies=(None,), examples_per_shard=250, workers=2, progress=False)
     return str(out)
@@ -181,7 +193,7 @@ def imagenet_sample(tmp_path_factory):
 def test_reduced_copy_matches_full_shard_by_shard(small):
     src, out, manifest, _ = small
     info = manifest["splits"]["photos"]
-    assert info["classes"] == ["cat", "dog"] and info["num_examples"] == len(PHOTOS)
+    assert info["classes"] == CLASSES and info["num_examples"] == len(PHOTOS)
     full, reduced = info["copies"]["full"], info["copies"]["160px"]
     assert (full["max_side"], full["quality"], full["serves_up_to"]) == (None, None, None)
     assert (reduced["max_side"], reduced["quality"], reduced["serves_up_to"]) == (160, 90, 128)
@@ -213,7 +225,7 @@ def test_reduced_copy_matches_full_shard_by_shard(small):
 def test_corrupt_files_are_skipped_or_converted_never_fatal(small):
     _, out, manifest, files = small
     info = manifest["splits"]["odd"]
-    assert info["classes"] == ["a", "b"]
+    assert info["classes"] == CLASSES
     skipped = {x["name"]: x["reason"] for x in info["skipped"]}
     converted = {x["name"]: x["reason"] for x in info["converted"]}
     assert set(skipped) == {"a/truncated.JPEG", "a/empty.JPEG", "b/text.jpg"}
@@ -244,7 +256,9 @@ def test_images_over_the_pixel_limit_are_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(module, "MAX_PIXELS", 1000)  # stands in for 200 MP
     for name, size in [("a/ok.jpg", (30, 30)), ("a/big.jpg", (40, 40)), ("a/bomb.jpg", (99, 99))]:
         _write(tmp_path / "s" / name, _jpeg(_image(*size)))
-    info = prepare([tmp_path / "s"], tmp_path / "out", split="s", workers=1, progress=False)
+    info = prepare(
+        [tmp_path / "s"], tmp_path / "out", split="s", train_split="s", workers=1, progress=False
+    )
     assert info["splits"]["s"]["num_examples"] == 1
     reasons = {x["name"]: x["reason"] for x in info["splits"]["s"]["skipped"]}
     assert sorted(reasons) == ["a/big.jpg", "a/bomb.jpg"]  # 99x99 trips PIL's own check
@@ -263,7 +277,7 @@ def test_resume_rewrites_only_missing_shards(small, tmp_path):
     (out / (str(lost) + ".tmp")).write_bytes(b"half a shard from an interrupted run")
     os.utime(old, ns=(10**18, 10**18))
     before = _mtimes(out)
-    again = prepare([src], out, copies=COPIES, examples_per_shard=3, workers=2, progress=False)
+    again = prepare([src], out, workers=2, **KW)
     after = _mtimes(out)
     assert again == manifest
     assert json.loads((out / records.MANIFEST).read_text()) == manifest
@@ -289,28 +303,21 @@ def test_tar_gz_and_split_folder_give_the_same_records(small, tmp_path):
         tar.add(src / "odd", arcname="odd")
     with pytest.raises(ConfigError, match="--split"):  # a split folder without --split
         prepare([src / "odd"], tmp_path / "x", progress=False)
-    want = dict(manifest["splits"]["odd"], source=None)
+    want = dict(manifest["splits"]["odd"], source=None, fingerprint=None)
     for source, split in [(tmp_path / "odd.tar", "odd"), (tmp_path / "odd.tar.gz", None)]:
         out = tmp_path / f"out-{source.name}"
-        got = prepare(
-            [source],
-            out,
-            copies=COPIES,
-            examples_per_shard=3,
-            workers=1,
-            split=split,
-            progress=False,
-        )["splits"]["odd"]
-        assert dict(got, source=None) == want
+        got = prepare([source], out, workers=1, split=split, **KW)["splits"]["odd"]
+        assert got["fingerprint"]["kind"] == "tar"
+        assert dict(got, source=None, fingerprint=None) == want
         for copy in want["copies"].values():
             files = [s["file"] for s in copy["shards"]]
             assert _read(out, files)["image"].tolist() == _read(done, files)["image"].tolist()
         assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # staging gone
     # A second split prepared into the same --out is merged into its manifest.
-    kwargs = {"copies": COPIES, "examples_per_shard": 3, "workers": 1, "progress": False}
-    prepare([src / "photos"], out, split="photos", **kwargs)
+    prepare([src / "photos"], out, split="photos", workers=1, **KW)
     merged = records.load_manifest(str(out))["splits"]
-    assert sorted(merged) == ["odd", "photos"] and dict(merged["odd"], source=None) == want
+    assert sorted(merged) == ["odd", "photos"]
+    assert dict(merged["odd"], source=None, fingerprint=None) == want
 
 
 def test_changed_arguments_into_the_same_out_are_refused(small):
@@ -322,8 +329,7 @@ def test_changed_arguments_into_the_same_out_are_refused(small):
         ({"examples_per_shard": 4}, "examples_per_shard"),
         ({"quality": 80}, "quality"),
     ]:
-        args = {"copies": COPIES, "examples_per_shard": 3, "workers": 2, "progress": False}
-        args |= kwargs
+        args = {**KW, "workers": 2, **kwargs}
         with pytest.raises(ConfigError, match=f"{what}.*new --out"):
             prepare([src], out, **args)
     assert _mtimes(out) == before

@@ -1,0 +1,286 @@
+"""Preparing sources a user would bring: labels across splits, changed sources, bad archives,
+EXIF orientation and the counts of the run's ``data`` event (issue 14, items 1-3).
+
+Every source here is a few tiny synthetic JPEGs; prepare runs in this process (workers=1),
+and one test starts the training CLI to see a truncated tar end in an ``error:`` line.
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hybridpar.config import base_config
+from hybridpar.errors import ConfigError
+from hybridpar.input import datasets, records
+from hybridpar.input.pipeline import ImagePipeline
+from hybridpar.input.prepare import main as prepare_main
+from hybridpar.input.prepare import prepare
+
+ROOT = Path(__file__).resolve().parents[1]
+ONE = {"workers": 1, "progress": False, "examples_per_shard": 4}
+
+
+def _jpeg(w=24, h=16, seed=0, exif=None):
+    """A smooth picture (a random 3x3 colour grid, upsampled): JPEG keeps it nearly exact."""
+    rng = np.random.default_rng(seed)
+    grid = Image.fromarray(rng.integers(0, 256, (3, 3, 3), np.uint8))
+    img = grid.resize((w, h), Image.Resampling.BILINEAR)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=95, **({"exif": exif} if exif else {}))
+    return buf.getvalue()
+
+
+def _tree(root, files):
+    """``files``: {relative path: bytes, or None for an empty folder}."""
+    for rel, data in files.items():
+        path = Path(root) / rel
+        if data is None:
+            path.mkdir(parents=True, exist_ok=True)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return Path(root)
+
+
+def _labels(out, split):
+    """{file name: label} of a prepared split, read back through the pipeline's files."""
+    import tensorflow as tf
+
+    pipe = ImagePipeline(str(out), split, process_index=0, process_count=1)
+    got = {}
+    for f in pipe.files("full"):
+        for r in tf.data.TFRecordDataset(f):
+            ex = tf.io.parse_single_example(r, records.feature_spec())
+            got[ex["name"].numpy().decode()] = int(ex["label"])
+    return got
+
+
+# ---- item 1: one class list, from the train split ---------------------------------------------
+
+
+def test_validation_folder_missing_a_class_keeps_the_train_labels(tmp_path):
+    src = _tree(
+        tmp_path / "src",
+        {
+            "train/ant/1.jpg": _jpeg(seed=1),
+            "train/bee/1.jpg": _jpeg(seed=2),
+            "train/cow/1.jpg": _jpeg(seed=3),
+            "val/ant/1.jpg": _jpeg(seed=4),
+            "val/cow/1.jpg": _jpeg(seed=5),  # no bee: per-split numbering made cow 1 here
+        },
+    )
+    manifest = prepare([src], tmp_path / "out", **ONE)
+    assert manifest["classes"] == ["ant", "bee", "cow"]
+    assert _labels(tmp_path / "out", "train") == {"ant/1.jpg": 0, "bee/1.jpg": 1, "cow/1.jpg": 2}
+    assert _labels(tmp_path / "out", "val") == {"ant/1.jpg": 0, "cow/1.jpg": 2}
+    val = ImagePipeline(str(tmp_path / "out"), "val", process_index=0, process_count=1)
+    assert val.num_classes == 3 and val.classes == ["ant", "bee", "cow"]
+    assert manifest["splits"]["val"]["classes_without_examples"] == {"bee": "no folder"}
+
+
+def test_a_class_the_train_split_lacks_is_an_error_naming_it(tmp_path):
+    src = _tree(
+        tmp_path / "src",
+        {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg(), "val/yak/1.jpg": _jpeg()},
+    )
+    with pytest.raises(ConfigError, match=r"split 'val'.*'yak'.*train split 'train' lacks"):
+        prepare([src], tmp_path / "out", **ONE)
+    # A given class list labels every split, including one prepared on its own later.
+    prepare([src / "val"], tmp_path / "o2", split="val", classes="yak,ant", **ONE)
+    assert _labels(tmp_path / "o2", "val") == {"ant/1.jpg": 1, "yak/1.jpg": 0}
+
+
+def test_train_class_without_usable_examples_is_an_error_unless_allowed(tmp_path, capsys):
+    src = _tree(
+        tmp_path / "src",
+        {
+            "train/ant/1.jpg": _jpeg(),
+            "train/bee/broken.jpg": b"not a jpeg at all",  # every bee is undecodable
+            "val/ant/1.jpg": _jpeg(),
+            "val/empty": None,  # an empty class folder outside the list: mentioned
+        },
+    )
+    with pytest.raises(ConfigError, match=r"class\(es\) 'bee' \(all 1 files skipped\)"):
+        prepare([src], tmp_path / "out", **ONE)
+    manifest = prepare([src], tmp_path / "out", allow_empty_classes=True, **ONE)
+    assert manifest["classes"] == ["ant", "bee"]  # from the train split only
+    assert manifest["splits"]["train"]["classes_without_examples"] == {"bee": "all 1 files skipped"}
+    assert manifest["splits"]["val"]["empty_folders"] == ["empty"]
+    err = capsys.readouterr().err
+    assert "val: empty class folder(s) 'empty'" in err
+    assert "train: no usable example of class(es) 'bee'" in err
+    _tree(src, {"train/cow": None})  # an empty class folder in the train split: an error
+    with pytest.raises(ConfigError, match=r"'cow' \(empty folder\)"):
+        prepare([src], tmp_path / "o2", **ONE)
+
+
+# ---- item 2: a changed source is prepared again, or refused -----------------------------------
+
+
+def test_changed_folder_is_prepared_again_saying_what_changed(tmp_path, capsys):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    out = tmp_path / "out"
+    prepare([src], out, **ONE)
+    assert prepare([src], out, **ONE)["splits"]["train"]["num_examples"] == 2
+    assert "out of date" not in capsys.readouterr().err  # unchanged: reused silently
+    _tree(src, {"train/bee/2.jpg": _jpeg(seed=7), "train/cow/1.jpg": _jpeg(seed=8)})
+    manifest = prepare([src], out, **ONE)
+    err = capsys.readouterr().err
+    assert "split 'train'" in err and "out of date" in err
+    assert "class 'bee': 1 -> 2 files" in err and "class 'cow' added (1 files)" in err
+    assert manifest["classes"] == ["ant", "bee", "cow"]
+    assert _labels(out, "train") == {"ant/1.jpg": 0, "bee/1.jpg": 1, "bee/2.jpg": 1, "cow/1.jpg": 2}
+
+
+def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_source(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    tar = tmp_path / "data.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(src / "train", arcname="train")
+    c = base_config()
+    c.data.update(name="images", prepared_dir=str(tmp_path / "out"), eval_split="train")
+    c.data.source = str(tar)
+    assert datasets._ensure_prepared(c.data) == str(tmp_path / "out")
+    _tree(src, {"train/bee/2.jpg": _jpeg(seed=3)})
+    with tarfile.open(tar, "w") as t:  # the same name, rewritten with one more image
+        t.add(src / "train", arcname="train")
+    os.utime(tar, ns=(1, 1))  # a distinct mtime even on coarse-clock file systems
+    c.data.source = ""
+    with pytest.raises(
+        ConfigError, match=r"out of date: .*data.tar' changed \(modification time.*data.source"
+    ):
+        datasets._ensure_prepared(c.data)
+    c.data.source = str(tar)
+    datasets._ensure_prepared(c.data)
+    assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 3
+
+
+# ---- item 3: bad input, exact counts, EXIF, messages ------------------------------------------
+
+
+def _truncated_tar(tmp_path):
+    src = _tree(tmp_path / "src", {f"train/ant/{i}.jpg": _jpeg(seed=i) for i in range(4)})
+    with tarfile.open(tmp_path / "full.tar", "w") as t:
+        t.add(src / "train", arcname="train")
+    data = (tmp_path / "full.tar").read_bytes()
+    cuts = {}
+    for name, cut in [("mid", len(data) // 2), ("boundary", 512 * 3)]:
+        cuts[name] = tmp_path / f"{name}.tar"
+        cuts[name].write_bytes(data[:cut])
+    return cuts
+
+
+def test_truncated_tar_is_a_config_error_naming_the_file(tmp_path):
+    cuts = _truncated_tar(tmp_path)
+    for name, path in cuts.items():
+        with pytest.raises(ConfigError, match=rf"{name}.tar' is truncated") as e:
+            prepare([path], tmp_path / f"out-{name}", **ONE)
+        assert "\n" not in str(e.value)
+    gz = tmp_path / "x.tar.gz"
+    with tarfile.open(gz, "w:gz") as t:
+        t.add(tmp_path / "src" / "train", arcname="train")
+    gz.write_bytes(gz.read_bytes()[:-40])
+    with pytest.raises(ConfigError, match=r"x.tar.gz' is truncated or corrupt"):
+        prepare([gz], tmp_path / "out-gz", **ONE)
+
+
+def test_truncated_tar_is_one_error_line_in_prepare_and_in_train(tmp_path, capsys):
+    path = _truncated_tar(tmp_path)["mid"]
+    assert prepare_main([str(path), "--out", str(tmp_path / "o"), "--workers", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "mid.tar" in lines[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar.train", "--config", "experiments/cifar10.py"]
+        + ["--workdir", str(tmp_path / "w"), f"--config.data.source={path}"]
+        + [f"--config.data.prepared_dir={tmp_path / 'p'}", "--config.mesh=data:1"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"),
+        check=False,
+    )
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "mid.tar' is truncated" in last
+
+
+def test_data_event_counts_are_per_split_and_exact(tmp_path):
+    src = _tree(
+        tmp_path / "src",
+        {
+            "train/ant/1.jpg": _jpeg(),
+            "train/ant/2.jpg": b"",  # skipped
+            "train/bee/1.jpg": _jpeg(),
+            "train/bee/2.jpg": _jpeg(),
+            "val/ant/1.jpg": b"junk",  # skipped
+            "val/bee/1.jpg": _jpeg(),
+        },
+    )
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(num_classes=2, image_size=16, eval_split="train")
+    c.global_batch = c.eval_batch = 1
+    info = datasets.make_data(c, 0, 1).info  # eval split = train split: counted once
+    assert (info["skipped"], info["converted"], info["train_examples"]) == (1, 0, 3)
+    assert info["splits"] == {
+        "train": {
+            "examples": 3,
+            "skipped": 1,
+            "converted": 0,
+            "rotated": 0,
+            "empty_folders": [],
+            "classes_without_examples": [],
+        }
+    }
+    c.data.eval_split = "val"
+    info = datasets.make_data(c, 0, 1).info
+    assert info["skipped"] == 2 and {k: v["skipped"] for k, v in info["splits"].items()} == {
+        "train": 1,
+        "val": 1,
+    }
+    json.dumps(info)  # the data event is one JSON line
+
+
+def test_missing_eval_split_says_to_set_eval_split_or_add_the_folder(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="validation")
+    with pytest.raises(ConfigError) as e:
+        datasets._ensure_prepared(c.data)
+    msg = str(e.value)
+    assert "data.eval_split='validation'" in msg and "--config.data.eval_split" in msg
+    assert "validation/CLASS/FILE" in msg and "prepare" not in msg.split("(it has")[1]
+
+
+def test_exif_orientation_is_applied_and_counted(tmp_path):
+    import tensorflow as tf
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, to be shown rotated 90 degrees clockwise
+    raw = _jpeg(40, 20, seed=9, exif=exif.tobytes())
+    src = _tree(tmp_path / "src", {"train/ant/r.jpg": raw, "train/ant/plain.jpg": _jpeg()})
+    manifest = prepare([src], tmp_path / "out", **ONE)
+    info = manifest["splits"]["train"]
+    assert info["rotated"] == 1
+    assert info["converted"] == [{"name": "ant/r.jpg", "reason": "EXIF orientation 6 applied"}]
+    pipe = ImagePipeline(str(tmp_path / "out"), "train", process_index=0, process_count=1)
+    for r in tf.data.TFRecordDataset(pipe.files("full")):
+        ex = tf.io.parse_single_example(r, records.feature_spec())
+        if ex["name"].numpy() == b"ant/r.jpg":
+            stored = tf.io.decode_jpeg(ex["image"]).numpy()
+    upright = np.asarray(Image.open(io.BytesIO(raw)).transpose(Image.Transpose.ROTATE_270))
+    assert stored.shape == (40, 20, 3) == upright.shape  # portrait now, as a viewer shows it
+    error = np.abs(stored.astype(int) - upright).mean()
+    wrong = np.abs(stored.astype(int) - upright[::-1, ::-1]).mean()  # rotated the other way
+    assert error < 3 and wrong > 4 * error  # the same pixels, re-encoded
