@@ -161,6 +161,13 @@ def base_config() -> ml_collections.ConfigDict:
     c.log_every_s = 5.0
     c.target_top1 = -1.0  # > 0: summary.json records the time to reach it
     c.distributed = False  # True: jax.distributed.initialize() (SLURM, k8s, TPU VM env)
+    # Checkpoints (hybridpar/checkpoint.py): train state and loop state every every_steps
+    # steps and/or every_minutes minutes (0: off), at the last step and on SIGTERM/SIGINT;
+    # the newest max_to_keep kept (0: all). async: written in the background while training
+    # goes on (only the copy to host memory blocks). dir "": WORKDIR/checkpoints.
+    c.checkpoint = ml_collections.ConfigDict(
+        {"every_steps": 0, "every_minutes": 10.0, "max_to_keep": 3, "async": True, "dir": ""}
+    )
     return c
 
 
@@ -273,6 +280,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"model.head={c.model.head!r} needs comm.mode=xla (comm.mode={c.comm.mode!r} "
             "reduces replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
         )
+    for key in ("every_steps", "every_minutes", "max_to_keep"):
+        if c.checkpoint[key] < 0:
+            zero = "keep all" if key == "max_to_keep" else "off"
+            raise ConfigError(
+                f"checkpoint.{key}={c.checkpoint[key]!r} must be >= 0 (0: {zero}); "
+                f"set --config.checkpoint.{key}=..."
+            )
     if c.target_top1 > 1:
         raise ConfigError(f"target_top1={c.target_top1} is a fraction: use e.g. 0.93, not 93")
     if c.stages:

@@ -3,16 +3,30 @@
 Only the command line: the run itself, from set-up to the last step, is
 ``hybridpar/trainer.py``. Bad config or input stops with one ``error:`` line that names the
 fix (exit code 2), before any data or device is touched where it can be.
+
+A workdir is a run: the same command again resumes it from its latest checkpoint (after
+SIGTERM, SIGINT, a crash or kill -9), or says it has finished (exit 0). A config that differs
+from the run's own is an error naming the first differing key; ``--allow-config-change``
+continues the run with the new config.
 """
 
 from __future__ import annotations
+
+import shlex
+import sys
 
 from hybridpar import cli
 
 
 def main(argv=None) -> None:
     parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
-    parser.add_argument("--workdir", help="directory for metrics, summary and events")
+    parser.add_argument("--workdir", help="directory for metrics, summary, checkpoints")
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume the workdir's run although this config differs from its own",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv)
     if not args.workdir:
         cli.fail("pass --config experiments/NAME.py and --workdir DIR")
@@ -20,7 +34,16 @@ def main(argv=None) -> None:
     from hybridpar import trainer  # imports jax: after the command line is known to be good
 
     def run():
-        summary = trainer.train(trainer.setup(config, args.workdir))
+        r = trainer.setup(config, args.workdir, allow_config_change=args.allow_config_change)
+        summary = trainer.train(r)
+        if summary.get("preempted"):
+            again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])
+            trainer.log(
+                f"stopped ({summary['preempted']}) at step {summary['steps']}/"
+                f"{summary['total_steps']} with a checkpoint; resume with the same command:\n"
+                f"  {again}"
+            )
+            return
         ev = summary["final_eval"] or {}
         trainer.log(
             f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "

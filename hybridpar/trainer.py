@@ -6,10 +6,12 @@
 ``setup`` is the one set-up sequence every tool shares (the train CLI, comm_report, the
 benches): check the config, set XLA's flags before the backend starts, build the mesh, check
 the batches against it, open the data (optional: compile-only tools skip it), plan the
-stages in steps and build the program. ``train`` runs the loop: for each stage, its step
-compiled once, then for each batch: step, then the hooks (progress log, evaluation; the
-checkpointer joins them later), with everything a resumed run needs besides the train state
-in one ``LoopState``.
+stages in steps and build the program. ``train`` runs the loop: the train state and
+``LoopState`` from the workdir's latest checkpoint (or new), for each stage its step
+compiled once, then for each batch: step, then the hooks (progress log, evaluation,
+checkpoints), with everything a resumed run needs besides the train state in ``LoopState``.
+SIGTERM or SIGINT stops the loop at the next step boundary with a checkpoint; the same
+command resumes it (``hybridpar/checkpoint.py`` says what a workdir may hold).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from hybridpar import comm, partitioning
+from hybridpar import checkpoint, comm, partitioning
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -51,6 +53,7 @@ class Run:
     data: object | None  # hybridpar.input.datasets.Data; None for compile-only tools
     start_time: float
     xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
+    finished: dict | None = None  # the summary of the workdir's run, if it completed
 
 
 def check_workdir(workdir: str) -> None:
@@ -66,14 +69,27 @@ def check_workdir(workdir: str) -> None:
         ) from None
 
 
-def setup(config, workdir: str | None = None, *, with_data: bool = True, devices=None) -> Run:
+def setup(
+    config,
+    workdir: str | None = None,
+    *,
+    with_data: bool = True,
+    devices=None,
+    allow_config_change: bool = False,
+) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
-    device comes first (``validate``), so a bad value stops before data or devices are
-    touched. ``devices``: the mesh's devices (default: all of them)."""
+    device comes first (``validate``, then what the workdir holds), so a bad value stops
+    before data or devices are touched. ``devices``: the mesh's devices (default: all).
+    ``allow_config_change``: resume a workdir's run with a config that differs from its own."""
     start = time.time()
     validate(config)
+    finished = None
     if workdir is not None:
+        if os.path.isdir(workdir):
+            finished = checkpoint.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)
+        checkpoint.check_dir(checkpoint.checkpoint_dir(config, workdir))
+        with_data = with_data and finished is None  # nothing to train: no data to open
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         jax.distributed.initialize()
@@ -93,7 +109,7 @@ def setup(config, workdir: str | None = None, *, with_data: bool = True, devices
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     program = build_program(config, mesh, plan)
-    return Run(config, workdir, mesh, program, program.plan, data, start, flags)
+    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished)
 
 
 def memory_line(compiled) -> tuple[str, dict]:
@@ -136,6 +152,7 @@ class LoopState:
     time_to_target: dict | None = None
     train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
     train_images: int = 0
+    wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -302,6 +319,59 @@ def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
     return rec
 
 
+class Preempted(Exception):
+    """The loop stopped at a step boundary on request (SIGTERM, SIGINT), its checkpoint
+    saved: not a failure, so ``train`` returns its summary."""
+
+
+class Checkpointer:
+    """A checkpoint every ``checkpoint.every_steps`` steps and/or ``every_minutes``
+    minutes, at the last step, and when a stop was requested (``preemption``: our signal
+    flag; on several processes, JAX's preemption sync point, so all save the same step);
+    each save is a ``checkpoint`` event once it is committed. Runs last among the hooks,
+    so the loop state it saves includes this step's evaluation."""
+
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, saver, preemption):
+        self.run, self.writer, self.progress = run, writer, progress
+        self.saver, self.preemption = saver, preemption
+        self.every_steps = run.config.checkpoint.every_steps
+        self.every_s = run.config.checkpoint.every_minutes * 60
+        self.last_save = time.time()
+        self.config = checkpoint.config_dict(run.config)
+
+    def due(self, loop: LoopState) -> bool:
+        return (
+            loop.step >= self.run.plan.total_steps
+            or (self.every_steps > 0 and loop.step % self.every_steps == 0)
+            or (self.every_s > 0 and time.time() - self.last_save >= self.every_s)
+        )
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        self.events()
+        stop = self.preemption.requested is not None
+        stop = self.saver.manager.reached_preemption(loop.step) or stop
+        if stop or self.due(loop):
+            self.save(loop, state, stage)
+        if stop and loop.step < self.run.plan.total_steps:  # at the last step: just finish
+            raise Preempted(self.preemption.requested or "preemption sync point")
+
+    def save(self, loop: LoopState, state, stage: PlannedStage) -> None:
+        if self.saver.latest_step() == loop.step:
+            return
+        self.progress.flush(loop, stage)  # so the saved loop state counts every step's time
+        loop.wall_s = self.writer.wall_s()
+        self.saver.save(loop.step, state, loop.to_dict(), self.config)
+        self.last_save = time.time()
+        self.progress.restart(loop)  # the blocking part is a checkpoint's, not training's
+        self.events()
+
+    def events(self, wait: bool = False) -> None:
+        """A ``checkpoint`` line for each save committed since the last call."""
+        for rec in self.saver.finished(wait):
+            step = rec.pop("step")
+            self.writer.write("checkpoint", step, self.run.plan.epoch_at(step), **rec)
+
+
 # ---- The run -------------------------------------------------------------------------------------
 
 
@@ -321,18 +391,49 @@ def compile_all(run: Run, writer: MetricsWriter) -> dict:
     return mem
 
 
-def train(run: Run) -> dict:
-    """Trains ``run`` to its last step; returns (and writes) the summary."""
+def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
+    """``(state, loop, resumed from step or None)``: the latest checkpoint's, read straight
+    into this program's shardings, or a new state at step 0."""
+    program = run.program
+    restored = saver.restore(program.abstract_state())
+    if restored is None:
+        state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
+        return state, LoopState(seed=run.config.seed), None
+    step, state, loop, _ = restored
+    return state, LoopState.from_dict(loop), step
+
+
+def train(run: Run, hooks=()) -> dict:
+    """Trains ``run`` to its last step, from the workdir's latest checkpoint if it holds
+    one; returns (and writes) the summary. ``hooks``: more hooks, run after each step before
+    the checkpointer (tests use one to request a stop at a given step)."""
     c, program, plan = run.config, run.program, run.plan
+    if run.finished is not None:
+        log(f"{run.workdir} holds a run that completed ({run.finished['steps']} steps): "
+            "nothing to do; pass a new --workdir to train again")  # fmt: skip
+        return run.finished
     log(describe_mesh(run.mesh))
-    state = init_sharded(program.init, program.shardings, jax.random.key(c.seed))
+    changed = checkpoint.record_config(run.workdir, c)
+    saver = checkpoint.Checkpoints(
+        checkpoint.checkpoint_dir(c, run.workdir),
+        max_to_keep=c.checkpoint.max_to_keep,
+        async_save=c.checkpoint["async"],
+    )
+    state, loop, resumed = restore_or_init(run, saver)
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
     )
     log(describe(plan))
-    writer = MetricsWriter(run.workdir, run.start_time)
-    writer.write("data", 0, 0.0, **run.data.info)
+    # wall_s goes on from where the checkpoint left it: this segment started that much earlier
+    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s)
+    if resumed is not None:
+        writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed,
+                     data_epoch=loop.epoch, data_step_in_epoch=loop.step_in_epoch,
+                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+        log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
+            + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
+    writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     mem = compile_all(run, writer)
     compile_s = sum(r["compile_s"] for r in program.compiles)
     log(
@@ -340,11 +441,13 @@ def train(run: Run) -> dict:
         f"{plan.total_steps} steps ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
     )
 
-    loop = LoopState(seed=c.seed)
     progress = Progress(run, writer)
-    hooks = [progress, Evaluate(run, writer, progress)]
-    failure = None
+    preemption = checkpoint.Preemption()
+    checkpointer = Checkpointer(run, writer, progress, saver, preemption)
+    hooks = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
+    failure, preempted = None, None
     try:
+        preemption.install()
         for stage in plan.stages[loop.stage :]:
             loop.enter(stage)
             st = stage.stage
@@ -359,19 +462,27 @@ def train(run: Run) -> dict:
                 for hook in hooks:
                     hook(loop, state, metrics, stage)
             progress.flush(loop, stage)  # a stage's steps are logged at its own batch
+    except Preempted as e:
+        preempted = str(e)
     except BaseException as e:  # recorded in the summary, then raised as it was
         failure = f"{type(e).__name__}: {e}"
         raise
     finally:
+        preemption.uninstall()
+        checkpointer.events(wait=True)  # the save in flight is committed before we may exit
+        saver.close()
         summary = {
             "mesh": dict(run.mesh.shape),
             "steps": loop.step,
             "total_steps": plan.total_steps,
-            "completed": failure is None and loop.step >= plan.total_steps,
+            "completed": not failure and not preempted and loop.step >= plan.total_steps,
             "error": failure,
+            "preempted": preempted,
+            "resumed_from": resumed,
+            "latest_checkpoint": saver.latest_step(),
             "final_eval": loop.last_eval,
             "best_eval": loop.best_eval,
-            "wall_s": round(time.time() - run.start_time, 3),
+            "wall_s": round(writer.wall_s(), 3),
             "compile_s": round(compile_s, 3),
             "train_images_per_s": (
                 round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None

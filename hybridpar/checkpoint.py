@@ -1,0 +1,305 @@
+"""Checkpoints of a run, and what a workdir already holds.
+
+A workdir is a run (GUIDE section 3). ``check_run`` reads what it holds before anything is
+built: ``config.json`` (written at the first start) must match the new config, or the
+command is an error naming the first differing key (``--allow-config-change`` overrides);
+a ``summary.json`` that says completed means there is nothing left to do.
+
+``Checkpoints`` wraps orbax's ``CheckpointManager``: each step directory holds three items,
+the train state (``StandardSave``: every process writes its own shards), the trainer's
+``LoopState`` and the config (``JsonSave``, as plain JSON a person can read). orbax writes a
+step into a temporary directory and renames it when complete, so a crash during a save
+leaves the previous checkpoint as it was. Restoring takes the TARGET shardings (the new
+program's ``abstract_state()``): each process reads only its own shards, in the new
+layout, whatever layout they were saved in.
+
+``Preemption`` turns SIGTERM and SIGINT into a flag that the loop reads at a step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import jax
+
+from hybridpar.errors import ConfigError
+
+ITEMS = ("state", "loop", "config")
+# Keys that may change between the segments of one run: they change neither the numbers
+# nor what a checkpoint holds (how often to log and checkpoint, input threads and depth).
+FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads")
+
+
+def checkpoint_dir(config, workdir: str) -> str:
+    return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, "checkpoints"))
+
+
+def config_dict(config) -> dict:
+    """The config as plain JSON values (tuples become lists), as ``config.json`` holds it."""
+    return json.loads(config.to_json())
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
+    """``(key, saved value, new value)`` for every key that differs, in the config's order;
+    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` are left out."""
+    a, b = flatten(saved), flatten(new)
+    out = []
+    for key in list(a) + [k for k in b if k not in a]:
+        if key.startswith(FREE_KEYS) or key in FREE_KEYS:
+            continue
+        old, now = a.get(key, "<missing>"), b.get(key, "<missing>")
+        if old != now:
+            out.append((key, old, now))
+    return out
+
+
+def check_dir(path: str) -> None:
+    """An unwritable checkpoint directory is an error before training, not after an epoch."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test.{jax.process_index()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"checkpoint directory {path!r} is not writable ({e.strerror}); pass "
+            "--config.checkpoint.dir=DIR where you can write (default WORKDIR/checkpoints)"
+        ) from None
+
+
+def read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path!r} ({e}); move it away to start over") from None
+
+
+def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
+    """What ``workdir`` holds: raises if it is a run of another config (unless allowed);
+    returns its summary if that run completed, else None (a new run or one to resume)."""
+    saved = read_json(os.path.join(workdir, "config.json"))
+    if saved is not None and not allow_config_change:
+        diff = differences(saved, config_dict(config))
+        if diff:
+            key, old, new = diff[0]
+            more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+            raise ConfigError(
+                f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now "
+                f"{new!r}{more}; use a new --workdir, or pass --allow-config-change to "
+                "continue that run with this config"
+            )
+    summary = read_json(os.path.join(workdir, "summary.json"))
+    if summary is not None and summary.get("completed"):
+        if saved is None or not differences(saved, config_dict(config)):
+            return summary
+        # the config changed on purpose (more epochs, say): train on from the last step
+    return None
+
+
+def record_config(workdir: str, config) -> list[str]:
+    """Writes ``config.json`` (process 0, atomically) unless it already holds this config;
+    returns the keys that differ from the one it replaces (allowed by the caller)."""
+    path = os.path.join(workdir, "config.json")
+    new = config_dict(config)
+    saved = read_json(path)
+    changed = [] if saved is None else [k for k, _, _ in differences(saved, new)]
+    if jax.process_index() == 0 and (saved is None or saved != new):
+        with open(path + ".tmp", "w") as f:
+            json.dump(new, f, indent=2)
+        os.replace(path + ".tmp", path)
+    return changed
+
+
+def directory_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # deleted under us (retention): not part of this checkpoint
+                pass
+    return total
+
+
+_single_writer = False  # orbax's array handler replaced (once per process)
+
+
+class Checkpoints:
+    """orbax's ``CheckpointManager`` over ``directory``, with the run's three items.
+
+    ``save`` returns after the blocking part (the copy of the state to host memory); the
+    write goes on in the background when ``async_save``. ``finished()`` hands back, once,
+    each save that has since been committed, with its blocking and total seconds and size
+    on disk: the ``checkpoint`` events. We decide when to save (steps, minutes, preemption),
+    so orbax's own interval is 1 and each save is forced."""
+
+    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+        import orbax.checkpoint as ocp
+
+        global _single_writer
+        if jax.process_count() == 1 and not _single_writer:
+            _single_writer = True
+            # orbax splits a replicated array's write over its replicas, with one sliced
+            # copy per replica and shape (16 s of compiling on the first save of the tests'
+            # tiny ResNet on 2 cores). Worth it where replicas are on different hosts;
+            # in one process it only costs, so one replica writes each shard.
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                override=True,
+            )  # fmt: skip
+        self.ocp, self.directory = ocp, directory
+        self._committed_at = None  # set by orbax's thread when an async save is final
+        options = ocp.CheckpointManagerOptions(
+            save_interval_steps=1,
+            max_to_keep=max_to_keep or None,
+            enable_async_checkpointing=async_save,
+            cleanup_tmp_directories=True,  # a save cut short by a crash leaves a tmp dir
+            async_options=(
+                ocp.AsyncOptions(post_finalization_callback=self._committed) if async_save else None
+            ),
+        )
+        self.manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+        self._pending = None  # (step, start time, blocking seconds) of the save in flight
+        self._done: list[dict] = []
+
+    def _committed(self) -> None:
+        self._committed_at = time.time()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def save(self, step: int, state, loop: dict, config: dict) -> float:
+        """Saves at ``step``; returns the seconds it blocked the loop."""
+        self._collect(wait=True)  # one save in flight at a time (orbax waits for it anyway)
+        args = self.ocp.args
+        t0 = time.time()
+        self._committed_at = None
+        self.manager.save(
+            step,
+            args=args.Composite(
+                state=args.StandardSave(state),
+                loop=args.JsonSave(loop),
+                config=args.JsonSave(config),
+            ),
+            force=True,
+        )
+        blocking = time.time() - t0
+        self._pending = (step, t0, blocking)
+        self._collect(wait=False)
+        return blocking
+
+    def _collect(self, wait: bool) -> None:
+        if self._pending is None:
+            return
+        if wait:
+            self.manager.wait_until_finished()
+        elif self.manager.is_saving_in_progress():
+            return
+        step, t0, blocking = self._pending
+        end = self._committed_at or time.time()
+        self._pending = None
+        path = os.path.join(self.directory, str(step))
+        self._done.append(
+            dict(
+                step=step,
+                blocking_s=round(blocking, 4),
+                total_s=round(max(end - t0, blocking), 4),
+                bytes=directory_bytes(path),
+                path=path,
+            )
+        )
+
+    def finished(self, wait: bool = False) -> list[dict]:
+        """The saves committed since the last call (``wait``: after the one in flight)."""
+        self._collect(wait)
+        done, self._done = self._done, []
+        return done
+
+    def restore(self, abstract_state):
+        """``(step, state, loop dict, config dict)`` from the newest checkpoint that reads
+        back whole, or None when there is none. A newest one that does not read back (cut
+        short, corrupted) is skipped with a warning, the one before it used."""
+        args = self.ocp.args
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                out = self.manager.restore(
+                    step,
+                    args=args.Composite(
+                        state=args.StandardRestore(abstract_state),
+                        loop=args.JsonRestore(),
+                        config=args.JsonRestore(),
+                    ),
+                )
+            except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
+                msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                if jax.process_index() == 0:
+                    print(
+                        f"warning: checkpoint {step} in {self.directory} does not read back "
+                        f"({msg}); trying the one before it",
+                        flush=True,
+                    )
+                continue
+            return step, out["state"], dict(out["loop"]), dict(out["config"])
+        return None
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+class Preemption:
+    """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
+    exits cleanly. A second signal of the same kind acts as it would have without us (so a
+    second Ctrl-C stops at once). On several processes the signal handlers stay JAX's:
+    one process saving alone would wait forever for the others, so there every process
+    saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def request(self, why: str = "requested") -> None:
+        self.requested = self.requested or why
+
+    def _handler(self, signum, frame):
+        name = signal.Signals(signum).name
+        self.request(name)
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if jax.process_index() == 0:
+            print(
+                f"{name}: saving a checkpoint at the next step boundary, then stopping "
+                f"(send {name} again to stop at once)",
+                flush=True,
+            )
+
+    def install(self) -> "Preemption":
+        single = jax.process_count() == 1
+        if single and threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.signal(s, self._handler)
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}

@@ -1,0 +1,257 @@
+"""Checkpoints, resume and preemption (issue 12).
+
+* Exact resume, in process: N uninterrupted steps end bitwise equal (every leaf of params,
+  optimizer state, batch statistics, loss scale, step) to k steps + SIGTERM + resume to N;
+  the resumed segment logs steps k+1.. with the uninterrupted run's very losses. Negative
+  control: the same resume with the data position moved by one step ends elsewhere.
+* A corrupted latest checkpoint falls back to the one before it, with a warning.
+* A workdir of another config is one error naming the key; an unwritable checkpoint
+  directory is an error before training.
+* Through the CLI on data:8: SIGTERM mid-run gives a checkpoint, a message and exit 0; the
+  same command resumes after the stop (not at step 0), appending to metrics.jsonl with
+  wall_s continued; once more, it says the run is finished.
+"""
+
+import dataclasses
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from hybridpar import checkpoint, cli, trainer
+from hybridpar.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "experiments" / "digits.py")
+TINY = {  # the digits job in a few seconds (as tests/test_trainer.py's tiny_digits)
+    "model.num_filters": 8,
+    "data.image_size": 16,
+    "global_batch": 32,
+    "eval_batch": 120,
+    "num_epochs": 0.25,
+    "log_every_s": 0.0,
+    "optim.warmup_epochs": 0.1,
+}
+STOP = 4  # the in-process run is stopped after this step
+
+
+def tiny(**overrides):
+    c = cli.load(DIGITS)
+    c.mesh = "data:4,model:2"
+    cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY, **overrides}.items()])
+    return c
+
+
+def records(workdir, event=None):
+    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if event is None or r["event"] == event]
+
+
+class SigtermAt:
+    """A hook that sends this process SIGTERM after step ``k`` (the trainer's handler
+    turns it into a stop at the step boundary, as for a real preemption)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def latest_state(run, workdir):
+    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(run.config, str(workdir)))
+    step, state, loop, _ = saver.restore(run.program.abstract_state())
+    saver.close()
+    return step, state, loop
+
+
+def leaves(state):
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_leaves_with_path(state)]
+
+
+def assert_bitwise_equal(a, b):
+    la, lb = leaves(a), leaves(b)
+    assert [p for p, _ in la] == [p for p, _ in lb] and len(la) > 50
+    for (path, x), (_, y) in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=path)
+
+
+def again(run, workdir):
+    """``run`` set up anew on ``workdir``, its compiled program kept (as ``setup`` would
+    build it, less the compiling)."""
+    trainer.check_workdir(str(workdir))
+    return dataclasses.replace(run, workdir=str(workdir), start_time=time.time())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One compiled program, three workdirs: uninterrupted, stopped at STOP, and the
+    stopped one's copy before it resumed (for the tests that need a checkpoint at STOP)."""
+    base = tmp_path_factory.mktemp("ckpt")
+    full, cut, copy = base / "full", base / "cut", base / "cut_at_stop"
+    run = trainer.setup(tiny(), str(full))
+    assert run.plan.total_steps > STOP + 3
+    summary_full = trainer.train(run)
+    # The same program (compiled once) on another workdir: as the CLI would set it up.
+    stopped = trainer.train(again(run, cut), hooks=[SigtermAt(STOP)])
+    shutil.copytree(cut, copy)
+    resumed = trainer.train(again(run, cut))
+    return dict(run=run, full=full, cut=cut, copy=copy, summary_full=summary_full,
+                stopped=stopped, resumed=resumed)  # fmt: skip
+
+
+def test_stop_and_resume_ends_bitwise_equal_to_the_uninterrupted_run(runs):
+    run, stopped, resumed = runs["run"], runs["stopped"], runs["resumed"]
+    n = run.plan.total_steps
+    assert runs["summary_full"]["completed"] and runs["summary_full"]["resumed_from"] is None
+    assert stopped["preempted"] == "SIGTERM" and not stopped["completed"]
+    assert stopped["steps"] == STOP and stopped["latest_checkpoint"] == STOP
+    assert stopped["error"] is None
+    assert resumed["completed"] and resumed["resumed_from"] == STOP and resumed["steps"] == n
+
+    # The resumed segment: a resume event from STOP, then steps STOP+1..n (not 1 again),
+    # with the uninterrupted run's losses to the bit; the first segment's lines are kept.
+    recs = records(runs["cut"])
+    first_resume = next(i for i, r in enumerate(recs) if r["event"] == "resume")
+    assert recs[first_resume]["from_step"] == STOP
+    train_before = [r["step"] for r in recs[:first_resume] if r["event"] == "train"]
+    train_after = [r for r in recs[first_resume:] if r["event"] == "train"]
+    assert train_before == list(range(1, STOP + 1))
+    assert [r["step"] for r in train_after] == list(range(STOP + 1, n + 1))
+    full_loss = {r["step"]: r["loss"] for r in records(runs["full"], "train")}
+    assert [r["loss"] for r in train_after] == [full_loss[s] for s in range(STOP + 1, n + 1)]
+    # wall_s goes on: the resumed segment starts after the first one's last record
+    assert recs[first_resume]["wall_s"] >= max(r["wall_s"] for r in recs[:first_resume]) - 1
+    saves = [r for r in recs if r["event"] == "checkpoint"]
+    assert [r["step"] for r in saves] == [STOP, n]
+    assert all(r["bytes"] > 0 and r["total_s"] >= r["blocking_s"] > 0 for r in saves)
+
+    step_a, full_state, _ = latest_state(run, runs["full"])
+    step_b, cut_state, loop = latest_state(run, runs["cut"])
+    assert step_a == step_b == n and loop["step"] == n
+    assert_bitwise_equal(full_state, cut_state)
+    # restored straight into the program's shardings (the target, not the saved layout)
+    shardings = jax.tree.leaves(run.program.shardings)
+    assert [x.sharding for x in jax.tree.leaves(cut_state)] == shardings
+
+
+def test_negative_control_a_resume_from_another_data_position_ends_elsewhere(runs):
+    """The same resume, but the checkpoint's data position one step further on: the check
+    above would catch a resume that reads the data from the wrong place."""
+    run, copy = runs["run"], runs["copy"]
+    meta = next((copy / "checkpoints" / str(STOP) / "loop").glob("*metadata*"))
+    loop = json.loads(meta.read_text())
+    assert loop["step_in_epoch"] == STOP  # the position a resume continues from
+    meta.write_text(json.dumps(dict(loop, step_in_epoch=STOP + 1)))
+    trainer.train(again(run, copy))
+    _, full_state, _ = latest_state(run, runs["full"])
+    _, other, _ = latest_state(run, copy)
+    with pytest.raises(AssertionError, match="Arrays are not equal"):
+        assert_bitwise_equal(full_state, other)
+
+
+def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys):
+    run, cut = runs["run"], runs["cut"]
+    bad = cut.parent / "corrupt"
+    shutil.copytree(cut / "checkpoints", bad)
+    n = run.plan.total_steps
+    for f in (bad / str(n) / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    saver = checkpoint.Checkpoints(str(bad))
+    step, state, loop, _ = saver.restore(run.program.abstract_state())
+    saver.close()
+    assert step == STOP and loop["step"] == STOP
+    out = capsys.readouterr().out
+    assert f"warning: checkpoint {n} in {bad} does not read back" in out
+    assert "trying the one before it" in out
+
+
+def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(
+    runs, tmp_path
+):
+    with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
+        trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False)
+    # keys that change no number may differ; an explicit override lets the others
+    assert trainer.setup(tiny(log_every_s=9.0), str(runs["full"]), with_data=False).finished
+    run = trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False,
+                        allow_config_change=True)  # fmt: skip
+    assert run.finished is None  # the changed run is not finished: it would train on
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="checkpoint directory .* is not writable"):
+        trainer.setup(tiny(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
+
+
+# ---- The CLI, as a user runs it --------------------------------------------------------------
+
+
+def _cmd(workdir, *extra):
+    tiny_args = [f"--config.{k}={v}" for k, v in {**TINY, "num_epochs": 2}.items()]
+    return [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir",
+            str(workdir), "--config.mesh=data:8", *tiny_args, *extra]  # fmt: skip
+
+
+def _env():
+    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+                JAX_PLATFORMS="cpu")  # fmt: skip
+
+
+def test_cli_sigterm_saves_exits_0_and_the_same_command_resumes(tmp_path):
+    w = tmp_path / "w"
+    with open(tmp_path / "stderr", "w") as stderr:
+        p = subprocess.Popen(_cmd(w), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                             stderr=stderr, text=True)  # fmt: skip
+        try:
+            for line in p.stdout:
+                if line.startswith("train step") and int(line.split()[2].split("/")[0]) >= 3:
+                    p.send_signal(signal.SIGTERM)
+                    break
+            out, _ = p.communicate(timeout=300)
+        finally:
+            p.kill()
+    err = (tmp_path / "stderr").read_text()
+    assert p.returncode == 0, err[-3000:]
+    assert "SIGTERM: saving a checkpoint at the next step boundary" in out
+    assert "resume with the same command" in out and "Traceback" not in err
+    s1 = json.loads((w / "summary.json").read_text())
+    stop = s1["steps"]
+    assert not s1["completed"] and s1["preempted"] == "SIGTERM"
+    assert 3 <= stop < s1["total_steps"] and s1["latest_checkpoint"] == stop
+    seg1 = records(w)
+
+    r = subprocess.run(_cmd(w), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from the checkpoint at step {stop}" in r.stdout
+    recs = records(w)
+    assert recs[: len(seg1)] == seg1  # appended, not truncated
+    seg2 = recs[len(seg1) :]
+    assert seg2[0]["event"] == "resume" and seg2[0]["from_step"] == stop
+    assert seg2[0]["wall_s"] >= max(x["wall_s"] for x in seg1 if x["event"] == "train")
+    steps = [x["step"] for x in seg2 if x["event"] == "train"]
+    assert steps == list(range(stop + 1, s1["total_steps"] + 1))
+    s2 = json.loads((w / "summary.json").read_text())
+    assert s2["completed"] and s2["resumed_from"] == stop and s2["final_eval"]["examples"] == 360
+
+    r = subprocess.run(_cmd(w), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0 and "holds a run that completed" in r.stdout, r.stderr[-2000:]
+    assert records(w) == recs  # nothing trained, nothing written
+
+    r = subprocess.run(_cmd(w, "--config.optim.base_lr=0.2"), cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "optim.base_lr was 0.4, now 0.2" in errors[0]
+    assert "--allow-config-change" in errors[0]
