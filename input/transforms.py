@@ -5,8 +5,9 @@ Both transforms take the encoded bytes of one image and return uint8 ``[S, S, 3]
 * ``train_transform``: Inception-style random-resized crop *fused into JPEG decoding* (only
   the crop window is decoded: ``tf.image.decode_and_crop_jpeg``), at a reduced DCT scale
   (``ratio`` 2, 4 or 8 of libjpeg, as FFCV and DALI do) when the crop is at least that many
-  times the output size, bilinear resize to S x S, random horizontal flip. Every random choice is stateless, from ``seed`` (shape [2]), so
-  the same seed gives the same output on any host and after a restart.
+  times the output size, bilinear resize to S x S, random horizontal flip. Every random
+  choice is stateless, from ``seed`` (shape [2]), so the same seed gives the same output on
+  any host and after a restart.
 * ``eval_transform``: the centre ``crop_ratio`` x (shorter side) square, fused into
   decoding, resized to S x S (crop_ratio 0.875 at 224 px is the usual "resize to 256,
   centre-crop 224").
