@@ -192,28 +192,32 @@ class Checkpoints:
         args = self.ocp.args
         t0 = time.time()
         self._committed_at = None
-        self.manager.save(
-            step,
-            args=args.Composite(
-                state=args.StandardSave(state),
-                loop=args.JsonSave(loop),
-                config=args.JsonSave(config),
-            ),
-            force=True,
-        )
+        try:
+            self.manager.save(
+                step,
+                args=args.Composite(
+                    state=args.StandardSave(state),
+                    loop=args.JsonSave(loop),
+                    config=args.JsonSave(config),
+                ),
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001 - a full disk, a permission, a name in the way
+            raise self._failed(step, e) from None
         blocking = time.time() - t0
         self._pending = (step, t0, blocking)
         self._collect(wait=False)
         return blocking
 
     def _collect(self, wait: bool) -> None:
-        if self._pending is None:
-            return
-        if wait:
-            self.manager.wait_until_finished()
-        elif self.manager.is_saving_in_progress():
+        if self._pending is None or (not wait and self.manager.is_saving_in_progress()):
             return
         step, t0, blocking = self._pending
+        try:
+            self.manager.wait_until_finished()  # at once if done; raises if the write failed
+        except Exception as e:  # noqa: BLE001
+            self._pending = None
+            raise self._failed(step, e) from None
         end = self._committed_at or time.time()
         self._pending = None
         path = os.path.join(self.directory, str(step))
@@ -225,6 +229,16 @@ class Checkpoints:
                 bytes=directory_bytes(path),
                 path=path,
             )
+        )
+
+    def _failed(self, step: int, e: Exception) -> ConfigError:
+        self.manager.reload()  # what is on disk now: the failed step is not a checkpoint
+        good = [x for x in self.manager.all_steps() if x != step]
+        last = f"the last complete one is step {max(good)}" if good else "there is none before it"
+        msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        return ConfigError(
+            f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
+            "left as it was; free space or fix the directory, then run the same command"
         )
 
     def finished(self, wait: bool = False) -> list[dict]:
@@ -261,8 +275,10 @@ class Checkpoints:
         return None
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        try:
+            self.manager.close()
+        except Exception:  # noqa: BLE001 - a failed save: reported by save/finished already
+            pass
 
 
 class Preemption:

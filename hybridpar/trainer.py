@@ -365,6 +365,16 @@ class Checkpointer:
         self.progress.restart(loop)  # the blocking part is a checkpoint's, not training's
         self.events()
 
+    def finish(self) -> str | None:
+        """Waits for the save in flight and closes the manager; the save's error, if any."""
+        try:
+            self.events(wait=True)
+        except ConfigError as e:
+            return str(e)
+        finally:
+            self.saver.close()
+        return None
+
     def events(self, wait: bool = False) -> None:
         """A ``checkpoint`` line for each save committed since the last call."""
         for rec in self.saver.finished(wait):
@@ -469,8 +479,8 @@ def train(run: Run, hooks=()) -> dict:
         raise
     finally:
         preemption.uninstall()
-        checkpointer.events(wait=True)  # the save in flight is committed before we may exit
-        saver.close()
+        save_error = checkpointer.finish()  # the save in flight committed before we may exit
+        failure = failure or save_error
         summary = {
             "mesh": dict(run.mesh.shape),
             "steps": loop.step,
@@ -495,4 +505,6 @@ def train(run: Run, hooks=()) -> dict:
         }
         writer.summary(summary)
         writer.close()
+    if save_error:
+        raise ConfigError(save_error)
     return summary

@@ -255,3 +255,27 @@ def test_cli_sigterm_saves_exits_0_and_the_same_command_resumes(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and "optim.base_lr was 0.4, now 0.2" in errors[0]
     assert "--allow-config-change" in errors[0]
+
+
+def test_a_failed_save_is_an_error_naming_the_last_good_checkpoint(tmp_path):
+    """A save that fails while it writes (here a loop state JSON cannot hold; a full disk
+    fails the same way), synchronous or in the background: one error naming the step and
+    the last complete checkpoint, which still reads back."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    tree = {"w": jax.device_put(np.arange(16.0, dtype=np.float32), sharding)}
+    for async_save in (False, True):
+        d = tmp_path / f"async_{async_save}"
+        saver = checkpoint.Checkpoints(str(d), async_save=async_save)
+        saver.save(1, tree, {"step": 1}, {})
+        assert [r["step"] for r in saver.finished(wait=True)] == [1]
+        with pytest.raises(ConfigError, match=r"checkpoint 2 could not be written .* the last "
+                           r"complete one is step 1, left as it was"):  # fmt: skip
+            saver.save(2, tree, {"step": object()}, {})
+            saver.finished(wait=True)
+        saver.close()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                               sharding=x.sharding), tree)
+        step, back, loop, _ = checkpoint.Checkpoints(str(d)).restore(abstract)
+        assert step == 1 and loop == {"step": 1}
+        np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(16.0))
