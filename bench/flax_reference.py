@@ -168,8 +168,12 @@ def create_train_state(
 
 
 def cross_entropy_loss(logits, labels, num_classes: int, label_smoothing: float):
-    targets = optax.smooth_labels(jax.nn.one_hot(labels, num_classes), label_smoothing)
-    return optax.softmax_cross_entropy(logits.astype(jnp.float32), targets).mean()
+    """In float32 (float64 when the model computes in float64: the fairness test's exact
+    reference, run under ``jax.enable_x64``)."""
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    one_hot = jax.nn.one_hot(labels, num_classes, dtype=dtype)
+    targets = optax.smooth_labels(one_hot, label_smoothing)
+    return optax.softmax_cross_entropy(logits.astype(dtype), targets).mean()
 
 
 def train_step(
