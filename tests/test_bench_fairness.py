@@ -17,51 +17,21 @@ identically (same names, initialisers, zero-init last BN gamma) on a shallow var
 """
 
 import functools
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from helpers import ROOT, bench_module, build, random_like
 
-from hybridpar import make_mesh, shard_batch
+from hybridpar import shard_batch
 from hybridpar.config import load_config
 from hybridpar.models.resnet import BottleneckResNetBlock, ResNet
 from hybridpar.precision import LossScale
-from hybridpar.curriculum import single_stage_plan
-from hybridpar.program import build_program
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-import flax_reference
+flax_reference = bench_module("flax_reference")
 
 SIZE, BATCH, STEPS_PER_EPOCH, EPOCHS = 32, 4, 10, 3
-
-
-def _random_like(abstract, rng, kind):
-    """Host values for every array of an abstract tree, near a trained network's scales:
-    He-scaled kernels, BN gammas around 1 (small on each block's last BN, which the zero
-    init would make 0 and so block every gradient of the block on the first step), small
-    betas and biases, running statistics near (0, 1). A random ResNet-50 with larger
-    gammas amplifies float rounding so much that even one program compiled at two XLA
-    optimisation levels disagrees after two steps."""
-
-    def one(path, x):
-        name = jax.tree_util.keystr(path)
-        if kind == "batch_stats":
-            v = rng.uniform(0.8, 1.2, x.shape) if "var" in name else rng.normal(0, 0.1, x.shape)
-        elif "head" in name and "kernel" in name:
-            v = rng.normal(0, 0.01, x.shape)
-        elif len(x.shape) > 1:
-            v = rng.normal(0, np.sqrt(2.0 / np.prod(x.shape[:-1])), x.shape)
-        elif "scale" in name:
-            v = rng.uniform(0.0, 0.2, x.shape) if "bn3" in name else rng.uniform(0.8, 1.2, x.shape)
-        else:
-            v = rng.normal(0, 0.02, x.shape)
-        return np.asarray(v, x.dtype)
-
-    return jax.tree_util.tree_map_with_path(one, abstract)
 
 
 # How far hybridpar's float32 result may be from the exact one, in multiples of float32's
@@ -138,16 +108,15 @@ def test_reference_and_hybridpar_compute_the_same_steps():
     # far more than the tolerance below (the recipe's 5e-5 would hide in it).
     cfg.optim.weight_decay = 1e-2
     cfg.num_epochs = float(EPOCHS)
-    mesh = make_mesh("data:1", devices=jax.devices()[:1])
-    program = build_program(
-        cfg, mesh, single_stage_plan(STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH, BATCH)
-    )
+    cfg.mesh = "data:1"
+    program = build(cfg, jax.devices()[:1], STEPS_PER_EPOCH, EPOCHS * STEPS_PER_EPOCH)
+    mesh = program.mesh
 
     # One set of initial values for both (the same module names: the trees match as they are).
     rng = np.random.default_rng(0)
     abstract = meta.unbox(program.abstract)
-    params0 = _random_like(abstract.params, rng, "params")
-    stats0 = _random_like(abstract.batch_stats, rng, "batch_stats")
+    params0 = random_like(abstract.params, rng, "params")
+    stats0 = random_like(abstract.batch_stats, rng, "batch_stats")
     batches = [
         {
             "image": rng.integers(0, 256, (BATCH, SIZE, SIZE, 3), dtype=np.uint8),

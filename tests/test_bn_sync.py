@@ -1,9 +1,10 @@
 """BatchNorm statistics choices (model.bn_sync): global, local, group:N.
 
 Each choice on data:8 must equal one device computing the same thing (the same number of
-BN groups over the same global batch), in float32 to rtol 1e-4 / atol 1e-5 (the sharded
-step sums in another order; see tests/test_parity.py). ``local`` must really differ from
-``global`` (else the parity tests could not fail), and must drop the BN all-reduces.
+BN groups over the same global batch), in every array (``helpers.assert_parity``: the
+sharded step sums in another order, so the tolerance is float32's measured spread).
+``local`` must really differ from ``global``: the same check rejects it (the negative
+control), and it must drop the BN all-reduces.
 """
 
 import flax.linen as nn
@@ -11,11 +12,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import (
+    assert_parity,
+    assert_rejected,
+    batches,
+    compiled_step,
+    hand_built,
+    random_state,
+    reference,
+    run,
+)
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_parity import _batches, _step_and_state
 
-from hybridpar import BATCH_AXES, ConfigError, make_mesh, shard_batch
+from hybridpar import BATCH_AXES, ConfigError, make_mesh, preset_rules
 from hybridpar.models import ResNetTiny
 from hybridpar.models.batchnorm import (
     BatchNorm,
@@ -130,22 +140,10 @@ def test_bn_sync_strings():
 # --- sharded step == one device computing the same groups ---------------------------------
 
 
-def _train(spec, devices, bn_groups):
+def _program(spec, devices, bn_groups):
     mesh = make_mesh(spec, devices)
-    step, state, _ = _step_and_state(mesh, ResNetTiny(num_classes=CLASSES, bn_groups=bn_groups))
-    batches = [shard_batch(b, mesh) for b in _batches(STEPS)]
-    compiled = step.lower(state, batches[0]).compile()
-    losses = []
-    for b in batches:
-        state, metrics = compiled(state, b)
-        losses.append(metrics["loss"])
-    hlo = compiled.as_text()
-    n_all_reduce = sum(" all-reduce(" in ln or "all-reduce-start(" in ln for ln in hlo.splitlines())
-    return {
-        "state": jax.device_get(state),
-        "losses": np.asarray(jax.device_get(losses)),
-        "all_reduces": n_all_reduce,
-    }
+    model = ResNetTiny(num_classes=CLASSES, bn_groups=bn_groups)
+    return hand_built(model, mesh, preset_rules("auto", mesh))
 
 
 CHOICES = ["global", "local", "group:2"]
@@ -156,33 +154,34 @@ def runs():
     out = {}
     for bn_sync in CHOICES:
         groups = bn_groups_for(bn_sync, 8)
+        single = _program("data:1", jax.devices()[:1], groups)
+        start = random_state(single)
+        sharded = _program("data:8", jax.devices(), groups)
+        step = compiled_step(sharded, start)
+        hlo = step.as_text()
         out[bn_sync] = {
-            "sharded": _train("data:8", jax.devices(), groups),
-            "single": _train("data:1", jax.devices()[:1], groups),
+            "single": reference(single, start, batches(STEPS)),
+            "sharded": run(step, sharded, start, batches(STEPS)),
+            "all_reduces": sum(
+                " all-reduce(" in ln or "all-reduce-start(" in ln for ln in hlo.splitlines()
+            ),
         }
     return out
 
 
 @pytest.mark.parametrize("bn_sync", CHOICES)
 def test_matches_one_device_computing_the_same(runs, bn_sync):
-    got, want = runs[bn_sync]["sharded"], runs[bn_sync]["single"]
-    np.testing.assert_allclose(got["losses"], want["losses"], **TOL)
-    for part in ("params", "batch_stats"):
-        flat_got = jax.tree_util.tree_flatten_with_path(getattr(got["state"], part))[0]
-        flat_want = jax.tree.leaves(getattr(want["state"], part))
-        assert len(flat_got) == len(flat_want)
-        for (path, g), w in zip(flat_got, flat_want):
-            np.testing.assert_allclose(g, w, **TOL, err_msg=f"{part} {jax.tree_util.keystr(path)}")
+    assert_parity(runs[bn_sync]["sharded"], runs[bn_sync]["single"])
 
 
 def test_choices_differ(runs):
-    losses = {k: v["single"]["losses"] for k, v in runs.items()}
+    """Negative control: each choice, checked against another's reference, is rejected."""
     for a, b in [("local", "global"), ("group:2", "global"), ("local", "group:2")]:
-        assert not np.allclose(losses[a], losses[b], rtol=1e-3), (a, b, losses[a], losses[b])
+        assert_rejected(runs[a]["sharded"], runs[b]["single"], r"bn\d.*(mean|var)")
 
 
 def test_local_drops_the_bn_all_reduces(runs):
-    n = {k: v["sharded"]["all_reduces"] for k, v in runs.items()}
+    n = {k: v["all_reduces"] for k, v in runs.items()}
     print(f"tiny ResNet data:8 all-reduces per train step: {n}")
     # global: one or more per BN layer and pass (12 BN layers); local: the groups are the
     # devices, so only the gradients and the running-average update are reduced (XLA's CPU

@@ -1,34 +1,50 @@
 """Bucketed gradient reduction (comm.mode=bucketed): the plan, numerics, and the HLO it gives.
 
 Numerics: the bucketed step (shard_map, one psum per bucket) must equal the plain jitted
-step (XLA's own all-reduces) on data:8 for the tiny ResNet in float32. The two sum the same
-numbers in another order (per-device partial sums, then a psum), so they differ by float32
-rounding only; rtol 1e-4 / atol 1e-5 as in tests/test_parity.py (see its docstring).
+step (XLA's own all-reduces) on data:8 for the tiny ResNet in float32, from random
+non-trivial initial values, in every array. The two sum the same numbers in another order
+(per-device partial sums, then a psum), so they differ by float32 rounding only: the
+tolerance is float32's measured spread (``helpers.assert_parity``). Negative control: the
+same check rejects the bucketed step with one bucket's gradients dropped.
 
 HLO: the ResNet-50 step on data:8 is compiled (never run) from abstract inputs; the
 bucketed step must have exactly one all-reduce per bucket of the plan plus one for the loss
 and BatchNorm running averages, while the plain jitted step has about a hundred on CPU.
 """
 
+import functools
 import re
 from types import SimpleNamespace
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import (
+    assert_parity,
+    assert_rejected,
+    build,
+    compiled_step,
+    place,
+    random_state,
+    reference,
+    run,
+    step_with_tx,
+    tiny_config,
+    tiny_tx,
+    zero_grads,
+)
+from helpers import batches as host_batches
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_parity import _batches, tiny_tx
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
 from hybridpar.bucketed import bucket_plan, forward_params, make_bucketed_train_step
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.partitioning import Rules, batch_sharding, infer_shardings
+from hybridpar.partitioning import batch_sharding, infer_shardings
 from hybridpar.precision import LossScale, Policy
-from hybridpar.state import abstract_like, create_sharded_state, make_init_fn
+from hybridpar.state import abstract_like, make_init_fn
 from hybridpar.steps import jit_train_step, make_train_step
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
@@ -37,65 +53,41 @@ TINY_BUCKET_MB = 0.1  # several buckets for the tiny ResNet (its params take 0.7
 TOL = dict(rtol=1e-4, atol=1e-5)
 
 
-def _train(mode, bn_sync, policy=Policy(), loss_scale=None, steps=STEPS, mesh="data:8", rules=None):
-    mesh = make_mesh(mesh)
-    # The xla step gets the model the config would build for it (bn_groups from bn_sync);
-    # the bucketed step reconfigures the same model's BatchNorm for shard_map.
-    model = ResNetTiny(
-        num_classes=CLASSES,
-        dtype=policy.compute_dtype,
-        param_dtype=policy.param_dtype,
-        bn_groups=bn_groups_for(bn_sync, 8),
+def _program(mode, bn_sync, mesh="data:8", **overrides):
+    config = tiny_config(
+        mesh,
+        **{
+            "comm.mode": mode,
+            "comm.bucket_mb": TINY_BUCKET_MB,
+            "model.bn_sync": bn_sync,
+            "label_smoothing": 0.1,
+            **overrides,
+        },
     )
-    tx = tiny_tx()
-    loss_scale = loss_scale or LossScale.create(dynamic=False)
-    init = make_init_fn(model, tx, (1, SIZE, SIZE, 3), loss_scale)
-    rules = rules or preset_rules("auto", mesh)
-    state, shardings, _ = create_sharded_state(init, rules, mesh, jax.random.key(0))
-    kw = dict(mean=MEAN, std=STD, label_smoothing=0.1)
-    if mode == "xla":
-        fn = make_train_step(model, tx, policy, lambda s: 0.1, **kw)
-    else:
-        fn = make_bucketed_train_step(
-            model,
-            tx,
-            policy,
-            lambda s: 0.1,
-            mesh=mesh,
-            bucket_mb=TINY_BUCKET_MB,
-            bn_sync=bn_sync,
-            shardings=shardings,
-            **kw,
-        )
-    step = jit_train_step(fn, shardings, mesh, {"image": 4, "label": 1})
-    batches = [shard_batch(b, mesh) for b in _batches()[:steps]]
-    compiled = step.lower(state, batches[0]).compile()
-    metrics = []
-    for b in batches:
-        state, m = compiled(state, b)
-        metrics.append(m)
-    return {
-        "state": jax.device_get(state),
-        "metrics": jax.device_get(metrics),
-        "hlo": compiled.as_text(),
-        "step": fn,
-    }
+    return config, build(config)
+
+
+def _tiny_plan():
+    """The tiny ResNet's buckets: the paths whose gradients each psum carries."""
+    return bucket_plan(
+        forward_params(ResNetTiny(num_classes=CLASSES), (1, SIZE, SIZE, 3)), TINY_BUCKET_MB
+    )
+
+
+@functools.lru_cache(maxsize=None)  # the dropped-bucket control reuses the "local" pair
+def _pair(bn_sync, mesh="data:8", **overrides):
+    """The xla step's reference run and the bucketed step's run from the same start."""
+    _, xla = _program("xla", bn_sync, mesh, **overrides)
+    config, bucketed = _program("bucketed", bn_sync, mesh, **overrides)
+    start = random_state(xla)
+    want_step, got_step = compiled_step(xla, start), compiled_step(bucketed, start)
+    want = reference(xla, start, host_batches(), step=want_step)
+    got = run(got_step, bucketed, start, host_batches())
+    return want, got, want_step.as_text(), got_step.as_text(), (config, bucketed)
 
 
 def _all_reduces(hlo: str, kind: str = "all-reduce") -> list[str]:
     return [ln for ln in hlo.splitlines() if f" {kind}(" in ln or f" {kind}-start(" in ln]
-
-
-def _assert_same(got, want):
-    np.testing.assert_allclose(
-        [m["loss"] for m in got["metrics"]], [m["loss"] for m in want["metrics"]], **TOL
-    )
-    for part in ("params", "batch_stats"):
-        flat_got = jax.tree_util.tree_flatten_with_path(getattr(got["state"], part))[0]
-        flat_want = jax.tree.leaves(getattr(want["state"], part))
-        assert len(flat_got) == len(flat_want)
-        for (path, g), w in zip(flat_got, flat_want):
-            np.testing.assert_allclose(g, w, **TOL, err_msg=f"{part} {jax.tree_util.keystr(path)}")
 
 
 # --- the plan ---------------------------------------------------------------------------
@@ -196,54 +188,56 @@ def test_rejects_model_parallel_meshes_and_params_split_over_data():
 
 @pytest.mark.parametrize("bn_sync", ["global", "local", "group:2"])
 def test_bucketed_equals_xla(bn_sync):
-    want = _train("xla", bn_sync)
-    got = _train("bucketed", bn_sync)
-    _assert_same(got, want)
-    losses = [m["loss"] for m in want["metrics"]]
-    assert losses[-1] != pytest.approx(losses[0])  # the steps did train
+    want, got, want_hlo, got_hlo, _ = _pair(bn_sync)
+    assert_parity(got, want)
     # One psum per bucket plus one for the loss and BN running averages.
-    plan = got["step"].plan_for((SIZE, SIZE, 3))
+    plan = _tiny_plan()
     assert len(plan) > 2
-    n_xla, n_got = len(_all_reduces(want["hlo"])), len(_all_reduces(got["hlo"]))
-    print(f"tiny {bn_sync}: xla {n_xla} all-reduces, bucketed {n_got}, {len(plan)} buckets")
+    n_xla, n_got = len(_all_reduces(want_hlo)), len(_all_reduces(got_hlo))
+    print(f"tiny {bn_sync}: xla {n_xla} all-reduces, bucketed {n_got}")
     if bn_sync == "local":
         assert n_got == len(plan) + 1
+
+
+def test_rejects_a_dropped_bucket():
+    """Negative control: the bucketed step with one bucket's gradients zeroed (as if its
+    psum were lost) fails the same check against the xla step."""
+    want, _, _, _, (config, bucketed) = _pair("local")
+    plan = _tiny_plan()
+    bucket = plan[len(plan) // 2]
+    pattern = "^(" + "|".join(re.escape("/".join(p)) for p in bucket) + ")$"
+    broken = step_with_tx(bucketed, config, zero_grads(bucketed.tx, pattern))
+    got = run(broken, bucketed, want.start, host_batches())
+    assert_rejected(got, want, re.escape(bucket[0][0]))
 
 
 @pytest.mark.parametrize("mesh", ["fsdp:8", "data:2,fsdp:4"])
 def test_bucketed_fsdp_equals_xla(mesh):
     # Split every array of >= 64 elements (most of the tiny ResNet, BN vectors included):
     # the bucketed step gathers those parameters and reduce-scatters their gradients.
-    rules = Rules(fsdp_min_size=64)
-    want = _train("xla", "global", mesh=mesh, rules=rules)
-    got = _train("bucketed", "global", mesh=mesh, rules=rules)
-    _assert_same(got, want)
-    plan = got["step"].plan_for((SIZE, SIZE, 3))
-    scatters = _all_reduces(got["hlo"], "reduce-scatter")
+    want, got, want_hlo, got_hlo, _ = _pair("global", mesh, **{"partitioning.fsdp_min_size": 64})
+    assert_parity(got, want)
+    scatters = _all_reduces(got_hlo, "reduce-scatter")
+    plan = _tiny_plan()
     print(f"tiny {mesh}: {len(plan)} buckets, {len(scatters)} reduce-scatters")
     assert len(scatters) == len(plan)  # every bucket holds split parameters here
-    assert not _all_reduces(want["hlo"], "reduce-scatter")  # XLA's own step: all-reduces
+    assert not _all_reduces(want_hlo, "reduce-scatter")  # XLA's own step: all-reduces
 
 
 def test_bucketed_float16_loss_scale_skips_overflow():
-    policy = Policy(compute_dtype=jnp.float16)
     # A scale of 2**40 overflows float16 activations' gradients: the step must be skipped.
-    got = _train("bucketed", "local", policy, LossScale.create(True, initial=2.0**40), steps=1)
-    m = got["metrics"][0]
+    overrides = {"precision.compute": "float16", "precision.loss_scale_initial": 2.0**40}
+    _, program = _program("bucketed", "local", **overrides)
+    start = random_state(program)
+    assert float(start.loss_scale.scale) == 2.0**40
+    state = place(start, program.shardings)
+    new, m = program.train_jit(state, shard_batch(host_batches(steps=1)[0], program.mesh))
+    new = jax.device_get(new)
     assert not bool(m["grads_finite"]) and float(m["loss_scale"]) == 2.0**40
-    assert float(got["state"].loss_scale.scale) == 2.0**39
-    assert int(got["state"].step) == 1
-    init = jax.device_get(_fresh_params(policy))
-    for g, w in zip(jax.tree.leaves(got["state"].params), jax.tree.leaves(init)):
+    assert float(new.loss_scale.scale) == 2.0**39
+    assert int(new.step) == 1
+    for g, w in zip(jax.tree.leaves(new.params), jax.tree.leaves(start.params), strict=True):
         np.testing.assert_array_equal(g, w)
-
-
-def _fresh_params(policy):
-    mesh = make_mesh("data:8")
-    model = ResNetTiny(num_classes=CLASSES, dtype=policy.compute_dtype)
-    init = make_init_fn(model, tiny_tx(), (1, SIZE, SIZE, 3), LossScale.create(dynamic=False))
-    state, _, _ = create_sharded_state(init, preset_rules("auto", mesh), mesh, jax.random.key(0))
-    return state.params
 
 
 # --- HLO: ResNet-50 on data:8, compiled only --------------------------------------------

@@ -1,8 +1,9 @@
 """Two processes x 4 CPU devices on JAX's distributed runtime equal one device.
 
 Each process feeds only its half of every global batch (``shard_batch`` builds the global
-arrays with ``jax.make_array_from_process_local_data``); the losses of three train steps must
-match a single-device run of the same global batches (tolerance as in test_parity.py).
+arrays with ``jax.make_array_from_process_local_data``); the losses, every parameter and
+every BatchNorm statistic after three train steps must match a single-device run of the
+same global batches from the same random start (``helpers.assert_parity``).
 """
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from test_parity import _train
+from helpers import Run, assert_parity, batches, build, random_state, reference, tiny_config
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 
@@ -26,13 +27,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def single():
+    program = build(tiny_config("data:1"), jax.devices()[:1])
+    return reference(program, random_state(program), batches())
+
+
 @pytest.mark.parametrize("mesh", ["data:4,model:2", "data:2,fsdp:2,model:2"])
-def test_two_processes_match_one_device(mesh):
+def test_two_processes_match_one_device(mesh, single, tmp_path):
     port = str(_free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = tmp_path / "state.npz"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), port, str(i), mesh],
+            [sys.executable, str(WORKER), port, str(i), mesh, str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -43,18 +51,20 @@ def test_two_processes_match_one_device(mesh):
     outs = []
     for p in procs:
         try:
-            out, err = p.communicate(timeout=300)
+            stdout, err = p.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
             raise
         assert p.returncode == 0, err[-3000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    single = _train("data:1", jax.devices()[:1])
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
     for o in outs:
         assert o["local_devices"] == 4
         assert o["head_local_shards"] == 4  # each process holds only its own shards
-        np.testing.assert_allclose(o["losses"], single["losses"], rtol=1e-4, atol=1e-5)
-    assert outs[0]["head_sum"] == pytest.approx(
-        float(np.sum(jax.device_get(single["state"].params["head"]["kernel"]))), rel=1e-4, abs=1e-5
-    )
+    np.testing.assert_array_equal(outs[0]["losses"], outs[1]["losses"])
+    with np.load(out) as f:
+        leaves = [f[f"arr_{i}"] for i in range(len(f.files))]
+    want = single.want.state
+    parts = jax.tree.unflatten(jax.tree.structure((want.params, want.batch_stats)), leaves)
+    got = Run(want.replace(params=parts[0], batch_stats=parts[1]), np.asarray(outs[0]["losses"]))
+    assert_parity(got, single)
