@@ -30,7 +30,7 @@ from hybridpar.curriculum import single_stage_plan
 from hybridpar.program import build_program
 from hybridpar.sharded_head import ShardedHead, make_head
 from hybridpar.state import init_sharded
-from hybridpar.steps import cross_entropy
+from hybridpar.steps import cross_entropy, normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data:2,model:4"
@@ -144,6 +144,25 @@ def _batches(steps=2):
     ]
 
 
+PADDED = 3  # eval examples that are padding (mask 0), as in a last partial batch
+
+
+def _eval_batch(program, config, state):
+    """An eval batch with hits and padding: the first half labelled with the trained
+    model's own top-1 class (computed here, on the host's device, with the dense layer), the
+    rest random, the last PADDED masked out. So top-1 sums are >= B/2, not 0 vs 0, and
+    padded examples must not count."""
+    batch = dict(_batches()[0])
+    host = jax.device_get({"params": state.params, "batch_stats": state.batch_stats})
+    images = normalize(batch["image"], config.data.mean, config.data.std, jnp.float32)
+    logits = np.asarray(program.model.apply(host, images, train=False))
+    batch["label"] = batch["label"].copy()
+    batch["label"][: B // 2] = logits[: B // 2].argmax(-1)
+    batch["mask"] = np.ones((B,), np.float32)
+    batch["mask"][-PADDED:] = 0.0
+    return batch
+
+
 def _run(head, mesh_spec, devices=None):
     config = _config(head, mesh_spec)
     mesh = make_mesh(mesh_spec, devices)
@@ -155,7 +174,7 @@ def _run(head, mesh_spec, devices=None):
     for b in _batches():
         state, metrics = train(state, shard_batch({k: b[k] for k in ("image", "label")}, mesh))
         losses.append(metrics["loss"])
-    sums = evaluate(state, shard_batch(_batches()[0], mesh))
+    sums = evaluate(state, shard_batch(_eval_batch(program, config, state), mesh))
     return {
         "program": program,
         "state": state,
@@ -190,6 +209,8 @@ def test_train_and_eval_steps_equal_the_dense_head_on_one_device(sharded_run, de
             np.testing.assert_allclose(g, w, **TOL, err_msg=f"{part} {jax.tree_util.keystr(path)}")
     for key in ("count", "top1_sum", "top5_sum"):
         assert float(got["eval"][key]) == float(want["eval"][key]), key
+    assert float(want["eval"]["count"]) == B - PADDED  # the padding is not counted
+    assert B // 2 <= float(want["eval"]["top1_sum"]) < B - PADDED  # hits and misses
     np.testing.assert_allclose(got["eval"]["loss_sum"], want["eval"]["loss_sum"], **TOL)
     # The kernel (and its momentum) live where the head computes: classes over its axes.
     kernel = got["state"].params["head"]["kernel"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import require_shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -148,17 +149,11 @@ def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
     assert summary["memory_per_device_bytes"]["total"] > 0
 
 
-DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
-
-
-@pytest.mark.skipif(
-    not (DATA / "cifar10-jpeg" / "test.tar").is_file(),
-    reason=f"shared data not found in {DATA} (set HYBRIDPAR_DATA)",
-)
 def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path):
     """experiments/cifar10.py on 8 devices, from a JPEG tar: prepared on first use, then
-    tf.data batches as global arrays. test.tar stands in for both splits to keep CI short."""
-    tar = DATA / "cifar10-jpeg" / "test.tar"
+    tf.data batches as global arrays. test.tar stands in for both splits to keep CI short.
+    Without the shared data it skips, or fails where CI is set (require_shared_data)."""
+    tar = require_shared_data("cifar10-jpeg/test.tar") / "cifar10-jpeg" / "test.tar"
     args = [
         "--config",
         str(ROOT / "experiments" / "cifar10.py"),
@@ -177,7 +172,11 @@ def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path):
     data = next(rec for rec in records if rec["event"] == "data")
     assert data["train_examples"] == data["eval_examples"] == 10000 and data["skipped"] == 0
     evals = [rec for rec in records if rec["event"] == "eval"]
-    assert evals[-1]["examples"] == 10000 and 0.0 <= evals[-1]["top1"] <= 1.0
+    assert evals[-1]["examples"] == 10000
+    # Above chance: 10 classes give 0.1 (exactly 0.1 for a constant prediction, and
+    # sigma = 0.003 over 10,000 examples), 0.115 is 5 sigma above it; 4 steps reached 0.143
+    # on an AMD EPYC. Eval labels misaligned with images, or an untrained model, stay at 0.1.
+    assert 0.115 <= evals[-1]["top1"] <= 1.0, evals[-1]
     assert (tmp_path / "prep" / "manifest.json").is_file()
 
 
