@@ -12,6 +12,7 @@
   wall_s continued; once more, it says the run is finished.
 """
 
+import copy
 import dataclasses
 import json
 import os
@@ -142,6 +143,38 @@ def test_stop_and_resume_ends_bitwise_equal_to_the_uninterrupted_run(runs):
     # restored straight into the program's shardings (the target, not the saved layout)
     shardings = jax.tree.leaves(run.program.shardings)
     assert [x.sharding for x in jax.tree.leaves(cut_state)] == shardings
+
+
+class CrashAt:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            raise RuntimeError(f"crash at step {self.k}")
+
+
+def test_a_crash_resumes_bitwise_from_the_last_periodic_checkpoint(runs):
+    """What kill -9 leaves (steps logged after the last checkpoint, no summary, a save cut
+    short): the same command resumes from the last complete checkpoint, bitwise."""
+    run, w = runs["run"], runs["full"].parent / "crash"
+    config = copy.deepcopy(run.config)
+    config.checkpoint.every_steps = 3
+    with pytest.raises(RuntimeError, match="crash at step 5"):
+        trainer.train(dataclasses.replace(again(run, w), config=config), hooks=[CrashAt(5)])
+    (w / "summary.json").unlink()
+    (w / "checkpoints" / "6.orbax-checkpoint-tmp").mkdir()
+    before = records(w)
+    resumed = trainer.train(dataclasses.replace(again(run, w), config=config))
+    assert resumed["completed"] and resumed["resumed_from"] == 3
+    after = records(w)[len(before) :]
+    assert after[0]["event"] == "resume" and after[0]["from_step"] == 3
+    n = run.plan.total_steps
+    assert [r["step"] for r in after if r["event"] == "train"] == list(range(4, n + 1))
+    assert not (w / "checkpoints" / "6.orbax-checkpoint-tmp").exists()
+    _, full_state, _ = latest_state(run, runs["full"])
+    _, crash_state, _ = latest_state(run, w)
+    assert_bitwise_equal(full_state, crash_state)
 
 
 def test_negative_control_a_resume_from_another_data_position_ends_elsewhere(runs):
