@@ -67,8 +67,8 @@ def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
     return out
 
 
-def check_dir(path: str) -> None:
-    """An unwritable checkpoint directory is an error before training, not after an epoch."""
+def ensure_writable(path: str, what: str, fix: str) -> None:
+    """``path`` exists and this process can write there, or one error naming ``fix``."""
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".write_test.{jax.process_index()}")
@@ -76,10 +76,16 @@ def check_dir(path: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(
-            f"checkpoint directory {path!r} is not writable ({e.strerror}); pass "
-            "--config.checkpoint.dir=DIR where you can write (default WORKDIR/checkpoints)"
-        ) from None
+        raise ConfigError(f"{what} {path!r} is not writable ({e.strerror}); {fix}") from None
+
+
+def check_dir(path: str) -> None:
+    """An unwritable checkpoint directory is an error before training, not after an epoch."""
+    ensure_writable(
+        path,
+        "checkpoint directory",
+        "pass --config.checkpoint.dir=DIR where you can write (default WORKDIR/checkpoints)",
+    )
 
 
 def read_json(path: str):
@@ -162,9 +168,10 @@ class Checkpoints:
             # tiny ResNet on 2 cores). Worth it where replicas are on different hosts;
             # in one process it only costs, so one replica writes each shard.
             ocp.type_handlers.register_type_handler(
-                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                jax.Array,
+                ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
                 override=True,
-            )  # fmt: skip
+            )
         self.ocp, self.directory = ocp, directory
         self._committed_at = None  # set by orbax's thread when an async save is final
         options = ocp.CheckpointManagerOptions(

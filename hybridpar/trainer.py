@@ -57,16 +57,7 @@ class Run:
 
 
 def check_workdir(workdir: str) -> None:
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, ".write_test")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
-    except OSError as e:
-        raise ConfigError(
-            f"workdir {workdir!r} is not writable ({e.strerror}); pass a --workdir you can write to"
-        ) from None
+    checkpoint.ensure_writable(workdir, "workdir", "pass a --workdir you can write to")
 
 
 def setup(
