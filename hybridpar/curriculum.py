@@ -17,6 +17,7 @@ touches JAX's devices; ``epoch_at`` works on NumPy and traced JAX integers alike
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from typing import Callable
 
@@ -97,20 +98,18 @@ class StagePlan:
     def num_epochs(self) -> float:
         return self.stages[-1].stage.end_epoch
 
-    def stage_of(self, step: int) -> PlannedStage:
-        """The stage that runs global step ``step`` (the last one past the end)."""
-        for s in self.stages:
-            if step < s.end_step:
-                return s
-        return self.stages[-1]
+    @functools.cached_property
+    def _epoch_table(self) -> tuple[list, list]:
+        """``(steps, epochs)`` at every stage boundary: ``epoch_at`` interpolates in it."""
+        last = self.stages[-1]
+        xs = [s.start_step for s in self.stages] + [self.total_steps]
+        ys = [s.start_epoch for s in self.stages]
+        return xs, ys + [last.start_epoch + last.num_steps / last.steps_per_epoch]
 
     def epoch_at(self, step):
         """Epochs completed after ``step`` steps: piecewise linear in the step, exact at
         stage boundaries. ``step`` may be a traced JAX integer (used inside the train step)."""
-        xs = [s.start_step for s in self.stages] + [self.total_steps]
-        ys = [s.start_epoch for s in self.stages]
-        last = self.stages[-1]
-        ys.append(last.start_epoch + last.num_steps / last.steps_per_epoch)
+        xs, ys = self._epoch_table  # built once: the loop asks after every step
         if isinstance(step, (int, np.integer, float)):
             return float(np.interp(step, xs, ys))
         import jax.numpy as jnp  # traced: the schedule inside the step

@@ -122,29 +122,30 @@ class Program:
     @functools.cached_property
     def eval_jit(self):
         """The jitted ``(state, batch) -> sums`` of loss, top-1/5 hits and real examples."""
-        c = self.config
-        step = make_eval_step(
-            self.model,
-            self.policy,
-            mean=tuple(c.data.mean),
-            std=tuple(c.data.std),
-            label_smoothing=c.label_smoothing,
-            head=self.head,
-        )
+        step = make_eval_step(self.model, self.policy, head=self.head, **self._input_kw)
         return jit_eval_step(step, self.shardings, self.mesh, {"image": 4, "label": 1, "mask": 1})
 
+    @property
+    def _input_kw(self) -> dict:
+        """What the train and eval steps both take from the config: normalisation and the
+        loss's label smoothing."""
+        d = self.config.data
+        return {
+            "mean": tuple(d.mean),
+            "std": tuple(d.std),
+            "label_smoothing": self.config.label_smoothing,
+        }
+
     def _train_step_fn(self):
-        c = self.config
+        sync = make_sync(self.config, self.mesh, self.shardings)
         return make_train_step(
             self.model,
             self.tx,
             self.policy,
             self.schedule,
-            mean=tuple(c.data.mean),
-            std=tuple(c.data.std),
-            label_smoothing=c.label_smoothing,
             head=self.head,
-            sync=make_sync(c, self.mesh, self.shardings),
+            sync=sync,
+            **self._input_kw,
         )
 
     def lower_train(self, global_batch: int, image_size: int | None = None):

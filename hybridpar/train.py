@@ -44,6 +44,8 @@ def main(argv=None) -> None:
                 f"  {again}"
             )
             return
+        if r.finished is not None:  # train() said the workdir's run is done; nothing new
+            return
         ev = summary["final_eval"] or {}
         trainer.log(
             f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
