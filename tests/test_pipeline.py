@@ -8,6 +8,8 @@ import io
 import json
 import os
 import shutil
+import threading
+import time
 
 import jax
 import numpy as np
@@ -268,6 +270,23 @@ def test_prefetch_to_mesh(prepared):
 
     with pytest.raises(RuntimeError, match="reader broke"):
         list(prefetch_to_mesh(broken(), mesh))
-    gen = prefetch_to_mesh(pipe.train_batches(0, image_size=32, global_batch=16), mesh, size=1)
+    # An endless source: a producer that kept going after close() would keep pulling.
+    pulled = []
+
+    def endless():
+        while True:
+            pulled.append(len(pulled))
+            yield expect[0]
+
+    gen = prefetch_to_mesh(endless(), mesh, size=1)
     next(gen)
     gen.close()
+    producers = [t for t in threading.enumerate() if t.name == "prefetch_to_mesh"]
+    for t in producers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in producers), "the producer outlived close()"
+    stopped_at = len(pulled)
+    # one batch handed out, one in the queue, one waiting to be put, one being placed
+    assert stopped_at <= 4, f"the producer pulled {stopped_at} batches for one consumed"
+    time.sleep(0.3)
+    assert len(pulled) == stopped_at

@@ -30,6 +30,19 @@ def test_hosts_split_the_data_and_batches_are_rgb_uint8(builder_dir):
     # each host enumerates its own slice from 0; labels over both hosts cover the split
     evals = [list(h.eval_batches(image_size=24, global_batch=16)) for h in hosts]
     assert sum(float(b["mask"].sum()) for e in evals for b in e) == 20
+    # The hosts read different examples, which together are the whole split: two hosts
+    # reading the same slice would pass the counts above but not this.
+    seen = [_images(e) for e in evals]
+    one = TfdsPipeline(builder_dir, "train", process_index=0, process_count=1)
+    everything = _images(list(one.eval_batches(image_size=24, global_batch=16)))
+    assert len(everything) == 20, "the dummy images must be distinct for this check"
+    assert not seen[0] & seen[1], "two hosts read the same examples"
+    assert seen[0] | seen[1] == everything
+
+
+def _images(batches) -> set[bytes]:
+    """The distinct real (unpadded) images of a host's eval batches, as bytes."""
+    return {img.tobytes() for b in batches for img, m in zip(b["image"], b["mask"]) if m}
 
 
 def test_unbuilt_dataset_says_how_to_build_it(tmp_path):
