@@ -160,6 +160,10 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_every_epochs = 1.0
     c.log_every_s = 5.0
     c.target_top1 = -1.0  # > 0: summary.json records the time to reach it
+    # A step with a non-finite loss or gradient is skipped (the parameters stay as they
+    # were) and counted; this many in a row stop the run with an error naming the last
+    # checkpoint. float16's loss scale may need ~15 in a row to back off from 2**15.
+    c.max_nonfinite_steps = 20
     c.distributed = False  # True: jax.distributed.initialize() (SLURM, k8s, TPU VM env)
     # Checkpoints (hybridpar/checkpoint.py): train state and loop state every every_steps
     # steps and/or every_minutes minutes (0: off), at the last step and on SIGTERM/SIGINT;
@@ -208,6 +212,7 @@ RANGES = {
     "comm.bucket_mb": (0, None, False, True),
     "eval_every_epochs": (0, None, True, True),
     "log_every_s": (0, None, True, True),
+    "max_nonfinite_steps": (1, None, True, True),
     "precision.loss_scale_initial": (0, None, False, True),
     "precision.loss_scale_period": (1, None, True, True),
 }

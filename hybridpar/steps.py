@@ -137,20 +137,21 @@ def make_train_step(
 
 
 def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, schedule):
-    """The update shared by every train step: unscale, optimizer, and for float16 the skip
-    of a step whose gradients overflowed. Returns ``(new_state, metrics)``."""
+    """The update shared by every train step: unscale, optimizer, and the skip of a step
+    whose loss or gradients are not finite (whatever the precision: one bad batch must
+    not poison the parameters; the trainer counts skips and stops after too many in a
+    row). For float16 a skip also halves the loss scale. Returns ``(new_state, metrics)``."""
     grads = state.loss_scale.unscale(scaled_grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(
         step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
     )
-    finite = jnp.asarray(True)
-    if state.loss_scale.dynamic:
-        # float16: a step with overflowing gradients changes nothing but the scale.
-        finite = all_finite(grads)
-        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-        new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
+    # A skipped step changes nothing (parameters, optimizer state, BatchNorm statistics)
+    # but the step counter and the loss scale.
+    finite = all_finite(grads) & jnp.isfinite(loss)
+    new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+    new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
     metrics = {
         "loss": loss,
         "lr": schedule(state.step),

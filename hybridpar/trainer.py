@@ -189,14 +189,24 @@ def stage_batches(run: Run, stage: PlannedStage, loop: LoopState):
 # ---- Hooks: what happens after a step ---------------------------------------------------------
 
 
+class NonFinite(ConfigError):
+    """Too many steps in a row with a non-finite loss or gradient (each one skipped)."""
+
+
 class Progress:
     """Train lines in metrics.jsonl and on stdout every ``log_every_s`` seconds (and before
-    each eval); stops the run on a non-finite loss. Fetching the metrics waits for the steps,
-    so images/s is honest."""
+    each eval). Fetching the metrics waits for the steps, so images/s is honest.
+
+    Also counts the steps the train step skipped (non-finite loss or gradient): after
+    ``max_nonfinite_steps`` in a row it raises ``NonFinite``. It looks at least every that
+    many steps, so a diverged run stops within twice the limit whatever ``log_every_s``."""
 
     def __init__(self, run: Run, writer: MetricsWriter):
         self.run, self.writer = run, writer
         self.pending, self.t0, self.step0 = [], time.time(), 0
+        self.limit = run.config.max_nonfinite_steps
+        self.counted = 0  # how many of `pending` count_skips has seen
+        self.bad_in_a_row = 0
 
     def restart(self, loop: LoopState) -> None:
         """Time from now on counts as training (after set-up, compilation or evaluation)."""
@@ -204,21 +214,36 @@ class Progress:
 
     def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
         self.pending.append(metrics)
+        if len(self.pending) - self.counted >= self.limit:
+            self.count_skips()
         if time.time() - self.t0 >= self.run.config.log_every_s:
             self.flush(loop, stage)
+
+    def count_skips(self) -> None:
+        """Counts the skipped steps in a row among the pending steps not yet seen."""
+        new = self.pending[self.counted :]
+        for i, ok in enumerate(jax.device_get([m["grads_finite"] for m in new])):
+            self.bad_in_a_row = 0 if ok else self.bad_in_a_row + 1
+            if self.bad_in_a_row >= self.limit:
+                last = self.step0 + self.counted + i + 1
+                first = last - self.bad_in_a_row + 1
+                raise NonFinite(
+                    f"{self.bad_in_a_row} steps in a row ({first}..{last}) had a non-finite "
+                    f"loss or gradient (max_nonfinite_steps={self.limit}); each was skipped, "
+                    f"so the parameters are those after step {first - 1}. The run diverged: "
+                    "lower optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 "
+                    "/ float16 with loss scaling instead of pure low precision"
+                )
+        self.counted = len(self.pending)
 
     def flush(self, loop: LoopState, stage: PlannedStage) -> None:
         if not self.pending:
             return
+        self.count_skips()
         fetched = jax.device_get(self.pending)
         now = time.time()
-        loss = float(np.mean([f["loss"] for f in fetched]))
-        if not math.isfinite(loss):
-            raise ConfigError(
-                f"non-finite loss ({loss}) at step {loop.step}: the run diverged; lower "
-                "optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 / "
-                "float16 with loss scaling instead of pure low precision"
-            )
+        good = [f["loss"] for f in fetched if bool(f["grads_finite"])]
+        loss = float(np.mean(good)) if good else float("nan")  # of the steps applied
         steps, dt = loop.step - self.step0, now - self.t0
         batch = stage.stage.global_batch
         loop.train_time_s += dt
@@ -229,7 +254,7 @@ class Progress:
             "train",
             loop.step,
             epoch,
-            loss=loss,
+            loss=loss if good else None,  # JSON has no NaN
             lr=float(fetched[-1]["lr"]),
             images_per_s=round(steps * batch / dt, 2),
             image_size=stage.stage.image_size,
@@ -242,7 +267,7 @@ class Progress:
             f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
             f"{steps * batch / dt:8.1f} img/s  ETA {(total - loop.step) * dt / steps:6.0f}s"
         )
-        self.pending = []
+        self.pending, self.counted = [], 0
         self.restart(loop)
 
 
@@ -329,6 +354,7 @@ class Checkpointer:
         self.every_s = run.config.checkpoint.every_minutes * 60
         self.last_save = time.time()
         self.config = checkpoint.config_dict(run.config)
+        self.finished = False
 
     def due(self, loop: LoopState) -> bool:
         return (
@@ -357,7 +383,11 @@ class Checkpointer:
         self.events()
 
     def finish(self) -> str | None:
-        """Waits for the save in flight and closes the manager; the save's error, if any."""
+        """Waits for the save in flight and closes the manager; the save's error, if any.
+        A second call does nothing."""
+        if self.finished:
+            return None
+        self.finished = True
         try:
             self.events(wait=True)
         except ConfigError as e:
@@ -465,6 +495,17 @@ def train(run: Run, hooks=()) -> dict:
             progress.flush(loop, stage)  # a stage's steps are logged at its own batch
     except Preempted as e:
         preempted = str(e)
+    except NonFinite as e:  # no save after it: the checkpoints on disk stay as they were
+        failure = str(e)
+        error = checkpointer.finish()
+        last = saver.latest_step()
+        failure += (
+            f"; the last checkpoint, step {last} in {saver.directory}, is intact: resume from "
+            "it with the changed config and --allow-config-change"
+            if last is not None
+            else "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
+        ) + (f" ({error})" if error else "")
+        raise NonFinite(failure) from None
     except BaseException as e:  # recorded in the summary, then raised as it was
         failure = f"{type(e).__name__}: {e}"
         raise

@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, shard_batch
 from hybridpar.config import base_config
-from hybridpar.mesh import AXES, BATCH_AXES
 from hybridpar.curriculum import single_stage_plan
+from hybridpar.mesh import AXES, BATCH_AXES
 from hybridpar.program import build_program
 from hybridpar.sharded_head import ShardedHead, make_head
 from hybridpar.state import init_sharded

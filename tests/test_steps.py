@@ -155,3 +155,66 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale():
         for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(before))
     )
     assert changed
+
+
+class _FixedLogits:
+    """A stand-in model whose logits are given: the test sees exactly what the head does."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def apply(self, variables, images, train, mutable=()):
+        return (self.logits, {}) if train else self.logits
+
+
+@pytest.mark.parametrize("train", [True, False])
+def test_precision_output_sets_the_dtype_the_loss_sees(train):
+    from hybridpar.steps import DenseHead
+
+    # Logits with more mantissa bits than bfloat16 keeps, so rounding them changes the loss.
+    logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, CLASSES)) * 3, jnp.float32)
+    labels = jnp.arange(4) % CLASSES
+    rounded = logits.astype(jnp.bfloat16).astype(jnp.float32)
+    assert not np.array_equal(np.asarray(rounded), np.asarray(logits))
+
+    def loss(output):
+        policy = make_policy(output=output)
+        out, _ = DenseHead().apply(
+            _FixedLogits(logits), {}, None, labels, train=train, policy=policy
+        )
+        return np.asarray(out["loss"])
+
+    np.testing.assert_array_equal(loss("float32"), np.asarray(cross_entropy(logits, labels)))
+    np.testing.assert_array_equal(loss("bfloat16"), np.asarray(cross_entropy(rounded, labels)))
+    assert not np.array_equal(loss("bfloat16"), loss("float32"))
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_a_nonfinite_step_changes_nothing_but_the_step_counter(precision):
+    """Not only float16: a NaN loss or gradient in any precision skips the update (the
+    parameters, optimizer state and BatchNorm statistics stay as they were)."""
+    policy = make_policy(precision)
+    mesh, model, tx, state, shardings = _setup("data:8", policy)
+    step = jit_train_step(
+        make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN, std=STD),
+        shardings,
+        mesh,
+        {"image": 4, "label": 1},
+    )
+    state, _ = step(state, shard_batch(_batch(16), mesh))  # momentum is non-zero from here
+    before = jax.device_get(state)
+    bad = dict(_batch(16, seed=1), image=np.full((16, SIZE, SIZE, 3), np.nan, np.float32))
+    state, metrics = step(state, shard_batch(bad, mesh))
+    assert not bool(metrics["grads_finite"]) and not np.isfinite(float(metrics["loss"]))
+    assert int(state.step) == 2
+    after = jax.device_get(state.replace(step=before.step))
+    for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(before), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # and the next good batch trains again
+    state, metrics = step(state, shard_batch(_batch(16, seed=2), mesh))
+    assert bool(metrics["grads_finite"])
+    changed = jax.device_get(state.params)
+    assert any(
+        not np.array_equal(a, b)
+        for a, b in zip(jax.tree.leaves(changed), jax.tree.leaves(before.params))
+    )

@@ -114,9 +114,14 @@ def test_diverging_run_stops_and_keeps_its_records(tmp_path):
             "--config.mesh=data:8",
             "--config.optim.base_lr=1e30",
             "--config.num_epochs=1",
+            "--config.max_nonfinite_steps=5",
         ]
     )
-    assert r.returncode == 2 and "non-finite loss" in r.stderr, r.stderr[-2000:]
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
+    assert "5 steps in a row" in errors[0] and "non-finite loss or gradient" in errors[0]
+    assert "no checkpoint was saved before it" in errors[0]
+    assert "Traceback" not in r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert not summary["completed"]
     assert any(rec["event"] == "compile" for rec in _records(tmp_path))

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from hybridpar import cli, shard_batch, trainer
+from hybridpar import checkpoint, cli, shard_batch, trainer
 from hybridpar.optim import lr_batch_factor
 from hybridpar.state import init_sharded
 
@@ -167,3 +167,69 @@ def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     assert "hybridpar_ips_32=" in last and "device=cpu" in last
+
+
+class Poisoned:
+    """The run's compiled train step, except that the steps in ``bad`` get images of NaN
+    (through the same step, jitted for float images): their loss and gradients are not
+    finite, as after an overflow or a corrupt batch."""
+
+    def __init__(self, program, compiled, bad):
+        self.program, self.compiled, self.bad, self.calls = program, compiled, bad, 0
+
+    def memory_analysis(self):
+        return self.compiled.memory_analysis()
+
+    def __call__(self, state, batch):
+        self.calls += 1
+        if self.calls not in self.bad:
+            return self.compiled(state, batch)
+        nan = {"image": np.full(batch["image"].shape, np.nan, np.float32)}
+        return self.program.train_jit(state, {**batch, **shard_batch(nan, self.program.mesh)})
+
+
+class Params:
+    """A hook that keeps every step's parameters and BatchNorm statistics (host copies)."""
+
+    def __init__(self):
+        self.after = {}
+
+    def __call__(self, loop, state, metrics, stage):
+        self.after[loop.step] = jax.device_get((state.params, state.batch_stats))
+
+
+def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path):
+    config = tiny_digits(**{"max_nonfinite_steps": 3, "checkpoint.every_steps": 2})
+    run = trainer.setup(config, str(tmp_path))
+    compiled = run.program.train_step(config.global_batch, config.data.image_size)
+    poisoned = Poisoned(run.program, compiled, bad={3, 6, 7, 8})
+    run.program.train_step = lambda batch, size: poisoned
+    params = Params()
+    with pytest.raises(trainer.NonFinite) as e:
+        trainer.train(run, hooks=[params])
+    msg = str(e.value)
+    assert "3 steps in a row (6..8) had a non-finite loss or gradient" in msg
+    assert "the parameters are those after step 5" in msg
+    assert f"the last checkpoint, step 6 in {tmp_path / 'checkpoints'}, is intact" in msg
+
+    def same(a, b):
+        return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+    # each skipped step changed nothing; the steps between them trained (the stop comes in
+    # the progress hook at step 8, before the later hooks see it)
+    assert sorted(params.after) == list(range(1, 8))
+    assert same(params.after[3], params.after[2]) and not same(params.after[4], params.after[3])
+    assert all(same(params.after[s], params.after[5]) for s in (6, 7))
+    lines = {r["step"]: r for r in records(tmp_path, "train")}
+    assert [lines[s]["skipped_steps"] for s in range(1, 8)] == [0, 0, 1, 0, 0, 1, 1]
+    assert lines[3]["loss"] is None and lines[4]["loss"] is not None
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert not summary["completed"] and "3 steps in a row" in summary["error"]
+    # no save after the stop: the checkpoints are those of steps 2, 4 and 6, the last one
+    # holding the parameters of step 5 (skipped steps 6 leaves them as they were)
+    saver = checkpoint.Checkpoints(str(tmp_path / "checkpoints"))
+    assert saver.manager.all_steps() == [2, 4, 6]
+    step, state, loop, _ = saver.restore(run.program.abstract_state())
+    saver.close()
+    assert step == 6 and loop["step"] == 6
+    assert same(jax.device_get((state.params, state.batch_stats)), params.after[5])
