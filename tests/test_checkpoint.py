@@ -7,7 +7,8 @@
 * A corrupted latest checkpoint falls back to the one before it, with a warning.
 * A workdir of another config is one error naming the key; an unwritable checkpoint
   directory is an error before training.
-* Through the CLI on data:8: SIGTERM mid-run gives a checkpoint, a message and exit 0; the
+* Through the CLI on data:8: kill -9 mid-run resumes from the last complete checkpoint and
+  recomputes the lost steps to the bit; SIGTERM gives a checkpoint, a message and exit 0; the
   same command resumes after the stop (not at step 0), appending to metrics.jsonl with
   wall_s continued; once more, it says the run is finished.
 """
@@ -145,6 +146,41 @@ def test_stop_and_resume_ends_bitwise_equal_to_the_uninterrupted_run(runs):
     assert [x.sharding for x in jax.tree.leaves(cut_state)] == shardings
 
 
+@pytest.mark.parametrize("meshes", [("data:8", "data:4,model:2"), ("data:8", "fsdp:8"),
+                                    ("data:8", "data:4")])  # fmt: skip
+def test_a_checkpoint_restores_onto_another_mesh_with_identical_values(runs, tmp_path, meshes):
+    """Saved on one mesh, restored onto another (or onto fewer devices): the abstract
+    target built from the new mesh's rules places each array in the new layout, and every
+    value is the one saved. The run's own checkpoint (data:4,model:2) is first restored
+    onto ``data:8`` and saved from there."""
+    run = runs["run"]
+
+    def program(spec):
+        devices = jax.devices()[: int(np.prod([int(a.split(":")[1]) for a in spec.split(",")]))]
+        return trainer.setup(tiny(mesh=spec), None, with_data=False, devices=devices).program
+
+    _, saved, _ = latest_state(run, runs["full"])
+    source, target = (program(m) for m in meshes)
+    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(run.config, str(runs["full"])))
+    _, on_source, _, _ = saver.restore(source.abstract_state())
+    saver.close()
+    assert_bitwise_equal(saved, on_source)
+    saver = checkpoint.Checkpoints(str(tmp_path / "ckpt"), async_save=False)
+    saver.save(1, on_source, {"step": 1}, {})
+    step, on_target, _, _ = saver.restore(target.abstract_state())
+    saver.close()
+    assert step == 1
+    assert_bitwise_equal(saved, on_target)
+    got = [x.sharding for x in jax.tree.leaves(on_target)]
+    assert got == jax.tree.leaves(target.shardings)
+    assert {d for s in got for d in s.device_set} == set(target.mesh.devices.flat)
+    # the layouts really differ: some array is split differently than where it was saved
+    assert any(
+        a.spec != b.spec or a.mesh.shape != b.mesh.shape
+        for a, b in zip(jax.tree.leaves(source.shardings), got)
+    )
+
+
 class CrashAt:
     def __init__(self, k):
         self.k = k
@@ -209,9 +245,7 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
     assert "trying the one before it" in out
 
 
-def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(
-    runs, tmp_path
-):
+def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
         trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False)
     # keys that change no number may differ; an explicit override lets the others
@@ -230,7 +264,8 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
 
 
 def _cmd(workdir, *extra):
-    tiny_args = [f"--config.{k}={v}" for k, v in {**TINY, "num_epochs": 2}.items()]
+    tiny = {**TINY, "num_epochs": 2, "checkpoint.every_steps": 2}
+    tiny_args = [f"--config.{k}={v}" for k, v in tiny.items()]
     return [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir",
             str(workdir), "--config.mesh=data:8", *tiny_args, *extra]  # fmt: skip
 
@@ -240,27 +275,55 @@ def _env():
                 JAX_PLATFORMS="cpu")  # fmt: skip
 
 
-def test_cli_sigterm_saves_exits_0_and_the_same_command_resumes(tmp_path):
-    w = tmp_path / "w"
-    with open(tmp_path / "stderr", "w") as stderr:
-        p = subprocess.Popen(_cmd(w), cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+def _signal_at(cmd, after_step, sig, log):
+    """Runs ``cmd``, sends ``sig`` once its output shows ``after_step``; (process, stdout)."""
+    with open(log, "w") as stderr:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                              stderr=stderr, text=True)  # fmt: skip
+        seen = []
         try:
             for line in p.stdout:
-                if line.startswith("train step") and int(line.split()[2].split("/")[0]) >= 3:
-                    p.send_signal(signal.SIGTERM)
+                seen.append(line)
+                if (
+                    line.startswith("train step")
+                    and int(line.split()[2].split("/")[0]) >= after_step
+                ):
+                    p.send_signal(sig)
                     break
             out, _ = p.communicate(timeout=300)
         finally:
             p.kill()
+    return p, "".join(seen) + out
+
+
+def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
+    w = tmp_path / "w"
+    # kill -9 after step 7: what is left is the periodic checkpoints (every 2 steps; the
+    # one of step 4 is complete, since the save of step 6 waited for it) and the lines
+    # logged so far. The same command resumes from the last complete checkpoint and
+    # recomputes the steps logged after it to the bit.
+    p, out = _signal_at(_cmd(w), 7, signal.SIGKILL, tmp_path / "stderr0")
+    assert p.returncode == -signal.SIGKILL
+    killed = records(w, "train")
+    assert not (w / "summary.json").exists() and len(killed) >= 7
+    assert [r["step"] for r in killed] == list(range(1, len(killed) + 1))
+    p, out = _signal_at(_cmd(w), 9, signal.SIGTERM, tmp_path / "stderr")
     err = (tmp_path / "stderr").read_text()
     assert p.returncode == 0, err[-3000:]
+    resumed_at = int(out.split("resumed from the checkpoint at step ")[1].split()[0])
+    assert resumed_at % 2 == 0 and 4 <= resumed_at <= len(killed)
+    redone = {r["step"]: r["loss"] for r in records(w, "train")[len(killed) :]}
+    again_steps = range(resumed_at + 1, len(killed) + 1)  # empty only if the kill came late
+    assert [redone[s] for s in again_steps] == [killed[s - 1]["loss"] for s in again_steps]
+
+    # SIGTERM: a checkpoint at the step boundary, a message, exit 0
     assert "SIGTERM: saving a checkpoint at the next step boundary" in out
     assert "resume with the same command" in out and "Traceback" not in err
     s1 = json.loads((w / "summary.json").read_text())
     stop = s1["steps"]
     assert not s1["completed"] and s1["preempted"] == "SIGTERM"
-    assert 3 <= stop < s1["total_steps"] and s1["latest_checkpoint"] == stop
+    assert 9 <= stop < s1["total_steps"] and s1["latest_checkpoint"] == stop
+    assert s1["resumed_from"] == resumed_at
     seg1 = records(w)
 
     r = subprocess.run(_cmd(w), cwd=ROOT, env=_env(), capture_output=True, text=True,
@@ -307,8 +370,9 @@ def test_a_failed_save_is_an_error_naming_the_last_good_checkpoint(tmp_path):
             saver.save(2, tree, {"step": object()}, {})
             saver.finished(wait=True)
         saver.close()
-        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                               sharding=x.sharding), tree)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+        )
         step, back, loop, _ = checkpoint.Checkpoints(str(d)).restore(abstract)
         assert step == 1 and loop == {"step": 1}
         np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(16.0))
