@@ -8,10 +8,31 @@ from hybridpar.errors import ConfigError
 from hybridpar.input.tfds_source import TfdsPipeline
 
 
+class DistinctDigits(tfds.core.GeneratorBasedBuilder):
+    """20 train + 20 test grayscale PNGs, each one grey level of its own (tfds' DummyMnist
+    repeats one image, so it could not show which host read which example)."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        features = {
+            "image": tfds.features.Image(shape=(28, 28, 1)),
+            "label": tfds.features.ClassLabel(num_classes=10),
+        }
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(features))
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(0), "test": self._generate_examples(100)}
+
+    def _generate_examples(self, offset):
+        for i in range(20):
+            yield i, {"image": np.full((28, 28, 1), offset + 5 * i, np.uint8), "label": i % 10}
+
+
 @pytest.fixture(scope="module")
 def builder_dir(tmp_path_factory):
-    b = tfds.testing.DummyMnist(data_dir=str(tmp_path_factory.mktemp("tfds")))
-    b.download_and_prepare()  # generated locally: 20 train + 20 test grayscale PNGs
+    b = DistinctDigits(data_dir=str(tmp_path_factory.mktemp("tfds")))
+    b.download_and_prepare()  # generated locally, nothing downloaded
     return b.data_dir
 
 
