@@ -10,7 +10,8 @@
 * Through the command line, restarted on a copy of the run with part of its record gone and
   one checkpoint deleted, on 4 devices with another mesh: only the missing steps are
   evaluated, the deleted one is reported skipped, and ``--watch`` stops by itself.
-* No workdir, a run of another config and no checkpoints without ``--watch`` are errors.
+* No workdir, a run of another config, no checkpoints without ``--watch``, and a mesh whose
+  data-parallel size gives a curriculum other steps than the trainer's are errors.
 """
 
 import json
