@@ -155,9 +155,18 @@ class Checkpoints:
     write goes on in the background when ``async_save``. ``finished()`` hands back, once,
     each save that has since been committed, with its blocking and total seconds and size
     on disk: the ``checkpoint`` events. We decide when to save (steps, minutes, preemption),
-    so orbax's own interval is 1 and each save is forced."""
+    so orbax's own interval is 1 and each save is forced. ``read_only``: for a reader beside
+    a running trainer (the evaluator): nothing saved, deleted or created, and the trainer's
+    save in flight (a temporary directory) left alone."""
 
-    def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    def __init__(
+        self,
+        directory: str,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
         import orbax.checkpoint as ocp
 
         global _single_writer
@@ -174,15 +183,27 @@ class Checkpoints:
             )
         self.ocp, self.directory = ocp, directory
         self._committed_at = None  # set by orbax's thread when an async save is final
-        options = ocp.CheckpointManagerOptions(
-            save_interval_steps=1,
-            max_to_keep=max_to_keep or None,
-            enable_async_checkpointing=async_save,
-            cleanup_tmp_directories=True,  # a save cut short by a crash leaves a tmp dir
-            async_options=(
-                ocp.AsyncOptions(post_finalization_callback=self._committed) if async_save else None
-            ),
-        )
+        if read_only:
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                save_interval_steps=0,
+                max_to_keep=None,
+                create=False,
+                cleanup_tmp_directories=False,
+                enable_async_checkpointing=False,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_interval_steps=1,
+                max_to_keep=max_to_keep or None,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,  # a save cut short by a crash leaves a tmp dir
+                async_options=(
+                    ocp.AsyncOptions(post_finalization_callback=self._committed)
+                    if async_save
+                    else None
+                ),
+            )
         self.manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
         self._pending = None  # (step, start time, blocking seconds) of the save in flight
         self._done: list[dict] = []
@@ -192,6 +213,12 @@ class Checkpoints:
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
+
+    def committed_steps(self) -> list[int]:
+        """The steps on disk now, oldest first (read again: another process may have saved
+        or deleted some). orbax lists only committed steps, never a save in flight."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state, loop: dict, config: dict) -> float:
         """Saves at ``step``; returns the seconds it blocked the loop."""
@@ -254,32 +281,37 @@ class Checkpoints:
         done, self._done = self._done, []
         return done
 
-    def restore(self, abstract_state):
+    def restore(self, abstract_state, step: int | None = None):
         """``(step, state, loop dict, config dict)`` from the newest checkpoint that reads
         back whole, or None when there is none. A newest one that does not read back (cut
-        short, corrupted) is skipped with a warning, the one before it used."""
-        args = self.ocp.args
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        short, corrupted) is skipped with a warning, the one before it used. With ``step``:
+        that checkpoint, or orbax's error if it does not read back (the caller decides)."""
+        if step is not None:
+            return self._read(step, abstract_state)
+        for newest in sorted(self.manager.all_steps(), reverse=True):
             try:
-                out = self.manager.restore(
-                    step,
-                    args=args.Composite(
-                        state=args.StandardRestore(abstract_state),
-                        loop=args.JsonRestore(),
-                        config=args.JsonRestore(),
-                    ),
-                )
+                return self._read(newest, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
                 msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
                 if jax.process_index() == 0:
                     print(
-                        f"warning: checkpoint {step} in {self.directory} does not read back "
+                        f"warning: checkpoint {newest} in {self.directory} does not read back "
                         f"({msg}); trying the one before it",
                         flush=True,
                     )
-                continue
-            return step, out["state"], dict(out["loop"]), dict(out["config"])
         return None
+
+    def _read(self, step: int, abstract_state):
+        args = self.ocp.args
+        out = self.manager.restore(
+            step,
+            args=args.Composite(
+                state=args.StandardRestore(abstract_state),
+                loop=args.JsonRestore(),
+                config=args.JsonRestore(),
+            ),
+        )
+        return step, out["state"], dict(out["loop"]), dict(out["config"])
 
     def close(self) -> None:
         try:

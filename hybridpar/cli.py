@@ -7,7 +7,7 @@
 
 The override syntax is ml_collections ``config_flags``' (the config is locked, so a
 misspelt key is an error, and a value takes the type of the key it replaces), but the parser
-is ours, for three reasons: every tool (train, comm_report, the benches, and evaluate, report
+is ours, for three reasons: every tool (train, evaluate, comm_report, the benches, and report
 and plan to come) shares it with one set of ``error:`` messages; it needs no absl, so the
 benches run where only jax, flax and optax are installed (the GPU image, with
 ``bench/gpu``'s stand-in for ml_collections); and nothing here imports JAX, so a tool can

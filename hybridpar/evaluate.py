@@ -1,0 +1,44 @@
+"""``python -m hybridpar.evaluate --config experiments/NAME.py --workdir W [--watch] [--poll-s S]``.
+
+Evaluation off the training clock: evaluates each checkpoint of the training run in ``W``
+on the whole eval split, on this process's own devices, while the trainer goes on. Without
+``--watch``, every checkpoint not evaluated yet, then exit; with ``--watch``, also each new
+one as it is committed, until the run's last step. Train with
+``--config.eval_every_epochs=0`` to leave it every evaluation but the last.
+
+Only the command line: the evaluation itself is ``hybridpar/evaluator.py``. The config is the
+run's own; ``--config.mesh=...`` (and the other placement keys) may fit it to the devices
+here. Records go to ``W/evaluator/metrics.jsonl``. A bad workdir or config is one ``error:``
+line that names the fix (exit code 2).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hybridpar import cli
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.evaluate", __doc__)
+    parser.add_argument("--workdir", help="the training run's workdir")
+    parser.add_argument(
+        "--watch", action="store_true", help="wait for new checkpoints until the run's last step"
+    )
+    parser.add_argument(
+        "--poll-s", type=float, default=5.0, help="seconds between looks (with --watch)"
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv)
+    if not args.workdir:
+        cli.fail("pass --config experiments/NAME.py and --workdir DIR (the training run's)")
+    if not args.poll_s > 0:
+        cli.fail(f"--poll-s={args.poll_s:g} must be > 0, e.g. --poll-s=5")
+
+    from hybridpar import evaluator  # imports jax: after the command line is known to be good
+
+    cli.main(lambda: evaluator.run(config, args.workdir, watch=args.watch, poll_s=args.poll_s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The evaluator (issue 12, item 6): evaluation off the training clock.
+
+* While a tiny run trains (a checkpoint every 3 steps, all kept, eval_every_epochs=0), a
+  watching evaluator in the same process evaluates each checkpoint as it is committed (the
+  trainer waits at step 7 until the evaluator has done step 3), writes one ``eval`` event
+  per checkpoint with the trainer's wall time at that step, and stops by itself after the
+  last one; its final top-1 equals the trainer's own final eval exactly, and the trainer
+  evaluated only its last step.
+* Called again, it evaluates nothing new.
+* Through the command line, restarted on a copy of the run with part of its record gone and
+  one checkpoint deleted, on 4 devices with another mesh: only the missing steps are
+  evaluated, the deleted one is reported skipped, and ``--watch`` stops by itself.
+* No workdir, a run of another config, no checkpoints without ``--watch``, and a mesh whose
+  data-parallel size gives a curriculum other steps than the trainer's are errors.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridpar import cli, evaluate, evaluator, trainer
+from hybridpar.curriculum import plan_stages, stages_from_config
+from hybridpar.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+DIGITS = str(ROOT / "experiments" / "digits.py")
+TINY = {  # the digits job in a few seconds (as tests/test_checkpoint.py's)
+    "mesh": "data:4,model:2",
+    "model.num_filters": 8,
+    "data.image_size": 16,
+    "global_batch": 32,
+    "eval_batch": 120,
+    "num_epochs": 0.25,
+    "log_every_s": 0.0,
+    "optim.warmup_epochs": 0.1,
+}
+RUN = {"checkpoint.every_steps": 3, "checkpoint.max_to_keep": 0, "eval_every_epochs": 0}
+STEPS = [3, 6, 9, 11]  # the checkpoints of the 11-step run: every 3 steps and the last
+
+
+def tiny(**overrides):
+    c = cli.load(DIGITS)
+    cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY, **overrides}.items()])
+    return c
+
+
+def records(path, event=None):
+    lines = Path(path).read_text().splitlines()
+    return [r for r in map(json.loads, lines) if event is None or r["event"] == event]
+
+
+def saved_loop(workdir, step):
+    """The loop state a checkpoint holds (orbax's JSON item, read as a file)."""
+    return json.loads(next((workdir / "checkpoints" / str(step) / "loop").glob("*metadata*"))
+                      .read_text())  # fmt: skip
+
+
+class WaitForEvaluator:
+    """A trainer hook: at step ``at``, waits until the evaluator has evaluated ``step``, so
+    the test shows the watch picking checkpoints up while the run trains, not after it."""
+
+    def __init__(self, workdir, at, step):
+        self.path, self.at, self.step = workdir / "evaluator" / "metrics.jsonl", at, step
+        self.waited = None
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step != self.at:
+            return
+        t0 = time.time()
+        while not (self.path.exists() and self.step in [r["step"] for r in records(self.path)]):
+            if time.time() - t0 > 120:
+                raise AssertionError(f"the evaluator did not evaluate step {self.step}")
+            time.sleep(0.05)
+        self.waited = time.time() - t0
+
+
+@pytest.fixture(scope="module")
+def watched(tmp_path_factory):
+    """A run trained in this thread while an evaluator watches it from another."""
+    w = tmp_path_factory.mktemp("eval") / "w"
+    run = trainer.setup(tiny(**RUN), str(w))  # creates w; config.json comes with train()
+    assert run.plan.total_steps == STEPS[-1]
+    out = {}
+
+    def watch():
+        try:
+            out["events"] = evaluator.run(tiny(**RUN), str(w), watch=True, poll_s=0.1)
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            out["error"] = e
+
+    thread = threading.Thread(target=watch, daemon=True)  # daemon: a failed run cannot hang
+    thread.start()
+    hook = WaitForEvaluator(w, at=7, step=3)
+    summary = trainer.train(run, hooks=[hook])
+    thread.join(timeout=120)
+    return {"w": w, "summary": summary, "out": out, "hook": hook, "alive": thread.is_alive()}
+
+
+def test_watch_evaluates_each_checkpoint_as_it_comes_and_stops_after_the_last(watched):
+    w, summary, out = watched["w"], watched["summary"], watched["out"]
+    assert not watched["alive"], "the watching evaluator did not stop after the last step"
+    assert "error" not in out, repr(out.get("error"))
+    assert watched["hook"].waited is not None  # step 3 evaluated while the trainer was at 7
+    assert summary["completed"]
+    assert [r["step"] for r in records(w / "metrics.jsonl", "checkpoint")] == STEPS
+    # eval_every_epochs=0 leaves the trainer its last step's eval only (the summary's)
+    assert [r["step"] for r in records(w / "metrics.jsonl", "eval")] == [STEPS[-1]]
+
+    events = out["events"]
+    assert events == records(w / "evaluator" / "metrics.jsonl")
+    assert [(r["event"], r["step"]) for r in events] == [("eval", s) for s in STEPS]
+    for r in events:
+        assert r["source"] == "evaluator" and r["examples"] == 360
+        assert r["wall_s"] == saved_loop(w, r["step"])["wall_s"]  # the trainer's clock
+    assert [r["wall_s"] for r in events] == sorted(r["wall_s"] for r in events)
+    final = summary["final_eval"]
+    for key in ("top1", "top5", "loss"):
+        assert events[-1][key] == final[key], key
+    assert len({r["loss"] for r in events}) == len(STEPS)  # each checkpoint its own model
+
+
+def test_a_second_call_evaluates_nothing_new(watched, capsys):
+    w = watched["w"]
+    before = records(w / "evaluator" / "metrics.jsonl")
+    assert evaluator.run(tiny(**RUN), str(w)) == []
+    assert records(w / "evaluator" / "metrics.jsonl") == before
+    assert "evaluated 0 checkpoint(s)" in capsys.readouterr().out
+
+
+def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted_one(
+    watched, tmp_path
+):
+    w = tmp_path / "w"
+    shutil.copytree(watched["w"], w)
+    record = w / "evaluator" / "metrics.jsonl"
+    record.write_text(record.read_text().splitlines()[0] + "\n")  # only step 3 done
+    shutil.rmtree(w / "checkpoints" / "6")  # as the trainer's retention would
+    tiny_args = [f"--config.{k}={v}" for k, v in TINY.items() if k != "mesh"]
+    cmd = [sys.executable, "-m", "hybridpar.evaluate", "--config", DIGITS, "--workdir", str(w),
+           "--watch", "--poll-s=0.1", *tiny_args, "--config.mesh=data:4"]  # fmt: skip
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                       text=True, timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "checkpoint 6: skipped, deleted before it was evaluated" in r.stdout
+    events = records(record)
+    assert [(e["event"], e["step"]) for e in events] == [
+        ("eval", 3), ("eval_skipped", 6), ("eval", 9), ("eval", 11)
+    ]  # fmt: skip
+    assert events[1]["wall_s"] is None and "max_to_keep" in events[1]["reason"]
+    # read onto data:4 (the trainer's was data:4,model:2): the same model, to rounding
+    final = watched["summary"]["final_eval"]
+    assert abs(events[-1]["top1"] - final["top1"]) <= 1 / 360 + 1e-9
+    assert events[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5)
+
+
+def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_path, capsys):
+    with pytest.raises(ConfigError, match="no workdir .* start that run first"):
+        evaluator.run(tiny(), str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"another config: seed was 0, now 1; pass the run's"):
+        evaluator.run(tiny(seed=1), str(watched["w"]))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
+        evaluator.run(tiny(), str(tmp_path / "empty"))
+    # and through the command line: one error: line, exit code 2
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--config", DIGITS, "--workdir", str(tmp_path / "missing")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: no workdir") and err.count("\n") == 1
+
+
+def test_a_plan_other_than_the_trainers_is_an_error():
+    """config.stages batches are per data-parallel device, so an evaluator on a mesh with
+    another data x fsdp size plans other steps: the checkpoint's loop state shows it."""
+    c = tiny(stages="0.1:16-8,0.25:16-16")
+    train_plan, other = (
+        plan_stages(stages_from_config(c, dp), lambda batch: 1437 // batch) for dp in (4, 8)
+    )
+    loop = trainer.LoopState()
+    for stage in train_plan.stages:  # the trainer's loop up to the end of its run
+        loop.enter(stage)
+        for _ in range(stage.num_steps):
+            loop.advance(stage)
+    evaluator.check_position(train_plan, loop.step, loop.to_dict())
+    with pytest.raises(ConfigError, match="with the trainer's data x fsdp size"):
+        evaluator.check_position(other, loop.step, loop.to_dict())
