@@ -26,4 +26,5 @@ def get_config():
     c.label_smoothing = 0.1
     c.eval_every_epochs = 3.0
     c.target_top1 = 0.97
+    c.target_top5 = 0.99
     return c

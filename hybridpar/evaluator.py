@@ -41,6 +41,7 @@ PLACEMENT_KEYS = (
     "eval_batch",
     "eval_every_epochs",
     "target_top1",
+    "target_top5",
 )
 SKIPPED = "eval_skipped"
 
