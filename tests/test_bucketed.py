@@ -306,8 +306,9 @@ def test_resnet50_bucketed_local_all_reduce_count(resnet50_params):
 def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     # fsdp:8 with the FSDP preset (arrays >= 1024 elements split): per bucket ONE all-gather
     # of its split parameters and ONE reduce-scatter of their gradients (plus one all-reduce
-    # of the small replicated ones); one more all-gather for the split BN statistics and one
-    # all-reduce for the loss and BN running averages.
+    # of the small replicated ones); one more all-gather for the split BN statistics, one
+    # all-reduce for the loss and BN running averages, and one of a single boolean: whether
+    # every (split) gradient is finite, for the skip of a non-finite step.
     hlo, abstract = _resnet50_hlo("bucketed", "fsdp:8")
     plan = bucket_plan(resnet50_params, 32)
     split = [
@@ -330,7 +331,7 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     got = sorted(s for ln in scatters for s in _result_sizes(ln, "reduce-scatter"))
     assert got == sorted(n // 8 for n in split)
     assert len(gathers) == len(plan) + 1
-    assert len(reduces) <= len(plan) + 1
+    assert len(reduces) <= len(plan) + 2
     xla_hlo, _ = _resnet50_hlo("xla", "fsdp:8")
     assert len(_all_reduces(xla_hlo, "all-gather")) > 50  # XLA's own: one per array
 
