@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -71,7 +72,9 @@ def ensure_writable(path: str, what: str, fix: str) -> None:
     """``path`` exists and this process can write there, or one error naming ``fix``."""
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test.{jax.process_index()}")
+        # Named by host and pid, not jax.process_index(): that would start the backend
+        # before comm's XLA flags and jax.distributed.initialize, which must come first.
+        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
