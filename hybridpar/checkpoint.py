@@ -32,7 +32,7 @@ from hybridpar.errors import ConfigError
 ITEMS = ("state", "loop", "config")
 # Keys that may change between the segments of one run: they change neither the numbers
 # nor what a checkpoint holds (how often to log and checkpoint, input threads and depth).
-FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads")
+FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads", "distributed_timeout_s")
 
 
 def checkpoint_dir(config, workdir: str) -> str:
