@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -31,7 +32,7 @@ from hybridpar.errors import ConfigError
 ITEMS = ("state", "loop", "config")
 # Keys that may change between the segments of one run: they change neither the numbers
 # nor what a checkpoint holds (how often to log and checkpoint, input threads and depth).
-FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads")
+FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads", "distributed_timeout_s")
 
 
 def checkpoint_dir(config, workdir: str) -> str:
@@ -71,7 +72,9 @@ def ensure_writable(path: str, what: str, fix: str) -> None:
     """``path`` exists and this process can write there, or one error naming ``fix``."""
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, f".write_test.{jax.process_index()}")
+        # Named by host and pid, not jax.process_index(): that would start the backend
+        # before comm's XLA flags and jax.distributed.initialize, which must come first.
+        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

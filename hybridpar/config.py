@@ -167,7 +167,11 @@ def base_config() -> ml_collections.ConfigDict:
     # were) and counted; this many in a row stop the run with an error naming the last
     # checkpoint. float16's loss scale may need ~15 in a row to back off from 2**15.
     c.max_nonfinite_steps = 20
-    c.distributed = False  # True: jax.distributed.initialize() (SLURM, k8s, TPU VM env)
+    # True: join JAX's distributed runtime, one process per host (hybridpar/distributed.py:
+    # JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or SLURM, TPU VM, k8s).
+    c.distributed = False
+    # How long the processes wait for each other to join before the run stops with an error.
+    c.distributed_timeout_s = 300.0
     # Checkpoints (hybridpar/checkpoint.py): train state and loop state every every_steps
     # steps and/or every_minutes minutes (0: off), at the last step and on SIGTERM/SIGINT;
     # the newest max_to_keep kept (0: all). async: written in the background while training
@@ -216,6 +220,7 @@ RANGES = {
     "eval_every_epochs": (0, None, True, True),
     "log_every_s": (0, None, True, True),
     "max_nonfinite_steps": (1, None, True, True),
+    "distributed_timeout_s": (0, None, False, True),
     "precision.loss_scale_initial": (0, None, False, True),
     "precision.loss_scale_period": (1, None, True, True),
 }

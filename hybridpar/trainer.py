@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from hybridpar import checkpoint, comm, partitioning
+from hybridpar import checkpoint, comm, distributed, partitioning
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -83,7 +83,7 @@ def setup(
         with_data = with_data and finished is None  # nothing to train: no data to open
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
-        jax.distributed.initialize()
+        distributed.initialize(config)
 
     # ---- Mesh and placement rules ----
     mesh = make_mesh(config.mesh, devices=devices)

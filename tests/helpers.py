@@ -86,6 +86,15 @@ def require_shared_data(*relative: str) -> Path:
     return DATA
 
 
+def free_port() -> int:
+    """A TCP port free on loopback now (for a coordinator the test starts next)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def bench_module(name: str):
     """``bench/NAME.py`` imported by path (bench/ is not a package; no sys.path changes)."""
     import importlib.util

@@ -8,7 +8,6 @@ same global batches from the same random start (``helpers.assert_parity``).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,15 +15,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import Run, assert_parity, batches, build, random_state, reference, tiny_config
+from helpers import (
+    Run,
+    assert_parity,
+    batches,
+    build,
+    free_port,
+    random_state,
+    reference,
+    tiny_config,
+)
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def single():
 
 @pytest.mark.parametrize("mesh", ["data:4,model:2", "data:2,fsdp:2,model:2"])
 def test_two_processes_match_one_device(mesh, single, tmp_path):
-    port = str(_free_port())
+    port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     out = tmp_path / "state.npz"
     procs = [
