@@ -127,7 +127,8 @@ def base_config() -> ml_collections.ConfigDict:
             # `momentum` over the first momentum_ramp_epochs epochs (e.g. 0.98 -> 0.9 over
             # the warmup: momentum_start=0.98, momentum_ramp_epochs=warmup_epochs), then
             # holds it. A value in the optimizer state (optax.inject_hyperparams), so it
-            # costs no recompile. -1: momentum is `momentum` throughout.
+            # costs no recompile. -1: momentum is `momentum` throughout. Turning it on or off
+            # changes the optimizer state's structure: a run cannot resume across that.
             momentum_start=-1.0,
             momentum_ramp_epochs=0.0,
             nesterov=True,
