@@ -54,8 +54,9 @@ def curriculum_run(w: Path) -> None:
     ])  # fmt: skip
     (w / "summary.json").write_text(json.dumps({
         "steps": 20, "completed": True, "error": None, "wall_s": 30.0, "compile_s": 3.0,
-        "train_images_per_s": 1234.5, "target_top1": 0.75,
-        "time_to_target": {"wall_s": 22.0, "step": 15, "epoch": 3.0, "top1": 0.8},
+        "train_images_per_s": 1234.5, "target_top1": 0.75, "target_top5": 0.99,
+        "time_to_target": {"top1": {"target": 0.75, "value": 0.8, "step": 15, "epoch": 3.0,
+                                    "wall_s": 22.0, "wall_s_without_compile": 19.0}},
     }))  # fmt: skip
 
 
@@ -112,9 +113,9 @@ def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_p
     assert table_rows((tmp_path / "out" / "r.md").read_text()) == rows
     assert set(rows) == {"curriculum", "resumed"}
     cur, res = rows["curriculum"], rows["resumed"]
-    assert (cur["best top1"], cur["best top5"]) == ("0.8000", "0.9500")
+    assert (cur["best top1"], cur["best top5"]) == ("0.8000", "0.9600")  # at other evals
     assert (cur["epochs"], cur["steps"], cur["status"]) == ("4", "20", "completed")
-    assert cur["time to target"] == "22.0s @ 0.75"
+    assert cur["time to target"] == "top1 0.75: 22.0s (19.0s w/o compile); top5 0.99: not reached"
     assert (cur["wall s"], cur["compile s"], cur["images/s"]) == ("30.0", "3.0", "1234.5")
     # the pre-kill eval of step 10 (0.95) was superseded; the evaluator's 0.65 is the best
     assert (res["best top1"], res["best top5"]) == ("0.6500", "0.9000")
@@ -122,12 +123,15 @@ def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_p
     assert res["status"].startswith("running") and res["time to target"] == "-"
 
 
-def test_time_to_a_target_of_our_own_from_the_eval_records(tmp_path):
+def test_time_to_targets_of_our_own_from_the_eval_records(tmp_path):
     curriculum_run(tmp_path / "a")
-    rows = table_rows(report.report([str(tmp_path / "a")], str(tmp_path / "r.png"), 0.7))
-    assert rows["a"]["time to target"] == "15.5s @ 0.7"
-    rows = table_rows(report.report([str(tmp_path / "a")], str(tmp_path / "r.png"), 0.99))
-    assert rows["a"]["time to target"] == "not reached (0.99)"
+    out = str(tmp_path / "r.png")
+    rows = table_rows(report.report([str(tmp_path / "a")], out, {"top1": 0.7, "top5": 0.9}))
+    # the eval of step 10 at 15.5 s, after 3 s of compiling
+    want = "top1 0.7: 15.5s (12.5s w/o compile); top5 0.9: 15.5s (12.5s w/o compile)"
+    assert rows["a"]["time to target"] == want
+    rows = table_rows(report.report([str(tmp_path / "a")], out, {"top1": 0.99}))
+    assert rows["a"]["time to target"] == "top1 0.99: not reached; top5 0.99: not reached"
 
 
 def error_line(capsys, argv) -> str:
@@ -144,7 +148,7 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     assert "no workdir" in error_line(capsys, [str(tmp_path / "nope"), "--out", out])
     (tmp_path / "empty").mkdir()
     assert "has no metrics.jsonl" in error_line(capsys, [str(tmp_path / "empty"), "--out", out])
-    assert "is a fraction" in error_line(capsys, [str(tmp_path), "--target-top1", "80"])
+    assert "is a fraction" in error_line(capsys, [str(tmp_path), "--target-top5", "80"])
     assert not os.path.exists(out)
 
 
