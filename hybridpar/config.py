@@ -123,6 +123,14 @@ def base_config() -> ml_collections.ConfigDict:
             # "sqrt" (LARS at very large batch) or "none".
             lr_batch_scaling="linear",
             momentum=0.9,
+            # Momentum schedule: momentum_start >= 0 ramps momentum linearly from it to
+            # `momentum` over the first momentum_ramp_epochs epochs (e.g. 0.98 -> 0.9 over
+            # the warmup: momentum_start=0.98, momentum_ramp_epochs=warmup_epochs), then
+            # holds it. A value in the optimizer state (optax.inject_hyperparams), so it
+            # costs no recompile. -1: momentum is `momentum` throughout. Turning it on or off
+            # changes the optimizer state's structure: a run cannot resume across that.
+            momentum_start=-1.0,
+            momentum_ramp_epochs=0.0,
             nesterov=True,
             weight_decay=1e-4,
             schedule="cosine",
@@ -207,6 +215,7 @@ RANGES = {
     "optim.base_lr": (0, None, False, True),
     "optim.lr_batch_base": (0, None, False, True),
     "optim.momentum": (0, 1, True, False),
+    "optim.momentum_ramp_epochs": (0, None, True, True),
     "optim.weight_decay": (0, None, True, True),
     "optim.warmup_epochs": (0, None, True, True),
     "optim.warmup_start_factor": (0, 1, True, True),
@@ -300,6 +309,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 f"checkpoint.{key}={c.checkpoint[key]!r} must be >= 0 (0: {zero}); "
                 f"set --config.checkpoint.{key}=..."
             )
+    o = c.optim
+    if o.momentum_start != -1 and not 0 <= o.momentum_start < 1:
+        raise ConfigError(
+            f"optim.momentum_start={o.momentum_start!r} must be >= 0 and < 1 (a momentum), or "
+            "-1 for no momentum schedule; set e.g. --config.optim.momentum_start=0.98"
+        )
+    if o.momentum_start >= 0 and o.momentum_ramp_epochs <= 0:
+        raise ConfigError(
+            f"optim.momentum_start={o.momentum_start!r} needs optim.momentum_ramp_epochs > 0 "
+            "(the epochs over which momentum goes from momentum_start to optim.momentum); set "
+            "e.g. --config.optim.momentum_ramp_epochs=2, or --config.optim.momentum_start=-1 "
+            "for a constant momentum"
+        )
     for key in ("target_top1", "target_top5"):
         if c[key] > 1:
             raise ConfigError(f"{key}={c[key]} is a fraction: use e.g. --config.{key}=0.93, not 93")

@@ -7,6 +7,12 @@
   epoch reached (``hybridpar.curriculum.StagePlan``), so they stay right when a stage
   changes the batch and so the steps per epoch.
 * SGD with (Nesterov) momentum, or LARS (You et al. 2017) for very large batches.
+* Momentum constant (``optim.momentum``) or, with ``optim.momentum_start >= 0``, a linear
+  ramp from ``momentum_start`` to ``momentum`` over ``momentum_ramp_epochs`` (e.g. 0.98 ->
+  0.9 over the warmup), also a function of the epoch reached. The scheduled optimizer is
+  wrapped in ``optax.inject_hyperparams``, so momentum (and the learning rate) are values
+  in the optimizer state: a change of momentum is not a new compiled program. Without a
+  ramp the optimizer is built as before, so its state and numbers stay the same.
 * Weight decay applies to kernels only: BatchNorm scales/offsets and biases are left alone
   (as fast.ai and MLPerf do), and LARS's trust ratio is masked the same way.
 """
@@ -79,24 +85,63 @@ def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
     return schedule
 
 
+def momentum_at(cfg, epoch):
+    """Momentum at ``epoch`` (float; traced or not): linear from ``momentum_start`` to
+    ``momentum`` over the first ``momentum_ramp_epochs`` epochs, then ``momentum``."""
+    t = jnp.clip(epoch / cfg.momentum_ramp_epochs, 0.0, 1.0)
+    return cfg.momentum_start + (cfg.momentum - cfg.momentum_start) * t
+
+
+def make_momentum_schedule(cfg, plan: StagePlan) -> optax.Schedule | None:
+    """``step -> momentum`` over the stages of ``plan``; None when momentum is constant
+    (``momentum_start < 0``)."""
+    if cfg.momentum_start < 0:
+        return None
+    return lambda step: momentum_at(cfg, plan.epoch_at(step))
+
+
+def keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` whose state keeps the dtypes ``init`` gave it. Injected hyperparameters are
+    float32 arrays, not weakly typed Python floats, so ``momentum * trace`` would turn a
+    bfloat16 trace into float32: another state type, so another compiled step."""
+
+    def update(updates, state, params=None):
+        updates, new = tx.update(updates, state, params)
+        return updates, jax.tree.map(lambda n, o: n.astype(o.dtype), new, state)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
 def make_optimizer(cfg, plan: StagePlan):
     """Returns ``(tx, schedule)`` for the ``optim`` config section and the run's stages."""
     schedule = make_schedule(cfg, plan)
+    momentum = make_momentum_schedule(cfg, plan)
+    scheduled = momentum is not None
+    if not scheduled:  # constant: optax's optimizers as they are, so nothing changes
+        sgd, lars, momentum = optax.sgd, optax.lars, cfg.momentum
+    else:
+        # Schedules become values in the state (``hyperparams``), read each step: one
+        # compiled step serves every momentum. The masks are functions, not schedules.
+        sgd = optax.inject_hyperparams(optax.sgd)
+        lars = optax.inject_hyperparams(
+            optax.lars, static_args=("weight_decay_mask", "trust_ratio_mask")
+        )
     if cfg.name == "sgd":
         tx = optax.chain(
             optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-            optax.sgd(schedule, momentum=cfg.momentum or None, nesterov=cfg.nesterov),
+            # momentum 0 (constant): no trace at all; a schedule always has one
+            sgd(schedule, momentum=momentum or None, nesterov=cfg.nesterov),
         )
     elif cfg.name == "lars":
-        tx = optax.lars(
+        tx = lars(
             schedule,
             weight_decay=cfg.weight_decay,
             weight_decay_mask=decay_mask,
             trust_coefficient=cfg.lars_trust,
             trust_ratio_mask=decay_mask,
-            momentum=cfg.momentum,
+            momentum=momentum,
             nesterov=cfg.nesterov,
         )
     else:
         raise ConfigError(f"optim.name={cfg.name!r}: use 'sgd' or 'lars'")
-    return tx, schedule
+    return (keep_state_dtypes(tx) if scheduled else tx), schedule

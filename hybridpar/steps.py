@@ -158,6 +158,12 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
         "grads_finite": finite,
         "loss_scale": state.loss_scale.scale,
     }
+    # A momentum schedule (optax.inject_hyperparams) keeps this step's momentum in the
+    # optimizer state: report it. A constant momentum is not in the state (the trainer
+    # reports optim.momentum then).
+    hyperparams = optax.tree_utils.tree_get(opt_state, "hyperparams") or {}
+    if "momentum" in hyperparams:
+        metrics["momentum"] = hyperparams["momentum"]
     return new, metrics
 
 

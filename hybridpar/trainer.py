@@ -257,6 +257,7 @@ class Progress:
             epoch,
             loss=loss if good else None,  # JSON has no NaN
             lr=float(fetched[-1]["lr"]),
+            momentum=float(fetched[-1].get("momentum", self.run.config.optim.momentum)),
             images_per_s=round(steps * batch / dt, 2),
             image_size=stage.stage.image_size,
             global_batch=batch,

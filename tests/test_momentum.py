@@ -1,0 +1,174 @@
+"""The momentum schedule (``optim.momentum_start`` -> ``optim.momentum`` over
+``optim.momentum_ramp_epochs``), through ``optax.inject_hyperparams``:
+
+* the optimizer state holds each step's momentum, and it follows the schedule;
+* the real train step compiles once while the momentum changes;
+* without a schedule the optimizer is optax's own, bitwise (no injected state);
+* the trainer's train lines report the momentum used; bad values are ``ConfigError``s.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from helpers import ROOT, batches, build, tiny_config
+
+from hybridpar import cli, shard_batch, trainer
+from hybridpar.config import base_config, validate
+from hybridpar.curriculum import single_stage_plan
+from hybridpar.errors import ConfigError
+from hybridpar.optim import decay_mask, make_optimizer, momentum_at
+from hybridpar.state import init_sharded
+
+PLAN = single_stage_plan(10, 100, 256)  # 10 steps an epoch
+
+
+def optim_cfg(**overrides):
+    cfg = ml_collections.ConfigDict(base_config().optim.to_dict())
+    cfg.update(overrides)
+    return cfg
+
+
+def params_and_grads():
+    rng = np.random.default_rng(0)
+    params = {
+        "kernel": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+        "bias": jnp.asarray(rng.normal(size=(3,)), jnp.float32),
+    }
+    g = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    return params, [g, jax.tree.map(lambda x: -0.5 * x, g)]  # a turn, so momentum shows
+
+
+def run_updates(tx, params, grads, steps):
+    """``steps`` jitted updates (grads cycled); the updates, the states and the jit."""
+    update = jax.jit(tx.update)
+    state, out = tx.init(params), []
+    for i in range(steps):
+        updates, state = update(grads[i % len(grads)], state, params)
+        out.append((updates, state))
+    return out, update
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_momentum_follows_the_ramp_in_the_optimizer_state_with_one_compilation(name):
+    cfg = optim_cfg(name=name, momentum=0.9, momentum_start=0.98, momentum_ramp_epochs=0.5)
+    tx, _ = make_optimizer(cfg, PLAN)
+    params, grads = params_and_grads()
+    out, update = run_updates(tx, params, grads, 8)
+    used = [float(optax.tree_utils.tree_get(s, "hyperparams")["momentum"]) for _, s in out]
+    # step i runs at epoch i / 10: 0.98 down to 0.9 over 5 steps, then 0.9
+    want = [0.98 - 0.08 * min(i / 5, 1.0) for i in range(8)]
+    np.testing.assert_allclose(used, want, rtol=1e-6)
+    assert used[0] > used[2] > used[4] > used[5] == used[7]
+    assert update._cache_size() == 1  # every momentum ran in the one compiled update
+
+
+def test_a_ramp_from_momentum_to_itself_is_the_constant_optimizer():
+    """The scheduled optimizer really uses its momentum: start == end gives the constant
+    optimizer's updates; another start gives other updates from the second step on."""
+    params, grads = params_and_grads()
+    const, _ = make_optimizer(optim_cfg(warmup_epochs=0.0), PLAN)
+    same, _ = make_optimizer(
+        optim_cfg(warmup_epochs=0.0, momentum_start=0.9, momentum_ramp_epochs=1.0), PLAN
+    )
+    other, _ = make_optimizer(
+        optim_cfg(warmup_epochs=0.0, momentum_start=0.5, momentum_ramp_epochs=1.0), PLAN
+    )
+    a, b, c = (run_updates(tx, params, grads, 3)[0] for tx in (const, same, other))
+    for (ua, _), (ub, _) in zip(a, b):
+        for x, y in zip(jax.tree.leaves(ua), jax.tree.leaves(ub)):
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+    assert not np.allclose(a[1][0]["kernel"], c[1][0]["kernel"])
+
+
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_without_a_schedule_the_optimizer_is_optax_own_bitwise(name):
+    cfg = optim_cfg(name=name, warmup_epochs=0.0)
+    tx, schedule = make_optimizer(cfg, PLAN)
+    if name == "sgd":
+        ref = optax.chain(
+            optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+            optax.sgd(schedule, momentum=cfg.momentum, nesterov=cfg.nesterov),
+        )
+    else:
+        ref = optax.lars(schedule, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
+                         trust_coefficient=cfg.lars_trust, trust_ratio_mask=decay_mask,
+                         momentum=cfg.momentum, nesterov=cfg.nesterov)  # fmt: skip
+    params, grads = params_and_grads()
+    got, want = run_updates(tx, params, grads, 3)[0], run_updates(ref, params, grads, 3)[0]
+    assert optax.tree_utils.tree_get(got[-1][1], "hyperparams") is None  # nothing injected
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_train_step_compiles_once_while_the_momentum_changes():
+    """The program's own jitted train step (sharded state, data:4 x model:2) over steps
+    whose momentum differs: one compilation, and the metrics carry the momentum used.
+    bfloat16 parameters: a float32 momentum must not turn their trace into float32 (another
+    state type, so another compilation)."""
+    config = tiny_config(
+        "data:4,model:2",
+        **{
+            "precision.params": "bfloat16",
+            "precision.compute": "bfloat16",
+            "optim.momentum_start": 0.5,
+            "optim.momentum_ramp_epochs": 0.4,
+        },
+    )
+    program = build(config, steps_per_epoch=10, total_steps=100)
+    state = init_sharded(program.init, program.shardings, jax.random.key(0))
+    step, used = program.train_jit, []
+    for host in batches(steps=6):
+        state, metrics = step(state, shard_batch(host, program.mesh))
+        used.append(float(metrics["momentum"]))
+    np.testing.assert_allclose(used, [0.5 + 0.4 * min(i / 4, 1.0) for i in range(6)], rtol=1e-6)
+    stored = optax.tree_utils.tree_get(state.opt_state, "hyperparams")["momentum"]
+    assert float(stored) == pytest.approx(0.9)
+    trace = optax.tree_utils.tree_get(state.opt_state, "trace")
+    assert {x.dtype for x in jax.tree.leaves(trace)} == {jnp.dtype(jnp.bfloat16)}
+    assert step._cache_size() == 1
+
+
+def test_train_lines_report_the_momentum_used(tmp_path):
+    c = cli.load(str(ROOT / "experiments" / "digits.py"))
+    c.model.num_filters, c.data.image_size, c.mesh = 8, 16, "data:8"
+    c.global_batch, c.eval_batch, c.num_epochs, c.log_every_s = 64, 120, 0.2, 0.0
+    c.eval_every_epochs = 0.0
+    c.optim.momentum, c.optim.momentum_start, c.optim.momentum_ramp_epochs = 0.9, 0.98, 0.1
+    run = trainer.setup(c, str(tmp_path))
+    trainer.train(run)
+    lines = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+    train = [r for r in lines if r["event"] == "train"]
+    # each line: the momentum of its last step, which ran at the epoch of the step before
+    want = [float(momentum_at(c.optim, run.plan.epoch_at(r["step"] - 1))) for r in train]
+    np.testing.assert_allclose([r["momentum"] for r in train], want, rtol=1e-6)
+    assert train[0]["momentum"] > 0.95 and train[-1]["momentum"] == pytest.approx(0.9)
+    assert [p["program"] for p in run.program.compiles].count("train") == 1
+
+
+@pytest.mark.parametrize(
+    "overrides,expect",
+    [
+        (dict(momentum_start=1.0, momentum_ramp_epochs=1.0), "optim.momentum_start=1.0 must be"),
+        (dict(momentum_start=-0.5, momentum_ramp_epochs=1.0), "optim.momentum_start=-0.5"),
+        (dict(momentum_start=0.98), "needs optim.momentum_ramp_epochs > 0"),
+        (dict(momentum_ramp_epochs=-1.0), "optim.momentum_ramp_epochs=-1.0 is out of range"),
+    ],
+)
+def test_bad_momentum_schedules_are_config_errors(overrides, expect):
+    c = base_config()
+    c.optim.update(overrides)
+    with pytest.raises(ConfigError, match="--config.optim.momentum") as e:
+        validate(c)
+    assert expect in str(e.value)
+
+
+def test_the_default_config_has_no_momentum_schedule():
+    c = base_config()
+    validate(c)
+    assert c.optim.momentum_start == -1.0

@@ -1,0 +1,159 @@
+"""``python -m hybridpar.report``: runs' records (written here by hand, no training) into one
+PNG and a markdown table, without importing JAX; bad workdirs are one ``error:`` line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from hybridpar import report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def ev(event, step, epoch, wall_s, **values):
+    return {"event": event, "step": step, "epoch": epoch, "wall_s": wall_s, **values}
+
+
+def train(step, epoch, wall_s, stage, size, batch):
+    return ev("train", step, epoch, wall_s, loss=1.0, lr=0.1 * epoch, momentum=0.9,
+              images_per_s=1000.0, image_size=size, global_batch=batch, stage=stage)  # fmt: skip
+
+
+def stage(index, step, epoch, wall_s, size, batch):
+    return ev("stage", step, epoch, wall_s, stage=index, image_size=size, global_batch=batch)
+
+
+def evaluation(step, epoch, wall_s, top1, top5, **more):
+    return ev("eval", step, epoch, wall_s, top1=top1, top5=top5, loss=1.0, **more)
+
+
+def curriculum_run(w: Path) -> None:
+    """Two stages, four evals (the best is not the last), a completed summary."""
+    write_jsonl(w / "metrics.jsonl", [
+        ev("compile", 0, 0.0, 3.0, program="train", batch=32, image_size=16, compile_s=1.0),
+        ev("compile", 0, 0.0, 4.0, program="train", batch=64, image_size=24, compile_s=2.0),
+        stage(0, 0, 0.0, 5.0, 16, 32),
+        *[train(s, s / 5, 5.0 + s, 0, 16, 32) for s in range(1, 11)],
+        evaluation(5, 1.0, 10.5, 0.5, 0.8),
+        evaluation(10, 2.0, 15.5, 0.7, 0.9),
+        stage(1, 10, 2.0, 16.0, 24, 64),
+        *[train(s, 2 + (s - 10) / 5, 6.0 + s, 1, 24, 64) for s in range(11, 21)],
+        evaluation(15, 3.0, 22.0, 0.8, 0.95),
+        evaluation(20, 4.0, 27.0, 0.75, 0.96),
+        ev("checkpoint", 20, 4.0, 28.0, blocking_s=0.1, total_s=0.2, bytes=1000),
+    ])  # fmt: skip
+    (w / "summary.json").write_text(json.dumps({
+        "steps": 20, "completed": True, "error": None, "wall_s": 30.0, "compile_s": 3.0,
+        "train_images_per_s": 1234.5, "target_top1": 0.75, "target_top5": 0.99,
+        "time_to_target": {"top1": {"target": 0.75, "value": 0.8, "step": 15, "epoch": 3.0,
+                                    "wall_s": 22.0, "wall_s_without_compile": 19.0}},
+    }))  # fmt: skip
+
+
+def resumed_run(w: Path) -> None:
+    """Killed after step 12 and resumed from the checkpoint at step 8: the steps after it
+    ran again, and their second records count. The evaluator's eval is the best; no
+    summary.json yet (still running)."""
+    write_jsonl(w / "metrics.jsonl", [
+        ev("compile", 0, 0.0, 3.0, program="train", batch=32, image_size=16, compile_s=1.5),
+        stage(0, 0, 0.0, 4.0, 16, 32),
+        *[train(s, s / 5, 4.0 + s, 0, 16, 32) for s in range(1, 13)],
+        evaluation(5, 1.0, 9.5, 0.4, 0.7),
+        evaluation(10, 2.0, 14.5, 0.95, 0.99),  # lost with the kill: superseded below
+        ev("resume", 8, 1.6, 13.0, from_step=8),
+        ev("compile", 8, 1.6, 14.0, program="train", batch=32, image_size=16, compile_s=1.5),
+        stage(0, 8, 0.0, 14.5, 16, 32),  # the same stage, marked again on resume
+        *[train(s, s / 5, 7.0 + s, 0, 16, 32) for s in range(9, 13)],
+        evaluation(10, 2.0, 17.5, 0.6, 0.85),
+    ])  # fmt: skip
+    write_jsonl(w / "evaluator" / "metrics.jsonl", [
+        evaluation(12, 2.4, 19.0, 0.65, 0.9, source="evaluator", examples=100, split="test"),
+        ev("eval_skipped", 6, 1.2, None, source="evaluator", reason="deleted"),
+    ])  # fmt: skip
+
+
+def table_rows(text: str) -> dict[str, dict]:
+    lines = [x for x in text.splitlines() if x.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in x.strip("|").split("|")))) for x in lines[2:]]
+    return {r["run"]: r for r in rows}
+
+
+def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_path):
+    a, b, out = tmp_path / "curriculum", tmp_path / "resumed", tmp_path / "out" / "r.png"
+    curriculum_run(a)
+    resumed_run(b)
+    code = (
+        "import runpy, sys; "
+        f"sys.argv = ['report', {str(a)!r}, {str(b)!r}, '--out', {str(out)!r}]; "
+        "runpy.run_module('hybridpar.report', run_name='__main__'); "
+        "assert 'jax' not in sys.modules, 'jax imported'"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    with Image.open(out) as img:
+        img.verify()
+    with Image.open(out) as img:
+        assert img.size[0] > 800 and img.size[1] > 400
+
+    rows = table_rows(r.stdout)
+    assert table_rows((tmp_path / "out" / "r.md").read_text()) == rows
+    assert set(rows) == {"curriculum", "resumed"}
+    cur, res = rows["curriculum"], rows["resumed"]
+    assert (cur["best top1"], cur["best top5"]) == ("0.8000", "0.9600")  # at other evals
+    assert (cur["epochs"], cur["steps"], cur["status"]) == ("4", "20", "completed")
+    assert cur["time to target"] == "top1 0.75: 22.0s (19.0s w/o compile); top5 0.99: not reached"
+    assert (cur["wall s"], cur["compile s"], cur["images/s"]) == ("30.0", "3.0", "1234.5")
+    # the pre-kill eval of step 10 (0.95) was superseded; the evaluator's 0.65 is the best
+    assert (res["best top1"], res["best top5"]) == ("0.6500", "0.9000")
+    assert res["steps"] == "12" and res["compile s"] == "3.0"  # both segments compiled
+    assert res["status"].startswith("running") and res["time to target"] == "-"
+
+
+def test_time_to_targets_of_our_own_from_the_eval_records(tmp_path):
+    curriculum_run(tmp_path / "a")
+    out = str(tmp_path / "r.png")
+    rows = table_rows(report.report([str(tmp_path / "a")], out, {"top1": 0.7, "top5": 0.9}))
+    # the eval of step 10 at 15.5 s, after 3 s of compiling
+    want = "top1 0.7: 15.5s (12.5s w/o compile); top5 0.9: 15.5s (12.5s w/o compile)"
+    assert rows["a"]["time to target"] == want
+    rows = table_rows(report.report([str(tmp_path / "a")], out, {"top1": 0.99}))
+    assert rows["a"]["time to target"] == "top1 0.99: not reached; top5 0.99: not reached"
+
+
+def error_line(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as e:
+        report.main(argv)
+    assert e.value.code == 2
+    errors = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
+    out = str(tmp_path / "r.png")
+    assert "no workdir" in error_line(capsys, [str(tmp_path / "nope"), "--out", out])
+    (tmp_path / "empty").mkdir()
+    assert "has no metrics.jsonl" in error_line(capsys, [str(tmp_path / "empty"), "--out", out])
+    assert "is a fraction" in error_line(capsys, [str(tmp_path), "--target-top5", "80"])
+    assert not os.path.exists(out)
+
+
+def test_without_matplotlib_the_error_names_the_install(tmp_path, capsys, monkeypatch):
+    curriculum_run(tmp_path / "a")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    line = error_line(capsys, [str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
+    assert 'pip install -e ".[plot]"' in line
