@@ -208,13 +208,12 @@ def test_gpu_flags_do_not_break_a_cpu_only_jax():
 
 
 def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
-    """The full ResNet-50 recipe, compile-only on 64 virtual CPU devices (about 30 s here)."""
+    """The full ResNet-50 recipe, compile-only on 64 virtual CPU devices, at 64 px (the same
+    program and collectives as at 224 px, in a quarter of the compile time: about 30 s)."""
     cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
-    r = _report(
-        ["--config.mesh=data:64", "--config.global_batch=64", "--config.eval_batch=64", "--json"],
-        devices=64,
-        config=cfg,
-    )
+    args = ["--config.mesh=data:64", "--config.global_batch=64", "--config.eval_batch=64",
+            "--config.data.image_size=64", "--json"]  # fmt: skip
+    r = _report(args, devices=64, config=cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
     assert rep["devices"]["count"] == 64 and rep["mesh"]["data"] == 64
@@ -224,19 +223,28 @@ def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
     assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
 
 
-def test_bucketed_resnet50_on_data8_has_at_most_8_all_reduces():
-    """The issue's acceptance line: bucketed reduction (32 MiB) with local BatchNorm."""
-    cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
+def test_bucketed_mode_reports_one_all_reduce_per_bucket():
+    """Bucketed reduction with local BatchNorm, through the CLI: one all-reduce per gradient
+    bucket and one for the loss and BN running averages, nothing else. On the digits model
+    with small buckets (its gradients in several), not ResNet-50 (2.5 min to
+    compile here; tests/test_bucketed.py counts ResNet-50's in process)."""
+    from hybridpar.bucketed import bucket_plan, forward_params
+
+    config = load_config(DIGITS)
+    m = config.model
+    model = create_model(m.name, num_classes=config.data.num_classes,
+                         num_filters=m.num_filters, small_stem=m.small_stem)  # fmt: skip
+    size = config.data.image_size
+    plan = bucket_plan(forward_params(model, (1, size, size, config.data.channels)), 0.2)
     args = [
         "--config.mesh=data:8",
         "--config.comm.mode=bucketed",
-        "--config.comm.bucket_mb=32",
+        "--config.comm.bucket_mb=0.2",
         "--config.model.bn_sync=local",
-        "--config.data.image_size=64",
         "--json",
     ]
-    r = _report(args, devices=8, config=cfg)
+    r = _report(args, devices=8)
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
     ops = sum(c["count"] for c in rep["collectives"] if c["kind"] == "all-reduce")
-    assert 1 < ops <= 8, rep["collectives"]
+    assert len(plan) >= 3 and ops == len(plan) + 1, (len(plan), rep["collectives"])

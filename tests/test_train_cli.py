@@ -37,7 +37,9 @@ def _records(workdir):
     return [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("mesh,devices", [("data:4,model:2", 8), ("data:1", 1)])
+# One hybrid mesh (the one-device computation is the parity tests' reference; a second
+# full run on data:1 cost ~2 minutes of the suite and caught nothing they do not).
+@pytest.mark.parametrize("mesh,devices", [("data:4,model:2", 8)])
 def test_digits_reaches_97_percent(tmp_path, mesh, devices):
     r = _run(["--config", DIGITS, "--workdir", str(tmp_path), f"--config.mesh={mesh}"], devices)
     assert r.returncode == 0, r.stderr[-3000:]
