@@ -56,11 +56,18 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
     """``(key, saved value, new value)`` for every key that differs, in the config's order;
-    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` are left out."""
+    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` are left out, and
+    so is a key the saved config lacks whose new value is its default: a key added to
+    ``base_config`` since that run started, set as the run had it (without the key)."""
+    from hybridpar.config import base_config
+
     a, b = flatten(saved), flatten(new)
+    defaults = flatten(config_dict(base_config()))
     out = []
     for key in list(a) + [k for k in b if k not in a]:
         if key.startswith(FREE_KEYS) or key in FREE_KEYS:
+            continue
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
         old, now = a.get(key, "<missing>"), b.get(key, "<missing>")
         if old != now:
@@ -287,21 +294,33 @@ class Checkpoints:
     def restore(self, abstract_state, step: int | None = None):
         """``(step, state, loop dict, config dict)`` from the newest checkpoint that reads
         back whole, or None when there is none. A newest one that does not read back (cut
-        short, corrupted) is skipped with a warning, the one before it used. With ``step``:
-        that checkpoint, or orbax's error if it does not read back (the caller decides)."""
+        short, corrupted) is skipped with a warning, the one before it used. If none reads
+        back, that is an error, not a new run from step 0 beside them: every checkpoint
+        failing alike means the state no longer fits them (another optimizer, say). With
+        ``step``: that checkpoint, or orbax's error if it does not read back."""
         if step is not None:
             return self._read(step, abstract_state)
-        for newest in sorted(self.manager.all_steps(), reverse=True):
+        steps, first = sorted(self.manager.all_steps(), reverse=True), None
+        for newest in steps:
             try:
                 return self._read(newest, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
                 msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                first = first or msg
                 if jax.process_index() == 0:
                     print(
                         f"warning: checkpoint {newest} in {self.directory} does not read back "
                         f"({msg}); trying the one before it",
                         flush=True,
                     )
+        if steps:
+            raise ConfigError(
+                f"none of the {len(steps)} checkpoint(s) in {self.directory} (steps "
+                f"{', '.join(map(str, sorted(steps)))}) reads back into this run's train state "
+                f"(newest: {first}); if the config changed what the state holds (optimizer, "
+                "model, momentum schedule), start a new --workdir, or move the checkpoints "
+                "away to start this one over"
+            )
         return None
 
     def _read(self, step: int, abstract_state):

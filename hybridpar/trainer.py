@@ -310,9 +310,8 @@ class Evaluate:
                     "wall_s": rec["wall_s"],  # from the start: compilation, eval included
                     "wall_s_without_compile": round(rec["wall_s"] - loop.compile_s, 3),
                 }
-                log(
-                    f"reached {metric} {target:g} at {rec['wall_s']:.1f}s (epoch {rec['epoch']:.2f})"
-                )
+                at = f"{rec['wall_s']:.1f}s (epoch {rec['epoch']:.2f})"
+                log(f"reached {metric} {target:g} at {at}")
         loop.time_to_target = reached or None
         self.progress.restart(loop)  # eval time is not training throughput
 

@@ -243,6 +243,16 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
     out = capsys.readouterr().out
     assert f"warning: checkpoint {n} in {bad} does not read back" in out
     assert "trying the one before it" in out
+    # none reads back: an error, not a new run from step 0 beside the old checkpoints
+    for f in (bad / str(STOP) / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"\0garbage")
+    saver = checkpoint.Checkpoints(str(bad))
+    with pytest.raises(
+        ConfigError, match=rf"none of the 2 checkpoint\(s\) in .* \(steps {STOP}, {n}\)"
+    ):
+        saver.restore(run.program.abstract_state())
+    saver.close()
 
 
 def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
@@ -250,6 +260,14 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
         trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False)
     # keys that change no number may differ; an explicit override lets the others
     assert trainer.setup(tiny(log_every_s=9.0), str(runs["full"]), with_data=False).finished
+    # a key added since the run began (absent from its config.json) is no difference while
+    # it has its default, and is one once set otherwise
+    saved = json.loads((runs["full"] / "config.json").read_text())
+    del saved["max_nonfinite_steps"]
+    new = checkpoint.config_dict(tiny())
+    assert checkpoint.differences(saved, new) == []
+    new["max_nonfinite_steps"] = 3
+    assert checkpoint.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
     run = trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False,
                         allow_config_change=True)  # fmt: skip
     assert run.finished is None  # the changed run is not finished: it would train on
