@@ -31,8 +31,16 @@ from hybridpar.errors import ConfigError
 
 ITEMS = ("state", "loop", "config")
 # Keys that may change between the segments of one run: they change neither the numbers
-# nor what a checkpoint holds (how often to log and checkpoint, input threads and depth).
-FREE_KEYS = ("log_every_s", "checkpoint.", "data.prefetch", "data.threads", "distributed_timeout_s")
+# nor what a checkpoint holds (how often to log and checkpoint, input threads and depth,
+# how long to wait for the other processes, where compiled programs are cached).
+FREE_KEYS = (
+    "log_every_s",
+    "checkpoint.",
+    "data.prefetch",
+    "data.threads",
+    "distributed_timeout_s",
+    "compile_cache",
+)
 
 
 def checkpoint_dir(config, workdir: str) -> str:

@@ -111,7 +111,8 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batch = 256
     c.num_epochs = 1.0
     # Curriculum (hybridpar/curriculum.py): "" is one stage from the keys above; else
-    # MoXing's "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE,...", e.g. "20:128-224,38:224-224".
+    # MoXing's "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE[@MIN_CROP_SCALE],...", e.g.
+    # "20:128-224@0.08,38:224-224" (a stage without @ uses data.min_scale).
     c.stages = ""
 
     c.optim = ml_collections.ConfigDict(
@@ -133,7 +134,7 @@ def base_config() -> ml_collections.ConfigDict:
             momentum_ramp_epochs=0.0,
             nesterov=True,
             weight_decay=1e-4,
-            schedule="cosine",
+            schedule="cosine",  # or "linear", "poly" (power 2, MLPerf's LARS), "constant"
             warmup_epochs=0.0,
             warmup_start_factor=0.0,
             end_lr_factor=0.0,
@@ -165,6 +166,10 @@ def base_config() -> ml_collections.ConfigDict:
         )
     )
 
+    # JAX's persistent compilation cache (hybridpar/compile_cache.py): "" off, "workdir"
+    # WORKDIR/compile_cache, or a directory (shared by runs: a second run of the same
+    # programs compiles nothing). Global to the process once on, hence off by default.
+    c.compile_cache = ""
     c.eval_every_epochs = 1.0
     c.log_every_s = 5.0
     # > 0: summary.json records the time to reach it (DAWNBench's way: wall clock from the
@@ -198,7 +203,7 @@ CHOICES = {
     "data.name": DATA_NAMES,
     "comm.mode": ("xla", "bucketed"),
     "optim.name": ("sgd", "lars"),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "poly", "constant"),
     "optim.lr_batch_scaling": ("linear", "sqrt", "none"),
     "precision.compute": DTYPE_NAMES,
     "precision.params": DTYPE_NAMES,

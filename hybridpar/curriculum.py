@@ -5,6 +5,8 @@ A run is one or more stages. With ``config.stages`` empty there is one stage, fr
 ``config.stages`` is MoXing's notation, ``END:SIZE-BATCH[,END:SIZE-BATCH...]``: the stage
 runs until epoch END at SIZE px with BATCH examples per data-parallel device (so the same
 string means the same thing on 8 or 1,024 devices), e.g. ``20:128-224,38:224-224,40:288-128``.
+A stage may add its own minimum crop scale after ``@`` (MoXing used 0.08, 0.087 and 0.5):
+``20:128-224@0.08,38:224-224@0.087,40:288-128@0.5``; without it, ``data.min_scale``.
 
 ``plan_stages`` turns stages into steps once the data size is known: each stage runs whole
 epochs of the full steps an epoch holds at its global batch (the input drops the last partial
@@ -25,7 +27,9 @@ import numpy as np
 
 from hybridpar.errors import ConfigError
 
-_STAGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*$")
+_STAGE = re.compile(
+    r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*(?:@\s*(\d*\.?\d+(?:[eE]-?\d+)?))?\s*$"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,26 +54,34 @@ class PlannedStage:
         return self.start_step + self.num_steps
 
 
-def parse_stages(text: str) -> list[tuple[float, int, int]]:
-    """``"20:128-224,38:224-224"`` -> ``[(20.0, 128, 224), (38.0, 224, 224)]`` (end epoch,
-    image size, per-device batch). Epochs must increase; sizes and batches be positive."""
+def parse_stages(text: str) -> list[tuple[float, int, int, float | None]]:
+    """``"20:128-224,38:224-224@0.5"`` -> ``[(20.0, 128, 224, None), (38.0, 224, 224, 0.5)]``
+    (end epoch, image size, per-device batch, minimum crop scale or None for
+    ``data.min_scale``). Epochs must increase; sizes and batches be positive; a scale in
+    (0, 1]."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = _STAGE.match(part)
         if not m:
             raise ConfigError(
-                f"stages={text!r}: {part!r} is not END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE; "
-                "write e.g. --config.stages=20:128-224,38:224-224,40:288-128"
+                f"stages={text!r}: {part!r} is not END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE"
+                "[@MIN_CROP_SCALE]; write e.g. --config.stages=20:128-224,38:224-224,40:288-128"
             )
         end, size, batch = float(m[1]), int(m[2]), int(m[3])
+        scale = None if m[4] is None else float(m[4])
         if size <= 0 or batch <= 0 or end <= 0:
             raise ConfigError(f"stages={text!r}: {part!r} needs an epoch, size and batch > 0")
+        if scale is not None and not 0 < scale <= 1:
+            raise ConfigError(
+                f"stages={text!r}: {part!r} has a minimum crop scale of {scale:g}; it is a "
+                "fraction of the image's area in (0, 1], e.g. @0.35"
+            )
         if out and end <= out[-1][0]:
             raise ConfigError(
                 f"stages={text!r}: end epochs must increase, but {part!r} ends at epoch "
                 f"{end:g}, not after the previous stage's {out[-1][0]:g}"
             )
-        out.append((end, size, batch))
+        out.append((end, size, batch, scale))
     if not out:
         raise ConfigError(f"stages={text!r} names no stage; leave it empty for one stage")
     return out
@@ -81,8 +93,8 @@ def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
     if not config.stages:
         return [Stage(float(config.num_epochs), d.image_size, config.global_batch, d.min_scale)]
     return [
-        Stage(end, size, per_device * data_parallel_size, d.min_scale)
-        for end, size, per_device in parse_stages(config.stages)
+        Stage(end, size, per_device * data_parallel_size, d.min_scale if scale is None else scale)
+        for end, size, per_device, scale in parse_stages(config.stages)
     ]
 
 

@@ -48,7 +48,8 @@ def peak_lr(cfg, global_batch: int) -> float:
 
 def lr_factor(cfg, epoch, num_epochs: float):
     """The schedule's shape in [0, 1] at ``epoch`` (float; traced or not): linear warmup from
-    ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear or constant decay to
+    ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear, polynomial (power 2)
+    or constant decay to
     ``end_lr_factor`` at ``num_epochs``. A function of epochs, so it is continuous however
     the batch (and so the steps per epoch) changes from stage to stage."""
     warm = min(cfg.warmup_epochs, num_epochs)
@@ -58,10 +59,14 @@ def lr_factor(cfg, epoch, num_epochs: float):
         decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * t))
     elif cfg.schedule == "linear":
         decay = 1 + (end - 1) * t
+    elif cfg.schedule == "poly":  # MLPerf's LARS recipe: polynomial decay of power 2
+        decay = end + (1 - end) * (1 - t) ** 2
     elif cfg.schedule == "constant":
         decay = jnp.ones_like(t)
     else:
-        raise ConfigError(f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear' or 'constant'")
+        raise ConfigError(
+            f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear', 'poly' or 'constant'"
+        )
     if warm <= 0:
         return decay
     f0 = cfg.warmup_start_factor

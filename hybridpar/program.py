@@ -15,7 +15,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from hybridpar import partitioning
+from hybridpar import compile_cache, partitioning
 from hybridpar.bucketed import make_sync
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -168,7 +168,7 @@ class Program:
     def _compile(self, kind: str, batch: int, size: int):
         key = (kind, batch, size)
         if key not in self._compiled:
-            t0 = time.time()
+            t0, hits = time.time(), compile_cache.hits()
             lower = self.lower_train if kind == "train" else self.lower_eval
             self._compiled[key] = lower(batch, size).compile()
             self.compiles.append(
@@ -177,6 +177,8 @@ class Program:
                     "batch": batch,
                     "image_size": size,
                     "compile_s": round(time.time() - t0, 3),
+                    # loaded from the persistent cache (compile_cache) instead of compiled
+                    "cache_hit": compile_cache.hits() > hits,
                 }
             )
         return self._compiled[key]

@@ -25,7 +25,7 @@ import time
 import jax
 import numpy as np
 
-from hybridpar import checkpoint, comm, distributed, partitioning
+from hybridpar import checkpoint, comm, compile_cache, distributed, partitioning
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -84,6 +84,11 @@ def setup(
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         distributed.initialize(config)
+    cache_dir = compile_cache.resolve(config.compile_cache, workdir)
+    if cache_dir is not None:  # before the first compilation, so that one is cached too
+        fix = 'pass --config.compile_cache=DIR you can write, or ""'
+        checkpoint.ensure_writable(cache_dir, "compile cache directory", fix)
+        compile_cache.enable(cache_dir)
 
     # ---- Mesh and placement rules ----
     mesh = make_mesh(config.mesh, devices=devices)
@@ -157,10 +162,7 @@ class LoopState:
         """Move the data position to where ``stage`` begins (unless already inside it)."""
         if self.step == stage.start_step:
             self.stage = stage.index
-            self.epoch = math.floor(stage.start_epoch + 1e-9)
-            self.step_in_epoch = int(
-                round((stage.start_epoch - self.epoch) * stage.steps_per_epoch)
-            )
+            self.epoch, self.step_in_epoch = start_position(stage)
 
     def advance(self, stage: PlannedStage) -> None:
         self.step += 1
@@ -170,21 +172,41 @@ class LoopState:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
 
-def stage_batches(run: Run, stage: PlannedStage, loop: LoopState):
-    """The stage's global batches from the loop's data position on, epoch after epoch,
-    placed on the mesh ahead of the step (``data.prefetch`` deep)."""
+def start_position(stage: PlannedStage) -> tuple[int, int]:
+    """``(epoch, step in that epoch)`` where ``stage`` begins."""
+    epoch = math.floor(stage.start_epoch + 1e-9)
+    return epoch, int(round((stage.start_epoch - epoch) * stage.steps_per_epoch))
+
+
+def host_batches(run: Run, stage: int, step: int, epoch: int, step_in_epoch: int):
+    """This host's batches from a data position (the loop's, passed as values: a thread
+    reads this ahead) to the run's last step, stage after stage and epoch after epoch, as
+    one stream. One stream, so the prefetch reads across an epoch or stage boundary: the
+    next epoch's (or stage's, at its own size and batch) first batches are being made while
+    the last steps before it run, as MoXing's input did, instead of after them."""
+    for planned in run.plan.stages[stage:]:
+        st = planned.stage
+        if step == planned.start_step:
+            epoch, step_in_epoch = start_position(planned)
+        left = planned.end_step - step
+        while left > 0:
+            n = min(planned.steps_per_epoch - step_in_epoch, left)
+            host = run.data.train_batches(
+                epoch, step_in_epoch, global_batch=st.global_batch, image_size=st.image_size,
+                min_scale=st.min_scale,
+            )  # fmt: skip
+            yield from itertools.islice(host, n)
+            epoch, step_in_epoch, left = epoch + 1, 0, left - n
+        step = planned.end_step
+
+
+def global_batches(run: Run, loop: LoopState):
+    """``host_batches`` from the loop's position, placed on the mesh ahead of the step
+    (``data.prefetch`` deep). The caller takes each stage's steps from it in turn."""
     from hybridpar.input.prefetch import prefetch_to_mesh
 
-    st = stage.stage
-    epoch, start, left = loop.epoch, loop.step_in_epoch, stage.end_step - loop.step
-    while left > 0:
-        n = min(stage.steps_per_epoch - start, left)
-        host = run.data.train_batches(
-            epoch, start, global_batch=st.global_batch, image_size=st.image_size,
-            min_scale=st.min_scale,
-        )  # fmt: skip
-        yield from prefetch_to_mesh(itertools.islice(host, n), run.mesh, run.config.data.prefetch)
-        epoch, start, left = epoch + 1, 0, left - n
+    position = (loop.stage, loop.step, loop.epoch, loop.step_in_epoch)
+    return prefetch_to_mesh(host_batches(run, *position), run.mesh, run.config.data.prefetch)
 
 
 # ---- Hooks: what happens after a step ---------------------------------------------------------
@@ -481,9 +503,12 @@ def train(run: Run, hooks=()) -> dict:
     mem = compile_all(run, writer)
     compile_s = sum(r["compile_s"] for r in program.compiles)
     loop.compile_s += compile_s
+    cached = sum(r["cache_hit"] for r in program.compiles)
     log(
-        f"compiled {len(program.compiles)} programs in {compile_s:.1f}s; training "
-        f"{plan.total_steps} steps ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
+        f"compiled {len(program.compiles)} programs in {compile_s:.1f}s"
+        + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
+        + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
+        f"{len(plan.stages)} stage(s))"
     )
 
     progress = Progress(run, writer)
@@ -491,6 +516,7 @@ def train(run: Run, hooks=()) -> dict:
     checkpointer = Checkpointer(run, writer, progress, saver, preemption)
     hooks = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
     failure, preempted = None, None
+    batches = global_batches(run, loop)  # every stage's, in order, read ahead across switches
     try:
         preemption.install()
         for stage in plan.stages[loop.stage :]:
@@ -501,7 +527,7 @@ def train(run: Run, hooks=()) -> dict:
                          image_size=st.image_size, global_batch=st.global_batch,
                          min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
             progress.restart(loop)
-            for batch in stage_batches(run, stage, loop):
+            for batch in itertools.islice(batches, stage.end_step - loop.step):
                 state, metrics = train_step(state, batch)
                 loop.advance(stage)
                 for hook in hooks:
@@ -524,6 +550,7 @@ def train(run: Run, hooks=()) -> dict:
         failure = f"{type(e).__name__}: {e}"
         raise
     finally:
+        batches.close()  # stops the prefetch thread
         preemption.uninstall()
         save_error = checkpointer.finish()  # the save in flight committed before we may exit
         failure = failure or save_error

@@ -124,6 +124,7 @@ def _cli(args, env=None):
         ("data.image_size=0", "data.image_size=0 is out of range"),
         ("num_epochs=-1", "num_epochs=-1.0 is out of range"),
         ("stages=3:32-8,2:32-8", "end epochs must increase"),
+        ("stages=1:16-8@1.5", "minimum crop scale of 1.5"),
     ],
 )
 def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect):

@@ -1,0 +1,66 @@
+"""The experiment configs: each loads and passes the config checks, and the benchmark
+recipes say what their write-ups say (stages, peak LR at the published batch, targets)."""
+
+from pathlib import Path
+
+import pytest
+
+from hybridpar.config import load_config, validate
+from hybridpar.curriculum import stages_from_config
+from hybridpar.errors import ConfigError
+from hybridpar.optim import lr_batch_factor
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in EXPERIMENTS.glob("*.py")))
+def test_every_experiment_loads_and_passes_the_checks(path):
+    c = load_config(str(EXPERIMENTS / path))
+    validate(c)
+    assert stages_from_config(c, 8)  # the stage string, if any, parses
+
+
+def _peak_lr(c, global_batch):
+    return c.optim.base_lr * float(lr_batch_factor(c.optim, global_batch))
+
+
+@pytest.mark.parametrize("gpus", [128, 8, 1])
+def test_dawnbench_is_moxings_schedule_on_any_gpu_count(gpus):
+    c = load_config(str(EXPERIMENTS / f"resnet50_imagenet_dawnbench.py:,{gpus}"))
+    stages = stages_from_config(c, gpus)
+    assert [(s.end_epoch, s.image_size, s.global_batch // gpus, s.min_scale) for s in stages] == [
+        (20, 128, 224, 0.08), (38, 224, 224, 0.087), (40, 288, 128, 0.5)]  # fmt: skip
+    # MoXing's peak LR of 8.5 at its 128-GPU 128-px batch, linear in the batch elsewhere
+    assert _peak_lr(c, stages[0].global_batch) == pytest.approx(8.5 * gpus / 128)
+    assert (c.optim.momentum_start, c.optim.momentum) == (0.98, 0.9)
+    assert c.target_top5 == 0.93 and c.data.reduced_copies == "160"
+
+
+def test_mlperf_is_lars_with_polynomial_decay_to_75_9():
+    c = load_config(str(EXPERIMENTS / "resnet50_imagenet_mlperf.py"))
+    assert (c.optim.name, c.optim.schedule, c.target_top1) == ("lars", "poly", 0.759)
+    assert _peak_lr(c, c.global_batch) == pytest.approx(10.5)
+    big = load_config(str(EXPERIMENTS / "resnet50_imagenet_mlperf.py:,32768"))
+    assert _peak_lr(big, 32768) == pytest.approx(10.5 * (32768 / 3264) ** 0.5)
+    assert big.num_epochs > c.num_epochs  # larger batches need more epochs
+
+
+@pytest.mark.parametrize("epochs,switch", [(16, 12.6), (40, 31.5), (88, 69.3)])
+def test_ffcv_has_two_train_shapes_switching_late(epochs, switch):
+    c = load_config(str(EXPERIMENTS / f"resnet50_imagenet_ffcv.py:,{epochs}"))
+    stages = stages_from_config(c, 8)
+    assert [(s.end_epoch, s.image_size) for s in stages] == [(switch, 160), (epochs, 192)]
+    assert c.data.image_size == 256 and c.num_epochs == epochs
+
+
+@pytest.mark.parametrize(
+    "spec,expect",
+    [
+        ("resnet50_imagenet_dawnbench.py:,64", "the GPU count is 128, 8 or 1"),
+        ("resnet50_imagenet_mlperf.py:,big", "the global batch is a number"),
+        ("resnet50_imagenet_ffcv.py:,17", "the epochs are one of"),
+    ],
+)
+def test_bad_recipe_arguments_are_config_errors(spec, expect):
+    with pytest.raises(ConfigError, match=expect):
+        load_config(str(EXPERIMENTS / spec))
