@@ -332,8 +332,8 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     assert got == sorted(n // 8 for n in split)
     assert len(gathers) == len(plan) + 1
     assert len(reduces) <= len(plan) + 2
-    xla_hlo, _ = _resnet50_hlo("xla", "fsdp:8")
-    assert len(_all_reduces(xla_hlo, "all-gather")) > 50  # XLA's own: one per array
+    # (XLA's own fsdp step gathers each array on its own, > 50 all-gathers: not compiled here
+    # any more, a second ResNet-50 compile of 30 s for a figure docs/model_parallel.md has.)
 
 
 def test_resnet50_xla_step_has_many_all_reduces():
