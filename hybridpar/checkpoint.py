@@ -62,18 +62,20 @@ def flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
+def differences(saved: dict, new: dict, free=()) -> list[tuple[str, object, object]]:
     """``(key, saved value, new value)`` for every key that differs, in the config's order;
-    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` are left out, and
-    so is a key the saved config lacks whose new value is its default: a key added to
-    ``base_config`` since that run started, set as the run had it (without the key)."""
+    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` and ``free``
+    (keys, or prefixes ending in ".") are left out, and so is a key the saved config lacks
+    whose new value is its default: a key added to ``base_config`` since that run started,
+    set as the run had it (without the key)."""
     from hybridpar.config import base_config
 
     a, b = flatten(saved), flatten(new)
     defaults = flatten(config_dict(base_config()))
+    free = (*FREE_KEYS, *free)
     out = []
     for key in list(a) + [k for k in b if k not in a]:
-        if key.startswith(FREE_KEYS) or key in FREE_KEYS:
+        if key.startswith(free):
             continue
         if key not in a and key in defaults and b.get(key) == defaults[key]:
             continue
@@ -81,6 +83,16 @@ def differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
         if old != now:
             out.append((key, old, now))
     return out
+
+
+def another_config(workdir: str, diff: list) -> str:
+    """The start of the error for a workdir whose run has another config: its first
+    difference (``differences``) and how many more."""
+    key, old, new = diff[0]
+    more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+    return (
+        f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now {new!r}{more}"
+    )
 
 
 def ensure_writable(path: str, what: str, fix: str) -> None:
@@ -123,12 +135,9 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
     if saved is not None and not allow_config_change:
         diff = differences(saved, config_dict(config))
         if diff:
-            key, old, new = diff[0]
-            more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
             raise ConfigError(
-                f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now "
-                f"{new!r}{more}; use a new --workdir, or pass --allow-config-change to "
-                "continue that run with this config"
+                f"{another_config(workdir, diff)}; use a new --workdir, or pass "
+                "--allow-config-change to continue that run with this config"
             )
     summary = read_json(os.path.join(workdir, "summary.json"))
     if summary is not None and summary.get("completed"):

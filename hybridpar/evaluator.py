@@ -58,15 +58,13 @@ def check_workdir(config, workdir: str) -> bool:
     saved = checkpoint.read_json(os.path.join(workdir, "config.json"))
     if saved is None:
         return False
-    new = checkpoint.config_dict(config)
-    diff = [d for d in checkpoint.differences(saved, new) if not d[0].startswith(PLACEMENT_KEYS)]
+    diff = checkpoint.differences(saved, checkpoint.config_dict(config), free=PLACEMENT_KEYS)
     if diff:
-        key, old, now = diff[0]
-        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+        key, old, _ = diff[0]
         raise ConfigError(
-            f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now "
-            f"{now!r}{more}; pass the run's own config (--config.{key}={old}); only "
-            f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may differ for the evaluator"
+            f"{checkpoint.another_config(workdir, diff)}; pass the run's own config "
+            f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} "
+            "may differ for the evaluator"
         )
     return True
 

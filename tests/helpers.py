@@ -72,6 +72,35 @@ VISIBLE = 0.02
 DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
 
 
+DIGITS = str(ROOT / "experiments" / "digits.py")
+# The digits job shrunk to a few seconds (11 steps): 8 filters, 16 px, a quarter epoch at
+# batch 32, a train line after every step. As ``--config.KEY=VALUE`` too: ``config_args``.
+TINY_DIGITS = {
+    "model.num_filters": 8,
+    "data.image_size": 16,
+    "global_batch": 32,
+    "eval_batch": 120,
+    "num_epochs": 0.25,
+    "log_every_s": 0.0,
+    "optim.warmup_epochs": 0.1,
+}
+
+
+def tiny_digits(mesh="data:4,model:2", **overrides):
+    """``TINY_DIGITS`` on ``mesh``, with ``overrides`` (dotted keys) applied as the CLI would."""
+    from hybridpar import cli
+
+    c = cli.load(DIGITS)
+    c.mesh = mesh
+    cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY_DIGITS, **overrides}.items()])
+    return c
+
+
+def config_args(values: dict) -> list[str]:
+    """``{"a.b": 1}`` -> ``["--config.a.b=1"]``."""
+    return [f"--config.{k}={v}" for k, v in values.items()]
+
+
 def require_shared_data(*relative: str) -> Path:
     """The shared data folder (``$HYBRIDPAR_DATA``, default ``../shared/data``), after
     checking that each ``relative`` path exists in it. Missing: the test skips with the

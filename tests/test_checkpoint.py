@@ -27,29 +27,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import DIGITS, TINY_DIGITS, config_args, tiny_digits
 
-from hybridpar import checkpoint, cli, trainer
+from hybridpar import checkpoint, trainer
 from hybridpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "experiments" / "digits.py")
-TINY = {  # the digits job in a few seconds (as tests/test_trainer.py's tiny_digits)
-    "model.num_filters": 8,
-    "data.image_size": 16,
-    "global_batch": 32,
-    "eval_batch": 120,
-    "num_epochs": 0.25,
-    "log_every_s": 0.0,
-    "optim.warmup_epochs": 0.1,
-}
 STOP = 4  # the in-process run is stopped after this step
-
-
-def tiny(**overrides):
-    c = cli.load(DIGITS)
-    c.mesh = "data:4,model:2"
-    cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY, **overrides}.items()])
-    return c
 
 
 def records(workdir, event=None):
@@ -100,7 +84,7 @@ def runs(tmp_path_factory):
     stopped one's copy before it resumed (for the tests that need a checkpoint at STOP)."""
     base = tmp_path_factory.mktemp("ckpt")
     full, cut, copy = base / "full", base / "cut", base / "cut_at_stop"
-    run = trainer.setup(tiny(), str(full))
+    run = trainer.setup(tiny_digits(), str(full))
     assert run.plan.total_steps > STOP + 3
     summary_full = trainer.train(run)
     # The same program (compiled once) on another workdir: as the CLI would set it up.
@@ -157,7 +141,7 @@ def test_a_checkpoint_restores_onto_another_mesh_with_identical_values(runs, tmp
 
     def program(spec):
         devices = jax.devices()[: int(np.prod([int(a.split(":")[1]) for a in spec.split(",")]))]
-        return trainer.setup(tiny(mesh=spec), None, with_data=False, devices=devices).program
+        return trainer.setup(tiny_digits(mesh=spec), None, with_data=False, devices=devices).program
 
     _, saved, _ = latest_state(run, runs["full"])
     source, target = (program(m) for m in meshes)
@@ -257,24 +241,24 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
 
 def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
-        trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False)
+        trainer.setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)
     # keys that change no number may differ; an explicit override lets the others
-    assert trainer.setup(tiny(log_every_s=9.0), str(runs["full"]), with_data=False).finished
+    assert trainer.setup(tiny_digits(log_every_s=9.0), str(runs["full"]), with_data=False).finished
     # a key added since the run began (absent from its config.json) is no difference while
     # it has its default, and is one once set otherwise
     saved = json.loads((runs["full"] / "config.json").read_text())
     del saved["max_nonfinite_steps"]
-    new = checkpoint.config_dict(tiny())
+    new = checkpoint.config_dict(tiny_digits())
     assert checkpoint.differences(saved, new) == []
     new["max_nonfinite_steps"] = 3
     assert checkpoint.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
-    run = trainer.setup(tiny(seed=1), str(runs["full"]), with_data=False,
+    run = trainer.setup(tiny_digits(seed=1), str(runs["full"]), with_data=False,
                         allow_config_change=True)  # fmt: skip
     assert run.finished is None  # the changed run is not finished: it would train on
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="checkpoint directory .* is not writable"):
-        trainer.setup(tiny(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
+        trainer.setup(tiny_digits(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
@@ -282,8 +266,7 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
 
 
 def _cmd(workdir, *extra):
-    tiny = {**TINY, "num_epochs": 2, "checkpoint.every_steps": 2}
-    tiny_args = [f"--config.{k}={v}" for k, v in tiny.items()]
+    tiny_args = config_args({**TINY_DIGITS, "num_epochs": 2, "checkpoint.every_steps": 2})
     return [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir",
             str(workdir), "--config.mesh=data:8", *tiny_args, *extra]  # fmt: skip
 

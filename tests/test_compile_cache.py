@@ -12,22 +12,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from helpers import DIGITS, TINY_DIGITS, config_args
+
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "experiments" / "digits.py")
 TINY = {
-    "model.num_filters": 8,
-    "data.image_size": 16,
-    "global_batch": 32,
-    "eval_batch": 120,
+    **TINY_DIGITS,
     "eval_every_epochs": 0,
     "stages": "0.1:16-4,0.2:24-4,0.3:16-8",  # three shapes: (16 px, 32), (24, 32), (16, 64)
     "mesh": "data:8",
-    "log_every_s": 0,
 }
 
 
 def _train(workdir, cache):
-    args = [f"--config.{k}={v}" for k, v in TINY.items()]
+    args = config_args(TINY)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")  # fmt: skip
     r = subprocess.run(

@@ -24,31 +24,15 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import DIGITS, TINY_DIGITS, config_args, tiny_digits
 
-from hybridpar import cli, evaluate, evaluator, trainer
+from hybridpar import evaluate, evaluator, trainer
 from hybridpar.curriculum import plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "experiments" / "digits.py")
-TINY = {  # the digits job in a few seconds (as tests/test_checkpoint.py's)
-    "mesh": "data:4,model:2",
-    "model.num_filters": 8,
-    "data.image_size": 16,
-    "global_batch": 32,
-    "eval_batch": 120,
-    "num_epochs": 0.25,
-    "log_every_s": 0.0,
-    "optim.warmup_epochs": 0.1,
-}
 RUN = {"checkpoint.every_steps": 3, "checkpoint.max_to_keep": 0, "eval_every_epochs": 0}
 STEPS = [3, 6, 9, 11]  # the checkpoints of the 11-step run: every 3 steps and the last
-
-
-def tiny(**overrides):
-    c = cli.load(DIGITS)
-    cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY, **overrides}.items()])
-    return c
 
 
 def records(path, event=None):
@@ -85,13 +69,13 @@ class WaitForEvaluator:
 def watched(tmp_path_factory):
     """A run trained in this thread while an evaluator watches it from another."""
     w = tmp_path_factory.mktemp("eval") / "w"
-    run = trainer.setup(tiny(**RUN), str(w))  # creates w; config.json comes with train()
+    run = trainer.setup(tiny_digits(**RUN), str(w))  # creates w; config.json comes with train()
     assert run.plan.total_steps == STEPS[-1]
     out = {}
 
     def watch():
         try:
-            out["events"] = evaluator.run(tiny(**RUN), str(w), watch=True, poll_s=0.1)
+            out["events"] = evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.1)
         except BaseException as e:  # noqa: BLE001 - the test reports it
             out["error"] = e
 
@@ -129,7 +113,7 @@ def test_watch_evaluates_each_checkpoint_as_it_comes_and_stops_after_the_last(wa
 def test_a_second_call_evaluates_nothing_new(watched, capsys):
     w = watched["w"]
     before = records(w / "evaluator" / "metrics.jsonl")
-    assert evaluator.run(tiny(**RUN), str(w)) == []
+    assert evaluator.run(tiny_digits(**RUN), str(w)) == []
     assert records(w / "evaluator" / "metrics.jsonl") == before
     assert "evaluated 0 checkpoint(s)" in capsys.readouterr().out
 
@@ -142,7 +126,7 @@ def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted
     record = w / "evaluator" / "metrics.jsonl"
     record.write_text(record.read_text().splitlines()[0] + "\n")  # only step 3 done
     shutil.rmtree(w / "checkpoints" / "6")  # as the trainer's retention would
-    tiny_args = [f"--config.{k}={v}" for k, v in TINY.items() if k != "mesh"]
+    tiny_args = config_args(TINY_DIGITS)
     cmd = [sys.executable, "-m", "hybridpar.evaluate", "--config", DIGITS, "--workdir", str(w),
            "--watch", "--poll-s=0.1", *tiny_args, "--config.mesh=data:4"]  # fmt: skip
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
@@ -163,12 +147,12 @@ def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted
 
 def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_path, capsys):
     with pytest.raises(ConfigError, match="no workdir .* start that run first"):
-        evaluator.run(tiny(), str(tmp_path / "missing"))
+        evaluator.run(tiny_digits(), str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"another config: seed was 0, now 1; pass the run's"):
-        evaluator.run(tiny(seed=1), str(watched["w"]))
+        evaluator.run(tiny_digits(seed=1), str(watched["w"]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
-        evaluator.run(tiny(), str(tmp_path / "empty"))
+        evaluator.run(tiny_digits(), str(tmp_path / "empty"))
     # and through the command line: one error: line, exit code 2
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--config", DIGITS, "--workdir", str(tmp_path / "missing")])
@@ -179,7 +163,7 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
 def test_a_plan_other_than_the_trainers_is_an_error():
     """config.stages batches are per data-parallel device, so an evaluator on a mesh with
     another data x fsdp size plans other steps: the checkpoint's loop state shows it."""
-    c = tiny(stages="0.1:16-8,0.25:16-16")
+    c = tiny_digits(stages="0.1:16-8,0.25:16-16")
     train_plan, other = (
         plan_stages(stages_from_config(c, dp), lambda batch: 1437 // batch) for dp in (4, 8)
     )

@@ -19,29 +19,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import DIGITS, tiny_digits
 
-from hybridpar import checkpoint, cli, shard_batch, trainer
+from hybridpar import checkpoint, shard_batch, trainer
 from hybridpar.optim import lr_batch_factor
 from hybridpar.state import init_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
-DIGITS = str(ROOT / "experiments" / "digits.py")
-
-
-def tiny_digits(**overrides):
-    """The digits job shrunk to a few seconds: 8 filters, 16 px, a fraction of an epoch,
-    a train line after every step."""
-    c = cli.load(DIGITS)
-    c.model.num_filters = 8
-    c.data.image_size = 16
-    c.mesh = "data:4,model:2"
-    c.global_batch, c.eval_batch = 32, 120
-    c.num_epochs = 0.25
-    c.log_every_s = 0.0
-    c.optim.warmup_epochs = 0.1
-    for k, v in overrides.items():
-        cli.apply_overrides(c, [(k, str(v))])
-    return c
 
 
 def records(workdir, event):
