@@ -15,9 +15,9 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-from helpers import ROOT, batches, build, tiny_config
+from helpers import batches, build, tiny_config, tiny_digits
 
-from hybridpar import cli, shard_batch, trainer
+from hybridpar import shard_batch, trainer
 from hybridpar.config import base_config, validate
 from hybridpar.curriculum import single_stage_plan
 from hybridpar.errors import ConfigError
@@ -135,11 +135,8 @@ def test_the_train_step_compiles_once_while_the_momentum_changes():
 
 
 def test_train_lines_report_the_momentum_used(tmp_path):
-    c = cli.load(str(ROOT / "experiments" / "digits.py"))
-    c.model.num_filters, c.data.image_size, c.mesh = 8, 16, "data:8"
-    c.global_batch, c.eval_batch, c.num_epochs, c.log_every_s = 64, 120, 0.2, 0.0
-    c.eval_every_epochs = 0.0
-    c.optim.momentum, c.optim.momentum_start, c.optim.momentum_ramp_epochs = 0.9, 0.98, 0.1
+    ramp = {"optim.momentum": 0.9, "optim.momentum_start": 0.98, "optim.momentum_ramp_epochs": 0.1}
+    c = tiny_digits("data:8", global_batch=64, num_epochs=0.2, eval_every_epochs=0, **ramp)
     run = trainer.setup(c, str(tmp_path))
     trainer.train(run)
     lines = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
