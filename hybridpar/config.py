@@ -176,6 +176,9 @@ def base_config() -> ml_collections.ConfigDict:
     # start, compilation and evaluation included; and without compilation).
     c.target_top1 = -1.0
     c.target_top5 = -1.0
+    # True: the run ends (completed, with a checkpoint) at the first evaluation that reaches
+    # every target set above, as a time-to-accuracy run does (DAWNBench stops the clock there).
+    c.stop_at_target = False
     # A step with a non-finite loss or gradient is skipped (the parameters stay as they
     # were) and counted; this many in a row stop the run with an error naming the last
     # checkpoint. float16's loss scale may need ~15 in a row to back off from 2**15.
@@ -330,6 +333,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for key in ("target_top1", "target_top5"):
         if c[key] > 1:
             raise ConfigError(f"{key}={c[key]} is a fraction: use e.g. --config.{key}=0.93, not 93")
+    if c.stop_at_target and c.target_top1 <= 0 and c.target_top5 <= 0:
+        raise ConfigError(
+            "stop_at_target=True needs a target to stop at: set --config.target_top1=... "
+            "or --config.target_top5=... (a fraction, e.g. 0.93)"
+        )
     if c.stages:
         from hybridpar.curriculum import parse_stages
 

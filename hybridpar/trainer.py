@@ -172,6 +172,13 @@ class LoopState:
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
 
+def targets_met(config, loop: LoopState) -> bool:
+    """``stop_at_target`` is on and every target set has been reached: the run ends here."""
+    wanted = [m for m in ("top1", "top5") if config[f"target_{m}"] > 0]
+    reached = loop.time_to_target or {}
+    return bool(config.stop_at_target and wanted) and all(m in reached for m in wanted)
+
+
 def start_position(stage: PlannedStage) -> tuple[int, int]:
     """``(epoch, step in that epoch)`` where ``stage`` begins."""
     epoch = math.floor(stage.start_epoch + 1e-9)
@@ -394,6 +401,7 @@ class Checkpointer:
     def due(self, loop: LoopState) -> bool:
         return (
             loop.step >= self.run.plan.total_steps
+            or targets_met(self.run.config, loop)
             or (self.every_steps > 0 and loop.step % self.every_steps == 0)
             or (self.every_s > 0 and time.time() - self.last_save >= self.every_s)
         )
@@ -520,6 +528,8 @@ def train(run: Run, hooks=()) -> dict:
     try:
         preemption.install()
         for stage in plan.stages[loop.stage :]:
+            if targets_met(c, loop):
+                break
             loop.enter(stage)
             st = stage.stage
             train_step = program.train_step(st.global_batch, st.image_size)  # compiled above
@@ -532,6 +542,10 @@ def train(run: Run, hooks=()) -> dict:
                 loop.advance(stage)
                 for hook in hooks:
                     hook(loop, state, metrics, stage)
+                if targets_met(c, loop):  # saved by the checkpointer above
+                    log(f"every target reached at step {loop.step}/{plan.total_steps}: "
+                        "stopping there (stop_at_target)")  # fmt: skip
+                    break
             progress.flush(loop, stage)  # a stage's steps are logged at its own batch
     except Preempted as e:
         preempted = str(e)
@@ -558,7 +572,10 @@ def train(run: Run, hooks=()) -> dict:
             "mesh": dict(run.mesh.shape),
             "steps": loop.step,
             "total_steps": plan.total_steps,
-            "completed": not failure and not preempted and loop.step >= plan.total_steps,
+            "completed": not failure
+            and not preempted
+            and (loop.step >= plan.total_steps or targets_met(c, loop)),
+            "stopped_at_target": targets_met(c, loop) and loop.step < plan.total_steps,
             "error": failure,
             "preempted": preempted,
             "resumed_from": resumed,

@@ -10,3 +10,22 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"tests need 8 virtual CPU devices, got {jax.devices()}"
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cifar10_test_prepared(tmp_path_factory):
+    """The shared CIFAR-10 test.tar prepared once, as ``train`` prepares it on first use
+    (full copy only, quality 90, test as the train split): ``(tar, prepared_dir, manifest)``.
+    test_prepare checks what it wrote; the CLI test trains from it, so the suite pays for
+    preparing its 10,000 JPEGs once."""
+    from helpers import require_shared_data
+
+    from hybridpar.input.prepare import prepare
+
+    tar = require_shared_data("cifar10-jpeg/test.tar") / "cifar10-jpeg" / "test.tar"
+    out = tmp_path_factory.mktemp("cifar10_test_prepared")
+    manifest = prepare([tar], out, workers=2, progress=False, train_split="test")
+    return tar, out, manifest

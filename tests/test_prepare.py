@@ -139,17 +139,15 @@ def small(tmp_path_factory):
     return src, out, manifest, odd
 
 
-def test_cifar10_test_tar_every_example_once_with_its_label(tmp_path):
-    tar_path = DATA / "cifar10-jpeg" / "test.tar"
-    _need(tar_path)
-    manifest = prepare([tar_path], tmp_path, workers=2, progress=False, train_split="test")
-    assert manifest == records.load_manifest(str(tmp_path))
+def test_cifar10_test_tar_every_example_once_with_its_label(cifar10_test_prepared):
+    tar_path, out, manifest = cifar10_test_prepared  # prepare() of test.tar (conftest.py)
+    assert manifest == records.load_manifest(str(out))
     info = manifest["splits"]["test"]
     assert info["classes"] == CIFAR_CLASSES
     assert info["num_examples"] == 10_000 and info["skipped"] == [] and info["converted"] == []
     shards = info["copies"]["full"]["shards"]
     assert len(shards) == 10 and sum(s["num_examples"] for s in shards) == 10_000
-    rec = _read(tmp_path, [s["file"] for s in shards], single=True)
+    rec = _read(out, [s["file"] for s in shards], single=True)
     assert sorted(rec["id"].tolist()) == list(range(10_000))
     names = [n.decode() for n in rec["name"]]
     assert rec["label"].tolist() == [CIFAR_CLASSES.index(n.split("/")[0]) for n in names]
@@ -158,7 +156,7 @@ def test_cifar10_test_tar_every_example_once_with_its_label(tmp_path):
         for i in range(3):
             assert rec["image"][i] == tar.extractfile(f"test/{names[i]}").read()
     # Read back through the pipeline as 2 hosts: disjoint, and every image once per epoch.
-    hosts = [ImagePipeline(str(tmp_path), "test", process_index=i, process_count=2) for i in (0, 1)]
+    hosts = [ImagePipeline(str(out), "test", process_index=i, process_count=2) for i in (0, 1)]
     seen = [[i for i, _ in h.examples(epoch=3)] for h in hosts]
     assert not set(seen[0]) & set(seen[1])
     assert sorted(seen[0] + seen[1]) == list(range(10_000))

@@ -109,11 +109,13 @@ def _cli(args, env=None):
         ("num_epochs=-1", "num_epochs=-1.0 is out of range"),
         ("stages=3:32-8,2:32-8", "end epochs must increase"),
         ("stages=1:16-8@1.5", "minimum crop scale of 1.5"),
+        ("stop_at_target=True target_top1=-1 target_top5=-1", "needs a target to stop at"),
     ],
 )
 def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect):
     workdir = tmp_path / "w"
-    r = _cli(["--config", DIGITS, "--workdir", str(workdir), f"--config.{override}"])
+    overrides = [f"--config.{x}" for x in override.split()]
+    r = _cli(["--config", DIGITS, "--workdir", str(workdir), *overrides])
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
@@ -132,12 +134,15 @@ def test_import_hybridpar_and_its_parser_do_not_start_jax():
 
 
 def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
-    """As on the GPU machine, which has neither: the bench must run the first time."""
+    """As on the GPU machine, which has neither: the bench must run the first time. The
+    tiny ResNet in place of ResNet-50 (a --set override, as a user would pass one) keeps
+    the compile short; the imports and the code path are the same."""
     blocker = (
         "import runpy, sys; "
         "[sys.modules.__setitem__(m, None) for m in "
         "('tensorflow', 'tensorflow_datasets', 'ml_collections')]; "
-        "sys.argv = ['resnet50_gpu.py', '--smoke', '--no-torch']; "
+        "sys.argv = ['resnet50_gpu.py', '--smoke', '--no-torch', '--set', "
+        "'model.name=resnet_tiny']; "
         "runpy.run_path('bench/gpu/resnet50_gpu.py', run_name='__main__')"
     )
     env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
