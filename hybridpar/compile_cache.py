@@ -9,7 +9,9 @@ compilation whether it came from the cache (``cache_hit`` in the ``compile`` eve
 The cache is JAX's, and global to the process: ``enable`` points it at one directory for
 the rest of the process (a later ``enable`` with another directory moves it). Everything
 in the process that compiles afterwards uses it, which is why it is off unless a config
-asks for it. The directory must be trusted: JAX loads executables from it.
+asks for it. The directory must be trusted: JAX loads executables from it. A cache the user
+turned on for JAX itself (``JAX_COMPILATION_CACHE_DIR``, as the test suite does) is used
+and reported the same way.
 """
 
 from __future__ import annotations
@@ -37,19 +39,26 @@ def resolve(setting: str, workdir: str | None) -> str | None:
     return os.path.abspath(os.path.expanduser(setting))
 
 
+def _listen() -> None:
+    global _listening
+    if not _listening:
+        import jax
+
+        jax.monitoring.register_event_listener(_count)
+        _listening = True
+
+
 def enable(path: str) -> None:
     """Every compilation from now on in this process reads and writes ``path``."""
-    global _listening, _active
+    global _active
     import jax
     from jax.experimental.compilation_cache import compilation_cache as cc
 
-    if not _listening:
-        jax.monitoring.register_event_listener(_count)
-        _listening = True
+    _listen()
     if path == _active:
         return
     os.makedirs(path, exist_ok=True)
-    if _active is not None:
+    if jax.config.jax_compilation_cache_dir not in (None, path):
         cc.reset_cache()  # JAX opens its cache once; another directory needs a fresh start
     cc.set_cache_dir(path)
     # Every program, however quick to compile: a curriculum's eval steps and small stages
@@ -60,9 +69,14 @@ def enable(path: str) -> None:
 
 
 def active() -> str | None:
-    return _active
+    """The cache directory compilations use now: ours, or one set for JAX itself."""
+    import jax
+
+    return _active or jax.config.jax_compilation_cache_dir
 
 
 def hits() -> int:
-    """How many compilations in this process so far were loaded from the cache."""
+    """How many compilations in this process so far were loaded from the cache (counted
+    from the first call: call it before compiling)."""
+    _listen()
     return _hits

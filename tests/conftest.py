@@ -1,11 +1,26 @@
 """Every test process sees 8 virtual CPU devices (set before JAX initialises)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# An XLA compilation cache for the session, used by this process and the subprocesses it
+# starts (they inherit the variable): the suite builds the same small programs in many tests
+# and CLI runs, and each compiles once. A fresh directory per session, removed at its end,
+# so nothing stale is ever loaded; one per xdist worker (JAX writes entries in place, so two
+# processes must not share one). Tests of the cache itself point it elsewhere by config.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ or "HYBRIDPAR_TESTS_XLA_CACHE" in os.environ:
+    if "HYBRIDPAR_TESTS_XLA_CACHE" not in os.environ:  # the first process of the session
+        os.environ["HYBRIDPAR_TESTS_XLA_CACHE"] = tempfile.mkdtemp(prefix="hybridpar-tests-xla-")
+        atexit.register(shutil.rmtree, os.environ["HYBRIDPAR_TESTS_XLA_CACHE"], True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        os.environ["HYBRIDPAR_TESTS_XLA_CACHE"], os.environ.get("PYTEST_XDIST_WORKER", "main")
+    )
 
 import jax  # noqa: E402
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import TINY_DIGITS, config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -135,6 +136,7 @@ def test_diverging_run_stops_and_keeps_its_records(tmp_path):
             "--workdir",
             str(tmp_path),
             "--config.mesh=data:8",
+            *config_args(TINY_DIGITS),
             "--config.optim.base_lr=1e30",
             "--config.num_epochs=1",
             "--config.max_nonfinite_steps=5",
@@ -216,9 +218,8 @@ def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path, cifar10_test
 
 def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_path):
     common = ["--config", DIGITS, "--config.comm.mode=bucketed", "--config.model.bn_sync=local"]
-    r = _run(
-        [*common, "--workdir", str(tmp_path / "a"), "--config.mesh=data:8", "--config.num_epochs=1"]
-    )
+    r = _run([*common, "--workdir", str(tmp_path / "a"), "--config.mesh=data:8",
+              *config_args(TINY_DIGITS)])  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"]
     r = _run([*common, "--workdir", str(tmp_path / "b"), "--config.mesh=data:4,model:2"])
