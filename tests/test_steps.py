@@ -201,6 +201,7 @@ def test_a_nonfinite_step_changes_nothing_but_the_step_counter(precision):
         mesh,
         {"image": 4, "label": 1},
     )
+
     # float32 images throughout (a uint8 batch cannot hold a NaN): one compilation, not two
     def good(seed):
         b = _batch(16, seed)
