@@ -1,6 +1,6 @@
 """The persistent compilation cache (``compile_cache``), through the train CLI.
 
-The cache is JAX's and global to a process, so each run is its own process here. A 2-stage
+The cache is JAX's and global to a process, so each run is its own process here. A 3-stage
 run of the tiny model compiles every stage's step and the eval step before its first step
 (no ``compile`` event after the first ``stage`` event); a second identical run in another
 workdir, on the same cache, loads every one of them instead of compiling.
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     **TINY_DIGITS,
     "eval_every_epochs": 0,
-    "stages": "0.1:16-4,0.2:24-8",  # two shapes, size and batch both change: (16, 32), (24, 64)
+    "stages": "0.1:16-4,0.2:24-4,0.3:16-8",  # three shapes: (16 px, 32), (24, 32), (16, 64)
     "mesh": "data:8",
 }
 
@@ -41,17 +41,17 @@ def test_all_stages_compile_before_the_first_and_a_second_run_compiles_nothing(t
     first = _train(tmp_path / "a", cache)
     events = [r["event"] for r in first]
     compiles = [r for r in first if r["event"] == "compile"]
-    # every stage's train step (2 shapes) and the eval step, all before the first stage
+    # every stage's train step (3 shapes) and the eval step, all before the first stage
     assert sorted((r["program"], r["batch"], r["image_size"]) for r in compiles) == [
-        ("eval", 120, 16), ("train", 32, 16), ("train", 64, 24)]  # fmt: skip
+        ("eval", 120, 16), ("train", 32, 16), ("train", 32, 24), ("train", 64, 16)]  # fmt: skip
     assert max(i for i, e in enumerate(events) if e == "compile") < events.index("stage")
-    assert [r["image_size"] for r in first if r["event"] == "stage"] == [16, 24]
+    assert [r["image_size"] for r in first if r["event"] == "stage"] == [16, 24, 16]
     assert not any(r["cache_hit"] for r in compiles)
     assert any(cache.iterdir())  # the programs were written
 
     second = _train(tmp_path / "b", cache)
     again = [r for r in second if r["event"] == "compile"]
-    assert len(again) == 3 and all(r["cache_hit"] for r in again), again
+    assert len(again) == 4 and all(r["cache_hit"] for r in again), again
     # the same programs: the same losses, step for step
     losses = [[r["loss"] for r in run if r["event"] == "train"] for run in (first, second)]
     assert losses[0] == losses[1] and len(losses[0]) > 3
