@@ -7,6 +7,7 @@ The CLI locks the config, so ``--config.KEY=VALUE`` with a misspelt KEY is an er
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import ml_collections
 
@@ -99,6 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
             allow_empty_classes=False,
             # Train transform: random-resized crop (fused into JPEG decoding) and flip.
             min_scale=0.08,
+            # images/tfds: then a random translation by up to this many pixels each way
+            # (reflect-padded; airbench's CIFAR augmentation is flip + translate 2). 0: off.
+            translate=0,
             # Eval transform: centre crop of this fraction of the shorter side, resized.
             eval_crop_ratio=0.875,
             ram_cache=False,  # keep encoded bytes in RAM after the first epoch
@@ -130,6 +134,9 @@ def base_config() -> ml_collections.ConfigDict:
             # holds it. A value in the optimizer state (optax.inject_hyperparams), so it
             # costs no recompile. -1: momentum is `momentum` throughout. Turning it on or off
             # changes the optimizer state's structure: a run cannot resume across that.
+            # Parameters (a regex on paths such as "whiten/kernel") that never change: their
+            # updates, weight decay included, are zero. "": none.
+            frozen="",
             momentum_start=-1.0,
             momentum_ramp_epochs=0.0,
             nesterov=True,
@@ -171,6 +178,9 @@ def base_config() -> ml_collections.ConfigDict:
     # programs compiles nothing). Global to the process once on, hence off by default.
     c.compile_cache = ""
     c.eval_every_epochs = 1.0
+    # Test-time augmentation: evaluate on each image and its mirror image, averaging the
+    # logits (airbench's and fast.ai's TTA). Costs a second forward pass per eval batch.
+    c.eval_flip = False
     c.log_every_s = 5.0
     # > 0: summary.json records the time to reach it (DAWNBench's way: wall clock from the
     # start, compilation and evaluation included; and without compilation).
@@ -333,6 +343,30 @@ def validate(c: ml_collections.ConfigDict) -> None:
     for key in ("target_top1", "target_top5"):
         if c[key] > 1:
             raise ConfigError(f"{key}={c[key]} is a fraction: use e.g. --config.{key}=0.93, not 93")
+    if c.data.translate < 0 or (c.data.translate and c.data.name not in ("images", "tfds")):
+        raise ConfigError(
+            f"data.translate={c.data.translate!r}: a number of pixels >= 0, and only for the "
+            f"tf.data pipeline (data.name 'images' or 'tfds', not {c.data.name!r}); set "
+            "--config.data.translate=0"
+        )
+    if c.optim.frozen:
+        try:
+            re.compile(c.optim.frozen)
+        except re.error as e:
+            raise ConfigError(f"optim.frozen={c.optim.frozen!r} is not a regex ({e})") from None
+    if c.model.name == "airbench":
+        from hybridpar.curriculum import parse_stages
+        from hybridpar.models.airbench import MIN_IMAGE_SIZE
+
+        stages = parse_stages(c.stages) if c.stages else []
+        sizes = [c.data.image_size] + [size for _, size, _, _ in stages]
+        small = [x for x in sizes if x and x < MIN_IMAGE_SIZE]
+        if small:
+            raise ConfigError(
+                f"image size {small[0]} is too small for model.name='airbench' (at least "
+                f"{MIN_IMAGE_SIZE} px: a 2x2 convolution and three 2x max-pools); set "
+                "--config.data.image_size or the --config.stages sizes to 10 or more"
+            )
     if c.stop_at_target and c.target_top1 <= 0 and c.target_top5 <= 0:
         raise ConfigError(
             "stop_at_target=True needs a target to stop at: set --config.target_top1=... "

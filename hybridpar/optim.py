@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -149,4 +151,19 @@ def make_optimizer(cfg, plan: StagePlan):
         )
     else:
         raise ConfigError(f"optim.name={cfg.name!r}: use 'sgd' or 'lars'")
+    if cfg.frozen:  # last in the chain: no update at all, weight decay's included
+        tx = optax.chain(tx, optax.masked(optax.set_to_zero(), frozen_mask(cfg.frozen)))
     return (keep_state_dtypes(tx) if scheduled else tx), schedule
+
+
+def frozen_mask(pattern: str):
+    """``params -> tree of bool``: True where the path ("block1/conv1/kernel") matches."""
+    regex = re.compile(pattern)
+
+    def name(path):  # dict keys only: flax's boxes (init sees them) add attribute keys
+        return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+    def mask(params):
+        return jax.tree_util.tree_map_with_path(lambda p, _: bool(regex.search(name(p))), params)
+
+    return mask

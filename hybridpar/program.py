@@ -122,7 +122,8 @@ class Program:
     @functools.cached_property
     def eval_jit(self):
         """The jitted ``(state, batch) -> sums`` of loss, top-1/5 hits and real examples."""
-        step = make_eval_step(self.model, self.policy, head=self.head, **self._input_kw)
+        step = make_eval_step(self.model, self.policy, head=self.head,
+                              flip=self.config.eval_flip, **self._input_kw)  # fmt: skip
         return jit_eval_step(step, self.shardings, self.mesh, {"image": 4, "label": 1, "mask": 1})
 
     @property
@@ -147,6 +148,30 @@ class Program:
             sync=sync,
             **self._input_kw,
         )
+
+    def data_init(self, state, batches, images: int = 5000):
+        """``state`` with the parameters the model sets from training data (``data_init``:
+        airbench's whitening kernel), from the first host batches of ``batches`` until
+        ``images`` images (global) are in; as it is for other models. Computed on the
+        global arrays, so every process gets the same values."""
+        if not hasattr(self.model, "data_init"):
+            return state
+        from hybridpar.steps import normalize
+
+        chunks, seen = [], 0
+        for host in batches:
+            chunks.append(partitioning.shard_batch({"image": host["image"]}, self.mesh)["image"])
+            seen += chunks[-1].shape[0]
+            if seen >= images:
+                break
+        d = self.config.data
+
+        def init(params, *chunks):
+            x = jax.numpy.concatenate([normalize(c, d.mean, d.std, np.float32) for c in chunks])
+            return self.model.data_init(params, x)
+
+        params = jax.jit(init, out_shardings=self.shardings.params)(state.params, *chunks)
+        return state.replace(params=params)
 
     def lower_train(self, global_batch: int, image_size: int | None = None):
         return self.train_jit.lower(

@@ -167,6 +167,21 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
     return new, metrics
 
 
+class FlipAveraged:
+    """``model`` at inference, its output averaged over each image and its mirror image
+    (test-time flip). The heads apply it as they apply the model; what it averages, logits or
+    (for a sharded head) the features before the linear head, gives the same logits."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def apply(self, variables, x, train=False, **kw):
+        assert not train, "test-time flip is for evaluation"
+        y = self.model.apply(variables, x, train=False, **kw)
+        mirrored = self.model.apply(variables, x[:, :, ::-1, :], train=False, **kw)
+        return ((y.astype(jnp.float32) + mirrored.astype(jnp.float32)) / 2).astype(y.dtype)
+
+
 def make_eval_step(
     model,
     policy: Policy,
@@ -175,11 +190,13 @@ def make_eval_step(
     std,
     label_smoothing: float = 0.0,
     head=None,
+    flip: bool = False,
 ):
     """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples.
 
-    ``head`` as in ``make_train_step``."""
+    ``head`` as in ``make_train_step``; ``flip``: test-time flip (``FlipAveraged``)."""
     head = head or DenseHead()
+    model = FlipAveraged(model) if flip else model
 
     def eval_step(state: TrainState, batch):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)

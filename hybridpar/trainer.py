@@ -472,6 +472,12 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     restored = saver.restore(program.abstract_state())
     if restored is None:
         state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
+        if hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
+            st = run.plan.stages[0].stage
+            batches = run.data.train_batches(
+                0, global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale
+            )
+            state = program.data_init(state, batches)
         return state, LoopState(seed=run.config.seed), None
     step, state, loop, _ = restored
     return state, LoopState.from_dict(loop), step

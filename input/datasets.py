@@ -131,6 +131,7 @@ def _pipeline(c, pi, pc, shape) -> Data:
         shuffle_buffer=d.shuffle_buffer,
         eval_crop_ratio=d.eval_crop_ratio,
         threads=d.threads or None,
+        translate=d.translate,
     )
     if d.name == "images":
         prepared = _ensure_prepared(d)

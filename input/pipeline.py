@@ -79,6 +79,7 @@ class ImagePipeline:
         shuffle_buffer: int = 16384,
         eval_crop_ratio: float = 0.875,
         threads: int | None = None,
+        translate: int = 0,
     ):
         if process_index is None or process_count is None:
             import jax
@@ -98,6 +99,7 @@ class ImagePipeline:
         self.shuffle_buffer = int(shuffle_buffer)
         self.eval_crop_ratio = float(eval_crop_ratio)
         self.threads = threads
+        self.translate = int(translate)  # train transform: shift by up to this many pixels
 
         self._load_layout(prepared_dir, split)
         self.num_classes = len(self.classes)
@@ -283,7 +285,9 @@ class ImagePipeline:
         if key not in self._fns:
             spec = (tf.TensorSpec([], tf.string), tf.TensorSpec([2], tf.int64))
             self._fns[key] = tf.function(
-                lambda data, seed: train_transform(data, seed, image_size, min_scale=min_scale),
+                lambda data, seed: train_transform(
+                    data, seed, image_size, min_scale=min_scale, translate=self.translate
+                ),
                 input_signature=spec,
             )
         return self._fns[key]

@@ -34,7 +34,10 @@ def _center_window(shape, crop_ratio: float):
 
 def _random_window(shape, seed, min_scale, max_scale, ratio):
     """A random-resized-crop window of an image of ``shape`` [h, w, c]; the centre crop where
-    sampling fails."""
+    sampling fails. ``min_scale`` 1: the whole image (which the sampler would return as its
+    failure, and the fallback would shrink to the centre crop)."""
+    if min_scale >= 1.0:
+        return (tf.constant(0, tf.int32), tf.constant(0, tf.int32), shape[0], shape[1])
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
         shape,
         bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], tf.float32, [1, 1, 4]),
@@ -136,8 +139,10 @@ def train_transform(
     flip: bool = True,
     dct_scaling: bool = True,
     jpeg_only: bool = False,
+    translate: int = 0,
 ):
-    """Random-resized crop (fused decode) + resize + flip -> uint8 ``[S, S, 3]``.
+    """Random-resized crop (fused decode) + resize + flip -> uint8 ``[S, S, 3]``, then with
+    ``translate`` > 0 a random shift by up to that many pixels each way (reflect-padded).
 
     ``seed``: int32/int64 tensor of shape [2]; all randomness derives from it. The crop
     window is drawn from the original size whatever the decoding scale, so ``dct_scaling``
@@ -152,6 +157,11 @@ def train_transform(
 
     scale_for = image_size if dct_scaling else None
     image = _resize_uint8(_decode_window(image_bytes, window, scale_for, jpeg_only), image_size)
+    if translate > 0:  # its own seed, split off the flip's (the other draws stay as they were)
+        shift_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(flip_seed, 2))
+        t = int(translate)
+        padded = tf.pad(image, [[t, t], [t, t], [0, 0]], mode="REFLECT")
+        image = tf.image.stateless_random_crop(padded, tf.shape(image), shift_seed)
     if flip:
         image = tf.image.stateless_random_flip_left_right(image, flip_seed)
     return image

@@ -1,5 +1,6 @@
 """Image classification models and a name registry."""
 
+from .airbench import AirbenchNet
 from .resnet import (
     BottleneckResNetBlock,
     ResNet,
@@ -14,6 +15,7 @@ from .resnet import (
 )
 
 MODELS = {
+    "airbench": AirbenchNet,
     "resnet18": ResNet18,
     "resnet34": ResNet34,
     "resnet50": ResNet50,
@@ -32,6 +34,7 @@ def create_model(name: str, **kwargs):
 
 
 __all__ = [
+    "AirbenchNet",
     "BottleneckResNetBlock",
     "MODELS",
     "ResNet",

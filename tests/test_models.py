@@ -126,6 +126,7 @@ def test_submodule_names(tiny_vars):
 
 def test_registry():
     assert set(MODELS) == {
+        "airbench",
         "resnet18",
         "resnet34",
         "resnet50",

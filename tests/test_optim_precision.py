@@ -268,3 +268,18 @@ def test_all_finite_false_on_nan_or_inf(bad):
 def test_all_finite_true_on_finite_trees():
     assert bool(all_finite({"a": jnp.ones((3,)), "b": [jnp.zeros((2, 2), jnp.bfloat16)]}))
     assert bool(all_finite({}))
+
+
+@pytest.mark.parametrize("momentum_start", [-1.0, 0.95])  # optax as it is, and injected
+def test_frozen_parameters_get_no_update_not_even_weight_decay(momentum_start):
+    cfg = optim_cfg(name="sgd", weight_decay=0.1, warmup_epochs=0.0, frozen=r"^conv/kernel$",
+                    momentum_start=momentum_start, momentum_ramp_epochs=1.0)  # fmt: skip
+    params = small_params()
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates = _one_update(cfg, params, grads)
+    assert not np.any(np.asarray(updates["conv"]["kernel"]))  # frozen: exactly zero
+    for leaf in jax.tree.leaves({k: v for k, v in updates.items() if k != "conv"}):
+        assert np.all(np.asarray(leaf) != 0)  # the others train (the control)
+    # the same config without the freeze moves the kernel: the mask is what stops it
+    free = _one_update(optim_cfg(**{**cfg.to_dict(), "frozen": ""}), params, grads)
+    assert np.all(np.asarray(free["conv"]["kernel"]) != 0)

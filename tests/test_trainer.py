@@ -110,6 +110,9 @@ def _cli(args, env=None):
         ("stages=3:32-8,2:32-8", "end epochs must increase"),
         ("stages=1:16-8@1.5", "minimum crop scale of 1.5"),
         ("stop_at_target=True target_top1=-1 target_top5=-1", "needs a target to stop at"),
+        ("model.name=airbench stages=1:8-8", "image size 8 is too small for model.name"),
+        ("data.translate=2", "only for the tf.data pipeline"),
+        ("optim.frozen=(", "optim.frozen='(' is not a regex"),
     ],
 )
 def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect):

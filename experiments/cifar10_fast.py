@@ -1,0 +1,61 @@
+"""CIFAR-10, fast: a small airbench-style network (models/airbench.py) with a curriculum.
+
+    python -m hybridpar.train --config experiments/cifar10_fast.py --workdir runs/c10f
+    python -m hybridpar.train --config experiments/cifar10_fast.py:cpu --workdir runs/c10c
+
+In the spirit of airbench (Keller Jordan's 94% in seconds on one A100) and Page's ResNet-9:
+a 2x2 first layer whitened from the training images and frozen, flip + 2-px translate, label
+smoothing 0.2, test-time flip, linear warmup then linear decay to 0; and our curriculum:
+24-px images at a larger batch for the first 40% of the epochs, then 32 px (both shapes
+compiled before the first step; the LR follows the batch, continuous across the switch).
+Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the first layer.
+
+Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
+per device, target 94%) or ``cpu`` (sized for 2 cores, one device: widths 64-128-128,
+8 epochs, target 85%). Data: the JPEG tars in $HYBRIDPAR_DATA (default ../shared/data),
+prepared on first use as experiments/cifar10.py does. Accuracy and time to target of these
+settings are not measured yet (see the README's benchmark notes).
+"""
+
+from pathlib import Path
+
+from hybridpar.config import load_config
+from hybridpar.errors import ConfigError
+
+VARIANTS = {
+    # widths, epochs, stages (END:SIZE-BATCH_PER_DEVICE), target top-1
+    "gpu": (128, 10.0, "4:24-1024,10:32-512", 0.94),
+    "cpu": (64, 8.0, "3.2:24-768,8:32-512", 0.85),
+}
+
+
+def get_config(args: str = ""):
+    variant = args or "gpu"
+    if variant not in VARIANTS:
+        raise ConfigError(f"cifar10_fast.py:{args}: the variant is one of {', '.join(VARIANTS)}")
+    width, epochs, stages, target = VARIANTS[variant]
+    c = load_config(str(Path(__file__).with_name("cifar10.py")))
+    c.model.update(name="airbench", num_filters=width)
+    c.data.update(
+        min_scale=1.0,  # no random-resized crop: the whole image, then a 2-px translation
+        translate=2,
+    )
+    c.stages = stages
+    c.num_epochs = epochs
+    c.eval_batch = 1000
+    c.optim.update(
+        base_lr=0.2,  # per 256 images: 0.8 at 1,024
+        weight_decay=5e-4,
+        momentum=0.9,
+        nesterov=True,
+        warmup_epochs=1.0,
+        schedule="linear",
+        end_lr_factor=0.0,
+        frozen=r"^whiten/kernel$",  # as the data set it
+    )
+    c.label_smoothing = 0.2
+    c.eval_flip = True
+    c.eval_every_epochs = 1.0
+    c.target_top1 = target
+    c.compile_cache = "workdir"
+    return c
