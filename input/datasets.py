@@ -66,6 +66,7 @@ def _in_memory(c, pi, pc, shape) -> Data:
             d.channels,
         )
         spe = max(d.train_examples // c.global_batch, 1)
+
         def steps_for(batch):
             return max(d.train_examples // batch, 1)
 
