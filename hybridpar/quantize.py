@@ -39,10 +39,25 @@ def check_args(args, config) -> None:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if args.repeats < 1:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
-    if not evaluator.check_workdir(config, args.workdir):
+    if not os.path.isdir(args.workdir):
+        raise ConfigError(
+            f"no workdir {args.workdir!r}: pass the --workdir of a training run (the one given "
+            "to python -m hybridpar.train)"
+        )
+    saved = checkpoint.read_json(os.path.join(args.workdir, "config.json"))
+    if saved is None:
         raise ConfigError(
             f"{args.workdir!r} has no config.json: pass the --workdir of a training run "
             "(python -m hybridpar.train writes it there)"
+        )
+    # the evaluator's rule: only where and how fast it runs may differ from the run's config
+    free = evaluator.PLACEMENT_KEYS
+    diff = checkpoint.differences(saved, checkpoint.config_dict(config), free=free)
+    if diff:
+        key, old, _ = diff[0]
+        raise ConfigError(
+            f"{checkpoint.another_config(args.workdir, diff)}; pass the run's own config "
+            f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in free)} may differ"
         )
     ckpt = checkpoint.checkpoint_dir(config, args.workdir)
     if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
@@ -72,11 +87,13 @@ def median_ms(fn, x, repeats: int) -> float:
 
 
 def accuracy(fn, batches) -> dict:
-    """top-1/top-5 of ``fn`` (uint8 images -> logits) over masked host batches."""
+    """top-1/top-5 of ``fn`` (uint8 images -> logits) over masked host batches, and its
+    top-1 class of each real example."""
     import jax
     import numpy as np
 
     hits1 = hits5 = n = 0.0
+    top1 = []
     for b in batches:
         logits = np.asarray(jax.device_get(fn(b["image"])), np.float32)
         mask = np.asarray(b["mask"], np.float64)
@@ -85,7 +102,8 @@ def accuracy(fn, batches) -> dict:
         hits1 += float(((top5[:, :1] == label).any(-1) * mask).sum())
         hits5 += float(((top5 == label).any(-1) * mask).sum())
         n += float(mask.sum())
-    return {"top1": hits1 / n, "top5": hits5 / n, "examples": int(n)}
+        top1.append(top5[mask > 0, 0])
+    return {"top1": hits1 / n, "top5": hits5 / n, "examples": int(n)}, np.concatenate(top1)
 
 
 def table(report: dict) -> list[str]:
@@ -112,6 +130,7 @@ def last_line(report: dict) -> str:
         "weight_bytes_float": report["weight_bytes_float"],
         "weight_bytes_int8": report["weight_bytes_int8"],
         "ratio": f"{report['ratio']:.2f}",
+        "agreement": f"{report['top1_agreement']:.4f}",
     }
     for b in batches:  # float ms / int8 ms: above 1, int8 is faster
         f, q = ms[f"float_batch{b}_ms"], ms[f"int8_batch{b}_ms"]
@@ -155,11 +174,16 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     with jax.default_device(device):
         t0 = time.time()
         to_float = jax.jit(lambda im: normalize(im, mean, std, np.float32))
-        ranges = None
-        if activations == "int8":
-            train = r.data.train_batches(0)
-            batches = (to_float(b["image"]) for b in itertools.islice(train, calibration_batches))
-            ranges = int8.calibrate(arch, layers, batches)
+        ranges, used = None, 0
+        if activations == "int8":  # training batches: the first K of epoch 0
+            images = [
+                b["image"] for b in itertools.islice(r.data.train_batches(0), calibration_batches)
+            ]
+            used = len(images)
+            ranges = int8.calibrate(arch, layers, map(to_float, images))
+            if used < calibration_batches:
+                trainer.log(f"calibrated on {used} batches (a whole epoch), not "
+                            f"{calibration_batches}")  # fmt: skip
         q = int8.quantize(layers, ranges)
         calibrate_s = time.time() - t0
         variables = {"params": params, "batch_stats": stats}
@@ -173,15 +197,16 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
 
         # ---- The eval split, float and int8 ----
         t0 = time.time()
-        evals = {
-            name: accuracy(fn, r.data.eval_batches())
-            for name, fn in (("float", float_model), ("int8", int8_model))
-        }
+        evals, predicted = {}, {}
+        for name, fn in (("float", float_model), ("int8", int8_model)):
+            evals[name], predicted[name] = accuracy(fn, r.data.eval_batches())
+        # the fraction of eval examples whose top-1 class int8 leaves as float had it
+        agreement = float(np.mean(predicted["float"] == predicted["int8"]))
         for name, e in evals.items():
             if e["examples"] != r.data.num_eval:
                 raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
         eval_s = time.time() - t0
-        trainer.log(f"calibrated on {calibration_batches if ranges else 0} batches in "
+        trainer.log(f"calibrated on {used} batches in "
                     f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
 
         # ---- CPU latency, side by side ----
@@ -213,11 +238,12 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
         "step": int(step),
         "weights": "int8",
         "activations": activations,
-        "calibration_batches": calibration_batches if activations == "int8" else 0,
+        "calibration_batches": used,
         "calibration_s": round(calibrate_s, 3),
         "eval": evals,
         "top1_drop_points": round(100 * (f1 - q1), 4),
         "top5_drop_points": round(100 * (f5 - q5), 4),
+        "top1_agreement": round(agreement, 6),
         # float: every trained parameter (kernels, BN scales and biases, head); int8: the
         # int8 kernels, their float32 steps, the folded float32 biases and activation steps
         "weight_bytes_float": float_bytes,
