@@ -227,40 +227,44 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     out = os.path.join(workdir, OUT)
     tmp = f"{out}.tmp-{os.getpid()}"
     os.makedirs(tmp)
-    np.savez(os.path.join(tmp, "params.npz"), **int8.flat(q))
-    int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"))
-    float_bytes = int8.tree_bytes(params)
-    int8_bytes = int8.tree_bytes(q)
-    f1, q1 = evals["float"]["top1"], evals["int8"]["top1"]
-    f5, q5 = evals["float"]["top5"], evals["int8"]["top5"]
-    report = {
-        "workdir": os.path.abspath(workdir),
-        "step": int(step),
-        "weights": "int8",
-        "activations": activations,
-        "calibration_batches": used,
-        "calibration_s": round(calibrate_s, 3),
-        "eval": evals,
-        "top1_drop_points": round(100 * (f1 - q1), 4),
-        "top5_drop_points": round(100 * (f5 - q5), 4),
-        "top1_agreement": round(agreement, 6),
-        # float: every trained parameter (kernels, BN scales and biases, head); int8: the
-        # int8 kernels, their float32 steps, the folded float32 biases and activation steps
-        "weight_bytes_float": float_bytes,
-        "weight_bytes_int8": int8_bytes,
-        "ratio": round(float_bytes / int8_bytes, 3),
-        "latency_ms": {k: round(v, 3) for k, v in latency.items()},
-        "latency_repeats": repeats,
-        "latency_s": round(latency_s, 3),
-        "device": str(jax.devices()[0].device_kind),
-        "activation_ranges": ranges,
-        "files": ["params.npz", "model.jax_exported", "report.json"],
-    }
-    with open(os.path.join(tmp, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    if os.path.exists(out) and overwrite:
-        shutil.rmtree(out)
-    os.rename(tmp, out)
+    try:
+        np.savez(os.path.join(tmp, "params.npz"), **int8.flat(q))
+        int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"))
+        float_bytes = int8.tree_bytes(params)
+        int8_bytes = int8.tree_bytes(q)
+        f1, q1 = evals["float"]["top1"], evals["int8"]["top1"]
+        f5, q5 = evals["float"]["top5"], evals["int8"]["top5"]
+        report = {
+            "workdir": os.path.abspath(workdir),
+            "step": int(step),
+            "weights": "int8",
+            "activations": activations,
+            "calibration_batches": used,
+            "calibration_s": round(calibrate_s, 3),
+            "eval": evals,
+            "top1_drop_points": round(100 * (f1 - q1), 4),
+            "top5_drop_points": round(100 * (f5 - q5), 4),
+            "top1_agreement": round(agreement, 6),
+            # float: every trained parameter (kernels, BN scales and biases, head); int8: the
+            # int8 kernels, their float32 steps, the folded float32 biases and activation steps
+            "weight_bytes_float": float_bytes,
+            "weight_bytes_int8": int8_bytes,
+            "ratio": round(float_bytes / int8_bytes, 3),
+            "latency_ms": {k: round(v, 3) for k, v in latency.items()},
+            "latency_repeats": repeats,
+            "latency_s": round(latency_s, 3),
+            "device": str(jax.devices()[0].device_kind),
+            "activation_ranges": ranges,
+            "files": ["params.npz", "model.jax_exported", "report.json"],
+        }
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        if os.path.exists(out) and overwrite:
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:  # nothing half-written left beside the results
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     # ---- The report ----
     for line in table(report):
