@@ -210,7 +210,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
                     f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
 
         # ---- CPU latency, side by side ----
-        shape = (*r.program.image_shape[:2], d.channels)
+        shape = (d.image_size, d.image_size, d.channels)  # the eval size (a curriculum ends there)
         latency = {}
         t0 = time.time()
         for b in latency_batches:

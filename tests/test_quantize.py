@@ -15,6 +15,7 @@
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,8 +156,19 @@ def test_exported_model_equals_in_process(quantized):
     want, got = np.asarray(in_process(images)), np.asarray(served(images))
     assert got.shape == (5, 10) and got.dtype == np.float32
     # the same int32 sums; only the float rescale may be fused differently by XLA
-    np.testing.assert_allclose(got, want, rtol=0, atol=16 * EPS32 * np.abs(want).max())
+    tol = 16 * EPS32 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
     assert (got.argmax(-1) == want.argmax(-1)).all()
+    # static scales: an image's logits do not depend on the rest of its batch (dynamic,
+    # per-batch activation ranges would make them)
+    np.testing.assert_allclose(np.asarray(served(images[:1])), got[:1], rtol=0, atol=tol)
+    # the arithmetic is integer: every convolution and the head's product take int8
+    # operands and accumulate in int32, none is float
+    with open(w / "quantized" / "model.jax_exported", "rb") as f:
+        text = jax.export.deserialize(bytearray(f.read())).mlir_module()
+    convs = re.findall(r"stablehlo\.(?:convolution|dot_general)\b.*", text)
+    assert len(convs) == len(int8.layer_paths(arch)), len(convs)
+    assert all(re.search(r"xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>", c) for c in convs), convs
 
 
 def test_existing_output_needs_overwrite(quantized):
