@@ -86,24 +86,35 @@ def median_ms(fn, x, repeats: int) -> float:
     return float(np.median(times) * 1e3)
 
 
-def accuracy(fn, batches) -> dict:
-    """top-1/top-5 of ``fn`` (uint8 images -> logits) over masked host batches, and its
-    top-1 class of each real example."""
+def compare(fns: dict, batches) -> tuple[dict, dict]:
+    """Each of ``fns`` (name -> uint8 images -> logits; the first is the reference) over the
+    same masked host batches: ``({name: {top1, top5, examples}}, {agreement, logit_error})``,
+    the agreement and the logits' relative L2 error (``|int8 - float| / |float|`` over the
+    whole split) of the second against the first."""
     import jax
     import numpy as np
 
-    hits1 = hits5 = n = 0.0
-    top1 = []
+    names = list(fns)
+    hits = {n: [0.0, 0.0] for n in names}
+    count = same = err2 = ref2 = 0.0
     for b in batches:
-        logits = np.asarray(jax.device_get(fn(b["image"])), np.float32)
         mask = np.asarray(b["mask"], np.float64)
-        top5 = np.argsort(-logits, axis=-1)[:, :5]
         label = np.asarray(b["label"])[:, None]
-        hits1 += float(((top5[:, :1] == label).any(-1) * mask).sum())
-        hits5 += float(((top5 == label).any(-1) * mask).sum())
-        n += float(mask.sum())
-        top1.append(top5[mask > 0, 0])
-    return {"top1": hits1 / n, "top5": hits5 / n, "examples": int(n)}, np.concatenate(top1)
+        logits = {n: np.asarray(jax.device_get(fns[n](b["image"])), np.float64) for n in names}
+        for n in names:
+            top5 = np.argsort(-logits[n], axis=-1)[:, :5]
+            hits[n][0] += float(((top5[:, :1] == label).any(-1) * mask).sum())
+            hits[n][1] += float(((top5 == label).any(-1) * mask).sum())
+        ref, other = logits[names[0]], logits[names[1]]
+        same += float(((ref.argmax(-1) == other.argmax(-1)) * mask).sum())
+        err2 += float((((other - ref) ** 2).sum(-1) * mask).sum())
+        ref2 += float(((ref**2).sum(-1) * mask).sum())
+        count += float(mask.sum())
+    evals = {
+        n: {"top1": h1 / count, "top5": h5 / count, "examples": int(count)}
+        for n, (h1, h5) in hits.items()
+    }
+    return evals, {"agreement": same / count, "logit_error": float(np.sqrt(err2 / ref2))}
 
 
 def table(report: dict) -> list[str]:
@@ -131,6 +142,7 @@ def last_line(report: dict) -> str:
         "weight_bytes_int8": report["weight_bytes_int8"],
         "ratio": f"{report['ratio']:.2f}",
         "agreement": f"{report['top1_agreement']:.4f}",
+        "logit_error": f"{report['logit_error']:.4f}",
     }
     for b in batches:  # float ms / int8 ms: above 1, int8 is faster
         f, q = ms[f"float_batch{b}_ms"], ms[f"int8_batch{b}_ms"]
@@ -197,11 +209,8 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
 
         # ---- The eval split, float and int8 ----
         t0 = time.time()
-        evals, predicted = {}, {}
-        for name, fn in (("float", float_model), ("int8", int8_model)):
-            evals[name], predicted[name] = accuracy(fn, r.data.eval_batches())
-        # the fraction of eval examples whose top-1 class int8 leaves as float had it
-        agreement = float(np.mean(predicted["float"] == predicted["int8"]))
+        models = {"float": float_model, "int8": int8_model}
+        evals, agree = compare(models, r.data.eval_batches())
         for name, e in evals.items():
             if e["examples"] != r.data.num_eval:
                 raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
@@ -244,7 +253,8 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             "eval": evals,
             "top1_drop_points": round(100 * (f1 - q1), 4),
             "top5_drop_points": round(100 * (f5 - q5), 4),
-            "top1_agreement": round(agreement, 6),
+            "top1_agreement": round(agree["agreement"], 6),
+            "logit_error": round(agree["logit_error"], 6),
             # float: every trained parameter (kernels, BN scales and biases, head); int8: the
             # int8 kernels, their float32 steps, the folded float32 biases and activation steps
             "weight_bytes_float": float_bytes,
