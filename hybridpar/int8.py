@@ -17,10 +17,12 @@ ReLU, the residual add, max-pooling and the mean-pool, which stay in float32.
 Quantization (symmetric, no zero points, as torchvision's and TFLite's int8 convs):
 
 * weights: per output channel, ``step = max |W[..., c]| / 127``, ``q = round(W / step)``;
-* activations: per tensor at the input of each conv and of the head, a static step
-  ``max |x| / 127`` over the calibration batches (the images' largest value seen; no
-  clipping search). Each layer runs ``int8 x int8 -> int32`` (``preferred_element_type``)
-  and rescales by ``x_step * w_step[c]`` before adding the folded bias.
+* activations: per tensor at the input of each conv and of the head, a static step from
+  the calibration batches' largest ``|x|`` (no clipping search): ``max / 127`` for the
+  stem's signed input; ``max / 255`` for every input after a ReLU (never below zero),
+  stored as ``code - 128`` with ``x_zero = 128`` (torchvision's quint8 activations, in
+  int8). Each layer runs ``int8 x int8 -> int32`` (``preferred_element_type``), adds back
+  ``x_zero * sum(kernel)`` and rescales by ``x_step * w_step[c]`` before the folded bias.
 
 ``activations="none"`` keeps activations float (weights int8, dequantized in the layer): the
 weight-only variant, to tell the two sources of error apart.
@@ -171,11 +173,11 @@ def float_forward(arch: Arch, layers: dict, x):
 
 
 def input_ranges(arch: Arch, layers: dict, x) -> dict:
-    """``{layer path: max |input|}`` of one batch through the folded float network."""
+    """``{layer path: (min, max |input|)}`` of one batch through the folded float network."""
     seen = {}
 
     def layer(path, h, strides, pad):
-        seen[path] = jnp.max(jnp.abs(h))
+        seen[path] = (jnp.min(h), jnp.max(jnp.abs(h)))
         p = layers[path]
         return _linear(h, p["kernel"], strides, pad) + p["bias"]
 
@@ -184,16 +186,18 @@ def input_ranges(arch: Arch, layers: dict, x) -> dict:
 
 
 def calibrate(arch: Arch, layers: dict, batches) -> dict:
-    """Static activation ranges: the largest ``max |input|`` of each layer over
+    """Static activation ranges: ``{path: {"min", "max_abs"}}`` of each layer's input over
     ``batches`` (normalised float images)."""
     fn = jax.jit(lambda lay, x: input_ranges(arch, lay, x))
     ranges = None
     for x in batches:
-        r = jax.device_get(fn(layers, x))
-        ranges = r if ranges is None else {k: np.maximum(ranges[k], r[k]) for k in r}
+        r = {k: (float(lo), float(hi)) for k, (lo, hi) in jax.device_get(fn(layers, x)).items()}
+        ranges = r if ranges is None else {
+            k: (min(ranges[k][0], lo), max(ranges[k][1], hi)) for k, (lo, hi) in r.items()
+        }  # fmt: skip
     if ranges is None:
         raise ConfigError("no calibration batches: pass --calibration-batches K with K >= 1")
-    return {k: float(v) for k, v in ranges.items()}
+    return {k: {"min": lo, "max_abs": hi} for k, (lo, hi) in ranges.items()}
 
 
 def quantize_per_channel(w, axis: int = -1):
@@ -217,38 +221,61 @@ def dequantize(q, step, axis: int = -1):
     return np.asarray(q, np.float32) * np.asarray(step, np.float32).reshape(shape)
 
 
-def quantize(layers: dict, ranges: dict | None) -> dict:
-    """``{path: {"kernel": int8, "w_step": (out,), "bias": (out,), "x_step": ()}}``; with
-    ``ranges`` None, no ``x_step`` (activations stay float)."""
+def quantize(layers: dict, ranges: dict | None, unsigned: bool = True) -> dict:
+    """``{path: {"kernel": int8, "w_step": (out,), "bias": (out,), "x_step": (),
+    "x_zero": ()}}``; with ``ranges`` None, no ``x_step`` (activations stay float).
+
+    An input never seen below zero (every one after a ReLU: all but the stem's) uses the
+    whole int8 range for ``0..max`` (``unsigned``): ``q = round(x / step) - 128`` with
+    ``step = max / 255`` and ``x_zero = 128``, twice the resolution of the symmetric
+    ``-127..127`` (``x_zero = 0``), as torchvision's quint8 activations."""
     q = {}
     for path, p in layers.items():
         kernel, w_step = quantize_per_channel(p["kernel"], -1)
         q[path] = {"kernel": kernel, "w_step": w_step, "bias": np.asarray(p["bias"], np.float32)}
         if ranges is not None:
-            amax = ranges[path]
-            q[path]["x_step"] = np.float32(amax / QMAX if amax > 0 else 1.0)
+            r = ranges[path]
+            zero = 128 if unsigned and r["min"] >= 0 else 0
+            levels = 2 * QMAX + 1 if zero else QMAX  # 0..255 or 0..127 (each side)
+            q[path]["x_step"] = np.float32(r["max_abs"] / levels if r["max_abs"] > 0 else 1.0)
+            q[path]["x_zero"] = np.int32(zero)
     return q
 
 
-def quantize_activation(x, step):
-    return jnp.clip(jnp.round(x / step), -QMAX, QMAX).astype(jnp.int8)
+def quantize_activation(x, step, zero=0):
+    """int8 codes of ``x``: ``round(x / step)`` in ``-127..127`` (``zero`` 0) or in
+    ``0..255`` shifted down by ``zero`` = 128."""
+    lo = jnp.where(zero > 0, 0, -QMAX)
+    hi = jnp.where(zero > 0, 2 * QMAX + 1, QMAX)
+    return (jnp.clip(jnp.round(x / step), lo, hi) - zero).astype(jnp.int8)
+
+
+def int8_layer(p: dict, h, strides: int, pad: int, pad_code: bool = True):
+    """One quantized conv (4-d ``h``) or dense layer (2-d) of ``int8_forward``.
+    ``pad_code=False`` pads the int8 codes with 0 instead of the code of 0.0: wrong for a
+    shifted input (its border windows lose ``x_zero * kernel``); for the tests' negative
+    control."""
+    if "x_step" not in p:
+        w = p["kernel"].astype(jnp.float32) * p["w_step"]
+        return _linear(h, w, strides, pad) + p["bias"]
+    zero, kernel = p["x_zero"], p["kernel"]
+    hq = quantize_activation(h, p["x_step"], zero)
+    if h.ndim == 4 and pad:
+        code0 = (-zero).astype(jnp.int8) if pad_code else jnp.int8(0)
+        hq = jnp.pad(hq, ((0, 0), (pad, pad), (pad, pad), (0, 0)), constant_values=code0)
+    acc = _linear(hq, kernel, strides, 0, jnp.int32)
+    acc = acc + zero * jnp.sum(kernel.astype(jnp.int32), axis=tuple(range(kernel.ndim - 1)))
+    return acc.astype(jnp.float32) * (p["x_step"] * p["w_step"]) + p["bias"]
 
 
 def int8_forward(arch: Arch, q: dict, x):
     """Logits of the quantized network (``x``: normalised float images). Each layer: its
     input quantized with its static step, ``int8 x int8 -> int32``, rescaled by ``x_step *
-    w_step``, plus the float bias. Without ``x_step``: float input times the dequantized
-    kernel (weight-only)."""
-
-    def layer(path, h, strides, pad):
-        p = q[path]
-        if "x_step" in p:
-            acc = _linear(quantize_activation(h, p["x_step"]), p["kernel"], strides, pad, jnp.int32)
-            return acc.astype(jnp.float32) * (p["x_step"] * p["w_step"]) + p["bias"]
-        w = p["kernel"].astype(jnp.float32) * p["w_step"]
-        return _linear(h, w, strides, pad) + p["bias"]
-
-    return forward(arch, layer, x)
+    w_step``, plus the float bias. A shifted input (``x_zero`` 128) is padded with the code
+    of 0.0 (``-x_zero``), so that every window's shift is the same ``x_zero * sum(kernel)``,
+    added back in int32. Without ``x_step``: float input times the dequantized kernel
+    (weight-only)."""
+    return forward(arch, lambda path, h, s, pad: int8_layer(q[path], h, s, pad), x)
 
 
 # ---- sizes, files, export ----------------------------------------------------------------

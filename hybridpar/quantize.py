@@ -152,9 +152,10 @@ def last_line(report: dict) -> str:
 
 
 def run(config, workdir: str, *, calibration_batches=8, activations="int8", overwrite=False,
-        repeats=5, latency_batches=LATENCY_BATCHES) -> dict:  # fmt: skip
+        repeats=5, latency_batches=LATENCY_BATCHES, devices=None) -> dict:  # fmt: skip
     """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
-    ``W/quantized/report.json``). Arguments are checked by ``check_args``."""
+    ``W/quantized/report.json``). Arguments are checked by ``check_args``. ``devices``: the
+    mesh's, for reading the checkpoint (default: all); the rest runs on the first."""
     import itertools
 
     import jax
@@ -164,7 +165,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     from hybridpar import checkpoint, int8, trainer
     from hybridpar.steps import normalize
 
-    r = trainer.setup(config, None)
+    r = trainer.setup(config, None, devices=devices)
     saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
     try:
         restored = saver.restore(r.program.abstract_state())
@@ -180,7 +181,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     trainer.log(f"read the checkpoint at step {step}")
 
     # ---- Fold, calibrate, quantize (one device, plain jit: nothing here is sharded) ----
-    device = jax.devices()[0]
+    device = r.mesh.devices.flat[0]
     arch = int8.architecture(model, params)
     layers = int8.fold_batchnorm(arch, params, stats, model.bn_epsilon)
     with jax.default_device(device):
@@ -263,7 +264,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             "latency_ms": {k: round(v, 3) for k, v in latency.items()},
             "latency_repeats": repeats,
             "latency_s": round(latency_s, 3),
-            "device": str(jax.devices()[0].device_kind),
+            "device": str(device.device_kind),
             "activation_ranges": ranges,
             "files": ["params.npz", "model.jax_exported", "report.json"],
         }

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
 # The tiny run, long enough (66 steps) to be well above chance: an accuracy check on an
 # untrained net would pass whatever int8 did to it.
-LONGER = {"num_epochs": 1.5, "log_every_s": 5.0}
+LONGER = {"num_epochs": 1.5, "log_every_s": 5.0, "mesh": "data:1"}
 
 
 # ---- BatchNorm folding -------------------------------------------------------------------
@@ -105,6 +105,37 @@ def test_weight_roundtrip_within_half_a_step():
     assert roundtrip_excess(w, q_bad, step_bad, -2) > 1
 
 
+@pytest.mark.parametrize("unsigned", [True, False], ids=["shifted", "symmetric"])
+def test_int8_layer_is_exact_on_representable_values(unsigned):
+    """A padded 3x3 conv whose input and kernel are exactly representable (integer codes
+    times their steps) must give the float conv's result up to float32 rounding: the int8
+    arithmetic itself adds no error. Padding the codes with 0 instead of the code of 0.0 on
+    a shifted input is rejected (its border pixels lose 128 x the kernel's sum)."""
+    rng = np.random.default_rng(0)
+    x_step, w_step = np.float32(0.05), np.logspace(-2, 0, 8).astype(np.float32)
+    codes = (
+        rng.integers(0, 256, (2, 6, 6, 4)) if unsigned else rng.integers(-127, 128, (2, 6, 6, 4))
+    )
+    x = (codes * x_step).astype(np.float32)
+    kernel = rng.integers(-127, 128, (3, 3, 4, 8)).astype(np.int8)
+    kernel[0, 0, 0] = 127  # each channel's largest code: its step is w_step
+    w = kernel.astype(np.float32) * w_step
+    bias = rng.normal(size=8).astype(np.float32)
+    ranges = {"l": {"min": float(x.min()), "max_abs": float(np.abs(x).max())}}
+    p = int8.quantize({"l": {"kernel": w, "bias": bias}}, ranges)["l"]
+    assert int(p["x_zero"]) == (128 if unsigned else 0)
+    p["x_step"] = x_step  # the codes' own step (calibration would pick max/255 or max/127)
+    np.testing.assert_array_equal(p["kernel"], kernel)
+    want = np.asarray(int8._linear(x, w, 1, 1)) + bias
+    got = np.asarray(int8.int8_layer(p, jnp.asarray(x), 1, 1))
+    # exact int32 sums; the float reference rounds its 36-term sums
+    tol = 64 * EPS32 * (np.abs(x).max() * np.abs(w).sum((0, 1, 2)).max() + np.abs(bias).max())
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    if unsigned:  # negative control: padded with code 0 (= 128 steps) at the border
+        bad = np.asarray(int8.int8_layer(p, jnp.asarray(x), 1, 1, pad_code=False))
+        assert np.abs(bad - want).max() > 100 * tol
+
+
 # ---- the command on a tiny trained run ---------------------------------------------------
 
 
@@ -112,11 +143,14 @@ def test_weight_roundtrip_within_half_a_step():
 def quantized(tmp_path_factory):
     """A tiny digits run trained in-process, then quantized with the command's ``run``."""
     w = tmp_path_factory.mktemp("quantize") / "w"
-    summary = trainer.train(trainer.setup(tiny_digits(**LONGER), str(w)))
+    one = jax.devices()[:1]  # one device: the train step compiles faster than on a mesh
+    summary = trainer.train(trainer.setup(tiny_digits(**LONGER), str(w), devices=one))
     config = tiny_digits(**LONGER)
     args = quantize_args(str(w))
     quantize.check_args(args, config)
-    report = quantize.run(config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,))
+    report = quantize.run(
+        config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
+    )
     return w, summary, report
 
 
@@ -147,7 +181,7 @@ def test_exported_model_equals_in_process(quantized):
         q = int8.unflat(f)
     assert q["stage1_block0/conv1"]["kernel"].dtype == np.int8
     # the architecture from the model code; the exported file needs none of it
-    program = trainer.setup(c, None, with_data=False).program
+    program = trainer.setup(c, None, with_data=False, devices=jax.devices()[:1]).program
     params = meta.unbox(program.abstract.params)
     arch = int8.architecture(program.model, params)
     in_process = jax.jit(int8.serving_fn(arch, q, c.data.mean, c.data.std))
