@@ -39,6 +39,8 @@ def check_args(args, config) -> None:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if args.repeats < 1:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
+    if config.distributed:  # every process would write W/quantized/ and time the same CPU
+        cli.fail("quantize runs in one process: pass --config.distributed=False")
     if not os.path.isdir(args.workdir):
         raise ConfigError(
             f"no workdir {args.workdir!r}: pass the --workdir of a training run (the one given "
