@@ -1,0 +1,256 @@
+"""Int8 post-training quantization (issue 16): ``hybridpar/int8.py`` and
+``python -m hybridpar.quantize``.
+
+* Folding BatchNorm into the convolutions leaves the float logits unchanged (basic and
+  bottleneck blocks, small and strided stems), within float32 rounding; folding without the
+  running mean is rejected by the same check.
+* Per-channel int8 weights round-trip within half their channel's step; steps taken along
+  the wrong axis (input channels) are rejected by the same check.
+* On a tiny trained digits run: the command's float top-1 is the trainer's own final eval,
+  int8 loses at most a few points, weights are ~4x smaller, the exported StableHLO model
+  (loaded with JAX alone) gives the in-process int8 model's logits, and ``params.npz``
+  holds what it ran with.
+* A workdir without a checkpoint, a checkpoint of another config and an existing
+  ``quantized/`` without ``--overwrite`` are ``error:`` lines.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax.core import meta
+from helpers import DIGITS, TINY_DIGITS, config_args, random_like, tiny_digits
+
+from hybridpar import int8, quantize, trainer
+from hybridpar.errors import ConfigError
+from hybridpar.models.resnet import ResNet50, ResNetTiny
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS32 = float(np.finfo(np.float32).eps)
+# The tiny run, long enough (66 steps) to be well above chance: an accuracy check on an
+# untrained net would pass whatever int8 did to it.
+LONGER = {"num_epochs": 1.5, "log_every_s": 5.0, "mesh": "data:1"}
+
+
+# ---- BatchNorm folding -------------------------------------------------------------------
+
+
+def _random_variables(model, size, seed=0):
+    x = jnp.zeros((1, size, size, 3), jnp.float32)
+    abstract = meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False)))
+    rng = np.random.default_rng(seed)
+    return random_like(abstract["params"], rng, "params"), random_like(
+        abstract["batch_stats"], rng, "batch_stats"
+    )
+
+
+@pytest.mark.parametrize(
+    "model,size",
+    [(ResNetTiny(num_classes=10), 16), (ResNet50(num_classes=10, num_filters=4), 32)],
+    ids=["tiny-basic", "resnet50-bottleneck"],
+)
+def test_folding_keeps_float_logits(model, size):
+    params, stats = _random_variables(model, size)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, size, size, 3)), jnp.float32)
+    apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
+    want = np.asarray(apply({"params": params, "batch_stats": stats}, x))
+    arch = int8.architecture(model, params)
+    folded = int8.fold_batchnorm(arch, params, stats, model.bn_epsilon)
+    forward = jax.jit(lambda lay, x: int8.float_forward(arch, lay, x))
+    got = np.asarray(forward(folded, x))
+    # Folding only reassociates float32 products ((x * W) * s vs x * (W * s)) and sums in
+    # another order: each layer adds a few float32 roundings relative to its output. Over
+    # the ~20 layers and 576-term sums here, 1000 roundings of the logits' scale bounds it
+    # with a wide margin (measured: ~1e-7 of the scale, i.e. about one rounding).
+    tol = 1000 * EPS32 * np.abs(want).max()
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    # negative control: the running mean left out of the folded bias
+    no_mean = jax.tree_util.tree_map_with_path(
+        lambda path, a: np.zeros_like(a) if "mean" in jax.tree_util.keystr(path) else a, stats
+    )
+    broken = int8.fold_batchnorm(arch, params, no_mean, model.bn_epsilon)
+    bad = np.asarray(forward(broken, x))
+    assert np.abs(bad - want).max() > 100 * tol
+
+
+# ---- weight round trip -------------------------------------------------------------------
+
+
+def roundtrip_excess(w, q, step, axis):
+    """The largest ``|dequantize(q) - w|`` in units of half the true per-output-channel
+    step (``max |w[..., c]| / 127``): <= 1 passes."""
+    got = int8.dequantize(q, step, axis)
+    true_step = np.abs(w).max(axis=tuple(range(w.ndim - 1))) / int8.QMAX
+    # one float32 rounding of |w| on top of the half step (w / step * step rounds)
+    allowed = true_step / 2 + 2 * np.spacing(np.abs(w).astype(np.float32))
+    return float((np.abs(got - w) / allowed).max())
+
+
+def test_weight_roundtrip_within_half_a_step():
+    rng = np.random.default_rng(0)
+    # channel ranges spread over 4 decades, as folded BN scales make them
+    w = (rng.normal(size=(3, 3, 16, 32)) * np.logspace(-3, 1, 32)).astype(np.float32)
+    q, step = int8.quantize_per_channel(w, -1)
+    assert q.dtype == np.int8 and step.shape == (32,) and np.abs(q).max() == int8.QMAX
+    assert roundtrip_excess(w, q, step, -1) <= 1
+    # negative control: steps per input channel (the wrong axis)
+    q_bad, step_bad = int8.quantize_per_channel(w, -2)
+    assert roundtrip_excess(w, q_bad, step_bad, -2) > 1
+
+
+@pytest.mark.parametrize("unsigned", [True, False], ids=["shifted", "symmetric"])
+def test_int8_layer_is_exact_on_representable_values(unsigned):
+    """A padded 3x3 conv whose input and kernel are exactly representable (integer codes
+    times their steps) must give the float conv's result up to float32 rounding: the int8
+    arithmetic itself adds no error. Padding the codes with 0 instead of the code of 0.0 on
+    a shifted input is rejected (its border pixels lose 128 x the kernel's sum)."""
+    rng = np.random.default_rng(0)
+    x_step, w_step = np.float32(0.05), np.logspace(-2, 0, 8).astype(np.float32)
+    codes = (
+        rng.integers(0, 256, (2, 6, 6, 4)) if unsigned else rng.integers(-127, 128, (2, 6, 6, 4))
+    )
+    x = (codes * x_step).astype(np.float32)
+    kernel = rng.integers(-127, 128, (3, 3, 4, 8)).astype(np.int8)
+    kernel[0, 0, 0] = 127  # each channel's largest code: its step is w_step
+    w = kernel.astype(np.float32) * w_step
+    bias = rng.normal(size=8).astype(np.float32)
+    ranges = {"l": {"min": float(x.min()), "max_abs": float(np.abs(x).max())}}
+    p = int8.quantize({"l": {"kernel": w, "bias": bias}}, ranges)["l"]
+    assert int(p["x_zero"]) == (128 if unsigned else 0)
+    p["x_step"] = x_step  # the codes' own step (calibration would pick max/255 or max/127)
+    np.testing.assert_array_equal(p["kernel"], kernel)
+    want = np.asarray(int8._linear(x, w, 1, 1)) + bias
+    got = np.asarray(int8.int8_layer(p, jnp.asarray(x), 1, 1))
+    # exact int32 sums; the float reference rounds its 36-term sums
+    tol = 64 * EPS32 * (np.abs(x).max() * np.abs(w).sum((0, 1, 2)).max() + np.abs(bias).max())
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    if unsigned:  # negative control: padded with code 0 (= 128 steps) at the border
+        bad = np.asarray(int8.int8_layer(p, jnp.asarray(x), 1, 1, pad_code=False))
+        assert np.abs(bad - want).max() > 100 * tol
+
+
+# ---- the command on a tiny trained run ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """A tiny digits run trained in-process, then quantized with the command's ``run``."""
+    w = tmp_path_factory.mktemp("quantize") / "w"
+    one = jax.devices()[:1]  # one device: the train step compiles faster than on a mesh
+    summary = trainer.train(trainer.setup(tiny_digits(**LONGER), str(w), devices=one))
+    config = tiny_digits(**LONGER)
+    args = quantize_args(str(w))
+    quantize.check_args(args, config)
+    report = quantize.run(
+        config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
+    )
+    return w, summary, report
+
+
+def quantize_args(workdir):
+    import argparse
+
+    return argparse.Namespace(workdir=workdir, calibration_batches=4, repeats=1, overwrite=False)
+
+
+def test_int8_accuracy_and_size(quantized):
+    w, summary, report = quantized
+    ev = report["eval"]
+    n = ev["float"]["examples"]
+    # the float model as the command evaluates it is the trainer's (one device vs 8: only
+    # a tie in the logits could move one example)
+    assert abs(ev["float"]["top1"] - summary["final_eval"]["top1"]) <= 1 / n
+    assert ev["float"]["top1"] > 0.3  # trained: far above chance (0.1)
+    assert report["top1_drop_points"] <= 3.0, report["eval"]
+    assert report["top1_agreement"] >= 0.9, report["top1_agreement"]
+    assert 3.5 < report["ratio"] < 4.0, report["ratio"]
+    assert set(os.listdir(w / "quantized")) == {"params.npz", "model.jax_exported", "report.json"}
+
+
+def test_exported_model_equals_in_process(quantized):
+    w, _, _ = quantized
+    c = tiny_digits(**LONGER)
+    with np.load(w / "quantized" / "params.npz") as f:
+        q = int8.unflat(f)
+    assert q["stage1_block0/conv1"]["kernel"].dtype == np.int8
+    # the architecture from the model code; the exported file needs none of it
+    program = trainer.setup(c, None, with_data=False, devices=jax.devices()[:1]).program
+    params = meta.unbox(program.abstract.params)
+    arch = int8.architecture(program.model, params)
+    in_process = jax.jit(int8.serving_fn(arch, q, c.data.mean, c.data.std))
+    served = int8.load_exported(str(w / "quantized" / "model.jax_exported"))
+    images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 1), np.uint8)
+    want, got = np.asarray(in_process(images)), np.asarray(served(images))
+    assert got.shape == (5, 10) and got.dtype == np.float32
+    # the same int32 sums; only the float rescale may be fused differently by XLA
+    tol = 16 * EPS32 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol)
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    # static scales: an image's logits do not depend on the rest of its batch (dynamic,
+    # per-batch activation ranges would make them)
+    np.testing.assert_allclose(np.asarray(served(images[:1])), got[:1], rtol=0, atol=tol)
+    # the arithmetic is integer: every convolution and the head's product take int8
+    # operands and accumulate in int32, none is float
+    with open(w / "quantized" / "model.jax_exported", "rb") as f:
+        text = jax.export.deserialize(bytearray(f.read())).mlir_module()
+    convs = re.findall(r"stablehlo\.(?:convolution|dot_general)\b.*", text)
+    assert len(convs) == len(int8.layer_paths(arch)), len(convs)
+    assert all(re.search(r"xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>", c) for c in convs), convs
+
+
+def test_existing_output_needs_overwrite(quantized):
+    w, _, _ = quantized
+    with pytest.raises(ConfigError, match="--overwrite"):
+        quantize.check_args(quantize_args(str(w)), tiny_digits(**LONGER))
+    args = quantize_args(str(w))
+    args.overwrite = True
+    quantize.check_args(args, tiny_digits(**LONGER))  # no error: asked to replace it
+
+
+def _cli(*args):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar.quantize", "--config", DIGITS, *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
+
+
+def _assert_error(p, *words):
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def test_missing_checkpoint_is_an_error(quantized, tmp_path):
+    w, _, _ = quantized
+    empty = tmp_path / "no_ckpt"
+    empty.mkdir()
+    shutil.copy(w / "config.json", empty / "config.json")
+    p = _cli(
+        "--workdir",
+        str(empty),
+        *config_args({**TINY_DIGITS, **LONGER}),
+        "--config.mesh=data:4,model:2",
+    )
+    _assert_error(p, "no checkpoint")
+
+
+def test_checkpoint_of_another_config_is_an_error(quantized):
+    w, _, _ = quantized
+    tiny = {**TINY_DIGITS, **LONGER, "model.num_filters": 16}
+    p = _cli("--workdir", str(w), *config_args(tiny), "--config.mesh=data:4,model:2")
+    _assert_error(p, "another config", "num_filters")
