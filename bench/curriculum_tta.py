@@ -1,0 +1,179 @@
+"""Time to accuracy on CIFAR-10: the curriculum against the same model at one fixed shape.
+
+    python bench/curriculum_tta.py [--variant cpu] [--target 0.8] [--epochs E]
+                                   [--out DIR] [--set KEY=VALUE ...]
+
+Two runs of ``experiments/cifar10_fast.py:VARIANT``, one after the other, in fresh workdirs
+under ``--out`` (default ``runs/curriculum_tta``): ``curriculum`` (the recipe's stages, e.g.
+24 px at batch 768 then 32 px at 512) and ``fixed`` (the same model, optimizer, epochs and
+augmentation at 32 px and the last stage's batch throughout). Both log every step
+(``log_every_s=0``) and evaluate every epoch; time to ``--target`` top-1 is DAWNBench's count
+(wall clock from the start, compilation and evaluation included, ``summary.json``'s
+``time_to_target``), and also without compilation.
+
+Also per run: the best top-1 and the epoch it came at, and for the curriculum the stall at
+each stage switch: the time between the last step of one stage and the first of the next,
+against the median step time of the stage after it (an interval with an evaluation or a
+checkpoint in it is reported as such, not as a stall). Then ``python -m hybridpar.report``
+on both runs (``DIR/report.png`` and ``.md``).
+
+The last line starts with the speedup, ``tta_speedup_80=`` (fixed's time to target over the
+curriculum's; ``nan`` where a run did not reach it), target >= 1.3x (issue 13). Data: the
+JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``), prepared on first use into
+``~/.cache/hybridpar``. On 2 CPU cores an epoch of the cpu variant takes minutes: the whole
+bench is hours at the recipe's 8 epochs; ``--epochs`` shortens both runs alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(name: str, out: Path, args, overrides: list[str]) -> Path:
+    workdir = out / name
+    if workdir.exists():
+        sys.exit(f"error: {workdir} exists; pass another --out (the bench never reuses a run)")
+    cmd = [
+        sys.executable, "-m", "hybridpar.train",
+        "--config", str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}"),
+        "--workdir", str(workdir),
+        "--config.log_every_s=0", "--config.eval_every_epochs=1",
+        f"--config.target_top1={args.target}",
+        *(f"--config.{kv}" for kv in args.set), *overrides,
+    ]  # fmt: skip
+    print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
+    r = subprocess.run(cmd, cwd=ROOT)
+    if r.returncode != 0:
+        sys.exit(
+            f"error: the {name} run failed (exit {r.returncode}); its records are in {workdir}"
+        )
+    return workdir
+
+
+def records(workdir: Path) -> list[dict]:
+    out = []
+    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line cut short
+            continue
+    return out
+
+
+def stalls(recs: list[dict]) -> list[dict]:
+    """For each stage switch: the gap between the last step before it and the first after
+    it, and the median step interval of the stage after it."""
+    out = []
+    stage_at = [i for i, r in enumerate(recs) if r["event"] == "stage"][1:]
+    for i in stage_at:
+        before = [r for r in recs[:i] if r["event"] == "train"]
+        after_idx = [j for j in range(i, len(recs)) if recs[j]["event"] == "train"]
+        if not before or not after_idx:
+            continue
+        first = recs[after_idx[0]]
+        between = {r["event"] for r in recs[i : after_idx[0]]} - {"stage"}
+        steps = [recs[j] for j in after_idx]
+        gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:])
+                if b["step"] == a["step"] + 1]  # fmt: skip
+        out.append(
+            {
+                "at_step": first["step"] - 1,
+                "gap_s": round(first["wall_s"] - before[-1]["wall_s"], 3),
+                "median_step_s": round(statistics.median(gaps), 3) if gaps else None,
+                "between": sorted(between),  # an eval or checkpoint: not a stall
+            }
+        )
+    return out
+
+
+def summarize(name: str, workdir: Path, target: float) -> dict:
+    summary = json.loads((workdir / "summary.json").read_text())
+    evals = [r for r in records(workdir) if r["event"] == "eval"]
+    best = max(evals, key=lambda r: r["top1"]) if evals else {}
+    reached = (summary.get("time_to_target") or {}).get("top1")
+    return {
+        "name": name,
+        "tta_s": reached["wall_s"] if reached else math.nan,
+        "tta_without_compile_s": reached["wall_s_without_compile"] if reached else math.nan,
+        "tta_epoch": reached["epoch"] if reached else math.nan,
+        "best_top1": best.get("top1", math.nan),
+        "best_epoch": best.get("epoch", math.nan),
+        "wall_s": summary["wall_s"],
+        "compile_s": summary["compile_s"],
+        "stalls": stalls(records(workdir)),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--target", type=float, default=0.8, help="top-1 to time (a fraction)")
+    p.add_argument("--epochs", type=float, default=0.0, help="both runs' epochs (0: recipe's)")
+    p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for both runs, repeatable")  # fmt: skip
+    args = p.parse_args(argv)
+    if not 0 < args.target <= 1:
+        sys.exit(f"error: --target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import cifar10_fast  # the recipe's stages: the fixed run takes the last one's shape
+
+    _, recipe_epochs, recipe_stages, _ = cifar10_fast.VARIANTS[args.variant]
+    epochs = args.epochs or recipe_epochs
+    # the recipe's stages with their end epochs scaled to --epochs; fixed: the last shape
+    stages = []
+    for part in recipe_stages.split(","):
+        end, shape = part.split(":")
+        stages.append(f"{float(end) * epochs / recipe_epochs:g}:{shape}")
+    size, batch = (int(x) for x in stages[-1].split(":")[1].split("-"))
+    common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
+    curriculum = run("curriculum", out, args, [*common, f"--config.stages={','.join(stages)}"])
+    fixed = run("fixed", out, args, [*common, f"--config.stages={epochs:g}:{size}-{batch}"])
+    rows = [
+        summarize("curriculum", curriculum, args.target),
+        summarize("fixed", fixed, args.target),
+    ]
+
+    subprocess.run([sys.executable, "-m", "hybridpar.report", str(curriculum), str(fixed),
+                    "--out", str(out / "report.png"), f"--target-top1={args.target}"],
+                   cwd=ROOT, check=False)  # fmt: skip
+    print(f"\ntime to {args.target:g} top-1 (wall from the start, compile and eval included):")
+    for r in rows:
+        print(
+            f"  {r['name']:<10} {r['tta_s']:8.1f} s (without compile "
+            f"{r['tta_without_compile_s']:.1f} s, epoch {r['tta_epoch']}); best top-1 "
+            f"{r['best_top1']:.4f} at epoch {r['best_epoch']}; wall {r['wall_s']:.1f} s, "
+            f"compile {r['compile_s']:.1f} s"
+        )
+    for s in rows[0]["stalls"]:
+        note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
+        print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between steps, "
+              f"median step {s['median_step_s']} s{note}")  # fmt: skip
+    (out / "curriculum_tta.json").write_text(json.dumps(rows, indent=2))
+    speedup = rows[1]["tta_s"] / rows[0]["tta_s"]
+    key = f"{round(args.target * 100):d}"
+    stall = rows[0]["stalls"][0] if rows[0]["stalls"] else {}
+    print(
+        f"tta_speedup_{key}={speedup:.3f} curriculum_tta_s={rows[0]['tta_s']:.1f} "
+        f"fixed_tta_s={rows[1]['tta_s']:.1f} curriculum_best_top1={rows[0]['best_top1']:.4f} "
+        f"fixed_best_top1={rows[1]['best_top1']:.4f} switch_gap_s={stall.get('gap_s', math.nan)} "
+        f"median_step_s={stall.get('median_step_s', math.nan)} variant={args.variant} "
+        f"epochs={epochs:g}"
+    )
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
