@@ -64,7 +64,7 @@ def check_workdir(config, workdir: str) -> bool:
         raise ConfigError(
             f"{checkpoint.another_config(workdir, diff)}; pass the run's own config "
             f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} "
-            "may differ for the evaluator"
+            "may differ"
         )
     return True
 

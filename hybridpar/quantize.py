@@ -41,25 +41,11 @@ def check_args(args, config) -> None:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
         cli.fail("quantize runs in one process: pass --config.distributed=False")
-    if not os.path.isdir(args.workdir):
-        raise ConfigError(
-            f"no workdir {args.workdir!r}: pass the --workdir of a training run (the one given "
-            "to python -m hybridpar.train)"
-        )
-    saved = checkpoint.read_json(os.path.join(args.workdir, "config.json"))
-    if saved is None:
+    # the evaluator's rule: only where and how fast it runs may differ from the run's config
+    if not evaluator.check_workdir(config, args.workdir):
         raise ConfigError(
             f"{args.workdir!r} has no config.json: pass the --workdir of a training run "
             "(python -m hybridpar.train writes it there)"
-        )
-    # the evaluator's rule: only where and how fast it runs may differ from the run's config
-    free = evaluator.PLACEMENT_KEYS
-    diff = checkpoint.differences(saved, checkpoint.config_dict(config), free=free)
-    if diff:
-        key, old, _ = diff[0]
-        raise ConfigError(
-            f"{checkpoint.another_config(args.workdir, diff)}; pass the run's own config "
-            f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in free)} may differ"
         )
     ckpt = checkpoint.checkpoint_dir(config, args.workdir)
     if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
