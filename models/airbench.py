@@ -20,8 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from .batchnorm import BatchNorm
-from .resnet import CONV_AXES, conv_kernel_init, norm_ones, norm_zeros
+from .resnet import CONV_AXES, conv_kernel_init, norm_factory
 
 WHITEN_EPS = 5e-4  # added to each eigenvalue: directions of ~no variance are not blown up
 MIN_IMAGE_SIZE = 10  # 10 px -> 9 after the 2x2 whitening -> 4 -> 2 -> 1 after the max-pools
@@ -77,20 +76,7 @@ class AirbenchNet(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
-        norm = functools.partial(
-            BatchNorm,
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            scale_init=norm_ones,
-            bias_init=norm_zeros,
-            num_groups=self.bn_groups,
-            axis_name=self.bn_axis_name,
-            axis_index_groups=self.bn_axis_index_groups,
-            group_sharding=self.bn_group_sharding,
-        )
+        norm = norm_factory(self, train)
         x = jnp.asarray(x, self.dtype)
         x = nn.Conv(
             8 * x.shape[-1],

@@ -31,6 +31,26 @@ norm_zeros = nn.with_logical_partitioning(nn.initializers.zeros, NORM_AXES)
 ModuleDef = Callable[..., nn.Module]
 
 
+def norm_factory(model, train: bool):
+    """The BatchNorm of ``model`` (a module with the ``bn_*``, ``dtype`` and ``param_dtype``
+    fields of ``ResNet``). Defaults (one group, no axis_name): under jax.jit with a sharded
+    batch the statistics are global, as on one device."""
+    return functools.partial(
+        BatchNorm,
+        use_running_average=not train,
+        momentum=model.bn_momentum,
+        epsilon=model.bn_epsilon,
+        dtype=model.dtype,
+        param_dtype=model.param_dtype,
+        scale_init=norm_ones,
+        bias_init=norm_zeros,
+        num_groups=model.bn_groups,
+        axis_name=model.bn_axis_name,
+        axis_index_groups=model.bn_axis_index_groups,
+        group_sharding=model.bn_group_sharding,
+    )
+
+
 class PointwiseConv(nn.Module):
     """A 1x1 convolution (any stride) computed as a matrix product.
 
@@ -178,22 +198,7 @@ class ResNet(nn.Module):
             dtype=self.dtype,
             param_dtype=self.param_dtype,
         )
-        # Defaults (one group, no axis_name): under jax.jit with a sharded batch the
-        # statistics are global, as on one device.
-        norm = functools.partial(
-            BatchNorm,
-            use_running_average=not train,
-            momentum=self.bn_momentum,
-            epsilon=self.bn_epsilon,
-            dtype=self.dtype,
-            param_dtype=self.param_dtype,
-            scale_init=norm_ones,
-            bias_init=norm_zeros,
-            num_groups=self.bn_groups,
-            axis_name=self.bn_axis_name,
-            axis_index_groups=self.bn_axis_index_groups,
-            group_sharding=self.bn_group_sharding,
-        )
+        norm = norm_factory(self, train)
 
         x = jnp.asarray(x, self.dtype)
         if self.small_stem:
