@@ -375,7 +375,14 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.stages:
         from hybridpar.curriculum import parse_stages
 
-        parse_stages(c.stages)  # syntax and increasing epochs; batches need the mesh
+        last = parse_stages(c.stages)[-1][0]  # syntax, increasing epochs; batches need the mesh
+        # The run ends where its last stage does; a num_epochs that says otherwise would be
+        # ignored without a word (schedules, summary and plots read the stages).
+        if abs(c.num_epochs - last) > 1e-9 * max(1.0, last):
+            raise ConfigError(
+                f"num_epochs={c.num_epochs:g} but stages={c.stages!r} end at epoch {last:g}: "
+                f"set --config.num_epochs={last:g}, or change the last stage's end epoch"
+            )
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = {
     **TINY_DIGITS,
     "eval_every_epochs": 0,
-    "stages": "0.1:16-4,0.2:24-4,0.3:16-8",  # three shapes: (16 px, 32), (24, 32), (16, 64)
+    "stages": "0.1:16-4,0.2:24-4,0.3:16-8",
+    "num_epochs": 0.3,  # where the last stage ends  # three shapes: (16 px, 32), (24, 32), (16, 64)
     "mesh": "data:8",
 }
 

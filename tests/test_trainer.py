@@ -58,7 +58,7 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     tmp_path,
 ):
     # data:4 x model:2: per-device batches 8 then 16 are global 32 then 64.
-    config = tiny_digits(stages="0.3:16-8,0.6:24-16")
+    config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
     run = trainer.setup(config, str(tmp_path))
     s0, s1 = run.plan.stages
     assert (s0.stage.global_batch, s1.stage.global_batch) == (32, 64)
@@ -109,6 +109,7 @@ def _cli(args, env=None):
         ("num_epochs=-1", "num_epochs=-1.0 is out of range"),
         ("stages=3:32-8,2:32-8", "end epochs must increase"),
         ("stages=1:16-8@1.5", "minimum crop scale of 1.5"),
+        ("stages=2:16-8,5:16-8", "num_epochs=15 but stages='2:16-8,5:16-8' end at epoch 5"),
         ("stop_at_target=True target_top1=-1 target_top5=-1", "needs a target to stop at"),
         ("model.name=airbench stages=1:8-8", "image size 8 is too small for model.name"),
         ("data.translate=2", "only for the tf.data pipeline"),
