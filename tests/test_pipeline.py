@@ -21,7 +21,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.input import records
 from hybridpar.input import transforms as T
 from hybridpar.input.pipeline import ImagePipeline
-from hybridpar.input.prefetch import prefetch_to_mesh
+from hybridpar.input.prefetch import chain_ahead, prefetch_to_mesh
 from hybridpar.mesh import make_mesh
 from hybridpar.partitioning import batch_sharding
 
@@ -248,6 +248,36 @@ def test_config_errors(prepared, tmp_path):
         pipe.train_batches(0, image_size=32, global_batch=400)
     with pytest.raises(ConfigError, match="shard files"):
         ImagePipeline(prepared, "train", process_index=0, process_count=9)
+
+
+def test_chain_ahead_opens_the_next_input_while_the_one_before_is_read():
+    """An epoch's or stage's input is opened (and its first batch read) while the one before
+    it is consumed, not after its last item: a sequential chain never sets ``opened[1]``
+    while input 0 is still being read, and the wait below times out."""
+    opened = [threading.Event() for _ in range(3)]
+
+    def opener(i):
+        def open_input():
+            opened[i].set()
+            return iter(range(10 * i, 10 * i + 3))
+
+        return open_input
+
+    stream = chain_ahead(opener(i) for i in range(3))
+    assert next(stream) == 0
+    assert opened[1].wait(timeout=20), "input 1 was not opened while input 0 was read"
+    assert not opened[2].is_set(), "only the next input is opened ahead"
+    assert [0, *stream] == [0, 1, 2, 10, 11, 12, 20, 21, 22]
+
+
+def test_chain_ahead_skips_empty_inputs_and_raises_an_openers_error_in_order():
+    def broken():
+        raise RuntimeError("opener broke")
+
+    stream = chain_ahead([lambda: iter([1, 2]), lambda: iter([]), broken])
+    assert [next(stream), next(stream)] == [1, 2]
+    with pytest.raises(RuntimeError, match="opener broke"):
+        next(stream)
 
 
 def test_prefetch_to_mesh(prepared):
