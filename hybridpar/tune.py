@@ -30,6 +30,7 @@ import sys
 import time
 
 from hybridpar import cli
+from hybridpar.config import _get
 from hybridpar.errors import ConfigError
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
@@ -108,12 +109,6 @@ def parse_space(config) -> list[dict]:
     if not params:
         raise ConfigError(f"tune.space is empty: set e.g. --config.tune.space={SPACE_EXAMPLE!r}")
     return params
-
-
-def _get(config, key: str):
-    for part in key.split("."):
-        config = config[part]
-    return config
 
 
 def _set(config, key: str, value) -> None:
@@ -290,16 +285,18 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
 
 
 def lr_range(config, workdir: str) -> dict:
+    from hybridpar.checkpoint import check_run
     from hybridpar.optim import lr_batch_factor
     from hybridpar.report import read_run
 
+    c = range_test_config(config)
     path = os.path.join(workdir, "lr_range.json")
     if os.path.isfile(path):  # done before: the same command shows it again
+        check_run(workdir, c)  # an error if that test was of another config
         with open(path) as f:
             result = json.load(f)
         print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
         return result
-    c = range_test_config(config)
     stop = StopOnDivergence()
     run_trainer(c, workdir, [stop])
     factor = lr_batch_factor(c.optim, c.global_batch)
@@ -519,8 +516,9 @@ def search(config, workdir: str, n_trials: int, budget: float) -> object:
         print(f"the study in {workdir} has finished {done} trials (--trials {n_trials}): "
               "nothing to run; pass a larger --trials to add more")  # fmt: skip
     else:
-        print(f"study {workdir}/study.db: {done} of {n_trials} trials done, "
-              f"{budget:g} epochs each; each trial's run in {workdir}/trials/")  # fmt: skip
+        where = f"each trial's run in {workdir}/trials/"
+        print(f"study {workdir}/study.db: {done} of {n_trials} trials done, {budget:g} epochs "
+              f"each; {where}", flush=True)  # fmt: skip
     while len(finished(study)) < n_trials:
         print(run_trial(study, config, space, workdir, budget), flush=True)
     write_results(study, config, workdir)

@@ -1,7 +1,7 @@
 """``python -m hybridpar.tune``: the LR range test and the search (hybridpar/tune.py).
 
 The runs are the tiny digits job (8 filters, 16 px, batch 32, one device): a range test of
-one epoch and a search of three one-epoch trials."""
+half an epoch and a search of two one-epoch trials."""
 
 import json
 import math
@@ -72,14 +72,14 @@ def test_space_kinds():
 
 
 def test_lr_range_test(tmp_path, capsys):
-    c = tiny_digits("data:-1", **{"tune.lr_epochs": 1.0, "tune.lr_min": 1e-3})
+    c = tiny_digits("data:-1", **{"tune.lr_epochs": 0.5, "tune.lr_min": 1e-3})
     wd = str(tmp_path / "lr")
     result = tune.lr_range(c, wd)
     lrs = np.array(result["base_lr"])
     assert result["steps"] >= 5 and len(result["loss"]) == result["steps"]
     ratios = lrs[1:] / lrs[:-1]  # exponential: one ratio from step to step
     np.testing.assert_allclose(ratios, ratios[0], rtol=1e-3)
-    assert ratios[0] > 1 and lrs[0] == pytest.approx(1e-3, rel=0.3)
+    assert ratios[0] > 1 and 1e-3 * (1 - 1e-5) <= lrs[0] <= 1e-3 * ratios[0] * (1 + 1e-5)
     assert lrs[0] <= result["suggested_base_lr"] <= lrs[-1] * 1.05
     assert result["override"] == f"--config.optim.base_lr={result['suggested_base_lr']:g}"
     assert os.path.getsize(os.path.join(wd, "lr_range.png")) > 0
@@ -100,26 +100,22 @@ def test_search_prunes_and_resumes(tmp_path, capsys):
     study = tune.open_study(c, wd, budget)
     study.enqueue_trial({"optim.base_lr": 1.0})  # learns
     study.enqueue_trial({"optim.base_lr": 1e-4})  # barely moves: below the median at eval 1
-    tune.search(c, wd, 2, budget)
+    tune.search(c, wd, 1, budget)
+    done_0 = open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read()
+    first = tune.open_study(c, wd, budget).get_trials()
+    tune.search(c, wd, 2, budget)  # the same study goes on: trial 0 kept, trial 1 runs
     out = capsys.readouterr().out
-    study = tune.open_study(c, wd, budget)
-    first = study.get_trials()
-    assert [t.state for t in first] == [TrialState.COMPLETE, TrialState.PRUNED], out
-    assert 1 in first[1].intermediate_values and 2 not in first[1].intermediate_values
+    trials = tune.open_study(c, wd, budget).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED], out
+    assert (trials[0].params, trials[0].value) == (first[0].params, first[0].value)
+    assert open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read() == done_0
+    assert 1 in trials[1].intermediate_values and 2 not in trials[1].intermediate_values
     with open(os.path.join(wd, "trials", "001", "summary.json")) as f:
         assert json.load(f)["preempted"].startswith("pruned at epoch 0.5")
-    assert "best: trial 0" in out and "--config.optim.base_lr=1" in out
+    assert "best: trial 0" in out and "--config.optim.base_lr=1 " in out + " "
     assert os.path.isfile(os.path.join(wd, "search.png"))
-    done_0 = open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read()
-
-    tune.search(c, wd, 3, budget)  # the same study, one more trial; the two are kept
-    trials = tune.open_study(c, wd, budget).get_trials()
-    assert len(trials) == 3 and trials[2].state in (TrialState.COMPLETE, TrialState.PRUNED)
-    assert [(t.params, t.value) for t in trials[:2]] == [(t.params, t.value) for t in first]
-    assert open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read() == done_0
-    capsys.readouterr()
-    tune.search(c, wd, 3, budget)
-    assert "has finished 3 trials" in capsys.readouterr().out
-    assert len(tune.open_study(c, wd, budget).get_trials()) == 3
+    tune.search(c, wd, 2, budget)  # finished: says so, runs nothing
+    assert "has finished 2 trials" in capsys.readouterr().out
+    assert len(tune.open_study(c, wd, budget).get_trials()) == 2
     with pytest.raises(ConfigError, match="budget_epochs was 1.0, now 2.0"):
         tune.open_study(c, wd, 2.0)
