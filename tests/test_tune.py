@@ -119,3 +119,18 @@ def test_search_prunes_and_resumes(tmp_path, capsys):
     assert len(tune.open_study(c, wd, budget).get_trials()) == 2
     with pytest.raises(ConfigError, match="budget_epochs was 1.0, now 2.0"):
         tune.open_study(c, wd, 2.0)
+
+
+def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
+    from optuna.trial import TrialState
+
+    c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2"})
+    wd = str(tmp_path / "search")
+    trial = tune.open_study(c, wd, 1.0).ask()
+    trial.set_user_attr("workdir", "trials/000")
+    trial.suggest_float("optim.base_lr", 1e-4, 2, log=True)  # killed here: still RUNNING
+    for _ in range(2):  # queued once, however often the study is opened
+        trials = tune.open_study(c, wd, 1.0).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].system_attrs["fixed_params"] == trials[0].params
+    assert trials[1].user_attrs["workdir"] == "trials/000"
