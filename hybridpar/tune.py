@@ -152,10 +152,12 @@ def check(config, mode: str) -> list[dict] | None:
         raise ConfigError(
             "tune.objective='time_to_target' needs a target: set --config.target_top1=..."
         )
-    if t.eval_every_epochs <= 0 or t.startup_trials < 0 or t.prune_after_trials < 0:
+    counts = (t.startup_trials, t.prune_after_trials, t.prune_warmup_evals)
+    if t.eval_every_epochs <= 0 or min(counts) < 0:
         raise ConfigError(
             "tune.eval_every_epochs must be > 0 and tune.startup_trials, "
-            "tune.prune_after_trials >= 0; set e.g. --config.tune.eval_every_epochs=1"
+            "tune.prune_after_trials, tune.prune_warmup_evals >= 0; set e.g. "
+            "--config.tune.eval_every_epochs=1"
         )
     return parse_space(config)
 
@@ -451,7 +453,10 @@ def open_study(config, workdir: str, budget: float):
     study.sampler = optuna.samplers.TPESampler(
         seed=config.seed + len(trials), n_startup_trials=config.tune.startup_trials
     )
-    study.pruner = optuna.pruners.MedianPruner(n_startup_trials=config.tune.prune_after_trials)
+    study.pruner = optuna.pruners.MedianPruner(  # evaluations count from 1: see Prune
+        n_startup_trials=config.tune.prune_after_trials,
+        n_warmup_steps=config.tune.prune_warmup_evals + 1,
+    )
     return study
 
 
@@ -463,7 +468,8 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
     from hybridpar.trainer import NonFinite
 
     trial = study.ask()
-    sub = trial.user_attrs.get("workdir") or os.path.join("trials", f"{trial.number:03d}")
+    again = trial.user_attrs.get("workdir")  # queued again by open_study: resumes there
+    sub = again or os.path.join("trials", f"{trial.number:03d}")
     trial.set_user_attr("workdir", sub)
     params = suggest_params(trial, space)
     c = trial_config(config, params, budget)
@@ -478,7 +484,7 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
         raise ConfigError(f"trial {trial.number} ({overrides(params)}): {e}") from None
     seconds = time.time() - start
     trial.set_user_attr("seconds", round(seconds, 1))
-    head = f"trial {trial.number:>3}  {overrides(params)}"
+    head = f"trial {trial.number:>3}{f' (resumed {sub})' if again else ''}  {overrides(params)}"
     if prune.pruned:
         study.tell(trial, state=TrialState.PRUNED)
         return f"{head}  {prune.pruned}  {seconds:.0f}s"
@@ -571,6 +577,10 @@ def plot_search(study, path: str, name: str) -> None:
     pick = min if study.direction.name == "MINIMIZE" else max
     best = [pick(t.value for t in done if t.number <= n.number) for n in done]
     obj.step([t.number for t in done], best, where="post", color="C2", label="best so far")
+    cut = [t for t in trials if t.state == TrialState.PRUNED and t.intermediate_values
+           and pick is max]  # intermediates are the objective only when it is top-1  # fmt: skip
+    obj.plot([t.number for t in cut], [t.intermediate_values[max(t.intermediate_values)]
+             for t in cut], "x", color="0.5", label="pruned (its last eval)")  # fmt: skip
     for t in trials:
         xs = sorted(t.intermediate_values)
         pruned = t.state == TrialState.PRUNED

@@ -95,6 +95,7 @@ def test_search_prunes_and_resumes(tmp_path, capsys):
 
     c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2",
                                   "tune.eval_every_epochs": 0.5, "tune.prune_after_trials": 1,
+                                  "tune.prune_warmup_evals": 0,
                                   "optim.warmup_epochs": 0.0})  # fmt: skip
     wd, budget = str(tmp_path / "search"), 1.0
     study = tune.open_study(c, wd, budget)
