@@ -287,14 +287,17 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
 
 
 def lr_range(config, workdir: str) -> dict:
-    from hybridpar.checkpoint import check_run
+    from hybridpar.checkpoint import another_config, config_dict, differences, read_json
     from hybridpar.optim import lr_batch_factor
     from hybridpar.report import read_run
 
     c = range_test_config(config)
+    saved = read_json(os.path.join(workdir, "config.json"))
+    diff = differences(saved, config_dict(c)) if saved is not None else []
+    if diff:
+        raise ConfigError(f"{another_config(workdir, diff)}; use a new --workdir for this test")
     path = os.path.join(workdir, "lr_range.json")
     if os.path.isfile(path):  # done before: the same command shows it again
-        check_run(workdir, c)  # an error if that test was of another config
         with open(path) as f:
             result = json.load(f)
         print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
