@@ -493,6 +493,7 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
         return f"{head}  {prune.pruned}  {seconds:.0f}s"
     if summary is not None and summary.get("preempted"):
         trial.set_user_attr("interrupted", True)
+        trial.set_user_attr("note", f"stopped by {summary['preempted']}, queued again")
         study.tell(trial, state=TrialState.FAIL)
         raise KeyboardInterrupt(f"trial {trial.number} stopped ({summary['preempted']})")
     if config.tune.objective == "top1":
