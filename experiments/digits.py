@@ -27,4 +27,11 @@ def get_config():
     c.eval_every_epochs = 3.0
     c.target_top1 = 0.97
     c.target_top5 = 0.99
+    # python -m hybridpar.tune: a range test of 4 epochs (88 steps) and the search's ranges
+    # around the values above (batches that divide 8 devices, as the tests run it).
+    c.tune.lr_epochs = 4.0
+    c.tune.space = (
+        "optim.base_lr=log:0.05..2,optim.weight_decay=log:1e-5..1e-3,optim.warmup_epochs=0..1.5,"
+        "label_smoothing=0..0.2,optim.momentum=0.8..0.95,global_batch=32|64|128"
+    )
     return c

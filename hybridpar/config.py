@@ -141,7 +141,10 @@ def base_config() -> ml_collections.ConfigDict:
             momentum_ramp_epochs=0.0,
             nesterov=True,
             weight_decay=1e-4,
-            schedule="cosine",  # or "linear", "poly" (power 2, MLPerf's LARS), "constant"
+            # or "linear", "poly" (power 2, MLPerf's LARS), "constant", "exponential" (the LR
+            # range test's: geometric from warmup_start_factor x the LR at epoch 0 up to the LR
+            # at num_epochs; needs warmup_epochs=0)
+            schedule="cosine",
             warmup_epochs=0.0,
             warmup_start_factor=0.0,
             end_lr_factor=0.0,
@@ -205,6 +208,30 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(
         {"every_steps": 0, "every_minutes": 10.0, "max_to_keep": 3, "async": True, "dir": ""}
     )
+    # python -m hybridpar.tune (hybridpar/tune.py): the LR range test and the search.
+    c.tune = ml_collections.ConfigDict(
+        dict(
+            # lr: optim.base_lr rises geometrically from lr_min to lr_max over lr_epochs.
+            lr_min=1e-4,
+            lr_max=10.0,
+            lr_epochs=1.0,
+            # search: the keys and their ranges, comma-separated: KEY=LO..HI (uniform; an int
+            # key draws ints), KEY=log:LO..HI (log-uniform) or KEY=A|B|C (one of).
+            space="optim.base_lr=log:0.01..2,optim.weight_decay=log:1e-5..1e-3,"
+            "optim.warmup_epochs=0..2,label_smoothing=0..0.2,optim.momentum=0.8..0.95,"
+            "global_batch=64|128|256",
+            # "top1": the last eval's top-1 at the budget (maximised); "time_to_target": the
+            # wall time to target_top1 (minimised; a trial stops there, inf if never).
+            objective="top1",
+            # The trials' evaluations: median pruning compares trials at each of them.
+            eval_every_epochs=1.0,
+            startup_trials=5,  # TPE draws this many at random before it models
+            prune_after_trials=3,  # median pruning starts once this many trials finished
+            # ... and at a trial's evaluation after this many: the first ones say little (on
+            # digits at epoch 1 every trial is at 10-30% top-1, the best of them included).
+            prune_warmup_evals=1,
+        )
+    )
     return c
 
 
@@ -216,7 +243,7 @@ CHOICES = {
     "data.name": DATA_NAMES,
     "comm.mode": ("xla", "bucketed"),
     "optim.name": ("sgd", "lars"),
-    "optim.schedule": ("cosine", "linear", "poly", "constant"),
+    "optim.schedule": ("cosine", "linear", "poly", "constant", "exponential"),
     "optim.lr_batch_scaling": ("linear", "sqrt", "none"),
     "precision.compute": DTYPE_NAMES,
     "precision.params": DTYPE_NAMES,
@@ -348,6 +375,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"data.translate={c.data.translate!r}: a number of pixels >= 0, and only for the "
             f"tf.data pipeline (data.name 'images' or 'tfds', not {c.data.name!r}); set "
             "--config.data.translate=0"
+        )
+    if o.schedule == "exponential" and (o.warmup_epochs > 0 or o.warmup_start_factor <= 0):
+        raise ConfigError(
+            "optim.schedule='exponential' rises from optim.warmup_start_factor x the LR to the "
+            f"LR over the whole run: it needs warmup_start_factor > 0 (it is "
+            f"{o.warmup_start_factor!r}) and warmup_epochs=0 (it is {o.warmup_epochs!r}); set "
+            "e.g. --config.optim.warmup_start_factor=1e-4 --config.optim.warmup_epochs=0"
         )
     if c.optim.frozen:
         try:

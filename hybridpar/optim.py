@@ -52,7 +52,9 @@ def lr_factor(cfg, epoch, num_epochs: float):
     """The schedule's shape in [0, 1] at ``epoch`` (float; traced or not): linear warmup from
     ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear, polynomial (power 2)
     or constant decay to
-    ``end_lr_factor`` at ``num_epochs``. A function of epochs, so it is continuous however
+    ``end_lr_factor`` at ``num_epochs``; or ``exponential`` (the LR range test,
+    ``hybridpar/tune.py``): no warmup, a geometric rise from ``warmup_start_factor`` at epoch
+    0 to 1 at ``num_epochs``. A function of epochs, so it is continuous however
     the batch (and so the steps per epoch) changes from stage to stage."""
     warm = min(cfg.warmup_epochs, num_epochs)
     t = jnp.clip((epoch - warm) / max(num_epochs - warm, 1e-9), 0.0, 1.0)
@@ -65,9 +67,12 @@ def lr_factor(cfg, epoch, num_epochs: float):
         decay = end + (1 - end) * (1 - t) ** 2
     elif cfg.schedule == "constant":
         decay = jnp.ones_like(t)
+    elif cfg.schedule == "exponential":  # the LR range test's: up from warmup_start_factor
+        decay = cfg.warmup_start_factor ** (1 - t)
     else:
         raise ConfigError(
-            f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear', 'poly' or 'constant'"
+            f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear', 'poly', 'constant' or "
+            "'exponential'"
         )
     if warm <= 0:
         return decay

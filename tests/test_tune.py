@@ -1,0 +1,137 @@
+"""``python -m hybridpar.tune``: the LR range test and the search (hybridpar/tune.py).
+
+The runs are the tiny digits job (8 filters, 16 px, batch 32, one device): a range test of
+half an epoch and a search of two one-epoch trials."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+from helpers import DIGITS, tiny_digits
+
+from hybridpar import tune
+from hybridpar.config import validate
+from hybridpar.errors import ConfigError
+from hybridpar.optim import lr_factor
+
+
+def test_exponential_schedule_rises_geometrically_to_the_peak():
+    c = tiny_digits(**{"optim.schedule": "exponential", "optim.warmup_epochs": 0.0,
+                       "optim.warmup_start_factor": 1e-3})  # fmt: skip
+    f = np.array([float(lr_factor(c.optim, e, 4.0)) for e in np.linspace(0, 4, 9)])
+    np.testing.assert_allclose(f[[0, -1]], [1e-3, 1.0], rtol=1e-5)
+    np.testing.assert_allclose(f[1:] / f[:-1], (1e3) ** (1 / 8), rtol=1e-4)  # one ratio
+    c.optim.warmup_epochs = 1.0  # a warmup before it would make it another schedule
+    with pytest.raises(ConfigError, match="warmup_epochs=0"):
+        validate(c)
+
+
+def test_suggestion_is_the_steepest_descent_before_the_loss_diverges():
+    lrs = list(np.geomspace(1e-4, 10, 100))
+    # Falls fastest (against log LR) at 0.1, lowest near 1, then back up past half-way.
+    loss = [2 - math.tanh(2 * math.log10(lr / 0.1)) + (3 * math.log10(lr) ** 2 if lr > 1 else 0)
+            for lr in lrs]  # fmt: skip
+    s = tune.suggest(lrs, loss)
+    assert s["suggested_base_lr"] == pytest.approx(0.1, rel=0.15)
+    assert 0.5 < s["min_loss_base_lr"] < 2
+    assert s["diverged_base_lr"] is not None and s["diverged_base_lr"] > s["min_loss_base_lr"]
+
+
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        ("optim.base_lr=log:0..1", "0 < LO < HI"),
+        ("optim.base_rl=0.1..1", "did you mean 'optim.base_lr'"),
+        ("optim.momentum=0.5..1.5", "optim.momentum=1.5 is out of range"),
+        ("global_batch=32..4x", "not a number"),
+        ("optim.schedule=0..1", "for other values list them"),
+        ("optim.base_lr", "not KEY=RANGE"),
+    ],
+)
+def test_bad_space_is_one_error_line(tmp_path, capsys, space, message):
+    argv = ["search", "--config", DIGITS, "--workdir", str(tmp_path / "s"), "--trials", "2",
+            "--budget-epochs", "1", f"--config.tune.space={space}"]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: tune.space") and message in err
+    assert err.count("\n") == 1 and not (tmp_path / "s").exists()  # checked before anything
+
+
+def test_space_kinds():
+    c = tiny_digits(**{"tune.space": "optim.base_lr=log:0.01..1,global_batch=32|64,"
+                                     "optim.warmup_epochs=0..2,seed=0..3"})  # fmt: skip
+    by_key = {p["key"]: p for p in tune.parse_space(c)}
+    assert by_key["optim.base_lr"] == dict(key="optim.base_lr", kind="float", low=0.01,
+                                           high=1.0, log=True)  # fmt: skip
+    assert by_key["global_batch"]["choices"] == [32, 64]
+    assert by_key["optim.warmup_epochs"]["log"] is False
+    assert by_key["seed"]["kind"] == "int"
+
+
+def test_lr_range_test(tmp_path, capsys):
+    c = tiny_digits("data:-1", **{"tune.lr_epochs": 0.5, "tune.lr_min": 1e-3})
+    wd = str(tmp_path / "lr")
+    result = tune.lr_range(c, wd)
+    lrs = np.array(result["base_lr"])
+    assert result["steps"] >= 5 and len(result["loss"]) == result["steps"]
+    ratios = lrs[1:] / lrs[:-1]  # exponential: one ratio from step to step
+    np.testing.assert_allclose(ratios, ratios[0], rtol=1e-3)
+    assert ratios[0] > 1 and 1e-3 * (1 - 1e-5) <= lrs[0] <= 1e-3 * ratios[0] * (1 + 1e-5)
+    assert lrs[0] <= result["suggested_base_lr"] <= lrs[-1] * 1.05
+    assert result["override"] == f"--config.optim.base_lr={result['suggested_base_lr']:g}"
+    assert os.path.getsize(os.path.join(wd, "lr_range.png")) > 0
+    lines = open(os.path.join(wd, "metrics.jsonl")).read()
+    again = tune.lr_range(c, wd)  # done: shown again, nothing trained
+    assert again["suggested_base_lr"] == result["suggested_base_lr"]
+    assert open(os.path.join(wd, "metrics.jsonl")).read() == lines
+    assert "holds a finished LR range test" in capsys.readouterr().out
+
+
+def test_search_prunes_and_resumes(tmp_path, capsys):
+    from optuna.trial import TrialState
+
+    c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2",
+                                  "tune.eval_every_epochs": 0.5, "tune.prune_after_trials": 1,
+                                  "tune.prune_warmup_evals": 0,
+                                  "optim.warmup_epochs": 0.0})  # fmt: skip
+    wd, budget = str(tmp_path / "search"), 1.0
+    study = tune.open_study(c, wd, budget)
+    study.enqueue_trial({"optim.base_lr": 1.0})  # learns
+    study.enqueue_trial({"optim.base_lr": 1e-4})  # barely moves: below the median at eval 1
+    tune.search(c, wd, 1, budget)
+    done_0 = open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read()
+    first = tune.open_study(c, wd, budget).get_trials()
+    tune.search(c, wd, 2, budget)  # the same study goes on: trial 0 kept, trial 1 runs
+    out = capsys.readouterr().out
+    trials = tune.open_study(c, wd, budget).get_trials()
+    assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.PRUNED], out
+    assert (trials[0].params, trials[0].value) == (first[0].params, first[0].value)
+    assert open(os.path.join(wd, "trials", "000", "metrics.jsonl")).read() == done_0
+    assert 1 in trials[1].intermediate_values and 2 not in trials[1].intermediate_values
+    with open(os.path.join(wd, "trials", "001", "summary.json")) as f:
+        assert json.load(f)["preempted"].startswith("pruned at epoch 0.5")
+    assert "best: trial 0" in out and "--config.optim.base_lr=1 " in out + " "
+    assert os.path.isfile(os.path.join(wd, "search.png"))
+    tune.search(c, wd, 2, budget)  # finished: says so, runs nothing
+    assert "has finished 2 trials" in capsys.readouterr().out
+    assert len(tune.open_study(c, wd, budget).get_trials()) == 2
+    with pytest.raises(ConfigError, match="budget_epochs was 1.0, now 2.0"):
+        tune.open_study(c, wd, 2.0)
+
+
+def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
+    from optuna.trial import TrialState
+
+    c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2"})
+    wd = str(tmp_path / "search")
+    trial = tune.open_study(c, wd, 1.0).ask()
+    trial.set_user_attr("workdir", "trials/000")
+    trial.suggest_float("optim.base_lr", 1e-4, 2, log=True)  # killed here: still RUNNING
+    for _ in range(2):  # queued once, however often the study is opened
+        trials = tune.open_study(c, wd, 1.0).get_trials()
+    assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
+    assert trials[1].system_attrs["fixed_params"] == trials[0].params
+    assert trials[1].user_attrs["workdir"] == "trials/000"
