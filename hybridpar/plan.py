@@ -320,8 +320,21 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     workload = sim.workload_from_report(report)
     b = round(workload.reference_batch)
     step = sim.predict_step(workload, preset, devices, b, workload.reference_image_size, overlap)
+    # the evaluation passes the config runs on the clock, at its eval batch per batch shard
+    evaluation = sim.Evaluation(
+        config.eval_every_epochs,
+        config.data.eval_examples,
+        config.data.image_size,
+        max(config.eval_batch * b // config.global_batch, 1),
+    )
     train = sim.time_to_train(
-        workload, preset, devices, stages_of(config, b), config.data.train_examples, overlap
+        workload,
+        preset,
+        devices,
+        stages_of(config, b),
+        config.data.train_examples,
+        overlap,
+        evaluation=evaluation,
     )
     return {
         "predicted_step_s": step.step_s,
@@ -329,6 +342,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         "predicted_scaling_efficiency": step.efficiency,
         "predicted_exposed_comm_s": step.exposed_comm_s,
         "predicted_time_to_train_s": train.total_s,
+        "predicted_eval_s": train.eval_s,
     }
 
 
