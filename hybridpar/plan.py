@@ -237,7 +237,12 @@ def cache_key(config, devices: int, source: str) -> str:
             "config": json.loads(config.to_json()),
             "devices": devices,
             "source": source,
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            # flags that change what XLA compiles; the device count is `devices`
+            "xla_flags": sorted(
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ),
             **versions,
         },
         sort_keys=True,

@@ -21,6 +21,7 @@ ARGS = ["--config", DIGITS, *config_args(TINY), "--devices", "8", "--max-plans",
 
 
 def _plan(args, cache_dir, timeout=600):
+    """The CLI in a subprocess: a fresh JAX, so it can set its own device count."""
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     return subprocess.run(
         [sys.executable, "-m", "hybridpar.plan", *args, "--cache-dir", str(cache_dir)],
@@ -31,6 +32,21 @@ def _plan(args, cache_dir, timeout=600):
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def _plan_here(args, cache_dir, capsys, monkeypatch) -> tuple[int, str, str]:
+    """The CLI in this process, for calls that compile nothing (from the cache, or an error
+    before compiling): (exit code, stdout, stderr). The variables it sets are put back."""
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    capsys.readouterr()
+    try:
+        plan.main([*args, "--cache-dir", str(cache_dir)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +77,7 @@ def test_ranks_at_least_six_plans_best_first(first):
     )
 
 
-def test_the_pick_under_a_limit_compiles_and_fits(first):
+def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
     """A limit between the plans' needs (from the cache): the bigger ones are dropped, and
     the pick, compiled again here from its overrides alone, needs what the planner said and
     fits the limit."""
@@ -71,9 +87,12 @@ def test_the_pick_under_a_limit_compiles_and_fits(first):
     needs = sorted(p["memory_per_device_bytes"] for p in out["plans"])
     assert needs[0] < needs[-1], "the plans should differ in memory"
     limit = (needs[0] + needs[-1]) / 2
-    r = _plan([*ARGS, "--memory-gib", repr(limit / plan.GIB), "--json"], cache)
-    assert r.returncode == 0, r.stderr[-3000:]
-    limited = json.loads(r.stdout.strip().splitlines()[-1])
+    code, stdout, stderr = _plan_here(
+        [*ARGS, "--memory-gib", repr(limit / plan.GIB), "--json"], cache, capsys, monkeypatch
+    )
+    assert code == 0, stderr[-3000:]
+    limited = json.loads(stdout.strip().splitlines()[-1])
+    assert limited["from_cache"] == 6
     assert limited["plans"] and limited["too_big"]
     assert all(p["memory_per_device_bytes"] <= limit for p in limited["plans"])
     assert all(p["memory_per_device_bytes"] > limit for p in limited["too_big"])
@@ -84,21 +103,24 @@ def test_the_pick_under_a_limit_compiles_and_fits(first):
     assert rep.total_bytes == best["collective_bytes"]
 
 
-def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first):
+def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first, capsys, monkeypatch):
     out, _, cache = first
     smallest = min(out["plans"], key=lambda p: p["memory_per_device_bytes"])
     limit_gib = smallest["memory_per_device_bytes"] / 2 / plan.GIB
-    r = _plan([*ARGS, "--memory-gib", repr(limit_gib)], cache)
-    assert r.returncode == 2 and r.stdout == ""
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in r.stderr
+    code, stdout, stderr = _plan_here(
+        [*ARGS, "--memory-gib", repr(limit_gib)], cache, capsys, monkeypatch
+    )
+    assert code == 2 and stdout == ""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr
     assert smallest["plan"] in errors[0]
     assert f"needs {plan._bytes(smallest['memory_per_device_bytes'])}" in errors[0]
 
 
 def test_a_second_call_comes_from_the_cache(first):
+    """A new process (as a user's second call), the table this time."""
     out, _, cache = first
-    r = _plan(ARGS, cache)  # the table this time
+    r = _plan(ARGS, cache)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "compiling" not in r.stderr and "6 of 6 plans from the cache" in r.stderr
     assert "6 of 6 from the cache" in r.stdout and "winning overrides: " in r.stdout
@@ -150,9 +172,9 @@ def test_candidates_respect_the_rules():
         (["--memory-gib", "0"], "must be positive"),
     ],
 )
-def test_bad_flags_are_one_error_line(tmp_path, extra, says):
-    r = _plan([*ARGS, *extra], tmp_path, timeout=120)
-    assert r.returncode == 2 and r.stdout == ""
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], r.stderr
+def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
+    code, stdout, stderr = _plan_here([*ARGS, *extra], tmp_path, capsys, monkeypatch)
+    assert code == 2 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], stderr
     assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached
