@@ -199,6 +199,23 @@ def _choices(config, devices: int, args) -> dict:
     }
 
 
+def _check_values(config, choices: dict, validate) -> None:
+    """Each listed head, BN sync and dtype is one the config accepts: a typo is one error
+    line now, not a failed compile per plan."""
+    for flag, key, values in (
+        ("--heads", "model.head", choices["head"]),
+        ("--bn-sync", "model.bn_sync", choices["bn_sync"]),
+        ("--precision", "precision.compute", choices["compute"]),
+    ):
+        for v in values:
+            c = copy.deepcopy(config)
+            cli.apply_overrides(c, [(key, v), ("comm.mode", "xla")])
+            try:
+                validate(c)
+            except ConfigError as e:
+                cli.fail(f"{flag} {v!r}: {e}")
+
+
 # ---- Compiling (in worker processes) and the cache ---------------------------------------------
 
 
@@ -209,8 +226,8 @@ def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
     config = cli.load(config_path, overrides)
     try:
         return report(config, virtual_devices=int(os.environ["HYBRIDPAR_PLAN_DEVICES"])).to_dict()
-    except ConfigError as e:
-        return {"error": " ".join(str(e).split())}
+    except ConfigError as e:  # comm_report's hint about --devices means nothing here
+        return {"error": " ".join(str(e).split(" (comm_report: --devices")[0].split())}
 
 
 def _source_hash() -> str:
@@ -351,6 +368,23 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     }
 
 
+def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: int):
+    """`preset` fitted to a run's measured rates, taken to be of the closest compiled plan
+    to the config (`plans` closest first) without a model axis: its FLOPs per image."""
+    from hybridpar import simulate as sim
+
+    ok = [c for c in plans if "error" not in results[c]]
+    reports = [results[c] for c in ok if dict(c.mesh)["model"] == 1] or [results[c] for c in ok]
+    if not reports:
+        return preset
+    rep = CommReport.from_dict({k: v for k, v in reports[0].items() if k != "from_cache"})
+    try:
+        points = sim.points_from_metrics(metrics_path, devices)
+        return sim.fit_rate(points, preset, sim.workload_from_report(rep), metrics_path)
+    except (OSError, ValueError, KeyError) as e:
+        cli.fail(f"--calibrate-from {metrics_path}: {e}")
+
+
 def plan_rows(config, results: dict, devices: int, preset, limit_bytes: int, overlap: float):
     """(ranked plans that fit, plans that do not fit, plans that failed), each a dict."""
     fits, too_big, failed = [], [], []
@@ -459,6 +493,15 @@ def build_parser() -> cli.ArgumentParser:
         help="scaling model's overlap of communication with the backward pass",
     )
     p.add_argument(
+        "--calibrate-from",
+        metavar="METRICS_JSONL",
+        help="fit the preset's per-step overhead and efficiency to a run of this model "
+        "(python -m hybridpar.simulate --calibrate-from; docs/scaling.md)",
+    )
+    p.add_argument(
+        "--calibrate-devices", type=int, default=1, help="devices of that run (default 1)"
+    )
+    p.add_argument(
         "--cache-dir", help=f"where compiled results are kept (default {default_cache_dir()})"
     )
     p.add_argument("--no-cache", action="store_true", help="compile everything, keep nothing")
@@ -499,6 +542,7 @@ def main(argv=None) -> None:
 
         validate(config)  # every value checked before a device or a worker starts
         choices = _choices(config, n, args)
+        _check_values(config, choices, validate)
         plans, product = candidates(config, n, choices)
         if not plans:
             cli.fail(
@@ -515,7 +559,12 @@ def main(argv=None) -> None:
             config_path, config, base_overrides, kept, n, args.jobs, cache_dir, log
         )
         limit = int(limit_gib * GIB)
-        fits, too_big, failed = plan_rows(config, results, n, preset, limit, args.overlap)
+        hardware = preset
+        if args.calibrate_from:
+            hardware = _calibrated(
+                preset, results, kept, args.calibrate_from, args.calibrate_devices
+            )
+        fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap)
         if not fits:
             if too_big:
                 s = too_big[0]
@@ -533,6 +582,8 @@ def main(argv=None) -> None:
         if args.json:
             print(json.dumps({
                 "devices": n, "hardware": preset.name, "memory_limit_bytes": limit,
+                "efficiency": hardware.efficiency, "step_overhead_s": hardware.step_overhead_s,
+                "calibration": hardware.reference_note,
                 "overlap": args.overlap, "combinations": product, "valid": len(plans),
                 "compiled": len(kept), "from_cache": cached,
                 "cache_dir": str(cache_dir) if cache_dir else None,

@@ -125,8 +125,36 @@ def test_a_second_call_comes_from_the_cache(first):
     assert "compiling" not in r.stderr and "6 of 6 plans from the cache" in r.stderr
     assert "6 of 6 from the cache" in r.stdout and "winning overrides: " in r.stdout
     assert out["winning_overrides"] in r.stdout  # the same pick as the compiled run
-    # The cache holds one file per compiled plan; an unrelated file is not read as one.
+    # the cache holds one file per compiled plan
     assert len(list(cache.glob("*.json"))) == 6
+
+
+def test_calibration_from_a_run_changes_the_prediction(first, tmp_path, capsys, monkeypatch):
+    """A metrics.jsonl of this model at two batches (4 and 16 images per device, 8 devices,
+    a step of 20 ms + 1 ms per image) calibrates the preset: the fitted overhead is the
+    20 ms, and the predicted rates follow the run's instead of the H100's."""
+    out, _, cache = first
+    lines = []
+    for per_device in (4, 16):
+        rate = 8 * per_device / (0.020 + 0.001 * per_device)
+        line = {"event": "train", "image_size": 16, "global_batch": 8 * per_device}
+        lines += [dict(line, images_per_s=rate)] * 3
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = [*ARGS, "--json", "--calibrate-from", str(path), "--calibrate-devices", "8"]
+    code, stdout, stderr = _plan_here(args, cache, capsys, monkeypatch)
+    assert code == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
+    assert got["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)
+    assert str(path) in got["calibration"]
+    assert got["from_cache"] == 6
+    # the config's own plan (data:8, what the run ran) predicts the run's rate at its batch
+    # of 4 per device (its few small collectives hide behind the backward pass)
+    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global xla b=4")
+    assert own["predicted_images_per_s"] == pytest.approx(8 * 4 / (0.020 + 0.001 * 4), rel=0.01)
+    assert max(p["predicted_images_per_s"] for p in got["plans"]) < min(
+        p["predicted_images_per_s"] for p in out["plans"]
+    )  # far below the uncalibrated H100 figures
 
 
 def test_cache_key_follows_config_devices_and_source():
@@ -170,6 +198,7 @@ def test_candidates_respect_the_rules():
         (["--hardware", "nope"], "unknown preset 'nope'"),
         (["--comm", "bucketed"], "write xla or bucketed:MB"),
         (["--memory-gib", "0"], "must be positive"),
+        (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
     ],
 )
 def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
