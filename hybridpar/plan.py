@@ -123,6 +123,10 @@ def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
     return None
 
 
+def _comm_of(config) -> str:
+    return "xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}"
+
+
 def candidates(config, devices: int, choices: dict) -> tuple[list[Candidate], int]:
     """The valid plans of the product of `choices`, closest to the config first, and how
     many the product had."""
@@ -132,7 +136,7 @@ def candidates(config, devices: int, choices: dict) -> tuple[list[Candidate], in
         mesh=tuple(parse_mesh_spec(config.mesh, devices).items()),
         head=config.model.head,
         bn_sync=config.model.bn_sync,
-        comm="xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}",
+        comm=_comm_of(config),
         per_device_batch=config.global_batch // devices,
         compute=config.precision.compute,
     )
@@ -181,7 +185,7 @@ def _choices(config, devices: int, args) -> dict:
         cli.fail(f"--per-device-batch {args.per_device_batch!r}: comma-separated integers")
     if min(batch) < 1:
         cli.fail(f"--per-device-batch {args.per_device_batch!r}: batches are >= 1")
-    base_comm = "xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}"
+    base_comm = _comm_of(config)
     default_comm = [base_comm] + [
         c for c in ("xla", f"bucketed:{config.comm.bucket_mb:g}") if c != base_comm
     ]
@@ -231,13 +235,13 @@ def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
 
 
 def _source_hash() -> str:
-    """The source of every module the compiled step depends on (hybridpar and its models
-    and input packages, less the scaling model and this planner, which only read the
-    result): a change to that code invalidates the cache."""
+    """The source of the code that builds the compiled step (hybridpar and its models; not
+    the input pipeline, which a compile without data never runs, nor the scaling model and
+    this planner, which only read the result): a change to it invalidates the cache."""
     import importlib.util
 
     h = hashlib.sha256()
-    for pkg in ("hybridpar", "hybridpar.models", "hybridpar.input"):
+    for pkg in ("hybridpar", "hybridpar.models"):
         for root in importlib.util.find_spec(pkg).submodule_search_locations:
             for p in sorted(Path(root).rglob("*.py")):
                 rel = p.relative_to(root).as_posix()
