@@ -54,6 +54,7 @@ SLOW_FIRST = (
     "test_train_cli.py",
     "test_comm_report.py",
     "test_sharded_head.py",
+    "test_plan.py",
     "test_trainer.py",
     "test_parity.py",
     "test_checkpoint.py",

@@ -7,24 +7,25 @@
 The model (plain Python, no JAX; every number is per training step of data-parallel weak
 scaling, i.e. the per-device batch stays fixed while devices are added):
 
-    compute   = FLOPs per device per step / (peak FLOP/s * efficiency)
+    compute   = step overhead + FLOPs per device per step / (peak FLOP/s * efficiency)
     comm      = sum over collectives of count * cost(cheapest algorithm)   (alpha-beta model)
     exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
-    step      = compute + exposed
+    input     = images per device per step / (images/s per host core * cores per device)
+    step      = max(compute + exposed, input)
     images/s  = global batch / step
     scaling efficiency = images/s(p) / (p * images/s(1))          (= compute / step <= 1)
     time to train = sum over curriculum stages of epochs * images per epoch / images/s(stage)
-                    + epochs * eval seconds per epoch
+                    + evaluation passes (forward steps at the eval size + a fixed cost each)
 
 `efficiency` is the fraction of peak a single device reaches on a ResNet-50 step; each preset
 calibrates it from a stated single-device images/s (`calibrate`). The collectives come either
 from the built-in analytic ResNet-50 data-parallel description (one fused gradient all-reduce,
 split into buckets) or from `python -m hybridpar.comm_report --json` (`--comm-report FILE`).
 
-What the model leaves out (see docs/scaling.md): the input pipeline, evaluation (except as a
-fixed per-epoch cost), stragglers and jitter, link contention from other jobs, the cost of
-image size on per-FLOP efficiency (small images run at a lower fraction of peak), compilation
-and start-up.
+The step overhead, the input rate and the evaluation cost are 0 (not modelled) unless
+calibrated (`calibration.py`: fitted to a run's metrics.jsonl or set from measurements).
+What the model leaves out (see docs/scaling.md): stragglers and jitter, link contention
+from other jobs, compilation and start-up.
 
 FLOP convention: a multiply-add is 2 FLOPs, as in XLA's `cost_analysis` (so a comm_report
 `flops` figure and the built-in ResNet-50 figure mean the same thing). The much-quoted
@@ -38,6 +39,7 @@ The package, one job a module (each imports only the ones above it):
     workload.py    FLOPs and collectives of a step: analytic ResNet-50, or a comm_report
     cost.py        alpha-beta costs of ring, tree, hierarchical and torus collectives
     step.py        calibrated presets, step time and efficiency, stages, time to train
+    calibration.py step overhead and efficiency fitted to measured rates; evaluation cost
     validation.py  the published runs of docs/scaling.md section 3
     plot.py, cli.py, __main__.py   the command line
 
@@ -46,6 +48,7 @@ Everything public is importable from here (`from hybridpar import simulate as si
 
 from __future__ import annotations
 
+from hybridpar.simulate.calibration import fit_eval_overhead, fit_rate, points_from_metrics
 from hybridpar.simulate.cli import (
     DEFAULT_DEVICES,
     build_parser,
@@ -80,13 +83,17 @@ from hybridpar.simulate.hardware import (
 from hybridpar.simulate.plot import write_png
 from hybridpar.simulate.step import (
     PRESETS,
+    Evaluation,
     Stage,
     StepPrediction,
     TrainPrediction,
     calibrate,
     comm_time,
+    compute_seconds,
+    eval_pass_s,
     format_stages,
     get_preset,
+    input_seconds,
     parse_stages,
     predict_step,
     time_to_train,
@@ -120,6 +127,7 @@ __all__ = [
     "ALIASES",
     "BACKWARD_FRACTION",
     "DEFAULT_DEVICES",
+    "Evaluation",
     "FASTAI_STAGES",
     "GB",
     "GBIT",
@@ -152,15 +160,21 @@ __all__ = [
     "calibrate",
     "collective_options",
     "comm_time",
+    "compute_seconds",
+    "eval_pass_s",
+    "fit_eval_overhead",
+    "fit_rate",
     "format_rows",
     "format_stages",
     "format_validation",
     "get_preset",
     "hierarchical_allreduce_time",
+    "input_seconds",
     "load_comm_report",
     "main",
     "parse_devices",
     "parse_stages",
+    "points_from_metrics",
     "predict_step",
     "reduce_scatter_time",
     "resnet50_workload",

@@ -9,10 +9,12 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
+from hybridpar.simulate.calibration import fit_rate, points_from_metrics
 from hybridpar.simulate.hardware import GB, TFLOPS, Preset
 from hybridpar.simulate.plot import write_png
 from hybridpar.simulate.step import (
     PRESETS,
+    Evaluation,
     Stage,
     calibrate,
     format_stages,
@@ -20,6 +22,7 @@ from hybridpar.simulate.step import (
     parse_stages,
     predict_step,
     time_to_train,
+    with_calibrated_efficiency,
 )
 from hybridpar.simulate.validation import validation_table
 from hybridpar.simulate.workload import (
@@ -85,6 +88,7 @@ def simulate(
     efficiency: float | None = None,
     images_per_epoch: int = IMAGENET_TRAIN_IMAGES,
     eval_s_per_epoch: float = 0.0,
+    evaluation: Evaluation | None = None,
 ) -> list[dict]:
     """One row per device count: the step at (per_device_batch, image_size) and the time to
     train through `stages`. Device counts that the model-parallel size does not divide are
@@ -95,7 +99,15 @@ def simulate(
             continue
         step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
         tt = time_to_train(
-            workload, preset, p, stages, images_per_epoch, overlap, efficiency, eval_s_per_epoch
+            workload,
+            preset,
+            p,
+            stages,
+            images_per_epoch,
+            overlap,
+            efficiency,
+            eval_s_per_epoch,
+            evaluation,
         )
         row = dataclasses.asdict(step)
         row["time_to_train_s"] = tt.total_s
@@ -163,6 +175,36 @@ def format_validation(results: list[dict]) -> str:
             ]
         )
     return _table(body, header)
+
+
+def _calibrated(preset: Preset, workload: Workload, args) -> Preset:
+    """The preset with what the calibration flags measured or set."""
+    changes = {}
+    if args.step_overhead_s is not None:
+        changes["step_overhead_s"] = args.step_overhead_s
+    if args.input_per_core is not None:
+        rate, sep, size = args.input_per_core.partition("@")
+        if not sep or args.cores_per_device is None:
+            raise ValueError(
+                f"--input-per-core {args.input_per_core!r}: write IMAGES_PER_S@SIZE, e.g. "
+                "400@128, with --cores-per-device"
+            )
+        changes.update(
+            input_images_per_s_per_core=float(rate),
+            input_reference_size=int(size),
+            cores_per_device=args.cores_per_device,
+        )
+    if args.eval_overhead_s is not None:
+        changes["eval_overhead_s"] = args.eval_overhead_s
+    if any(v < 0 for v in changes.values()):
+        raise ValueError(f"calibration values must be >= 0, got {changes}")
+    preset = dataclasses.replace(preset, **changes)
+    if "step_overhead_s" in changes:  # the reference rate now includes the overhead
+        preset = with_calibrated_efficiency(preset, workload)
+    if args.calibrate_from:
+        points = points_from_metrics(args.calibrate_from, args.calibrate_devices)
+        preset = fit_rate(points, preset, workload, f"fitted to {args.calibrate_from}")
+    return preset
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +284,43 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate efficiency from a measured single-device rate at "
         "--image-size and --per-device-batch",
     )
+    ap.add_argument(
+        "--calibrate-from",
+        default=None,
+        metavar="METRICS_JSONL",
+        help="fit the per-step overhead and efficiency to a run's train lines (several "
+        "image sizes or batches: a curriculum run; see --calibrate-devices)",
+    )
+    ap.add_argument(
+        "--calibrate-devices",
+        type=int,
+        default=1,
+        help="devices of the --calibrate-from run (its rates are per device; default 1)",
+    )
+    ap.add_argument(
+        "--step-overhead-s",
+        type=float,
+        default=None,
+        help="fixed seconds per step besides the FLOPs (default: the preset's, 0)",
+    )
+    ap.add_argument(
+        "--input-per-core",
+        default=None,
+        metavar="IMAGES_PER_S@SIZE",
+        help="decode + augment rate of one host core at SIZE px, e.g. 400@128 "
+        "(bench/input_pipeline.py measures it); needs --cores-per-device",
+    )
+    ap.add_argument("--cores-per-device", type=float, default=None, help="host cores per device")
+    ap.add_argument(
+        "--eval-every-epochs",
+        type=float,
+        default=0.0,
+        help="an evaluation pass every E epochs on the clock (ImageNet's 50,000 images at "
+        "224 px; default 0: none)",
+    )
+    ap.add_argument(
+        "--eval-overhead-s", type=float, default=None, help="fixed seconds per evaluation pass"
+    )
     ap.add_argument("--images-per-epoch", type=int, default=IMAGENET_TRAIN_IMAGES)
     ap.add_argument(
         "--eval-s-per-epoch",
@@ -320,6 +399,7 @@ def _main(args) -> int:
         args.per_device_batch = 256
     if args.image_size is None:
         args.image_size = 224
+    preset = _calibrated(preset, workload, args)
     efficiency = args.efficiency
     if args.calibrate is not None:
         efficiency = calibrate(
@@ -341,6 +421,9 @@ def _main(args) -> int:
         efficiency,
         args.images_per_epoch,
         args.eval_s_per_epoch,
+        Evaluation(args.eval_every_epochs, per_device_batch=args.per_device_batch)
+        if args.eval_every_epochs > 0
+        else None,
     )
     eff = preset.efficiency if efficiency is None else efficiency
     title = (

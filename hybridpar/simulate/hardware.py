@@ -51,6 +51,16 @@ class Preset:
       reference rate when the presets are built (`with_calibrated_efficiency`).
     devices_per_node: devices sharing the fast intra-node link (NVLink island, ICI domain).
     torus_dims: > 0 for TPU ICI, which is a 2D/3D torus rather than nodes + a switch.
+    memory_gib: memory per device (HBM), what a plan must fit in (`hybridpar.plan`).
+
+    What a real run spends besides the FLOPs (0: not modelled; set by calibration, see
+    `hybridpar.simulate.calibration`):
+    step_overhead_s: a fixed cost per step (kernel launches, the optimizer's small kernels,
+      host synchronisation), which makes small images and batches run below the peak rate.
+    input_images_per_s_per_core / input_reference_size: decode + augment throughput of one
+      host core at that image size (scaled by pixels for other sizes); cores_per_device: host
+      cores feeding each device. A step cannot be faster than its input.
+    eval_overhead_s: a fixed cost per evaluation pass (loader start, synchronisation).
     """
 
     name: str
@@ -66,6 +76,12 @@ class Preset:
     reference_batch: int = 256
     reference_note: str = ""
     torus_dims: int = 0
+    memory_gib: float = 16.0
+    step_overhead_s: float = 0.0
+    input_images_per_s_per_core: float = 0.0
+    input_reference_size: int = 224
+    cores_per_device: float = 0.0
+    eval_overhead_s: float = 0.0
     efficiency: float = float("nan")
 
     def inter_bandwidth_per_node(self) -> float:
@@ -126,6 +142,7 @@ _H100 = Preset(
     inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
     reference_images_per_s=3000.0,
     reference_note="ASSUMPTION: ~3,000 img/s bf16 at 224 px (plain framework step)",
+    memory_gib=80.0,
 )
 
 
@@ -174,6 +191,7 @@ UNCALIBRATED_PRESETS = [
         inter=Link(200 * GBIT, _IB_ALPHA, per="device", name="HDR IB 200 Gb/s per GPU"),
         reference_images_per_s=2500.0,
         reference_note="ASSUMPTION: ~2,500 img/s bf16 at 224 px",
+        memory_gib=40.0,  # the first DGX A100's A100 40 GB
     ),
     _H100,
     # H200 SXM: same compute and links as H100 (989 TFLOP/s bf16 dense, NVLink 4, NDR 400);
@@ -186,6 +204,7 @@ UNCALIBRATED_PRESETS = [
         description="H200 SXM bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU",
         reference_images_per_s=7700.0,
         reference_note="MLPerf Training v4.0 (8 x H200, 12.0 min): ~7,700 img/s/GPU, tuned",
+        memory_gib=141.0,
     ),
     # TPU v3: 123 TFLOP/s bf16 per chip; pod of 1,024 chips on a 2D torus; "all-reduce
     # bandwidth per pod 340 TB/s" (Cloud TPU v3 docs) = ~332 GB/s per chip, used as the
@@ -204,6 +223,7 @@ UNCALIBRATED_PRESETS = [
         reference_images_per_s=2000.0,
         reference_note="ASSUMPTION: ~2,000 img/s per chip at 224 px",
         torus_dims=2,
+        memory_gib=32.0,  # per chip (16 GiB per TensorCore)
     ),
     # TPU v4: 275 TFLOP/s bf16 per chip; pod of 4,096 chips, 3D torus; "all-reduce bandwidth
     # per pod 1.1 PB/s" (Cloud TPU v4 docs) = ~269 GB/s per chip. ASSUMPTIONS: alpha 2 us,
@@ -220,6 +240,7 @@ UNCALIBRATED_PRESETS = [
         reference_images_per_s=2000.0 * 275 / 123,
         reference_note="ASSUMPTION: same fraction of peak as the tpu-v3 assumption",
         torus_dims=3,
+        memory_gib=32.0,
     ),
 ]
 

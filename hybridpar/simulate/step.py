@@ -1,22 +1,30 @@
 """The step model: compute, exposed communication, step time, throughput and scaling
 efficiency on p devices; the calibrated presets; curriculum stages and time to train.
 
-    compute   = FLOPs per device per step / (peak FLOP/s * efficiency)
+    compute   = step overhead + FLOPs per device per step / (peak FLOP/s * efficiency)
     comm      = sum over collectives of count * cost(cheapest algorithm)
     exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
-    step      = compute + exposed
+    input     = images per device per step / (input images/s per core * cores per device)
+    step      = max(compute + exposed, input)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hybridpar.simulate.cost import Topology, best_algorithm
 from hybridpar.simulate.hardware import ALIASES, UNCALIBRATED_PRESETS, Preset
-from hybridpar.simulate.workload import IMAGENET_TRAIN_IMAGES, Workload, resnet50_workload
+from hybridpar.simulate.workload import (
+    IMAGENET_EVAL_IMAGES,
+    IMAGENET_TRAIN_IMAGES,
+    TRAIN_FLOPS_FACTOR,
+    Workload,
+    resnet50_workload,
+)
 
 
 def calibrate(
@@ -28,13 +36,19 @@ def calibrate(
 ) -> float:
     """Efficiency (fraction of peak) that reproduces a measured single-device rate.
 
-    efficiency = FLOPs per step / (peak * measured step time),
+    efficiency = FLOPs per step / (peak * (measured step time - step overhead)),
     measured step time = batch / measured_images_per_s.
     """
     if measured_images_per_s <= 0 or batch <= 0:
         raise ValueError("measured rate and batch must be positive")
     workload = workload or resnet50_workload()
-    step_s = batch / measured_images_per_s
+    step_s = batch / measured_images_per_s - preset.step_overhead_s
+    if step_s <= 0:
+        raise ValueError(
+            f"{measured_images_per_s:g} images/s at batch {batch} is a step of "
+            f"{batch / measured_images_per_s:.4g} s, not more than the preset's step overhead "
+            f"{preset.step_overhead_s:.4g} s"
+        )
     flops = workload.step_flops(batch, image_size) * workload.model_parallel
     return flops / (preset.peak_flops * step_s)
 
@@ -77,6 +91,7 @@ class StepPrediction:
     images_per_s: float
     efficiency: float  # scaling efficiency against one device
     algorithms: str  # the chosen algorithm(s), e.g. "hier-ring" or "ring x2, tree x1"
+    input_s: float = 0.0  # host seconds to decode one device's images (0: not modelled)
 
 
 def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, str]:
@@ -126,14 +141,19 @@ def predict_step(
     eff = preset.efficiency if efficiency is None else efficiency
     if not eff > 0:
         raise ValueError(f"efficiency must be positive, got {eff}")
-    compute = workload.step_flops(per_device_batch, image_size) / (preset.peak_flops * eff)
+    compute = compute_seconds(workload, preset, per_device_batch, image_size, eff)
     comm, algos = comm_time(workload, preset, devices)
     exposed = max(0.0, comm - overlap * workload.backward_fraction * compute)
-    step = compute + exposed
+    # The input runs ahead of the device (prefetch), so it only shows when it is slower.
+    images = per_device_batch / m  # each device's share of the global batch
+    input_s = input_seconds(preset, images, image_size)
+    step = max(compute + exposed, input_s)
     global_batch = devices // m * per_device_batch
     images_per_s = global_batch / step
-    # one device runs the whole model: m times one device's share of the work
-    single = per_device_batch / (m * compute)
+    # one device runs the whole model (m times one device's share) and decodes its batch
+    single = per_device_batch / max(
+        m * compute, input_seconds(preset, per_device_batch, image_size)
+    )
     scaling = images_per_s / (devices * single)
     assert scaling <= 1.0 + 1e-9, (scaling, compute, step)
     scaling = min(scaling, 1.0)
@@ -150,7 +170,27 @@ def predict_step(
         images_per_s=images_per_s,
         efficiency=scaling,
         algorithms=algos,
+        input_s=input_s,
     )
+
+
+def compute_seconds(
+    workload: Workload, preset: Preset, per_device_batch: int, image_size: int, efficiency: float
+) -> float:
+    """One device's train step without communication: the fixed overhead plus its FLOPs at
+    `efficiency` of peak."""
+    flops = workload.step_flops(per_device_batch, image_size)
+    return preset.step_overhead_s + flops / (preset.peak_flops * efficiency)
+
+
+def input_seconds(preset: Preset, images: float, image_size: int) -> float:
+    """Host seconds to decode and augment `images` at `image_size` with the cores that feed
+    one device; decode cost taken to scale with the output pixels (fused crop-decode from a
+    pre-resized copy). 0 where the preset does not model its input."""
+    rate = preset.input_images_per_s_per_core * preset.cores_per_device
+    if rate <= 0:
+        return 0.0
+    return images / (rate * (preset.input_reference_size / image_size) ** 2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,6 +252,30 @@ class TrainPrediction:
     stages: tuple[tuple[Stage, StepPrediction, float], ...]  # (stage, step, seconds)
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """The evaluation passes on the training clock: one every `every_epochs` epochs (0:
+    none), each over `images` at `image_size`, `per_device_batch` images per device."""
+
+    every_epochs: float = 0.0
+    images: int = IMAGENET_EVAL_IMAGES
+    image_size: int = 224
+    per_device_batch: int = 256
+
+
+def eval_pass_s(workload: Workload, preset: Preset, devices: int, ev: Evaluation) -> float:
+    """One evaluation pass: its steps, each a forward pass (1/TRAIN_FLOPS_FACTOR of a train
+    step at that size and batch, overhead included) or its input, whichever is slower, plus
+    the preset's fixed cost per pass."""
+    m = workload.model_parallel
+    per_step = devices // m * ev.per_device_batch
+    steps = math.ceil(ev.images / per_step)
+    train = compute_seconds(workload, preset, ev.per_device_batch, ev.image_size, preset.efficiency)
+    forward = train / TRAIN_FLOPS_FACTOR
+    step = max(forward, input_seconds(preset, ev.per_device_batch / m, ev.image_size))
+    return steps * step + preset.eval_overhead_s
+
+
 def time_to_train(
     workload: Workload,
     preset: Preset,
@@ -221,9 +285,10 @@ def time_to_train(
     overlap: float = 0.8,
     efficiency: float | None = None,
     eval_s_per_epoch: float = 0.0,
+    evaluation: Evaluation | None = None,
 ) -> TrainPrediction:
     """Sum over stages of (end - start epochs) * images per epoch / images/s at that stage,
-    plus `eval_s_per_epoch` for every epoch trained."""
+    plus `eval_s_per_epoch` for every epoch trained and the passes of `evaluation`."""
     start = 0.0
     parts = []
     train_s = 0.0
@@ -237,4 +302,7 @@ def time_to_train(
         start = st.end_epoch
     epochs = stages[-1].end_epoch
     eval_s = eval_s_per_epoch * epochs
+    if evaluation is not None and evaluation.every_epochs > 0:
+        passes = math.floor(epochs / evaluation.every_epochs + 1e-9)
+        eval_s += passes * eval_pass_s(workload, preset, devices, evaluation)
     return TrainPrediction(devices, train_s + eval_s, train_s, eval_s, epochs, tuple(parts))

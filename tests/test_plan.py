@@ -1,0 +1,209 @@
+"""The planner (``python -m hybridpar.plan``) on 8 virtual devices with the tiny digits model:
+it ranks the plans it compiled, its pick compiles again to the same memory and fits the
+limit, a limit below every plan is one ``error:`` line naming the smallest plan's need, and
+a second call comes from the cache. One planning run compiles (six plans, in two worker
+processes); every other call reads its cache."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import DIGITS, ROOT, config_args
+
+from hybridpar import cli, plan
+
+# The tiny digits model (8 filters, 16 px, batch 32 = 4 per device): each plan compiles in
+# about 10 s on one core.
+TINY = {"model.num_filters": 8, "data.image_size": 16, "global_batch": 32}
+ARGS = ["--config", DIGITS, *config_args(TINY), "--devices", "8", "--max-plans", "6"]
+
+
+def _plan(args, cache_dir, timeout=600):
+    """The CLI in a subprocess: a fresh JAX, so it can set its own device count."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    return subprocess.run(
+        [sys.executable, "-m", "hybridpar.plan", *args, "--cache-dir", str(cache_dir)],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+def _plan_here(args, cache_dir, capsys, monkeypatch) -> tuple[int, str, str]:
+    """The CLI in this process, for calls that compile nothing (from the cache, or an error
+    before compiling): (exit code, stdout, stderr). The variables it sets are put back."""
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    capsys.readouterr()
+    try:
+        plan.main([*args, "--cache-dir", str(cache_dir)])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """The one planning run that compiles: (its JSON, its stderr, the cache dir)."""
+    cache = tmp_path_factory.mktemp("plan_cache")
+    r = _plan([*ARGS, "--jobs", "2", "--json"], cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr, cache
+
+
+def test_ranks_at_least_six_plans_best_first(first):
+    out, stderr, _ = first
+    plans = out["plans"]
+    assert len(plans) >= 6 and out["compiled"] == 6 and not out["failed"]
+    assert "compiling 6 plans" in stderr and stderr.count("plan: [") == 6  # progress lines
+    times = [p["predicted_time_to_train_s"] for p in plans]
+    assert times == sorted(times)
+    labels = {p["plan"] for p in plans}
+    assert len(labels) == len(plans)  # six different plans, not one six times
+    for p in plans:
+        assert p["memory_per_device_bytes"] > 0 and p["collective_bytes"] > 0
+        assert p["predicted_images_per_s"] > 0 and p["from_cache"] is False
+        assert p["overrides"]["global_batch"] == "32"  # the batch stays the recipe's
+        assert p["memory_per_device_bytes"] <= out["memory_limit_bytes"]
+    assert out["winning_overrides"] == " ".join(
+        f"--config.{k}={v}" for k, v in plans[0]["overrides"].items()
+    )
+
+
+def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
+    """A limit between the plans' needs (from the cache): the bigger ones are dropped, and
+    the pick, compiled again here from its overrides alone, needs what the planner said and
+    fits the limit."""
+    from hybridpar.comm_report import report
+
+    out, _, cache = first
+    needs = sorted(p["memory_per_device_bytes"] for p in out["plans"])
+    assert needs[0] < needs[-1], "the plans should differ in memory"
+    limit = (needs[0] + needs[-1]) / 2
+    code, stdout, stderr = _plan_here(
+        [*ARGS, "--memory-gib", repr(limit / plan.GIB), "--json"], cache, capsys, monkeypatch
+    )
+    assert code == 0, stderr[-3000:]
+    limited = json.loads(stdout.strip().splitlines()[-1])
+    assert limited["from_cache"] == 6
+    assert limited["plans"] and limited["too_big"]
+    assert all(p["memory_per_device_bytes"] <= limit for p in limited["plans"])
+    assert all(p["memory_per_device_bytes"] > limit for p in limited["too_big"])
+    best = limited["plans"][0]
+    config = cli.load(DIGITS, [*((k, str(v)) for k, v in TINY.items()), *best["overrides"].items()])
+    rep = report(config)  # this process's 8 devices
+    assert rep.memory_per_device_bytes == best["memory_per_device_bytes"] <= limit
+    assert rep.total_bytes == best["collective_bytes"]
+
+
+def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first, capsys, monkeypatch):
+    out, _, cache = first
+    smallest = min(out["plans"], key=lambda p: p["memory_per_device_bytes"])
+    limit_gib = smallest["memory_per_device_bytes"] / 2 / plan.GIB
+    code, stdout, stderr = _plan_here(
+        [*ARGS, "--memory-gib", repr(limit_gib)], cache, capsys, monkeypatch
+    )
+    assert code == 2 and stdout == ""
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr
+    assert smallest["plan"] in errors[0]
+    assert f"needs {plan._bytes(smallest['memory_per_device_bytes'])}" in errors[0]
+
+
+def test_a_second_call_comes_from_the_cache(first):
+    """A new process (as a user's second call), the table this time."""
+    out, _, cache = first
+    r = _plan(ARGS, cache)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "compiling" not in r.stderr and "6 of 6 plans from the cache" in r.stderr
+    assert "6 of 6 from the cache" in r.stdout and "winning overrides: " in r.stdout
+    assert out["winning_overrides"] in r.stdout  # the same pick as the compiled run
+    # the cache holds one file per compiled plan
+    assert len(list(cache.glob("*.json"))) == 6
+
+
+def test_calibration_from_a_run_changes_the_prediction(first, tmp_path, capsys, monkeypatch):
+    """A metrics.jsonl of this model at two batches (4 and 16 images per device, 8 devices,
+    a step of 20 ms + 1 ms per image) calibrates the preset: the fitted overhead is the
+    20 ms, and the predicted rates follow the run's instead of the H100's."""
+    out, _, cache = first
+    lines = []
+    for per_device in (4, 16):
+        rate = 8 * per_device / (0.020 + 0.001 * per_device)
+        line = {"event": "train", "image_size": 16, "global_batch": 8 * per_device}
+        lines += [dict(line, images_per_s=rate)] * 3
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    args = [*ARGS, "--json", "--calibrate-from", str(path), "--calibrate-devices", "8"]
+    code, stdout, stderr = _plan_here(args, cache, capsys, monkeypatch)
+    assert code == 0, stderr[-3000:]
+    got = json.loads(stdout.strip().splitlines()[-1])
+    assert got["step_overhead_s"] == pytest.approx(0.020, rel=1e-6)
+    assert str(path) in got["calibration"]
+    assert got["from_cache"] == 6
+    # the config's own plan (data:8, what the run ran) predicts the run's rate at its batch
+    # of 4 per device (its few small collectives hide behind the backward pass)
+    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global xla b=4")
+    assert own["predicted_images_per_s"] == pytest.approx(8 * 4 / (0.020 + 0.001 * 4), rel=0.01)
+    assert max(p["predicted_images_per_s"] for p in got["plans"]) < min(
+        p["predicted_images_per_s"] for p in out["plans"]
+    )  # far below the uncalibrated H100 figures
+
+
+def test_cache_key_follows_config_devices_and_source():
+    config = cli.load(DIGITS)
+    key = plan.cache_key(config, 8, "src")
+    assert key == plan.cache_key(cli.load(DIGITS), 8, "src")
+    assert key != plan.cache_key(config, 16, "src")
+    assert key != plan.cache_key(config, 8, "other source")
+    config.model.bn_sync = "local"
+    assert key != plan.cache_key(config, 8, "src")
+
+
+def test_candidates_respect_the_rules():
+    meshes = plan.mesh_factorisations(8)
+    assert len(meshes) == 10 and all(d * f * m == 8 for (_, d), (_, f), (_, m) in meshes)
+    assert len({m for m in meshes}) == 10
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    choices = {
+        "mesh": meshes,
+        "head": list(plan.HEADS),
+        "bn_sync": ["global"],
+        "comm": ["xla", "bucketed:32"],
+        "per_device_batch": [4],
+        "compute": ["float32"],
+    }
+    found, product = plan.candidates(config, 8, choices)
+    assert product == 10 * 3 * 2
+    for c in found:
+        model = dict(c.mesh)["model"]
+        assert c.head != "sharded" or (model > 1 and 10 % model == 0)
+        assert c.head != "partial_fc"  # 10 classes do not split over 8 devices
+        assert c.comm == "xla" or (model == 1 and c.head == "dense")
+    assert found[0].overrides(8)["mesh"] == "data:8"  # the config's own plan first
+    assert {c.overrides(8)["model.head"] for c in found} == {"dense", "sharded"}
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--meshes", "data:3"], "--meshes 'data:3'"),
+        (["--hardware", "nope"], "unknown preset 'nope'"),
+        (["--comm", "bucketed"], "write xla or bucketed:MB"),
+        (["--memory-gib", "0"], "must be positive"),
+        (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
+    ],
+)
+def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
+    code, stdout, stderr = _plan_here([*ARGS, *extra], tmp_path, capsys, monkeypatch)
+    assert code == 2 and stdout == ""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], stderr
+    assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached
