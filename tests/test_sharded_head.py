@@ -27,6 +27,7 @@ from hybridpar import ConfigError, make_mesh, shard_batch
 from hybridpar.config import base_config
 from hybridpar.curriculum import single_stage_plan
 from hybridpar.mesh import AXES, BATCH_AXES
+from hybridpar.plan import ANALYSIS_XLA_FLAGS
 from hybridpar.program import build_program
 from hybridpar.sharded_head import ShardedHead, make_head
 from hybridpar.state import init_sharded
@@ -295,8 +296,9 @@ def test_1m_classes_data8_model8_needs_a_quarter_of_data64s_memory():
         "    out[mesh] = report(c, 64).memory_per_device_bytes\n"
         "print(json.dumps(out))\n"
     )
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=64")
-    env["JAX_PLATFORMS"] = "cpu"
+    # compile-only: LLVM's optimisations (skipped) change no memory figure
+    flags = " ".join(["--xla_force_host_platform_device_count=64", *ANALYSIS_XLA_FLAGS])
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     r = subprocess.run(
         [sys.executable, "-c", code],
         env=env,
