@@ -31,6 +31,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -99,6 +101,26 @@ def tiny_digits(mesh="data:4,model:2", **overrides):
 def config_args(values: dict) -> list[str]:
     """``{"a.b": 1}`` -> ``["--config.a.b=1"]``."""
     return [f"--config.{k}={v}" for k, v in values.items()]
+
+
+def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProcess:
+    """``python -m MODULE ARGS`` in a subprocess: a fresh JAX, so the tool sets its own
+    virtual device count (``--devices``); this process's XLA_FLAGS and JAX_PLATFORMS are not
+    passed on. Compile-only, as the planner compiles: memory and collectives are fixed
+    before LLVM, whose optimisations this skips (a third of a ResNet-50 compile)."""
+    from hybridpar.plan import ANALYSIS_XLA_FLAGS
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = " ".join(ANALYSIS_XLA_FLAGS)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
 
 
 def require_shared_data(*relative: str) -> Path:

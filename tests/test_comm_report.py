@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
+from helpers import run_compile_tool
 
 from hybridpar import comm
 from hybridpar.comm_report import parse_collectives, shape_bytes
 from hybridpar.config import base_config, load_config
 from hybridpar.models import create_model
-from hybridpar.plan import ANALYSIS_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -91,20 +91,9 @@ def test_shape_bytes():
 
 
 def _report(args, devices=8, timeout=300, config=DIGITS):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    # Compile-only, as the planner compiles: memory and collectives are fixed before LLVM,
-    # whose optimisations this skips (a third of a ResNet-50 compile).
-    env["XLA_FLAGS"] = " ".join(ANALYSIS_XLA_FLAGS)
-    return subprocess.run(
-        [sys.executable, "-m", "hybridpar.comm_report", "--config", config, *args]
-        + ([f"--devices={devices}"] if devices else []),
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    devices_arg = [f"--devices={devices}"] if devices else []
+    return run_compile_tool("hybridpar.comm_report", ["--config", config, *args, *devices_arg],
+                            timeout)  # fmt: skip
 
 
 def _float32_grad_bytes(config) -> int:

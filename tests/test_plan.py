@@ -6,11 +6,9 @@ processes); every other call reads its cache."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
-from helpers import DIGITS, ROOT, config_args
+from helpers import DIGITS, config_args, run_compile_tool
 
 from hybridpar import cli, plan
 
@@ -21,17 +19,7 @@ ARGS = ["--config", DIGITS, *config_args(TINY), "--devices", "8", "--max-plans",
 
 
 def _plan(args, cache_dir, timeout=600):
-    """The CLI in a subprocess: a fresh JAX, so it can set its own device count."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    return subprocess.run(
-        [sys.executable, "-m", "hybridpar.plan", *args, "--cache-dir", str(cache_dir)],
-        env=env,
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    return run_compile_tool("hybridpar.plan", [*args, "--cache-dir", str(cache_dir)], timeout)
 
 
 def _plan_here(args, cache_dir, capsys, monkeypatch) -> tuple[int, str, str]:
