@@ -86,6 +86,69 @@ def test_best_algorithm_is_the_cheapest_and_named():
     assert opts["tree"] < opts["ring"]
 
 
+def test_strided_allreduce_crosses_the_network_hand_worked():
+    """H100 nodes of 8 (NVLink 450 GB/s, a_i 3 us; a 400 Gb/s = 50 GB/s NIC per GPU, a_e
+    5 us), n = 100 MB over 8 devices.
+
+    Contiguous (stride 1): one node, intra ring 2*7*3e-6 + 2*7/8*1e8/4.5e11 = 4.309e-4 s.
+    Strided (stride 8, the data group beside model:8): one member on each of 8 nodes, all 8
+    devices of a node sending at once, so each gets 400 GB/s / 8 = 50 GB/s:
+        ring 2*7*5e-6 + 2*7/8*1e8/5e10 = 3.57e-3 s (hier-ring is the same with g = 1)
+        tree 2*3*5e-6 + 2*1e8/5e10     = 4.03e-3 s
+    """
+    h100 = sim.get_preset("h100")
+    assert sim.members_per_node(8, 8, 8) == 1 and sim.members_per_node(8, 8, 2) == 4
+    assert sim.members_per_node(4, 8, 1) == 4 and sim.members_per_node(64, 8, 1) == 8
+    assert sim.Topology.of(8, 8, stride=8) == sim.Topology(8, 1, 8, 8)
+    assert sim.Topology.of(8, 8) == sim.Topology(8, 8, 1, 8)
+    _, inside = sim.best_algorithm("all-reduce", 100e6, 8, h100)
+    name, strided = sim.best_algorithm("all-reduce", 100e6, 8, h100, stride=8)
+    assert inside == pytest.approx(4.309e-4, rel=1e-3)
+    assert strided == pytest.approx(3.57e-3, rel=1e-12) and name == "hier-ring"
+    assert strided > 8 * inside
+    # the same holds for the FSDP collectives and on a node-NIC preset (25 GbE per node)
+    for kind in ("reduce-scatter", "all-gather", "all-to-all"):
+        for preset in (h100, sim.get_preset("v100-25gbe")):
+            flat = sim.best_algorithm(kind, 100e6, 8, preset)[1]
+            assert sim.best_algorithm(kind, 100e6, 8, preset, 8)[1] > flat, (kind, preset.name)
+
+
+def _data_vs_data_model(stride: int):
+    """data:64 and data:8,model:8 on H100 with the same per-device FLOPs (a ResNet-50 step
+    at 12 images per device) and the same fp32 gradient all-reduce of 102 MB, the one
+    collective: (data:64 step, data:8,model:8 step)."""
+    h100 = sim.get_preset("h100")
+    grad = sim.RESNET50_PARAMS * 4.0
+    flops = sim.RESNET50_FWD_FLOPS_224 * sim.TRAIN_FLOPS_FACTOR
+    data = sim.Workload("data:64", flops, 224, (sim.Collective("all-reduce", 1, grad),))
+    hybrid = sim.Workload(
+        "data:8,model:8",
+        flops / 8,  # per image of the replica's batch: each device does an 8th of it
+        224,
+        (sim.Collective("all-reduce", 1, grad, stride=stride),),
+        model_parallel=8,
+    )
+    return sim.predict_step(data, h100, 64, 12, 224), sim.predict_step(hybrid, h100, 64, 96, 224)
+
+
+def test_data_beside_model_is_slower_when_the_gradient_all_reduce_dominates():
+    data, hybrid = _data_vs_data_model(stride=8)
+    assert data.compute_s == pytest.approx(hybrid.compute_s, rel=1e-12)
+    assert data.global_batch == hybrid.global_batch == 768
+    assert data.exposed_comm_s == 0.0 < hybrid.exposed_comm_s  # 8 nodes x 1 member
+    assert hybrid.images_per_s < 0.9 * data.images_per_s
+
+
+def test_contiguous_data_group_beside_model_would_rank_level():
+    """Negative control: costed as if inside one NVLink node (stride 1, the old model), the
+    data:8,model:8 gradient all-reduce hides under the backward pass as data:64's does, and
+    the two plans rank level."""
+    data, hybrid = _data_vs_data_model(stride=1)
+    assert hybrid.comm_s < data.comm_s
+    assert data.exposed_comm_s == hybrid.exposed_comm_s == 0.0
+    assert hybrid.images_per_s == pytest.approx(data.images_per_s, rel=1e-12)
+
+
 # ----------------------------------------------------------------------------- invariants
 
 
@@ -334,14 +397,16 @@ def _report_dict(rows, mesh, global_batch=64, image_shape=(32, 32, 3), flops=1e1
 
 
 HYBRID = {"data": 4, "fsdp": 1, "model": 2}
+# data:4,model:2 puts model innermost: a data group holds every other device
+OVER_DATA = "{{0,2,4,6},{1,3,5,7}}"
 
 
 def test_comm_report_json_is_read(tmp_path):
     rows = [
-        _row("all-reduce", 3, 32_000_000, 4, True),  # over data: grows with the devices
-        _row("all-reduce", 1, 4_000_000, 4, True),
+        _row("all-reduce", 3, 32_000_000, 4, True, OVER_DATA),  # grows with the devices
+        _row("all-reduce", 1, 4_000_000, 4, True, OVER_DATA),
         _row("all-reduce", 10, 1_000, 2, groups="[4,2]<=[8]"),  # over model: stays 2
-        _row("reduce-scatter", 2, 250_000, 4),  # the result is one shard of 4
+        _row("reduce-scatter", 2, 250_000, 4, groups=OVER_DATA),  # the result is one shard of 4
     ]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(_report_dict(rows, HYBRID, 400, (224, 224, 3), 6.0e12)))
@@ -349,24 +414,29 @@ def test_comm_report_json_is_read(tmp_path):
     assert wl.model_parallel == 2 and wl.source == "comm_report"
     assert wl.reference_batch == 100 and wl.reference_image_size == 224  # 400 over 4 shards
     assert wl.flops_per_image == pytest.approx(6.0e12 / 100)
-    kinds = [(c.kind, c.count, c.nbytes, c.group_size) for c in wl.collectives]
+    kinds = [(c.kind, c.count, c.nbytes, c.group_size, c.stride) for c in wl.collectives]
     assert kinds == [
-        ("all-reduce", 3, 32e6, None),
-        ("all-reduce", 1, 4e6, None),
-        ("all-reduce", 10, 1e3, 2),
-        ("reduce-scatter", 2, 1e6, None),  # shard bytes x group size = the full buffer
+        ("all-reduce", 3, 32e6, None, 2),
+        ("all-reduce", 1, 4e6, None, 2),
+        ("all-reduce", 10, 1e3, 2, 1),
+        ("reduce-scatter", 2, 1e6, None, 2),  # shard bytes x group size = the full buffer
     ]
 
-    # step on 16 devices = 8 replicas of 2: hand-sum the chosen algorithms
+    # step on 16 devices = 8 replicas of 2, the data groups 2 apart: hand-sum the algorithms
     preset = sim.get_preset("h100")
     s = sim.predict_step(wl, preset, 16, 100, 224, overlap=0.0)
     expected = (
-        3 * sim.best_algorithm("all-reduce", 32e6, 8, preset)[1]
-        + sim.best_algorithm("all-reduce", 4e6, 8, preset)[1]
+        3 * sim.best_algorithm("all-reduce", 32e6, 8, preset, 2)[1]
+        + sim.best_algorithm("all-reduce", 4e6, 8, preset, 2)[1]
         + 10 * sim.best_algorithm("all-reduce", 1e3, 2, preset)[1]
-        + 2 * sim.best_algorithm("reduce-scatter", 1e6, 8, preset)[1]
+        + 2 * sim.best_algorithm("reduce-scatter", 1e6, 8, preset, 2)[1]
     )
     assert s.comm_s == pytest.approx(expected, rel=1e-12)
+    # 8 replicas 2 apart are 2 nodes of 4 on H100 nodes of 8: the network is crossed
+    assert (
+        sim.best_algorithm("all-reduce", 32e6, 8, preset, 2)[1]
+        > (sim.best_algorithm("all-reduce", 32e6, 8, preset)[1])
+    )
     assert s.global_batch == 8 * 100
     assert s.compute_s == pytest.approx(6.0e12 / (preset.peak_flops * preset.efficiency))
     with pytest.raises(ValueError, match="not a multiple"):
@@ -381,25 +451,46 @@ def test_comm_report_groups_kinds_and_batch():
     rows = [
         _row("all-reduce", 2, 192, 8, groups="{{0,1,2,3,4,5,6,7}}"),
         _row("all-reduce", 1, 64, 2, groups="mesh[4,2] over axis 1"),
-        _row("reduce-scatter", 1, 16, 4, True, groups="[2,4]<=[8]"),
+        _row("reduce-scatter", 1, 16, 4, True, groups="[2,4]<=[4,2]T(1,0)"),
         _row("collective-permute", 1, 32, None, groups="8 source-target pairs"),
         _row("collective-broadcast", 1, 8, None, groups="{} (all devices)"),
-        _row("ragged-all-to-all", 1, 24, 4),
+        _row("ragged-all-to-all", 1, 24, 4, groups="mesh[4,2] over axis 0"),
     ]
     wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, HYBRID)))
     assert wl.model_parallel == 2 and wl.reference_image_size == 32
     assert wl.flops_per_image == pytest.approx(1e10 / 16)  # 64 images over 4 batch shards
-    got = [(c.kind, c.count, c.nbytes, c.group_size, c.spans_all) for c in wl.collectives]
+    got = [(c.kind, c.count, c.nbytes, c.group_size, c.spans_all, c.stride) for c in wl.collectives]
     assert got == [
-        ("all-reduce", 2, 192.0, None, True),
-        ("all-reduce", 1, 64.0, 2, False),
-        ("reduce-scatter", 1, 64.0, None, False),
-        ("collective-permute", 1, 32.0, None, True),
-        ("collective-permute", 1, 8.0, None, True),
-        ("all-to-all", 1, 24.0, None, False),
+        ("all-reduce", 2, 192.0, None, True, 1),
+        ("all-reduce", 1, 64.0, 2, False, 1),
+        ("reduce-scatter", 1, 64.0, None, False, 2),
+        ("collective-permute", 1, 32.0, None, True, 1),
+        ("collective-permute", 1, 8.0, None, True, 1),
+        ("all-to-all", 1, 24.0, None, False, 2),
     ]
     s = sim.predict_step(wl, sim.get_preset("a100"), 64, 16, 32)
     assert s.global_batch == 32 * 16 and 0 < s.efficiency <= 1
+
+
+def test_comm_report_tells_a_data_group_from_a_model_group_of_the_same_size():
+    """data:8,model:8: both axes make groups of 8. The data groups (8 apart) grow with the
+    devices and cross nodes; the model groups (contiguous) keep their size. Where the text
+    says nothing, a group of the batch axes' size takes their stride in the mesh."""
+    mesh = {"data": 8, "fsdp": 1, "model": 8}
+    rows = [
+        _row("all-reduce", 1, 1000, 8, groups="mesh[8,8] over axis 0"),
+        _row("all-reduce", 1, 1000, 8, groups="mesh[8,8] over axis 1"),
+        _row("all-gather", 1, 1000, 8, groups="8x8 {{0,8,16,...,56},...}"),
+        _row("all-gather", 1, 1000, 8, groups="[8,8]<=[64]"),
+        _row("all-reduce", 1, 1000, 8, groups=""),
+    ]
+    wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, mesh)))
+    got = [(c.group_size, c.stride) for c in wl.collectives]
+    assert got == [(None, 8), (8, 1), (None, 8), (8, 1), (None, 8)]
+    assert sim.inner_size({"data": 64, "fsdp": 1, "model": 1}, ("data", "fsdp")) == 1
+    assert sim.inner_size({"model": 8, "data": 8}, ("data",)) == 1  # model outside: 1
+    assert sim.group_stride("[8,8]<=[8,8]T(1,0)") == 8
+    assert sim.group_stride("8 source-target pairs") is None
 
 
 def test_comm_report_round_trips_through_json():
@@ -578,8 +669,8 @@ def test_validation_rejects_a_broken_cost_model(monkeypatch, factor):
     latency slip) break the documented figures; twice the figure breaks the overlap band."""
     best = sim.best_algorithm
 
-    def skewed(kind, n, p, preset):
-        name, t = best(kind, n, p, preset)
+    def skewed(kind, n, p, preset, stride=1):
+        name, t = best(kind, n, p, preset, stride)
         return name, factor * t
 
     monkeypatch.setattr("hybridpar.simulate.step.best_algorithm", skewed)

@@ -71,7 +71,7 @@ def hierarchical_allreduce_time(
 
     1. intra-node reduce-scatter over the fast link: (g-1) a_i + (g-1)/g n / B_i
     2. inter-node all-reduce of each device's n/g shard across the nodes, g of them in
-       parallel, each at B_e = (node bandwidth)/g or the per-device NIC:
+       parallel, each at B_e = its share of the node's network (`nic_share_per_device`):
        ring 2(N-1) a_e + 2 (N-1)/N (n/g) / B_e, or tree 2 ceil(log2 N) a_e + 2 (n/g) / B_e,
        whichever is cheaper
     3. intra-node all-gather: (g-1) a_i + (g-1)/g n / B_i
@@ -87,40 +87,73 @@ def hierarchical_allreduce_time(
     return (rs + ring + ag, "ring") if ring <= tree else (rs + tree + ag, "tree")
 
 
+def members_per_node(p: int, devices_per_node: int, stride: int = 1) -> int:
+    """How many of a group's p devices share one node: g = min(p, max(1, D // stride)).
+
+    A group's members are `stride` devices apart in device order, and a node holds D
+    consecutive devices (the mesh's last axis varies fastest, so it fills a node first).
+    A contiguous group (stride 1) packs D to a node; a `data` group beside `model:8` on
+    nodes of 8 (stride 8) has ONE member per node, so all of its traffic crosses the network.
+    """
+    return min(p, max(1, devices_per_node // max(1, stride)))
+
+
+def nic_share_per_device(node_bandwidth: float, devices_per_node: int) -> float:
+    """Bytes/s of the node's network one device gets while its group crosses nodes: B_node / D.
+
+    Every device of the node takes part in a collective of the same step at the same time:
+    a contiguous group that spans nodes fills each node with its own members, and a strided
+    group has `stride` sibling groups (one per model shard, the same all-reduce on another
+    slice) whose members sit on the same nodes. So the node's NICs are shared by all D of its
+    devices, not only by this group's g members.
+    """
+    return node_bandwidth / devices_per_node
+
+
 @dataclass(frozen=True)
 class Topology:
-    """Where a group of p devices sits: `nodes` nodes of `g` devices each (g <= per node)."""
+    """Where a group of p devices sits: `nodes` nodes with `g` of its members each, and the
+    node size D (`devices_per_node`) whose devices all share the node's network."""
 
     p: int
     g: int
     nodes: int
+    devices_per_node: int
 
     @staticmethod
-    def of(p: int, devices_per_node: int) -> Topology:
-        if p <= devices_per_node:
-            return Topology(p, p, 1)
-        nodes = math.ceil(p / devices_per_node)
-        return Topology(p, devices_per_node, nodes)
+    def of(p: int, devices_per_node: int, stride: int = 1) -> Topology:
+        """The nodes a group of p devices, `stride` apart in device order, spans:
+        g = members_per_node(p, D, stride), nodes = ceil(p / g)."""
+        g = members_per_node(p, devices_per_node, stride)
+        return Topology(p, g, math.ceil(p / g), devices_per_node)
+
+    def inter_bandwidth_per_device(self, preset: Preset) -> float:
+        """Each member's share of its node's network (`nic_share_per_device`)."""
+        return nic_share_per_device(preset.inter_bandwidth_per_node(), self.devices_per_node)
 
 
 def _flat_link(preset: Preset, topo: Topology) -> tuple[float, float]:
     """(bandwidth, alpha) of a flat ring/tree over all p devices.
 
-    Inside one node: the intra link. Across nodes the ring crosses each node boundary; with
-    one ring per NIC the rings share the node's bandwidth, so the bus bandwidth is
-    min(B_intra, node bandwidth), and every step waits for the slower, inter-node alpha.
+    Inside one node: the intra link. Across nodes the ring crosses each node boundary once
+    per channel (NCCL runs one per NIC), carrying the traffic of the group's g members on
+    that node; the node's D/g concurrent groups share its NICs, so the bus bandwidth is
+    min(B_intra, g * B_node / D): min(B_intra, B_node) for a contiguous group (g = D),
+    B_node / D for a strided one with one member per node. Every step waits for the slower,
+    inter-node alpha.
     """
     if topo.nodes <= 1:
         return preset.intra.bandwidth, preset.intra.latency
-    bw = min(preset.intra.bandwidth, preset.inter_bandwidth_per_node())
+    bw = min(preset.intra.bandwidth, topo.g * topo.inter_bandwidth_per_device(preset))
     return bw, max(preset.intra.latency, preset.inter.latency)
 
 
-def allreduce_options(n: float, p: int, preset: Preset) -> dict[str, float]:
-    """Seconds for one n-byte all-reduce over p devices under every applicable algorithm."""
+def allreduce_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[str, float]:
+    """Seconds for one n-byte all-reduce over p devices `stride` apart (`Topology.of`) under
+    every applicable algorithm. A torus (TPU ICI) has no node NIC to share: stride unused."""
     if p <= 1:
         return {"none": 0.0}
-    topo = Topology.of(p, preset.devices_per_node)
+    topo = Topology.of(p, preset.devices_per_node, stride)
     if preset.torus_dims:
         bw, a = preset.intra.bandwidth, preset.intra.latency
         return {
@@ -130,25 +163,25 @@ def allreduce_options(n: float, p: int, preset: Preset) -> dict[str, float]:
     bw, a = _flat_link(preset, topo)
     opts = {"ring": ring_allreduce_time(n, p, bw, a), "tree": tree_allreduce_time(n, p, bw, a)}
     if topo.nodes > 1:
-        per_dev = preset.inter_bandwidth_per_node() / topo.g
         t, inner = hierarchical_allreduce_time(
             n,
             topo.g,
             topo.nodes,
             preset.intra.bandwidth,
             preset.intra.latency,
-            per_dev,
+            topo.inter_bandwidth_per_device(preset),
             preset.inter.latency,
         )
         opts[f"hier-{inner}"] = t
     return opts
 
 
-def _shard_options(n: float, p: int, preset: Preset) -> dict[str, float]:
-    """Reduce-scatter (= all-gather) of an n-byte buffer: flat ring or two-level."""
+def _shard_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[str, float]:
+    """Reduce-scatter (= all-gather) of an n-byte buffer over p devices `stride` apart: flat
+    ring or two-level."""
     if p <= 1:
         return {"none": 0.0}
-    topo = Topology.of(p, preset.devices_per_node)
+    topo = Topology.of(p, preset.devices_per_node, stride)
     if preset.torus_dims:
         side = p ** (1.0 / preset.torus_dims)
         bw, a = preset.intra.bandwidth, preset.intra.latency
@@ -157,28 +190,31 @@ def _shard_options(n: float, p: int, preset: Preset) -> dict[str, float]:
     bw, a = _flat_link(preset, topo)
     opts = {"ring": reduce_scatter_time(n, p, bw, a)}
     if topo.nodes > 1:
-        per_dev = preset.inter_bandwidth_per_node() / topo.g
+        per_dev = topo.inter_bandwidth_per_device(preset)
         opts["hier-ring"] = reduce_scatter_time(
             n, topo.g, preset.intra.bandwidth, preset.intra.latency
         ) + reduce_scatter_time(n / topo.g, topo.nodes, per_dev, preset.inter.latency)
     return opts
 
 
-def collective_options(kind: str, n: float, p: int, preset: Preset) -> dict[str, float]:
-    """Seconds for one collective of `kind` on an n-byte buffer over p devices, per algorithm.
+def collective_options(
+    kind: str, n: float, p: int, preset: Preset, stride: int = 1
+) -> dict[str, float]:
+    """Seconds for one collective of `kind` on an n-byte buffer over p devices `stride`
+    apart in device order (1: contiguous; see `Topology.of`), per algorithm.
 
     all-to-all: (p-1) alpha + (p-1)/p n / B (pairwise exchange; across nodes B is the
     device's share of its node's bandwidth). collective-permute: alpha + n / B.
     """
     if kind == "all-reduce":
-        return allreduce_options(n, p, preset)
+        return allreduce_options(n, p, preset, stride)
     if kind in ("reduce-scatter", "all-gather"):
-        return _shard_options(n, p, preset)
+        return _shard_options(n, p, preset, stride)
     if p <= 1:
         return {"none": 0.0}
-    topo = Topology.of(p, preset.devices_per_node)
+    topo = Topology.of(p, preset.devices_per_node, stride)
     if topo.nodes > 1 and not preset.torus_dims:
-        bw = min(preset.intra.bandwidth, preset.inter_bandwidth_per_node() / topo.g)
+        bw = min(preset.intra.bandwidth, topo.inter_bandwidth_per_device(preset))
         a = max(preset.intra.latency, preset.inter.latency)
     else:
         bw, a = preset.intra.bandwidth, preset.intra.latency
@@ -189,8 +225,11 @@ def collective_options(kind: str, n: float, p: int, preset: Preset) -> dict[str,
     raise ValueError(f"unknown collective kind {kind!r}")
 
 
-def best_algorithm(kind: str, n: float, p: int, preset: Preset) -> tuple[str, float]:
-    """The cheapest algorithm (as NCCL's tuner would pick) and its seconds."""
-    opts = collective_options(kind, n, p, preset)
+def best_algorithm(
+    kind: str, n: float, p: int, preset: Preset, stride: int = 1
+) -> tuple[str, float]:
+    """The cheapest algorithm (as NCCL's tuner would pick) and its seconds, for p devices
+    `stride` apart in device order."""
+    opts = collective_options(kind, n, p, preset, stride)
     name = min(opts, key=lambda k: (opts[k], k))
     return name, opts[name]

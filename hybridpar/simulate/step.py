@@ -95,7 +95,11 @@ class StepPrediction:
 
 
 def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, str]:
-    """Total collective seconds per step on `devices`, and the algorithms chosen."""
+    """Total collective seconds per step on `devices`, and the algorithms chosen.
+
+    Each collective is costed over its group's devices `stride` apart (`Collective.stride`),
+    which sets how many members share a node and so how much crosses the network.
+    """
     replicas = devices // workload.model_parallel
     total = 0.0
     chosen: dict[str, int] = {}
@@ -104,7 +108,7 @@ def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, 
             p = min(c.group_size, devices)
         else:
             p = devices if c.spans_all else replicas
-        name, t = best_algorithm(c.kind, c.nbytes, p, preset)
+        name, t = best_algorithm(c.kind, c.nbytes, p, preset, c.stride)
         total += c.count * t
         if name != "none":
             chosen[name] = chosen.get(name, 0) + c.count

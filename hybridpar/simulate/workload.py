@@ -8,6 +8,7 @@ from `python -m hybridpar.comm_report --json` (`load_comm_report`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from hybridpar.comm_report_schema import CommReport
@@ -32,6 +33,12 @@ class Collective:
     group_size: devices per replica group; None means the group grows with the simulated
       device count: all data-parallel replicas (devices / model_parallel), or all devices
       when `spans_all`.
+    stride: devices between consecutive members of a group, in device order (the order
+      that fills a node first). 1: contiguous (a group over the innermost axes, or over all
+      devices). A group over the batch axes has the product of the sizes of the axes that
+      vary faster than them: `Workload.model_parallel` on our meshes, whose model axis is
+      the innermost (hybridpar.mesh). It decides how many members share a node
+      (`cost.members_per_node`), so how much of the collective crosses the network.
     """
 
     kind: str
@@ -40,6 +47,7 @@ class Collective:
     group_size: int | None = None
     is_async: bool | None = None
     spans_all: bool = False
+    stride: int = 1
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,75 @@ _COST_KIND = {
 }
 
 
+def inner_size(mesh: dict[str, int], axes: tuple[str, ...]) -> int:
+    """Devices between consecutive members of a group over `axes` of `mesh`: the product of
+    the sizes of the axes after the innermost of `axes` that has more than one device.
+
+    `mesh` lists its axes outermost first, as comm_report writes `mesh.shape`, and the last
+    axis varies fastest in device order (hybridpar.mesh: data, fsdp, model, so that model's
+    groups sit inside a node). A group over `data` on data:8,model:8 has stride 8; on
+    data:64 stride 1; 1 also when none of `axes` has more than one device.
+    """
+    names = list(mesh)
+    used = [i for i, a in enumerate(names) if a in axes and mesh[a] > 1]
+    if not used:
+        return 1
+    return math.prod(mesh[a] for a in names[used[-1] + 1 :])
+
+
+_IOTA = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+_MESH_GROUPS = re.compile(r"^mesh\[([\d,]+)\] over axis ([\d,]+)$")
+_LISTED = re.compile(r"\{\{([\d,.]+)\}")
+
+
+def group_stride(groups: str) -> int | None:
+    """The stride of a collective's groups, read from comm_report's `groups` text (the first
+    group's second member minus its first); None where the text does not say.
+
+    - "mesh[8,8] over axis 0": over named axes of the mesh's axes of size > 1 (outermost
+      first): the product of the sizes after the innermost axis it is over (`inner_size`).
+      With " ids ..." (devices in another order than the mesh's) it does not say.
+    - "[8,8]<=[64]", "[8,8]<=[8,8]T(1,0)": XLA's iota groups: iota(N) reshaped to the
+      second dims, transposed by T, then cut into rows of the group size.
+    - "{{0,8,16,...,56},...}" (listed, maybe shortened with "..."): the listed members.
+    - "{} (all devices)": 1. Source-target pairs or an empty text: None.
+    """
+    text = groups.strip()
+    if text.startswith("{} "):
+        return 1
+    m = _MESH_GROUPS.match(text)
+    if m:
+        sizes = [int(x) for x in m.group(1).split(",")]
+        over = [int(x) for x in m.group(2).split(",")]
+        return math.prod(sizes[max(over) + 1 :])
+    m = _IOTA.match(text)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        dims = [int(x) for x in m.group(2).split(",")]
+        perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else list(range(len(dims)))
+        if shape[-1] < 2:
+            return 1
+        # element k of the transposed iota -> its position in iota(N)
+        tdims = [dims[i] for i in perm]
+        strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+
+        def source(k: int) -> int:
+            pos = 0
+            for axis, d in zip(reversed(perm), reversed(tdims)):
+                k, r = divmod(k, d)
+                pos += r * strides[axis]
+            return pos
+
+        return abs(source(1) - source(0))
+    m = _LISTED.search(text)
+    if m:
+        ids = [x for x in m.group(1).split(",") if x and x != "..."]
+        if len(ids) >= 2:
+            return abs(int(ids[1]) - int(ids[0])) or None
+        return 1
+    return None
+
+
 def workload_from_report(report: CommReport) -> Workload:
     """The step a comm_report describes, as a Workload.
 
@@ -131,15 +208,18 @@ def workload_from_report(report: CommReport) -> Workload:
       batch-axis (`data`, `fsdp`) devices. Every other mesh axis is model parallelism.
     - A row's `bytes` is one op's result: for a reduce-scatter that is one shard, so the
       full buffer is bytes x group size.
-    - A row's group (`group_size`, None: all devices) that spans all batch-axis devices (or
-      all devices) grows with the simulated device count; a smaller group (a `model` axis)
-      keeps its size.
+    - A row's stride is what its `groups` text says (`group_stride`); where it says
+      nothing, a group of all batch-axis devices has the batch axes' stride in the mesh
+      (`inner_size`: the model axes inside them), any other group 1.
+    - A group over all batch-axis devices (at their stride) or all devices grows with the
+      simulated device count; any other group (a `model` axis) keeps its size.
     """
     devices = int(report.devices["count"])
     batch_devs = math.prod(n for a, n in report.mesh.items() if a in _BATCH_AXES)
     model = math.prod(n for a, n in report.mesh.items() if a not in _BATCH_AXES)
     if batch_devs * model != devices:
         raise ValueError(f"the comm report's mesh {report.mesh} is not its {devices} devices")
+    batch_stride = inner_size(report.mesh, _BATCH_AXES)
     colls = []
     for c in report.collectives:
         kind = _COST_KIND.get(c.kind)
@@ -148,9 +228,22 @@ def workload_from_report(report: CommReport) -> Workload:
         group = c.group_size or devices
         nbytes = float(c.bytes) * (group if kind == "reduce-scatter" else 1)
         spans_all = group >= devices
-        scales = spans_all or group >= batch_devs
+        stride = group_stride(c.groups)
+        if stride is None:
+            stride = batch_stride if group == batch_devs and not spans_all else 1
+        # a model-axis group as large as the batch axes (data:8,model:8) is told apart by
+        # its stride
+        scales = spans_all or (group >= batch_devs and stride == batch_stride)
         colls.append(
-            Collective(kind, c.count, nbytes, None if scales else group, c.is_async, spans_all)
+            Collective(
+                kind,
+                c.count,
+                nbytes,
+                None if scales else group,
+                c.is_async,
+                spans_all,
+                1 if spans_all else stride,
+            )
         )
     if not report.flops or report.flops <= 0:
         raise ValueError(
