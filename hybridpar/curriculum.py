@@ -1,4 +1,5 @@
-"""Training stages: image size, batch and crop scale by epoch, and where each stage's steps lie.
+"""Training stages: image size, batch, crop scale and momentum by epoch, and where each stage's
+steps lie.
 
 A run is one or more stages. With ``config.stages`` empty there is one stage, from
 ``num_epochs``, ``data.image_size``, ``global_batch`` and ``data.min_scale``. Otherwise
@@ -7,6 +8,13 @@ runs until epoch END at SIZE px with BATCH examples per data-parallel device (so
 string means the same thing on 8 or 1,024 devices), e.g. ``20:128-224,38:224-224,40:288-128``.
 A stage may add its own minimum crop scale after ``@`` (MoXing used 0.08, 0.087 and 0.5):
 ``20:128-224@0.08,38:224-224@0.087,40:288-128@0.5``; without it, ``data.min_scale``.
+A stage may also set its momentum after ``~`` (after ``@SCALE`` where both are given), in
+[0, 1): ``20:128-224@0.08~0.98,38:224-224~0.95,40:288-128@0.5``. Momentum is then that
+value, held for the whole stage; a stage without ``~`` follows the run's own momentum
+(``optim.momentum``, or its ramp from ``optim.momentum_start``). ``~`` is a delimiter like
+``@``, not a letter: it cannot be read as part of the number before it (``@1e-3m0.9``), and
+either suffix can stand alone (``38:224-224~0.95``). The optimizer takes the value as an
+injected hyperparameter (``hybridpar/optim.py``), so a stage's momentum costs no recompile.
 
 ``plan_stages`` turns stages into steps once the data size is known: each stage runs whole
 epochs of the full steps an epoch holds at its global batch (the input drops the last partial
@@ -27,9 +35,13 @@ import numpy as np
 
 from hybridpar.errors import ConfigError
 
+_NUMBER = r"\d*\.?\d+(?:[eE]-?\d+)?"
 _STAGE = re.compile(
-    r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*(?:@\s*(\d*\.?\d+(?:[eE]-?\d+)?))?\s*$"
+    r"^\s*(\d+(?:\.\d+)?)\s*:\s*(\d+)\s*-\s*(\d+)\s*(?:@\s*(" + _NUMBER + r"))?\s*"
+    r"(?:~\s*([-+]?" + _NUMBER + r"))?\s*$"  # a sign, so "~-0.5" says what is wrong with it
 )
+_FORM = "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE[@MIN_CROP_SCALE][~MOMENTUM]"
+_EXAMPLE = "--config.stages=20:128-224@0.08~0.98,38:224-224,40:288-128@0.5~0.9"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +50,7 @@ class Stage:
     image_size: int
     global_batch: int
     min_scale: float
+    momentum: float | None = None  # None: the run's momentum (optim.momentum or its ramp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +71,31 @@ def parse_stages(text: str) -> list[tuple[float, int, int, float | None]]:
     """``"20:128-224,38:224-224@0.5"`` -> ``[(20.0, 128, 224, None), (38.0, 224, 224, 0.5)]``
     (end epoch, image size, per-device batch, minimum crop scale or None for
     ``data.min_scale``). Epochs must increase; sizes and batches be positive; a scale in
-    (0, 1]."""
+    (0, 1]. A stage's ``~MOMENTUM`` is checked here too, but returned by
+    ``stage_momenta`` (these tuples keep their four fields for the callers that unpack them)."""
+    return [t[:4] for t in _parse(text)]
+
+
+def stage_momenta(text: str) -> list[float | None]:
+    """Each stage's ``~MOMENTUM``, or None where it has none: ``"20:128-224~0.98,38:224-224"``
+    -> ``[0.98, None]``. Errors as ``parse_stages``."""
+    return [t[4] for t in _parse(text)]
+
+
+def _parse(text: str) -> list[tuple[float, int, int, float | None, float | None]]:
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = _STAGE.match(part)
         if not m:
+            hint = ""
+            if "~" in part and "@" in part.split("~", 1)[1]:
+                hint = " (@MIN_CROP_SCALE comes before ~MOMENTUM)"
             raise ConfigError(
-                f"stages={text!r}: {part!r} is not END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE"
-                "[@MIN_CROP_SCALE]; write e.g. --config.stages=20:128-224,38:224-224,40:288-128"
+                f"stages={text!r}: {part!r} is not {_FORM}{hint}; write e.g. {_EXAMPLE}"
             )
         end, size, batch = float(m[1]), int(m[2]), int(m[3])
         scale = None if m[4] is None else float(m[4])
+        momentum = None if m[5] is None else float(m[5])
         if size <= 0 or batch <= 0 or end <= 0:
             raise ConfigError(f"stages={text!r}: {part!r} needs an epoch, size and batch > 0")
         if scale is not None and not 0 < scale <= 1:
@@ -76,12 +103,17 @@ def parse_stages(text: str) -> list[tuple[float, int, int, float | None]]:
                 f"stages={text!r}: {part!r} has a minimum crop scale of {scale:g}; it is a "
                 "fraction of the image's area in (0, 1], e.g. @0.35"
             )
+        if momentum is not None and not 0 <= momentum < 1:
+            raise ConfigError(
+                f"stages={text!r}: {part!r} has a momentum of {momentum:g}; it must be >= 0 "
+                f"and < 1, e.g. {part.split('~')[0].strip()}~0.9 (or no ~ for optim.momentum)"
+            )
         if out and end <= out[-1][0]:
             raise ConfigError(
                 f"stages={text!r}: end epochs must increase, but {part!r} ends at epoch "
                 f"{end:g}, not after the previous stage's {out[-1][0]:g}"
             )
-        out.append((end, size, batch, scale))
+        out.append((end, size, batch, scale, momentum))
     if not out:
         raise ConfigError(f"stages={text!r} names no stage; leave it empty for one stage")
     return out
@@ -93,8 +125,14 @@ def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
     if not config.stages:
         return [Stage(float(config.num_epochs), d.image_size, config.global_batch, d.min_scale)]
     return [
-        Stage(end, size, per_device * data_parallel_size, d.min_scale if scale is None else scale)
-        for end, size, per_device, scale in parse_stages(config.stages)
+        Stage(
+            end,
+            size,
+            per_device * data_parallel_size,
+            d.min_scale if scale is None else scale,
+            momentum,
+        )
+        for end, size, per_device, scale, momentum in _parse(config.stages)
     ]
 
 
@@ -132,15 +170,24 @@ class StagePlan:
             jnp.asarray(ys, jnp.float32),
         )
 
-    def batch_at(self, step):
-        """The global batch of the stage that runs ``step`` (traced or not)."""
+    def stage_index_at(self, step):
+        """The index of the stage that runs ``step`` (0-based: the step's own update), traced
+        or not; past the last stage, the last."""
         bounds = [s.end_step for s in self.stages[:-1]]
-        batches = [s.stage.global_batch for s in self.stages]
         if isinstance(step, (int, np.integer)):
-            return batches[int(np.searchsorted(bounds, step, side="right"))]
+            return int(np.searchsorted(bounds, step, side="right"))
         import jax.numpy as jnp
 
-        i = jnp.searchsorted(jnp.asarray(bounds, jnp.int32), step, side="right")
+        return jnp.searchsorted(jnp.asarray(bounds, jnp.int32), step, side="right")
+
+    def batch_at(self, step):
+        """The global batch of the stage that runs ``step`` (traced or not)."""
+        batches = [s.stage.global_batch for s in self.stages]
+        i = self.stage_index_at(step)
+        if isinstance(i, int):
+            return batches[i]
+        import jax.numpy as jnp
+
         return jnp.asarray(batches, jnp.float32)[i]
 
 
@@ -174,6 +221,7 @@ def describe(plan: StagePlan) -> str:
             f"stage {s.index}: epochs {s.start_epoch:g}-{st.end_epoch:g}, {st.image_size} px, "
             f"global batch {st.global_batch}, {s.num_steps} steps ({s.steps_per_epoch}/epoch)"
             f", min crop scale {st.min_scale:g}"
+            + ("" if st.momentum is None else f", momentum {st.momentum:g}")
         )
     return "\n".join(lines)
 
@@ -186,5 +234,6 @@ __all__ = [
     "parse_stages",
     "plan_stages",
     "single_stage_plan",
+    "stage_momenta",
     "stages_from_config",
 ]

@@ -9,10 +9,14 @@
 * SGD with (Nesterov) momentum, or LARS (You et al. 2017) for very large batches.
 * Momentum constant (``optim.momentum``) or, with ``optim.momentum_start >= 0``, a linear
   ramp from ``momentum_start`` to ``momentum`` over ``momentum_ramp_epochs`` (e.g. 0.98 ->
-  0.9 over the warmup), also a function of the epoch reached. The scheduled optimizer is
-  wrapped in ``optax.inject_hyperparams``, so momentum (and the learning rate) are values
-  in the optimizer state: a change of momentum is not a new compiled program. Without a
-  ramp the optimizer is built as before, so its state and numbers stay the same.
+  0.9 over the warmup), also a function of the epoch reached. A stage may set its own
+  momentum (``config.stages``' ``~MOMENTUM``, ``hybridpar/curriculum.py``): held for that
+  stage, while stages without one follow the above. The scheduled optimizer is wrapped in
+  ``optax.inject_hyperparams``, so momentum (and the learning rate) are values in the
+  optimizer state: a change of momentum is not a new compiled program. Without a ramp or a
+  stage's momentum the optimizer is built as before, so its state and numbers stay the same
+  (``optim.momentum=0`` then has no trace at all; with a schedule it has one, and a stage
+  without ``~`` runs momentum 0 on it, which is plain SGD).
 * Weight decay applies to kernels only: BatchNorm scales/offsets and biases are left alone
   (as fast.ai and MLPerf do), and LARS's trust ratio is masked the same way.
 """
@@ -105,11 +109,24 @@ def momentum_at(cfg, epoch):
 
 
 def make_momentum_schedule(cfg, plan: StagePlan) -> optax.Schedule | None:
-    """``step -> momentum`` over the stages of ``plan``; None when momentum is constant
-    (``momentum_start < 0``)."""
-    if cfg.momentum_start < 0:
-        return None
-    return lambda step: momentum_at(cfg, plan.epoch_at(step))
+    """``step -> momentum`` over the stages of ``plan``: a stage's own momentum
+    (``Stage.momentum``) throughout the steps it runs, else ``momentum_at`` the epoch reached
+    (with ``momentum_start >= 0``) or ``cfg.momentum``. None when momentum is constant: no
+    ramp and no stage sets one. ``step`` may be traced (inside the train step)."""
+    ramp = cfg.momentum_start >= 0
+    own = [s.stage.momentum for s in plan.stages]
+    if all(m is None for m in own):
+        return (lambda step: momentum_at(cfg, plan.epoch_at(step))) if ramp else None
+    # Per stage: does it set its own, and to what (0.0 where not: ``where`` takes ``base``).
+    sets = [m is not None for m in own]
+    values = [0.0 if m is None else m for m in own]
+
+    def schedule(step):
+        i = plan.stage_index_at(step)
+        base = momentum_at(cfg, plan.epoch_at(step)) if ramp else cfg.momentum
+        return jnp.where(jnp.asarray(sets)[i], jnp.asarray(values, jnp.float32)[i], base)
+
+    return schedule
 
 
 def keep_state_dtypes(tx: optax.GradientTransformation) -> optax.GradientTransformation:
