@@ -115,8 +115,11 @@ def base_config() -> ml_collections.ConfigDict:
     c.eval_batch = 256
     c.num_epochs = 1.0
     # Curriculum (hybridpar/curriculum.py): "" is one stage from the keys above; else
-    # MoXing's "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE[@MIN_CROP_SCALE],...", e.g.
-    # "20:128-224@0.08,38:224-224" (a stage without @ uses data.min_scale).
+    # MoXing's "END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE[@MIN_CROP_SCALE][~MOMENTUM],...", e.g.
+    # "20:128-224@0.08~0.98,38:224-224" (a stage without @ uses data.min_scale; one without
+    # ~ follows optim.momentum or its ramp, one with it holds that momentum in [0, 1) for the
+    # whole stage, an injected hyperparameter like the ramp: no recompile; turning stage
+    # momenta on or off changes the optimizer state's structure, as momentum_start does).
     c.stages = ""
 
     c.optim = ml_collections.ConfigDict(
@@ -409,7 +412,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.stages:
         from hybridpar.curriculum import parse_stages
 
-        last = parse_stages(c.stages)[-1][0]  # syntax, increasing epochs; batches need the mesh
+        # syntax, increasing epochs, scales and momenta in range; batches need the mesh
+        last = parse_stages(c.stages)[-1][0]
         # The run ends where its last stage does; a num_epochs that says otherwise would be
         # ignored without a word (schedules, summary and plots read the stages).
         if abs(c.num_epochs - last) > 1e-9 * max(1.0, last):
