@@ -483,10 +483,14 @@ def test_comm_report_tells_a_data_group_from_a_model_group_of_the_same_size():
         _row("all-gather", 1, 1000, 8, groups="8x8 {{0,8,16,...,56},...}"),
         _row("all-gather", 1, 1000, 8, groups="[8,8]<=[64]"),
         _row("all-reduce", 1, 1000, 8, groups=""),
+        # what XLA printed for ResNet-50 with partial_fc: a mesh whose devices are
+        # transposed, so its axis 0 is the contiguous one
+        _row("all-reduce", 1, 1000, 8, groups="mesh[8,8] ids [8,8]T(1,0) over axis 0"),
+        _row("all-reduce", 1, 1000, 8, groups="mesh[8,8] ids [8,8]T(1,0) over axis 1"),
     ]
     wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, mesh)))
     got = [(c.group_size, c.stride) for c in wl.collectives]
-    assert got == [(None, 8), (8, 1), (None, 8), (8, 1), (None, 8)]
+    assert got == [(None, 8), (8, 1), (None, 8), (8, 1), (None, 8), (8, 1), (None, 8)]
     assert sim.inner_size({"data": 64, "fsdp": 1, "model": 1}, ("data", "fsdp")) == 1
     assert sim.inner_size({"model": 8, "data": 8}, ("data",)) == 1  # model outside: 1
     assert sim.group_stride("[8,8]<=[8,8]T(1,0)") == 8

@@ -147,20 +147,52 @@ def inner_size(mesh: dict[str, int], axes: tuple[str, ...]) -> int:
     return math.prod(mesh[a] for a in names[used[-1] + 1 :])
 
 
-_IOTA = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
-_MESH_GROUPS = re.compile(r"^mesh\[([\d,]+)\] over axis ([\d,]+)$")
+_IOTA_IDS = r"\[([\d,]+)\](?:T\(([\d,]+)\))?"  # XLA's iota(N).reshape(dims).transpose(T)
+_IOTA = re.compile(r"^\[([\d,]+)\]<=" + _IOTA_IDS + "$")
+_MESH_GROUPS = re.compile(r"^mesh\[([\d,]+)\](?: ids (.+))? over axis ([\d,]+)$")
 _LISTED = re.compile(r"\{\{([\d,.]+)\}")
 
 
-def group_stride(groups: str) -> int | None:
-    """The stride of a collective's groups, read from comm_report's `groups` text (the first
-    group's second member minus its first); None where the text does not say.
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
 
-    - "mesh[8,8] over axis 0": over named axes of the mesh's axes of size > 1 (outermost
-      first): the product of the sizes after the innermost axis it is over (`inner_size`).
-      With " ids ..." (devices in another order than the mesh's) it does not say.
-    - "[8,8]<=[64]", "[8,8]<=[8,8]T(1,0)": XLA's iota groups: iota(N) reshaped to the
-      second dims, transposed by T, then cut into rows of the group size.
+
+def iota_element(dims: list[int], perm: list[int] | None, k: int) -> int:
+    """Element k (row-major) of XLA's iota device list ``[dims]T(perm)``: iota(N) reshaped
+    to `dims`, transposed by `perm` (None: not transposed), flattened."""
+    perm = list(range(len(dims))) if perm is None else perm
+    strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
+    pos = 0
+    for axis in reversed(perm):  # the transposed array's last axis varies fastest
+        k, r = divmod(k, dims[axis])
+        pos += r * strides[axis]
+    return pos
+
+
+def _device_at(ids: str | None, k: int) -> int | None:
+    """Device id at row-major position k of a mesh whose `ids` text comm_report printed
+    ("[8,8]T(1,0)", or a full list "0,8,16"); the mesh's own order when None."""
+    if ids is None:
+        return k
+    m = re.fullmatch(_IOTA_IDS, ids.strip())
+    if m:
+        return iota_element(_ints(m.group(1)), _ints(m.group(2)) if m.group(2) else None, k)
+    listed = [x.strip() for x in ids.strip("()").split(",")]
+    if all(x.isdigit() for x in listed) and k < len(listed):
+        return int(listed[k])
+    return None
+
+
+def group_stride(groups: str) -> int | None:
+    """The stride of a collective's groups, read from comm_report's `groups` text: the first
+    group's second member minus its first. None where the text does not say.
+
+    - "mesh[8,8] over axis 0": groups over axes of the mesh's axes of size > 1 (outermost
+      first); members 0 and 1 are the mesh positions 0 and 1 step along the innermost axis
+      it is over. " ids [8,8]T(1,0)" (or a list) gives the device at each position (XLA
+      prints it when the devices are not in the mesh's order); without it, position = id.
+    - "[8,8]<=[64]", "[8,8]<=[8,8]T(1,0)": XLA's iota groups: the iota device list cut into
+      rows of the group size.
     - "{{0,8,16,...,56},...}" (listed, maybe shortened with "..."): the listed members.
     - "{} (all devices)": 1. Source-target pairs or an empty text: None.
     """
@@ -169,28 +201,16 @@ def group_stride(groups: str) -> int | None:
         return 1
     m = _MESH_GROUPS.match(text)
     if m:
-        sizes = [int(x) for x in m.group(1).split(",")]
-        over = [int(x) for x in m.group(2).split(",")]
-        return math.prod(sizes[max(over) + 1 :])
+        sizes, over = _ints(m.group(1)), _ints(m.group(3))
+        step = math.prod(sizes[max(over) + 1 :])  # positions between members 0 and 1
+        first, second = _device_at(m.group(2), 0), _device_at(m.group(2), step)
+        return None if first is None or second is None else abs(second - first)
     m = _IOTA.match(text)
     if m:
-        shape = [int(x) for x in m.group(1).split(",")]
-        dims = [int(x) for x in m.group(2).split(",")]
-        perm = [int(x) for x in m.group(3).split(",")] if m.group(3) else list(range(len(dims)))
-        if shape[-1] < 2:
+        if _ints(m.group(1))[-1] < 2:
             return 1
-        # element k of the transposed iota -> its position in iota(N)
-        tdims = [dims[i] for i in perm]
-        strides = [math.prod(dims[i + 1 :]) for i in range(len(dims))]
-
-        def source(k: int) -> int:
-            pos = 0
-            for axis, d in zip(reversed(perm), reversed(tdims)):
-                k, r = divmod(k, d)
-                pos += r * strides[axis]
-            return pos
-
-        return abs(source(1) - source(0))
+        dims, perm = _ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None
+        return abs(iota_element(dims, perm, 1) - iota_element(dims, perm, 0))
     m = _LISTED.search(text)
     if m:
         ids = [x for x in m.group(1).split(",") if x and x != "..."]
