@@ -294,6 +294,14 @@ def _get(c, key: str):
     return c
 
 
+def config_value(c, key: str):
+    """The value at dotted `key` of config `c`, the key a ``--config.KEY=VALUE`` names:
+    ``config_value(c, "optim.base_lr")`` is ``c.optim.base_lr``; a ConfigDict for a key
+    that names a group (``"optim"``). A key that is not there raises KeyError. For code
+    outside this module that reads keys by name (tune's search space)."""
+    return _get(c, key)
+
+
 def _choice_error(key: str, value, valid) -> ConfigError:
     import difflib
 

@@ -30,7 +30,7 @@ import sys
 import time
 
 from hybridpar import cli
-from hybridpar.config import _get
+from hybridpar.config import config_value
 from hybridpar.errors import ConfigError
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
@@ -64,17 +64,21 @@ def parse_space(config) -> list[dict]:
                 f"tune.space: {item!r} is not KEY=RANGE; use KEY=LO..HI, KEY=log:LO..HI or "
                 f"KEY=A|B|C, e.g. --config.tune.space={SPACE_EXAMPLE!r}"
             )
-        if key not in keys or key.startswith("tune.") or hasattr(_get(config, key), "items"):
+        if (
+            key not in keys
+            or key.startswith("tune.")
+            or hasattr(config_value(config, key), "items")
+        ):
             import difflib
 
-            leaves = [k for k in keys if not hasattr(_get(config, k), "items")]
+            leaves = [k for k in keys if not hasattr(config_value(config, k), "items")]
             close = difflib.get_close_matches(key, sorted(leaves), n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 f"tune.space: {key!r} is not a config key to search{hint}; name one of "
                 "hybridpar/config.py's keys, e.g. optim.base_lr"
             )
-        current = _get(config, key)
+        current = config_value(config, key)
         if "|" in spec:
             choices = [_cast(key, c.strip(), current, item) for c in spec.split("|")]
             param = dict(key=key, kind="choice", choices=choices)
