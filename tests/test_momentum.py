@@ -192,7 +192,10 @@ def test_stages_parse_with_and_without_a_momentum(text, scales, momenta):
 @pytest.mark.parametrize(
     "stages,expect",
     [
-        ("1:16-8~1.0", "'1:16-8~1.0' has a momentum of 1; it must be >= 0 and < 1, e.g. 1:16-8~0.9"),
+        (
+            "1:16-8~1.0",
+            "'1:16-8~1.0' has a momentum of 1; it must be >= 0 and < 1, e.g. 1:16-8~0.9",
+        ),
         ("1:16-8~-0.5", "'1:16-8~-0.5' has a momentum of -0.5"),
         ("1:16-8~0.9@0.5", ("'1:16-8~0.9@0.5' is not END_EPOCH:IMAGE_SIZE-BATCH_PER_DEVICE"
          "[@MIN_CROP_SCALE][~MOMENTUM] (@MIN_CROP_SCALE comes before ~MOMENTUM)")),
