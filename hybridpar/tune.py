@@ -115,6 +115,64 @@ def parse_space(config) -> list[dict]:
     return params
 
 
+BATCH_KEYS = ("global_batch", "eval_batch")
+
+
+def data_parallel_size(mesh_spec: str) -> int:
+    """Devices the batch splits over (data x fsdp) on the mesh `mesh_spec` names. Only a
+    spec with -1 needs the device count (JAX's backend starts; nothing is allocated)."""
+    from hybridpar.mesh import BATCH_AXES, parse_mesh_spec
+
+    sizes = [p.partition(":")[2].strip() for p in mesh_spec.split(",") if p.strip()]
+    if "-1" in sizes:
+        import jax
+
+        devices = jax.device_count()
+    else:  # parse_mesh_spec says what is wrong with a bad size
+        devices = math.prod(int(n) for n in sizes if n.isdigit())
+    sizes = parse_mesh_spec(mesh_spec, devices)
+    return math.prod(sizes[a] for a in BATCH_AXES)
+
+
+def check_batches(config, space: list[dict]) -> None:
+    """Every batch the space can draw splits evenly over the data-parallel devices (data x
+    fsdp) of every mesh it can draw, as the trainer requires (``program.check_batch_sizes``).
+    Checked for every choice before the first trial: otherwise a bad one fails only when its
+    trial starts, after the trials before it have run. A range over a batch key draws
+    batches that do not split whenever that size is > 1, so there choices are asked for. A
+    curriculum's batches are per device, so its global_batch is not used (as in the trainer).
+    """
+    by_key = {p["key"]: p for p in space}
+    batches = [p for k, p in by_key.items() if k in BATCH_KEYS]
+    if not batches:
+        return
+    meshes = by_key["mesh"]["choices"] if "mesh" in by_key else [config.mesh]
+    for mesh in meshes:
+        dp = data_parallel_size(mesh)
+        where = f"the {dp} data-parallel devices of mesh {mesh!r} (data x fsdp)"
+        for p in batches:
+            key = p["key"]
+            if dp == 1 or (key == "global_batch" and config.stages):
+                continue
+            if p["kind"] != "choice":
+                first = max(dp, -(-p["low"] // dp) * dp)
+                fix = "|".join(map(str, range(first, max(p["high"], first) + 1, dp)[:4]))
+                raise ConfigError(
+                    f"tune.space: {key}={p['low']}..{p['high']} draws batches that do not "
+                    f"divide over {where}; list multiples of {dp} as choices instead, e.g. "
+                    f"{key}={fix} in --config.tune.space"
+                )
+            bad = [b for b in p["choices"] if b % dp]
+            if bad:
+                fix = dict.fromkeys(max(dp, b // dp * dp) for b in p["choices"])
+                raise ConfigError(
+                    f"tune.space: {key}={'|'.join(map(str, p['choices']))}: "
+                    f"{', '.join(map(str, bad))} do{'es' * (len(bad) == 1)} not divide over "
+                    f"{where}; use multiples of {dp}, e.g. {key}={'|'.join(map(str, fix))} in "
+                    "--config.tune.space"
+                )
+
+
 def _set(config, key: str, value) -> None:
     *parents, leaf = key.split(".")
     for p in parents:
@@ -163,7 +221,9 @@ def check(config, mode: str) -> list[dict] | None:
             "tune.prune_after_trials, tune.prune_warmup_evals >= 0; set e.g. "
             "--config.tune.eval_every_epochs=1"
         )
-    return parse_space(config)
+    space = parse_space(config)
+    check_batches(config, space)  # before any trial or device: see check_batches
+    return space
 
 
 # ---- Running the trainer quietly -----------------------------------------------------------------

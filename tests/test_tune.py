@@ -9,7 +9,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers import DIGITS, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, tiny_digits
 
 from hybridpar import tune
 from hybridpar.config import validate
@@ -58,6 +58,51 @@ def test_bad_space_is_one_error_line(tmp_path, capsys, space, message):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: tune.space") and message in err
     assert err.count("\n") == 1 and not (tmp_path / "s").exists()  # checked before anything
+
+
+@pytest.mark.parametrize(
+    "mesh, space, says",
+    [
+        (
+            "data:4,model:2",
+            "global_batch=32|50|64",
+            (
+                "global_batch=32|50|64: 50 does not divide over the 4 data-parallel devices of "
+                "mesh 'data:4,model:2' (data x fsdp); use multiples of 4, e.g. "
+                "global_batch=32|48|64 in --config.tune.space"
+            ),
+        ),
+        (
+            "data:-1",  # the 8 devices of the test process
+            "optim.base_lr=0.1..1,eval_batch=120|100",
+            "eval_batch=120|100: 100 does not divide over the 8 data-parallel devices",
+        ),
+        (
+            "data:2,fsdp:2,model:2",
+            "global_batch=30..64",
+            (
+                "global_batch=30..64 draws batches that do not divide over the 4 data-parallel "
+                "devices of mesh 'data:2,fsdp:2,model:2' (data x fsdp); list multiples of 4 as "
+                "choices instead, e.g. global_batch=32|36|40|44"
+            ),
+        ),
+    ],
+    ids=["choice", "mesh-of-all-devices", "range"],
+)
+def test_batch_choices_that_do_not_split_are_one_error_before_any_trial(
+    tmp_path, capsys, mesh, space, says
+):
+    argv = ["search", "--config", DIGITS, "--workdir", str(tmp_path / "s"), "--trials", "2",
+            "--budget-epochs", "1", f"--config.mesh={mesh}", f"--config.tune.space={space}",
+            *(f"--config.{k}={v}" for k, v in TINY_DIGITS.items())]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith(f"error: tune.space: {says}"), err
+    assert err.count("\n") == 1 and not (tmp_path / "s").exists()  # no trial, no workdir
+    # the same space with the batches that do split passes
+    c = tiny_digits(mesh, **{"tune.space": "global_batch=32|64,eval_batch=120|240"})
+    assert [p["key"] for p in tune.check(c, "search")] == ["global_batch", "eval_batch"]
 
 
 def test_space_kinds():
