@@ -5,7 +5,8 @@
 Data: ``$HYBRIDPAR_DATA/imagenet-sample/train.tar`` (1,000 real ImageNet photos, median
 500x375), prepared once into a temp dir with the full copy and reduced copies of longest side
 160 (serves 128 px) and 280 (serves 224 px). Each measurement decodes ``--images`` images
-(the 1,000 repeated) at 128 and 224 px on all cores:
+(the 1,000 repeated; tf.data reads the whole epochs that hold them, as one stream in which
+the next epoch opens while one is read, as the trainer reads) at 128 and 224 px on all cores:
 
 * ``tfdata/full``: random-resized crop fused into JPEG decoding, from the original bytes;
 * ``tfdata/reduced``: the same from the reduced copy (MoXing's "data compression" level);
@@ -128,14 +129,20 @@ def bare_worker(args):
 
 
 def time_tfdata(pipe, size, n, copy, batch=50):
+    """Images/s over the epochs that hold ``n`` images, read as the trainer reads them: one
+    stream in which each next epoch's input is opened while the one before it is read
+    (``chain_ahead``, as ``trainer.host_batches``), every epoch read to its end (so nothing
+    opened ahead is left running into the next measurement)."""
+    from hybridpar.input.prefetch import chain_ahead
+
+    per_epoch = pipe.steps_per_epoch(batch) * batch
+    epochs = max(1, math.ceil(n / per_epoch))
+    stream = chain_ahead(
+        (lambda e=e: pipe.train_batches(e, image_size=size, global_batch=batch, copy=copy))
+        for e in range(epochs)
+    )
     t0 = time.perf_counter()
-    done, epoch = 0, 0
-    while done < n:
-        for b in pipe.train_batches(epoch, image_size=size, global_batch=batch, copy=copy):
-            done += len(b["label"])
-            if done >= n:
-                break
-        epoch += 1
+    done = sum(len(b["label"]) for b in stream)
     return done / (time.perf_counter() - t0)
 
 

@@ -15,7 +15,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from hybridpar.errors import ConfigError
-from hybridpar.input.pipeline import AUTOTUNE, ImagePipeline
+from hybridpar.input.pipeline import ImagePipeline
 
 
 def _builder(name: str, data_dir: str | None, manual_dir: str | None):
@@ -81,7 +81,7 @@ class TfdsPipeline(ImagePipeline):
         )
         ds = ds.enumerate().map(
             lambda i, ex: {"image": ex["image"], "label": tf.cast(ex["label"], tf.int32), "id": i},
-            num_parallel_calls=AUTOTUNE,
+            num_parallel_calls=self.parallelism,
             deterministic=True,
         )
         if cache:
