@@ -9,6 +9,8 @@ Data: ``$HYBRIDPAR_DATA/imagenet-sample/train.tar`` (1,000 real ImageNet photos,
 the next epoch opens while one is read, as the trainer reads) at 128 and 224 px on all cores:
 
 * ``tfdata/full``: random-resized crop fused into JPEG decoding, from the original bytes;
+* ``tfdata/full-dct``: the same with reduced-scale decoding of large crops off
+  (``data.dct_scaling=False``): this row against the one above says what it gains here;
 * ``tfdata/reduced``: the same from the reduced copy (MoXing's "data compression" level);
 * ``pil``: the reference a user would write: decode the whole image with PIL, random-resized
   crop, resize (bilinear), flip, in a multiprocessing pool of the same number of processes.
@@ -173,15 +175,9 @@ def main():
         progress=False,
     )
     prep_s = time.perf_counter() - t0
-    pipe = ImagePipeline(
-        str(tmp / "prepared"),
-        "train",
-        seed=0,
-        process_index=0,
-        process_count=1,
-        ram_cache=True,
-        threads=args.workers,
-    )
+    common = dict(seed=0, process_index=0, process_count=1, ram_cache=True, threads=args.workers)
+    pipe = ImagePipeline(str(tmp / "prepared"), "train", **common)
+    pipe_nodct = ImagePipeline(str(tmp / "prepared"), "train", dct_scaling=False, **common)
     sizes = {"full": pipe.copy_for(10_000)}
     print(
         f"{len(paths)} photos; prepared in {prep_s:.1f}s (copies {sorted(pipe.info['copies'])}); "
@@ -190,11 +186,13 @@ def main():
         "the OS caches the originals too)"
     )
 
-    loaders = [(s, name) for s in (128, 224) for name in ("tfdata/full", "tfdata/reduced", "pil")]
+    names = ("tfdata/full", "tfdata/full-dct", "tfdata/reduced", "pil")
+    loaders = [(s, name) for s in (128, 224) for name in names]
     rates = {k: [] for k in loaders}
     with mp.get_context("spawn").Pool(args.workers) as pool:
         for s in (128, 224):  # warm-up: caches filled, graphs traced, pool started
             time_tfdata(pipe, s, 200, "full")
+            time_tfdata(pipe_nodct, s, 200, "full")
             time_tfdata(pipe, s, 200, pipe.copy_for(s))
             time_pil(pool, paths, s, 64, 0)
         for r in range(args.repeats):
@@ -202,8 +200,9 @@ def main():
                 if name == "pil":
                     rate = time_pil(pool, paths, s, args.images, r + 1)
                 else:
-                    copy = "full" if name == "tfdata/full" else pipe.copy_for(s)
-                    rate = time_tfdata(pipe, s, args.images, copy)
+                    copy = pipe.copy_for(s) if name == "tfdata/reduced" else "full"
+                    p = pipe_nodct if name == "tfdata/full-dct" else pipe
+                    rate = time_tfdata(p, s, args.images, copy)
                 rates[(s, name)].append(rate)
 
         # The bare decoder last, in its own process, while the pool's workers sit idle.
@@ -215,7 +214,8 @@ def main():
         f"{'vs pil':>6} {'cores/GPU':>9}"
     )
     for s, name in loaders:
-        copy = {"tfdata/full": sizes["full"], "tfdata/reduced": pipe.copy_for(s)}.get(name, "orig")
+        copy = "orig" if name == "pil" else sizes["full"]
+        copy = pipe.copy_for(s) if name == "tfdata/reduced" else copy
         per_core = med[(s, name)] / args.workers
         print(
             f"{s:>4}  {name:<15} {copy:<6} {med[(s, name)]:>8.0f} {per_core:>10.0f} "
@@ -239,9 +239,13 @@ def main():
         f"full_vs_pil_128={full_vs_pil_128:.2f} full_per_core_vs_bare_224={full_vs_bare_224:.2f} "
         f"best_ratio_128={best128:.2f} best_ratio_224={best224:.2f} "
         f"tfdata_reduced_128={med[(128, 'tfdata/reduced')]:.0f} "
-        f"tfdata_full_128={med[(128, 'tfdata/full')]:.0f} pil_128={med[(128, 'pil')]:.0f} "
+        f"tfdata_full_128={med[(128, 'tfdata/full')]:.0f} "
+        f"tfdata_full_nodct_128={med[(128, 'tfdata/full-dct')]:.0f} "
+        f"pil_128={med[(128, 'pil')]:.0f} "
         f"tfdata_reduced_224={med[(224, 'tfdata/reduced')]:.0f} "
-        f"tfdata_full_224={med[(224, 'tfdata/full')]:.0f} pil_224={med[(224, 'pil')]:.0f} "
+        f"tfdata_full_224={med[(224, 'tfdata/full')]:.0f} "
+        f"tfdata_full_nodct_224={med[(224, 'tfdata/full-dct')]:.0f} "
+        f"pil_224={med[(224, 'pil')]:.0f} "
         f"bare_decode_128={bare[128]:.0f} bare_decode_224={bare[224]:.0f} "
         f"workers={args.workers} images={args.images} repeats={args.repeats}"
     )

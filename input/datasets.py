@@ -133,6 +133,7 @@ def _pipeline(c, pi, pc, shape) -> Data:
         eval_crop_ratio=d.eval_crop_ratio,
         threads=d.threads or None,
         translate=d.translate,
+        dct_scaling=d.dct_scaling,
     )
     if d.name == "images":
         prepared = _ensure_prepared(d)
