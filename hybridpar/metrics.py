@@ -21,7 +21,13 @@ class MetricsWriter:
         self._jsonl = None
         self._tb = None
         if self.active:
-            self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+            path = os.path.join(workdir, "metrics.jsonl")
+            self._jsonl = open(path, "a", buffering=1)
+            if _ends_mid_line(path):
+                # A writer killed mid-line (SIGKILL, power loss) left a partial record: end
+                # it, so it stays one line that readers skip instead of swallowing the
+                # resumed run's first record.
+                self._jsonl.write("\n")
             from tensorboardX import SummaryWriter  # lazy: only the writing process needs it
 
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
@@ -55,6 +61,16 @@ class MetricsWriter:
         if self.active:
             self._jsonl.close()
             self._tb.close()
+
+
+def _ends_mid_line(path: str) -> bool:
+    """Whether the file at ``path`` is non-empty and its last byte is not a newline."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _plain(x):

@@ -157,3 +157,20 @@ def test_without_matplotlib_the_error_names_the_install(tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
     line = error_line(capsys, [str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
     assert 'pip install -e ".[plot]"' in line
+
+
+def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
+    """A writer killed mid-line leaves a partial last line; the resumed run's first record
+    must still be its own line, which every reader keeps (the partial one is skipped)."""
+    from hybridpar.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(ev("train", 1, 0.1, 1.0)) + "\n" + '{"event": "train", "st')
+    writer = MetricsWriter(str(tmp_path), start_time=0.0)
+    writer.write("resume", 1, 0.1)
+    writer.write("train", 2, 0.2, loss=0.5)
+    writer.close()
+    assert [r["event"] for r in report.read_jsonl(str(path))] == ["train", "resume", "train"]
+    # and a file that ends cleanly gets no blank line
+    MetricsWriter(str(tmp_path), start_time=0.0).close()
+    assert path.read_text().endswith('"loss": 0.5}\n')

@@ -324,6 +324,7 @@ def test_cli_calibrates_from_metrics(tmp_path, capsys):
             for _ in range(3):
                 line = {"event": "train", "image_size": size, "global_batch": batch}
                 f.write(json.dumps(dict(line, images_per_s=r)) + "\n")
+        f.write('{"event": "train", "image_size": 12\n')  # a line cut short by a kill
     argv = ["--preset", "h100", "--devices", "1", "--image-size", "128"]
     argv += ["--per-device-batch", "128", "--json"]
     assert sim.main([*argv, "--calibrate-from", str(path)]) == 0

@@ -73,10 +73,10 @@ def points_from_metrics(path: str, devices: int = 1) -> list[tuple[int, float, f
     groups: dict[tuple[int, int], list[float]] = {}
     with open(path) as f:
         for line in f:
-            line = line.strip()
-            if not line:
+            try:
+                rec = json.loads(line)
+            except ValueError:  # blank, or cut short by a killed writer (as report.py)
                 continue
-            rec = json.loads(line)
             if rec.get("event") != "train" or not rec.get("images_per_s"):
                 continue
             key = (int(rec["image_size"]), int(rec["global_batch"]))
