@@ -163,6 +163,46 @@ def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_sourc
     assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 3
 
 
+def test_processes_preparing_at_once_prepare_once(tmp_path, monkeypatch, capsys):
+    """The processes of a run (one per GPU of a host) reach the first-use prepare together:
+    one prepares, the others wait for it (a file lock) and then reuse its copy."""
+    import threading
+    import time
+
+    from hybridpar.input import prepare as prep
+
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg(seed=1)})
+    calls, real = [], prep.prepare
+
+    def slow_prepare(*args, **kwargs):  # holds the lock long enough for the other to queue
+        calls.append(1)
+        time.sleep(0.5)
+        return real(*args, **{**kwargs, **ONE})
+
+    monkeypatch.setattr(prep, "prepare", slow_prepare)
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="train", reduced_copies="")
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(datasets._ensure_prepared(c.data))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    assert not errors and results == [str(tmp_path / "out")] * 2
+    assert len(calls) == 1, "both prepared the same copy"
+    assert "waiting: another process is preparing" in capsys.readouterr().out
+    assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 2
+
+
 # ---- item 3: bad input, exact counts, EXIF, messages ------------------------------------------
 
 
