@@ -104,11 +104,12 @@ def base_config() -> ml_collections.ConfigDict:
             # (reflect-padded; airbench's CIFAR augmentation is flip + translate 2). 0: off.
             translate=0,
             # Decode JPEG crops at a reduced DCT scale (1/2, 1/4, 1/8) where the crop is that
-            # many times the output size. On ImageNet-sized photos it is a wash with
-            # TensorFlow's decoder (bench/input_pipeline.py: 910 against 896 img/s at 128 px
-            # on 2 cores, 731 against 745 at 224): entropy decoding, which no scale skips, is
-            # most of the cost, and a 1/2-scale crop decodes only ~1.14x faster. It pays on
-            # multi-megapixel photos, where 1/4-1/8 scales apply.
+            # many times the output size. On ImageNet-sized photos it does not pay with
+            # TensorFlow's decoder: bench/input_pipeline.py on 2 cores, off against on, gave
+            # 910/896 and 883/825 img/s at 128 px, 731/745 and 822/750 at 224 (two runs).
+            # Entropy decoding, which no scale skips, is most of the cost, and a 1/2-scale
+            # crop decodes only ~1.14x faster. It pays on multi-megapixel photos, where
+            # 1/4-1/8 scales apply; off (False) suits ImageNet-sized ones.
             dct_scaling=True,
             # Eval transform: centre crop of this fraction of the shorter side, resized.
             eval_crop_ratio=0.875,
