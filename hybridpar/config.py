@@ -50,6 +50,11 @@ def base_config() -> ml_collections.ConfigDict:
             # 1x1 convolutions as matrix products (same parameters): 1.5-1.8x faster
             # ResNet-50 steps on XLA:CPU; False: nn.Conv.
             pointwise_dot=True,
+            # Kernel gradients of convolutions (models/im2col.py): "im2col" (one matrix
+            # product over patches: 2.2-2.4x faster airbench steps on XLA:CPU, 9x the
+            # activation memory in the backward pass), "xla" (XLA's own), "auto" (im2col
+            # on CPU, xla on GPU/TPU).
+            conv_grad="auto",
         )
     )
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.
@@ -191,6 +196,11 @@ def base_config() -> ml_collections.ConfigDict:
     # WORKDIR/compile_cache, or a directory (shared by runs: a second run of the same
     # programs compiles nothing). Global to the process once on, hence off by default.
     c.compile_cache = ""
+    # When the other stages' steps compile (hybridpar/trainer.py compile_all): "before" the
+    # first step, or in a "background" thread while the first stage trains (a switch then
+    # waits only if its step is not ready yet, and metrics.jsonl records that wait). "auto":
+    # background on GPU/TPU, before on CPU, where the compiler takes cores from the steps.
+    c.compile_ahead = "auto"
     c.eval_every_epochs = 1.0
     # Test-time augmentation: evaluate on each image and its mirror image, averaging the
     # logits (airbench's and fast.ai's TTA). Costs a second forward pass per eval batch.
@@ -253,6 +263,8 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "data.name": DATA_NAMES,
     "comm.mode": ("xla", "bucketed"),
+    "model.conv_grad": ("auto", "im2col", "xla"),
+    "compile_ahead": ("auto", "background", "before"),
     "optim.name": ("sgd", "lars"),
     "optim.schedule": ("cosine", "linear", "poly", "constant", "exponential"),
     "optim.lr_batch_scaling": ("linear", "sqrt", "none"),

@@ -7,6 +7,7 @@ the very same step. Shapes come from ``jax.eval_shape``; lowering uses abstract 
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -22,6 +23,7 @@ from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
 from hybridpar.models.batchnorm import bn_groups_for
+from hybridpar.models.im2col import use_im2col
 from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
 from hybridpar.sharded_head import make_head
@@ -86,6 +88,9 @@ class Program:
     # (kind, batch, image size) -> compiled step; and one record per compilation
     _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     compiles: list = dataclasses.field(default_factory=list, init=False, repr=False)
+    # (kind, batch, image size) -> future of (compiled, record), from compile_in_background
+    _pending: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _compiler: Any = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -190,22 +195,57 @@ class Program:
         """The eval step compiled for this batch and size (cached)."""
         return self._compile("eval", eval_batch, image_size or self.image_shape[0])
 
+    def compile_in_background(self, programs) -> None:
+        """Starts compiling ``programs`` (``(kind, batch, image size)`` tuples, in order) in
+        one background thread; ``train_step``/``eval_step`` then wait for theirs, and their
+        record says how long (``wait_s``: the stall on the critical path). One thread: XLA's
+        compile releases the GIL, so it runs beside the steps; concurrent lower+compile
+        calls have hit JAX bugs (jax-ml/jax#11788, #16978, #32354), so one at a time, and
+        the trainer starts it only once its main thread has compiled its own steps."""
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, "hybridpar-compile")
+        for kind, batch, size in programs:
+            key = (kind, batch, size or self.image_shape[0])
+            if key not in self._compiled and key not in self._pending:
+                self._pending[key] = self._compiler.submit(self._build, *key)
+
+    @property
+    def compiling(self) -> int:
+        """How many programs are queued or compiling in the background."""
+        return len(self._pending)
+
+    def stop_background(self) -> None:
+        """Drops the background compilations not yet started (a stopping run needs none)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler, self._pending = None, {}
+
+    def _build(self, kind: str, batch: int, size: int):
+        t0, hits = time.time(), compile_cache.hits()
+        lower = self.lower_train if kind == "train" else self.lower_eval
+        compiled = lower(batch, size).compile()
+        record = {
+            "program": kind,
+            "batch": batch,
+            "image_size": size,
+            "compile_s": round(time.time() - t0, 3),
+            # loaded from the persistent cache (compile_cache) instead of compiled
+            "cache_hit": compile_cache.hits() > hits,
+        }
+        return compiled, record
+
     def _compile(self, kind: str, batch: int, size: int):
         key = (kind, batch, size)
         if key not in self._compiled:
-            t0, hits = time.time(), compile_cache.hits()
-            lower = self.lower_train if kind == "train" else self.lower_eval
-            self._compiled[key] = lower(batch, size).compile()
-            self.compiles.append(
-                {
-                    "program": kind,
-                    "batch": batch,
-                    "image_size": size,
-                    "compile_s": round(time.time() - t0, 3),
-                    # loaded from the persistent cache (compile_cache) instead of compiled
-                    "cache_hit": compile_cache.hits() > hits,
-                }
-            )
+            future = self._pending.pop(key, None)
+            if future is None:
+                compiled, record = self._build(*key)
+            else:
+                t0 = time.time()
+                compiled, record = future.result()
+                record.update(background=True, wait_s=round(time.time() - t0, 3))
+            self._compiled[key] = compiled
+            self.compiles.append(record)
         return self._compiled[key]
 
 
@@ -230,6 +270,7 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
         bn_epsilon=m.bn_epsilon,
         small_stem=m.small_stem,
         pointwise_dot=m.pointwise_dot,
+        im2col_grad=use_im2col(m.conv_grad),
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),

@@ -457,20 +457,41 @@ class Checkpointer:
 MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see train)
 
 
-def compile_all(run: Run, writer: MetricsWriter) -> dict:
-    """Every stage's train step and the eval step, before the first step (so no stage
-    switch waits for the compiler); one ``compile`` line each. Returns the first train
-    step's per-device memory."""
-    c, program, mem = run.config, run.program, {}
-    for i, s in enumerate(run.plan.stages):
-        compiled = program.train_step(s.stage.global_batch, s.stage.image_size)
-        if i == 0:
-            text, mem = memory_line(compiled)
-            log(text)
+def compile_all(run: Run, first_stage: int) -> dict:
+    """The train step of the stage the run starts in and the eval step, now; every later
+    stage's either now too or in a background thread while the first one trains
+    (``compile_ahead``), so that no stage switch waits for the compiler. Returns the first
+    train step's per-device memory."""
+    c, program = run.config, run.program
+    first, *later = run.plan.stages[first_stage:] or run.plan.stages[-1:]
+    text, mem = memory_line(program.train_step(first.stage.global_batch, first.stage.image_size))
+    log(text)
     program.eval_step(c.eval_batch, c.data.image_size)
-    for rec in program.compiles:
-        writer.write("compile", 0, 0.0, **rec, memory_per_device_bytes=mem)
+    later = [("train", s.stage.global_batch, s.stage.image_size) for s in later]
+    background = c.compile_ahead == "background" or (
+        c.compile_ahead == "auto" and jax.default_backend() != "cpu"
+    )
+    if background:
+        program.compile_in_background(later)
+    else:
+        for _, batch, size in later:
+            program.train_step(batch, size)
     return mem
+
+
+def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, mem, written: int) -> int:
+    """One ``compile`` line per compilation from index ``written`` on, their time on the
+    critical path (the compile itself, or the wait for a background one) added to
+    ``loop.compile_s``; returns how many are written now."""
+    for rec in run.program.compiles[written:]:
+        writer.write("compile", loop.step, run.plan.epoch_at(loop.step), **rec,
+                     memory_per_device_bytes=mem)  # fmt: skip
+        loop.compile_s += rec["wait_s"] if rec.get("background") else rec["compile_s"]
+        if rec.get("background"):
+            log(f"{rec['program']} step for batch {rec['batch']} at {rec['image_size']} px: "
+                f"compiled in the background in {rec['compile_s']:.1f}s, waited "
+                f"{rec['wait_s']:.1f}s for it")  # fmt: skip
+    return len(run.program.compiles)
 
 
 def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
@@ -522,13 +543,16 @@ def train(run: Run, hooks=()) -> dict:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
-    mem = compile_all(run, writer)
-    compile_s = sum(r["compile_s"] for r in program.compiles)
-    loop.compile_s += compile_s
+    mem = compile_all(run, loop.stage)
+    compile_s = loop.compile_s
+    written = record_compiles(run, writer, loop, mem, 0)
+    compile_s = loop.compile_s - compile_s
     cached = sum(r["cache_hit"] for r in program.compiles)
+    pending = program.compiling
     log(
         f"compiled {len(program.compiles)} programs in {compile_s:.1f}s"
         + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
+        + (f", {pending} more compiling in the background" if pending else "")
         + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
         f"{len(plan.stages)} stage(s))"
     )
@@ -551,7 +575,8 @@ def train(run: Run, hooks=()) -> dict:
                 break
             loop.enter(stage)
             st = stage.stage
-            train_step = program.train_step(st.global_batch, st.image_size)  # compiled above
+            train_step = program.train_step(st.global_batch, st.image_size)  # compiled ahead
+            written = record_compiles(run, writer, loop, mem, written)
             writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                          image_size=st.image_size, global_batch=st.global_batch,
                          min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
@@ -587,6 +612,7 @@ def train(run: Run, hooks=()) -> dict:
         raise
     finally:
         batches.close()  # stops the prefetch thread
+        program.stop_background()
         preemption.uninstall()
         save_error = checkpointer.finish()  # the save in flight committed before we may exit
         failure = failure or save_error

@@ -20,6 +20,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from .im2col import Im2colConv
 from .resnet import CONV_AXES, conv_kernel_init, norm_factory
 
 WHITEN_EPS = 5e-4  # added to each eigenvalue: directions of ~no variance are not blown up
@@ -60,6 +61,7 @@ class AirbenchNet(nn.Module):
     bn_axis_name: Any = None
     bn_axis_index_groups: Any = None
     bn_group_sharding: Any = None
+    im2col_grad: bool = False  # 3x3 kernel gradients as matrix products (models/im2col.py)
     # ResNet options (models/__init__.create_model passes every model the same ones)
     zero_init_last_bn: bool = True
     small_stem: bool = True
@@ -68,7 +70,7 @@ class AirbenchNet(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = True, return_features: bool = False):
         conv = functools.partial(
-            nn.Conv,
+            Im2colConv if self.im2col_grad else nn.Conv,
             kernel_size=(3, 3),
             padding=((1, 1), (1, 1)),
             use_bias=False,

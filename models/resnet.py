@@ -17,6 +17,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from .batchnorm import BatchNorm
+from .im2col import Im2colConv
 
 CONV_AXES = ("conv_h", "conv_w", "conv_in", "conv_out")
 NORM_AXES = ("norm",)
@@ -80,9 +81,10 @@ class PointwiseConv(nn.Module):
         return y.reshape(x.shape[:-1] + (self.features,))
 
 
-def _conv_factory(pointwise_dot: bool, **defaults) -> ModuleDef:
+def _conv_factory(pointwise_dot: bool, im2col_grad: bool, **defaults) -> ModuleDef:
     """``conv(features, kernel_size, strides=(1, 1), **kw)``: ``nn.Conv``, or for 1x1
-    kernels with ``pointwise_dot`` a ``PointwiseConv`` with the same parameter."""
+    kernels with ``pointwise_dot`` a ``PointwiseConv`` with the same parameter, or with
+    ``im2col_grad`` an ``Im2colConv`` (models/im2col.py), again the same parameter."""
 
     def conv(features, kernel_size, strides=(1, 1), **kw):
         kw = {**defaults, **kw}
@@ -95,7 +97,7 @@ def _conv_factory(pointwise_dot: bool, **defaults) -> ModuleDef:
                 param_dtype=kw["param_dtype"],
                 name=kw.get("name"),
             )
-        return nn.Conv(features, kernel_size, strides, **kw)
+        return (Im2colConv if im2col_grad else nn.Conv)(features, kernel_size, strides, **kw)
 
     return conv
 
@@ -179,6 +181,7 @@ class ResNet(nn.Module):
     small_stem: bool = False
     width_factor: int = 1  # bottleneck width multiplier (2: Wide-ResNet-50-2)
     pointwise_dot: bool = True  # 1x1 convolutions as matrix products (see PointwiseConv)
+    im2col_grad: bool = False  # kernel gradients as matrix products (models/im2col.py)
     # BatchNorm statistics (see models/batchnorm.py and model.bn_sync): under jax.jit,
     # bn_groups > 1 normalises contiguous groups of the batch separately (bn_group_sharding
     # optionally pins the group axis to the data axes); inside jax.shard_map, bn_axis_name
@@ -192,6 +195,7 @@ class ResNet(nn.Module):
     def __call__(self, x, train: bool = True, return_features: bool = False):
         conv = _conv_factory(
             self.pointwise_dot,
+            self.im2col_grad,
             use_bias=False,
             padding="VALID",
             kernel_init=conv_kernel_init,

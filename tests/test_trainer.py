@@ -87,6 +87,30 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     assert train[k + 1]["lr"] > train[k]["lr"]  # the batch doubled: the linear rule holds
 
 
+def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path):
+    """compile_ahead=background: the second stage's step compiles in a thread while the
+    first trains; the run is step for step the one that compiles everything first, and
+    metrics.jsonl records the background compile and the wait for it at the switch."""
+    losses = {}
+    for mode in ("before", "background"):
+        config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6, compile_ahead=mode)
+        run = trainer.setup(config, str(tmp_path / mode))
+        assert trainer.train(run)["completed"]
+        losses[mode] = [r["loss"] for r in records(tmp_path / mode, "train")]
+    np.testing.assert_allclose(losses["background"], losses["before"], rtol=1e-6)
+
+    compiles = records(tmp_path / "background", "compile")
+    later = [c for c in compiles if c.get("background")]
+    assert [(c["program"], c["batch"], c["image_size"]) for c in later] == [("train", 64, 24)]
+    assert later[0]["wait_s"] >= 0 and later[0]["step"] == run.plan.stages[1].start_step
+    # Written at the switch, after the first stage's steps; the others before the first step.
+    lines = (tmp_path / "background" / "metrics.jsonl").read_text().splitlines()
+    events = [(r["event"], r.get("background")) for r in map(json.loads, lines)]
+    first_train = events.index(("train", None))
+    assert events.index(("compile", True)) > first_train
+    assert all(i < first_train for i, e in enumerate(events) if e == ("compile", None))
+
+
 def _cli(args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "hybridpar.train", *args],
