@@ -1,7 +1,7 @@
 """Time to accuracy on CIFAR-10: the curriculum against the same model at one fixed shape.
 
     python bench/curriculum_tta.py [--variant cpu] [--target 0.8] [--epochs E]
-                                   [--out DIR] [--set KEY=VALUE ...]
+                                   [--out DIR] [--set KEY=VALUE ...] [--curriculum-run DIR]
 
 Two runs of ``experiments/cifar10_fast.py:VARIANT``, one after the other, in fresh workdirs
 under ``--out`` (default ``runs/curriculum_tta``): ``curriculum`` (the recipe's stages, e.g.
@@ -23,6 +23,11 @@ curriculum's; ``nan`` where a run did not reach it), target >= 1.3x (issue 13). 
 JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``), prepared on first use into
 ``~/.cache/hybridpar``. On 2 CPU cores an epoch of the cpu variant takes minutes: the whole
 bench is hours at the recipe's 8 epochs; ``--epochs`` shortens both runs alike.
+``--curriculum-run DIR`` compares with a finished run of the recipe (``python -m
+hybridpar.train --config experiments/cifar10_fast.py:cpu``, checked against the stages and
+epochs the bench would train) instead of training the curriculum again; the fixed run then
+logs as often as that run did, and the last line ends with ``curriculum_reused=1`` (the two
+are not side by side). Times to target come from the eval records, so any target works.
 """
 
 from __future__ import annotations
@@ -39,10 +44,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def fail(message: str) -> None:
+    """One ``error:`` line and exit 2, as the trainer does for bad input."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run(name: str, out: Path, args, overrides: list[str]) -> Path:
     workdir = out / name
     if workdir.exists():
-        sys.exit(f"error: {workdir} exists; pass another --out (the bench never reuses a run)")
+        fail(f"{workdir} exists; pass another --out (the bench never reuses a run)")
     cmd = [
         sys.executable, "-m", "hybridpar.train",
         "--config", str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}"),
@@ -54,9 +65,7 @@ def run(name: str, out: Path, args, overrides: list[str]) -> Path:
     print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
     r = subprocess.run(cmd, cwd=ROOT)
     if r.returncode != 0:
-        sys.exit(
-            f"error: the {name} run failed (exit {r.returncode}); its records are in {workdir}"
-        )
+        fail(f"the {name} run failed (exit {r.returncode}); its records are in {workdir}")
     return workdir
 
 
@@ -71,7 +80,7 @@ def prepare(args) -> None:
     config = str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}")
     r = subprocess.run([sys.executable, "-c", code, config, *args.set], cwd=ROOT)
     if r.returncode != 0:
-        sys.exit(f"error: preparing the data failed (exit {r.returncode})")
+        fail(f"preparing the data failed (exit {r.returncode})")
 
 
 def records(workdir: Path) -> list[dict]:
@@ -86,7 +95,8 @@ def records(workdir: Path) -> list[dict]:
 
 def stalls(recs: list[dict]) -> list[dict]:
     """For each stage switch: the gap between the last step before it and the first after
-    it, and the median step interval of the stage after it."""
+    it, and the median step interval of the stage after it (none where the run did not log
+    both steps)."""
     out = []
     stage_at = [i for i, r in enumerate(recs) if r["event"] == "stage"][1:]
     for i in stage_at:
@@ -95,6 +105,8 @@ def stalls(recs: list[dict]) -> list[dict]:
         if not before or not after_idx:
             continue
         first = recs[after_idx[0]]
+        if first["step"] != before[-1]["step"] + 1:  # a run that logged every few steps
+            continue
         between = {r["event"] for r in recs[i : after_idx[0]]} - {"stage"}
         steps = [recs[j] for j in after_idx]
         gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:])
@@ -110,22 +122,61 @@ def stalls(recs: list[dict]) -> list[dict]:
     return out
 
 
+def time_to_target(recs: list[dict], target: float) -> dict | None:
+    """The first eval at or above ``target`` top-1: its wall time from the start
+    (compilation and evaluation included), that time less the compile time on the critical
+    path before it (a background compile counts its wait), and its epoch."""
+    compile_s = 0.0
+    for r in recs:
+        if r["event"] == "compile":
+            compile_s += r["wait_s"] if r.get("background") else r["compile_s"]
+        if r["event"] == "eval" and r["top1"] >= target:
+            return {"wall_s": r["wall_s"], "without_compile_s": round(r["wall_s"] - compile_s, 3),
+                    "epoch": r["epoch"]}  # fmt: skip
+    return None
+
+
 def summarize(name: str, workdir: Path, target: float) -> dict:
     summary = json.loads((workdir / "summary.json").read_text())
-    evals = [r for r in records(workdir) if r["event"] == "eval"]
+    recs = records(workdir)
+    evals = [r for r in recs if r["event"] == "eval"]
     best = max(evals, key=lambda r: r["top1"]) if evals else {}
-    reached = (summary.get("time_to_target") or {}).get("top1")
+    reached = time_to_target(recs, target)
     return {
         "name": name,
+        "workdir": str(workdir),
         "tta_s": reached["wall_s"] if reached else math.nan,
-        "tta_without_compile_s": reached["wall_s_without_compile"] if reached else math.nan,
+        "tta_without_compile_s": reached["without_compile_s"] if reached else math.nan,
         "tta_epoch": reached["epoch"] if reached else math.nan,
         "best_top1": best.get("top1", math.nan),
         "best_epoch": best.get("epoch", math.nan),
         "wall_s": summary["wall_s"],
         "compile_s": summary["compile_s"],
-        "stalls": stalls(records(workdir)),
+        "stalls": stalls(recs),
     }
+
+
+def check_reused(workdir: Path, variant: str, stages: list[str], epochs: float) -> float:
+    """``workdir``'s ``log_every_s``, after checking that it is a finished run of the
+    recipe's curriculum as this bench would train it; else an ``error:`` exit."""
+    path = workdir / "config.json"
+    if not path.exists() or not (workdir / "summary.json").exists():
+        fail(
+            f"--curriculum-run {workdir} holds no finished run (config.json and "
+            "summary.json); pass the workdir of a finished cifar10_fast run"
+        )
+    c = json.loads(path.read_text())
+    summary = json.loads((workdir / "summary.json").read_text())
+    want = {"stages": ",".join(stages), "num_epochs": epochs, "eval_every_epochs": 1.0}
+    got = {"stages": c.get("stages"), "num_epochs": c.get("num_epochs"),
+           "eval_every_epochs": c.get("eval_every_epochs")}  # fmt: skip
+    if got != want or not summary.get("completed"):
+        fail(
+            f"--curriculum-run {workdir} is not a completed run of "
+            f"cifar10_fast.py:{variant}'s curriculum as the bench runs it ({want}; it has "
+            f"{got}, completed={summary.get('completed')}); train it with the bench"
+        )
+    return c.get("log_every_s", 0)
 
 
 def main(argv=None) -> None:
@@ -136,9 +187,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both runs, repeatable")  # fmt: skip
+    p.add_argument("--curriculum-run", default="", metavar="DIR",
+                   help="a finished run of the recipe's curriculum to compare with instead of "
+                        "training one (halves the bench; the two runs are then not side by "
+                        "side, and the last line says so)")  # fmt: skip
     args = p.parse_args(argv)
     if not 0 < args.target <= 1:
-        sys.exit(f"error: --target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
+        fail(f"--target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -154,9 +209,17 @@ def main(argv=None) -> None:
         stages.append(f"{float(end) * epochs / recipe_epochs:g}:{shape}")
     size, batch = (int(x) for x in stages[-1].split(":")[1].split("-"))
     common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
+    fixed_overrides = [*common, f"--config.stages={epochs:g}:{size}-{batch}"]
+    if args.curriculum_run:
+        curriculum = Path(args.curriculum_run)
+        # the fixed run logs as often as the reused one did (logging every step syncs)
+        log_every = check_reused(curriculum, args.variant, stages, epochs)
+        fixed_overrides.append(f"--config.log_every_s={log_every}")
+        print(f"== curriculum: reusing {curriculum}", flush=True)
     prepare(args)  # once, before either clock starts: neither run pays for it
-    curriculum = run("curriculum", out, args, [*common, f"--config.stages={','.join(stages)}"])
-    fixed = run("fixed", out, args, [*common, f"--config.stages={epochs:g}:{size}-{batch}"])
+    if not args.curriculum_run:
+        curriculum = run("curriculum", out, args, [*common, f"--config.stages={','.join(stages)}"])
+    fixed = run("fixed", out, args, fixed_overrides)
     rows = [
         summarize("curriculum", curriculum, args.target),
         summarize("fixed", fixed, args.target),
@@ -186,7 +249,7 @@ def main(argv=None) -> None:
         f"fixed_tta_s={rows[1]['tta_s']:.1f} curriculum_best_top1={rows[0]['best_top1']:.4f} "
         f"fixed_best_top1={rows[1]['best_top1']:.4f} switch_gap_s={stall.get('gap_s', math.nan)} "
         f"median_step_s={stall.get('median_step_s', math.nan)} variant={args.variant} "
-        f"epochs={epochs:g}"
+        f"epochs={epochs:g}" + (" curriculum_reused=1" if args.curriculum_run else "")
     )
 
 
