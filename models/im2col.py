@@ -10,8 +10,10 @@ oneDNN, XNNPACK, the old runtime; see openxla/xla#34273 for the same on other sh
 ``Im2colConv`` keeps ``nn.Conv``'s parameter (``kernel`` of shape ``(kh, kw, in, out)``, so
 paths, rules and checkpoints do not change) and forward pass; only the backward pass of
 the kernel differs, and only where it pays: below ``MIN_POSITIONS`` output pixels XLA's own
-gradient was faster (7x7: 0.09 against 0.14 s). On GPU/TPU the patches would cost 9x the
-activation memory for no gain, so ``model.im2col_grad="auto"`` turns it on only on CPU.
+gradient was faster (7x7: 0.09 against 0.14 s), and below ``MIN_FLOPS`` the gradient is too
+small to matter while the extra ops still cost compile time (the test suite's tiny models
+ran 15-40% slower with the product form everywhere). On GPU/TPU the patches would cost 9x
+the activation memory for no gain, so ``model.conv_grad="auto"`` turns it on only on CPU.
 """
 
 import functools
@@ -22,6 +24,9 @@ import jax
 import jax.numpy as jnp
 
 MIN_POSITIONS = 100  # output pixels per image (10x10) from which the product form runs
+# ...and the kernel gradient's FLOPs per step (2 x B x Ho x Wo x kh x kw x in x out) from
+# which it runs: cifar10_fast:cpu's smallest such gradient is 4.8 GFLOP, a test model's 0.02.
+MIN_FLOPS = 1e9
 _DIMS = ("NHWC", "HWIO", "NHWC")
 
 
@@ -86,7 +91,8 @@ def _explicit_padding(padding, kernel_shape, strides, in_hw):
 
 class Im2colConv(nn.Module):
     """``nn.Conv`` (2-D, NHWC, no dilation or groups) with the im2col kernel gradient where
-    the output has at least ``MIN_POSITIONS`` pixels; see the module docstring."""
+    the output has at least ``MIN_POSITIONS`` pixels and the gradient at least
+    ``min_flops`` (None: ``MIN_FLOPS``); see the module docstring."""
 
     features: int
     kernel_size: tuple[int, int]
@@ -97,6 +103,7 @@ class Im2colConv(nn.Module):
     bias_init: Callable = nn.initializers.zeros
     dtype: Any = None
     param_dtype: Any = jnp.float32
+    min_flops: float | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -119,7 +126,9 @@ class Im2colConv(nn.Module):
             (n + lo + hi - k) // s + 1
             for n, (lo, hi), k, s in zip(x.shape[1:3], padding, kernel_shape, strides)
         ]
-        if out_hw[0] * out_hw[1] >= MIN_POSITIONS:
+        flops = 2 * x.shape[0] * out_hw[0] * out_hw[1] * kernel.size
+        min_flops = MIN_FLOPS if self.min_flops is None else self.min_flops
+        if out_hw[0] * out_hw[1] >= MIN_POSITIONS and flops >= min_flops:
             y = conv2d(x, kernel, strides, padding)
         else:
             y = _forward(x, kernel, strides, padding)

@@ -10,8 +10,9 @@ import pytest
 
 from hybridpar.config import base_config, validate
 from hybridpar.errors import ConfigError
+from hybridpar.models import im2col
 from hybridpar.models.airbench import AirbenchNet
-from hybridpar.models.im2col import MIN_POSITIONS, Im2colConv, use_im2col
+from hybridpar.models.im2col import MIN_FLOPS, MIN_POSITIONS, Im2colConv, use_im2col
 
 
 def _grads(module, x):
@@ -41,7 +42,7 @@ def test_outputs_and_gradients_equal_nn_conv(kernel, strides, padding, size):
     x = jax.random.normal(jax.random.key(3), (3, size, size + 1, 5))
     kw = dict(features=6, kernel_size=kernel, strides=strides, padding=padding, use_bias=True)
     want_y, want = _grads(nn.Conv(**kw), x)
-    got_y, got = _grads(Im2colConv(**kw), x)
+    got_y, got = _grads(Im2colConv(**kw, min_flops=0), x)
     assert got_y.shape[1] * got_y.shape[2] >= MIN_POSITIONS  # the product form ran
     np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -52,18 +53,27 @@ def test_outputs_and_gradients_equal_nn_conv(kernel, strides, padding, size):
 
 
 def _kernel_grad_ops(module, x) -> str:
-    params = module.init(jax.random.key(0), x)
-    return str(jax.make_jaxpr(jax.grad(lambda p: module.apply(p, x).sum()))(params))
+    """The gradient's jaxpr, traced on shapes only (``x`` may be a ShapeDtypeStruct)."""
+    params = jax.eval_shape(module.init, jax.random.key(0), x)
+    grad = jax.grad(lambda p, x: module.apply(p, x).sum())
+    return str(jax.make_jaxpr(grad)(params, x))
 
 
 def test_product_form_only_where_it_pays():
-    conv = Im2colConv(features=4, kernel_size=(3, 3), padding="SAME")
+    conv = Im2colConv(features=4, kernel_size=(3, 3), padding="SAME", min_flops=0)
     side = int(np.ceil(np.sqrt(MIN_POSITIONS)))
     assert "dot_general" in _kernel_grad_ops(conv, jnp.ones((1, side, side, 2)))
     assert "dot_general" not in _kernel_grad_ops(conv, jnp.ones((1, side - 2, side - 2, 2)))
+    # A gradient below MIN_FLOPS stays XLA's; one above it takes the product form.
+    small = Im2colConv(features=4, kernel_size=(3, 3), padding="SAME")
+    assert "dot_general" not in _kernel_grad_ops(small, jnp.ones((1, side, side, 2)))
+    batch = int(MIN_FLOPS // (2 * side * side * 3 * 3 * 2 * 4)) + 1
+    shape = jax.ShapeDtypeStruct((batch, side, side, 2), jnp.float32)  # traced, never run
+    assert "dot_general" in _kernel_grad_ops(small, shape)
 
 
-def test_airbench_gradients_equal_either_way():
+def test_airbench_gradients_equal_either_way(monkeypatch):
+    monkeypatch.setattr(im2col, "MIN_FLOPS", 0)  # a test-sized model's gradients are small
     x = jax.random.normal(jax.random.key(4), (2, 16, 16, 3))
     a, b = AirbenchNet(10, num_filters=8), AirbenchNet(10, num_filters=8, im2col_grad=True)
     v = a.init(jax.random.key(0), x)
