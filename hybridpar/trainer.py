@@ -544,9 +544,9 @@ def train(run: Run, hooks=()) -> dict:
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     mem = compile_all(run, loop.stage)
-    compile_s = loop.compile_s
+    before = loop.compile_s  # a resumed run's earlier segments
     written = record_compiles(run, writer, loop, mem, 0)
-    compile_s = loop.compile_s - compile_s
+    compile_s = loop.compile_s - before
     cached = sum(r["cache_hit"] for r in program.compiles)
     pending = program.compiling
     log(
