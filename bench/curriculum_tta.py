@@ -5,7 +5,7 @@
 
 Two runs of ``experiments/cifar10_fast.py:VARIANT``, one after the other, in fresh workdirs
 under ``--out`` (default ``runs/curriculum_tta``): ``curriculum`` (the recipe's stages, e.g.
-24 px at batch 768 then 32 px at 512) and ``fixed`` (the same model, optimizer, epochs and
+24 px then 32 px, at batch 512) and ``fixed`` (the same model, optimizer, epochs and
 augmentation at 32 px and the last stage's batch throughout). Both log every step
 (``log_every_s=0``) and evaluate every epoch; time to ``--target`` top-1 is DAWNBench's count
 (wall clock from the start, compilation and evaluation included, ``summary.json``'s
