@@ -2,10 +2,13 @@
 
     python bench/curriculum_tta.py [--variant cpu] [--target 0.8] [--epochs E]
                                    [--out DIR] [--set KEY=VALUE ...] [--curriculum-run DIR]
+                                   [--one-after-other]
 
-Two runs of ``experiments/cifar10_fast.py:VARIANT``, one after the other, in fresh workdirs
-under ``--out`` (default ``runs/curriculum_tta``): ``curriculum`` (the recipe's stages, e.g.
-24 px then 32 px, at batch 512) and ``fixed`` (the same model, optimizer, epochs and
+Two runs of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs under ``--out``
+(default ``runs/curriculum_tta``), side by side: at once, each on half the cores, its output
+in ``--out``/NAME.log (``--one-after-other``: in turn, on all cores). ``curriculum`` (the
+recipe's stages, e.g. 24 px then 32 px, at batch 512) and ``fixed`` (the same model,
+optimizer, epochs and
 augmentation at 32 px and the last stage's batch throughout). Both log every step
 (``log_every_s=0``) and evaluate every epoch; time to ``--target`` top-1 is DAWNBench's count
 (wall clock from the start, compilation and evaluation included, ``summary.json``'s
@@ -50,7 +53,9 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def run(name: str, out: Path, args, overrides: list[str]) -> Path:
+def start(name: str, out: Path, args, overrides: list[str], cores=None):
+    """Starts one training run in a fresh workdir (on ``cores`` only, its output in
+    ``out/NAME.log``, when given); returns (process, workdir, log file or None)."""
     workdir = out / name
     if workdir.exists():
         fail(f"{workdir} exists; pass another --out (the bench never reuses a run)")
@@ -62,11 +67,28 @@ def run(name: str, out: Path, args, overrides: list[str]) -> Path:
         f"--config.target_top1={args.target}",
         *(f"--config.{kv}" for kv in args.set), *overrides,
     ]  # fmt: skip
-    print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
-    r = subprocess.run(cmd, cwd=ROOT)
-    if r.returncode != 0:
-        fail(f"the {name} run failed (exit {r.returncode}); its records are in {workdir}")
+    if cores is None:
+        print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
+        return subprocess.Popen(cmd, cwd=ROOT), workdir, None
+    log = out / f"{name}.log"
+    print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[3:])}", flush=True)
+    with open(log, "w") as f:  # the child holds its own copy of the file
+        # XLA's and tf.data's thread pools size themselves by the affinity set.
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
+    return proc, workdir, log
+
+
+def finish(name: str, proc, workdir: Path, log) -> Path:
+    code = proc.wait()
+    if code != 0:
+        where = f"; its output is in {log}" if log else ""
+        fail(f"the {name} run failed (exit {code}); its records are in {workdir}{where}")
     return workdir
+
+
+def run(name: str, out: Path, args, overrides: list[str]) -> Path:
+    return finish(name, *start(name, out, args, overrides))
 
 
 def prepare(args) -> None:
@@ -191,6 +213,9 @@ def main(argv=None) -> None:
                    help="a finished run of the recipe's curriculum to compare with instead of "
                         "training one (halves the bench; the two runs are then not side by "
                         "side, and the last line says so)")  # fmt: skip
+    p.add_argument("--one-after-other", action="store_true",
+                   help="train the two runs one after the other on all cores instead of "
+                        "side by side on half the cores each (default: 2+ cores)")  # fmt: skip
     args = p.parse_args(argv)
     if not 0 < args.target <= 1:
         fail(f"--target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
@@ -217,9 +242,21 @@ def main(argv=None) -> None:
         fixed_overrides.append(f"--config.log_every_s={log_every}")
         print(f"== curriculum: reusing {curriculum}", flush=True)
     prepare(args)  # once, before either clock starts: neither run pays for it
-    if not args.curriculum_run:
-        curriculum = run("curriculum", out, args, [*common, f"--config.stages={','.join(stages)}"])
-    fixed = run("fixed", out, args, fixed_overrides)
+    curriculum_overrides = [*common, f"--config.stages={','.join(stages)}"]
+    cores = sorted(os.sched_getaffinity(0))
+    side_by_side = not args.curriculum_run and not args.one_after_other and len(cores) >= 2
+    if side_by_side:
+        # Both at once, each on half the cores: whatever else loads the machine during the
+        # hour slows both alike (one after the other, the same run's speed moved by 30%
+        # between hours on a shared 2-core machine).
+        half = len(cores) // 2
+        c = start("curriculum", out, args, curriculum_overrides, set(cores[:half]))
+        f = start("fixed", out, args, fixed_overrides, set(cores[half : 2 * half]))
+        curriculum, fixed = finish("curriculum", *c), finish("fixed", *f)
+    else:
+        if not args.curriculum_run:
+            curriculum = run("curriculum", out, args, curriculum_overrides)
+        fixed = run("fixed", out, args, fixed_overrides)
     rows = [
         summarize("curriculum", curriculum, args.target),
         summarize("fixed", fixed, args.target),
@@ -249,7 +286,9 @@ def main(argv=None) -> None:
         f"fixed_tta_s={rows[1]['tta_s']:.1f} curriculum_best_top1={rows[0]['best_top1']:.4f} "
         f"fixed_best_top1={rows[1]['best_top1']:.4f} switch_gap_s={stall.get('gap_s', math.nan)} "
         f"median_step_s={stall.get('median_step_s', math.nan)} variant={args.variant} "
-        f"epochs={epochs:g}" + (" curriculum_reused=1" if args.curriculum_run else "")
+        f"epochs={epochs:g}"
+        + (" curriculum_reused=1" if args.curriculum_run else "")
+        + (f" side_by_side=1 cores_each={len(cores) // 2}" if side_by_side else "")
     )
 
 
