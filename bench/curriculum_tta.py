@@ -18,7 +18,8 @@ starts, so neither clock includes that one-time cost.
 Also per run: the best top-1 and the epoch it came at, and for the curriculum the stall at
 each stage switch: the time between the last step of one stage and the first of the next,
 against the median step time of the stage after it (an interval with an evaluation or a
-checkpoint in it is reported as such, not as a stall). Then ``python -m hybridpar.report``
+checkpoint in it is reported as such, not as a stall; the time from the switch, after any
+evaluation, to the next step is reported too). Then ``python -m hybridpar.report``
 on both runs (``DIR/report.png`` and ``.md``).
 
 The last line starts with the speedup, ``tta_speedup_80=`` (fixed's time to target over the
@@ -122,14 +123,17 @@ def stalls(recs: list[dict]) -> list[dict]:
     out = []
     stage_at = [i for i, r in enumerate(recs) if r["event"] == "stage"][1:]
     for i in stage_at:
-        before = [r for r in recs[:i] if r["event"] == "train"]
+        before_idx = [j for j in range(i) if recs[j]["event"] == "train"]
+        before = [recs[j] for j in before_idx]
         after_idx = [j for j in range(i, len(recs)) if recs[j]["event"] == "train"]
         if not before or not after_idx:
             continue
         first = recs[after_idx[0]]
         if first["step"] != before[-1]["step"] + 1:  # a run that logged every few steps
             continue
-        between = {r["event"] for r in recs[i : after_idx[0]]} - {"stage"}
+        # what else was logged between the two steps (an epoch's evaluation is written
+        # before the stage record)
+        between = {r["event"] for r in recs[before_idx[-1] + 1 : after_idx[0]]} - {"stage"}
         steps = [recs[j] for j in after_idx]
         gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:])
                 if b["step"] == a["step"] + 1]  # fmt: skip
@@ -137,6 +141,8 @@ def stalls(recs: list[dict]) -> list[dict]:
             {
                 "at_step": first["step"] - 1,
                 "gap_s": round(first["wall_s"] - before[-1]["wall_s"], 3),
+                # from the stage record (after any evaluation) to the first step of the stage
+                "after_switch_s": round(first["wall_s"] - recs[i]["wall_s"], 3),
                 "median_step_s": round(statistics.median(gaps), 3) if gaps else None,
                 "between": sorted(between),  # an eval or checkpoint: not a stall
             }
@@ -276,7 +282,8 @@ def main(argv=None) -> None:
     for s in rows[0]["stalls"]:
         note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
         print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between steps, "
-              f"median step {s['median_step_s']} s{note}")  # fmt: skip
+              f"{s['after_switch_s']:.3f} s from the switch to the next step, median step "
+              f"{s['median_step_s']} s{note}")  # fmt: skip
     (out / "curriculum_tta.json").write_text(json.dumps(rows, indent=2))
     speedup = rows[1]["tta_s"] / rows[0]["tta_s"]
     key = f"{round(args.target * 100):d}"
@@ -285,6 +292,7 @@ def main(argv=None) -> None:
         f"tta_speedup_{key}={speedup:.3f} curriculum_tta_s={rows[0]['tta_s']:.1f} "
         f"fixed_tta_s={rows[1]['tta_s']:.1f} curriculum_best_top1={rows[0]['best_top1']:.4f} "
         f"fixed_best_top1={rows[1]['best_top1']:.4f} switch_gap_s={stall.get('gap_s', math.nan)} "
+        f"after_switch_s={stall.get('after_switch_s', math.nan)} "
         f"median_step_s={stall.get('median_step_s', math.nan)} variant={args.variant} "
         f"epochs={epochs:g}"
         + (" curriculum_reused=1" if args.curriculum_run else "")
