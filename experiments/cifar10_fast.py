@@ -23,6 +23,9 @@ Measured, ``cpu`` on 2 idle cores (one seed each, 2026-12-02), from the start of
   2,575 s; 80.27% at epoch 4 (1,189 s); 242 img/s at 24 px, 148 at 32.
 - stages ``3.2:24-768,8:32-512`` (the previous session's): 85.51% at 3,001 s; 80% only at
   epoch 5 (1,651 s), with 78.9% at epoch 4: 65 steps per epoch at 24 px instead of 97.
+Time to 80% against the same model at 32 px throughout (bench/curriculum_tta.py, the two
+side by side on one core each): 1,601 s (epoch 5; 79.37% at epoch 4) against 1,728 s
+(epoch 4), 1.08x. 80% falls at the edge of epoch 4, so one seed's noise moves it by an epoch.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe of issue 13 needs for 85%.
 ``gpu`` is not measured yet.
