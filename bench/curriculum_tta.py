@@ -8,8 +8,8 @@ Two runs of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs under ``--
 (default ``runs/curriculum_tta``), side by side: at once, each on half the cores, its output
 in ``--out``/NAME.log (``--one-after-other``: in turn, on all cores). ``curriculum`` (the
 recipe's stages, e.g. 24 px then 32 px, at batch 512) and ``fixed`` (the same model,
-optimizer, epochs and
-augmentation at 32 px and the last stage's batch throughout). Both log every step
+optimizer, epochs and augmentation at 32 px and the last stage's batch throughout). Both
+log every step
 (``log_every_s=0``) and evaluate every epoch; time to ``--target`` top-1 is DAWNBench's count
 (wall clock from the start, compilation and evaluation included, ``summary.json``'s
 ``time_to_target``), and also without compilation. The data is prepared before either run
@@ -124,12 +124,11 @@ def stalls(recs: list[dict]) -> list[dict]:
     stage_at = [i for i, r in enumerate(recs) if r["event"] == "stage"][1:]
     for i in stage_at:
         before_idx = [j for j in range(i) if recs[j]["event"] == "train"]
-        before = [recs[j] for j in before_idx]
         after_idx = [j for j in range(i, len(recs)) if recs[j]["event"] == "train"]
-        if not before or not after_idx:
+        if not before_idx or not after_idx:
             continue
-        first = recs[after_idx[0]]
-        if first["step"] != before[-1]["step"] + 1:  # a run that logged every few steps
+        last, first = recs[before_idx[-1]], recs[after_idx[0]]
+        if first["step"] != last["step"] + 1:  # a run that logged every few steps
             continue
         # what else was logged between the two steps (an epoch's evaluation is written
         # before the stage record)
@@ -140,7 +139,7 @@ def stalls(recs: list[dict]) -> list[dict]:
         out.append(
             {
                 "at_step": first["step"] - 1,
-                "gap_s": round(first["wall_s"] - before[-1]["wall_s"], 3),
+                "gap_s": round(first["wall_s"] - last["wall_s"], 3),
                 # from the stage record (after any evaluation) to the first step of the stage
                 "after_switch_s": round(first["wall_s"] - recs[i]["wall_s"], 3),
                 "median_step_s": round(statistics.median(gaps), 3) if gaps else None,
@@ -255,7 +254,7 @@ def main(argv=None) -> None:
         # Both at once, each on half the cores: whatever else loads the machine during the
         # hour slows both alike (one after the other, the same run's speed moved by 30%
         # between hours on a shared 2-core machine).
-        half = len(cores) // 2
+        half = len(cores) // 2  # equal halves: an odd core out stays idle
         c = start("curriculum", out, args, curriculum_overrides, set(cores[:half]))
         f = start("fixed", out, args, fixed_overrides, set(cores[half : 2 * half]))
         curriculum, fixed = finish("curriculum", *c), finish("fixed", *f)
