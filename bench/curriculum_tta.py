@@ -2,7 +2,7 @@
 
     python bench/curriculum_tta.py [--variant cpu] [--target 0.8] [--epochs E]
                                    [--out DIR] [--set KEY=VALUE ...] [--curriculum-run DIR]
-                                   [--one-after-other]
+                                   [--fixed-set KEY=VALUE ...] [--one-after-other]
 
 Two runs of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs under ``--out``
 (default ``runs/curriculum_tta``), side by side: at once, each on half the cores, its output
@@ -32,6 +32,9 @@ hybridpar.train --config experiments/cifar10_fast.py:cpu``, checked against the 
 epochs the bench would train) instead of training the curriculum again; the fixed run then
 logs as often as that run did, and the last line ends with ``curriculum_reused=1`` (the two
 are not side by side). Times to target come from the eval records, so any target works.
+``--fixed-set`` overrides the fixed run only: ``--fixed-set stop_at_target=True`` stops it at
+the target while the curriculum trains to its end (the recipe's final accuracy in the same
+bench); ``--set stop_at_target=True`` stops both there, the shortest bench.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -214,6 +218,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both runs, repeatable")  # fmt: skip
+    p.add_argument("--fixed-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the fixed run only, after --set: e.g. "
+                        "stop_at_target=True stops it at the target while the curriculum "
+                        "trains to its end (the recipe's final accuracy, same run)")  # fmt: skip
     p.add_argument("--curriculum-run", default="", metavar="DIR",
                    help="a finished run of the recipe's curriculum to compare with instead of "
                         "training one (halves the bench; the two runs are then not side by "
@@ -237,9 +245,11 @@ def main(argv=None) -> None:
     for part in recipe_stages.split(","):
         end, shape = part.split(":")
         stages.append(f"{float(end) * epochs / recipe_epochs:g}:{shape}")
-    size, batch = (int(x) for x in stages[-1].split(":")[1].split("-"))
+    # the last stage's size and batch, without its own crop scale or momentum
+    size, batch = (int(x) for x in re.split("[@~]", stages[-1].split(":")[1])[0].split("-"))
     common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
     fixed_overrides = [*common, f"--config.stages={epochs:g}:{size}-{batch}"]
+    fixed_overrides += [f"--config.{kv}" for kv in args.fixed_set]
     if args.curriculum_run:
         curriculum = Path(args.curriculum_run)
         # the fixed run logs as often as the reused one did (logging every step syncs)

@@ -7,25 +7,31 @@ In the spirit of airbench (Keller Jordan's 94% in seconds on one A100) and Page'
 a 2x2 first layer whitened from the training images and frozen, flip + 2-px translate, label
 smoothing 0.2, test-time flip, linear warmup then linear decay to 0; and our curriculum:
 24-px images for the first 30-40% of the epochs, then 32 px (both shapes compiled before
-the first step; the LR follows the batch, continuous across the switch). ``gpu`` takes the
-small images at twice the batch, for throughput; ``cpu`` keeps batch 512, since a CPU runs
-no faster at a larger batch and fewer steps learned less per epoch (below).
-Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the first layer.
+the first step; the LR follows the batch, continuous across the switch). The 24-px stage
+takes random-resized crops of half the image or more (``@0.5``), not the whole image: shrunk
+to 24 px, a crop of about 71-100% of the side shows objects at 0.75-1.06x (0.88x on
+average) the scale the 32-px test images show them at, where the whole image shows them at
+0.75x (FixRes, Touvron et al. 2019: train at the scale you test at). ``gpu`` takes the small
+images at twice the batch, for throughput; ``cpu`` keeps batch 512, since a CPU runs no
+faster at a larger batch and fewer steps learned less per epoch (below).
 
 Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
 per device, target 94%) or ``cpu`` (sized for 2 cores, one device: widths 48-96-96,
 8 epochs, target 85%). Data: the JPEG tars in $HYBRIDPAR_DATA (default ../shared/data),
 prepared on first use as experiments/cifar10.py does.
 
-Measured, ``cpu`` on 2 idle cores (one seed each, 2026-12-02), from the start of the run
-(compilation, evaluation and a re-preparation of the data, about 25 s, included):
-- stages ``3:24-512,8:32-512`` (the recipe): 85.78% test top-1 after the 8 epochs at
-  2,575 s; 80.27% at epoch 4 (1,189 s); 242 img/s at 24 px, 148 at 32.
-- stages ``3.2:24-768,8:32-512`` (the previous session's): 85.51% at 3,001 s; 80% only at
-  epoch 5 (1,651 s), with 78.9% at epoch 4: 65 steps per epoch at 24 px instead of 97.
-Time to 80% against the same model at 32 px throughout (bench/curriculum_tta.py, the two
-side by side on one core each): 1,601 s (epoch 5; 79.37% at epoch 4) against 1,728 s
-(epoch 4), 1.08x. 80% falls at the edge of epoch 4, so one seed's noise moves it by an epoch.
+Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
+- On 2 idle cores, from the start of the run (compilation, evaluation and a re-preparation of
+  the data, about 25 s, included), with whole images at 24 px (``3:24-512,8:32-512``):
+  85.78% test top-1 after the 8 epochs at 2,575 s, 80.27% at epoch 4 (1,189 s); 242 img/s
+  at 24 px, 148 at 32. ``3.2:24-768,8:32-512``: 85.51% at 3,001 s, 78.9% at epoch 4.
+  The recipe's ``@0.5`` adds no time per step; its 8-epoch run is not measured yet.
+- One core per run, two runs at a time, top-1 at epochs 1-4 (the first 4 of the 8):
+  ``3:24-512@0.5`` (the recipe) 54.1, 61.2, 70.0, 80.16%; ``3:24-512`` 50.0, 66.5, 72.8,
+  79.37%; ``2.5:24-512`` 51.7, 66.5, 74.1, 79.93%; ``3:24-256`` 58.2, 69.3, 72.3, 80.11%;
+  ``3:24-256@0.5`` 55.3, 67.9, 73.2, 80.52% (batch 256 learns more per epoch, but its 24-px
+  epochs took about 1.2x as long as batch 512's). The same model at 32 px throughout: 53.9,
+  73.2, 77.6, 81.4%.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe of issue 13 needs for 85%.
 ``gpu`` is not measured yet.
@@ -38,8 +44,8 @@ from hybridpar.errors import ConfigError
 
 VARIANTS = {
     # widths, epochs, stages (END:SIZE-BATCH_PER_DEVICE), target top-1
-    "gpu": (128, 10.0, "4:24-1024,10:32-512", 0.94),
-    "cpu": (48, 8.0, "3:24-512,8:32-512", 0.85),
+    "gpu": (128, 10.0, "4:24-1024@0.5,10:32-512", 0.94),
+    "cpu": (48, 8.0, "3:24-512@0.5,8:32-512", 0.85),
 }
 
 
