@@ -32,6 +32,11 @@ Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
   ``3:24-256@0.5`` 55.3, 67.9, 73.2, 80.52% (batch 256 learns more per epoch, but its 24-px
   epochs took about 1.2x as long as batch 512's). The same model at 32 px throughout: 53.9,
   73.2, 77.6, 81.4%.
+Time to 80% against the same model at 32 px throughout (bench/curriculum_tta.py, the two side
+by side on one core each, in a slow hour): 1,915 s (epoch 4, 80.16%) against 2,822 s
+(epoch 4, 81.38%), 1.47x (with whole images at 24 px, another day: 1,601 s at epoch 5
+against 1,728 s, 1.08x). 80.16% is close to the line: with another seed 80% may come an
+epoch later, at about 1.1x.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe of issue 13 needs for 85%.
 ``gpu`` is not measured yet.
