@@ -43,7 +43,6 @@ import argparse
 import json
 import math
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -238,6 +237,8 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(ROOT / "experiments"))
     import cifar10_fast  # the recipe's stages: the fixed run takes the last one's shape
 
+    from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
+
     _, recipe_epochs, recipe_stages, _ = cifar10_fast.VARIANTS[args.variant]
     epochs = args.epochs or recipe_epochs
     # the recipe's stages with their end epochs scaled to --epochs; fixed: the last shape
@@ -245,8 +246,7 @@ def main(argv=None) -> None:
     for part in recipe_stages.split(","):
         end, shape = part.split(":")
         stages.append(f"{float(end) * epochs / recipe_epochs:g}:{shape}")
-    # the last stage's size and batch, without its own crop scale or momentum
-    size, batch = (int(x) for x in re.split("[@~]", stages[-1].split(":")[1])[0].split("-"))
+    _, size, batch, _ = parse_stages(recipe_stages)[-1]  # the last stage's shape, no @ or ~
     common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
     fixed_overrides = [*common, f"--config.stages={epochs:g}:{size}-{batch}"]
     fixed_overrides += [f"--config.{kv}" for kv in args.fixed_set]

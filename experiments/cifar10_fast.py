@@ -14,6 +14,7 @@ average) the scale the 32-px test images show them at, where the whole image sho
 0.75x (FixRes, Touvron et al. 2019: train at the scale you test at). ``gpu`` takes the small
 images at twice the batch, for throughput; ``cpu`` keeps batch 512, since a CPU runs no
 faster at a larger batch and fewer steps learned less per epoch (below).
+Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the first layer.
 
 Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
 per device, target 94%) or ``cpu`` (sized for 2 cores, one device: widths 48-96-96,
