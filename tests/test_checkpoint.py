@@ -34,6 +34,7 @@ from hybridpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP = 4  # the in-process run is stopped after this step
+HEAD_START = 1000.0  # s
 
 
 def records(workdir, event=None):
@@ -88,7 +89,10 @@ def runs(tmp_path_factory):
     assert run.plan.total_steps > STOP + 3
     summary_full = trainer.train(run)
     # The same program (compiled once) on another workdir: as the CLI would set it up.
-    stopped = trainer.train(again(run, cut), hooks=[SigtermAt(STOP)])
+    # Its first segment began HEAD_START s earlier, so a resumed clock that restarted at 0
+    # can't pass for one that went on.
+    first = dataclasses.replace(again(run, cut), start_time=time.time() - HEAD_START)
+    stopped = trainer.train(first, hooks=[SigtermAt(STOP)])
     shutil.copytree(cut, copy)
     resumed = trainer.train(again(run, cut))
     return dict(run=run, full=full, cut=cut, copy=copy, summary_full=summary_full,
@@ -115,8 +119,14 @@ def test_stop_and_resume_ends_bitwise_equal_to_the_uninterrupted_run(runs):
     assert [r["step"] for r in train_after] == list(range(STOP + 1, n + 1))
     full_loss = {r["step"]: r["loss"] for r in records(runs["full"], "train")}
     assert [r["loss"] for r in train_after] == [full_loss[s] for s in range(STOP + 1, n + 1)]
-    # wall_s goes on: the resumed segment starts after the first one's last record
-    assert recs[first_resume]["wall_s"] >= max(r["wall_s"] for r in recs[:first_resume]) - 1
+    # wall_s goes on from the checkpoint's clock, which was read after step STOP was logged
+    # (the stopped segment's records after the save, which may finish seconds later, are
+    # time lost to the stop and not counted).
+    meta = next((runs["cut"] / "checkpoints" / str(STOP) / "loop").glob("*metadata*"))
+    saved_wall = json.loads(meta.read_text())["wall_s"]
+    stop_train = [r for r in recs[:first_resume] if r["event"] == "train"][-1]
+    assert HEAD_START <= stop_train["wall_s"] <= saved_wall <= recs[first_resume]["wall_s"]
+    assert all(r["wall_s"] >= saved_wall for r in recs[first_resume:])
     saves = [r for r in recs if r["event"] == "checkpoint"]
     assert [r["step"] for r in saves] == [STOP, n]
     assert all(r["bytes"] > 0 and r["total_s"] >= r["blocking_s"] > 0 for r in saves)
