@@ -29,6 +29,7 @@ state structure unchanged; the same check must reject them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -96,6 +97,16 @@ def tiny_digits(mesh="data:4,model:2", **overrides):
     c.mesh = mesh
     cli.apply_overrides(c, [(k, str(v)) for k, v in {**TINY_DIGITS, **overrides}.items()])
     return c
+
+
+def loop_metadata(workdir, step) -> Path:
+    """The file of a checkpoint's loop state (orbax's JSON item) under ``workdir``."""
+    return next((Path(workdir) / "checkpoints" / str(step) / "loop").glob("*metadata*"))
+
+
+def saved_loop(workdir, step) -> dict:
+    """The loop state a checkpoint holds, read as a file."""
+    return json.loads(loop_metadata(workdir, step).read_text())
 
 
 def config_args(values: dict) -> list[str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, loop_metadata, saved_loop, tiny_digits
 
 from hybridpar import checkpoint, trainer
 from hybridpar.errors import ConfigError
@@ -122,8 +122,7 @@ def test_stop_and_resume_ends_bitwise_equal_to_the_uninterrupted_run(runs):
     # wall_s goes on from the checkpoint's clock, which was read after step STOP was logged
     # (the stopped segment's records after the save, which may finish seconds later, are
     # time lost to the stop and not counted).
-    meta = next((runs["cut"] / "checkpoints" / str(STOP) / "loop").glob("*metadata*"))
-    saved_wall = json.loads(meta.read_text())["wall_s"]
+    saved_wall = saved_loop(runs["cut"], STOP)["wall_s"]
     stop_train = [r for r in recs[:first_resume] if r["event"] == "train"][-1]
     assert HEAD_START <= stop_train["wall_s"] <= saved_wall <= recs[first_resume]["wall_s"]
     assert all(r["wall_s"] >= saved_wall for r in recs[first_resume:])
@@ -211,7 +210,7 @@ def test_negative_control_a_resume_from_another_data_position_ends_elsewhere(run
     """The same resume, but the checkpoint's data position one step further on: the check
     above would catch a resume that reads the data from the wrong place."""
     run, copy = runs["run"], runs["copy"]
-    meta = next((copy / "checkpoints" / str(STOP) / "loop").glob("*metadata*"))
+    meta = loop_metadata(copy, STOP)
     loop = json.loads(meta.read_text())
     assert loop["step_in_epoch"] == STOP  # the position a resume continues from
     meta.write_text(json.dumps(dict(loop, step_in_epoch=STOP + 1)))

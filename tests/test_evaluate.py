@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, saved_loop, tiny_digits
 
 from hybridpar import evaluate, evaluator, trainer
 from hybridpar.curriculum import plan_stages, stages_from_config
@@ -38,12 +38,6 @@ STEPS = [3, 6, 9, 11]  # the checkpoints of the 11-step run: every 3 steps and t
 def records(path, event=None):
     lines = Path(path).read_text().splitlines()
     return [r for r in map(json.loads, lines) if event is None or r["event"] == event]
-
-
-def saved_loop(workdir, step):
-    """The loop state a checkpoint holds (orbax's JSON item, read as a file)."""
-    return json.loads(next((workdir / "checkpoints" / str(step) / "loop").glob("*metadata*"))
-                      .read_text())  # fmt: skip
 
 
 class WaitForEvaluator:
