@@ -51,6 +51,7 @@ DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
 # GPU at 224 px (GUIDE section 5); at 128 px a step costs about (128/224)^2 of the FLOPs, so
 # about 3x that rate.
 GPU_RATE = {224: 7700, 128: 7700 * 3}
+BATCH = 50  # per tf.data batch in every measurement
 
 
 def pil_sample(args):
@@ -135,7 +136,7 @@ def bare_worker(args):
     return rates
 
 
-def time_tfdata(pipe, size, n, copy, batch=50):
+def time_tfdata(pipe, size, n, copy, batch=BATCH):
     """Images/s over the epochs that hold ``n`` images, read as the trainer reads them: one
     stream in which each next epoch's input is opened while the one before it is read
     (``chain_ahead``, as ``trainer.host_batches``), every epoch read to its end (so nothing
@@ -153,14 +154,16 @@ def time_tfdata(pipe, size, n, copy, batch=50):
     return done / (time.perf_counter() - t0)
 
 
-def time_open(pipe, size, epochs, batch=50):
+def time_open(pipe, size, epochs, batch=BATCH):
     """(seconds to an epoch's first batch, images/s after it): what opening an epoch costs
     (graph build, function instantiation, the shuffle buffer's fill, the first batch) and the
-    rate once it runs. Median over ``epochs`` epochs, each opened alone (nothing overlaps)."""
+    rate once it runs, batches handed over as numpy as the trainer takes them. Median over
+    ``epochs`` epochs, each opened alone (nothing overlaps)."""
     opens, rates = [], []
     for e in range(1, epochs + 1):
         t0 = time.perf_counter()
-        it = iter(pipe.train_dataset(e, image_size=size, global_batch=batch, copy="full"))
+        ds = pipe.train_dataset(e, image_size=size, global_batch=batch, copy="full")
+        it = ds.as_numpy_iterator()
         next(it)
         t1 = time.perf_counter()
         done = sum(len(b["label"]) for b in it)
@@ -250,7 +253,7 @@ def main():
             f"{bare[s] / (med[(s, 'pil')] / args.workers):>6.2f} {GPU_RATE[s] / bare[s]:>9.0f}"
             "   (one thread)"
         )
-    per_epoch = pipe.steps_per_epoch(50) * 50
+    per_epoch = pipe.steps_per_epoch(BATCH) * BATCH
     for s in (128, 224):
         open_s, steady = opened[s]
         print(
