@@ -61,7 +61,30 @@ def check_workdir(workdir: str) -> None:
     checkpoint.ensure_writable(workdir, "workdir", "pass a --workdir you can write to")
 
 
-def setup(
+def setup(config, workdir: str | None = None, **kwargs) -> Run:
+    """``_setup``, which leaves no empty directory behind when it stops on a mistake found
+    after the directory checks (a mesh larger than the devices, data that does not match
+    the config): the workdir, checkpoint and compile-cache directories it created are
+    removed again while still empty."""
+    validate(config)  # first: the paths below come from the config
+    made = [] if workdir is None else _missing(workdir)
+    for path in (
+        workdir and checkpoint.checkpoint_dir(config, workdir),
+        compile_cache.resolve(config.compile_cache, workdir),
+    ):
+        made += _missing(path) if path else []
+    try:
+        return _setup(config, workdir, **kwargs)
+    except BaseException:
+        for path in sorted(set(made), key=len, reverse=True):  # the deepest first
+            try:
+                os.rmdir(path)  # only if still empty
+            except OSError:
+                pass
+        raise
+
+
+def _setup(
     config,
     workdir: str | None = None,
     *,
@@ -70,11 +93,11 @@ def setup(
     allow_config_change: bool = False,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
-    device comes first (``validate``, then what the workdir holds), so a bad value stops
-    before data or devices are touched. ``devices``: the mesh's devices (default: all).
+    device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
+    value stops before data or devices are touched. ``devices``: the mesh's devices (default:
+    all).
     ``allow_config_change``: resume a workdir's run with a config that differs from its own."""
     start = time.time()
-    validate(config)
     finished = None
     if workdir is not None:
         if os.path.isdir(workdir):
@@ -107,6 +130,15 @@ def setup(
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     program = build_program(config, mesh, plan)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished)
+
+
+def _missing(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
 
 
 def memory_line(compiled) -> tuple[str, dict]:

@@ -22,6 +22,7 @@ import pytest
 from helpers import DIGITS, tiny_digits
 
 from hybridpar import checkpoint, shard_batch, trainer
+from hybridpar.errors import ConfigError
 from hybridpar.optim import lr_batch_factor
 from hybridpar.state import init_sharded
 
@@ -149,6 +150,21 @@ def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, e
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert len(errors) == 1 and expect in errors[0], r.stderr
     assert not workdir.exists()  # not even the workdir: nothing was touched
+
+
+def test_a_mistake_found_after_the_directory_checks_leaves_no_directory_behind(tmp_path):
+    # The workdir, checkpoint and compile-cache checks create their directories; a mesh
+    # larger than the devices is only found after them, once JAX is up.
+    config = tiny_digits(mesh="data:64", compile_cache="workdir")
+    with pytest.raises(ConfigError, match="needs 64 devices"):
+        trainer.setup(config, str(tmp_path / "new" / "run"))
+    assert list(tmp_path.iterdir()) == []
+    mine = tmp_path / "mine"  # a workdir that was there keeps what it holds, and itself
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="needs 64 devices"):
+        trainer.setup(config, str(mine))
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 def test_import_hybridpar_and_its_parser_do_not_start_jax():
