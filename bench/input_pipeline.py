@@ -5,8 +5,8 @@
 Data: ``$HYBRIDPAR_DATA/imagenet-sample/train.tar`` (1,000 real ImageNet photos, median
 500x375), prepared once into a temp dir with the full copy and reduced copies of longest side
 160 (serves 128 px) and 280 (serves 224 px). Each measurement decodes ``--images`` images
-(the 1,000 repeated; tf.data reads the whole epochs that hold them, as one stream in which
-the next epoch opens while one is read, as the trainer reads) at 128 and 224 px on all cores:
+(the 1,000 repeated; tf.data reads the whole epochs that hold them as one pipeline, as the
+trainer reads a curriculum stage) at 128 and 224 px on all cores:
 
 * ``tfdata/full``: random-resized crop fused into JPEG decoding, from the original bytes;
 * ``tfdata/full-dct``: the same with reduced-scale decoding of large crops off
@@ -20,14 +20,14 @@ the next epoch opens while one is read, as the trainer reads) at 128 and 224 px 
   bytes, in a spawned process with TF's thread pools at 1): what one core can do at most
   without reduced-scale decoding. Per core, ``tfdata/full`` is compared with it.
 
-Loaders run interleaved, median of repeats. The last line starts with the ratios: the full
+Loaders run interleaved, the bare decoder in the same rounds (so a slow spell of this
+shared machine slows both sides), median of repeats. The last line starts with the ratios: the full
 copy per core vs PIL per core at 128 px (target >= 2) and vs the bare decoder at 224 px
 (target >= 0.9), then the best ratios over both copies.
 
-Then, for the full copy alone, where its time goes: the seconds from opening an epoch to its
-first batch, and the rate after it (``full_steady_per_core_vs_bare_224``). The sample's
-epochs are 1,000 images, so opening one (a new tf.data pipeline per epoch, as the trainer
-reads) weighs about 1,000 times more here than in an ImageNet epoch.
+Then, for the full copy alone, where its time goes: the seconds from opening its input to
+the first batch, and the rate after it (``full_steady_per_core_vs_bare_224``). The trainer
+opens one input per curriculum stage (and the next while the one before is read).
 """
 
 from __future__ import annotations
@@ -88,9 +88,13 @@ def time_pil(pool, paths, size, n, epoch):
     return n / (time.perf_counter() - t0)
 
 
-def bare_worker(args):
-    """Images/s of the bare decoder at each size, one thread (runs in a spawned process)."""
-    prepared, sizes, repeats = args
+_BARE: dict = {}  # the bare decoder's process: its records, crop windows and traced loops
+
+
+def bare_init(prepared, sizes):
+    """Sets up the bare decoder in its own (spawned) process, TF's thread pools at 1: the
+    encoded records, the train transform's random-resized crops (drawn here, outside the
+    timing) and, per size, one traced graph loop over them."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow as tf
 
@@ -105,7 +109,7 @@ def bare_worker(args):
     ids = tf.range(len(recs), dtype=tf.int64)
 
     @tf.function
-    def windows():  # the train transform's random-resized crops, drawn outside the timing
+    def windows():
         def one(x):
             shape = tf.image.extract_jpeg_shape(x[0])
             seed = tf.stack([tf.constant(7, tf.int64), x[1]])
@@ -114,7 +118,6 @@ def bare_worker(args):
         return tf.map_fn(one, (data, ids), fn_output_signature=tf.int32)
 
     win = windows()
-    rates = {}
     for size in sizes:
 
         @tf.function
@@ -126,39 +129,35 @@ def bare_worker(args):
             spec = tf.TensorSpec([size, size, 3], tf.uint8)
             return tf.map_fn(one, (data, win), fn_output_signature=spec, parallel_iterations=1)
 
-        bare()
-        runs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            bare()
-            runs.append(len(recs) / (time.perf_counter() - t0))
-        rates[size] = statistics.median(runs)
-    return rates
+        bare()  # traced and warm
+        _BARE[size] = bare
+    _BARE["n"] = len(recs)
+
+
+def bare_rate(size):
+    """Images/s of one pass of the bare decoder at ``size`` (in the ``bare_init`` process)."""
+    t0 = time.perf_counter()
+    _BARE[size]()
+    return _BARE["n"] / (time.perf_counter() - t0)
 
 
 def time_tfdata(pipe, size, n, copy, batch=BATCH):
-    """Images/s over the epochs that hold ``n`` images, read as the trainer reads them: one
-    stream in which each next epoch's input is opened while the one before it is read
-    (``chain_ahead``, as ``trainer.host_batches``), every epoch read to its end (so nothing
-    opened ahead is left running into the next measurement)."""
-    from hybridpar.input.prefetch import chain_ahead
-
+    """Images/s over the epochs that hold ``n`` images, read as the trainer reads a stage:
+    one pipeline across them (``train_batches(..., steps=)``), every epoch read to its end.
+    The timing starts when the input is asked for, so it includes opening it."""
     per_epoch = pipe.steps_per_epoch(batch) * batch
-    epochs = max(1, math.ceil(n / per_epoch))
-    stream = chain_ahead(
-        (lambda e=e: pipe.train_batches(e, image_size=size, global_batch=batch, copy=copy))
-        for e in range(epochs)
-    )
+    steps = max(1, math.ceil(n / per_epoch)) * pipe.steps_per_epoch(batch)
     t0 = time.perf_counter()
-    done = sum(len(b["label"]) for b in stream)
+    batches = pipe.train_batches(0, image_size=size, global_batch=batch, copy=copy, steps=steps)
+    done = sum(len(b["label"]) for b in batches)
     return done / (time.perf_counter() - t0)
 
 
 def time_open(pipe, size, epochs, batch=BATCH):
-    """(seconds to an epoch's first batch, images/s after it): what opening an epoch costs
-    (graph build, function instantiation, the shuffle buffer's fill, the first batch) and the
-    rate once it runs, batches handed over as numpy as the trainer takes them. Median over
-    ``epochs`` epochs, each opened alone (nothing overlaps)."""
+    """(seconds to an input's first batch, images/s after it): what opening an input of one
+    epoch costs (graph build, function instantiation, the shuffle buffer's fill, the first
+    batch) and the rate once it runs, batches handed over as numpy as the trainer takes
+    them. Median over ``epochs`` epochs, each opened alone (nothing overlaps)."""
     opens, rates = [], []
     for e in range(1, epochs + 1):
         t0 = time.perf_counter()
@@ -213,8 +212,12 @@ def main():
     names = ("tfdata/full", "tfdata/full-dct", "tfdata/reduced", "pil")
     loaders = [(s, name) for s in (128, 224) for name in names]
     rates = {k: [] for k in loaders}
-    with mp.get_context("spawn").Pool(args.workers) as pool:
-        for s in (128, 224):  # warm-up: caches filled, graphs traced, pool started
+    ctx = mp.get_context("spawn")
+    bare_pool = ctx.Pool(1, bare_init, (str(tmp / "prepared"), (128, 224)))
+    bare_runs = {128: [], 224: []}
+    with ctx.Pool(args.workers) as pool, bare_pool:
+        for s in (128, 224):  # warm-up: caches filled, graphs traced, pools started
+            bare_pool.apply(bare_rate, (s,))
             time_tfdata(pipe, s, 200, "full")
             time_tfdata(pipe_nodct, s, 200, "full")
             time_tfdata(pipe, s, 200, pipe.copy_for(s))
@@ -228,11 +231,12 @@ def main():
                     p = pipe_nodct if name == "tfdata/full-dct" else pipe
                     rate = time_tfdata(p, s, args.images, copy)
                 rates[(s, name)].append(rate)
+            for s in (128, 224):  # the bare decoder alone, in the same rounds (idle pools)
+                bare_runs[s].append(bare_pool.apply(bare_rate, (s,)))
 
         # Where the full copy's time goes: opening each epoch, then the steady rate.
         opened = {s: time_open(pipe, s, args.repeats) for s in (128, 224)}
-        # The bare decoder last, in its own process, while the pool's workers sit idle.
-        bare = pool.apply(bare_worker, ((str(tmp / "prepared"), (128, 224), args.repeats),))
+    bare = {s: statistics.median(r) for s, r in bare_runs.items()}
 
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(
@@ -257,8 +261,9 @@ def main():
     for s in (128, 224):
         open_s, steady = opened[s]
         print(
-            f"{s:>4}  tfdata/full: opening an epoch of {per_epoch} images takes {open_s:.2f} s "
-            f"to its first batch, then {steady:.0f} img/s ({steady / args.workers:.0f} per core, "
+            f"{s:>4}  tfdata/full: opening an input of one {per_epoch}-image epoch takes "
+            f"{open_s:.2f} s to its first batch, then {steady:.0f} img/s "
+            f"({steady / args.workers:.0f} per core, "
             f"{steady / args.workers / bare[s]:.2f}x the bare decoder)"
         )
     full_vs_pil_128 = med[(128, "tfdata/full")] / med[(128, "pil")]  # same cores: per core too

@@ -220,27 +220,23 @@ def start_position(stage: PlannedStage) -> tuple[int, int]:
 
 def host_batches(run: Run, stage: int, step: int, epoch: int, step_in_epoch: int):
     """This host's batches from a data position (the loop's, passed as values: a thread
-    reads this ahead) to the run's last step, stage after stage and epoch after epoch, as
-    one stream. One stream, so the prefetch reads across an epoch or stage boundary: the
-    next epoch's (or stage's, at its own size and batch) input is opened and its first
-    batches made while the steps before it run, as MoXing's input did, instead of after
-    them (``chain_ahead``)."""
+    reads this ahead) to the run's last step, stage after stage, as one stream. Each stage
+    is one input across its epochs (``train_batches(..., steps=)``), and the next stage's
+    (at its own size and batch) is opened and its first batches made while the steps
+    before it run, as MoXing's input did, instead of after them (``chain_ahead``)."""
     from hybridpar.input.prefetch import chain_ahead
 
     def segments(stage, step, epoch, step_in_epoch):  # (epoch, first step, steps, stage)
         for planned in run.plan.stages[stage:]:
             if step == planned.start_step:
                 epoch, step_in_epoch = start_position(planned)
-            left = planned.end_step - step
-            while left > 0:
-                n = min(planned.steps_per_epoch - step_in_epoch, left)
-                yield epoch, step_in_epoch, n, planned.stage
-                epoch, step_in_epoch, left = epoch + 1, 0, left - n
+            if planned.end_step > step:
+                yield epoch, step_in_epoch, planned.end_step - step, planned.stage
             step = planned.end_step
 
     def opener(epoch, step_in_epoch, n, st):
         kw = dict(global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale)
-        return lambda: itertools.islice(run.data.train_batches(epoch, step_in_epoch, **kw), n)
+        return lambda: run.data.train_batches(epoch, step_in_epoch, steps=n, **kw)
 
     return chain_ahead(opener(*seg) for seg in segments(stage, step, epoch, step_in_epoch))
 

@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 from typing import Callable, Iterator
 
@@ -24,8 +25,9 @@ from hybridpar.input import arrays
 
 @dataclasses.dataclass
 class Data:
-    # (epoch, start_step=0, *, global_batch=, image_size=, min_scale=) -> host batches; the
-    # keywords are a curriculum stage's (default: the config's own keys)
+    # (epoch, start_step=0, *, steps=None, global_batch=, image_size=, min_scale=) -> host
+    # batches: ``steps`` of them from that position on, into the next epochs (None: to the
+    # end of the epoch); the other keywords are a curriculum stage's (default: the config's)
     train_batches: Callable[..., Iterator[dict]]
     eval_batches: Callable[[], Iterator[dict]]  # at data.image_size, every example once
     steps_per_epoch: int  # at the config's global_batch
@@ -73,7 +75,17 @@ def _in_memory(c, pi, pc, shape) -> Data:
 
     pools = {(d.image_size, c.global_batch): train}
 
-    def train_batches(epoch, start_step=0, *, global_batch=None, image_size=None, **_):
+    def train_batches(epoch, start_step=0, *, steps=None, global_batch=None, **kw):
+        per_epoch = steps_for(global_batch or c.global_batch)
+        left = per_epoch - start_step if steps is None else steps
+        while left > 0:  # epoch after epoch, as the tf.data pipeline spans them
+            n = min(per_epoch - start_step, left)
+            yield from itertools.islice(
+                epoch_batches(epoch, start_step, global_batch=global_batch, **kw), n
+            )
+            epoch, start_step, left = epoch + 1, 0, left - n
+
+    def epoch_batches(epoch, start_step=0, *, global_batch=None, image_size=None, **_):
         batch, size = global_batch or c.global_batch, image_size or d.image_size
         key = (size, batch)
         if key not in pools:  # a stage at another size or batch: the examples resized
@@ -158,13 +170,16 @@ def _pipeline(c, pi, pc, shape) -> Data:
             f"batch of {c.global_batch} per epoch; lower global_batch"
         )
 
-    def train_batches(epoch, start_step=0, *, global_batch=None, image_size=None, min_scale=None):
+    def train_batches(
+        epoch, start_step=0, *, steps=None, global_batch=None, image_size=None, min_scale=None
+    ):
         return train.train_batches(
             epoch,
             image_size=image_size or d.image_size,
             global_batch=global_batch or c.global_batch,
             min_scale=d.min_scale if min_scale is None else min_scale,
             start_step=start_step,
+            steps=steps,
         )
 
     def eval_batches():

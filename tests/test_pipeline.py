@@ -212,6 +212,27 @@ def test_ram_cache_same_batches_and_kept_across_epochs(prepared, tmp_path):
     assert _same(_epoch(cached, 2, start_step=4), _epoch(plain, 2, start_step=4))
 
 
+def test_one_pipeline_across_epochs_gives_each_epochs_own_batches(prepared, tmp_path):
+    """``steps`` past the epoch's end: one tf.data pipeline over several epochs (as the
+    trainer reads a stage), batch for batch the epochs read one by one."""
+    root = str(tmp_path / "p")
+    shutil.copytree(prepared, root)
+    plain = ImagePipeline(prepared, "train", seed=2, process_index=0, process_count=1)
+    cached = ImagePipeline(root, "train", seed=2, process_index=0, process_count=1, ram_cache=True)
+    spe = plain.steps_per_epoch(16)
+    one_by_one = _epoch(plain, 3, start_step=5) + _epoch(plain, 4) + _epoch(plain, 5)[:2]
+    steps = 2 * spe - 5 + 2
+    assert _same(_epoch(plain, 3, start_step=5, steps=steps), one_by_one)
+    # With the RAM cache: the files are read once, by the first epoch, however many follow.
+    it = cached.train_batches(3, image_size=32, global_batch=16, start_step=5, steps=steps)
+    spanned = [next(it) for _ in range(spe - 5 + 1)]
+    shutil.rmtree(os.path.join(root, "train"))
+    assert _same(spanned + list(it), one_by_one)
+    assert _epoch(plain, 0, steps=0) == []
+    with pytest.raises(ConfigError, match="steps -1"):
+        plain.train_dataset(0, image_size=32, global_batch=16, steps=-1)
+
+
 def test_transforms_fused_and_fallback_decoders():
     rng = np.random.default_rng(1)
     img = _image(rng, 75, 120)
