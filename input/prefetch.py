@@ -3,8 +3,9 @@ next epoch's or stage's input opened while the one before it is still being read
 
 ``prefetch_to_mesh``: a background thread pulls host-local numpy batches and turns them into
 global arrays (``shard_batch``: host-to-device copies), so the copy of batch N+1 overlaps
-step N. ``chain_ahead``: one stream over several inputs (epochs, curriculum stages), each
-opened and its first item read in the background while the one before it is consumed.
+step N. ``chain_ahead``: one stream over several inputs (the trainer's: one per curriculum
+stage), each opened and its first item read in the background while the one before it is
+consumed.
 """
 
 from __future__ import annotations
