@@ -220,10 +220,14 @@ def test_one_pipeline_across_epochs_gives_each_epochs_own_batches(prepared, tmp_
     plain = ImagePipeline(prepared, "train", seed=2, process_index=0, process_count=1)
     cached = ImagePipeline(root, "train", seed=2, process_index=0, process_count=1, ram_cache=True)
     spe = plain.steps_per_epoch(16)
-    one_by_one = _epoch(plain, 3, start_step=5) + _epoch(plain, 4) + _epoch(plain, 5)[:2]
-    steps = 2 * spe - 5 + 2
+    one_by_one = _epoch(plain, 3, start_step=5)
+    for epoch in range(4, 9):
+        one_by_one += _epoch(plain, epoch)
+    one_by_one += _epoch(plain, 9)[:2]
+    steps = 6 * spe - 5 + 2
     assert _same(_epoch(plain, 3, start_step=5, steps=steps), one_by_one)
-    # With the RAM cache: the files are read once, by the first epoch, however many follow.
+    # With the RAM cache: the files are read by the first epoch (and the next ones, opened
+    # ahead while it runs); the epochs opened after that read RAM only.
     it = cached.train_batches(3, image_size=32, global_batch=16, start_step=5, steps=steps)
     spanned = [next(it) for _ in range(spe - 5 + 1)]
     shutil.rmtree(os.path.join(root, "train"))
