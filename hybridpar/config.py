@@ -119,6 +119,9 @@ def base_config() -> ml_collections.ConfigDict:
             # Eval transform: centre crop of this fraction of the shorter side, resized.
             eval_crop_ratio=0.875,
             ram_cache=False,  # keep encoded bytes in RAM after the first epoch
+            # Examples each epoch's shuffle holds (encoded), per process. A stage's input
+            # holds up to three such buffers: the epoch being read and the next two, opened
+            # ahead so that their buffers fill while it runs.
             shuffle_buffer=16384,
             prefetch=2,  # global batches placed on the devices ahead of the step
             threads=0,  # tf.data threads; 0: as many as cores
