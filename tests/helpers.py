@@ -330,9 +330,17 @@ def run(step, program, start, host_batches) -> Run:
     return Run(jax.device_get(state), np.asarray(jax.device_get(losses), np.float64), state)
 
 
-def compiled_step(program, start):
-    """The program's train step compiled ahead of time for ``start`` and BATCH-sized
-    batches (``.as_text()`` gives its HLO)."""
+# Compiler options for a test's own compiles of steps it compares but does not time: LLVM's
+# optimisations are a third of a tiny ResNet step's compile (8 -> 5 s on data:8) and change
+# no HLO, so no sharding or collective; its results differ from the optimised program's by
+# float32 rounding (1-2 ulp after 3 steps), which a parity check measures in its reference
+# anyway. Compile both sides of a comparison with the same options.
+NO_LLVM_OPT = {"xla_backend_optimization_level": 0}
+
+
+def compiled_step(program, start, compiler_options=None, step=None):
+    """The program's train step (or ``step``, a jitted step of the same signature) compiled
+    ahead of time for ``start`` and BATCH-sized batches (``.as_text()`` gives its HLO)."""
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
         start,
@@ -342,7 +350,7 @@ def compiled_step(program, start):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         shard_batch(batches(steps=1)[0], program.mesh),
     )
-    return program.train_jit.lower(state, batch).compile()
+    return (step or program.train_jit).lower(state, batch).compile(compiler_options)
 
 
 @dataclasses.dataclass
