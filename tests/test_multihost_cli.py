@@ -50,7 +50,11 @@ RTOL = 1e-5
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_ENV)}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    # Every process compiles without LLVM's optimisations (a third of each compile; the three
+    # start at once on 2 cores): the runs are compared with each other, not timed, and the
+    # level changes no collective.
+    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
