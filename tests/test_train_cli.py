@@ -42,10 +42,14 @@ def _records(workdir):
 # full run on data:1 cost ~2 minutes of the suite and caught nothing they do not).
 @pytest.mark.parametrize("mesh,devices", [("data:4,model:2", 8)])
 def test_digits_reaches_97_percent(tmp_path, mesh, devices):
-    # stop_at_target: the run ends at the first evaluation with top-1 >= 0.97 and top-5 >= 0.99
-    # (about epoch 9 of 15), saving the epochs after it.
+    # stop_at_target: the run ends at the first evaluation with top-1 >= 0.97 and top-5 >= 0.99,
+    # saving the epochs after it. Evaluated after every epoch, not every 3rd as the recipe
+    # does: evaluation changes no training step (the same eval losses at epochs 3 and 6 either
+    # way), so this is the recipe's training, seen at every epoch instead of epochs 3, 6, 9,
+    # 12 and 15. On an AMD EPYC it reached 0.972 at epoch 8 but was below 0.97 at epoch 9
+    # (0.967), so with every third epoch it ran on to epoch 12: 264 steps against 176 now.
     args = ["--config", DIGITS, "--workdir", str(tmp_path), f"--config.mesh={mesh}",
-            "--config.stop_at_target=True"]  # fmt: skip
+            "--config.stop_at_target=True", "--config.eval_every_epochs=1"]  # fmt: skip
     r = _run(args, devices)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
