@@ -336,6 +336,8 @@ def run(step, program, start, host_batches) -> Run:
 # float32 rounding (1-2 ulp after 3 steps), which a parity check measures in its reference
 # anyway. Compile both sides of a comparison with the same options.
 NO_LLVM_OPT = {"xla_backend_optimization_level": 0}
+# The same as an XLA_FLAGS entry, for tests that start the trainer in a subprocess.
+NO_LLVM_OPT_FLAG = "".join(f"--{k}={v}" for k, v in NO_LLVM_OPT.items())
 
 
 def compiled_step(program, start, compiler_options=None, step=None):

@@ -272,7 +272,7 @@ def _resnet50_hlo(mesh="data:8"):
     }
     # Only the HLO is read: LLVM's optimisations (a third of the compile) change none of it.
     lowered = step.lower(abstract_like(abstract, shardings), batch)
-    hlo = lowered.compile(compiler_options={"xla_backend_optimization_level": 0}).as_text()
+    hlo = lowered.compile(NO_LLVM_OPT).as_text()
     return hlo, abstract
 
 

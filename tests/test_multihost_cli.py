@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import free_port
+from helpers import NO_LLVM_OPT_FLAG, free_port
 
 from hybridpar import distributed
 from hybridpar.errors import ConfigError
@@ -53,7 +53,7 @@ def _env(devices: int, **extra) -> dict:
     # Every process compiles without LLVM's optimisations (a third of each compile; the three
     # start at once on 2 cores): the runs are compared with each other, not timed, and the
     # level changes no collective.
-    flags = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
+    flags = f"--xla_force_host_platform_device_count={devices} {NO_LLVM_OPT_FLAG}"
     env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
     env.update({k: str(v) for k, v in extra.items()})
     return env

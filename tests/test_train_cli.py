@@ -12,15 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import TINY_DIGITS, config_args
+from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
-
-
-# For runs whose programs are neither timed nor held to an accuracy: LLVM's optimisations
-# are a third of each compile and change no sharding, collective or check the tests read.
-NO_LLVM_OPT = "--xla_backend_optimization_level=0"
 
 
 def _run(args, devices=8, timeout=600, xla_flags=""):
@@ -150,7 +145,7 @@ def test_diverging_run_stops_and_keeps_its_records(tmp_path):
             "--config.num_epochs=1",
             "--config.max_nonfinite_steps=5",
         ],
-        xla_flags=NO_LLVM_OPT,
+        xla_flags=NO_LLVM_OPT_FLAG,
     )
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert r.returncode == 2 and len(errors) == 1, r.stderr[-2000:]
@@ -182,7 +177,8 @@ def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
             "--config.num_epochs=1",
         ],
         # 2 steps: the compile is the test's time, and LLVM's optimisations a third of it
-        xla_flags=NO_LLVM_OPT,
+        # (skipped here, as in the other runs that are neither timed nor held to an accuracy)
+        xla_flags=NO_LLVM_OPT_FLAG,
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "('model', 'fsdp')" in r.stdout  # hybrid and FSDP both in force
@@ -232,7 +228,7 @@ def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path, cifar10_test
 def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_path):
     common = ["--config", DIGITS, "--config.comm.mode=bucketed", "--config.model.bn_sync=local"]
     r = _run([*common, "--workdir", str(tmp_path / "a"), "--config.mesh=data:8",
-              *config_args(TINY_DIGITS)], xla_flags=NO_LLVM_OPT)  # fmt: skip
+              *config_args(TINY_DIGITS)], xla_flags=NO_LLVM_OPT_FLAG)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"]
     r = _run([*common, "--workdir", str(tmp_path / "b"), "--config.mesh=data:4,model:2"])
