@@ -551,6 +551,7 @@ def _entry(plan: dict, copies, quality: int, serve_ratio: float) -> dict:
             "max_side": c,
             "quality": None if c is None else quality,
             "serves_up_to": None if c is None else math.floor(c / serve_ratio + 1e-9),
+            "encoding": "jpeg",  # every record: _check keeps only JPEG that TF decodes
             "shards": [
                 {"file": f[name], "num_examples": s["num_examples"]}
                 for f, s in zip(plan["shards"], sidecars)

@@ -37,10 +37,15 @@ changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``)
         "converted": [{"name": "dog/3.jpg", "reason": "PNG content"}, ...],
         "rotated": 0, "empty_folders": [], "classes_without_examples": {},
         "copies": {"full": {"max_side": null, "quality": null, "serves_up_to": null,
+                            "encoding": "jpeg",
                             "shards": [{"file": "train/full/train-full-00000-of-00049.tfrecord",
                                         "num_examples": 1024}, ...]},
                    "160px": {"max_side": 160, "quality": 90, "serves_up_to": 128,
-                             "shards": [...]}}}}}
+                             "encoding": "jpeg", "shards": [...]}}}}}
+
+``encoding`` ``"jpeg"``: every record of the copy is a JPEG that TensorFlow decodes (prepare
+checks), so the pipeline skips the per-image format test; a copy without it (written by an
+older hybridpar, or by hand) may hold PNG, GIF or BMP records, which decode more slowly.
 
 Shard ``i`` of every copy holds the same examples in the same order, so the copies are
 interchangeable at any epoch.

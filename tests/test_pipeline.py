@@ -237,6 +237,38 @@ def test_one_pipeline_across_epochs_gives_each_epochs_own_batches(prepared, tmp_
         plain.train_dataset(0, image_size=32, global_batch=16, steps=-1)
 
 
+def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_matter(
+    prepared, tmp_path
+):
+    """``encoding: jpeg`` (which prepare writes) drops the per-image format test; a reduced
+    copy too small for a 2x crop drops the DCT-scale branches. The batches stay the same, and
+    a copy without the field (this hand-made one holds a PNG record) keeps the format test."""
+    pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
+    assert pipe._decoding("full", 32) == {"jpeg_only": False, "dct_scaling": True}
+    assert pipe._decoding("64px", 32) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 2x32
+    assert pipe._decoding("64px", 33)["dct_scaling"] is False
+    nodct = ImagePipeline(prepared, "train", process_index=0, process_count=1, dct_scaling=False)
+    assert nodct._decoding("full", 32)["dct_scaling"] is False
+    # The 64-px copy is all JPEG: marked so, it reads the same batches without the test.
+    root = str(tmp_path / "p")
+    shutil.copytree(prepared, root)
+    path = os.path.join(root, records.MANIFEST)
+    with open(path) as f:
+        manifest = json.load(f)
+    manifest["splits"]["train"]["copies"]["64px"]["encoding"] = "jpeg"
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    marked = ImagePipeline(root, "train", process_index=0, process_count=1)
+    assert marked._decoding("64px", 40) == {"jpeg_only": True, "dct_scaling": False}
+    assert marked._decoding("full", 40)["jpeg_only"] is False
+    kw = {"image_size": 40, "global_batch": 16}
+    assert _same(_epoch(marked, 1, **kw), _epoch(pipe, 1, **kw))
+    assert _same(
+        list(marked.eval_batches(image_size=40, global_batch=16)),
+        list(pipe.eval_batches(image_size=40, global_batch=16)),
+    )
+
+
 def test_transforms_fused_and_fallback_decoders():
     rng = np.random.default_rng(1)
     img = _image(rng, 75, 120)

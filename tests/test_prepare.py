@@ -234,6 +234,7 @@ def test_corrupt_files_are_skipped_or_converted_never_fatal(small):
     assert info["num_examples"] == len(kept)
     listed = sorted(files)  # junk (hidden, .txt) is not listed at all, so not in any list
     for copy in info["copies"].values():
+        assert copy["encoding"] == "jpeg"  # the PNG and the CMYK file too: decode_jpeg below
         rec = _read(out, [s["file"] for s in copy["shards"]])
         names = [n.decode() for n in rec["name"]]
         assert sorted(names) == kept
