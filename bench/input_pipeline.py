@@ -10,7 +10,9 @@ trainer reads a curriculum stage) at 128 and 224 px on all cores:
 
 * ``tfdata/full``: random-resized crop fused into JPEG decoding, from the original bytes;
 * ``tfdata/full-dct``: the same with reduced-scale decoding of large crops off
-  (``data.dct_scaling=False``): this row against the one above says what it gains here;
+  (``data.dct_scaling=False``): this row against the one above says what it gains here
+  (at 224 px the pipeline leaves it out on these photos, whose median shorter side of 374 px
+  is under 2 x 224, so there the two rows differ only by noise);
 * ``tfdata/reduced``: the same from the reduced copy (MoXing's "data compression" level);
 * ``pil``: the reference a user would write: decode the whole image with PIL, random-resized
   crop, resize (bilinear), flip, in a multiprocessing pool of the same number of processes.

@@ -23,6 +23,7 @@ import os
 import posixpath
 import shutil
 import stat
+import statistics
 import sys
 import tarfile
 import tempfile
@@ -368,14 +369,21 @@ def _tf_decodes(data: bytes) -> bool:
         return False
 
 
+def _reduced_size(size: tuple[int, int], max_side: int | None) -> tuple[int, int]:
+    """(w, h) of an image of ``size`` in the copy of longest side ``max_side`` (None: full)."""
+    w, h = size
+    if max_side is None or max(w, h) <= max_side:
+        return w, h
+    scale = max_side / max(w, h)
+    return max(1, round(w * scale)), max(1, round(h * scale))
+
+
 def _reduce(img, full: bytes, max_side: int, quality: int) -> bytes:
     from PIL import Image
 
-    w, h = img.size
-    if max(w, h) <= max_side:
+    size = _reduced_size(img.size, max_side)
+    if size == img.size:
         return full  # already small enough: re-encoding would only lose quality
-    scale = max_side / max(w, h)
-    size = (max(1, round(w * scale)), max(1, round(h * scale)))
     return _jpeg(img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0), quality)
 
 
@@ -393,6 +401,7 @@ def _write_shard(task: dict):
         os.makedirs(os.path.dirname(path), exist_ok=True)
     writers = {c: tf.io.TFRecordWriter(path + ".tmp") for c, path in finals.items()}
     skipped, converted, count, handles, quality = [], [], 0, {}, task["quality"]
+    short_sides = {c: [] for c, _ in task["copies"]}  # per copy: each image's shorter side
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, MAX_PIXELS  # _check guards it
     try:
         with warnings.catch_warnings():
@@ -410,6 +419,7 @@ def _write_shard(task: dict):
                 for c, max_side in task["copies"]:
                     data = full if max_side is None else _reduce(img, full, max_side, quality)
                     writers[c].write(encode_example(data, label, ex_id, name))
+                    short_sides[c].append(min(_reduced_size(img.size, max_side)))
                 count += 1
     finally:
         Image.MAX_IMAGE_PIXELS = pil_limit  # this may be the caller's process (one shard)
@@ -420,7 +430,7 @@ def _write_shard(task: dict):
     for path in finals.values():
         os.replace(path + ".tmp", path)
     sidecar = {"config": task["config"], "num_examples": count}
-    sidecar.update(skipped=skipped, converted=converted)
+    sidecar.update(skipped=skipped, converted=converted, short_sides=short_sides)
     _write_json(task["sidecar"], sidecar)  # last: its presence means the shard is complete
     return task["index"], sidecar
 
@@ -557,6 +567,10 @@ def _entry(plan: dict, copies, quality: int, serve_ratio: float) -> dict:
                 for f, s in zip(plan["shards"], sidecars)
             ],
         }
+        # Shards written by an older hybridpar (reused on resume) did not record sides.
+        if all("short_sides" in s for s in sidecars):
+            sides = [v for s in sidecars for v in s["short_sides"][name]]
+            entry["copies"][name]["median_short_side"] = int(statistics.median(sides or [0]))
     return entry
 
 

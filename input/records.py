@@ -37,7 +37,7 @@ changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``)
         "converted": [{"name": "dog/3.jpg", "reason": "PNG content"}, ...],
         "rotated": 0, "empty_folders": [], "classes_without_examples": {},
         "copies": {"full": {"max_side": null, "quality": null, "serves_up_to": null,
-                            "encoding": "jpeg",
+                            "encoding": "jpeg", "median_short_side": 375,
                             "shards": [{"file": "train/full/train-full-00000-of-00049.tfrecord",
                                         "num_examples": 1024}, ...]},
                    "160px": {"max_side": 160, "quality": 90, "serves_up_to": 128,
@@ -46,6 +46,8 @@ changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``)
 ``encoding`` ``"jpeg"``: every record of the copy is a JPEG that TensorFlow decodes (prepare
 checks), so the pipeline skips the per-image format test; a copy without it (written by an
 older hybridpar, or by hand) may hold PNG, GIF or BMP records, which decode more slowly.
+``median_short_side``: the median of the images' shorter sides in this copy; the pipeline
+decodes at reduced DCT scales only for image sizes up to half of it (where they pay).
 
 Shard ``i`` of every copy holds the same examples in the same order, so the copies are
 interchangeable at any epoch.

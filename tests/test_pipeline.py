@@ -240,9 +240,10 @@ def test_one_pipeline_across_epochs_gives_each_epochs_own_batches(prepared, tmp_
 def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_matter(
     prepared, tmp_path
 ):
-    """``encoding: jpeg`` (which prepare writes) drops the per-image format test; a reduced
-    copy too small for a 2x crop drops the DCT-scale branches. The batches stay the same, and
-    a copy without the field (this hand-made one holds a PNG record) keeps the format test."""
+    """``encoding: jpeg`` (which prepare writes) drops the per-image format test; a copy
+    whose median shorter side (or else longest side) is under 2x the size drops the DCT-scale
+    branches. The batches stay the same, and a copy without the fields (this hand-made one
+    holds a PNG record) keeps the format test."""
     pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
     assert pipe._decoding("full", 32) == {"jpeg_only": False, "dct_scaling": True}
     assert pipe._decoding("64px", 32) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 2x32
@@ -256,11 +257,13 @@ def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_
     with open(path) as f:
         manifest = json.load(f)
     manifest["splits"]["train"]["copies"]["64px"]["encoding"] = "jpeg"
+    manifest["splits"]["train"]["copies"]["full"]["median_short_side"] = 50
     with open(path, "w") as f:
         json.dump(manifest, f)
     marked = ImagePipeline(root, "train", process_index=0, process_count=1)
     assert marked._decoding("64px", 40) == {"jpeg_only": True, "dct_scaling": False}
-    assert marked._decoding("full", 40)["jpeg_only"] is False
+    assert marked._decoding("full", 40) == {"jpeg_only": False, "dct_scaling": False}
+    assert marked._decoding("full", 25)["dct_scaling"] is True  # 2 x 25 <= the median 50
     kw = {"image_size": 40, "global_batch": 16}
     assert _same(_epoch(marked, 1, **kw), _epoch(pipe, 1, **kw))
     assert _same(

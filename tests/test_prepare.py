@@ -9,6 +9,7 @@ import io
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -197,7 +198,7 @@ def test_reduced_copy_matches_full_shard_by_shard(small):
     assert (reduced["max_side"], reduced["quality"], reduced["serves_up_to"]) == (160, 90, 128)
     assert records.choose_copy(info, 128) == "160px" and records.choose_copy(info, 224) == "full"
     assert len(full["shards"]) == 3
-    ids = []
+    ids, short = [], {"full": [], "160px": []}
     for fs, rs in zip(full["shards"], reduced["shards"]):
         assert fs["num_examples"] == rs["num_examples"]
         f, r = _read(out, [fs["file"]]), _read(out, [rs["file"]])
@@ -210,10 +211,15 @@ def test_reduced_copy_matches_full_shard_by_shard(small):
             hb, wb, _ = tf.io.decode_jpeg(big).shape
             hs, ws, _ = tf.io.decode_jpeg(little, channels=3).shape
             assert (wb, hb) == (w, h) and max(ws, hs) == min(160, max(w, h))
+            short["full"].append(min(hb, wb))
+            short["160px"].append(min(hs, ws))
             assert abs(ws / hs - w / h) < 0.1 * w / h  # the aspect ratio is kept
             if max(w, h) <= 160:
                 assert little == big  # small enough already: the bytes are kept
     assert sorted(ids) == list(range(len(PHOTOS)))  # id = index in the sorted file list
+    # What the pipeline's choice of DCT scaling goes by: 120 and 100 here.
+    for name, sides in short.items():
+        assert info["copies"][name]["median_short_side"] == statistics.median(sides)
     names = sorted(PHOTOS)
     for fs in full["shards"]:
         rec = _read(out, [fs["file"]])
