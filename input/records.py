@@ -47,7 +47,7 @@ changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``)
 checks), so the pipeline skips the per-image format test; a copy without it (written by an
 older hybridpar, or by hand) may hold PNG, GIF or BMP records, which decode more slowly.
 ``median_short_side``: the median of the images' shorter sides in this copy; the pipeline
-decodes at reduced DCT scales only for image sizes up to half of it (where they pay).
+decodes at reduced DCT scales only for image sizes up to a quarter of it (where they pay).
 
 Shard ``i`` of every copy holds the same examples in the same order, so the copies are
 interchangeable at any epoch.

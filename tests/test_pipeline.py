@@ -241,15 +241,15 @@ def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_
     prepared, tmp_path
 ):
     """``encoding: jpeg`` (which prepare writes) drops the per-image format test; a copy
-    whose median shorter side (or else longest side) is under 2x the size drops the DCT-scale
+    whose median shorter side (or else longest side) is under 4x the size drops the DCT-scale
     branches. The batches stay the same, and a copy without the fields (this hand-made one
     holds a PNG record) keeps the format test."""
     pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
-    assert pipe._decoding("full", 32) == {"jpeg_only": False, "dct_scaling": True}
-    assert pipe._decoding("64px", 32) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 2x32
-    assert pipe._decoding("64px", 33)["dct_scaling"] is False
+    assert pipe._decoding("full", 16) == {"jpeg_only": False, "dct_scaling": True}
+    assert pipe._decoding("64px", 16) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 4x16
+    assert pipe._decoding("64px", 17)["dct_scaling"] is False
     nodct = ImagePipeline(prepared, "train", process_index=0, process_count=1, dct_scaling=False)
-    assert nodct._decoding("full", 32)["dct_scaling"] is False
+    assert nodct._decoding("full", 16)["dct_scaling"] is False
     # The 64-px copy is all JPEG: marked so, it reads the same batches without the test.
     root = str(tmp_path / "p")
     shutil.copytree(prepared, root)
@@ -257,13 +257,14 @@ def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_
     with open(path) as f:
         manifest = json.load(f)
     manifest["splits"]["train"]["copies"]["64px"]["encoding"] = "jpeg"
-    manifest["splits"]["train"]["copies"]["full"]["median_short_side"] = 50
+    manifest["splits"]["train"]["copies"]["full"]["median_short_side"] = 100
     with open(path, "w") as f:
         json.dump(manifest, f)
     marked = ImagePipeline(root, "train", process_index=0, process_count=1)
     assert marked._decoding("64px", 40) == {"jpeg_only": True, "dct_scaling": False}
     assert marked._decoding("full", 40) == {"jpeg_only": False, "dct_scaling": False}
-    assert marked._decoding("full", 25)["dct_scaling"] is True  # 2 x 25 <= the median 50
+    assert marked._decoding("full", 25)["dct_scaling"] is True  # 4 x 25 <= the median 100
+    assert marked._decoding("full", 26)["dct_scaling"] is False
     kw = {"image_size": 40, "global_batch": 16}
     assert _same(_epoch(marked, 1, **kw), _epoch(pipe, 1, **kw))
     assert _same(
