@@ -10,12 +10,15 @@ Each process reads its own even slice of the split (``tfds.even_splits``).
 from __future__ import annotations
 
 import os
+import statistics
 
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from hybridpar.errors import ConfigError
 from hybridpar.input.pipeline import ImagePipeline
+
+_SIDE_SAMPLE = 256  # images whose shorter sides estimate the split's median
 
 
 def _builder(name: str, data_dir: str | None, manual_dir: str | None):
@@ -67,7 +70,33 @@ class TfdsPipeline(ImagePipeline):
         self.classes = list(info.features["label"].names)
         self.num_examples = sum(self.host_counts)
         self.skipped = self.converted = self.rotated = 0
-        self.info = {"copies": {"full": {"max_side": None, "serves_up_to": None}}}
+        full = {"max_side": None, "serves_up_to": None}
+        full["median_short_side"] = self._median_short_side(split)
+        self.info = {"copies": {"full": full}}
+
+    def _median_short_side(self, split: str) -> int | None:
+        """The median shorter side of the split's first ``_SIDE_SAMPLE`` images (headers
+        only for JPEG; the same images on every host, so all hosts decode alike), standing
+        in for the figure prepare records for its copies: the pipeline decodes at reduced
+        DCT scales only where it is at least 4x the image size. None (reduced scales
+        allowed) for a split with no examples."""
+        ds = self.builder.as_dataset(
+            split=split,
+            decoders={"image": tfds.decode.SkipDecoding()},
+            shuffle_files=False,
+        ).take(_SIDE_SAMPLE)
+
+        def short_side(ex):
+            data = ex["image"]
+            shape = tf.cond(
+                tf.io.is_jpeg(data),
+                lambda: tf.image.extract_jpeg_shape(data),
+                lambda: tf.shape(tf.io.decode_image(data, expand_animations=False)),
+            )
+            return tf.minimum(shape[0], shape[1])
+
+        sides = [int(x) for x in ds.map(short_side).as_numpy_iterator()]
+        return int(statistics.median(sides)) if sides else None
 
     def _records(self, copy: str, ordered: bool, cache: bool = True) -> tf.data.Dataset:
         cache = cache and self.ram_cache

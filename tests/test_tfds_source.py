@@ -61,6 +61,15 @@ def test_hosts_split_the_data_and_batches_are_rgb_uint8(builder_dir):
     assert seen[0] | seen[1] == everything
 
 
+def test_dct_scaling_follows_the_sampled_median_side(builder_dir):
+    """Without prepare's recorded median, the pipeline estimates it from the split's first
+    images (28 x 28 PNGs here) and allows reduced DCT scales only up to a quarter of it."""
+    pipe = TfdsPipeline(builder_dir, "train", process_index=0, process_count=1)
+    assert pipe.info["copies"]["full"]["median_short_side"] == 28
+    assert pipe._decoding("full", 7)["dct_scaling"] is True
+    assert pipe._decoding("full", 8)["dct_scaling"] is False
+
+
 def _images(batches) -> set[bytes]:
     """The distinct real (unpadded) images of a host's eval batches, as bytes."""
     return {img.tobytes() for b in batches for img, m in zip(b["image"], b["mask"]) if m}
