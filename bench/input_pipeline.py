@@ -142,18 +142,6 @@ def bare_rate(size):
     return _BARE["n"] / (time.perf_counter() - t0)
 
 
-def forced_dct_pipeline(*args, **kwargs):
-    """An ``ImagePipeline`` that decodes large crops at reduced DCT scales at every size,
-    whatever the copy's median side (``tfdata/full+dct``)."""
-    from hybridpar.input.pipeline import ImagePipeline
-
-    class ForcedDct(ImagePipeline):
-        def _decoding(self, copy, image_size):
-            return {**super()._decoding(copy, image_size), "dct_scaling": True}
-
-    return ForcedDct(*args, **kwargs)
-
-
 def time_tfdata(pipe, size, n, copy, batch=BATCH):
     """Images/s over the epochs that hold ``n`` images, read as the trainer reads a stage:
     one pipeline across them (``train_batches(..., steps=)``), every epoch read to its end.
@@ -213,7 +201,8 @@ def main():
     prep_s = time.perf_counter() - t0
     common = dict(seed=0, process_index=0, process_count=1, ram_cache=True, threads=args.workers)
     pipe = ImagePipeline(str(tmp / "prepared"), "train", **common)
-    pipe_dct = forced_dct_pipeline(str(tmp / "prepared"), "train", **common)
+    pipe_dct = ImagePipeline(str(tmp / "prepared"), "train", **common)
+    pipe_dct.DCT_MIN_SIDE = 0  # reduced-scale decoding of large crops at every size
     sizes = {"full": pipe.copy_for(10_000)}
     print(
         f"{len(paths)} photos; prepared in {prep_s:.1f}s (copies {sorted(pipe.info['copies'])}); "

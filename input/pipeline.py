@@ -46,14 +46,6 @@ except (RuntimeError, ValueError):
 _PREFETCH_BATCHES = 2
 _MAX_CYCLE = 64  # shard files read round-robin at once (each holds a read buffer)
 _READ_BUFFER = 256 * 1024  # bytes per open shard file
-# Reduced-scale decoding only for copies whose median shorter side is at least this many
-# times the image size, so that a typical large crop can take the 1/4 scale. The 1/2 scale
-# alone does not pay: entropy decoding, which no scale skips, is two thirds of a decode (0.92
-# of 1.40 ms on the ImageNet sample) and a whole 1/2-scale decode is only 1.1x faster; at
-# 128 px on the sample (median shorter side 374 = 2.9 x 128, 58% of crops >= 2x) the DCT
-# branches ran at 0.98x the rate without them (2 cores, median of 10 interleaved rounds) and
-# at 1.02x, 0.97x, 1.00x and 0.95x in four bench/input_pipeline.py runs.
-_DCT_MIN_SIDE = 4
 
 
 def _stream_seed(*parts: int) -> int:
@@ -76,6 +68,16 @@ def _parse(serialized):
 
 class ImagePipeline:
     """Train and eval batches of one prepared split, for this host."""
+
+    # Reduced-scale decoding only for copies whose median shorter side is at least this
+    # many times the image size, so that a typical large crop can take the 1/4 scale. The
+    # 1/2 scale alone does not pay: entropy decoding, which no scale skips, is two thirds of
+    # a decode (0.92 of 1.40 ms on the ImageNet sample) and a whole 1/2-scale decode is only
+    # 1.1x faster; at 128 px on the sample (median shorter side 374 = 2.9 x 128, 58% of crops
+    # >= 2x) the DCT branches ran at 0.98x the rate without them (2 cores, median of 10
+    # interleaved rounds) and at 1.02x, 0.97x, 1.00x and 0.95x in four
+    # bench/input_pipeline.py runs. The bench sets it to 0 on one pipeline to measure them.
+    DCT_MIN_SIDE = 4
 
     def __init__(
         self,
@@ -348,7 +350,7 @@ class ImagePipeline:
         """How ``copy``'s records decode at ``image_size``: ``jpeg_only`` where prepare wrote
         them all as JPEG that TF decodes (no format test per image), and ``dct_scaling`` only
         where it can pay: where the copy's median shorter side is at least
-        ``_DCT_MIN_SIDE`` x ``image_size`` or, for copies prepared without that figure, where
+        ``DCT_MIN_SIDE`` x ``image_size`` or, for copies prepared without that figure, where
         its longest side is. Each time an input is opened the four-way DCT branch costs
         about 40 ms (function instantiation)."""
         entry = self.info["copies"][copy]
@@ -356,7 +358,7 @@ class ImagePipeline:
         return {
             "jpeg_only": entry.get("encoding") == "jpeg",
             "dct_scaling": self.dct_scaling
-            and (side is None or side >= _DCT_MIN_SIDE * image_size),
+            and (side is None or side >= self.DCT_MIN_SIDE * image_size),
         }
 
     def _train_fn(self, image_size: int, min_scale: float, copy: str):

@@ -70,16 +70,16 @@ class TfdsPipeline(ImagePipeline):
         self.classes = list(info.features["label"].names)
         self.num_examples = sum(self.host_counts)
         self.skipped = self.converted = self.rotated = 0
-        full = {"max_side": None, "serves_up_to": None}
-        full["median_short_side"] = self._median_short_side(split)
+        median = self._median_short_side(split)
+        full = {"max_side": None, "serves_up_to": None, "median_short_side": median}
         self.info = {"copies": {"full": full}}
 
     def _median_short_side(self, split: str) -> int | None:
         """The median shorter side of the split's first ``_SIDE_SAMPLE`` images (headers
         only for JPEG; the same images on every host, so all hosts decode alike), standing
         in for the figure prepare records for its copies: the pipeline decodes at reduced
-        DCT scales only where it is at least 4x the image size. None (reduced scales
-        allowed) for a split with no examples."""
+        DCT scales only where it is at least ``DCT_MIN_SIDE`` x the image size. None
+        (reduced scales allowed) for a split with no examples."""
         ds = self.builder.as_dataset(
             split=split,
             decoders={"image": tfds.decode.SkipDecoding()},
