@@ -231,6 +231,7 @@ class Program:
             "compile_s": round(time.time() - t0, 3),
             # loaded from the persistent cache (compile_cache) instead of compiled
             "cache_hit": compile_cache.hits() > hits,
+            "memory_per_device_bytes": memory_of(compiled),
         }
         return compiled, record
 
@@ -247,6 +248,23 @@ class Program:
             self._compiled[key] = compiled
             self.compiles.append(record)
         return self._compiled[key]
+
+
+def memory_of(compiled) -> dict:
+    """One device's memory for a compiled program, in bytes, by XLA's ``memory_analysis``:
+    arguments, outputs, temporaries, what is donated (aliased) and the total; ``{}`` where
+    the backend does not report it."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+    )
+    out["total"] = out["arguments"] + out["outputs"] + out["temp"] - out["aliased"]
+    return out
 
 
 def build_program(config, mesh, plan: StagePlan | None = None) -> Program:

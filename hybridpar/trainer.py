@@ -32,7 +32,7 @@ from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages,
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
 from hybridpar.metrics import MetricsWriter
-from hybridpar.program import Program, build_program, check_batch_sizes
+from hybridpar.program import Program, build_program, check_batch_sizes, memory_of
 from hybridpar.state import init_sharded
 
 
@@ -141,24 +141,45 @@ def _missing(path: str) -> list[str]:
     return out
 
 
-def memory_line(compiled) -> tuple[str, dict]:
-    m = compiled.memory_analysis()
-    if m is None:
-        return "per-device memory of the train step: not reported by this backend", {}
-    fields = dict(
-        arguments=m.argument_size_in_bytes,
-        outputs=m.output_size_in_bytes,
-        temp=m.temp_size_in_bytes,
-        aliased=m.alias_size_in_bytes,
-    )
-    total = fields["arguments"] + fields["outputs"] + fields["temp"] - fields["aliased"]
-    fields["total"] = total
-    mib = {k: v / 2**20 for k, v in fields.items()}
+def memory_line(compiled, what: str = "the train step") -> tuple[str, dict]:
+    """``(text, memory_of(compiled))``: one device's memory for a compiled program."""
+    mem = memory_of(compiled)
+    return f"per-device memory of {what}: {_mib(mem)}", mem
+
+
+def _mib(mem: dict) -> str:
+    if not mem:
+        return "not reported by this backend"
+    mib = {k: v / 2**20 for k, v in mem.items()}
     return (
-        "per-device memory of the train step: {total:.1f} MiB (arguments {arguments:.1f}, "
-        "outputs {outputs:.1f}, temp {temp:.1f}, donated/aliased {aliased:.1f})".format(**mib),
-        fields,
+        "{total:.1f} MiB (arguments {arguments:.1f}, outputs {outputs:.1f}, temp {temp:.1f}, "
+        "donated/aliased {aliased:.1f})".format(**mib)
     )
+
+
+def _program_name(rec: dict) -> str:
+    return f"{rec['program']} step (batch {rec['batch']}, {rec['image_size']} px)"
+
+
+def memory_report(records: list) -> tuple[str, dict]:
+    """The pre-flight memory line over every compiled program (each stage's train step and
+    the eval step): the largest named first, since that is what must fit, then the others.
+    Returns ``(text, the largest's memory)``."""
+    known = [r for r in records if r.get("memory_per_device_bytes")]
+    if not known:
+        return "per-device memory: not reported by this backend", {}
+    known.sort(key=lambda r: r["memory_per_device_bytes"]["total"], reverse=True)
+    largest, *rest = known
+    mem = largest["memory_per_device_bytes"]
+    text = f"per-device memory, largest of {len(known)} programs: {_program_name(largest)} "
+    text += _mib(mem)
+    if rest:
+        others = ", ".join(
+            f"{_program_name(r)} {r['memory_per_device_bytes']['total'] / 2**20:.1f} MiB"
+            for r in rest
+        )
+        text += f"; then {others}"
+    return text, dict(mem, program=_program_name(largest))
 
 
 # ---- The loop's state ---------------------------------------------------------------------------
@@ -486,14 +507,14 @@ MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see train)
 
 
 def compile_all(run: Run, first_stage: int) -> dict:
-    """The train step of the stage the run starts in and the eval step, now; every later
-    stage's either now too or in a background thread while the first one trains
-    (``compile_ahead``), so that no stage switch waits for the compiler. Returns the first
-    train step's per-device memory."""
+    """The train step of every stage from the one the run starts in, and the eval step: now,
+    or the later stages' in a background thread while the first one trains
+    (``compile_ahead``), so that no stage switch waits for the compiler. Logs the per-device
+    memory of every program compiled before the first step, the largest first (a later
+    stage at a larger image size can need more than the first), and returns the largest's."""
     c, program = run.config, run.program
     first, *later = run.plan.stages[first_stage:] or run.plan.stages[-1:]
-    text, mem = memory_line(program.train_step(first.stage.global_batch, first.stage.image_size))
-    log(text)
+    program.train_step(first.stage.global_batch, first.stage.image_size)
     program.eval_step(c.eval_batch, c.data.image_size)
     later = [("train", s.stage.global_batch, s.stage.image_size) for s in later]
     background = c.compile_ahead == "background" or (
@@ -504,21 +525,29 @@ def compile_all(run: Run, first_stage: int) -> dict:
     else:
         for _, batch, size in later:
             program.train_step(batch, size)
+    text, mem = memory_report(program.compiles)
+    if program.compiling:
+        text += (
+            f" ({program.compiling} later stage(s) compiling in the background: "
+            "each one's memory is in its compile line; compile_ahead=before gives them all here)"
+        )
+    log(text)
     return mem
 
 
-def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, mem, written: int) -> int:
-    """One ``compile`` line per compilation from index ``written`` on, their time on the
-    critical path (the compile itself, or the wait for a background one) added to
-    ``loop.compile_s``; returns how many are written now."""
+def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, written: int) -> int:
+    """One ``compile`` line per compilation from index ``written`` on (each with its own
+    program's per-device memory), their time on the critical path (the compile itself, or
+    the wait for a background one) added to ``loop.compile_s``; returns how many are
+    written now."""
     for rec in run.program.compiles[written:]:
-        writer.write("compile", loop.step, run.plan.epoch_at(loop.step), **rec,
-                     memory_per_device_bytes=mem)  # fmt: skip
+        writer.write("compile", loop.step, run.plan.epoch_at(loop.step), **rec)
         loop.compile_s += rec["wait_s"] if rec.get("background") else rec["compile_s"]
         if rec.get("background"):
             log(f"{rec['program']} step for batch {rec['batch']} at {rec['image_size']} px: "
                 f"compiled in the background in {rec['compile_s']:.1f}s, waited "
-                f"{rec['wait_s']:.1f}s for it")  # fmt: skip
+                f"{rec['wait_s']:.1f}s for it; per-device memory "
+                f"{_mib(rec.get('memory_per_device_bytes') or {})}")  # fmt: skip
     return len(run.program.compiles)
 
 
@@ -573,7 +602,7 @@ def train(run: Run, hooks=()) -> dict:
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     mem = compile_all(run, loop.stage)
     before = loop.compile_s  # a resumed run's earlier segments
-    written = record_compiles(run, writer, loop, mem, 0)
+    written = record_compiles(run, writer, loop, 0)
     compile_s = loop.compile_s - before
     cached = sum(r["cache_hit"] for r in program.compiles)
     pending = program.compiling
@@ -604,7 +633,7 @@ def train(run: Run, hooks=()) -> dict:
             loop.enter(stage)
             st = stage.stage
             train_step = program.train_step(st.global_batch, st.image_size)  # compiled ahead
-            written = record_compiles(run, writer, loop, mem, written)
+            written = record_compiles(run, writer, loop, written)
             writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                          image_size=st.image_size, global_batch=st.global_batch,
                          min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
@@ -666,7 +695,11 @@ def train(run: Run, hooks=()) -> dict:
             "target_top1": c.target_top1 if c.target_top1 > 0 else None,
             "target_top5": c.target_top5 if c.target_top5 > 0 else None,
             "time_to_target": loop.time_to_target,
-            "memory_per_device_bytes": mem,
+            "memory_per_device_bytes": mem,  # the largest program's, named in "program"
+            "memory_by_program": [
+                {"name": _program_name(r), "bytes": r.get("memory_per_device_bytes") or {}}
+                for r in program.compiles
+            ],
             "stages": [dataclasses.asdict(s.stage) | {"steps": s.num_steps} for s in plan.stages],
             "loop": loop.to_dict(),
         }

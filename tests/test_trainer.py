@@ -56,7 +56,7 @@ def test_one_stage_run_logs_the_losses_of_the_same_steps_built_by_hand(tmp_path)
 
 
 def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_continuous(
-    tmp_path,
+    tmp_path, capsys
 ):
     # data:4 x model:2: per-device batches 8 then 16 are global 32 then 64.
     config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
@@ -76,6 +76,19 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     assert max(i for i, e in enumerate(events) if e == "compile") < events.index("train")
     stages = records(tmp_path, "stage")
     assert [(s["image_size"], s["global_batch"]) for s in stages] == [(16, 32), (24, 64)]
+
+    # Memory before step 1 is every program's, the largest named: here the second stage's
+    # (twice the batch at a larger size), not the first stage's that a pre-flight check of
+    # the first step alone would show. Each compile line carries its own program's.
+    mem = {(c["program"], c["batch"]): c["memory_per_device_bytes"]["total"] for c in compiles}
+    assert mem[("train", 64)] > mem[("train", 32)] > 0 and len(set(mem.values())) == 3
+    out = capsys.readouterr().out
+    preflight = next(x for x in out.splitlines() if x.startswith("per-device memory"))
+    assert "largest of 3 programs: train step (batch 64, 24 px)" in preflight
+    assert f"{mem[('train', 64)] / 2**20:.1f} MiB" in preflight
+    assert out.index(preflight) < out.index("train step ")  # before the first progress line
+    assert summary["memory_per_device_bytes"]["total"] == mem[("train", 64)]
+    assert len(summary["memory_by_program"]) == 3
 
     train = {r["step"]: r for r in records(tmp_path, "train")}
     assert {train[s0.end_step]["image_size"], train[s0.end_step + 1]["image_size"]} == {16, 24}
