@@ -64,3 +64,62 @@ def test_ffcv_has_two_train_shapes_switching_late(epochs, switch):
 def test_bad_recipe_arguments_are_config_errors(spec, expect):
     with pytest.raises(ConfigError, match=expect):
         load_config(str(EXPERIMENTS / spec))
+
+
+LAUNCH = EXPERIMENTS / "launch"
+
+
+@pytest.mark.parametrize("completed", [False, True])
+def test_slurm_recipe_requeues_a_stopped_run_into_the_same_workdir(tmp_path, completed):
+    """slurm.sbatch run by bash with stand-ins for srun and scontrol on PATH: srun gets the
+    CPUs per task (srun no longer inherits them from sbatch) and a workdir named by the
+    job's name, not its id, so a requeued or resubmitted job resumes the same run; a run
+    stopped with a checkpoint (exit 0, not completed) requeues the job, a completed one
+    does not."""
+    import os
+    import subprocess
+
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    summary = '{"completed": true}' if completed else '{"completed": false}'
+    (bin_ / "srun").write_text(
+        '#!/bin/bash\necho "$@" > "$LOG/srun"\n'
+        'while [ "$1" != --workdir ]; do shift; done\n'
+        f"mkdir -p \"$2\" && echo '{summary}' > \"$2/summary.json\"\n"
+    )
+    (bin_ / "scontrol").write_text('#!/bin/bash\necho "$@" > "$LOG/scontrol"\n')
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", LOG=str(tmp_path),
+               SLURM_JOB_ID="4242", SLURM_JOB_NAME="hybridpar", SLURM_CPUS_PER_TASK="32",
+               SLURM_GPUS_ON_NODE="8")  # fmt: skip
+    r = subprocess.run(["bash", str(LAUNCH / "slurm.sbatch")], cwd=tmp_path, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    srun = (tmp_path / "srun").read_text()
+    assert "--cpus-per-task=32" in srun
+    assert f"--workdir {tmp_path}/runs/r50-slurm-hybridpar " in srun and "4242" not in srun
+    requeued = (tmp_path / "scontrol").exists()
+    assert requeued != completed
+    if requeued:
+        assert (tmp_path / "scontrol").read_text().split() == ["requeue", "4242"]
+    text = (LAUNCH / "slurm.sbatch").read_text()
+    assert "#SBATCH --requeue" in text and "#SBATCH --signal=TERM@" in text
+
+
+def test_jobset_mounts_a_memory_backed_dev_shm_for_nccl():
+    yaml = pytest.importorskip("yaml")
+    pod = yaml.safe_load((LAUNCH / "jobset.yaml").read_text())
+    pod = pod["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
+    assert pod["terminationGracePeriodSeconds"] >= 60  # time to save at a step boundary
+
+
+def test_tpu_vm_recipe_trains_detached_from_the_ssh_session():
+    import subprocess
+
+    assert subprocess.run(["bash", "-n", str(LAUNCH / "tpu_vm_pod.sh")]).returncode == 0
+    run = (LAUNCH / "tpu_vm_pod.sh").read_text().split("# The run:")[1]
+    assert "setsid nohup python -m hybridpar.train" in run and '< /dev/null &"' in run

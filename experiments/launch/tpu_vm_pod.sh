@@ -26,12 +26,17 @@ gcloud compute tpus tpu-vm scp --recurse --zone="$ZONE" --worker=all . "$TPU":~/
 gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=all \
   --command='pip install -q "jax[tpu]>=0.10,<0.11" && pip install -q -e ~/hybridpar'
 
-# The run: one process per worker, all chips of the slice in one mesh.
+# The run: one process per worker, all chips of the slice in one mesh. Detached from the
+# ssh session (setsid nohup), so a dropped connection or a closed laptop does not kill the
+# run; each worker's output goes to ~/hybridpar/train.log.
 gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=all --command="
-  cd ~/hybridpar && python -m hybridpar.train \
+  cd ~/hybridpar && setsid nohup python -m hybridpar.train \
     --config experiments/resnet50_imagenet.py:$DATA \
     --config.data.prepared_dir=$PREPARED \
     --workdir $WORKDIR \
     --config.distributed=True \
-    --config.mesh=data:-1"
-# Preempted? The same last command resumes from the workdir's latest checkpoint.
+    --config.mesh=data:-1 > train.log 2>&1 < /dev/null &"
+# Follow it (process 0 prints the progress; Ctrl-C here leaves the run going):
+#   gcloud compute tpus tpu-vm ssh "$TPU" --zone="$ZONE" --worker=0 --command="tail -f ~/hybridpar/train.log"
+# Preempted or stopped? Run the same command again: it resumes from the workdir's latest
+# checkpoint (a worker still running the old run holds the workdir lock and refuses it).
