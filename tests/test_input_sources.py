@@ -324,3 +324,32 @@ def test_exif_orientation_is_applied_and_counted(tmp_path):
     error = np.abs(stored.astype(int) - upright).mean()
     wrong = np.abs(stored.astype(int) - upright[::-1, ::-1]).mean()  # rotated the other way
     assert error < 3 and wrong > 4 * error  # the same pixels, re-encoded
+
+
+def test_evaluation_reads_the_eval_split_and_training_the_train_split(tmp_path):
+    """Split by content, not by count alone: the val folder holds only bee pictures, and
+    different ones, so eval batches drawn from the train split (or train batches from val)
+    show up in the labels and in the pixels."""
+    train = {f"train/ant/{i}.jpg": _jpeg(seed=i) for i in range(3)}
+    train["train/bee/0.jpg"] = _jpeg(seed=3)
+    val = {f"val/bee/{i}.jpg": _jpeg(seed=10 + i) for i in range(2)}
+    src = _tree(tmp_path / "src", {**train, **val})
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(num_classes=2, image_size=16, eval_split="val", min_scale=1.0, translate=0)
+    c.global_batch, c.eval_batch = 4, 4
+    data = datasets.make_data(c, 0, 1)
+    assert data.num_eval == 2
+    (batch,) = list(data.eval_batches())
+    real = batch["mask"] > 0
+    assert real.sum() == 2 and set(batch["label"][real]) == {1}  # val's bees only
+    (train_batch,) = list(data.train_batches(0))
+    assert sorted(train_batch["label"]) == [0, 0, 0, 1]
+
+    def means(images):
+        return sorted(np.round(images.reshape(len(images), -1).mean(1)))
+
+    # val's pictures, not train's bee: the same center crop of val read on its own
+    own = ImagePipeline(str(tmp_path / "out"), "val", process_index=0, process_count=1)
+    (want,) = list(own.eval_batches(image_size=16, global_batch=4))
+    assert means(batch["image"][real]) == means(want["image"][want["mask"] > 0])

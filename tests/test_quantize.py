@@ -80,6 +80,35 @@ def test_folding_keeps_float_logits(model, size):
     assert np.abs(bad - want).max() > 100 * tol
 
 
+def test_folding_uses_the_epsilon_where_variances_are_small():
+    """Trained BatchNorm variances can be near epsilon (dead or nearly constant channels),
+    where ``gamma / sqrt(var + eps)`` and ``gamma / sqrt(var)`` part: here every variance is
+    in [1e-6, 1e-4] (eps 1e-5), with gammas scaled by ``sqrt(var + eps)`` so activations
+    keep their size. Folding must match the float model; leaving epsilon out must not."""
+    from flax import traverse_util
+
+    model = ResNetTiny(num_classes=10)
+    params, stats = _random_variables(model, 16)
+    flat_p, flat_s = traverse_util.flatten_dict(params), traverse_util.flatten_dict(stats)
+    rng = np.random.default_rng(2)
+    for key in [k for k in flat_s if k[-1] == "var"]:
+        var = np.float32(10.0) ** rng.uniform(-6, -4, flat_s[key].shape).astype(np.float32)
+        flat_s[key] = var
+        scale = (*key[:-1], "scale")
+        flat_p[scale] = flat_p[scale] * np.sqrt(var + np.float32(model.bn_epsilon))
+    params, stats = traverse_util.unflatten_dict(flat_p), traverse_util.unflatten_dict(flat_s)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16, 16, 3)), jnp.float32)
+    want = np.asarray(model.apply({"params": params, "batch_stats": stats}, x, train=False))
+    arch = int8.architecture(model, params)
+    forward = jax.jit(lambda lay, x: int8.float_forward(arch, lay, x))
+    got = np.asarray(forward(int8.fold_batchnorm(arch, params, stats, model.bn_epsilon), x))
+    tol = 1000 * EPS32 * np.abs(want).max()  # as in test_folding_keeps_float_logits
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    # negative control: epsilon left out of the fold
+    bad = np.asarray(forward(int8.fold_batchnorm(arch, params, stats, 0.0), x))
+    assert np.abs(bad - want).max() > 100 * tol
+
+
 # ---- weight round trip -------------------------------------------------------------------
 
 

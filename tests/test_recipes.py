@@ -85,7 +85,7 @@ def test_slurm_recipe_requeues_a_stopped_run_into_the_same_workdir(tmp_path, com
     (bin_ / "srun").write_text(
         '#!/bin/bash\necho "$@" > "$LOG/srun"\n'
         'while [ "$1" != --workdir ]; do shift; done\n'
-        f"mkdir -p \"$2\" && echo '{summary}' > \"$2/summary.json\"\n"
+        f'mkdir -p "$2" && echo \'{summary}\' > "$2/summary.json"\n'
     )
     (bin_ / "scontrol").write_text('#!/bin/bash\necho "$@" > "$LOG/scontrol"\n')
     for f in bin_.iterdir():

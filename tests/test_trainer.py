@@ -101,6 +101,34 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     assert train[k + 1]["lr"] > train[k]["lr"]  # the batch doubled: the linear rule holds
 
 
+def test_each_stage_reads_its_own_size_batch_and_crop_scale(tmp_path):
+    """``host_batches`` opens each stage's input with the stage's image size, global batch
+    and minimum crop scale (``@SCALE`` in the stage string), from the stage's first data
+    position: recorded at the data's door, over a run resumed inside the first stage."""
+    import dataclasses
+
+    config = tiny_digits(stages="0.3:16-8@0.35,0.6:24-16@0.7", num_epochs=0.6)
+    run = trainer.setup(config, str(tmp_path), with_data=True)
+    opened, real = [], run.data.train_batches
+
+    def train_batches(epoch, start_step=0, **kw):
+        opened.append((epoch, start_step, kw))
+        return real(epoch, start_step, **kw)
+
+    run = dataclasses.replace(run, data=dataclasses.replace(run.data, train_batches=train_batches))
+    s0, s1 = run.plan.stages
+    got = list(trainer.host_batches(run, 0, 2, 0, 2))  # resumed at step 2
+    assert len(got) == run.plan.total_steps - 2
+    assert [(b["image"].shape[0], b["image"].shape[1]) for b in (got[0], got[-1])] == [
+        (32, 16), (64, 24)]  # fmt: skip
+    want = [
+        (0, 2, dict(steps=s0.end_step - 2, global_batch=32, image_size=16, min_scale=0.35)),
+        (*trainer.start_position(s1), dict(steps=s1.num_steps, global_batch=64, image_size=24,
+                                           min_scale=0.7)),
+    ]  # fmt: skip
+    assert opened == want
+
+
 def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path):
     """compile_ahead=background: the second stage's step compiles in a thread while the
     first trains; the run is step for step the one that compiles everything first, and
