@@ -228,27 +228,33 @@ def parse_collectives(hlo_text: str) -> list[dict]:
 # ---- The report -----------------------------------------------------------------------------
 
 
-def _flops(compiled) -> float | None:
+def cost_of(compiled) -> dict:
+    """``{"flops": ..., "bytes_accessed": ...}`` per device from the compiler's
+    ``cost_analysis`` (each None where the backend does not say)."""
     try:
         ca = compiled.cost_analysis()
     except (NotImplementedError, RuntimeError, ValueError):  # not on every backend
-        return None
-    if isinstance(ca, (list, tuple)):
-        vals = [d.get("flops") for d in ca if d and d.get("flops") is not None]
-        return float(sum(vals)) if vals else None
-    if isinstance(ca, dict) and ca.get("flops") is not None:
-        return float(ca["flops"])
-    return None
+        ca = None
+    parts = ca if isinstance(ca, (list, tuple)) else [ca]
+    out = {}
+    for key, name in (("flops", "flops"), ("bytes_accessed", "bytes accessed")):
+        vals = [d[name] for d in parts if isinstance(d, dict) and d.get(name) is not None]
+        out[key] = float(sum(vals)) if vals else None
+    return out
 
 
-def report(config, virtual_devices: int | None = None) -> CommReport:
-    """Compiles the config's train step for the mesh and returns the report."""
-    import jax
+def _flops(compiled) -> float | None:
+    return cost_of(compiled)["flops"]
 
+
+def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
+    """Compiles the config's train step for the mesh and returns the report; ``target``: a
+    ``hybridpar.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
     from hybridpar.trainer import memory_line, setup
 
+    devices = target.devices() if target is not None else None
     try:
-        run = setup(config, with_data=False)  # the train CLI's own set-up and checks
+        run = setup(config, with_data=False, devices=devices)  # the train CLI's own checks
     except ConfigError as e:
         if "devices" not in str(e):
             raise
@@ -267,7 +273,7 @@ def report(config, virtual_devices: int | None = None) -> CommReport:
         k["count"] += r["count"]
         k["bytes"] += r["total_bytes"]
     mem_text, mem = memory_line(compiled)
-    dev = jax.devices()[0]
+    dev = run.mesh.devices.flat[0]
     return CommReport(
         collectives=tuple(CollectiveRow.from_dict(r) for r in collectives),
         by_kind=by_kind,
@@ -279,7 +285,7 @@ def report(config, virtual_devices: int | None = None) -> CommReport:
         memory_text=mem_text,
         mesh=dict(mesh.shape),
         devices={
-            "count": jax.device_count(),
+            "count": run.mesh.size,
             "platform": dev.platform,
             "kind": dev.device_kind,
             "virtual": virtual_devices is not None,
@@ -350,14 +356,30 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--devices", type=int, help="compile for N virtual CPU devices instead of the real ones"
     )
+    parser.add_argument(
+        "--target",
+        help="compile for a TPU topology with the TPU compiler (no TPU needed), e.g. "
+        "tpu:v5e-16; or cpu:N, as --devices N",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
+    target = None
+    if args.target:
+        from hybridpar import targets
+
+        try:
+            target = targets.parse(args.target)
+            targets.prepare(target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        if target.platform == "cpu":
+            args.devices, target = target.devices_count, None
     if args.devices is not None:
         use_virtual_cpu_devices(args.devices)
     config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
 
     def run():
-        rep = report(config, args.devices)
+        rep = report(config, args.devices, target)
         if args.json:
             print(rep.to_json())
         else:

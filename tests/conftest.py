@@ -9,6 +9,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu (the tpu-aot extra the suite installs) compiles for TPU topologies here: no cloud
+# metadata server to ask, and no machine-wide lock, since several test processes load it.
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # An XLA compilation cache for the session, used by this process and the subprocesses it
 # starts (they inherit the variable): the suite builds the same small programs in many tests
 # and CLI runs, and each compiles once. A fresh directory per session, removed at its end,

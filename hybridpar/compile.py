@@ -1,0 +1,255 @@
+"""``python -m hybridpar.compile --config experiments/NAME.py --target tpu:v5e-16 [--json]``
+
+Compiles every program a run would compile, each curriculum stage's train step and the eval
+step, for a target without running anything: the TPU compiler itself for ``tpu:...``
+targets (libtpu's ahead-of-time path, on a machine with no TPU: ``hybridpar/targets.py``),
+or XLA:CPU on N virtual devices for ``cpu:N``. The set-up is the trainer's own
+(``trainer.setup`` without data, on the target's devices), so the programs are the ones the
+run will execute on that hardware.
+
+For each program: per-chip memory (arguments, outputs, temporaries, and the total against
+the chip's HBM), FLOPs and bytes accessed by the compiler's count, every collective as
+the compiler scheduled it (kind, bytes, groups, asynchronous or not), compile time, and a
+roofline bound on the step time (FLOPs at peak or bytes at HBM bandwidth, whichever is
+longer; collectives, launch and input not counted) with the images/s per chip it allows.
+A program that does not fit the chip's HBM is one ``error:`` line naming its need and the
+capacity. The last line is ``key=value`` figures for the largest program.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from hybridpar import cli, targets
+from hybridpar.errors import ConfigError
+
+# Nothing above imports JAX: ``--target`` sets the environment before the backend starts.
+
+
+def compile_programs(config, target: targets.Target) -> dict:
+    """Every stage's train step and the eval step compiled for ``target``; the report as
+    a dict (``programs``, the ``largest`` by memory, the target and mesh)."""
+    from hybridpar import comm_report, trainer
+
+    t0 = time.time()
+    try:
+        run = trainer.setup(config, with_data=False, devices=target.devices())
+    except ConfigError as e:
+        if "devices" in str(e) and target.platform == "cpu":
+            raise ConfigError(f"{e} (--target cpu:N compiles for N virtual CPU devices)") from None
+        raise
+    program, c = run.program, config
+    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
+    wanted.append(("eval", c.eval_batch, c.data.image_size))
+    rows = []
+    for kind, batch, size in dict.fromkeys(wanted):  # each (program, batch, size) once
+        compiled = _compile_or_explain(run, target, kind, batch, size)
+        rec = program.compiles[-1]
+        collectives = comm_report.parse_collectives(compiled.as_text())
+        cost = comm_report.cost_of(compiled)
+        mem = rec["memory_per_device_bytes"]
+        step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
+        per_chip = batch / target.devices_count
+        rows.append(
+            dict(
+                program=kind,
+                batch=batch,
+                image_size=size,
+                compile_s=rec["compile_s"],
+                memory=mem,
+                fits=targets.fits(target, mem.get("total", 0)),
+                **cost,
+                collective_ops=sum(r["count"] for r in collectives),
+                collective_bytes=sum(r["total_bytes"] for r in collectives),
+                async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
+                collectives=collectives,
+                roofline_step_s=step_s,
+                roofline_images_per_s_per_chip=(
+                    round(per_chip / step_s, 1) if step_s and kind == "train" else None
+                ),
+            )
+        )
+    largest = max(rows, key=lambda r: r["memory"].get("total", 0))
+    return dict(
+        target=target.spec or f"cpu:{target.devices_count}",
+        target_description=target.describe(),
+        hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
+        mesh=dict(run.mesh.shape),
+        # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
+        device_platform=run.mesh.devices.flat[0].platform,
+        device_kind=run.mesh.devices.flat[0].device_kind,
+        programs=rows,
+        largest=f"{largest['program']} (batch {largest['batch']}, {largest['image_size']} px)",
+        wall_s=round(time.time() - t0, 3),
+    )
+
+
+def _compile_or_explain(run, target, kind: str, batch: int, size: int):
+    """The program compiled; where the TPU compiler finds it over the chip's HBM (it refuses
+    to compile it), one error naming the need, the capacity and a plan that does compile:
+    the same batch with the state sharded over every chip (``fsdp``), else the largest
+    smaller batch found on this mesh (each candidate compiled to check)."""
+    step = run.program.train_step if kind == "train" else run.program.eval_step
+    try:
+        return step(batch, size)
+    except Exception as e:
+        need = _hbm_shortfall(str(e))
+        if need is None:
+            raise
+    head = (
+        f"the {kind} step (batch {batch}, {size} px) needs {need[0] / 2**30:.2f} GiB of HBM per "
+        f"chip on {target.spec} where {need[1] / 2**30:.2f} GiB are available (the TPU "
+        "compiler's count)"
+    )
+    fix = _fitting_mesh(run, target, kind, batch, size)
+    fix = fix or _fitting_batch(run, kind, batch, size, need)
+    raise ConfigError(f"{head}: {fix}" if fix else f"{head}; neither fsdp:-1 nor a smaller "
+                      "batch compiles within it: use a chip with more HBM")  # fmt: skip
+
+
+def _fitting_mesh(run, target, kind, batch, size) -> str | None:
+    """``--config.mesh=fsdp:-1`` if the same program compiles within HBM on it."""
+    import copy
+
+    from hybridpar import trainer
+
+    if run.mesh.shape.get("fsdp", 1) == run.mesh.size:
+        return None
+    config = copy.deepcopy(run.config)
+    config.mesh = "fsdp:-1"
+    try:
+        other = trainer.setup(config, with_data=False, devices=target.devices())
+        (other.program.train_step if kind == "train" else other.program.eval_step)(batch, size)
+    except Exception as e:
+        if _hbm_shortfall(str(e)) is None and not isinstance(e, ConfigError):
+            raise
+        return None
+    mem = other.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
+    return f"--config.mesh=fsdp:-1 compiles it ({targets.gib(mem)} per chip)"
+
+
+def _fitting_batch(run, kind, batch, size, need, tries: int = 3) -> str | None:
+    """The first of up to ``tries`` smaller batches (scaled by capacity over need, in
+    multiples of the data-parallel size) that compiles within HBM on this mesh."""
+    from hybridpar.mesh import data_parallel_size
+
+    step = run.program.train_step if kind == "train" else run.program.eval_step
+    dp = data_parallel_size(run.mesh)
+    trial = batch
+    for _ in range(tries):
+        trial = int(trial * need[1] / need[0] * 0.9) // dp * dp
+        if trial < dp:
+            return None
+        try:
+            step(trial, size)
+        except Exception as e:
+            if _hbm_shortfall(str(e)) is None:
+                raise
+            continue
+        mem = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
+        key = "eval_batch" if kind == "eval" else "global_batch (or the stage's batch)"
+        return f"{key}={trial} compiles on this mesh ({targets.gib(mem)} per chip)"
+    return None
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _hbm_shortfall(message: str) -> tuple[float, float] | None:
+    """``(needed, available)`` bytes from the TPU compiler's out-of-memory message."""
+    import re
+
+    m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+    if not m or "RESOURCE_EXHAUSTED" not in message:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)]
+
+
+def check_fits(report: dict) -> None:
+    """One error for the largest program over the chip's HBM, naming need and capacity."""
+    over = [r for r in report["programs"] if not r["fits"]]
+    if not over:
+        return
+    r = max(over, key=lambda r: r["memory"]["total"])
+    cap = report["hbm_bytes_per_chip"]
+    mesh = ",".join(f"{k}:{v}" for k, v in report["mesh"].items() if v > 1) or "one device"
+    raise ConfigError(
+        f"the {r['program']} step (batch {r['batch']}, {r['image_size']} px) needs "
+        f"{targets.gib(r['memory']['total'])} per chip on {report['target']} (HBM "
+        f"{targets.gib(cap)}), mesh {mesh}: shard the state over more chips "
+        "(--config.mesh=fsdp:-1, or a model axis), lower global_batch or the stage's batch, "
+        "or use a chip with more HBM"
+    )
+
+
+def format_report(report: dict, config_path: str) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    lines = [
+        f"compile: {config_path} for {report['target_description']}",
+        f"mesh {mesh}; {len(report['programs'])} programs in {report['wall_s']:.1f}s",
+        "",
+        f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
+        f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'compile':>8} "
+        f"{'roofline img/s/chip':>19}",
+    ]
+    for r in report["programs"]:
+        m = r["memory"]
+        name = f"{r['program']} b{r['batch']} {r['image_size']}px"
+        flops = f"{r['flops'] / 1e9:.2f}" if r["flops"] else "-"
+        accessed = f"{r['bytes_accessed'] / 1e9:.3f}" if r["bytes_accessed"] else "-"
+        coll = f"{r['collective_ops']} / {r['collective_bytes'] / 2**20:.1f} MiB"
+        rate = r["roofline_images_per_s_per_chip"]
+        lines.append(
+            f"  {name:<28} {targets.gib(m.get('total', 0)):>12} {targets.gib(m.get('temp', 0)):>10}"
+            f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
+            f"{r['compile_s']:>7.1f}s {rate if rate is not None else '-':>19}"
+        )
+    if report["hbm_bytes_per_chip"]:
+        lines.append(f"  (HBM per chip: {targets.gib(report['hbm_bytes_per_chip'])})")
+    lines.append(
+        "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
+        "collectives, launch and input are not counted, so real steps are slower"
+    )
+    big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
+    train = [r for r in report["programs"] if r["program"] == "train"]
+    rates = [r["roofline_images_per_s_per_chip"] for r in train]
+    lines.append(
+        f"memory_per_chip_bytes={big['memory'].get('total')} largest={report['largest']!r} "
+        f"flops_per_chip={train[0]['flops']} "
+        f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
+        f"collective_bytes={train[0]['collective_bytes']} target={report['target']} "
+        f"programs={len(report['programs'])} wall_s={report['wall_s']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.compile", __doc__)
+    parser.add_argument(
+        "--target",
+        help="cpu:N (N virtual CPU devices) or tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16 "
+        "(default: this machine's devices)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, config = cli.parse(parser, argv)
+    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
+
+    def run():
+        if args.target:
+            target = targets.parse(args.target)
+            targets.prepare(target)
+        else:
+            import jax
+
+            target = targets.Target(jax.default_backend(), jax.device_count())
+        report = compile_programs(config, target)
+        print(json.dumps(report) if args.json else format_report(report, config_path))
+        check_fits(report)
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""What a compile-only tool compiles for: ``--target cpu:8`` (virtual CPU devices, the
+default) or ``--target tpu:v5e-16[,slices=N]``: the TPU compiler itself, through libtpu's
+ahead-of-time path, on a machine with no TPU.
+
+    target = parse("tpu:v5p-128")   # a Target: chip, chips, topology, slices
+    prepare(target)                 # the environment, before JAX starts
+    devices = target.devices()      # the topology's devices, for a mesh
+
+A TPU target's devices are descriptions of the chips of that topology (jax's
+``topologies.get_topology_desc``): a mesh can be laid on them and a program compiled for
+them (``lower().compile()``, with ``memory_analysis()`` and ``cost_analysis()`` from the
+TPU compiler), but nothing can run on them. The names follow Cloud TPU's accelerator
+types: ``v5e-N`` and ``v6e-N`` count chips, ``v4-N`` and ``v5p-N`` count TensorCores (two
+per chip), so ``v5p-128`` is 64 chips (a 4x4x4 cube).
+
+Chip figures are per chip, from the Cloud TPU system-architecture pages for each version
+(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): peak dense bfloat16 FLOP/s, HBM capacity
+and bandwidth, bidirectional ICI bandwidth, and data-centre network (DCN) bandwidth where
+the page gives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+
+from hybridpar.errors import ConfigError
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    peak_bf16_flops: float  # dense, per chip
+    hbm_bytes: int
+    hbm_bytes_per_s: float
+    ici_bytes_per_s: float  # bidirectional, per chip
+    dcn_bytes_per_s: float | None  # per chip, where published
+    cores_per_chip: int  # TensorCores: what v4-N / v5p-N count
+    torus_dims: int  # 2: a 2D torus (v5e, v6e); 3: 3D (v4, v5p)
+    chip_config: str  # libtpu's chip_config_name ("megacore": one device per chip)
+
+
+CHIPS = {
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s; ICI from the
+    # v4 paper's 6 links x 50 GB/s x 2 directions (ISCA 2023, "TPU v4: An Optically
+    # Reconfigurable Supercomputer"); DCN not published per chip.
+    "v4": Chip("v4", 275e12, 32 * GIB, 1200e9, 600e9, None, 2, 3, "megacore"),
+    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
+    # bidirectional; DCN 2 x 100 Gb/s NICs per 8-chip host = 25 Gb/s per chip.
+    "v5e": Chip("v5e", 197e12, 16 * GIB, 819e9, 400e9, 25e9 / 8, 1, 2, "default"),
+    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 1200 GB/s
+    # bidirectional, DCN 50 Gb/s per chip.
+    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765e9, 1200e9, 50e9 / 8, 2, 3, "megacore"),
+    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 32 GB HBM at 1638 GB/s, ICI 800 GB/s
+    # bidirectional; DCN not published per chip.
+    "v6e": Chip("v6e", 918e12, 32 * GIB, 1638e9, 800e9, None, 1, 2, "default"),
+}
+# The slice shapes Cloud TPU offers, by chip count: (x, y) for 2D tori, (x, y, z) for 3D.
+_SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8),
+              128: (8, 16), 256: (16, 16)}  # fmt: skip
+_SHAPES_3D = {4: (2, 2, 1), 8: (2, 2, 2), 16: (2, 2, 4), 32: (2, 4, 4), 64: (4, 4, 4),
+              128: (4, 4, 8), 256: (4, 8, 8), 512: (8, 8, 8), 1024: (8, 8, 16),
+              2048: (8, 16, 16), 4096: (16, 16, 16)}  # fmt: skip
+TPU_EXTRA = 'pip install -e ".[tpu-aot]"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    platform: str  # "cpu" or "tpu"
+    devices_count: int  # every device of every slice
+    chip: Chip | None = None
+    shape: tuple = ()  # one slice's chips per torus dimension
+    slices: int = 1
+    spec: str = ""
+
+    @property
+    def topology_name(self) -> str:
+        return f"{self.chip.name}:{'x'.join(map(str, self.shape))}"
+
+    def devices(self):
+        """The devices to lay the mesh on: None for ``cpu:N`` (the process's own, which
+        ``prepare`` made N), else the TPU topology's."""
+        if self.platform == "cpu":
+            return None
+        from jax.experimental import topologies
+
+        per_host = tuple(min(2, s) for s in self.shape) + (1,) * (3 - len(self.shape))
+        try:
+            topo = topologies.get_topology_desc(
+                platform="tpu",
+                topology_name=self.topology_name,
+                chip_config_name=self.chip.chip_config,
+                chips_per_host_bounds=per_host,
+                num_slices=self.slices,
+            )
+        except Exception as e:  # libtpu's own message says what it did not accept
+            raise ConfigError(
+                f"libtpu did not describe --target {self.spec} (topology "
+                f"{self.topology_name}, {self.slices} slice(s)): {str(e).splitlines()[0]}"
+            ) from None
+        return topo.devices
+
+    def describe(self) -> str:
+        if self.platform == "cpu":
+            return f"{self.devices_count} virtual CPU devices (XLA:CPU)"
+        c = self.chip
+        slices = f" x {self.slices} slices over DCN" if self.slices > 1 else ""
+        return (
+            f"TPU {c.name} {self.topology_name}{slices}: {self.devices_count} chips, "
+            f"{c.hbm_bytes / GIB:.0f} GiB HBM and {c.peak_bf16_flops / 1e12:.0f} TFLOP/s "
+            "bf16 each (the TPU compiler, ahead of time: nothing runs)"
+        )
+
+
+def parse(spec: str) -> Target:
+    """``cpu:N`` or ``tpu:CHIP-N[,slices=S]`` (CHIP one of ``CHIPS``), or one error saying
+    what is accepted."""
+    fix = (
+        "use --target cpu:N (N virtual CPU devices) or tpu:CHIP-N[,slices=S] with CHIP one of "
+        f"{', '.join(CHIPS)}, e.g. tpu:v5e-16 or tpu:v5p-128,slices=2"
+    )
+    m = re.fullmatch(r"cpu:(\d+)", spec.strip())
+    if m:
+        n = int(m.group(1))
+        if n < 1:
+            raise ConfigError(f"--target {spec}: at least one device; {fix}")
+        return Target("cpu", n, spec=spec)
+    m = re.fullmatch(r"tpu:(v\w+?)-(\d+)(?:,slices=(\d+))?", spec.strip())
+    if not m:
+        raise ConfigError(f"--target {spec!r} is not a target; {fix}")
+    name, count, slices = m.group(1), int(m.group(2)), int(m.group(3) or 1)
+    if name not in CHIPS:
+        raise ConfigError(f"--target {spec}: unknown TPU version {name!r}; {fix}")
+    chip = CHIPS[name]
+    if count % chip.cores_per_chip or slices < 1:
+        raise ConfigError(
+            f"--target {spec}: {name}-N counts TensorCores ({chip.cores_per_chip} per chip), "
+            f"so N must be a multiple of {chip.cores_per_chip}; {fix}"
+        )
+    chips = count // chip.cores_per_chip
+    shapes = _SHAPES_3D if chip.torus_dims == 3 else _SHAPES_2D
+    if chips not in shapes:
+        sizes = ", ".join(f"{name}-{n * chip.cores_per_chip}" for n in shapes)
+        raise ConfigError(f"--target {spec}: no {name} slice of {chips} chips; one of {sizes}")
+    return Target("tpu", chips * slices, chip, shapes[chips], slices, spec)
+
+
+def prepare(target: Target) -> None:
+    """The environment a target needs, set before JAX starts: N virtual CPU devices, or
+    libtpu's compiler on a host without a TPU (JAX's CPU backend for the process itself; no
+    cloud metadata query; no machine-wide libtpu lock, so two tools can compile at once)."""
+    if target.platform == "cpu":
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
+                       os.environ.get("XLA_FLAGS", ""))  # fmt: skip
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={target.devices_count}".strip()
+        )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        return
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError(
+            f"--target {target.spec} compiles with the TPU compiler, which comes with libtpu: "
+            f"install it with {TPU_EXTRA} (about 0.7 GB; no TPU needed)"
+        )
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+
+def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
+    """A lower bound on one step's time on one chip from the TPU compiler's own counts: the
+    FLOPs at peak, or the bytes at HBM bandwidth, whichever takes longer (collectives,
+    launch and input not counted). None for CPU targets."""
+    if target.platform == "cpu" or not flops:
+        return None
+    c = target.chip
+    return max(flops / c.peak_bf16_flops, (bytes_accessed or 0) / c.hbm_bytes_per_s)
+
+
+def fits(target: Target, need_bytes: int) -> bool:
+    return target.platform == "cpu" or need_bytes <= target.chip.hbm_bytes
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.1f} MiB"
