@@ -58,8 +58,10 @@ def test_a_probe_does_not_make_a_trainer_fail(tmp_path):
 
 
 def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
-    code = ("import sys, time; from hybridpar import workdir_lock; "
-            "lock = workdir_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)")  # fmt: skip
+    code = (
+        "import sys, time; from hybridpar import workdir_lock; "
+        "lock = workdir_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
+    )
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
                          text=True)  # fmt: skip
     try:
