@@ -128,6 +128,8 @@ def _setup(
     mesh = make_mesh(config.mesh, devices=devices)
     check_batch_sizes(config, mesh)
     stages = stages_from_config(config, data_parallel_size(mesh))
+    if workdir is not None and not allow_config_change:  # resumed on another mesh?
+        checkpoint.check_batches(workdir, config, stages, data_parallel_size(mesh))
 
     # ---- Data: host-local batches, and so the steps each stage runs ----
     data, plan = None, None
@@ -624,7 +626,8 @@ def train(run: Run, hooks=()) -> dict:
             written = record_compiles(run, writer, loop, mem, written)
             writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                          image_size=st.image_size, global_batch=st.global_batch,
-                         min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
+                         min_scale=st.min_scale, steps=stage.num_steps,
+                         data_parallel=data_parallel_size(run.mesh))  # fmt: skip
             progress.restart(loop)
             for batch in itertools.islice(batches, stage.end_step - loop.step):
                 state, metrics = train_step(state, batch)
