@@ -339,7 +339,7 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
     # there, then stops with an error: no trainer holds the lock, no checkpoint comes.
     ev = [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(w), "--watch",
           "--poll-s=0.2", "--dead-after-s=1"]  # fmt: skip
-    r = subprocess.run(ev, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run(ev, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert len(errors) == 1 and "ended before its last step (44)" in errors[0], errors
