@@ -31,15 +31,26 @@ from hybridpar.errors import ConfigError
 
 ITEMS = ("state", "loop", "config")
 # Keys that may change between the segments of one run: they change neither the numbers
-# nor what a checkpoint holds (how often to log and checkpoint, input threads and depth,
-# how long to wait for the other processes, where compiled programs are cached).
+# nor what a checkpoint holds (how often to log and checkpoint, how long to wait for the
+# other processes, where compiled programs are cached).
 FREE_KEYS = (
     "log_every_s",
     "checkpoint.",
-    "data.prefetch",
-    "data.threads",
     "distributed_timeout_s",
     "compile_cache",
+)
+# Keys that only place the computation or move data: a run resumes with other values (a
+# checkpoint restores into the new shardings, the `resume` line names them), and the
+# evaluator and quantize may set their own. The mesh with one proviso: the global batches
+# must stay (``check_batches``). The one list for the trainer and the tools that read a run.
+PLACEMENT_KEYS = (
+    "mesh",
+    "partitioning.",
+    "comm.",
+    "distributed",
+    "eval_batch",
+    "data.prefetch",
+    "data.threads",
 )
 
 
@@ -133,18 +144,71 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
     returns its summary if that run completed, else None (a new run or one to resume)."""
     saved = read_json(os.path.join(workdir, "config.json"))
     if saved is not None and not allow_config_change:
-        diff = differences(saved, config_dict(config))
+        diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
         if diff:
             raise ConfigError(
                 f"{another_config(workdir, diff)}; use a new --workdir, or pass "
-                "--allow-config-change to continue that run with this config"
+                "--allow-config-change to continue that run with this config (only "
+                f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
             )
     summary = read_json(os.path.join(workdir, "summary.json"))
     if summary is not None and summary.get("completed"):
-        if saved is None or not differences(saved, config_dict(config)):
+        if saved is None or not differences(saved, config_dict(config), free=PLACEMENT_KEYS):
             return summary
         # the config changed on purpose (more epochs, say): train on from the last step
     return None
+
+
+def read_records(path: str, offset: int = 0) -> tuple[list[dict], int]:
+    """The JSON lines of ``path`` from byte ``offset`` on, and the offset after the last
+    whole line. A line cut short (its writer killed, or still writing) is left out."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records, offset + end
+
+
+def check_batches(workdir: str, config, stages: list, data_parallel: int) -> None:
+    """A run resumed on another mesh must train the steps it would have: with
+    ``config.stages`` the batches are per data-parallel device, so a mesh of another data x
+    fsdp size changes every stage's global batch; and BatchNorm statistics over each
+    device's or group's examples (``model.bn_sync`` not global) change with that size too.
+    Checked against the last ``stage`` line of the run's ``metrics.jsonl`` (none: no step
+    trained yet, any mesh will do)."""
+    records, _ = read_records(os.path.join(workdir, "metrics.jsonl"))
+    last = next((r for r in reversed(records) if r["event"] == "stage"), None)
+    if last is None or last["stage"] >= len(stages):
+        return  # another number of stages: a change check_run has refused or allowed
+    new = stages[last["stage"]].global_batch
+    fix = (
+        f"use a mesh with {last.get('data_parallel', 'its')} data-parallel devices (data x "
+        "fsdp), or pass --allow-config-change to train on with the new batches"
+    )
+    if new != last["global_batch"]:
+        raise ConfigError(
+            f"workdir {workdir!r} holds a run that trained stage {last['stage']} at global "
+            f"batch {last['global_batch']}; on mesh {config.mesh!r} ({data_parallel} "
+            f"data-parallel devices) config.stages gives it {new}, as its batches are per "
+            f"data-parallel device: {fix}"
+        )
+    old = last.get("data_parallel")
+    if config.model.bn_sync != "global" and old is not None and old != data_parallel:
+        raise ConfigError(
+            f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
+            f"model.bn_sync={config.model.bn_sync!r} (BatchNorm statistics over each device's "
+            f"or group's examples); mesh {config.mesh!r} has {data_parallel}, which changes "
+            f"those statistics: {fix}"
+        )
 
 
 def record_config(workdir: str, config) -> list[str]:

@@ -22,7 +22,9 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import json
 import logging
+import os
 import sys
 from typing import Callable, Sequence
 
@@ -169,17 +171,51 @@ def load(path: str | None, overrides=()):
     return apply_overrides(config, overrides, path.partition(":")[0])
 
 
-def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *, config=True):
+def load_run(workdir: str, overrides=()):
+    """The config of the run in ``workdir``, from its ``config.json``, with ``overrides``
+    applied: what the tools that read a run (evaluate, quantize) use without ``--config``.
+    They run in one process, so ``distributed`` is off unless an override sets it."""
+    from hybridpar.config import from_saved
+
+    path = os.path.join(workdir, "config.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no {path}: pass the --workdir of a training run (python -m hybridpar.train "
+            "writes its config there when it starts), or --config experiments/NAME.py"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"cannot read {path!r} ({e}): pass --config experiments/NAME.py"
+        ) from None
+    config = from_saved(saved, path)
+    config.distributed = False
+    config.lock()
+    return apply_overrides(config, overrides, path)
+
+
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    *,
+    config=True,
+    from_run=False,
+):
     """``(args, config)`` from ``argv`` (default ``sys.argv[1:]``); ``config=False`` makes
-    ``--config`` optional (None when absent)."""
+    ``--config`` optional (None when absent). ``from_run``: without ``--config`` the config
+    is the run's (``load_run``, by the tool once it knows the workdir), so the overrides are
+    kept in ``args.config_overrides``."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         sys.exit(0)
     path, overrides, rest = split_config_args(argv)
     args = parser.parse_args(rest)
-    if path is None and not config:
-        if overrides:
+    args.config_overrides = overrides
+    if path is None and (from_run or not config):
+        if overrides and not from_run:
             fail("--config.KEY overrides need --config FILE")
         return args, None
     return args, load(path, overrides)

@@ -464,3 +464,33 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config(arg) if arg else module.get_config()
+
+
+def from_saved(saved: dict, where: str = "config.json") -> ml_collections.ConfigDict:
+    """A run's config back from its ``config.json`` (``base_config()`` with the saved values;
+    JSON's lists become tuples again), for the tools that read a run without its config file.
+    A key this version does not know is an error: that run needs its own config file."""
+
+    def update(node, values: dict, prefix: str) -> None:
+        for k, v in values.items():
+            if k not in node:
+                raise ConfigError(
+                    f"{where} holds key {prefix + k!r}, which this hybridpar does not know: pass "
+                    "the run's --config experiments/NAME.py"
+                )
+            if hasattr(node[k], "items"):
+                update(node[k], v, f"{prefix}{k}.")
+            else:
+                node[k] = tuples(v)
+
+    def tuples(v):
+        return tuple(map(tuples, v)) if isinstance(v, list) else v
+
+    c = base_config()
+    try:
+        update(c, saved, "")
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # a value of another type
+        raise ConfigError(f"{where} does not read back as a config ({e}): pass --config") from None
+    return c

@@ -1,4 +1,4 @@
-"""``python -m hybridpar.evaluate --config experiments/NAME.py --workdir W [--watch] [--poll-s S]``.
+"""``python -m hybridpar.evaluate --workdir W [--watch] [--poll-s S] [--config FILE]``.
 
 Evaluation off the training clock: evaluates each checkpoint of the training run in ``W``
 on the whole eval split, on this process's own devices, while the trainer goes on. Without
@@ -7,9 +7,11 @@ one as it is committed, until the run's last step. Train with
 ``--config.eval_every_epochs=0`` to leave it every evaluation but the last.
 
 Only the command line: the evaluation itself is ``hybridpar/evaluator.py``. The config is the
-run's own; ``--config.mesh=...`` (and the other placement keys) may fit it to the devices
-here. Records go to ``W/evaluator/metrics.jsonl``. A bad workdir or config is one ``error:``
-line that names the fix (exit code 2).
+run's own (``W/config.json``, or ``--config`` naming the same); ``--config.mesh=...`` (and
+the other placement keys) may fit it to the devices here. With ``--watch`` it may start
+before the trainer, and stops with an error once the run has ended unfinished
+(``--dead-after-s``). Records go to ``W/evaluator/metrics.jsonl``. A bad workdir or config
+is one ``error:`` line that names the fix (exit code 2).
 """
 
 from __future__ import annotations
@@ -28,16 +30,34 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--poll-s", type=float, default=5.0, help="seconds between looks (with --watch)"
     )
+    parser.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=300.0,
+        help="with --watch: stop with an error once no trainer holds the workdir and no new "
+        "checkpoint came for this long (default 300; 0 waits for ever)",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, config = cli.parse(parser, argv)
+    args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
-        cli.fail("pass --config experiments/NAME.py and --workdir DIR (the training run's)")
+        cli.fail("pass --workdir DIR (the training run's)")
     if not args.poll_s > 0:
         cli.fail(f"--poll-s={args.poll_s:g} must be > 0, e.g. --poll-s=5")
+    if not args.dead_after_s >= 0:
+        cli.fail(f"--dead-after-s={args.dead_after_s:g} must be >= 0 (0 waits for ever)")
 
     from hybridpar import evaluator  # imports jax: after the command line is known to be good
 
-    cli.main(lambda: evaluator.run(config, args.workdir, watch=args.watch, poll_s=args.poll_s))
+    cli.main(
+        lambda: evaluator.run(
+            config,
+            args.workdir,
+            watch=args.watch,
+            poll_s=args.poll_s,
+            overrides=args.config_overrides,
+            dead_after_s=args.dead_after_s,
+        )
+    )
 
 
 if __name__ == "__main__":

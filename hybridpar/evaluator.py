@@ -16,34 +16,30 @@ also the record of what is done: a restarted evaluator evaluates only what is ne
 
 With ``watch`` it polls for new checkpoints and stops once the run's last step
 (``plan.total_steps``, which the trainer always checkpoints) is done, or once summary.json
-says the run completed and nothing new is left.
+says the run completed and nothing new is left. It may start before the run (it waits for
+the workdir's ``config.json``), and it stops with an error once the run has ended
+unfinished: no trainer holds the workdir's lock and nothing new came for ``dead_after_s``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
-from hybridpar import checkpoint, trainer
+from hybridpar import checkpoint, trainer, workdir_lock
+from hybridpar.checkpoint import read_records
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import describe_mesh
 from hybridpar.metrics import MetricsWriter
 
-# Keys that may differ from the run's, besides checkpoint.FREE_KEYS: they change where and how
-# fast the evaluation runs, not what a checkpoint holds or what its evaluation gives (another
-# eval batch pads differently, but every example still counts once).
-PLACEMENT_KEYS = (
-    "mesh",
-    "partitioning.",
-    "comm.",
-    "distributed",
-    "eval_batch",
-    "eval_every_epochs",
-    "target_top1",
-    "target_top5",
-)
+# Keys that may differ from the run's, besides checkpoint.FREE_KEYS: the placement keys
+# (where and how fast the evaluation runs: another eval batch pads differently, but every
+# example still counts once), and when and to what end the trainer evaluates.
+PLACEMENT_KEYS = (*checkpoint.PLACEMENT_KEYS, "eval_every_epochs", "target_top1", "target_top5")
 SKIPPED = "eval_skipped"
+# With --watch: how long a run may bring no new checkpoint with no trainer alive on it
+# before the evaluator stops (a preempted run is usually resumed within minutes).
+DEAD_AFTER_S = 300.0
 
 
 def check_workdir(config, workdir: str) -> bool:
@@ -82,25 +78,6 @@ def check_position(plan, step: int, loop: dict) -> None:
             f"config's stages give {mine} by that step: config.stages sets batches per "
             "data-parallel device, so pass a --config.mesh with the trainer's data x fsdp size"
         )
-
-
-def read_records(path: str, offset: int = 0) -> tuple[list[dict], int]:
-    """The JSON lines of ``path`` from byte ``offset`` on, and the offset after the last
-    whole line. A line cut short (its writer killed, or still writing) is left out."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records, offset + end
 
 
 class Stamped:
@@ -187,9 +164,11 @@ class Evaluator:
         summary = checkpoint.read_json(os.path.join(self.workdir, "summary.json"))
         return bool(summary and summary.get("completed"))
 
-    def loop(self, watch: bool, poll_s: float, config_checked: bool) -> list[dict]:
+    def loop(self, watch: bool, poll_s: float, config_checked: bool, liveness=None) -> list[dict]:
         """Evaluates what is there (``watch``: and what comes, until the run's last step is
-        done); returns the events written."""
+        done, or an error once ``liveness`` says the run has ended unfinished); returns the
+        events written."""
+        liveness = liveness or Liveness(self.workdir, DEAD_AFTER_S)
         last = self.run.plan.total_steps
         if watch:
             trainer.log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
@@ -213,6 +192,18 @@ class Evaluator:
                 self.evaluate(step)
             if not watch or last in self.done or completed:
                 break
+            if todo:
+                liveness.progress()
+            elif liveness.dead():
+                latest = max(self.known, default=None)
+                raise ConfigError(
+                    f"the run in {self.workdir!r} ended before its last step ({last}): no "
+                    f"trainer has held its lock and no checkpoint came for "
+                    f"{liveness.dead_after_s:g}s (the latest is "
+                    f"{'step ' + str(latest) if latest is not None else 'none'}); resume it "
+                    "with its training command and run this again (it goes on from its "
+                    "record), or pass a larger --dead-after-s"
+                )
             time.sleep(poll_s)
         steps = [r["step"] for r in self.written if r["event"] == "eval"]
         skipped = len(self.written) - len(steps)
@@ -226,16 +217,72 @@ class Evaluator:
         self.saver.close()
 
 
-def run(config, workdir: str, *, watch=False, poll_s=5.0, devices=None) -> list[dict]:
-    """Evaluates ``workdir``'s checkpoints with ``config`` on ``devices`` (default: all);
-    returns the events written (``eval`` and ``eval_skipped``)."""
+class Liveness:
+    """Whether a watched run can still bring something new: a live trainer holds the
+    workdir's lock (``workdir_lock.held``, a probe that never blocks it), or something new
+    came within ``dead_after_s`` (0: wait for ever). Between a stop and its resume no
+    trainer holds the lock for a while: hence the timeout rather than a look."""
+
+    def __init__(self, workdir: str, dead_after_s: float):
+        self.workdir, self.dead_after_s = workdir, dead_after_s
+        self.last = time.time()
+
+    def progress(self) -> None:
+        self.last = time.time()
+
+    def dead(self) -> bool:
+        if os.path.isdir(self.workdir) and workdir_lock.held(self.workdir):
+            self.last = time.time()
+        return self.dead_after_s > 0 and time.time() - self.last > self.dead_after_s
+
+
+def wait_for_run(workdir: str, watch: bool, poll_s: float, liveness: Liveness) -> None:
+    """With ``watch``: until ``workdir`` and its ``config.json`` exist (the trainer writes it
+    when its set-up is done), so the evaluator may start before the trainer."""
+    config_json = os.path.join(workdir, "config.json")
+    if not watch or os.path.exists(config_json):
+        return
+    trainer.log(f"waiting for the run in {workdir} to start (for its config.json)")
+    while not os.path.exists(config_json):
+        if liveness.dead():
+            raise ConfigError(
+                f"no training run started in {workdir!r} within {liveness.dead_after_s:g}s "
+                "(no config.json, no trainer holding its lock): start it with python -m "
+                "hybridpar.train and this --workdir, or pass a larger --dead-after-s "
+                "(0 waits for ever)"
+            )
+        time.sleep(poll_s)
+
+
+def run(
+    config,
+    workdir: str,
+    *,
+    watch=False,
+    poll_s=5.0,
+    devices=None,
+    overrides=(),
+    dead_after_s: float = DEAD_AFTER_S,
+) -> list[dict]:
+    """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, from its
+    ``config.json``, with ``overrides``) on ``devices`` (default: all); returns the events
+    written (``eval`` and ``eval_skipped``). With ``watch`` it may start before the run and
+    stops with an error once the run has ended unfinished (``Liveness``)."""
+    liveness = Liveness(workdir, dead_after_s)
+    wait_for_run(workdir, watch, poll_s, liveness)
+    if config is None:
+        from hybridpar import cli
+
+        if not os.path.isdir(workdir):
+            check_workdir(config, workdir)  # its error: no such workdir
+        config = cli.load_run(workdir, overrides)
     checked = check_workdir(config, workdir)  # before any device or data is touched
     # workdir None: none of the trainer's workdir checks and writes (we only read there)
     r = trainer.setup(config, None, devices=devices)
     trainer.log(describe_mesh(r.mesh))
     evaluator = Evaluator(r, workdir)
     try:
-        return evaluator.loop(watch, poll_s, checked)
+        return evaluator.loop(watch, poll_s, checked, liveness)
     except KeyboardInterrupt:
         trainer.log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
         return evaluator.written

@@ -1,4 +1,4 @@
-"""``python -m hybridpar.quantize --config experiments/NAME.py --workdir W
+"""``python -m hybridpar.quantize --workdir W [--config experiments/NAME.py]
 [--calibration-batches K] [--weights int8] [--activations int8|none] [--overwrite]``.
 
 Int8 post-training quantization of a trained run: reads ``W``'s latest checkpoint
@@ -33,8 +33,6 @@ def check_args(args, config) -> None:
     config, a checkpoint to read and where the results go."""
     from hybridpar import checkpoint, evaluator
 
-    if not args.workdir:
-        cli.fail("pass --config experiments/NAME.py and --workdir DIR (the training run's)")
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if args.repeats < 1:
@@ -296,12 +294,16 @@ def main(argv=None) -> None:
         "--repeats", type=int, default=5, help="timed calls per latency figure (median)"
     )
     argv = sys.argv[1:] if argv is None else list(argv)
-    args, config = cli.parse(parser, argv)
+    args, config = cli.parse(parser, argv, from_run=True)
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the training run's)")
 
     def go():
-        check_args(args, config)  # before any device or data is touched
+        # without --config: the run's own, from its config.json
+        c = config or cli.load_run(args.workdir, args.config_overrides)
+        check_args(args, c)  # before any device or data is touched
         run(
-            config,
+            c,
             args.workdir,
             calibration_batches=args.calibration_batches,
             activations=args.activations,

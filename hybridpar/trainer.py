@@ -26,7 +26,7 @@ import time
 import jax
 import numpy as np
 
-from hybridpar import checkpoint, comm, compile_cache, distributed, partitioning
+from hybridpar import checkpoint, comm, compile_cache, distributed, partitioning, workdir_lock
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -55,6 +55,7 @@ class Run:
     start_time: float
     xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
     finished: dict | None = None  # the summary of the workdir's run, if it completed
+    lock: workdir_lock.Lock | None = None  # the workdir's, held until train() ends
 
 
 def check_workdir(workdir: str) -> None:
@@ -73,9 +74,12 @@ def setup(config, workdir: str | None = None, **kwargs) -> Run:
         compile_cache.resolve(config.compile_cache, workdir),
     ):
         made += _missing(path) if path else []
+    locks = []  # the workdir lock _setup took: released here if it then fails
     try:
-        return _setup(config, workdir, **kwargs)
+        return _setup(config, workdir, locks=locks, **kwargs)
     except BaseException:
+        for lock in locks:
+            lock.release()
         for path in sorted(set(made), key=len, reverse=True):  # the deepest first
             try:
                 os.rmdir(path)  # only if still empty
@@ -91,6 +95,7 @@ def _setup(
     with_data: bool = True,
     devices=None,
     allow_config_change: bool = False,
+    locks: list | None = None,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
@@ -108,6 +113,11 @@ def _setup(
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         distributed.initialize(config)
+    lock = None
+    if workdir is not None:  # one trainer per workdir; each process its own lock file
+        lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
+        if locks is not None:
+            locks.append(lock)
     cache_dir = compile_cache.resolve(config.compile_cache, workdir)
     if cache_dir is not None:  # before the first compilation, so that one is cached too
         fix = 'pass --config.compile_cache=DIR you can write, or ""'
@@ -118,6 +128,8 @@ def _setup(
     mesh = make_mesh(config.mesh, devices=devices)
     check_batch_sizes(config, mesh)
     stages = stages_from_config(config, data_parallel_size(mesh))
+    if workdir is not None and not allow_config_change:  # resumed on another mesh?
+        checkpoint.check_batches(workdir, config, stages, data_parallel_size(mesh))
 
     # ---- Data: host-local batches, and so the steps each stage runs ----
     data, plan = None, None
@@ -129,7 +141,7 @@ def _setup(
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     program = build_program(config, mesh, plan)
-    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished)
+    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
 
 
 def _missing(path: str) -> list[str]:
@@ -569,6 +581,12 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     return state, LoopState.from_dict(loop), step
 
 
+def release(run: Run) -> None:
+    """The workdir's lock, for the next trainer (also released by the OS if we die)."""
+    if run.lock is not None:
+        run.lock.release()
+
+
 def train(run: Run, hooks=()) -> dict:
     """Trains ``run`` to its last step, from the workdir's latest checkpoint if it holds
     one; returns (and writes) the summary. ``hooks``: more hooks, run after each step before
@@ -577,6 +595,7 @@ def train(run: Run, hooks=()) -> dict:
     if run.finished is not None:
         log(f"{run.workdir} holds a run that completed ({run.finished['steps']} steps): "
             "nothing to do; pass a new --workdir to train again")  # fmt: skip
+        release(run)
         return run.finished
     log(describe_mesh(run.mesh))
     changed = checkpoint.record_config(run.workdir, c)
@@ -636,7 +655,8 @@ def train(run: Run, hooks=()) -> dict:
             written = record_compiles(run, writer, loop, written)
             writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                          image_size=st.image_size, global_batch=st.global_batch,
-                         min_scale=st.min_scale, steps=stage.num_steps)  # fmt: skip
+                         min_scale=st.min_scale, steps=stage.num_steps,
+                         data_parallel=data_parallel_size(run.mesh))  # fmt: skip
             progress.restart(loop)
             for batch in itertools.islice(batches, stage.end_step - loop.step):
                 state, metrics = train_step(state, batch)
@@ -705,6 +725,7 @@ def train(run: Run, hooks=()) -> dict:
         }
         writer.summary(summary)
         writer.close()
+        release(run)
     if save_error:
         raise ConfigError(save_error)
     return summary

@@ -134,6 +134,34 @@ def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProc
     )
 
 
+def cpu_env(devices: int = 8, xla_flags: str = "") -> dict:
+    """This environment with ``devices`` virtual CPU devices, for a CLI subprocess."""
+    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
+    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+
+
+def signal_at(cmd, env, after_step, sig, log):
+    """Runs ``cmd`` (a trainer logging its steps), sends ``sig`` once its output shows
+    ``after_step``; ``(process, stdout)``, stderr in the file ``log``."""
+    with open(log, "w") as stderr:
+        p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=stderr, text=True)  # fmt: skip
+        seen = []
+        try:
+            for line in p.stdout:
+                seen.append(line)
+                if (
+                    line.startswith("train step")
+                    and int(line.split()[2].split("/")[0]) >= after_step
+                ):
+                    p.send_signal(sig)
+                    break
+            out, _ = p.communicate(timeout=300)
+        finally:
+            p.kill()
+    return p, "".join(seen) + out
+
+
 def require_shared_data(*relative: str) -> Path:
     """The shared data folder (``$HYBRIDPAR_DATA``, default ``../shared/data``), after
     checking that each ``relative`` path exists in it. Missing: the test skips with the

@@ -27,9 +27,19 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, loop_metadata, saved_loop, tiny_digits
+from helpers import (
+    DIGITS,
+    TINY_DIGITS,
+    config_args,
+    cpu_env,
+    loop_metadata,
+    saved_loop,
+    signal_at,
+    tiny_digits,
+)
 
 from hybridpar import checkpoint, trainer
+from hybridpar.curriculum import stages_from_config
 from hybridpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,6 +281,33 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_path):
+    # the placement keys may change: the same (finished) run, not another config
+    new = tiny_digits(mesh="data:8", eval_batch=40, **{"partitioning.preset": "fsdp"})
+    assert trainer.setup(new, str(runs["full"]), with_data=False).finished
+    # with config.stages the batches are per data-parallel device: another data size is
+    # another global batch, refused; so is another one with BatchNorm over each device
+    w = tmp_path / "w"
+    w.mkdir()
+    stage = {"event": "stage", "step": 0, "stage": 0, "global_batch": 32, "data_parallel": 8}
+    (w / "metrics.jsonl").write_text(json.dumps(stage) + "\n")
+    on8 = tiny_digits(mesh="data:8", stages="0.25:16-4")
+    checkpoint.check_batches(str(w), on8, stages_from_config(on8, 8), 8)  # the same: fine
+    on4 = tiny_digits(stages="0.25:16-4")  # data:4,model:2
+    with pytest.raises(
+        ConfigError,
+        match=r"trained stage 0 at global batch 32; on mesh "
+        r"'data:4,model:2' \(4 data-parallel devices\) config.stages gives it 16",
+    ):
+        trainer.setup(on4, str(w), with_data=False)
+    assert sorted(p.name for p in w.iterdir()) == ["metrics.jsonl"]  # lock released, no dirs
+    local = tiny_digits(**{"model.bn_sync": "local"})
+    with pytest.raises(ConfigError, match="trained on 8 data-parallel devices with model.bn"):
+        checkpoint.check_batches(str(w), local, stages_from_config(local, 4), 4)
+    local.model.bn_sync = "global"
+    checkpoint.check_batches(str(w), local, stages_from_config(local, 4), 4)
+
+
 # ---- The CLI, as a user runs it --------------------------------------------------------------
 
 
@@ -284,29 +321,7 @@ def _cmd(workdir, *extra):
 
 
 def _env():
-    return dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-                JAX_PLATFORMS="cpu")  # fmt: skip
-
-
-def _signal_at(cmd, after_step, sig, log):
-    """Runs ``cmd``, sends ``sig`` once its output shows ``after_step``; (process, stdout)."""
-    with open(log, "w") as stderr:
-        p = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                             stderr=stderr, text=True)  # fmt: skip
-        seen = []
-        try:
-            for line in p.stdout:
-                seen.append(line)
-                if (
-                    line.startswith("train step")
-                    and int(line.split()[2].split("/")[0]) >= after_step
-                ):
-                    p.send_signal(sig)
-                    break
-            out, _ = p.communicate(timeout=300)
-        finally:
-            p.kill()
-    return p, "".join(seen) + out
+    return cpu_env(8)
 
 
 def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
@@ -315,12 +330,22 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
     # one of step 4 is complete, since the save of step 6 waited for it) and the lines
     # logged so far. The same command resumes from the last complete checkpoint and
     # recomputes the steps logged after it to the bit.
-    p, out = _signal_at(_cmd(w), 7, signal.SIGKILL, tmp_path / "stderr0")
+    p, out = signal_at(_cmd(w), _env(), 7, signal.SIGKILL, tmp_path / "stderr0")
     assert p.returncode == -signal.SIGKILL
     killed = records(w, "train")
     assert not (w / "summary.json").exists() and len(killed) >= 7
     assert [r["step"] for r in killed] == list(range(1, len(killed) + 1))
-    p, out = _signal_at(_cmd(w), 9, signal.SIGTERM, tmp_path / "stderr")
+    # An evaluator watching the killed run (its config from config.json) evaluates what is
+    # there, then stops with an error: no trainer holds the lock, no checkpoint comes.
+    ev = [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(w), "--watch",
+          "--poll-s=0.2", "--dead-after-s=1"]  # fmt: skip
+    r = subprocess.run(ev, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(errors) == 1 and "ended before its last step (44)" in errors[0], errors
+    on_disk = sorted(int(p.name) for p in (w / "checkpoints").iterdir() if p.name.isdigit())
+    assert [e["step"] for e in records(w / "evaluator", "eval")] == on_disk != []
+    p, out = signal_at(_cmd(w), _env(), 9, signal.SIGTERM, tmp_path / "stderr")
     err = (tmp_path / "stderr").read_text()
     assert p.returncode == 0, err[-3000:]
     resumed_at = int(out.split("resumed from the checkpoint at step ")[1].split()[0])
@@ -358,11 +383,12 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
     assert r.returncode == 0 and "holds a run that completed" in r.stdout, r.stderr[-2000:]
     assert records(w) == recs  # nothing trained, nothing written
 
-    r = subprocess.run(_cmd(w, "--config.optim.base_lr=0.2"), cwd=ROOT, env=_env(),
+    # a key that changes the math (here the batch) still needs --allow-config-change
+    r = subprocess.run(_cmd(w, "--config.global_batch=64"), cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert len(errors) == 1 and "optim.base_lr was 0.4, now 0.2" in errors[0]
+    assert len(errors) == 1 and "global_batch was 32, now 64" in errors[0]
     assert "--allow-config-change" in errors[0]
 
 

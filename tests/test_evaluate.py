@@ -63,18 +63,20 @@ class WaitForEvaluator:
 def watched(tmp_path_factory):
     """A run trained in this thread while an evaluator watches it from another."""
     w = tmp_path_factory.mktemp("eval") / "w"
-    run = trainer.setup(tiny_digits(**RUN), str(w))  # creates w; config.json comes with train()
-    assert run.plan.total_steps == STEPS[-1]
     out = {}
 
-    def watch():
+    def watch():  # started before w exists; the run's config comes from its config.json
         try:
-            out["events"] = evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.1)
+            out["events"] = evaluator.run(None, str(w), watch=True, poll_s=0.1, dead_after_s=5)
         except BaseException as e:  # noqa: BLE001 - the test reports it
             out["error"] = e
 
     thread = threading.Thread(target=watch, daemon=True)  # daemon: a failed run cannot hang
     thread.start()
+    # Creates w; config.json comes with train(). Compiling takes longer than dead_after_s:
+    # the trainer's lock keeps the evaluator waiting.
+    run = trainer.setup(tiny_digits(**RUN), str(w))
+    assert run.plan.total_steps == STEPS[-1]
     hook = WaitForEvaluator(w, at=7, step=3)
     summary = trainer.train(run, hooks=[hook])
     thread.join(timeout=120)

@@ -28,7 +28,7 @@ import pytest
 from flax.core import meta
 from helpers import DIGITS, TINY_DIGITS, config_args, random_like, tiny_digits
 
-from hybridpar import int8, quantize, trainer
+from hybridpar import checkpoint, cli, int8, quantize, trainer
 from hybridpar.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
 
@@ -174,7 +174,9 @@ def quantized(tmp_path_factory):
     w = tmp_path_factory.mktemp("quantize") / "w"
     one = jax.devices()[:1]  # one device: the train step compiles faster than on a mesh
     summary = trainer.train(trainer.setup(tiny_digits(**LONGER), str(w), devices=one))
-    config = tiny_digits(**LONGER)
+    # as the command does without --config: the run's own config, from its config.json
+    config = cli.load_run(str(w))
+    assert checkpoint.config_dict(config) == checkpoint.config_dict(tiny_digits(**LONGER))
     args = quantize_args(str(w))
     quantize.check_args(args, config)
     report = quantize.run(
@@ -243,10 +245,10 @@ def test_existing_output_needs_overwrite(quantized):
     quantize.check_args(args, tiny_digits(**LONGER))  # no error: asked to replace it
 
 
-def _cli(*args):
+def _cli(*args, config=("--config", DIGITS)):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run(
-        [sys.executable, "-m", "hybridpar.quantize", "--config", DIGITS, *args],
+        [sys.executable, "-m", "hybridpar.quantize", *config, *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -283,3 +285,13 @@ def test_checkpoint_of_another_config_is_an_error(quantized):
     tiny = {**TINY_DIGITS, **LONGER, "model.num_filters": 16}
     p = _cli("--workdir", str(w), *config_args(tiny), "--config.mesh=data:4,model:2")
     _assert_error(p, "another config", "num_filters")
+
+
+def test_cli_without_config_takes_the_runs_config_json(quantized):
+    w, _, _ = quantized
+    # the run's config read back and matched: it stops only at the existing output
+    _assert_error(_cli("--workdir", str(w), config=()), "exists", "--overwrite")
+    # overrides apply on top of it, and still have to agree with the run
+    p = _cli("--workdir", str(w), "--config.model.num_filters=16", config=())
+    _assert_error(p, "another config", "num_filters was 8, now 16")
+    _assert_error(_cli("--workdir", str(w / "nope"), config=()), "config.json")

@@ -7,12 +7,13 @@ minute here).
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args
+from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args, cpu_env, signal_at
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -39,20 +40,34 @@ def _records(workdir):
 
 
 # One hybrid mesh (the one-device computation is the parity tests' reference; a second
-# full run on data:1 cost ~2 minutes of the suite and caught nothing they do not).
-@pytest.mark.parametrize("mesh,devices", [("data:4,model:2", 8)])
-def test_digits_reaches_97_percent(tmp_path, mesh, devices):
+# full run on data:1 cost ~2 minutes of the suite and caught nothing they do not). The run
+# starts on data:8 and is stopped by SIGTERM after a few steps, then goes on with only the
+# mesh changed, as a user moving a run to other devices would (the mesh places the same
+# computation: no --allow-config-change needed).
+def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
     # stop_at_target: the run ends at the first evaluation with top-1 >= 0.97 and top-5 >= 0.99,
     # saving the epochs after it. Evaluated after every epoch, not every 3rd as the recipe
     # does: evaluation changes no training step (the same eval losses at epochs 3 and 6 either
     # way), so this is the recipe's training, seen at every epoch instead of epochs 3, 6, 9,
     # 12 and 15. On an AMD EPYC it reached 0.972 at epoch 8 but was below 0.97 at epoch 9
     # (0.967), so with every third epoch it ran on to epoch 12: 264 steps against 176 now.
-    args = ["--config", DIGITS, "--workdir", str(tmp_path), f"--config.mesh={mesh}",
-            "--config.stop_at_target=True", "--config.eval_every_epochs=1"]  # fmt: skip
-    r = _run(args, devices)
+    # A train line every step, so the resumed steps can be counted.
+    args = ["--config", DIGITS, "--workdir", str(tmp_path), "--config.stop_at_target=True",
+            "--config.eval_every_epochs=1", "--config.log_every_s=0"]  # fmt: skip
+    cmd = [sys.executable, "-m", "hybridpar.train", *args]
+    p, _ = signal_at([*cmd, "--config.mesh=data:8"], cpu_env(8), 3, signal.SIGTERM,
+                     tmp_path / "stderr")  # fmt: skip
+    assert p.returncode == 0, (tmp_path / "stderr").read_text()[-3000:]
+    stop = json.loads((tmp_path / "summary.json").read_text())["steps"]
+    seg1 = _records(tmp_path)
+    r = _run([*args, "--config.mesh=data:4,model:2"], 8)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
+    assert f"resumed from the checkpoint at step {stop} " in out and "(config changed: mesh)" in out
+    seg2 = _records(tmp_path)[len(seg1) :]
+    assert seg2[0]["event"] == "resume" and seg2[0]["changed_keys"] == ["mesh"]
+    steps = [rec["step"] for rec in seg2 if rec["event"] == "train"]
+    assert steps == list(range(stop + 1, steps[-1] + 1))  # no step done twice or skipped
     # Before the first step: the mesh, the placement table and the compiled step's memory.
     assert (
         out.index("mesh: data=")
@@ -72,6 +87,7 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
     assert evals[-1]["top1"] >= 0.97, evals[-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["completed"] and summary["final_eval"]["top1"] == evals[-1]["top1"]
+    assert summary["resumed_from"] == stop and steps[-1] == summary["steps"]
     # DAWNBench's count (from the start, compilation and evaluation in) and without compiling
     for metric, target in (("top1", 0.97), ("top5", 0.99)):
         reached = summary["time_to_target"][metric]
