@@ -341,6 +341,15 @@ def _check(data: bytes):
         img = ImageOps.exif_transpose(img)
         rotated = f"{ROTATED} {orientation} applied"
         reason = f"{reason}; {rotated}" if reason else rotated
+    if img.mode.startswith("I;16"):
+        # 16-bit grey: PIL's convert clips the samples at 255 (a white image). Keep the high
+        # byte, as PIL itself reads 16-bit RGB.
+        import numpy as np
+
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L")
+        reason = f"{reason}; 16-bit samples scaled to 8 bits"
+    elif img.mode in ("I", "F"):  # 32-bit samples: no range to scale from
+        return None, None, f"{img.mode} mode: 32-bit samples; convert the file to 8 bits"
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         rgba = img.convert("RGBA")  # transparent pixels become white, not whatever RGB is there
         img = Image.new("RGB", img.size, (255, 255, 255))
