@@ -467,7 +467,9 @@ def build_parser() -> cli.ArgumentParser:
         help="scaling-model preset (python -m hybridpar.simulate --list-presets)",
     )
     p.add_argument(
-        "--memory-gib", type=float, help="per-device memory limit (default: the preset's)"
+        "--memory-gib",
+        type=cli.finite_float,
+        help="per-device memory limit (default: the preset's)",
     )
     p.add_argument(
         "--meshes",
@@ -492,7 +494,7 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument(
         "--overlap",
-        type=float,
+        type=cli.finite_float,
         default=0.8,
         help="scaling model's overlap of communication with the backward pass",
     )

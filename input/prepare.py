@@ -31,6 +31,7 @@ import time
 import warnings
 import zlib
 
+from hybridpar import cli
 from hybridpar.errors import ConfigError
 from hybridpar.input.records import (
     FORMAT,
@@ -852,7 +853,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder (shared by all splits)")
     p.add_argument("--copies", default="full", help="e.g. full,160: full size and a 160-px copy")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality of reduced copies")
-    p.add_argument("--serve-ratio", type=float, default=1.25, help="serves up to side / ratio")
+    p.add_argument(
+        "--serve-ratio", type=cli.finite_float, default=1.25, help="serves up to side / ratio"
+    )
     p.add_argument("--examples-per-shard", type=int, default=1024)
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle into shards")

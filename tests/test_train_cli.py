@@ -111,6 +111,12 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
             "divide mesh axis 'data' (size 8)",
         ),
         (["--config.partitioning.preset=hybrd"], "partitioning.preset='hybrd' is not one of"),
+        (["--config.num_epochs=nan"], "num_epochs=nan is not a finite number"),
+        (["--config.optim.base_lr=inf"], "optim.base_lr=inf is not a finite number"),
+        (
+            ["--config.partitioning.rules=(('w[', (None,)),)"],
+            "partitioning rule ('w[', (None,)): 'w[' is not a regex",
+        ),
     ],
 )
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
