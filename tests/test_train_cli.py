@@ -113,6 +113,7 @@ def test_digits_reaches_97_percent(tmp_path, mesh, devices):
         ),
         (["--config.partitioning.preset=hybrd"], "partitioning.preset='hybrd' is not one of"),
         (["--config.num_epochs=nan"], "num_epochs=nan is not a finite number"),
+        (["--config.num_epochs=1e9"], "would take 22,000,000,000 steps to epoch 1e+09"),
         (["--config.optim.base_lr=inf"], "optim.base_lr=inf is not a finite number"),
         (
             ["--config.partitioning.rules=(('w[', (None,)),)"],
