@@ -454,7 +454,9 @@ class Preemption:
         single = jax.process_count() == 1
         if single and threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handler)
+                previous = signal.signal(s, self._handler)
+                # the train CLI's handler until now (train.EarlyStop) hands back the one it replaced
+                self._previous[s] = getattr(previous, "original", {}).get(s, previous)
         return self
 
     def uninstall(self) -> None:

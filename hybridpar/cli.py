@@ -24,6 +24,7 @@ import ast
 import difflib
 import json
 import logging
+import math
 import os
 import sys
 from typing import Callable, Sequence
@@ -41,6 +42,18 @@ def fail(message: str) -> None:
     """One ``error:`` line and exit code 2: the contract for every bad input."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
     sys.exit(2)
+
+
+def finite_float(text: str) -> float:
+    """``type=`` of every float flag: a number, not nan or inf (``float`` takes both, and
+    they fail far from the flag, in a traceback or 20 steps later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give a number")
+    return value
 
 
 class ArgumentParser(argparse.ArgumentParser):

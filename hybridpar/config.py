@@ -7,6 +7,7 @@ The CLI locks the config, so ``--config.KEY=VALUE`` with a misspelt KEY is an er
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 
 import ml_collections
@@ -350,6 +351,21 @@ def _model_choices() -> dict:
     }
 
 
+def _check_finite(c, prefix: str = "") -> None:
+    """Every float, alone or in a tuple, is a finite number: nan passes every range check
+    (all its comparisons are false) and inf passes the open-ended ones."""
+    for key, v in c.items():
+        if hasattr(v, "items"):
+            _check_finite(v, f"{prefix}{key}.")
+            continue
+        values = v if isinstance(v, (tuple, list)) else (v,)
+        if any(isinstance(x, float) and not math.isfinite(x) for x in values):
+            raise ConfigError(
+                f"{prefix}{key}={v!r} is not a finite number; set --config.{prefix}{key}=... "
+                "to a number (the defaults are in hybridpar/config.py)"
+            )
+
+
 def validate(c: ml_collections.ConfigDict) -> None:
     """Checks every enum-like key, range and cross-key rule that needs no devices, and
     raises one ``ConfigError`` naming the key, the bad value, the valid ones and the fix.
@@ -361,6 +377,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
     from hybridpar.models.batchnorm import parse_bn_sync
 
     parse_bn_sync(c.model.bn_sync)  # "global", "local" or "group:N"; its error names them
+    _check_finite(c)
     for key, (lo, hi, lo_closed, hi_closed) in RANGES.items():
         v = _get(c, key)
         below = lo is not None and (v < lo if lo_closed else v <= lo)
@@ -418,6 +435,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"{o.warmup_start_factor!r}) and warmup_epochs=0 (it is {o.warmup_epochs!r}); set "
             "e.g. --config.optim.warmup_start_factor=1e-4 --config.optim.warmup_epochs=0"
         )
+    from hybridpar.partitioning import check_rule_patterns
+
+    check_rule_patterns(c.partitioning.rules)
     if c.optim.frozen:
         try:
             re.compile(c.optim.frozen)

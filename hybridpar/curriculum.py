@@ -191,6 +191,17 @@ class StagePlan:
         return jnp.asarray(batches, jnp.float32)[i]
 
 
+# The most steps a run may plan: 200x ResNet-50's 90 ImageNet epochs at batch 256 (450,000
+# steps), and far below the int32 step counter's 2**31. More is a typo (num_epochs=1e9),
+# refused up front rather than noticed in an ETA of years.
+MAX_STEPS = 10**8
+
+
+def duration(s: float) -> str:
+    """Seconds as a person reads them: ``"42.0 s"``, ``"12.5 min"``, ``"3.20 h"``."""
+    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
+
+
 def plan_stages(stages: list[Stage], steps_per_epoch: Callable[[int], int]) -> StagePlan:
     """Steps of each stage, given the data's full steps per epoch at a global batch."""
     planned, step, start = [], 0, 0.0
@@ -204,6 +215,12 @@ def plan_stages(stages: list[Stage], steps_per_epoch: Callable[[int], int]) -> S
         steps = max(int(round((st.end_epoch - start) * spe)), 1 if i == 0 else 0)
         planned.append(PlannedStage(i, st, start, step, steps, spe))
         step, start = step + steps, st.end_epoch
+    if step > MAX_STEPS:
+        raise ConfigError(
+            f"the run would take {step:,} steps to epoch {start:g} ({spe:,} per epoch at "
+            f"global batch {st.global_batch}), more than {MAX_STEPS:,}: at 10 ms a step "
+            f"{duration(step / 100)}; lower --config.num_epochs (or the stages' end epochs)"
+        )
     return StagePlan(tuple(planned))
 
 
@@ -231,6 +248,7 @@ __all__ = [
     "Stage",
     "StagePlan",
     "describe",
+    "duration",
     "parse_stages",
     "plan_stages",
     "single_stage_plan",

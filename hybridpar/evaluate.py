@@ -28,7 +28,7 @@ def main(argv=None) -> None:
         "--watch", action="store_true", help="wait for new checkpoints until the run's last step"
     )
     parser.add_argument(
-        "--poll-s", type=float, default=5.0, help="seconds between looks (with --watch)"
+        "--poll-s", type=cli.finite_float, default=5.0, help="seconds between looks (with --watch)"
     )
     parser.add_argument(
         "--dead-after-s",

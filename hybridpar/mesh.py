@@ -101,9 +101,26 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The data-parallel axes ``mesh`` has, in ``BATCH_AXES`` order.
+
+    Any mesh over the axes ``data``, ``fsdp`` and ``model`` works, ``jax.make_mesh((4, 2),
+    ("data", "model"))`` included: an axis it lacks counts as size 1. Other names are refused,
+    since a batch split over an axis we do not know would silently not be split.
+    """
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise ConfigError(
+            f"mesh axes {tuple(mesh.axis_names)}: {tuple(unknown)} not among {AXES}; hybridpar "
+            f"splits the batch over {BATCH_AXES} and models over 'model', so name the mesh "
+            "axes from those, e.g. jax.make_mesh((4, 2), ('data', 'model'))"
+        )
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
 def data_parallel_size(mesh: Mesh) -> int:
     """How many ways the batch is split: the product of the data-parallel axes."""
-    return math.prod(mesh.shape[a] for a in BATCH_AXES)
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
 
 
 def describe_mesh(mesh: Mesh) -> str:

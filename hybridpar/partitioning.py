@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import BATCH_AXES
+from hybridpar.mesh import batch_axes, data_parallel_size
 
 # One entry per dimension: None, an axis name, or a tuple of axis names.
 Spec = tuple[Any, ...]
@@ -189,8 +189,28 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
     return spec[:d] + ("fsdp",) + spec[d + 1 :]
 
 
+def check_rule_patterns(path_rules) -> None:
+    """A ``ConfigError`` naming the first ``(path_regex, spec)`` rule whose regex does not
+    compile, or that is not such a pair (``re`` caches the compiled ones for the searches)."""
+    for rule in path_rules:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+            raise ConfigError(
+                f"partitioning rule {rule!r} is not a (path_regex, spec) pair; write the rules "
+                "as a tuple of pairs, e.g. ((r'head/kernel$', (None, 'model')),)"
+            )
+        pattern, spec = rule
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ConfigError(
+                f"partitioning rule ({pattern!r}, {spec}): {pattern!r} is not a regex ({e}); "
+                r"fix the pattern, e.g. escape a literal bracket as '\['"
+            ) from None
+
+
 def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -> P:
     """The ``PartitionSpec`` of one array (see module docstring for the order of rules)."""
+    check_rule_patterns(rules.path)
     spec = None
     for pattern, rule_spec in rules.path:
         if re.search(pattern, path):
@@ -244,8 +264,10 @@ def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
-    """Leading (batch) dimension split over the data-parallel axes, the rest replicated."""
-    return NamedSharding(mesh, P(BATCH_AXES, *([None] * (ndim - 1))))
+    """Leading (batch) dimension split over the data-parallel axes, the rest replicated.
+
+    Works on any mesh ``batch_axes`` accepts, with Auto or Explicit axes."""
+    return NamedSharding(mesh, P(batch_axes(mesh) or None, *([None] * (ndim - 1))))
 
 
 def shard_batch(batch, mesh: Mesh):
@@ -257,6 +279,7 @@ def shard_batch(batch, mesh: Mesh):
     batch and a label batch of different lengths would otherwise pair the wrong examples, or
     train on padding, without an error.
     """
+    n_local = data_parallel_size(mesh) // jax.process_count()  # checks the mesh's axes first
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     lengths = {}
     for path, x in leaves:
@@ -273,7 +296,6 @@ def shard_batch(batch, mesh: Mesh):
 
     def one(path, x):
         x = np.asarray(x)
-        n_local = mesh.shape["data"] * mesh.shape["fsdp"] // jax.process_count()
         if x.ndim == 0 or x.shape[0] % max(n_local, 1):
             raise ConfigError(
                 f"batch array {path_str(path)!r} has leading size {x.shape[:1]} on this host, "

@@ -44,6 +44,7 @@ from pathlib import Path
 from hybridpar import cli
 from hybridpar.comm_report import use_virtual_cpu_devices
 from hybridpar.comm_report_schema import CommReport
+from hybridpar.curriculum import duration
 from hybridpar.errors import ConfigError
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
@@ -420,10 +421,6 @@ def _bytes(n: float) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
 
 
-def _duration(s: float) -> str:
-    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
-
-
 def format_table(fits, too_big, failed, limit_bytes) -> str:
     header = ["rank", "mesh", "head", "bn_sync", "comm", "batch/dev", "compute", "memory/dev",
               "collectives MiB (ops)", "img/s", "time to train"]  # fmt: skip
@@ -436,7 +433,7 @@ def format_table(fits, too_big, failed, limit_bytes) -> str:
             comm, str(r["per_device_batch"]), o["precision.compute"],
             _bytes(r["memory_per_device_bytes"]) + ("" if r in fits else " (too big)"),
             f"{r['collective_bytes'] / 2**20:,.1f} ({r['collective_ops']})",
-            f"{r['predicted_images_per_s']:,.0f}", _duration(r["predicted_time_to_train_s"]),
+            f"{r['predicted_images_per_s']:,.0f}", duration(r["predicted_time_to_train_s"]),
         ])  # fmt: skip
     widths = [
         max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)
@@ -467,7 +464,9 @@ def build_parser() -> cli.ArgumentParser:
         help="scaling-model preset (python -m hybridpar.simulate --list-presets)",
     )
     p.add_argument(
-        "--memory-gib", type=float, help="per-device memory limit (default: the preset's)"
+        "--memory-gib",
+        type=cli.finite_float,
+        help="per-device memory limit (default: the preset's)",
     )
     p.add_argument(
         "--meshes",
@@ -492,7 +491,7 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument(
         "--overlap",
-        type=float,
+        type=cli.finite_float,
         default=0.8,
         help="scaling model's overlap of communication with the backward pass",
     )
@@ -604,7 +603,7 @@ def main(argv=None) -> None:
         print(
             f"\nbest: {best['plan']}: {_bytes(best['memory_per_device_bytes'])}/device, "
             f"predicted {best['predicted_images_per_s']:,.0f} img/s, "
-            f"{_duration(best['predicted_time_to_train_s'])} to train"
+            f"{duration(best['predicted_time_to_train_s'])} to train"
         )
         print(f"winning overrides: {winning}")
 

@@ -243,7 +243,7 @@ def main(argv=None) -> None:
     for metric in ("top1", "top5"):
         parser.add_argument(
             f"--target-{metric}",
-            type=float,
+            type=cli.finite_float,
             default=None,
             help=f"time to this {metric} (a fraction) from the eval records, for every run; "
             f"default: each summary.json's target_{metric} and its time",

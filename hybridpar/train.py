@@ -12,13 +12,51 @@ continues the run with the new config.
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
 import sys
 
 from hybridpar import cli
 
+STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
+
+
+class EarlyStop:
+    """The signal handler from the command's first line until the training loop installs its
+    own (``checkpoint.Preemption``, which takes over ``original``). Before the first step
+    there is nothing to save, so a stop exits 0 at once, where the default action exited
+    143. At once, not at the end of a long compilation (a preemption notice may be short),
+    and by ``os._exit``, not an exception: one raised inside JAX's compiler or a gc callback
+    is swallowed or crashes the interpreter's exit. What set-up writes survives a kill -9
+    by design (config.json and prepared data atomically, whole metrics lines, no
+    checkpoint yet), so the workdir starts again as it was."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.original = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.original.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        print(f"{signal.Signals(signum).name}: {STOPPED_EARLY}", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
 
 def main(argv=None) -> None:
+    early = EarlyStop()
+    try:
+        _main(argv, early)
+    finally:
+        early.restore()
+
+
+def _main(argv, early: EarlyStop) -> None:
     parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
     parser.add_argument("--workdir", help="directory for metrics, summary, checkpoints")
     parser.add_argument(
@@ -30,6 +68,8 @@ def main(argv=None) -> None:
     args, config = cli.parse(parser, argv)
     if not args.workdir:
         cli.fail("pass --config experiments/NAME.py and --workdir DIR")
+    if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
+        early.restore()
 
     from hybridpar import trainer  # imports jax: after the command line is known to be good
 

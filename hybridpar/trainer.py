@@ -26,7 +26,15 @@ import time
 import jax
 import numpy as np
 
-from hybridpar import checkpoint, comm, compile_cache, distributed, partitioning, workdir_lock
+from hybridpar import (
+    checkpoint,
+    comm,
+    compile_cache,
+    curriculum,
+    distributed,
+    partitioning,
+    workdir_lock,
+)
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
@@ -361,9 +369,10 @@ class Progress:
             skipped_steps=sum(not bool(f["grads_finite"]) for f in fetched),
             loss_scale=float(fetched[-1]["loss_scale"]),
         )
+        eta = curriculum.duration((total - loop.step) * dt / steps)
         log(
             f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
-            f"{steps * batch / dt:8.1f} img/s  ETA {(total - loop.step) * dt / steps:6.0f}s"
+            f"{steps * batch / dt:8.1f} img/s  ETA {eta}"
         )
         self.pending, self.counted = [], 0
         self.restart(loop)

@@ -31,6 +31,7 @@ import time
 import warnings
 import zlib
 
+from hybridpar import cli
 from hybridpar.errors import ConfigError
 from hybridpar.input.records import (
     FORMAT,
@@ -341,6 +342,15 @@ def _check(data: bytes):
         img = ImageOps.exif_transpose(img)
         rotated = f"{ROTATED} {orientation} applied"
         reason = f"{reason}; {rotated}" if reason else rotated
+    if img.mode.startswith("I;16"):
+        # 16-bit grey: PIL's convert clips the samples at 255 (a white image). Keep the high
+        # byte, as PIL itself reads 16-bit RGB.
+        import numpy as np
+
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L")
+        reason = f"{reason}; 16-bit samples scaled to 8 bits"
+    elif img.mode in ("I", "F"):  # 32-bit samples: no range to scale from
+        return None, None, f"{img.mode} mode: 32-bit samples; convert the file to 8 bits"
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
         rgba = img.convert("RGBA")  # transparent pixels become white, not whatever RGB is there
         img = Image.new("RGB", img.size, (255, 255, 255))
@@ -843,7 +853,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="output folder (shared by all splits)")
     p.add_argument("--copies", default="full", help="e.g. full,160: full size and a 160-px copy")
     p.add_argument("--quality", type=int, default=90, help="JPEG quality of reduced copies")
-    p.add_argument("--serve-ratio", type=float, default=1.25, help="serves up to side / ratio")
+    p.add_argument(
+        "--serve-ratio", type=cli.finite_float, default=1.25, help="serves up to side / ratio"
+    )
     p.add_argument("--examples-per-shard", type=int, default=1024)
     p.add_argument("--workers", type=int, default=os.cpu_count())
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle into shards")

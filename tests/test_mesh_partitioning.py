@@ -440,3 +440,16 @@ def test_shard_batch_rejects_indivisible_batch(mesh_dfm):
     with pytest.raises(ConfigError) as e:
         shard_batch({"label": np.arange(6, dtype=np.int32)}, mesh_dfm)
     assert "label" in str(e.value)
+
+
+@pytest.mark.parametrize("rules", [[(r"w[", (None,))], Rules(path=((r"(x", ()),))])
+def test_rule_regex_that_does_not_compile_names_the_rule(mesh_dm, rules):
+    with pytest.raises(
+        ConfigError, match=r"partitioning rule \('(w\[|\(x)', \(.*\)\): .* not a regex"
+    ):
+        infer_shardings({"w": sds(4, 4)}, rules, mesh_dm)
+
+
+def test_rule_that_is_not_a_pair_names_it(mesh_dm):
+    with pytest.raises(ConfigError, match=r"rule 'w' is not a \(path_regex, spec\) pair"):
+        infer_shardings({"w": sds(4, 4)}, Rules(path=("w",)), mesh_dm)

@@ -186,6 +186,7 @@ def test_candidates_respect_the_rules():
         (["--hardware", "nope"], "unknown preset 'nope'"),
         (["--comm", "bucketed"], "write xla or bucketed:MB"),
         (["--memory-gib", "0"], "must be positive"),
+        (["--memory-gib", "nan"], "--memory-gib: 'nan' is not a finite number"),
         (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
     ],
 )

@@ -374,3 +374,45 @@ def test_cli_missing_source_prints_one_error_line(tmp_path):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and "nope.tar" in lines[0]
+
+
+def _png16(pixels):
+    """A 16-bit PNG of ``pixels`` (uint16, HxW grey or HxWx3 RGB), written by hand: Pillow
+    cannot write 16-bit RGB."""
+    import struct
+    import zlib
+
+    h, w = pixels.shape[:2]
+    colour = 2 if pixels.ndim == 3 else 0
+
+    def chunk(kind, data):
+        crc = struct.pack(">I", zlib.crc32(kind + data))
+        return struct.pack(">I", len(data)) + kind + data + crc
+
+    rows = b"".join(b"\0" + row.astype(">u2").tobytes() for row in pixels)
+    header = struct.pack(">IIBBBBB", w, h, 16, colour, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def test_16_bit_pngs_are_scaled_to_8_bits(tmp_path):
+    """A 16-bit grey PNG (PIL mode I;16) was clipped at 255, a nearly white image."""
+    ramp = np.linspace(0, 65535, 64)[None, :] * np.linspace(0.2, 1, 48)[:, None]
+    grey = ramp.astype(np.uint16)
+    rgb = np.stack([grey, grey[::-1], 65535 - grey], -1)
+    assert Image.open(io.BytesIO(_png16(grey))).mode == "I;16"
+    _write(tmp_path / "s" / "a" / "grey.png", _png16(grey))
+    _write(tmp_path / "s" / "a" / "rgb.png", _png16(rgb))
+    info = prepare(
+        [tmp_path / "s"], tmp_path / "out", split="s", train_split="s", workers=1, progress=False
+    )["splits"]["s"]
+    assert info["num_examples"] == 2 and not info["skipped"]
+    reasons = {x["name"]: x["reason"] for x in info["converted"]}
+    assert reasons["a/grey.png"] == "PNG content; 16-bit samples scaled to 8 bits"
+    rec = _read(tmp_path / "out", [s["file"] for s in info["copies"]["full"]["shards"]])
+    for name, data in zip(rec["name"], rec["image"]):
+        want = {b"a/grey.png": np.repeat(grey[..., None], 3, -1), b"a/rgb.png": rgb}[name] >> 8
+        got = tf.io.decode_jpeg(data, channels=3).numpy().astype(np.int64)
+        # JPEG at quality 95 on smooth ramps: a few levels off at most, none on average.
+        assert np.abs(got - want).max() <= 8, name
+        assert abs((got - want).mean()) < 1, name

@@ -127,6 +127,13 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
             "divide mesh axis 'data' (size 8)",
         ),
         (["--config.partitioning.preset=hybrd"], "partitioning.preset='hybrd' is not one of"),
+        (["--config.num_epochs=nan"], "num_epochs=nan is not a finite number"),
+        (["--config.num_epochs=1e9"], "would take 22,000,000,000 steps to epoch 1e+09"),
+        (["--config.optim.base_lr=inf"], "optim.base_lr=inf is not a finite number"),
+        (
+            ["--config.partitioning.rules=(('w[', (None,)),)"],
+            "partitioning rule ('w[', (None,)): 'w[' is not a regex",
+        ),
     ],
 )
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
@@ -249,3 +256,59 @@ def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_pa
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"]
     r = _run([*common, "--workdir", str(tmp_path / "b"), "--config.mesh=data:4,model:2"])
     assert r.returncode == 2 and "comm.mode=xla" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path):
+    """A stop during set-up or compilation (as preemption often comes) used to exit 143 by
+    the default action. The signal is sent when the run prints its mesh, in set-up before
+    anything is compiled: a fixed delay would land in the first steps on a fast machine."""
+    cmd = ["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
+           *config_args(TINY_DIGITS)]  # fmt: skip
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "hybridpar.train", *cmd], cwd=ROOT, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if line.startswith("mesh:"):
+                p.send_signal(signal.SIGTERM)
+                break
+        out, err = p.communicate(timeout=300)
+    finally:
+        p.kill()
+    out = "".join(seen) + out
+    assert p.returncode == 0, (p.returncode, err[-3000:])
+    assert (
+        "SIGTERM: stopped before the first step: nothing to save; the same command starts "
+        "the run" in out
+    )
+    assert "train step" not in out and "Traceback" not in err
+    assert not (tmp_path / "summary.json").exists()
+    assert not list((tmp_path / "checkpoints").glob("*"))
+    # The same command starts the run from step 0 and completes it.
+    r = _run(cmd, xla_flags=NO_LLVM_OPT_FLAG)
+    assert r.returncode == 0, r.stderr[-3000:]
+    records = _records(tmp_path)
+    assert "resume" not in {rec["event"] for rec in records}
+    assert [rec["step"] for rec in records if rec["event"] == "train"][:2] == [1, 2]
+    assert json.loads((tmp_path / "summary.json").read_text())["completed"]
+
+
+def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():
+    """In-process: once the loop's handler is in, the first SIGTERM asks for a checkpoint
+    and hands the signal back to the handler from before the CLI's, not to the CLI's."""
+    from hybridpar import checkpoint, train
+
+    before = signal.getsignal(signal.SIGTERM)
+    early = train.EarlyStop()
+    preemption = checkpoint.Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) is before  # the second one: as without us
+    finally:
+        preemption.uninstall()
+        early.restore()
+    assert signal.getsignal(signal.SIGTERM) is before

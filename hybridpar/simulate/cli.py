@@ -9,6 +9,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
+from hybridpar import cli
 from hybridpar.simulate.calibration import fit_rate, points_from_metrics
 from hybridpar.simulate.hardware import GB, TFLOPS, Preset
 from hybridpar.simulate.plot import write_png
@@ -247,11 +248,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: --epochs at --image-size/--per-device-batch)",
     )
     ap.add_argument(
-        "--epochs", type=float, default=35.0, help="epochs when --stages is not given (default 35)"
+        "--epochs",
+        type=cli.finite_float,
+        default=35.0,
+        help="epochs when --stages is not given (default 35)",
     )
     ap.add_argument(
         "--overlap",
-        type=float,
+        type=cli.finite_float,
         default=0.8,
         help="fraction of the backward pass that can hide communication "
         "(0.8: bucketed/fused reductions; 0: no overlap)",
@@ -266,19 +270,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--bucket-mb",
-        type=float,
+        type=cli.finite_float,
         default=32.0,
         help="analytic model: gradient buckets of at most this many MB (0: one fused buffer)",
     )
     ap.add_argument(
         "--efficiency",
-        type=float,
+        type=cli.finite_float,
         default=None,
         help="fraction of peak for a ResNet-50 step (default: the preset's calibrated value)",
     )
     ap.add_argument(
         "--calibrate",
-        type=float,
+        type=cli.finite_float,
         default=None,
         metavar="IMAGES_PER_S",
         help="calibrate efficiency from a measured single-device rate at "
@@ -299,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--step-overhead-s",
-        type=float,
+        type=cli.finite_float,
         default=None,
         help="fixed seconds per step besides the FLOPs (default: the preset's, 0)",
     )
@@ -310,21 +314,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="decode + augment rate of one host core at SIZE px, e.g. 400@128 "
         "(bench/input_pipeline.py measures it); needs --cores-per-device",
     )
-    ap.add_argument("--cores-per-device", type=float, default=None, help="host cores per device")
+    ap.add_argument(
+        "--cores-per-device", type=cli.finite_float, default=None, help="host cores per device"
+    )
     ap.add_argument(
         "--eval-every-epochs",
-        type=float,
+        type=cli.finite_float,
         default=0.0,
         help="an evaluation pass every E epochs on the clock (ImageNet's 50,000 images at "
         "224 px; default 0: none)",
     )
     ap.add_argument(
-        "--eval-overhead-s", type=float, default=None, help="fixed seconds per evaluation pass"
+        "--eval-overhead-s",
+        type=cli.finite_float,
+        default=None,
+        help="fixed seconds per evaluation pass",
     )
     ap.add_argument("--images-per-epoch", type=int, default=IMAGENET_TRAIN_IMAGES)
     ap.add_argument(
         "--eval-s-per-epoch",
-        type=float,
+        type=cli.finite_float,
         default=0.0,
         help="fixed evaluation cost added per epoch (seconds)",
     )
