@@ -28,9 +28,10 @@ from hybridpar.errors import ConfigError
 # Nothing above imports JAX: ``--target`` sets the environment before the backend starts.
 
 
-def compile_programs(config, target: targets.Target) -> dict:
+def compile_programs(config, target: targets.Target, out: str | None = None) -> dict:
     """Every stage's train step and the eval step compiled for ``target``; the report as
-    a dict (``programs``, the ``largest`` by memory, the target and mesh)."""
+    a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
+    the executables are written to, for ``train --compiled``."""
     from hybridpar import comm_report, trainer
 
     t0 = time.time()
@@ -72,7 +73,12 @@ def compile_programs(config, target: targets.Target) -> dict:
             )
         )
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
+    if out:
+        from hybridpar import executables
+
+        executables.save(out, program, target.spec or f"cpu:{target.devices_count}")
     return dict(
+        out=out,
         target=target.spec or f"cpu:{target.devices_count}",
         target_description=target.describe(),
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
@@ -206,6 +212,8 @@ def format_report(report: dict, config_path: str) -> str:
             f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
             f"{r['compile_s']:>7.1f}s {rate if rate is not None else '-':>19}"
         )
+    if report["out"]:
+        lines.append(f"  wrote the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
         lines.append(f"  (HBM per chip: {targets.gib(report['hbm_bytes_per_chip'])})")
     lines.append(
@@ -216,7 +224,8 @@ def format_report(report: dict, config_path: str) -> str:
     train = [r for r in report["programs"] if r["program"] == "train"]
     rates = [r["roofline_images_per_s_per_chip"] for r in train]
     lines.append(
-        f"memory_per_chip_bytes={big['memory'].get('total')} largest={report['largest']!r} "
+        f"memory_per_chip_bytes={big['memory'].get('total')} "
+        f"largest={big['program']}:b{big['batch']}:{big['image_size']}px "
         f"flops_per_chip={train[0]['flops']} "
         f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
         f"collective_bytes={train[0]['collective_bytes']} target={report['target']} "
@@ -232,6 +241,11 @@ def main(argv=None) -> None:
         help="cpu:N (N virtual CPU devices) or tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16 "
         "(default: this machine's devices)",
     )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the compiled programs here, for python -m hybridpar.train --compiled FILE",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
     config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
@@ -244,7 +258,7 @@ def main(argv=None) -> None:
             import jax
 
             target = targets.Target(jax.default_backend(), jax.device_count())
-        report = compile_programs(config, target)
+        report = compile_programs(config, target, args.out)
         print(json.dumps(report) if args.json else format_report(report, config_path))
         check_fits(report)
 

@@ -64,6 +64,17 @@ def _main(argv, early: EarlyStop) -> None:
         action="store_true",
         help="resume the workdir's run although this config differs from its own",
     )
+    parser.add_argument(
+        "--compiled",
+        metavar="FILE",
+        help="load the steps from this file (python -m hybridpar.compile ... --out FILE) "
+        "instead of compiling them",
+    )
+    parser.add_argument(
+        "--recompile",
+        action="store_true",
+        help="with --compiled: compile here, with a warning, when the file does not fit the run",
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv)
     if not args.workdir:
@@ -74,7 +85,8 @@ def _main(argv, early: EarlyStop) -> None:
     from hybridpar import trainer  # imports jax: after the command line is known to be good
 
     def run():
-        r = trainer.setup(config, args.workdir, allow_config_change=args.allow_config_change)
+        r = trainer.setup(config, args.workdir, allow_config_change=args.allow_config_change,
+                          compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
         if summary.get("preempted"):
             again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])

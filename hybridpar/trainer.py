@@ -32,6 +32,7 @@ from hybridpar import (
     compile_cache,
     curriculum,
     distributed,
+    executables,
     partitioning,
     workdir_lock,
 )
@@ -104,12 +105,16 @@ def _setup(
     devices=None,
     allow_config_change: bool = False,
     locks: list | None = None,
+    compiled: str | None = None,
+    recompile: bool = False,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
     value stops before data or devices are touched. ``devices``: the mesh's devices (default:
     all).
-    ``allow_config_change``: resume a workdir's run with a config that differs from its own."""
+    ``allow_config_change``: resume a workdir's run with a config that differs from its own.
+    ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
+    of compiling; one that does not fit the run is an error, or with ``recompile`` a warning."""
     start = time.time()
     finished = None
     if workdir is not None:
@@ -149,6 +154,8 @@ def _setup(
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     program = build_program(config, mesh, plan)
+    if compiled:
+        executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
 
 

@@ -123,3 +123,93 @@ def test_compile_cli_bad_target_is_one_error_line():
     )
     assert r.returncode == 2 and r.stderr.startswith("error: --target tpu:v9-8: unknown TPU")
     assert "Traceback" not in r.stderr
+
+
+# ---- serialized executables: compile once, load in the run --------------------------------
+
+DIGITS_TRAIN = 1437  # scikit-learn's digits: the 80% the digits job trains on
+
+
+def _losses(workdir):
+    import json
+
+    lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    return [r["loss"] for r in recs if r["event"] == "train"], [
+        r for r in recs if r["event"] == "compile"
+    ]
+
+
+def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
+    """``compile --out`` (here for the 8 CPU devices) writes every program; a run given the
+    file compiles nothing and trains step for step as a run that compiled them itself."""
+    from hybridpar import trainer
+    from hybridpar.compile import compile_programs
+
+    config = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3)
+    out = str(tmp_path / "programs.bin")
+    # without the data, the plan (and so the LR schedule in the steps) comes from
+    # data.train_examples: the data's own count here, as a user would pass it
+    offline = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3,
+                          **{"data.train_examples": DIGITS_TRAIN})  # fmt: skip
+    report = compile_programs(offline, targets.parse("cpu:8"), out=out)
+    assert len(report["programs"]) == 3  # both stages' train steps and the eval step
+
+    loaded = trainer.setup(config, str(tmp_path / "loaded"), compiled=out)
+    assert len(loaded.program.compiles) == 3
+    assert trainer.train(loaded)["completed"]
+    own = trainer.setup(config, str(tmp_path / "own"))
+    assert trainer.train(own)["completed"]
+    (got, compiles), (want, _) = _losses(tmp_path / "loaded"), _losses(tmp_path / "own")
+    assert len(got) == loaded.plan.total_steps and got == want
+    assert len(compiles) == 3 and all(c["loaded_from"] == out for c in compiles)
+
+
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ({"mesh": "data:8"}, "mesh was {'data': 4, 'fsdp': 1, 'model': 2}"),
+        ({"optim.base_lr": 0.5}, "config_hash was"),
+        ({"data.train_examples": 480}, "plan was [[0, 11, 44]] when compiled"),
+    ],
+)
+def test_a_file_for_another_run_is_refused_or_recompiled(tmp_path, change, expect):
+    from hybridpar import trainer
+    from hybridpar.compile import compile_programs
+
+    out = str(tmp_path / "programs.bin")
+    common = {"mesh": "data:4,model:2", "data.train_examples": DIGITS_TRAIN}
+    compile_programs(tiny_digits(**common), targets.parse("cpu:8"), out=out)
+    config = tiny_digits(**{**common, **change})
+    with pytest.raises(ConfigError, match="does not fit this run") as e:
+        trainer.setup(config, with_data=False, compiled=out)
+    assert expect in str(e.value) and "--recompile" in str(e.value)
+    run = trainer.setup(config, with_data=False, compiled=out, recompile=True)
+    assert run.program.compiles == []  # nothing loaded: the steps will compile here
+
+
+@needs_libtpu
+def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
+    """As a user runs it: the tiny digits job compiled for tpu:v5e-8 with --out, its table
+    and last line; the file then given to a training run on this machine's CPUs is one
+    error naming the platform it was compiled for (it cannot run here)."""
+    from helpers import TINY_DIGITS, config_args
+
+    out = tmp_path / "programs.bin"
+    args = ["--config", DIGITS, *config_args({**TINY_DIGITS, "mesh": "data:8"})]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "hybridpar.compile", *args, "--target", "tpu:v5e-8"]
+    r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (
+        "for TPU v5e v5e:2x4: 8 chips" in r.stdout and f"wrote the 2 programs to {out}" in r.stdout
+    )
+    last = dict(
+        kv.split("=", 1) for kv in r.stdout.strip().splitlines()[-1].split(" ") if "=" in kv
+    )
+    assert last["target"] == "tpu:v5e-8" and int(last["memory_per_chip_bytes"]) > 0
+    r = subprocess.run([sys.executable, "-m", "hybridpar.train", *args, "--workdir",
+                        str(tmp_path / "run"), "--compiled", str(out)], cwd=ROOT, env=env,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: --compiled") and "platform was 'tpu'" in r.stderr
