@@ -280,6 +280,7 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
         total_bytes=sum(r["total_bytes"] for r in collectives),
         total_ops=sum(r["count"] for r in collectives),
         flops=_flops(compiled),
+        bytes_accessed=cost_of(compiled)["bytes_accessed"],
         memory_per_device_bytes=mem.get("total"),
         memory=mem,
         memory_text=mem_text,

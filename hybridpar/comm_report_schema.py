@@ -67,6 +67,8 @@ class CommReport:
     compile_s: float
     config: dict
     memory_text: str = dataclasses.field(default="", compare=False)
+    # by the compiler's cost_analysis, per device; absent from reports written before it
+    bytes_accessed: float | None = None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -107,12 +109,13 @@ class CommReport:
 
 
 _REPORT_KEYS = {f.name for f in dataclasses.fields(CommReport)} - {"memory_text"}
+_OPTIONAL_KEYS = {"bytes_accessed"}
 _ROW_KEYS = {f.name for f in dataclasses.fields(CollectiveRow)} - {"is_async"} | {"async"}
 
 
 def _problem(d) -> str | None:
     """The first thing that keeps `d` from being comm_report's JSON object, or None."""
-    if (bad := _keys(d, _REPORT_KEYS)) is not None:
+    if (bad := _keys(d, _REPORT_KEYS, _OPTIONAL_KEYS)) is not None:
         return bad
     if not isinstance(d["collectives"], list):
         return "`collectives` is not a list"
@@ -124,11 +127,12 @@ def _problem(d) -> str | None:
     return None
 
 
-def _keys(d, keys: set[str]) -> str | None:
-    """What keeps `d` from being an object with exactly `keys`, or None."""
+def _keys(d, keys: set[str], optional: set[str] = frozenset()) -> str | None:
+    """What keeps `d` from being an object with exactly `keys` (`optional` ones may be
+    absent), or None."""
     if not isinstance(d, dict):
         return f"a {type(d).__name__}, not an object"
-    missing, extra = sorted(keys - d.keys()), sorted(d.keys() - keys)
+    missing, extra = sorted(keys - optional - d.keys()), sorted(d.keys() - keys)
     said = [f"missing {', '.join(missing)}"] * bool(missing)
     said += [f"unexpected {', '.join(extra)}"] * bool(extra)
     return "; ".join(said) or None

@@ -229,7 +229,12 @@ def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
     from hybridpar.comm_report import report
 
     config = cli.load(config_path, overrides)
+    spec = os.environ.get("HYBRIDPAR_PLAN_TARGET")
     try:
+        if spec:  # the TPU compiler, on the topology's devices (the environment is set)
+            from hybridpar import targets
+
+            return report(config, target=targets.parse(spec)).to_dict()
         return report(config, virtual_devices=int(os.environ["HYBRIDPAR_PLAN_DEVICES"])).to_dict()
     except ConfigError as e:  # comm_report's hint about --devices means nothing here
         return {"error": " ".join(str(e).split(" (comm_report: --devices")[0].split())}
@@ -258,6 +263,7 @@ def cache_key(config, devices: int, source: str) -> str:
         {
             "config": json.loads(config.to_json()),
             "devices": devices,
+            "target": os.environ.get("HYBRIDPAR_PLAN_TARGET"),  # None: virtual CPU devices
             "source": source,
             # flags that change what XLA compiles; the device count is `devices`
             "xla_flags": sorted(
@@ -294,7 +300,8 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
         log(f"plan: {len(results)} of {len(plans)} plans from the cache in {cache_dir}")
     if not todo:
         return results
-    log(f"plan: compiling {len(todo)} plans on {devices} virtual CPU devices, {jobs} at a time")
+    where = os.environ.get("HYBRIDPAR_PLAN_TARGET") or f"{devices} virtual CPU devices"
+    log(f"plan: compiling {len(todo)} plans for {where}, {jobs} at a time")
     start = time.perf_counter()
     context = multiprocessing.get_context("spawn")  # a fresh JAX per worker, never forked
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -373,6 +380,31 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     }
 
 
+def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -> dict:
+    """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
+    compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
+    bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
+    bandwidth, ``overlap`` of that hidden behind compute. Evaluation and input not
+    counted: an estimate for ranking plans, not a prediction of a run."""
+    from hybridpar import targets
+
+    compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
+    comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
+    step = compute + max(comm - overlap * compute, (1 - overlap) * comm)
+    images = config.global_batch / step if step else 0.0
+    return {
+        "predicted_step_s": step,
+        "predicted_images_per_s": images,
+        "predicted_scaling_efficiency": compute / step if step else None,
+        "predicted_exposed_comm_s": step - compute,
+        "predicted_time_to_train_s": (
+            config.num_epochs * config.data.train_examples / images if images else float("inf")
+        ),
+        "predicted_eval_s": None,
+        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives",
+    }
+
+
 def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: int):
     """`preset` fitted to a run's measured rates, taken to be of the closest compiled plan
     to the config (`plans` closest first) without a model axis: its FLOPs per image."""
@@ -390,8 +422,11 @@ def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: 
         cli.fail(f"--calibrate-from {metrics_path}: {e}")
 
 
-def plan_rows(config, results: dict, devices: int, preset, limit_bytes: int, overlap: float):
-    """(ranked plans that fit, plans that do not fit, plans that failed), each a dict."""
+def plan_rows(
+    config, results: dict, devices: int, preset, limit_bytes: int, overlap: float, target=None
+):
+    """(ranked plans that fit, plans that do not fit, plans that failed), each a dict.
+    ``target``: a TPU target, whose estimate (``predict_on_target``) replaces the preset's."""
     fits, too_big, failed = [], [], []
     for c, rep in results.items():
         row = {
@@ -409,8 +444,12 @@ def plan_rows(config, results: dict, devices: int, preset, limit_bytes: int, ove
             collective_ops=rep["total_ops"],
             flops_per_device=rep["flops"],
             compile_s=rep["compile_s"],
+            compiled_for=f"{rep['devices']['platform']} ({rep['devices']['kind']})",
         )
-        row.update(predict(config, rep, preset, devices, overlap))
+        if target is not None:
+            row.update(predict_on_target(config, rep, target, devices, overlap))
+        else:
+            row.update(predict(config, rep, preset, devices, overlap))
         (fits if rep["memory_per_device_bytes"] <= limit_bytes else too_big).append(row)
     fits.sort(key=lambda r: (r["predicted_time_to_train_s"], r["memory_per_device_bytes"]))
     too_big.sort(key=lambda r: r["memory_per_device_bytes"])
@@ -455,8 +494,12 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument(
         "--devices",
         type=int,
-        required=True,
         help="plan for N devices (compiled on N virtual CPU devices)",
+    )
+    p.add_argument(
+        "--target",
+        help="plan for a TPU slice with the TPU compiler (no TPU needed), e.g. tpu:v5p-256: "
+        "memory is the chip's, plans ranked by the compiler's FLOPs and bytes on the chip",
     )
     p.add_argument(
         "--hardware",
@@ -516,6 +559,22 @@ def main(argv=None) -> None:
     from hybridpar import simulate as sim
 
     args, config = cli.parse(build_parser(), argv)
+    target = None
+    if args.target:
+        from hybridpar import targets
+
+        try:
+            target = targets.parse(args.target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        if args.devices not in (None, target.devices_count):
+            cli.fail(f"--devices={args.devices} but --target {args.target} has "
+                     f"{target.devices_count} chips; pass one of them")  # fmt: skip
+        args.devices = target.devices_count
+        if target.platform == "cpu":
+            target = None
+    if args.devices is None:
+        cli.fail("pass --devices N (virtual CPU devices) or --target tpu:CHIP-N")
     n = args.devices
     if n < 1 or args.max_plans < 1 or args.jobs < 1:
         cli.fail(
@@ -525,14 +584,24 @@ def main(argv=None) -> None:
         preset = sim.get_preset(args.hardware)
     except ValueError as e:
         cli.fail(f"--hardware: {e}")
-    limit_gib = preset.memory_gib if args.memory_gib is None else args.memory_gib
+    default_gib = target.chip.hbm_bytes / GIB if target else preset.memory_gib
+    limit_gib = default_gib if args.memory_gib is None else args.memory_gib
     if limit_gib <= 0:
         cli.fail(f"--memory-gib={limit_gib:g} must be positive")
-    use_virtual_cpu_devices(n)  # before anything below starts JAX (workers inherit it)
-    flags = os.environ["XLA_FLAGS"].split()
-    os.environ["XLA_FLAGS"] = " ".join(
-        flags + [f for f in ANALYSIS_XLA_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
-    )
+    if target is not None:  # before anything below starts JAX (workers inherit it)
+        try:
+            targets.prepare(target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        os.environ["HYBRIDPAR_PLAN_TARGET"] = target.spec
+    else:
+        use_virtual_cpu_devices(n)
+        flags = os.environ["XLA_FLAGS"].split()
+        os.environ["XLA_FLAGS"] = " ".join(
+            flags
+            + [f for f in ANALYSIS_XLA_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+        )
+        os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
     os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
     argv = sys.argv[1:] if argv is None else list(argv)
     config_path, base_overrides, _ = cli.split_config_args(argv)
@@ -567,7 +636,7 @@ def main(argv=None) -> None:
             hardware = _calibrated(
                 preset, results, kept, args.calibrate_from, args.calibrate_devices
             )
-        fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap)
+        fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap, target)
         if not fits:
             if too_big:
                 s = too_big[0]
@@ -585,6 +654,7 @@ def main(argv=None) -> None:
         if args.json:
             print(json.dumps({
                 "devices": n, "hardware": preset.name, "memory_limit_bytes": limit,
+                "target": target.spec if target else None,
                 "efficiency": hardware.efficiency, "step_overhead_s": hardware.step_overhead_s,
                 "calibration": hardware.reference_note,
                 "overlap": args.overlap, "combinations": product, "valid": len(plans),
@@ -593,13 +663,20 @@ def main(argv=None) -> None:
                 "plans": fits, "too_big": too_big, "failed": failed, "winning_overrides": winning,
             }))  # fmt: skip
             return
+        on = target.describe() if target else f"{preset.name} ({preset.description})"
         print(
-            f"plan: {config_path} on {n} devices, {preset.name} ({preset.description}), "
+            f"plan: {config_path} on {n} devices, {on}, "
             f"{limit_gib:g} GiB per device; {len(fits)} plans fit, {len(too_big)} do not"
             + (f", {len(failed)} failed" if failed else "")
             + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
         )
         print(format_table(fits, too_big, failed, limit))
+        if target is not None:
+            print(
+                "img/s and time to train: the TPU compiler's FLOPs and bytes over the chip's "
+                "roofline plus its collectives over ICI; no launch, input or evaluation cost, "
+                "so an upper bound for ranking, not a prediction of a run"
+            )
         print(
             f"\nbest: {best['plan']}: {_bytes(best['memory_per_device_bytes'])}/device, "
             f"predicted {best['predicted_images_per_s']:,.0f} img/s, "

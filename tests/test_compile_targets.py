@@ -213,3 +213,26 @@ def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
                        capture_output=True, text=True)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.startswith("error: --compiled") and "platform was 'tpu'" in r.stderr
+
+
+@needs_libtpu
+def test_plan_for_a_tpu_target_ranks_plans_compiled_by_the_tpu_compiler(tmp_path):
+    import json
+
+    from helpers import TINY_DIGITS, config_args
+
+    args = ["--config", DIGITS, *config_args(TINY_DIGITS), "--target", "tpu:v5e-8"]
+    args += ["--meshes", "data:8 fsdp:8", "--heads", "dense", "--bn-sync", "global"]
+    args += ["--comm", "xla", "--cache-dir", str(tmp_path), "--json"]
+    r = subprocess.run([sys.executable, "-m", "hybridpar.plan", *args], cwd=ROOT,
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["target"] == "tpu:v5e-8" and out["memory_limit_bytes"] == 16 * 2**30
+    plans = out["plans"]
+    assert {p["overrides"]["mesh"] for p in plans} == {"data:8", "fsdp:8"}
+    for p in plans:
+        assert p["compiled_for"] == "tpu (TPU v5 lite)" and 0 < p["memory_per_device_bytes"]
+        assert p["predicted_images_per_s"] > 0 and "roofline" in p["estimate"]
+    steps = [p["predicted_time_to_train_s"] for p in plans]
+    assert steps == sorted(steps)  # ranked by the estimate

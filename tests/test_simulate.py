@@ -394,6 +394,7 @@ def _report_dict(rows, mesh, global_batch=64, image_shape=(32, 32, 3), flops=1e1
         "image_shape": list(image_shape),
         "compile_s": 1.5,
         "config": {"mesh": ",".join(f"{k}:{v}" for k, v in mesh.items())},
+        "bytes_accessed": 2e9,
     }
 
 
@@ -508,6 +509,9 @@ def test_comm_report_round_trips_through_json():
     assert CommReport.from_json(rep.to_json()) == rep
     # a redirect with 2>&1 puts warnings before the JSON line
     assert CommReport.from_json("W0000 some warning\n" + rep.to_json() + "\n") == rep
+    # a report written before bytes_accessed was recorded still reads
+    old = {k: v for k, v in d.items() if k != "bytes_accessed"}
+    assert CommReport.from_dict(old).bytes_accessed is None
 
 
 _OLD_SPELLINGS = {  # what the old reader also took, and comm_report never writes
