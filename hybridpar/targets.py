@@ -169,6 +169,12 @@ def prepare(target: Target) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # What a TPU VM's metadata would say; without them libtpu prints warnings about a
+    # host it cannot find (the topology it compiles for is the one passed explicitly).
+    cloud_name = "v5litepod" if target.chip.name == "v5e" else target.chip.name
+    per_slice = target.devices_count // target.slices * target.chip.cores_per_chip
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{cloud_name}-{per_slice}")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
 def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
