@@ -15,6 +15,7 @@ of XLA's, not checked here: it cost a ResNet-50 compile of 25 s).
 
 import functools
 import re
+from collections import Counter
 from types import SimpleNamespace
 
 import jax
@@ -48,6 +49,7 @@ from hybridpar.bucketed import (
     forward_params,
     make_bucketed_train_step,
 )
+from hybridpar.comm_report import parse_collectives
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
@@ -446,3 +448,40 @@ def test_bfloat16_bound_rejects_a_coarser_reduce_or_a_dropped_bucket(broken):
     excess = _excess(got, per_device, U_BF16)
     print(broken, sorted(excess.items(), key=lambda kv: -kv[1])[:3])
     assert max(excess.values()) > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _collectives(mesh, reduce_dtype):
+    """The tiny bucketed step's collectives as ``comm_report`` tables them (its parser)."""
+    overrides = {"comm.reduce_dtype": reduce_dtype, "partitioning.fsdp_min_size": 64}
+    _, program = _program("bucketed", "local", mesh, **overrides)
+    hlo = compiled_step(program, random_state(program), NO_LLVM_OPT).as_text()
+    return program, parse_collectives(hlo)
+
+
+@pytest.mark.parametrize("mesh", ["data:8", "data:2,fsdp:4"])
+def test_bfloat16_reduce_halves_the_gradient_bytes(mesh):
+    """The all-reduce / reduce-scatter bytes of the gradient buckets with bfloat16 are half
+    those with float32; the collectives both programs share byte for byte (the float32
+    loss and BatchNorm psum, the parameters' all-gathers) are the only others."""
+    program, rows32 = _collectives(mesh, "float32")
+    _, rows16 = _collectives(mesh, "bfloat16")
+    grads = {}
+    for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+        ops32, ops16 = (
+            Counter({(r["bytes"], r["groups"]): r["count"] for r in rows if r["kind"] == kind})
+            for rows in (rows32, rows16)
+        )
+        same = ops32 & ops16
+        total = [sum(b * n for (b, _), n in (ops - same).items()) for ops in (ops32, ops16)]
+        print(f"{mesh} {kind}: float32 {total[0]} B, bfloat16 {total[1]} B, shared {dict(same)}")
+        assert total[0] == 2 * total[1]
+        grads[kind] = total[0]
+    if mesh == "data:8":
+        stats = sum(x.size for x in jax.tree.leaves(program.abstract.batch_stats))
+        params = sum(x.size for x in jax.tree.leaves(program.abstract.params))
+        # All the gradients once, and only the loss with the running averages shared.
+        assert grads["all-reduce"] == 4 * params
+        assert [r["bytes"] for r in rows16 if r["kind"] == "all-reduce"].count(4 + 4 * stats)
+    else:
+        assert grads["reduce-scatter"] > 0 and grads["all-gather"] == 0
