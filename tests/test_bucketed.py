@@ -50,6 +50,7 @@ from hybridpar.bucketed import (
     make_bucketed_train_step,
 )
 from hybridpar.comm_report import parse_collectives
+from hybridpar.config import validate
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
@@ -485,3 +486,12 @@ def test_bfloat16_reduce_halves_the_gradient_bytes(mesh):
         assert [r["bytes"] for r in rows16 if r["kind"] == "all-reduce"].count(4 + 4 * stats)
     else:
         assert grads["reduce-scatter"] > 0 and grads["all-gather"] == 0
+
+
+def test_reduce_dtype_is_checked_and_needs_bucketed_mode():
+    validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match="comm.reduce_dtype='float16' is not one of"):
+        validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "float16"}))
+    # Under comm.mode=xla XLA places the all-reduces in the gradients' dtype: refused.
+    with pytest.raises(ConfigError, match="--config.comm.mode=bucketed"):
+        validate(tiny_config(**{"comm.reduce_dtype": "bfloat16"}))
