@@ -227,9 +227,12 @@ def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
     assert r.returncode == 0, r.stderr[-3000:]
     rep = json.loads(r.stdout)
     assert rep["devices"]["count"] == 64 and rep["mesh"]["data"] == 64
-    grads = 25_557_032 * 4  # float32 parameters: the gradient all-reduce is at least this
+    # bfloat16 compute: XLA all-reduces the gradients of the layers' bfloat16 copies of the
+    # parameters, in bfloat16 (the CPU sums them in float32; the report counts 2 bytes):
+    # every gradient's 2 bytes, plus the float32 BatchNorm statistics, far below float32's 4.
+    grads = 25_557_032 * 2
     reduced = sum(c["count"] * c["bytes"] for c in rep["collectives"] if c["kind"] == "all-reduce")
-    assert reduced >= grads
+    assert grads <= reduced < 1.1 * grads
     assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
 
 
