@@ -146,8 +146,11 @@ def _zero_from(x):
     return jnp.minimum(jnp.abs(first), 0.0)
 
 
-def _flat_pmean(leaves, axes, n, after=None):
+def _flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
     """Mean over devices of several arrays with ONE psum of their concatenation.
+
+    ``reduce_dtype``: the dtype the concatenation is summed in (None: the arrays' own);
+    each result comes back in its array's dtype.
 
     ``after``: an array from an earlier psum that this one must follow. The data dependence
     keeps XLA's all-reduce combiner, which merges independent all-reduces (on CPU into one
@@ -163,7 +166,7 @@ def _flat_pmean(leaves, axes, n, after=None):
     flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
     if after is not None:
         flat = flat + _zero_from(after).astype(flat.dtype)
-    flat = lax.psum(flat, axes) / n
+    flat = lax.psum(flat.astype(reduce_dtype or dtype), axes).astype(dtype) / n
     out, offset = [], 0
     for x in leaves:
         out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
@@ -187,21 +190,23 @@ def _with_dim(shape, dim: int, size: int) -> tuple:
     return tuple(size if i == dim else s for i, s in enumerate(shape))
 
 
-def _flat_scatter_mean(leaves, dims, axes, n, after=None):
+def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
     """Mean over the data-parallel devices of several FSDP-split gradients, each device
     keeping only its own ``fsdp`` shard: ONE ``psum_scatter`` over ``fsdp`` of their
     concatenation (laid out so that shard i of every gradient lands on device i), then
-    one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``."""
+    one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``.
+    Both sum in ``reduce_dtype`` (None: the gradients' own dtype)."""
     leaves = [_to_varying(x, axes) for x in leaves]
     f = lax.axis_size("fsdp")
     dtype = jnp.result_type(*leaves)
     flat = jnp.concatenate([_as_rows(x, d, f).astype(dtype) for x, d in zip(leaves, dims)], 1)
     if after is not None:
         flat = flat + _zero_from(after).astype(flat.dtype)
+    flat = flat.astype(reduce_dtype or dtype)
     flat = lax.psum_scatter(flat, "fsdp", scatter_dimension=0, tiled=True)  # (1, total / f)
     if "data" in axes:
         flat = lax.psum(flat, "data")
-    flat = flat / n
+    flat = flat.astype(dtype) / n
     out, offset = [], 0
     for x, d in zip(leaves, dims):
         size = x.size // f
@@ -244,7 +249,13 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
 
 
 def reduce_in_buckets(
-    grads, plan, axes=BATCH_AXES, n: int | None = None, after=None, shard_dims=None
+    grads,
+    plan,
+    axes=BATCH_AXES,
+    n: int | None = None,
+    after=None,
+    shard_dims=None,
+    reduce_dtype=None,
 ):
     """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
 
@@ -253,6 +264,8 @@ def reduce_in_buckets(
     ``after``, if given), so they stay separate collectives. ``shard_dims`` (FSDP) maps a
     path to the dimension its parameter is split along over ``fsdp``: those gradients are
     reduce-scattered (one ``psum_scatter`` per bucket) and come back as this device's shard.
+    ``reduce_dtype``: the dtype each bucket is summed in (None: the gradients' own); the
+    means come back in the gradients' dtypes.
     """
     if n is None:
         n = math.prod(lax.axis_size(a) for a in axes)
@@ -267,11 +280,12 @@ def reduce_in_buckets(
         whole = [p for p in bucket if shard_dims.get(p) is None]
         if split:
             dims = [shard_dims[p] for p in split]
-            out = _flat_scatter_mean([by_path[p] for p in split], dims, axes, n, after)
+            leaves = [by_path[p] for p in split]
+            out = _flat_scatter_mean(leaves, dims, axes, n, after, reduce_dtype)
             reduced.update(zip(split, out))
             after = out[0]
         if whole:
-            out = _flat_pmean([by_path[p] for p in whole], axes, n, after)
+            out = _flat_pmean([by_path[p] for p in whole], axes, n, after, reduce_dtype)
             reduced.update(zip(whole, out))
             after = out[0]
     return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
@@ -349,13 +363,24 @@ class BucketedSync:
     ``shardings``: the state's ``NamedSharding`` tree (None: all replicated). The model
     passed to ``gradients`` may be the one built for ``comm.mode=xla`` (any
     ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync`` inside shard_map.
+    ``reduce_dtype`` (``comm.reduce_dtype``): each bucket is cast to it before its
+    collectives and back to the gradients' dtype after ("float32": no cast, the gradients
+    reduce in their own dtype), so ``"bfloat16"`` halves the bytes of float32 gradients.
     """
 
-    def __init__(self, mesh, bucket_mb: float, bn_sync: str = "global", shardings=None):
+    def __init__(
+        self,
+        mesh,
+        bucket_mb: float,
+        bn_sync: str = "global",
+        shardings=None,
+        reduce_dtype: str = "float32",
+    ):
         self.dp = _check_mesh(mesh)
         if not bucket_mb > 0:
             raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
         self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
+        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
         self.axes = active_axes(mesh)
         bn_axis_index_groups_for(bn_sync, self.dp)  # a bad bn_sync fails here, not in jit
         self.param_specs, self.stats_specs = P(), P()
@@ -403,10 +428,15 @@ class BucketedSync:
             grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
             # Loss and BN running averages (per device for local/group statistics): one
             # psum, first, as they are ready when the forward pass ends; then the buckets.
+            # Always in float32, whatever reduce_dtype: it is a few KiB, and the running
+            # averages are state kept across steps, where bfloat16 rounding would build up
+            # (a gradient's rounding is one step's noise that SGD averages out).
             flat, treedef = jax.tree.flatten((loss, new_stats))
             flat = _flat_pmean(flat, axes, dp)
             loss, new_stats = jax.tree.unflatten(treedef, flat)
-            grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0], shard_dims=param_dims)
+            grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0],
+                                      shard_dims=param_dims,
+                                      reduce_dtype=self.reduce_dtype)  # fmt: skip
             return grads, loss, new_stats
 
         # Gradients come out split like the parameters; the BatchNorm statistics come out
@@ -424,7 +454,7 @@ def make_sync(config, mesh, shardings):
     """The gradient sync ``comm.mode`` names (``config.validate`` checked the name)."""
     if config.comm.mode == "bucketed":
         c = config.comm
-        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings)
+        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
     return XlaSync()
 
 
@@ -441,10 +471,11 @@ def make_bucketed_train_step(
     bucket_mb: float,
     bn_sync: str = "global",
     shardings=None,
+    reduce_dtype: str = "float32",
 ):
     """``steps.make_train_step`` with a ``BucketedSync``; ``train_step.plan_for(image_shape)``
     gives the buckets it uses (for reports and tests)."""
-    sync = BucketedSync(mesh, bucket_mb, bn_sync, shardings)
+    sync = BucketedSync(mesh, bucket_mb, bn_sync, shardings, reduce_dtype)
     step = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
                            label_smoothing=label_smoothing, sync=sync)  # fmt: skip
     step.plan_for = functools.partial(sync.plan_for, model)

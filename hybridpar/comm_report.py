@@ -13,7 +13,10 @@ imports JAX before the command line is parsed (``import hybridpar`` is lazy), so
 Bytes are those of each op's result shape (tuples summed; for async ``-start``/``-done``
 pairs, the ``-done`` result): the payload, not the wire traffic (a ring all-reduce of B
 bytes over n devices sends 2(n-1)/n x B per device). The counts are of ops in the
-program; a collective inside a loop body would run once per iteration.
+program; a collective inside a loop body would run once per iteration. XLA's CPU backend
+has no bfloat16 reduction: it widens a bfloat16 all-reduce or reduce-scatter to float32
+between two casts; those count at bfloat16's width, what the program asked for and what a
+GPU or TPU moves (``comm.reduce_dtype=bfloat16`` halves the gradients' bytes here too).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ _GROUPS = re.compile(
 )
 _PAIRS = re.compile(r"source_target_pairs=(" + _NESTED + ")")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# XLA's CPU pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names
+# the widened reduction computation ``<name>_promoted``.
+_PROMOTED = re.compile(r"to_apply=%?[\w.\-]+_promoted\b")
 
 
 def _split_balanced(text: str) -> tuple[str, str]:
@@ -187,6 +193,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     None where the text does not say: all devices, or a collective-permute) and ``async``.
     An async pair (``-start`` and ``-done``) counts once, as async, with the bytes of the
     ``-done`` result; a collective wrapped in an ``async-start`` computation counts as async.
+    A reduction the CPU backend widened from bfloat16 to float32 counts as bfloat16.
     """
     instrs = _instructions(hlo_text)
     done_shape = {}
@@ -210,6 +217,8 @@ def parse_collectives(hlo_text: str) -> list[dict]:
             is_async = ins["computation"] in async_computations
         else:
             continue
+        if _PROMOTED.search(ins["attrs"]):
+            shape = re.sub(r"\bf32\[", "bf16[", shape)
         if kind == "collective-permute":
             m = _PAIRS.search(ins["attrs"])
             groups, size = _short_groups(m.group(1) if m else None, pairs=True)

@@ -183,6 +183,10 @@ def base_config() -> ml_collections.ConfigDict:
             # one all-gather of the parameters and one reduce-scatter per bucket).
             mode="xla",
             bucket_mb=32.0,
+            # The dtype the gradients are summed in across devices (bucketed mode only):
+            # "bfloat16" halves the bytes of float32 gradients (they come back as float32
+            # for the optimizer); "float32": each gradient in its own dtype.
+            reduce_dtype="float32",
             # GPU: --xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes.
             # XLA's default is 30 MiB; 256 MiB is above the whole float32 gradient of a
             # ResNet-50 (~98 MiB), so data dependencies and the scheduler, not the size cap,
@@ -268,6 +272,7 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "data.name": DATA_NAMES,
     "comm.mode": ("xla", "bucketed"),
+    "comm.reduce_dtype": ("float32", "bfloat16"),
     "model.conv_grad": ("auto", "im2col", "xla"),
     "compile_ahead": ("auto", "background", "before"),
     "optim.name": ("sgd", "lars"),
@@ -393,6 +398,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
+        )
+    if c.comm.reduce_dtype != "float32" and c.comm.mode != "bucketed":
+        # Under plain jit XLA's SPMD partitioner places the gradient all-reduces right after
+        # the dots that make the gradients, in their dtype; no cast or sharding constraint
+        # of ours moves them, so a narrower reduce dtype would change nothing but the noise.
+        raise ConfigError(
+            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs comm.mode=bucketed (under "
+            f"comm.mode={c.comm.mode!r} XLA reduces the gradients in their own dtype); use "
+            "--config.comm.mode=bucketed or --config.comm.reduce_dtype=float32"
         )
     if c.model.head != "dense" and c.comm.mode != "xla":
         raise ConfigError(

@@ -15,9 +15,11 @@ of XLA's, not checked here: it cost a ResNet-50 compile of 25 s).
 
 import functools
 import re
+from collections import Counter
 from types import SimpleNamespace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -41,13 +43,20 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
-from hybridpar.bucketed import bucket_plan, forward_params, make_bucketed_train_step
+from hybridpar.bucketed import (
+    BucketedSync,
+    bucket_plan,
+    forward_params,
+    make_bucketed_train_step,
+)
+from hybridpar.comm_report import parse_collectives
+from hybridpar.config import validate
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.partitioning import batch_sharding, infer_shardings
+from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import jit_train_step
+from hybridpar.steps import jit_train_step, normalize, scaled_loss_fn
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3
@@ -332,3 +341,157 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     assert len(reduces) <= len(plan) + 2
     # (XLA's own fsdp step gathers each array on its own, > 50 all-gathers: not compiled here
     # any more, a second ResNet-50 compile of 30 s for a figure docs/model_parallel.md has.)
+
+
+# --- comm.reduce_dtype=bfloat16: the buckets summed in bfloat16 -------------------------
+#
+# Tolerance, derived from bfloat16's precision rather than measured: bfloat16 keeps 8
+# significant bits, so rounding a value to it moves it by at most u = 2^-8 of its size.
+# A bucket's element is mean_i g_i over the n = 8 devices. Each g_i is rounded once when
+# the bucket is cast (<= u |g_i|); a ring reduce in bfloat16 (GPU, TPU) rounds each of its
+# n - 1 partial sums, each <= sum_i |g_i|; the CPU sums in float32 and rounds the sum once.
+# So the mean is off by at most n u A, A = mean_i |g_i| (the cancelling per-device
+# gradients, not the small mean, set the size of the error); the check allows (n + 1) u A,
+# one rounding more for the float32 reference's own rounding (2^-24-sized, far below).
+# Checked against the mean of the per-device gradients computed on one device (bn_sync
+# local: each device's gradient is exactly its own slice's).
+
+U_BF16 = 2.0**-8
+
+
+def _reduced_grads(program, start, reduce_dtype):
+    """The gradients a bucketed data:8 step reduces (the mean over devices), per path."""
+    sync = BucketedSync(program.mesh, TINY_BUCKET_MB, "local", program.shardings, reduce_dtype)
+
+    def loss_fn_for(m, stats, images, labels, scale):
+        return scaled_loss_fn(m, stats, images, labels, scale, 0.1)
+
+    def grads(state, images, labels):
+        return sync.gradients(program.model, state, images, labels, loss_fn_for)[0]
+
+    batch = shard_batch(host_batches(steps=1)[0], program.mesh)
+    images = normalize(batch["image"], MEAN, STD, np.float32)
+    state = place(start, program.shardings)
+    out = jax.jit(grads)(state, images, batch["label"])
+    return sync, {path_str(kp): np.asarray(g) for kp, g in jax.tree.leaves_with_path(out)}
+
+
+def _per_device_grads(program, start, sync, n=8):
+    """Each device's gradient, on ONE device: the local-BN model on its slice of the batch."""
+    local = sync.local_model(program.model)
+    batch = host_batches(steps=1)[0]
+    images = normalize(batch["image"], MEAN, STD, np.float32)
+    per = BATCH // n
+
+    @jax.jit
+    def grad(params, images, labels):
+        loss_fn = scaled_loss_fn(local, start.batch_stats, images, labels, 1.0, 0.1)
+        return jax.grad(loss_fn, has_aux=True)(params)[0]
+
+    out = [
+        grad(start.params, images[i * per : (i + 1) * per], batch["label"][i * per : (i + 1) * per])
+        for i in range(n)
+    ]
+    return {
+        path_str(kp): np.stack([np.asarray(jax.tree.leaves(o)[j], np.float64) for o in out])
+        for j, (kp, _) in enumerate(jax.tree.leaves_with_path(out[0]))
+    }
+
+
+def _excess(got: dict, per_device: dict, u: float, n: int = 8) -> dict:
+    """``{path: max |got - mean_i g_i| / ((n + 1) u A)}``: above 1 fails the check."""
+    out = {}
+    for path, g in per_device.items():
+        tol = (n + 1) * u * np.abs(g).mean(0)
+        want = g.mean(0)
+        tol = np.maximum(tol, 2 * np.spacing(np.abs(want).astype(np.float32)))
+        out[path] = float((np.abs(got[path] - want) / tol).max())
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _reduce_dtype_setup():
+    _, program = _program("bucketed", "local")
+    start = random_state(program)
+    sync, want32 = _reduced_grads(program, start, "float32")
+    return program, start, want32, _per_device_grads(program, start, sync)
+
+
+def test_bfloat16_reduce_within_bfloat16_rounding_of_one_device():
+    program, start, got32, per_device = _reduce_dtype_setup()
+    _, got16 = _reduced_grads(program, start, "bfloat16")
+    # float32 buckets: the one-device mean to float32 rounding (far inside the bound).
+    assert max(_excess(got32, per_device, 2.0**-20).values()) <= 1
+    # bfloat16 buckets: within the derived bound, of the one device and of float32.
+    excess = _excess(got16, per_device, U_BF16)
+    print("bfloat16 reduce, worst |error| / bound:", max(excess.values()))
+    assert max(excess.values()) <= 1, excess
+    # ... and summed in bfloat16 indeed: every element a bfloat16 value (the mean of 8 is an
+    # exact division of a bfloat16 sum), which float32 buckets are not.
+    for g16, g32 in ((got16[p], got32[p]) for p in got16):
+        assert g16.dtype == np.float32
+        np.testing.assert_array_equal(g16, g16.astype(jnp.bfloat16).astype(np.float32))
+    assert any(np.any(g != g.astype(jnp.bfloat16).astype(np.float32)) for g in got32.values())
+
+
+@pytest.mark.parametrize("broken", ["float8_e4m3fn", "dropped bucket"])
+def test_bfloat16_bound_rejects_a_coarser_reduce_or_a_dropped_bucket(broken):
+    """Negative controls: the same bound rejects buckets summed in float8 (u = 2^-4) and
+    a bucketed bfloat16 reduction with one bucket's gradients zeroed."""
+    program, start, _, per_device = _reduce_dtype_setup()
+    if broken == "dropped bucket":
+        _, got = _reduced_grads(program, start, "bfloat16")
+        bucket = _tiny_plan()[len(_tiny_plan()) // 2]
+        for p in bucket:
+            got["/".join(p)] = np.zeros_like(got["/".join(p)])
+    else:
+        _, got = _reduced_grads(program, start, broken)
+    excess = _excess(got, per_device, U_BF16)
+    print(broken, sorted(excess.items(), key=lambda kv: -kv[1])[:3])
+    assert max(excess.values()) > 1
+
+
+@functools.lru_cache(maxsize=None)
+def _collectives(mesh, reduce_dtype):
+    """The tiny bucketed step's collectives as ``comm_report`` tables them (its parser)."""
+    overrides = {"comm.reduce_dtype": reduce_dtype, "partitioning.fsdp_min_size": 64}
+    _, program = _program("bucketed", "local", mesh, **overrides)
+    hlo = compiled_step(program, random_state(program), NO_LLVM_OPT).as_text()
+    return program, parse_collectives(hlo)
+
+
+@pytest.mark.parametrize("mesh", ["data:8", "data:2,fsdp:4"])
+def test_bfloat16_reduce_halves_the_gradient_bytes(mesh):
+    """The all-reduce / reduce-scatter bytes of the gradient buckets with bfloat16 are half
+    those with float32; the collectives both programs share byte for byte (the float32
+    loss and BatchNorm psum, the parameters' all-gathers) are the only others."""
+    program, rows32 = _collectives(mesh, "float32")
+    _, rows16 = _collectives(mesh, "bfloat16")
+    grads = {}
+    for kind in ("all-reduce", "reduce-scatter", "all-gather"):
+        ops32, ops16 = (
+            Counter({(r["bytes"], r["groups"]): r["count"] for r in rows if r["kind"] == kind})
+            for rows in (rows32, rows16)
+        )
+        same = ops32 & ops16
+        total = [sum(b * n for (b, _), n in (ops - same).items()) for ops in (ops32, ops16)]
+        print(f"{mesh} {kind}: float32 {total[0]} B, bfloat16 {total[1]} B, shared {dict(same)}")
+        assert total[0] == 2 * total[1]
+        grads[kind] = total[0]
+    if mesh == "data:8":
+        stats = sum(x.size for x in jax.tree.leaves(program.abstract.batch_stats))
+        params = sum(x.size for x in jax.tree.leaves(program.abstract.params))
+        # All the gradients once, and only the loss with the running averages shared.
+        assert grads["all-reduce"] == 4 * params
+        assert [r["bytes"] for r in rows16 if r["kind"] == "all-reduce"].count(4 + 4 * stats)
+    else:
+        assert grads["reduce-scatter"] > 0 and grads["all-gather"] == 0
+
+
+def test_reduce_dtype_is_checked_and_needs_bucketed_mode():
+    validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match="comm.reduce_dtype='float16' is not one of"):
+        validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "float16"}))
+    # Under comm.mode=xla XLA places the all-reduces in the gradients' dtype: refused.
+    with pytest.raises(ConfigError, match="--config.comm.mode=bucketed"):
+        validate(tiny_config(**{"comm.reduce_dtype": "bfloat16"}))
