@@ -33,6 +33,7 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
     a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
     the executables are written to, for ``train --compiled``."""
     from hybridpar import comm_report, trainer
+    from hybridpar.mesh import axes_across_slices
 
     t0 = time.time()
     try:
@@ -83,6 +84,8 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
         target_description=target.describe(),
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
         mesh=dict(run.mesh.shape),
+        slices=target.slices,
+        axes_across_slices=list(axes_across_slices(run.mesh)),
         # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
         device_platform=run.mesh.devices.flat[0].platform,
         device_kind=run.mesh.devices.flat[0].device_kind,
@@ -194,7 +197,13 @@ def format_report(report: dict, config_path: str) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [
         f"compile: {config_path} for {report['target_description']}",
-        f"mesh {mesh}; {len(report['programs'])} programs in {report['wall_s']:.1f}s",
+        f"mesh {mesh}; {len(report['programs'])} programs in {report['wall_s']:.1f}s"
+        + (
+            f"; across the {report['slices']} slices (DCN): "
+            f"{', '.join(report['axes_across_slices'])}, the other axes within a slice (ICI)"
+            if report["slices"] > 1
+            else ""
+        ),
         "",
         f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
         f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'compile':>8} "

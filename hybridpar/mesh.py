@@ -98,7 +98,38 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
             f"{jax.local_device_count()} devices of one host; model-parallel groups must stay "
             "inside a host (fast links), so choose a model size that divides the devices per host"
         )
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        return _multi_slice_mesh(spec, sizes, slices, devices)
     return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def _multi_slice_mesh(spec: str, sizes: dict, slices: int, devices) -> Mesh:
+    """Devices of several slices (TPU pods joined over the data-centre network, DCN): only
+    ``data`` crosses the slices, as data parallelism needs one gradient reduction per step
+    over the slow links, while ``fsdp`` and ``model`` gather and reduce within a layer and
+    stay on a slice's fast interconnect (ICI); MaxText splits its ``dcn_*`` and ``ici_*``
+    axes the same way."""
+    from jax.experimental import mesh_utils
+
+    if sizes["data"] % slices:
+        raise ConfigError(
+            f"mesh {spec!r} on {slices} slices: only the data axis crosses slices (fsdp and "
+            f"model stay within one, on its fast links), so data={sizes['data']} must be a "
+            f"multiple of {slices}, e.g. --config.mesh=data:{slices},fsdp:-1"
+        )
+    ici = (sizes["data"] // slices, sizes["fsdp"], sizes["model"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices=devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def axes_across_slices(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which devices of different slices meet (their traffic goes over
+    DCN); empty on one slice or on devices without slices."""
+    import numpy as np
+
+    index = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+    return tuple(a for i, a in enumerate(mesh.axis_names) if (np.diff(index, axis=i) != 0).any())
 
 
 def batch_axes(mesh: Mesh) -> tuple[str, ...]:

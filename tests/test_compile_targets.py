@@ -236,3 +236,17 @@ def test_plan_for_a_tpu_target_ranks_plans_compiled_by_the_tpu_compiler(tmp_path
         assert p["predicted_images_per_s"] > 0 and "roofline" in p["estimate"]
     steps = [p["predicted_time_to_train_s"] for p in plans]
     assert steps == sorted(steps)  # ranked by the estimate
+
+
+@needs_libtpu
+def test_on_several_slices_only_the_data_axis_crosses_them():
+    """tpu:v5e-4,slices=2: 8 chips in two slices joined over DCN. The data axis is laid
+    across the slices and fsdp/model within one (their collectives run every layer, on the
+    fast links); a mesh whose data axis cannot span the slices is one error saying so."""
+    target = targets.parse("tpu:v5e-4,slices=2")
+    targets.prepare(target)
+    rep = _report(target, "data:2,fsdp:4")
+    assert rep["slices"] == 2 and rep["axes_across_slices"] == ["data"]
+    assert all(r["fits"] for r in rep["programs"])
+    with pytest.raises(ConfigError, match="data=1 must be a multiple of 2"):
+        _report(target, "fsdp:8")
