@@ -64,6 +64,7 @@ _GROUPS = re.compile(
 )
 _PAIRS = re.compile(r"source_target_pairs=(" + _NESTED + ")")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 # XLA's CPU pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names
 # the widened reduction computation ``<name>_promoted``.
 _PROMOTED = re.compile(r"to_apply=%?[\w.\-]+_promoted\b")
@@ -194,16 +195,24 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     An async pair (``-start`` and ``-done``) counts once, as async, with the bytes of the
     ``-done`` result; a collective wrapped in an ``async-start`` computation counts as async.
     A reduction the CPU backend widened from bfloat16 to float32 counts as bfloat16.
+
+    The TPU compiler writes an asynchronous collective into an ``async_collective_fusion``
+    computation together with the compute it overlaps, and may clone one collective into
+    several fused computations: collectives inside fusions that share a ``channel_id`` are
+    one (counted once, async if any copy is), and one inside such a fusion counts as async.
     """
     instrs = _instructions(hlo_text)
     done_shape = {}
-    async_computations = set()
+    async_computations, fused_computations = set(), set()
     for ins in instrs:
         if ins["opcode"].endswith("-done") and ins["operands"]:
             done_shape[ins["operands"][0]] = ins["shape"]
         if ins["opcode"] == "async-start":
             async_computations.update(_CALLS.findall(ins["attrs"]))
+        if ins["opcode"] == "fusion":
+            fused_computations.update(_CALLS.findall(ins["attrs"]))
     counts: Counter = Counter()
+    seen: dict = {}  # channel_id -> the key it was counted under
     for ins in instrs:
         opcode, is_async = ins["opcode"], False
         if opcode.endswith("-start") and opcode[: -len("-start")] in KINDS:
@@ -214,7 +223,9 @@ def parse_collectives(hlo_text: str) -> list[dict]:
                 shape = elems[1] if kind != "all-reduce" and len(elems) >= 2 else ins["shape"]
         elif opcode in KINDS:
             kind, shape = opcode, ins["shape"]
-            is_async = ins["computation"] in async_computations
+            is_async = ins["computation"] in async_computations or ins["computation"].startswith(
+                "async_collective_fusion"
+            )
         else:
             continue
         if _PROMOTED.search(ins["attrs"]):
@@ -225,7 +236,22 @@ def parse_collectives(hlo_text: str) -> list[dict]:
         else:
             m = _GROUPS.search(ins["attrs"])
             groups, size = _short_groups(m.group(1) if m else None)
-        counts[(kind, shape_bytes(shape), groups, size, is_async)] += 1
+        key = (kind, shape_bytes(shape), groups, size, is_async)
+        # channel ids repeat across the CPU backend's collectives: only clones in fusions
+        channel = (
+            _CHANNEL.search(ins["attrs"]) if ins["computation"] in fused_computations else None
+        )
+        if channel is not None and channel.group(1) in seen:  # a clone of one counted
+            first = seen[channel.group(1)]
+            if is_async and not first[4]:  # count it once, as async
+                counts[first] -= 1
+                counts[key] += 1
+                seen[channel.group(1)] = key
+            continue
+        if channel is not None:
+            seen[channel.group(1)] = key
+        counts[key] += 1
+    counts = +counts  # drop the zero counts a move to async left
     rows = [
         dict(kind=k, count=n, bytes=b, total_bytes=n * b, groups=g, group_size=gs, **{"async": a})
         for (k, b, g, gs, a), n in counts.items()

@@ -101,6 +101,49 @@ def test_a_bfloat16_reduction_the_cpu_widened_counts_as_bfloat16():
     assert sorted(r["bytes"] for r in rows) == [32, 64]
 
 
+# The TPU compiler's form (abridged): an FSDP weight's all-gather fused with the compute it
+# overlaps (async_collective_fusion) and cloned, with its channel id, into another fusion;
+# a second gather only in a plain fusion; and an all-to-all outside any fusion that shares
+# the first's channel id (outside fusions ids may repeat, as on the CPU backend).
+TPU_FUSED_HLO = """
+%async_collective_fusion.1 (p0: bf16[4,8]) -> bf16[4,64] {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  ROOT %all-gather.1 = bf16[4,64]{1,0} all-gather(%p0), channel_id=7, replica_groups=[1,8]<=[8], dimensions={1}, use_global_device_ids=true
+}
+
+%fused_computation.2 (p0: bf16[4,8]) -> bf16[4,64] {
+  %p0 = bf16[4,8]{1,0} parameter(0)
+  ROOT %all-gather.2 = bf16[4,64]{1,0} all-gather(%p0), channel_id=7, replica_groups=[1,8]<=[8], dimensions={1}, use_global_device_ids=true
+}
+
+%fused_computation.3 (p0: bf16[2,8]) -> bf16[2,64] {
+  %p0 = bf16[2,8]{1,0} parameter(0)
+  ROOT %all-gather.3 = bf16[2,64]{1,0} all-gather(%p0), channel_id=9, replica_groups=[1,8]<=[8], dimensions={1}, use_global_device_ids=true
+}
+
+ENTRY %main (a: bf16[4,8], b: bf16[2,8], c: f32[8]) -> bf16[4,64] {
+  %a = bf16[4,8]{1,0} parameter(0)
+  %b = bf16[2,8]{1,0} parameter(1)
+  %c = f32[8]{0} parameter(2)
+  %fusion.1 = bf16[4,64]{1,0} fusion(%a), kind=kOutput, calls=%async_collective_fusion.1
+  %fusion.2 = bf16[4,64]{1,0} fusion(%a), kind=kLoop, calls=%fused_computation.2
+  %fusion.3 = bf16[2,64]{1,0} fusion(%b), kind=kLoop, calls=%fused_computation.3
+  %all-to-all.1 = f32[8]{0} all-to-all(%c), channel_id=7, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %r = bf16[4,64]{1,0} copy(%fusion.1)
+}
+"""
+
+
+def test_the_tpu_compilers_fused_and_cloned_collectives_count_once_as_async():
+    rows = parse_collectives(TPU_FUSED_HLO)
+    got = sorted((r["kind"], r["bytes"], r["async"], r["count"]) for r in rows)
+    assert got == [
+        ("all-gather", 256, False, 1),  # the gather in a plain fusion
+        ("all-gather", 512, True, 1),  # one gather, not two clones; overlapped with compute
+        ("all-to-all", 32, False, 1),  # its own op despite the repeated channel id
+    ]
+
+
 def test_shape_bytes():
     assert shape_bytes("f32[2,3]{1,0}") == 24
     assert shape_bytes("(bf16[4]{0}, s8[3], pred[])") == 12
