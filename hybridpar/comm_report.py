@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
 from collections import Counter
@@ -376,15 +375,11 @@ def format_report(rep: CommReport, config_path: str) -> str:
 
 def use_virtual_cpu_devices(n: int) -> None:
     """N virtual CPU devices for this process; must run before JAX's backend starts."""
+    from hybridpar import targets
+
     if n < 1:
         cli.fail(f"--devices={n} must be a positive integer")
-    kept = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*kept, f"--xla_force_host_platform_device_count={n}"])
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    targets.prepare(targets.Target("cpu", n))
 
 
 def main(argv=None) -> None:

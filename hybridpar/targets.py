@@ -105,8 +105,8 @@ class Target:
         return topo.devices
 
     def describe(self) -> str:
-        if self.platform == "cpu":
-            return f"{self.devices_count} virtual CPU devices (XLA:CPU)"
+        if self.chip is None:
+            return f"{self.devices_count} {self.platform} devices"
         c = self.chip
         slices = f" x {self.slices} slices over DCN" if self.slices > 1 else ""
         return (
@@ -154,12 +154,11 @@ def prepare(target: Target) -> None:
     libtpu's compiler on a host without a TPU (JAX's CPU backend for the process itself; no
     cloud metadata query; no machine-wide libtpu lock, so two tools can compile at once)."""
     if target.platform == "cpu":
-        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
-                       os.environ.get("XLA_FLAGS", ""))  # fmt: skip
-        os.environ["XLA_FLAGS"] = (
-            f"{flags} --xla_force_host_platform_device_count={target.devices_count}".strip()
-        )
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
+        kept.append(f"--xla_force_host_platform_device_count={target.devices_count}")
+        os.environ["XLA_FLAGS"] = " ".join(kept)
+        os.environ["JAX_PLATFORMS"] = "cpu"  # on a GPU machine too: cpu:N means the CPU's
         return
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(
@@ -180,15 +179,11 @@ def prepare(target: Target) -> None:
 def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
     """A lower bound on one step's time on one chip from the TPU compiler's own counts: the
     FLOPs at peak, or the bytes at HBM bandwidth, whichever takes longer (collectives,
-    launch and input not counted). None for CPU targets."""
-    if target.platform == "cpu" or not flops:
+    launch and input not counted). None for targets without chip figures (CPU, a GPU)."""
+    if target.chip is None or not flops:
         return None
     c = target.chip
     return max(flops / c.peak_bf16_flops, (bytes_accessed or 0) / c.hbm_bytes_per_s)
-
-
-def fits(target: Target, need_bytes: int) -> bool:
-    return target.platform == "cpu" or need_bytes <= target.chip.hbm_bytes
 
 
 def gib(n: float) -> str:

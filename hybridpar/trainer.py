@@ -168,10 +168,10 @@ def _missing(path: str) -> list[str]:
     return out
 
 
-def memory_line(compiled, what: str = "the train step") -> tuple[str, dict]:
-    """``(text, memory_of(compiled))``: one device's memory for a compiled program."""
+def memory_line(compiled) -> tuple[str, dict]:
+    """``(text, memory_of(compiled))``: one device's memory for a compiled train step."""
     mem = memory_of(compiled)
-    return f"per-device memory of {what}: {_mib(mem)}", mem
+    return f"per-device memory of the train step: {_mib(mem)}", mem
 
 
 def _mib(mem: dict) -> str:

@@ -87,7 +87,7 @@ def test_the_tpu_compiler_reports_per_chip_memory_collectives_and_flops(v5e_8):
         train, evals = rep["programs"]
         assert (train["program"], evals["program"]) == ("train", "eval")
         for r in (train, evals):
-            assert r["fits"] and 0 < r["memory"]["total"] < 16 * 2**30, (mesh, r["memory"])
+            assert 0 < r["memory"]["total"] < 16 * 2**30, (mesh, r["memory"])
             assert r["flops"] > 0 and r["bytes_accessed"] > 0
         # gradients cross the chips in every layout; the roofline bound is finite
         assert train["collective_ops"] > 0 and train["collective_bytes"] > 0, mesh
@@ -250,6 +250,6 @@ def test_on_several_slices_only_the_data_axis_crosses_them():
     targets.prepare(target)
     rep = _report(target, "data:2,fsdp:4")
     assert rep["slices"] == 2 and rep["axes_across_slices"] == ["data"]
-    assert all(r["fits"] for r in rep["programs"])
+    assert all(0 < r["memory"]["total"] < 16 * 2**30 for r in rep["programs"])
     with pytest.raises(ConfigError, match="data=1 must be a multiple of 2"):
         _report(target, "fsdp:8")
