@@ -45,10 +45,11 @@ class Chip:
 
 
 CHIPS = {
-    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s; ICI from the
-    # v4 paper's 6 links x 50 GB/s x 2 directions (ISCA 2023, "TPU v4: An Optically
-    # Reconfigurable Supercomputer"); DCN not published per chip.
-    "v4": Chip("v4", 275e12, 32 * GIB, 1200e9, 600e9, None, 2, 3, "megacore"),
+    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s. ASSUMPTION: the
+    # page gives no per-chip ICI, only the all-reduce bandwidth per pod (1.1 PB/s over 4,096
+    # chips, 269 GB/s a chip); taken at twice that, as the v5e page gives 200 GB/s a chip of
+    # all-reduce bandwidth (51.2 TB/s over 256) against 400 GB/s of ICI. DCN not published.
+    "v4": Chip("v4", 275e12, 32 * GIB, 1200e9, 2 * 1.1e15 / 4096, None, 2, 3, "megacore"),
     # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
     # bidirectional; DCN 2 x 100 Gb/s NICs per 8-chip host = 25 Gb/s per chip.
     "v5e": Chip("v5e", 197e12, 16 * GIB, 819e9, 400e9, 25e9 / 8, 1, 2, "default"),
