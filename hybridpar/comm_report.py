@@ -295,6 +295,8 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
         hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
         raise ConfigError(f"{e}{hint}") from None
     mesh, program, applied = run.mesh, run.program, run.xla_flags
+    if target is not None:
+        program.compiler_options = target.compiler_options()
     d = config.data
     image_shape = (d.image_size, d.image_size, d.channels)
     compiled = program.train_step(config.global_batch, d.image_size)
@@ -390,7 +392,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--target",
         help="compile for a TPU topology with the TPU compiler (no TPU needed), e.g. "
-        "tpu:v5e-16; or cpu:N, as --devices N",
+        "tpu:v5e-16, or for GPUs with the GPU compiler (no GPU needed), e.g. gpu:h100-16; "
+        "or cpu:N, as --devices N",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)

@@ -44,6 +44,7 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
             raise ConfigError(f"{e} (--target cpu:N compiles for N virtual CPU devices)") from None
         raise
     program, c = run.program, config
+    program.compiler_options = target.compiler_options()
     wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
     wanted.append(("eval", c.eval_batch, c.data.image_size))
     rows = []
@@ -96,24 +97,24 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
 
 
 def _compile_or_explain(run, target, kind: str, batch: int, size: int):
-    """The program compiled; where the TPU compiler finds it over the chip's HBM (it refuses
-    to compile it), one error naming the need, the capacity and a plan that does compile:
-    the same batch with the state sharded over every chip (``fsdp``), else the largest
-    smaller batch found on this mesh (each candidate compiled to check)."""
-    step = run.program.train_step if kind == "train" else run.program.eval_step
+    """The program compiled; where it is over the chip's HBM (the TPU compiler refuses to
+    compile it; a GPU program is checked after), one error naming the need, the capacity
+    and a plan that does compile: the same batch with the state sharded over every chip
+    (``fsdp``), else the largest smaller batch found on this mesh (each candidate compiled
+    to check)."""
     try:
-        return step(batch, size)
+        return _step_within(run, target, kind, batch, size)
     except Exception as e:
-        need = _hbm_shortfall(str(e))
+        need = _hbm_shortfall(e)
         if need is None:
             raise
     head = (
         f"the {kind} step (batch {batch}, {size} px) needs {need[0] / 2**30:.2f} GiB of HBM per "
-        f"chip on {target.spec} where {need[1] / 2**30:.2f} GiB are available (the TPU "
-        "compiler's count)"
+        f"chip on {target.spec} where {need[1] / 2**30:.2f} GiB are available (the "
+        f"{target.platform.upper()} compiler's count)"
     )
     fix = _fitting_mesh(run, target, kind, batch, size)
-    fix = fix or _fitting_batch(run, kind, batch, size, need)
+    fix = fix or _fitting_batch(run, target, kind, batch, size, need)
     raise ConfigError(f"{head}: {fix}" if fix else f"{head}; neither fsdp:-1 nor a smaller "
                       "batch compiles within it: use a chip with more HBM")  # fmt: skip
 
@@ -130,21 +131,21 @@ def _fitting_mesh(run, target, kind, batch, size) -> str | None:
     config.mesh = "fsdp:-1"
     try:
         other = trainer.setup(config, with_data=False, devices=target.devices())
-        (other.program.train_step if kind == "train" else other.program.eval_step)(batch, size)
+        other.program.compiler_options = target.compiler_options()
+        _step_within(other, target, kind, batch, size)
     except Exception as e:
-        if _hbm_shortfall(str(e)) is None and not isinstance(e, ConfigError):
+        if _hbm_shortfall(e) is None and not isinstance(e, ConfigError):
             raise
         return None
     mem = other.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
     return f"--config.mesh=fsdp:-1 compiles it ({targets.gib(mem)} per chip)"
 
 
-def _fitting_batch(run, kind, batch, size, need, tries: int = 3) -> str | None:
+def _fitting_batch(run, target, kind, batch, size, need, tries: int = 3) -> str | None:
     """The first of up to ``tries`` smaller batches (scaled by capacity over need, in
     multiples of the data-parallel size) that compiles within HBM on this mesh."""
     from hybridpar.mesh import data_parallel_size
 
-    step = run.program.train_step if kind == "train" else run.program.eval_step
     dp = data_parallel_size(run.mesh)
     trial = batch
     for _ in range(tries):
@@ -152,9 +153,9 @@ def _fitting_batch(run, kind, batch, size, need, tries: int = 3) -> str | None:
         if trial < dp:
             return None
         try:
-            step(trial, size)
+            _step_within(run, target, kind, trial, size)
         except Exception as e:
-            if _hbm_shortfall(str(e)) is None:
+            if _hbm_shortfall(e) is None:
                 raise
             continue
         mem = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
@@ -163,13 +164,35 @@ def _fitting_batch(run, kind, batch, size, need, tries: int = 3) -> str | None:
     return None
 
 
+def _step_within(run, target, kind: str, batch: int, size: int):
+    """The step compiled, or the TPU compiler's out-of-memory error; the GPU compiler
+    does not check device memory, so its programs are checked here, in the same words."""
+    step = run.program.train_step if kind == "train" else run.program.eval_step
+    compiled = step(batch, size)
+    if target.platform == "gpu":
+        need = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
+        if need > target.chip.hbm_bytes:
+            run.program._compiled.pop((kind, batch, size), None)  # not a usable program
+            raise OverHbm(need, target.chip.hbm_bytes)
+    return compiled
+
+
+class OverHbm(Exception):
+    def __init__(self, need: float, available: float):
+        super().__init__(f"{need} bytes needed, {available} available")
+        self.need = (need, available)
+
+
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def _hbm_shortfall(message: str) -> tuple[float, float] | None:
-    """``(needed, available)`` bytes from the TPU compiler's out-of-memory message."""
+def _hbm_shortfall(e: Exception) -> tuple[float, float] | None:
+    """``(needed, available)`` bytes from the TPU compiler's out-of-memory error (or ours)."""
     import re
 
+    if isinstance(e, OverHbm):
+        return e.need
+    message = str(e)
     m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
     if not m or "RESOURCE_EXHAUSTED" not in message:
         return None
@@ -230,8 +253,8 @@ def main(argv=None) -> None:
     parser = cli.ArgumentParser("python -m hybridpar.compile", __doc__)
     parser.add_argument(
         "--target",
-        help="cpu:N (N virtual CPU devices) or tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16 "
-        "(default: this machine's devices)",
+        help="cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16, or "
+        "gpu:GPU-N, e.g. gpu:h100-16 (default: this machine's devices)",
     )
     parser.add_argument(
         "--out",

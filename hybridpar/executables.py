@@ -65,6 +65,7 @@ def describe(program) -> dict:
         "jax": _version("jax"),
         "jaxlib": _version("jaxlib"),
         "libtpu": _version("libtpu") if device.platform == "tpu" else None,
+        "cuda_plugin": _version("jax-cuda12-plugin") if device.platform == "gpu" else None,
     }
 
 
@@ -102,7 +103,7 @@ def load(path: str, program, recompile: bool = False) -> int:
     wrong = [
         (k, header.get(k), v)
         for k, v in here.items()
-        if header.get(k) != v and not (k == "libtpu" and v is None)
+        if header.get(k) != v and not (k in ("libtpu", "cuda_plugin") and v is None)
     ]
     if header.get("format") != FORMAT:
         wrong.insert(0, ("format", header.get("format"), FORMAT))

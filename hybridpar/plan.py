@@ -571,6 +571,12 @@ def main(argv=None) -> None:
             cli.fail(f"--devices={args.devices} but --target {args.target} has "
                      f"{target.devices_count} chips; pass one of them")  # fmt: skip
         args.devices = target.devices_count
+        if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
+            cli.fail(
+                f"--target {args.target}: the GPU compiler gives no FLOP count ahead of time, "
+                f"so plans cannot be ranked for it; python -m hybridpar.compile --target "
+                f"{args.target} gives a plan's memory and collectives"
+            )
         if target.platform == "cpu":
             target = None
     if args.devices is None:

@@ -91,6 +91,9 @@ class Program:
     # (kind, batch, image size) -> future of (compiled, record), from compile_in_background
     _pending: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     _compiler: Any = dataclasses.field(default=None, init=False, repr=False)
+    # XLA options for every compile of this program; the compile-only tools set a
+    # target's own (targets.Target.compiler_options), a training run sets none
+    compiler_options: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:
@@ -238,7 +241,7 @@ class Program:
     def _build(self, kind: str, batch: int, size: int):
         t0, hits = time.time(), compile_cache.hits()
         lower = self.lower_train if kind == "train" else self.lower_eval
-        compiled = lower(batch, size).compile()
+        compiled = lower(batch, size).compile(self.compiler_options or None)
         record = {
             "program": kind,
             "batch": batch,

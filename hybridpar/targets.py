@@ -17,6 +17,15 @@ Chip figures are per chip, from the Cloud TPU system-architecture pages for each
 (cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): peak dense bfloat16 FLOP/s, HBM capacity
 and bandwidth, bidirectional ICI bandwidth, and data-centre network (DCN) bandwidth where
 the page gives it.
+
+``--target gpu:h100-16`` (also ``h200``, ``a100``; N GPUs, 8 to a node) does the same with
+XLA's GPU compiler, through the CUDA plugin's deviceless path (``pip install -e
+".[gpu-aot]"``, about 0.2 GB, no CUDA driver needed): the devices are described by a
+``target_config`` (what the compiler would read from the GPU: streaming multiprocessors,
+shared memory, clock, compute capability), nodes of 8 GPUs joined by NVLink within a node.
+The GPU compiler gives memory and the scheduled program (its collectives asynchronous),
+but no FLOP count, and does not autotune without a device: kernel choices may differ from
+a compile on the GPU itself.
 """
 
 from __future__ import annotations
@@ -60,6 +69,27 @@ CHIPS = {
     # bidirectional; DCN not published per chip.
     "v6e": Chip("v6e", 918e12, 32 * GIB, 1638e9, 800e9, None, 1, 2, "default"),
 }
+# GPUs, per GPU: NVIDIA's datasheets (H100 SXM5 80 GB, H200 SXM 141 GB, A100 SXM4 80 GB):
+# dense bfloat16 FLOP/s (the datasheets' figures are with sparsity: halved), HBM capacity
+# and bandwidth, NVLink bandwidth (bidirectional, in the ICI field), and the network of a
+# DGX node (8 x 400 Gb/s ConnectX-7 for H100/H200, 8 x 200 Gb/s for A100, one per GPU)
+# in the DCN field.
+GPUS = {
+    "h100": Chip("h100", 989e12, 80 * 10**9, 3.35e12, 900e9, 400e9 / 8, 1, 0, ""),
+    "h200": Chip("h200", 989e12, 141 * 10**9, 4.8e12, 900e9, 400e9 / 8, 1, 0, ""),
+    "a100": Chip("a100", 312e12, 80 * 10**9, 2.039e12, 600e9, 200e9 / 8, 1, 0, ""),
+}
+GPUS_PER_NODE = 8
+# What XLA's GPU compiler reads from a device (its gpu_device_info), per GPU: the name the
+# driver reports, compute capability, streaming multiprocessors, boost clock (GHz), shared
+# memory per SM and per block (opt-in), L2 cache, FP32 units per SM: from NVIDIA's
+# architecture whitepapers (Hopper: H100 and H200 share the GH100 die; Ampere: GA100).
+_GPU_DEVICE = {
+    "h100": ("NVIDIA H100 80GB HBM3", (9, 0), 132, 1.98, 233472, 232448, 50 * 2**20, 128),
+    "h200": ("NVIDIA H200", (9, 0), 132, 1.98, 233472, 232448, 50 * 2**20, 128),
+    "a100": ("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 167936, 166912, 40 * 2**20, 64),
+}
+GPU_EXTRA = 'pip install -e ".[gpu-aot]"'
 # The slice shapes Cloud TPU offers, by chip count: (x, y) for 2D tori, (x, y, z) for 3D.
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8),
               128: (8, 16), 256: (16, 16)}  # fmt: skip
@@ -82,12 +112,33 @@ class Target:
     def topology_name(self) -> str:
         return f"{self.chip.name}:{'x'.join(map(str, self.shape))}"
 
+    def compiler_options(self) -> dict:
+        """XLA options every compile for this target needs: for a GPU, no Triton GEMM
+        fusion, whose pass aborts the process (a failed CHECK, not an exception) on our
+        convolutional steps in the GPU compiler of this jax; cuBLAS does those GEMMs."""
+        return {"xla_gpu_enable_triton_gemm": False} if self.platform == "gpu" else {}
+
     def devices(self):
         """The devices to lay the mesh on: None for ``cpu:N`` (the process's own, which
         ``prepare`` made N), else the TPU topology's."""
         if self.platform == "cpu":
             return None
         from jax.experimental import topologies
+
+        if self.platform == "gpu":
+            nodes, per_node = self.shape
+            try:
+                topo = topologies.get_topology_desc(
+                    platform="cuda",
+                    target_config=gpu_target_config(self.chip.name),
+                    topology=f"1x{nodes}x{per_node}",
+                )
+            except Exception as e:  # the plugin's own message says what it did not accept
+                raise ConfigError(
+                    f"the CUDA plugin did not describe --target {self.spec}: "
+                    f"{str(e).splitlines()[0]}"
+                ) from None
+            return topo.devices
 
         per_host = tuple(min(2, s) for s in self.shape) + (1,) * (3 - len(self.shape))
         try:
@@ -109,6 +160,14 @@ class Target:
         if self.chip is None:
             return f"{self.devices_count} {self.platform} devices"
         c = self.chip
+        if self.platform == "gpu":
+            nodes = self.shape[0]
+            return (
+                f"GPU {c.name.upper()} x{self.devices_count} ({nodes} node(s) of "
+                f"{self.shape[1]}): {c.hbm_bytes / 1e9:.0f} GB HBM and "
+                f"{c.peak_bf16_flops / 1e12:.0f} TFLOP/s bf16 each (the GPU compiler, ahead of "
+                "time: nothing runs)"
+            )
         slices = f" x {self.slices} slices over DCN" if self.slices > 1 else ""
         return (
             f"TPU {c.name} {self.topology_name}{slices}: {self.devices_count} chips, "
@@ -121,8 +180,9 @@ def parse(spec: str) -> Target:
     """``cpu:N`` or ``tpu:CHIP-N[,slices=S]`` (CHIP one of ``CHIPS``), or one error saying
     what is accepted."""
     fix = (
-        "use --target cpu:N (N virtual CPU devices) or tpu:CHIP-N[,slices=S] with CHIP one of "
-        f"{', '.join(CHIPS)}, e.g. tpu:v5e-16 or tpu:v5p-128,slices=2"
+        "use --target cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S] with CHIP one of "
+        f"{', '.join(CHIPS)}, e.g. tpu:v5e-16 or tpu:v5p-128,slices=2, or gpu:GPU-N with GPU "
+        f"one of {', '.join(GPUS)}, e.g. gpu:h100-16"
     )
     m = re.fullmatch(r"cpu:(\d+)", spec.strip())
     if m:
@@ -130,6 +190,9 @@ def parse(spec: str) -> Target:
         if n < 1:
             raise ConfigError(f"--target {spec}: at least one device; {fix}")
         return Target("cpu", n, spec=spec)
+    m = re.fullmatch(r"gpu:(\w+?)-(\d+)", spec.strip())
+    if m:
+        return _parse_gpu(spec, m.group(1), int(m.group(2)), fix)
     m = re.fullmatch(r"tpu:(v\w+?)-(\d+)(?:,slices=(\d+))?", spec.strip())
     if not m:
         raise ConfigError(f"--target {spec!r} is not a target; {fix}")
@@ -150,6 +213,51 @@ def parse(spec: str) -> Target:
     return Target("tpu", chips * slices, chip, shapes[chips], slices, spec)
 
 
+def _parse_gpu(spec: str, name: str, count: int, fix: str) -> Target:
+    if name not in GPUS:
+        raise ConfigError(f"--target {spec}: unknown GPU {name!r}; {fix}")
+    if count < 1 or (count > GPUS_PER_NODE and count % GPUS_PER_NODE):
+        raise ConfigError(
+            f"--target {spec}: N GPUs fill nodes of {GPUS_PER_NODE}: use up to "
+            f"{GPUS_PER_NODE} or a multiple of it"
+        )
+    per_node = min(count, GPUS_PER_NODE)
+    return Target("gpu", count, GPUS[name], (count // per_node, per_node), 1, spec)
+
+
+def gpu_target_config(name: str) -> str:
+    """The ``target_config`` text (XLA's GpuTargetConfigProto) describing one GPU, for a
+    compile without it. The CUDA and cuDNN versions are those the CUDA plugin of this jax
+    requires at least."""
+    kind, (major, minor), sms, clock, smem_sm, smem_block, l2, fpus = _GPU_DEVICE[name]
+    chip = GPUS[name]
+    return f"""gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: {smem_sm}
+  threads_per_core_limit: 2048
+  core_count: {sms}
+  fpus_per_core: {fpus}
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(chip.hbm_bytes_per_s)}
+  l2_cache_size: {l2}
+  clock_rate_ghz: {clock}
+  device_memory_size: {chip.hbm_bytes}
+  shared_memory_per_block_optin: {smem_block}
+  cuda_compute_capability {{ major: {major} minor: {minor} }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 8 }}
+runtime_version {{ major: 12 minor: 8 }}
+device_description_str: "{kind}"
+"""
+
+
 def prepare(target: Target) -> None:
     """The environment a target needs, set before JAX starts: N virtual CPU devices, or
     libtpu's compiler on a host without a TPU (JAX's CPU backend for the process itself; no
@@ -160,6 +268,15 @@ def prepare(target: Target) -> None:
         kept.append(f"--xla_force_host_platform_device_count={target.devices_count}")
         os.environ["XLA_FLAGS"] = " ".join(kept)
         os.environ["JAX_PLATFORMS"] = "cpu"  # on a GPU machine too: cpu:N means the CPU's
+        return
+    if target.platform == "gpu":
+        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+            raise ConfigError(
+                f"--target {target.spec} compiles with XLA's GPU compiler, which comes with "
+                f"jax's CUDA plugin: install it with {GPU_EXTRA} (about 0.2 GB; no GPU or "
+                "CUDA driver needed)"
+            )
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the process's own arrays stay on CPU
         return
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError(

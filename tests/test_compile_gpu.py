@@ -1,0 +1,90 @@
+"""Compiling for GPUs without one: ``--target gpu:h100-N`` through the CUDA plugin's
+deviceless path, on the tiny digits ResNet.
+
+* GPU target specs fill nodes of 8; a bad spec is one error saying what is accepted.
+* The program compiled for 8 described H100s: per-GPU memory from the GPU compiler, the
+  devices as a real H100 names itself (what a serialized program is checked against), and
+  the gradient all-reduces asynchronous (start/done pairs), as XLA schedules them on GPUs.
+* A program over the GPU's memory is refused with the plan that fits (the GPU compiler does
+  not check memory itself: the tool does).
+
+The CUDA plugin comes with the ``gpu-aot`` extra, which the test extra installs; without it
+these tests skip (and fail where ``CI`` is set).
+"""
+
+import importlib.util
+import os
+
+import pytest
+from helpers import tiny_digits
+
+from hybridpar import targets
+from hybridpar.errors import ConfigError
+
+HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+needs_plugin = pytest.mark.skipif(
+    not HAVE_PLUGIN and not os.environ.get("CI"),
+    reason='the CUDA plugin is missing: pip install -e ".[gpu-aot]"',
+)
+
+
+@pytest.mark.parametrize(
+    "spec,gpus,shape",
+    [
+        ("gpu:h100-8", 8, (1, 8)),
+        ("gpu:h200-32", 32, (4, 8)),
+        ("gpu:a100-2", 2, (1, 2)),
+    ],  # fmt: skip
+)
+def test_gpu_targets_fill_nodes_of_eight(spec, gpus, shape):
+    t = targets.parse(spec)
+    assert (t.platform, t.devices_count, t.shape) == ("gpu", gpus, shape)
+    assert t.compiler_options() == {"xla_gpu_enable_triton_gemm": False}
+
+
+@pytest.mark.parametrize(
+    "spec,expect", [("gpu:h100-12", "nodes of 8"), ("gpu:x100-8", "unknown GPU 'x100'")]
+)
+def test_a_bad_gpu_target_says_what_is_accepted(spec, expect):
+    with pytest.raises(ConfigError, match=expect):
+        targets.parse(spec)
+
+
+@pytest.fixture(scope="module")
+def h100_8():
+    target = targets.parse("gpu:h100-8")
+    targets.prepare(target)
+    return target
+
+
+def _report(target, mesh, **overrides):
+    from hybridpar.compile import compile_programs
+
+    return compile_programs(tiny_digits(mesh=mesh, **overrides), target)
+
+
+@needs_plugin
+def test_the_gpu_compiler_reports_memory_and_async_all_reduces(h100_8):
+    rep = _report(h100_8, "data:4,model:2")
+    assert (rep["device_platform"], rep["device_kind"]) == ("gpu", "NVIDIA H100 80GB HBM3")
+    assert "GPU H100 x8" in rep["target_description"]
+    train, evals = rep["programs"]
+    for r in (train, evals):
+        assert 0 < r["memory"]["total"] < 80e9
+        assert r["flops"] is None and r["roofline_images_per_s_per_chip"] is None
+    # every gradient all-reduce is a start/done pair, left to overlap with compute
+    assert train["collective_ops"] > 0
+    assert train["async_collective_ops"] == train["collective_ops"]
+
+
+@needs_plugin
+def test_a_program_over_the_gpus_memory_is_refused_with_the_plan_that_fits(h100_8):
+    # A 150M-class head on the tiny trunk: ~9.6e9 parameters, replicated on data:8 with their
+    # gradients and momentum (over 100 GB per GPU against an H100's 80); over 8 GPUs, 1/8.
+    with pytest.raises(ConfigError) as e:
+        _report(h100_8, "data:8", **{"data.num_classes": 150_000_000})
+    msg = str(e.value)
+    assert "the train step (batch 32, 16 px) needs" in msg and "74.51 GiB are available" in msg
+    assert "(the GPU compiler's count)" in msg
+    fits = msg.split("--config.mesh=fsdp:-1 compiles it (")[1]
+    assert float(fits.split(" GiB per chip")[0]) < 74.51
