@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import glob
 import json
 import logging
 import math
@@ -234,10 +235,27 @@ def parse(
     return args, load(path, overrides)
 
 
+# The device files of the accelerators JAX runs on: NVIDIA GPUs, a TPU VM's chips (v4 and
+# v5e as accel, v5p and v6e through vfio), AMD GPUs.
+ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
+
+
+def cpu_when_no_accelerator() -> None:
+    """JAX's CPU backend on a machine with no accelerator, unless ``JAX_PLATFORMS`` says
+    otherwise: else JAX first starts every installed accelerator plugin (the compile-only
+    extras bring libtpu and the CUDA plugin), which print warnings and a traceback before it
+    falls back to the CPU."""
+    if "JAX_PLATFORMS" not in os.environ and not any(map(glob.glob, ACCELERATOR_FILES)):
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for processes this one starts
+        if "jax" in sys.modules:  # jax read the environment when it was imported
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
 def main(fn: Callable[[], object]) -> None:
     """Runs a tool's ``fn``; a ``ConfigError`` anywhere below is one ``error:`` line."""
     # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    cpu_when_no_accelerator()
     try:
         fn()
     except ConfigError as e:

@@ -7,18 +7,24 @@ deviceless path, on the tiny digits ResNet.
   the gradient all-reduces asynchronous (start/done pairs), as XLA schedules them on GPUs.
 * A program over the GPU's memory is refused with the plan that fits (the GPU compiler does
   not check memory itself: the tool does).
+* On a machine without accelerators the tools start JAX on the CPU without first starting
+  the installed plugins (whose failed start prints a traceback).
 
 The CUDA plugin comes with the ``gpu-aot`` extra, which the test extra installs; without it
 these tests skip (and fail where ``CI`` is set).
 """
 
+import glob
 import importlib.util
 import os
+import subprocess
+import sys
 
 import pytest
 from helpers import tiny_digits
 
 from hybridpar import targets
+from hybridpar.cli import ACCELERATOR_FILES
 from hybridpar.errors import ConfigError
 
 HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
@@ -88,3 +94,16 @@ def test_a_program_over_the_gpus_memory_is_refused_with_the_plan_that_fits(h100_
     assert "(the GPU compiler's count)" in msg
     fits = msg.split("--config.mesh=fsdp:-1 compiles it (")[1]
     assert float(fits.split(" GiB per chip")[0]) < 74.51
+
+
+@needs_plugin
+@pytest.mark.skipif(
+    any(map(glob.glob, ACCELERATOR_FILES)), reason="this machine has an accelerator"
+)
+def test_the_tools_start_jax_without_the_plugins_traceback_on_a_cpu_machine():
+    # with the CUDA plugin installed, JAX's own start-up prints its failed initialisation
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    code = "import jax; from hybridpar import cli; cli.main(lambda: print(jax.default_backend()))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "Unable to load CUDA" not in r.stderr
