@@ -11,6 +11,7 @@ import pytest
 from PIL import Image
 
 from hybridpar import report
+from hybridpar.run_records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -168,9 +169,10 @@ def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
     path.write_text(json.dumps(ev("train", 1, 0.1, 1.0)) + "\n" + '{"event": "train", "st')
     writer = MetricsWriter(str(tmp_path), start_time=0.0)
     writer.write("resume", 1, 0.1)
-    writer.write("train", 2, 0.2, loss=0.5)
+    writer.write("train", 2, 0.2, loss=0.5, lr=0.1)
     writer.close()
-    assert [r["event"] for r in report.read_jsonl(str(path))] == ["train", "resume", "train"]
+    records, _ = read_records(str(path))
+    assert [r.event for r in records] == ["train", "resume", "train"]
     # and a file that ends cleanly gets no blank line
     MetricsWriter(str(tmp_path), start_time=0.0).close()
-    assert path.read_text().endswith('"loss": 0.5}\n')
+    assert path.read_text().endswith('"lr": 0.1}\n')
