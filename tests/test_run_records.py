@@ -3,7 +3,6 @@ format and reader; a line cut short by a kill is skipped and the rest read; line
 versions (fields or events this one does not declare) read and keep what they carry; the
 atomic JSON write leaves the old file whole when it fails. No JAX."""
 
-import dataclasses
 import json
 
 import pytest
