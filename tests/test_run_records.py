@@ -102,4 +102,3 @@ def test_the_atomic_write_leaves_the_old_file_whole_when_it_fails(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
     rr.write_json(path, {"steps": 3})
     assert rr.read_json(path) == {"steps": 3} and rr.read_json(path + ".no") is None
-
