@@ -28,6 +28,7 @@ import time
 import jax
 
 from hybridpar.errors import ConfigError
+from hybridpar.run_records import read_json, read_records, write_json
 
 ITEMS = ("state", "loop", "config")
 # Keys that may change between the segments of one run: they change neither the numbers
@@ -129,16 +130,6 @@ def check_dir(path: str) -> None:
     )
 
 
-def read_json(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path!r} ({e}); move it away to start over") from None
-
-
 def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
     """What ``workdir`` holds: raises if it is a run of another config (unless allowed);
     returns its summary if that run completed, else None (a new run or one to resume)."""
@@ -159,25 +150,6 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
     return None
 
 
-def read_records(path: str, offset: int = 0) -> tuple[list[dict], int]:
-    """The JSON lines of ``path`` from byte ``offset`` on, and the offset after the last
-    whole line. A line cut short (its writer killed, or still writing) is left out."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    end = data.rfind(b"\n") + 1
-    records = []
-    for line in data[:end].splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            continue
-    return records, offset + end
-
-
 def check_batches(workdir: str, config, stages: list, data_parallel: int) -> None:
     """A run resumed on another mesh must train the steps it would have: with
     ``config.stages`` the batches are per data-parallel device, so a mesh of another data x
@@ -186,22 +158,22 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
     Checked against the last ``stage`` line of the run's ``metrics.jsonl`` (none: no step
     trained yet, any mesh will do)."""
     records, _ = read_records(os.path.join(workdir, "metrics.jsonl"))
-    last = next((r for r in reversed(records) if r["event"] == "stage"), None)
-    if last is None or last["stage"] >= len(stages):
+    last = next((r for r in reversed(records) if r.event == "stage"), None)
+    if last is None or last.stage >= len(stages):
         return  # another number of stages: a change check_run has refused or allowed
-    new = stages[last["stage"]].global_batch
+    new = stages[last.stage].global_batch
     fix = (
-        f"use a mesh with {last.get('data_parallel', 'its')} data-parallel devices (data x "
+        f"use a mesh with {last.data_parallel or 'its'} data-parallel devices (data x "
         "fsdp), or pass --allow-config-change to train on with the new batches"
     )
-    if new != last["global_batch"]:
+    if new != last.global_batch:
         raise ConfigError(
-            f"workdir {workdir!r} holds a run that trained stage {last['stage']} at global "
-            f"batch {last['global_batch']}; on mesh {config.mesh!r} ({data_parallel} "
+            f"workdir {workdir!r} holds a run that trained stage {last.stage} at global "
+            f"batch {last.global_batch}; on mesh {config.mesh!r} ({data_parallel} "
             f"data-parallel devices) config.stages gives it {new}, as its batches are per "
             f"data-parallel device: {fix}"
         )
-    old = last.get("data_parallel")
+    old = last.data_parallel
     if config.model.bn_sync != "global" and old is not None and old != data_parallel:
         raise ConfigError(
             f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
@@ -219,9 +191,7 @@ def record_config(workdir: str, config) -> list[str]:
     saved = read_json(path)
     changed = [] if saved is None else [k for k, _, _ in differences(saved, new)]
     if jax.process_index() == 0 and (saved is None or saved != new):
-        with open(path + ".tmp", "w") as f:
-            json.dump(new, f, indent=2)
-        os.replace(path + ".tmp", path)
+        write_json(path, new)
     return changed
 
 

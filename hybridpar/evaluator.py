@@ -27,10 +27,10 @@ import os
 import time
 
 from hybridpar import checkpoint, trainer, workdir_lock
-from hybridpar.checkpoint import read_records
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import describe_mesh
 from hybridpar.metrics import MetricsWriter
+from hybridpar.run_records import read_records
 
 # Keys that may differ from the run's, besides checkpoint.FREE_KEYS: the placement keys
 # (where and how fast the evaluation runs: another eval batch pads differently, but every
@@ -108,7 +108,7 @@ class Evaluator:
             self.out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
         )
         done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
-        self.done = {r["step"] for r in done if r["event"] in ("eval", SKIPPED)}
+        self.done = {r.step for r in done if r.event in ("eval", SKIPPED)}
         self.saver = checkpoint.Checkpoints(
             checkpoint.checkpoint_dir(run.config, workdir), read_only=True
         )
@@ -125,7 +125,7 @@ class Evaluator:
         # but not listed is gone, not still to come.
         path = os.path.join(self.workdir, "metrics.jsonl")
         events, self._offset = read_records(path, self._offset)
-        self.known |= {r["step"] for r in events if r["event"] == "checkpoint"}
+        self.known |= {r.step for r in events if r.event == "checkpoint"}
         committed = self.saver.committed_steps()
         self.known |= set(committed)
         for step in sorted(self.known - set(committed) - self.done):

@@ -1,16 +1,18 @@
-"""Run records: ``metrics.jsonl`` (the contract in GUIDE section 3), TensorBoard events, summary.
+"""Writes a run's records: ``metrics.jsonl`` (the events of ``run_records``), TensorBoard
+events and ``summary.json``.
 
 Only process 0 writes; the others keep the same calls so the training loop has no branches.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 
 import jax
+
+from hybridpar import run_records
 
 
 class MetricsWriter:
@@ -36,26 +38,20 @@ class MetricsWriter:
         return time.time() - self.start
 
     def write(self, event: str, step: int, epoch: float, **values) -> dict:
-        record = {
-            "event": event,
-            "step": int(step),
-            "epoch": round(float(epoch), 4),
-            "wall_s": round(self.wall_s(), 3),
-            **values,
-        }
+        """One ``event`` line (its fields as ``run_records`` declares them; ``wall_s`` in
+        ``values`` stands in for this run's clock); returns the line's object."""
+        stamp = {} if "wall_s" in values else {"wall_s": round(self.wall_s(), 3)}
+        rec = run_records.make(event, step=step, epoch=epoch, **values, **stamp)
         if self.active:
-            self._jsonl.write(json.dumps(record, default=_plain) + "\n")
+            self._jsonl.write(run_records.to_line(rec))
             for k, v in values.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(f"{event}/{k}", v, int(step))
-        return record
+        return run_records.to_dict(rec)
 
     def summary(self, values: dict) -> None:
         if self.active:
-            path = os.path.join(self.workdir, "summary.json")
-            with open(path + ".tmp", "w") as f:
-                json.dump(values, f, indent=2, default=_plain)
-            os.replace(path + ".tmp", path)  # never a half-written summary
+            run_records.write_json(os.path.join(self.workdir, "summary.json"), values)
 
     def close(self) -> None:
         if self.active:
@@ -71,10 +67,3 @@ def _ends_mid_line(path: str) -> bool:
             return False
         f.seek(-1, os.SEEK_END)
         return f.read(1) != b"\n"
-
-
-def _plain(x):
-    try:
-        return x.item()
-    except AttributeError:
-        return str(x)

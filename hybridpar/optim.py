@@ -31,6 +31,7 @@ import optax
 
 from hybridpar.curriculum import StagePlan
 from hybridpar.errors import ConfigError
+from hybridpar.schedules import lr_batch_factor, lr_factor, momentum_at
 
 
 def decay_mask(params):
@@ -38,51 +39,8 @@ def decay_mask(params):
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def lr_batch_factor(cfg, global_batch):
-    """How the learning rate follows the global batch: ``linear`` (Goyal et al.: x batch /
-    lr_batch_base), ``sqrt`` (for LARS at very large batch) or ``none``. ``global_batch``
-    may be a traced value (the batch of the stage a step is in)."""
-    ratio = global_batch / cfg.lr_batch_base
-    if cfg.lr_batch_scaling == "sqrt":
-        return ratio**0.5
-    return 1.0 if cfg.lr_batch_scaling == "none" else ratio
-
-
 def peak_lr(cfg, global_batch: int) -> float:
     return cfg.base_lr * lr_batch_factor(cfg, global_batch)
-
-
-def lr_factor(cfg, epoch, num_epochs: float):
-    """The schedule's shape in [0, 1] at ``epoch`` (float; traced or not): linear warmup from
-    ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear, polynomial (power 2)
-    or constant decay to
-    ``end_lr_factor`` at ``num_epochs``; or ``exponential`` (the LR range test,
-    ``hybridpar/tune.py``): no warmup, a geometric rise from ``warmup_start_factor`` at epoch
-    0 to 1 at ``num_epochs``. A function of epochs, so it is continuous however
-    the batch (and so the steps per epoch) changes from stage to stage."""
-    warm = min(cfg.warmup_epochs, num_epochs)
-    t = jnp.clip((epoch - warm) / max(num_epochs - warm, 1e-9), 0.0, 1.0)
-    end = cfg.end_lr_factor
-    if cfg.schedule == "cosine":
-        decay = end + (1 - end) * 0.5 * (1 + jnp.cos(jnp.pi * t))
-    elif cfg.schedule == "linear":
-        decay = 1 + (end - 1) * t
-    elif cfg.schedule == "poly":  # MLPerf's LARS recipe: polynomial decay of power 2
-        decay = end + (1 - end) * (1 - t) ** 2
-    elif cfg.schedule == "constant":
-        decay = jnp.ones_like(t)
-    elif cfg.schedule == "exponential":  # the LR range test's: up from warmup_start_factor
-        decay = cfg.warmup_start_factor ** (1 - t)
-    else:
-        raise ConfigError(
-            f"optim.schedule={cfg.schedule!r}: use 'cosine', 'linear', 'poly', 'constant' or "
-            "'exponential'"
-        )
-    if warm <= 0:
-        return decay
-    f0 = cfg.warmup_start_factor
-    warmup = f0 + (1 - f0) * jnp.clip(epoch / warm, 0.0, 1.0)
-    return jnp.where(epoch < warm, warmup, decay)
 
 
 def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
@@ -99,13 +57,6 @@ def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
         )
 
     return schedule
-
-
-def momentum_at(cfg, epoch):
-    """Momentum at ``epoch`` (float; traced or not): linear from ``momentum_start`` to
-    ``momentum`` over the first ``momentum_ramp_epochs`` epochs, then ``momentum``."""
-    t = jnp.clip(epoch / cfg.momentum_ramp_epochs, 0.0, 1.0)
-    return cfg.momentum_start + (cfg.momentum - cfg.momentum_start) * t
 
 
 def make_momentum_schedule(cfg, plan: StagePlan) -> optax.Schedule | None:

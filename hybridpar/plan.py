@@ -46,6 +46,7 @@ from hybridpar.comm_report import use_virtual_cpu_devices
 from hybridpar.comm_report_schema import CommReport
 from hybridpar.curriculum import duration
 from hybridpar.errors import ConfigError
+from hybridpar.run_records import write_json
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
@@ -326,9 +327,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
             log(f"plan: [{done}/{len(todo)}] {c.label()}: {what} ({elapsed:.0f} s)")
             if path is not None and "error" not in rep:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(rep))
-                tmp.replace(path)  # atomic: a killed call never leaves half a file
+                write_json(str(path), rep, indent=None)
             results[c] = dict(rep, from_cache=False)
     return results
 

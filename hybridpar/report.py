@@ -1,13 +1,18 @@
 """``python -m hybridpar.report W [W2 ...] [--out PATH] [--target-top1 X] [--target-top5 X]``.
 
-Compares training runs from their records: for each workdir ``W``, ``W/metrics.jsonl`` (the
-trainer's events), ``W/evaluator/metrics.jsonl`` (``python -m hybridpar.evaluate``'s eval
-events, if any) and ``W/summary.json`` (if the run has written one). Writes one PNG (``--out``,
-default ``report.png``): top-1 and top-5 against wall time and against epochs, one colour per
-run, each stage switch a dotted vertical line; and the schedule against epochs (learning
-rate, momentum, global batch, image size). Prints a markdown table of the runs (name, epochs,
-steps, best top-1 and top-5, time to target, wall, compile, images/s) and writes it beside
-the PNG (the same path with ``.md``).
+Compares training runs from their records (``run_records.read_run``): for each workdir
+``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
+(``python -m hybridpar.evaluate``'s eval events, if any), ``W/summary.json`` and
+``W/config.json`` (if written). Writes one PNG (``--out``, default ``report.png``): top-1
+and top-5 against wall time (a log axis where one run is over 4x another's length) and
+against epochs, one colour and marker per run, the evaluator's points hollow, each stage
+switch a dotted vertical line; where the time went, one stacked bar per run whose
+summary.json has a ``time_breakdown``; and the schedule against epochs (learning rate,
+momentum, global batch, image size) computed from the config, every step from epoch 0 and
+each stage's change a step, with the logged values as dots. A schedule series no run
+changes is a note in the title, not a panel. Prints a markdown table of the runs (name,
+epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s) and writes it
+beside the PNG (the same path with ``.md``).
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
 missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
@@ -15,73 +20,16 @@ missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
 
 from hybridpar import cli
 from hybridpar.errors import ConfigError
+from hybridpar.run_records import TIME_PARTS, RunRecords, read_run
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
            "compile s", "images/s", "status")  # fmt: skip
-
-
-def read_jsonl(path: str) -> list[dict]:
-    """The JSON lines of ``path``; a line cut short (its writer killed mid-line) is left out."""
-    records = []
-    with open(path) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                continue
-    return records
-
-
-def read_run(workdir: str) -> dict:
-    """One run's records: ``train``, ``eval`` (the trainer's and the evaluator's, one per
-    step, by step), ``stage`` (one per stage, in order), ``compile`` and ``summary``."""
-    if not os.path.isdir(workdir):
-        raise ConfigError(
-            f"no workdir {workdir!r}: pass the --workdir of a training run "
-            "(python -m hybridpar.train --workdir W)"
-        )
-    path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise ConfigError(
-            f"{workdir!r} has no metrics.jsonl: pass the --workdir of a training run (the "
-            "trainer writes W/metrics.jsonl once its set-up is done)"
-        )
-    run = {"train": [], "eval": {}, "stage": {}, "compile": []}
-    for r in read_jsonl(path):
-        kind = r.get("event")
-        if kind == "resume":  # steps after the checkpoint ran again: keep their second run
-            last = r.get("from_step", r["step"])
-            run["train"] = [t for t in run["train"] if t["step"] <= last]
-            run["eval"] = {s: e for s, e in run["eval"].items() if s <= last}
-            run["stage"] = {i: s for i, s in run["stage"].items() if s["step"] <= last}
-        elif kind == "train":
-            run["train"].append(r)
-        elif kind == "eval":
-            run["eval"][r["step"]] = r
-        elif kind == "stage":
-            run["stage"].setdefault(r["stage"], r)  # a resume inside a stage marks it again
-        elif kind == "compile":
-            run["compile"].append(r)
-    evaluator = os.path.join(workdir, "evaluator", "metrics.jsonl")
-    if os.path.isfile(evaluator):
-        for r in read_jsonl(evaluator):  # the trainer's own eval of a step comes first
-            if r.get("event") == "eval" and r.get("wall_s") is not None:
-                run["eval"].setdefault(r["step"], r)
-    run["eval"] = [run["eval"][s] for s in sorted(run["eval"])]
-    run["stage"] = [run["stage"][i] for i in sorted(run["stage"])]
-    summary_path = os.path.join(workdir, "summary.json")
-    run["summary"] = None
-    if os.path.isfile(summary_path):
-        with open(summary_path) as f:
-            run["summary"] = json.load(f)
-    return run
 
 
 def names(workdirs: list[str]) -> list[str]:
@@ -90,22 +38,22 @@ def names(workdirs: list[str]) -> list[str]:
     return [b if base.count(b) == 1 else w for b, w in zip(base, workdirs)]
 
 
-def time_to(run: dict, metric: str, target: float) -> dict | None:
+def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
     """The first eval (in wall time) with ``metric`` at or above ``target``, counted as
     summary.json's ``time_to_target`` is: ``wall_s`` from the start of the run, and
     ``wall_s_without_compile`` less the compile records written before it."""
-    hits = [e for e in run["eval"] if e[metric] >= target]
+    hits = [e for e in run.eval if getattr(e, metric) >= target]
     if not hits:
         return None
-    first = min(hits, key=lambda e: e["wall_s"])
-    compile_s = sum(c["compile_s"] for c in run["compile"] if c["wall_s"] <= first["wall_s"])
-    return {"wall_s": first["wall_s"], "wall_s_without_compile": first["wall_s"] - compile_s}
+    first = min(hits, key=lambda e: e.wall_s)
+    compile_s = sum(c.compile_s for c in run.compile if c.wall_s <= first.wall_s)
+    return {"wall_s": first.wall_s, "wall_s_without_compile": first.wall_s - compile_s}
 
 
-def targets(run: dict, asked: dict) -> str:
+def targets(run: RunRecords, asked: dict) -> str:
     """``top1 0.8: 22.0s (19.0s w/o compile)`` for each target: the ``asked`` ones from the
     eval records, else summary.json's ``target_top1`` / ``target_top5``."""
-    s = run["summary"] or {}
+    s = run.summary or {}
     reached = s.get("time_to_target") or {}
     if "wall_s" in reached:  # summaries before top-5 targets: one entry, for top-1
         reached = {"top1": reached}
@@ -125,14 +73,14 @@ def targets(run: dict, asked: dict) -> str:
     return "; ".join(cells) or "-"
 
 
-def row(name: str, run: dict, asked: dict) -> dict:
+def row(name: str, run: RunRecords, asked: dict) -> dict:
     """The table's values for one run: from the records, and from summary.json for what only
     it knows (wall and images/s over every resumed segment, whether the run completed).
     ``asked``: ``{"top1": target, "top5": target}`` to time from the eval records."""
-    s = run["summary"] or {}
-    records = run["train"] + run["eval"]
-    top1, top5 = ([e[k] for e in run["eval"]] for k in ("top1", "top5"))
-    ips = [t["images_per_s"] for t in run["train"] if t.get("images_per_s")]
+    s = run.summary or {}
+    records = run.train + run.eval
+    top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
+    ips = [t.images_per_s for t in run.train if t.images_per_s]
     if not s:
         status = "running or killed (no summary.json)"
     elif s.get("completed"):
@@ -141,13 +89,13 @@ def row(name: str, run: dict, asked: dict) -> dict:
         status = "error" if s.get("error") else "stopped"
     return {
         "run": name,
-        "epochs": max((r["epoch"] for r in records), default=0.0),
-        "steps": s.get("steps", max((r["step"] for r in records), default=0)),
+        "epochs": max((r.epoch for r in records), default=0.0),
+        "steps": s.get("steps", max((r.step for r in records), default=0)),
         "best top1": max(top1, default=None),
         "best top5": max(top5, default=None),  # each its own best, as targets count them
         "time to target": targets(run, asked),
-        "wall s": s.get("wall_s", max((r["wall_s"] for r in records), default=None)),
-        "compile s": sum(c["compile_s"] for c in run["compile"]) or s.get("compile_s"),
+        "wall s": s.get("wall_s", max((r.wall_s for r in records), default=None)),
+        "compile s": sum(c.compile_s for c in run.compile) or s.get("compile_s"),
         "images/s": s.get("train_images_per_s") or (statistics.median(ips) if ips else None),
         "status": status,
     }
@@ -168,17 +116,71 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def stage_steps(run: dict, key: str) -> tuple[list, list]:
-    """``(epochs, values)`` of a stage field (image size, batch) as a step function to the
-    run's last epoch."""
-    last = max((r["epoch"] for r in run["train"] + run["eval"]), default=0.0)
-    xs = [s["epoch"] for s in run["stage"]] + [last]
-    ys = [s[key] for s in run["stage"]]
-    return xs, ys + ys[-1:]
+MARKERS = "os^vD<>ph*"  # one per run, so runs stay apart where their lines overlap
+LINES = ("-", "--", "-.", ":")
+SCHEDULE = ("learning rate", "momentum", "global batch", "image size (px)")
+LOGGED = {"learning rate": "lr", "momentum": "momentum"}  # train lines' fields
 
 
-def plot(runs: list[tuple[str, dict]], path: str) -> None:
-    """The PNG: accuracy against wall time and epochs, and the schedule against epochs."""
+def schedule(run: RunRecords) -> dict[str, tuple]:
+    """``{name in SCHEDULE: (epochs, values)}`` to the run's last epoch: from its config.json
+    where it has one (every step's value from epoch 0, each stage's change a step), else as
+    its train and stage lines sampled it."""
+    last = max((r.epoch for r in run.train + run.eval), default=0.0)
+    dp = run.stage[0].data_parallel if run.stage else None
+    if run.config and run.stage and (dp or not run.config.get("stages")):
+        try:
+            return config_schedule(run.config, dp or 1, last)
+        except (AttributeError, KeyError):  # a config.json of a version without some key
+            pass
+    return logged_schedule(run, last)
+
+
+def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, tuple]:
+    import numpy as np
+    from ml_collections import ConfigDict
+
+    from hybridpar.curriculum import stages_from_config
+    from hybridpar.schedules import lr_batch_factor, lr_factor, momentum_at
+
+    c = ConfigDict(config)
+    o, stages = c.optim, stages_from_config(c, data_parallel)
+    parts, start = [], 0.0
+    for st in stages:
+        if start > last:
+            break
+        end = min(st.end_epoch, last)
+        kinks = [k for k in (o.warmup_epochs, o.momentum_ramp_epochs) if start < k < end]
+        e = np.union1d(np.linspace(start, end, 200), kinks)  # the warmup's peak drawn
+        lr = o.base_lr * lr_batch_factor(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
+        m = st.momentum
+        if m is None:
+            m = momentum_at(o, e) if o.momentum_start >= 0 else o.momentum
+        parts.append((e, lr, m + 0 * e, st.global_batch + 0 * e, st.image_size + 0 * e))
+        start = st.end_epoch
+    e, *values = (np.concatenate(v) for v in zip(*parts))
+    return {name: (e, v) for name, v in zip(SCHEDULE, values)}
+
+
+def logged_schedule(run: RunRecords, last: float) -> dict[str, tuple]:
+    import numpy as np
+
+    switch = [s.epoch for s in run.stage] + [last]
+    out = {"learning rate": ([t.epoch for t in run.train], [t.lr for t in run.train])}
+    with_m = [t for t in run.train if t.momentum is not None]  # older lines lack it
+    out["momentum"] = ([t.epoch for t in with_m], [t.momentum for t in with_m])
+    for name, key in (("global batch", "global_batch"), ("image size (px)", "image_size")):
+        ys = [getattr(s, key) for s in run.stage]
+        out[name] = (np.repeat(switch, 2)[1:-1], np.repeat(ys, 2)) if ys else ([], [])
+    return out
+
+
+def constant(values) -> bool:
+    return len(values) == 0 or max(values) - min(values) <= 1e-9 * max(abs(max(values)), 1e-30)
+
+
+def plot(runs: list[tuple[str, RunRecords]], path: str) -> None:
+    """Writes ``figure(runs)`` to ``path`` (PNG)."""
     try:
         import matplotlib
 
@@ -186,41 +188,120 @@ def plot(runs: list[tuple[str, dict]], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError('the report\'s PNG needs matplotlib: pip install -e ".[plot]"') from None
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
-    (acc_t, acc_e, lr), (mom, batch, size) = axes
-    for i, (name, run) in enumerate(runs):
-        color = f"C{i % 10}"
-        ev, tr = run["eval"], run["train"]
-        for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")):
-            ax.plot([e[x] for e in ev], [e["top1"] for e in ev], "o-", color=color,
-                    label=f"{name} top-1")  # fmt: skip
-            ax.plot([e[x] for e in ev], [e["top5"] for e in ev], "s--", color=color,
-                    alpha=0.6, label=f"{name} top-5")  # fmt: skip
-        lr.plot([t["epoch"] for t in tr], [t["lr"] for t in tr], color=color, label=name)
-        with_m = [t for t in tr if "momentum" in t]  # runs before the momentum schedule lack it
-        mom.plot([t["epoch"] for t in with_m], [t["momentum"] for t in with_m], color=color,
-                 label=name)  # fmt: skip
-        if run["stage"]:
-            for ax, key in ((batch, "global_batch"), (size, "image_size")):
-                ax.plot(*stage_steps(run, key), color=color, drawstyle="steps-post", label=name)
-        for s in run["stage"][1:]:  # the switches (the first stage starts the run)
-            acc_t.axvline(s["wall_s"], color=color, linestyle=":", alpha=0.7)
-            for ax in (acc_e, lr, mom, batch, size):
-                ax.axvline(s["epoch"], color=color, linestyle=":", alpha=0.7)
-    labels = ((acc_t, "wall time (s)", "accuracy"), (acc_e, "epoch", "accuracy"),
-              (lr, "epoch", "learning rate"), (mom, "epoch", "momentum"),
-              (batch, "epoch", "global batch"), (size, "epoch", "image size (px)"))  # fmt: skip
-    acc_t.set_xlim(left=0)  # from the run's start: set-up and compilation count, as in DAWNBench
-    for ax, xlabel, ylabel in labels:
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.suptitle("top-1 (solid) and top-5 (dashed); dotted lines: stage switches", fontsize=10)
-    fig.tight_layout()
+    fig = figure(runs)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def drawn(schedules: list[dict]) -> list[str]:
+    """The schedule series that get a panel: those some run changes."""
+    return [k for k in SCHEDULE if not all(constant(s[k][1]) for s in schedules)]
+
+
+def figure(runs: list[tuple[str, RunRecords]]):
+    """Accuracy against wall time and epochs, where the time went (runs whose summary.json
+    has a ``time_breakdown``), and the schedule against epochs; a schedule series that no
+    run changes is a note in the title, not a panel."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    schedules = [schedule(run) for _, run in runs]
+    shown = drawn(schedules)
+    with_time = [(n, r) for n, r in runs if (r.summary or {}).get("time_breakdown")]
+    panels = ["wall", "epoch"] + (["time"] if with_time else []) + shown
+    rows = (len(panels) + 2) // 3
+    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows + 0.6), squeeze=False)
+    axes = dict(zip(panels, axes.flat))
+    for ax in list(fig.axes)[len(panels) :]:
+        ax.remove()
+    acc_t, acc_e = axes["wall"], axes["epoch"]
+    ends = []
+    for i, ((name, run), sched) in enumerate(zip(runs, schedules)):
+        color, marker, line = f"C{i % 10}", MARKERS[i % len(MARKERS)], LINES[i % len(LINES)]
+        ends.append(max([r.wall_s for r in run.train + run.eval] or [1.0]))
+        for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")):
+            for metric, style, alpha in (("top1", "-", 1.0), ("top5", "--", 0.6)):
+                ax.plot([getattr(e, x) for e in run.eval], [getattr(e, metric) for e in run.eval],
+                        style, color=color, alpha=alpha)  # fmt: skip
+                for source, face in ((None, color), ("evaluator", "white")):
+                    ev = [e for e in run.eval if e.source == source]
+                    ax.plot([getattr(e, x) for e in ev], [getattr(e, metric) for e in ev],
+                            marker, color=color, markerfacecolor=face, alpha=alpha)  # fmt: skip
+        for key in shown:
+            ax = axes[key]
+            xs, ys = sched[key]
+            ax.plot(xs, ys, line, color=color, linewidth=2.5 - 0.5 * (i % 3), label=name)
+            field = LOGGED.get(key)
+            if field and run.config:  # the config's curve, and the values the trainer logged
+                logged = [t for t in run.train if getattr(t, field) is not None]
+                ax.plot([t.epoch for t in logged], [getattr(t, field) for t in logged], marker,
+                        color=color, markersize=3)  # fmt: skip
+        for s in run.stage[1:]:  # the switches (the first stage starts the run)
+            acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
+            for key in ["epoch", *shown]:
+                axes[key].axvline(s.epoch, color=color, linestyle=":", alpha=0.7)
+    if with_time:
+        time_breakdown(axes["time"], with_time)
+    if max(ends) > 4 * min(ends):  # a short run next to a long one: both readable
+        acc_t.set_xscale("log")
+        acc_t.set_xlabel("wall time (s, log scale)")
+    else:
+        acc_t.set_xlim(left=0)  # from the run's start: set-up and compilation count
+        acc_t.set_xlabel("wall time (s)")
+    runs_legend = [Line2D([], [], color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
+                          label=name) for i, (name, _) in enumerate(runs)]  # fmt: skip
+    styles = [Line2D([], [], color="grey", linestyle="-", label="top-1"),
+              Line2D([], [], color="grey", linestyle="--", label="top-5"),
+              Line2D([], [], color="grey", marker="o", linestyle="none", label="trainer's eval"),
+              Line2D([], [], color="grey", marker="o", markerfacecolor="white", linestyle="none",
+                     label="evaluator's eval")]  # fmt: skip
+    acc_t.legend(handles=runs_legend, fontsize=7)
+    acc_e.legend(handles=styles, fontsize=7)
+    for key, ax in axes.items():
+        if key != "time":
+            ax.set_ylabel("accuracy" if key in ("wall", "epoch") else key)
+            ax.grid(True, alpha=0.3)
+        if key in shown:
+            ax.set_xlabel("epoch")
+            ax.legend(fontsize=7)
+    acc_e.set_xlabel("epoch")
+    notes = []
+    for (name, _), sched in zip(runs, schedules):
+        fixed = [f"{k} {sched[k][1][0]:g}" for k in SCHEDULE if k not in shown and len(sched[k][1])]
+        notes.append(f"{name}: {', '.join(fixed)}" if fixed else "")
+    note = "; ".join(n for n in notes if n)
+    fig.suptitle("accuracy: top-1 solid, top-5 dashed, filled markers the trainer's evals, "
+                 "hollow the evaluator's; dotted lines: stage switches"
+                 + (f"\nthroughout the run (not drawn): {note}" if note else ""),
+                 fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    return fig
+
+
+def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
+    """One stacked bar per run: summary.json's ``time_breakdown`` (seconds per part,
+    ``run_records.TIME_PARTS`` first, in their order), labelled with its goodput (the
+    summary's, else train seconds over the parts' sum)."""
+    parts = {name: run.summary["time_breakdown"] for name, run in runs}
+    order = [p for p in TIME_PARTS if any(p in b for b in parts.values())]
+    order += sorted({p for b in parts.values() for p in b} - set(order))
+    left = [0.0] * len(runs)
+    for j, part in enumerate(order):
+        widths = [float(b.get(part) or 0.0) for b in parts.values()]
+        ax.barh(list(parts), widths, left=left, height=0.5, color=f"C{j % 10}",
+                hatch="//" * (j >= 10), label=part, edgecolor="white")  # fmt: skip
+        left = [a + w for a, w in zip(left, widths)]
+    for y, ((name, run), total) in enumerate(zip(runs, left)):
+        goodput = run.summary.get("goodput")
+        if goodput is None and total:
+            goodput = float(parts[name].get("train") or 0.0) / total
+        if goodput is not None:
+            ax.text(total, y, f" goodput {goodput:.0%}", va="center", fontsize=8)
+    ax.invert_yaxis()  # the first run on top, as in the legends
+    ax.set_xlabel("wall time (s)")
+    ax.set_title("where the time went", fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    ax.margins(x=0.15)
 
 
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:

@@ -353,7 +353,7 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
 def lr_range(config, workdir: str) -> dict:
     from hybridpar.checkpoint import another_config, config_dict, differences, read_json
     from hybridpar.optim import lr_batch_factor
-    from hybridpar.report import read_run
+    from hybridpar.run_records import read_run, write_json
 
     c = range_test_config(config)
     saved = read_json(os.path.join(workdir, "config.json"))
@@ -369,20 +369,18 @@ def lr_range(config, workdir: str) -> dict:
     stop = StopOnDivergence()
     run_trainer(c, workdir, [stop])
     factor = lr_batch_factor(c.optim, c.global_batch)
-    records = [t for t in read_run(workdir)["train"] if t.get("loss") is not None]
+    records = [t for t in read_run(workdir).train if t.loss is not None]
     if len(records) < 5:
         raise ConfigError(
             f"the range test ran {len(records)} steps with a finite loss, too few to read a "
             "curve from: raise --config.tune.lr_epochs or lower --config.tune.lr_min"
         )
-    base_lrs = [t["lr"] / factor for t in records]
-    losses = [t["loss"] for t in records]
+    base_lrs = [t.lr / factor for t in records]
+    losses = [t.loss for t in records]
     result = {"base_lr": base_lrs, "loss": losses, "steps": len(records), "stopped": stop.stopped}
     result |= suggest(base_lrs, losses)
     result["override"] = f"--config.optim.base_lr={result['suggested_base_lr']:g}"
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, result, indent=1)
     plot_lr_range(result, os.path.join(workdir, "lr_range.png"))
     return result
 

@@ -1,6 +1,7 @@
 """``python -m hybridpar.report``: runs' records (written here by hand, no training) into one
 PNG and a markdown table, without importing JAX; bad workdirs are one ``error:`` line."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from PIL import Image
 
 from hybridpar import report
+from hybridpar.run_records import read_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,9 +95,11 @@ def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_p
     a, b, out = tmp_path / "curriculum", tmp_path / "resumed", tmp_path / "out" / "r.png"
     curriculum_run(a)
     resumed_run(b)
+    config_run(tmp_path / "c", "2:16-4~0.95,4:24-8")  # its schedule from its config.json
     code = (
         "import runpy, sys; "
-        f"sys.argv = ['report', {str(a)!r}, {str(b)!r}, '--out', {str(out)!r}]; "
+        f"sys.argv = ['report', {str(a)!r}, {str(b)!r}, {str(tmp_path / 'c')!r}, '--out', "
+        f"{str(out)!r}]; "
         "runpy.run_module('hybridpar.report', run_name='__main__'); "
         "assert 'jax' not in sys.modules, 'jax imported'"
     )
@@ -111,7 +115,7 @@ def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_p
 
     rows = table_rows(r.stdout)
     assert table_rows((tmp_path / "out" / "r.md").read_text()) == rows
-    assert set(rows) == {"curriculum", "resumed"}
+    assert set(rows) == {"curriculum", "resumed", "c"}
     cur, res = rows["curriculum"], rows["resumed"]
     assert (cur["best top1"], cur["best top5"]) == ("0.8000", "0.9600")  # at other evals
     assert (cur["epochs"], cur["steps"], cur["status"]) == ("4", "20", "completed")
@@ -168,9 +172,103 @@ def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
     path.write_text(json.dumps(ev("train", 1, 0.1, 1.0)) + "\n" + '{"event": "train", "st')
     writer = MetricsWriter(str(tmp_path), start_time=0.0)
     writer.write("resume", 1, 0.1)
-    writer.write("train", 2, 0.2, loss=0.5)
+    writer.write("train", 2, 0.2, loss=0.5, lr=0.1)
     writer.close()
-    assert [r["event"] for r in report.read_jsonl(str(path))] == ["train", "resume", "train"]
+    records, _ = read_records(str(path))
+    assert [r.event for r in records] == ["train", "resume", "train"]
     # and a file that ends cleanly gets no blank line
     MetricsWriter(str(tmp_path), start_time=0.0).close()
-    assert path.read_text().endswith('"loss": 0.5}\n')
+    assert path.read_text().endswith('"lr": 0.1}\n')
+
+
+def config_run(w: Path, stages: str, **optim) -> None:
+    """A run with its config.json (8 data-parallel devices): a stage line per stage of
+    ``stages``, train lines every epoch and an eval at the end of each stage."""
+    from hybridpar.config import base_config
+    from hybridpar.curriculum import stages_from_config
+
+    c = base_config()
+    c.stages, c.num_epochs = stages, float(stages.split(",")[-1].split(":")[0])
+    c.optim.update(base_lr=0.1, warmup_epochs=1.0, **optim)
+    w.mkdir(parents=True)
+    (w / "config.json").write_text(c.to_json())
+    recs, start = [], 0.0
+    for i, st in enumerate(stages_from_config(c, 8)):
+        recs.append(ev("stage", int(start * 10), start, 5.0 + start, stage=i, data_parallel=8,
+                       image_size=st.image_size, global_batch=st.global_batch))  # fmt: skip
+        recs += [train(int(e * 10), e, 5.0 + e, i, st.image_size, st.global_batch)
+                 for e in range(int(start) + 1, int(st.end_epoch) + 1)]  # fmt: skip
+        recs.append(evaluation(int(st.end_epoch * 10), st.end_epoch, 5.5 + st.end_epoch, 0.5, 0.9))
+        start = st.end_epoch
+    write_jsonl(w / "metrics.jsonl", recs)
+
+
+def test_the_schedule_comes_from_the_config_from_epoch_0_with_each_stage_a_step(tmp_path):
+    """Warmup from epoch 0 though the first train line is at epoch 1; at a stage switch the
+    learning rate (linear in the batch) and the stage's momentum change at one epoch."""
+    config_run(tmp_path / "a", "2:16-4~0.95,4:24-8")  # batches 32 then 64
+    s = report.schedule(report.read_run(str(tmp_path / "a")))
+    epochs, lr = s["learning rate"]
+    peak = 0.1 * 32 / 256  # base_lr x batch / lr_batch_base, at the end of the warmup
+    assert epochs[0] == 0.0 and lr[0] == 0.0 and max(lr[epochs < 2]) == pytest.approx(peak)
+    at = list(epochs).index(2.0)  # the switch: both values at one epoch, no slope between
+    assert epochs[at + 1] == 2.0 and lr[at + 1] == pytest.approx(2 * lr[at])
+    m_epochs, momentum = s["momentum"]
+    assert list(momentum[m_epochs < 2]) == [0.95] * sum(m_epochs < 2)
+    assert set(momentum[m_epochs > 2]) == {0.9} and momentum[at + 1] == 0.9
+    assert s["global batch"][1][0] == 32 and s["global batch"][1][-1] == 64
+    assert epochs[-1] == 4.0
+
+
+def test_series_that_no_run_changes_are_a_note_not_a_panel(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    config_run(tmp_path / "fixed", "4:16-8")
+    config_run(tmp_path / "stages", "2:16-4~0.95,4:24-8")
+    fixed, stages = (report.read_run(str(tmp_path / n)) for n in ("fixed", "stages"))
+    assert report.drawn([report.schedule(fixed)]) == ["learning rate"]
+    both = [report.schedule(fixed), report.schedule(stages)]
+    assert report.drawn(both) == ["learning rate", "momentum", "global batch", "image size (px)"]
+    fig = report.figure([("fixed", fixed)])
+    assert len(fig.axes) == 3  # accuracy twice, the learning rate
+    assert "fixed: momentum 0.9, global batch 64, image size (px) 16" in fig._suptitle.get_text()
+
+
+def test_evaluator_points_are_hollow_a_long_run_puts_wall_time_on_a_log_axis(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    curriculum_run(tmp_path / "a")  # wall 5..28 s, the trainer's evals
+    resumed_run(tmp_path / "b")  # one eval of the evaluator's, at 19 s
+    runs = [(n, report.read_run(str(tmp_path / n))) for n in ("a", "b")]
+    wall = report.figure(runs).axes[0]
+    hollow = [line.get_xdata() for line in wall.lines if line.get_markerfacecolor() == "white"]
+    assert [list(x) for x in hollow if len(x)] == [[19.0], [19.0]]  # its top-1 and top-5
+    filled = [x for line in wall.lines if line.get_marker() != "None"
+              and line.get_markerfacecolor() != "white" for x in line.get_xdata()]  # fmt: skip
+    assert 19.0 not in filled and 22.0 in filled
+    assert wall.get_xscale() == "linear" and wall.get_xlim()[0] == 0
+    long = report.read_run(str(tmp_path / "a"))
+    long.eval = [dataclasses.replace(e, wall_s=e.wall_s * 10) for e in long.eval]
+    long.train = [dataclasses.replace(t, wall_s=t.wall_s * 10) for t in long.train]
+    assert report.figure([*runs, ("long", long)]).axes[0].get_xscale() == "log"
+
+
+def test_the_time_breakdown_is_one_stacked_bar_per_run(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    curriculum_run(tmp_path / "a")
+    run = report.read_run(str(tmp_path / "a"))
+    parts = {"train": 20.0, "setup": 2.0, "compile": 3.0, "eval": 1.0, "input_wait": 2.0,
+             "checkpoint": 0.5, "redone": 1.0, "other": 0.5}  # fmt: skip
+    run.summary |= {"time_breakdown": parts, "goodput": 0.7}  # its own, not 20 / 30
+    fig = report.figure([("a", run), ("no breakdown", report.read_run(str(tmp_path / "a")))])
+    ax = next(a for a in fig.axes if a.get_title() == "where the time went")
+    order = ["setup", "compile", "train", "input_wait", "eval", "checkpoint", "redone", "other"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == order
+    bars = ax.patches
+    assert [b.get_width() for b in bars] == [parts[p] for p in order]
+    assert [b.get_x() for b in bars] == pytest.approx([0, 2, 5, 25, 27, 28, 28.5, 29.5])
+    assert [t.get_text() for t in ax.texts] == [" goodput 70%"]

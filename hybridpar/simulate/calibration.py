@@ -16,10 +16,11 @@ a curriculum run gives several sizes in one run) or published figures.
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
 import statistics
 from collections.abc import Sequence
 
+from hybridpar.run_records import Train, read_records
 from hybridpar.simulate.hardware import Preset
 from hybridpar.simulate.step import Evaluation, eval_pass_s
 from hybridpar.simulate.workload import Workload, resnet50_workload
@@ -70,17 +71,13 @@ def points_from_metrics(path: str, devices: int = 1) -> list[tuple[int, float, f
     median of the train lines at each (image size, global batch), without the first line
     of each (it includes the warm-up). `devices`: the run's device count (the rate is per
     device; a multi-device run's rate includes its communication)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no such file: {path!r} (pass a run's metrics.jsonl)")
     groups: dict[tuple[int, int], list[float]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except ValueError:  # blank, or cut short by a killed writer (as report.py)
-                continue
-            if rec.get("event") != "train" or not rec.get("images_per_s"):
-                continue
-            key = (int(rec["image_size"]), int(rec["global_batch"]))
-            groups.setdefault(key, []).append(float(rec["images_per_s"]))
+    for rec in read_records(path)[0]:
+        if isinstance(rec, Train) and rec.images_per_s:
+            key = (int(rec.image_size), int(rec.global_batch))
+            groups.setdefault(key, []).append(float(rec.images_per_s))
     if not groups:
         raise ValueError(f"{path} has no train lines with images_per_s")
     out = []
