@@ -295,6 +295,26 @@ def test_input_bounds_the_step():
     assert unfed.input_s == 0.0 and unfed.step_s < s.step_s
 
 
+@pytest.mark.parametrize("name,devices", [("tpu-v5p", 4096), ("h100", 4096), ("tpu-v3", 8)])
+def test_a_tiny_net_is_bounded_by_the_per_step_floor(name, devices):
+    """A toy network (a thousand FLOPs an image, one 4 KB all-reduce) at 8 images per device:
+    the FLOPs take nanoseconds, the step takes the floor, so no device is predicted above
+    8 images / floor, and the floor is what the split says the step is."""
+    preset = sim.get_preset(name)
+    toy = sim.Workload("toy", 1e3, 32, (sim.Collective("all-reduce", 1, 4096.0),))
+    s = sim.predict_step(toy, preset, devices, 8, 32, 0.8)
+    assert preset.step_floor_s == sim.STEP_FLOOR_S > 0
+    assert s.compute_s < 1e-6 < sim.STEP_FLOOR_S <= s.step_s
+    assert s.images_per_s / devices <= 8 / sim.STEP_FLOOR_S
+    parts = s.parts()
+    assert sum(parts.values()) == pytest.approx(s.step_s, rel=1e-12)
+    assert parts["floor"] >= 0.5 * sim.STEP_FLOOR_S
+    # an epoch of ImageNet cannot go faster than its steps at the floor
+    tt = sim.time_to_train(toy, preset, devices, [sim.Stage(1, 32, 8)])
+    assert tt.total_s >= sim.IMAGENET_TRAIN_IMAGES / (devices * 8) * sim.STEP_FLOOR_S
+    assert tt.parts()["floor"] > 0
+
+
 def test_eval_pass_by_hand_and_its_overhead_fit():
     """50,000 images on 32 devices at 256 each: ceil(50000 / 8192) = 7 forward steps, each a
     third of a train step (overhead included), plus the fixed cost per pass."""
@@ -708,6 +728,55 @@ def test_validation_rejects_a_broken_cost_model(monkeypatch, factor):
     assert any("docs say" in m for m in problems)
     if factor == 2.0:  # a gross slip breaks the published band too, not only the docs
         assert any("7-26%" in m for m in problems)
+
+
+def _chips_of(source: str) -> int:
+    """A TPU pod's chips from its MLPerf platform name in the log's path (tpu-v3-8192:
+    8,192 TensorCores, two a chip)."""
+    return int(re.search(r"tpu-v\d-(\d+)-", source).group(1)) // 2
+
+
+@pytest.mark.parametrize("case", sim.MLPERF_TPU_RUNS, ids=lambda c: c.run)
+def test_mlperf_tpu_case_from_its_stated_inputs(case):
+    """Each MLPerf row from what it cites, worked by hand: the published rate from the log's
+    epochs, global batch and run time over the chips its platform name counts; the predicted
+    time from targets.CHIPS' peak at the presets' 0.40 of it (2,000 img/s on a v3, as much of
+    peak on the others), the run's steps at its batch per chip, and an evaluation pass (a
+    forward third of a step, or the floor) every 4 epochs; its communication hides behind
+    the backward pass, as the split says."""
+    from hybridpar.targets import CHIPS
+
+    row = sim.run_mlperf_case(case)
+    chips = _chips_of(case.source)
+    assert case.chips == chips and row["source"] == case.source
+    published = case.epochs * 1_281_167 / case.run_s / chips
+    assert row["reported_value"] == pytest.approx(published, rel=1e-12)
+    peak = CHIPS[case.chip].peak_bf16_flops
+    assert row["peak_flops"] == peak and row["efficiency_of_peak"] == pytest.approx(0.4)
+    b = case.global_batch // chips
+    step = max(b * 3 * 8.2e9 / (0.4 * peak), sim.STEP_FLOOR_S)
+    steps = case.epochs * 1_281_167 / case.global_batch
+    eval_pass = math.ceil(50_000 / case.global_batch) * max(step / 3, sim.STEP_FLOOR_S)
+    by_hand = steps * step + case.epochs // 4 * eval_pass
+    assert row["parts"]["comm"] == 0.0
+    assert row["predicted_s"] == pytest.approx(by_hand, rel=1e-9)
+    assert sum(row["parts"].values()) == pytest.approx(by_hand, rel=1e-9)
+    assert row["ratio"] == pytest.approx(case.run_s / by_hand, rel=1e-9)
+    assert row["verdict"] == ("PASS" if 0.85 <= case.run_s / by_hand <= 1.15 else "FAIL")
+
+
+def test_verdict_is_within_15_percent_either_way_and_printed():
+    assert [sim.verdict(r) for r in (1.0, 0.85, 1.15, 0.849, 1.151, 0.5, 2.0)] == [
+        "PASS", "PASS", "PASS", "FAIL", "FAIL", "FAIL", "FAIL"
+    ]  # fmt: skip
+    rows = sim.validation_table()
+    text = sim.format_validation(rows)
+    assert "within 15%" in text and "per-step floor" in text
+    for r in rows:
+        line = next(x for x in text.splitlines() if x.strip().startswith(r["run"]))
+        assert f" {r['ratio']:.2f}  " in line and f"  {r['verdict']}  " in line
+        assert r["verdict"] == ("PASS" if 0.85 <= r["ratio"] <= 1.15 else "FAIL")
+    assert {r["verdict"] for r in rows} == {"PASS", "FAIL"}  # both are there to see
 
 
 def test_parse_devices():

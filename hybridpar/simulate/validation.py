@@ -25,7 +25,7 @@ PASS_BAND = 0.15
 
 
 def verdict(ratio: float) -> str:
-    return "PASS" if abs(ratio - 1.0) <= PASS_BAND else "FAIL"
+    return "PASS" if 1.0 - PASS_BAND <= ratio <= 1.0 + PASS_BAND else "FAIL"
 
 
 MOXING_STAGES = "20:128-224,38:224-224,40:288-128"
