@@ -588,6 +588,13 @@ def test_comm_report_cli_simulates_the_compiled_step(tmp_path, capsys):
     assert out["per_device_batch"] == 8 and out["image_size"] == 64  # the report's own step
     assert out["workload"]["collectives"][0]["nbytes"] == 100
     assert out["rows"][0]["efficiency"] == 1.0
+    # the table's legend names what was compiled, and by which compiler, and what not
+    assert sim.main(["--comm-report", str(path), "--devices", "8"]) == 0
+    legend = capsys.readouterr().out.strip().splitlines()[-1]
+    assert legend.startswith("every column modelled: FLOPs and collectives compiled by cpu")
+    assert sim.main(["--devices", "8", "--preset", "tpu-v4"]) == 0
+    legend = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "analytic ResNet-50 (counted, not compiled)" in legend and "ASSUMPTION" in legend
 
 
 # ----------------------------------------------------------------------------- curriculum
