@@ -113,6 +113,8 @@ def test_a_second_call_comes_from_the_cache(first):
     assert "compiling" not in r.stderr and "6 of 6 plans from the cache" in r.stderr
     assert "6 of 6 from the cache" in r.stdout and "winning overrides: " in r.stdout
     assert out["winning_overrides"] in r.stdout  # the same pick as the compiled run
+    # under the table: what is compiled, what modelled
+    assert "compiled (XLA:CPU on 8 virtual devices): memory/dev, collectives. modelled" in r.stdout
     # the cache holds one file per compiled plan
     assert len(list(cache.glob("*.json"))) == 6
 
