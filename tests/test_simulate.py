@@ -738,9 +738,9 @@ def test_validation_rejects_a_broken_cost_model(monkeypatch, factor):
 
 
 def _chips_of(source: str) -> int:
-    """A TPU pod's chips from its MLPerf platform name in the log's path (tpu-v3-8192:
-    8,192 TensorCores, two a chip)."""
-    return int(re.search(r"tpu-v\d-(\d+)-", source).group(1)) // 2
+    """A TPU pod's chips from its MLPerf platform name in the log's path (tpu-v3-8192-JAX,
+    tpu-v3-32: TensorCores, two a chip)."""
+    return int(re.search(r"tpu-v\d-(\d+)[-/]", source).group(1)) // 2
 
 
 @pytest.mark.parametrize("case", sim.MLPERF_TPU_RUNS, ids=lambda c: c.run)
