@@ -20,11 +20,10 @@ TFLOPS = 1e12
 
 # The per-step floor: no step, however small its network and batch, takes less. ASSUMPTION,
 # 1 ms: the host's dispatch of one jitted train step over ResNet-50's train state (428
-# arrays: parameters, momentum, BatchNorm statistics), measured by bench/step_floor.py at
-# 1.0-1.2 ms a step on this project's shared 2-core machine (up to 5 ms when loaded); not
-# measured on a TPU or GPU host. The host dispatches step n+1 while the device
-# runs step n, so it bounds the step from below rather than adding to it; the device's own
-# fixed costs (kernel launches, the optimizer's small kernels) are `step_overhead_s`.
+# arrays), as bench/step_floor.py measures it on this project's machine (docs/scaling.md,
+# section 1); not measured on a TPU or GPU host. The host dispatches step n+1 while the
+# device runs step n, so it bounds the step from below rather than adding to it; the
+# device's own fixed costs per step are `step_overhead_s`.
 STEP_FLOOR_S = 1e-3
 
 
