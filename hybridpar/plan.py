@@ -383,24 +383,27 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
     """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
     compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
     bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
-    bandwidth, ``overlap`` of that hidden behind compute. Evaluation and input not
+    bandwidth, ``overlap`` of that hidden behind compute, and never less than the scaling
+    model's per-step floor (``simulate.hardware.STEP_FLOOR_S``). Evaluation and input not
     counted: an estimate for ranking plans, not a prediction of a run."""
     from hybridpar import targets
+    from hybridpar.simulate.hardware import STEP_FLOOR_S
 
     compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
     comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
-    step = compute + max(comm - overlap * compute, (1 - overlap) * comm)
-    images = config.global_batch / step if step else 0.0
+    exposed = max(comm - overlap * compute, (1 - overlap) * comm)
+    step = max(compute + exposed, STEP_FLOOR_S)
+    images = config.global_batch / step
     return {
         "predicted_step_s": step,
         "predicted_images_per_s": images,
-        "predicted_scaling_efficiency": compute / step if step else None,
-        "predicted_exposed_comm_s": step - compute,
-        "predicted_time_to_train_s": (
-            config.num_epochs * config.data.train_examples / images if images else float("inf")
-        ),
+        "predicted_scaling_efficiency": compute / step,
+        "predicted_exposed_comm_s": exposed,
+        "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
+        "predicted_time_to_train_s": config.num_epochs * config.data.train_examples / images,
         "predicted_eval_s": None,
-        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives",
+        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives, "
+        "at least the per-step floor",
     }
 
 
@@ -483,6 +486,26 @@ def format_table(fits, too_big, failed, limit_bytes) -> str:
     out = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
     out += [f"failed: {r['plan']}: {r['error']}" for r in failed]
     return "\n".join(out)
+
+
+def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
+    """Which of the table's figures are compiled and which modelled (and from what)."""
+    from hybridpar.simulate.hardware import STEP_FLOOR_S
+
+    floor = f"at least {STEP_FLOOR_S * 1e3:g} ms a step (the per-step floor, an ASSUMPTION)"
+    if target is not None:
+        return (
+            f"compiled (the TPU compiler, {target.spec}): memory/dev, collectives. modelled: "
+            "img/s and time to train, the compiler's FLOPs and bytes over the chip's roofline "
+            f"plus its collectives over ICI, {floor}; no input or evaluation cost, so an upper "
+            "bound for ranking, not a prediction of a run"
+        )
+    rate = f"measured ({calibrated_from})" if calibrated_from else preset.reference_note
+    return (
+        f"compiled (XLA:CPU on {devices} virtual devices): memory/dev, collectives. modelled "
+        f"(python -m hybridpar.simulate, {preset.name}): img/s and time to train, from the "
+        f"compiled FLOPs and collectives, the device's rate {rate}, {floor}"
+    )
 
 
 # ---- The command line ------------------------------------------------------------------------
@@ -676,12 +699,7 @@ def main(argv=None) -> None:
             + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
         )
         print(format_table(fits, too_big, failed, limit))
-        if target is not None:
-            print(
-                "img/s and time to train: the TPU compiler's FLOPs and bytes over the chip's "
-                "roofline plus its collectives over ICI; no launch, input or evaluation cost, "
-                "so an upper bound for ranking, not a prediction of a run"
-            )
+        print(legend(target, hardware, n, args.calibrate_from))
         print(
             f"\nbest: {best['plan']}: {_bytes(best['memory_per_device_bytes'])}/device, "
             f"predicted {best['predicted_images_per_s']:,.0f} img/s, "

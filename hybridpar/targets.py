@@ -14,9 +14,11 @@ types: ``v5e-N`` and ``v6e-N`` count chips, ``v4-N`` and ``v5p-N`` count TensorC
 per chip), so ``v5p-128`` is 64 chips (a 4x4x4 cube).
 
 Chip figures are per chip, from the Cloud TPU system-architecture pages for each version
-(cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e): peak dense bfloat16 FLOP/s, HBM capacity
-and bandwidth, bidirectional ICI bandwidth, and data-centre network (DCN) bandwidth where
-the page gives it.
+(cloud.google.com/tpu/docs/v3, /v4, /v5e, /v5p, /v6e): peak dense bfloat16 FLOP/s, HBM
+capacity and bandwidth, bidirectional ICI bandwidth, and data-centre network (DCN) bandwidth
+where the page gives it. They are the one table of TPU chips: the scaling model's TPU presets
+(``hybridpar.simulate``) are built from it too. v3 is there for the scaling model only (the
+published MLPerf runs on it); it has no slice shapes here and is not a compile target.
 
 ``--target gpu:h100-16`` (also ``h200``, ``a100``; N GPUs, 8 to a node) does the same with
 XLA's GPU compiler, through the CUDA plugin's deviceless path (``pip install -e
@@ -50,10 +52,14 @@ class Chip:
     dcn_bytes_per_s: float | None  # per chip, where published
     cores_per_chip: int  # TensorCores: what v4-N / v5p-N count
     torus_dims: int  # 2: a 2D torus (v5e, v6e); 3: 3D (v4, v5p)
-    chip_config: str  # libtpu's chip_config_name ("megacore": one device per chip)
+    chip_config: str  # libtpu's chip_config_name ("megacore": one device per chip); "": none
 
 
 CHIPS = {
+    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 32 GiB HBM2 at 900 GB/s, 1,024 chips a pod
+    # on a 2D torus. ASSUMPTION: ICI taken at twice the all-reduce bandwidth per chip (340
+    # TB/s a pod over 1,024 chips, 332 GB/s a chip), as for v4 below. DCN not published.
+    "v3": Chip("v3", 123e12, 32 * GIB, 900e9, 2 * 340e12 / 1024, None, 2, 2, ""),
     # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s. ASSUMPTION: the
     # page gives no per-chip ICI, only the all-reduce bandwidth per pod (1.1 PB/s over 4,096
     # chips, 269 GB/s a chip); taken at twice that, as the v5e page gives 200 GB/s a chip of
@@ -181,8 +187,8 @@ def parse(spec: str) -> Target:
     what is accepted."""
     fix = (
         "use --target cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S] with CHIP one of "
-        f"{', '.join(CHIPS)}, e.g. tpu:v5e-16 or tpu:v5p-128,slices=2, or gpu:GPU-N with GPU "
-        f"one of {', '.join(GPUS)}, e.g. gpu:h100-16"
+        f"{', '.join(n for n, c in CHIPS.items() if c.chip_config)}, e.g. tpu:v5e-16 or "
+        f"tpu:v5p-128,slices=2, or gpu:GPU-N with GPU one of {', '.join(GPUS)}, e.g. gpu:h100-16"
     )
     m = re.fullmatch(r"cpu:(\d+)", spec.strip())
     if m:
@@ -199,6 +205,11 @@ def parse(spec: str) -> Target:
     name, count, slices = m.group(1), int(m.group(2)), int(m.group(3) or 1)
     if name not in CHIPS:
         raise ConfigError(f"--target {spec}: unknown TPU version {name!r}; {fix}")
+    if not CHIPS[name].chip_config:
+        raise ConfigError(
+            f"--target {spec}: TPU {name} is in the chip table for the scaling model only "
+            f"(python -m hybridpar.simulate --preset tpu-{name}); {fix}"
+        )
     chip = CHIPS[name]
     if count % chip.cores_per_chip or slices < 1:
         raise ConfigError(

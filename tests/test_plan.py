@@ -113,6 +113,8 @@ def test_a_second_call_comes_from_the_cache(first):
     assert "compiling" not in r.stderr and "6 of 6 plans from the cache" in r.stderr
     assert "6 of 6 from the cache" in r.stdout and "winning overrides: " in r.stdout
     assert out["winning_overrides"] in r.stdout  # the same pick as the compiled run
+    # under the table: what is compiled, what modelled
+    assert "compiled (XLA:CPU on 8 virtual devices): memory/dev, collectives. modelled" in r.stdout
     # the cache holds one file per compiled plan
     assert len(list(cache.glob("*.json"))) == 6
 
@@ -196,3 +198,39 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], stderr
     assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached
+
+
+def _tiny_on_a_pod():
+    """A toy step as the TPU compiler might count it, on a 4,096-chip v5p pod."""
+    from types import SimpleNamespace
+
+    from hybridpar import targets
+
+    config = SimpleNamespace(
+        global_batch=4096 * 8, num_epochs=1, data=SimpleNamespace(train_examples=1_281_167)
+    )
+    rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3}
+    return config, rep, targets.parse("tpu:v5p-8192")
+
+
+def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
+    """A toy network's roofline is nanoseconds a step; the estimate is held at the per-step
+    floor, so at most (images per chip) / floor per chip."""
+    from hybridpar.simulate.hardware import STEP_FLOOR_S
+
+    config, rep, target = _tiny_on_a_pod()
+    p = plan.predict_on_target(config, rep, target, target.devices_count, 0.8)
+    assert STEP_FLOOR_S > 0 and p["predicted_step_s"] >= STEP_FLOOR_S
+    assert p["predicted_images_per_s"] / target.devices_count <= 8 / STEP_FLOOR_S
+    assert p["predicted_floor_s"] > 0.99 * STEP_FLOOR_S  # the floor is what the step is
+    assert p["predicted_exposed_comm_s"] < 1e-6
+    assert "floor" in plan.legend(target, None, target.devices_count, None)
+
+
+def test_v3_is_in_the_chip_table_but_not_a_compile_target():
+    from hybridpar import targets
+    from hybridpar.errors import ConfigError
+
+    assert targets.CHIPS["v3"].peak_bf16_flops == 123e12
+    with pytest.raises(ConfigError, match="scaling model only"):
+        targets.parse("tpu:v3-8")

@@ -11,7 +11,7 @@ scaling, i.e. the per-device batch stays fixed while devices are added):
     comm      = sum over collectives of count * cost(cheapest algorithm)   (alpha-beta model)
     exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
     input     = images per device per step / (images/s per host core * cores per device)
-    step      = max(compute + exposed, input)
+    step      = max(compute + exposed, input, per-step floor)
     images/s  = global batch / step
     scaling efficiency = images/s(p) / (p * images/s(1))          (= compute / step <= 1)
     time to train = sum over curriculum stages of epochs * images per epoch / images/s(stage)
@@ -24,6 +24,8 @@ split into buckets) or from `python -m hybridpar.comm_report --json` (`--comm-re
 
 The step overhead, the input rate and the evaluation cost are 0 (not modelled) unless
 calibrated (`calibration.py`: fitted to a run's metrics.jsonl or set from measurements).
+The per-step floor (`hardware.STEP_FLOOR_S`, 1 ms, an assumption) is the least any step
+takes.
 What the model leaves out (see docs/scaling.md): stragglers and jitter, link contention
 from other jobs, compilation and start-up.
 
@@ -40,7 +42,7 @@ The package, one job a module (each imports only the ones above it):
     cost.py        alpha-beta costs of ring, tree, hierarchical and torus collectives
     step.py        calibrated presets, step time and efficiency, stages, time to train
     calibration.py step overhead and efficiency fitted to measured rates; evaluation cost
-    validation.py  the published runs of docs/scaling.md section 3
+    validation.py  the published runs of docs/scaling.md section 3 (MLPerf TPU pods too)
     plot.py, cli.py, __main__.py   the command line
 
 Everything public is importable from here (`from hybridpar import simulate as sim`).
@@ -76,6 +78,7 @@ from hybridpar.simulate.hardware import (
     ALIASES,
     GB,
     GBIT,
+    STEP_FLOOR_S,
     TFLOPS,
     UNCALIBRATED_PRESETS,
     US,
@@ -103,11 +106,16 @@ from hybridpar.simulate.step import (
 )
 from hybridpar.simulate.validation import (
     FASTAI_STAGES,
+    MLPERF_TPU_RUNS,
     MOXING_STAGES,
+    PASS_BAND,
     VALIDATION_CASES,
+    MLPerfRun,
     ValidationCase,
+    run_mlperf_case,
     run_validation_case,
     validation_table,
+    verdict,
 )
 from hybridpar.simulate.workload import (
     BACKWARD_FRACTION,
@@ -137,10 +145,13 @@ __all__ = [
     "GRAD_BYTES",
     "IMAGENET_EVAL_IMAGES",
     "IMAGENET_TRAIN_IMAGES",
+    "MLPERF_TPU_RUNS",
     "MOXING_STAGES",
+    "PASS_BAND",
     "PRESETS",
     "RESNET50_FWD_FLOPS_224",
     "RESNET50_PARAMS",
+    "STEP_FLOOR_S",
     "TFLOPS",
     "TRAIN_FLOPS_FACTOR",
     "UNCALIBRATED_PRESETS",
@@ -149,6 +160,7 @@ __all__ = [
     "Collective",
     "Evaluation",
     "Link",
+    "MLPerfRun",
     "Preset",
     "Stage",
     "StepPrediction",
@@ -187,12 +199,14 @@ __all__ = [
     "reduce_scatter_time",
     "resnet50_workload",
     "ring_allreduce_time",
+    "run_mlperf_case",
     "run_validation_case",
     "simulate",
     "time_to_train",
     "torus_allreduce_time",
     "tree_allreduce_time",
     "validation_table",
+    "verdict",
     "with_calibrated_efficiency",
     "workload_from_report",
     "write_png",

@@ -11,10 +11,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from hybridpar.targets import CHIPS, GIB
+
 GB = 1e9  # bytes; link figures below are decimal GB/s as vendors quote them
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
 US = 1e-6  # seconds
 TFLOPS = 1e12
+
+# The per-step floor: no step, however small its network and batch, takes less. ASSUMPTION,
+# 1 ms: the host's dispatch of one jitted train step over ResNet-50's train state (428
+# arrays), as bench/step_floor.py measures it on this project's machine (docs/scaling.md,
+# section 1); not measured on a TPU or GPU host. The host dispatches step n+1 while the
+# device runs step n, so it bounds the step from below rather than adding to it; the
+# device's own fixed costs per step are `step_overhead_s`.
+STEP_FLOOR_S = 1e-3
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,8 @@ class Preset:
       host core at that image size (scaled by pixels for other sizes); cores_per_device: host
       cores feeding each device. A step cannot be faster than its input.
     eval_overhead_s: a fixed cost per evaluation pass (loader start, synchronisation).
+    step_floor_s: the least a step takes (`STEP_FLOOR_S`): step = max(compute + exposed
+      comm, input, floor).
     """
 
     name: str
@@ -82,6 +94,7 @@ class Preset:
     input_reference_size: int = 224
     cores_per_device: float = 0.0
     eval_overhead_s: float = 0.0
+    step_floor_s: float = STEP_FLOOR_S
     efficiency: float = float("nan")
 
     def inter_bandwidth_per_node(self) -> float:
@@ -146,6 +159,37 @@ _H100 = Preset(
 )
 
 
+# TPU presets: every chip of hybridpar.targets.CHIPS (peak, HBM, ICI and the sources there).
+# ASSUMPTIONS: ~2,000 ResNet-50 images/s per v3 chip at 224 px, and every other chip at the
+# same fraction of its peak; alpha 2 us per ICI hop; one ICI domain of up to 4,096 chips
+# (MLPerf's 4,096-chip v3 and v4 runs were joined by ICI).
+TPU_V3_IMAGES_PER_S = 2000.0
+
+
+def _tpu_preset(chip) -> Preset:
+    # a ring all-reduce moves the buffer out and in through each chip's ICI: half of its
+    # bidirectional bandwidth, which is the all-reduce bandwidth per chip the pages quote
+    allreduce = chip.ici_bytes_per_s / 2
+    ici = Link(allreduce, 2 * US, per="device", name=f"ICI {chip.torus_dims}D torus")
+    rate = TPU_V3_IMAGES_PER_S * chip.peak_bf16_flops / CHIPS["v3"].peak_bf16_flops
+    return Preset(
+        name=f"tpu-{chip.name}",
+        description=f"TPU {chip.name} bf16, {chip.torus_dims}D torus ICI "
+        f"(~{allreduce / GB:.0f} GB/s all-reduce bandwidth per chip)",
+        peak_flops=chip.peak_bf16_flops,
+        dtype="bfloat16",
+        grad_dtype="fp32",
+        devices_per_node=4096,
+        intra=ici,
+        inter=ici,
+        reference_images_per_s=rate,
+        reference_note=f"ASSUMPTION: {rate:,.0f} img/s per chip at 224 px "
+        "(2,000 on v3, the same fraction of peak on the others)",
+        torus_dims=chip.torus_dims,
+        memory_gib=chip.hbm_bytes / GIB,
+    )
+
+
 # efficiency is NaN here: step.PRESETS calibrates it from each reference rate
 UNCALIBRATED_PRESETS = [
     # P100 SXM2 (Goyal et al. 2017, Facebook "Big Basin": 8 P100 + NVLink per server, one
@@ -206,42 +250,7 @@ UNCALIBRATED_PRESETS = [
         reference_note="MLPerf Training v4.0 (8 x H200, 12.0 min): ~7,700 img/s/GPU, tuned",
         memory_gib=141.0,
     ),
-    # TPU v3: 123 TFLOP/s bf16 per chip; pod of 1,024 chips on a 2D torus; "all-reduce
-    # bandwidth per pod 340 TB/s" (Cloud TPU v3 docs) = ~332 GB/s per chip, used as the
-    # ring bus bandwidth. ASSUMPTIONS: ICI spans the whole slice (no separate "node" link:
-    # MLPerf's 4,096-chip v3 multipod was also joined by ICI), alpha 2 us per hop, and
-    # ~2,000 images/s per chip at 224 px.
-    Preset(
-        name="tpu-v3",
-        description="TPU v3 bf16, 2D torus ICI (~332 GB/s all-reduce bandwidth per chip)",
-        peak_flops=123 * TFLOPS,
-        dtype="bfloat16",
-        grad_dtype="fp32",
-        devices_per_node=4096,
-        intra=Link(340e12 / 1024, 2 * US, name="ICI 2D torus"),
-        inter=Link(340e12 / 1024, 2 * US, per="device", name="ICI 2D torus"),
-        reference_images_per_s=2000.0,
-        reference_note="ASSUMPTION: ~2,000 img/s per chip at 224 px",
-        torus_dims=2,
-        memory_gib=32.0,  # per chip (16 GiB per TensorCore)
-    ),
-    # TPU v4: 275 TFLOP/s bf16 per chip; pod of 4,096 chips, 3D torus; "all-reduce bandwidth
-    # per pod 1.1 PB/s" (Cloud TPU v4 docs) = ~269 GB/s per chip. ASSUMPTIONS: alpha 2 us,
-    # and the same fraction of peak as the v3 assumption (2,000 * 275/123 = ~4,470 img/s).
-    Preset(
-        name="tpu-v4",
-        description="TPU v4 bf16, 3D torus ICI (~269 GB/s all-reduce bandwidth per chip)",
-        peak_flops=275 * TFLOPS,
-        dtype="bfloat16",
-        grad_dtype="fp32",
-        devices_per_node=4096,
-        intra=Link(1.1e15 / 4096, 2 * US, name="ICI 3D torus"),
-        inter=Link(1.1e15 / 4096, 2 * US, per="device", name="ICI 3D torus"),
-        reference_images_per_s=2000.0 * 275 / 123,
-        reference_note="ASSUMPTION: same fraction of peak as the tpu-v3 assumption",
-        torus_dims=3,
-        memory_gib=32.0,
-    ),
+    *(_tpu_preset(chip) for chip in CHIPS.values()),
 ]
 
 ALIASES = {"v100": "v100-25gbe", "p100": "p100-50gbe"}

@@ -5,7 +5,7 @@ efficiency on p devices; the calibrated presets; curriculum stages and time to t
     comm      = sum over collectives of count * cost(cheapest algorithm)
     exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
     input     = images per device per step / (input images/s per core * cores per device)
-    step      = max(compute + exposed, input)
+    step      = max(compute + exposed, input, per-step floor)
 """
 
 from __future__ import annotations
@@ -92,6 +92,19 @@ class StepPrediction:
     efficiency: float  # scaling efficiency against one device
     algorithms: str  # the chosen algorithm(s), e.g. "hier-ring" or "ring x2, tree x1"
     input_s: float = 0.0  # host seconds to decode one device's images (0: not modelled)
+    overhead_s: float = 0.0  # the preset's fixed cost per step, inside compute_s
+
+    def parts(self) -> dict[str, float]:
+        """The step's seconds by what they are spent on, summing to `step_s`: the FLOPs
+        (`compute`), exposed communication (`comm`), the input's wait beyond both (`input`)
+        and the fixed cost per step plus what the floor adds (`floor`)."""
+        busy = self.compute_s + self.exposed_comm_s
+        return {
+            "compute": self.compute_s - self.overhead_s,
+            "comm": self.exposed_comm_s,
+            "input": max(0.0, self.input_s - busy),
+            "floor": self.overhead_s + self.step_s - max(busy, self.input_s),
+        }
 
 
 def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, str]:
@@ -132,7 +145,7 @@ def predict_step(
 
     compute = FLOPs per device per step / (peak * efficiency)
     exposed = max(0, comm - overlap * backward_fraction * compute)
-    step = compute + exposed;  images/s = global batch / step
+    step = max(compute + exposed, input, floor);  images/s = global batch / step
     scaling efficiency = images/s / (devices * images/s of one device) = compute / step
     """
     if devices < 1:
@@ -151,12 +164,12 @@ def predict_step(
     # The input runs ahead of the device (prefetch), so it only shows when it is slower.
     images = per_device_batch / m  # each device's share of the global batch
     input_s = input_seconds(preset, images, image_size)
-    step = max(compute + exposed, input_s)
+    step = max(compute + exposed, input_s, preset.step_floor_s)
     global_batch = devices // m * per_device_batch
     images_per_s = global_batch / step
     # one device runs the whole model (m times one device's share) and decodes its batch
     single = per_device_batch / max(
-        m * compute, input_seconds(preset, per_device_batch, image_size)
+        m * compute, input_seconds(preset, per_device_batch, image_size), preset.step_floor_s
     )
     scaling = images_per_s / (devices * single)
     assert scaling <= 1.0 + 1e-9, (scaling, compute, step)
@@ -175,6 +188,7 @@ def predict_step(
         efficiency=scaling,
         algorithms=algos,
         input_s=input_s,
+        overhead_s=preset.step_overhead_s,
     )
 
 
@@ -255,6 +269,16 @@ class TrainPrediction:
     epochs: float
     stages: tuple[tuple[Stage, StepPrediction, float], ...]  # (stage, step, seconds)
 
+    def parts(self) -> dict[str, float]:
+        """`total_s` by what it is spent on: each stage's steps split as
+        `StepPrediction.parts`, and the evaluation (`eval`)."""
+        out = {"compute": 0.0, "comm": 0.0, "input": 0.0, "floor": 0.0}
+        for _, step, secs in self.stages:
+            for k, v in step.parts().items():
+                out[k] += v * secs / step.step_s
+        out["eval"] = self.eval_s
+        return out
+
 
 @dataclass(frozen=True)
 class Evaluation:
@@ -269,14 +293,18 @@ class Evaluation:
 
 def eval_pass_s(workload: Workload, preset: Preset, devices: int, ev: Evaluation) -> float:
     """One evaluation pass: its steps, each a forward pass (1/TRAIN_FLOPS_FACTOR of a train
-    step at that size and batch, overhead included) or its input, whichever is slower, plus
-    the preset's fixed cost per pass."""
+    step at that size and batch, overhead included), its input or the per-step floor,
+    whichever is slowest, plus the preset's fixed cost per pass."""
     m = workload.model_parallel
     per_step = devices // m * ev.per_device_batch
     steps = math.ceil(ev.images / per_step)
     train = compute_seconds(workload, preset, ev.per_device_batch, ev.image_size, preset.efficiency)
     forward = train / TRAIN_FLOPS_FACTOR
-    step = max(forward, input_seconds(preset, ev.per_device_batch / m, ev.image_size))
+    step = max(
+        forward,
+        input_seconds(preset, ev.per_device_batch / m, ev.image_size),
+        preset.step_floor_s,
+    )
     return steps * step + preset.eval_overhead_s
 
 

@@ -1,5 +1,6 @@
-"""Validation against published runs: the MoXing, fast.ai and Goyal et al. figures that
-docs/scaling.md section 3 compares the model with (`python -m hybridpar.simulate --validate`).
+"""Validation against published runs: the MoXing, fast.ai and Goyal et al. figures and the
+MLPerf Training ResNet-50 runs on TPU pods that docs/scaling.md section 3 compares the model
+with (`python -m hybridpar.simulate --validate`).
 """
 
 from __future__ import annotations
@@ -10,13 +11,22 @@ from dataclasses import dataclass
 from hybridpar.simulate.calibration import fit_eval_overhead
 from hybridpar.simulate.step import (
     Evaluation,
+    Stage,
     get_preset,
     parse_stages,
     predict_step,
     time_to_train,
     with_calibrated_efficiency,
 )
-from hybridpar.simulate.workload import resnet50_workload
+from hybridpar.simulate.workload import IMAGENET_TRAIN_IMAGES, resnet50_workload
+
+# a prediction within 15% of the published figure passes
+PASS_BAND = 0.15
+
+
+def verdict(ratio: float) -> str:
+    return "PASS" if 1.0 - PASS_BAND <= ratio <= 1.0 + PASS_BAND else "FAIL"
+
 
 MOXING_STAGES = "20:128-224,38:224-224,40:288-128"
 # fast.ai / DIU, 16 x p3.16xlarge (cybertronai/imagenet18, train.py `sixteen_machines`,
@@ -185,6 +195,160 @@ VALIDATION_CASES = [
 ]
 
 
+@dataclass(frozen=True)
+class MLPerfRun:
+    """An MLPerf Training ResNet-50 result on a TPU pod, as its result log (mllog) states it:
+    `chips` (the platform's TensorCores / 2), `global_batch_size`, `epochs` (the epoch_num
+    of the last `eval_accuracy`, the one that reached 75.9% top-1) and `run_s` (run_start to
+    run_stop, evaluation included). Of the five logs of a submission, the one with the
+    median run time."""
+
+    run: str
+    source: str  # repository and path of the result log
+    chip: str  # a key of hybridpar.targets.CHIPS; the preset is tpu-<chip>
+    chips: int
+    global_batch: int
+    epochs: int
+    run_s: float
+    eval_every_epochs: float = 4.0  # each log evaluates after every block of 4 epochs
+
+    @property
+    def per_chip_batch(self) -> int:
+        return self.global_batch // self.chips
+
+    def images_per_s_per_chip(self, seconds: float) -> float:
+        return self.epochs * IMAGENET_TRAIN_IMAGES / seconds / self.chips
+
+
+MLPERF_TPU_RUNS = [
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-32, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-32/resnet/result_2.txt",
+        "v3",
+        16,
+        4096,
+        60,
+        2530.107,
+    ),
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-128, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-128/resnet/result_2.txt",
+        "v3",
+        64,
+        16384,
+        64,
+        673.189,
+    ),
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-256, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-256/resnet/result_0.txt",
+        "v3",
+        128,
+        32768,
+        76,
+        409.154,
+    ),
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-512, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-512/resnet/result_4.txt",
+        "v3",
+        256,
+        32768,
+        72,
+        226.14,
+    ),
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-1024, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-1024/resnet/result_4.txt",
+        "v3",
+        512,
+        32768,
+        76,
+        136.504,
+    ),
+    MLPerfRun(
+        "MLPerf v0.6 Google, TPU v3-2048, TF",
+        "mlcommons/training_results_v0.6 Google/results/tpu-v3-2048/resnet/result_0.txt",
+        "v3",
+        1024,
+        32768,
+        72,
+        76.97,
+    ),
+    MLPerfRun(
+        "MLPerf v0.7 Google, TPU v3-8192, JAX",
+        "mlcommons/training_results_v0.7 Google/results/tpu-v3-8192-JAX/resnet/result_3.txt",
+        "v3",
+        4096,
+        65536,
+        92,
+        28.243,
+    ),
+    MLPerfRun(
+        "MLPerf v2.0 Google, TPU v4-8192, TF",
+        "mlcommons/training_results_v2.0 Google/results/cloud-tpu-v4-8192-TF/resnet/result_4.txt",
+        "v4",
+        4096,
+        32768,
+        60,
+        11.292,
+    ),
+    MLPerfRun(
+        "MLPerf v2.0 Google, TPU v4-6912, TF",
+        "mlcommons/training_results_v2.0 Google/results/cloud-tpu-v4-6912-TF/resnet/result_3.txt",
+        "v4",
+        3456,
+        55296,
+        80,
+        13.795,
+    ),
+]
+
+
+def run_mlperf_case(case: MLPerfRun, overlap: float = 0.8, bucket_mb=32.0) -> dict:
+    """Predict one TPU pod run: the model's ResNet-50 (fp32 gradients, the preset's) on
+    `tpu-<chip>` (targets.CHIPS' peak and ICI), at the run's per-chip batch for its epochs,
+    with an evaluation pass every 4 epochs (ASSUMPTION: at the train batch per chip)."""
+    preset = get_preset(f"tpu-{case.chip}")
+    workload = resnet50_workload(preset.grad_dtype, bucket_mb)
+    b = case.per_chip_batch
+    ev = Evaluation(case.eval_every_epochs, image_size=224, per_device_batch=b)
+
+    def predict(ov):
+        stages = [Stage(case.epochs, 224, b)]
+        return time_to_train(workload, preset, case.chips, stages, overlap=ov, evaluation=ev)
+
+    tt, tt0 = predict(overlap), predict(0.0)
+    published = case.images_per_s_per_chip(case.run_s)
+    predicted = case.images_per_s_per_chip(tt.total_s)
+    return {
+        "run": case.run,
+        "reported": f"{published:,.0f} img/s/chip ({case.run_s:g} s)",
+        "reported_value": published,
+        "predicted": predicted,
+        "predicted_no_overlap": case.images_per_s_per_chip(tt0.total_s),
+        "ratio": predicted / published,
+        "verdict": verdict(predicted / published),
+        "metric": "images_per_s_per_chip",
+        "published_s": case.run_s,
+        "predicted_s": tt.total_s,
+        "parts": tt.parts(),
+        "preset": preset.name,
+        "peak_flops": preset.peak_flops,
+        "efficiency_of_peak": preset.efficiency,
+        "reference_images_per_s": preset.reference_images_per_s,
+        "devices": case.chips,
+        "global_batch": case.global_batch,
+        "epochs": case.epochs,
+        "stages": f"{case.epochs}:224-{b}",
+        "grad_dtype": preset.grad_dtype,
+        "algorithm": tt.stages[-1][1].algorithms,
+        "source": case.source,
+        "overlap": overlap,
+        "note": "",
+    }
+
+
 def run_validation_case(case: ValidationCase, overlap: float = 0.8, bucket_mb=32.0) -> dict:
     """Predict one published figure; `predicted_no_overlap` repeats it with overlap 0."""
     out = _validation_prediction(case, overlap, bucket_mb)
@@ -216,18 +380,22 @@ def _validation_prediction(case: ValidationCase, overlap: float, bucket_mb) -> d
         )
         predicted = hi.images_per_s / (case.devices / case.base_devices * lo.images_per_s)
         detail = hi
+        parts = hi.parts()  # one step on case.devices
     else:
         tt = time_to_train(
             workload, preset, case.devices, stages, overlap=overlap, evaluation=case.evaluation
         )
         predicted = tt.total_s
         detail = tt.stages[-1][1]
+        parts = tt.parts()
     return {
         "run": case.run,
         "reported": case.reported,
         "reported_value": case.reported_value,
         "predicted": predicted,
         "ratio": predicted / case.reported_value,
+        "verdict": verdict(predicted / case.reported_value),
+        "parts": parts,
         "metric": case.metric,
         "preset": preset.name,
         "efficiency_of_peak": preset.efficiency,
@@ -241,4 +409,6 @@ def _validation_prediction(case: ValidationCase, overlap: float, bucket_mb) -> d
 
 
 def validation_table(overlap: float = 0.8) -> list[dict]:
-    return [run_validation_case(c, overlap) for c in VALIDATION_CASES]
+    return [run_validation_case(c, overlap) for c in VALIDATION_CASES] + [
+        run_mlperf_case(c, overlap) for c in MLPERF_TPU_RUNS
+    ]

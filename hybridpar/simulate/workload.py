@@ -67,6 +67,7 @@ class Workload:
     backward_fraction: float = BACKWARD_FRACTION
     source: str = "analytic"
     reference_batch: float | None = None  # per-device batch the FLOPs were measured at
+    compiled_by: str = ""  # the compiler that counted a comm report's FLOPs and collectives
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
@@ -278,6 +279,7 @@ def workload_from_report(report: CommReport) -> Workload:
         model_parallel=model,
         source="comm_report",
         reference_batch=float(b),
+        compiled_by=f"{report.devices.get('platform')} ({report.devices.get('kind')})",
     )
 
 

@@ -1,0 +1,46 @@
+"""The per-step floor of the scaling model (``hybridpar.simulate.hardware.STEP_FLOOR_S``): how
+long the host takes to dispatch one jitted train step over a train state of ResNet-50's
+number of arrays, when the step itself computes next to nothing.
+
+    python bench/step_floor.py [--arrays 428] [--steps 200] [--repeats 5]
+
+428 arrays: ResNet-50's 161 parameters, their 161 momentum buffers and 106 BatchNorm
+statistics. Prints each repeat's microseconds per step, then ``floor_us=`` (the fastest).
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--arrays", type=int, default=161 + 161 + 106)
+p.add_argument("--steps", type=int, default=200)
+p.add_argument("--repeats", type=int, default=5)
+args = p.parse_args()
+
+state = [jnp.zeros((4,), jnp.float32) for _ in range(args.arrays)]
+batch = jnp.zeros((8, 4), jnp.float32)
+
+
+@jax.jit
+def step(state, batch):
+    s = batch.sum()
+    return [x + s for x in state], s
+
+
+state, s = step(state, batch)
+s.block_until_ready()
+times = []
+for _ in range(args.repeats):
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        state, s = step(state, batch)  # dispatched asynchronously, as a training loop does
+    s.block_until_ready()
+    times.append((time.perf_counter() - t) / args.steps * 1e6)
+    print(f"{times[-1]:.0f} us per step")
+print(f"floor_us={min(times):.0f} arrays={args.arrays} device={jax.devices()[0].platform}")
