@@ -24,6 +24,7 @@ batch of 4 on one device keep it fast.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -251,3 +252,78 @@ def test_reference_resnet50_has_the_arrays_of_hybridpars():
                if jax.tree_util.keystr(p).endswith("['kernel']")]  # fmt: skip
     assert len(kernels) == 54  # 53 convolutions and the head
     assert sum(x.size for x in jax.tree.leaves(ours["params"])) == 25_557_032
+
+
+# ---- bench/curriculum_tta.py: time to accuracy over seeds --------------------------------------
+
+tta = bench_module("curriculum_tta")
+
+
+def _train(step, wall_s, batch=100, images_per_s=50.0):
+    return {"event": "train", "step": step, "wall_s": wall_s, "global_batch": batch,
+            "images_per_s": images_per_s}  # fmt: skip
+
+
+def _eval(step, top1, **kw):
+    return {"event": "eval", "step": step, "epoch": step / 4, "top1": top1, **kw}
+
+
+def test_curriculum_tta_times_the_first_checkpoint_at_target_on_the_training_clock():
+    """Time to target is the training clock at the first evaluated checkpoint at or over
+    the target: the time before the first step (compilation included) plus each train
+    line's steps x batch / images per second, so an evaluation or a checkpoint save between
+    steps is left out; a later dip under the target changes nothing, and the trainer's own
+    evaluations count beside the evaluator's. Planted bugs that fail it: ``>`` for ``>=``,
+    the wall time of the step instead of the clock, the best evaluation instead of the
+    first, one step per train line whatever its step count, the evaluator's records left
+    out."""
+    run = [
+        {"event": "compile", "step": 0, "compile_s": 10.0, "program": "train"},
+        _train(1, 15.0),  # 2 s a step at 100 images / 50 per s: the first step began at 13
+        _train(2, 17.0),
+        {"event": "checkpoint", "step": 2, "blocking_s": 0.5},
+        _eval(2, 0.5),  # the trainer's own evaluation: 12.5 s outside the steps
+        _train(4, 34.0),  # two steps in one line: 4 s
+        _train(5, 36.0, batch=200, images_per_s=100.0),  # another stage's batch: 2 s
+        _eval(5, 0.81),
+    ]
+    # the evaluator's records carry the trainer's wall time at each checkpoint
+    walls = {1: 15.0, 2: 17.0, 3: 32.0, 4: 34.0, 5: 36.0}
+    evaluator = [_eval(s, t, wall_s=walls[s]) for s, t in zip(walls, (0.3, 0.5, 0.79, 0.8, 0.81))]
+    clock = tta.training_clock(run)
+    assert clock == {1: (15.0, 5.0), 2: (17.0, 7.0), 4: (21.0, 11.0), 5: (23.0, 13.0)}
+    evals = tta.evaluations(run, evaluator)
+    assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
+    clock[3] = (19.0, 9.0)  # the evaluator's checkpoint at step 3 (train lines every step)
+    reached = tta.time_to_target(evals, clock, 0.8)
+    assert reached == {"s": 21.0, "without_compile_s": 11.0, "step": 4, "epoch": 1.0,
+                       "top1": 0.8}  # fmt: skip
+    assert tta.time_to_target(evals, clock, 0.805)["s"] == 23.0
+    assert tta.time_to_target(evals, clock, 0.9) is None
+    # only the trainer's last evaluation: the target at its step
+    assert tta.time_to_target(tta.evaluations(run, []), clock, 0.8)["step"] == 5
+
+
+def test_curriculum_tta_speedups_per_seed_and_their_spread():
+    """Per seed, fixed's time over the curriculum's (inf where only the curriculum reached
+    the target, 0 where only the fixed run did, nan where neither); over the seeds, the
+    median, min and max with nan left out. Planted bugs that fail it: the ratio inverted,
+    an unreached target counted as nan (dropping a seed the curriculum lost), the mean for
+    the median, nan kept in."""
+
+    def row(*times):  # a run's time to 0.8 and to 0.85 (None: not reached)
+        return {"tta": {k: t and {"s": t} for k, t in zip(("0.8", "0.85"), times)}}
+
+    pairs = [
+        {"curriculum": row(100.0, 200.0), "fixed": row(150.0, None)},
+        {"curriculum": row(100.0, None), "fixed": row(110.0, 300.0)},
+        {"curriculum": row(200.0, None), "fixed": row(300.0, None)},
+        {"curriculum": row(100.0, 250.0), "fixed": row(400.0, 250.0)},
+    ]
+    per_seed = tta.seed_speedups(pairs, [0.8, 0.85])
+    assert per_seed["0.8"] == [1.5, 1.1, 1.5, 4.0]
+    assert per_seed["0.85"][:2] == [math.inf, 0.0] and math.isnan(per_seed["0.85"][2])
+    assert per_seed["0.85"][3] == 1.0
+    assert tta.spread(per_seed["0.8"]) == (1.5, 1.1, 4.0)
+    assert tta.spread(per_seed["0.85"]) == (1.0, 0.0, math.inf)
+    assert all(math.isnan(v) for v in tta.spread([math.nan]))
