@@ -24,13 +24,17 @@ batch of 4 on one device keep it fast.
 """
 
 import functools
+import json
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax.core import meta
-from helpers import NO_LLVM_OPT, ROOT, bench_module, build, random_like
+from helpers import NO_LLVM_OPT, NO_LLVM_OPT_FLAG, ROOT, bench_module, build, cpu_env, random_like
 
 from hybridpar import shard_batch
 from hybridpar.config import load_config
@@ -327,3 +331,52 @@ def test_curriculum_tta_speedups_per_seed_and_their_spread():
     assert tta.spread(per_seed["0.8"]) == (1.5, 1.1, 4.0)
     assert tta.spread(per_seed["0.85"]) == (1.0, 0.0, math.inf)
     assert all(math.isnan(v) for v in tta.spread([math.nan]))
+
+
+def test_curriculum_tta_plumbing(tmp_path):
+    """The whole bench, shrunk (a tiny airbench on 256 synthetic images, one epoch, 12 then
+    16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds
+    start from different losses), every checkpoint (each step, a quarter epoch) is evaluated,
+    and the last line's median and spread are those of the clocks in the records (at the
+    first checkpoint, no save or evaluation before it: the step's wall time). Planted bugs
+    that fail it: the seed not passed to the runs, the evaluator not run, the last line's
+    median from the first seed only."""
+    out = tmp_path / "tta"
+    sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
+            "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
+    argv = ["--seeds", "2", "--target", "0.01", "--out", str(out)]
+    argv += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    # The recipe shrunk in the bench's process, which is JAX-free (its runs are not).
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import cifar10_fast; "
+        "cifar10_fast.VARIANTS['cpu'] = (8, 1.0, '0.5:12-64@0.5,1:16-64', 0.85); "
+        f"sys.argv = sys.argv[2:]; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
+        "import curriculum_tta; curriculum_tta.main()"
+    )
+    env = cpu_env(1, NO_LLVM_OPT_FLAG)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # one per process: the runs go two at a time
+    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "experiments"), "bench", *argv],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    first_losses, speedups = [], []
+    for seed in (0, 1):
+        clocks = {}
+        for name in tta.NAMES:
+            workdir = out / f"seed{seed}" / name
+            assert json.loads((workdir / "config.json").read_text())["seed"] == seed
+            recs = tta.records(workdir / "metrics.jsonl")
+            evaluated = tta.records(workdir / "evaluator" / "metrics.jsonl")
+            assert [r["step"] for r in evaluated if r["event"] == "eval"] == [1, 2, 3, 4]
+            train = [r for r in recs if r["event"] == "train"]
+            clocks[name] = train[0]["wall_s"]
+            first_losses.append(train[0]["loss"])
+        speedups.append(clocks["fixed"] / clocks["curriculum"])
+    # curriculum seed 0 against seed 1, fixed seed 0 against seed 1
+    assert first_losses[0] != first_losses[2] and first_losses[1] != first_losses[3]
+    fields = dict(kv.split("=") for kv in last.split())
+    assert last.startswith("tta_speedup_1=") and fields["seeds"] == "2"
+    assert float(fields["tta_speedup_1"]) == pytest.approx(sum(speedups) / 2, abs=2e-3)
+    assert float(fields["tta_speedup_1_min"]) == pytest.approx(min(speedups), abs=1e-3)
+    assert float(fields["tta_speedup_1_max"]) == pytest.approx(max(speedups), abs=1e-3)
+    assert fields["tta_speedup_85"] == "nan"  # random labels: never reached
