@@ -45,7 +45,8 @@ and ``seeds=``. Data: the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/
 prepared on first use into ``~/.cache/hybridpar``. On 2 CPU cores a pair of the cpu variant
 at its 8 epochs takes about an hour, and evaluating its checkpoints more; ``--epochs``
 shortens both runs alike (the recipe's stages scaled), ``--seeds`` sets how many pairs.
-``--fixed-set`` overrides the fixed run only.
+``--fixed-set`` overrides the fixed run only, ``--curriculum-set`` the curriculum only (e.g.
+``stages=...``: another curriculum against the same fixed run).
 """
 
 from __future__ import annotations
@@ -288,13 +289,17 @@ def key_of(target: float) -> str:
 
 
 def main(argv=None) -> None:
+    from hybridpar.cli import finite_float  # JAX-free, as this parent process stays
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--seeds", type=int, default=3, help="pairs of runs, one seed each")
     p.add_argument("--first-seed", type=int, default=0, help="the first pair's seed")
-    p.add_argument("--target", type=float, default=0.8, help="top-1 to time (a fraction)")
-    p.add_argument("--epochs", type=float, default=0.0, help="both runs' epochs (0: recipe's)")
-    p.add_argument("--checkpoint-every-epochs", type=float, default=0.25,
+    p.add_argument("--target", type=finite_float, default=0.8, help="top-1 to time (a fraction)")
+    p.add_argument(
+        "--epochs", type=finite_float, default=0.0, help="both runs' epochs (0: recipe's)"
+    )
+    p.add_argument("--checkpoint-every-epochs", type=finite_float, default=0.25,
                    help="how often both runs save a checkpoint to evaluate: the resolution "
                         "of the time to target")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
@@ -302,17 +307,23 @@ def main(argv=None) -> None:
                    help="a config override for both runs, repeatable")  # fmt: skip
     p.add_argument("--fixed-set", action="append", default=[], metavar="KEY=VALUE",
                    help="an override for the fixed run only, after --set")  # fmt: skip
+    p.add_argument("--curriculum-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the curriculum run only, after the recipe's stages: "
+                        "e.g. stages=... to try another curriculum against the same fixed "
+                        "run")  # fmt: skip
     p.add_argument("--one-after-other", action="store_true",
                    help="train the two runs one after the other on all cores instead of "
                         "side by side on half the cores each (default: 2+ cores)")  # fmt: skip
     args = p.parse_args(argv)
     if not 0 < args.target <= 1:
         fail(f"--target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
+    if args.epochs < 0:
+        fail(f"--epochs={args.epochs:g} must be >= 0 (0: the recipe's)")
     if args.seeds < 1 or args.first_seed < 0:
         fail(f"--seeds={args.seeds} --first-seed={args.first_seed}: at least one seed, from 0 up")
     if not 0 < args.checkpoint_every_epochs <= 1:
         fail(f"--checkpoint-every-epochs={args.checkpoint_every_epochs} is in (0, 1], e.g. 0.25")
-    for kv in [*args.set, *args.fixed_set]:
+    for kv in [*args.set, *args.fixed_set, *args.curriculum_set]:
         if kv.partition("=")[0] in OWN_KEYS:
             fail(
                 f"{kv}: the bench sets {' and '.join(OWN_KEYS)} itself (one seed per pair, "
@@ -342,7 +353,8 @@ def main(argv=None) -> None:
     _, size, batch, _ = parsed[-1]  # the last stage's shape, no @ or ~
     common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
     overrides = {
-        "curriculum": [*common, f"--config.stages={','.join(stages)}"],
+        "curriculum": [*common, f"--config.stages={','.join(stages)}",
+                       *(f"--config.{kv}" for kv in args.curriculum_set)],
         "fixed": [*common, f"--config.stages={epochs:g}:{size}-{batch}",
                   *(f"--config.{kv}" for kv in args.fixed_set)],
     }  # fmt: skip
@@ -418,7 +430,11 @@ def main(argv=None) -> None:
         return (row["tta"][f"{targets[0]:g}"] or {}).get("s", math.inf)
 
     def first_stall(key):
-        return lambda row: (row["stalls"][0].get(key) if row["stalls"] else None) or math.nan
+        def get(row):
+            value = row["stalls"][0][key] if row["stalls"] else None
+            return math.nan if value is None else value
+
+        return get
 
     print(
         *fields,
