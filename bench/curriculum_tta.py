@@ -46,7 +46,11 @@ prepared on first use into ``~/.cache/hybridpar``. On 2 CPU cores a pair of the 
 at its 8 epochs takes about an hour, and evaluating its checkpoints more; ``--epochs``
 shortens both runs alike (the recipe's stages scaled), ``--seeds`` sets how many pairs.
 ``--fixed-set`` overrides the fixed run only, ``--curriculum-set`` the curriculum only (e.g.
-``stages=...``: another curriculum against the same fixed run).
+``stages=...``: another curriculum against the same fixed run). Called again with the same
+``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,
+which must be the ones it would run now) and runs the seeds it lacks, so an interrupted
+measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; a pair left
+unfinished is an error naming its folder.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ NAMES = ("curriculum", "fixed")
 # What the bench sets itself: a seed per pair, and no stop at the target (the budget is the
 # recipe's epochs, whose last evaluation is the final accuracy it reports).
 OWN_KEYS = ("seed", "stop_at_target")
+PAIR = "pair.json"  # in seedS/, once its pair is trained and evaluated: the runs' commands
 
 
 def fail(message: str) -> None:
@@ -329,11 +334,13 @@ def main(argv=None) -> None:
                 f"{kv}: the bench sets {' and '.join(OWN_KEYS)} itself (one seed per pair, "
                 "from --first-seed; the recipe's epochs, no stop at the target); drop it"
             )
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # as the recorded commands have it
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for seed in seeds:
-        if (out / f"seed{seed}").exists():
-            fail(f"{out / f'seed{seed}'} exists; pass another --out (the bench never reuses a run)")
+        d = out / f"seed{seed}"
+        if d.exists() and not (d / PAIR).exists():
+            fail(f"{d} holds a pair left unfinished (no {PAIR}); remove it to run that pair "
+                 "again, or pass another --out")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -369,27 +376,32 @@ def main(argv=None) -> None:
     side_by_side = not args.one_after_other and len(cores) >= 2
     half = len(cores) // 2  # equal halves: an odd core out stays idle
     pairs = []
-    for i, seed in enumerate(seeds):
+    for seed in seeds:
         d = out / f"seed{seed}"
-        d.mkdir()
-        # Both at once, each on half the cores: whatever else loads the machine slows both
-        # alike. The halves swap from seed to seed, so neither run keeps a core.
-        halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if i % 2 else 1]
-        halves = halves if side_by_side else None
-        trains = [
-            (f"seed {seed} {n}", train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]),
-             d / f"{n}.log")
-            for n in NAMES
-        ]  # fmt: skip
-        run_both(trains, halves)
-        # After both trained: evaluation never shares a core with training.
-        run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
-                  for n in NAMES], halves)  # fmt: skip
-        rows = {n: summarize(n, d / n, targets) for n in NAMES}
-        pairs.append({"seed": seed, **rows})
-        subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
-                        "--out", str(d / "report.png"), f"--target-top1={args.target}"],
-                       cwd=ROOT, check=False)  # fmt: skip
+        cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
+        commands = {n: cmd[1:] for n, cmd in cmds.items()}  # as recorded: no interpreter path
+        if (d / PAIR).exists():  # a finished pair of an earlier call with this --out
+            if json.loads((d / PAIR).read_text()) != commands:
+                fail(
+                    f"{d} holds a pair trained with other settings (its {PAIR} has the "
+                    "commands); pass the same arguments to reuse it, or another --out"
+                )
+            print(f"== seed {seed}: the finished pair in {d}", flush=True)
+        else:
+            d.mkdir()
+            # Both at once, each on half the cores: whatever else loads the machine slows
+            # both alike. The halves swap from seed to seed, so neither run keeps a core.
+            halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
+            halves = halves if side_by_side else None
+            run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
+            # After both trained: evaluation never shares a core with training.
+            run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
+                      for n in NAMES], halves)  # fmt: skip
+            subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
+                            "--out", str(d / "report.png"), f"--target-top1={args.target}"],
+                           cwd=ROOT, check=False)  # fmt: skip
+            (d / PAIR).write_text(json.dumps(commands, indent=2))
+        pairs.append({"seed": seed, **{n: summarize(n, d / n, targets) for n in NAMES}})
         (out / "curriculum_tta.json").write_text(json.dumps(pairs, indent=2))
 
     per_seed = seed_speedups(pairs, targets)
@@ -442,8 +454,8 @@ def main(argv=None) -> None:
         f"fixed_tta_s={median_of('fixed', tta_s):.1f}",
         f"curriculum_final_top1={median_of('curriculum', lambda r: r['final_top1']):.4f}",
         f"fixed_final_top1={median_of('fixed', lambda r: r['final_top1']):.4f}",
-        f"switch_gap_s={median_of('curriculum', first_stall('gap_s'))}",
-        f"median_step_s={median_of('curriculum', first_stall('median_step_s'))}",
+        f"switch_gap_s={median_of('curriculum', first_stall('gap_s')):.3f}",
+        f"median_step_s={median_of('curriculum', first_stall('median_step_s')):.3f}",
         f"checkpoint_every_epochs={every_epochs:.3f} variant={args.variant} epochs={epochs:g}",
         *([f"side_by_side=1 cores_each={half}"] if side_by_side else []),
     )

@@ -342,9 +342,10 @@ def test_curriculum_tta_plumbing(tmp_path):
     16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds
     start from different losses), every checkpoint (each step, a quarter epoch) is evaluated,
     and the last line's median and spread are those of the clocks in the records (at the
-    first checkpoint, no save or evaluation before it: the step's wall time). Planted bugs
-    that fail it: the seed not passed to the runs, the evaluator not run, the last line's
-    median from the first seed only."""
+    first checkpoint, no save or evaluation before it: the step's wall time); called again,
+    it reuses the finished pairs, unless their settings differ. Planted bugs that fail it:
+    the seed not passed to the runs, the evaluator not run, the last line's median from the
+    first seed only, a finished pair reused whatever its commands."""
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
@@ -359,10 +360,23 @@ def test_curriculum_tta_plumbing(tmp_path):
     )
     env = cpu_env(1, NO_LLVM_OPT_FLAG)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # one per process: the runs go two at a time
-    r = subprocess.run([sys.executable, "-c", code, str(ROOT / "experiments"), "bench", *argv],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    def bench(*args):
+        cmd = [sys.executable, "-c", code, str(ROOT / "experiments"), "bench", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    r = bench(*argv)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
+    # Called again, it reuses the finished pairs (nothing trains) and says the same; with
+    # other settings it refuses them.
+    again = bench(*argv)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == last
+    assert "hybridpar.train" not in again.stdout
+    other = bench(*argv, "--checkpoint-every-epochs", "0.5")
+    assert (
+        other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
+    )
     first_losses, speedups = [], []
     for seed in (0, 1):
         clocks = {}
