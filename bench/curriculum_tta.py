@@ -177,6 +177,9 @@ def stalls(recs: list[dict]) -> list[dict]:
         # what else was logged between the two steps (an epoch's evaluation is written
         # before the stage record)
         between = {r["event"] for r in recs[before_idx[-1] + 1 : after_idx[0]]} - {"stage"}
+        # a save is recorded once committed, after later steps: found by its step
+        if any(r["event"] == "checkpoint" and r["step"] == last["step"] for r in recs):
+            between.add("checkpoint")
         steps = [recs[j] for j in after_idx]
         gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:])
                 if b["step"] == a["step"] + 1]  # fmt: skip

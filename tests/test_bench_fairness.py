@@ -312,6 +312,21 @@ def test_curriculum_tta_times_the_first_checkpoint_at_target_on_the_training_clo
     assert tta.time_to_target(tta.evaluations(run, []), clock, 0.8)["step"] == 5
 
 
+def test_curriculum_tta_stall_counts_a_save_at_the_switch_as_a_save():
+    """A checkpoint saved at the last step of a stage is recorded once committed, after the
+    next stage's first step: the gap across the switch is still reported as holding a save,
+    not as a stall. Planted bug that fails it: only the records between the two steps
+    looked at."""
+    stage = {"event": "stage", "step": 2, "wall_s": 4.0}
+    recs = [{"event": "stage", "step": 0, "wall_s": 0.0}, _train(1, 2.0), _train(2, 4.0), stage,
+            _train(3, 7.0), {"event": "checkpoint", "step": 2, "blocking_s": 1.0},
+            _train(4, 9.0), _train(5, 11.0)]  # fmt: skip
+    (switch,) = tta.stalls(recs)
+    assert switch["gap_s"] == 3.0 and switch["median_step_s"] == 2.0
+    assert switch["between"] == ["checkpoint"]
+    assert tta.stalls([r for r in recs if r["event"] != "checkpoint"])[0]["between"] == []
+
+
 def test_curriculum_tta_speedups_per_seed_and_their_spread():
     """Per seed, fixed's time over the curriculum's (inf where only the curriculum reached
     the target, 0 where only the fixed run did, nan where neither); over the seeds, the
