@@ -1,40 +1,56 @@
-"""Time to accuracy on CIFAR-10: the curriculum against the same model at one fixed shape.
+"""Time to accuracy on CIFAR-10: the curriculum against the same model at one fixed shape,
+over several seeds, with the time to target resolved to a fraction of an epoch.
 
-    python bench/curriculum_tta.py [--variant cpu] [--target 0.8] [--epochs E]
-                                   [--out DIR] [--set KEY=VALUE ...] [--curriculum-run DIR]
-                                   [--fixed-set KEY=VALUE ...] [--one-after-other]
+    python bench/curriculum_tta.py [--variant cpu] [--seeds 3] [--first-seed 0]
+                                   [--target 0.8] [--epochs E] [--checkpoint-every-epochs 0.25]
+                                   [--out DIR] [--set KEY=VALUE ...] [--fixed-set KEY=VALUE ...]
+                                   [--one-after-other]
 
-Two runs of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs under ``--out``
-(default ``runs/curriculum_tta``), side by side: at once, each on half the cores, its output
-in ``--out``/NAME.log (``--one-after-other``: in turn, on all cores). ``curriculum`` (the
-recipe's stages, e.g. 24 px then 32 px, at batch 512) and ``fixed`` (the same model,
-optimizer, epochs and augmentation at 32 px and the last stage's batch throughout). Both
-log every step
-(``log_every_s=0``) and evaluate every epoch; time to ``--target`` top-1 is DAWNBench's count
-(wall clock from the start, compilation and evaluation included, ``summary.json``'s
-``time_to_target``), and also without compilation. The data is prepared before either run
-starts, so neither clock includes that one-time cost.
+For each seed (the config's ``seed``: initialisation, data order and augmentation), two runs
+of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs ``--out``/seedS/NAME (default
+``--out`` ``runs/curriculum_tta``): ``curriculum`` (the recipe's stages, e.g. 24 px then 32
+px, at batch 512) and ``fixed`` (the same model, optimizer, epochs and augmentation at 32 px
+and the last stage's batch throughout). The two run side by side: at once, each on half the
+cores, its output in seedS/NAME.log, the halves swapped from one seed to the next
+(``--one-after-other``: in turn, on all cores). The pairs run one after the other.
 
-Also per run: the best top-1 and the epoch it came at, and for the curriculum the stall at
-each stage switch: the time between the last step of one stage and the first of the next,
-against the median step time of the stage after it (an interval with an evaluation or a
-checkpoint in it is reported as such, not as a stall; the time from the switch, after any
-evaluation, to the next step is reported too). Then ``python -m hybridpar.report``
-on both runs (``DIR/report.png`` and ``.md``).
+Both train the recipe's epochs (a fixed budget: no stop at the target, so the last
+evaluation is the recipe's final accuracy) and save a checkpoint every
+``--checkpoint-every-epochs`` (the same number of steps in both runs, counted at the largest
+batch of either; all kept), and neither evaluates before its last step. After each pair,
+``python -m hybridpar.evaluate`` evaluates every checkpoint of both runs (output in
+seedS/NAME.eval.log), side by side on the same cores: no evaluation takes a core from a
+training run.
 
-The last line starts with the speedup, ``tta_speedup_80=`` (fixed's time to target over the
-curriculum's; ``nan`` where a run did not reach it), target >= 1.3x (issue 13). Data: the
-JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``), prepared on first use into
-``~/.cache/hybridpar``. On 2 CPU cores an epoch of the cpu variant takes minutes: the whole
-bench is hours at the recipe's 8 epochs; ``--epochs`` shortens both runs alike.
-``--curriculum-run DIR`` compares with a finished run of the recipe (``python -m
-hybridpar.train --config experiments/cifar10_fast.py:cpu``, checked against the stages and
-epochs the bench would train) instead of training the curriculum again; the fixed run then
-logs as often as that run did, and the last line ends with ``curriculum_reused=1`` (the two
-are not side by side). Times to target come from the eval records, so any target works.
-``--fixed-set`` overrides the fixed run only: ``--fixed-set stop_at_target=True`` stops it at
-the target while the curriculum trains to its end (the recipe's final accuracy in the same
-bench); ``--set stop_at_target=True`` stops both there, the shortest bench.
+Time to a target: the training wall time at the first checkpoint whose top-1 is at or over
+it, from the run's start (set-up and compilation included), checkpoint saves and evaluation
+excluded: the trainer's own count of time in steps (each train line's steps x batch /
+images per second) after the time before its first step. Also without compilation. It is
+resolved to the checkpoint interval (the target may have been reached up to one interval
+earlier). The data is prepared before any run starts, so no clock includes that.
+
+Per seed and run: the time to ``--target`` and to the recipe's final target, and the final
+top-1 (at the last step); the speedup, fixed's time over the curriculum's (``inf`` where
+only the curriculum reached the target, 0 where only the fixed run did, ``nan`` where
+neither); and the stall at each stage switch of the curriculum: the time between the last
+step of one stage and the first of the next, against the median step time of the stage
+after it (an interval with an evaluation or a checkpoint in it is reported as such, not as a
+stall). Over the seeds: the median, min and max of each speedup, each seed's rows in
+``--out``/curriculum_tta.json, and ``python -m hybridpar.report`` on each pair
+(seedS/report.png and .md).
+
+The last line starts with ``tta_speedup_80=`` (the median over the seeds of fixed's time to
+``--target`` over the curriculum's), then ``tta_speedup_80_min=``, ``tta_speedup_80_max=``
+and ``seeds=``. Data: the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
+prepared on first use into ``~/.cache/hybridpar``. On 2 CPU cores a pair of the cpu variant
+at its 8 epochs takes about an hour, and evaluating its checkpoints more; ``--epochs``
+shortens both runs alike (the recipe's stages scaled), ``--seeds`` sets how many pairs.
+``--fixed-set`` overrides the fixed run only, ``--curriculum-set`` the curriculum only (e.g.
+``stages=...``: another curriculum against the same fixed run). Called again with the same
+``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,
+which must be the ones it would run now) and runs the seeds it lacks, so an interrupted
+measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; a pair left
+unfinished is an error naming its folder.
 """
 
 from __future__ import annotations
@@ -49,6 +65,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+NAMES = ("curriculum", "fixed")
+# What the bench sets itself: a seed per pair, and no stop at the target (the budget is the
+# recipe's epochs, whose last evaluation is the final accuracy it reports).
+OWN_KEYS = ("seed", "stop_at_target")
+PAIR = "pair.json"  # in seedS/, once its pair is trained and evaluated: the runs' commands
 
 
 def fail(message: str) -> None:
@@ -57,61 +78,81 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def start(name: str, out: Path, args, overrides: list[str], cores=None):
-    """Starts one training run in a fresh workdir (on ``cores`` only, its output in
-    ``out/NAME.log``, when given); returns (process, workdir, log file or None)."""
-    workdir = out / name
-    if workdir.exists():
-        fail(f"{workdir} exists; pass another --out (the bench never reuses a run)")
-    cmd = [
+def train_cmd(workdir: Path, args, overrides: list[str]) -> list[str]:
+    return [
         sys.executable, "-m", "hybridpar.train",
         "--config", str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}"),
         "--workdir", str(workdir),
-        "--config.log_every_s=0", "--config.eval_every_epochs=1",
+        "--config.log_every_s=0", "--config.eval_every_epochs=0",
+        f"--config.checkpoint.every_steps={args.every_steps}",
+        "--config.checkpoint.every_minutes=0", "--config.checkpoint.max_to_keep=0",
         f"--config.target_top1={args.target}",
         *(f"--config.{kv}" for kv in args.set), *overrides,
     ]  # fmt: skip
+
+
+def eval_cmd(workdir: Path) -> list[str]:
+    return [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(workdir)]
+
+
+def start(name: str, cmd: list[str], log: Path, cores=None):
+    """Starts ``cmd`` (on ``cores`` only, its output in ``log``, when given)."""
     if cores is None:
-        print(f"== {name}: {' '.join(cmd[3:])}", flush=True)
-        return subprocess.Popen(cmd, cwd=ROOT), workdir, None
-    log = out / f"{name}.log"
-    print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[3:])}", flush=True)
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        return subprocess.Popen(cmd, cwd=ROOT)
+    print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[1:])}", flush=True)
     with open(log, "w") as f:  # the child holds its own copy of the file
         # XLA's and tf.data's thread pools size themselves by the affinity set.
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
-    return proc, workdir, log
 
 
-def finish(name: str, proc, workdir: Path, log) -> Path:
-    code = proc.wait()
-    if code != 0:
-        where = f"; its output is in {log}" if log else ""
-        fail(f"the {name} run failed (exit {code}); its records are in {workdir}{where}")
-    return workdir
+def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
+    """Runs two (name, command, log) jobs: at once, one on each of ``halves`` (a set of
+    cores each), or, with ``halves`` None, one after the other on all cores."""
+    if halves is None:
+        for name, cmd, log in jobs:
+            code = start(name, cmd, log).wait()
+            if code != 0:
+                fail(f"{name} failed (exit {code}); see {log.parent}")
+        return
+    procs = [
+        (name, start(name, cmd, log, cores), log) for (name, cmd, log), cores in zip(jobs, halves)
+    ]
+    for name, proc, log in procs:
+        code = proc.wait()
+        if code != 0:
+            for _, other, _ in procs:  # stopped, not left running without the bench
+                other.terminate()
+            fail(f"{name} failed (exit {code}); its output is in {log}")
 
 
-def run(name: str, out: Path, args, overrides: list[str]) -> Path:
-    return finish(name, *start(name, out, args, overrides))
-
-
-def prepare(args) -> None:
-    """The prepared copy of the data both runs read, made (or checked) first, as the
-    trainer makes it on first use."""
+def prepare(args) -> dict:
+    """The prepared copy of the data every run reads, made (or checked) first, as the
+    trainer makes it on first use; returns its ``train_examples`` and the mesh's
+    ``data_parallel`` size (the checkpoint interval's steps come from them)."""
     code = (
-        "import sys; from hybridpar import cli; from hybridpar.input.datasets import make_data; "
+        "import json, sys; from hybridpar import cli; from hybridpar.input.datasets import "
+        "make_data; from hybridpar.mesh import make_mesh, data_parallel_size; "
         "c = cli.load(sys.argv[1], [tuple(kv.split('=', 1)) for kv in sys.argv[2:]]); "
-        "make_data(c, 0, 1)"
+        "d = make_data(c, 0, 1); print(json.dumps({'train_examples': d.steps_for(1), "
+        "'data_parallel': data_parallel_size(make_mesh(c.mesh))}))"
     )
     config = str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}")
-    r = subprocess.run([sys.executable, "-c", code, config, *args.set], cwd=ROOT)
+    r = subprocess.run([sys.executable, "-c", code, config, *args.set], cwd=ROOT,
+                       stdout=subprocess.PIPE, text=True)  # fmt: skip
     if r.returncode != 0:
         fail(f"preparing the data failed (exit {r.returncode})")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def records(workdir: Path) -> list[dict]:
+def records(path: Path) -> list[dict]:
+    """The records of a ``metrics.jsonl`` (the trainer's or the evaluator's); none if absent.
+    The bench's one reader of them."""
     out = []
-    for line in (workdir / "metrics.jsonl").read_text().splitlines():
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
         try:
             out.append(json.loads(line))
         except ValueError:  # a line cut short
@@ -136,6 +177,9 @@ def stalls(recs: list[dict]) -> list[dict]:
         # what else was logged between the two steps (an epoch's evaluation is written
         # before the stage record)
         between = {r["event"] for r in recs[before_idx[-1] + 1 : after_idx[0]]} - {"stage"}
+        # a save is recorded once committed, after later steps: found by its step
+        if any(r["event"] == "checkpoint" and r["step"] == last["step"] for r in recs):
+            between.add("checkpoint")
         steps = [recs[j] for j in after_idx]
         gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(steps, steps[1:])
                 if b["step"] == a["step"] + 1]  # fmt: skip
@@ -152,86 +196,154 @@ def stalls(recs: list[dict]) -> list[dict]:
     return out
 
 
-def time_to_target(recs: list[dict], target: float) -> dict | None:
-    """The first eval at or above ``target`` top-1: its wall time from the start
-    (compilation and evaluation included), that time less the compile time on the critical
-    path before it (a background compile counts its wait), and its epoch."""
-    compile_s = 0.0
+def training_clock(recs: list[dict]) -> dict[int, tuple[float, float]]:
+    """Step -> (seconds from the run's start, the same less compilation) at the end of each
+    step a train line ends at: the time before the first step (set-up, compilation) plus the
+    time in steps as the trainer counts it, each train line's steps x batch / images per
+    second, which leaves out evaluation and checkpoint saves (the trainer's clock restarts
+    after each). Compilation: as the trainer counts it (a background compile, its wait)."""
+    out, compile_s, start_s, in_steps, last = {}, 0.0, None, 0.0, 0
     for r in recs:
         if r["event"] == "compile":
             compile_s += r["wait_s"] if r.get("background") else r["compile_s"]
-        if r["event"] == "eval" and r["top1"] >= target:
-            return {"wall_s": r["wall_s"], "without_compile_s": round(r["wall_s"] - compile_s, 3),
-                    "epoch": r["epoch"]}  # fmt: skip
+        elif r["event"] == "train":
+            dt = (r["step"] - last) * r["global_batch"] / r["images_per_s"]
+            if start_s is None:
+                start_s = r["wall_s"] - dt  # the run's start to its first step
+            in_steps, last = in_steps + dt, r["step"]
+            out[r["step"]] = (
+                round(start_s + in_steps, 3),
+                round(start_s + in_steps - compile_s, 3),
+            )
+    return out
+
+
+def evaluations(run_recs: list[dict], evaluator_recs: list[dict]) -> list[dict]:
+    """One eval record per step, by step: the trainer's and the evaluator's (which wins
+    where both evaluated a step)."""
+    by_step = {r["step"]: r for r in [*run_recs, *evaluator_recs] if r["event"] == "eval"}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def time_to_target(evals: list[dict], clock: dict, target: float) -> dict | None:
+    """The first evaluation at or over ``target`` top-1, by step: its training time
+    (``training_clock``), with and without compilation, its epoch and top-1; None if none."""
+    for r in evals:
+        if r["top1"] >= target:
+            s, without_compile_s = clock[r["step"]]
+            return {"s": s, "without_compile_s": without_compile_s, "step": r["step"],
+                    "epoch": r["epoch"], "top1": r["top1"]}  # fmt: skip
     return None
 
 
-def summarize(name: str, workdir: Path, target: float) -> dict:
+def summarize(name: str, workdir: Path, targets: list[float]) -> dict:
+    recs = records(workdir / "metrics.jsonl")
+    evals = evaluations(recs, records(workdir / "evaluator" / "metrics.jsonl"))
+    clock = training_clock(recs)
+    final = evals[-1] if evals else {}  # the last step's
     summary = json.loads((workdir / "summary.json").read_text())
-    recs = records(workdir)
-    evals = [r for r in recs if r["event"] == "eval"]
-    best = max(evals, key=lambda r: r["top1"]) if evals else {}
-    reached = time_to_target(recs, target)
+    saves = [r for r in recs if r["event"] == "checkpoint"]
     return {
         "name": name,
         "workdir": str(workdir),
-        "tta_s": reached["wall_s"] if reached else math.nan,
-        "tta_without_compile_s": reached["without_compile_s"] if reached else math.nan,
-        "tta_epoch": reached["epoch"] if reached else math.nan,
-        "best_top1": best.get("top1", math.nan),
-        "best_epoch": best.get("epoch", math.nan),
+        "tta": {f"{t:g}": time_to_target(evals, clock, t) for t in targets},
+        "final_top1": final.get("top1", math.nan),
+        "final_epoch": final.get("epoch", math.nan),
+        "evaluations": len(evals),
+        "checkpoint_blocking_s": round(sum(r.get("blocking_s", 0.0) for r in saves), 3),
         "wall_s": summary["wall_s"],
         "compile_s": summary["compile_s"],
         "stalls": stalls(recs),
     }
 
 
-def check_reused(workdir: Path, variant: str, stages: list[str], epochs: float) -> float:
-    """``workdir``'s ``log_every_s``, after checking that it is a finished run of the
-    recipe's curriculum as this bench would train it; else an ``error:`` exit."""
-    path = workdir / "config.json"
-    if not path.exists() or not (workdir / "summary.json").exists():
-        fail(
-            f"--curriculum-run {workdir} holds no finished run (config.json and "
-            "summary.json); pass the workdir of a finished cifar10_fast run"
-        )
-    c = json.loads(path.read_text())
-    summary = json.loads((workdir / "summary.json").read_text())
-    want = {"stages": ",".join(stages), "num_epochs": epochs, "eval_every_epochs": 1.0}
-    got = {"stages": c.get("stages"), "num_epochs": c.get("num_epochs"),
-           "eval_every_epochs": c.get("eval_every_epochs")}  # fmt: skip
-    if got != want or not summary.get("completed"):
-        fail(
-            f"--curriculum-run {workdir} is not a completed run of "
-            f"cifar10_fast.py:{variant}'s curriculum as the bench runs it ({want}; it has "
-            f"{got}, completed={summary.get('completed')}); train it with the bench"
-        )
-    return c.get("log_every_s", 0)
+def speedup(fixed: dict | None, curriculum: dict | None) -> float:
+    """Fixed's time to a target over the curriculum's (``time_to_target`` results): inf
+    where only the curriculum reached it, 0 where only the fixed run did, nan if neither."""
+    if fixed is None and curriculum is None:
+        return math.nan
+    if curriculum is None:
+        return 0.0
+    if fixed is None:
+        return math.inf
+    return fixed["s"] / curriculum["s"]
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of ``values``, leaving out nan (nan if nothing is left)."""
+    kept = sorted(v for v in values if not math.isnan(v))
+    if not kept:
+        return math.nan, math.nan, math.nan
+    return statistics.median(kept), kept[0], kept[-1]
+
+
+def seed_speedups(pairs: list[dict], targets: list[float]) -> dict[str, list[float]]:
+    """Per target key, each seed's speedup (``pairs``: per seed, ``summarize``'s row of
+    each run by name)."""
+    keys = [f"{t:g}" for t in targets]
+    return {k: [speedup(p["fixed"]["tta"][k], p["curriculum"]["tta"][k]) for p in pairs]
+            for k in keys}  # fmt: skip
+
+
+def seconds(reached: dict | None) -> str:
+    if reached is None:
+        return "not reached"
+    return (f"{reached['s']:.1f} s (epoch {reached['epoch']:.2f}, top-1 {reached['top1']:.4f}; "
+            f"without compile {reached['without_compile_s']:.1f} s)")  # fmt: skip
+
+
+def key_of(target: float) -> str:
+    return f"{round(target * 100):d}"
 
 
 def main(argv=None) -> None:
+    from hybridpar.cli import finite_float  # JAX-free, as this parent process stays
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="cpu", choices=("cpu", "gpu"))
-    p.add_argument("--target", type=float, default=0.8, help="top-1 to time (a fraction)")
-    p.add_argument("--epochs", type=float, default=0.0, help="both runs' epochs (0: recipe's)")
+    p.add_argument("--seeds", type=int, default=3, help="pairs of runs, one seed each")
+    p.add_argument("--first-seed", type=int, default=0, help="the first pair's seed")
+    p.add_argument("--target", type=finite_float, default=0.8, help="top-1 to time (a fraction)")
+    p.add_argument(
+        "--epochs", type=finite_float, default=0.0, help="both runs' epochs (0: recipe's)"
+    )
+    p.add_argument("--checkpoint-every-epochs", type=finite_float, default=0.25,
+                   help="how often both runs save a checkpoint to evaluate: the resolution "
+                        "of the time to target")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both runs, repeatable")  # fmt: skip
     p.add_argument("--fixed-set", action="append", default=[], metavar="KEY=VALUE",
-                   help="an override for the fixed run only, after --set: e.g. "
-                        "stop_at_target=True stops it at the target while the curriculum "
-                        "trains to its end (the recipe's final accuracy, same run)")  # fmt: skip
-    p.add_argument("--curriculum-run", default="", metavar="DIR",
-                   help="a finished run of the recipe's curriculum to compare with instead of "
-                        "training one (halves the bench; the two runs are then not side by "
-                        "side, and the last line says so)")  # fmt: skip
+                   help="an override for the fixed run only, after --set")  # fmt: skip
+    p.add_argument("--curriculum-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="an override for the curriculum run only, after the recipe's stages: "
+                        "e.g. stages=... to try another curriculum against the same fixed "
+                        "run")  # fmt: skip
     p.add_argument("--one-after-other", action="store_true",
                    help="train the two runs one after the other on all cores instead of "
                         "side by side on half the cores each (default: 2+ cores)")  # fmt: skip
     args = p.parse_args(argv)
     if not 0 < args.target <= 1:
         fail(f"--target={args.target} is a fraction in (0, 1], e.g. --target 0.8")
-    out = Path(args.out)
+    if args.epochs < 0:
+        fail(f"--epochs={args.epochs:g} must be >= 0 (0: the recipe's)")
+    if args.seeds < 1 or args.first_seed < 0:
+        fail(f"--seeds={args.seeds} --first-seed={args.first_seed}: at least one seed, from 0 up")
+    if not 0 < args.checkpoint_every_epochs <= 1:
+        fail(f"--checkpoint-every-epochs={args.checkpoint_every_epochs} is in (0, 1], e.g. 0.25")
+    for kv in [*args.set, *args.fixed_set, *args.curriculum_set]:
+        if kv.partition("=")[0] in OWN_KEYS:
+            fail(
+                f"{kv}: the bench sets {' and '.join(OWN_KEYS)} itself (one seed per pair, "
+                "from --first-seed; the recipe's epochs, no stop at the target); drop it"
+            )
+    out = Path(args.out).resolve()  # as the recorded commands have it
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    for seed in seeds:
+        d = out / f"seed{seed}"
+        if d.exists() and not (d / PAIR).exists():
+            fail(f"{d} holds a pair left unfinished (no {PAIR}); remove it to run that pair "
+                 "again, or pass another --out")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -239,73 +351,116 @@ def main(argv=None) -> None:
 
     from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
 
-    _, recipe_epochs, recipe_stages, _ = cifar10_fast.VARIANTS[args.variant]
+    _, recipe_epochs, recipe_stages, recipe_target = cifar10_fast.VARIANTS[args.variant]
     epochs = args.epochs or recipe_epochs
+    targets = [args.target] + ([recipe_target] if recipe_target != args.target else [])
     # the recipe's stages with their end epochs scaled to --epochs; fixed: the last shape
     stages = []
     for part in recipe_stages.split(","):
         end, shape = part.split(":")
         stages.append(f"{float(end) * epochs / recipe_epochs:g}:{shape}")
-    _, size, batch, _ = parse_stages(recipe_stages)[-1]  # the last stage's shape, no @ or ~
+    parsed = parse_stages(recipe_stages)
+    _, size, batch, _ = parsed[-1]  # the last stage's shape, no @ or ~
     common = [f"--config.num_epochs={epochs:g}", f"--config.data.image_size={size}"]
-    fixed_overrides = [*common, f"--config.stages={epochs:g}:{size}-{batch}"]
-    fixed_overrides += [f"--config.{kv}" for kv in args.fixed_set]
-    if args.curriculum_run:
-        curriculum = Path(args.curriculum_run)
-        # the fixed run logs as often as the reused one did (logging every step syncs)
-        log_every = check_reused(curriculum, args.variant, stages, epochs)
-        fixed_overrides.append(f"--config.log_every_s={log_every}")
-        print(f"== curriculum: reusing {curriculum}", flush=True)
-    prepare(args)  # once, before either clock starts: neither run pays for it
-    curriculum_overrides = [*common, f"--config.stages={','.join(stages)}"]
-    cores = sorted(os.sched_getaffinity(0))
-    side_by_side = not args.curriculum_run and not args.one_after_other and len(cores) >= 2
-    if side_by_side:
-        # Both at once, each on half the cores: whatever else loads the machine during the
-        # hour slows both alike (one after the other, the same run's speed moved by 30%
-        # between hours on a shared 2-core machine).
-        half = len(cores) // 2  # equal halves: an odd core out stays idle
-        c = start("curriculum", out, args, curriculum_overrides, set(cores[:half]))
-        f = start("fixed", out, args, fixed_overrides, set(cores[half : 2 * half]))
-        curriculum, fixed = finish("curriculum", *c), finish("fixed", *f)
-    else:
-        if not args.curriculum_run:
-            curriculum = run("curriculum", out, args, curriculum_overrides)
-        fixed = run("fixed", out, args, fixed_overrides)
-    rows = [
-        summarize("curriculum", curriculum, args.target),
-        summarize("fixed", fixed, args.target),
-    ]
+    overrides = {
+        "curriculum": [*common, f"--config.stages={','.join(stages)}",
+                       *(f"--config.{kv}" for kv in args.curriculum_set)],
+        "fixed": [*common, f"--config.stages={epochs:g}:{size}-{batch}",
+                  *(f"--config.{kv}" for kv in args.fixed_set)],
+    }  # fmt: skip
+    data = prepare(args)  # once, before any clock starts: no run pays for it
+    # One interval in steps for both runs, at most --checkpoint-every-epochs at either's
+    # largest batch (the fixed run's is the last stage's).
+    largest = max(b for _, _, b, _ in parsed) * data["data_parallel"]
+    args.every_steps = max(1, int(args.checkpoint_every_epochs * data["train_examples"] / largest))
+    every_epochs = args.every_steps * largest / data["train_examples"]
 
-    subprocess.run([sys.executable, "-m", "hybridpar.report", str(curriculum), str(fixed),
-                    "--out", str(out / "report.png"), f"--target-top1={args.target}"],
-                   cwd=ROOT, check=False)  # fmt: skip
-    print(f"\ntime to {args.target:g} top-1 (wall from the start, compile and eval included):")
-    for r in rows:
-        print(
-            f"  {r['name']:<10} {r['tta_s']:8.1f} s (without compile "
-            f"{r['tta_without_compile_s']:.1f} s, epoch {r['tta_epoch']}); best top-1 "
-            f"{r['best_top1']:.4f} at epoch {r['best_epoch']}; wall {r['wall_s']:.1f} s, "
-            f"compile {r['compile_s']:.1f} s"
-        )
-    for s in rows[0]["stalls"]:
-        note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
-        print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between steps, "
-              f"{s['after_switch_s']:.3f} s from the switch to the next step, median step "
-              f"{s['median_step_s']} s{note}")  # fmt: skip
-    (out / "curriculum_tta.json").write_text(json.dumps(rows, indent=2))
-    speedup = rows[1]["tta_s"] / rows[0]["tta_s"]
-    key = f"{round(args.target * 100):d}"
-    stall = rows[0]["stalls"][0] if rows[0]["stalls"] else {}
+    cores = sorted(os.sched_getaffinity(0))
+    side_by_side = not args.one_after_other and len(cores) >= 2
+    half = len(cores) // 2  # equal halves: an odd core out stays idle
+    pairs = []
+    for seed in seeds:
+        d = out / f"seed{seed}"
+        cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
+        commands = {n: cmd[1:] for n, cmd in cmds.items()}  # as recorded: no interpreter path
+        if (d / PAIR).exists():  # a finished pair of an earlier call with this --out
+            if json.loads((d / PAIR).read_text()) != commands:
+                fail(
+                    f"{d} holds a pair trained with other settings (its {PAIR} has the "
+                    "commands); pass the same arguments to reuse it, or another --out"
+                )
+            print(f"== seed {seed}: the finished pair in {d}", flush=True)
+        else:
+            d.mkdir()
+            # Both at once, each on half the cores: whatever else loads the machine slows
+            # both alike. The halves swap from seed to seed, so neither run keeps a core.
+            halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
+            halves = halves if side_by_side else None
+            run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
+            # After both trained: evaluation never shares a core with training.
+            run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
+                      for n in NAMES], halves)  # fmt: skip
+            subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
+                            "--out", str(d / "report.png"), f"--target-top1={args.target}"],
+                           cwd=ROOT, check=False)  # fmt: skip
+            (d / PAIR).write_text(json.dumps(commands, indent=2))
+        pairs.append({"seed": seed, **{n: summarize(n, d / n, targets) for n in NAMES}})
+        (out / "curriculum_tta.json").write_text(json.dumps(pairs, indent=2))
+
+    per_seed = seed_speedups(pairs, targets)
+    print(f"\ntime to target: the training wall time at the first checkpoint at or over it, "
+          f"from the run's start (compilation included), checkpoint saves and evaluation "
+          f"excluded (the checkpoints, every {args.every_steps} steps = {every_epochs:.3f} "
+          f"epoch, evaluated after each pair by python -m hybridpar.evaluate):")  # fmt: skip
+    for i, pair in enumerate(pairs):
+        print(f"seed {pair['seed']}:")
+        for n in NAMES:
+            r = pair[n]
+            reached = "; ".join(f"{k}: {seconds(v)}" for k, v in r["tta"].items())
+            print(f"  {n:<10} {reached}; final top-1 {r['final_top1']:.4f} (epoch "
+                  f"{r['final_epoch']:g}); {r['evaluations']} evaluations; saves blocked "
+                  f"{r['checkpoint_blocking_s']:.1f} s (excluded); wall {r['wall_s']:.1f} s, "
+                  f"compile {r['compile_s']:.1f} s")  # fmt: skip
+        print("  speedup " + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items()))
+        for s in pair["curriculum"]["stalls"]:
+            note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
+            print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between "
+                  f"steps, {s['after_switch_s']:.3f} s from the switch to the next step, "
+                  f"median step {s['median_step_s']} s{note}")  # fmt: skip
+    fields = []
+    for t in targets:
+        med, lo, hi = spread(per_seed[f"{t:g}"])
+        k = key_of(t)
+        fields.append(f"tta_speedup_{k}={med:.3f} tta_speedup_{k}_min={lo:.3f} "
+                      f"tta_speedup_{k}_max={hi:.3f}")  # fmt: skip
+        print(f"speedup to {t:g} over {len(seeds)} seeds: median {med:.3f}, min {lo:.3f}, "
+              f"max {hi:.3f}")  # fmt: skip
+        if t == targets[0]:
+            fields.append(f"seeds={len(seeds)}")
+
+    def median_of(name, get):
+        return spread([get(p[name]) for p in pairs])[0]
+
+    def tta_s(row):
+        return (row["tta"][f"{targets[0]:g}"] or {}).get("s", math.inf)
+
+    def first_stall(key):
+        def get(row):
+            value = row["stalls"][0][key] if row["stalls"] else None
+            return math.nan if value is None else value
+
+        return get
+
     print(
-        f"tta_speedup_{key}={speedup:.3f} curriculum_tta_s={rows[0]['tta_s']:.1f} "
-        f"fixed_tta_s={rows[1]['tta_s']:.1f} curriculum_best_top1={rows[0]['best_top1']:.4f} "
-        f"fixed_best_top1={rows[1]['best_top1']:.4f} switch_gap_s={stall.get('gap_s', math.nan)} "
-        f"after_switch_s={stall.get('after_switch_s', math.nan)} "
-        f"median_step_s={stall.get('median_step_s', math.nan)} variant={args.variant} "
-        f"epochs={epochs:g}"
-        + (" curriculum_reused=1" if args.curriculum_run else "")
-        + (f" side_by_side=1 cores_each={len(cores) // 2}" if side_by_side else "")
+        *fields,
+        f"curriculum_tta_s={median_of('curriculum', tta_s):.1f}",
+        f"fixed_tta_s={median_of('fixed', tta_s):.1f}",
+        f"curriculum_final_top1={median_of('curriculum', lambda r: r['final_top1']):.4f}",
+        f"fixed_final_top1={median_of('fixed', lambda r: r['final_top1']):.4f}",
+        f"switch_gap_s={median_of('curriculum', first_stall('gap_s')):.3f}",
+        f"median_step_s={median_of('curriculum', first_stall('median_step_s')):.3f}",
+        f"checkpoint_every_epochs={every_epochs:.3f} variant={args.variant} epochs={epochs:g}",
+        *([f"side_by_side=1 cores_each={half}"] if side_by_side else []),
     )
 
 

@@ -39,7 +39,9 @@ Time to 80% against the same model at 32 px throughout (bench/curriculum_tta.py,
 by side on one core each, in a slow hour): 1,915 s (epoch 4, 80.16%) against 2,822 s
 (epoch 4, 81.38%), 1.47x (with whole images at 24 px, another day: 1,601 s at epoch 5
 against 1,728 s, 1.08x). 80.16% is close to the line: with another seed 80% may come an
-epoch later, at about 1.1x.
+epoch later, at about 1.1x. These are single seeds evaluated once an epoch: on 2026-12-03 the
+bench (``--set stop_at_target=True``) printed 1.058x, 80% at epoch 5 against epoch 4. The
+bench now runs several seeds and times the target at quarter-epoch checkpoints.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe of issue 13 needs for 85%.
 ``gpu`` is not measured yet.

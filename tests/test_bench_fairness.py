@@ -21,15 +21,24 @@ so 16 blocks do what 5 do; three full ResNet-50 compiles (float32 and float64 re
 hybridpar) took 50 s of the test's 97. That the full ResNet-50s have the same arrays (names,
 shapes, dtypes: 54 kernels) is checked apart, from their shapes alone. 32-px images and a
 batch of 4 on one device keep it fast.
+
+``bench/curriculum_tta.py`` (time to accuracy, curriculum against a fixed shape, over seeds):
+its time to target and speedup arithmetic on hand-made records, and its plumbing end to end
+on the recipe shrunk to seconds.
 """
 
 import functools
+import json
+import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax.core import meta
-from helpers import NO_LLVM_OPT, ROOT, bench_module, build, random_like
+from helpers import NO_LLVM_OPT, NO_LLVM_OPT_FLAG, ROOT, bench_module, build, cpu_env, random_like
 
 from hybridpar import shard_batch
 from hybridpar.config import load_config
@@ -251,3 +260,156 @@ def test_reference_resnet50_has_the_arrays_of_hybridpars():
                if jax.tree_util.keystr(p).endswith("['kernel']")]  # fmt: skip
     assert len(kernels) == 54  # 53 convolutions and the head
     assert sum(x.size for x in jax.tree.leaves(ours["params"])) == 25_557_032
+
+
+# ---- bench/curriculum_tta.py: time to accuracy over seeds --------------------------------------
+
+tta = bench_module("curriculum_tta")
+
+
+def _train(step, wall_s, batch=100, images_per_s=50.0):
+    return {"event": "train", "step": step, "wall_s": wall_s, "global_batch": batch,
+            "images_per_s": images_per_s}  # fmt: skip
+
+
+def _eval(step, top1, **kw):
+    return {"event": "eval", "step": step, "epoch": step / 4, "top1": top1, **kw}
+
+
+def test_curriculum_tta_times_the_first_checkpoint_at_target_on_the_training_clock():
+    """Time to target is the training clock at the first evaluated checkpoint at or over
+    the target: the time before the first step (compilation included) plus each train
+    line's steps x batch / images per second, so an evaluation or a checkpoint save between
+    steps is left out; a later dip under the target changes nothing, and the trainer's own
+    evaluations count beside the evaluator's. Planted bugs that fail it: ``>`` for ``>=``,
+    the wall time of the step instead of the clock, the best evaluation instead of the
+    first, one step per train line whatever its step count, the evaluator's records left
+    out."""
+    run = [
+        {"event": "compile", "step": 0, "compile_s": 10.0, "program": "train"},
+        _train(1, 15.0),  # 2 s a step at 100 images / 50 per s: the first step began at 13
+        _train(2, 17.0),
+        {"event": "checkpoint", "step": 2, "blocking_s": 0.5},
+        _eval(2, 0.5),  # the trainer's own evaluation: 12.5 s outside the steps
+        _train(4, 34.0),  # two steps in one line: 4 s
+        _train(5, 36.0, batch=200, images_per_s=100.0),  # another stage's batch: 2 s
+        _eval(5, 0.81),
+    ]
+    # the evaluator's records carry the trainer's wall time at each checkpoint
+    walls = {1: 15.0, 2: 17.0, 3: 32.0, 4: 34.0, 5: 36.0}
+    evaluator = [_eval(s, t, wall_s=walls[s]) for s, t in zip(walls, (0.3, 0.5, 0.79, 0.8, 0.81))]
+    clock = tta.training_clock(run)
+    assert clock == {1: (15.0, 5.0), 2: (17.0, 7.0), 4: (21.0, 11.0), 5: (23.0, 13.0)}
+    evals = tta.evaluations(run, evaluator)
+    assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
+    clock[3] = (19.0, 9.0)  # the evaluator's checkpoint at step 3 (train lines every step)
+    reached = tta.time_to_target(evals, clock, 0.8)
+    assert reached == {"s": 21.0, "without_compile_s": 11.0, "step": 4, "epoch": 1.0,
+                       "top1": 0.8}  # fmt: skip
+    assert tta.time_to_target(evals, clock, 0.805)["s"] == 23.0
+    assert tta.time_to_target(evals, clock, 0.9) is None
+    # only the trainer's last evaluation: the target at its step
+    assert tta.time_to_target(tta.evaluations(run, []), clock, 0.8)["step"] == 5
+
+
+def test_curriculum_tta_stall_counts_a_save_at_the_switch_as_a_save():
+    """A checkpoint saved at the last step of a stage is recorded once committed, after the
+    next stage's first step: the gap across the switch is still reported as holding a save,
+    not as a stall. Planted bug that fails it: only the records between the two steps
+    looked at."""
+    stage = {"event": "stage", "step": 2, "wall_s": 4.0}
+    recs = [{"event": "stage", "step": 0, "wall_s": 0.0}, _train(1, 2.0), _train(2, 4.0), stage,
+            _train(3, 7.0), {"event": "checkpoint", "step": 2, "blocking_s": 1.0},
+            _train(4, 9.0), _train(5, 11.0)]  # fmt: skip
+    (switch,) = tta.stalls(recs)
+    assert switch["gap_s"] == 3.0 and switch["median_step_s"] == 2.0
+    assert switch["between"] == ["checkpoint"]
+    assert tta.stalls([r for r in recs if r["event"] != "checkpoint"])[0]["between"] == []
+
+
+def test_curriculum_tta_speedups_per_seed_and_their_spread():
+    """Per seed, fixed's time over the curriculum's (inf where only the curriculum reached
+    the target, 0 where only the fixed run did, nan where neither); over the seeds, the
+    median, min and max with nan left out. Planted bugs that fail it: the ratio inverted,
+    an unreached target counted as nan (dropping a seed the curriculum lost), the mean for
+    the median, nan kept in."""
+
+    def row(*times):  # a run's time to 0.8 and to 0.85 (None: not reached)
+        return {"tta": {k: t and {"s": t} for k, t in zip(("0.8", "0.85"), times)}}
+
+    pairs = [
+        {"curriculum": row(100.0, 200.0), "fixed": row(150.0, None)},
+        {"curriculum": row(100.0, None), "fixed": row(110.0, 300.0)},
+        {"curriculum": row(200.0, None), "fixed": row(300.0, None)},
+        {"curriculum": row(100.0, 250.0), "fixed": row(400.0, 250.0)},
+    ]
+    per_seed = tta.seed_speedups(pairs, [0.8, 0.85])
+    assert per_seed["0.8"] == [1.5, 1.1, 1.5, 4.0]
+    assert per_seed["0.85"][:2] == [math.inf, 0.0] and math.isnan(per_seed["0.85"][2])
+    assert per_seed["0.85"][3] == 1.0
+    assert tta.spread(per_seed["0.8"]) == (1.5, 1.1, 4.0)
+    assert tta.spread(per_seed["0.85"]) == (1.0, 0.0, math.inf)
+    assert all(math.isnan(v) for v in tta.spread([math.nan]))
+
+
+def test_curriculum_tta_plumbing(tmp_path):
+    """The whole bench, shrunk (a tiny airbench on 256 synthetic images, one epoch, 12 then
+    16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds
+    start from different losses), every checkpoint (each step, a quarter epoch) is evaluated,
+    and the last line's median and spread are those of the clocks in the records (at the
+    first checkpoint, no save or evaluation before it: the step's wall time); called again,
+    it reuses the finished pairs, unless their settings differ. Planted bugs that fail it:
+    the seed not passed to the runs, the evaluator not run, the last line's median from the
+    first seed only, a finished pair reused whatever its commands."""
+    out = tmp_path / "tta"
+    sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
+            "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
+    argv = ["--seeds", "2", "--target", "0.01", "--out", str(out)]
+    argv += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    # The recipe shrunk in the bench's process, which is JAX-free (its runs are not).
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import cifar10_fast; "
+        "cifar10_fast.VARIANTS['cpu'] = (8, 1.0, '0.5:12-64@0.5,1:16-64', 0.85); "
+        f"sys.argv = sys.argv[2:]; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
+        "import curriculum_tta; curriculum_tta.main()"
+    )
+    env = cpu_env(1, NO_LLVM_OPT_FLAG)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # one per process: the runs go two at a time
+
+    def bench(*args):
+        cmd = [sys.executable, "-c", code, str(ROOT / "experiments"), "bench", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    r = bench(*argv)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    # Called again, it reuses the finished pairs (nothing trains) and says the same; with
+    # other settings it refuses them.
+    again = bench(*argv)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == last
+    assert "hybridpar.train" not in again.stdout
+    other = bench(*argv, "--checkpoint-every-epochs", "0.5")
+    assert (
+        other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
+    )
+    first_losses, speedups = [], []
+    for seed in (0, 1):
+        clocks = {}
+        for name in tta.NAMES:
+            workdir = out / f"seed{seed}" / name
+            assert json.loads((workdir / "config.json").read_text())["seed"] == seed
+            recs = tta.records(workdir / "metrics.jsonl")
+            evaluated = tta.records(workdir / "evaluator" / "metrics.jsonl")
+            assert [r["step"] for r in evaluated if r["event"] == "eval"] == [1, 2, 3, 4]
+            train = [r for r in recs if r["event"] == "train"]
+            clocks[name] = train[0]["wall_s"]
+            first_losses.append(train[0]["loss"])
+        speedups.append(clocks["fixed"] / clocks["curriculum"])
+    # curriculum seed 0 against seed 1, fixed seed 0 against seed 1
+    assert first_losses[0] != first_losses[2] and first_losses[1] != first_losses[3]
+    fields = dict(kv.split("=") for kv in last.split())
+    assert last.startswith("tta_speedup_1=") and fields["seeds"] == "2"
+    assert float(fields["tta_speedup_1"]) == pytest.approx(sum(speedups) / 2, abs=2e-3)
+    assert float(fields["tta_speedup_1_min"]) == pytest.approx(min(speedups), abs=1e-3)
+    assert float(fields["tta_speedup_1_max"]) == pytest.approx(max(speedups), abs=1e-3)
+    assert fields["tta_speedup_85"] == "nan"  # random labels: never reached
