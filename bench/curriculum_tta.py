@@ -64,6 +64,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hybridpar import run_records
+
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("curriculum", "fixed")
 # What the bench sets itself: a seed per pair, and no stop at the target (the budget is the
@@ -147,17 +149,11 @@ def prepare(args) -> dict:
 
 
 def records(path: Path) -> list[dict]:
-    """The records of a ``metrics.jsonl`` (the trainer's or the evaluator's); none if absent.
-    The bench's one reader of them."""
-    out = []
+    """The records of a ``metrics.jsonl`` (the trainer's or the evaluator's) as dicts; none
+    if absent. A line cut short by a kill is skipped (``run_records``' one reader)."""
     if not path.exists():
-        return out
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line cut short
-            continue
-    return out
+        return []
+    return [run_records.to_dict(r) for r in run_records.read_records(str(path))[0]]
 
 
 def stalls(recs: list[dict]) -> list[dict]:
