@@ -54,8 +54,9 @@ class Stop:
                 signal.signal(s, h)
 
     def __call__(self, signum, frame):
+        # the terminal's stdout: a round may be writing the trainer's lines to its log
         print(f"{signal.Signals(signum).name}: stopped; the same command continues the loop",
-              flush=True)  # fmt: skip
+              file=sys.__stdout__, flush=True)  # fmt: skip
         os._exit(0)
 
 
@@ -246,6 +247,8 @@ def run(config, args, log=print) -> dict | None:
                     report = quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw)
                 source = w
             else:
+                log(f"round {index}: pruning to {keep:.3f} of the teacher's channels, then "
+                    f"{args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)")  # fmt: skip
                 previous = rows[-1]["run"]
                 pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
                 if not os.path.exists(pruned):
