@@ -93,9 +93,11 @@ def check_args(args, config) -> None:
         )
     from hybridpar.models import MODELS
 
-    if "stage_sizes" not in getattr(MODELS[config.model.name], "keywords", {}):
+    name = config.model.name
+    if name != "airbench" and "stage_sizes" not in getattr(MODELS[name], "keywords", {}):
         raise ConfigError(
-            f"compress prunes the ResNets of models/resnet.py, not model.name={config.model.name!r}"
+            f"compress prunes the ResNets of models/resnet.py and the airbench net, not "
+            f"model.name={name!r}"
         )
     check_settings(args)
 

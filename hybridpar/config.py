@@ -511,17 +511,19 @@ def validate(c: ml_collections.ConfigDict) -> None:
 
 def _check_widths(c) -> None:
     """``model.stage_widths`` / ``block_widths``: one positive width per stage / block of a
-    ResNet."""
+    ResNet (per block of the airbench net)."""
     from hybridpar.models import MODELS
 
     m = c.model
     if not (m.stem_width or m.stage_widths or m.block_widths):
         return
     sizes = getattr(MODELS[m.name], "keywords", {}).get("stage_sizes")
+    if m.name == "airbench" and not m.stem_width:
+        sizes = (1, 1, 1)  # three blocks: conv2 outputs as stage widths, conv1 as block widths
     if sizes is None:
         raise ConfigError(
-            f"model.stem_width, stage_widths and block_widths are for the ResNets, not "
-            f"model.name={m.name!r}: set them to 0 and ()"
+            f"model.stem_width, stage_widths and block_widths are for the ResNets (airbench: "
+            f"stage_widths and block_widths), not model.name={m.name!r}: set them to 0 and ()"
         )
     for key, n in (("stage_widths", len(sizes)), ("block_widths", sum(sizes))):
         v = m[key]

@@ -1,6 +1,7 @@
-"""``python -m hybridpar.prune --workdir W --out DIR --fraction F [--criterion bn|l1]``.
+"""``python -m hybridpar.prune --workdir W --out DIR --fraction F [--criterion l1|bn]``.
 
-Structured channel pruning of a trained ResNet (models/resnet.py): whole output channels of
+Structured channel pruning of a trained ResNet (models/resnet.py) or airbench net
+(models/airbench.py, whose convs each make a group of their own): whole output channels of
 convolutions are removed, with their BatchNorm entries and the matching input channels of
 every layer that reads them, so what is left is a ResNet of the same family with narrower
 widths (``model.stem_width``, ``model.stage_widths``, ``model.block_widths``).
@@ -44,10 +45,18 @@ class Group:
 
 
 def groups(model, params) -> list[Group]:
-    """The channel groups of a ResNet and its (unboxed) params, stem first."""
+    """The channel groups of a ResNet (or the airbench net) and its (unboxed) params, in
+    the order of the forward pass."""
     from hybridpar import int8
 
-    arch = int8.architecture(model, params)  # the same ResNet check and block walk
+    arch = int8.architecture(model, params)  # the same model check and block walk
+    if isinstance(arch, int8.AirbenchArch):  # no residuals: every conv's output on its own
+        out = []
+        for i in range(1, arch.blocks + 1):
+            b, after = f"block{i}", f"block{i + 1}_conv1" if i < arch.blocks else "head"
+            out.append(Group(f"{b}_conv1", [(f"{b}_conv1", f"{b}_bn1")], [f"{b}_conv2"]))
+            out.append(Group(f"{b}_conv2", [(f"{b}_conv2", f"{b}_bn2")], [after]))
+        return out
     stream = Group("stem", [("stem_conv", "stem_bn")], [])
     out = [stream]
     for b in arch.blocks:
@@ -128,6 +137,12 @@ def widths_of(model, params) -> dict:
     from hybridpar import int8
 
     arch = int8.architecture(model, params)
+    if isinstance(arch, int8.AirbenchArch):
+        n = range(1, arch.blocks + 1)
+        return {
+            "stage_widths": tuple(int(params[f"block{i}_conv2"]["kernel"].shape[-1]) for i in n),
+            "block_widths": tuple(int(params[f"block{i}_conv1"]["kernel"].shape[-1]) for i in n),
+        }
     last = "conv3" if arch.blocks[0].bottleneck else "conv2"
     stages = {}
     for b in arch.blocks:
@@ -263,10 +278,9 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
 
 
 def overrides(widths: dict) -> str:
-    w = widths
-    return (f"--config.model.stem_width={w['stem_width']} "
-            f"--config.model.stage_widths='{tuple(w['stage_widths'])}' "
-            f"--config.model.block_widths='{tuple(w['block_widths'])}'")  # fmt: skip
+    """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
+    return " ".join(f"--config.model.{k}='{tuple(v) if isinstance(v, tuple) else v}'"
+                    for k, v in widths.items())  # fmt: skip
 
 
 def main(argv=None) -> None:
