@@ -56,8 +56,23 @@ def base_config() -> ml_collections.ConfigDict:
             # activation memory in the backward pass), "xla" (XLA's own), "auto" (im2col
             # on CPU, xla on GPU/TPU).
             conv_grad="auto",
+            # ResNets' narrower widths, as hybridpar.prune writes them: the stem's output,
+            # each stage's output (its residual stream) and each block's inner convs, in
+            # block order. 0 / (): from num_filters.
+            stem_width=0,
+            stage_widths=(),
+            block_widths=(),
         )
     )
+    # A run workdir (or hybridpar.prune's output) whose latest checkpoint's parameters and
+    # BatchNorm statistics a new run starts from, instead of a random init ("": none). Its
+    # model must have this config's shapes; the optimizer starts afresh.
+    c.init_from = ""
+    # Knowledge distillation (hybridpar/distill.py): with teacher_workdir set, the loss is
+    # (1 - alpha) x cross-entropy + alpha x temperature^2 x KL(teacher || student) on logits
+    # at that temperature; the teacher (the run's latest checkpoint and its config.json)
+    # runs in the same step on the same mesh, in inference mode, without gradients.
+    c.distill = ml_collections.ConfigDict(dict(teacher_workdir="", temperature=4.0, alpha=0.9))
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.
     c.precision = ml_collections.ConfigDict(
         dict(
@@ -291,6 +306,9 @@ RANGES = {
     "eval_batch": (1, None, True, True),
     "num_epochs": (0, None, False, True),
     "optim.base_lr": (0, None, False, True),
+    "distill.temperature": (0, None, False, True),
+    "distill.alpha": (0, 1, True, True),
+    "model.stem_width": (0, None, True, True),
     "optim.lr_batch_base": (0, None, False, True),
     "optim.momentum": (0, 1, True, False),
     "optim.momentum_ramp_epochs": (0, None, True, True),
@@ -470,6 +488,8 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 f"{MIN_IMAGE_SIZE} px: a 2x2 convolution and three 2x max-pools); set "
                 "--config.data.image_size or the --config.stages sizes to 10 or more"
             )
+    _check_widths(c)
+    _check_runs(c)
     if c.stop_at_target and c.target_top1 <= 0 and c.target_top5 <= 0:
         raise ConfigError(
             "stop_at_target=True needs a target to stop at: set --config.target_top1=... "
@@ -487,6 +507,50 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 f"num_epochs={c.num_epochs:g} but stages={c.stages!r} end at epoch {last:g}: "
                 f"set --config.num_epochs={last:g}, or change the last stage's end epoch"
             )
+
+
+def _check_widths(c) -> None:
+    """``model.stage_widths`` / ``block_widths``: one positive width per stage / block of a
+    ResNet (per block of the airbench net)."""
+    from hybridpar.models import MODELS
+
+    m = c.model
+    if not (m.stem_width or m.stage_widths or m.block_widths):
+        return
+    sizes = getattr(MODELS[m.name], "keywords", {}).get("stage_sizes")
+    if m.name == "airbench" and not m.stem_width:
+        sizes = (1, 1, 1)  # three blocks: conv2 outputs as stage widths, conv1 as block widths
+    if sizes is None:
+        raise ConfigError(
+            f"model.stem_width, stage_widths and block_widths are for the ResNets (airbench: "
+            f"stage_widths and block_widths), not model.name={m.name!r}: set them to 0 and ()"
+        )
+    for key, n in (("stage_widths", len(sizes)), ("block_widths", sum(sizes))):
+        v = m[key]
+        if v and (len(v) != n or not all(isinstance(w, int) and w > 0 for w in v)):
+            raise ConfigError(
+                f"model.{key}={v!r}: {m.name} needs {n} positive ints (one per "
+                f"{key.split('_')[0]}), or () for the defaults"
+            )
+
+
+def _check_runs(c) -> None:
+    """``init_from`` and ``distill.teacher_workdir`` name runs: a directory with the
+    config.json the trainer (or hybridpar.prune) writes there."""
+    import os
+
+    for key, path in (("init_from", c.init_from), ("distill.teacher_workdir",
+                                                     c.distill.teacher_workdir)):  # fmt: skip
+        if path and not os.path.isfile(os.path.join(path, "config.json")):
+            raise ConfigError(
+                f"{key}={path!r} is not a run: no config.json there; pass the --workdir of "
+                "a training run (or the --out of python -m hybridpar.prune)"
+            )
+    if c.distill.teacher_workdir and (c.model.head != "dense" or c.comm.mode != "xla"):
+        raise ConfigError(
+            "distillation needs the model's own head and XLA's gradient sync: set "
+            "--config.model.head=dense and --config.comm.mode=xla"
+        )
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:

@@ -31,6 +31,7 @@ weight-only variant, to tell the two sources of error apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -67,16 +68,31 @@ class Arch:
     blocks: tuple[Block, ...]
 
 
-def architecture(model, params) -> Arch:
-    """The blocks of a ``models.resnet.ResNet`` and its (unboxed) params."""
+@dataclasses.dataclass(frozen=True)
+class AirbenchArch:
+    """models/airbench.py's net: the whitening conv, then ``blocks`` groups of
+    ``conv1 -> max-pool -> bn1 -> GELU -> conv2 -> bn2 -> GELU``."""
+
+    blocks: int
+
+
+def architecture(model, params) -> Arch | AirbenchArch:
+    """The blocks of a ``models.resnet.ResNet`` (or the airbench net) and its (unboxed)
+    params."""
+    from hybridpar.models.airbench import AirbenchNet
     from hybridpar.models.resnet import BottleneckResNetBlock, ResNet, ResNetBlock
 
+    if isinstance(model, AirbenchNet):
+        return AirbenchArch(
+            sum(1 for k in params if k.startswith("block") and k.endswith("_conv1"))
+        )
     if not isinstance(model, ResNet) or model.block_cls not in (
         ResNetBlock,
         BottleneckResNetBlock,
     ):
         raise ConfigError(
-            f"quantize handles the ResNet family of models/resnet.py, not {type(model).__name__}"
+            f"quantize handles the ResNets of models/resnet.py and the airbench net, not "
+            f"{type(model).__name__}"
         )
     blocks = []
     for i, n in enumerate(model.stage_sizes, start=1):
@@ -93,9 +109,37 @@ def architecture(model, params) -> Arch:
     return Arch(bool(model.small_stem), tuple(blocks))
 
 
+def _bn_affine(p, s, epsilon):
+    """A BatchNorm in inference mode as ``x * mul + add`` per channel."""
+    gamma, beta = (np.asarray(p[k], np.float32) for k in ("scale", "bias"))
+    mean, var = (np.asarray(s[k], np.float32) for k in ("mean", "var"))
+    mul = gamma / np.sqrt(var + np.float32(epsilon))
+    return mul, beta - mean * mul
+
+
+def _fold_airbench(arch: AirbenchArch, params, batch_stats, epsilon: float) -> dict:
+    """The whitening conv and the head as they are; each ``bn2`` folded into ``conv2``;
+    each ``bn1`` comes after a max-pool, which a negative scale does not commute with, so it
+    stays a float affine map of its own (``{"mul", "add"}``) and ``conv1`` gets a zero bias."""
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    layers = {k: {"kernel": f32(params[k]["kernel"]), "bias": f32(params[k]["bias"])}
+              for k in ("whiten", "head")}  # fmt: skip
+    for i in range(1, arch.blocks + 1):
+        b = f"block{i}"
+        w1 = f32(params[f"{b}_conv1"]["kernel"])
+        layers[f"{b}_conv1"] = {"kernel": w1, "bias": np.zeros(w1.shape[-1], np.float32)}
+        mul, add = _bn_affine(params[f"{b}_bn1"], batch_stats[f"{b}_bn1"], epsilon)
+        layers[f"{b}_bn1"] = {"mul": mul, "add": add}
+        mul, add = _bn_affine(params[f"{b}_bn2"], batch_stats[f"{b}_bn2"], epsilon)
+        layers[f"{b}_conv2"] = {"kernel": f32(params[f"{b}_conv2"]["kernel"]) * mul, "bias": add}
+    return layers
+
+
 def fold_batchnorm(arch: Arch, params, batch_stats, epsilon: float) -> dict:
     """``{layer path: {"kernel", "bias"}}`` (float32) with each BatchNorm's running
     statistics, scale and bias folded into the convolution before it; the head as it is."""
+    if isinstance(arch, AirbenchArch):
+        return _fold_airbench(arch, params, batch_stats, epsilon)
     layers = {}
     for path in layer_paths(arch)[:-1]:
         *parent, conv = path.split("/")
@@ -117,6 +161,9 @@ def fold_batchnorm(arch: Arch, params, batch_stats, epsilon: float) -> dict:
 
 def layer_paths(arch: Arch) -> list[str]:
     """Every conv and the head, in the order the forward pass runs them."""
+    if isinstance(arch, AirbenchArch):
+        convs = [f"block{i}_conv{j}" for i in range(1, arch.blocks + 1) for j in (1, 2)]
+        return ["whiten", *convs, "head"]
     out = ["stem_conv"]
     for b in arch.blocks:
         convs = ("conv1", "conv2", "conv3") if b.bottleneck else ("conv1", "conv2")
@@ -127,6 +174,8 @@ def layer_paths(arch: Arch) -> list[str]:
 def forward(arch: Arch, layer, x):
     """The ResNet of ``models/resnet.py`` in inference mode, BatchNorm folded;
     ``layer(path, x, strides, pad)`` computes one conv (4-d ``x``) or the head (2-d)."""
+    if isinstance(arch, AirbenchArch):
+        return _forward_airbench(arch, layer, x)
     relu = jax.nn.relu
     if arch.small_stem:
         x = relu(layer("stem_conv", x, 1, 1))
@@ -149,6 +198,30 @@ def forward(arch: Arch, layer, x):
     return layer("head", jnp.mean(x, axis=(1, 2)), 1, 0)
 
 
+def _forward_airbench(arch: AirbenchArch, layer, x):
+    """models/airbench.py's net in inference mode; ``layer`` also applies the unfolded
+    ``bn1`` affine maps (``_apply``)."""
+    gelu = functools.partial(jax.nn.gelu, approximate=False)
+    x = gelu(layer("whiten", x, 1, 0))
+    for i in range(1, arch.blocks + 1):
+        y = layer(f"block{i}_conv1", x, 1, 1)
+        y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        x = gelu(layer(f"block{i}_bn1", y, 1, 0))
+        x = gelu(layer(f"block{i}_conv2", x, 1, 1))
+    return layer("head", jnp.max(x, axis=(1, 2)) / 9.0, 1, 0)
+
+
+def _apply(p: dict, h, strides, pad, linear):
+    """``linear(p, h, strides, pad)``, or a BatchNorm left as a float affine map."""
+    if "mul" in p:
+        return h * p["mul"] + p["add"]
+    return linear(p, h, strides, pad)
+
+
+def _float_layer(p, h, strides, pad):
+    return _linear(h, p["kernel"], strides, pad) + p["bias"]
+
+
 def _linear(x, kernel, strides, pad, out_type=None):
     if x.ndim == 2:
         return jnp.dot(x, kernel, preferred_element_type=out_type)
@@ -165,11 +238,7 @@ def _linear(x, kernel, strides, pad, out_type=None):
 def float_forward(arch: Arch, layers: dict, x):
     """Logits of the folded float network (``x``: normalised images, NHWC)."""
 
-    def layer(path, h, strides, pad):
-        p = layers[path]
-        return _linear(h, p["kernel"], strides, pad) + p["bias"]
-
-    return forward(arch, layer, x)
+    return forward(arch, lambda path, h, s, pad: _apply(layers[path], h, s, pad, _float_layer), x)
 
 
 def input_ranges(arch: Arch, layers: dict, x) -> dict:
@@ -177,9 +246,9 @@ def input_ranges(arch: Arch, layers: dict, x) -> dict:
     seen = {}
 
     def layer(path, h, strides, pad):
-        seen[path] = (jnp.min(h), jnp.max(jnp.abs(h)))
-        p = layers[path]
-        return _linear(h, p["kernel"], strides, pad) + p["bias"]
+        if "kernel" in layers[path]:
+            seen[path] = (jnp.min(h), jnp.max(jnp.abs(h)))
+        return _apply(layers[path], h, strides, pad, _float_layer)
 
     forward(arch, layer, x)
     return seen
@@ -231,6 +300,9 @@ def quantize(layers: dict, ranges: dict | None, unsigned: bool = True) -> dict:
     ``-127..127`` (``x_zero = 0``), as torchvision's quint8 activations."""
     q = {}
     for path, p in layers.items():
+        if "kernel" not in p:  # a float affine map (an unfolded BatchNorm)
+            q[path] = {k: np.asarray(v, np.float32) for k, v in p.items()}
+            continue
         kernel, w_step = quantize_per_channel(p["kernel"], -1)
         q[path] = {"kernel": kernel, "w_step": w_step, "bias": np.asarray(p["bias"], np.float32)}
         if ranges is not None:
@@ -275,7 +347,7 @@ def int8_forward(arch: Arch, q: dict, x):
     of 0.0 (``-x_zero``), so that every window's shift is the same ``x_zero * sum(kernel)``,
     added back in int32. Without ``x_step``: float input times the dequantized kernel
     (weight-only)."""
-    return forward(arch, lambda path, h, s, pad: int8_layer(q[path], h, s, pad), x)
+    return forward(arch, lambda path, h, s, pad: _apply(q[path], h, s, pad, int8_layer), x)
 
 
 # ---- sizes, files, export ----------------------------------------------------------------

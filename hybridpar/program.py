@@ -19,6 +19,7 @@ import numpy as np
 from hybridpar import compile_cache, partitioning
 from hybridpar.bucketed import make_sync
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
+from hybridpar.distill import make_teacher
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
@@ -85,6 +86,7 @@ class Program:
     abstract: Any  # boxed abstract TrainState (logical names kept, for the placement table)
     shardings: Any  # NamedSharding tree of the (unboxed) TrainState
     channels: int
+    teacher: Any = None  # a distill.Teacher (distill.teacher_workdir), or None
     # (kind, batch, image size) -> compiled step; and one record per compilation
     _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     compiles: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -123,8 +125,9 @@ class Program:
     @functools.cached_property
     def train_jit(self):
         """The jitted ``(state, batch) -> (state, metrics)``, old state donated."""
+        extra = () if self.teacher is None else (self.teacher.shardings,)
         return jit_train_step(
-            self._train_step_fn(), self.shardings, self.mesh, {"image": 4, "label": 1}
+            self._train_step_fn(), self.shardings, self.mesh, {"image": 4, "label": 1}, extra
         )
 
     @functools.cached_property
@@ -154,6 +157,7 @@ class Program:
             self.schedule,
             head=self.head,
             sync=sync,
+            teacher=self.teacher,
             **self._input_kw,
         )
 
@@ -182,8 +186,9 @@ class Program:
         return state.replace(params=params)
 
     def lower_train(self, global_batch: int, image_size: int | None = None):
+        extra = () if self.teacher is None else (self.teacher.abstract,)
         return self.train_jit.lower(
-            self.abstract_state(), self.abstract_batch(global_batch, image_size)
+            self.abstract_state(), self.abstract_batch(global_batch, image_size), *extra
         )
 
     def lower_eval(self, eval_batch: int, image_size: int | None = None):
@@ -192,7 +197,8 @@ class Program:
 
     def train_step(self, global_batch: int, image_size: int | None = None):
         """The train step compiled for this batch and size (cached)."""
-        return self._compile("train", global_batch, image_size or self.image_shape[0])
+        step = self._compile("train", global_batch, image_size or self.image_shape[0])
+        return step if self.teacher is None else self.teacher.bind(step)
 
     def eval_step(self, eval_batch: int, image_size: int | None = None):
         """The eval step compiled for this batch and size (cached)."""
@@ -285,6 +291,13 @@ def memory_of(compiled) -> dict:
     return out
 
 
+def widths(m) -> dict:
+    """A pruned ResNet's width options (model.stem_width, ...), only those set: the other
+    models take none."""
+    keys = ("stem_width", "stage_widths", "block_widths")
+    return {k: tuple(m[k]) if isinstance(m[k], tuple) else m[k] for k in keys if m[k]}
+
+
 def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
     """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
     size); None for tools that compile without data, which get one stage of the config's
@@ -310,6 +323,7 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),
+        **widths(m),
     )
     tx, schedule = make_optimizer(config.optim, plan)
     loss_scale = LossScale.create(
@@ -333,4 +347,5 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
         abstract,
         shardings,
         config.data.channels,
+        make_teacher(config, mesh),
     )

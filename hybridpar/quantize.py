@@ -72,6 +72,20 @@ def median_ms(fn, x, repeats: int) -> float:
     return float(np.median(times) * 1e3)
 
 
+def flops_per_image(arch, layers: dict, shape) -> int:
+    """XLA's count of floating-point operations of the folded float network on one image."""
+    import jax
+    import numpy as np
+
+    from hybridpar import int8
+
+    x = jax.ShapeDtypeStruct((1, *shape), np.float32)
+    lowered = jax.jit(lambda lay, x: int8.float_forward(arch, lay, x)).lower(layers, x)
+    cost = lowered.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(cost["flops"])
+
+
 def compare(fns: dict, batches) -> tuple[dict, dict]:
     """Each of ``fns`` (name -> uint8 images -> logits; the first is the reference) over the
     same masked host batches: ``({name: {top1, top5, examples}}, {agreement, logit_error})``,
@@ -138,10 +152,11 @@ def last_line(report: dict) -> str:
 
 
 def run(config, workdir: str, *, calibration_batches=8, activations="int8", overwrite=False,
-        repeats=5, latency_batches=LATENCY_BATCHES, devices=None) -> dict:  # fmt: skip
+        repeats=5, latency_batches=LATENCY_BATCHES, devices=None, out=None) -> dict:  # fmt: skip
     """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
     ``W/quantized/report.json``). Arguments are checked by ``check_args``. ``devices``: the
-    mesh's, for reading the checkpoint (default: all); the rest runs on the first."""
+    mesh's, for reading the checkpoint (default: all); the rest runs on the first. ``out``:
+    where the files go instead of ``W/quantized`` (hybridpar.compress's rounds)."""
     import itertools
 
     import jax
@@ -220,7 +235,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
         latency_s = time.time() - t0
 
     # ---- Files: written beside, then moved into place ----
-    out = os.path.join(workdir, OUT)
+    out = out or os.path.join(workdir, OUT)
     tmp = f"{out}.tmp-{os.getpid()}"
     os.makedirs(tmp)
     try:
@@ -247,6 +262,8 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             "weight_bytes_float": float_bytes,
             "weight_bytes_int8": int8_bytes,
             "ratio": round(float_bytes / int8_bytes, 3),
+            "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            "flops_per_image": flops_per_image(arch, layers, shape),
             "latency_ms": {k: round(v, 3) for k, v in latency.items()},
             "latency_repeats": repeats,
             "latency_s": round(latency_s, 3),

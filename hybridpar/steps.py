@@ -59,7 +59,7 @@ class DenseHead:
         else:
             logits, new_vars = model.apply(variables, images, train=False), {}
         logits = logits_in(policy, logits).astype(jnp.float32)
-        out = {"loss": cross_entropy(logits, labels, label_smoothing)}
+        out = {"loss": cross_entropy(logits, labels, label_smoothing), "logits": logits}
         if topk:
             _, top = jax.lax.top_k(logits, min(max(topk), logits.shape[-1]))
             out.update({f"top{k}": jnp.any(top[:, :k] == labels[:, None], axis=-1) for k in topk})
@@ -78,12 +78,12 @@ class XlaSync:
 
 
 def scaled_loss_fn(
-    model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None
+    model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None, soft=None
 ):
     """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
     the forward pass in train mode and the mean cross-entropy, shared by every train step.
     ``head``: a ``DenseHead`` (default) or ``ShardedHead``; ``policy`` sets the logits'
-    dtype."""
+    dtype. ``soft``: ``(distill.Teacher, its logits)``, mixed into the loss."""
     head = head or DenseHead()
 
     def loss_fn(params):
@@ -97,7 +97,10 @@ def scaled_loss_fn(
             label_smoothing=label_smoothing,
             policy=policy,
         )
-        loss = out["loss"].mean()
+        per_example = out["loss"]
+        if soft is not None:  # knowledge distillation (hybridpar/distill.py)
+            per_example = soft[0].mix(per_example, out["logits"], soft[1])
+        loss = per_example.mean()
         return loss * scale, (loss, new_vars["batch_stats"])
 
     return loss_fn
@@ -114,6 +117,7 @@ def make_train_step(
     label_smoothing: float = 0.0,
     head=None,
     sync=None,
+    teacher=None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, with its choices passed in:
 
@@ -121,15 +125,20 @@ def make_train_step(
     (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
     ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
     ``bucketed.BucketedSync`` (``comm.mode=bucketed``).
+    ``teacher``: a ``distill.Teacher``; the step then takes its variables as a third
+    argument, ``train_step(state, batch, teacher_variables)``.
     """
     sync = sync or XlaSync()
 
-    def loss_fn_for(m, batch_stats, images, labels, scale):
-        return scaled_loss_fn(m, batch_stats, images, labels, scale, label_smoothing, head, policy)
-
-    def train_step(state: TrainState, batch):
+    def train_step(state: TrainState, batch, teacher_variables=None):
         images = normalize(batch["image"], mean, std, policy.compute_dtype)
         labels = batch["label"]
+        soft = None if teacher is None else (teacher, teacher.logits(teacher_variables, images))
+
+        def loss_fn_for(m, batch_stats, images, labels, scale):
+            return scaled_loss_fn(m, batch_stats, images, labels, scale, label_smoothing, head,
+                                  policy, soft)  # fmt: skip
+
         grads, loss, batch_stats = sync.gradients(model, state, images, labels, loss_fn_for)
         return apply_gradients(state, grads, loss, batch_stats, tx, schedule)
 
@@ -227,11 +236,12 @@ def batch_shardings(mesh, batch_spec: dict):
     return {k: batch_sharding(mesh, ndim) for k, ndim in batch_spec.items()}
 
 
-def jit_train_step(step_fn, state_shardings, mesh, batch_spec: dict):
-    """Train step with in/out shardings and the old state donated (updated in place)."""
+def jit_train_step(step_fn, state_shardings, mesh, batch_spec: dict, extra=()):
+    """Train step with in/out shardings and the old state donated (updated in place);
+    ``extra``: the shardings of more arguments after the batch (a teacher's variables)."""
     return jax.jit(
         step_fn,
-        in_shardings=(state_shardings, batch_shardings(mesh, batch_spec)),
+        in_shardings=(state_shardings, batch_shardings(mesh, batch_spec), *extra),
         out_shardings=(state_shardings, replicated(mesh)),
         donate_argnums=0,
     )

@@ -586,7 +586,11 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     restored = saver.restore(program.abstract_state())
     if restored is None:
         state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
-        if hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
+        if run.config.init_from:  # a trained or pruned run's weights, e.g. hybridpar.prune's
+            from hybridpar.prune import start_from
+
+            state = start_from(run.config.init_from, state, program)
+        elif hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
             st = run.plan.stages[0].stage
             batches = run.data.train_batches(
                 0, global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale

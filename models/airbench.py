@@ -15,7 +15,7 @@ have no meaning here and are accepted unused.
 """
 
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -66,6 +66,10 @@ class AirbenchNet(nn.Module):
     zero_init_last_bn: bool = True
     small_stem: bool = True
     pointwise_dot: bool = True
+    # A pruned net's widths (hybridpar/prune.py): each block's conv2 and conv1 outputs;
+    # (): num_filters, 2 num_filters, 2 num_filters.
+    stage_widths: Sequence[int] = ()
+    block_widths: Sequence[int] = ()
 
     @nn.compact
     def __call__(self, x, train: bool = True, return_features: bool = False):
@@ -93,10 +97,12 @@ class AirbenchNet(nn.Module):
         x = nn.gelu(x, approximate=False)
         w = self.num_filters
         for i, width in enumerate((w, 2 * w, 2 * w), start=1):
-            x = conv(width, name=f"block{i}_conv1")(x)
+            inner = self.block_widths[i - 1] if self.block_widths else width
+            out = self.stage_widths[i - 1] if self.stage_widths else width
+            x = conv(inner, name=f"block{i}_conv1")(x)
             x = nn.max_pool(x, (2, 2), strides=(2, 2))
             x = nn.gelu(norm(name=f"block{i}_bn1")(x), approximate=False)
-            x = conv(width, name=f"block{i}_conv2")(x)
+            x = conv(out, name=f"block{i}_conv2")(x)
             x = nn.gelu(norm(name=f"block{i}_bn2")(x), approximate=False)
         x = jnp.max(x, axis=(1, 2)) / 9.0  # global max-pool; the scale sets the logits' range
         if return_features and not self.is_initializing():  # init must create the head

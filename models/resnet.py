@@ -117,6 +117,9 @@ class _Block(nn.Module):
     strides: int = 1
     zero_init_last_bn: bool = True
     width_factor: int = 1
+    # Pruned widths (hybridpar/prune.py); 0: the defaults from ``filters``.
+    inner_width: int = 0  # the convs inside the block (before the last)
+    out_width: int = 0  # the block's output, the residual stream
 
     def last_norm(self, name: str) -> nn.Module:
         # A zero gamma makes the block start as identity, which helps early training.
@@ -142,9 +145,10 @@ class ResNetBlock(_Block):
         if self.width_factor != 1:  # as torchvision's BasicBlock
             raise ValueError("basic blocks have no bottleneck to widen; use width_factor=1")
         s = self.strides
-        y = self.conv(self.filters, (3, 3), (s, s), padding=_pad(3), name="conv1")(x)
+        inner, out = self.inner_width or self.filters, self.out_width or self.filters
+        y = self.conv(inner, (3, 3), (s, s), padding=_pad(3), name="conv1")(x)
         y = nn.relu(self.norm(name="bn1")(y))
-        y = self.conv(self.filters, (3, 3), padding=_pad(3), name="conv2")(y)
+        y = self.conv(out, (3, 3), padding=_pad(3), name="conv2")(y)
         return _add_shortcut(self, x, self.last_norm("bn2")(y))
 
 
@@ -157,12 +161,12 @@ class BottleneckResNetBlock(_Block):
 
     @nn.compact
     def __call__(self, x):
-        s, width = self.strides, self.filters * self.width_factor
+        s, width = self.strides, self.inner_width or self.filters * self.width_factor
         y = self.conv(width, (1, 1), name="conv1")(x)
         y = nn.relu(self.norm(name="bn1")(y))
         y = self.conv(width, (3, 3), (s, s), padding=_pad(3), name="conv2")(y)
         y = nn.relu(self.norm(name="bn2")(y))
-        y = self.conv(self.filters * 4, (1, 1), name="conv3")(y)
+        y = self.conv(self.out_width or self.filters * 4, (1, 1), name="conv3")(y)
         return _add_shortcut(self, x, self.last_norm("bn3")(y))
 
 
@@ -190,6 +194,12 @@ class ResNet(nn.Module):
     bn_axis_name: Any = None
     bn_axis_index_groups: Any = None
     bn_group_sharding: Any = None
+    # Narrower widths, as a pruned model has them (hybridpar/prune.py; model.stem_width etc.
+    # in hybridpar/config.py): the stem's output, each stage's output (the residual stream)
+    # and each block's inner convs, in block order. 0 / (): the defaults from num_filters.
+    stem_width: int = 0
+    stage_widths: Sequence[int] = ()
+    block_widths: Sequence[int] = ()
 
     @nn.compact
     def __call__(self, x, train: bool = True, return_features: bool = False):
@@ -205,15 +215,17 @@ class ResNet(nn.Module):
         norm = norm_factory(self, train)
 
         x = jnp.asarray(x, self.dtype)
+        stem = self.stem_width or self.num_filters
         if self.small_stem:
             # Small images (e.g. 32x32) would lose too much resolution to a strided stem.
-            x = conv(self.num_filters, (3, 3), padding=_pad(3), name="stem_conv")(x)
+            x = conv(stem, (3, 3), padding=_pad(3), name="stem_conv")(x)
             x = nn.relu(norm(name="stem_bn")(x))
         else:
-            x = conv(self.num_filters, (7, 7), (2, 2), padding=_pad(7), name="stem_conv")(x)
+            x = conv(stem, (7, 7), (2, 2), padding=_pad(7), name="stem_conv")(x)
             x = nn.relu(norm(name="stem_bn")(x))
             x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=_pad(3))
 
+        inner = iter(self.block_widths or [0] * sum(self.stage_sizes))
         for i, num_blocks in enumerate(self.stage_sizes, start=1):
             for j in range(num_blocks):
                 strides = 2 if i > 1 and j == 0 else 1
@@ -224,6 +236,8 @@ class ResNet(nn.Module):
                     norm=norm,
                     zero_init_last_bn=self.zero_init_last_bn,
                     width_factor=self.width_factor,
+                    inner_width=next(inner),
+                    out_width=self.stage_widths[i - 1] if self.stage_widths else 0,
                     name=f"stage{i}_block{j}",
                 )(x)
 

@@ -295,3 +295,55 @@ def test_cli_without_config_takes_the_runs_config_json(quantized):
     p = _cli("--workdir", str(w), "--config.model.num_filters=16", config=())
     _assert_error(p, "another config", "num_filters was 8, now 16")
     _assert_error(_cli("--workdir", str(w / "nope"), config=()), "config.json")
+
+
+# ---- the airbench net --------------------------------------------------------------------
+
+
+def test_airbench_folding_keeps_float_logits():
+    """The airbench net's ``bn1`` follows a max-pool: kept as a float affine map, the folded
+    network is the float one even where a BatchNorm scale is negative; folded into
+    ``conv1`` before the pool (as in a ResNet) it is not."""
+    from hybridpar.models.airbench import AirbenchNet
+
+    model = AirbenchNet(num_classes=10, num_filters=8)
+    params, stats = _random_variables(model, 16)
+    rng = np.random.default_rng(3)
+    for i in (1, 2, 3):  # some negative scales: max-pool does not commute with them
+        bn = params[f"block{i}_bn1"]
+        bn["scale"] = bn["scale"] * rng.choice([-1.0, 1.0], bn["scale"].shape)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 16, 16, 3)), jnp.float32)
+    want = np.asarray(model.apply({"params": params, "batch_stats": stats}, x, train=False))
+    arch = int8.architecture(model, params)
+    assert isinstance(arch, int8.AirbenchArch) and arch.blocks == 3
+    layers = int8.fold_batchnorm(arch, params, stats, model.bn_epsilon)
+    forward = jax.jit(lambda lay, x: int8.float_forward(arch, lay, x))
+    got = np.asarray(forward(layers, x))
+    tol = 1000 * EPS32 * np.abs(want).max()  # as in test_folding_keeps_float_logits
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    # negative control: bn1 folded into conv1, before the max-pool
+    naive = dict(layers)
+    for i in (1, 2, 3):
+        bn, conv = layers[f"block{i}_bn1"], layers[f"block{i}_conv1"]
+        naive[f"block{i}_conv1"] = {"kernel": conv["kernel"] * bn["mul"], "bias": bn["add"]}
+        naive[f"block{i}_bn1"] = {"mul": np.ones_like(bn["mul"]), "add": np.zeros_like(bn["add"])}
+    assert np.abs(np.asarray(forward(naive, x)) - want).max() > 100 * tol
+
+
+def test_airbench_run_quantizes(tmp_path):
+    """A tiny airbench digits run (the whitening layer set from the data) quantizes: int8
+    keeps nearly every image's top-1 class and the export runs."""
+    w = tmp_path / "airbench"
+    one = jax.devices()[:1]
+    config = tiny_digits(**{**LONGER, "model.name": "airbench", "optim.frozen": "whiten/kernel"})
+    summary = trainer.train(trainer.setup(config, str(w), devices=one))
+    report = quantize.run(
+        config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
+    )
+    ev = report["eval"]
+    assert ev["float"]["top1"] > 0.3, summary["final_eval"]  # well above chance (0.1)
+    assert report["top1_agreement"] >= 0.95 and report["logit_error"] < 0.1, report
+    assert abs(ev["float"]["top1"] - ev["int8"]["top1"]) <= 0.05
+    served = int8.load_exported(str(w / "quantized" / "model.jax_exported"))
+    images = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 1), np.uint8)
+    assert np.asarray(served(images)).shape == (2, 10)

@@ -1,0 +1,355 @@
+"""``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
+[--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn] [--max-rounds 8]``.
+
+The compress-and-retrain loop on the trained run in ``W`` (the teacher, read only). Round 0
+is the teacher itself in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the
+teacher's channels in every group (``hybridpar.prune``), distils it from the teacher for
+``--epochs`` epochs (``hybridpar.distill``; the run's own optimizer and schedule), quantizes
+it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval split. Rounds go on
+while the int8 top-1 stays within ``--max-drop`` points of the float teacher's and the int8
+weights are above ``K`` KB (1 KB = 1000 bytes).
+
+Every round is kept in ``W/compress/round_NN/``: ``pruned/`` (the pruned model, a run at
+step 0), ``run/`` (its distillation run, a trainer workdir: the trainer resumes it),
+``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
+``result.json`` once it is done. A stopped loop (SIGTERM, Ctrl-C, kill) goes on from where
+it stopped with the same command. It prints a row per round (parameters, int8 KB, FLOPs
+per image, int8 top-1, its drop in points against the float teacher, int8 CPU latency at
+batch 1), writes the table to ``W/compress/rounds.md`` and the size/accuracy front to
+``W/compress/front.png``, and ends with the smallest model within the drop and the line
+``kb_int8=... top1_drop=... top1=... params=... flops=...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+
+from hybridpar import cli
+from hybridpar.errors import ConfigError
+
+DIR = "compress"
+# What makes the rounds' models: another value on an existing loop is an error. The budget
+# and the drop only say when to stop, so they may change.
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches")
+
+
+class Stop:
+    """SIGTERM / SIGINT outside a round's training (pruning, quantizing): exit 0 at once.
+    Every file a round writes lands whole (written beside, then renamed), so the same
+    command redoes only the unfinished part. The trainer's own handler (a checkpoint at the
+    next step) takes over while a round trains, and hands this one back after it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        # the terminal's stdout: a round may be writing the trainer's lines to its log
+        print(f"{signal.Signals(signum).name}: stopped; the same command continues the loop",
+              file=sys.__stdout__, flush=True)  # fmt: skip
+        os._exit(0)
+
+
+def check_args(args, config) -> None:
+    """Flags, the teacher's workdir and its run's config, before any device is touched."""
+    from hybridpar import checkpoint, evaluator
+
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the trained teacher's run)")
+    if args.budget_kb is None or args.budget_kb <= 0:
+        cli.fail("pass --budget-kb K > 0: the int8 weights' size to reach, in KB, e.g. 100")
+    if args.max_drop < 0:
+        cli.fail(f"--max-drop={args.max_drop} must be >= 0 (points of top-1), e.g. 1.0")
+    if not 0 < args.step < 1:
+        cli.fail(f"--step={args.step} must be in (0, 1): the fraction pruned per round, e.g. 0.25")
+    if args.epochs <= 0:
+        cli.fail(f"--epochs={args.epochs} must be > 0: each round's distillation, e.g. 3")
+    if args.max_rounds < 1:
+        cli.fail(f"--max-rounds={args.max_rounds} must be >= 1")
+    if args.calibration_batches < 1:
+        cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    if config.distributed:
+        cli.fail("compress runs in one process: pass --config.distributed=False")
+    if not evaluator.check_workdir(config, args.workdir):
+        raise ConfigError(
+            f"{args.workdir!r} has no config.json: pass the --workdir of a trained run "
+            "(python -m hybridpar.train writes it there)"
+        )
+    ckpt = checkpoint.checkpoint_dir(config, args.workdir)
+    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+        raise ConfigError(
+            f"no checkpoint in {ckpt}: compress starts from a trained run; train it first "
+            "(python -m hybridpar.train with the same --config and --workdir)"
+        )
+    from hybridpar.models import MODELS
+
+    name = config.model.name
+    if name != "airbench" and "stage_sizes" not in getattr(MODELS[name], "keywords", {}):
+        raise ConfigError(
+            f"compress prunes the ResNets of models/resnet.py and the airbench net, not "
+            f"model.name={name!r}"
+        )
+    check_settings(args)
+
+
+def settings_of(args) -> dict:
+    return {k: getattr(args, k) for k in SETTINGS}
+
+
+def check_settings(args) -> None:
+    path = os.path.join(args.workdir, DIR, "settings.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    for k, v in settings_of(args).items():
+        if saved.get(k) != v:
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(
+                f"{os.path.dirname(path)} holds a loop with {flag}={saved.get(k)} (not {v}): "
+                f"pass {flag}={saved.get(k)} to continue it, or move {os.path.dirname(path)} "
+                "away to start another"
+            )
+
+
+def round_config(config, workdir: str, pruned: str, epochs: float):
+    """The teacher's config for a round's distillation run: the pruned widths, started from
+    ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end."""
+    from hybridpar import cli as _cli
+
+    c = config.copy_and_resolve_references()
+    p = _cli.load_run(pruned)
+    with c.unlocked():
+        c.model = p.model
+        c.init_from = os.path.abspath(pruned)
+        c.distill.teacher_workdir = os.path.abspath(workdir)
+        c.num_epochs = float(epochs)
+        c.stages = ""
+        c.eval_every_epochs = float(epochs)
+        c.optim.warmup_epochs = min(c.optim.warmup_epochs, epochs / 4)
+        c.target_top1 = c.target_top5 = -1.0
+        c.stop_at_target = False
+    return c
+
+
+def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str) -> dict:
+    top1 = report["eval"]["int8"]["top1"]
+    return {
+        "round": index,
+        "keep": round(keep, 4),
+        "params": report["params"],
+        "kb_int8": round(report["weight_bytes_int8"] / 1000, 1),
+        "flops": report["flops_per_image"],
+        "top1": round(top1, 4),
+        "top1_float": round(report["eval"]["float"]["top1"], 4),
+        "top1_drop": round(100 * (teacher_top1 - top1), 2),
+        "ms_b1_int8": report["latency_ms"]["int8_batch1_ms"],
+        "exported": os.path.join(path, "quantized", "model.jax_exported"),
+    }
+
+
+HEADER = ("round", "keep", "params", "int8 KB", "MFLOPs/img", "top1 int8", "drop (pts)",
+          "ms b1 int8")  # fmt: skip
+
+
+def format_row(r: dict) -> list[str]:
+    return [str(r["round"]), f"{r['keep']:.3f}", str(r["params"]), f"{r['kb_int8']:.1f}",
+            f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}", f"{r['top1_drop']:.2f}",
+            f"{r['ms_b1_int8']:.3f}"]  # fmt: skip
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return lines + ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+
+
+def best(rows: list[dict], max_drop: float) -> dict | None:
+    """The smallest int8 model within the drop."""
+    ok = [r for r in rows if r["top1_drop"] <= max_drop]
+    return min(ok, key=lambda r: (r["kb_int8"], -r["top1"])) if ok else None
+
+
+def plot(rows: list[dict], teacher_top1: float, budget_kb: float, max_drop: float, path):
+    from hybridpar.tune import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kb, top1 = [r["kb_int8"] for r in rows], [100 * r["top1"] for r in rows]
+    ax.plot(kb, top1, "o-", color="C0", label="int8 model per round")
+    for r, x, y in zip(rows, kb, top1):
+        ax.annotate(str(r["round"]), (x, y), textcoords="offset points", xytext=(4, 4))
+    ax.axhline(100 * teacher_top1, color="C2", ls="--", label="float teacher")
+    ax.axhline(100 * teacher_top1 - max_drop, color="C3", ls=":", label=f"-{max_drop:g} points")
+    ax.axvline(budget_kb, color="C1", ls=":", label=f"budget {budget_kb:g} KB")
+    ax.set_xscale("log")
+    ax.set_xlabel("int8 weights (KB)")
+    ax.set_ylabel("top-1 (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def clear_leftovers(directory: str) -> None:
+    """What a killed step left half-written beside its result (``NAME.tmp-PID``)."""
+    for name in os.listdir(directory):
+        if ".tmp-" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def run(config, args, log=print) -> dict | None:
+    """The loop; returns the chosen row (None if no model is within the drop), or raises
+    ``KeyboardInterrupt`` when a round's training was stopped (the same call resumes)."""
+    import time
+
+    from hybridpar import prune, quantize, tune
+
+    w = args.workdir
+    root = os.path.join(w, DIR)
+    os.makedirs(root, exist_ok=True)
+    write_json(os.path.join(root, "settings.json"), settings_of(args))
+    qkw = dict(calibration_batches=args.calibration_batches, repeats=args.repeats,
+               latency_batches=(1,), overwrite=True)  # fmt: skip
+    rows, teacher_top1, t0 = [], None, time.time()
+    # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
+    reference = teacher_widths(w)  # the groups' widths every round's fraction refers to
+    log("| " + " | ".join(HEADER) + " |")
+    for index in range(args.max_rounds + 1):
+        rd = os.path.join(root, f"round_{index:02d}")
+        os.makedirs(rd, exist_ok=True)
+        clear_leftovers(rd)
+        keep = (1 - args.step) ** index
+        result = os.path.join(rd, "result.json")
+        if os.path.exists(result):
+            with open(result) as f:
+                row = json.load(f)
+        else:
+            start = time.time()
+            if index == 0:  # the teacher itself, in int8
+                with tune.quiet(rd):
+                    report = quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw)
+                source = w
+            else:
+                log(f"round {index}: pruning to {keep:.3f} of the teacher's channels, then "
+                    f"{args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)")  # fmt: skip
+                previous = rows[-1]["run"]
+                pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
+                if not os.path.exists(pruned):
+                    with tune.quiet(rd):
+                        prune.prune_run(previous, pruned, keep, criterion=args.criterion,
+                                        reference=reference)  # fmt: skip
+                c = round_config(config, w, pruned, args.epochs)
+                _, summary = tune.run_trainer(c, source, [])
+                if summary.get("preempted"):
+                    raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
+                with tune.quiet(rd):
+                    report = quantize.run(c, source, out=os.path.join(rd, "quantized"), **qkw)
+            if index == 0:
+                teacher_top1 = report["eval"]["float"]["top1"]
+            row = row_of(index, keep, report, teacher_top1 or rows[0]["teacher_top1"], rd)
+            row.update(teacher_top1=teacher_top1 or rows[0]["teacher_top1"], run=source,
+                       seconds=round(time.time() - start, 1))  # fmt: skip
+            write_json(result, row)
+        rows.append(row)
+        log("| " + " | ".join(format_row(row)) + " |")
+        if row["top1_drop"] > args.max_drop or row["kb_int8"] <= args.budget_kb:
+            break
+    teacher_top1 = rows[0]["teacher_top1"]
+    with open(os.path.join(root, "rounds.md"), "w") as f:
+        f.write("\n".join(table(rows)) + "\n")
+    plot(rows, teacher_top1, args.budget_kb, args.max_drop, os.path.join(root, "front.png"))
+    chosen = best(rows, args.max_drop)
+    took = sum(r.get("seconds", 0) for r in rows)
+    log(
+        f"teacher: float top-1 {teacher_top1:.4f}; rounds took {took:.0f}s in all "
+        f"({time.time() - t0:.0f}s this time); table {root}/rounds.md, front {root}/front.png"
+    )
+    if chosen is None:
+        log(f"no int8 model within {args.max_drop:g} points of the teacher")
+        return None
+    reached = "reached" if chosen["kb_int8"] <= args.budget_kb else "NOT reached"
+    log(f"smallest within {args.max_drop:g} points: round {chosen['round']} "
+        f"({chosen['kb_int8']:.1f} KB, budget {args.budget_kb:g} KB {reached}); "
+        f"int8 model {chosen['exported']}")  # fmt: skip
+    print(f"kb_int8={chosen['kb_int8']:.1f} top1_drop={chosen['top1_drop']:.2f} "
+          f"top1={chosen['top1']:.4f} params={chosen['params']} flops={chosen['flops']}",
+          flush=True)  # fmt: skip
+    return chosen
+
+
+def teacher_widths(workdir: str) -> dict:
+    """Each channel group's width in the teacher (the rounds' fractions refer to them)."""
+    import jax
+    from flax.core import meta
+
+    from hybridpar import prune
+    from hybridpar.mesh import make_mesh
+
+    mesh = make_mesh("data:-1", devices=jax.devices()[:1])
+    _, prog, state = prune.read_run(workdir, mesh)
+    params = jax.device_get(meta.unbox(state.params))
+    return prune.group_widths(prune.groups(prog.model, params), params)
+
+
+def main(argv=None) -> None:
+    stop = Stop()  # from the first line: a stop before training exits 0
+    try:
+        _main(argv)
+    finally:
+        stop.restore()
+
+
+def _main(argv) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.compress", __doc__)
+    parser.add_argument("--workdir", help="the trained teacher's run (read only)")
+    parser.add_argument("--budget-kb", type=cli.finite_float,
+                        help="stop once the int8 weights are at most this many KB")  # fmt: skip
+    parser.add_argument("--max-drop", type=cli.finite_float, default=1.0,
+                        help="points of top-1 the int8 model may lose (default 1.0)")  # fmt: skip
+    parser.add_argument("--step", type=cli.finite_float, default=0.25,
+                        help="fraction of channels pruned per round (default 0.25)")  # fmt: skip
+    parser.add_argument("--epochs", type=cli.finite_float, default=3.0,
+                        help="distillation epochs per round (default 3)")  # fmt: skip
+    parser.add_argument("--criterion", choices=("l1", "bn"), default="l1",
+                        help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
+    parser.add_argument("--max-rounds", type=int, default=8)
+    parser.add_argument("--calibration-batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed calls per latency figure (median)")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv, from_run=True)
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the trained teacher's run)")
+
+    def go():
+        c = config or cli.load_run(args.workdir, args.config_overrides)
+        check_args(args, c)
+        try:
+            run(c, args)
+        except KeyboardInterrupt as e:
+            print(f"stopped: {e}; the same command continues the loop", flush=True)
+
+    cli.main(go)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""``python -m hybridpar.prune --workdir W --out DIR --fraction F [--criterion l1|bn]``.
+
+Structured channel pruning of a trained ResNet (models/resnet.py) or airbench net
+(models/airbench.py, whose convs each make a group of their own): whole output channels of
+convolutions are removed, with their BatchNorm entries and the matching input channels of
+every layer that reads them, so what is left is a ResNet of the same family with narrower
+widths (``model.stem_width``, ``model.stage_widths``, ``model.block_widths``).
+
+Channels that meet in a residual add are one group with one keep-mask: the stem's output and
+every block output of stage 1 (identity shortcuts), then per stage the projection's output
+and every block output of that stage; each block's inner convs are groups of their own. A
+group's channels are ranked by the sum over its producing layers of ``|gamma|`` of the
+BatchNorm after each (``bn``, network slimming's measure) or of the L1 norm of the folded
+filter (``l1``: ``|gamma| / sqrt(var + eps) * sum |W[..., c]|``, the output's scale).
+
+``DIR`` is then a run of the smaller model at step 0: its ``config.json`` (the source run's
+config with the narrower widths) and a checkpoint (the surviving parameters and statistics,
+a fresh optimizer state), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR``
+read it as they read any run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from hybridpar import cli
+from hybridpar.errors import ConfigError
+
+CRITERIA = ("bn", "l1")
+
+
+@dataclasses.dataclass
+class Group:
+    """Channels tied together: ``producers`` (conv path, its BatchNorm's path) write them,
+    ``consumers`` (conv paths, and ``head``) read them on their input axis."""
+
+    name: str
+    producers: list
+    consumers: list
+
+
+def groups(model, params) -> list[Group]:
+    """The channel groups of a ResNet (or the airbench net) and its (unboxed) params, in
+    the order of the forward pass."""
+    from hybridpar import int8
+
+    arch = int8.architecture(model, params)  # the same model check and block walk
+    if isinstance(arch, int8.AirbenchArch):  # no residuals: every conv's output on its own
+        out = []
+        for i in range(1, arch.blocks + 1):
+            b, after = f"block{i}", f"block{i + 1}_conv1" if i < arch.blocks else "head"
+            out.append(Group(f"{b}_conv1", [(f"{b}_conv1", f"{b}_bn1")], [f"{b}_conv2"]))
+            out.append(Group(f"{b}_conv2", [(f"{b}_conv2", f"{b}_bn2")], [after]))
+        return out
+    stream = Group("stem", [("stem_conv", "stem_bn")], [])
+    out = [stream]
+    for b in arch.blocks:
+        n = b.name
+        convs = ["conv1", "conv2", "conv3"] if b.bottleneck else ["conv1", "conv2"]
+        stream.consumers.append(f"{n}/conv1")
+        if b.projects:
+            stream.consumers.append(f"{n}/proj_conv")
+            stream = Group(n.split("_")[0], [(f"{n}/proj_conv", f"{n}/proj_bn")], [])
+            out.append(stream)
+        last = convs[-1]
+        stream.producers.append((f"{n}/{last}", f"{n}/{int8.BN_OF[last]}"))
+        for i, c in enumerate(convs[:-1]):
+            out.append(Group(f"{n}/{c}", [(f"{n}/{c}", f"{n}/{int8.BN_OF[c]}")],
+                             [f"{n}/{convs[i + 1]}"]))  # fmt: skip
+    stream.consumers.append("head")
+    return out
+
+
+def _get(tree, path: str):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def importance(group: Group, params, stats, criterion: str, epsilon: float) -> np.ndarray:
+    """One score per channel of ``group`` (higher: kept first)."""
+    if criterion not in CRITERIA:
+        raise ConfigError(f"--criterion={criterion!r} is not one of {', '.join(CRITERIA)}")
+    score = 0.0
+    for conv, bn in group.producers:
+        gamma = np.abs(np.asarray(_get(params, bn)["scale"], np.float64))
+        if criterion == "bn":
+            score = score + gamma
+        else:
+            var = np.asarray(_get(stats, bn)["var"], np.float64)
+            w = np.abs(np.asarray(_get(params, conv)["kernel"], np.float64))
+            score = score + gamma / np.sqrt(var + epsilon) * w.sum(axis=(0, 1, 2))
+    return score
+
+
+def keep_masks(gs: list[Group], params, stats, counts: dict, criterion="l1", epsilon=1e-5):
+    """``{group name: sorted indices kept}``: the ``counts[name]`` best channels of each
+    group (a group not in ``counts`` keeps all)."""
+    keep = {}
+    for g in gs:
+        score = importance(g, params, stats, criterion, epsilon)
+        n = int(counts.get(g.name, score.size))
+        if not 1 <= n <= score.size:
+            raise ConfigError(f"group {g.name}: cannot keep {n} of {score.size} channels")
+        keep[g.name] = np.sort(np.argsort(-score, kind="stable")[:n])
+    return keep
+
+
+def apply(gs: list[Group], params, stats, keep: dict):
+    """``(params, stats)`` with only the kept channels (numpy copies; inputs unchanged)."""
+    import jax
+
+    params = jax.tree.map(np.asarray, params)
+    stats = jax.tree.map(np.asarray, stats)
+    for g in gs:
+        idx = keep[g.name]
+        for conv, bn in g.producers:
+            p = _get(params, conv)
+            p["kernel"] = p["kernel"][..., idx]
+            for tree in (_get(params, bn), _get(stats, bn)):
+                for k in tree:
+                    tree[k] = tree[k][idx]
+        for path in g.consumers:
+            p = _get(params, path)
+            p["kernel"] = p["kernel"][idx] if path == "head" else p["kernel"][:, :, idx, :]
+    return params, stats
+
+
+def widths_of(model, params) -> dict:
+    """The config's width keys that give ``params``' shapes: ``{"stem_width": ...,
+    "stage_widths": (...), "block_widths": (...)}``."""
+    from hybridpar import int8
+
+    arch = int8.architecture(model, params)
+    if isinstance(arch, int8.AirbenchArch):
+        n = range(1, arch.blocks + 1)
+        return {
+            "stage_widths": tuple(int(params[f"block{i}_conv2"]["kernel"].shape[-1]) for i in n),
+            "block_widths": tuple(int(params[f"block{i}_conv1"]["kernel"].shape[-1]) for i in n),
+        }
+    last = "conv3" if arch.blocks[0].bottleneck else "conv2"
+    stages = {}
+    for b in arch.blocks:
+        stages[b.name.split("_")[0]] = int(params[b.name][last]["kernel"].shape[-1])
+    return {
+        "stem_width": int(params["stem_conv"]["kernel"].shape[-1]),
+        "stage_widths": tuple(stages.values()),
+        "block_widths": tuple(
+            int(params[b.name]["conv1"]["kernel"].shape[-1]) for b in arch.blocks
+        ),  # fmt: skip
+    }
+
+
+def group_widths(gs: list[Group], params) -> dict:
+    return {g.name: int(_get(params, g.producers[0][0])["kernel"].shape[-1]) for g in gs}
+
+
+def counts_for(gs: list[Group], widths: dict, keep_fraction: float) -> dict:
+    """Channels to keep per group: ``keep_fraction`` of ``widths`` (a group's width in the
+    model the fraction refers to), at least one; a bottleneck block's two inner convs keep
+    the same number (block_widths has one width per block)."""
+    counts = {g.name: max(1, int(round(widths[g.name] * keep_fraction))) for g in gs}
+    for name in list(counts):
+        if name.endswith("/conv2") and name.replace("/conv2", "/conv1") in counts:
+            counts[name] = counts[name.replace("/conv2", "/conv1")]
+    return counts
+
+
+# ---- Reading and writing runs ------------------------------------------------------------
+
+
+def read_run(workdir: str, mesh, partitioning=None):
+    """``(config, program, state)``: the run in ``workdir`` (its config.json) and its latest
+    checkpoint, read into its shardings on ``mesh`` (with ``partitioning``, another
+    config's placement section: a teacher placed like its student)."""
+    from hybridpar import checkpoint, program
+
+    config = cli.load_run(workdir)
+    if partitioning is not None:
+        with config.unlocked():
+            config.partitioning = partitioning
+    prog = program.build_program(config, mesh)
+    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
+    try:
+        restored = saver.restore(prog.abstract_state())
+    finally:
+        saver.close()
+    if restored is None:
+        raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
+    return config, prog, restored[1]
+
+
+def start_from(path: str, state, prog):
+    """``state`` (a new run's, at step 0) with the parameters and BatchNorm statistics of
+    the run in ``path`` (``init_from``), read into this run's shardings; its shapes must be
+    this model's."""
+    import jax
+
+    _, _, src = read_run(path, prog.mesh, prog.config.partitioning)
+    for name in ("params", "batch_stats"):
+        a, b = getattr(state, name), getattr(src, name)
+        shapes = jax.tree.map(lambda x: x.shape, a), jax.tree.map(lambda x: x.shape, b)
+        if jax.tree.structure(a) != jax.tree.structure(b) or shapes[0] != shapes[1]:
+            raise ConfigError(
+                f"init_from={path!r} holds a model of other shapes than this config's: give "
+                f"this run the model keys of {path}/config.json (model.name, model.*_width*)"
+            )
+    return state.replace(params=src.params, batch_stats=src.batch_stats)
+
+
+def write_run(config, params, stats, out: str, mesh) -> None:
+    """``out``: ``config.json`` and a step-0 checkpoint of ``params`` / ``stats`` (host
+    arrays) with a fresh optimizer state, written beside and moved into place."""
+    import jax
+
+    from hybridpar import checkpoint, program, trainer
+    from hybridpar.state import init_sharded
+
+    prog = program.build_program(config, mesh)
+    state = init_sharded(prog.init, prog.shardings, jax.random.key(config.seed))
+    state = state.replace(
+        params=jax.device_put(params, prog.shardings.params),
+        batch_stats=jax.device_put(stats, prog.shardings.batch_stats),
+    )
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        checkpoint.record_config(tmp, config)
+        saver = checkpoint.Checkpoints(os.path.join(tmp, "checkpoints"), async_save=False)
+        try:
+            saver.save(0, state, trainer.LoopState(seed=config.seed).to_dict(),
+                       checkpoint.config_dict(config))  # fmt: skip
+            saver.finished(wait=True)
+        finally:
+            saver.close()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def pruned_config(config, widths: dict):
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.model.update(widths)
+        c.init_from = ""
+    return c
+
+
+def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
+              reference=None, mesh=None) -> dict:  # fmt: skip
+    """Prunes the run in ``workdir`` to ``keep_fraction`` of each group's width in
+    ``reference`` (``{group: width}``, default: this model's) and writes the smaller run to
+    ``out``. Returns ``{"widths", "params", "kept"}``."""
+    import jax
+    from flax.core import meta
+
+    from hybridpar.mesh import make_mesh
+
+    mesh = mesh or make_mesh("data:-1")
+    config, prog, state = read_run(workdir, mesh)
+    params = jax.device_get(meta.unbox(state.params))
+    stats = jax.device_get(meta.unbox(state.batch_stats))
+    gs = groups(prog.model, params)
+    counts = counts_for(gs, reference or group_widths(gs, params), keep_fraction)
+    keep = keep_masks(gs, params, stats, counts, criterion, prog.model.bn_epsilon)
+    params, stats = apply(gs, params, stats, keep)
+    widths = widths_of(prog.model, params)
+    write_run(pruned_config(config, widths), params, stats, out, mesh)
+    n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
+    return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()}}
+
+
+def overrides(widths: dict) -> str:
+    """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
+    return " ".join(f"--config.model.{k}='{tuple(v) if isinstance(v, tuple) else v}'"
+                    for k, v in widths.items())  # fmt: skip
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.prune", __doc__)
+    parser.add_argument("--workdir", help="the trained run's workdir (read only)")
+    parser.add_argument("--out", help="where the pruned run goes (a new directory)")
+    parser.add_argument("--fraction", type=cli.finite_float,
+                        help="fraction of each group's channels to remove, in [0, 1)")  # fmt: skip
+    parser.add_argument("--criterion", choices=CRITERIA, default="l1",
+                        help="l1: folded filter L1 (default); bn: BatchNorm |scale|")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, _ = cli.parse(parser, argv, config=False)
+    if not args.workdir or not args.out or args.fraction is None:
+        cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")
+    if not 0 <= args.fraction < 1:
+        cli.fail(f"--fraction={args.fraction} must be in [0, 1), e.g. 0.5")
+    if os.path.exists(args.out):
+        cli.fail(f"--out {args.out} exists: pass a new directory, or move it away first")
+
+    def go():
+        cli.load_run(args.workdir)  # a run's config.json, or the error that says so
+        r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
+        print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
+              f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
+
+    cli.main(go)
+
+
+if __name__ == "__main__":
+    main()
