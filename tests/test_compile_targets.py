@@ -98,6 +98,18 @@ def test_the_tpu_compiler_reports_per_chip_memory_collectives_and_flops(v5e_8):
     # the TPU compiler overlaps FSDP's weight gathers with compute (async collective fusions)
     fsdp_train = reports["fsdp:8"]["programs"][0]
     assert fsdp_train["async_collective_ops"] > 0
+    # ... and the scheduled HLO says what with: convolutions between those gathers' start
+    # and done; data parallelism's all-reduces are synchronous, every byte exposed.
+    for r in (rep["programs"][0] for rep in reports.values()):
+        assert r["bytes_overlapped"] + r["bytes_exposed"] == r["collective_bytes"]
+        assert len(r["overlap"]) == r["collective_ops"]
+    hidden = [e for e in fsdp_train["overlap"] if not e["exposed"]]
+    assert hidden and all(e["async"] and e["kind"] == "all-gather" for e in hidden)
+    assert any("convolution" in e["overlaps"] and e["flops"] > 0 for e in hidden)
+    assert fsdp_train["bytes_overlapped"] == sum(e["bytes"] for e in hidden)
+    dp_train = reports["data:8"]["programs"][0]
+    assert dp_train["bytes_exposed"] == dp_train["collective_bytes"]
+    assert not any(e["async"] for e in dp_train["overlap"])
     args = {m: r["programs"][0]["memory"]["arguments"] for m, r in reports.items()}
     assert args["fsdp:8"] < 0.5 * args["data:8"]
     assert args["data:4,model:2"] < args["data:8"]
