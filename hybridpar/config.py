@@ -400,13 +400,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
             "(one per channel, data.channels)"
         )
     if c.comm.reduce_dtype != "float32" and c.comm.mode != "bucketed":
-        # Under plain jit XLA's SPMD partitioner places the gradient all-reduces right after
-        # the dots that make the gradients, in their dtype; no cast or sharding constraint
-        # of ours moves them, so a narrower reduce dtype would change nothing but the noise.
+        # Under plain jit the SPMD partitioner puts each gradient's all-reduce right after the
+        # dot or convolution that makes it, in that op's dtype; a cast of the cotangent (a
+        # custom VJP on the parameter) is compiled after the all-reduce, not before it.
         raise ConfigError(
-            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs comm.mode=bucketed (under "
-            f"comm.mode={c.comm.mode!r} XLA reduces the gradients in their own dtype); use "
-            "--config.comm.mode=bucketed or --config.comm.reduce_dtype=float32"
+            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs comm.mode=bucketed: under "
+            f"comm.mode={c.comm.mode!r} XLA reduces each gradient in the dtype of the op that "
+            "computes it, before any cast of ours (float32 compute: float32 all-reduces; "
+            "precision.compute=bfloat16 already reduces the layers' weight gradients in "
+            "bfloat16); use --config.comm.mode=bucketed or --config.comm.reduce_dtype=float32"
         )
     if c.model.head != "dense" and c.comm.mode != "xla":
         raise ConfigError(

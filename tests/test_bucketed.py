@@ -493,5 +493,35 @@ def test_reduce_dtype_is_checked_and_needs_bucketed_mode():
     with pytest.raises(ConfigError, match="comm.reduce_dtype='float16' is not one of"):
         validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "float16"}))
     # Under comm.mode=xla XLA places the all-reduces in the gradients' dtype: refused.
-    with pytest.raises(ConfigError, match="--config.comm.mode=bucketed"):
+    with pytest.raises(ConfigError, match="--config.comm.mode=bucketed") as e:
         validate(tiny_config(**{"comm.reduce_dtype": "bfloat16"}))
+    assert "before any cast of ours" in str(e.value)
+
+
+@jax.custom_vjp
+def _bf16_cotangent(p):
+    return p
+
+
+_bf16_cotangent.defvjp(
+    lambda p: (p, None), lambda _, ct: (ct.astype(jnp.bfloat16).astype(ct.dtype),)
+)
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_under_jit_a_cotangent_cast_lands_after_the_gradient_all_reduce(rounded):
+    """Why comm.mode=xla refuses reduce_dtype: a custom VJP that rounds each parameter's
+    cotangent to bfloat16 is compiled after the all-reduce the SPMD partitioner put at the
+    weight-gradient dot, which stays float32 (if XLA ever moves the cast before the
+    reduction, the bytes halve here and the refusal can go)."""
+    mesh = make_mesh("data:8")
+    w = {"a": jnp.ones((16, 32)), "b": jnp.ones((32, 4))}
+
+    def loss(w, x):
+        w = jax.tree.map(_bf16_cotangent, w) if rounded else w
+        return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"]) ** 2)
+
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    step = jax.jit(jax.grad(loss), in_shardings=shardings, out_shardings=shardings[0])
+    rows = parse_collectives(step.lower(w, jnp.ones((64, 16))).compile().as_text())
+    assert [(r["kind"], r["total_bytes"]) for r in rows] == [("all-reduce", 4 * (16 * 32 + 32 * 4))]
