@@ -399,16 +399,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
-    if c.comm.reduce_dtype != "float32" and c.comm.mode != "bucketed":
-        # Under plain jit the SPMD partitioner puts each gradient's all-reduce right after the
-        # dot or convolution that makes it, in that op's dtype; a cast of the cotangent (a
-        # custom VJP on the parameter) is compiled after the all-reduce, not before it.
+    if c.comm.reduce_dtype != "float32" and c.model.head != "dense":
+        # The explicit reduction (steps.XlaSync) runs the loss per device under shard_map,
+        # where a sharded head's own collectives over the model axis are not set up.
         raise ConfigError(
-            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs comm.mode=bucketed: under "
-            f"comm.mode={c.comm.mode!r} XLA reduces each gradient in the dtype of the op that "
-            "computes it, before any cast of ours (float32 compute: float32 all-reduces; "
-            "precision.compute=bfloat16 already reduces the layers' weight gradients in "
-            "bfloat16); use --config.comm.mode=bucketed or --config.comm.reduce_dtype=float32"
+            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs model.head=dense (a "
+            f"{c.model.head!r} head reduces in float32); use --config.model.head=dense or "
+            "--config.comm.reduce_dtype=float32"
         )
     if c.model.head != "dense" and c.comm.mode != "xla":
         raise ConfigError(
