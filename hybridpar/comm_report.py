@@ -274,6 +274,11 @@ _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 
 
+def _custom_call_target(ins: dict) -> str:
+    m = _TARGET.search(ins["attrs"])
+    return m.group(1) if m else ""
+
+
 def _dims(shape: str) -> list[int]:
     m = _ARRAY.search(shape)
     return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
@@ -337,7 +342,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
         if op in _NO_COMPUTE or op in KINDS or op.endswith(("-start", "-done")):
             return False
         if op == "custom-call":
-            return not _TARGET.search(ins["attrs"]).group(1).startswith("AsyncCollective")
+            return not _custom_call_target(ins).startswith("AsyncCollective")
         if op == "fusion":
             body = [i for c in _CALLS.findall(ins["attrs"]) for i in inner(c)]
             return any(is_compute(i) for i in body if i["opcode"] != "fusion")
@@ -349,7 +354,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
             if ins["opcode"] == kind or kind in ops:
                 return kind
         if ins["opcode"] == "custom-call":
-            return f"custom-call {_TARGET.search(ins['attrs']).group(1)}"
+            return f"custom-call {_custom_call_target(ins)}"
         return ins["opcode"]
 
     def flops(ins: dict) -> int:
