@@ -371,7 +371,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
     for comp, seq in comps.items():
         if comp in called:
             continue
-        chains: dict = {}  # channel id -> [event, positions]
+        chains: dict = {}  # channel id -> [collective, its fusions' positions, wrapped]
         for i, ins in enumerate(seq):
             op = ins["opcode"]
             if op in KINDS:
@@ -405,6 +405,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
             events.append((comp, seq, start, done, coll["opcode"], payload(coll, coll["shape"]),
                            is_async))  # fmt: skip
     out = []
+    events.sort(key=lambda e: (e[0], e[2]))  # by computation, then schedule
     for comp, seq, start, done, kind, nbytes, is_async in events:
         between = [x for x in seq[start + 1 : done] if is_compute(x)]
         out.append(
@@ -418,10 +419,9 @@ def parse_overlap(hlo_text: str) -> list[dict]:
                 overlaps=dict(Counter(label(x) for x in between)),
                 flops=sum(flops(x) for x in between),
                 exposed=not between,
-                **{"async": is_async, "position": start},
+                **{"async": is_async},
             )
         )
-    out.sort(key=lambda e: (e["computation"], e.pop("position")))
     return out
 
 
