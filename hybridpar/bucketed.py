@@ -455,7 +455,7 @@ def make_sync(config, mesh, shardings):
     if config.comm.mode == "bucketed":
         c = config.comm
         return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
-    return XlaSync()
+    return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)
 
 
 def make_bucketed_train_step(

@@ -259,6 +259,195 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     return rows
 
 
+# ---- What each collective overlaps with ----------------------------------------------------
+
+# Ops that move or name data but compute nothing; anything else scheduled between a
+# collective's start and done is compute it can hide behind.
+_NO_COMPUTE = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy", "copy-start",
+    "copy-done", "async-start", "async-update", "async-done", "after-all", "partition-id",
+    "replica-id", "opt-barrier",
+}  # fmt: skip
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _custom_call_target(ins: dict) -> str:
+    m = _TARGET.search(ins["attrs"])
+    return m.group(1) if m else ""
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
+
+
+def _op_flops(ins: dict, shapes: dict) -> int:
+    """2 x multiply-adds of a convolution or dot, from its shapes (as XLA's cost analysis)."""
+    out = math.prod(_dims(ins["shape"]))
+    if ins["opcode"] == "dot":
+        lhs = _dims(shapes.get(ins["operands"][0], ""))
+        m = _LHS_CONTRACTING.search(ins["attrs"])
+        idx = [int(i) for i in m.group(1).split(",") if i] if m else []
+        return 2 * out * math.prod(lhs[i] for i in idx if i < len(lhs))
+    kernel = _dims(shapes.get(ins["operands"][1], "")) if len(ins["operands"]) > 1 else []
+    m = _DIM_LABELS.search(ins["attrs"])
+    if not kernel or m is None or "o" not in m.group(1):
+        return 0
+    return 2 * out * math.prod(kernel) // max(kernel[m.group(1).index("o")], 1)
+
+
+def parse_overlap(hlo_text: str) -> list[dict]:
+    """What every collective of a scheduled HLO module overlaps with, in schedule order.
+
+    Each collective, one dict: ``kind``, ``bytes`` (as ``parse_collectives`` counts them),
+    ``async``, ``computation``, ``start``/``done`` (instruction names), ``compute_ops``
+    (compute scheduled between start and done), ``overlaps`` (those ops by kind:
+    ``convolution``, ``dot``, ``fusion``, ``custom-call``, ...), ``flops`` (of the
+    convolutions and dots among them, from their shapes) and ``exposed``: True for a
+    synchronous collective or an asynchronous one with no compute between start and done.
+
+    The asynchronous forms: ``kind-start``/``kind-done`` pairs; ``async-start``/
+    ``async-done`` around a computation holding the collective; and the TPU compiler's
+    fusions, where a collective starts in one fusion (``AsyncCollectiveStart``), is cloned
+    into ``async_collective_fusion`` computations beside the compute it overlaps and ends in
+    another (``AsyncCollectiveDone``), the clones sharing a ``channel_id``: from the first
+    fusion to the last is one collective, and those fusions' own compute overlaps it.
+    """
+    instrs = _instructions(hlo_text)
+    comps: dict = {}
+    for ins in instrs:
+        comps.setdefault(ins["computation"], []).append(ins)
+    called = set()  # run inside another instruction: not scheduled on their own
+    for ins in instrs:
+        called.update(_CALLS.findall(ins["attrs"]) + _TO_APPLY.findall(ins["attrs"]))
+    inner_memo: dict = {}
+
+    def inner(comp: str) -> list[dict]:
+        """Every instruction of ``comp`` and of the computations it calls."""
+        if comp not in inner_memo:
+            inner_memo[comp] = []
+            out = []
+            for ins in comps.get(comp, []):
+                out.append(ins)
+                for sub in _CALLS.findall(ins["attrs"]):
+                    out.extend(inner(sub))
+            inner_memo[comp] = out
+        return inner_memo[comp]
+
+    def is_compute(ins: dict) -> bool:
+        op = ins["opcode"]
+        if op in _NO_COMPUTE or op in KINDS or op.endswith(("-start", "-done")):
+            return False
+        if op == "custom-call":
+            return not _custom_call_target(ins).startswith("AsyncCollective")
+        if op == "fusion":
+            body = [i for c in _CALLS.findall(ins["attrs"]) for i in inner(c)]
+            return any(is_compute(i) for i in body if i["opcode"] != "fusion")
+        return True
+
+    def label(ins: dict) -> str:
+        ops = {i["opcode"] for c in _CALLS.findall(ins["attrs"]) for i in inner(c)}
+        for kind in ("convolution", "dot"):
+            if ins["opcode"] == kind or kind in ops:
+                return kind
+        if ins["opcode"] == "custom-call":
+            return f"custom-call {_custom_call_target(ins)}"
+        return ins["opcode"]
+
+    def flops(ins: dict) -> int:
+        if ins["opcode"] in ("convolution", "dot"):
+            return _op_flops(ins, {i["name"]: i["shape"] for i in comps[ins["computation"]]})
+        return sum(flops(i) for c in _CALLS.findall(ins["attrs"]) for i in comps.get(c, []))
+
+    def payload(ins: dict, shape: str) -> int:
+        if _PROMOTED.search(ins["attrs"]):
+            shape = re.sub(r"\bf32\[", "bf16[", shape)
+        return shape_bytes(shape)
+
+    events = []
+    for comp, seq in comps.items():
+        if comp in called:
+            continue
+        chains: dict = {}  # channel id -> [collective, its fusions' positions, wrapped]
+        for i, ins in enumerate(seq):
+            op = ins["opcode"]
+            if op in KINDS:
+                events.append((comp, seq, i, i, op, payload(ins, ins["shape"]), False))
+            elif op.endswith("-start") and op[: -len("-start")] in KINDS:
+                kind = op[: -len("-start")]
+                done = next((j for j in range(i + 1, len(seq)) if seq[j]["opcode"] == f"{kind}-done"
+                             and seq[j]["operands"][:1] == [ins["name"]]), None)  # fmt: skip
+                shape = seq[done]["shape"] if done is not None else ins["shape"]
+                events.append((comp, seq, i, done or i, kind, payload(ins, shape), True))
+            elif _CALLS.search(ins["attrs"]):
+                body = [x for c in _CALLS.findall(ins["attrs"]) for x in inner(c)]
+                for coll in (x for x in body if x["opcode"] in KINDS):
+                    channel = _CHANNEL.search(coll["attrs"])
+                    key = channel.group(1) if channel else ins["name"]
+                    if key not in chains:
+                        chains[key] = [coll, [], op == "async-start"]
+                    if i not in chains[key][1]:
+                        chains[key][1].append(i)
+        for coll, places, wrapped in chains.values():
+            start, done = places[0], places[-1]
+            if wrapped:  # async-start ... async-done: follow the chain of its results
+                names = {seq[start]["name"]}
+                for j in range(start + 1, len(seq)):
+                    if seq[j]["opcode"] in ("async-update", "async-done") and (
+                        seq[j]["operands"][:1] and seq[j]["operands"][0] in names
+                    ):
+                        names.add(seq[j]["name"])
+                        done = j
+            is_async = wrapped or len(places) > 1
+            events.append((comp, seq, start, done, coll["opcode"], payload(coll, coll["shape"]),
+                           is_async))  # fmt: skip
+    out = []
+    events.sort(key=lambda e: (e[0], e[2]))  # by computation, then schedule
+    for comp, seq, start, done, kind, nbytes, is_async in events:
+        between = [x for x in seq[start + 1 : done] if is_compute(x)]
+        out.append(
+            dict(
+                kind=kind,
+                bytes=nbytes,
+                computation=comp,
+                start=seq[start]["name"],
+                done=seq[done]["name"],
+                compute_ops=len(between),
+                overlaps=dict(Counter(label(x) for x in between)),
+                flops=sum(flops(x) for x in between),
+                exposed=not between,
+                **{"async": is_async},
+            )
+        )
+    return out
+
+
+def describe_overlap(e: dict) -> str:
+    """One collective's overlap in a few words, e.g. ``all-gather 9.0 KiB: async over 3 ops
+    (2 convolution, 1 fusion; 1.2 MFLOP)`` or ``all-reduce 64 B: synchronous, exposed``."""
+    head = f"{e['kind']} {_mib(e['bytes'])}"
+    if not e["async"]:
+        return f"{head}: synchronous, exposed"
+    if e["exposed"]:
+        return f"{head}: async, nothing between start and done, exposed"
+    ops = ", ".join(f"{n} {k}" for k, n in sorted(e["overlaps"].items(), key=lambda kv: -kv[1]))
+    flops = f"; {e['flops'] / 1e6:.3g} MFLOP" if e["flops"] else ""
+    return f"{head}: async over {e['compute_ops']} ops ({ops}{flops})"
+
+
+def overlap_totals(events: list[dict]) -> dict:
+    """Bytes and ops of the collectives that overlap compute and of those exposed."""
+    return {
+        "bytes_overlapped": sum(e["bytes"] for e in events if not e["exposed"]),
+        "bytes_exposed": sum(e["bytes"] for e in events if e["exposed"]),
+        "ops_overlapped": sum(1 for e in events if not e["exposed"]),
+        "ops_exposed": sum(1 for e in events if e["exposed"]),
+    }
+
+
 # ---- The report -----------------------------------------------------------------------------
 
 

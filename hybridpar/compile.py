@@ -9,7 +9,9 @@ run will execute on that hardware.
 
 For each program: per-chip memory (arguments, outputs, temporaries, and the total against
 the chip's HBM), FLOPs and bytes accessed by the compiler's count, every collective as
-the compiler scheduled it (kind, bytes, groups, asynchronous or not), compile time, and a
+the compiler scheduled it (kind, bytes, groups, asynchronous or not) and what each
+overlaps: the compute scheduled between its start and done, and the bytes overlapped and
+exposed (a synchronous collective, or one with nothing between, is exposed), compile time, and a
 roofline bound on the step time (FLOPs at peak or bytes at HBM bandwidth, whichever is
 longer; collectives, launch and input not counted) with the images/s per chip it allows.
 A program that does not fit the chip's HBM (the TPU compiler refuses it) is one ``error:``
@@ -22,11 +24,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import Counter
 
 from hybridpar import cli, targets
 from hybridpar.errors import ConfigError
 
 # Nothing above imports JAX: ``--target`` sets the environment before the backend starts.
+
+OVERLAP_LINES = 6  # per program in the text report, those moving the most bytes first
 
 
 def compile_programs(config, target: targets.Target, out: str | None = None) -> dict:
@@ -51,7 +56,9 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
     for kind, batch, size in dict.fromkeys(wanted):  # each (program, batch, size) once
         compiled = _compile_or_explain(run, target, kind, batch, size)
         rec = program.compiles[-1]
-        collectives = comm_report.parse_collectives(compiled.as_text())
+        hlo = compiled.as_text()
+        collectives = comm_report.parse_collectives(hlo)
+        overlap = comm_report.parse_overlap(hlo)
         cost = comm_report.cost_of(compiled)
         mem = rec["memory_per_device_bytes"]
         step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
@@ -67,7 +74,9 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
                 collective_ops=sum(r["count"] for r in collectives),
                 collective_bytes=sum(r["total_bytes"] for r in collectives),
                 async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
+                **comm_report.overlap_totals(overlap),
                 collectives=collectives,
+                overlap=[dict(e, text=comm_report.describe_overlap(e)) for e in overlap],
                 roofline_step_s=step_s,
                 roofline_images_per_s_per_chip=(
                     round(per_chip / step_s, 1) if step_s and kind == "train" else None
@@ -212,7 +221,7 @@ def format_report(report: dict, config_path: str) -> str:
         ),
         "",
         f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
-        f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'compile':>8} "
+        f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'exposed':>10} {'compile':>8} "
         f"{'roofline img/s/chip':>19}",
     ]
     for r in report["programs"]:
@@ -225,8 +234,23 @@ def format_report(report: dict, config_path: str) -> str:
         lines.append(
             f"  {name:<28} {targets.gib(m.get('total', 0)):>12} {targets.gib(m.get('temp', 0)):>10}"
             f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
-            f"{r['compile_s']:>7.1f}s {rate if rate is not None else '-':>19}"
+            f"{r['bytes_exposed'] / 2**20:>6.1f} MiB {r['compile_s']:>7.1f}s "
+            f"{rate if rate is not None else '-':>19}"
         )
+    lines.append("what each collective overlaps (compute scheduled between its start and done):")
+    for r in report["programs"]:
+        lines.append(
+            f"  {r['program']} b{r['batch']} {r['image_size']}px: "
+            f"{r['bytes_overlapped'] / 2**20:.2f} MiB overlapped ({r['ops_overlapped']} ops), "
+            f"{r['bytes_exposed'] / 2**20:.2f} MiB exposed ({r['ops_exposed']} ops)"
+        )
+        alike, nbytes = Counter(e["text"] for e in r["overlap"]), Counter()
+        for e in r["overlap"]:
+            nbytes[e["text"]] += e["bytes"]
+        for text, _ in nbytes.most_common(OVERLAP_LINES):
+            lines.append(f"    {alike[text]} x {text}")
+        if len(alike) > OVERLAP_LINES:
+            lines.append(f"    ... {len(alike) - OVERLAP_LINES} more (--json lists every one)")
     if report["out"]:
         lines.append(f"  wrote the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
@@ -243,7 +267,8 @@ def format_report(report: dict, config_path: str) -> str:
         f"largest={big['program']}:b{big['batch']}:{big['image_size']}px "
         f"flops_per_chip={train[0]['flops']} "
         f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
-        f"collective_bytes={train[0]['collective_bytes']} target={report['target']} "
+        f"collective_bytes={train[0]['collective_bytes']} "
+        f"exposed_bytes={train[0]['bytes_exposed']} target={report['target']} "
         f"programs={len(report['programs'])} wall_s={report['wall_s']}"
     )
     return "\n".join(lines)

@@ -417,14 +417,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
-    if c.comm.reduce_dtype != "float32" and c.comm.mode != "bucketed":
-        # Under plain jit XLA's SPMD partitioner places the gradient all-reduces right after
-        # the dots that make the gradients, in their dtype; no cast or sharding constraint
-        # of ours moves them, so a narrower reduce dtype would change nothing but the noise.
+    if c.comm.reduce_dtype != "float32" and c.model.head != "dense":
+        # The explicit reduction (steps.XlaSync) runs the loss per device under shard_map,
+        # where a sharded head's own collectives over the model axis are not set up.
         raise ConfigError(
-            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs comm.mode=bucketed (under "
-            f"comm.mode={c.comm.mode!r} XLA reduces the gradients in their own dtype); use "
-            "--config.comm.mode=bucketed or --config.comm.reduce_dtype=float32"
+            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs model.head=dense (a "
+            f"{c.model.head!r} head reduces in float32); use --config.model.head=dense or "
+            "--config.comm.reduce_dtype=float32"
         )
     if c.model.head != "dense" and c.comm.mode != "xla":
         raise ConfigError(

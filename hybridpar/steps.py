@@ -14,7 +14,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
+from hybridpar.errors import ConfigError
+from hybridpar.mesh import data_parallel_size
 from hybridpar.partitioning import Rules, batch_sharding, replicated
 from hybridpar.precision import Policy, all_finite
 from hybridpar.state import TrainState
@@ -69,12 +72,61 @@ class DenseHead:
 class XlaSync:
     """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
     (and combines them as its flags allow; ``comm.mode=xla``). ``bucketed.BucketedSync`` is
-    the other choice, with the same ``gradients``."""
+    the other choice, with the same ``gradients``.
+
+    ``reduce_dtype`` other than float32 (``comm.reduce_dtype``, data-parallel meshes): XLA
+    would reduce each gradient in the dtype of the op computing it, before any cast of ours,
+    so each device computes its own slice's gradient under ``jax.shard_map`` and they are
+    summed with one ``psum`` in ``reduce_dtype``, cast back to the gradients' dtype after;
+    the loss and BatchNorm statistics are averaged in float32 (the bucketed step's psums,
+    in one bucket).
+    """
+
+    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global"):
+        self.mesh, self.bn_sync = mesh, bn_sync
+        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
+        others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
+        if self.reduce_dtype is not None and others:
+            # Data parallel only: FSDP's split parameters would be gathered whole per device,
+            # and with a model axis left to XLA inside shard_map the TPU compiler moved ~5x
+            # the bytes (data:4,model:2) while XLA:CPU could not widen the bfloat16 psum.
+            raise ConfigError(
+                f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
+                f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
+                "use --config.comm.mode=bucketed (data and fsdp) or comm.reduce_dtype=float32"
+            )
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        if self.reduce_dtype is not None:
+            return self._reduced_explicitly(model, state, images, labels, loss_fn_for)
         loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
         return grads, loss, batch_stats
+
+    def _reduced_explicitly(self, model, state, images, labels, loss_fn_for):
+        from hybridpar import bucketed  # it imports this module
+
+        axes, n = bucketed.active_axes(self.mesh), data_parallel_size(self.mesh)
+        local = bucketed.bucketed_model(model, self.bn_sync, n, axes)
+
+        def per_device(params, batch_stats, scale, images, labels):
+            params = jax.tree.map(lambda p: bucketed._to_varying(p, axes), params)
+            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
+            grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
+            flat, treedef = jax.tree.flatten((loss, new_stats))
+            flat = bucketed._flat_pmean(flat, axes, n)
+            loss, new_stats = jax.tree.unflatten(treedef, flat)
+            # after the float32 psum, so that XLA does not combine the two into one
+            leaves, treedef = jax.tree.flatten(grads)
+            leaves = bucketed._flat_pmean(leaves, axes, n, flat[0], self.reduce_dtype)
+            return jax.tree.unflatten(treedef, leaves), loss, new_stats
+
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(P(), P(), P(), P(axes), P(axes)),
+            out_specs=(P(), P(), P()),
+        )(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
 
 
 def scaled_loss_fn(

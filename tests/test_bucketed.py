@@ -56,7 +56,7 @@ from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import jit_train_step, normalize, scaled_loss_fn
+from hybridpar.steps import XlaSync, jit_train_step, normalize, scaled_loss_fn
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3
@@ -359,9 +359,12 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
 U_BF16 = 2.0**-8
 
 
-def _reduced_grads(program, start, reduce_dtype):
-    """The gradients a bucketed data:8 step reduces (the mean over devices), per path."""
-    sync = BucketedSync(program.mesh, TINY_BUCKET_MB, "local", program.shardings, reduce_dtype)
+def _reduced_grads(program, start, reduce_dtype, sync=None):
+    """The gradients a bucketed data:8 step reduces (the mean over devices), per path;
+    ``sync``: another sync's (``XlaSync``) instead."""
+    sync = sync or BucketedSync(
+        program.mesh, TINY_BUCKET_MB, "local", program.shardings, reduce_dtype
+    )
 
     def loss_fn_for(m, stats, images, labels, scale):
         return scaled_loss_fn(m, stats, images, labels, scale, 0.1)
@@ -488,10 +491,101 @@ def test_bfloat16_reduce_halves_the_gradient_bytes(mesh):
         assert grads["reduce-scatter"] > 0 and grads["all-gather"] == 0
 
 
-def test_reduce_dtype_is_checked_and_needs_bucketed_mode():
-    validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "bfloat16"}))
+def test_reduce_dtype_is_checked():
+    for mode in ("bucketed", "xla"):
+        validate(tiny_config(**{"comm.mode": mode, "comm.reduce_dtype": "bfloat16"}))
     with pytest.raises(ConfigError, match="comm.reduce_dtype='float16' is not one of"):
         validate(tiny_config(**{"comm.mode": "bucketed", "comm.reduce_dtype": "float16"}))
-    # Under comm.mode=xla XLA places the all-reduces in the gradients' dtype: refused.
-    with pytest.raises(ConfigError, match="--config.comm.mode=bucketed"):
-        validate(tiny_config(**{"comm.reduce_dtype": "bfloat16"}))
+    with pytest.raises(ConfigError, match="needs model.head=dense"):
+        validate(tiny_config(**{"comm.reduce_dtype": "bfloat16", "model.head": "sharded"}))
+    # comm.mode=xla reduces explicitly on data-parallel meshes only
+    with pytest.raises(ConfigError, match="needs a mesh over data only .*model=2"):
+        build(tiny_config("data:4,model:2", **{"comm.reduce_dtype": "bfloat16"})).train_jit
+
+
+# --- comm.reduce_dtype=bfloat16 under comm.mode=xla: the reduction made explicit -----------
+#
+# The same bound and one-device reference as the bucketed step's above: XlaSync with a
+# reduce dtype computes each device's gradient under shard_map and sums them in one psum.
+
+
+def _xla_reduced(reduce_dtype):
+    _, program, start, _ = _xla_reduce_setup()
+    sync = XlaSync(program.mesh, reduce_dtype, "local")
+    return _reduced_grads(program, start, reduce_dtype, sync)[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _xla_reduce_setup():
+    config, program = _program("xla", "local")
+    _, start, _, per_device = _reduce_dtype_setup()  # the same parameters, one device's grads
+    return config, program, start, per_device
+
+
+def test_xla_mode_bfloat16_reduce_within_bfloat16_rounding_of_one_device():
+    *_, per_device = _xla_reduce_setup()
+    got32, got16 = _xla_reduced("float32"), _xla_reduced("bfloat16")
+    excess = _excess(got16, per_device, U_BF16)
+    print("xla mode, bfloat16 reduce, worst |error| / bound:", max(excess.values()))
+    assert max(excess.values()) <= 1, excess
+    # summed in bfloat16 (every element a bfloat16 value), handed on in float32; XLA's own
+    # float32 reduction (the plain step) is not
+    for g in got16.values():
+        assert g.dtype == np.float32
+        np.testing.assert_array_equal(g, g.astype(jnp.bfloat16).astype(np.float32))
+    assert any(np.any(g != g.astype(jnp.bfloat16).astype(np.float32)) for g in got32.values())
+
+
+def test_xla_mode_bound_rejects_a_coarser_reduce():
+    """Negative control: the same bound rejects the gradients summed in float8."""
+    *_, per_device = _xla_reduce_setup()
+    assert max(_excess(_xla_reduced("float8_e4m3fn"), per_device, U_BF16).values()) > 1
+
+
+def test_xla_mode_bfloat16_reduce_halves_the_gradient_bytes():
+    """The data:8 xla step's all-reduces: float32 reduces every gradient at 4 bytes, the
+    bfloat16 step at 2, in one all-reduce of its own; the loss and BatchNorm statistics
+    (4 + 4 x statistics bytes) are float32 in both."""
+    totals = {}
+    for rd in ("float32", "bfloat16"):
+        _, program = _program("xla", "local", **{"comm.reduce_dtype": rd})
+        rows = parse_collectives(
+            compiled_step(program, random_state(program), NO_LLVM_OPT).as_text()
+        )
+        totals[rd] = sum(r["total_bytes"] for r in rows if r["kind"] == "all-reduce")
+        print(rd, [(r["count"], r["bytes"]) for r in rows])
+    params = sum(x.size for x in jax.tree.leaves(program.abstract.params))
+    stats = sum(x.size for x in jax.tree.leaves(program.abstract.batch_stats))
+    shared = 4 + 4 * stats
+    assert totals["float32"] == 4 * params + shared
+    assert totals["bfloat16"] == 2 * params + shared
+    assert [r["bytes"] for r in rows if r["kind"] == "all-reduce"].count(2 * params) == 1
+
+
+@jax.custom_vjp
+def _bf16_cotangent(p):
+    return p
+
+
+_bf16_cotangent.defvjp(
+    lambda p: (p, None), lambda _, ct: (ct.astype(jnp.bfloat16).astype(ct.dtype),)
+)
+
+
+@pytest.mark.parametrize("rounded", [False, True])
+def test_under_jit_a_cotangent_cast_lands_after_the_gradient_all_reduce(rounded):
+    """Why comm.mode=xla reduces explicitly for reduce_dtype: a custom VJP that rounds each
+    parameter's cotangent to bfloat16 is compiled after the all-reduce the SPMD partitioner
+    put at the weight-gradient dot, which stays float32 (if XLA ever moves the cast before
+    the reduction, the bytes halve here and the cast would do)."""
+    mesh = make_mesh("data:8")
+    w = {"a": jnp.ones((16, 32)), "b": jnp.ones((32, 4))}
+
+    def loss(w, x):
+        w = jax.tree.map(_bf16_cotangent, w) if rounded else w
+        return jnp.mean((jnp.tanh(x @ w["a"]) @ w["b"]) ** 2)
+
+    shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+    step = jax.jit(jax.grad(loss), in_shardings=shardings, out_shardings=shardings[0])
+    rows = parse_collectives(step.lower(w, jnp.ones((64, 16))).compile().as_text())
+    assert [(r["kind"], r["total_bytes"]) for r in rows] == [("all-reduce", 4 * (16 * 32 + 32 * 4))]

@@ -13,7 +13,13 @@ import pytest
 from helpers import run_compile_tool
 
 from hybridpar import comm
-from hybridpar.comm_report import parse_collectives, shape_bytes
+from hybridpar.comm_report import (
+    describe_overlap,
+    overlap_totals,
+    parse_collectives,
+    parse_overlap,
+    shape_bytes,
+)
 from hybridpar.config import base_config, load_config
 from hybridpar.models import create_model
 
@@ -142,6 +148,105 @@ def test_the_tpu_compilers_fused_and_cloned_collectives_count_once_as_async():
         ("all-gather", 512, True, 1),  # one gather, not two clones; overlapped with compute
         ("all-to-all", 32, False, 1),  # its own op despite the repeated channel id
     ]
+
+
+# Scheduled HLO (instructions in schedule order), abridged, with each form of collective:
+# the CPU's synchronous all-reduce; a -start/-done pair around a convolution fusion; an
+# async-start/-done with nothing between; and the TPU compiler's chain, a gather started
+# in one fusion (AsyncCollectiveStart), cloned into an async_collective_fusion beside a
+# convolution, and ended in a third (AsyncCollectiveDone), with a dot scheduled between.
+SCHEDULED_HLO = """
+HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%conv_fusion (p0: bf16[8,16,16,4], p1: bf16[3,3,4,8]) -> bf16[8,16,16,8] {
+  %p0 = bf16[8,16,16,4]{3,2,1,0} parameter(0)
+  %p1 = bf16[3,3,4,8]{3,2,1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16,16,8]{3,2,1,0} convolution(%p0, %p1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+}
+
+%async_rs (p0: f32[16]) -> f32[4] {
+  %p0 = f32[16]{0} parameter(0)
+  ROOT %reduce-scatter.9 = f32[4]{0} reduce-scatter(%p0), channel_id=9, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+%gather_start (p0: bf16[3,3,4,1]) -> (bf16[3,3,4,1], bf16[3,3,4,8], u32[]) {
+  %p0 = bf16[3,3,4,1]{3,2,1,0} parameter(0)
+  %all-gather.1 = bf16[3,3,4,8]{3,2,1,0} all-gather(%p0), channel_id=14, replica_groups=[1,8]<=[8], dimensions={3}, use_global_device_ids=true
+  ROOT %custom-call.1 = (bf16[3,3,4,1]{3,2,1,0}, bf16[3,3,4,8]{3,2,1,0}, u32[]) custom-call(%all-gather.1), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.1 (p0: bf16[3,3,4,1], p1: bf16[8,16,16,4], p2: bf16[3,3,4,8]) -> (bf16[8,16,16,8], bf16[3,3,4,8]) {
+  %p1 = bf16[8,16,16,4]{3,2,1,0} parameter(1)
+  %p2 = bf16[3,3,4,8]{3,2,1,0} parameter(2)
+  %convolution.2 = bf16[8,16,16,8]{3,2,1,0} convolution(%p1, %p2), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  %p0 = bf16[3,3,4,1]{3,2,1,0} parameter(0)
+  %all-gather.2 = bf16[3,3,4,8]{3,2,1,0} all-gather(%p0), channel_id=14, replica_groups=[1,8]<=[8], dimensions={3}, use_global_device_ids=true
+  ROOT %tuple.1 = (bf16[8,16,16,8]{3,2,1,0}, bf16[3,3,4,8]{3,2,1,0}) tuple(%convolution.2, %all-gather.2)
+}
+
+%gather_done (p0: bf16[3,3,4,1], p1: bf16[3,3,4,8]) -> bf16[3,3,4,8] {
+  %p0 = bf16[3,3,4,1]{3,2,1,0} parameter(0)
+  %all-gather.3 = bf16[3,3,4,8]{3,2,1,0} all-gather(%p0), channel_id=14, replica_groups=[1,8]<=[8], dimensions={3}, use_global_device_ids=true
+  ROOT %custom-call.2 = bf16[3,3,4,8]{3,2,1,0} custom-call(%p0, %all-gather.3), custom_call_target="AsyncCollectiveDone"
+}
+
+ENTRY %main (a: f32[16], x: bf16[8,16,16,4], w: bf16[3,3,4,8], s: bf16[3,3,4,1], m: f32[32,64], n: f32[64,16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %x = bf16[8,16,16,4]{3,2,1,0} parameter(1)
+  %w = bf16[3,3,4,8]{3,2,1,0} parameter(2)
+  %s = bf16[3,3,4,1]{3,2,1,0} parameter(3)
+  %m = f32[32,64]{1,0} parameter(4)
+  %n = f32[64,16]{1,0} parameter(5)
+  %all-reduce.1 = f32[16]{0} all-reduce(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %all-reduce-start.2 = f32[16]{0} all-reduce-start(%all-reduce.1), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %fusion.1 = bf16[8,16,16,8]{3,2,1,0} fusion(%x, %w), kind=kOutput, calls=%conv_fusion
+  %all-reduce-done.2 = f32[16]{0} all-reduce-done(%all-reduce-start.2)
+  %rs-start = ((f32[16]{0}), f32[4]{0}) async-start(%all-reduce-done.2), calls=%async_rs
+  %copy.1 = f32[16]{0} copy(%a)
+  %rs-done = f32[4]{0} async-done(%rs-start), calls=%async_rs
+  %async-collective-start.1 = (bf16[3,3,4,1]{3,2,1,0}, bf16[3,3,4,8]{3,2,1,0}, u32[]) fusion(%s), kind=kCustom, calls=%gather_start
+  %get-tuple-element.1 = bf16[3,3,4,1]{3,2,1,0} get-tuple-element(%async-collective-start.1), index=0
+  %fusion.2 = (bf16[8,16,16,8]{3,2,1,0}, bf16[3,3,4,8]{3,2,1,0}) fusion(%get-tuple-element.1, %x, %w), kind=kOutput, calls=%async_collective_fusion.1
+  %dot.1 = f32[32,16]{1,0} dot(%m, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %async-collective-done.1 = bf16[3,3,4,8]{3,2,1,0} fusion(%get-tuple-element.1, %fusion.2), kind=kCustom, calls=%gather_done
+  ROOT %out = f32[16]{0} add(%all-reduce-done.2, %copy.1)
+}
+"""
+
+
+def test_parse_overlap_on_hand_written_scheduled_hlo():
+    events = parse_overlap(SCHEDULED_HLO)
+    got = [(e["kind"], e["bytes"], e["async"], e["compute_ops"], e["exposed"]) for e in events]
+    assert got == [
+        ("all-reduce", 64, False, 0, True),  # synchronous (the CPU's form): exposed
+        ("all-reduce", 64, True, 1, False),  # -start/-done around one convolution fusion
+        ("reduce-scatter", 16, True, 0, True),  # async, but only a copy between: exposed
+        ("all-gather", 576, True, 2, False),  # the TPU chain: three fusions, one gather
+    ]
+    conv_flops = 2 * (8 * 16 * 16 * 8) * (3 * 3 * 4)  # 2 x output elements x taps x inputs
+    pair, chain = events[1], events[3]
+    assert pair["overlaps"] == {"convolution": 1} and pair["flops"] == conv_flops
+    assert (pair["start"], pair["done"]) == ("all-reduce-start.2", "all-reduce-done.2")
+    # the chain's own fusion carries a convolution; the dot between adds 2 x 32 x 16 x 64
+    assert chain["overlaps"] == {"convolution": 1, "dot": 1}
+    assert chain["flops"] == conv_flops + 2 * 32 * 16 * 64
+    assert (chain["start"], chain["done"]) == (
+        "async-collective-start.1",
+        "async-collective-done.1",
+    )
+    # the same collectives parse_collectives counts, one for one
+    assert len(events) == sum(r["count"] for r in parse_collectives(SCHEDULED_HLO))
+    totals = overlap_totals(events)
+    assert totals == {"bytes_overlapped": 640, "bytes_exposed": 80, "ops_overlapped": 2,
+                      "ops_exposed": 2}  # fmt: skip
+    assert describe_overlap(events[0]) == "all-reduce 64 B: synchronous, exposed"
+    assert describe_overlap(chain).startswith("all-gather 576 B: async over 2 ops (")
 
 
 def test_shape_bytes():

@@ -98,9 +98,45 @@ def test_the_tpu_compiler_reports_per_chip_memory_collectives_and_flops(v5e_8):
     # the TPU compiler overlaps FSDP's weight gathers with compute (async collective fusions)
     fsdp_train = reports["fsdp:8"]["programs"][0]
     assert fsdp_train["async_collective_ops"] > 0
+    # ... and the scheduled HLO says what with: convolutions between those gathers' start
+    # and done; data parallelism's all-reduces are synchronous, every byte exposed.
+    for r in (rep["programs"][0] for rep in reports.values()):
+        assert r["bytes_overlapped"] + r["bytes_exposed"] == r["collective_bytes"]
+        assert len(r["overlap"]) == r["collective_ops"]
+    hidden = [e for e in fsdp_train["overlap"] if not e["exposed"]]
+    assert hidden and all(e["async"] and e["kind"] == "all-gather" for e in hidden)
+    assert any("convolution" in e["overlaps"] and e["flops"] > 0 for e in hidden)
+    assert fsdp_train["bytes_overlapped"] == sum(e["bytes"] for e in hidden)
+    dp_train = reports["data:8"]["programs"][0]
+    assert dp_train["bytes_exposed"] == dp_train["collective_bytes"]
+    assert not any(e["async"] for e in dp_train["overlap"])
     args = {m: r["programs"][0]["memory"]["arguments"] for m, r in reports.items()}
     assert args["fsdp:8"] < 0.5 * args["data:8"]
     assert args["data:4,model:2"] < args["data:8"]
+
+
+@needs_libtpu
+def test_the_tpu_compiler_reduces_xla_modes_gradients_in_bfloat16(v5e_8):
+    """comm.reduce_dtype=bfloat16 under comm.mode=xla, as the TPU compiler places it: the
+    gradients cross the chips in one all-reduce of 2 bytes a parameter, where the float32
+    step's all-reduces carry 4; the rest (loss, BatchNorm statistics) is float32 in both."""
+    import jax
+
+    from hybridpar import trainer
+
+    train = {}
+    for rd in ("float32", "bfloat16"):
+        train[rd] = _report(v5e_8, "data:8", **{"comm.reduce_dtype": rd})["programs"][0]
+    run = trainer.setup(tiny_digits(mesh="data:8"), with_data=False, devices=v5e_8.devices())
+    params = sum(x.size for x in jax.tree.leaves(run.program.abstract.params))
+    bf16 = [r for r in train["bfloat16"]["collectives"] if r["kind"] == "all-reduce"]
+    assert [r["bytes"] for r in bf16].count(2 * params) == 1
+    f32 = sum(
+        r["total_bytes"] for r in train["float32"]["collectives"] if r["kind"] == "all-reduce"
+    )
+    assert f32 >= 4 * params  # every gradient at float32 width (a few beside BN statistics)
+    # the whole step's bytes about halve (315,308 against 164,360 B measured)
+    assert train["bfloat16"]["collective_bytes"] < 0.55 * train["float32"]["collective_bytes"]
 
 
 @needs_libtpu
