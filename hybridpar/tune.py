@@ -253,9 +253,10 @@ def pyplot():
 
 def run_trainer(config, workdir: str, hooks) -> tuple[object, dict]:
     from hybridpar import trainer
+    from hybridpar.run import setup
 
     with quiet(workdir):
-        r = trainer.setup(config, workdir)
+        r = setup(config, workdir)
         for hook in hooks:
             hook.plan = r.plan
         return r, trainer.train(r, hooks=hooks)
@@ -693,7 +694,7 @@ def main(argv=None) -> None:
 
         validate(config)
         check(config, args.mode)
-        from hybridpar.trainer import check_workdir
+        from hybridpar.run import check_workdir
 
         check_workdir(args.workdir)
         if args.mode == "lr":

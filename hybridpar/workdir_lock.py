@@ -1,6 +1,6 @@
 """One trainer per workdir: an exclusive ``flock`` on ``WORKDIR/.lock`` for the trainer's life.
 
-    lock = workdir_lock.acquire(workdir)   # trainer.setup; a ConfigError names the holder
+    lock = workdir_lock.acquire(workdir)   # run.setup; a ConfigError names the holder
     ...
     lock.release()                         # the end of trainer.train (or a failed set-up)
     workdir_lock.held(workdir)             # the evaluator: is a trainer alive there?
