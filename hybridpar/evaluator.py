@@ -28,7 +28,7 @@ import time
 
 from hybridpar import checkpoint, workdir_lock
 from hybridpar.checkpoint import read_records
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, WorkdirError
 from hybridpar.mesh import describe_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.run import Run, evaluate, log, setup
@@ -43,12 +43,12 @@ SKIPPED = "eval_skipped"
 DEAD_AFTER_S = 300.0
 
 
-def check_workdir(config, workdir: str) -> bool:
+def check_run_of(config, workdir: str) -> bool:
     """Raises unless ``workdir`` exists and, once its trainer has written ``config.json``,
     holds a run of ``config`` (placement keys aside). False while there is no
     ``config.json`` yet (the trainer writes it after its set-up, before any checkpoint)."""
     if not os.path.isdir(workdir):
-        raise ConfigError(
+        raise WorkdirError(
             f"no workdir {workdir!r}: pass the --workdir of a training run (the one given to "
             "python -m hybridpar.train), or start that run first"
         )
@@ -177,7 +177,7 @@ class Evaluator:
             completed = self.completed()  # read before the listing, which then has its last step
             todo = self.poll()
             if todo and not config_checked:  # the trainer wrote config.json since we began
-                if not check_workdir(self.run.config, self.workdir):
+                if not check_run_of(self.run.config, self.workdir):
                     raise ConfigError(
                         f"{self.saver.directory} holds checkpoints but {self.workdir!r} has no "
                         "config.json: pass the --workdir the training run was given"
@@ -275,9 +275,9 @@ def run(
         from hybridpar import cli
 
         if not os.path.isdir(workdir):
-            check_workdir(config, workdir)  # its error: no such workdir
+            check_run_of(config, workdir)  # its error: no such workdir
         config = cli.load_run(workdir, overrides)
-    checked = check_workdir(config, workdir)  # before any device or data is touched
+    checked = check_run_of(config, workdir)  # before any device or data is touched
     # workdir None: none of the trainer's workdir checks and writes (we only read there)
     r = setup(config, None, devices=devices)
     log(describe_mesh(r.mesh))

@@ -40,7 +40,7 @@ def check_args(args, config) -> None:
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
         cli.fail("quantize runs in one process: pass --config.distributed=False")
     # the evaluator's rule: only where and how fast it runs may differ from the run's config
-    if not evaluator.check_workdir(config, args.workdir):
+    if not evaluator.check_run_of(config, args.workdir):
         raise ConfigError(
             f"{args.workdir!r} has no config.json: pass the --workdir of a training run "
             "(python -m hybridpar.train writes it there)"

@@ -25,7 +25,7 @@ import numpy as np
 
 from hybridpar import checkpoint, compile_cache, curriculum, partitioning
 from hybridpar.curriculum import PlannedStage, describe
-from hybridpar.errors import ConfigError
+from hybridpar.errors import NonFinite, SaveFailed
 from hybridpar.mesh import data_parallel_size, describe_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.run import Run, evaluate, log, memory_report, memory_text, program_name
@@ -121,10 +121,6 @@ def global_batches(run: Run, loop: LoopState):
 
 
 # ---- Hooks: what happens after a step ---------------------------------------------------------
-
-
-class NonFinite(ConfigError):
-    """Too many steps in a row with a non-finite loss or gradient (each one skipped)."""
 
 
 class Progress:
@@ -306,7 +302,7 @@ class Checkpointer:
         self.finished = True
         try:
             self.events(wait=True)
-        except ConfigError as e:
+        except SaveFailed as e:
             return str(e)
         finally:
             self.saver.close()
@@ -433,7 +429,7 @@ def train(run: Run, hooks=()) -> dict:
         raise
     summary, save_error = end(t, preempted=preempted)
     if save_error:
-        raise ConfigError(save_error)
+        raise SaveFailed(save_error)
     return summary
 
 

@@ -31,7 +31,7 @@ import time
 
 from hybridpar import cli
 from hybridpar.config import config_value
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, Error
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
 
@@ -118,22 +118,6 @@ def parse_space(config) -> list[dict]:
 BATCH_KEYS = ("global_batch", "eval_batch")
 
 
-def data_parallel_size(mesh_spec: str) -> int:
-    """Devices the batch splits over (data x fsdp) on the mesh `mesh_spec` names. Only a
-    spec with -1 needs the device count (JAX's backend starts; nothing is allocated)."""
-    from hybridpar.mesh import BATCH_AXES, parse_mesh_spec
-
-    sizes = [p.partition(":")[2].strip() for p in mesh_spec.split(",") if p.strip()]
-    if "-1" in sizes:
-        import jax
-
-        devices = jax.device_count()
-    else:  # parse_mesh_spec says what is wrong with a bad size
-        devices = math.prod(int(n) for n in sizes if n.isdigit())
-    sizes = parse_mesh_spec(mesh_spec, devices)
-    return math.prod(sizes[a] for a in BATCH_AXES)
-
-
 def check_batches(config, space: list[dict]) -> None:
     """Every batch the space can draw splits evenly over the data-parallel devices (data x
     fsdp) of every mesh it can draw, as the trainer requires (``program.check_batch_sizes``).
@@ -146,6 +130,8 @@ def check_batches(config, space: list[dict]) -> None:
     batches = [p for k, p in by_key.items() if k in BATCH_KEYS]
     if not batches:
         return
+    from hybridpar.mesh import data_parallel_size  # imports jax, starts no backend
+
     meshes = by_key["mesh"]["choices"] if "mesh" in by_key else [config.mesh]
     for mesh in meshes:
         dp = data_parallel_size(mesh)
@@ -533,7 +519,7 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
     when a signal stopped it (it resumes on the next call)."""
     from optuna.trial import TrialState
 
-    from hybridpar.trainer import NonFinite
+    from hybridpar.errors import NonFinite
 
     trial = study.ask()
     again = trial.user_attrs.get("workdir")  # queued again by open_study: resumes there
@@ -547,9 +533,9 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
         _, summary = run_trainer(c, os.path.join(workdir, sub), [prune])
     except NonFinite:  # a diverging LR is a bad trial, not a broken search
         summary, note = None, "diverged"
-    except ConfigError as e:
+    except Error as e:  # a bad input or a failed save: the study cannot go on
         study.tell(trial, state=TrialState.FAIL)
-        raise ConfigError(f"trial {trial.number} ({overrides(params)}): {e}") from None
+        raise type(e)(f"trial {trial.number} ({overrides(params)}): {e}") from None
     seconds = time.time() - start
     trial.set_user_attr("seconds", round(seconds, 1))
     head = f"trial {trial.number:>3}{f' (resumed {sub})' if again else ''}  {overrides(params)}"

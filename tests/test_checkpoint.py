@@ -40,7 +40,7 @@ from helpers import (
 
 from hybridpar import checkpoint, trainer
 from hybridpar.curriculum import stages_from_config
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, SaveFailed
 from hybridpar.run import check_workdir, setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -405,7 +405,7 @@ def test_a_failed_save_is_an_error_naming_the_last_good_checkpoint(tmp_path):
         saver = checkpoint.Checkpoints(str(d), async_save=async_save)
         saver.save(1, tree, {"step": 1}, {})
         assert [r["step"] for r in saver.finished(wait=True)] == [1]
-        with pytest.raises(ConfigError, match=r"checkpoint 2 could not be written .* the last "
+        with pytest.raises(SaveFailed, match=r"checkpoint 2 could not be written .* the last "
                            r"complete one is step 1, left as it was"):  # fmt: skip
             saver.save(2, tree, {"step": object()}, {})
             saver.finished(wait=True)

@@ -155,6 +155,22 @@ def test_missing_config_and_unwritable_workdir(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("kind", ["ConfigError", "DataError", "WorkdirError", "NonFinite",
+                                  "SaveFailed", "StopRequested"])  # fmt: skip
+def test_every_error_of_the_family_is_one_error_line_and_exit_2(kind, capsys):
+    """Bad input and a failed run alike: ``cli.main`` turns each into one ``error:`` line
+    (exit 2), with no traceback."""
+    from hybridpar import cli, errors
+
+    def fn():
+        raise getattr(errors, kind)("what is wrong; how to fix it")
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(fn)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: what is wrong; how to fix it\n"
+
+
 def test_diverging_run_stops_and_keeps_its_records(tmp_path):
     r = _run(
         [

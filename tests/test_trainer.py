@@ -22,7 +22,7 @@ import pytest
 from helpers import DIGITS, tiny_digits
 
 from hybridpar import checkpoint, shard_batch, trainer
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, NonFinite
 from hybridpar.optim import lr_batch_factor
 from hybridpar.run import setup
 from hybridpar.state import init_sharded
@@ -281,7 +281,7 @@ def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp
     poisoned = Poisoned(run.program, compiled, bad={3, 6, 7, 8})
     run.program.train_step = lambda batch, size: poisoned
     params = Params()
-    with pytest.raises(trainer.NonFinite) as e:
+    with pytest.raises(NonFinite) as e:
         trainer.train(run, hooks=[params])
     msg = str(e.value)
     assert "3 steps in a row (6..8) had a non-finite loss or gradient" in msg
