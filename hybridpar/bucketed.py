@@ -26,10 +26,9 @@ parameters may be split over ``fsdp`` only.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
-from typing import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +41,8 @@ from hybridpar.errors import ConfigError
 from hybridpar.mesh import BATCH_AXES, axes_with_devices, data_parallel_size
 from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
 from hybridpar.partitioning import path_str
-from hybridpar.precision import Policy
 from hybridpar.state import TrainState
-from hybridpar.steps import XlaSync, make_train_step
+from hybridpar.steps import XlaSync
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -450,46 +448,32 @@ class BucketedSync:
         return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
 
 
-def make_sync(config, mesh, shardings):
-    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name)."""
+class GradientSync(Protocol):
+    """How a train step reduces its gradients across the data-parallel devices: the loss
+    and BatchNorm statistics of the global batch and the gradients of the (scaled) loss,
+    from ``loss_fn_for(model, batch_stats, images, labels, scale) -> params -> (scaled
+    loss, (loss, new batch_stats))``. ``steps.make_train_step`` applies the update."""
+
+    def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
+
+
+def make_sync(config, mesh, shardings) -> GradientSync:
+    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name):
+    ``steps.XlaSync`` or ``BucketedSync``."""
     if config.comm.mode == "bucketed":
         c = config.comm
         return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
     return XlaSync()
 
 
-def make_bucketed_train_step(
-    model,
-    tx,
-    policy: Policy,
-    schedule: Callable,
-    *,
-    mean,
-    std,
-    label_smoothing: float = 0.0,
-    mesh,
-    bucket_mb: float,
-    bn_sync: str = "global",
-    shardings=None,
-    reduce_dtype: str = "float32",
-):
-    """``steps.make_train_step`` with a ``BucketedSync``; ``train_step.plan_for(image_shape)``
-    gives the buckets it uses (for reports and tests)."""
-    sync = BucketedSync(mesh, bucket_mb, bn_sync, shardings, reduce_dtype)
-    step = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
-                           label_smoothing=label_smoothing, sync=sync)  # fmt: skip
-    step.plan_for = functools.partial(sync.plan_for, model)
-    return step
-
-
 __all__ = [
     "BucketedSync",
+    "GradientSync",
     "bucket_plan",
     "bucketed_model",
     "forward_params",
     "fsdp_dims",
     "gather_in_buckets",
-    "make_bucketed_train_step",
     "make_sync",
     "reduce_in_buckets",
 ]

@@ -43,8 +43,7 @@ def logits_in(policy: Policy | None, logits):
 
 class DenseHead:
     """The model's own classifier: the logits are an activation like any other, placed by
-    XLA. The other heads (``sharded_head.ShardedHead``) have the same ``apply`` and
-    ``rules``."""
+    XLA. A ``heads.Head``, as ``sharded_head.ShardedHead`` is."""
 
     def rules(self) -> Rules:
         """No placement of its own: the partitioning rules place the head like any layer."""
@@ -66,6 +65,9 @@ class DenseHead:
         return out, new_vars
 
 
+DENSE = DenseHead()  # the head wherever none is given (stateless: one serves every step)
+
+
 class XlaSync:
     """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
     (and combines them as its flags allow; ``comm.mode=xla``). ``bucketed.BucketedSync`` is
@@ -78,13 +80,11 @@ class XlaSync:
 
 
 def scaled_loss_fn(
-    model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None
+    model, batch_stats, images, labels, scale, label_smoothing, head=DENSE, policy=None
 ):
     """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
     the forward pass in train mode and the mean cross-entropy, shared by every train step.
-    ``head``: a ``DenseHead`` (default) or ``ShardedHead``; ``policy`` sets the logits'
-    dtype."""
-    head = head or DenseHead()
+    ``head``: a ``heads.Head``; ``policy`` sets the logits' dtype."""
 
     def loss_fn(params):
         variables = {"params": params, "batch_stats": batch_stats}
@@ -112,12 +112,12 @@ def make_train_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head=None,
+    head=DENSE,
     sync=None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, with its choices passed in:
 
-    ``head``: ``DenseHead()`` (default: the model's own classifier) or a ``ShardedHead``
+    ``head``: a ``heads.Head``, ``DENSE`` (the model's own classifier) or a ``ShardedHead``
     (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
     ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
     ``bucketed.BucketedSync`` (``comm.mode=bucketed``).
@@ -189,13 +189,12 @@ def make_eval_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head=None,
+    head=DENSE,
     flip: bool = False,
 ):
     """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples.
 
     ``head`` as in ``make_train_step``; ``flip``: test-time flip (``FlipAveraged``)."""
-    head = head or DenseHead()
     model = FlipAveraged(model) if flip else model
 
     def eval_step(state: TrainState, batch):

@@ -19,13 +19,14 @@ import dataclasses
 import itertools
 import math
 import time
+from typing import Protocol
 
 import jax
 import numpy as np
 
 from hybridpar import checkpoint, compile_cache, curriculum, partitioning
 from hybridpar.curriculum import PlannedStage, describe
-from hybridpar.errors import NonFinite, SaveFailed
+from hybridpar.errors import NonFinite, SaveFailed, StopRequested
 from hybridpar.mesh import data_parallel_size, describe_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.run import Run, evaluate, log, memory_report, memory_text, program_name
@@ -121,6 +122,17 @@ def global_batches(run: Run, loop: LoopState):
 
 
 # ---- Hooks: what happens after a step ---------------------------------------------------------
+
+
+class Hook(Protocol):
+    """What runs after each step, in order: ``Progress``, ``Evaluate``, the hooks passed to
+    ``train``, then the ``Checkpointer`` (``start`` builds the list). A hook may read
+    everything and change ``loop``'s bookkeeping; it asks the loop to stop at this step by
+    raising ``errors.StopRequested(reason)``: the hooks after it do not run, and the run
+    ends cleanly with ``summary["preempted"] = reason`` (no checkpoint of this step unless
+    one was already saved). Any other exception fails the run."""
+
+    def __call__(self, loop: LoopState, state, metrics: dict, stage: PlannedStage) -> None: ...
 
 
 class Progress:
@@ -246,11 +258,6 @@ class Evaluate:
         self.progress.restart(loop)  # eval time is not training throughput
 
 
-class Preempted(Exception):
-    """The loop stopped at a step boundary on request (SIGTERM, SIGINT), its checkpoint
-    saved: not a failure, so ``train`` returns its summary."""
-
-
 class Checkpointer:
     """A checkpoint every ``checkpoint.every_steps`` steps and/or ``every_minutes``
     minutes, at the last step, and when a stop was requested (``preemption``: our signal
@@ -282,7 +289,7 @@ class Checkpointer:
         if stop or self.due(loop):
             self.save(loop, state, stage)
         if stop and loop.step < self.run.plan.total_steps:  # at the last step: just finish
-            raise Preempted(self.preemption.requested or "preemption sync point")
+            raise StopRequested(self.preemption.requested or "preemption sync point")
 
     def save(self, loop: LoopState, state, stage: PlannedStage) -> None:
         if self.saver.latest_step() == loop.step:
@@ -410,8 +417,8 @@ class Training:
 
 def train(run: Run, hooks=()) -> dict:
     """Trains ``run`` to its last step, from the workdir's latest checkpoint if it holds
-    one; returns (and writes) the summary. ``hooks``: more hooks, run after each step before
-    the checkpointer (tests use one to request a stop at a given step)."""
+    one; returns (and writes) the summary. ``hooks``: more ``Hook``s, run after each step
+    before the checkpointer (tune's pruner, tests' stops and probes)."""
     if run.finished is not None:
         log(f"{run.workdir} holds a run that completed ({run.finished['steps']} steps): "
             "nothing to do; pass a new --workdir to train again")  # fmt: skip
@@ -476,7 +483,7 @@ def start(run: Run, hooks) -> Training:
     progress = Progress(run, writer)
     preemption = checkpoint.Preemption()
     checkpointer = Checkpointer(run, writer, progress, saver, preemption)
-    hooks = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
+    hooks: list[Hook] = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
     batches = global_batches(run, loop)
     preemption.install()
     return Training(run, writer, saver, state, loop, resumed, mem, progress, checkpointer,
@@ -518,7 +525,7 @@ def run_stages(t: Training) -> str | None:
                         "stopping there (stop_at_target)")  # fmt: skip
                     break
             t.progress.flush(loop, stage)  # a stage's steps are logged at its own batch
-    except Preempted as e:
+    except StopRequested as e:  # a hook's request (Hook), a signal's by the checkpointer
         return str(e)
     return None
 

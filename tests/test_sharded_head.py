@@ -28,12 +28,13 @@ from jax.sharding import PartitionSpec as P
 from hybridpar import ConfigError, make_mesh, shard_batch
 from hybridpar.config import base_config
 from hybridpar.curriculum import single_stage_plan
+from hybridpar.heads import make_head
 from hybridpar.mesh import AXES, BATCH_AXES
 from hybridpar.plan import ANALYSIS_XLA_FLAGS
 from hybridpar.program import build_program
-from hybridpar.sharded_head import ShardedHead, make_head
+from hybridpar.sharded_head import ShardedHead
 from hybridpar.state import init_sharded
-from hybridpar.steps import cross_entropy, normalize
+from hybridpar.steps import DENSE, cross_entropy, normalize
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data:2,model:4"
@@ -346,7 +347,7 @@ def test_unknown_head_and_bucketed_mode_are_config_errors():
     with pytest.raises(ConfigError, match="needs comm.mode=xla"):
         make_head(c, make_mesh(MESH))
     c.model.head = "dense"
-    assert make_head(c, make_mesh(MESH)) is None
+    assert make_head(c, make_mesh(MESH)) is DENSE
 
 
 def test_batches_must_split_over_all_devices():

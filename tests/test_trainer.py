@@ -22,7 +22,7 @@ import pytest
 from helpers import DIGITS, tiny_digits
 
 from hybridpar import checkpoint, shard_batch, trainer
-from hybridpar.errors import ConfigError, NonFinite
+from hybridpar.errors import ConfigError, NonFinite, StopRequested
 from hybridpar.optim import lr_batch_factor
 from hybridpar.run import setup
 from hybridpar.state import init_sharded
@@ -272,6 +272,30 @@ class Params:
 
     def __call__(self, loop, state, metrics, stage):
         self.after[loop.step] = jax.device_get((state.params, state.batch_stats))
+
+
+class StopAt:
+    """A hook that asks the loop to stop after step ``k``, the one way a hook may."""
+
+    def __init__(self, k):
+        self.k, self.seen = k, []
+
+    def __call__(self, loop, state, metrics, stage):
+        self.seen.append(loop.step)
+        if loop.step == self.k:
+            raise StopRequested(f"asked at step {self.k}")
+
+
+def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
+    """The run ends there, not failed: the summary says why and where, the hooks after the
+    stopping one (here a second probe, then the checkpointer) do not see that step."""
+    run = setup(tiny_digits(), str(tmp_path))
+    stop, after = StopAt(3), StopAt(-1)
+    summary = trainer.train(run, hooks=[stop, after])
+    assert summary["preempted"] == "asked at step 3" and summary["steps"] == 3
+    assert not summary["completed"] and summary["error"] is None
+    assert stop.seen == [1, 2, 3] and after.seen == [1, 2]
+    assert json.loads((tmp_path / "summary.json").read_text())["preempted"] == "asked at step 3"
 
 
 def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path):
