@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from hybridpar.config import HEADS
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import AXES, BATCH_AXES, axes_with_devices
 from hybridpar.partitioning import Rules
-from hybridpar.sharded_head import HEADS, ShardedHead
+from hybridpar.sharded_head import ShardedHead
 from hybridpar.steps import DENSE
 
 

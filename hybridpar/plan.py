@@ -44,12 +44,12 @@ from pathlib import Path
 from hybridpar import cli
 from hybridpar.comm_report import use_virtual_cpu_devices
 from hybridpar.comm_report_schema import CommReport
+from hybridpar.config import HEADS
 from hybridpar.curriculum import duration
 from hybridpar.errors import ConfigError
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
-HEADS = ("dense", "sharded", "partial_fc")
 BN_SYNCS = ("global", "local")
 GIB = 2**30
 # XLA:CPU flags for compile-only analysis: memory and collectives come from buffer

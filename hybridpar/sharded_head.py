@@ -63,8 +63,6 @@ from jax.sharding import PartitionSpec as P
 from hybridpar.mesh import BATCH_AXES
 from hybridpar.partitioning import Rules
 
-HEADS = ("dense", "sharded", "partial_fc")
-
 
 def _axis_size(axis) -> int:
     return math.prod(lax.axis_size(a) for a in (axis if isinstance(axis, tuple) else (axis,)))
@@ -206,7 +204,6 @@ class ShardedHead:
 
 
 __all__ = [
-    "HEADS",
     "ShardedHead",
     "label_rank",
     "sharded_cross_entropy",
