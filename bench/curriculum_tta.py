@@ -23,7 +23,7 @@ evaluation, to the next step is reported too). Then ``python -m hybridpar.report
 on both runs (``DIR/report.png`` and ``.md``).
 
 The last line starts with the speedup, ``tta_speedup_80=`` (fixed's time to target over the
-curriculum's; ``nan`` where a run did not reach it), target >= 1.3x (issue 13). Data: the
+curriculum's; ``nan`` where a run did not reach it), target >= 1.3x. Data: the
 JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``), prepared on first use into
 ``~/.cache/hybridpar``. On 2 CPU cores an epoch of the cpu variant takes minutes: the whole
 bench is hours at the recipe's 8 epochs; ``--epochs`` shortens both runs alike.

@@ -1,6 +1,6 @@
 """Checkpoints of a run, and what a workdir already holds.
 
-A workdir is a run (GUIDE section 3). ``check_run`` reads what it holds before anything is
+A workdir is a run (README.md, Running). ``check_run`` reads what it holds before anything is
 built: ``config.json`` (written at the first start) must match the new config, or the
 command is an error naming the first differing key (``--allow-config-change`` overrides);
 a ``summary.json`` that says completed means there is nothing left to do.
@@ -264,8 +264,8 @@ class Checkpoints:
         if jax.process_count() == 1 and not _single_writer:
             _single_writer = True
             # orbax splits a replicated array's write over its replicas, with one sliced
-            # copy per replica and shape (16 s of compiling on the first save of the tests'
-            # tiny ResNet on 2 cores). Worth it where replicas are on different hosts;
+            # copy per replica and shape, each compiled on the first save. Worth it where
+            # replicas are on different hosts;
             # in one process it only costs, so one replica writes each shard.
             ocp.type_handlers.register_type_handler(
                 jax.Array,

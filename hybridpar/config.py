@@ -115,7 +115,7 @@ def base_config() -> ml_collections.ConfigDict:
             # many times the output size, at the image sizes where that can pay: up to a
             # quarter of the prepared copy's median shorter side (manifest.json; for tfds,
             # that of the split's first 256 images). Entropy decoding, which no scale skips,
-            # is about two thirds of a full decode (0.92 of 1.40 ms on the ImageNet sample),
+            # is about two thirds of a full decode on the ImageNet sample,
             # and the 1/2 scale alone measured a wash at 128 px on ImageNet-sized photos
             # (input/pipeline.py, DCT_MIN_SIDE), so there the pipeline leaves it out. It
             # serves multi-megapixel photos, where 1/4-1/8 scales apply. False: never.

@@ -1,4 +1,4 @@
-"""Run records: ``metrics.jsonl`` (the contract in GUIDE section 3), TensorBoard events, summary.
+"""Run records: ``metrics.jsonl`` (its events in README.md), TensorBoard events, summary.
 
 Only process 0 writes; the others keep the same calls so the training loop has no branches.
 """

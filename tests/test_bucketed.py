@@ -210,7 +210,7 @@ def test_rejects_a_dropped_bucket():
 
 
 # data:2 x fsdp:4, the general case: gradients reduce-scattered over fsdp and all-reduced
-# over data (fsdp:8 alone is its special case of one data group; it cost 30 s more).
+# over data (fsdp:8 alone is its special case of one data group, not compiled as well).
 @pytest.mark.parametrize("mesh", ["data:2,fsdp:4"])
 def test_bucketed_fsdp_equals_xla(mesh):
     # Split every array of >= 64 elements (most of the tiny ResNet, BN vectors included):
@@ -322,7 +322,7 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     assert len(gathers) == len(plan) + 1
     assert len(reduces) <= len(plan) + 2
     # (XLA's own fsdp step gathers each array on its own, > 50 all-gathers: not compiled here
-    # any more, a second ResNet-50 compile of 30 s for a figure docs/model_parallel.md has.)
+    # any more, a second ResNet-50 compile for a figure docs/model_parallel.md has.)
 
 
 # --- comm.reduce_dtype=bfloat16: the buckets summed in bfloat16 -------------------------

@@ -1,4 +1,4 @@
-"""Checkpoints, resume and preemption (issue 12).
+"""Checkpoints, resume and preemption.
 
 * Exact resume, in process: N uninterrupted steps end bitwise equal (every leaf of params,
   optimizer state, batch statistics, loss scale, step) to k steps + SIGTERM + resume to N;
@@ -314,8 +314,8 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
 
 def _cmd(workdir, *extra):
     # One epoch, 44 steps: the SIGTERM stops at about step 10, and the run that completes
-    # trains (and saves every 2 steps, as the command says) the rest. Two epochs added 44
-    # steps and 22 saves to it, 15 s, for nothing more checked.
+    # trains (and saves every 2 steps, as the command says) the rest. Two epochs would add 44
+    # steps and 22 saves to it for nothing more checked.
     tiny_args = config_args({**TINY_DIGITS, "num_epochs": 1, "checkpoint.every_steps": 2})
     return [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir",
             str(workdir), "--config.mesh=data:8", *tiny_args, *extra]  # fmt: skip

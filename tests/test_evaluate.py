@@ -1,4 +1,4 @@
-"""The evaluator (issue 12, item 6): evaluation off the training clock.
+"""The evaluator: evaluation off the training clock.
 
 * While a tiny run trains (a checkpoint every 3 steps, all kept, eval_every_epochs=0), a
   watching evaluator in the same process evaluates each checkpoint as it is committed (the

@@ -1,4 +1,4 @@
-"""Int8 post-training quantization (issue 16): ``hybridpar/int8.py`` and
+"""Int8 post-training quantization: ``hybridpar/int8.py`` and
 ``python -m hybridpar.quantize``.
 
 * Folding BatchNorm into the convolutions leaves the float logits unchanged (basic and
