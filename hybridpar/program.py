@@ -17,7 +17,6 @@ import jax
 import numpy as np
 
 from hybridpar import compile_cache, partitioning
-from hybridpar.bucketed import make_sync
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
 from hybridpar.heads import Head, make_head
@@ -29,6 +28,7 @@ from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
 from hybridpar.state import abstract_like, make_init_fn
 from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from hybridpar.sync import make_sync
 
 
 def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:

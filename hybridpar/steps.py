@@ -70,7 +70,7 @@ DENSE = DenseHead()  # the head wherever none is given (stateless: one serves ev
 
 class XlaSync:
     """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
-    (and combines them as its flags allow; ``comm.mode=xla``). ``bucketed.BucketedSync`` is
+    (and combines them as its flags allow; ``comm.mode=xla``). ``sync.BucketedSync`` is
     the other choice, with the same ``gradients``."""
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
@@ -120,7 +120,7 @@ def make_train_step(
     ``head``: a ``heads.Head``, ``DENSE`` (the model's own classifier) or a ``ShardedHead``
     (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
     ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
-    ``bucketed.BucketedSync`` (``comm.mode=bucketed``).
+    ``sync.BucketedSync`` (``comm.mode=bucketed``).
     """
     sync = sync or XlaSync()
 
