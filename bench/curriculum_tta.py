@@ -42,9 +42,9 @@ stall). Over the seeds: the median, min and max of each speedup, each seed's row
 The last line starts with ``tta_speedup_80=`` (the median over the seeds of fixed's time to
 ``--target`` over the curriculum's), then ``tta_speedup_80_min=``, ``tta_speedup_80_max=``
 and ``seeds=``. Data: the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
-prepared on first use into ``~/.cache/hybridpar``. On 2 CPU cores a pair of the cpu variant
-at its 8 epochs takes about an hour, and evaluating its checkpoints more; ``--epochs``
-shortens both runs alike (the recipe's stages scaled), ``--seeds`` sets how many pairs.
+prepared on first use into ``~/.cache/hybridpar``. Three pairs of the cpu variant at its 8
+epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's stages scaled),
+``--seeds`` sets how many pairs.
 ``--fixed-set`` overrides the fixed run only, ``--curriculum-set`` the curriculum only (e.g.
 ``stages=...``: another curriculum against the same fixed run). Called again with the same
 ``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,

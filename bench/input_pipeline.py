@@ -48,9 +48,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
-# Assumed, not measured here: MLPerf's 8 x H200 ResNet-50 result is about 7,700 images/s per
-# GPU at 224 px (GUIDE section 5); at 128 px a step costs about (128/224)^2 of the FLOPs, so
-# about 3x that rate.
+# Assumed, not measured here: MLPerf's 8 x H200 ResNet-50 result is about 7,700 images/s
+# per GPU at 224 px (hybridpar/simulate/hardware.py, the h200 preset); at 128 px a step
+# costs about (128/224)^2 of the FLOPs, so about 3x that rate.
 GPU_RATE = {224: 7700, 128: 7700 * 3}
 BATCH = 50  # per tf.data batch in every measurement
 

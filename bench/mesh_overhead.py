@@ -24,8 +24,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from hybridpar import cli, shard_batch  # noqa: E402
+from hybridpar.run import setup  # noqa: E402
 from hybridpar.state import init_sharded  # noqa: E402
-from hybridpar.trainer import setup  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--batch", type=int, default=64, help="global batch (both meshes)")

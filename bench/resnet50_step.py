@@ -152,7 +152,7 @@ def hybridpar_program(dtype: str, size: int, batch: int, overrides=(), config_fi
     """``(config, mesh, program)``: the recipe with ``precision.compute=dtype`` at ``size``,
     through the train CLI's own override parser and set-up (no data)."""
     from hybridpar import cli
-    from hybridpar.trainer import setup
+    from hybridpar.run import setup
 
     cfg = cli.load(str(config_file or ROOT / "experiments" / "resnet50_imagenet.py"))
     cfg.precision.compute = dtype

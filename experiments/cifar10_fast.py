@@ -25,7 +25,7 @@ Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
 - On 2 idle cores, from the start of the run (compilation and evaluation included): the
   recipe reached 85.79% test top-1 after the 8 epochs at 3,110 s (52 min; compile 20.1 s),
   top-1 by epoch 52.9, 60.5, 67.4, 80.0, 79.9, 83.7, 84.1, 85.8%; 209 img/s at 24 px, 117
-  at 32, in a slow hour. The plain fixed-size recipe of issue 13 needs 61 minutes.
+  at 32, in a slow hour. A plain fixed-size recipe needs 61 minutes.
   In a faster hour (148 img/s at 32 px), with whole images at 24 px (``3:24-512,8:32-512``):
   85.78% at 2,575 s, 80.27% at epoch 4 (1,189 s). ``3.2:24-768,8:32-512``: 85.51% at
   3,001 s, 78.9% at epoch 4.
@@ -43,7 +43,7 @@ epoch later, at about 1.1x. These are single seeds evaluated once an epoch: on 2
 bench (``--set stop_at_target=True``) printed 1.058x, 80% at epoch 5 against epoch 4. The
 bench now runs several seeds and times the target at quarter-epoch checkpoints.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
-fixed-size recipe of issue 13 needs for 85%.
+fixed-size recipe needs for 85%.
 ``gpu`` is not measured yet.
 """
 

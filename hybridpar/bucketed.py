@@ -22,14 +22,16 @@ each shard where it lives.
 
 Limits: a ``model`` axis > 1 is an error (use ``comm.mode=xla`` for model parallelism), and
 parameters may be split over ``fsdp`` only.
+
+This module is the parallel layer's part: bucket planning and the collectives in buckets,
+on plain pytrees of arrays and specs; it knows no train state, step or precision. The
+gradient sync that wraps a train step with them, ``BucketedSync``, is ``hybridpar/sync.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -39,12 +41,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import BATCH_AXES, axes_with_devices, data_parallel_size
-from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
+from hybridpar.mesh import BATCH_AXES, axes_with_devices
 from hybridpar.partitioning import path_str
-from hybridpar.precision import Policy
-from hybridpar.state import TrainState
-from hybridpar.steps import XlaSync, make_train_step
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -126,7 +124,7 @@ def _path_of(keypath) -> Path:
     return tuple(path_str(keypath).split("/"))
 
 
-def _to_varying(x, axes):
+def to_varying(x, axes):
     """Marks ``x`` as per-device (varying over ``axes``) for shard_map's type system.
 
     Without it, ``jax.grad`` with respect to a replicated (invariant) parameter makes JAX
@@ -146,7 +144,7 @@ def _zero_from(x):
     return jnp.minimum(jnp.abs(first), 0.0)
 
 
-def _flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
+def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
     """Mean over devices of several arrays with ONE psum of their concatenation.
 
     ``reduce_dtype``: the dtype the concatenation is summed in (None: the arrays' own);
@@ -159,7 +157,7 @@ def _flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
     done, while the backward pass goes on. (``lax.optimization_barrier`` does not do it:
     the CPU and GPU compilers drop barriers before combining.)
     """
-    leaves = [_to_varying(x, axes) for x in leaves]
+    leaves = [to_varying(x, axes) for x in leaves]
     if not leaves:
         return []
     dtype = jnp.result_type(*leaves)
@@ -196,7 +194,7 @@ def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
     concatenation (laid out so that shard i of every gradient lands on device i), then
     one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``.
     Both sum in ``reduce_dtype`` (None: the gradients' own dtype)."""
-    leaves = [_to_varying(x, axes) for x in leaves]
+    leaves = [to_varying(x, axes) for x in leaves]
     f = lax.axis_size("fsdp")
     dtype = jnp.result_type(*leaves)
     flat = jnp.concatenate([_as_rows(x, d, f).astype(dtype) for x, d in zip(leaves, dims)], 1)
@@ -285,13 +283,13 @@ def reduce_in_buckets(
             reduced.update(zip(split, out))
             after = out[0]
         if whole:
-            out = _flat_pmean([by_path[p] for p in whole], axes, n, after, reduce_dtype)
+            out = flat_pmean([by_path[p] for p in whole], axes, n, after, reduce_dtype)
             reduced.update(zip(whole, out))
             after = out[0]
     return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
 
 
-def _is_spec(x) -> bool:
+def is_spec(x) -> bool:
     return isinstance(x, (P, jax.sharding.NamedSharding))
 
 
@@ -302,7 +300,7 @@ def fsdp_dims(specs) -> dict[Path, int]:
     statistics). A spec naming ``data`` (an array split over the batch axis) is an error.
     """
     dims = {}
-    for kp, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_spec)[0]:
+    for kp, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         spec = getattr(spec, "spec", spec)
         for d, entry in enumerate(spec):
             axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
@@ -316,15 +314,6 @@ def fsdp_dims(specs) -> dict[Path, int]:
     return dims
 
 
-def _check_mesh(mesh) -> int:
-    if mesh.shape.get("model", 1) > 1:
-        raise ConfigError(
-            f"comm.mode=bucketed is data parallel only, but the mesh has model="
-            f"{mesh.shape['model']}; use comm.mode=xla for model parallelism"
-        )
-    return data_parallel_size(mesh)
-
-
 def active_axes(mesh) -> tuple[str, ...]:
     """The data-parallel axes of ``mesh`` with more than one device.
 
@@ -333,163 +322,14 @@ def active_axes(mesh) -> tuple[str, ...]:
     return axes_with_devices(mesh, BATCH_AXES) or BATCH_AXES
 
 
-def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):
-    """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
-    kind, _ = parse_bn_sync(bn_sync)
-    groups = bn_axis_index_groups_for(bn_sync, data_parallel_size)
-    if not hasattr(model, "bn_axis_name"):
-        if kind == "global" and data_parallel_size == 1:
-            return model
-        raise ConfigError(
-            f"comm.mode=bucketed needs a model with BatchNorm sync fields (bn_axis_name, ...); "
-            f"{type(model).__name__} has none: use comm.mode=xla"
-        )
-    return model.clone(
-        bn_groups=1,
-        bn_group_sharding=None,
-        bn_axis_name=None if kind == "local" else axes,
-        bn_axis_index_groups=groups,
-    )
-
-
-class BucketedSync:
-    """``comm.mode=bucketed``: the gradient sync of ``steps.make_train_step`` done by us.
-
-    Each device computes its own slice's loss and gradients under ``jax.shard_map``; the
-    gradients are reduced in buckets (one ``psum``, or with FSDP one ``psum_scatter``, per
-    bucket), and FSDP-split parameters gathered in buckets before the forward pass. Same
-    ``gradients`` as ``steps.XlaSync``, so the step around it is the one plain step.
-
-    ``shardings``: the state's ``NamedSharding`` tree (None: all replicated). The model
-    passed to ``gradients`` may be the one built for ``comm.mode=xla`` (any
-    ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync`` inside shard_map.
-    ``reduce_dtype`` (``comm.reduce_dtype``): each bucket is cast to it before its
-    collectives and back to the gradients' dtype after ("float32": no cast, the gradients
-    reduce in their own dtype), so ``"bfloat16"`` halves the bytes of float32 gradients.
-    """
-
-    def __init__(
-        self,
-        mesh,
-        bucket_mb: float,
-        bn_sync: str = "global",
-        shardings=None,
-        reduce_dtype: str = "float32",
-    ):
-        self.dp = _check_mesh(mesh)
-        if not bucket_mb > 0:
-            raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
-        self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
-        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
-        self.axes = active_axes(mesh)
-        bn_axis_index_groups_for(bn_sync, self.dp)  # a bad bn_sync fails here, not in jit
-        self.param_specs, self.stats_specs = P(), P()
-        self.param_dims, self.stats_dims = {}, {}
-        fsdp = mesh.shape.get("fsdp", 1) > 1  # a spec naming fsdp of size 1 splits nothing
-        if shardings is not None:
-            self.param_specs, self.stats_specs = (
-                jax.tree.map(lambda s: s.spec, tree, is_leaf=_is_spec)
-                for tree in (shardings.params, shardings.batch_stats)
-            )
-            # fsdp_dims also refuses a parameter split over another axis, fsdp or not.
-            dims = fsdp_dims(self.param_specs), fsdp_dims(self.stats_specs)
-            if fsdp:
-                self.param_dims, self.stats_dims = dims
-        self._local: dict[int, object] = {}
-        self._plans: dict[tuple, list] = {}
-
-    def local_model(self, model):
-        """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
-        if id(model) not in self._local:
-            self._local[id(model)] = bucketed_model(model, self.bn_sync, self.dp, self.axes)
-        return self._local[id(model)]
-
-    def plan_for(self, model, image_shape) -> list[list[Path]]:
-        """The buckets (parameter paths, forward order) for images of ``image_shape``."""
-        key = (id(model), tuple(image_shape))
-        if key not in self._plans:
-            local = self.local_model(model)
-            self._plans[key] = bucket_plan(forward_params(local, (1, *key[1])), self.bucket_mb)
-        return self._plans[key]
-
-    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
-        local, axes, dp = self.local_model(model), self.axes, self.dp
-        param_dims, stats_dims = self.param_dims, self.stats_dims
-
-        def per_device(params, batch_stats, scale, images, labels):
-            plan = self.plan_for(model, images.shape[1:])
-            if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
-                batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
-            if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
-                params = gather_in_buckets(params, plan, param_dims)
-            params = jax.tree.map(lambda p: _to_varying(p, axes), params)
-
-            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
-            grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
-            # Loss and BN running averages (per device for local/group statistics): one
-            # psum, first, as they are ready when the forward pass ends; then the buckets.
-            # Always in float32, whatever reduce_dtype: it is a few KiB, and the running
-            # averages are state kept across steps, where bfloat16 rounding would build up
-            # (a gradient's rounding is one step's noise that SGD averages out).
-            flat, treedef = jax.tree.flatten((loss, new_stats))
-            flat = _flat_pmean(flat, axes, dp)
-            loss, new_stats = jax.tree.unflatten(treedef, flat)
-            grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0],
-                                      shard_dims=param_dims,
-                                      reduce_dtype=self.reduce_dtype)  # fmt: skip
-            return grads, loss, new_stats
-
-        # Gradients come out split like the parameters; the BatchNorm statistics come out
-        # whole, and jit's out_shardings keep each device's slice (no communication).
-        sharded = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
-            out_specs=(self.param_specs, P(), P()),
-        )
-        return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
-
-
-def make_sync(config, mesh, shardings):
-    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name)."""
-    if config.comm.mode == "bucketed":
-        c = config.comm
-        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
-    return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)
-
-
-def make_bucketed_train_step(
-    model,
-    tx,
-    policy: Policy,
-    schedule: Callable,
-    *,
-    mean,
-    std,
-    label_smoothing: float = 0.0,
-    mesh,
-    bucket_mb: float,
-    bn_sync: str = "global",
-    shardings=None,
-    reduce_dtype: str = "float32",
-):
-    """``steps.make_train_step`` with a ``BucketedSync``; ``train_step.plan_for(image_shape)``
-    gives the buckets it uses (for reports and tests)."""
-    sync = BucketedSync(mesh, bucket_mb, bn_sync, shardings, reduce_dtype)
-    step = make_train_step(model, tx, policy, schedule, mean=mean, std=std,
-                           label_smoothing=label_smoothing, sync=sync)  # fmt: skip
-    step.plan_for = functools.partial(sync.plan_for, model)
-    return step
-
-
 __all__ = [
-    "BucketedSync",
+    "active_axes",
     "bucket_plan",
-    "bucketed_model",
+    "flat_pmean",
     "forward_params",
     "fsdp_dims",
     "gather_in_buckets",
-    "make_bucketed_train_step",
-    "make_sync",
+    "is_spec",
     "reduce_in_buckets",
+    "to_varying",
 ]

@@ -1,6 +1,6 @@
 """Checkpoints of a run, and what a workdir already holds.
 
-A workdir is a run (GUIDE section 3). ``check_run`` reads what it holds before anything is
+A workdir is a run (README.md, Running). ``check_run`` reads what it holds before anything is
 built: ``config.json`` (written at the first start) must match the new config, or the
 command is an error naming the first differing key (``--allow-config-change`` overrides);
 a ``summary.json`` that says completed means there is nothing left to do.
@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import SaveFailed, WorkdirError
 from hybridpar.run_records import read_json, read_records, write_json
 
 ITEMS = ("state", "loop", "config")
@@ -118,7 +118,7 @@ def ensure_writable(path: str, what: str, fix: str) -> None:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"{what} {path!r} is not writable ({e.strerror}); {fix}") from None
+        raise WorkdirError(f"{what} {path!r} is not writable ({e.strerror}); {fix}") from None
 
 
 def check_dir(path: str) -> None:
@@ -137,7 +137,7 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
     if saved is not None and not allow_config_change:
         diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
         if diff:
-            raise ConfigError(
+            raise WorkdirError(
                 f"{another_config(workdir, diff)}; use a new --workdir, or pass "
                 "--allow-config-change to continue that run with this config (only "
                 f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
@@ -167,7 +167,7 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
         "fsdp), or pass --allow-config-change to train on with the new batches"
     )
     if new != last.global_batch:
-        raise ConfigError(
+        raise WorkdirError(
             f"workdir {workdir!r} holds a run that trained stage {last.stage} at global "
             f"batch {last.global_batch}; on mesh {config.mesh!r} ({data_parallel} "
             f"data-parallel devices) config.stages gives it {new}, as its batches are per "
@@ -175,7 +175,7 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
         )
     old = last.data_parallel
     if config.model.bn_sync != "global" and old is not None and old != data_parallel:
-        raise ConfigError(
+        raise WorkdirError(
             f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
             f"model.bn_sync={config.model.bn_sync!r} (BatchNorm statistics over each device's "
             f"or group's examples); mesh {config.mesh!r} has {data_parallel}, which changes "
@@ -234,8 +234,8 @@ class Checkpoints:
         if jax.process_count() == 1 and not _single_writer:
             _single_writer = True
             # orbax splits a replicated array's write over its replicas, with one sliced
-            # copy per replica and shape (16 s of compiling on the first save of the tests'
-            # tiny ResNet on 2 cores). Worth it where replicas are on different hosts;
+            # copy per replica and shape, each compiled on the first save. Worth it where
+            # replicas are on different hosts;
             # in one process it only costs, so one replica writes each shard.
             ocp.type_handlers.register_type_handler(
                 jax.Array,
@@ -326,12 +326,12 @@ class Checkpoints:
             )
         )
 
-    def _failed(self, step: int, e: Exception) -> ConfigError:
+    def _failed(self, step: int, e: Exception) -> SaveFailed:
         self.manager.reload()  # what is on disk now: the failed step is not a checkpoint
         good = [x for x in self.manager.all_steps() if x != step]
         last = f"the last complete one is step {max(good)}" if good else "there is none before it"
         msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-        return ConfigError(
+        return SaveFailed(
             f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
             "left as it was; free space or fix the directory, then run the same command"
         )
@@ -365,7 +365,7 @@ class Checkpoints:
                         flush=True,
                     )
         if steps:
-            raise ConfigError(
+            raise WorkdirError(
                 f"none of the {len(steps)} checkpoint(s) in {self.directory} (steps "
                 f"{', '.join(map(str, sorted(steps)))}) reads back into this run's train state "
                 f"(newest: {first}); if the config changed what the state holds (optimizer, "

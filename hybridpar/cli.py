@@ -14,7 +14,7 @@ benches run where only jax, flax and optax are installed (the GPU image, with
 still set device counts and XLA flags after parsing.
 
 Every mistake is one ``error:`` line on stderr and exit code 2 (``fail``); ``main`` runs a
-tool's function and turns a ``ConfigError`` from anywhere below into the same.
+tool's function and turns an ``errors.Error`` from anywhere below into the same.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, Error
 
 CONFIG_HELP = (
     "--config FILE[:ARGS]   experiment config (a Python file with get_config()), e.g. "
@@ -252,11 +252,11 @@ def cpu_when_no_accelerator() -> None:
 
 
 def main(fn: Callable[[], object]) -> None:
-    """Runs a tool's ``fn``; a ``ConfigError`` anywhere below is one ``error:`` line."""
+    """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line."""
     # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     cpu_when_no_accelerator()
     try:
         fn()
-    except ConfigError as e:
+    except Error as e:
         fail(str(e))

@@ -8,7 +8,7 @@ groups, async or not), the bytes per step, the FLOPs and the per-device memory.
 can be inspected on a laptop. XLA reads the device count when the backend starts; nothing
 imports JAX before the command line is parsed (``import hybridpar`` is lazy), so setting
 ``XLA_FLAGS`` and ``JAX_PLATFORMS`` then is enough. The set-up is the train CLI's own
-(``hybridpar.trainer.setup``, without data), so both check a config alike.
+(``hybridpar.run.setup``, without data), so both check a config alike.
 
 Bytes are those of each op's result shape (tuples summed; for async ``-start``/``-done``
 pairs, the ``-done`` result): the payload, not the wire traffic (a ring all-reduce of B
@@ -473,7 +473,7 @@ def _flops(compiled) -> float | None:
 def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
     """Compiles the config's train step for the mesh and returns the report; ``target``: a
     ``hybridpar.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
-    from hybridpar.trainer import memory_line, setup
+    from hybridpar.run import memory_line, setup
 
     devices = target.devices() if target is not None else None
     try:

@@ -4,8 +4,8 @@ Compiles every program a run would compile, each curriculum stage's train step a
 step, for a target without running anything: the TPU compiler itself for ``tpu:...``
 targets (libtpu's ahead-of-time path, on a machine with no TPU: ``hybridpar/targets.py``),
 or XLA:CPU on N virtual devices for ``cpu:N``. The set-up is the trainer's own
-(``trainer.setup`` without data, on the target's devices), so the programs are the ones the
-run will execute on that hardware.
+(``hybridpar.run.setup`` without data, on the target's devices), so the programs are the
+ones the run will execute on that hardware.
 
 For each program: per-chip memory (arguments, outputs, temporaries, and the total against
 the chip's HBM), FLOPs and bytes accessed by the compiler's count, every collective as
@@ -38,12 +38,13 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
     """Every stage's train step and the eval step compiled for ``target``; the report as
     a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
     the executables are written to, for ``train --compiled``."""
-    from hybridpar import comm_report, trainer
+    from hybridpar import comm_report
     from hybridpar.mesh import axes_across_slices
+    from hybridpar.run import setup
 
     t0 = time.time()
     try:
-        run = trainer.setup(config, with_data=False, devices=target.devices())
+        run = setup(config, with_data=False, devices=target.devices())
     except ConfigError as e:
         if "devices" in str(e) and target.platform == "cpu":
             raise ConfigError(f"{e} (--target cpu:N compiles for N virtual CPU devices)") from None
@@ -132,14 +133,14 @@ def _fitting_mesh(run, target, kind, batch, size) -> str | None:
     """``--config.mesh=fsdp:-1`` if the same program compiles within HBM on it."""
     import copy
 
-    from hybridpar import trainer
+    from hybridpar.run import setup
 
     if run.mesh.shape.get("fsdp", 1) == run.mesh.size:
         return None
     config = copy.deepcopy(run.config)
     config.mesh = "fsdp:-1"
     try:
-        other = trainer.setup(config, with_data=False, devices=target.devices())
+        other = setup(config, with_data=False, devices=target.devices())
         other.program.compiler_options = target.compiler_options()
         _step_within(other, target, kind, batch, size)
     except Exception as e:

@@ -2,6 +2,8 @@
 
 Experiment files (``experiments/NAME.py``) call ``base_config()`` and change what they need.
 The CLI locks the config, so ``--config.KEY=VALUE`` with a misspelt KEY is an error.
+It imports no JAX or Flax (``validate`` included): the names it checks (models, heads,
+presets) are plain data here, so a tool can check a config before the backend starts.
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def base_config() -> ml_collections.ConfigDict:
             # many times the output size, at the image sizes where that can pay: up to a
             # quarter of the prepared copy's median shorter side (manifest.json; for tfds,
             # that of the split's first 256 images). Entropy decoding, which no scale skips,
-            # is about two thirds of a full decode (0.92 of 1.40 ms on the ImageNet sample),
+            # is about two thirds of a full decode on the ImageNet sample,
             # and the 1/2 scale alone measured a wash at 128 px on ImageNet-sized photos
             # (input/pipeline.py, DCT_MIN_SIDE), so there the pipeline leaves it out. It
             # serves multi-megapixel photos, where 1/4-1/8 scales apply. False: never.
@@ -280,6 +282,71 @@ def base_config() -> ml_collections.ConfigDict:
     return c
 
 
+# ---- Registries: the names a config may use, as plain data -----------------------------------
+# So that this schema imports no JAX or Flax. The code they name checks them against its
+# own (tests/test_config_schema.py): models.MODELS, partitioning.PRESETS, heads.make_head.
+
+MODEL_NAMES = (
+    "airbench",
+    "resnet101",
+    "resnet152",
+    "resnet18",
+    "resnet34",
+    "resnet50",
+    "resnet_tiny",
+    "wide_resnet50_2",
+)
+HEADS = ("dense", "sharded", "partial_fc")
+PARTITIONING_PRESETS = ("data", "fsdp", "hybrid", "tensor")
+# airbench's smallest image: 10 px -> 9 after the 2x2 whitening -> 4 -> 2 -> 1 after the max-pools
+AIRBENCH_MIN_IMAGE_SIZE = 10
+
+
+BN_SYNC_CHOICES = ("global", "local", "group:N")
+
+
+def parse_bn_sync(bn_sync: str) -> tuple[str, int]:
+    """``"global"`` -> ``("global", 0)``, ``"local"`` -> ``("local", 1)``,
+    ``"group:4"`` -> ``("group", 4)`` (devices per group)."""
+    s = str(bn_sync).strip()
+    if s == "global":
+        return "global", 0
+    if s == "local":
+        return "local", 1
+    kind, sep, n = s.partition(":")
+    if kind == "group" and sep:
+        try:
+            size = int(n)
+        except ValueError:
+            size = 0
+        if size >= 1:
+            return "group", size
+    raise ConfigError(
+        f"model.bn_sync={bn_sync!r}: use 'global' (statistics over the whole batch), 'local' "
+        "(per device, no communication) or 'group:N' (over groups of N devices, N >= 1, "
+        "e.g. group:2)"
+    )
+
+
+def check_rule_patterns(path_rules) -> None:
+    """A ``ConfigError`` naming the first ``(path_regex, spec)`` rule whose regex does not
+    compile, or that is not such a pair (``re`` caches the compiled ones for the searches)."""
+    for rule in path_rules:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2:
+            raise ConfigError(
+                f"partitioning rule {rule!r} is not a (path_regex, spec) pair; write the rules "
+                "as a tuple of pairs, e.g. ((r'head/kernel$', (None, 'model')),)"
+            )
+        pattern, spec = rule
+        try:
+            re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise ConfigError(
+                f"partitioning rule ({pattern!r}, {spec}): {pattern!r} is not a regex ({e}); "
+                r"fix the pattern, e.g. escape a literal bracket as '\['"
+            ) from None
+
+
 # ---- The schema: every value checked before any device, data or file is touched ----------
 
 DATA_NAMES = ("digits", "synthetic", "images", "tfds")
@@ -296,6 +363,9 @@ CHOICES = {
     "precision.compute": DTYPE_NAMES,
     "precision.params": DTYPE_NAMES,
     "precision.output": DTYPE_NAMES,
+    "model.name": MODEL_NAMES,
+    "model.head": HEADS,
+    "partitioning.preset": ("auto", *PARTITIONING_PRESETS),
 }
 # key -> the interval its value must lie in, as (low, high, closed on the low side, closed on
 # the high side); None: unbounded.
@@ -360,20 +430,6 @@ def _choice_error(key: str, value, valid) -> ConfigError:
     )
 
 
-def _model_choices() -> dict:
-    # The registries live beside the code they name; importing them imports jax but starts
-    # no backend, so XLA flags and device counts can still be set afterwards.
-    from hybridpar.models import MODELS
-    from hybridpar.partitioning import PRESETS
-    from hybridpar.sharded_head import HEADS
-
-    return {
-        "model.name": tuple(sorted(MODELS)),
-        "model.head": HEADS,
-        "partitioning.preset": ("auto", *sorted(PRESETS)),
-    }
-
-
 def _check_finite(c, prefix: str = "") -> None:
     """Every float, alone or in a tuple, is a finite number: nan passes every range check
     (all its comparisons are false) and inf passes the open-ended ones."""
@@ -394,11 +450,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
     raises one ``ConfigError`` naming the key, the bad value, the valid ones and the fix.
     Mesh-dependent checks (batch divisibility, rules that must divide) come when the mesh
     is built."""
-    for key, valid in {**CHOICES, **_model_choices()}.items():
+    for key, valid in CHOICES.items():
         if _get(c, key) not in valid:
             raise _choice_error(key, _get(c, key), valid)
-    from hybridpar.models.batchnorm import parse_bn_sync
-
     parse_bn_sync(c.model.bn_sync)  # "global", "local" or "group:N"; its error names them
     _check_finite(c)
     for key, (lo, hi, lo_closed, hi_closed) in RANGES.items():
@@ -466,8 +520,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
             f"{o.warmup_start_factor!r}) and warmup_epochs=0 (it is {o.warmup_epochs!r}); set "
             "e.g. --config.optim.warmup_start_factor=1e-4 --config.optim.warmup_epochs=0"
         )
-    from hybridpar.partitioning import check_rule_patterns
-
     check_rule_patterns(c.partitioning.rules)
     if c.optim.frozen:
         try:
@@ -476,15 +528,15 @@ def validate(c: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"optim.frozen={c.optim.frozen!r} is not a regex ({e})") from None
     if c.model.name == "airbench":
         from hybridpar.curriculum import parse_stages
-        from hybridpar.models.airbench import MIN_IMAGE_SIZE
 
+        least = AIRBENCH_MIN_IMAGE_SIZE
         stages = parse_stages(c.stages) if c.stages else []
         sizes = [c.data.image_size] + [size for _, size, _, _ in stages]
-        small = [x for x in sizes if x and x < MIN_IMAGE_SIZE]
+        small = [x for x in sizes if x and x < least]
         if small:
             raise ConfigError(
                 f"image size {small[0]} is too small for model.name='airbench' (at least "
-                f"{MIN_IMAGE_SIZE} px: a 2x2 convolution and three 2x max-pools); set "
+                f"{least} px: a 2x2 convolution and three 2x max-pools); set "
                 "--config.data.image_size or the --config.stages sizes to 10 or more"
             )
     _check_widths(c)

@@ -1,7 +1,7 @@
 """Joining JAX's distributed runtime (``--config.distributed=True``): one process per host.
 
     from hybridpar import distributed
-    distributed.initialize(config)   # before anything starts the backend (trainer.setup)
+    distributed.initialize(config)   # before anything starts the backend (run.setup)
 
 Where the processes learn about each other, in this order:
 

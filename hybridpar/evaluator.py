@@ -5,10 +5,10 @@ checkpoints while the trainer goes on.
 
 ``run`` checks that ``workdir`` holds a run of ``config`` (its ``config.json``; the keys in
 ``PLACEMENT_KEYS`` may differ, so ``--config.mesh=...`` fits the evaluator to its own
-devices), sets up with ``trainer.setup`` (the same program, data and plan as the trainer, on
-this process's mesh), then evaluates each committed checkpoint once, oldest first: read
+devices), sets up with ``hybridpar.run.setup`` (the same program, data and plan as the
+trainer, on this process's mesh), then evaluates each committed checkpoint once, oldest first: read
 straight into this mesh's shardings (read-only: the trainer's saves and retention are left
-alone), then ``trainer.evaluate`` on the whole eval split. Each is an ``eval`` event with
+alone), then ``hybridpar.run.evaluate`` on the whole eval split. Each is an ``eval`` event with
 the checkpoint's step, the trainer's wall time at that step (``wall_s``, from the
 checkpoint's loop state) and ``source: evaluator``; a checkpoint deleted (by the run's
 ``checkpoint.max_to_keep``) before its turn is an ``eval_skipped`` event. Those events are
@@ -26,10 +26,11 @@ from __future__ import annotations
 import os
 import time
 
-from hybridpar import checkpoint, trainer, workdir_lock
-from hybridpar.errors import ConfigError
+from hybridpar import checkpoint, workdir_lock
+from hybridpar.errors import ConfigError, WorkdirError
 from hybridpar.mesh import describe_mesh
 from hybridpar.metrics import MetricsWriter
+from hybridpar.run import Run, evaluate, log, setup
 from hybridpar.run_records import read_records
 
 # Keys that may differ from the run's, besides checkpoint.FREE_KEYS: the placement keys
@@ -42,12 +43,12 @@ SKIPPED = "eval_skipped"
 DEAD_AFTER_S = 300.0
 
 
-def check_workdir(config, workdir: str) -> bool:
+def check_run_of(config, workdir: str) -> bool:
     """Raises unless ``workdir`` exists and, once its trainer has written ``config.json``,
     holds a run of ``config`` (placement keys aside). False while there is no
     ``config.json`` yet (the trainer writes it after its set-up, before any checkpoint)."""
     if not os.path.isdir(workdir):
-        raise ConfigError(
+        raise WorkdirError(
             f"no workdir {workdir!r}: pass the --workdir of a training run (the one given to "
             "python -m hybridpar.train), or start that run first"
         )
@@ -81,7 +82,7 @@ def check_position(plan, step: int, loop: dict) -> None:
 
 
 class Stamped:
-    """A writer for ``trainer.evaluate``: every event it writes gets ``stamp``'s fields, so
+    """A writer for ``hybridpar.run.evaluate``: every event it writes gets ``stamp``'s fields, so
     ``wall_s`` is the trainer's wall time at the checkpoint's step, not the evaluator's."""
 
     def __init__(self, writer: MetricsWriter, **stamp):
@@ -101,7 +102,7 @@ class Evaluator:
     hold on a local disk (each line is one short ``O_APPEND`` write) but not on every network
     file system through which an evaluator on another machine may see ``W``."""
 
-    def __init__(self, run: trainer.Run, workdir: str):
+    def __init__(self, run: Run, workdir: str):
         self.run, self.workdir = run, workdir
         self.out = os.path.join(workdir, "evaluator")
         checkpoint.ensure_writable(
@@ -136,7 +137,7 @@ class Evaluator:
 
     def skip(self, step: int, why: str) -> None:
         self.done.add(step)
-        trainer.log(f"checkpoint {step}: skipped, {why}")
+        log(f"checkpoint {step}: skipped, {why}")
         # wall_s: the trainer's time at a checkpoint that is gone is not known
         rec = self.writer.write(SKIPPED, step, self.run.plan.epoch_at(step), wall_s=None,
                                 source="evaluator", reason=why)  # fmt: skip
@@ -155,9 +156,9 @@ class Evaluator:
         check_position(self.run.plan, step, loop)
         read_s = time.time() - t0
         writer = Stamped(self.writer, wall_s=loop["wall_s"], source="evaluator")
-        self.written.append(trainer.evaluate(self.run, state, step, writer))
+        self.written.append(evaluate(self.run, state, step, writer))
         self.done.add(step)
-        trainer.log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
+        log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
                     f"{read_s:.1f}s, evaluated in {time.time() - t0 - read_s:.1f}s")  # fmt: skip
 
     def completed(self) -> bool:
@@ -171,12 +172,12 @@ class Evaluator:
         liveness = liveness or Liveness(self.workdir, DEAD_AFTER_S)
         last = self.run.plan.total_steps
         if watch:
-            trainer.log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
+            log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
         while True:
             completed = self.completed()  # read before the listing, which then has its last step
             todo = self.poll()
             if todo and not config_checked:  # the trainer wrote config.json since we began
-                if not check_workdir(self.run.config, self.workdir):
+                if not check_run_of(self.run.config, self.workdir):
                     raise ConfigError(
                         f"{self.saver.directory} holds checkpoints but {self.workdir!r} has no "
                         "config.json: pass the --workdir the training run was given"
@@ -207,7 +208,7 @@ class Evaluator:
             time.sleep(poll_s)
         steps = [r["step"] for r in self.written if r["event"] == "eval"]
         skipped = len(self.written) - len(steps)
-        trainer.log(f"evaluated {len(steps)} checkpoint(s) {steps or ''}".rstrip()
+        log(f"evaluated {len(steps)} checkpoint(s) {steps or ''}".rstrip()
                     + (f", skipped {skipped}" if skipped else "")
                     + f"; records in {self.out}/metrics.jsonl")  # fmt: skip
         return self.written
@@ -242,7 +243,7 @@ def wait_for_run(workdir: str, watch: bool, poll_s: float, liveness: Liveness) -
     config_json = os.path.join(workdir, "config.json")
     if not watch or os.path.exists(config_json):
         return
-    trainer.log(f"waiting for the run in {workdir} to start (for its config.json)")
+    log(f"waiting for the run in {workdir} to start (for its config.json)")
     while not os.path.exists(config_json):
         if liveness.dead():
             raise ConfigError(
@@ -274,17 +275,17 @@ def run(
         from hybridpar import cli
 
         if not os.path.isdir(workdir):
-            check_workdir(config, workdir)  # its error: no such workdir
+            check_run_of(config, workdir)  # its error: no such workdir
         config = cli.load_run(workdir, overrides)
-    checked = check_workdir(config, workdir)  # before any device or data is touched
+    checked = check_run_of(config, workdir)  # before any device or data is touched
     # workdir None: none of the trainer's workdir checks and writes (we only read there)
-    r = trainer.setup(config, None, devices=devices)
-    trainer.log(describe_mesh(r.mesh))
+    r = setup(config, None, devices=devices)
+    log(describe_mesh(r.mesh))
     evaluator = Evaluator(r, workdir)
     try:
         return evaluator.loop(watch, poll_s, checked, liveness)
     except KeyboardInterrupt:
-        trainer.log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
+        log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
         return evaluator.written
     finally:
         evaluator.close()

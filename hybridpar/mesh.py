@@ -149,8 +149,18 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
-def data_parallel_size(mesh: Mesh) -> int:
-    """How many ways the batch is split: the product of the data-parallel axes."""
+def data_parallel_size(mesh: Mesh | str) -> int:
+    """How many ways the batch is split: the product of the data-parallel axes, of a mesh
+    or of the spec that names one (``"data:4,model:2"``; only a spec with -1 needs the
+    device count, which starts JAX's backend but allocates nothing)."""
+    if isinstance(mesh, str):
+        sizes = [p.partition(":")[2].strip() for p in mesh.split(",") if p.strip()]
+        if "-1" in sizes:
+            devices = jax.device_count()
+        else:  # parse_mesh_spec says what is wrong with a bad size
+            devices = math.prod(int(n) for n in sizes if n.isdigit())
+        sizes = parse_mesh_spec(mesh, devices)
+        return math.prod(sizes[a] for a in BATCH_AXES)
     return math.prod(mesh.shape[a] for a in batch_axes(mesh))
 
 

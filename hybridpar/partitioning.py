@@ -31,6 +31,7 @@ from flax.linen.spmd import LogicallyPartitioned
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hybridpar.config import check_rule_patterns
 from hybridpar.errors import ConfigError
 from hybridpar.mesh import batch_axes, data_parallel_size
 
@@ -187,25 +188,6 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
         return spec
     d = max(free, key=lambda i: (shape[i], i))
     return spec[:d] + ("fsdp",) + spec[d + 1 :]
-
-
-def check_rule_patterns(path_rules) -> None:
-    """A ``ConfigError`` naming the first ``(path_regex, spec)`` rule whose regex does not
-    compile, or that is not such a pair (``re`` caches the compiled ones for the searches)."""
-    for rule in path_rules:
-        if not isinstance(rule, (tuple, list)) or len(rule) != 2:
-            raise ConfigError(
-                f"partitioning rule {rule!r} is not a (path_regex, spec) pair; write the rules "
-                "as a tuple of pairs, e.g. ((r'head/kernel$', (None, 'model')),)"
-            )
-        pattern, spec = rule
-        try:
-            re.compile(pattern)
-        except (re.error, TypeError) as e:
-            raise ConfigError(
-                f"partitioning rule ({pattern!r}, {spec}): {pattern!r} is not a regex ({e}); "
-                r"fix the pattern, e.g. escape a literal bracket as '\['"
-            ) from None
 
 
 def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -> P:

@@ -44,18 +44,18 @@ from pathlib import Path
 from hybridpar import cli
 from hybridpar.comm_report import use_virtual_cpu_devices
 from hybridpar.comm_report_schema import CommReport
+from hybridpar.config import HEADS
 from hybridpar.curriculum import duration
 from hybridpar.errors import ConfigError
 from hybridpar.run_records import write_json
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
-HEADS = ("dense", "sharded", "partial_fc")
 BN_SYNCS = ("global", "local")
 GIB = 2**30
 # XLA:CPU flags for compile-only analysis: memory and collectives come from buffer
-# assignment and the HLO passes, before LLVM; skipping LLVM's optimisations halves the
-# compile time (10 s against 17 s for the tiny model) and changes neither.
+# assignment and the HLO passes, before LLVM; skipping LLVM's optimisations takes a large
+# part of the compile time away and changes neither.
 ANALYSIS_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
 
 

@@ -17,34 +17,28 @@ import jax
 import numpy as np
 
 from hybridpar import compile_cache, partitioning
-from hybridpar.bucketed import make_sync
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.distill import make_teacher
 from hybridpar.errors import ConfigError
+from hybridpar.heads import Head, make_head
 from hybridpar.mesh import data_parallel_size
 from hybridpar.models import create_model
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.models.im2col import use_im2col
 from hybridpar.optim import make_optimizer
 from hybridpar.precision import LossScale, Policy, make_policy
-from hybridpar.sharded_head import make_head
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import (
-    DenseHead,
-    jit_eval_step,
-    jit_train_step,
-    make_eval_step,
-    make_train_step,
-)
+from hybridpar.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from hybridpar.sync import make_sync
 
 
-def rules_from_config(c, mesh, head=None) -> partitioning.Rules:
+def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:
     """The config's own rules first, then the head's (a sharded head's kernel must sit where
     its shard_map computes; the dense head has none), then the preset's."""
     own = partitioning.Rules(
         path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
     )
-    rules = own + (head or DenseHead()).rules() + partitioning.preset_rules(c.preset, mesh)
+    rules = own + head.rules() + partitioning.preset_rules(c.preset, mesh)
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
     return rules
@@ -81,7 +75,7 @@ class Program:
     tx: Any
     schedule: Callable  # step -> learning rate (over the run's stages)
     plan: StagePlan
-    head: Any  # steps.DenseHead (the model's own classifier) or a ShardedHead
+    head: Head  # steps.DENSE (the model's own classifier) or a ShardedHead
     init: Callable  # rng -> boxed TrainState
     abstract: Any  # boxed abstract TrainState (logical names kept, for the placement table)
     shardings: Any  # NamedSharding tree of the (unboxed) TrainState
@@ -305,7 +299,7 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
     if plan is None:
         stages = stages_from_config(config, data_parallel_size(mesh))
         plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
-    head = make_head(config, mesh) or DenseHead()  # make_head: None for model.head=dense
+    head = make_head(config, mesh)
     rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision
     policy = make_policy(p.compute, p.params, p.output)

@@ -40,7 +40,7 @@ def check_args(args, config) -> None:
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
         cli.fail("quantize runs in one process: pass --config.distributed=False")
     # the evaluator's rule: only where and how fast it runs may differ from the run's config
-    if not evaluator.check_workdir(config, args.workdir):
+    if not evaluator.check_run_of(config, args.workdir):
         raise ConfigError(
             f"{args.workdir!r} has no config.json: pass the --workdir of a training run "
             "(python -m hybridpar.train writes it there)"
@@ -163,10 +163,11 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     import numpy as np
     from flax.core import meta
 
-    from hybridpar import checkpoint, int8, trainer
+    from hybridpar import checkpoint, int8
+    from hybridpar.run import log, setup
     from hybridpar.steps import normalize
 
-    r = trainer.setup(config, None, devices=devices)
+    r = setup(config, None, devices=devices)
     saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
     try:
         restored = saver.restore(r.program.abstract_state())
@@ -179,7 +180,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
     stats = jax.device_get(meta.unbox(state.batch_stats))
     model, d = r.program.model, config.data
     mean, std = tuple(d.mean), tuple(d.std)
-    trainer.log(f"read the checkpoint at step {step}")
+    log(f"read the checkpoint at step {step}")
 
     # ---- Fold, calibrate, quantize (one device, plain jit: nothing here is sharded) ----
     device = r.mesh.devices.flat[0]
@@ -196,7 +197,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             used = len(images)
             ranges = int8.calibrate(arch, layers, map(to_float, images))
             if used < calibration_batches:
-                trainer.log(f"calibrated on {used} batches (a whole epoch), not "
+                log(f"calibrated on {used} batches (a whole epoch), not "
                             f"{calibration_batches}")  # fmt: skip
         q = int8.quantize(layers, ranges)
         calibrate_s = time.time() - t0
@@ -217,7 +218,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             if e["examples"] != r.data.num_eval:
                 raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
         eval_s = time.time() - t0
-        trainer.log(f"calibrated on {used} batches in "
+        log(f"calibrated on {used} batches in "
                     f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
 
         # ---- CPU latency, side by side ----
@@ -282,8 +283,8 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
 
     # ---- The report ----
     for line in table(report):
-        trainer.log(line)
-    trainer.log(f"wrote {out}/ (params.npz, model.jax_exported, report.json)")
+        log(line)
+    log(f"wrote {out}/ (params.npz, model.jax_exported, report.json)")
     print(last_line(report), flush=True)
     return report
 

@@ -26,7 +26,7 @@ import json
 import os
 from typing import Any
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, WorkdirError
 
 # summary.json's time_breakdown parts: seconds each; together the run's wall time.
 TIME_PARTS = {
@@ -211,7 +211,7 @@ def read_json(path: str):
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot read {path!r} ({e}); move it away to start over") from None
+        raise WorkdirError(f"cannot read {path!r} ({e}); move it away to start over") from None
 
 
 def write_json(path: str, value, indent: int | None = 2) -> None:

@@ -60,11 +60,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybridpar.errors import ConfigError
-from hybridpar.mesh import AXES, BATCH_AXES, axes_with_devices
+from hybridpar.mesh import BATCH_AXES
 from hybridpar.partitioning import Rules
-
-HEADS = ("dense", "sharded", "partial_fc")
 
 
 def _axis_size(axis) -> int:
@@ -206,52 +203,9 @@ class ShardedHead:
         )(features, params["kernel"], params["bias"], labels)
 
 
-def make_head(config, mesh: Mesh) -> ShardedHead | None:
-    """The head ``config.model.head`` asks for; None for ``dense`` (the model's own)."""
-    kind = config.model.head
-    if kind not in HEADS:
-        raise ConfigError(f"model.head={kind!r}: choose one of {', '.join(HEADS)}")
-    if kind == "dense":
-        return None
-    if config.comm.mode != "xla":
-        raise ConfigError(
-            f"model.head={kind!r} needs comm.mode=xla (comm.mode={config.comm.mode!r} reduces "
-            "replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
-        )
-
-    # The trunk is data parallel over every device (its batch split over all axes), so no
-    # device computes an example twice; only the head uses the model axis as such.
-    batch = axes_with_devices(mesh, AXES) or BATCH_AXES
-    for name in ("global_batch", "eval_batch"):
-        if config[name] % mesh.size:
-            raise ConfigError(
-                f"model.head={kind!r} runs the trunk data parallel over all {mesh.size} devices, "
-                f"so {name}={config[name]} must be a multiple of {mesh.size}: use e.g. "
-                f"--config.{name}={max(mesh.size, config[name] // mesh.size * mesh.size)}, "
-                "or model.head=dense"
-            )
-    if kind == "sharded":
-        head = ShardedHead(mesh, ("model",), batch)
-    else:  # partial_fc: classes over all devices (AXES puts the batch axes first)
-        head = ShardedHead(mesh, axes_with_devices(mesh, AXES) or ("model",), batch)
-    n, c = head.num_shards, config.data.num_classes
-    if c % n:
-        over = " x ".join(f"{a}:{mesh.shape[a]}" for a in head.class_axes if mesh.shape[a] > 1)
-        other = ", model.head=sharded (classes over model only)" if kind == "partial_fc" else ""
-        raise ConfigError(
-            f"model.head={kind!r} splits data.num_classes={c} over {over} ({n} shards), and {c} "
-            f"is not a multiple of {n}: pad the classes to --config.data.num_classes="
-            f"{-(-c // n) * n} (classes no label uses), use a mesh whose "
-            f"{' x '.join(head.class_axes)} size divides {c}{other}, or model.head=dense"
-        )
-    return head
-
-
 __all__ = [
-    "HEADS",
     "ShardedHead",
     "label_rank",
-    "make_head",
     "sharded_cross_entropy",
     "sharded_topk_hits",
 ]

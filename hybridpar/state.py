@@ -56,9 +56,9 @@ def create_sharded_state(init: Callable, rules: Rules, mesh, rng):
 def init_sharded(init: Callable, shardings, rng):
     """Runs ``init`` with every array born in its place (``out_shardings``)."""
     lowered = jax.jit(lambda r: meta.unbox(init(r)), out_shardings=shardings).lower(rng)
-    # The init runs once, but XLA's CPU backend spends ~10 s optimising the random-number
-    # hashing of a small ResNet's init at the default level (2 s at level 0; the values
-    # differ by float rounding only). Other backends compile it quickly as it is.
+    # The init runs once, but XLA's CPU backend spends several times longer optimising the
+    # random-number hashing of a small ResNet's init at the default level than at level 0
+    # (the values differ by float rounding only). Other backends compile it quickly as it is.
     platform = jax.tree.leaves(shardings)[0].mesh.devices.flat[0].platform
     options = {"xla_backend_optimization_level": 0} if platform == "cpu" else {}
     return lowered.compile(compiler_options=options)(rng)

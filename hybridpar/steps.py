@@ -46,8 +46,7 @@ def logits_in(policy: Policy | None, logits):
 
 class DenseHead:
     """The model's own classifier: the logits are an activation like any other, placed by
-    XLA. The other heads (``sharded_head.ShardedHead``) have the same ``apply`` and
-    ``rules``."""
+    XLA. A ``heads.Head``, as ``sharded_head.ShardedHead`` is."""
 
     def rules(self) -> Rules:
         """No placement of its own: the partitioning rules place the head like any layer."""
@@ -69,9 +68,12 @@ class DenseHead:
         return out, new_vars
 
 
+DENSE = DenseHead()  # the head wherever none is given (stateless: one serves every step)
+
+
 class XlaSync:
     """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
-    (and combines them as its flags allow; ``comm.mode=xla``). ``bucketed.BucketedSync`` is
+    (and combines them as its flags allow; ``comm.mode=xla``). ``sync.BucketedSync`` is
     the other choice, with the same ``gradients``.
 
     ``reduce_dtype`` other than float32 (``comm.reduce_dtype``, data-parallel meshes): XLA
@@ -104,21 +106,21 @@ class XlaSync:
         return grads, loss, batch_stats
 
     def _reduced_explicitly(self, model, state, images, labels, loss_fn_for):
-        from hybridpar import bucketed  # it imports this module
+        from hybridpar import bucketed, sync  # sync imports this module
 
         axes, n = bucketed.active_axes(self.mesh), data_parallel_size(self.mesh)
-        local = bucketed.bucketed_model(model, self.bn_sync, n, axes)
+        local = sync.bucketed_model(model, self.bn_sync, n, axes)
 
         def per_device(params, batch_stats, scale, images, labels):
-            params = jax.tree.map(lambda p: bucketed._to_varying(p, axes), params)
+            params = jax.tree.map(lambda p: bucketed.to_varying(p, axes), params)
             loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
             grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
             flat, treedef = jax.tree.flatten((loss, new_stats))
-            flat = bucketed._flat_pmean(flat, axes, n)
+            flat = bucketed.flat_pmean(flat, axes, n)
             loss, new_stats = jax.tree.unflatten(treedef, flat)
             # after the float32 psum, so that XLA does not combine the two into one
             leaves, treedef = jax.tree.flatten(grads)
-            leaves = bucketed._flat_pmean(leaves, axes, n, flat[0], self.reduce_dtype)
+            leaves = bucketed.flat_pmean(leaves, axes, n, flat[0], self.reduce_dtype)
             return jax.tree.unflatten(treedef, leaves), loss, new_stats
 
         return jax.shard_map(
@@ -130,13 +132,12 @@ class XlaSync:
 
 
 def scaled_loss_fn(
-    model, batch_stats, images, labels, scale, label_smoothing, head=None, policy=None, soft=None
+    model, batch_stats, images, labels, scale, label_smoothing, head=DENSE, policy=None, soft=None
 ):
     """``params -> (loss * scale, (loss, new_batch_stats))`` for ``jax.grad(has_aux=True)``:
     the forward pass in train mode and the mean cross-entropy, shared by every train step.
-    ``head``: a ``DenseHead`` (default) or ``ShardedHead``; ``policy`` sets the logits'
-    dtype. ``soft``: ``(distill.Teacher, its logits)``, mixed into the loss."""
-    head = head or DenseHead()
+    ``head``: a ``heads.Head``; ``policy`` sets the logits' dtype. ``soft``:
+    ``(distill.Teacher, its logits)``, mixed into the loss."""
 
     def loss_fn(params):
         variables = {"params": params, "batch_stats": batch_stats}
@@ -167,16 +168,16 @@ def make_train_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head=None,
+    head=DENSE,
     sync=None,
     teacher=None,
 ):
     """``train_step(state, batch) -> (state, metrics)``, with its choices passed in:
 
-    ``head``: ``DenseHead()`` (default: the model's own classifier) or a ``ShardedHead``
+    ``head``: a ``heads.Head``, ``DENSE`` (the model's own classifier) or a ``ShardedHead``
     (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
     ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
-    ``bucketed.BucketedSync`` (``comm.mode=bucketed``).
+    ``sync.BucketedSync`` (``comm.mode=bucketed``).
     ``teacher``: a ``distill.Teacher``; the step then takes its variables as a third
     argument, ``train_step(state, batch, teacher_variables)``.
     """
@@ -250,13 +251,12 @@ def make_eval_step(
     mean,
     std,
     label_smoothing: float = 0.0,
-    head=None,
+    head=DENSE,
     flip: bool = False,
 ):
     """Sums over the batch of loss, top-1 and top-5 hits, and the count of real examples.
 
     ``head`` as in ``make_train_step``; ``flip``: test-time flip (``FlipAveraged``)."""
-    head = head or DenseHead()
     model = FlipAveraged(model) if flip else model
 
     def eval_step(state: TrainState, batch):

@@ -1,6 +1,6 @@
 """``python -m hybridpar.train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE]``.
 
-Only the command line: the run itself, from set-up to the last step, is
+Only the command line: the run's set-up is ``hybridpar/run.py``, its loop to the last step
 ``hybridpar/trainer.py``. Bad config or input stops with one ``error:`` line that names the
 fix (exit code 2), before any data or device is touched where it can be.
 
@@ -82,15 +82,17 @@ def _main(argv, early: EarlyStop) -> None:
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
 
-    from hybridpar import trainer  # imports jax: after the command line is known to be good
+    # These import jax: after the command line is known to be good.
+    from hybridpar import trainer
+    from hybridpar.run import log, setup
 
     def run():
-        r = trainer.setup(config, args.workdir, allow_config_change=args.allow_config_change,
+        r = setup(config, args.workdir, allow_config_change=args.allow_config_change,
                           compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
         if summary.get("preempted"):
             again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])
-            trainer.log(
+            log(
                 f"stopped ({summary['preempted']}) at step {summary['steps']}/"
                 f"{summary['total_steps']} with a checkpoint; resume with the same command:\n"
                 f"  {again}"
@@ -99,7 +101,7 @@ def _main(argv, early: EarlyStop) -> None:
         if r.finished is not None:  # train() said the workdir's run is done; nothing new
             return
         ev = summary["final_eval"] or {}
-        trainer.log(
+        log(
             f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
             f"(compile {summary['compile_s']:.1f}s); summary in {args.workdir}/summary.json"
         )

@@ -1,17 +1,15 @@
-"""A run from set-up to the last step, top to bottom.
+"""The trainer: a run's loop from its first step to its last, top to bottom.
 
-    run = setup(config, workdir)   # config -> mesh and rules -> data -> program (shardings)
-    summary = train(run)           # state -> stages of steps -> metrics and summary
+    run = setup(config, workdir)   # hybridpar/run.py: config -> mesh -> data -> program
+    summary = train(run)           # start, the loop over stages of steps, the summary
 
-``setup`` is the one set-up sequence every tool shares (the train CLI, comm_report, the
-benches): check the config, set XLA's flags before the backend starts, build the mesh, check
-the batches against it, open the data (optional: compile-only tools skip it), plan the
-stages in steps and build the program. ``train`` runs the loop: the train state and
-``LoopState`` from the workdir's latest checkpoint (or new), for each stage its step
-compiled once, then for each batch: step, then the hooks (progress log, evaluation,
-checkpoints), with everything a resumed run needs besides the train state in ``LoopState``.
-SIGTERM or SIGINT stops the loop at the next step boundary with a checkpoint; the same
-command resumes it (``hybridpar/checkpoint.py`` says what a workdir may hold).
+``train`` starts (the train state and ``LoopState`` from the workdir's latest checkpoint
+or new, every stage's step compiled), runs the loop (for each batch: step, then the hooks:
+progress log, evaluation, checkpoints), then writes the summary. Everything a resumed run
+needs besides the train state is in ``LoopState``. SIGTERM or SIGINT stops the loop at the
+next step boundary with a checkpoint; the same command resumes it
+(``hybridpar/checkpoint.py`` says what a workdir may hold). Only the train CLI, tune and
+tests drive it; every other tool builds its run with ``hybridpar/run.py``.
 """
 
 from __future__ import annotations
@@ -20,194 +18,19 @@ import collections
 import dataclasses
 import itertools
 import math
-import os
 import time
+from typing import Protocol
 
 import jax
 import numpy as np
 
-from hybridpar import (
-    checkpoint,
-    comm,
-    compile_cache,
-    curriculum,
-    distributed,
-    executables,
-    partitioning,
-    workdir_lock,
-)
-from hybridpar.config import validate
-from hybridpar.curriculum import PlannedStage, StagePlan, describe, plan_stages, stages_from_config
-from hybridpar.errors import ConfigError
-from hybridpar.mesh import data_parallel_size, describe_mesh, make_mesh
+from hybridpar import checkpoint, compile_cache, curriculum, partitioning
+from hybridpar.curriculum import PlannedStage, describe
+from hybridpar.errors import NonFinite, SaveFailed, StopRequested
+from hybridpar.mesh import data_parallel_size, describe_mesh
 from hybridpar.metrics import MetricsWriter
-from hybridpar.program import Program, build_program, check_batch_sizes, memory_of
+from hybridpar.run import Run, evaluate, log, memory_report, memory_text, program_name
 from hybridpar.state import init_sharded
-
-
-def log(msg: str) -> None:
-    if jax.process_index() == 0:
-        print(msg, flush=True)
-
-
-# ---- Set-up ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Run:
-    config: object
-    workdir: str | None
-    mesh: object
-    program: Program
-    plan: StagePlan
-    data: object | None  # hybridpar.input.datasets.Data; None for compile-only tools
-    start_time: float
-    xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
-    finished: dict | None = None  # the summary of the workdir's run, if it completed
-    lock: workdir_lock.Lock | None = None  # the workdir's, held until train() ends
-
-
-def check_workdir(workdir: str) -> None:
-    checkpoint.ensure_writable(workdir, "workdir", "pass a --workdir you can write to")
-
-
-def setup(config, workdir: str | None = None, **kwargs) -> Run:
-    """``_setup``, which leaves no empty directory behind when it stops on a mistake found
-    after the directory checks (a mesh larger than the devices, data that does not match
-    the config): the workdir, checkpoint and compile-cache directories it created are
-    removed again while still empty."""
-    validate(config)  # first: the paths below come from the config
-    made = [] if workdir is None else _missing(workdir)
-    for path in (
-        workdir and checkpoint.checkpoint_dir(config, workdir),
-        compile_cache.resolve(config.compile_cache, workdir),
-    ):
-        made += _missing(path) if path else []
-    locks = []  # the workdir lock _setup took: released here if it then fails
-    try:
-        return _setup(config, workdir, locks=locks, **kwargs)
-    except BaseException:
-        for lock in locks:
-            lock.release()
-        for path in sorted(set(made), key=len, reverse=True):  # the deepest first
-            try:
-                os.rmdir(path)  # only if still empty
-            except OSError:
-                pass
-        raise
-
-
-def _setup(
-    config,
-    workdir: str | None = None,
-    *,
-    with_data: bool = True,
-    devices=None,
-    allow_config_change: bool = False,
-    locks: list | None = None,
-    compiled: str | None = None,
-    recompile: bool = False,
-) -> Run:
-    """Everything before the first step, in the order data flows; every check that needs no
-    device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
-    value stops before data or devices are touched. ``devices``: the mesh's devices (default:
-    all).
-    ``allow_config_change``: resume a workdir's run with a config that differs from its own.
-    ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
-    of compiling; one that does not fit the run is an error, or with ``recompile`` a warning."""
-    start = time.time()
-    finished = None
-    if workdir is not None:
-        if os.path.isdir(workdir):
-            finished = checkpoint.check_run(workdir, config, allow_config_change)
-        check_workdir(workdir)
-        checkpoint.check_dir(checkpoint.checkpoint_dir(config, workdir))
-        with_data = with_data and finished is None  # nothing to train: no data to open
-    flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
-    if config.distributed:
-        distributed.initialize(config)
-    lock = None
-    if workdir is not None:  # one trainer per workdir; each process its own lock file
-        lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
-        if locks is not None:
-            locks.append(lock)
-    cache_dir = compile_cache.resolve(config.compile_cache, workdir)
-    if cache_dir is not None:  # before the first compilation, so that one is cached too
-        fix = 'pass --config.compile_cache=DIR you can write, or ""'
-        checkpoint.ensure_writable(cache_dir, "compile cache directory", fix)
-        compile_cache.enable(cache_dir)
-
-    # ---- Mesh and placement rules ----
-    mesh = make_mesh(config.mesh, devices=devices)
-    check_batch_sizes(config, mesh)
-    stages = stages_from_config(config, data_parallel_size(mesh))
-    if workdir is not None and not allow_config_change:  # resumed on another mesh?
-        checkpoint.check_batches(workdir, config, stages, data_parallel_size(mesh))
-
-    # ---- Data: host-local batches, and so the steps each stage runs ----
-    data, plan = None, None
-    if with_data:
-        from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
-
-        data = make_data(config, jax.process_index(), jax.process_count())
-        plan = plan_stages(stages, data.steps_for)
-
-    # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
-    program = build_program(config, mesh, plan)
-    if compiled:
-        executables.load(compiled, program, recompile)
-    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
-
-
-def _missing(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist yet."""
-    out, path = [], os.path.abspath(path)
-    while not os.path.exists(path):
-        out.append(path)
-        path = os.path.dirname(path)
-    return out
-
-
-def memory_line(compiled) -> tuple[str, dict]:
-    """``(text, memory_of(compiled))``: one device's memory for a compiled train step."""
-    mem = memory_of(compiled)
-    return f"per-device memory of the train step: {_mib(mem)}", mem
-
-
-def _mib(mem: dict) -> str:
-    if not mem:
-        return "not reported by this backend"
-    mib = {k: v / 2**20 for k, v in mem.items()}
-    return (
-        "{total:.1f} MiB (arguments {arguments:.1f}, outputs {outputs:.1f}, temp {temp:.1f}, "
-        "donated/aliased {aliased:.1f})".format(**mib)
-    )
-
-
-def _program_name(rec: dict) -> str:
-    return f"{rec['program']} step (batch {rec['batch']}, {rec['image_size']} px)"
-
-
-def memory_report(records: list) -> tuple[str, dict]:
-    """The pre-flight memory line over every compiled program (each stage's train step and
-    the eval step): the largest named first, since that is what must fit, then the others.
-    Returns ``(text, the largest's memory)``."""
-    known = [r for r in records if r.get("memory_per_device_bytes")]
-    if not known:
-        return "per-device memory: not reported by this backend", {}
-    known.sort(key=lambda r: r["memory_per_device_bytes"]["total"], reverse=True)
-    largest, *rest = known
-    mem = largest["memory_per_device_bytes"]
-    text = f"per-device memory, largest of {len(known)} programs: {_program_name(largest)} "
-    text += _mib(mem)
-    if rest:
-        others = ", ".join(
-            f"{_program_name(r)} {r['memory_per_device_bytes']['total'] / 2**20:.1f} MiB"
-            for r in rest
-        )
-        text += f"; then {others}"
-    return text, dict(mem, program=_program_name(largest))
-
 
 # ---- The loop's state ---------------------------------------------------------------------------
 
@@ -301,8 +124,15 @@ def global_batches(run: Run, loop: LoopState):
 # ---- Hooks: what happens after a step ---------------------------------------------------------
 
 
-class NonFinite(ConfigError):
-    """Too many steps in a row with a non-finite loss or gradient (each one skipped)."""
+class Hook(Protocol):
+    """What runs after each step, in order: ``Progress``, ``Evaluate``, the hooks passed to
+    ``train``, then the ``Checkpointer`` (``start`` builds the list). A hook may read
+    everything and change ``loop``'s bookkeeping; it asks the loop to stop at this step by
+    raising ``errors.StopRequested(reason)``: the hooks after it do not run, and the run
+    ends cleanly with ``summary["preempted"] = reason`` (no checkpoint of this step unless
+    one was already saved). Any other exception fails the run."""
+
+    def __call__(self, loop: LoopState, state, metrics: dict, stage: PlannedStage) -> None: ...
 
 
 class Progress:
@@ -428,43 +258,6 @@ class Evaluate:
         self.progress.restart(loop)  # eval time is not training throughput
 
 
-def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
-    """The whole eval split at ``data.image_size`` (padded batches, every example once)."""
-    from hybridpar.input.prefetch import prefetch_to_mesh
-
-    c = run.config
-    eval_step = run.program.eval_step(c.eval_batch, c.data.image_size)
-    sums = None
-    for batch in prefetch_to_mesh(run.data.eval_batches(), run.mesh, c.data.prefetch):
-        out = eval_step(state, batch)
-        sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
-    sums = jax.device_get(sums)
-    n = float(sums["count"])
-    if round(n) != run.data.num_eval:
-        raise AssertionError(f"eval counted {n} examples, expected {run.data.num_eval}")
-    epoch = run.plan.epoch_at(step)
-    rec = writer.write(
-        "eval",
-        step,
-        epoch,
-        split=c.data.eval_split if c.data.name in ("images", "tfds") else "test",
-        loss=float(sums["loss_sum"]) / n,
-        top1=float(sums["top1_sum"]) / n,
-        top5=float(sums["top5_sum"]) / n,
-        examples=int(n),
-    )
-    log(
-        f"eval  step {step:>6}  epoch {epoch:6.2f}  loss {rec['loss']:.4f}  "
-        f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
-    )
-    return rec
-
-
-class Preempted(Exception):
-    """The loop stopped at a step boundary on request (SIGTERM, SIGINT), its checkpoint
-    saved: not a failure, so ``train`` returns its summary."""
-
-
 class Checkpointer:
     """A checkpoint every ``checkpoint.every_steps`` steps and/or ``every_minutes``
     minutes, at the last step, and when a stop was requested (``preemption``: our signal
@@ -496,7 +289,7 @@ class Checkpointer:
         if stop or self.due(loop):
             self.save(loop, state, stage)
         if stop and loop.step < self.run.plan.total_steps:  # at the last step: just finish
-            raise Preempted(self.preemption.requested or "preemption sync point")
+            raise StopRequested(self.preemption.requested or "preemption sync point")
 
     def save(self, loop: LoopState, state, stage: PlannedStage) -> None:
         if self.saver.latest_step() == loop.step:
@@ -516,7 +309,7 @@ class Checkpointer:
         self.finished = True
         try:
             self.events(wait=True)
-        except ConfigError as e:
+        except SaveFailed as e:
             return str(e)
         finally:
             self.saver.close()
@@ -575,7 +368,7 @@ def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, written: i
             log(f"{rec['program']} step for batch {rec['batch']} at {rec['image_size']} px: "
                 f"compiled in the background in {rec['compile_s']:.1f}s, waited "
                 f"{rec['wait_s']:.1f}s for it; per-device memory "
-                f"{_mib(rec.get('memory_per_device_bytes') or {})}")  # fmt: skip
+                f"{memory_text(rec.get('memory_per_device_bytes') or {})}")  # fmt: skip
     return len(run.program.compiles)
 
 
@@ -607,16 +400,55 @@ def release(run: Run) -> None:
         run.lock.release()
 
 
+@dataclasses.dataclass
+class Training:
+    """A started run: what its loop and its summary share."""
+
+    run: Run
+    writer: MetricsWriter
+    saver: checkpoint.Checkpoints
+    state: object
+    loop: LoopState
+    resumed: int | None  # the checkpoint's step it resumed from
+    memory: dict  # the largest program's per-device memory
+    progress: Progress
+    checkpointer: Checkpointer
+    preemption: checkpoint.Preemption
+    hooks: list
+    batches: object  # every stage's, in order, read ahead across switches
+    written: int  # compile lines written so far
+
+
 def train(run: Run, hooks=()) -> dict:
     """Trains ``run`` to its last step, from the workdir's latest checkpoint if it holds
-    one; returns (and writes) the summary. ``hooks``: more hooks, run after each step before
-    the checkpointer (tests use one to request a stop at a given step)."""
-    c, program, plan = run.config, run.program, run.plan
+    one; returns (and writes) the summary. ``hooks``: more ``Hook``s, run after each step
+    before the checkpointer (tune's pruner, tests' stops and probes)."""
     if run.finished is not None:
         log(f"{run.workdir} holds a run that completed ({run.finished['steps']} steps): "
             "nothing to do; pass a new --workdir to train again")  # fmt: skip
         release(run)
         return run.finished
+    t = start(run, hooks)
+    try:
+        preempted = run_stages(t)
+    except NonFinite as e:  # no save after it: the checkpoints on disk stay as they were
+        failure = str(e) + last_checkpoint_note(t)
+        end(t, failure=failure)
+        raise NonFinite(failure) from None
+    except BaseException as e:  # recorded in the summary, then raised as it was
+        end(t, failure=f"{type(e).__name__}: {e}")
+        raise
+    summary, save_error = end(t, preempted=preempted)
+    if save_error:
+        raise SaveFailed(save_error)
+    return summary
+
+
+def start(run: Run, hooks) -> Training:
+    """Everything between set-up and the first step: the config recorded, the train state
+    restored or new, the ``resume`` and ``data`` lines, every stage's step compiled (or
+    compiling in the background) and the hooks."""
+    c, program, plan = run.config, run.program, run.plan
     log(describe_mesh(run.mesh))
     changed = checkpoint.record_config(run.workdir, c)
     saver = checkpoint.Checkpoints(
@@ -652,100 +484,110 @@ def train(run: Run, hooks=()) -> dict:
         + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
         f"{len(plan.stages)} stage(s))"
     )
-
     progress = Progress(run, writer)
     preemption = checkpoint.Preemption()
     checkpointer = Checkpointer(run, writer, progress, saver, preemption)
-    hooks = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
-    failure, preempted = None, None
-    batches = global_batches(run, loop)  # every stage's, in order, read ahead across switches
+    hooks: list[Hook] = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
+    batches = global_batches(run, loop)
+    preemption.install()
+    return Training(run, writer, saver, state, loop, resumed, mem, progress, checkpointer,
+                    preemption, hooks, batches, written)  # fmt: skip
+
+
+def run_stages(t: Training) -> str | None:
+    """The loop: each stage's steps, each step followed by the hooks, until the last step,
+    the targets (``stop_at_target``) or a requested stop; returns the stop's reason."""
+    run, loop = t.run, t.loop
+    c, program, plan = run.config, run.program, run.plan
     # Steps dispatched but not yet computed. JAX dispatch returns at once, so without a bound
-    # the loop ran up to max_nonfinite_steps (20) steps ahead of the device, and a SIGTERM's
-    # save waited for all of them: 2.5 minutes for cifar10_fast:cpu's 7.5-s steps, longer
-    # than many preemption notices. Two in flight keep the device busy.
+    # the loop would run up to max_nonfinite_steps steps ahead of the device, and a SIGTERM's
+    # save would wait for all of them. Two in flight keep the device busy.
     in_flight = collections.deque()
     try:
-        preemption.install()
         for stage in plan.stages[loop.stage :]:
             if targets_met(c, loop):
                 break
             loop.enter(stage)
             st = stage.stage
             train_step = program.train_step(st.global_batch, st.image_size)  # compiled ahead
-            written = record_compiles(run, writer, loop, written)
-            writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
-                         image_size=st.image_size, global_batch=st.global_batch,
-                         min_scale=st.min_scale, steps=stage.num_steps,
-                         data_parallel=data_parallel_size(run.mesh))  # fmt: skip
-            progress.restart(loop)
-            for batch in itertools.islice(batches, stage.end_step - loop.step):
-                state, metrics = train_step(state, batch)
+            t.written = record_compiles(run, t.writer, loop, t.written)
+            t.writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
+                           image_size=st.image_size, global_batch=st.global_batch,
+                           min_scale=st.min_scale, steps=stage.num_steps,
+                           data_parallel=data_parallel_size(run.mesh))  # fmt: skip
+            t.progress.restart(loop)
+            for batch in itertools.islice(t.batches, stage.end_step - loop.step):
+                t.state, metrics = train_step(t.state, batch)
                 in_flight.append(metrics["loss"])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
                 loop.advance(stage)
-                for hook in hooks:
-                    hook(loop, state, metrics, stage)
+                for hook in t.hooks:
+                    hook(loop, t.state, metrics, stage)
                 if targets_met(c, loop):  # saved by the checkpointer above
                     log(f"every target reached at step {loop.step}/{plan.total_steps}: "
                         "stopping there (stop_at_target)")  # fmt: skip
                     break
-            progress.flush(loop, stage)  # a stage's steps are logged at its own batch
-    except Preempted as e:
-        preempted = str(e)
-    except NonFinite as e:  # no save after it: the checkpoints on disk stay as they were
-        failure = str(e)
-        error = checkpointer.finish()
-        last = saver.latest_step()
-        failure += (
-            f"; the last checkpoint, step {last} in {saver.directory}, is intact: resume from "
-            "it with the changed config and --allow-config-change"
-            if last is not None
-            else "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
-        ) + (f" ({error})" if error else "")
-        raise NonFinite(failure) from None
-    except BaseException as e:  # recorded in the summary, then raised as it was
-        failure = f"{type(e).__name__}: {e}"
-        raise
-    finally:
-        batches.close()  # stops the prefetch thread
-        program.stop_background()
-        preemption.uninstall()
-        save_error = checkpointer.finish()  # the save in flight committed before we may exit
-        failure = failure or save_error
-        summary = {
-            "mesh": dict(run.mesh.shape),
-            "steps": loop.step,
-            "total_steps": plan.total_steps,
-            "completed": not failure
-            and not preempted
-            and (loop.step >= plan.total_steps or targets_met(c, loop)),
-            "stopped_at_target": targets_met(c, loop) and loop.step < plan.total_steps,
-            "error": failure,
-            "preempted": preempted,
-            "resumed_from": resumed,
-            "latest_checkpoint": saver.latest_step(),
-            "final_eval": loop.last_eval,
-            "best_eval": loop.best_eval,
-            "wall_s": round(writer.wall_s(), 3),
-            "compile_s": round(loop.compile_s, 3),  # every segment's
-            "train_images_per_s": (
-                round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None
-            ),
-            "target_top1": c.target_top1 if c.target_top1 > 0 else None,
-            "target_top5": c.target_top5 if c.target_top5 > 0 else None,
-            "time_to_target": loop.time_to_target,
-            "memory_per_device_bytes": mem,  # the largest program's, named in "program"
-            "memory_by_program": [
-                {"name": _program_name(r), "bytes": r.get("memory_per_device_bytes") or {}}
-                for r in program.compiles
-            ],
-            "stages": [dataclasses.asdict(s.stage) | {"steps": s.num_steps} for s in plan.stages],
-            "loop": loop.to_dict(),
-        }
-        writer.summary(summary)
-        writer.close()
-        release(run)
-    if save_error:
-        raise ConfigError(save_error)
-    return summary
+            t.progress.flush(loop, stage)  # a stage's steps are logged at its own batch
+    except StopRequested as e:  # a hook's request (Hook), a signal's by the checkpointer
+        return str(e)
+    return None
+
+
+def last_checkpoint_note(t: Training) -> str:
+    """For a diverged run: the checkpoint to resume from, and the failed save if any."""
+    error = t.checkpointer.finish()
+    last = t.saver.latest_step()
+    return (
+        f"; the last checkpoint, step {last} in {t.saver.directory}, is intact: resume from "
+        "it with the changed config and --allow-config-change"
+        if last is not None
+        else "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
+    ) + (f" ({error})" if error else "")
+
+
+def end(t: Training, failure: str | None = None, preempted: str | None = None):
+    """Stops the input and background threads, waits for the save in flight (committed
+    before we may exit), writes the summary and releases the workdir, whether the loop
+    ended, stopped or failed. Returns ``(summary, the failed save's error or None)``."""
+    run, loop, saver = t.run, t.loop, t.saver
+    c, program, plan = run.config, run.program, run.plan
+    t.batches.close()  # stops the prefetch thread
+    program.stop_background()
+    t.preemption.uninstall()
+    save_error = t.checkpointer.finish()
+    failure = failure or save_error
+    summary = {
+        "mesh": dict(run.mesh.shape),
+        "steps": loop.step,
+        "total_steps": plan.total_steps,
+        "completed": not failure
+        and not preempted
+        and (loop.step >= plan.total_steps or targets_met(c, loop)),
+        "stopped_at_target": targets_met(c, loop) and loop.step < plan.total_steps,
+        "error": failure,
+        "preempted": preempted,
+        "resumed_from": t.resumed,
+        "latest_checkpoint": saver.latest_step(),
+        "final_eval": loop.last_eval,
+        "best_eval": loop.best_eval,
+        "wall_s": round(t.writer.wall_s(), 3),
+        "compile_s": round(loop.compile_s, 3),  # every segment's
+        "train_images_per_s": (
+            round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None
+        ),
+        "target_top1": c.target_top1 if c.target_top1 > 0 else None,
+        "target_top5": c.target_top5 if c.target_top5 > 0 else None,
+        "time_to_target": loop.time_to_target,
+        "memory_per_device_bytes": t.memory,  # the largest program's, named in "program"
+        "memory_by_program": [
+            {"name": program_name(r), "bytes": r.get("memory_per_device_bytes") or {}}
+            for r in program.compiles
+        ],
+        "stages": [dataclasses.asdict(s.stage) | {"steps": s.num_steps} for s in plan.stages],
+        "loop": loop.to_dict(),
+    }
+    t.writer.summary(summary)
+    t.writer.close()
+    release(run)
+    return summary, save_error

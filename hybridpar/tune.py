@@ -31,7 +31,7 @@ import time
 
 from hybridpar import cli
 from hybridpar.config import config_value
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, Error, StopRequested
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
 
@@ -118,22 +118,6 @@ def parse_space(config) -> list[dict]:
 BATCH_KEYS = ("global_batch", "eval_batch")
 
 
-def data_parallel_size(mesh_spec: str) -> int:
-    """Devices the batch splits over (data x fsdp) on the mesh `mesh_spec` names. Only a
-    spec with -1 needs the device count (JAX's backend starts; nothing is allocated)."""
-    from hybridpar.mesh import BATCH_AXES, parse_mesh_spec
-
-    sizes = [p.partition(":")[2].strip() for p in mesh_spec.split(",") if p.strip()]
-    if "-1" in sizes:
-        import jax
-
-        devices = jax.device_count()
-    else:  # parse_mesh_spec says what is wrong with a bad size
-        devices = math.prod(int(n) for n in sizes if n.isdigit())
-    sizes = parse_mesh_spec(mesh_spec, devices)
-    return math.prod(sizes[a] for a in BATCH_AXES)
-
-
 def check_batches(config, space: list[dict]) -> None:
     """Every batch the space can draw splits evenly over the data-parallel devices (data x
     fsdp) of every mesh it can draw, as the trainer requires (``program.check_batch_sizes``).
@@ -146,6 +130,8 @@ def check_batches(config, space: list[dict]) -> None:
     batches = [p for k, p in by_key.items() if k in BATCH_KEYS]
     if not batches:
         return
+    from hybridpar.mesh import data_parallel_size  # imports jax, starts no backend
+
     meshes = by_key["mesh"]["choices"] if "mesh" in by_key else [config.mesh]
     for mesh in meshes:
         dp = data_parallel_size(mesh)
@@ -251,14 +237,15 @@ def pyplot():
     return plt
 
 
-def run_trainer(config, workdir: str, hooks) -> tuple[object, dict]:
+def run_trainer(config, workdir: str, hooks_for=lambda run: []) -> tuple[object, dict]:
+    """Sets up and trains ``config`` in ``workdir``; ``hooks_for(run)``: the trainer's hooks
+    (``trainer.Hook``) for the run once set up (its plan known)."""
     from hybridpar import trainer
+    from hybridpar.run import setup
 
     with quiet(workdir):
-        r = trainer.setup(config, workdir)
-        for hook in hooks:
-            hook.plan = r.plan
-        return r, trainer.train(r, hooks=hooks)
+        r = setup(config, workdir)
+        return r, trainer.train(r, hooks=hooks_for(r))
 
 
 # ---- lr: the range test --------------------------------------------------------------------------
@@ -303,8 +290,6 @@ class StopOnDivergence:
     def __call__(self, loop, state, metrics, stage) -> None:
         import jax
 
-        from hybridpar.trainer import Preempted
-
         loss = float(jax.device_get(metrics["loss"]))
         self.n += 1
         self.mean = 0.8 * self.mean + 0.2 * loss
@@ -313,7 +298,7 @@ class StopOnDivergence:
         self.lowest = min(self.lowest, now)
         if diverged(self.first, self.lowest, now):
             self.stopped = f"the loss diverged at step {loop.step}"
-            raise Preempted(self.stopped)
+            raise StopRequested(self.stopped)
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -367,7 +352,7 @@ def lr_range(config, workdir: str) -> dict:
         print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
         return result
     stop = StopOnDivergence()
-    run_trainer(c, workdir, [stop])
+    run_trainer(c, workdir, lambda run: [stop])
     factor = lr_batch_factor(c.optim, c.global_batch)
     records = [t for t in read_run(workdir).train if t.loss is not None]
     if len(records) < 5:
@@ -425,27 +410,27 @@ def print_lr_range(result: dict, workdir: str) -> None:
 
 class Prune:
     """Reports each evaluation's top-1 to the trial (the error, 1 - top-1, when the study
-    minimises time) and stops the run cleanly (``Preempted``) where the pruner says so.
+    minimises time) and stops the run cleanly (``StopRequested``) where the pruner says so.
     The step optuna sees is the evaluation's index, not the train step, so trials with
     different batches compare at the same epochs."""
 
-    def __init__(self, trial, config, minimise: bool):
+    def __init__(self, trial, config, minimise: bool, total_steps: int):
         self.trial, self.config, self.minimise = trial, config, minimise
         self.every = config.tune.eval_every_epochs
-        self.plan, self.pruned = None, None
+        self.total_steps, self.pruned = total_steps, None
 
     def __call__(self, loop, state, metrics, stage) -> None:
-        from hybridpar.trainer import Preempted, targets_met
+        from hybridpar.trainer import targets_met
 
         ev = loop.last_eval
         if ev is None or ev["step"] != loop.step:
             return
         index = round(ev["epoch"] / self.every)
         self.trial.report(1 - ev["top1"] if self.minimise else ev["top1"], index)
-        last = loop.step >= self.plan.total_steps or targets_met(self.config, loop)
+        last = loop.step >= self.total_steps or targets_met(self.config, loop)
         if not last and self.trial.should_prune():
             self.pruned = f"pruned at epoch {ev['epoch']:g} (top1 {ev['top1']:.4f})"
-            raise Preempted(self.pruned)
+            raise StopRequested(self.pruned)
 
 
 def trial_config(config, params: dict, budget: float):
@@ -530,7 +515,7 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
     when a signal stopped it (it resumes on the next call)."""
     from optuna.trial import TrialState
 
-    from hybridpar.trainer import NonFinite
+    from hybridpar.errors import NonFinite
 
     trial = study.ask()
     again = trial.user_attrs.get("workdir")  # queued again by open_study: resumes there
@@ -538,21 +523,28 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
     trial.set_user_attr("workdir", sub)
     params = suggest_params(trial, space)
     c = trial_config(config, params, budget)
-    prune = Prune(trial, c, config.tune.objective == "time_to_target")
+    prunes = []  # the trial's pruner, once its run is set up (it needs the run's last step)
+
+    def hooks_for(run):
+        prunes.append(Prune(trial, c, config.tune.objective == "time_to_target",
+                            run.plan.total_steps))  # fmt: skip
+        return prunes
+
     start, note, value = time.time(), "", None
     try:
-        _, summary = run_trainer(c, os.path.join(workdir, sub), [prune])
+        _, summary = run_trainer(c, os.path.join(workdir, sub), hooks_for)
     except NonFinite:  # a diverging LR is a bad trial, not a broken search
         summary, note = None, "diverged"
-    except ConfigError as e:
+    except Error as e:  # a bad input or a failed save: the study cannot go on
         study.tell(trial, state=TrialState.FAIL)
-        raise ConfigError(f"trial {trial.number} ({overrides(params)}): {e}") from None
+        raise type(e)(f"trial {trial.number} ({overrides(params)}): {e}") from None
     seconds = time.time() - start
     trial.set_user_attr("seconds", round(seconds, 1))
     head = f"trial {trial.number:>3}{f' (resumed {sub})' if again else ''}  {overrides(params)}"
-    if prune.pruned:
+    pruned = prunes[0].pruned if prunes else None
+    if pruned:
         study.tell(trial, state=TrialState.PRUNED)
-        return f"{head}  {prune.pruned}  {seconds:.0f}s"
+        return f"{head}  {pruned}  {seconds:.0f}s"
     if summary is not None and summary.get("preempted"):
         trial.set_user_attr("interrupted", True)
         trial.set_user_attr("note", f"stopped by {summary['preempted']}, queued again")
@@ -691,7 +683,7 @@ def main(argv=None) -> None:
 
         validate(config)
         check(config, args.mode)
-        from hybridpar.trainer import check_workdir
+        from hybridpar.run import check_workdir
 
         check_workdir(args.workdir)
         if args.mode == "lr":

@@ -1,6 +1,6 @@
 """One trainer per workdir: an exclusive ``flock`` on ``WORKDIR/.lock`` for the trainer's life.
 
-    lock = workdir_lock.acquire(workdir)   # trainer.setup; a ConfigError names the holder
+    lock = workdir_lock.acquire(workdir)   # run.setup; a WorkdirError names the holder
     ...
     lock.release()                         # the end of trainer.train (or a failed set-up)
     workdir_lock.held(workdir)             # the evaluator: is a trainer alive there?
@@ -37,7 +37,7 @@ import os
 import socket
 import time
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import WorkdirError
 
 NAME = ".lock"
 # A probe (``held``) holds a shared lock for microseconds: a trainer that meets one retries
@@ -79,7 +79,7 @@ class Lock:
 
 
 def acquire(workdir: str, process: int = 0, retry_s: float = RETRY_S) -> Lock:
-    """An exclusive lock on ``workdir``'s lock file, or a ``ConfigError`` naming its holder
+    """An exclusive lock on ``workdir``'s lock file, or a ``WorkdirError`` naming its holder
     and how to go on. Writes nothing in ``workdir`` unless it gets the lock."""
     lock_path = path(workdir, process)
     deadline = time.monotonic() + retry_s
@@ -98,7 +98,7 @@ def acquire(workdir: str, process: int = 0, retry_s: float = RETRY_S) -> Lock:
             if time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
-            raise ConfigError(refusal(workdir, lock_path)) from None
+            raise WorkdirError(refusal(workdir, lock_path)) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
         except FileNotFoundError:

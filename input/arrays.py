@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 
 
 def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
@@ -82,7 +82,7 @@ def train_batches(
     """One epoch of shuffled host-local batches; the last partial global batch is dropped."""
     n = len(data["label"])
     if n < global_batch:
-        raise ConfigError(
+        raise DataError(
             f"the training set has {n} examples, fewer than one global batch of "
             f"{global_batch}; lower global_batch"
         )

@@ -19,7 +19,7 @@ import itertools
 import os
 from typing import Callable, Iterator
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 from hybridpar.input import arrays
 
 
@@ -159,13 +159,13 @@ def _pipeline(c, pi, pc, shape) -> Data:
         train = TfdsPipeline(d.tfds_name, d.train_split, **kw, **common)
         test = TfdsPipeline(d.tfds_name, d.eval_split, **kw, **common)
     if train.num_classes != d.num_classes:
-        raise ConfigError(
+        raise DataError(
             f"the data has {train.num_classes} classes but data.num_classes={d.num_classes}; "
             f"set --config.data.num_classes={train.num_classes}"
         )
     spe = train.steps_per_epoch(c.global_batch)
     if spe == 0:
-        raise ConfigError(
+        raise DataError(
             f"split {d.train_split!r} has {train.num_examples} examples, fewer than one global "
             f"batch of {c.global_batch} per epoch; lower global_batch"
         )
@@ -248,7 +248,7 @@ def _exclusive(path: str, waiting: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         f = open(path, "a")
     except OSError as e:
-        raise ConfigError(
+        raise DataError(
             f"cannot write {path} ({e.strerror}): the prepared data goes beside it; point "
             "data.prepared_dir at a folder you can write"
         ) from None
@@ -302,7 +302,7 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
             if fp and os.path.exists(fp["path"]):  # a moved or remote source cannot be checked
                 change = prep.describe_change(fp, prep.source_fingerprint(fp))
                 if change:
-                    raise ConfigError(
+                    raise DataError(
                         f"split {split!r} in data.prepared_dir={prepared!r} is out of date: "
                         f"{change} since it was prepared; set data.source={entry['source']!r} "
                         "to prepare it again (or run `python -m hybridpar.input.prepare`)"
@@ -311,7 +311,7 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
         have = sorted(manifest["splits"])
         for key, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
             if split not in manifest["splits"]:
-                raise ConfigError(
+                raise DataError(
                     f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has "
                     f"{have}): set --config.data.{key} to one of those, or add a folder "
                     f"{split}/CLASS/FILE to the source"

@@ -72,11 +72,10 @@ class ImagePipeline:
     # Reduced-scale decoding only for copies whose median shorter side is at least this
     # many times the image size, so that a typical large crop can take the 1/4 scale. The
     # 1/2 scale alone does not pay: entropy decoding, which no scale skips, is two thirds of
-    # a decode (0.92 of 1.40 ms on the ImageNet sample) and a whole 1/2-scale decode is only
-    # 1.1x faster; at 128 px on the sample (median shorter side 374 = 2.9 x 128, 58% of crops
-    # >= 2x) the DCT branches ran at 0.98x the rate without them (2 cores, median of 10
-    # interleaved rounds) and at 1.02x, 0.97x, 1.00x and 0.95x in four
-    # bench/input_pipeline.py runs. The bench sets it to 0 on one pipeline to measure them.
+    # a decode on the ImageNet sample and a whole 1/2-scale decode is only a little faster;
+    # at 128 px on the sample (median shorter side 2.9 x 128) the DCT branches ran at about
+    # the rate without them. bench/input_pipeline.py sets it to 0 on one pipeline to measure
+    # them.
     DCT_MIN_SIDE = 4
 
     def __init__(
@@ -115,8 +114,8 @@ class ImagePipeline:
         # Elements decoded at once: one per thread. A fixed number rather than tf.data's
         # autotuning, which starts every new iterator (each epoch and stage is one) at low
         # parallelism and, measured on 2 cores, left a whole 1,000-image epoch on one core
-        # about one time in three (350 against 650 img/s at 224 px; 1.1-1.4 s waits before
-        # the first batch). With it off, every epoch ran at 620-690 img/s.
+        # about one time in three, at about half the rate. With it off, every epoch ran at
+        # full rate.
         self.parallelism = int(threads) if threads else len(os.sched_getaffinity(0))
         self.translate = int(translate)  # train transform: shift by up to this many pixels
         # Reduced-scale JPEG decoding of large crops (transforms.dct_ratio); config.py's
@@ -263,9 +262,9 @@ class ImagePipeline:
         ``epoch``).
 
         One pipeline for all of them: each epoch's shuffle is opened inside it (ahead, while
-        the epoch before it is read) rather than as a new pipeline, which cost 0.3-0.4 s before
-        its first batch on 2 cores (graph build, function instantiation, the first batches
-        in flight again), 15% of a 1,000-image epoch. Every batch is the one that
+        the epoch before it is read) rather than as a new pipeline, which waits before its
+        first batch (graph build, function instantiation, the first batches in flight
+        again), a noticeable part of a 1,000-image epoch. Every batch is the one that
         ``train_batches(its epoch, its step)`` alone gives.
 
         ``copy`` forces a prepared copy (e.g. ``"full"`` to measure what the reduced copy
@@ -305,9 +304,8 @@ class ImagePipeline:
     def _stage_fn(self, copy: str, image_size: int, per: int, min_scale: float):
         """``train_dataset``'s pipeline as a ``tf.function`` of its plan (per epoch read: shuffle
         seed, crop key, begin, end), traced once per (copy, size, batch, scale) and kept:
-        building it in Python took 45-80 ms each time an input was opened, the traced
-        function 3 ms (its iterator then costs about 13 ms more; at 224 px on 2 cores,
-        194 -> 136 ms to the first batch)."""
+        building it in Python each time an input was opened cost many times what calling
+        the traced function does, and delayed the first batch."""
         key = ("stage", copy, image_size, per, min_scale)
         if key in self._fns:
             return self._fns[key]
@@ -352,7 +350,7 @@ class ImagePipeline:
         where it can pay: where the copy's median shorter side is at least
         ``DCT_MIN_SIDE`` x ``image_size`` or, for copies prepared without that figure, where
         its longest side is. Each time an input is opened the four-way DCT branch costs
-        about 40 ms (function instantiation)."""
+        a function instantiation."""
         entry = self.info["copies"][copy]
         side = entry.get("median_short_side", entry.get("max_side"))
         return {

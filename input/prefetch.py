@@ -97,7 +97,7 @@ def chain_ahead(openers: Iterable[Callable[[], Iterable]]) -> Iterator:
 
     Why: opening an epoch's or a stage's tf.data input is slow before its first batch (the
     shuffle buffer fills; a stage that starts mid-epoch skips that epoch's first records;
-    a new image size is a new pipeline): 2-9 s per switch for CIFAR-10 on 2 cores, measured.
+    a new image size is a new pipeline): seconds per switch for CIFAR-10 on 2 CPU cores.
     ``prefetch_to_mesh`` only reads a few batches ahead, which a fast step uses up in well
     under a second, so the switch stalled the run. Opening ahead hides it behind a whole
     epoch or stage."""

@@ -32,7 +32,7 @@ import warnings
 import zlib
 
 from hybridpar import cli
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, DataError
 from hybridpar.input.records import (
     FORMAT,
     MANIFEST,
@@ -78,8 +78,8 @@ def _tar_fingerprint(path: str) -> dict:
     return {"kind": "tar", "path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _tar_error(path: str, what: str) -> ConfigError:
-    return ConfigError(
+def _tar_error(path: str, what: str) -> DataError:
+    return DataError(
         f"tar archive {path!r} is {what}; copy or download it again (or extract it and pass "
         "the folder)"
     )
@@ -87,7 +87,7 @@ def _tar_error(path: str, what: str) -> ConfigError:
 
 def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
     """Regular members as (parts, file, offset, size), read once here so workers can seek,
-    and the class folders seen (as parts). A truncated or corrupt archive is a ConfigError.
+    and the class folders seen (as parts). A truncated or corrupt archive is a DataError.
 
     A compressed tar cannot be seeked cheaply, so it is streamed once into an uncompressed
     staging file in --out (removed at the end) and indexed there instead.
@@ -99,7 +99,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
         try:
             tar, compressed = tarfile.open(path, "r:*"), True
         except (tarfile.ReadError, EOFError, OSError, zlib.error, lzma.LZMAError):
-            raise ConfigError(
+            raise DataError(
                 f"source {path!r} is neither a folder nor a tar archive (not a tar, nor a gzip, "
                 "bzip2 or xz compressed one); pass a tar or a folder in the SPLIT/CLASS/FILE "
                 "layout"
@@ -136,7 +136,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
         detail = " ".join(str(e).split())  # one line: the CLI prints one error line
         raise _tar_error(path, f"truncated or corrupt {after} ({detail})") from None
     except OSError as e:
-        raise ConfigError(f"cannot read tar archive {path!r} ({e.strerror or e})") from None
+        raise DataError(f"cannot read tar archive {path!r} ({e.strerror or e})") from None
     finally:
         if out_file is not None:
             out_file.close()
@@ -159,14 +159,14 @@ def _walk_split(root: str):
         with os.scandir(root) as it:
             classes = sorted(e.name for e in it if not _hidden(e.name) and e.is_dir())
     except OSError as e:
-        raise ConfigError(f"cannot read source folder {root!r} ({e.strerror or e})") from None
+        raise DataError(f"cannot read source folder {root!r} ({e.strerror or e})") from None
     files = []
     for cls in classes:
         folder = os.path.join(root, cls)
         try:
             names = sorted(os.listdir(folder))
         except OSError as e:
-            raise ConfigError(f"cannot read class folder {folder!r} ({e.strerror or e})") from None
+            raise DataError(f"cannot read class folder {folder!r} ({e.strerror or e})") from None
         for name in names:
             if not _wanted([cls, name], 2):
                 continue
@@ -174,7 +174,7 @@ def _walk_split(root: str):
             try:
                 st = os.stat(path)
             except OSError as e:
-                raise ConfigError(f"cannot read {path!r} ({e.strerror or e})") from None
+                raise DataError(f"cannot read {path!r} ({e.strerror or e})") from None
             if stat.S_ISREG(st.st_mode):
                 files.append((cls, name, path, st))
     return files, classes
@@ -238,7 +238,7 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
     """
     source = os.path.abspath(source)
     if not os.path.exists(source):
-        raise ConfigError(f"source {source!r} does not exist")
+        raise DataError(f"source {source!r} does not exist")
     splits: dict[str, dict] = {}
     if os.path.isdir(source):
         if split:
@@ -247,7 +247,7 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
             try:
                 names = sorted(n for n in os.listdir(source) if not _hidden(n))
             except OSError as e:
-                raise ConfigError(f"cannot read source {source!r} ({e.strerror or e})") from None
+                raise DataError(f"cannot read source {source!r} ({e.strerror or e})") from None
             roots = {n: os.path.join(source, n) for n in names}
             roots = {n: r for n, r in roots.items() if os.path.isdir(r)}
         for name, root in roots.items():
@@ -281,7 +281,7 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
                 "fingerprint": fingerprint,
             }
     if not splits:
-        raise ConfigError(f"no images found in {source!r}: expected {LAYOUT}")
+        raise DataError(f"no images found in {source!r}: expected {LAYOUT}")
     return splits
 
 
@@ -617,12 +617,12 @@ def parse_classes(text) -> list[str] | None:
             with open(text) as f:
                 names = [line.strip() for line in f if line.strip()]
         except OSError as e:
-            raise ConfigError(f"cannot read the class list {text!r} ({e.strerror})") from None
+            raise DataError(f"cannot read the class list {text!r} ({e.strerror})") from None
     else:
         names = [c.strip() for c in text.split(",")]
     dup = sorted({c for c in names if names.count(c) > 1})
     if not all(names) or dup:
-        raise ConfigError(
+        raise DataError(
             f"the class list must name each class once and none empty (repeated: {dup}); "
             "give comma-separated names or a file with one name per line"
         )
@@ -637,7 +637,7 @@ def _choose_classes(listed, manifest, train_split, classes, out):
         return list(listed[train_split][1]["class_dirs"]), f"train split {train_split!r}"
     if manifest.get("classes"):
         return list(manifest["classes"]), f"the class list already in {out!r}"
-    raise ConfigError(
+    raise DataError(
         f"no class list to label {_names(sorted(listed))} with: the sources hold no train "
         f"split {train_split!r} and {out!r} has none from an earlier run. Prepare the train "
         "split first or together with them, name the split that defines the classes "
@@ -652,7 +652,7 @@ def _check_splits(listed, classes, origin, train_split, allow_empty):
     for name, (source, listing) in sorted(listed.items()):
         extra = sorted({f[1] for f in listing["files"]} - known)
         if extra:
-            raise ConfigError(
+            raise DataError(
                 f"split {name!r} of {source!r} has class folder(s) {_names(extra)} that "
                 f"{origin} lacks, so they have no label; remove or rename them, add them to "
                 "the train split, or list every class (--classes, data.classes)"
@@ -665,10 +665,10 @@ def _check_splits(listed, classes, origin, train_split, allow_empty):
             raise _empty_error(train_split, listed[train_split][0], empty)
 
 
-def _empty_error(split, source, why: dict) -> ConfigError:
+def _empty_error(split, source, why: dict) -> DataError:
     listed = ", ".join(f"{c!r} ({w})" for c, w in list(why.items())[:10])
     more = f" and {len(why) - 10} more" if len(why) > 10 else ""
-    return ConfigError(
+    return DataError(
         f"train split {split!r} of {source!r} has no usable example of class(es) {listed}{more}: "
         "the model would keep a label it never sees. Add images, remove the class, or allow "
         "it (--allow-empty-classes, data.allow_empty_classes=True)"
@@ -716,23 +716,23 @@ def prepare(
     copies, workers = tuple(copies), workers or os.cpu_count() or 1
     names = [copy_name(c) for c in copies]
     if not copies or len(set(names)) != len(names):
-        raise ConfigError(f"copies must be distinct and not empty, got {names}")
+        raise DataError(f"copies must be distinct and not empty, got {names}")
     if any(c is not None and (not isinstance(c, int) or c < 1) for c in copies):
-        raise ConfigError(f"a reduced copy's max side must be a positive integer, got {copies}")
+        raise DataError(f"a reduced copy's max side must be a positive integer, got {copies}")
     if not 1 <= quality <= 100 or serve_ratio <= 0 or examples_per_shard < 1 or workers < 1:
-        raise ConfigError(
+        raise DataError(
             "need 1 <= quality <= 100, serve_ratio > 0, examples_per_shard >= 1 and workers >= 1"
         )
     classes = parse_classes(classes)
     for s in sources:
         if not os.path.exists(s):
-            raise ConfigError(f"source {os.path.abspath(s)!r} does not exist")
+            raise DataError(f"source {os.path.abspath(s)!r} does not exist")
     out = os.path.abspath(out)
     try:
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
-        raise ConfigError(f"cannot write to --out {out!r} ({e.strerror}); choose a writable folder")
+        raise DataError(f"cannot write to --out {out!r} ({e.strerror}); choose a writable folder")
     path = os.path.join(out, MANIFEST)
     manifest = {"format": FORMAT, "splits": {}}
     if os.path.exists(path):
@@ -751,7 +751,7 @@ def prepare(
         for source in sources:
             for name, listing in list_source(source, split, out, staging).items():
                 if name in listed:
-                    raise ConfigError(
+                    raise DataError(
                         f"split {name!r} is in both {listed[name][0]!r} and "
                         f"{source!r}; prepare them into different --out folders"
                     )
@@ -760,7 +760,7 @@ def prepare(
         relabel = _class_change(manifest.get("classes") or classes, classes)
         left = sorted(set(manifest["splits"]) - set(listed))
         if relabel and left:
-            raise ConfigError(
+            raise DataError(
                 f"{relabel} since {out!r} was prepared, and its split(s) {_names(left)} carry the "
                 "old labels: prepare all splits together (every source in one command), or "
                 "into a new --out"
@@ -774,7 +774,7 @@ def prepare(
             old = manifest["splits"].get(name) if os.path.isdir(os.path.join(out, name)) else None
             diff = _changed(out, name, old, plan["config"]) if old else []
             if diff:  # mixing shards of two different preparations would be silently wrong
-                raise ConfigError(
+                raise DataError(
                     f"{out!r} already holds split {name!r} prepared with other arguments "
                     f"({'; '.join(diff)}); use a new --out or delete the old one "
                     f"(rm -r {os.path.join(out, name)})"
@@ -839,7 +839,7 @@ def _parse_copies(text: str):
         elif part.removesuffix("px").isdigit() and int(part.removesuffix("px")) > 0:
             copies.append(int(part.removesuffix("px")))
         else:
-            raise ConfigError(f"--copies takes 'full' and max sides like 160, got {part!r}")
+            raise DataError(f"--copies takes 'full' and max sides like 160, got {part!r}")
     return tuple(copies)
 
 

@@ -58,7 +58,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridpar.errors import ConfigError
+from hybridpar.errors import DataError
 
 FORMAT = "hybridpar-tfrecord-v2"
 # v1 numbered each split's own sorted class list, so labels could disagree between splits.
@@ -101,7 +101,7 @@ def copy_name(max_side: int | None) -> str:
 def load_manifest(prepared_dir: str) -> dict:
     path = os.path.join(prepared_dir, MANIFEST)
     if not os.path.isfile(path):
-        raise ConfigError(
+        raise DataError(
             f"no prepared data in {prepared_dir!r} (missing {MANIFEST}); prepare it once with "
             f"`python -m hybridpar.input.prepare SOURCE --out {prepared_dir}` where SOURCE is a "
             "tar or folder in the SPLIT/CLASS/FILE layout"
@@ -110,26 +110,26 @@ def load_manifest(prepared_dir: str) -> dict:
         with open(path) as f:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(
+        raise DataError(
             f"{path} is unreadable or corrupt ({e}); delete it and run "
             "`python -m hybridpar.input.prepare` again (finished shards are kept)"
         ) from None
     if manifest.get("format") in OLD_FORMATS:
-        raise ConfigError(
+        raise DataError(
             f"{path} was written by an older hybridpar ({manifest['format']}: each split numbered "
             "its own classes, so labels could disagree between splits); prepare it again: give "
             "the sources as data.source (the run re-prepares them), or run "
             f"`python -m hybridpar.input.prepare SOURCE --out {prepared_dir}`"
         )
     if manifest.get("format") != FORMAT:
-        raise ConfigError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise DataError(f"{path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     return manifest
 
 
 def split_info(manifest: dict, split: str, prepared_dir: str) -> dict:
     splits = manifest.get("splits", {})
     if split not in splits:
-        raise ConfigError(
+        raise DataError(
             f"split {split!r} is not prepared in {prepared_dir!r}, which has {sorted(splits)}: "
             "name one of those (in a training config: data.train_split / data.eval_split), or "
             f"add the folder {split}/CLASS/FILE to a source and prepare it "
@@ -139,7 +139,7 @@ def split_info(manifest: dict, split: str, prepared_dir: str) -> dict:
     if manifest.get("classes"):  # one class list for the dataset (v2); every split indexes it
         info["classes"] = list(manifest["classes"])
     if info.get("num_examples", 0) == 0:
-        raise ConfigError(
+        raise DataError(
             f"split {split!r} in {prepared_dir!r} has no examples (source {info.get('source')!r} "
             "held no readable images in SPLIT/CLASS/FILE layout); check the source and prepare "
             "again"
@@ -156,7 +156,7 @@ def choose_copy(info: dict, image_size: int) -> str:
             if best_side is None or copy["max_side"] < best_side:
                 best, best_side = name, copy["max_side"]
     if best not in info["copies"]:
-        raise ConfigError(
+        raise DataError(
             f"no prepared copy serves image size {image_size} and there is no full-size copy; "
             "prepare again with the full copy (--copies full,...)"
         )

@@ -24,7 +24,6 @@ from .im2col import Im2colConv
 from .resnet import CONV_AXES, conv_kernel_init, norm_factory
 
 WHITEN_EPS = 5e-4  # added to each eigenvalue: directions of ~no variance are not blown up
-MIN_IMAGE_SIZE = 10  # 10 px -> 9 after the 2x2 whitening -> 4 -> 2 -> 1 after the max-pools
 
 
 def patches_2x2(x):

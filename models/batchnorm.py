@@ -44,32 +44,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from hybridpar.config import parse_bn_sync
 from hybridpar.errors import ConfigError
-
-BN_SYNC_CHOICES = ("global", "local", "group:N")
-
-
-def parse_bn_sync(bn_sync: str) -> tuple[str, int]:
-    """``"global"`` -> ``("global", 0)``, ``"local"`` -> ``("local", 1)``,
-    ``"group:4"`` -> ``("group", 4)`` (devices per group)."""
-    s = str(bn_sync).strip()
-    if s == "global":
-        return "global", 0
-    if s == "local":
-        return "local", 1
-    kind, sep, n = s.partition(":")
-    if kind == "group" and sep:
-        try:
-            size = int(n)
-        except ValueError:
-            size = 0
-        if size >= 1:
-            return "group", size
-    raise ConfigError(
-        f"model.bn_sync={bn_sync!r}: use 'global' (statistics over the whole batch), 'local' "
-        "(per device, no communication) or 'group:N' (over groups of N devices, N >= 1, "
-        "e.g. group:2)"
-    )
 
 
 def bn_devices_per_group(bn_sync: str, data_parallel_size: int) -> int:

@@ -359,7 +359,7 @@ def run(step, program, start, host_batches) -> Run:
 
 
 # Compiler options for a test's own compiles of steps it compares but does not time: LLVM's
-# optimisations are a third of a tiny ResNet step's compile (8 -> 5 s on data:8) and change
+# optimisations are about a third of a tiny ResNet step's compile and change
 # no HLO, so no sharding or collective; its results differ from the optimised program's by
 # float32 rounding (1-2 ulp after 3 steps), which a parity check measures in its reference
 # anyway. Compile both sides of a comparison with the same options.

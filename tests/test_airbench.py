@@ -17,6 +17,7 @@ from PIL import Image
 from hybridpar import trainer
 from hybridpar.models.airbench import WHITEN_EPS, AirbenchNet, patches_2x2, whitening_kernel
 from hybridpar.precision import make_policy
+from hybridpar.run import setup
 from hybridpar.steps import cross_entropy, make_eval_step, normalize
 
 
@@ -158,7 +159,7 @@ class KeepParams:
 def test_airbench_trains_with_its_whitening_set_from_the_data_and_frozen(tmp_path):
     config = tiny_digits(**{"model.name": "airbench", "optim.frozen": "^whiten/kernel$",
                             "eval_flip": True})  # fmt: skip
-    run = trainer.setup(config, str(tmp_path))
+    run = setup(config, str(tmp_path))
     keep = KeepParams()
     summary = trainer.train(run, hooks=[keep])
     assert summary["completed"] and summary["final_eval"]["examples"] == 360

@@ -35,7 +35,6 @@ from helpers import (
     run,
     step_with_tx,
     tiny_config,
-    tiny_tx,
     zero_grads,
 )
 from helpers import batches as host_batches
@@ -43,12 +42,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
-from hybridpar.bucketed import (
-    BucketedSync,
-    bucket_plan,
-    forward_params,
-    make_bucketed_train_step,
-)
+from hybridpar.bucketed import bucket_plan, forward_params
 from hybridpar.comm_report import parse_collectives
 from hybridpar.config import validate
 from hybridpar.models import ResNet50, ResNetTiny
@@ -56,7 +50,8 @@ from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import XlaSync, jit_train_step, normalize, scaled_loss_fn
+from hybridpar.steps import XlaSync, jit_train_step, make_train_step, normalize, scaled_loss_fn
+from hybridpar.sync import BucketedSync, make_sync
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3
@@ -172,29 +167,18 @@ def test_bucket_plan_big_tensor_alone_and_forward_order():
 
 
 def test_rejects_model_parallel_meshes_and_params_split_over_data():
-    kw = dict(mean=MEAN, std=STD, bucket_mb=32, bn_sync="global")
-    model = ResNetTiny(num_classes=CLASSES)
+    config = tiny_config("data:8", **{"comm.mode": "bucketed", "comm.bucket_mb": 32})
     with pytest.raises(ConfigError, match="comm.mode=xla"):
-        make_bucketed_train_step(
-            model, tiny_tx(), Policy(), None, mesh=make_mesh("data:4,model:2"), **kw
-        )
+        make_sync(config, make_mesh("data:4,model:2"), None)
     mesh = make_mesh("data:8")
-    params = forward_params(model, (1, SIZE, SIZE, 3))
+    params = forward_params(ResNetTiny(num_classes=CLASSES), (1, SIZE, SIZE, 3))
     on_data = jax.tree.map(lambda x: NamedSharding(mesh, P("data")), params)
     shardings = SimpleNamespace(params=on_data, batch_stats={})
     with pytest.raises(ConfigError, match="split over 'data'"):
-        make_bucketed_train_step(
-            model, tiny_tx(), Policy(), None, mesh=mesh, shardings=shardings, **kw
-        )
+        make_sync(config, mesh, shardings)
+    config.model.bn_sync = "group:3"
     with pytest.raises(ConfigError, match="bn_sync"):
-        make_bucketed_train_step(
-            model,
-            tiny_tx(),
-            Policy(),
-            None,
-            mesh=make_mesh("data:8"),
-            **{**kw, "bn_sync": "group:3"},
-        )
+        make_sync(config, mesh, None)
 
 
 # --- numerics: bucketed == xla on data:8 -------------------------------------------------
@@ -227,7 +211,7 @@ def test_rejects_a_dropped_bucket():
 
 
 # data:2 x fsdp:4, the general case: gradients reduce-scattered over fsdp and all-reduced
-# over data (fsdp:8 alone is its special case of one data group; it cost 30 s more).
+# over data (fsdp:8 alone is its special case of one data group, not compiled as well).
 @pytest.mark.parametrize("mesh", ["data:2,fsdp:4"])
 def test_bucketed_fsdp_equals_xla(mesh):
     # Split every array of >= 64 elements (most of the tiny ResNet, BN vectors included):
@@ -271,9 +255,8 @@ def _resnet50_hlo(mesh="data:8"):
     init = make_init_fn(model, tx, (1, *image), LossScale.create(dynamic=False))
     abstract = jax.eval_shape(init, jax.random.key(0))
     shardings = infer_shardings(abstract, preset_rules("auto", mesh), mesh)
-    fn = make_bucketed_train_step(model, tx, Policy(), lambda s: 0.1, mesh=mesh, bucket_mb=32,
-                                  bn_sync="local", shardings=shardings,
-                                  mean=MEAN, std=STD)  # fmt: skip
+    sync = BucketedSync(mesh, 32, "local", shardings)
+    fn = make_train_step(model, tx, Policy(), lambda s: 0.1, mean=MEAN, std=STD, sync=sync)
     step = jit_train_step(fn, shardings, mesh, {"image": 4, "label": 1})
     batch = {
         "image": jax.ShapeDtypeStruct((16, *image), np.uint8, sharding=batch_sharding(mesh, 4)),
@@ -340,7 +323,7 @@ def test_resnet50_bucketed_fsdp_collectives(resnet50_params):
     assert len(gathers) == len(plan) + 1
     assert len(reduces) <= len(plan) + 2
     # (XLA's own fsdp step gathers each array on its own, > 50 all-gathers: not compiled here
-    # any more, a second ResNet-50 compile of 30 s for a figure docs/model_parallel.md has.)
+    # any more, a second ResNet-50 compile for a figure docs/model_parallel.md has.)
 
 
 # --- comm.reduce_dtype=bfloat16: the buckets summed in bfloat16 -------------------------

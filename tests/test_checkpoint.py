@@ -1,4 +1,4 @@
-"""Checkpoints, resume and preemption (issue 12).
+"""Checkpoints, resume and preemption.
 
 * Exact resume, in process: N uninterrupted steps end bitwise equal (every leaf of params,
   optimizer state, batch statistics, loss scale, step) to k steps + SIGTERM + resume to N;
@@ -40,7 +40,8 @@ from helpers import (
 
 from hybridpar import checkpoint, trainer
 from hybridpar.curriculum import stages_from_config
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, SaveFailed
+from hybridpar.run import check_workdir, setup
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP = 4  # the in-process run is stopped after this step
@@ -85,7 +86,7 @@ def assert_bitwise_equal(a, b):
 def again(run, workdir):
     """``run`` set up anew on ``workdir``, its compiled program kept (as ``setup`` would
     build it, less the compiling)."""
-    trainer.check_workdir(str(workdir))
+    check_workdir(str(workdir))
     return dataclasses.replace(run, workdir=str(workdir), start_time=time.time())
 
 
@@ -95,7 +96,7 @@ def runs(tmp_path_factory):
     stopped one's copy before it resumed (for the tests that need a checkpoint at STOP)."""
     base = tmp_path_factory.mktemp("ckpt")
     full, cut, copy = base / "full", base / "cut", base / "cut_at_stop"
-    run = trainer.setup(tiny_digits(), str(full))
+    run = setup(tiny_digits(), str(full))
     assert run.plan.total_steps > STOP + 3
     summary_full = trainer.train(run)
     # The same program (compiled once) on another workdir: as the CLI would set it up.
@@ -160,7 +161,7 @@ def test_a_checkpoint_restores_onto_another_mesh_with_identical_values(runs, tmp
 
     def program(spec):
         devices = jax.devices()[: int(np.prod([int(a.split(":")[1]) for a in spec.split(",")]))]
-        return trainer.setup(tiny_digits(mesh=spec), None, with_data=False, devices=devices).program
+        return setup(tiny_digits(mesh=spec), None, with_data=False, devices=devices).program
 
     _, saved, _ = latest_state(run, runs["full"])
     source, target = (program(m) for m in meshes)
@@ -260,9 +261,9 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
 
 def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
-        trainer.setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)
+        setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)
     # keys that change no number may differ; an explicit override lets the others
-    assert trainer.setup(tiny_digits(log_every_s=9.0), str(runs["full"]), with_data=False).finished
+    assert setup(tiny_digits(log_every_s=9.0), str(runs["full"]), with_data=False).finished
     # a key added since the run began (absent from its config.json) is no difference while
     # it has its default, and is one once set otherwise
     saved = json.loads((runs["full"] / "config.json").read_text())
@@ -271,20 +272,20 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     assert checkpoint.differences(saved, new) == []
     new["max_nonfinite_steps"] = 3
     assert checkpoint.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
-    run = trainer.setup(tiny_digits(seed=1), str(runs["full"]), with_data=False,
+    run = setup(tiny_digits(seed=1), str(runs["full"]), with_data=False,
                         allow_config_change=True)  # fmt: skip
     assert run.finished is None  # the changed run is not finished: it would train on
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(ConfigError, match="checkpoint directory .* is not writable"):
-        trainer.setup(tiny_digits(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
+        setup(tiny_digits(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
 def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_path):
     # the placement keys may change: the same (finished) run, not another config
     new = tiny_digits(mesh="data:8", eval_batch=40, **{"partitioning.preset": "fsdp"})
-    assert trainer.setup(new, str(runs["full"]), with_data=False).finished
+    assert setup(new, str(runs["full"]), with_data=False).finished
     # with config.stages the batches are per data-parallel device: another data size is
     # another global batch, refused; so is another one with BatchNorm over each device
     w = tmp_path / "w"
@@ -299,7 +300,7 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
         match=r"trained stage 0 at global batch 32; on mesh "
         r"'data:4,model:2' \(4 data-parallel devices\) config.stages gives it 16",
     ):
-        trainer.setup(on4, str(w), with_data=False)
+        setup(on4, str(w), with_data=False)
     assert sorted(p.name for p in w.iterdir()) == ["metrics.jsonl"]  # lock released, no dirs
     local = tiny_digits(**{"model.bn_sync": "local"})
     with pytest.raises(ConfigError, match="trained on 8 data-parallel devices with model.bn"):
@@ -313,8 +314,8 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
 
 def _cmd(workdir, *extra):
     # One epoch, 44 steps: the SIGTERM stops at about step 10, and the run that completes
-    # trains (and saves every 2 steps, as the command says) the rest. Two epochs added 44
-    # steps and 22 saves to it, 15 s, for nothing more checked.
+    # trains (and saves every 2 steps, as the command says) the rest. Two epochs would add 44
+    # steps and 22 saves to it for nothing more checked.
     tiny_args = config_args({**TINY_DIGITS, "num_epochs": 1, "checkpoint.every_steps": 2})
     return [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir",
             str(workdir), "--config.mesh=data:8", *tiny_args, *extra]  # fmt: skip
@@ -404,7 +405,7 @@ def test_a_failed_save_is_an_error_naming_the_last_good_checkpoint(tmp_path):
         saver = checkpoint.Checkpoints(str(d), async_save=async_save)
         saver.save(1, tree, {"step": 1}, {})
         assert [r["step"] for r in saver.finished(wait=True)] == [1]
-        with pytest.raises(ConfigError, match=r"checkpoint 2 could not be written .* the last "
+        with pytest.raises(SaveFailed, match=r"checkpoint 2 could not be written .* the last "
                            r"complete one is step 1, left as it was"):  # fmt: skip
             saver.save(2, tree, {"step": object()}, {})
             saver.finished(wait=True)

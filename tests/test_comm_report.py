@@ -367,7 +367,7 @@ def test_gpu_flags_do_not_break_a_cpu_only_jax():
 
 def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
     """The full ResNet-50 recipe, compile-only on 64 virtual CPU devices, at 64 px (the same
-    program and collectives as at 224 px, in a quarter of the compile time: about 30 s)."""
+    program and collectives as at 224 px, in a quarter of the compile time)."""
     cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
     args = ["--config.mesh=data:64", "--config.global_batch=64", "--config.eval_batch=64",
             "--config.data.image_size=64", "--json"]  # fmt: skip
@@ -387,8 +387,8 @@ def test_resnet50_on_64_virtual_devices_compiles_without_allocating():
 def test_bucketed_mode_reports_one_all_reduce_per_bucket():
     """Bucketed reduction with local BatchNorm, through the CLI: one all-reduce per gradient
     bucket and one for the loss and BN running averages, nothing else. On the digits model
-    with small buckets (its gradients in several), not ResNet-50 (2.5 min to
-    compile here; tests/test_bucketed.py counts ResNet-50's in process)."""
+    with small buckets (its gradients in several), not ResNet-50 (slow to compile through
+    the CLI; tests/test_bucketed.py counts ResNet-50's in process)."""
     from hybridpar.bucketed import bucket_plan, forward_params
 
     config = load_config(DIGITS)

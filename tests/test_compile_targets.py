@@ -122,12 +122,12 @@ def test_the_tpu_compiler_reduces_xla_modes_gradients_in_bfloat16(v5e_8):
     step's all-reduces carry 4; the rest (loss, BatchNorm statistics) is float32 in both."""
     import jax
 
-    from hybridpar import trainer
+    from hybridpar.run import setup
 
     train = {}
     for rd in ("float32", "bfloat16"):
         train[rd] = _report(v5e_8, "data:8", **{"comm.reduce_dtype": rd})["programs"][0]
-    run = trainer.setup(tiny_digits(mesh="data:8"), with_data=False, devices=v5e_8.devices())
+    run = setup(tiny_digits(mesh="data:8"), with_data=False, devices=v5e_8.devices())
     params = sum(x.size for x in jax.tree.leaves(run.program.abstract.params))
     bf16 = [r for r in train["bfloat16"]["collectives"] if r["kind"] == "all-reduce"]
     assert [r["bytes"] for r in bf16].count(2 * params) == 1
@@ -184,6 +184,7 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     file compiles nothing and trains step for step as a run that compiled them itself."""
     from hybridpar import trainer
     from hybridpar.compile import compile_programs
+    from hybridpar.run import setup
 
     config = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3)
     out = str(tmp_path / "programs.bin")
@@ -194,10 +195,10 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     report = compile_programs(offline, targets.parse("cpu:8"), out=out)
     assert len(report["programs"]) == 3  # both stages' train steps and the eval step
 
-    loaded = trainer.setup(config, str(tmp_path / "loaded"), compiled=out)
+    loaded = setup(config, str(tmp_path / "loaded"), compiled=out)
     assert len(loaded.program.compiles) == 3
     assert trainer.train(loaded)["completed"]
-    own = trainer.setup(config, str(tmp_path / "own"))
+    own = setup(config, str(tmp_path / "own"))
     assert trainer.train(own)["completed"]
     (got, compiles), (want, _) = _losses(tmp_path / "loaded"), _losses(tmp_path / "own")
     assert len(got) == loaded.plan.total_steps and got == want
@@ -213,17 +214,17 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     ],
 )
 def test_a_file_for_another_run_is_refused_or_recompiled(tmp_path, change, expect):
-    from hybridpar import trainer
     from hybridpar.compile import compile_programs
+    from hybridpar.run import setup
 
     out = str(tmp_path / "programs.bin")
     common = {"mesh": "data:4,model:2", "data.train_examples": DIGITS_TRAIN}
     compile_programs(tiny_digits(**common), targets.parse("cpu:8"), out=out)
     config = tiny_digits(**{**common, **change})
     with pytest.raises(ConfigError, match="does not fit this run") as e:
-        trainer.setup(config, with_data=False, compiled=out)
+        setup(config, with_data=False, compiled=out)
     assert expect in str(e.value) and "--recompile" in str(e.value)
-    run = trainer.setup(config, with_data=False, compiled=out, recompile=True)
+    run = setup(config, with_data=False, compiled=out, recompile=True)
     assert run.program.compiles == []  # nothing loaded: the steps will compile here
 
 

@@ -31,7 +31,7 @@ import pytest
 from flax.core import meta
 from helpers import DIGITS, config_args, cpu_env, random_like, tiny_digits
 
-from hybridpar import distill, partitioning, prune, trainer
+from hybridpar import distill, partitioning, prune, run, trainer
 from hybridpar.models.airbench import AirbenchNet
 from hybridpar.models.resnet import ResNet50, ResNetTiny
 
@@ -122,7 +122,7 @@ def teacher(tmp_path_factory):
     one = jax.devices()[:1]
     # a train line every step: the loop's rounds inherit it, and the SIGTERM test waits for one
     config = tiny_digits(**{**LONGER, "log_every_s": 0.0})
-    trainer.train(trainer.setup(config, str(t), devices=one))
+    trainer.train(run.setup(config, str(t), devices=one))
     from hybridpar.mesh import make_mesh
 
     r = prune.prune_run(str(t), str(root / "pruned"), 0.5, mesh=make_mesh("data:1", devices=one))
@@ -186,7 +186,7 @@ def test_distill_loss_is_the_cross_entropy_when_student_is_teacher():
 
 def _one_step(config, devices, batch):
     """The first train step's loss and parameters, from ``config``'s ``init_from``."""
-    r = trainer.setup(config, None, devices=devices)
+    r = run.setup(config, None, devices=devices)
     p = r.program
     from hybridpar.state import init_sharded
 
@@ -199,7 +199,7 @@ def _one_step(config, devices, batch):
 
 
 def _batch(config):
-    r = trainer.setup(config, None, devices=jax.devices()[:1])
+    r = run.setup(config, None, devices=jax.devices()[:1])
     return next(iter(r.data.train_batches(0)))
 
 

@@ -1,4 +1,4 @@
-"""The evaluator (issue 12, item 6): evaluation off the training clock.
+"""The evaluator: evaluation off the training clock.
 
 * While a tiny run trains (a checkpoint every 3 steps, all kept, eval_every_epochs=0), a
   watching evaluator in the same process evaluates each checkpoint as it is committed (the
@@ -29,6 +29,7 @@ from helpers import DIGITS, TINY_DIGITS, config_args, saved_loop, tiny_digits
 from hybridpar import evaluate, evaluator, trainer
 from hybridpar.curriculum import plan_stages, stages_from_config
 from hybridpar.errors import ConfigError
+from hybridpar.run import setup
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = {"checkpoint.every_steps": 3, "checkpoint.max_to_keep": 0, "eval_every_epochs": 0}
@@ -75,7 +76,7 @@ def watched(tmp_path_factory):
     thread.start()
     # Creates w; config.json comes with train(). Compiling takes longer than dead_after_s:
     # the trainer's lock keeps the evaluator waiting.
-    run = trainer.setup(tiny_digits(**RUN), str(w))
+    run = setup(tiny_digits(**RUN), str(w))
     assert run.plan.total_steps == STEPS[-1]
     hook = WaitForEvaluator(w, at=7, step=3)
     summary = trainer.train(run, hooks=[hook])

@@ -1,5 +1,5 @@
 """Reduced-scale JPEG decoding (DCT scale 1/2, 1/4, 1/8) against the full decode, on real
-ImageNet photos from the shared sample (issue 14, item 5).
+ImageNet photos from the shared sample.
 
 The crop window is drawn from the original size either way, so with the same seed both
 decodes crop the same region: the check is paired, sample by sample. Its yardstick comes

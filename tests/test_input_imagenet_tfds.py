@@ -1,5 +1,5 @@
 """ImageNet through tensorflow-datasets' ``imagenet2012`` builder, from a manual_dir in the
-real archive layout, made of a few shared sample photos (issue 14, item 6). Nothing is
+real archive layout, made of a few shared sample photos. Nothing is
 downloaded: the builder reads ILSVRC2012_img_train.tar (one tar per synset inside) and
 ILSVRC2012_img_val.tar (flat ILSVRC2012_val_NNNNNNNN.JPEG files, labelled by the list tfds
 ships), as it would read the real 147 GB.

@@ -1,5 +1,5 @@
 """Preparing sources a user would bring: labels across splits, changed sources, bad archives,
-EXIF orientation and the counts of the run's ``data`` event (issue 14, items 1-3).
+EXIF orientation and the counts of the run's ``data`` event.
 
 Every source here is a few tiny synthetic JPEGs; prepare runs in this process (workers=1),
 and one test starts the training CLI to see a truncated tar end in an ``error:`` line.

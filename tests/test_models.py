@@ -17,7 +17,7 @@ from hybridpar.models import (
     create_model,
 )
 
-# Threefry init graphs take ~20 s to compile on a small CPU; the RBG generator takes ~3 s.
+# Threefry init graphs take several times longer to compile on a CPU than the RBG generator.
 RNG = jax.random.key(0, impl="unsafe_rbg")
 TINY_X = jnp.ones((2, 32, 32, 3), jnp.float32)
 
@@ -176,7 +176,7 @@ def test_pointwise_dot_equals_the_1x1_convolution(dtype):
     conv = ResNet(block_cls=BottleneckResNetBlock, pointwise_dot=False, **kw)
     x = jax.random.normal(RNG, (2, 32, 32, 3))
     # jitted at XLA's optimisation level 0, as state.init_sharded does on CPU: eager, or at
-    # the default level, this init took 27 s or 11 s here (the random-number hashing).
+    # the default level, this init is several times slower (the random-number hashing).
     init = jax.jit(lambda r: dot.init(r, x, train=False)).lower(RNG)
     variables = init.compile(compiler_options={"xla_backend_optimization_level": 0})(RNG)
     abstract = jax.eval_shape(lambda r: conv.init(r, x, train=False), RNG)
@@ -207,7 +207,7 @@ def test_pointwise_dot_equals_the_1x1_convolution(dtype):
     # the BatchNorm scales of stage 1, sums over the most elements), bound 10%; a wrong
     # gradient (a transposed or misplaced kernel) is off by ~100%.
     rel = 1e-4 if dtype == jnp.float32 else 1e-1
-    # jitted: one compilation per model rather than one per op (eager took ~70 s here)
+    # jitted: one compilation per model rather than one per op
     (a, ga), (b, gb) = (
         jax.jit(jax.value_and_grad(lambda p, m=m: loss(p, m)))(variables["params"])
         for m in (dot, conv)

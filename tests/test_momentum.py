@@ -33,6 +33,7 @@ from hybridpar.curriculum import (
 )
 from hybridpar.errors import ConfigError
 from hybridpar.optim import decay_mask, make_momentum_schedule, make_optimizer, momentum_at
+from hybridpar.run import setup
 from hybridpar.state import init_sharded
 
 PLAN = single_stage_plan(10, 100, 256)  # 10 steps an epoch
@@ -153,7 +154,7 @@ def test_train_lines_report_the_momentum_used(tmp_path):
         "data:8", stages="0.1:16-8,0.2:16-8~0.8,0.3:16-8", num_epochs=0.3,
         eval_every_epochs=0, **ramp,
     )  # fmt: skip
-    run = trainer.setup(c, str(tmp_path))
+    run = setup(c, str(tmp_path))
     assert [s.stage.global_batch for s in run.plan.stages] == [64] * 3
     trainer.train(run)
     lines = map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())

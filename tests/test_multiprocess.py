@@ -35,7 +35,7 @@ def single():
     return reference(program, random_state(program), batches())
 
 
-# All three axes at once (data:4,model:2 alone added 35 s and no layout this one lacks);
+# All three axes at once (data:4,model:2 alone would add no layout this one lacks);
 # tests/test_multihost_cli.py runs data:8 over two processes through the CLI.
 @pytest.mark.parametrize("mesh", ["data:2,fsdp:2,model:2"])
 def test_two_processes_match_one_device(mesh, single, tmp_path):

@@ -12,8 +12,8 @@ from helpers import DIGITS, config_args, run_compile_tool
 
 from hybridpar import cli, plan
 
-# The tiny digits model (8 filters, 16 px, batch 32 = 4 per device): each plan compiles in
-# about 10 s on one core.
+# The tiny digits model (8 filters, 16 px, batch 32 = 4 per device), so that each plan
+# compiles quickly.
 TINY = {"model.num_filters": 8, "data.image_size": 16, "global_batch": 32}
 ARGS = ["--config", DIGITS, *config_args(TINY), "--devices", "8", "--max-plans", "6"]
 

@@ -1,4 +1,4 @@
-"""Int8 post-training quantization (issue 16): ``hybridpar/int8.py`` and
+"""Int8 post-training quantization: ``hybridpar/int8.py`` and
 ``python -m hybridpar.quantize``.
 
 * Folding BatchNorm into the convolutions leaves the float logits unchanged (basic and
@@ -28,9 +28,10 @@ import pytest
 from flax.core import meta
 from helpers import DIGITS, TINY_DIGITS, config_args, random_like, tiny_digits
 
-from hybridpar import checkpoint, cli, int8, quantize, trainer
+from hybridpar import checkpoint, cli, int8, quantize, run, trainer
 from hybridpar.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
+from hybridpar.run import setup
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
@@ -173,7 +174,7 @@ def quantized(tmp_path_factory):
     """A tiny digits run trained in-process, then quantized with the command's ``run``."""
     w = tmp_path_factory.mktemp("quantize") / "w"
     one = jax.devices()[:1]  # one device: the train step compiles faster than on a mesh
-    summary = trainer.train(trainer.setup(tiny_digits(**LONGER), str(w), devices=one))
+    summary = trainer.train(setup(tiny_digits(**LONGER), str(w), devices=one))
     # as the command does without --config: the run's own config, from its config.json
     config = cli.load_run(str(w))
     assert checkpoint.config_dict(config) == checkpoint.config_dict(tiny_digits(**LONGER))
@@ -212,7 +213,7 @@ def test_exported_model_equals_in_process(quantized):
         q = int8.unflat(f)
     assert q["stage1_block0/conv1"]["kernel"].dtype == np.int8
     # the architecture from the model code; the exported file needs none of it
-    program = trainer.setup(c, None, with_data=False, devices=jax.devices()[:1]).program
+    program = setup(c, None, with_data=False, devices=jax.devices()[:1]).program
     params = meta.unbox(program.abstract.params)
     arch = int8.architecture(program.model, params)
     in_process = jax.jit(int8.serving_fn(arch, q, c.data.mean, c.data.std))
@@ -336,7 +337,7 @@ def test_airbench_run_quantizes(tmp_path):
     w = tmp_path / "airbench"
     one = jax.devices()[:1]
     config = tiny_digits(**{**LONGER, "model.name": "airbench", "optim.frozen": "whiten/kernel"})
-    summary = trainer.train(trainer.setup(config, str(w), devices=one))
+    summary = trainer.train(run.setup(config, str(w), devices=one))
     report = quantize.run(
         config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
     )

@@ -40,7 +40,7 @@ def _records(workdir):
 
 
 # One hybrid mesh (the one-device computation is the parity tests' reference; a second
-# full run on data:1 cost ~2 minutes of the suite and caught nothing they do not). The run
+# full run on data:1 would be slow and catch nothing they do not). The run
 # starts on data:8 and is stopped by SIGTERM after a few steps, then goes on with only the
 # mesh changed, as a user moving a run to other devices would (the mesh places the same
 # computation: no --allow-config-change needed).
@@ -155,6 +155,22 @@ def test_missing_config_and_unwritable_workdir(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("kind", ["ConfigError", "DataError", "WorkdirError", "NonFinite",
+                                  "SaveFailed", "StopRequested"])  # fmt: skip
+def test_every_error_of_the_family_is_one_error_line_and_exit_2(kind, capsys):
+    """Bad input and a failed run alike: ``cli.main`` turns each into one ``error:`` line
+    (exit 2), with no traceback."""
+    from hybridpar import cli, errors
+
+    def fn():
+        raise getattr(errors, kind)("what is wrong; how to fix it")
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(fn)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "error: what is wrong; how to fix it\n"
+
+
 def test_diverging_run_stops_and_keeps_its_records(tmp_path):
     r = _run(
         [
@@ -183,7 +199,7 @@ def test_diverging_run_stops_and_keeps_its_records(tmp_path):
 def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
     """The full ResNet-50 config (bfloat16, SGD + Nesterov, label smoothing) on synthetic
     data, shrunk to 2 steps at 32 px: it builds, shards, compiles and trains, the second
-    step on the state the first one returned (4.5 s a step here)."""
+    step on the state the first one returned."""
     cfg = str(ROOT / "experiments" / "resnet50_imagenet.py")
     r = _run(
         [

@@ -22,8 +22,9 @@ import pytest
 from helpers import DIGITS, tiny_digits
 
 from hybridpar import checkpoint, shard_batch, trainer
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, NonFinite, StopRequested
 from hybridpar.optim import lr_batch_factor
+from hybridpar.run import setup
 from hybridpar.state import init_sharded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,7 @@ def records(workdir, event):
 
 
 def test_one_stage_run_logs_the_losses_of_the_same_steps_built_by_hand(tmp_path):
-    run = trainer.setup(tiny_digits(), str(tmp_path))
+    run = setup(tiny_digits(), str(tmp_path))
     summary = trainer.train(run)
     assert summary["completed"] and summary["steps"] == run.plan.total_steps > 5
     logged = [r["loss"] for r in records(tmp_path, "train")]
@@ -60,7 +61,7 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
 ):
     # data:4 x model:2: per-device batches 8 then 16 are global 32 then 64.
     config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
-    run = trainer.setup(config, str(tmp_path))
+    run = setup(config, str(tmp_path))
     s0, s1 = run.plan.stages
     assert (s0.stage.global_batch, s1.stage.global_batch) == (32, 64)
     summary = trainer.train(run)
@@ -108,7 +109,7 @@ def test_each_stage_reads_its_own_size_batch_and_crop_scale(tmp_path):
     import dataclasses
 
     config = tiny_digits(stages="0.3:16-8@0.35,0.6:24-16@0.7", num_epochs=0.6)
-    run = trainer.setup(config, str(tmp_path), with_data=True)
+    run = setup(config, str(tmp_path), with_data=True)
     opened, real = [], run.data.train_batches
 
     def train_batches(epoch, start_step=0, **kw):
@@ -136,7 +137,7 @@ def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path):
     losses = {}
     for mode in ("before", "background"):
         config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6, compile_ahead=mode)
-        run = trainer.setup(config, str(tmp_path / mode))
+        run = setup(config, str(tmp_path / mode))
         assert trainer.train(run)["completed"]
         losses[mode] = [r["loss"] for r in records(tmp_path / mode, "train")]
     np.testing.assert_allclose(losses["background"], losses["before"], rtol=1e-6)
@@ -198,13 +199,13 @@ def test_a_mistake_found_after_the_directory_checks_leaves_no_directory_behind(t
     # larger than the devices is only found after them, once JAX is up.
     config = tiny_digits(mesh="data:64", compile_cache="workdir")
     with pytest.raises(ConfigError, match="needs 64 devices"):
-        trainer.setup(config, str(tmp_path / "new" / "run"))
+        setup(config, str(tmp_path / "new" / "run"))
     assert list(tmp_path.iterdir()) == []
     mine = tmp_path / "mine"  # a workdir that was there keeps what it holds, and itself
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     with pytest.raises(ConfigError, match="needs 64 devices"):
-        trainer.setup(config, str(mine))
+        setup(config, str(mine))
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
@@ -273,14 +274,38 @@ class Params:
         self.after[loop.step] = jax.device_get((state.params, state.batch_stats))
 
 
+class StopAt:
+    """A hook that asks the loop to stop after step ``k``, the one way a hook may."""
+
+    def __init__(self, k):
+        self.k, self.seen = k, []
+
+    def __call__(self, loop, state, metrics, stage):
+        self.seen.append(loop.step)
+        if loop.step == self.k:
+            raise StopRequested(f"asked at step {self.k}")
+
+
+def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
+    """The run ends there, not failed: the summary says why and where, the hooks after the
+    stopping one (here a second probe, then the checkpointer) do not see that step."""
+    run = setup(tiny_digits(), str(tmp_path))
+    stop, after = StopAt(3), StopAt(-1)
+    summary = trainer.train(run, hooks=[stop, after])
+    assert summary["preempted"] == "asked at step 3" and summary["steps"] == 3
+    assert not summary["completed"] and summary["error"] is None
+    assert stop.seen == [1, 2, 3] and after.seen == [1, 2]
+    assert json.loads((tmp_path / "summary.json").read_text())["preempted"] == "asked at step 3"
+
+
 def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path):
     config = tiny_digits(**{"max_nonfinite_steps": 3, "checkpoint.every_steps": 2})
-    run = trainer.setup(config, str(tmp_path))
+    run = setup(config, str(tmp_path))
     compiled = run.program.train_step(config.global_batch, config.data.image_size)
     poisoned = Poisoned(run.program, compiled, bad={3, 6, 7, 8})
     run.program.train_step = lambda batch, size: poisoned
     params = Params()
-    with pytest.raises(trainer.NonFinite) as e:
+    with pytest.raises(NonFinite) as e:
         trainer.train(run, hooks=[params])
     msg = str(e.value)
     assert "3 steps in a row (6..8) had a non-finite loss or gradient" in msg

@@ -95,7 +95,7 @@ def ensure_hybridpar_importable():
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer steps; under 5 minutes")
+    p.add_argument("--quick", action="store_true", help="fewer steps, for a quick check")
     p.add_argument("--smoke", action="store_true", help="32 px, batch 2, 1 step: runs anywhere")
     p.add_argument("--sizes", default="128,224")
     p.add_argument("--batch", type=int, default=256)

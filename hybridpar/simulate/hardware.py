@@ -240,7 +240,7 @@ UNCALIBRATED_PRESETS = [
     _H100,
     # H200 SXM: same compute and links as H100 (989 TFLOP/s bf16 dense, NVLink 4, NDR 400);
     # 141 GB HBM3e at 4.8 TB/s. Reference rate: MLPerf Training v4.0, one node of 8 H200,
-    # ResNet-50 in 12.0 min, about 7,700 images/s per GPU (GUIDE section 5): a tuned
+    # ResNet-50 in 12.0 min, about 7,700 images/s per GPU: a tuned
     # MXNet + DALI stack. The difference from the h100 preset is the software, not the chip.
     dataclasses.replace(
         _H100,
