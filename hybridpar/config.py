@@ -284,7 +284,7 @@ def base_config() -> ml_collections.ConfigDict:
 
 # ---- Registries: the names a config may use, as plain data -----------------------------------
 # So that this schema imports no JAX or Flax. The code they name checks them against its
-# own (tests/test_config_schema.py): models.MODELS, partitioning.PRESETS, heads.make_head.
+# own (tests/test_layers.py): models.MODELS, partitioning.PRESETS, heads.make_head.
 
 MODEL_NAMES = (
     "airbench",
@@ -296,6 +296,16 @@ MODEL_NAMES = (
     "resnet_tiny",
     "wide_resnet50_2",
 )
+# Blocks per stage of each ResNet (what model.stage_widths / block_widths must match)
+RESNET_STAGE_SIZES = {
+    "resnet18": (2, 2, 2, 2),
+    "resnet34": (3, 4, 6, 3),
+    "resnet50": (3, 4, 6, 3),
+    "resnet101": (3, 4, 23, 3),
+    "resnet152": (3, 8, 36, 3),
+    "resnet_tiny": (1, 1, 1, 1),
+    "wide_resnet50_2": (3, 4, 6, 3),
+}
 HEADS = ("dense", "sharded", "partial_fc")
 PARTITIONING_PRESETS = ("data", "fsdp", "hybrid", "tensor")
 # airbench's smallest image: 10 px -> 9 after the 2x2 whitening -> 4 -> 2 -> 1 after the max-pools
@@ -563,12 +573,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
 def _check_widths(c) -> None:
     """``model.stage_widths`` / ``block_widths``: one positive width per stage / block of a
     ResNet (per block of the airbench net)."""
-    from hybridpar.models import MODELS
-
     m = c.model
     if not (m.stem_width or m.stage_widths or m.block_widths):
         return
-    sizes = getattr(MODELS[m.name], "keywords", {}).get("stage_sizes")
+    sizes = RESNET_STAGE_SIZES.get(m.name)
     if m.name == "airbench" and not m.stem_width:
         sizes = (1, 1, 1)  # three blocks: conv2 outputs as stage widths, conv1 as block widths
     if sizes is None:

@@ -42,6 +42,8 @@ def test_the_schema_registries_name_what_the_code_has():
     from hybridpar.steps import DENSE
 
     assert schema.MODEL_NAMES == tuple(sorted(MODELS))
+    sizes = {k: getattr(v, "keywords", {}).get("stage_sizes") for k, v in MODELS.items()}
+    assert schema.RESNET_STAGE_SIZES == {k: tuple(v) for k, v in sizes.items() if v}
     assert sorted(schema.PARTITIONING_PRESETS) == sorted(partitioning.PRESETS)
     c, mesh = schema.base_config(), make_mesh("data:2,model:4")
     c.global_batch = c.eval_batch = 64
