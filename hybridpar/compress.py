@@ -80,7 +80,7 @@ def check_args(args, config) -> None:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if config.distributed:
         cli.fail("compress runs in one process: pass --config.distributed=False")
-    if not evaluator.check_workdir(config, args.workdir):
+    if not evaluator.check_run_of(config, args.workdir):
         raise ConfigError(
             f"{args.workdir!r} has no config.json: pass the --workdir of a trained run "
             "(python -m hybridpar.train writes it there)"

@@ -218,7 +218,8 @@ def write_run(config, params, stats, out: str, mesh) -> None:
     arrays) with a fresh optimizer state, written beside and moved into place."""
     import jax
 
-    from hybridpar import checkpoint, program, trainer
+    from hybridpar import checkpoint, program
+    from hybridpar.run import LoopState
     from hybridpar.state import init_sharded
 
     prog = program.build_program(config, mesh)
@@ -234,7 +235,7 @@ def write_run(config, params, stats, out: str, mesh) -> None:
         checkpoint.record_config(tmp, config)
         saver = checkpoint.Checkpoints(os.path.join(tmp, "checkpoints"), async_save=False)
         try:
-            saver.save(0, state, trainer.LoopState(seed=config.seed).to_dict(),
+            saver.save(0, state, LoopState(seed=config.seed).to_dict(),
                        checkpoint.config_dict(config))  # fmt: skip
             saver.finished(wait=True)
         finally:

@@ -13,6 +13,7 @@ loop that trains a run is ``hybridpar/trainer.py``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 
@@ -20,7 +21,7 @@ import jax
 
 from hybridpar import checkpoint, comm, compile_cache, distributed, executables, workdir_lock
 from hybridpar.config import validate
-from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
+from hybridpar.curriculum import PlannedStage, StagePlan, plan_stages, stages_from_config
 from hybridpar.mesh import data_parallel_size, make_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.program import Program, build_program, check_batch_sizes, memory_of
@@ -223,3 +224,50 @@ def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
         f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
     )
     return rec
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Everything a resumed run needs besides the train state: where the loop is (step,
+    stage, data position as epoch and step within it), what it has seen, and the eval and
+    time-to-target bookkeeping. Plain values, so a checkpoint can hold it as JSON."""
+
+    step: int = 0
+    stage: int = 0
+    epoch: int = 0  # the epoch the next batch comes from
+    step_in_epoch: int = 0  # and its index in that epoch (at the stage's batch)
+    samples_seen: int = 0
+    seed: int = 0  # the data order is a function of (seed, epoch, step)
+    last_eval: dict | None = None
+    best_eval: dict | None = None
+    time_to_target: dict | None = None  # {"top1": {...}, "top5": {...}} once reached
+    compile_s: float = 0.0  # compilation time of every segment so far
+    train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
+    train_images: int = 0
+    wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopState":
+        return cls(**d)
+
+    def enter(self, stage: PlannedStage) -> None:
+        """Move the data position to where ``stage`` begins (unless already inside it)."""
+        if self.step == stage.start_step:
+            self.stage = stage.index
+            self.epoch, self.step_in_epoch = start_position(stage)
+
+    def advance(self, stage: PlannedStage) -> None:
+        self.step += 1
+        self.samples_seen += stage.stage.global_batch
+        self.step_in_epoch += 1
+        if self.step_in_epoch == stage.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+
+def start_position(stage: PlannedStage) -> tuple[int, int]:
+    """``(epoch, step in that epoch)`` where ``stage`` begins."""
+    epoch = math.floor(stage.start_epoch + 1e-9)
+    return epoch, int(round((stage.start_epoch - epoch) * stage.steps_per_epoch))

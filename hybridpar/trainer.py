@@ -29,51 +29,19 @@ from hybridpar.curriculum import PlannedStage, describe
 from hybridpar.errors import NonFinite, SaveFailed, StopRequested
 from hybridpar.mesh import data_parallel_size, describe_mesh
 from hybridpar.metrics import MetricsWriter
-from hybridpar.run import Run, evaluate, log, memory_report, memory_text, program_name
+from hybridpar.run import (
+    LoopState,
+    Run,
+    evaluate,
+    log,
+    memory_report,
+    memory_text,
+    program_name,
+    start_position,
+)
 from hybridpar.state import init_sharded
 
 # ---- The loop's state ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class LoopState:
-    """Everything a resumed run needs besides the train state: where the loop is (step,
-    stage, data position as epoch and step within it), what it has seen, and the eval and
-    time-to-target bookkeeping. Plain values, so a checkpoint can hold it as JSON."""
-
-    step: int = 0
-    stage: int = 0
-    epoch: int = 0  # the epoch the next batch comes from
-    step_in_epoch: int = 0  # and its index in that epoch (at the stage's batch)
-    samples_seen: int = 0
-    seed: int = 0  # the data order is a function of (seed, epoch, step)
-    last_eval: dict | None = None
-    best_eval: dict | None = None
-    time_to_target: dict | None = None  # {"top1": {...}, "top5": {...}} once reached
-    compile_s: float = 0.0  # compilation time of every segment so far
-    train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
-    train_images: int = 0
-    wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "LoopState":
-        return cls(**d)
-
-    def enter(self, stage: PlannedStage) -> None:
-        """Move the data position to where ``stage`` begins (unless already inside it)."""
-        if self.step == stage.start_step:
-            self.stage = stage.index
-            self.epoch, self.step_in_epoch = start_position(stage)
-
-    def advance(self, stage: PlannedStage) -> None:
-        self.step += 1
-        self.samples_seen += stage.stage.global_batch
-        self.step_in_epoch += 1
-        if self.step_in_epoch == stage.steps_per_epoch:
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
 
 
 def targets_met(config, loop: LoopState) -> bool:
@@ -81,12 +49,6 @@ def targets_met(config, loop: LoopState) -> bool:
     wanted = [m for m in ("top1", "top5") if config[f"target_{m}"] > 0]
     reached = loop.time_to_target or {}
     return bool(config.stop_at_target and wanted) and all(m in reached for m in wanted)
-
-
-def start_position(stage: PlannedStage) -> tuple[int, int]:
-    """``(epoch, step in that epoch)`` where ``stage`` begins."""
-    epoch = math.floor(stage.start_epoch + 1e-9)
-    return epoch, int(round((stage.start_epoch - epoch) * stage.steps_per_epoch))
 
 
 def host_batches(run: Run, stage: int, step: int, epoch: int, step_in_epoch: int):

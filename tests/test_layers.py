@@ -115,3 +115,18 @@ def test_the_parallel_layer_imports_nothing_of_the_program_layer():
             if chain:
                 bad.append(" <- ".join(chain))
     assert not bad, bad
+
+
+def test_only_the_train_command_and_tune_import_the_trainer():
+    # every other tool builds its run with hybridpar.run; the loop is the train CLI's
+    files = sorted((ROOT / "hybridpar").rglob("*.py"))
+    modules = [
+        "hybridpar." + ".".join(f.relative_to(ROOT / "hybridpar").with_suffix("").parts)
+        for f in files
+    ]
+    importers = [
+        m.removesuffix(".__init__")
+        for m in modules
+        if "hybridpar.trainer" in _imports(m.removesuffix(".__init__"))
+    ]
+    assert sorted(importers) == ["hybridpar.train", "hybridpar.tune"], importers
