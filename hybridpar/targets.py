@@ -236,6 +236,14 @@ def _parse_gpu(spec: str, name: str, count: int, fix: str) -> Target:
     return Target("gpu", count, GPUS[name], (count // per_node, per_node), 1, spec)
 
 
+def have_cuda_plugin() -> bool:
+    """jax's CUDA plugin is installed (the ``gpu-aot`` extra)."""
+    return (
+        importlib.util.find_spec("jax_plugins") is not None
+        and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    )
+
+
 def gpu_target_config(name: str) -> str:
     """The ``target_config`` text (XLA's GpuTargetConfigProto) describing one GPU, for a
     compile without it. The CUDA and cuDNN versions are those the CUDA plugin of this jax
@@ -281,7 +289,7 @@ def prepare(target: Target) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"  # on a GPU machine too: cpu:N means the CPU's
         return
     if target.platform == "gpu":
-        if importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
+        if not have_cuda_plugin():
             raise ConfigError(
                 f"--target {target.spec} compiles with XLA's GPU compiler, which comes with "
                 f"jax's CUDA plugin: install it with {GPU_EXTRA} (about 0.2 GB; no GPU or "

@@ -15,7 +15,6 @@ it logs to stderr in every process that starts JAX without CUDA); without it the
 """
 
 import glob
-import importlib.util
 import os
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from hybridpar import targets
 from hybridpar.cli import ACCELERATOR_FILES
 from hybridpar.errors import ConfigError
 
-HAVE_PLUGIN = importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+HAVE_PLUGIN = targets.have_cuda_plugin()
 needs_plugin = pytest.mark.skipif(
     not HAVE_PLUGIN,
     reason='the CUDA plugin is missing: pip install -e ".[gpu-aot]"',
