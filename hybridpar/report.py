@@ -141,7 +141,7 @@ def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, 
     from ml_collections import ConfigDict
 
     from hybridpar.curriculum import stages_from_config
-    from hybridpar.schedules import lr_batch_factor, lr_factor, momentum_at
+    from hybridpar.schedules import lr_factor, momentum_at, peak_lr
 
     c = ConfigDict(config)
     o, stages = c.optim, stages_from_config(c, data_parallel)
@@ -152,7 +152,7 @@ def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, 
         end = min(st.end_epoch, last)
         kinks = [k for k in (o.warmup_epochs, o.momentum_ramp_epochs) if start < k < end]
         e = np.union1d(np.linspace(start, end, 200), kinks)  # the warmup's peak drawn
-        lr = o.base_lr * lr_batch_factor(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
+        lr = peak_lr(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
         m = st.momentum
         if m is None:
             m = momentum_at(o, e) if o.momentum_start >= 0 else o.momentum
