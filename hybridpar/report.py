@@ -219,12 +219,13 @@ def figure(runs: list[tuple[str, RunRecords]]):
     for i, ((name, run), sched) in enumerate(zip(runs, schedules)):
         color, marker, line = f"C{i % 10}", MARKERS[i % len(MARKERS)], LINES[i % len(LINES)]
         ends.append(max([r.wall_s for r in run.train + run.eval] or [1.0]))
+        by_source = [([e for e in run.eval if e.source == source], face)
+                     for source, face in ((None, color), ("evaluator", "white"))]  # fmt: skip
         for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")):
             for metric, style, alpha in (("top1", "-", 1.0), ("top5", "--", 0.6)):
                 ax.plot([getattr(e, x) for e in run.eval], [getattr(e, metric) for e in run.eval],
                         style, color=color, alpha=alpha)  # fmt: skip
-                for source, face in ((None, color), ("evaluator", "white")):
-                    ev = [e for e in run.eval if e.source == source]
+                for ev, face in by_source:
                     ax.plot([getattr(e, x) for e in ev], [getattr(e, metric) for e in ev],
                             marker, color=color, markerfacecolor=face, alpha=alpha)  # fmt: skip
         for key in shown:
