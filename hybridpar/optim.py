@@ -31,16 +31,17 @@ import optax
 
 from hybridpar.curriculum import StagePlan
 from hybridpar.errors import ConfigError
-from hybridpar.schedules import lr_batch_factor, lr_factor, momentum_at
+from hybridpar.schedules import (
+    lr_batch_factor,  # noqa: F401 (tune.py imports it from here)
+    lr_factor,
+    momentum_at,
+    peak_lr,
+)
 
 
 def decay_mask(params):
     """True for arrays that get weight decay: kernels (ndim > 1); False for BN and biases."""
     return jax.tree.map(lambda p: p.ndim > 1, params)
-
-
-def peak_lr(cfg, global_batch: int) -> float:
-    return cfg.base_lr * lr_batch_factor(cfg, global_batch)
 
 
 def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
@@ -50,11 +51,7 @@ def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
 
     def schedule(step):
         epoch = plan.epoch_at(step)
-        return (
-            cfg.base_lr
-            * lr_batch_factor(cfg, plan.batch_at(step))
-            * lr_factor(cfg, epoch, plan.num_epochs)
-        )
+        return peak_lr(cfg, plan.batch_at(step)) * lr_factor(cfg, epoch, plan.num_epochs)
 
     return schedule
 

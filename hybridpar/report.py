@@ -141,7 +141,7 @@ def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, 
     from ml_collections import ConfigDict
 
     from hybridpar.curriculum import stages_from_config
-    from hybridpar.schedules import lr_batch_factor, lr_factor, momentum_at
+    from hybridpar.schedules import lr_factor, momentum_at, peak_lr
 
     c = ConfigDict(config)
     o, stages = c.optim, stages_from_config(c, data_parallel)
@@ -152,7 +152,7 @@ def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, 
         end = min(st.end_epoch, last)
         kinks = [k for k in (o.warmup_epochs, o.momentum_ramp_epochs) if start < k < end]
         e = np.union1d(np.linspace(start, end, 200), kinks)  # the warmup's peak drawn
-        lr = o.base_lr * lr_batch_factor(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
+        lr = peak_lr(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
         m = st.momentum
         if m is None:
             m = momentum_at(o, e) if o.momentum_start >= 0 else o.momentum
@@ -219,12 +219,13 @@ def figure(runs: list[tuple[str, RunRecords]]):
     for i, ((name, run), sched) in enumerate(zip(runs, schedules)):
         color, marker, line = f"C{i % 10}", MARKERS[i % len(MARKERS)], LINES[i % len(LINES)]
         ends.append(max([r.wall_s for r in run.train + run.eval] or [1.0]))
+        by_source = [([e for e in run.eval if e.source == source], face)
+                     for source, face in ((None, color), ("evaluator", "white"))]  # fmt: skip
         for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")):
             for metric, style, alpha in (("top1", "-", 1.0), ("top5", "--", 0.6)):
                 ax.plot([getattr(e, x) for e in run.eval], [getattr(e, metric) for e in run.eval],
                         style, color=color, alpha=alpha)  # fmt: skip
-                for source, face in ((None, color), ("evaluator", "white")):
-                    ev = [e for e in run.eval if e.source == source]
+                for ev, face in by_source:
                     ax.plot([getattr(e, x) for e in ev], [getattr(e, metric) for e in ev],
                             marker, color=color, markerfacecolor=face, alpha=alpha)  # fmt: skip
         for key in shown:

@@ -31,6 +31,12 @@ def lr_batch_factor(cfg, global_batch):
     return 1.0 if cfg.lr_batch_scaling == "none" else ratio
 
 
+def peak_lr(cfg, global_batch):
+    """The learning rate at the top of the schedule for ``global_batch`` (traced or not):
+    ``base_lr`` scaled by ``lr_batch_factor``."""
+    return cfg.base_lr * lr_batch_factor(cfg, global_batch)
+
+
 def lr_factor(cfg, epoch, num_epochs: float):
     """The schedule's shape in [0, 1] at ``epoch`` (float; traced or not): linear warmup from
     ``warmup_start_factor`` over ``warmup_epochs``, then cosine, linear, polynomial (power 2)

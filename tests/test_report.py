@@ -127,6 +127,15 @@ def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_p
     assert res["status"].startswith("running") and res["time to target"] == "-"
 
 
+def test_the_steps_a_resume_ran_again_count_once_as_their_second_run(tmp_path):
+    resumed_run(tmp_path / "b")
+    run = report.read_run(str(tmp_path / "b"))
+    assert [t.step for t in run.train] == list(range(1, 13))
+    assert [t.wall_s for t in run.train[8:]] == [16.0, 17.0, 18.0, 19.0]  # after the resume
+    assert [(e.step, e.top1) for e in run.eval] == [(5, 0.4), (10, 0.6), (12, 0.65)]
+    assert [s.wall_s for s in run.stage] == [4.0]  # the stage's first line, not its re-mark
+
+
 def test_time_to_targets_of_our_own_from_the_eval_records(tmp_path):
     curriculum_run(tmp_path / "a")
     out = str(tmp_path / "r.png")
