@@ -18,7 +18,7 @@ The steps are compared on the recipe with a shallow trunk of the same bottleneck
 kind of layer ResNet-50 has: the stem, a projection block at stride 1 and at stride 2, an
 identity block, the head. Both ResNets build every block from one block class and one loop,
 so 16 blocks do what 5 do; three full ResNet-50 compiles (float32 and float64 reference,
-hybridpar) took 50 s of the test's 97. That the full ResNet-50s have the same arrays (names,
+hybridpar) took most of the test's time. That the full ResNet-50s have the same arrays (names,
 shapes, dtypes: 54 kernels) is checked apart, from their shapes alone. 32-px images and a
 batch of 4 on one device keep it fast.
 
