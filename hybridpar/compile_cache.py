@@ -3,7 +3,7 @@
 With it on, each compiled program (every stage's train step, the eval step) is written to
 a directory keyed by the program, its shapes, the devices and the JAX/XLA versions, so a
 restarted or repeated run loads what it compiled before instead of compiling again (on
-XLA:CPU 8-14 s per ResNet-50 shape here, far more on a pod). ``Program`` records for each
+XLA:CPU several seconds per ResNet-50 shape, far more on a pod). ``Program`` records for each
 compilation whether it came from the cache (``cache_hit`` in the ``compile`` events).
 
 The cache is JAX's, and global to the process: ``enable`` points it at one directory for

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 
 import ml_collections
@@ -539,14 +540,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
     if c.model.name == "airbench":
         from hybridpar.curriculum import parse_stages
 
-        least = AIRBENCH_MIN_IMAGE_SIZE
         stages = parse_stages(c.stages) if c.stages else []
         sizes = [c.data.image_size] + [size for _, size, _, _ in stages]
-        small = [x for x in sizes if x and x < least]
+        small = [x for x in sizes if x and x < AIRBENCH_MIN_IMAGE_SIZE]
         if small:
             raise ConfigError(
                 f"image size {small[0]} is too small for model.name='airbench' (at least "
-                f"{least} px: a 2x2 convolution and three 2x max-pools); set "
+                f"{AIRBENCH_MIN_IMAGE_SIZE} px: a 2x2 convolution and three 2x max-pools); set "
                 "--config.data.image_size or the --config.stages sizes to 10 or more"
             )
     _check_widths(c)
@@ -596,8 +596,6 @@ def _check_widths(c) -> None:
 def _check_runs(c) -> None:
     """``init_from`` and ``distill.teacher_workdir`` name runs: a directory with the
     config.json the trainer (or hybridpar.prune) writes there."""
-    import os
-
     for key, path in (("init_from", c.init_from), ("distill.teacher_workdir",
                                                      c.distill.teacher_workdir)):  # fmt: skip
         if path and not os.path.isfile(os.path.join(path, "config.json")):

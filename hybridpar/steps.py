@@ -9,15 +9,15 @@ step computes what one device would.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
 from hybridpar.errors import ConfigError
-from hybridpar.mesh import data_parallel_size
 from hybridpar.partitioning import Rules, batch_sharding, replicated
 from hybridpar.precision import Policy, all_finite
 from hybridpar.state import TrainState
@@ -100,35 +100,18 @@ class XlaSync:
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
         if self.reduce_dtype is not None:
-            return self._reduced_explicitly(model, state, images, labels, loss_fn_for)
+            return self._one_bucket.gradients(model, state, images, labels, loss_fn_for)
         loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
         grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
         return grads, loss, batch_stats
 
-    def _reduced_explicitly(self, model, state, images, labels, loss_fn_for):
-        from hybridpar import bucketed, sync  # sync imports this module
+    @functools.cached_property
+    def _one_bucket(self):
+        """The reduction made explicit: the bucketed sync with one bucket of every gradient
+        (no size limit) over replicated parameters, the mesh being data parallel only."""
+        from hybridpar.sync import BucketedSync  # sync imports this module
 
-        axes, n = bucketed.active_axes(self.mesh), data_parallel_size(self.mesh)
-        local = sync.bucketed_model(model, self.bn_sync, n, axes)
-
-        def per_device(params, batch_stats, scale, images, labels):
-            params = jax.tree.map(lambda p: bucketed.to_varying(p, axes), params)
-            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
-            grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
-            flat, treedef = jax.tree.flatten((loss, new_stats))
-            flat = bucketed.flat_pmean(flat, axes, n)
-            loss, new_stats = jax.tree.unflatten(treedef, flat)
-            # after the float32 psum, so that XLA does not combine the two into one
-            leaves, treedef = jax.tree.flatten(grads)
-            leaves = bucketed.flat_pmean(leaves, axes, n, flat[0], self.reduce_dtype)
-            return jax.tree.unflatten(treedef, leaves), loss, new_stats
-
-        return jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=(P(), P(), P(), P(axes), P(axes)),
-            out_specs=(P(), P(), P()),
-        )(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
+        return BucketedSync(self.mesh, math.inf, self.bn_sync, None, self.reduce_dtype)
 
 
 def scaled_loss_fn(

@@ -88,7 +88,7 @@ def _main(argv, early: EarlyStop) -> None:
 
     def run():
         r = setup(config, args.workdir, allow_config_change=args.allow_config_change,
-                          compiled=args.compiled, recompile=args.recompile)  # fmt: skip
+              compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
         if summary.get("preempted"):
             again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])

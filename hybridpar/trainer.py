@@ -286,7 +286,7 @@ class Checkpointer:
 
 # ---- The run -------------------------------------------------------------------------------------
 
-MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see train)
+MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see run_stages)
 
 
 def compile_all(run: Run, first_stage: int) -> dict:

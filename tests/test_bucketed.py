@@ -10,7 +10,7 @@ same check rejects the bucketed step with one bucket's gradients dropped.
 HLO: the ResNet-50 step on data:8 is compiled (never run) from abstract inputs; the
 bucketed step must have exactly one all-reduce per bucket of the plan plus one for the loss
 and BatchNorm running averages (XLA's own jitted step has about a hundred on CPU, a figure
-of XLA's, not checked here: it cost a ResNet-50 compile of 25 s).
+of XLA's, not checked here: it would cost one more ResNet-50 compile).
 """
 
 import functools

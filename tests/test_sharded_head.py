@@ -284,7 +284,7 @@ def test_the_logits_check_can_fail():
 
 
 def test_1m_classes_data8_model8_needs_a_quarter_of_data64s_memory():
-    """The issue's acceptance line, from the compiled steps' memory_analysis (nothing is
+    """The sharded head's memory claim, from the compiled steps' memory_analysis (nothing is
     allocated): data:8,model:8 with the sharded head needs at most a quarter of the
     per-device memory of data:64 with the dense head. The 1M-class recipe with its trunk
     shrunk to the tiny ResNet (16 filters: 128 features, a 128 x 1M head of 0.5 GB): the

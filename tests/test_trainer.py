@@ -5,8 +5,8 @@
 * Two stages of different image size and batch run in one process: each stage's step is
   compiled once, before the first step, and the learning rate (per unit of the batch
   scaling) is continuous at the switch.
-* The config errors the issue lists are one ``error:`` line, exit 2, before the workdir or
-  any data is touched.
+* Config errors (unknown names, out-of-range values, bad stages) are one ``error:`` line,
+  exit 2, before the workdir or any data is touched.
 * ``import hybridpar`` (and its command-line parser) does not start JAX.
 """
 
