@@ -323,6 +323,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
     called = set()  # run inside another instruction: not scheduled on their own
     for ins in instrs:
         called.update(_CALLS.findall(ins["attrs"]) + _TO_APPLY.findall(ins["attrs"]))
+    shapes = {c: {i["name"]: i["shape"] for i in seq} for c, seq in comps.items()}
     inner_memo: dict = {}
 
     def inner(comp: str) -> list[dict]:
@@ -359,7 +360,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
 
     def flops(ins: dict) -> int:
         if ins["opcode"] in ("convolution", "dot"):
-            return _op_flops(ins, {i["name"]: i["shape"] for i in comps[ins["computation"]]})
+            return _op_flops(ins, shapes[ins["computation"]])
         return sum(flops(i) for c in _CALLS.findall(ins["attrs"]) for i in comps.get(c, []))
 
     def payload(ins: dict, shape: str) -> int:

@@ -40,17 +40,15 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
     the executables are written to, for ``train --compiled``."""
     from hybridpar import comm_report
     from hybridpar.mesh import axes_across_slices
-    from hybridpar.run import setup
 
     t0 = time.time()
     try:
-        run = setup(config, with_data=False, devices=target.devices())
+        run = _setup_for(config, target)
     except ConfigError as e:
         if "devices" in str(e) and target.platform == "cpu":
             raise ConfigError(f"{e} (--target cpu:N compiles for N virtual CPU devices)") from None
         raise
     program, c = run.program, config
-    program.compiler_options = target.compiler_options()
     wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
     wanted.append(("eval", c.eval_batch, c.data.image_size))
     rows = []
@@ -106,6 +104,16 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
     )
 
 
+def _setup_for(config, target: targets.Target):
+    """The run's set-up without data on the target's devices, its steps compiled with the
+    options every compile for that target needs."""
+    from hybridpar.run import setup
+
+    run = setup(config, with_data=False, devices=target.devices())
+    run.program.compiler_options = target.compiler_options()
+    return run
+
+
 def _compile_or_explain(run, target, kind: str, batch: int, size: int):
     """The program compiled; where it is over the chip's HBM (the TPU compiler refuses to
     compile it; a GPU program is checked after), one error naming the need, the capacity
@@ -133,15 +141,12 @@ def _fitting_mesh(run, target, kind, batch, size) -> str | None:
     """``--config.mesh=fsdp:-1`` if the same program compiles within HBM on it."""
     import copy
 
-    from hybridpar.run import setup
-
     if run.mesh.shape.get("fsdp", 1) == run.mesh.size:
         return None
     config = copy.deepcopy(run.config)
     config.mesh = "fsdp:-1"
     try:
-        other = setup(config, with_data=False, devices=target.devices())
-        other.program.compiler_options = target.compiler_options()
+        other = _setup_for(config, target)
         _step_within(other, target, kind, batch, size)
     except Exception as e:
         if _hbm_shortfall(e) is None and not isinstance(e, ConfigError):

@@ -316,7 +316,8 @@ def prepare(target: Target) -> None:
 def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
     """A lower bound on one step's time on one chip from the TPU compiler's own counts: the
     FLOPs at peak, or the bytes at HBM bandwidth, whichever takes longer (collectives,
-    launch and input not counted). None for targets without chip figures (CPU, a GPU)."""
+    launch and input not counted). None without chip figures (CPU) or without a FLOP count
+    (the GPU compiler gives none ahead of time)."""
     if target.chip is None or not flops:
         return None
     c = target.chip

@@ -99,6 +99,13 @@ def tiny_digits(mesh="data:4,model:2", **overrides):
     return c
 
 
+def compile_tiny(target, mesh, **overrides) -> dict:
+    """``compile_programs``' report of ``tiny_digits(mesh, **overrides)`` for ``target``."""
+    from hybridpar.compile import compile_programs
+
+    return compile_programs(tiny_digits(mesh=mesh, **overrides), target)
+
+
 def loop_metadata(workdir, step) -> Path:
     """The file of a checkpoint's loop state (orbax's JSON item) under ``workdir``."""
     return next((Path(workdir) / "checkpoints" / str(step) / "loop").glob("*metadata*"))

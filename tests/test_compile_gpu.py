@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import tiny_digits
+from helpers import compile_tiny
 
 from hybridpar import targets
 from hybridpar.cli import ACCELERATOR_FILES
@@ -62,15 +62,9 @@ def h100_8():
     return target
 
 
-def _report(target, mesh, **overrides):
-    from hybridpar.compile import compile_programs
-
-    return compile_programs(tiny_digits(mesh=mesh, **overrides), target)
-
-
 @needs_plugin
 def test_the_gpu_compiler_reports_memory_and_async_all_reduces(h100_8):
-    rep = _report(h100_8, "data:4,model:2")
+    rep = compile_tiny(h100_8, "data:4,model:2")
     assert (rep["device_platform"], rep["device_kind"]) == ("gpu", "NVIDIA H100 80GB HBM3")
     assert "GPU H100 x8" in rep["target_description"]
     train, evals = rep["programs"]
@@ -87,7 +81,7 @@ def test_a_program_over_the_gpus_memory_is_refused_with_the_plan_that_fits(h100_
     # A 150M-class head on the tiny trunk: ~9.6e9 parameters, replicated on data:8 with their
     # gradients and momentum (over 100 GB per GPU against an H100's 80); over 8 GPUs, 1/8.
     with pytest.raises(ConfigError) as e:
-        _report(h100_8, "data:8", **{"data.num_classes": 150_000_000})
+        compile_tiny(h100_8, "data:8", **{"data.num_classes": 150_000_000})
     msg = str(e.value)
     assert "the train step (batch 32, 16 px) needs" in msg and "74.51 GiB are available" in msg
     assert "(the GPU compiler's count)" in msg

@@ -190,6 +190,7 @@ def test_candidates_respect_the_rules():
         (["--memory-gib", "0"], "must be positive"),
         (["--memory-gib", "nan"], "--memory-gib: 'nan' is not a finite number"),
         (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
+        (["--target", "gpu:h100-8"], "the GPU compiler gives no FLOP count ahead of time"),
     ],
 )
 def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):

@@ -19,11 +19,11 @@ US = 1e-6  # seconds
 TFLOPS = 1e12
 
 # The per-step floor: no step, however small its network and batch, takes less. ASSUMPTION,
-# 1 ms: the host's dispatch of one jitted train step over ResNet-50's train state (428
-# arrays), as bench/step_floor.py measures it on this project's machine (docs/scaling.md,
-# section 1); not measured on a TPU or GPU host. The host dispatches step n+1 while the
-# device runs step n, so it bounds the step from below rather than adding to it; the
-# device's own fixed costs per step are `step_overhead_s`.
+# 1 ms: of the order of the host's dispatch of one jitted train step over ResNet-50's train
+# state (428 arrays), which bench/step_floor.py measures on this project's machine
+# (docs/scaling.md, section 1); not measured on a TPU or GPU host. The host dispatches
+# step n+1 while the device runs step n, so it bounds the step from below rather than adding
+# to it; the device's own fixed costs per step are `step_overhead_s`.
 STEP_FLOOR_S = 1e-3
 
 
