@@ -13,6 +13,7 @@ libtpu comes with the ``tpu-aot`` extra, which the test extra installs; without 
 tests skip (and fail where ``CI`` is set).
 """
 
+import glob
 import importlib.util
 import os
 import subprocess
@@ -23,6 +24,7 @@ import pytest
 from helpers import DIGITS, compile_tiny, tiny_digits
 
 from hybridpar import targets
+from hybridpar.cli import ACCELERATOR_FILES
 from hybridpar.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,3 +286,18 @@ def test_on_several_slices_only_the_data_axis_crosses_them():
     assert all(0 < r["memory"]["total"] < 16 * 2**30 for r in rep["programs"])
     with pytest.raises(ConfigError, match="data=1 must be a multiple of 2"):
         compile_tiny(target, "fsdp:8")
+
+
+@needs_libtpu
+@pytest.mark.skipif(
+    any(map(glob.glob, ACCELERATOR_FILES)), reason="this machine has an accelerator"
+)
+def test_the_tools_start_jax_on_the_cpu_without_libtpus_warnings():
+    # with libtpu installed and JAX_PLATFORMS unset, JAX's start-up tries the TPU first and
+    # libtpu prints its failed initialisation (a host it cannot find) before the CPU
+    unset = ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    code = "import jax; from hybridpar import cli; cli.main(lambda: print(jax.default_backend()))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr[-2000:]
+    assert "TPU" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
