@@ -258,7 +258,7 @@ def run(config, args, log=print) -> dict | None:
                         prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                                         reference=reference)  # fmt: skip
                 c = round_config(config, w, pruned, args.epochs)
-                _, summary = tune.run_trainer(c, source, lambda run: [])
+                _, summary = tune.run_trainer(c, source)
                 if summary.get("preempted"):
                     raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
                 with tune.quiet(rd):
