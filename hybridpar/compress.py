@@ -62,7 +62,7 @@ class Stop:
 
 def check_args(args, config) -> None:
     """Flags, the teacher's workdir and its run's config, before any device is touched."""
-    from hybridpar import checkpoint, evaluator
+    from hybridpar import quantize
 
     if not args.workdir:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
@@ -80,17 +80,9 @@ def check_args(args, config) -> None:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if config.distributed:
         cli.fail("compress runs in one process: pass --config.distributed=False")
-    if not evaluator.check_run_of(config, args.workdir):
-        raise ConfigError(
-            f"{args.workdir!r} has no config.json: pass the --workdir of a trained run "
-            "(python -m hybridpar.train writes it there)"
-        )
-    ckpt = checkpoint.checkpoint_dir(config, args.workdir)
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
-        raise ConfigError(
-            f"no checkpoint in {ckpt}: compress starts from a trained run; train it first "
-            "(python -m hybridpar.train with the same --config and --workdir)"
-        )
+    quantize.check_trained_run(
+        config, args.workdir, "trained", "compress starts from a trained run"
+    )
     from hybridpar.models import MODELS
 
     name = config.model.name
