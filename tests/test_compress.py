@@ -300,11 +300,10 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar import compress
 
     t = teacher[0]
-    if "other-loop" in message or "holds a loop" in message:
+    if "holds a loop" in message:
         t = tmp_path / "t"
         os.makedirs(t / "compress")
-        for name in ("config.json",):
-            (t / name).write_text((teacher[0] / name).read_text())
+        (t / "config.json").write_text((teacher[0] / "config.json").read_text())
         os.symlink(teacher[0] / "checkpoints", t / "checkpoints")
         (t / "compress" / "settings.json").write_text(json.dumps(
             {"step": 0.5, "epochs": 4.0, "criterion": "l1", "calibration_batches": 2}))  # fmt: skip
