@@ -280,8 +280,7 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
 
 def overrides(widths: dict) -> str:
     """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
-    return " ".join(f"--config.model.{k}='{tuple(v) if isinstance(v, tuple) else v}'"
-                    for k, v in widths.items())  # fmt: skip
+    return " ".join(f"--config.model.{k}='{v}'" for k, v in widths.items())
 
 
 def main(argv=None) -> None:
