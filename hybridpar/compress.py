@@ -117,10 +117,8 @@ def check_settings(args) -> None:
 def round_config(config, workdir: str, pruned: str, epochs: float):
     """The teacher's config for a round's distillation run: the pruned widths, started from
     ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end."""
-    from hybridpar import cli as _cli
-
     c = config.copy_and_resolve_references()
-    p = _cli.load_run(pruned)
+    p = cli.load_run(pruned)
     with c.unlocked():
         c.model = p.model
         c.init_from = os.path.abspath(pruned)
