@@ -219,7 +219,7 @@ def run(config, args, log=print) -> dict | None:
     write_json(os.path.join(root, "settings.json"), settings_of(args))
     qkw = dict(calibration_batches=args.calibration_batches, repeats=args.repeats,
                latency_batches=(1,), overwrite=True)  # fmt: skip
-    rows, teacher_top1, t0 = [], None, time.time()
+    rows, t0 = [], time.time()
     # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
     reference = teacher_widths(w)  # the groups' widths every round's fraction refers to
     log("| " + " | ".join(HEADER) + " |")
@@ -253,10 +253,12 @@ def run(config, args, log=print) -> dict | None:
                     raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
                 with tune.quiet(rd):
                     report = quantize.run(c, source, out=os.path.join(rd, "quantized"), **qkw)
-            if index == 0:
-                teacher_top1 = report["eval"]["float"]["top1"]
-            row = row_of(index, keep, report, teacher_top1 or rows[0]["teacher_top1"], rd)
-            row.update(teacher_top1=teacher_top1 or rows[0]["teacher_top1"], run=source,
+            # round 0's float top-1 is the teacher's: every later row's reference
+            teacher_top1 = (
+                report["eval"]["float"]["top1"] if index == 0 else rows[0]["teacher_top1"]
+            )
+            row = row_of(index, keep, report, teacher_top1, rd)
+            row.update(teacher_top1=teacher_top1, run=source,
                        seconds=round(time.time() - start, 1))  # fmt: skip
             write_json(result, row)
         rows.append(row)
