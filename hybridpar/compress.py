@@ -46,6 +46,8 @@ class Stop:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
+        # not ``original`` (train.EarlyStop's name): checkpoint.Preemption hands back a
+        # handler's ``original``, and this one must be handed back itself
         self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
 
     def restore(self) -> None:
@@ -62,7 +64,7 @@ class Stop:
 
 def check_args(args, config) -> None:
     """Flags, the teacher's workdir and its run's config, before any device is touched."""
-    from hybridpar import checkpoint, evaluator
+    from hybridpar import quantize
 
     if not args.workdir:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
@@ -80,17 +82,9 @@ def check_args(args, config) -> None:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if config.distributed:
         cli.fail("compress runs in one process: pass --config.distributed=False")
-    if not evaluator.check_run_of(config, args.workdir):
-        raise ConfigError(
-            f"{args.workdir!r} has no config.json: pass the --workdir of a trained run "
-            "(python -m hybridpar.train writes it there)"
-        )
-    ckpt = checkpoint.checkpoint_dir(config, args.workdir)
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
-        raise ConfigError(
-            f"no checkpoint in {ckpt}: compress starts from a trained run; train it first "
-            "(python -m hybridpar.train with the same --config and --workdir)"
-        )
+    quantize.check_trained_run(
+        config, args.workdir, "trained", "compress starts from a trained run"
+    )
     from hybridpar.models import MODELS
 
     name = config.model.name
@@ -125,10 +119,8 @@ def check_settings(args) -> None:
 def round_config(config, workdir: str, pruned: str, epochs: float):
     """The teacher's config for a round's distillation run: the pruned widths, started from
     ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end."""
-    from hybridpar import cli as _cli
-
     c = config.copy_and_resolve_references()
-    p = _cli.load_run(pruned)
+    p = cli.load_run(pruned)
     with c.unlocked():
         c.model = p.model
         c.init_from = os.path.abspath(pruned)
@@ -229,7 +221,7 @@ def run(config, args, log=print) -> dict | None:
     write_json(os.path.join(root, "settings.json"), settings_of(args))
     qkw = dict(calibration_batches=args.calibration_batches, repeats=args.repeats,
                latency_batches=(1,), overwrite=True)  # fmt: skip
-    rows, teacher_top1, t0 = [], None, time.time()
+    rows, t0 = [], time.time()
     # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
     reference = teacher_widths(w)  # the groups' widths every round's fraction refers to
     log("| " + " | ".join(HEADER) + " |")
@@ -258,15 +250,17 @@ def run(config, args, log=print) -> dict | None:
                         prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                                         reference=reference)  # fmt: skip
                 c = round_config(config, w, pruned, args.epochs)
-                _, summary = tune.run_trainer(c, source, lambda run: [])
+                _, summary = tune.run_trainer(c, source)
                 if summary.get("preempted"):
                     raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
                 with tune.quiet(rd):
                     report = quantize.run(c, source, out=os.path.join(rd, "quantized"), **qkw)
-            if index == 0:
-                teacher_top1 = report["eval"]["float"]["top1"]
-            row = row_of(index, keep, report, teacher_top1 or rows[0]["teacher_top1"], rd)
-            row.update(teacher_top1=teacher_top1 or rows[0]["teacher_top1"], run=source,
+            # round 0's float top-1 is the teacher's: every later row's reference
+            teacher_top1 = (
+                report["eval"]["float"]["top1"] if index == 0 else rows[0]["teacher_top1"]
+            )
+            row = row_of(index, keep, report, teacher_top1, rd)
+            row.update(teacher_top1=teacher_top1, run=source,
                        seconds=round(time.time() - start, 1))  # fmt: skip
             write_json(result, row)
         rows.append(row)

@@ -67,7 +67,7 @@ class Teacher:
         if self._variables is None:
             from hybridpar import prune
 
-            _, _, state = prune.read_run(self.workdir, self.program.mesh, self.config.partitioning)
+            state = prune.latest_state(self.config, self.workdir, self.program)
             self._variables = {"params": state.params, "batch_stats": state.batch_stats}
         return self._variables
 

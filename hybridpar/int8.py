@@ -146,11 +146,8 @@ def fold_batchnorm(arch: Arch, params, batch_stats, epsilon: float) -> dict:
         p = params[parent[0]] if parent else params
         s = batch_stats[parent[0]] if parent else batch_stats
         bn = BN_OF[conv]
-        w = np.asarray(p[conv]["kernel"], np.float32)
-        gamma, beta = (np.asarray(p[bn][k], np.float32) for k in ("scale", "bias"))
-        mean, var = (np.asarray(s[bn][k], np.float32) for k in ("mean", "var"))
-        mul = gamma / np.sqrt(var + np.float32(epsilon))
-        layers[path] = {"kernel": w * mul, "bias": beta - mean * mul}
+        mul, add = _bn_affine(p[bn], s[bn], epsilon)
+        layers[path] = {"kernel": np.asarray(p[conv]["kernel"], np.float32) * mul, "bias": add}
     head = params["head"]
     layers["head"] = {
         "kernel": np.asarray(head["kernel"], np.float32),

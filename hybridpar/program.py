@@ -289,7 +289,7 @@ def widths(m) -> dict:
     """A pruned ResNet's width options (model.stem_width, ...), only those set: the other
     models take none."""
     keys = ("stem_width", "stage_widths", "block_widths")
-    return {k: tuple(m[k]) if isinstance(m[k], tuple) else m[k] for k in keys if m[k]}
+    return {k: m[k] for k in keys if m[k]}
 
 
 def build_program(config, mesh, plan: StagePlan | None = None) -> Program:

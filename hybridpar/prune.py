@@ -178,13 +178,21 @@ def read_run(workdir: str, mesh, partitioning=None):
     """``(config, program, state)``: the run in ``workdir`` (its config.json) and its latest
     checkpoint, read into its shardings on ``mesh`` (with ``partitioning``, another
     config's placement section: a teacher placed like its student)."""
-    from hybridpar import checkpoint, program
+    from hybridpar import program
 
     config = cli.load_run(workdir)
     if partitioning is not None:
         with config.unlocked():
             config.partitioning = partitioning
     prog = program.build_program(config, mesh)
+    return config, prog, latest_state(config, workdir, prog)
+
+
+def latest_state(config, workdir: str, prog):
+    """The latest checkpoint of the run of ``config`` in ``workdir``, read into ``prog``'s
+    shardings."""
+    from hybridpar import checkpoint
+
     saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
     try:
         restored = saver.restore(prog.abstract_state())
@@ -192,7 +200,7 @@ def read_run(workdir: str, mesh, partitioning=None):
         saver.close()
     if restored is None:
         raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
-    return config, prog, restored[1]
+    return restored[1]
 
 
 def start_from(path: str, state, prog):
@@ -280,8 +288,7 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
 
 def overrides(widths: dict) -> str:
     """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
-    return " ".join(f"--config.model.{k}='{tuple(v) if isinstance(v, tuple) else v}'"
-                    for k, v in widths.items())  # fmt: skip
+    return " ".join(f"--config.model.{k}='{v}'" for k, v in widths.items())
 
 
 def main(argv=None) -> None:

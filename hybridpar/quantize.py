@@ -31,31 +31,38 @@ LATENCY_BATCHES = (1, 64)
 def check_args(args, config) -> None:
     """Everything that needs no device and no data: the flags, the workdir, its run's
     config, a checkpoint to read and where the results go."""
-    from hybridpar import checkpoint, evaluator
-
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if args.repeats < 1:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
         cli.fail("quantize runs in one process: pass --config.distributed=False")
-    # the evaluator's rule: only where and how fast it runs may differ from the run's config
-    if not evaluator.check_run_of(config, args.workdir):
-        raise ConfigError(
-            f"{args.workdir!r} has no config.json: pass the --workdir of a training run "
-            "(python -m hybridpar.train writes it there)"
-        )
-    ckpt = checkpoint.checkpoint_dir(config, args.workdir)
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
-        raise ConfigError(
-            f"no checkpoint in {ckpt}: quantize reads a trained run's latest checkpoint; "
-            "train it first (python -m hybridpar.train with the same --config and --workdir)"
-        )
+    why = "quantize reads a trained run's latest checkpoint"
+    check_trained_run(config, args.workdir, "training", why)
     out = os.path.join(args.workdir, OUT)
     if os.path.exists(out) and not args.overwrite:
         raise ConfigError(
             f"{out} exists (an earlier quantization): pass --overwrite to replace it, or move "
             "it away first"
+        )
+
+
+def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
+    """``workdir`` holds a run of ``config`` (the evaluator's rule: only where and how fast
+    it runs may differ from the run's config) and a checkpoint, else the ``ConfigError`` that
+    says so; ``run`` and ``needs`` word it for the tool (``compress`` checks the same)."""
+    from hybridpar import checkpoint, evaluator
+
+    if not evaluator.check_run_of(config, workdir):
+        raise ConfigError(
+            f"{workdir!r} has no config.json: pass the --workdir of a {run} run "
+            "(python -m hybridpar.train writes it there)"
+        )
+    ckpt = checkpoint.checkpoint_dir(config, workdir)
+    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+        raise ConfigError(
+            f"no checkpoint in {ckpt}: {needs}; train it first (python -m hybridpar.train with "
+            "the same --config and --workdir)"
         )
 
 

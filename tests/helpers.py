@@ -317,6 +317,17 @@ def random_like(abstract, rng, kind):
     return jax.tree_util.tree_map_with_path(one, abstract)
 
 
+def random_variables(model, size, seed=0):
+    """``(params, batch_stats)``: ``random_like`` host values for ``model`` on
+    ``size``x``size`` RGB images."""
+    x = jnp.zeros((1, size, size, 3), jnp.float32)
+    abstract = meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False)))
+    rng = np.random.default_rng(seed)
+    return random_like(abstract["params"], rng, "params"), random_like(
+        abstract["batch_stats"], rng, "batch_stats"
+    )
+
+
 def random_state(program, seed=0):
     """Host train state of ``program`` with random (non-trivial) parameters and BatchNorm
     statistics, the optimizer state initialised for them."""

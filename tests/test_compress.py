@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import DIGITS, config_args, cpu_env, random_like, tiny_digits
+from helpers import DIGITS, config_args, cpu_env, random_variables, tiny_digits
 
 from hybridpar import distill, partitioning, prune, run, trainer
 from hybridpar.models.airbench import AirbenchNet
@@ -38,15 +38,6 @@ from hybridpar.models.resnet import ResNet50, ResNetTiny
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
 LONGER = {"num_epochs": 1.5, "log_every_s": 5.0, "mesh": "data:1"}  # as test_quantize's run
-
-
-def _random_variables(model, size, seed=0):
-    x = jnp.zeros((1, size, size, 3), jnp.float32)
-    abstract = meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False)))
-    rng = np.random.default_rng(seed)
-    return random_like(abstract["params"], rng, "params"), random_like(
-        abstract["batch_stats"], rng, "batch_stats"
-    )
 
 
 MODELS = [
@@ -63,7 +54,7 @@ def _logits(model, params, stats, x):
 
 @pytest.mark.parametrize("model,size", MODELS, ids=IDS)
 def test_pruning_nothing_keeps_the_logits(model, size):
-    params, stats = _random_variables(model, size)
+    params, stats = random_variables(model, size)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, size, size, 3)), jnp.float32)
     want = _logits(model, params, stats, x)
     gs = prune.groups(model, params)
@@ -92,7 +83,7 @@ def test_pruning_nothing_keeps_the_logits(model, size):
 
 @pytest.mark.parametrize("model,size", MODELS, ids=IDS)
 def test_half_pruned_shapes_are_the_narrower_resnet(model, size):
-    params, stats = _random_variables(model, size)
+    params, stats = random_variables(model, size)
     gs = prune.groups(model, params)
     counts = prune.counts_for(gs, prune.group_widths(gs, params), 0.5)
     keep = prune.keep_masks(gs, params, stats, counts)
@@ -309,11 +300,10 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar import compress
 
     t = teacher[0]
-    if "other-loop" in message or "holds a loop" in message:
+    if "holds a loop" in message:
         t = tmp_path / "t"
         os.makedirs(t / "compress")
-        for name in ("config.json",):
-            (t / name).write_text((teacher[0] / name).read_text())
+        (t / "config.json").write_text((teacher[0] / "config.json").read_text())
         os.symlink(teacher[0] / "checkpoints", t / "checkpoints")
         (t / "compress" / "settings.json").write_text(json.dumps(
             {"step": 0.5, "epochs": 4.0, "criterion": "l1", "calibration_batches": 2}))  # fmt: skip

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import DIGITS, TINY_DIGITS, config_args, random_like, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, random_variables, tiny_digits
 
 from hybridpar import checkpoint, cli, int8, quantize, run, trainer
 from hybridpar.errors import ConfigError
@@ -43,22 +43,13 @@ LONGER = {"num_epochs": 1.5, "log_every_s": 5.0, "mesh": "data:1"}
 # ---- BatchNorm folding -------------------------------------------------------------------
 
 
-def _random_variables(model, size, seed=0):
-    x = jnp.zeros((1, size, size, 3), jnp.float32)
-    abstract = meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False)))
-    rng = np.random.default_rng(seed)
-    return random_like(abstract["params"], rng, "params"), random_like(
-        abstract["batch_stats"], rng, "batch_stats"
-    )
-
-
 @pytest.mark.parametrize(
     "model,size",
     [(ResNetTiny(num_classes=10), 16), (ResNet50(num_classes=10, num_filters=4), 32)],
     ids=["tiny-basic", "resnet50-bottleneck"],
 )
 def test_folding_keeps_float_logits(model, size):
-    params, stats = _random_variables(model, size)
+    params, stats = random_variables(model, size)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(4, size, size, 3)), jnp.float32)
     apply = jax.jit(lambda v, x: model.apply(v, x, train=False))
     want = np.asarray(apply({"params": params, "batch_stats": stats}, x))
@@ -89,7 +80,7 @@ def test_folding_uses_the_epsilon_where_variances_are_small():
     from flax import traverse_util
 
     model = ResNetTiny(num_classes=10)
-    params, stats = _random_variables(model, 16)
+    params, stats = random_variables(model, 16)
     flat_p, flat_s = traverse_util.flatten_dict(params), traverse_util.flatten_dict(stats)
     rng = np.random.default_rng(2)
     for key in [k for k in flat_s if k[-1] == "var"]:
@@ -308,7 +299,7 @@ def test_airbench_folding_keeps_float_logits():
     from hybridpar.models.airbench import AirbenchNet
 
     model = AirbenchNet(num_classes=10, num_filters=8)
-    params, stats = _random_variables(model, 16)
+    params, stats = random_variables(model, 16)
     rng = np.random.default_rng(3)
     for i in (1, 2, 3):  # some negative scales: max-pool does not commute with them
         bn = params[f"block{i}_bn1"]
