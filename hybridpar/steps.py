@@ -90,8 +90,8 @@ class XlaSync:
         others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
         if self.reduce_dtype is not None and others:
             # Data parallel only: FSDP's split parameters would be gathered whole per device,
-            # and with a model axis left to XLA inside shard_map the TPU compiler moved ~5x
-            # the bytes (data:4,model:2) while XLA:CPU could not widen the bfloat16 psum.
+            # and with a model axis left to XLA inside shard_map the TPU compiler moved several
+            # times the bytes, while XLA:CPU could not widen the bfloat16 psum.
             raise ConfigError(
                 f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
                 f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
