@@ -49,8 +49,10 @@ epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's sta
 ``stages=...``: another curriculum against the same fixed run). Called again with the same
 ``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,
 which must be the ones it would run now) and runs the seeds it lacks, so an interrupted
-measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; a pair left
-unfinished is an error naming its folder.
+measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs. A pair whose two
+runs finished training but not their evaluation (seedS/commands.json, written when the pair
+starts, holds the commands) goes on at the evaluation; a pair stopped while training is an
+error naming its folder (a resumed run's clock would count the restart).
 """
 
 from __future__ import annotations
@@ -72,6 +74,16 @@ NAMES = ("curriculum", "fixed")
 # recipe's epochs, whose last evaluation is the final accuracy it reports).
 OWN_KEYS = ("seed", "stop_at_target")
 PAIR = "pair.json"  # in seedS/, once its pair is trained and evaluated: the runs' commands
+STARTED = "commands.json"  # in seedS/, from the pair's start: the same commands
+
+
+def trained(pair_dir: Path) -> bool:
+    """Whether both runs in ``pair_dir`` completed training (their summary.json says so)."""
+    for n in NAMES:
+        summary = run_records.read_json(pair_dir / n / "summary.json")
+        if not (summary or {}).get("completed"):
+            return False
+    return True
 
 
 def fail(message: str) -> None:
@@ -337,9 +349,9 @@ def main(argv=None) -> None:
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for seed in seeds:
         d = out / f"seed{seed}"
-        if d.exists() and not (d / PAIR).exists():
-            fail(f"{d} holds a pair left unfinished (no {PAIR}); remove it to run that pair "
-                 "again, or pass another --out")  # fmt: skip
+        if d.exists() and not (d / PAIR).exists() and not (trained(d) and (d / STARTED).exists()):
+            fail(f"{d} holds a pair stopped while training (no {PAIR}, and not both runs "
+                 "completed); remove it to run that pair again, or pass another --out")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -379,20 +391,25 @@ def main(argv=None) -> None:
         d = out / f"seed{seed}"
         cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
         commands = {n: cmd[1:] for n, cmd in cmds.items()}  # as recorded: no interpreter path
+        recorded = next((d / f for f in (PAIR, STARTED) if (d / f).exists()), None)
+        if recorded and json.loads(recorded.read_text()) != commands:
+            fail(
+                f"{d} holds a pair trained with other settings (its {recorded.name} has the "
+                "commands); pass the same arguments to reuse it, or another --out"
+            )
         if (d / PAIR).exists():  # a finished pair of an earlier call with this --out
-            if json.loads((d / PAIR).read_text()) != commands:
-                fail(
-                    f"{d} holds a pair trained with other settings (its {PAIR} has the "
-                    "commands); pass the same arguments to reuse it, or another --out"
-                )
             print(f"== seed {seed}: the finished pair in {d}", flush=True)
         else:
-            d.mkdir()
             # Both at once, each on half the cores: whatever else loads the machine slows
             # both alike. The halves swap from seed to seed, so neither run keeps a core.
             halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
             halves = halves if side_by_side else None
-            run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
+            if recorded is None:
+                d.mkdir()
+                (d / STARTED).write_text(json.dumps(commands, indent=2))
+                run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
+            else:
+                print(f"== seed {seed}: trained in {d}; evaluating its checkpoints", flush=True)
             # After both trained: evaluation never shares a core with training.
             run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
                       for n in NAMES], halves)  # fmt: skip

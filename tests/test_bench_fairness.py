@@ -30,6 +30,7 @@ on the recipe shrunk to seconds.
 import functools
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -392,6 +393,22 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert (
         other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
     )
+    # A pair trained but stopped in its evaluation goes on at the evaluation; one stopped
+    # while training is refused.
+    for name in tta.NAMES:
+        shutil.rmtree(out / "seed1" / name / "evaluator")
+    (out / "seed1" / tta.PAIR).unlink()
+    resumed = bench(*argv)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "hybridpar.train" not in resumed.stdout and "hybridpar.evaluate" in resumed.stdout
+    assert resumed.stdout.strip().splitlines()[-1] == last
+    summary = out / "seed1" / "fixed" / "summary.json"
+    saved = summary.read_text()
+    summary.write_text(saved.replace('"completed": true', '"completed": false'))
+    (out / "seed1" / tta.PAIR).unlink()
+    stopped = bench(*argv)
+    assert stopped.returncode == 2 and "seed1 holds a pair stopped while training" in stopped.stderr
+    summary.write_text(saved)
     first_losses, speedups = [], []
     for seed in (0, 1):
         clocks = {}
