@@ -245,6 +245,7 @@ class LoopState:
     train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
     train_images: int = 0
     wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
+    time_parts: dict = dataclasses.field(default_factory=dict)  # trainer.Clock's, at wall_s
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -101,6 +101,9 @@ def _main(argv, early: EarlyStop) -> None:
         if r.finished is not None:  # train() said the workdir's run is done; nothing new
             return
         ev = summary["final_eval"] or {}
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in summary["time_breakdown"].items() if v)
+        log(f"where the time went: {parts}; goodput {summary['goodput']:.0%} (train steps "
+            "over the wall time)")  # fmt: skip
         log(
             f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
             f"(compile {summary['compile_s']:.1f}s); summary in {args.workdir}/summary.json"

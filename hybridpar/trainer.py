@@ -15,6 +15,7 @@ tests drive it; every other tool builds its run with ``hybridpar/run.py``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -24,7 +25,7 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from hybridpar import checkpoint, compile_cache, curriculum, partitioning
+from hybridpar import checkpoint, compile_cache, curriculum, partitioning, run_records
 from hybridpar.curriculum import PlannedStage, describe
 from hybridpar.errors import NonFinite, SaveFailed, StopRequested
 from hybridpar.mesh import data_parallel_size, describe_mesh
@@ -81,6 +82,51 @@ def global_batches(run: Run, loop: LoopState):
 
     position = (loop.stage, loop.step, loop.epoch, loop.step_in_epoch)
     return prefetch_to_mesh(host_batches(run, *position), run.mesh, run.config.data.prefetch)
+
+
+class Clock:
+    """Where a run's wall time goes (summary.json's ``time_breakdown``): every moment from
+    set-up on counts in exactly one part (``run_records.TIME_PARTS``), the one the last
+    ``to`` named, so the parts add up to the wall time by construction and what is
+    measured is which part each stretch of time belongs to. A resumed run starts from the
+    parts its checkpoint saved (``add``), as its wall time does."""
+
+    def __init__(self, start: float, part: str = "setup"):
+        self.parts: dict[str, float] = {}
+        self.part, self.since = part, start
+
+    def to(self, part: str) -> str:
+        """Counts the time since the last switch to the current part, then switches to
+        ``part``; returns the part it leaves."""
+        now = time.time()
+        self.parts[self.part] = self.parts.get(self.part, 0.0) + now - self.since
+        left, self.part, self.since = self.part, part, now
+        return left
+
+    @contextlib.contextmanager
+    def within(self, part: str):
+        """``part`` for the block, then back to the part it interrupted."""
+        left = self.to(part)
+        try:
+            yield
+        finally:
+            self.to(left)
+
+    def add(self, parts: dict) -> None:
+        for k, v in parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + v
+
+    def totals(self) -> dict:
+        """Seconds per part up to now, the current one included."""
+        running = {self.part: time.time() - self.since}
+        return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
+
+
+def furthest_step(workdir: str) -> int:
+    """The last step the run's records show done: a run resumed from an older checkpoint
+    redoes the steps up to it."""
+    recs, _ = run_records.read_records(f"{workdir}/metrics.jsonl")
+    return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
 
 
 # ---- Hooks: what happens after a step ---------------------------------------------------------
@@ -181,8 +227,8 @@ class Evaluate:
     """Every ``eval_every_epochs`` (and after the last step): the eval split, an ``eval``
     line, and the time to ``target_top1`` the first time it is reached."""
 
-    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress):
-        self.run, self.writer, self.progress = run, writer, progress
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, clock: Clock):
+        self.run, self.writer, self.progress, self.clock = run, writer, progress, clock
         self.every = run.config.eval_every_epochs
 
     def due(self, loop: LoopState) -> bool:
@@ -197,8 +243,9 @@ class Evaluate:
     def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
         if not self.due(loop):
             return
-        self.progress.flush(loop, stage)
-        rec = evaluate(self.run, state, loop.step, self.writer)
+        self.progress.flush(loop, stage)  # waits for the steps in flight: train time
+        with self.clock.within("eval"):
+            rec = evaluate(self.run, state, loop.step, self.writer)
         loop.last_eval = rec
         if loop.best_eval is None or rec["top1"] > loop.best_eval["top1"]:
             loop.best_eval = rec
@@ -227,8 +274,9 @@ class Checkpointer:
     each save is a ``checkpoint`` event once it is committed. Runs last among the hooks,
     so the loop state it saves includes this step's evaluation."""
 
-    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, saver, preemption):
-        self.run, self.writer, self.progress = run, writer, progress
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, clock: Clock,
+                 saver, preemption):  # fmt: skip
+        self.run, self.writer, self.progress, self.clock = run, writer, progress, clock
         self.saver, self.preemption = saver, preemption
         self.every_steps = run.config.checkpoint.every_steps
         self.every_s = run.config.checkpoint.every_minutes * 60
@@ -257,8 +305,9 @@ class Checkpointer:
         if self.saver.latest_step() == loop.step:
             return
         self.progress.flush(loop, stage)  # so the saved loop state counts every step's time
-        loop.wall_s = self.writer.wall_s()
-        self.saver.save(loop.step, state, loop.to_dict(), self.config)
+        with self.clock.within("checkpoint"):
+            loop.wall_s, loop.time_parts = self.writer.wall_s(), self.clock.totals()
+            self.saver.save(loop.step, state, loop.to_dict(), self.config)
         self.last_save = time.time()
         self.progress.restart(loop)  # the blocking part is a checkpoint's, not training's
         self.events()
@@ -379,6 +428,8 @@ class Training:
     hooks: list
     batches: object  # every stage's, in order, read ahead across switches
     written: int  # compile lines written so far
+    clock: Clock  # where the wall time goes
+    redo_until: int  # the steps up to it were done before the restart: they are redone
 
 
 def train(run: Run, hooks=()) -> dict:
@@ -411,6 +462,7 @@ def start(run: Run, hooks) -> Training:
     restored or new, the ``resume`` and ``data`` lines, every stage's step compiled (or
     compiling in the background) and the hooks."""
     c, program, plan = run.config, run.program, run.plan
+    clock = Clock(run.start_time)  # set-up began in setup()
     log(describe_mesh(run.mesh))
     changed = checkpoint.record_config(run.workdir, c)
     saver = checkpoint.Checkpoints(
@@ -419,6 +471,8 @@ def start(run: Run, hooks) -> Training:
         async_save=c.checkpoint["async"],
     )
     state, loop, resumed = restore_or_init(run, saver)
+    clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
+    redo_until = furthest_step(run.workdir) if resumed is not None else 0
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -433,7 +487,8 @@ def start(run: Run, hooks) -> Training:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
-    mem = compile_all(run, loop.stage)
+    with clock.within("compile"):
+        mem = compile_all(run, loop.stage)
     before = loop.compile_s  # a resumed run's earlier segments
     written = record_compiles(run, writer, loop, 0)
     compile_s = loop.compile_s - before
@@ -448,12 +503,12 @@ def start(run: Run, hooks) -> Training:
     )
     progress = Progress(run, writer)
     preemption = checkpoint.Preemption()
-    checkpointer = Checkpointer(run, writer, progress, saver, preemption)
-    hooks: list[Hook] = [progress, Evaluate(run, writer, progress), *hooks, checkpointer]
+    checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
+    hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
     batches = global_batches(run, loop)
     preemption.install()
     return Training(run, writer, saver, state, loop, resumed, mem, progress, checkpointer,
-                    preemption, hooks, batches, written)  # fmt: skip
+                    preemption, hooks, batches, written, clock, redo_until)  # fmt: skip
 
 
 def run_stages(t: Training) -> str | None:
@@ -471,14 +526,22 @@ def run_stages(t: Training) -> str | None:
                 break
             loop.enter(stage)
             st = stage.stage
-            train_step = program.train_step(st.global_batch, st.image_size)  # compiled ahead
+            with t.clock.within("compile_wait"):  # compiled ahead, or compiling still
+                train_step = program.train_step(st.global_batch, st.image_size)
             t.written = record_compiles(run, t.writer, loop, t.written)
             t.writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                            image_size=st.image_size, global_batch=st.global_batch,
                            min_scale=st.min_scale, steps=stage.num_steps,
                            data_parallel=data_parallel_size(run.mesh))  # fmt: skip
             t.progress.restart(loop)
-            for batch in itertools.islice(t.batches, stage.end_step - loop.step):
+            batches = itertools.islice(t.batches, stage.end_step - loop.step)
+            while True:
+                t.clock.to("input_wait")
+                batch = next(batches, None)
+                # the step, and the hooks' waits for it (a redone step's in "redone")
+                t.clock.to("redone" if loop.step < t.redo_until else "train")
+                if batch is None:
+                    break
                 t.state, metrics = train_step(t.state, batch)
                 in_flight.append(metrics["loss"])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
@@ -508,6 +571,11 @@ def last_checkpoint_note(t: Training) -> str:
     ) + (f" ({error})" if error else "")
 
 
+def part_order(part: str) -> int:
+    order = list(run_records.TIME_PARTS)
+    return order.index(part) if part in order else len(order)
+
+
 def end(t: Training, failure: str | None = None, preempted: str | None = None):
     """Stops the input and background threads, waits for the save in flight (committed
     before we may exit), writes the summary and releases the workdir, whether the loop
@@ -517,8 +585,10 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     t.batches.close()  # stops the prefetch thread
     program.stop_background()
     t.preemption.uninstall()
+    t.clock.to("checkpoint")  # the save in flight
     save_error = t.checkpointer.finish()
     failure = failure or save_error
+    parts, wall_s = t.clock.totals(), t.writer.wall_s()
     summary = {
         "mesh": dict(run.mesh.shape),
         "steps": loop.step,
@@ -533,8 +603,10 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
         "latest_checkpoint": saver.latest_step(),
         "final_eval": loop.last_eval,
         "best_eval": loop.best_eval,
-        "wall_s": round(t.writer.wall_s(), 3),
+        "wall_s": round(wall_s, 3),
         "compile_s": round(loop.compile_s, 3),  # every segment's
+        "time_breakdown": {k: round(parts[k], 3) for k in sorted(parts, key=part_order)},
+        "goodput": round(parts.get("train", 0.0) / wall_s, 4) if wall_s > 0 else None,
         "train_images_per_s": (
             round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None
         ),

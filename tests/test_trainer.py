@@ -19,9 +19,9 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import DIGITS, tiny_digits
+from helpers import DIGITS, saved_loop, tiny_digits
 
-from hybridpar import checkpoint, shard_batch, trainer
+from hybridpar import checkpoint, run_records, shard_batch, trainer
 from hybridpar.errors import ConfigError, NonFinite, StopRequested
 from hybridpar.optim import lr_batch_factor
 from hybridpar.run import setup
@@ -333,3 +333,73 @@ def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp
     saver.close()
     assert step == 6 and loop["step"] == 6
     assert same(jax.device_get((state.params, state.batch_stats)), params.after[5])
+
+
+def _slow_input(run, delay_s):
+    """``run`` whose training batches each take ``delay_s`` longer to make."""
+    import dataclasses
+    import time
+
+    real = run.data.train_batches
+
+    def train_batches(*args, **kw):
+        for batch in real(*args, **kw):
+            time.sleep(delay_s)
+            yield batch
+
+    return dataclasses.replace(run, data=dataclasses.replace(run.data, train_batches=train_batches))
+
+
+DELAY_S = 0.3
+
+
+def test_where_the_time_went_adds_up_to_the_wall_time_and_measures_the_input_wait(tmp_path):
+    """summary.json's ``time_breakdown`` adds up to its wall time (within 2%), with time in
+    set-up, compilation, train steps and evaluation, and ``goodput`` = train / wall. The
+    input wait is measured: batches made 0.3 s slower each put much of that wait per step
+    into ``input_wait``, over the same run's with its normal input.
+    Planted bugs that fail it: the wait for a batch counted as train time; evaluation
+    counted as train time."""
+    summaries = {}
+    for name, delay in (("normal", 0.0), ("slow", DELAY_S)):
+        run = setup(tiny_digits(eval_every_epochs=0.1), str(tmp_path / name))
+        summaries[name] = trainer.train(_slow_input(run, delay) if delay else run)
+    for name, s in summaries.items():
+        parts, wall = s["time_breakdown"], s["wall_s"]
+        assert sum(parts.values()) == pytest.approx(wall, rel=0.02), (name, parts, wall)
+        assert set(parts) <= set(run_records.TIME_PARTS) and min(parts.values()) >= 0
+        assert all(parts[p] > 0 for p in ("setup", "compile", "train", "eval")), parts
+        assert s["goodput"] == pytest.approx(parts["train"] / wall, abs=1e-3)
+        assert "redone" not in parts  # nothing was done twice
+        saved = json.loads((tmp_path / name / "summary.json").read_text())
+        assert saved["time_breakdown"] == parts
+    # Each step takes about as long as a slow batch's delay here, and evaluations let the
+    # input run ahead: far from all of the delay is waited for, but much of it is.
+    waits = {n: s["time_breakdown"]["input_wait"] for n, s in summaries.items()}
+    assert waits["slow"] - waits["normal"] >= 0.4 * summaries["slow"]["steps"] * DELAY_S
+    # the evaluation's time is its own, not the train steps': eval records show how long
+    evals = len(records(tmp_path / "normal", "eval"))
+    assert evals >= 2 and summaries["normal"]["time_breakdown"]["eval"] > 0
+
+
+def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_restart(
+    tmp_path,
+):
+    """Stopped at step 6 with its last checkpoint at step 4, then resumed by the same call:
+    steps 5 and 6 are done again (``redone``, not train time), set-up counts both segments'
+    (the first's as its checkpoint saved it, plus the restart's), and the parts still add up
+    to the wall time, which goes on from the checkpoint. Planted bugs that fail it: the
+    earlier segments' parts dropped on resume; redone steps counted as train time."""
+    config = tiny_digits(**{"checkpoint.every_steps": 4})
+    stopped = trainer.train(setup(config, str(tmp_path)), hooks=[StopAt(6)])
+    assert stopped["preempted"] and stopped["latest_checkpoint"] == 4
+    saved = saved_loop(tmp_path, 4)["time_parts"]
+    assert saved["setup"] > 0 and saved["train"] > 0
+    resumed = trainer.train(setup(config, str(tmp_path)))
+    assert resumed["completed"] and resumed["resumed_from"] == 4
+    parts = resumed["time_breakdown"]
+    assert sum(parts.values()) == pytest.approx(resumed["wall_s"], rel=0.02)
+    assert parts.get("redone", 0) > 0
+    assert parts["setup"] > saved["setup"]  # the restart's set-up on top of the first's
+    assert parts["compile"] > saved["compile"]  # the restart compiled again
+    assert resumed["goodput"] == pytest.approx(parts["train"] / resumed["wall_s"], abs=1e-3)
