@@ -2,7 +2,7 @@
 
     arch = architecture(model, params)            # the blocks, from the model and its params
     layers = fold_batchnorm(arch, params, batch_stats, epsilon)   # float, BN folded in
-    scales = calibrate(arch, layers, images)      # max |input| of every conv/dense, K batches
+    scales = calibrate(arch, layers, images)      # |input| range of every conv/dense, K batches
     q = quantize(layers, scales)                  # int8 kernels, per-channel + static scales
     logits = int8_forward(arch, q, images)        # int8 x int8 -> int32, rescaled to float
     export(arch, q, mean, std, image_shape, path); run = load_exported(path)
@@ -18,8 +18,9 @@ Quantization (symmetric, no zero points, as torchvision's and TFLite's int8 conv
 
 * weights: per output channel, ``step = max |W[..., c]| / 127``, ``q = round(W / step)``;
 * activations: per tensor at the input of each conv and of the head, a static step from
-  the calibration batches' largest ``|x|`` (no clipping search): ``max / 127`` for the
-  stem's signed input; ``max / 255`` for every input after a ReLU (never below zero),
+  a range over the calibration batches (``calibrate``: their largest ``|x|``, a percentile
+  of it, or the range of least squared error): ``range / 127`` for the stem's signed
+  input; ``range / 255`` for every input after a ReLU (never below zero),
   stored as ``code - 128`` with ``x_zero = 128`` (torchvision's quint8 activations, in
   int8). Each layer runs ``int8 x int8 -> int32`` (``preferred_element_type``), adds back
   ``x_zero * sum(kernel)`` and rescales by ``x_step * w_step[c]`` before the folded bias.
@@ -251,9 +252,55 @@ def input_ranges(arch: Arch, layers: dict, x) -> dict:
     return seen
 
 
-def calibrate(arch: Arch, layers: dict, batches) -> dict:
-    """Static activation ranges: ``{path: {"min", "max_abs"}}`` of each layer's input over
-    ``batches`` (normalised float images)."""
+CALIBRATIONS = ("max", "percentile", "mse")  # how each activation's clipping range is picked
+BINS = 2048  # the |input| histogram each layer's range is picked from (percentile, mse)
+
+
+def input_histograms(arch: Arch, layers: dict, x, tops: dict) -> dict:
+    """``{layer path: counts}``: one batch's ``|input|`` of each layer in ``BINS`` equal
+    bins over ``[0, tops[path]]`` (values above the top land in the last bin)."""
+    seen = {}
+
+    def layer(path, h, strides, pad):
+        if "kernel" in layers[path]:
+            top = jnp.maximum(tops[path], jnp.finfo(jnp.float32).tiny)
+            idx = jnp.clip(jnp.floor(jnp.abs(h) / top * BINS), 0, BINS - 1).astype(jnp.int32)
+            seen[path] = jnp.bincount(idx.ravel(), length=BINS)
+        return _apply(layers[path], h, strides, pad, _float_layer)
+
+    forward(arch, layer, x)
+    return seen
+
+
+def clip_range(counts, top: float, levels: int, method: str, percentile: float) -> float:
+    """The clipping range of one tensor from its ``|x|`` histogram (``BINS`` bins over
+    ``[0, top]``): the ``percentile``-th percentile of ``|x|``, or (``mse``) the range among
+    the bins' upper edges whose quantization (``levels`` steps over ``[0, range]``, values
+    above it clipped) has the least squared error over the histogram."""
+    counts = np.asarray(counts, np.float64)
+    edges = np.linspace(0.0, top, BINS + 1)[1:]  # each bin's upper edge
+    if method == "percentile":
+        cdf = np.cumsum(counts) / max(counts.sum(), 1.0)
+        return float(edges[min(int(np.searchsorted(cdf, percentile / 100.0)), BINS - 1)])
+    centers = edges - top / (2 * BINS)
+    candidates = edges[BINS // 64 - 1 :: BINS // 256]  # 1/64 of the top and up, 253 of them
+    step = candidates[:, None] / levels
+    rounded = np.minimum(np.round(centers[None, :] / step), levels) * step  # clipped above
+    error = (counts[None, :] * (centers[None, :] - rounded) ** 2).sum(axis=1)
+    return float(candidates[int(np.argmin(error))])
+
+
+def calibrate(arch: Arch, layers: dict, batches, method: str = "max", percentile: float = 99.99,
+              unsigned: bool = True) -> dict:  # fmt: skip
+    """Static activation ranges: ``{path: {"min", "max_abs", "clip"}}`` of each layer's input
+    over ``batches`` (normalised float images): its smallest value, its largest ``|x|`` and
+    the range its int8 steps span, which is ``max_abs`` (``method="max"``), a ``percentile``
+    of ``|x|``, or the squared-error-minimizing range (``"mse"``): both need a second pass
+    over the batches, which clips the rare large inputs to resolve the common ones finer.
+    ``unsigned`` as ``quantize``'s, for the levels the error is counted in."""
+    if method not in CALIBRATIONS:
+        raise ConfigError(f"calibration {method!r} is not one of {', '.join(CALIBRATIONS)}")
+    batches = list(batches)
     fn = jax.jit(lambda lay, x: input_ranges(arch, lay, x))
     ranges = None
     for x in batches:
@@ -263,7 +310,20 @@ def calibrate(arch: Arch, layers: dict, batches) -> dict:
         }  # fmt: skip
     if ranges is None:
         raise ConfigError("no calibration batches: pass --calibration-batches K with K >= 1")
-    return {k: {"min": lo, "max_abs": hi} for k, (lo, hi) in ranges.items()}
+    out = {k: {"min": lo, "max_abs": hi, "clip": hi} for k, (lo, hi) in ranges.items()}
+    if method == "max":
+        return out
+    tops = {k: np.float32(hi) for k, (_, hi) in ranges.items()}
+    hist_fn = jax.jit(lambda lay, x, t: input_histograms(arch, lay, x, t))
+    counts = {}
+    for x in batches:
+        for k, c in jax.device_get(hist_fn(layers, x, tops)).items():
+            counts[k] = counts.get(k, 0) + np.asarray(c, np.int64)
+    for k, r in out.items():
+        if r["max_abs"] > 0:
+            levels = 2 * QMAX + 1 if unsigned and r["min"] >= 0 else QMAX
+            r["clip"] = clip_range(counts[k], r["max_abs"], levels, method, percentile)
+    return out
 
 
 def quantize_per_channel(w, axis: int = -1):
@@ -306,7 +366,8 @@ def quantize(layers: dict, ranges: dict | None, unsigned: bool = True) -> dict:
             r = ranges[path]
             zero = 128 if unsigned and r["min"] >= 0 else 0
             levels = 2 * QMAX + 1 if zero else QMAX  # 0..255 or 0..127 (each side)
-            q[path]["x_step"] = np.float32(r["max_abs"] / levels if r["max_abs"] > 0 else 1.0)
+            top = r.get("clip", r["max_abs"])  # the calibrated range (max_abs for "max")
+            q[path]["x_step"] = np.float32(top / levels if top > 0 else 1.0)
             q[path]["x_zero"] = np.int32(zero)
     return q
 

@@ -1,16 +1,19 @@
 """``python -m hybridpar.quantize --workdir W [--config experiments/NAME.py]
-[--calibration-batches K] [--weights int8] [--activations int8|none] [--overwrite]``.
+[--calibration-batches K] [--calibration max|percentile|mse] [--percentile P]
+[--weights int8] [--activations int8|none] [--overwrite]``.
 
 Int8 post-training quantization of a trained run: reads ``W``'s latest checkpoint
-(read-only), folds BatchNorm into the convolutions, quantizes the weights per output
-channel and (``--activations int8``) the input of every conv and of the head with static
-scales calibrated on K training batches, evaluates the float and the int8 model on the whole
-eval split, times both on this CPU at batch 1 and 64 (side by side, median of repeats), and
-writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-channel steps, folded
-biases, activation steps), ``model.jax_exported`` (the int8 model as serialized StableHLO,
-see ``hybridpar.int8.load_exported``) and ``report.json``. The last line printed is
-``top1_drop=... top1_float=... top1_int8=... ...`` (the drop in points). The arithmetic is
-``hybridpar/int8.py``. A bad workdir or config is one ``error:`` line (exit code 2).
+(read-only), folds BatchNorm into the convolutions, quantizes the weights per output channel
+and (``--activations int8``) the input of every conv and of the head with static scales
+calibrated on K training batches (each tensor's range: the largest ``|x|``, a percentile of
+it, or the range of least squared error), evaluates the float and the int8 model on the
+whole eval split, times both on this CPU at batch 1 and 64 (side by side, median of
+repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-channel
+steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
+serialized StableHLO, see ``hybridpar.int8.load_exported``) and ``report.json``. The last
+line printed is ``top1_drop=... top1_float=... top1_int8=... ...`` (the drop in points). The
+arithmetic is ``hybridpar/int8.py``. A bad workdir or config is one ``error:`` line (exit
+code 2).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from hybridpar import cli
 from hybridpar.errors import ConfigError
 
 OUT = "quantized"
+CALIBRATIONS = ("max", "percentile", "mse")  # hybridpar.int8's (which imports JAX)
 LATENCY_BATCHES = (1, 64)
 
 
@@ -33,6 +37,8 @@ def check_args(args, config) -> None:
     config, a checkpoint to read and where the results go."""
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    if not 0 < args.percentile <= 100:
+        cli.fail(f"--percentile={args.percentile:g} is in (0, 100], e.g. 99.99")
     if args.repeats < 1:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
@@ -158,8 +164,9 @@ def last_line(report: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in figures.items())
 
 
-def run(config, workdir: str, *, calibration_batches=8, activations="int8", overwrite=False,
-        repeats=5, latency_batches=LATENCY_BATCHES, devices=None, out=None) -> dict:  # fmt: skip
+def run(config, workdir: str, *, calibration_batches=8, calibration="max", percentile=99.99,
+        activations="int8", overwrite=False, repeats=5, latency_batches=LATENCY_BATCHES,
+        devices=None, out=None) -> dict:  # fmt: skip
     """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
     ``W/quantized/report.json``). Arguments are checked by ``check_args``. ``devices``: the
     mesh's, for reading the checkpoint (default: all); the rest runs on the first. ``out``:
@@ -202,7 +209,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
                 b["image"] for b in itertools.islice(r.data.train_batches(0), calibration_batches)
             ]
             used = len(images)
-            ranges = int8.calibrate(arch, layers, map(to_float, images))
+            ranges = int8.calibrate(arch, layers, map(to_float, images), calibration, percentile)
             if used < calibration_batches:
                 log(f"calibrated on {used} batches (a whole epoch), not "
                             f"{calibration_batches}")  # fmt: skip
@@ -225,7 +232,7 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             if e["examples"] != r.data.num_eval:
                 raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
         eval_s = time.time() - t0
-        log(f"calibrated on {used} batches in "
+        log(f"calibrated ({calibration}) on {used} batches in "
                     f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
 
         # ---- CPU latency, side by side ----
@@ -259,6 +266,8 @@ def run(config, workdir: str, *, calibration_batches=8, activations="int8", over
             "weights": "int8",
             "activations": activations,
             "calibration_batches": used,
+            "calibration": calibration if activations == "int8" else None,
+            "percentile": percentile if calibration == "percentile" else None,
             "calibration_s": round(calibrate_s, 3),
             "eval": evals,
             "top1_drop_points": round(100 * (f1 - q1), 4),
@@ -305,6 +314,16 @@ def main(argv=None) -> None:
         default=8,
         help="training batches that set the static activation scales (default 8)",
     )
+    parser.add_argument(
+        "--calibration",
+        choices=CALIBRATIONS,
+        default="max",
+        help="each activation's range: max |x| over the batches (default), a --percentile of "
+        "|x|, or mse: the range of least squared quantization error",
+    )
+    parser.add_argument(
+        "--percentile", type=cli.finite_float, default=99.99, help="for --calibration percentile"
+    )
     parser.add_argument("--weights", choices=("int8",), default="int8")
     parser.add_argument(
         "--activations",
@@ -331,6 +350,8 @@ def main(argv=None) -> None:
             c,
             args.workdir,
             calibration_batches=args.calibration_batches,
+            calibration=args.calibration,
+            percentile=args.percentile,
             activations=args.activations,
             overwrite=args.overwrite,
             repeats=args.repeats,

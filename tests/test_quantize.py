@@ -157,6 +157,36 @@ def test_int8_layer_is_exact_on_representable_values(unsigned):
         assert np.abs(bad - want).max() > 100 * tol
 
 
+# ---- activation ranges -------------------------------------------------------------------
+
+
+def _quantization_error(x, clip, levels):
+    step = clip / levels
+    return float(np.mean((x - np.minimum(np.round(x / step), levels) * step) ** 2))
+
+
+def test_clipped_ranges_cut_the_error_of_rare_large_inputs():
+    """Post-ReLU activations with a heavy tail (|Student t|, 3 degrees of freedom): the
+    percentile range is the sample's percentile (to a bin), and the mse range clips the
+    tail, with less squared quantization error than the largest |x|, than the percentile's
+    and than ranges a little above and below it."""
+    rng = np.random.default_rng(0)
+    x = np.abs(rng.standard_t(3, size=200_000)).astype(np.float32)
+    top, levels = float(x.max()), 2 * int8.QMAX + 1
+    counts = np.bincount(np.minimum((x / top * int8.BINS).astype(int), int8.BINS - 1),
+                         minlength=int8.BINS)  # fmt: skip
+    p99 = int8.clip_range(counts, top, levels, "percentile", 99.9)
+    assert abs(p99 - np.percentile(x, 99.9)) <= 2 * top / int8.BINS  # its bin's upper edge
+    mse = int8.clip_range(counts, top, levels, "mse", 0)
+    assert quantize.CALIBRATIONS == int8.CALIBRATIONS  # the CLI's choices (it keeps JAX out)
+    assert mse < 0.9 * top  # clips the tail
+    best = _quantization_error(x, mse, levels)
+    assert best < 0.9 * _quantization_error(x, top, levels)  # max |x|: coarser steps
+    assert best < _quantization_error(x, p99, levels)  # clips too much of the tail
+    assert best < _quantization_error(x, 0.8 * mse, levels)
+    assert best < _quantization_error(x, min(top, 1.2 * mse), levels)
+
+
 # ---- the command on a tiny trained run ---------------------------------------------------
 
 
@@ -180,7 +210,8 @@ def quantized(tmp_path_factory):
 def quantize_args(workdir):
     import argparse
 
-    return argparse.Namespace(workdir=workdir, calibration_batches=4, repeats=1, overwrite=False)
+    return argparse.Namespace(workdir=workdir, calibration_batches=4, repeats=1, overwrite=False,
+                              percentile=99.99)  # fmt: skip
 
 
 def test_int8_accuracy_and_size(quantized):
@@ -226,6 +257,29 @@ def test_exported_model_equals_in_process(quantized):
     convs = re.findall(r"stablehlo\.(?:convolution|dot_general)\b.*", text)
     assert len(convs) == len(int8.layer_paths(arch)), len(convs)
     assert all(re.search(r"xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>", c) for c in convs), convs
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse"])
+def test_clipped_calibration_quantizes_the_run(quantized, tmp_path, method):
+    """The command's percentile and mse ranges: from a histogram pass over the same batches,
+    within each tensor's largest |x| and below it somewhere, and the model stays accurate."""
+    w, _, plain = quantized
+    one = jax.devices()[:1]
+    report = quantize.run(cli.load_run(str(w)), str(w), calibration_batches=4, calibration=method,
+                          percentile=99.9, repeats=1, latency_batches=(1,), devices=one,
+                          out=str(tmp_path / method))  # fmt: skip
+    assert report["calibration"] == method and plain["calibration"] == "max"
+    ranges = report["activation_ranges"]
+    assert ranges.keys() == plain["activation_ranges"].keys()
+    for k, r in ranges.items():  # the same batches: the same min and max as max's pass
+        assert r["max_abs"] == plain["activation_ranges"][k]["max_abs"]
+        assert 0 < r["clip"] <= r["max_abs"]
+    assert any(r["clip"] < r["max_abs"] for r in ranges.values()), ranges
+    assert report["top1_drop_points"] <= 5.0, report["eval"]  # a barely trained net
+    with np.load(tmp_path / method / "params.npz") as f:  # the clipped steps are the saved ones
+        q = int8.unflat(f)
+    r = ranges["stage1_block0/conv1"]
+    assert float(q["stage1_block0/conv1"]["x_step"]) == pytest.approx(r["clip"] / 255, rel=1e-6)
 
 
 def test_existing_output_needs_overwrite(quantized):
@@ -287,6 +341,7 @@ def test_cli_without_config_takes_the_runs_config_json(quantized):
     p = _cli("--workdir", str(w), "--config.model.num_filters=16", config=())
     _assert_error(p, "another config", "num_filters was 8, now 16")
     _assert_error(_cli("--workdir", str(w / "nope"), config=()), "config.json")
+    _assert_error(_cli("--workdir", str(w), "--percentile", "0", config=()), "--percentile=0")
 
 
 # ---- the airbench net --------------------------------------------------------------------
