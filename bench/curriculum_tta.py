@@ -49,7 +49,9 @@ epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's sta
 ``stages=...``: another curriculum against the same fixed run). Called again with the same
 ``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,
 which must be the ones it would run now) and runs the seeds it lacks, so an interrupted
-measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs. A pair whose two
+measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; the records
+(``metrics.jsonl``, ``summary.json``, ``evaluator/`` and seedS/pair.json: no checkpoint is
+read again) may move to another ``--out`` or another machine's checkout. A pair whose two
 runs finished training but not their evaluation (seedS/commands.json, written when the pair
 starts, holds the commands) goes on at the evaluation; a pair stopped while training is an
 error naming its folder (a resumed run's clock would count the restart).
@@ -84,6 +86,17 @@ def trained(pair_dir: Path) -> bool:
         if not (summary or {}).get("completed"):
             return False
     return True
+
+
+def portable(commands: dict, out: Path) -> dict:
+    """``commands`` with ``--out`` and this checkout written ``{out}`` and ``{root}``, as
+    the pair's files record them: a finished pair's records copied to another machine or
+    another ``--out`` are still its own."""
+
+    def sub(arg: str) -> str:
+        return arg.replace(str(out), "{out}").replace(str(ROOT), "{root}")
+
+    return {n: [sub(a) for a in cmd] for n, cmd in commands.items()}
 
 
 def fail(message: str) -> None:
@@ -390,9 +403,10 @@ def main(argv=None) -> None:
     for seed in seeds:
         d = out / f"seed{seed}"
         cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
-        commands = {n: cmd[1:] for n, cmd in cmds.items()}  # as recorded: no interpreter path
+        commands = {n: cmd[1:] for n, cmd in cmds.items()}  # no interpreter path
         recorded = next((d / f for f in (PAIR, STARTED) if (d / f).exists()), None)
-        if recorded and json.loads(recorded.read_text()) != commands:
+        # an older bench recorded the absolute paths
+        if recorded and json.loads(recorded.read_text()) not in (portable(commands, out), commands):
             fail(
                 f"{d} holds a pair trained with other settings (its {recorded.name} has the "
                 "commands); pass the same arguments to reuse it, or another --out"
@@ -406,7 +420,7 @@ def main(argv=None) -> None:
             halves = halves if side_by_side else None
             if recorded is None:
                 d.mkdir()
-                (d / STARTED).write_text(json.dumps(commands, indent=2))
+                (d / STARTED).write_text(json.dumps(portable(commands, out), indent=2))
                 run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
             else:
                 print(f"== seed {seed}: trained in {d}; evaluating its checkpoints", flush=True)
@@ -416,7 +430,7 @@ def main(argv=None) -> None:
             subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
                             "--out", str(d / "report.png"), f"--target-top1={args.target}"],
                            cwd=ROOT, check=False)  # fmt: skip
-            (d / PAIR).write_text(json.dumps(commands, indent=2))
+            (d / PAIR).write_text(json.dumps(portable(commands, out), indent=2))
         pairs.append({"seed": seed, **{n: summarize(n, d / n, targets) for n in NAMES}})
         (out / "curriculum_tta.json").write_text(json.dumps(pairs, indent=2))
 

@@ -361,7 +361,8 @@ def test_curriculum_tta_plumbing(tmp_path):
     first checkpoint, no save or evaluation before it: the step's wall time); called again,
     it reuses the finished pairs, unless their settings differ. Planted bugs that fail it:
     the seed not passed to the runs, the evaluator not run, the last line's median from the
-    first seed only, a finished pair reused whatever its commands."""
+    first seed only, a finished pair reused whatever its commands, the commands recorded with
+    --out's absolute path."""
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
@@ -389,6 +390,14 @@ def test_curriculum_tta_plumbing(tmp_path):
     again = bench(*argv)
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == last
     assert "hybridpar.train" not in again.stdout
+    # Its records alone, moved to another --out, are the same finished pairs.
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns("checkpoints"))
+    elsewhere = bench(*[str(moved) if a == str(out) else a for a in argv])
+    assert elsewhere.returncode == 0, elsewhere.stdout[-3000:] + elsewhere.stderr[-3000:]
+    assert "hybridpar.train" not in elsewhere.stdout
+    assert "hybridpar.evaluate --workdir" not in elsewhere.stdout
+    assert elsewhere.stdout.strip().splitlines()[-1] == last
     other = bench(*argv, "--checkpoint-every-epochs", "0.5")
     assert (
         other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
