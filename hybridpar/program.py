@@ -81,6 +81,9 @@ class Program:
     shardings: Any  # NamedSharding tree of the (unboxed) TrainState
     channels: int
     teacher: Any = None  # a distill.Teacher (distill.teacher_workdir), or None
+    # the gradient sync (sync.make_sync), made with the program: a mesh it cannot run on is
+    # an error at set-up, before the run writes anything to its workdir
+    sync: Any = None
     # (kind, batch, image size) -> compiled step; and one record per compilation
     _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     compiles: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -143,14 +146,13 @@ class Program:
         }
 
     def _train_step_fn(self):
-        sync = make_sync(self.config, self.mesh, self.shardings)
         return make_train_step(
             self.model,
             self.tx,
             self.policy,
             self.schedule,
             head=self.head,
-            sync=sync,
+            sync=self.sync,
             teacher=self.teacher,
             **self._input_kw,
         )
@@ -342,4 +344,5 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
         shardings,
         config.data.channels,
         make_teacher(config, mesh),
+        make_sync(config, mesh, shardings),
     )

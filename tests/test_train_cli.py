@@ -134,14 +134,21 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
             ["--config.partitioning.rules=(('w[', (None,)),)"],
             "partitioning rule ('w[', (None,)): 'w[' is not a regex",
         ),
+        (
+            ["--config.mesh=data:4,model:2", "--config.comm.reduce_dtype=bfloat16"],
+            "comm.reduce_dtype='bfloat16' under comm.mode=xla needs a mesh over data only",
+        ),
     ],
 )
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
-    r = _run(["--config", DIGITS, "--workdir", str(tmp_path), *args])
+    w = tmp_path / "w"
+    r = _run(["--config", DIGITS, "--workdir", str(w), *args])
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert expect in r.stderr
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+    # nothing written: the same command, corrected, starts a new run there
+    assert not w.exists(), sorted(p.name for p in w.iterdir())
 
 
 def test_missing_config_and_unwritable_workdir(tmp_path):
