@@ -142,13 +142,52 @@ def _parse_value(key: str, raw: str, current):
         return raw
 
 
+# What other training codebases call some of our keys (Flax's examples, big_vision, timm),
+# so "did you mean" finds ours from theirs.
+KNOWN_AS = {
+    "learning_rate": "optim.base_lr",
+    "lr": "optim.base_lr",
+    "base_learning_rate": "optim.base_lr",
+    "batch_size": "global_batch",
+    "epochs": "num_epochs",
+    "total_epochs": "num_epochs",
+    "wd": "optim.weight_decay",
+    "optimizer": "optim.name",
+    "model_name": "model.name",
+    "dataset": "data.name",
+}
+
+
+def suggest(key: str, keys) -> list[str]:
+    """Up to three keys of ``keys`` that ``key`` may have meant, the likeliest first: by how
+    close the dotted key is, or its last part to a key's last part or ``KNOWN_AS`` name, so a
+    key in the wrong section or under another codebase's name is found too."""
+
+    def close(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    leaf = key.rsplit(".", 1)[-1]
+    aliases: dict[str, list[str]] = {}
+    for alias, k in KNOWN_AS.items():
+        aliases.setdefault(k, []).append(alias)
+    score = {
+        k: max(
+            [close(key, k), close(leaf, k.rsplit(".", 1)[-1])]
+            + [close(leaf, a) for a in aliases.get(k, [])]
+        )  # fmt: skip
+        for k in keys
+    }
+    best = sorted((k for k in score if score[k] >= 0.6), key=lambda k: (-score[k], k))
+    return best[:3]
+
+
 def apply_overrides(config, overrides: Sequence[tuple[str, str]], source: str = "the config"):
     """Sets each ``(dotted key, raw value)`` on ``config`` (a ConfigDict or any nested
     mapping); an unknown key is an error that suggests the closest ones."""
     keys = set(config_keys(config))
     for key, raw in overrides:
         if key not in keys:
-            close = difflib.get_close_matches(key, sorted(keys), n=3)
+            close = suggest(key, keys)
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             fail(
                 f"no config key {key!r}{hint} (keys are set as --config.KEY=VALUE; see "

@@ -69,10 +69,8 @@ def parse_space(config) -> list[dict]:
             or key.startswith("tune.")
             or hasattr(config_value(config, key), "items")
         ):
-            import difflib
-
             leaves = [k for k in keys if not hasattr(config_value(config, k), "items")]
-            close = difflib.get_close_matches(key, sorted(leaves), n=1)
+            close = cli.suggest(key, [k for k in leaves if not k.startswith("tune.")])
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(
                 f"tune.space: {key!r} is not a config key to search{hint}; name one of "
