@@ -456,11 +456,11 @@ def _check_finite(c, prefix: str = "") -> None:
             )
 
 
-def validate(c: ml_collections.ConfigDict) -> None:
+def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
     """Checks every enum-like key, range and cross-key rule that needs no devices, and
     raises one ``ConfigError`` naming the key, the bad value, the valid ones and the fix.
     Mesh-dependent checks (batch divisibility, rules that must divide) come when the mesh
-    is built."""
+    is built. ``sources``: that the runs ``init_from`` and the teacher name are there."""
     for key, valid in CHOICES.items():
         if _get(c, key) not in valid:
             raise _choice_error(key, _get(c, key), valid)
@@ -550,7 +550,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
                 "--config.data.image_size or the --config.stages sizes to 10 or more"
             )
     _check_widths(c)
-    _check_runs(c)
+    _check_runs(c, sources)
     if c.stop_at_target and c.target_top1 <= 0 and c.target_top5 <= 0:
         raise ConfigError(
             "stop_at_target=True needs a target to stop at: set --config.target_top1=... "
@@ -593,12 +593,13 @@ def _check_widths(c) -> None:
             )
 
 
-def _check_runs(c) -> None:
-    """``init_from`` and ``distill.teacher_workdir`` name runs: a directory with the
-    config.json the trainer (or hybridpar.prune) writes there."""
+def _check_runs(c, sources: bool) -> None:
+    """``init_from`` and ``distill.teacher_workdir`` name runs (with ``sources``; a tool that
+    never trains reads neither): a directory with the config.json the trainer (or
+    hybridpar.prune) writes there."""
     for key, path in (("init_from", c.init_from), ("distill.teacher_workdir",
                                                      c.distill.teacher_workdir)):  # fmt: skip
-        if path and not os.path.isfile(os.path.join(path, "config.json")):
+        if sources and path and not os.path.isfile(os.path.join(path, "config.json")):
             raise ConfigError(
                 f"{key}={path!r} is not a run: no config.json there; pass the --workdir of "
                 "a training run (or the --out of python -m hybridpar.prune)"

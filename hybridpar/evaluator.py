@@ -279,7 +279,7 @@ def run(
         config = cli.load_run(workdir, overrides)
     checked = check_run_of(config, workdir)  # before any device or data is touched
     # workdir None: none of the trainer's workdir checks and writes (we only read there)
-    r = setup(config, None, devices=devices)
+    r = setup(config, None, devices=devices, for_training=False)
     log(describe_mesh(r.mesh))
     evaluator = Evaluator(r, workdir)
     try:

@@ -294,10 +294,11 @@ def widths(m) -> dict:
     return {k: m[k] for k in keys if m[k]}
 
 
-def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
+def build_program(config, mesh, plan: StagePlan | None = None, teacher: bool = True) -> Program:
     """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
     size); None for tools that compile without data, which get one stage of the config's
-    nominal ``data.train_examples``."""
+    nominal ``data.train_examples``. ``teacher``: False leaves a distilled run's teacher
+    out (its eval step needs none)."""
     if plan is None:
         stages = stages_from_config(config, data_parallel_size(mesh))
         plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
@@ -343,6 +344,6 @@ def build_program(config, mesh, plan: StagePlan | None = None) -> Program:
         abstract,
         shardings,
         config.data.channels,
-        make_teacher(config, mesh),
+        make_teacher(config, mesh) if teacher else None,
         make_sync(config, mesh, shardings),
     )

@@ -181,7 +181,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="max", perce
     from hybridpar.run import log, setup
     from hybridpar.steps import normalize
 
-    r = setup(config, None, devices=devices)
+    r = setup(config, None, devices=devices, for_training=False)
     saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
     try:
         restored = saver.restore(r.program.abstract_state())

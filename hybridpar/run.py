@@ -58,7 +58,7 @@ def setup(config, workdir: str | None = None, **kwargs) -> Run:
     after the directory checks (a mesh larger than the devices, data that does not match
     the config): the workdir, checkpoint and compile-cache directories it created are
     removed again while still empty."""
-    validate(config)  # first: the paths below come from the config
+    validate(config, sources=kwargs.get("for_training", True))  # first: the paths below
     made = [] if workdir is None else _missing(workdir)
     for path in (
         workdir and checkpoint.checkpoint_dir(config, workdir),
@@ -89,6 +89,7 @@ def _setup(
     locks: list | None = None,
     compiled: str | None = None,
     recompile: bool = False,
+    for_training: bool = True,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
@@ -96,7 +97,9 @@ def _setup(
     all).
     ``allow_config_change``: resume a workdir's run with a config that differs from its own.
     ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
-    of compiling; one that does not fit the run is an error, or with ``recompile`` a warning."""
+    of compiling; one that does not fit the run is an error, or with ``recompile`` a warning.
+    ``for_training``: False for tools that never train (the evaluator, quantize): a run's
+    ``init_from`` and distillation teacher need not be there any more."""
     start = time.time()
     finished = None
     if workdir is not None:
@@ -135,7 +138,7 @@ def _setup(
         plan = plan_stages(stages, data.steps_for)
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
-    program = build_program(config, mesh, plan)
+    program = build_program(config, mesh, plan, teacher=for_training)
     if compiled:
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)

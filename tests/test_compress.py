@@ -284,6 +284,17 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
             for i in (0, 1)]  # fmt: skip
     assert rows[1]["params"] < 0.4 * rows[0]["params"]
     assert (t / "compress" / "front.png").exists() and (t / "compress" / "rounds.md").exists()
+    # The round's distilled run is evaluated and quantized without its teacher (moved away
+    # with it: the run's config still names the old path).
+    moved = tmp_path / "moved"
+    t.rename(moved)
+    student = moved / "compress" / "round_01" / "run"
+    assert json.loads((student / "config.json").read_text())["distill"]["teacher_workdir"]
+    for tool in ("evaluate", "quantize"):
+        cmd = [sys.executable, "-m", f"hybridpar.{tool}", "--workdir", str(student)]
+        cmd += ["--repeats", "1"] if tool == "quantize" else []
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (tool, r.stderr[-3000:])
 
 
 @pytest.mark.parametrize(
