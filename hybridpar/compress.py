@@ -1,5 +1,6 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
-[--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn] [--max-rounds 8]``.
+[--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn] [--max-rounds 8]
+[--calibration max|percentile|mse]``.
 
 The compress-and-retrain loop on the trained run in ``W`` (the teacher, read only). Round 0
 is the teacher itself in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the
@@ -34,7 +35,8 @@ from hybridpar.errors import ConfigError
 DIR = "compress"
 # What makes the rounds' models: another value on an existing loop is an error. The budget
 # and the drop only say when to stop, so they may change.
-SETTINGS = ("step", "epochs", "criterion", "calibration_batches")
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration")
+BEFORE = {"calibration": "max"}  # what a loop's settings.json without the key was made with
 
 
 class Stop:
@@ -107,12 +109,12 @@ def check_settings(args) -> None:
     with open(path) as f:
         saved = json.load(f)
     for k, v in settings_of(args).items():
-        if saved.get(k) != v:
-            flag = "--" + k.replace("_", "-")
+        was = saved.get(k, BEFORE.get(k))
+        if was != v:
+            flag, loop = "--" + k.replace("_", "-"), os.path.dirname(path)
             raise ConfigError(
-                f"{os.path.dirname(path)} holds a loop with {flag}={saved.get(k)} (not {v}): "
-                f"pass {flag}={saved.get(k)} to continue it, or move {os.path.dirname(path)} "
-                "away to start another"
+                f"{loop} holds a loop with {flag}={was} (not {v}): pass {flag}={was} to "
+                f"continue it, or move {loop} away to start another"
             )
 
 
@@ -219,7 +221,8 @@ def run(config, args, log=print) -> dict | None:
     root = os.path.join(w, DIR)
     os.makedirs(root, exist_ok=True)
     write_json(os.path.join(root, "settings.json"), settings_of(args))
-    qkw = dict(calibration_batches=args.calibration_batches, repeats=args.repeats,
+    qkw = dict(calibration_batches=args.calibration_batches, calibration=args.calibration,
+               repeats=args.repeats,
                latency_batches=(1,), overwrite=True)  # fmt: skip
     rows, t0 = [], time.time()
     # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
@@ -313,6 +316,8 @@ def main(argv=None) -> None:
 
 
 def _main(argv) -> None:
+    from hybridpar import quantize
+
     parser = cli.ArgumentParser("python -m hybridpar.compress", __doc__)
     parser.add_argument("--workdir", help="the trained teacher's run (read only)")
     parser.add_argument("--budget-kb", type=cli.finite_float,
@@ -327,6 +332,8 @@ def _main(argv) -> None:
                         help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
     parser.add_argument("--calibration-batches", type=int, default=8)
+    parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="max",
+                        help="activation ranges, as hybridpar.quantize's")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed calls per latency figure (median)")  # fmt: skip
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -297,6 +297,22 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
         assert r.returncode == 0, (tool, r.stderr[-3000:])
 
 
+def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
+    import argparse
+
+    from hybridpar import compress
+    from hybridpar.errors import ConfigError
+
+    (tmp_path / compress.DIR).mkdir()
+    old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
+    (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
+    args = argparse.Namespace(workdir=str(tmp_path), **old, calibration="max")
+    compress.check_settings(args)  # the calibration it was made with
+    args.calibration = "mse"
+    with pytest.raises(ConfigError, match="--calibration=max"):
+        compress.check_settings(args)
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
