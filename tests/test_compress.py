@@ -320,8 +320,10 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
         (["--step", "1.5"], "--step=1.5 must be in (0, 1)"),
         (["--max-drop", "-1"], "--max-drop=-1.0 must be >= 0"),
         (["--epochs", "2"], "holds a loop with --epochs=4"),
+        ([], "config.json: pass the --workdir of a training run"),
+        ([], "no checkpoint"),
     ],
-    ids=["budget", "step", "drop", "other-loop"],
+    ids=["budget", "step", "drop", "other-loop", "not-a-run", "no-checkpoint"],
 )
 def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar import compress
@@ -334,9 +336,16 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
         os.symlink(teacher[0] / "checkpoints", t / "checkpoints")
         (t / "compress" / "settings.json").write_text(json.dumps(
             {"step": 0.5, "epochs": 4.0, "criterion": "l1", "calibration_batches": 2}))  # fmt: skip
+    elif message.startswith("config.json") or message == "no checkpoint":  # not a run
+        t = tmp_path / "t"
+        t.mkdir()
+        if message == "no checkpoint":
+            (t / "config.json").write_text((teacher[0] / "config.json").read_text())
     argv = _compress(t)[3:] + extra
     with pytest.raises(SystemExit) as e:
         compress.main(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    if t.parent == tmp_path:
+        assert not (t / "compress").exists() or "holds a loop" in message
