@@ -187,7 +187,7 @@ def _step_within(run, target, kind: str, batch: int, size: int):
     if target.platform == "gpu":
         need = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
         if need > target.chip.hbm_bytes:
-            run.program._compiled.pop((kind, batch, size), None)  # not a usable program
+            run.program.forget((kind, batch, size))  # not a usable program
             raise OverHbm(need, target.chip.hbm_bytes)
     return compiled
 

@@ -75,7 +75,7 @@ def save(path: str, program, target: str) -> dict:
 
     header = {"format": FORMAT, "target": target, **describe(program), "programs": []}
     entries = []
-    for (kind, batch, size), compiled in program._compiled.items():
+    for (kind, batch, size), compiled in program.compiled_programs().items():
         payload, in_tree, out_tree = serialize(compiled)
         entries.append(((kind, batch, size), payload, in_tree, out_tree))
         header["programs"].append({"program": kind, "batch": batch, "image_size": size})

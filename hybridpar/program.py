@@ -225,6 +225,16 @@ class Program:
             self._compiler.shutdown(wait=False, cancel_futures=True)
             self._compiler, self._pending = None, {}
 
+    def compiled_programs(self) -> dict:
+        """``{(kind, batch, image size): compiled}``: every step compiled (or loaded) so far,
+        in order (``hybridpar.executables`` writes them to a file)."""
+        return dict(self._compiled)
+
+    def forget(self, key: tuple) -> None:
+        """Drops the compiled step for ``key`` (one that cannot run: the next call compiles
+        it again)."""
+        self._compiled.pop(key, None)
+
     def preload(self, key: tuple, compiled, load_s: float, source: str) -> None:
         """``compiled`` (an executable loaded from ``source``) as the step for ``key``
         (kind, batch, image size): that step then compiles nothing."""
