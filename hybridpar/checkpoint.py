@@ -27,7 +27,7 @@ import time
 
 import jax
 
-from hybridpar.errors import SaveFailed, WorkdirError
+from hybridpar.errors import ConfigError, SaveFailed, WorkdirError
 from hybridpar.run_records import read_json, read_records, write_json
 
 ITEMS = ("state", "loop", "config")
@@ -207,6 +207,19 @@ def directory_bytes(path: str) -> int:
 
 
 _single_writer = False  # orbax's array handler replaced (once per process)
+
+
+def latest_state(config, workdir: str, abstract_state):
+    """The train state of the latest checkpoint of the run of ``config`` in ``workdir``,
+    read into ``abstract_state``'s shardings (``Program.abstract_state()``)."""
+    saver = Checkpoints(checkpoint_dir(config, workdir), read_only=True)
+    try:
+        restored = saver.restore(abstract_state)
+    finally:
+        saver.close()
+    if restored is None:
+        raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
+    return restored[1]
 
 
 class Checkpoints:

@@ -483,7 +483,7 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             "(one per channel, data.channels)"
         )
     if c.comm.reduce_dtype != "float32" and c.model.head != "dense":
-        # The explicit reduction (steps.XlaSync) runs the loss per device under shard_map,
+        # The explicit reduction (sync.XlaSync) runs the loss per device under shard_map,
         # where a sharded head's own collectives over the model axis are not set up.
         raise ConfigError(
             f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs model.head=dense (a "

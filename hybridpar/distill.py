@@ -65,9 +65,10 @@ class Teacher:
 
     def variables(self):
         if self._variables is None:
-            from hybridpar import prune
+            from hybridpar import checkpoint
 
-            state = prune.latest_state(self.config, self.workdir, self.program)
+            abstract = self.program.abstract_state()
+            state = checkpoint.latest_state(self.config, self.workdir, abstract)
             self._variables = {"params": state.params, "batch_stats": state.batch_stats}
         return self._variables
 

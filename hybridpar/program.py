@@ -18,7 +18,6 @@ import numpy as np
 
 from hybridpar import compile_cache, partitioning
 from hybridpar.curriculum import StagePlan, plan_stages, stages_from_config
-from hybridpar.distill import make_teacher
 from hybridpar.errors import ConfigError
 from hybridpar.heads import Head, make_head
 from hybridpar.mesh import data_parallel_size
@@ -304,11 +303,12 @@ def widths(m) -> dict:
     return {k: m[k] for k in keys if m[k]}
 
 
-def build_program(config, mesh, plan: StagePlan | None = None, teacher: bool = True) -> Program:
+def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> Program:
     """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
     size); None for tools that compile without data, which get one stage of the config's
-    nominal ``data.train_examples``. ``teacher``: False leaves a distilled run's teacher
-    out (its eval step needs none)."""
+    nominal ``data.train_examples``. ``teacher``: a distilled run's ``distill.Teacher``,
+    whose forward pass its train step runs (``run.setup`` makes it; a program without one
+    evaluates, prunes or serves as a teacher itself)."""
     if plan is None:
         stages = stages_from_config(config, data_parallel_size(mesh))
         plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
@@ -354,6 +354,6 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher: bool = T
         abstract,
         shardings,
         config.data.channels,
-        make_teacher(config, mesh) if teacher else None,
+        teacher,
         make_sync(config, mesh, shardings),
     )

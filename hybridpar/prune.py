@@ -178,29 +178,14 @@ def read_run(workdir: str, mesh, partitioning=None):
     """``(config, program, state)``: the run in ``workdir`` (its config.json) and its latest
     checkpoint, read into its shardings on ``mesh`` (with ``partitioning``, another
     config's placement section: a teacher placed like its student)."""
-    from hybridpar import program
+    from hybridpar import checkpoint, program
 
     config = cli.load_run(workdir)
     if partitioning is not None:
         with config.unlocked():
             config.partitioning = partitioning
     prog = program.build_program(config, mesh)
-    return config, prog, latest_state(config, workdir, prog)
-
-
-def latest_state(config, workdir: str, prog):
-    """The latest checkpoint of the run of ``config`` in ``workdir``, read into ``prog``'s
-    shardings."""
-    from hybridpar import checkpoint
-
-    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
-    try:
-        restored = saver.restore(prog.abstract_state())
-    finally:
-        saver.close()
-    if restored is None:
-        raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
-    return restored[1]
+    return config, prog, checkpoint.latest_state(config, workdir, prog.abstract_state())
 
 
 def start_from(path: str, state, prog):

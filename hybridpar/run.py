@@ -22,6 +22,7 @@ import jax
 from hybridpar import checkpoint, comm, compile_cache, distributed, executables, workdir_lock
 from hybridpar.config import validate
 from hybridpar.curriculum import PlannedStage, StagePlan, plan_stages, stages_from_config
+from hybridpar.distill import make_teacher
 from hybridpar.mesh import data_parallel_size, make_mesh
 from hybridpar.metrics import MetricsWriter
 from hybridpar.program import Program, build_program, check_batch_sizes, memory_of
@@ -138,7 +139,8 @@ def _setup(
         plan = plan_stages(stages, data.steps_for)
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
-    program = build_program(config, mesh, plan, teacher=for_training)
+    teacher = make_teacher(config, mesh) if for_training else None
+    program = build_program(config, mesh, plan, teacher)
     if compiled:
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)

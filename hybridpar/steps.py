@@ -9,18 +9,16 @@ step computes what one device would.
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from hybridpar.errors import ConfigError
 from hybridpar.partitioning import Rules, batch_sharding, replicated
 from hybridpar.precision import Policy, all_finite
 from hybridpar.state import TrainState
+from hybridpar.sync import XlaSync
 
 
 def normalize(images, mean, std, dtype):
@@ -69,49 +67,6 @@ class DenseHead:
 
 
 DENSE = DenseHead()  # the head wherever none is given (stateless: one serves every step)
-
-
-class XlaSync:
-    """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
-    (and combines them as its flags allow; ``comm.mode=xla``). ``sync.BucketedSync`` is
-    the other choice, with the same ``gradients``.
-
-    ``reduce_dtype`` other than float32 (``comm.reduce_dtype``, data-parallel meshes): XLA
-    would reduce each gradient in the dtype of the op computing it, before any cast of ours,
-    so each device computes its own slice's gradient under ``jax.shard_map`` and they are
-    summed with one ``psum`` in ``reduce_dtype``, cast back to the gradients' dtype after;
-    the loss and BatchNorm statistics are averaged in float32 (the bucketed step's psums,
-    in one bucket).
-    """
-
-    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global"):
-        self.mesh, self.bn_sync = mesh, bn_sync
-        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
-        others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
-        if self.reduce_dtype is not None and others:
-            # Data parallel only: FSDP's split parameters would be gathered whole per device,
-            # and with a model axis left to XLA inside shard_map the TPU compiler moved several
-            # times the bytes, while XLA:CPU could not widen the bfloat16 psum.
-            raise ConfigError(
-                f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
-                f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
-                "use --config.comm.mode=bucketed (data and fsdp) or comm.reduce_dtype=float32"
-            )
-
-    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
-        if self.reduce_dtype is not None:
-            return self._one_bucket.gradients(model, state, images, labels, loss_fn_for)
-        loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
-        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
-        return grads, loss, batch_stats
-
-    @functools.cached_property
-    def _one_bucket(self):
-        """The reduction made explicit: the bucketed sync with one bucket of every gradient
-        (no size limit) over replicated parameters, the mesh being data parallel only."""
-        from hybridpar.sync import BucketedSync  # sync imports this module
-
-        return BucketedSync(self.mesh, math.inf, self.bn_sync, None, self.reduce_dtype)
 
 
 def scaled_loss_fn(

@@ -2,7 +2,7 @@
 ``GradientSync`` a step is built with (``steps.make_train_step(sync=...)``), and
 ``make_sync``, which picks the one ``comm.mode`` names.
 
-``steps.XlaSync`` (``comm.mode=xla``) leaves the all-reduces to XLA. ``BucketedSync``
+``XlaSync`` (``comm.mode=xla``) leaves the all-reduces to XLA. ``BucketedSync``
 (``comm.mode=bucketed``) runs the loss and gradients per device under ``jax.shard_map`` and
 reduces them in buckets with ``hybridpar.bucketed``'s collectives on plain pytrees (that
 module's docstring says how); it knows the train state, the model and the loss, which the
@@ -11,6 +11,8 @@ collectives beside the partitioning do not.
 
 from __future__ import annotations
 
+import functools
+import math
 from typing import Protocol
 
 import jax
@@ -33,7 +35,6 @@ from hybridpar.errors import ConfigError
 from hybridpar.mesh import BATCH_AXES, data_parallel_size
 from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
 from hybridpar.state import TrainState
-from hybridpar.steps import XlaSync
 
 
 def _check_mesh(mesh) -> int:
@@ -70,7 +71,7 @@ class BucketedSync:
     Each device computes its own slice's loss and gradients under ``jax.shard_map``; the
     gradients are reduced in buckets (one ``psum``, or with FSDP one ``psum_scatter``, per
     bucket), and FSDP-split parameters gathered in buckets before the forward pass. Same
-    ``gradients`` as ``steps.XlaSync``, so the step around it is the one plain step.
+    ``gradients`` as ``XlaSync``, so the step around it is the one plain step.
 
     ``shardings``: the state's ``NamedSharding`` tree (None: all replicated). The model
     passed to ``gradients`` may be the one built for ``comm.mode=xla`` (any
@@ -162,6 +163,47 @@ class BucketedSync:
         return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
 
 
+class XlaSync:
+    """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
+    (and combines them as its flags allow; ``comm.mode=xla``). ``BucketedSync`` is the
+    other choice, with the same ``gradients``.
+
+    ``reduce_dtype`` other than float32 (``comm.reduce_dtype``, data-parallel meshes): XLA
+    would reduce each gradient in the dtype of the op computing it, before any cast of ours,
+    so each device computes its own slice's gradient under ``jax.shard_map`` and they are
+    summed with one ``psum`` in ``reduce_dtype``, cast back to the gradients' dtype after;
+    the loss and BatchNorm statistics are averaged in float32 (the bucketed step's psums,
+    in one bucket).
+    """
+
+    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global"):
+        self.mesh, self.bn_sync = mesh, bn_sync
+        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
+        others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
+        if self.reduce_dtype is not None and others:
+            # Data parallel only: FSDP's split parameters would be gathered whole per device,
+            # and with a model axis left to XLA inside shard_map the TPU compiler moved several
+            # times the bytes, while XLA:CPU could not widen the bfloat16 psum.
+            raise ConfigError(
+                f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
+                f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
+                "use --config.comm.mode=bucketed (data and fsdp) or comm.reduce_dtype=float32"
+            )
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        if self.reduce_dtype is not None:
+            return self._one_bucket.gradients(model, state, images, labels, loss_fn_for)
+        loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
+        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        return grads, loss, batch_stats
+
+    @functools.cached_property
+    def _one_bucket(self):
+        """The reduction made explicit: the bucketed sync with one bucket of every gradient
+        (no size limit) over replicated parameters, the mesh being data parallel only."""
+        return BucketedSync(self.mesh, math.inf, self.bn_sync, None, self.reduce_dtype)
+
+
 class GradientSync(Protocol):
     """How a train step reduces its gradients across the data-parallel devices: the loss
     and BatchNorm statistics of the global batch and the gradients of the (scaled) loss,
@@ -173,7 +215,7 @@ class GradientSync(Protocol):
 
 def make_sync(config, mesh, shardings) -> GradientSync:
     """The gradient sync ``comm.mode`` names (``config.validate`` checked the name):
-    ``steps.XlaSync`` or ``BucketedSync``."""
+    ``XlaSync`` or ``BucketedSync``."""
     if config.comm.mode == "bucketed":
         c = config.comm
         return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)

@@ -50,8 +50,8 @@ from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.precision import LossScale, Policy
 from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import XlaSync, jit_train_step, make_train_step, normalize, scaled_loss_fn
-from hybridpar.sync import BucketedSync, make_sync
+from hybridpar.steps import jit_train_step, make_train_step, normalize, scaled_loss_fn
+from hybridpar.sync import BucketedSync, XlaSync, make_sync
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3

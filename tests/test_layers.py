@@ -6,6 +6,8 @@
   processes) imports nothing of the program layer (steps, train state, program, precision,
   gradient syncs, heads, run, trainer), directly or through another module: read from the
   source with ``ast``, so imports inside functions count too.
+* No module imports itself through others (no import cycle, function-level imports
+  included), and only the train command and tune import the trainer.
 """
 
 import ast
@@ -130,3 +132,35 @@ def test_only_the_train_command_and_tune_import_the_trainer():
         if "hybridpar.trainer" in _imports(m.removesuffix(".__init__"))
     ]
     assert sorted(importers) == ["hybridpar.train", "hybridpar.tune"], importers
+
+
+def _modules() -> list[str]:
+    files = sorted((ROOT / "hybridpar").rglob("*.py"))
+    names = ["hybridpar." + ".".join(f.relative_to(ROOT / "hybridpar").with_suffix("").parts)
+             for f in files]  # fmt: skip
+    return [m.removesuffix(".__init__") for m in names]
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle between hybridpar's modules (inside functions too): each layer only
+    looks down. A package's face (``hybridpar.models`` and its ``__init__``) is left out,
+    as a name that only hands its modules on."""
+
+    def deps(m: str) -> set[str]:
+        return {d for d in _imports(m) if d != m and d not in ("hybridpar", m.rpartition(".")[0])}
+
+    cycles = []
+    for m in _modules():
+        for d in deps(m):
+            if m in _reach_through(d, deps):
+                cycles.append(f"{m} -> {d} -> ... -> {m}")
+    assert not cycles, cycles
+
+
+def _reach_through(start: str, deps) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        for d in deps(todo.pop()) - seen:
+            seen.add(d)
+            todo.append(d)
+    return seen
