@@ -332,7 +332,7 @@ def _main(argv) -> None:
                         help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
     parser.add_argument("--calibration-batches", type=int, default=8)
-    parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="max",
+    parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="mse",
                         help="activation ranges, as hybridpar.quantize's")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed calls per latency figure (median)")  # fmt: skip

@@ -164,7 +164,7 @@ def last_line(report: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in figures.items())
 
 
-def run(config, workdir: str, *, calibration_batches=8, calibration="max", percentile=99.99,
+def run(config, workdir: str, *, calibration_batches=8, calibration="mse", percentile=99.99,
         activations="int8", overwrite=False, repeats=5, latency_batches=LATENCY_BATCHES,
         devices=None, out=None) -> dict:  # fmt: skip
     """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
@@ -317,9 +317,9 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--calibration",
         choices=CALIBRATIONS,
-        default="max",
-        help="each activation's range: max |x| over the batches (default), a --percentile of "
-        "|x|, or mse: the range of least squared quantization error",
+        default="mse",
+        help="each activation's range: mse, the range of least squared quantization error "
+        "(default), max |x| over the batches, or a --percentile of |x|",
     )
     parser.add_argument(
         "--percentile", type=cli.finite_float, default=99.99, help="for --calibration percentile"

@@ -308,7 +308,7 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
     args = argparse.Namespace(workdir=str(tmp_path), **old, calibration="max")
     compress.check_settings(args)  # the calibration it was made with
-    args.calibration = "mse"
+    args.calibration = "mse"  # today's default
     with pytest.raises(ConfigError, match="--calibration=max"):
         compress.check_settings(args)
 

@@ -259,22 +259,26 @@ def test_exported_model_equals_in_process(quantized):
     assert all(re.search(r"xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>", c) for c in convs), convs
 
 
-@pytest.mark.parametrize("method", ["percentile", "mse"])
-def test_clipped_calibration_quantizes_the_run(quantized, tmp_path, method):
-    """The command's percentile and mse ranges: from a histogram pass over the same batches,
-    within each tensor's largest |x| and below it somewhere, and the model stays accurate."""
-    w, _, plain = quantized
+@pytest.mark.parametrize("method", ["max", "percentile"])
+def test_each_calibration_quantizes_the_run(quantized, tmp_path, method):
+    """The command's ranges over the same batches: ``max`` each tensor's largest |x|;
+    ``percentile`` and ``mse`` (the default, the fixture's) from a histogram pass, within it
+    and below it somewhere; the model stays accurate, and the saved steps are the ranges'."""
+    w, _, default = quantized
     one = jax.devices()[:1]
     report = quantize.run(cli.load_run(str(w)), str(w), calibration_batches=4, calibration=method,
                           percentile=99.9, repeats=1, latency_batches=(1,), devices=one,
                           out=str(tmp_path / method))  # fmt: skip
-    assert report["calibration"] == method and plain["calibration"] == "max"
-    ranges = report["activation_ranges"]
-    assert ranges.keys() == plain["activation_ranges"].keys()
-    for k, r in ranges.items():  # the same batches: the same min and max as max's pass
-        assert r["max_abs"] == plain["activation_ranges"][k]["max_abs"]
-        assert 0 < r["clip"] <= r["max_abs"]
-    assert any(r["clip"] < r["max_abs"] for r in ranges.values()), ranges
+    assert report["calibration"] == method and default["calibration"] == "mse"
+    ranges, mse = report["activation_ranges"], default["activation_ranges"]
+    assert ranges.keys() == mse.keys()
+    for k, r in ranges.items():  # the same batches: the same min and max |x|
+        assert r["max_abs"] == mse[k]["max_abs"]
+        assert 0 < mse[k]["clip"] <= r["max_abs"]
+        assert r["clip"] == r["max_abs"] if method == "max" else 0 < r["clip"] <= r["max_abs"]
+    assert any(r["clip"] < r["max_abs"] for r in mse.values()), mse
+    if method != "max":
+        assert any(r["clip"] < r["max_abs"] for r in ranges.values()), ranges
     assert report["top1_drop_points"] <= 5.0, report["eval"]  # a barely trained net
     with np.load(tmp_path / method / "params.npz") as f:  # the clipped steps are the saved ones
         q = int8.unflat(f)
