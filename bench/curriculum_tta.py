@@ -27,7 +27,11 @@ it, from the run's start (set-up and compilation included), checkpoint saves and
 excluded: the trainer's own count of time in steps (each train line's steps x batch /
 images per second) after the time before its first step. Also without compilation. It is
 resolved to the checkpoint interval (the target may have been reached up to one interval
-earlier). The data is prepared before any run starts, so no clock includes that.
+earlier). Also on the steady clock: each step counted at its shape's median step time
+(``training_clock``), what the run would have taken with nothing else on the machine; on a
+shared machine the two runs of a pair are at different epochs when something else loads
+it, so that load need not cost them alike before their targets. The data is prepared
+before any run starts, so no clock includes that.
 
 Per seed and run: the time to ``--target`` and to the recipe's final target, and the final
 top-1 (at the last step); the speedup, fixed's time over the curriculum's (``inf`` where
@@ -41,7 +45,8 @@ stall). Over the seeds: the median, min and max of each speedup, each seed's row
 
 The last line starts with ``tta_speedup_80=`` (the median over the seeds of fixed's time to
 ``--target`` over the curriculum's), then ``tta_speedup_80_min=``, ``tta_speedup_80_max=``
-and ``seeds=``. Data: the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
+and ``seeds=``, then the same on the steady clock (``tta_speedup_80_steady=`` ...). Data:
+the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
 prepared on first use into ``~/.cache/hybridpar``. Three pairs of the cpu variant at its 8
 epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's stages scaled),
 ``--seeds`` sets how many pairs.
@@ -217,25 +222,40 @@ def stalls(recs: list[dict]) -> list[dict]:
     return out
 
 
-def training_clock(recs: list[dict]) -> dict[int, tuple[float, float]]:
-    """Step -> (seconds from the run's start, the same less compilation) at the end of each
-    step a train line ends at: the time before the first step (set-up, compilation) plus the
-    time in steps as the trainer counts it, each train line's steps x batch / images per
-    second, which leaves out evaluation and checkpoint saves (the trainer's clock restarts
-    after each). Compilation: as the trainer counts it (a background compile, its wait)."""
-    out, compile_s, start_s, in_steps, last = {}, 0.0, None, 0.0, 0
+def training_clock(recs: list[dict]) -> dict[int, tuple[float, float, float]]:
+    """Step -> (seconds from the run's start, the same less compilation, the steady clock's
+    seconds) at the end of each step a train line ends at: the time before the first step
+    (set-up, compilation) plus the time in steps as the trainer counts it, each train line's
+    steps x batch / images per second, which leaves out evaluation and checkpoint saves (the
+    trainer's clock restarts after each). Compilation: as the trainer counts it (a
+    background compile, its wait). The steady clock counts each step at the median step
+    time of its shape (image size, batch) over the run instead: what a machine with nothing
+    else on it would have taken, robust to a stretch of load (on a shared machine, whatever
+    else runs slows whichever steps run then: the two runs of a pair are at different
+    epochs, so load that hits both alike need not cost them alike before their targets)."""
+    compile_s, start_s, last, lines = 0.0, None, 0, []
     for r in recs:
         if r["event"] == "compile":
             compile_s += r["wait_s"] if r.get("background") else r["compile_s"]
         elif r["event"] == "train":
-            dt = (r["step"] - last) * r["global_batch"] / r["images_per_s"]
+            steps = r["step"] - last
+            dt = steps * r["global_batch"] / r["images_per_s"]
             if start_s is None:
                 start_s = r["wall_s"] - dt  # the run's start to its first step
-            in_steps, last = in_steps + dt, r["step"]
-            out[r["step"]] = (
-                round(start_s + in_steps, 3),
-                round(start_s + in_steps - compile_s, 3),
-            )
+            lines.append((r["step"], steps, dt, (r["image_size"], r["global_batch"])))
+            last = r["step"]
+    per_step: dict[tuple, list[float]] = {}
+    for _, steps, dt, shape in lines:
+        per_step.setdefault(shape, []).append(dt / steps)
+    median = {shape: statistics.median(v) for shape, v in per_step.items()}
+    out, in_steps, steady = {}, 0.0, 0.0
+    for step, steps, dt, shape in lines:
+        in_steps, steady = in_steps + dt, steady + steps * median[shape]
+        out[step] = (
+            round(start_s + in_steps, 3),
+            round(start_s + in_steps - compile_s, 3),
+            round(start_s + steady, 3),
+        )
     return out
 
 
@@ -248,12 +268,13 @@ def evaluations(run_recs: list[dict], evaluator_recs: list[dict]) -> list[dict]:
 
 def time_to_target(evals: list[dict], clock: dict, target: float) -> dict | None:
     """The first evaluation at or over ``target`` top-1, by step: its training time
-    (``training_clock``), with and without compilation, its epoch and top-1; None if none."""
+    (``training_clock``), with and without compilation and on the steady clock, its epoch
+    and top-1; None if none."""
     for r in evals:
         if r["top1"] >= target:
-            s, without_compile_s = clock[r["step"]]
-            return {"s": s, "without_compile_s": without_compile_s, "step": r["step"],
-                    "epoch": r["epoch"], "top1": r["top1"]}  # fmt: skip
+            s, without_compile_s, steady_s = clock[r["step"]]
+            return {"s": s, "without_compile_s": without_compile_s, "steady_s": steady_s,
+                    "step": r["step"], "epoch": r["epoch"], "top1": r["top1"]}  # fmt: skip
     return None
 
 
@@ -278,16 +299,17 @@ def summarize(name: str, workdir: Path, targets: list[float]) -> dict:
     }
 
 
-def speedup(fixed: dict | None, curriculum: dict | None) -> float:
-    """Fixed's time to a target over the curriculum's (``time_to_target`` results): inf
-    where only the curriculum reached it, 0 where only the fixed run did, nan if neither."""
+def speedup(fixed: dict | None, curriculum: dict | None, clock: str = "s") -> float:
+    """Fixed's time to a target over the curriculum's (``time_to_target`` results, on
+    ``clock``: ``s`` or ``steady_s``): inf where only the curriculum reached it, 0 where only
+    the fixed run did, nan if neither."""
     if fixed is None and curriculum is None:
         return math.nan
     if curriculum is None:
         return 0.0
     if fixed is None:
         return math.inf
-    return fixed["s"] / curriculum["s"]
+    return fixed[clock] / curriculum[clock]
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:
@@ -298,11 +320,11 @@ def spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(kept), kept[0], kept[-1]
 
 
-def seed_speedups(pairs: list[dict], targets: list[float]) -> dict[str, list[float]]:
-    """Per target key, each seed's speedup (``pairs``: per seed, ``summarize``'s row of
-    each run by name)."""
+def seed_speedups(pairs: list[dict], targets: list[float], clock: str = "s") -> dict:
+    """Per target key, each seed's speedup on ``clock`` (``pairs``: per seed,
+    ``summarize``'s row of each run by name)."""
     keys = [f"{t:g}" for t in targets]
-    return {k: [speedup(p["fixed"]["tta"][k], p["curriculum"]["tta"][k]) for p in pairs]
+    return {k: [speedup(p["fixed"]["tta"][k], p["curriculum"]["tta"][k], clock) for p in pairs]
             for k in keys}  # fmt: skip
 
 
@@ -310,7 +332,8 @@ def seconds(reached: dict | None) -> str:
     if reached is None:
         return "not reached"
     return (f"{reached['s']:.1f} s (epoch {reached['epoch']:.2f}, top-1 {reached['top1']:.4f}; "
-            f"without compile {reached['without_compile_s']:.1f} s)")  # fmt: skip
+            f"without compile {reached['without_compile_s']:.1f} s; steady "
+            f"{reached['steady_s']:.1f} s)")  # fmt: skip
 
 
 def key_of(target: float) -> str:
@@ -435,6 +458,7 @@ def main(argv=None) -> None:
         (out / "curriculum_tta.json").write_text(json.dumps(pairs, indent=2))
 
     per_seed = seed_speedups(pairs, targets)
+    steady = seed_speedups(pairs, targets, "steady_s")
     print(f"\ntime to target: the training wall time at the first checkpoint at or over it, "
           f"from the run's start (compilation included), checkpoint saves and evaluation "
           f"excluded (the checkpoints, every {args.every_steps} steps = {every_epochs:.3f} "
@@ -448,7 +472,9 @@ def main(argv=None) -> None:
                   f"{r['final_epoch']:g}); {r['evaluations']} evaluations; saves blocked "
                   f"{r['checkpoint_blocking_s']:.1f} s (excluded); wall {r['wall_s']:.1f} s, "
                   f"compile {r['compile_s']:.1f} s")  # fmt: skip
-        print("  speedup " + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items()))
+        print("  speedup " + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items())
+              + "; on the steady clock "
+              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in steady.items()))  # fmt: skip
         for s in pair["curriculum"]["stalls"]:
             note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
             print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between "
@@ -464,6 +490,13 @@ def main(argv=None) -> None:
               f"max {hi:.3f}")  # fmt: skip
         if t == targets[0]:
             fields.append(f"seeds={len(seeds)}")
+    for t in targets:  # the same on the steady clock (training_clock says what it is)
+        med, lo, hi = spread(steady[f"{t:g}"])
+        k = key_of(t)
+        fields.append(f"tta_speedup_{k}_steady={med:.3f} tta_speedup_{k}_steady_min={lo:.3f} "
+                      f"tta_speedup_{k}_steady_max={hi:.3f}")  # fmt: skip
+        print(f"speedup to {t:g} on the steady clock: median {med:.3f}, min {lo:.3f}, "
+              f"max {hi:.3f}")  # fmt: skip
 
     def median_of(name, get):
         return spread([get(p[name]) for p in pairs])[0]

@@ -268,9 +268,9 @@ def test_reference_resnet50_has_the_arrays_of_hybridpars():
 tta = bench_module("curriculum_tta")
 
 
-def _train(step, wall_s, batch=100, images_per_s=50.0):
+def _train(step, wall_s, batch=100, images_per_s=50.0, size=32):
     return {"event": "train", "step": step, "wall_s": wall_s, "global_batch": batch,
-            "images_per_s": images_per_s}  # fmt: skip
+            "images_per_s": images_per_s, "image_size": size}  # fmt: skip
 
 
 def _eval(step, top1, **kw):
@@ -300,17 +300,34 @@ def test_curriculum_tta_times_the_first_checkpoint_at_target_on_the_training_clo
     walls = {1: 15.0, 2: 17.0, 3: 32.0, 4: 34.0, 5: 36.0}
     evaluator = [_eval(s, t, wall_s=walls[s]) for s, t in zip(walls, (0.3, 0.5, 0.79, 0.8, 0.81))]
     clock = tta.training_clock(run)
-    assert clock == {1: (15.0, 5.0), 2: (17.0, 7.0), 4: (21.0, 11.0), 5: (23.0, 13.0)}
+    # (every step took its shape's median, 2 s: the steady clock is the same)
+    assert clock == {1: (15.0, 5.0, 15.0), 2: (17.0, 7.0, 17.0), 4: (21.0, 11.0, 21.0),
+                     5: (23.0, 13.0, 23.0)}  # fmt: skip
     evals = tta.evaluations(run, evaluator)
     assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
-    clock[3] = (19.0, 9.0)  # the evaluator's checkpoint at step 3 (train lines every step)
+    clock[3] = (19.0, 9.0, 19.0)  # the evaluator's checkpoint at step 3 (a line every step)
     reached = tta.time_to_target(evals, clock, 0.8)
-    assert reached == {"s": 21.0, "without_compile_s": 11.0, "step": 4, "epoch": 1.0,
-                       "top1": 0.8}  # fmt: skip
+    assert reached == {"s": 21.0, "without_compile_s": 11.0, "steady_s": 21.0, "step": 4,
+                       "epoch": 1.0, "top1": 0.8}  # fmt: skip
     assert tta.time_to_target(evals, clock, 0.805)["s"] == 23.0
     assert tta.time_to_target(evals, clock, 0.9) is None
     # only the trainer's last evaluation: the target at its step
     assert tta.time_to_target(tta.evaluations(run, []), clock, 0.8)["step"] == 5
+
+
+def test_curriculum_tta_steady_clock_counts_each_step_at_its_shapes_median():
+    """A stretch of load (steps 6-7 five times slower) counts in full on the wall clock and
+    at the median on the steady clock, where each shape (image size, batch) has its own
+    median: the 24-px steps' 1 s, the 32-px steps' 2 s; set-up and compilation as
+    measured. Planted bugs that fail it: the mean for the median, one median over both
+    shapes, the slow steps kept."""
+    run = [{"event": "compile", "step": 0, "compile_s": 4.0, "program": "train"}]
+    run += [_train(s, 5.0 + s, images_per_s=100.0, size=24) for s in range(1, 6)]  # 1 s each
+    run += [_train(s, 5.0 * s - 15, images_per_s=20.0, size=24) for s in (6, 7)]  # loaded: 5 s
+    run += [_train(s, 20.0 + 2 * (s - 7)) for s in (8, 9, 10)]  # 32 px: 2 s each
+    clock = tta.training_clock(run)
+    assert clock[10][:2] == (26.0, 22.0)  # the wall clock keeps the load
+    assert [clock[s][2] for s in range(1, 11)] == [6, 7, 8, 9, 10, 11, 12, 14, 16, 18]
 
 
 def test_curriculum_tta_stall_counts_a_save_at_the_switch_as_a_save():
@@ -439,3 +456,4 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert float(fields["tta_speedup_1_min"]) == pytest.approx(min(speedups), abs=1e-3)
     assert float(fields["tta_speedup_1_max"]) == pytest.approx(max(speedups), abs=1e-3)
     assert fields["tta_speedup_85"] == "nan"  # random labels: never reached
+    assert float(fields["tta_speedup_1_steady_min"]) <= float(fields["tta_speedup_1_steady"])
