@@ -35,13 +35,12 @@ Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
   ``3:24-256@0.5`` 55.3, 67.9, 73.2, 80.52% (batch 256 learns more per epoch, but its 24-px
   epochs took about 1.2x as long as batch 512's). The same model at 32 px throughout: 53.9,
   73.2, 77.6, 81.4%.
-Time to 80% against the same model at 32 px throughout (bench/curriculum_tta.py, the two side
-by side on one core each, in a slow hour): 1,915 s (epoch 4, 80.16%) against 2,822 s
-(epoch 4, 81.38%), 1.47x (with whole images at 24 px, another day: 1,601 s at epoch 5
-against 1,728 s, 1.08x). 80.16% is close to the line: with another seed 80% may come an
-epoch later, at about 1.1x. These are single seeds evaluated once an epoch: on 2026-12-03 the
-bench (``--set stop_at_target=True``) printed 1.058x, 80% at epoch 5 against epoch 4. The
-bench now runs several seeds and times the target at quarter-epoch checkpoints.
+Time to 80% against the same model at 32 px throughout, ``python bench/curriculum_tta.py``
+(one core per run, side by side, quarter-epoch checkpoints; 2026-12-04, seed 0 of the three,
+on a loaded machine): ``tta_speedup_80=1.193`` (1.186 on the steady clock; 80% at epoch 3.96
+against 3.71), 1.074 to 85%, final top-1 85.91% against 86.18%. The records and what bounds
+the speedup: bench/results/curriculum_tta/before/. Earlier one-seed figures, evaluated once
+an epoch, ranged from 1.06x to 1.47x on one epoch's difference.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe needs for 85%.
 ``gpu`` is not measured yet.
