@@ -481,22 +481,16 @@ def main(argv=None) -> None:
                   f"steps, {s['after_switch_s']:.3f} s from the switch to the next step, "
                   f"median step {s['median_step_s']} s{note}")  # fmt: skip
     fields = []
-    for t in targets:
-        med, lo, hi = spread(per_seed[f"{t:g}"])
-        k = key_of(t)
-        fields.append(f"tta_speedup_{k}={med:.3f} tta_speedup_{k}_min={lo:.3f} "
-                      f"tta_speedup_{k}_max={hi:.3f}")  # fmt: skip
-        print(f"speedup to {t:g} over {len(seeds)} seeds: median {med:.3f}, min {lo:.3f}, "
-              f"max {hi:.3f}")  # fmt: skip
-        if t == targets[0]:
-            fields.append(f"seeds={len(seeds)}")
-    for t in targets:  # the same on the steady clock (training_clock says what it is)
-        med, lo, hi = spread(steady[f"{t:g}"])
-        k = key_of(t)
-        fields.append(f"tta_speedup_{k}_steady={med:.3f} tta_speedup_{k}_steady_min={lo:.3f} "
-                      f"tta_speedup_{k}_steady_max={hi:.3f}")  # fmt: skip
-        print(f"speedup to {t:g} on the steady clock: median {med:.3f}, min {lo:.3f}, "
-              f"max {hi:.3f}")  # fmt: skip
+    # the wall clock's, then the steady clock's (training_clock says what it is)
+    for speedups, suffix, where in ((per_seed, "", f"over {len(seeds)} seeds"),
+                                    (steady, "_steady", "on the steady clock")):  # fmt: skip
+        for t in targets:
+            med, lo, hi = spread(speedups[f"{t:g}"])
+            k = f"tta_speedup_{key_of(t)}{suffix}"
+            fields.append(f"{k}={med:.3f} {k}_min={lo:.3f} {k}_max={hi:.3f}")
+            print(f"speedup to {t:g} {where}: median {med:.3f}, min {lo:.3f}, max {hi:.3f}")
+            if t == targets[0] and not suffix:
+                fields.append(f"seeds={len(seeds)}")
 
     def median_of(name, get):
         return spread([get(p[name]) for p in pairs])[0]
