@@ -290,6 +290,15 @@ def clip_range(counts, top: float, levels: int, method: str, percentile: float) 
     return float(candidates[int(np.argmin(error))])
 
 
+def activation_codes(r: dict, unsigned: bool = True) -> tuple[int, int]:
+    """``(x_zero, levels)`` of an input with calibrated range ``r``: one never seen below
+    zero (with ``unsigned``) uses 0..255 shifted by 128, others the symmetric -127..127
+    (``levels`` steps on each side of zero)."""
+    if unsigned and r["min"] >= 0:
+        return 128, 2 * QMAX + 1
+    return 0, QMAX
+
+
 def calibrate(arch: Arch, layers: dict, batches, method: str = "max", percentile: float = 99.99,
               unsigned: bool = True) -> dict:  # fmt: skip
     """Static activation ranges: ``{path: {"min", "max_abs", "clip"}}`` of each layer's input
@@ -321,7 +330,7 @@ def calibrate(arch: Arch, layers: dict, batches, method: str = "max", percentile
             counts[k] = counts.get(k, 0) + np.asarray(c, np.int64)
     for k, r in out.items():
         if r["max_abs"] > 0:
-            levels = 2 * QMAX + 1 if unsigned and r["min"] >= 0 else QMAX
+            _, levels = activation_codes(r, unsigned)
             r["clip"] = clip_range(counts[k], r["max_abs"], levels, method, percentile)
     return out
 
@@ -364,8 +373,7 @@ def quantize(layers: dict, ranges: dict | None, unsigned: bool = True) -> dict:
         q[path] = {"kernel": kernel, "w_step": w_step, "bias": np.asarray(p["bias"], np.float32)}
         if ranges is not None:
             r = ranges[path]
-            zero = 128 if unsigned and r["min"] >= 0 else 0
-            levels = 2 * QMAX + 1 if zero else QMAX  # 0..255 or 0..127 (each side)
+            zero, levels = activation_codes(r, unsigned)
             top = r.get("clip", r["max_abs"])  # the calibrated range (max_abs for "max")
             q[path]["x_step"] = np.float32(top / levels if top > 0 else 1.0)
             q[path]["x_zero"] = np.int32(zero)

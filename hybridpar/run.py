@@ -54,12 +54,12 @@ def check_workdir(workdir: str) -> None:
     checkpoint.ensure_writable(workdir, "workdir", "pass a --workdir you can write to")
 
 
-def setup(config, workdir: str | None = None, **kwargs) -> Run:
+def setup(config, workdir: str | None = None, *, for_training: bool = True, **kwargs) -> Run:
     """``_setup``, which leaves no empty directory behind when it stops on a mistake found
     after the directory checks (a mesh larger than the devices, data that does not match
     the config): the workdir, checkpoint and compile-cache directories it created are
     removed again while still empty."""
-    validate(config, sources=kwargs.get("for_training", True))  # first: the paths below
+    validate(config, sources=for_training)  # first: the paths below come from the config
     made = [] if workdir is None else _missing(workdir)
     for path in (
         workdir and checkpoint.checkpoint_dir(config, workdir),
@@ -68,7 +68,7 @@ def setup(config, workdir: str | None = None, **kwargs) -> Run:
         made += _missing(path) if path else []
     locks = []  # the workdir lock _setup took: released here if it then fails
     try:
-        return _setup(config, workdir, locks=locks, **kwargs)
+        return _setup(config, workdir, locks=locks, for_training=for_training, **kwargs)
     except BaseException:
         for lock in locks:
             lock.release()
