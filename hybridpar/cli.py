@@ -167,6 +167,8 @@ def suggest(key: str, keys) -> list[str]:
         return difflib.SequenceMatcher(None, a, b).ratio()
 
     leaf = key.rsplit(".", 1)[-1]
+    sections = {k.rpartition(".")[0] for k in keys}
+    keys = [k for k in keys if k not in sections]  # a section is not set itself
     aliases: dict[str, list[str]] = {}
     for alias, k in KNOWN_AS.items():
         aliases.setdefault(k, []).append(alias)

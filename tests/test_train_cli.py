@@ -115,6 +115,8 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
         (["--config.mesh_typo=data:8"], "no config key 'mesh_typo'; did you mean 'mesh'"),
         # another codebase's name, in a section: ours is found by its meaning
         (["--config.optim.learning_rate=0.1"], "did you mean 'optim.base_lr'"),
+        # a section ('optim') is never offered: it is not set itself
+        (["--config.optim.lr=0.1"], "did you mean 'optim.base_lr' or 'optim.frozen' or"),
         (["--config.mesh=data:3"], "needs 3 devices but 8 are available"),
         (
             ["--config.mesh=data:8", "--config.global_batch=60"],
