@@ -230,9 +230,7 @@ def training_clock(recs: list[dict]) -> dict[int, tuple[float, float, float]]:
     trainer's clock restarts after each). Compilation: as the trainer counts it (a
     background compile, its wait). The steady clock counts each step at the median step
     time of its shape (image size, batch) over the run instead: what a machine with nothing
-    else on it would have taken, robust to a stretch of load (on a shared machine, whatever
-    else runs slows whichever steps run then: the two runs of a pair are at different
-    epochs, so load that hits both alike need not cost them alike before their targets)."""
+    else on it would have taken (the module's docstring says why)."""
     compile_s, start_s, last, lines = 0.0, None, 0, []
     for r in recs:
         if r["event"] == "compile":
