@@ -14,6 +14,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
+# jax 0.11.2's XLA:GPU (an H200 image, 2026-12-04) aborted compiling our ResNet-50 step in its
+# Triton GEMM fusion pass ("Check failed: subdim_size_accumulator == dim_size" in
+# triton_tiling_propagation.cc); cuBLAS GEMMs avoid it. A triton_gemm flag of your own wins.
+case " ${XLA_FLAGS:-} " in
+  *xla_gpu_enable_triton_gemm*) ;;
+  *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" ;;
+esac
 "$PY" - <<'PYCHECK'
 import importlib.util, sys
 missing = [m for m in ("jax", "flax", "optax") if importlib.util.find_spec(m) is None]
