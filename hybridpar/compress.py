@@ -4,7 +4,9 @@
 
 The compress-and-retrain loop on the trained run in ``W`` (the teacher, read only). Round 0
 is the teacher itself in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the
-teacher's channels in every group (``hybridpar.prune``), distils it from the teacher for
+teacher's channels in every group (``hybridpar.prune``; where that would land under ``K``,
+to the largest fraction whose int8 weights fit ``K``, predicted from the pruned shapes'
+parameters and round r-1's int8 bytes per parameter), distils it from the teacher for
 ``--epochs`` epochs (``hybridpar.distill``; the run's own optimizer and schedule), quantizes
 it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval split. Rounds go on
 while the int8 top-1 stays within ``--max-drop`` points of the float teacher's and the int8
@@ -28,6 +30,8 @@ import os
 import shutil
 import signal
 import sys
+
+import numpy as np
 
 from hybridpar import cli
 from hybridpar.errors import ConfigError
@@ -136,6 +140,23 @@ def round_config(config, workdir: str, pruned: str, epochs: float):
     return c
 
 
+def keep_for(index: int, step: float, previous: dict, budget_kb: float, params_at) -> float:
+    """Round ``index``'s fraction of the teacher's channels: ``(1 - step)^index``, unless
+    that model's int8 weights would be under the budget, then the largest fraction (to
+    0.001) that fits it, so the last round spends the budget rather than undershooting.
+    ``params_at(keep)``: the model's parameters at ``keep``; ``previous``: round
+    ``index - 1``'s row (its int8 KB per parameter predicts this round's)."""
+    keep = (1 - step) ** index
+    per_param = previous["kb_int8"] / previous["params"]
+    if per_param * params_at(keep) >= budget_kb:
+        return keep
+    top = (1 - step) ** (index - 1)
+    for k in np.arange(top - 0.001, keep, -0.001):
+        if per_param * params_at(float(k)) <= budget_kb:
+            return round(float(k), 3)
+    return keep
+
+
 def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str) -> dict:
     top1 = report["eval"]["int8"]["top1"]
     return {
@@ -226,13 +247,14 @@ def run(config, args, log=print) -> dict | None:
                latency_batches=(1,), overwrite=True)  # fmt: skip
     rows, t0 = [], time.time()
     # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
-    reference = teacher_widths(w)  # the groups' widths every round's fraction refers to
+    params_at = teacher_size(w)  # the parameters at a fraction of the teacher's channels
     log("| " + " | ".join(HEADER) + " |")
     for index in range(args.max_rounds + 1):
         rd = os.path.join(root, f"round_{index:02d}")
         os.makedirs(rd, exist_ok=True)
         clear_leftovers(rd)
-        keep = (1 - args.step) ** index
+        keep = 1.0 if index == 0 else keep_for(index, args.step, rows[-1], args.budget_kb,
+                                               params_at)  # fmt: skip
         result = os.path.join(rd, "result.json")
         if os.path.exists(result):
             with open(result) as f:
@@ -244,14 +266,18 @@ def run(config, args, log=print) -> dict | None:
                     report = quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw)
                 source = w
             else:
-                log(f"round {index}: pruning to {keep:.3f} of the teacher's channels, then "
-                    f"{args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)")  # fmt: skip
+                fits = f" (the most that fits {args.budget_kb:g} KB)"
+                fits = "" if keep == (1 - args.step) ** index else fits
+                log(
+                    f"round {index}: pruning to {keep:.3f} of the teacher's channels{fits}, "
+                    f"then {args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)"
+                )
                 previous = rows[-1]["run"]
                 pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
                 if not os.path.exists(pruned):
                     with tune.quiet(rd):
                         prune.prune_run(previous, pruned, keep, criterion=args.criterion,
-                                        reference=reference)  # fmt: skip
+                                        reference=params_at.reference)  # fmt: skip
                 c = round_config(config, w, pruned, args.epochs)
                 _, summary = tune.run_trainer(c, source)
                 if summary.get("preempted"):
@@ -293,8 +319,10 @@ def run(config, args, log=print) -> dict | None:
     return chosen
 
 
-def teacher_widths(workdir: str) -> dict:
-    """Each channel group's width in the teacher (the rounds' fractions refer to them)."""
+def teacher_size(workdir: str):
+    """``params_at(keep)``: the parameters of the teacher pruned to ``keep`` of every
+    group's channels; ``params_at.reference``: each group's width in the teacher (the
+    rounds' fractions refer to them)."""
     import jax
     from flax.core import meta
 
@@ -304,7 +332,14 @@ def teacher_widths(workdir: str) -> dict:
     mesh = make_mesh("data:-1", devices=jax.devices()[:1])
     _, prog, state = prune.read_run(workdir, mesh)
     params = jax.device_get(meta.unbox(state.params))
-    return prune.group_widths(prune.groups(prog.model, params), params)
+    gs = prune.groups(prog.model, params)
+    reference = prune.group_widths(gs, params)
+
+    def params_at(keep: float) -> int:
+        return prune.param_count(gs, params, prune.counts_for(gs, reference, keep))
+
+    params_at.reference = reference
+    return params_at
 
 
 def main(argv=None) -> None:

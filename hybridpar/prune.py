@@ -111,6 +111,38 @@ def keep_masks(gs: list[Group], params, stats, counts: dict, criterion="l1", eps
     return keep
 
 
+def param_count(gs: list[Group], params, counts: dict) -> int:
+    """The parameters of ``params``' model with ``counts[name]`` channels in each group (a
+    group not in ``counts`` keeps its width): the producers' kernels and BatchNorm entries
+    and the readers' kernels change, everything else stays."""
+    import jax
+
+    width = {**group_widths(gs, params), **counts}
+    out_of = {conv: g.name for g in gs for conv, _ in g.producers}
+    in_of = {path: g.name for g in gs for path in g.consumers}
+    bns = {bn: g.name for g in gs for _, bn in g.producers}
+    total, touched = 0, set()
+    for path in [*out_of, *in_of, *bns]:
+        if path in touched:
+            continue
+        touched.add(path)
+        for name, leaf in _get(params, path).items():
+            shape = list(np.shape(leaf))
+            total -= int(np.prod(shape))
+            if path in bns:
+                shape[-1] = width[bns[path]]
+            elif name == "kernel":
+                axis = 0 if path == "head" else 2
+                if path in in_of:
+                    shape[axis] = width[in_of[path]]
+                if path in out_of:
+                    shape[-1] = width[out_of[path]]
+            elif path in out_of:  # a producer's bias
+                shape[-1] = width[out_of[path]]
+            total += int(np.prod(shape))
+    return total + int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
 def apply(gs: list[Group], params, stats, keep: dict):
     """``(params, stats)`` with only the kept channels (numpy copies; inputs unchanged)."""
     import jax

@@ -102,6 +102,43 @@ def test_half_pruned_shapes_are_the_narrower_resnet(model, size):
     assert shapes(want["params"]) != shapes(p)
 
 
+@pytest.mark.parametrize("model,size", MODELS, ids=IDS)
+def test_param_count_is_the_pruned_models(model, size):
+    params, stats = random_variables(model, size)
+    gs = prune.groups(model, params)
+    rng = np.random.default_rng(3)
+    counts = {g.name: int(rng.integers(1, w + 1)) for g, w in
+              zip(gs, prune.group_widths(gs, params).values())}  # fmt: skip
+    for name in counts:  # a bottleneck's inner convs share one width
+        counts[name] = counts.get(name.replace("/conv2", "/conv1"), counts[name])
+    p, _ = prune.apply(gs, params, stats, prune.keep_masks(gs, params, stats, counts))
+    assert prune.param_count(gs, params, counts) == sum(np.size(a) for a in jax.tree.leaves(p))
+    assert prune.param_count(gs, params, {}) == sum(np.size(a) for a in jax.tree.leaves(params))
+
+
+def test_the_last_round_spends_the_budget():
+    from hybridpar import compress
+
+    model, size = MODELS[2]
+    params, _ = random_variables(model, size)
+    gs = prune.groups(model, params)
+    widths = prune.group_widths(gs, params)
+    params_at = lambda k: prune.param_count(gs, params, prune.counts_for(gs, widths, k))  # noqa: E731
+    teacher = {"kb_int8": 1.02 * params_at(1.0) / 1000, "params": params_at(1.0)}
+    per_param = teacher["kb_int8"] / teacher["params"]
+    # step 0.25: round 1 keeps 0.75, which is over a budget at 0.6 of the teacher's size
+    budget = 0.6 * teacher["kb_int8"]
+    assert compress.keep_for(1, 0.25, teacher, budget, params_at) == 0.75
+    # a budget round 1 would undershoot: the largest fraction that fits, not 0.75
+    budget = 0.8 * teacher["kb_int8"]
+    k = compress.keep_for(1, 0.25, teacher, budget, params_at)
+    assert 0.75 < k < 1 and per_param * params_at(k) <= budget
+    # the largest: no fraction on the 0.001 grid gives a bigger model within the budget
+    fits = [params_at(x) for x in np.arange(0.751, 1.0, 0.001)]
+    assert params_at(k) == max(n for n in fits if per_param * n <= budget)
+    assert per_param * params_at(0.75) < 0.9 * budget  # what the plain step would have left
+
+
 # ---- a tiny trained teacher ----------------------------------------------------------------
 
 
