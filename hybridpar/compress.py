@@ -249,7 +249,8 @@ def run(config, args, log=print) -> dict | None:
                latency_batches=(1,), overwrite=True)  # fmt: skip
     rows, t0 = [], time.time()
     # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
-    params_at = teacher_size(w)  # the parameters at a fraction of the teacher's channels
+    # the groups' widths every round's fraction refers to, and the parameters at a fraction
+    reference, params_at = teacher_size(w)
     log("| " + " | ".join(HEADER) + " |")
     for index in range(args.max_rounds + 1):
         rd = os.path.join(root, f"round_{index:02d}")
@@ -279,7 +280,7 @@ def run(config, args, log=print) -> dict | None:
                 if not os.path.exists(pruned):
                     with tune.quiet(rd):
                         prune.prune_run(previous, pruned, keep, criterion=args.criterion,
-                                        reference=params_at.reference)  # fmt: skip
+                                        reference=reference)  # fmt: skip
                 c = round_config(config, w, pruned, args.epochs)
                 _, summary = tune.run_trainer(c, source)
                 if summary.get("preempted"):
@@ -322,9 +323,9 @@ def run(config, args, log=print) -> dict | None:
 
 
 def teacher_size(workdir: str):
-    """``params_at(keep)``: the parameters of the teacher pruned to ``keep`` of every
-    group's channels; ``params_at.reference``: each group's width in the teacher (the
-    rounds' fractions refer to them)."""
+    """``(reference, params_at)``: each channel group's width in the teacher (the rounds'
+    fractions refer to them), and ``params_at(keep)``, the parameters of the teacher pruned
+    to ``keep`` of every group's channels."""
     import jax
     from flax.core import meta
 
@@ -340,8 +341,7 @@ def teacher_size(workdir: str):
     def params_at(keep: float) -> int:
         return prune.param_count(gs, params, prune.counts_for(gs, reference, keep))
 
-    params_at.reference = reference
-    return params_at
+    return reference, params_at
 
 
 def main(argv=None) -> None:
