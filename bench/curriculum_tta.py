@@ -4,7 +4,8 @@ over several seeds, with the time to target resolved to a fraction of an epoch.
     python bench/curriculum_tta.py [--variant cpu] [--seeds 3] [--first-seed 0]
                                    [--target 0.8] [--epochs E] [--checkpoint-every-epochs 0.25]
                                    [--out DIR] [--set KEY=VALUE ...] [--fixed-set KEY=VALUE ...]
-                                   [--one-after-other]
+                                   [--curriculum-set KEY=VALUE ...] [--calibration-steps 12]
+                                   [--fixed-from OUT] [--one-after-other]
 
 For each seed (the config's ``seed``: initialisation, data order and augmentation), two runs
 of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs ``--out``/seedS/NAME (default
@@ -33,6 +34,25 @@ shared machine the two runs of a pair are at different epochs when something els
 it, so that load need not cost them alike before their targets. The data is prepared
 before any run starts, so no clock includes that.
 
+The priced clock holds where neither holds: load that changes between the stages of one
+run (a 32-px stage trained beside other work, its 24-px stage on a quiet machine) moves
+the steady clock's medians too. Before the first pair, two short runs side by side (one per
+half of the cores, as the pairs train) time every shape either run trains, each for
+``--calibration-steps`` steps in turn, three times (the second run in the reverse order), in
+--out/calibration_SHAPES; load that comes and goes over minutes slows the shapes alike
+there. Each step of a pair is then counted at its shape's median in those runs, and nothing
+else (no set-up, no compilation): the time to a target in steps, priced at one machine's
+step costs, the same whatever else ran while the pair trained. The runs are deterministic
+at a given core count, so their steps to a target do not depend on load; what the priced
+clock leaves out is a stall the step costs do not show (the stage switch's, reported
+below). Made once per --out and set of shapes (its commands.json), reused after.
+
+``--fixed-from OUT``: another --out whose finished pairs hold this bench's fixed runs (the
+same command, so the same seed and settings): their records are copied in and only the
+curriculum trains, on one half of the cores (two such benches, e.g. two curricula, can run
+at once under ``taskset``, each on its own core). The wall and steady clocks of such a pair
+were not measured side by side: read the priced clock, whose calibration is this --out's.
+
 Per seed and run: the time to ``--target`` and to the recipe's final target, and the final
 top-1 (at the last step); the speedup, fixed's time over the curriculum's (``inf`` where
 only the curriculum reached the target, 0 where only the fixed run did, ``nan`` where
@@ -45,7 +65,9 @@ stall). Over the seeds: the median, min and max of each speedup, each seed's row
 
 The last line starts with ``tta_speedup_80=`` (the median over the seeds of fixed's time to
 ``--target`` over the curriculum's), then ``tta_speedup_80_min=``, ``tta_speedup_80_max=``
-and ``seeds=``, then the same on the steady clock (``tta_speedup_80_steady=`` ...). Data:
+and ``seeds=``, then the same on the steady clock (``tta_speedup_80_steady=`` ...) and on
+the priced clock (``tta_speedup_80_priced=`` ...), and ends with the calibrated step costs
+(``step_s_24x512=`` ...: image size x global batch). Data:
 the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
 prepared on first use into ``~/.cache/hybridpar``. Three pairs of the cpu variant at its 8
 epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's stages scaled),
@@ -68,6 +90,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,6 +105,11 @@ NAMES = ("curriculum", "fixed")
 OWN_KEYS = ("seed", "stop_at_target")
 PAIR = "pair.json"  # in seedS/, once its pair is trained and evaluated: the runs' commands
 STARTED = "commands.json"  # in seedS/, from the pair's start: the same commands
+REUSED = "reused.json"  # in seedS/, with --fixed-from: where its fixed run's records came from
+# The calibration: each shape trained for --calibration-steps steps, in turn, this many times,
+# by two runs side by side (the second in the reverse order), in --out/calibration_SHAPES.
+CALIBRATION_ROUNDS = 3
+RECORDS = ("config.json", "metrics.jsonl", "summary.json", "evaluator/metrics.jsonl")
 
 
 def trained(pair_dir: Path) -> bool:
@@ -140,8 +168,8 @@ def start(name: str, cmd: list[str], log: Path, cores=None):
 
 
 def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
-    """Runs two (name, command, log) jobs: at once, one on each of ``halves`` (a set of
-    cores each), or, with ``halves`` None, one after the other on all cores."""
+    """Runs (name, command, log) jobs: at once, one on each of ``halves`` (a set of cores
+    each), or, with ``halves`` None, one after the other on all cores."""
     if halves is None:
         for name, cmd, log in jobs:
             code = start(name, cmd, log).wait()
@@ -157,6 +185,54 @@ def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
             for _, other, _ in procs:  # stopped, not left running without the bench
                 other.terminate()
             fail(f"{name} failed (exit {code}); its output is in {log}")
+
+
+def stage_specs(overrides: list[str]) -> list[str]:
+    """The shapes (``SIZE-BATCH[@SCALE][~M]``) of the last ``--config.stages=`` in
+    ``overrides``, in order."""
+    stages = [a.split("=", 1)[1] for a in overrides if a.startswith("--config.stages=")][-1]
+    return [part.split(":", 1)[1] for part in stages.split(",") if part.strip()]
+
+
+def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
+    """The priced clock's cost of a step of each of ``specs`` (``step_costs``), from two runs
+    that alternate them (``alternating_stages``), side by side as the pairs train, the
+    second in the reverse order; made once per --out and set of shapes, reused after (its
+    commands.json, written when both finished, holds the commands)."""
+    d = out / ("calibration_" + "_".join(specs))
+    orders = {"a": specs, "b": specs[::-1]}
+    cmds = {}
+    for name, order in orders.items():
+        alt = alternating_stages(order, args.calibration_steps, CALIBRATION_ROUNDS,
+                                 data["train_examples"], data["data_parallel"])  # fmt: skip
+        end, last = alt.split(",")[-1].split(":")
+        size = last.split("-")[0]
+        cmds[name] = train_cmd(d / name, args, [
+            f"--config.num_epochs={end}", f"--config.data.image_size={size}",
+            f"--config.stages={alt}", "--config.checkpoint.every_steps=0", "--config.seed=0",
+            "--config.optim.warmup_epochs=0",
+        ])  # fmt: skip
+    commands = portable({n: cmd[1:] for n, cmd in cmds.items()}, out)
+    done = d / STARTED
+    if not (done.exists() and json.loads(done.read_text()) == commands):
+        if d.exists():  # stopped, or made with other settings: minutes to make again
+            shutil.rmtree(d)
+        d.mkdir(parents=True)
+        print(f"== calibration of {', '.join(specs)}: {args.calibration_steps} steps each, in "
+              f"turn, {CALIBRATION_ROUNDS} times", flush=True)  # fmt: skip
+        run_both([(f"calibration {n}", cmds[n], d / f"{n}.log") for n in orders], halves)
+        done.write_text(json.dumps(commands, indent=2))
+    costs = step_costs([records(d / n / "metrics.jsonl") for n in orders])
+    (d / "costs.json").write_text(json.dumps({f"{k[0]}x{k[1]}": v for k, v in costs.items()}))
+    return costs
+
+
+def copy_records(src: Path, dst: Path) -> None:
+    """A run's records (``RECORDS``), no checkpoint: enough for ``summarize``."""
+    for f in RECORDS:
+        if (src / f).exists():
+            (dst / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src / f, dst / f)
 
 
 def prepare(args) -> dict:
@@ -222,15 +298,18 @@ def stalls(recs: list[dict]) -> list[dict]:
     return out
 
 
-def training_clock(recs: list[dict]) -> dict[int, tuple[float, float, float]]:
+def training_clock(recs: list[dict], costs: dict | None = None) -> dict[int, tuple]:
     """Step -> (seconds from the run's start, the same less compilation, the steady clock's
-    seconds) at the end of each step a train line ends at: the time before the first step
-    (set-up, compilation) plus the time in steps as the trainer counts it, each train line's
-    steps x batch / images per second, which leaves out evaluation and checkpoint saves (the
-    trainer's clock restarts after each). Compilation: as the trainer counts it (a
-    background compile, its wait). The steady clock counts each step at the median step
-    time of its shape (image size, batch) over the run instead: what a machine with nothing
-    else on it would have taken (the module's docstring says why)."""
+    seconds, the priced clock's seconds or None) at the end of each step a train line ends
+    at: the time before the first step (set-up, compilation) plus the time in steps as the
+    trainer counts it, each train line's steps x batch / images per second, which leaves out
+    evaluation and checkpoint saves (the trainer's clock restarts after each). Compilation:
+    as the trainer counts it (a background compile, its wait). The steady clock counts each
+    step at the median step time of its shape (image size, batch) over the run instead: what
+    a machine with nothing else on it would have taken (the module's docstring says why).
+    The priced clock counts each step at ``costs[shape]`` (``step_costs``: the calibration's
+    median, measured with the shapes alternating) and nothing else: no set-up, no
+    compilation, no load at all."""
     compile_s, start_s, last, lines = 0.0, None, 0, []
     for r in recs:
         if r["event"] == "compile":
@@ -246,15 +325,48 @@ def training_clock(recs: list[dict]) -> dict[int, tuple[float, float, float]]:
     for _, steps, dt, shape in lines:
         per_step.setdefault(shape, []).append(dt / steps)
     median = {shape: statistics.median(v) for shape, v in per_step.items()}
-    out, in_steps, steady = {}, 0.0, 0.0
+    if costs is not None and set(median) - set(costs):
+        raise KeyError(f"no calibrated cost for the shapes {sorted(set(median) - set(costs))}")
+    out, in_steps, steady, priced = {}, 0.0, 0.0, 0.0
     for step, steps, dt, shape in lines:
         in_steps, steady = in_steps + dt, steady + steps * median[shape]
+        priced += steps * costs[shape] if costs is not None else 0.0
         out[step] = (
             round(start_s + in_steps, 3),
             round(start_s + in_steps - compile_s, 3),
             round(start_s + steady, 3),
+            round(priced, 6) if costs is not None else None,
         )
     return out
+
+
+def step_costs(runs: list[list[dict]]) -> dict[tuple[int, int], float]:
+    """(image size, batch) -> the median step time over ``runs`` (the calibration's
+    records, each shape's steps in several short stretches alternating with the others'):
+    load that comes and goes over minutes slows every shape alike, so the ratios hold."""
+    per_step: dict[tuple, list[float]] = {}
+    for recs in runs:
+        last = 0
+        for r in recs:
+            if r["event"] == "train":
+                steps = r["step"] - last
+                dt = steps * r["global_batch"] / r["images_per_s"]
+                per_step.setdefault((r["image_size"], r["global_batch"]), []).append(dt / steps)
+                last = r["step"]
+    return {shape: statistics.median(v) for shape, v in per_step.items()}
+
+
+def alternating_stages(specs: list[str], steps: int, rounds: int, examples: int, dp: int) -> str:
+    """A ``stages`` value that trains each of ``specs`` (``SIZE-BATCH[@SCALE][~M]``, the
+    batch per device, ``dp`` devices) for ``steps`` steps, in turn, ``rounds`` times: the
+    calibration's."""
+    parts, end = [], 0.0
+    for _ in range(rounds):
+        for spec in specs:
+            batch = int(spec.split("-", 1)[1].split("@")[0].split("~")[0]) * dp
+            end += steps / (examples // batch)  # the trainer's steps per epoch at that batch
+            parts.append(f"{end:.12g}:{spec}")
+    return ",".join(parts)
 
 
 def evaluations(run_recs: list[dict], evaluator_recs: list[dict]) -> list[dict]:
@@ -266,20 +378,21 @@ def evaluations(run_recs: list[dict], evaluator_recs: list[dict]) -> list[dict]:
 
 def time_to_target(evals: list[dict], clock: dict, target: float) -> dict | None:
     """The first evaluation at or over ``target`` top-1, by step: its training time
-    (``training_clock``), with and without compilation and on the steady clock, its epoch
-    and top-1; None if none."""
+    (``training_clock``), with and without compilation, on the steady clock and on the
+    priced clock, its epoch and top-1; None if none."""
     for r in evals:
         if r["top1"] >= target:
-            s, without_compile_s, steady_s = clock[r["step"]]
+            s, without_compile_s, steady_s, priced_s = clock[r["step"]]
             return {"s": s, "without_compile_s": without_compile_s, "steady_s": steady_s,
-                    "step": r["step"], "epoch": r["epoch"], "top1": r["top1"]}  # fmt: skip
+                    "priced_s": priced_s, "step": r["step"], "epoch": r["epoch"],
+                    "top1": r["top1"]}  # fmt: skip
     return None
 
 
-def summarize(name: str, workdir: Path, targets: list[float]) -> dict:
+def summarize(name: str, workdir: Path, targets: list[float], costs: dict | None) -> dict:
     recs = records(workdir / "metrics.jsonl")
     evals = evaluations(recs, records(workdir / "evaluator" / "metrics.jsonl"))
-    clock = training_clock(recs)
+    clock = training_clock(recs, costs)
     final = evals[-1] if evals else {}  # the last step's
     summary = json.loads((workdir / "summary.json").read_text())
     saves = [r for r in recs if r["event"] == "checkpoint"]
@@ -329,9 +442,11 @@ def seed_speedups(pairs: list[dict], targets: list[float], clock: str = "s") -> 
 def seconds(reached: dict | None) -> str:
     if reached is None:
         return "not reached"
+    priced = reached.get("priced_s")
     return (f"{reached['s']:.1f} s (epoch {reached['epoch']:.2f}, top-1 {reached['top1']:.4f}; "
             f"without compile {reached['without_compile_s']:.1f} s; steady "
-            f"{reached['steady_s']:.1f} s)")  # fmt: skip
+            f"{reached['steady_s']:.1f} s"
+            + (f"; priced {priced:.1f} s)" if priced is not None else ")"))  # fmt: skip
 
 
 def key_of(target: float) -> str:
@@ -339,7 +454,9 @@ def key_of(target: float) -> str:
 
 
 def main(argv=None) -> None:
-    from hybridpar.cli import finite_float  # JAX-free, as this parent process stays
+    from hybridpar.cli import cpu_when_no_accelerator, finite_float  # JAX-free, as this stays
+
+    cpu_when_no_accelerator()  # for the processes it starts: no libtpu warnings on a CPU
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="cpu", choices=("cpu", "gpu"))
@@ -361,6 +478,16 @@ def main(argv=None) -> None:
                    help="an override for the curriculum run only, after the recipe's stages: "
                         "e.g. stages=... to try another curriculum against the same fixed "
                         "run")  # fmt: skip
+    p.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=12,
+        help="steps of each shape per turn in the priced clock's calibration",
+    )
+    p.add_argument("--fixed-from", default="", metavar="OUT",
+                   help="another --out whose finished pairs' fixed runs (the same command) "
+                        "stand in for this one's: only the curriculum trains (compare on the "
+                        "priced clock: the wall clocks were not side by side)")  # fmt: skip
     p.add_argument("--one-after-other", action="store_true",
                    help="train the two runs one after the other on all cores instead of "
                         "side by side on half the cores each (default: 2+ cores)")  # fmt: skip
@@ -371,6 +498,11 @@ def main(argv=None) -> None:
         fail(f"--epochs={args.epochs:g} must be >= 0 (0: the recipe's)")
     if args.seeds < 1 or args.first_seed < 0:
         fail(f"--seeds={args.seeds} --first-seed={args.first_seed}: at least one seed, from 0 up")
+    if args.calibration_steps < 1:
+        fail(f"--calibration-steps={args.calibration_steps} must be >= 1, e.g. 12")
+    fixed_from = Path(args.fixed_from).resolve() if args.fixed_from else None
+    if fixed_from is not None and not fixed_from.is_dir():
+        fail(f"--fixed-from {args.fixed_from}: no such folder; pass an earlier --out")
     if not 0 < args.checkpoint_every_epochs <= 1:
         fail(f"--checkpoint-every-epochs={args.checkpoint_every_epochs} is in (0, 1], e.g. 0.25")
     for kv in [*args.set, *args.fixed_set, *args.curriculum_set]:
@@ -420,7 +552,12 @@ def main(argv=None) -> None:
     cores = sorted(os.sched_getaffinity(0))
     side_by_side = not args.one_after_other and len(cores) >= 2
     half = len(cores) // 2  # equal halves: an odd core out stays idle
-    pairs = []
+    # The priced clock's step costs: every shape either run trains.
+    specs = list(
+        dict.fromkeys(stage_specs(overrides["curriculum"]) + stage_specs(overrides["fixed"]))
+    )
+    # Each pair's commands, checked against what an earlier call recorded, before anything runs.
+    planned = []
     for seed in seeds:
         d = out / f"seed{seed}"
         cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
@@ -432,6 +569,19 @@ def main(argv=None) -> None:
                 f"{d} holds a pair trained with other settings (its {recorded.name} has the "
                 "commands); pass the same arguments to reuse it, or another --out"
             )
+        src = None
+        if fixed_from is not None and not (d / PAIR).exists():
+            src = fixed_from / f"seed{seed}"  # its fixed run's records stand in for ours
+            theirs = json.loads((src / PAIR).read_text()) if (src / PAIR).exists() else {}
+            if theirs.get("fixed") != portable(commands, out)["fixed"]:
+                fail(f"--fixed-from: {src} holds no finished pair whose fixed run is this "
+                     "one's (its pair.json has the commands); pass the --out of a bench run "
+                     "with the same --set, --fixed-set and --checkpoint-every-epochs")  # fmt: skip
+        planned.append((seed, d, cmds, commands, recorded, src))
+    halves_0 = [set(cores[:half]), set(cores[half : 2 * half])] if side_by_side else None
+    costs = calibrate(out, args, specs, data, halves_0)
+    pairs = []
+    for seed, d, cmds, commands, recorded, src in planned:
         if (d / PAIR).exists():  # a finished pair of an earlier call with this --out
             print(f"== seed {seed}: the finished pair in {d}", flush=True)
         else:
@@ -439,24 +589,41 @@ def main(argv=None) -> None:
             # both alike. The halves swap from seed to seed, so neither run keeps a core.
             halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
             halves = halves if side_by_side else None
+            names = NAMES
+            if src is not None or (d / REUSED).exists():  # only the curriculum trains
+                names = ("curriculum",)
+                halves = halves[:1] if halves else None
             if recorded is None:
                 d.mkdir()
                 (d / STARTED).write_text(json.dumps(portable(commands, out), indent=2))
-                run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in NAMES], halves)
+                if src is not None:
+                    copy_records(src / "fixed", d / "fixed")
+                    (d / REUSED).write_text(json.dumps({"fixed": str(src / "fixed")}))
+                run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in names], halves)
             else:
                 print(f"== seed {seed}: trained in {d}; evaluating its checkpoints", flush=True)
             # After both trained: evaluation never shares a core with training.
             run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
-                      for n in NAMES], halves)  # fmt: skip
+                      for n in names], halves)  # fmt: skip
             subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
                             "--out", str(d / "report.png"), f"--target-top1={args.target}"],
                            cwd=ROOT, check=False)  # fmt: skip
             (d / PAIR).write_text(json.dumps(portable(commands, out), indent=2))
-        pairs.append({"seed": seed, **{n: summarize(n, d / n, targets) for n in NAMES}})
+        reused = json.loads((d / REUSED).read_text()) if (d / REUSED).exists() else {}
+        pairs.append({"seed": seed, "reused": reused,
+                      **{n: summarize(n, d / n, targets, costs) for n in NAMES}})  # fmt: skip
         (out / "curriculum_tta.json").write_text(json.dumps(pairs, indent=2))
 
     per_seed = seed_speedups(pairs, targets)
     steady = seed_speedups(pairs, targets, "steady_s")
+    priced = seed_speedups(pairs, targets, "priced_s")
+    shown = ", ".join(f"{k[0]} px at batch {k[1]}: {v:.3f} s" for k, v in sorted(costs.items()))
+    print(
+        f"\npriced clock: each step at its shape's median step time in the calibration "
+        f"({shown}; --calibration-steps {args.calibration_steps} each, in turn, "
+        f"{CALIBRATION_ROUNDS} times, two runs side by side), set-up and compilation left "
+        "out: the same for every pair, whatever else loaded the machine while it trained"
+    )
     print(f"\ntime to target: the training wall time at the first checkpoint at or over it, "
           f"from the run's start (compilation included), checkpoint saves and evaluation "
           f"excluded (the checkpoints, every {args.every_steps} steps = {every_epochs:.3f} "
@@ -470,9 +637,14 @@ def main(argv=None) -> None:
                   f"{r['final_epoch']:g}); {r['evaluations']} evaluations; saves blocked "
                   f"{r['checkpoint_blocking_s']:.1f} s (excluded); wall {r['wall_s']:.1f} s, "
                   f"compile {r['compile_s']:.1f} s")  # fmt: skip
+        if pair["reused"]:
+            print(f"  fixed: the records of {pair['reused']['fixed']} (--fixed-from; not side "
+                  "by side: read the priced clock)")  # fmt: skip
         print("  speedup " + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items())
               + "; on the steady clock "
-              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in steady.items()))  # fmt: skip
+              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in steady.items())
+              + "; on the priced clock "
+              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in priced.items()))  # fmt: skip
         for s in pair["curriculum"]["stalls"]:
             note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
             print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between "
@@ -481,7 +653,8 @@ def main(argv=None) -> None:
     fields = []
     # the wall clock's, then the steady clock's (training_clock says what it is)
     for speedups, suffix, where in ((per_seed, "", f"over {len(seeds)} seeds"),
-                                    (steady, "_steady", "on the steady clock")):  # fmt: skip
+                                    (steady, "_steady", "on the steady clock"),
+                                    (priced, "_priced", "on the priced clock")):  # fmt: skip
         for t in targets:
             med, lo, hi = spread(speedups[f"{t:g}"])
             k = f"tta_speedup_{key_of(t)}{suffix}"
@@ -513,6 +686,8 @@ def main(argv=None) -> None:
         f"median_step_s={median_of('curriculum', first_stall('median_step_s')):.3f}",
         f"checkpoint_every_epochs={every_epochs:.3f} variant={args.variant} epochs={epochs:g}",
         *([f"side_by_side=1 cores_each={half}"] if side_by_side else []),
+        *([f"fixed_reused={sum(bool(p['reused']) for p in pairs)}"] if fixed_from else []),
+        *(f"step_s_{k[0]}x{k[1]}={v:.6g}" for k, v in sorted(costs.items())),
     )
 
 

@@ -301,14 +301,14 @@ def test_curriculum_tta_times_the_first_checkpoint_at_target_on_the_training_clo
     evaluator = [_eval(s, t, wall_s=walls[s]) for s, t in zip(walls, (0.3, 0.5, 0.79, 0.8, 0.81))]
     clock = tta.training_clock(run)
     # (every step took its shape's median, 2 s: the steady clock is the same)
-    assert clock == {1: (15.0, 5.0, 15.0), 2: (17.0, 7.0, 17.0), 4: (21.0, 11.0, 21.0),
-                     5: (23.0, 13.0, 23.0)}  # fmt: skip
+    assert clock == {1: (15.0, 5.0, 15.0, None), 2: (17.0, 7.0, 17.0, None),
+                     4: (21.0, 11.0, 21.0, None), 5: (23.0, 13.0, 23.0, None)}  # fmt: skip
     evals = tta.evaluations(run, evaluator)
     assert [r["step"] for r in evals] == [1, 2, 3, 4, 5]
-    clock[3] = (19.0, 9.0, 19.0)  # the evaluator's checkpoint at step 3 (a line every step)
+    clock[3] = (19.0, 9.0, 19.0, None)  # the evaluator's checkpoint at step 3
     reached = tta.time_to_target(evals, clock, 0.8)
-    assert reached == {"s": 21.0, "without_compile_s": 11.0, "steady_s": 21.0, "step": 4,
-                       "epoch": 1.0, "top1": 0.8}  # fmt: skip
+    assert reached == {"s": 21.0, "without_compile_s": 11.0, "steady_s": 21.0,
+                       "priced_s": None, "step": 4, "epoch": 1.0, "top1": 0.8}  # fmt: skip
     assert tta.time_to_target(evals, clock, 0.805)["s"] == 23.0
     assert tta.time_to_target(evals, clock, 0.9) is None
     # only the trainer's last evaluation: the target at its step
@@ -328,6 +328,54 @@ def test_curriculum_tta_steady_clock_counts_each_step_at_its_shapes_median():
     clock = tta.training_clock(run)
     assert clock[10][:2] == (26.0, 22.0)  # the wall clock keeps the load
     assert [clock[s][2] for s in range(1, 11)] == [6, 7, 8, 9, 10, 11, 12, 14, 16, 18]
+
+
+def test_curriculum_tta_priced_clock_counts_steps_at_the_calibrations_costs():
+    """The priced clock counts each step at its shape's calibrated cost and nothing else:
+    load that slowed one stage of the run (here all of its 32-px steps, so the steady
+    clock's median keeps it) and the set-up and compilation are not on it. The calibration's
+    cost of a shape is the median over both its runs' steps of that shape, with a stretch
+    of load that slowed both shapes alike left out. Planted bugs that fail it: the mean
+    for the median, the run's own median for the cost, the set-up counted, the costs keyed
+    by image size alone."""
+    run = [{"event": "compile", "step": 0, "compile_s": 4.0, "program": "train"}]
+    run += [_train(s, 5.0 + s, images_per_s=100.0, size=24) for s in range(1, 4)]  # 1 s each
+    run += [_train(s, 8.0 + 6 * (s - 3), batch=200, images_per_s=200 / 6) for s in (4, 5)]
+    costs = {(24, 100): 0.5, (32, 200): 2.0, (32, 100): 9.0}
+    clock = tta.training_clock(run, costs)
+    assert clock[5][2] == 20.0  # the steady clock keeps a load that lasted a whole stage
+    assert [clock[s][3] for s in (1, 2, 3, 4, 5)] == [0.5, 1.0, 1.5, 3.5, 5.5]
+    with pytest.raises(KeyError):
+        tta.training_clock(run, {(24, 100): 0.5})  # a shape the calibration did not time
+
+    # The calibration: two runs, the shapes in turn (1 s at 24 px, 2 s at 32); a loaded
+    # stretch of the second (its steps 3-4, 3x slower) does not move the medians.
+    def small(step, slow=1):
+        return _train(step, 0.0, images_per_s=100.0 / slow, size=24)
+
+    def large(step, slow=1):
+        return _train(step, 0.0, batch=200, images_per_s=100.0 / slow)
+
+    a = [small(1), large(2), small(3), large(4), small(5), large(6)]
+    b = [large(1), small(2), large(3, slow=3), small(4, slow=3), large(5), small(6)]
+    assert tta.step_costs([a, b]) == {(24, 100): 1.0, (32, 200): 2.0}
+
+
+def test_curriculum_tta_calibration_stages_alternate_the_shapes_for_the_steps_asked():
+    """The calibration's stages: each shape for the steps asked, in turn, the rounds asked;
+    the trainer's plan of them (its whole steps per epoch at each batch) gives exactly
+    those steps. Planted bugs that fail it: the batch per device taken as global, an epoch
+    of examples / batch steps (not the trainer's whole steps)."""
+    from hybridpar.curriculum import Stage, plan_stages
+
+    # 1,100 examples: 5 whole steps per epoch at a global batch of 200, 3 at 300
+    text = tta.alternating_stages(["24-100@0.5", "32-150~0.95"], 7, 2, 1100, 2)
+    parts = text.split(",")
+    assert [p.split(":", 1)[1] for p in parts] == ["24-100@0.5", "32-150~0.95"] * 2
+    stages = [Stage(float(p.split(":")[0]), 0, int(p.split("-")[1].split("@")[0].split("~")[0])
+                    * 2, 0.0) for p in parts]  # fmt: skip
+    plan = plan_stages(stages, lambda gb: 1100 // gb)
+    assert [s.num_steps for s in plan.stages] == [7, 7, 7, 7]
 
 
 def test_curriculum_tta_stall_counts_a_save_at_the_switch_as_a_save():
@@ -383,7 +431,7 @@ def test_curriculum_tta_plumbing(tmp_path):
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
-    argv = ["--seeds", "2", "--target", "0.01", "--out", str(out)]
+    argv = ["--seeds", "2", "--target", "0.01", "--out", str(out), "--calibration-steps", "2"]
     argv += [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     # The recipe shrunk in the bench's process, which is JAX-free (its runs are not).
     code = (
@@ -457,3 +505,34 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert float(fields["tta_speedup_1_max"]) == pytest.approx(max(speedups), abs=1e-3)
     assert fields["tta_speedup_85"] == "nan"  # random labels: never reached
     assert float(fields["tta_speedup_1_steady_min"]) <= float(fields["tta_speedup_1_steady"])
+    # The calibration: two runs, the shapes in turn for the steps asked (the second in the
+    # reverse order), made once. The priced clock at the first checkpoint (step 1) is one
+    # step at its shape's cost: the speedup is the 16-px step's cost over the 12-px one's.
+    calibration = out / "calibration_12-64@0.5_16-64"
+    sizes = {n: [r["image_size"] for r in tta.records(calibration / n / "metrics.jsonl")
+                 if r["event"] == "train"] for n in ("a", "b")}  # fmt: skip
+    assert sizes == {"a": [12, 12, 16, 16] * 3, "b": [16, 16, 12, 12] * 3}
+    assert float(fields["tta_speedup_1_priced"]) == pytest.approx(
+        float(fields["step_s_16x64"]) / float(fields["step_s_12x64"]), abs=2e-3
+    )
+    # Another curriculum against those fixed runs (--fixed-from): only the curriculum
+    # trains; the fixed rows are the records of the first call's; the priced clock as above.
+    lever = tmp_path / "lever"
+    lever_argv = [str(lever) if a == str(out) else "1" if a == "2" else a for a in argv]
+    lever_argv += ["--curriculum-set", "stages=0.5:12-64,1:16-64", "--fixed-from", str(out)]
+    r = bench(*lever_argv)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "seed 0 curriculum on" in r.stdout and "seed 0 fixed" not in r.stdout
+    for f in ("metrics.jsonl", "evaluator/metrics.jsonl"):
+        mine, theirs = (o / "seed0" / "fixed" / f for o in (lever, out))
+        assert mine.read_text() == theirs.read_text()
+    lever_fields = dict(kv.split("=") for kv in r.stdout.strip().splitlines()[-1].split())
+    assert lever_fields["fixed_reused"] == "1" and lever_fields["seeds"] == "1"
+    assert float(lever_fields["tta_speedup_1_priced"]) == pytest.approx(
+        float(lever_fields["step_s_16x64"]) / float(lever_fields["step_s_12x64"]), abs=2e-3
+    )
+    # A source whose fixed runs are not this bench's is refused before anything runs.
+    other = [str(tmp_path / "other") if a == str(lever) else a for a in lever_argv]
+    refused = bench(*other, "--fixed-set", "data.translate=1")
+    assert refused.returncode == 2 and "holds no finished pair whose fixed run" in refused.stderr
+    assert "calibration" not in refused.stdout
