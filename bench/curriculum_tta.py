@@ -52,6 +52,8 @@ same command, so the same seed and settings): their records are copied in and on
 curriculum trains, on one half of the cores (two such benches, e.g. two curricula, can run
 at once under ``taskset``, each on its own core). The wall and steady clocks of such a pair
 were not measured side by side: read the priced clock, whose calibration is this --out's.
+On another kind of machine the same seed does not give the same floats (a loss 1e-5 apart
+from the first step): a reused fixed run is then the same seed, not the same trajectory.
 
 Per seed and run: the time to ``--target`` and to the recipe's final target, and the final
 top-1 (at the last step); the speedup, fixed's time over the curriculum's (``inf`` where
