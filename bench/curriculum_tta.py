@@ -99,6 +99,7 @@ import sys
 from pathlib import Path
 
 from hybridpar import run_records
+from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("curriculum", "fixed")
@@ -216,16 +217,18 @@ def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
         ])  # fmt: skip
     commands = portable({n: cmd[1:] for n, cmd in cmds.items()}, out)
     done = d / STARTED
-    if not (done.exists() and json.loads(done.read_text()) == commands):
+    made = done.exists() and json.loads(done.read_text()) == commands
+    if not made:
         if d.exists():  # stopped, or made with other settings: minutes to make again
             shutil.rmtree(d)
         d.mkdir(parents=True)
         print(f"== calibration of {', '.join(specs)}: {args.calibration_steps} steps each, in "
               f"turn, {CALIBRATION_ROUNDS} times", flush=True)  # fmt: skip
         run_both([(f"calibration {n}", cmds[n], d / f"{n}.log") for n in orders], halves)
-        done.write_text(json.dumps(commands, indent=2))
     costs = step_costs([records(d / n / "metrics.jsonl") for n in orders])
-    (d / "costs.json").write_text(json.dumps({f"{k[0]}x{k[1]}": v for k, v in costs.items()}))
+    if not made:
+        (d / "costs.json").write_text(json.dumps({f"{k[0]}x{k[1]}": v for k, v in costs.items()}))
+        done.write_text(json.dumps(commands, indent=2))
     return costs
 
 
@@ -300,6 +303,19 @@ def stalls(recs: list[dict]) -> list[dict]:
     return out
 
 
+def train_lines(recs: list[dict]) -> list[tuple[int, int, float, tuple[int, int]]]:
+    """Each train line as (step, steps since the last line, their seconds as the trainer
+    counts them: steps x batch / images per second, shape: (image size, global batch))."""
+    out, last = [], 0
+    for r in recs:
+        if r["event"] == "train":
+            steps = r["step"] - last
+            dt = steps * r["global_batch"] / r["images_per_s"]
+            out.append((r["step"], steps, dt, (r["image_size"], r["global_batch"])))
+            last = r["step"]
+    return out
+
+
 def training_clock(recs: list[dict], costs: dict | None = None) -> dict[int, tuple]:
     """Step -> (seconds from the run's start, the same less compilation, the steady clock's
     seconds, the priced clock's seconds or None) at the end of each step a train line ends
@@ -312,17 +328,11 @@ def training_clock(recs: list[dict], costs: dict | None = None) -> dict[int, tup
     The priced clock counts each step at ``costs[shape]`` (``step_costs``: the calibration's
     median, measured with the shapes alternating) and nothing else: no set-up, no
     compilation, no load at all."""
-    compile_s, start_s, last, lines = 0.0, None, 0, []
-    for r in recs:
-        if r["event"] == "compile":
-            compile_s += r["wait_s"] if r.get("background") else r["compile_s"]
-        elif r["event"] == "train":
-            steps = r["step"] - last
-            dt = steps * r["global_batch"] / r["images_per_s"]
-            if start_s is None:
-                start_s = r["wall_s"] - dt  # the run's start to its first step
-            lines.append((r["step"], steps, dt, (r["image_size"], r["global_batch"])))
-            last = r["step"]
+    compile_s = sum(r["wait_s"] if r.get("background") else r["compile_s"]
+                    for r in recs if r["event"] == "compile")  # fmt: skip
+    lines = train_lines(recs)
+    first = next(r for r in recs if r["event"] == "train")
+    start_s = first["wall_s"] - lines[0][2]  # the run's start to its first step
     per_step: dict[tuple, list[float]] = {}
     for _, steps, dt, shape in lines:
         per_step.setdefault(shape, []).append(dt / steps)
@@ -348,13 +358,8 @@ def step_costs(runs: list[list[dict]]) -> dict[tuple[int, int], float]:
     load that comes and goes over minutes slows every shape alike, so the ratios hold."""
     per_step: dict[tuple, list[float]] = {}
     for recs in runs:
-        last = 0
-        for r in recs:
-            if r["event"] == "train":
-                steps = r["step"] - last
-                dt = steps * r["global_batch"] / r["images_per_s"]
-                per_step.setdefault((r["image_size"], r["global_batch"]), []).append(dt / steps)
-                last = r["step"]
+        for _, steps, dt, shape in train_lines(recs):
+            per_step.setdefault(shape, []).append(dt / steps)
     return {shape: statistics.median(v) for shape, v in per_step.items()}
 
 
@@ -365,7 +370,7 @@ def alternating_stages(specs: list[str], steps: int, rounds: int, examples: int,
     parts, end = [], 0.0
     for _ in range(rounds):
         for spec in specs:
-            batch = int(spec.split("-", 1)[1].split("@")[0].split("~")[0]) * dp
+            batch = parse_stages(f"1:{spec}")[0][2] * dp
             end += steps / (examples // batch)  # the trainer's steps per epoch at that batch
             parts.append(f"{end:.12g}:{spec}")
     return ",".join(parts)
@@ -524,8 +529,6 @@ def main(argv=None) -> None:
 
     sys.path.insert(0, str(ROOT / "experiments"))
     import cifar10_fast  # the recipe's stages: the fixed run takes the last one's shape
-
-    from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
 
     _, recipe_epochs, recipe_stages, recipe_target = cifar10_fast.VARIANTS[args.variant]
     epochs = args.epochs or recipe_epochs
