@@ -21,7 +21,8 @@ evaluation is the recipe's final accuracy) and save a checkpoint every
 batch of either; all kept), and neither evaluates before its last step. After each pair,
 ``python -m hybridpar.evaluate`` evaluates every checkpoint of both runs (output in
 seedS/NAME.eval.log), side by side on the same cores: no evaluation takes a core from a
-training run.
+training run. An evaluator started by hand on a run (``--watch``, on a free core) is waited
+for (one evaluator per run); the bench's then evaluates only what it left.
 
 Time to a target: the training wall time at the first checkpoint whose top-1 is at or over
 it, from the run's start (set-up and compilation included), checkpoint saves and evaluation
@@ -96,9 +97,10 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from hybridpar import run_records
+from hybridpar import run_records, workdir_lock
 from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,6 +158,17 @@ def train_cmd(workdir: Path, args, overrides: list[str]) -> list[str]:
 
 def eval_cmd(workdir: Path) -> list[str]:
     return [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(workdir)]
+
+
+def wait_for_evaluators(workdirs: list[Path]) -> None:
+    """An evaluator started by hand on a run (``--watch``, on a free core) holds the lock
+    on its records, so the bench's own would be refused: it goes on after that one ends
+    (with --watch, at the run's last step), and evaluates only what that one left."""
+    for w in workdirs:
+        if workdir_lock.held(str(w / "evaluator")):
+            print(f"== waiting for the evaluator already running on {w}", flush=True)
+        while workdir_lock.held(str(w / "evaluator")):
+            time.sleep(5)
 
 
 def start(name: str, cmd: list[str], log: Path, cores=None):
@@ -608,6 +621,7 @@ def main(argv=None) -> None:
             else:
                 print(f"== seed {seed}: trained in {d}; evaluating its checkpoints", flush=True)
             # After both trained: evaluation never shares a core with training.
+            wait_for_evaluators([d / n for n in names])
             run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
                       for n in names], halves)  # fmt: skip
             subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),

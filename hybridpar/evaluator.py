@@ -19,6 +19,8 @@ With ``watch`` it polls for new checkpoints and stops once the run's last step
 says the run completed and nothing new is left. It may start before the run (it waits for
 the workdir's ``config.json``), and it stops with an error once the run has ended
 unfinished: no trainer holds the workdir's lock and nothing new came for ``dead_after_s``.
+One evaluator per run: it holds ``W/evaluator/.lock`` (``workdir_lock``) while it runs, and a
+second one is refused with an error naming the first.
 """
 
 from __future__ import annotations
@@ -104,10 +106,7 @@ class Evaluator:
 
     def __init__(self, run: Run, workdir: str):
         self.run, self.workdir = run, workdir
-        self.out = os.path.join(workdir, "evaluator")
-        checkpoint.ensure_writable(
-            self.out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
-        )
+        self.out = os.path.join(workdir, "evaluator")  # made writable and locked by run()
         done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
         self.done = {r.step for r in done if r.event in ("eval", SKIPPED)}
         self.saver = checkpoint.Checkpoints(
@@ -278,14 +277,24 @@ def run(
             check_run_of(config, workdir)  # its error: no such workdir
         config = cli.load_run(workdir, overrides)
     checked = check_run_of(config, workdir)  # before any device or data is touched
-    # workdir None: none of the trainer's workdir checks and writes (we only read there)
-    r = setup(config, None, devices=devices, for_training=False)
-    log(describe_mesh(r.mesh))
-    evaluator = Evaluator(r, workdir)
+    # One evaluator per run, as one trainer: two would append the same records. Taken
+    # before the set-up, so a second one stops at once, not after compiling.
+    out = os.path.join(workdir, "evaluator")
+    checkpoint.ensure_writable(
+        out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
+    )
+    lock = workdir_lock.acquire(out, role="evaluator")
     try:
-        return evaluator.loop(watch, poll_s, checked, liveness)
-    except KeyboardInterrupt:
-        log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
-        return evaluator.written
+        # workdir None: none of the trainer's workdir checks and writes (we only read there)
+        r = setup(config, None, devices=devices, for_training=False)
+        log(describe_mesh(r.mesh))
+        evaluator = Evaluator(r, workdir)
+        try:
+            return evaluator.loop(watch, poll_s, checked, liveness)
+        except KeyboardInterrupt:
+            log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
+            return evaluator.written
+        finally:
+            evaluator.close()
     finally:
-        evaluator.close()
+        lock.release()

@@ -5,6 +5,10 @@
     lock.release()                         # the end of trainer.train (or a failed set-up)
     workdir_lock.held(workdir)             # the evaluator: is a trainer alive there?
 
+The evaluator takes the same kind of lock on its own records, ``WORKDIR/evaluator/.lock``
+(``role="evaluator"``): one evaluator per run, as one trainer, since both would append the
+same ``evaluator/metrics.jsonl``.
+
 The file holds the holder's host, pid and start time as JSON, for the error a second trainer
 prints; the lock itself is the kernel's, not the file's content: the OS releases it when
 the holder exits in any way (kill -9 included), so a dead run never leaves a stale lock,
@@ -78,9 +82,12 @@ class Lock:
         self.release()
 
 
-def acquire(workdir: str, process: int = 0, retry_s: float = RETRY_S) -> Lock:
+def acquire(
+    workdir: str, process: int = 0, retry_s: float = RETRY_S, role: str = "trainer"
+) -> Lock:
     """An exclusive lock on ``workdir``'s lock file, or a ``WorkdirError`` naming its holder
-    and how to go on. Writes nothing in ``workdir`` unless it gets the lock."""
+    (another ``role``: a key of ``ADVICE``) and how to go on. Writes nothing in ``workdir``
+    unless it gets the lock."""
     lock_path = path(workdir, process)
     deadline = time.monotonic() + retry_s
     while True:
@@ -98,7 +105,7 @@ def acquire(workdir: str, process: int = 0, retry_s: float = RETRY_S) -> Lock:
             if time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
-            raise WorkdirError(refusal(workdir, lock_path)) from None
+            raise WorkdirError(refusal(workdir, lock_path, role)) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(lock_path).st_ino
         except FileNotFoundError:
@@ -113,17 +120,25 @@ def acquire(workdir: str, process: int = 0, retry_s: float = RETRY_S) -> Lock:
         return Lock(fd, lock_path)
 
 
-def refusal(workdir: str, lock_path: str) -> str:
+# What to do when another process of that role holds the lock.
+ADVICE = {
+    "trainer": "wait for it to finish, stop it (SIGTERM saves a checkpoint) and run this "
+    "command again to resume, or pass another --workdir",
+    "evaluator": "wait for it to finish, or stop it (Ctrl-C) and run this command again: it "
+    "goes on from the records",
+}
+
+
+def refusal(workdir: str, lock_path: str, role: str = "trainer") -> str:
     h = holder(lock_path)
     who = (
         f"pid {h.get('pid')} on host {h.get('host')}, since {h.get('since')}"
         if h
         else "a process that has not written its name yet"
     )
+    what = "workdir" if role == "trainer" else "directory"
     return (
-        f"workdir {workdir!r} is in use by another trainer ({who}; lock {lock_path}): wait "
-        "for it to finish, stop it (SIGTERM saves a checkpoint) and run this command again to "
-        "resume, or pass another --workdir"
+        f"{what} {workdir!r} is in use by another {role} ({who}; lock {lock_path}): " + ADVICE[role]
     )
 
 

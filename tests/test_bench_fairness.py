@@ -418,6 +418,29 @@ def test_curriculum_tta_speedups_per_seed_and_their_spread():
     assert all(math.isnan(v) for v in tta.spread([math.nan]))
 
 
+def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeypatch, capsys):
+    """One evaluator per run: the bench's own waits for one that holds the run's records."""
+    from hybridpar import workdir_lock
+
+    runs = [tmp_path / "curriculum", tmp_path / "fixed"]
+    for w in runs:
+        (w / "evaluator").mkdir(parents=True)
+    tta.wait_for_evaluators(runs)  # none running: no wait
+    assert capsys.readouterr().out == ""
+    watcher = workdir_lock.acquire(str(runs[1] / "evaluator"), role="evaluator")
+    polls = []
+
+    def sleep(s):  # the watcher ends at the bench's second look
+        polls.append(s)
+        if len(polls) == 2:
+            watcher.release()
+
+    monkeypatch.setattr(tta.time, "sleep", sleep)
+    tta.wait_for_evaluators(runs)
+    assert len(polls) == 2 and not workdir_lock.held(str(runs[1] / "evaluator"))
+    assert f"waiting for the evaluator already running on {runs[1]}" in capsys.readouterr().out
+
+
 def test_curriculum_tta_plumbing(tmp_path):
     """The whole bench, shrunk (a tiny airbench on 256 synthetic images, one epoch, 12 then
     16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds

@@ -10,6 +10,8 @@
 * Through the command line, restarted on a copy of the run with part of its record gone and
   one checkpoint deleted, on 4 devices with another mesh: only the missing steps are
   evaluated, the deleted one is reported skipped, and ``--watch`` stops by itself.
+* A second evaluator on a run another one holds is refused before it writes anything, and
+  through the command line that is one ``error:`` line naming the holder.
 * No workdir, a run of another config, no checkpoints without ``--watch``, and a mesh whose
   data-parallel size gives a curriculum other steps than the trainer's are errors.
 """
@@ -26,9 +28,9 @@ from pathlib import Path
 import pytest
 from helpers import DIGITS, TINY_DIGITS, config_args, saved_loop, tiny_digits
 
-from hybridpar import evaluate, evaluator, trainer
+from hybridpar import evaluate, evaluator, trainer, workdir_lock
 from hybridpar.curriculum import plan_stages, stages_from_config
-from hybridpar.errors import ConfigError
+from hybridpar.errors import ConfigError, WorkdirError
 from hybridpar.run import setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +142,29 @@ def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted
     final = watched["summary"]["final_eval"]
     assert abs(events[-1]["top1"] - final["top1"]) <= 1 / 360 + 1e-9
     assert events[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5)
+
+
+def test_a_second_evaluator_on_one_run_is_refused(watched, tmp_path, capsys):
+    w = tmp_path / "w"
+    shutil.copytree(watched["w"], w)
+    record = w / "evaluator" / "metrics.jsonl"
+    record.write_text(record.read_text().splitlines()[0] + "\n")  # steps 6, 9, 11 to do
+    before = record.read_text()
+    first = workdir_lock.acquire(str(w / "evaluator"), role="evaluator")  # as a live evaluator
+    try:
+        with pytest.raises(WorkdirError, match=f"in use by another evaluator \\(pid {os.getpid()}"):
+            evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.1)
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--config", DIGITS, *config_args(TINY_DIGITS), "--workdir", str(w)])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith("error: directory") and "stop it (Ctrl-C)" in err
+        assert record.read_text() == before  # nothing appended by the refused ones
+    finally:
+        first.release()
+    events = evaluator.run(tiny_digits(**RUN), str(w))  # the lock gone: it goes on
+    assert [r["step"] for r in events] == STEPS[1:]
+    assert not (w / "evaluator" / ".lock").exists()
 
 
 def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_path, capsys):
