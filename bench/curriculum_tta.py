@@ -83,8 +83,11 @@ measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; the r
 (``metrics.jsonl``, ``summary.json``, ``evaluator/`` and seedS/pair.json: no checkpoint is
 read again) may move to another ``--out`` or another machine's checkout. A pair whose two
 runs finished training but not their evaluation (seedS/commands.json, written when the pair
-starts, holds the commands) goes on at the evaluation; a pair stopped while training is an
-error naming its folder (a resumed run's clock would count the restart).
+starts, holds the commands) goes on at the evaluation; a pair stopped while training
+resumes: each run not completed goes on from its latest checkpoint (the trainer's own
+resume, bit-exact), then the evaluation. Its clocks keep each step's last run (the steps
+redone after the restart replace the first ones) and leave out the restart's set-up; the
+priced clock is the same as without the stop.
 """
 
 from __future__ import annotations
@@ -117,13 +120,9 @@ CALIBRATION_ROUNDS = 3
 RECORDS = ("config.json", "metrics.jsonl", "summary.json", "evaluator/metrics.jsonl")
 
 
-def trained(pair_dir: Path) -> bool:
-    """Whether both runs in ``pair_dir`` completed training (their summary.json says so)."""
-    for n in NAMES:
-        summary = run_records.read_json(pair_dir / n / "summary.json")
-        if not (summary or {}).get("completed"):
-            return False
-    return True
+def completed(workdir: Path) -> bool:
+    """Whether the run in ``workdir`` completed training (its summary.json says so)."""
+    return bool((run_records.read_json(workdir / "summary.json") or {}).get("completed"))
 
 
 def portable(commands: dict, out: Path) -> dict:
@@ -172,12 +171,12 @@ def wait_for_evaluators(workdirs: list[Path]) -> None:
 
 
 def start(name: str, cmd: list[str], log: Path, cores=None):
-    """Starts ``cmd`` (on ``cores`` only, its output in ``log``, when given)."""
+    """Starts ``cmd`` (on ``cores`` only, its output appended to ``log``, when given)."""
     if cores is None:
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         return subprocess.Popen(cmd, cwd=ROOT)
     print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[1:])}", flush=True)
-    with open(log, "w") as f:  # the child holds its own copy of the file
+    with open(log, "a") as f:  # the child holds its own copy; a resume goes on in the same log
         # XLA's and tf.data's thread pools size themselves by the affinity set.
         return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
                                 preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
@@ -318,10 +317,15 @@ def stalls(recs: list[dict]) -> list[dict]:
 
 def train_lines(recs: list[dict]) -> list[tuple[int, int, float, tuple[int, int]]]:
     """Each train line as (step, steps since the last line, their seconds as the trainer
-    counts them: steps x batch / images per second, shape: (image size, global batch))."""
+    counts them: steps x batch / images per second, shape: (image size, global batch)).
+    After a resume the steps from its checkpoint on ran again: their second run replaces
+    the first (as ``run_records.read_run`` keeps them)."""
     out, last = [], 0
     for r in recs:
-        if r["event"] == "train":
+        if r["event"] == "resume":
+            last = r["step"] if r.get("from_step") is None else r["from_step"]
+            out = [line for line in out if line[0] <= last]
+        elif r["event"] == "train":
             steps = r["step"] - last
             dt = steps * r["global_batch"] / r["images_per_s"]
             out.append((r["step"], steps, dt, (r["image_size"], r["global_batch"])))
@@ -535,9 +539,9 @@ def main(argv=None) -> None:
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     for seed in seeds:
         d = out / f"seed{seed}"
-        if d.exists() and not (d / PAIR).exists() and not (trained(d) and (d / STARTED).exists()):
-            fail(f"{d} holds a pair stopped while training (no {PAIR}, and not both runs "
-                 "completed); remove it to run that pair again, or pass another --out")  # fmt: skip
+        if d.exists() and not (d / PAIR).exists() and not (d / STARTED).exists():
+            fail(f"{d} holds no pair of this bench (no {PAIR} or {STARTED}); move it away, "
+                 "or pass another --out")  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -611,15 +615,22 @@ def main(argv=None) -> None:
             if src is not None or (d / REUSED).exists():  # only the curriculum trains
                 names = ("curriculum",)
                 halves = halves[:1] if halves else None
+            to_train = list(names)
             if recorded is None:
                 d.mkdir()
                 (d / STARTED).write_text(json.dumps(portable(commands, out), indent=2))
                 if src is not None:
                     copy_records(src / "fixed", d / "fixed")
                     (d / REUSED).write_text(json.dumps({"fixed": str(src / "fixed")}))
-                run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in names], halves)
             else:
-                print(f"== seed {seed}: trained in {d}; evaluating its checkpoints", flush=True)
+                to_train = [n for n in names if not completed(d / n)]
+                print(f"== seed {seed}: "
+                      + (f"resuming {' and '.join(to_train)} in {d}, stopped while training"
+                         if to_train else f"trained in {d}; evaluating its checkpoints"),
+                      flush=True)  # fmt: skip
+            if to_train:  # each on its own half, as when the pair started
+                own = [halves[names.index(n)] for n in to_train] if halves else None
+                run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in to_train], own)
             # After both trained: evaluation never shares a core with training.
             wait_for_evaluators([d / n for n in names])
             run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")

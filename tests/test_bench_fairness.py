@@ -361,6 +361,21 @@ def test_curriculum_tta_priced_clock_counts_steps_at_the_calibrations_costs():
     assert tta.step_costs([a, b]) == {(24, 100): 1.0, (32, 200): 2.0}
 
 
+def test_curriculum_tta_clocks_keep_the_second_run_of_steps_redone_after_a_resume():
+    """A run stopped after step 4 and resumed from its checkpoint at step 2 runs steps 3
+    and 4 again: their second run replaces the first, on every clock (as
+    ``run_records.read_run`` keeps them). Planted bug that fails it: the resume record
+    ignored (steps 3-4 counted twice, a line of -1 steps)."""
+    run = [{"event": "compile", "step": 0, "compile_s": 4.0, "program": "train"}]
+    run += [_train(s, 5.0 + s, images_per_s=100.0) for s in range(1, 5)]  # 1 s each
+    run += [{"event": "resume", "step": 2, "from_step": 2}]
+    run += [_train(s, 10.0 + 2 * s, images_per_s=50.0) for s in (3, 4)]  # 2 s each, again
+    assert [line[:2] for line in tta.train_lines(run)] == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    clock = tta.training_clock(run, {(32, 100): 0.5})
+    assert sorted(clock) == [1, 2, 3, 4]
+    assert clock[4][0] == 5.0 + 1 + 1 + 2 + 2 and clock[4][3] == 2.0
+
+
 def test_curriculum_tta_calibration_stages_alternate_the_shapes_for_the_steps_asked():
     """The calibration's stages: each shape for the steps asked, in turn, the rounds asked;
     the trainer's plan of them (its whole steps per epoch at each batch) gives exactly
@@ -450,7 +465,7 @@ def test_curriculum_tta_plumbing(tmp_path):
     it reuses the finished pairs, unless their settings differ. Planted bugs that fail it:
     the seed not passed to the runs, the evaluator not run, the last line's median from the
     first seed only, a finished pair reused whatever its commands, the commands recorded with
-    --out's absolute path."""
+    --out's absolute path. A pair stopped while training resumes its unfinished run."""
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
@@ -491,7 +506,7 @@ def test_curriculum_tta_plumbing(tmp_path):
         other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
     )
     # A pair trained but stopped in its evaluation goes on at the evaluation; one stopped
-    # while training is refused.
+    # while training resumes the run that did not complete, from its latest checkpoint.
     for name in tta.NAMES:
         shutil.rmtree(out / "seed1" / name / "evaluator")
     (out / "seed1" / tta.PAIR).unlink()
@@ -499,13 +514,27 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "hybridpar.train" not in resumed.stdout and "hybridpar.evaluate" in resumed.stdout
     assert resumed.stdout.strip().splitlines()[-1] == last
-    summary = out / "seed1" / "fixed" / "summary.json"
-    saved = summary.read_text()
-    summary.write_text(saved.replace('"completed": true', '"completed": false'))
+    fixed1 = out / "seed1" / "fixed"
+    summary = fixed1 / "summary.json"
+    summary.write_text(summary.read_text().replace('"completed": true', '"completed": false'))
+    for step in (3, 4):  # stopped after step 2's checkpoint: steps 3 and 4 to run again
+        shutil.rmtree(fixed1 / "checkpoints" / str(step))
+    shutil.rmtree(fixed1 / "evaluator")
     (out / "seed1" / tta.PAIR).unlink()
     stopped = bench(*argv)
-    assert stopped.returncode == 2 and "seed1 holds a pair stopped while training" in stopped.stderr
-    summary.write_text(saved)
+    assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert "resuming fixed in" in stopped.stdout and "seed 1 fixed on cores" in stopped.stdout
+    assert "seed 1 curriculum on cores" not in stopped.stdout  # it completed: not run again
+    recs = tta.records(fixed1 / "metrics.jsonl")
+    assert [r["from_step"] for r in recs if r["event"] == "resume"] == [2]
+    # The redone steps replace their first run: the priced clock and the top-1 (an exact
+    # resume) are as before the stop.
+    after = dict(kv.split("=") for kv in stopped.stdout.strip().splitlines()[-1].split())
+    before = dict(kv.split("=") for kv in last.split())
+    for key in before:
+        if "priced" in key or "top1" in key or key.startswith("step_s_"):
+            assert after[key] == before[key], key
+    assert [line[0] for line in tta.train_lines(recs)] == [1, 2, 3, 4]
     first_losses, speedups = [], []
     for seed in (0, 1):
         clocks = {}
