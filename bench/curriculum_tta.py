@@ -136,6 +136,15 @@ def portable(commands: dict, out: Path) -> dict:
     return {n: [sub(a) for a in cmd] for n, cmd in commands.items()}
 
 
+def in_checkout(path: Path) -> str:
+    """``path`` from the checkout's root when it is inside it (as records that move between
+    machines read best: ``bench/results/...``), else as it is."""
+    try:
+        return str(path.resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
 def fail(message: str) -> None:
     """One ``error:`` line and exit 2, as the trainer does for bad input."""
     print(f"error: {message}", file=sys.stderr)
@@ -621,7 +630,7 @@ def main(argv=None) -> None:
                 (d / STARTED).write_text(json.dumps(portable(commands, out), indent=2))
                 if src is not None:
                     copy_records(src / "fixed", d / "fixed")
-                    (d / REUSED).write_text(json.dumps({"fixed": str(src / "fixed")}))
+                    (d / REUSED).write_text(json.dumps({"fixed": in_checkout(src / "fixed")}))
             else:
                 to_train = [n for n in names if not completed(d / n)]
                 print(f"== seed {seed}: "

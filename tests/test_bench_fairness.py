@@ -456,6 +456,14 @@ def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeyp
     assert f"waiting for the evaluator already running on {runs[1]}" in capsys.readouterr().out
 
 
+def test_curriculum_tta_records_a_source_in_the_checkout_by_its_repository_path(tmp_path):
+    """reused.json names --fixed-from's runs: from the checkout's root when they are in it
+    (records in bench/results/ read the same on every machine), else as given."""
+    inside = ROOT / "bench" / "results" / "curriculum_tta" / "before" / "seed0" / "fixed"
+    assert tta.in_checkout(inside) == "bench/results/curriculum_tta/before/seed0/fixed"
+    assert tta.in_checkout(tmp_path / "fixed") == str(tmp_path / "fixed")
+
+
 def test_curriculum_tta_plumbing(tmp_path):
     """The whole bench, shrunk (a tiny airbench on 256 synthetic images, one epoch, 12 then
     16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds
