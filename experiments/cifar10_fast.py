@@ -35,15 +35,15 @@ Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
   ``3:24-256@0.5`` 55.3, 67.9, 73.2, 80.52% (batch 256 learns more per epoch, but its 24-px
   epochs took about 1.2x as long as batch 512's). The same model at 32 px throughout: 53.9,
   73.2, 77.6, 81.4%.
-Time to 80% against the same model at 32 px throughout, ``python bench/curriculum_tta.py
---seeds 2`` over bench/results/curriculum_tta/before (one core per run, side by side,
-quarter-epoch checkpoints; 2026-12-04, two seeds of the three, trained beside other work):
-on the priced clock (each step at its shape's calibrated cost, 24 px 0.52x of 32 px)
-``tta_speedup_80_priced=1.412``, min 1.346, max 1.478 (80% at epoch 3.96 and 4.21 against
-3.71), 1.206 to 85%; the loaded wall clocks' ``tta_speedup_80=1.389`` (1.193-1.586). Final
-top-1 85.91% and 85.57% against 86.18% and 86.36%. The records and what is left to win:
-bench/results/curriculum_tta/before/NOTES.md. Earlier one-seed figures, evaluated once an
-epoch, ranged from 1.06x to 1.47x on one epoch's difference.
+Time to 80% against the same model at 32 px throughout, ``python bench/curriculum_tta.py``
+over a copy of bench/results/curriculum_tta/before (one core per run, side by side,
+quarter-epoch checkpoints; 2026-12-04, three seeds, trained beside other work): on the
+priced clock (each step at its shape's calibrated cost, 24 px 0.52x of 32 px)
+``tta_speedup_80_priced=1.346``, min 1.183, max 1.478 (80% at epoch 3.96, 4.21, 3.96
+against 3.71, 3.71, 2.97), 1.253 to 85%; the loaded wall clocks' ``tta_speedup_80=1.193``
+(1.082-1.586). Final top-1 85.91, 85.57, 85.95% against 86.18, 86.36, 86.02%. The records
+and what is left to win: bench/results/curriculum_tta/before/NOTES.md. Earlier one-seed
+figures, evaluated once an epoch, ranged from 1.06x to 1.47x on one epoch's difference.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
 fixed-size recipe needs for 85%.
 ``gpu`` is not measured yet.
