@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 import time
 
+import jax
+
 from hybridpar import checkpoint, workdir_lock
 from hybridpar.errors import ConfigError, WorkdirError
 from hybridpar.mesh import describe_mesh
@@ -283,10 +285,14 @@ def run(
     checkpoint.ensure_writable(
         out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
     )
-    lock = workdir_lock.acquire(out, role="evaluator")
+    # A distributed evaluator's processes lock a file each (.lock, .lock.N), once the
+    # runtime has said which process this is (as the trainer's do).
+    lock = None if config.distributed else workdir_lock.acquire(out, role="evaluator")
     try:
         # workdir None: none of the trainer's workdir checks and writes (we only read there)
         r = setup(config, None, devices=devices, for_training=False)
+        if lock is None:
+            lock = workdir_lock.acquire(out, jax.process_index(), role="evaluator")
         log(describe_mesh(r.mesh))
         evaluator = Evaluator(r, workdir)
         try:
@@ -297,4 +303,5 @@ def run(
         finally:
             evaluator.close()
     finally:
-        lock.release()
+        if lock is not None:
+            lock.release()
