@@ -332,7 +332,7 @@ def train_lines(recs: list[dict]) -> list[tuple[int, int, float, tuple[int, int]
     out, last = [], 0
     for r in recs:
         if r["event"] == "resume":
-            last = r["step"] if r.get("from_step") is None else r["from_step"]
+            last = run_records.resumed_from(r)
             out = [line for line in out if line[0] <= last]
         elif r["event"] == "train":
             steps = r["step"] - last

@@ -242,6 +242,13 @@ class RunRecords:
     config: dict | None
 
 
+def resumed_from(resume: Resume | dict) -> int:
+    """The last step a ``resume`` record keeps: the steps after it ran again (0 for a run
+    started again with no checkpoint), so their earlier records are superseded."""
+    r = resume if isinstance(resume, dict) else to_dict(resume)
+    return r["step"] if r.get("from_step") is None else r["from_step"]
+
+
 def read_run(workdir: str) -> RunRecords:
     """``W/metrics.jsonl``, ``W/evaluator/metrics.jsonl`` (if any), ``W/summary.json`` and
     ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError."""
@@ -260,7 +267,7 @@ def read_run(workdir: str) -> RunRecords:
     evals, stages = {}, {}
     for r in read_records(path)[0]:
         if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
-            last = r.step if r.from_step is None else r.from_step
+            last = resumed_from(r)
             kinds["train"] = [t for t in kinds["train"] if t.step <= last]
             evals = {s: e for s, e in evals.items() if s <= last}
             stages = {i: s for i, s in stages.items() if s.step <= last}

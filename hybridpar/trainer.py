@@ -472,7 +472,9 @@ def start(run: Run, hooks) -> Training:
     )
     state, loop, resumed = restore_or_init(run, saver)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
-    redo_until = furthest_step(run.workdir) if resumed is not None else 0
+    # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
+    # was killed before its first checkpoint, which leaves records but nothing to resume).
+    redo_until = furthest_step(run.workdir)
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -486,6 +488,12 @@ def start(run: Run, hooks) -> Training:
                      directory=saver.directory, changed_keys=changed)  # fmt: skip
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
+    elif redo_until:  # its records up to redo_until are superseded, as after a resume
+        writer.write("resume", 0, 0.0, from_step=0, data_epoch=0, data_step_in_epoch=0,
+                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+        log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
+            "stopped were not saved (checkpoint.every_steps sets how often); training again "
+            "from step 0")  # fmt: skip
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     with clock.within("compile"):
         mem = compile_all(run, loop.stage)

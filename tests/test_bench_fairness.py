@@ -374,6 +374,9 @@ def test_curriculum_tta_clocks_keep_the_second_run_of_steps_redone_after_a_resum
     clock = tta.training_clock(run, {(32, 100): 0.5})
     assert sorted(clock) == [1, 2, 3, 4]
     assert clock[4][0] == 5.0 + 1 + 1 + 2 + 2 and clock[4][3] == 2.0
+    # killed before its first checkpoint: started again, the trainer's record is from step 0
+    restart = run[:4] + [{"event": "resume", "step": 0, "from_step": 0}] + run[1:5]
+    assert [line[:2] for line in tta.train_lines(restart)] == [(1, 1), (2, 1), (3, 1), (4, 1)]
 
 
 def test_curriculum_tta_calibration_stages_alternate_the_shapes_for_the_steps_asked():

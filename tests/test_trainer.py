@@ -382,6 +382,39 @@ def test_where_the_time_went_adds_up_to_the_wall_time_and_measures_the_input_wai
     assert len(records(tmp_path / "normal", "eval")) >= 2  # the eval part had evaluations
 
 
+class CrashAt:
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            raise RuntimeError(f"crash at step {self.k}")
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_again_and_supersedes_its_records(
+    tmp_path, capsys
+):
+    """A crash at step 3 with no checkpoint yet (what kill -9 early in a run leaves: train
+    records and nothing to resume from): the same call trains from step 0 again, says so,
+    and writes a ``resume`` record from step 0, so the run's records hold each step once, as
+    in an uninterrupted run (the earlier lines gave a line of negative steps to the bench's
+    clock), and the redone steps count as ``redone``. Planted bug that fails it: no record
+    written on a restart from step 0."""
+    config = tiny_digits(**{"checkpoint.every_steps": 0})
+    with pytest.raises(RuntimeError, match="crash at step 3"):
+        trainer.train(setup(config, str(tmp_path)), hooks=[CrashAt(3)])
+    (tmp_path / "summary.json").unlink(missing_ok=True)
+    assert [r["step"] for r in records(tmp_path, "train")][-1] == 3
+    again = trainer.train(setup(config, str(tmp_path)))
+    assert again["completed"] and again["resumed_from"] is None
+    assert "training again from step 0" in capsys.readouterr().out
+    restarts = records(tmp_path, "resume")
+    assert [(r["step"], r["from_step"]) for r in restarts] == [(0, 0)]
+    kept = [r.step for r in run_records.read_run(str(tmp_path)).train]
+    assert kept == sorted(set(kept)) and kept[-1] == again["steps"]
+    assert again["time_breakdown"].get("redone", 0) > 0
+
+
 def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_restart(
     tmp_path,
 ):
