@@ -5,7 +5,8 @@ a narrower ResNet, to keep it short), every step logged, a checkpoint at the end
 is started by hand, as ``experiments/launch/`` describes: ``JAX_COORDINATOR_ADDRESS``,
 ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID`` and ``--config.distributed=True``, sharing one
 workdir as hosts share a file system. Each process reads its half of every global batch,
-only process 0 writes the records, both write their checkpoint shards.
+only process 0 writes the records, both write their checkpoint shards. The evaluator as 2
+processes on that workdir records the run's own final evaluation.
 
 And the two ways it can fail before a step: no variables and no cluster, and a
 coordinator that does not answer; each one ``error:`` line, exit 2, no traceback.
@@ -147,6 +148,39 @@ def test_both_processes_write_their_checkpoint_shards(runs):
         "ocdbt.process_1",
     ]
     assert [r["step"] for r in _records(two) if r["event"] == "checkpoint"] == [STEPS]
+
+
+def test_a_distributed_evaluator_reads_the_checkpoint_as_the_run_evaluated_it(runs):
+    """``hybridpar.evaluate`` as 2 processes on the pair's workdir: each process locks its
+    own file (``.lock``, ``.lock.1``; one shared file refused the second process), the
+    checkpoint is read from both processes' shards, and process 0 records the evaluation the
+    run made of the same state at its end."""
+    _, two, _ = runs
+    port = free_port()
+    procs = []
+    for i in range(2):
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+                   JAX_PROCESS_ID=i)  # fmt: skip
+        args = ["--workdir", str(two), "--config.distributed=True",
+                "--config.distributed_timeout_s=120"]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hybridpar.evaluate", *args],
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
+        )
+    for rc, _, stderr in _finish(procs):
+        assert rc == 0, stderr[-3000:]
+    evals = [json.loads(x) for x in (two / "evaluator" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["event"], r["step"]) for r in evals] == [("eval", STEPS)]  # one writer
+    final = json.loads((two / "summary.json").read_text())["final_eval"]
+    assert evals[0]["examples"] == final["examples"] == 360
+    np.testing.assert_allclose(evals[0]["loss"], final["loss"], rtol=RTOL)
+    assert not list((two / "evaluator").glob(".lock*"))  # both released
 
 
 def _cli_error(tmp_path, **env) -> str:
