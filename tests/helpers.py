@@ -531,3 +531,14 @@ def roll_grads(tx, pattern: str, axis: int, shards: int):
         return jnp.roll(g, g.shape[axis] // shards, axis=axis)
 
     return _mutate(tx, change)
+
+
+class CrashAt:
+    """A hook that raises after step ``k``: what a crash (or kill -9) leaves, less the kill."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            raise RuntimeError(f"crash at step {self.k}")

@@ -30,6 +30,7 @@ import pytest
 from helpers import (
     DIGITS,
     TINY_DIGITS,
+    CrashAt,
     config_args,
     cpu_env,
     loop_metadata,
@@ -183,15 +184,6 @@ def test_a_checkpoint_restores_onto_another_mesh_with_identical_values(runs, tmp
         a.spec != b.spec or a.mesh.shape != b.mesh.shape
         for a, b in zip(jax.tree.leaves(source.shardings), got)
     )
-
-
-class CrashAt:
-    def __init__(self, k):
-        self.k = k
-
-    def __call__(self, loop, state, metrics, stage):
-        if loop.step == self.k:
-            raise RuntimeError(f"crash at step {self.k}")
 
 
 def test_a_crash_resumes_bitwise_from_the_last_periodic_checkpoint(runs):

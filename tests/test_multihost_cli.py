@@ -60,9 +60,9 @@ def _env(devices: int, **extra) -> dict:
     return env
 
 
-def _start(args, env) -> subprocess.Popen:
+def _start(args, env, module="hybridpar.train") -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "hybridpar.train", *args],
+        [sys.executable, "-m", module, *args],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -163,16 +163,7 @@ def test_a_distributed_evaluator_reads_the_checkpoint_as_the_run_evaluated_it(ru
                    JAX_PROCESS_ID=i)  # fmt: skip
         args = ["--workdir", str(two), "--config.distributed=True",
                 "--config.distributed_timeout_s=120"]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "hybridpar.evaluate", *args],
-                env=env,
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )  # fmt: skip
-        )
+        procs.append(_start(args, env, module="hybridpar.evaluate"))
     for rc, _, stderr in _finish(procs):
         assert rc == 0, stderr[-3000:]
     evals = [json.loads(x) for x in (two / "evaluator" / "metrics.jsonl").read_text().splitlines()]

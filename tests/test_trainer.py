@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import DIGITS, saved_loop, tiny_digits
+from helpers import DIGITS, CrashAt, saved_loop, tiny_digits
 
 from hybridpar import checkpoint, run_records, shard_batch, trainer
 from hybridpar.errors import ConfigError, NonFinite, StopRequested
@@ -380,15 +380,6 @@ def test_where_the_time_went_adds_up_to_the_wall_time_and_measures_the_input_wai
     waits = {n: s["time_breakdown"]["input_wait"] for n, s in summaries.items()}
     assert waits["slow"] - waits["normal"] >= 0.4 * summaries["slow"]["steps"] * DELAY_S
     assert len(records(tmp_path / "normal", "eval")) >= 2  # the eval part had evaluations
-
-
-class CrashAt:
-    def __init__(self, k):
-        self.k = k
-
-    def __call__(self, loop, state, metrics, stage):
-        if loop.step == self.k:
-            raise RuntimeError(f"crash at step {self.k}")
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_again_and_supersedes_its_records(
