@@ -6,6 +6,7 @@ over several seeds, with the time to target resolved to a fraction of an epoch.
                                    [--out DIR] [--set KEY=VALUE ...] [--fixed-set KEY=VALUE ...]
                                    [--curriculum-set KEY=VALUE ...] [--calibration-steps 12]
                                    [--fixed-from OUT] [--one-after-other]
+                                   [--evaluate-from-epoch E]
 
 For each seed (the config's ``seed``: initialisation, data order and augmentation), two runs
 of ``experiments/cifar10_fast.py:VARIANT`` in fresh workdirs ``--out``/seedS/NAME (default
@@ -23,6 +24,11 @@ batch of either; all kept), and neither evaluates before its last step. After ea
 seedS/NAME.eval.log), side by side on the same cores: no evaluation takes a core from a
 training run. An evaluator started by hand on a run (``--watch``, on a free core) is waited
 for (one evaluator per run); the bench's then evaluates only what it left.
+``--evaluate-from-epoch E``: only the checkpoints from epoch E on (``--from-epoch``), fewer
+evaluations where the target is known to fall later; a run already at or over a target at
+the first one evaluated then has its earlier checkpoints evaluated too, so its time to that
+target is still its first checkpoint at or over it (unless it crossed the target before E
+and fell back under it by E: keep E well under where the target falls).
 
 Time to a target: the training wall time at the first checkpoint whose top-1 is at or over
 it, from the run's start (set-up and compilation included), checkpoint saves and evaluation
@@ -164,8 +170,33 @@ def train_cmd(workdir: Path, args, overrides: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
-def eval_cmd(workdir: Path) -> list[str]:
-    return [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(workdir)]
+def eval_cmd(workdir: Path, from_epoch: float = 0.0) -> list[str]:
+    since = [f"--from-epoch={from_epoch:g}"] if from_epoch else []
+    return [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(workdir), *since]
+
+
+def evaluate_runs(d: Path, names, halves, from_epoch: float, targets: list[float]) -> None:
+    """Evaluates the checkpoints of the runs ``names`` in ``d`` from ``from_epoch`` on, each
+    on its half of the cores, then, for a run already at or over a target at the first
+    checkpoint evaluated (it may have reached it at one not evaluated), the earlier ones."""
+    wait_for_evaluators([d / n for n in names])
+    run_both([(f"seed {d.name[4:]} {n} evaluator", eval_cmd(d / n, from_epoch),
+               d / f"{n}.eval.log") for n in names], halves)  # fmt: skip
+    if not from_epoch:
+        return
+    early = []
+    for n in names:
+        evals = evaluations(records(d / n / "metrics.jsonl"),
+                            records(d / n / "evaluator" / "metrics.jsonl"))  # fmt: skip
+        if evals and any(evals[0]["top1"] >= t for t in targets):
+            print(f"== {d / n}: at {evals[0]['top1']:.4f} top-1 already at epoch "
+                  f"{evals[0]['epoch']:.3f}, the first checkpoint evaluated: evaluating the "
+                  "earlier ones too", flush=True)  # fmt: skip
+            early.append(n)
+    if early:
+        run_both([(f"seed {d.name[4:]} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
+                  for n in early],
+                 [halves[names.index(n)] for n in early] if halves else None)  # fmt: skip
 
 
 def wait_for_evaluators(workdirs: list[Path]) -> None:
@@ -502,6 +533,9 @@ def main(argv=None) -> None:
     p.add_argument("--checkpoint-every-epochs", type=finite_float, default=0.25,
                    help="how often both runs save a checkpoint to evaluate: the resolution "
                         "of the time to target")  # fmt: skip
+    p.add_argument("--evaluate-from-epoch", type=finite_float, default=0.0, metavar="E",
+                   help="evaluate only the checkpoints from epoch E on (and the earlier ones "
+                        "of a run already at a target at epoch E); default 0: all")  # fmt: skip
     p.add_argument("--out", default=str(ROOT / "runs" / "curriculum_tta"))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both runs, repeatable")  # fmt: skip
@@ -536,6 +570,9 @@ def main(argv=None) -> None:
     fixed_from = Path(args.fixed_from).resolve() if args.fixed_from else None
     if fixed_from is not None and not fixed_from.is_dir():
         fail(f"--fixed-from {args.fixed_from}: no such folder; pass an earlier --out")
+    if args.evaluate_from_epoch < 0:
+        fail(f"--evaluate-from-epoch={args.evaluate_from_epoch:g} must be >= 0 (0: every "
+             "checkpoint)")  # fmt: skip
     if not 0 < args.checkpoint_every_epochs <= 1:
         fail(f"--checkpoint-every-epochs={args.checkpoint_every_epochs} is in (0, 1], e.g. 0.25")
     for kv in [*args.set, *args.fixed_set, *args.curriculum_set]:
@@ -551,13 +588,16 @@ def main(argv=None) -> None:
         if d.exists() and not (d / PAIR).exists() and not (d / STARTED).exists():
             fail(f"{d} holds no pair of this bench (no {PAIR} or {STARTED}); move it away, "
                  "or pass another --out")  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
 
     sys.path.insert(0, str(ROOT / "experiments"))
     import cifar10_fast  # the recipe's stages: the fixed run takes the last one's shape
 
     _, recipe_epochs, recipe_stages, recipe_target = cifar10_fast.VARIANTS[args.variant]
     epochs = args.epochs or recipe_epochs
+    if args.evaluate_from_epoch > epochs:  # before hours of training, not after
+        fail(f"--evaluate-from-epoch={args.evaluate_from_epoch:g} is after the runs' last "
+             f"epoch ({epochs:g}); pass one from 0 to {epochs:g}")  # fmt: skip
+    out.mkdir(parents=True, exist_ok=True)  # once the arguments are known to be good
     targets = [args.target] + ([recipe_target] if recipe_target != args.target else [])
     # the recipe's stages with their end epochs scaled to --epochs; fixed: the last shape
     stages = []
@@ -641,9 +681,7 @@ def main(argv=None) -> None:
                 own = [halves[names.index(n)] for n in to_train] if halves else None
                 run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in to_train], own)
             # After both trained: evaluation never shares a core with training.
-            wait_for_evaluators([d / n for n in names])
-            run_both([(f"seed {seed} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
-                      for n in names], halves)  # fmt: skip
+            evaluate_runs(d, names, halves, args.evaluate_from_epoch, targets)
             subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
                             "--out", str(d / "report.png"), f"--target-top1={args.target}"],
                            cwd=ROOT, check=False)  # fmt: skip

@@ -1,9 +1,10 @@
-"""``python -m hybridpar.evaluate --workdir W [--watch] [--poll-s S] [--config FILE]``.
+"""``python -m hybridpar.evaluate --workdir W [--watch] [--from-epoch E] [--config FILE] ...``.
 
 Evaluation off the training clock: evaluates each checkpoint of the training run in ``W``
 on the whole eval split, on this process's own devices, while the trainer goes on. Without
 ``--watch``, every checkpoint not evaluated yet, then exit; with ``--watch``, also each new
-one as it is committed, until the run's last step. Train with
+one as it is committed, until the run's last step. ``--from-epoch E``: only the checkpoints
+from epoch E on (the earlier ones are left for a later call without it). Train with
 ``--config.eval_every_epochs=0`` to leave it every evaluation but the last.
 
 Only the command line: the evaluation itself is ``hybridpar/evaluator.py``. The config is the
@@ -28,6 +29,12 @@ def main(argv=None) -> None:
         "--watch", action="store_true", help="wait for new checkpoints until the run's last step"
     )
     parser.add_argument(
+        "--from-epoch",
+        type=cli.finite_float,
+        default=0.0,
+        help="evaluate only the checkpoints from this epoch on (default 0: all)",
+    )
+    parser.add_argument(
         "--poll-s", type=cli.finite_float, default=5.0, help="seconds between looks (with --watch)"
     )
     parser.add_argument(
@@ -46,6 +53,9 @@ def main(argv=None) -> None:
     if not args.dead_after_s >= 0:
         cli.fail(f"--dead-after-s={args.dead_after_s:g} must be >= 0 (0 waits for ever)")
 
+    if args.from_epoch < 0:
+        cli.fail(f"--from-epoch={args.from_epoch:g} must be >= 0 (0: every checkpoint)")
+
     from hybridpar import evaluator  # imports jax: after the command line is known to be good
 
     cli.main(
@@ -56,6 +66,7 @@ def main(argv=None) -> None:
             poll_s=args.poll_s,
             overrides=args.config_overrides,
             dead_after_s=args.dead_after_s,
+            from_epoch=args.from_epoch,
         )
     )
 

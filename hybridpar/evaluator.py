@@ -14,6 +14,10 @@ checkpoint's loop state) and ``source: evaluator``; a checkpoint deleted (by the
 ``checkpoint.max_to_keep``) before its turn is an ``eval_skipped`` event. Those events are
 also the record of what is done: a restarted evaluator evaluates only what is new.
 
+``from_epoch`` (``--from-epoch``) leaves the checkpoints before that epoch alone: not
+evaluated and not recorded, so a later call without it evaluates them (a time-to-accuracy
+measurement needs only the checkpoints near its target and the last).
+
 With ``watch`` it polls for new checkpoints and stops once the run's last step
 (``plan.total_steps``, which the trainer always checkpoints) is done, or once summary.json
 says the run completed and nothing new is left. It may start before the run (it waits for
@@ -106,8 +110,8 @@ class Evaluator:
     hold on a local disk (each line is one short ``O_APPEND`` write) but not on every network
     file system through which an evaluator on another machine may see ``W``."""
 
-    def __init__(self, run: Run, workdir: str):
-        self.run, self.workdir = run, workdir
+    def __init__(self, run: Run, workdir: str, from_epoch: float = 0.0):
+        self.run, self.workdir, self.from_epoch = run, workdir, from_epoch
         self.out = os.path.join(workdir, "evaluator")  # made writable and locked by run()
         done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
         self.done = {r.step for r in done if r.event in ("eval", SKIPPED)}
@@ -128,13 +132,18 @@ class Evaluator:
         path = os.path.join(self.workdir, "metrics.jsonl")
         events, self._offset = read_records(path, self._offset)
         self.known |= {r.step for r in events if r.event == "checkpoint"}
-        committed = self.saver.committed_steps()
-        self.known |= set(committed)
+        committed = [s for s in self.saver.committed_steps() if self.wanted(s)]
+        self.known = {s for s in self.known | set(committed) if self.wanted(s)}
         for step in sorted(self.known - set(committed) - self.done):
             self.skip(step, "deleted before it was evaluated (keep more with "
                       "--config.checkpoint.max_to_keep in the trainer, or evaluate on faster "
                       "devices)")  # fmt: skip
         return [s for s in committed if s not in self.done]
+
+    def wanted(self, step: int) -> bool:
+        """At or after ``from_epoch``, to the records' 4 decimals (an epoch read off
+        ``metrics.jsonl`` names its own checkpoint)."""
+        return self.run.plan.epoch_at(step) >= self.from_epoch - 5e-5
 
     def skip(self, step: int, why: str) -> None:
         self.done.add(step)
@@ -172,6 +181,9 @@ class Evaluator:
         events written."""
         liveness = liveness or Liveness(self.workdir, DEAD_AFTER_S)
         last = self.run.plan.total_steps
+        if self.from_epoch:
+            log(f"evaluating the checkpoints from epoch {self.from_epoch:g} on; the earlier "
+                "ones are left for a call without --from-epoch")  # fmt: skip
         if watch:
             log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
         while True:
@@ -185,10 +197,12 @@ class Evaluator:
                     )
                 config_checked = True
             if not watch and not todo and not self.done:
+                since = f" from epoch {self.from_epoch:g} on" if self.from_epoch else ""
                 raise ConfigError(
-                    f"no checkpoints in {self.saver.directory} yet: pass --watch to wait for "
-                    "them (the trainer saves every checkpoint.every_steps steps and/or "
-                    "every_minutes minutes, and at its last step)"
+                    f"no checkpoints{since} in {self.saver.directory} yet: pass --watch to "
+                    "wait for them (the trainer saves every checkpoint.every_steps steps "
+                    "and/or every_minutes minutes, and at its last step)"
+                    + (", or a lower --from-epoch" if since else "")
                 )
             for step in todo:
                 self.evaluate(step)
@@ -265,11 +279,13 @@ def run(
     devices=None,
     overrides=(),
     dead_after_s: float = DEAD_AFTER_S,
+    from_epoch: float = 0.0,
 ) -> list[dict]:
     """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, from its
-    ``config.json``, with ``overrides``) on ``devices`` (default: all); returns the events
-    written (``eval`` and ``eval_skipped``). With ``watch`` it may start before the run and
-    stops with an error once the run has ended unfinished (``Liveness``)."""
+    ``config.json``, with ``overrides``) on ``devices`` (default: all), those from
+    ``from_epoch`` on; returns the events written (``eval`` and ``eval_skipped``). With
+    ``watch`` it may start before the run and stops with an error once the run has ended
+    unfinished (``Liveness``)."""
     liveness = Liveness(workdir, dead_after_s)
     wait_for_run(workdir, watch, poll_s, liveness)
     if config is None:
@@ -293,8 +309,13 @@ def run(
         r = setup(config, None, devices=devices, for_training=False)
         if lock is None:
             lock = workdir_lock.acquire(out, jax.process_index(), role="evaluator")
+        if from_epoch > r.plan.num_epochs:
+            raise ConfigError(
+                f"--from-epoch={from_epoch:g} is after the run's last epoch "
+                f"({r.plan.num_epochs:g}): pass one from 0 to {r.plan.num_epochs:g}"
+            )
         log(describe_mesh(r.mesh))
-        evaluator = Evaluator(r, workdir)
+        evaluator = Evaluator(r, workdir, from_epoch)
         try:
             return evaluator.loop(watch, poll_s, checked, liveness)
         except KeyboardInterrupt:

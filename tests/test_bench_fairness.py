@@ -33,6 +33,7 @@ import math
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -457,6 +458,50 @@ def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeyp
     tta.wait_for_evaluators(runs)
     assert len(polls) == 2 and not workdir_lock.held(str(runs[1] / "evaluator"))
     assert f"waiting for the evaluator already running on {runs[1]}" in capsys.readouterr().out
+
+
+def test_curriculum_tta_evaluates_from_an_epoch_and_earlier_where_the_target_came_first(
+    tmp_path, monkeypatch, capsys
+):
+    """--evaluate-from-epoch: each run's evaluator gets --from-epoch; a run already at or
+    over a target at the first checkpoint evaluated gets a second evaluator without it (its
+    earlier checkpoints), on its own half of the cores, the other run none. Planted bugs
+    that fail it: no --from-epoch passed, no second evaluation, the second on every run, or
+    on the other run's cores."""
+    d = tmp_path / "seed3"
+    # epoch 2 on: the fixed run is at 0.82 at once (it may have reached 0.8 before), the
+    # curriculum at 0.7 (it had not)
+    first = {"curriculum": 0.7, "fixed": 0.82}
+    calls = []
+
+    def run_both(jobs, halves):
+        calls.append([(cmd[cmd.index("--workdir") + 1 :], halves) for _, cmd, _ in jobs])
+        for _, cmd, _ in jobs:
+            w = Path(cmd[cmd.index("--workdir") + 1])
+            if "--from-epoch=2" in cmd:
+                (w / "evaluator").mkdir(parents=True)
+                rec = {**_eval(8, first[w.name]), "epoch": 2.0}
+                (w / "evaluator" / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+
+    monkeypatch.setattr(tta, "run_both", run_both)
+    halves = [{0}, {1}]
+    tta.evaluate_runs(d, tta.NAMES, halves, 2.0, [0.8, 0.85])
+    assert calls == [
+        [([str(d / "curriculum"), "--from-epoch=2"], halves),
+         ([str(d / "fixed"), "--from-epoch=2"], halves)],
+        [([str(d / "fixed")], [{1}])],  # the fixed run's half
+    ]  # fmt: skip
+    assert "fixed: at 0.8200 top-1 already at epoch 2.000" in capsys.readouterr().out
+    calls.clear()
+    tta.evaluate_runs(tmp_path / "seed4", tta.NAMES, None, 0.0, [0.8])  # default: all, once
+    assert calls == [[([str(tmp_path / "seed4" / n)], None) for n in tta.NAMES]]
+    # an epoch outside the runs' is refused before anything runs
+    for epoch, why in (("-1", "must be >= 0"), ("9", "after the runs' last epoch (8)")):
+        with pytest.raises(SystemExit) as e:
+            tta.main(["--evaluate-from-epoch", epoch, "--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and why in err and err.startswith("error:"), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_curriculum_tta_records_a_source_in_the_checkout_by_its_repository_path(tmp_path):

@@ -10,6 +10,9 @@
 * Through the command line, restarted on a copy of the run with part of its record gone and
   one checkpoint deleted, on 4 devices with another mesh: only the missing steps are
   evaluated, the deleted one is reported skipped, and ``--watch`` stops by itself.
+* ``from_epoch`` evaluates only the checkpoints from that epoch on and records nothing for
+  the earlier ones, which a call without it then evaluates; past the last epoch, or
+  negative on the command line, it is an error.
 * A second evaluator on a run another one holds is refused before it writes anything, and
   through the command line that is one ``error:`` line naming the holder.
 * No workdir, a run of another config, no checkpoints without ``--watch``, and a mesh whose
@@ -142,6 +145,26 @@ def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted
     final = watched["summary"]["final_eval"]
     assert abs(events[-1]["top1"] - final["top1"]) <= 1 / 360 + 1e-9
     assert events[-1]["loss"] == pytest.approx(final["loss"], rel=1e-5)
+
+
+def test_from_epoch_leaves_the_earlier_checkpoints_for_a_later_call(watched, tmp_path, capsys):
+    w = tmp_path / "w"
+    shutil.copytree(watched["w"], w)
+    (w / "evaluator" / "metrics.jsonl").unlink()
+    epoch = {r["step"]: r["epoch"] for r in records(w / "metrics.jsonl", "checkpoint")}
+    events = evaluator.run(tiny_digits(**RUN), str(w), from_epoch=epoch[6])
+    assert [(r["event"], r["step"]) for r in events] == [("eval", s) for s in STEPS[1:]]
+    assert "from epoch" in capsys.readouterr().out
+    # the ones left are evaluated by a call without it, and only they
+    assert [r["step"] for r in evaluator.run(tiny_digits(**RUN), str(w))] == STEPS[:1]
+    steps = [r["step"] for r in records(w / "evaluator" / "metrics.jsonl")]
+    assert sorted(steps) == STEPS
+    with pytest.raises(ConfigError, match="after the run's last epoch"):
+        evaluator.run(tiny_digits(**RUN), str(w), from_epoch=epoch[11] + 1)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--workdir", str(w), "--from-epoch=-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: --from-epoch=-1") and err.count("\n") == 1
 
 
 def test_a_second_evaluator_on_one_run_is_refused(watched, tmp_path, capsys):
