@@ -11,7 +11,6 @@ epoch, eval batches, steps per epoch and facts for the run's records. The kinds:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -229,39 +228,14 @@ def _ensure_prepared(d) -> str:
         )
     wanted = [d.train_split] + ([d.eval_split] if d.eval_split != d.train_split else [])
     if sources:
+        from hybridpar.input import prepare as prep
+
         # Several processes of a run (one per GPU of a host) reach this at once: one
-        # prepares, the others wait and then find it prepared, instead of all writing the
-        # same shards.
-        lock = os.path.join(prepared, ".prepare.lock")
-        with _exclusive(lock, f"another process is preparing {prepared}"):
+        # prepares, the others wait and then find it prepared (the check is under the lock
+        # too), instead of all writing the same shards.
+        with prep.FolderLock(prepared):
             return _check_prepared(d, prepared, sources, wanted)
     return _check_prepared(d, prepared, sources, wanted)
-
-
-@contextlib.contextmanager
-def _exclusive(path: str, waiting: str):
-    """Holds an exclusive ``flock`` on ``path`` (made if missing) for the block; says
-    ``waiting`` once if another process holds it."""
-    import fcntl
-
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        f = open(path, "a")
-    except OSError as e:
-        raise DataError(
-            f"cannot write {path} ({e.strerror}): the prepared data goes beside it; point "
-            "data.prepared_dir at a folder you can write"
-        ) from None
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"waiting: {waiting}", flush=True)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> str:

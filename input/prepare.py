@@ -27,6 +27,7 @@ import statistics
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import warnings
 import zlib
@@ -733,20 +734,14 @@ def prepare(
         tempfile.TemporaryFile(dir=out).close()
     except OSError as e:
         raise DataError(f"cannot write to --out {out!r} ({e.strerror}); choose a writable folder")
-    path = os.path.join(out, MANIFEST)
-    manifest = {"format": FORMAT, "splits": {}}
-    if os.path.exists(path):
-        old_format = _load_json(path) or {}
-        if old_format.get("format") in OLD_FORMATS:
-            _note(
-                f"{out!r} was prepared by an older hybridpar ({old_format['format']}: each split "
-                "numbered its own classes); preparing again"
-            )
-        else:
-            manifest = load_manifest(out)
-
+    # One preparer per folder at a time, from before its manifest is read: a second one (a
+    # trainer at its first use of the data, or this command run twice) waits, then finds the
+    # shards finished and reuses them.
+    lock = FolderLock(out)
     staging, pool = [], None
     try:
+        path = os.path.join(out, MANIFEST)
+        manifest = _existing_manifest(out)
         listed = {}
         for source in sources:
             for name, listing in list_source(source, split, out, staging).items():
@@ -827,7 +822,67 @@ def prepare(
         for f in staging:
             if os.path.exists(f):
                 os.remove(f)
+        lock.release()
     return manifest
+
+
+def _existing_manifest(out: str) -> dict:
+    """``out``'s manifest, or an empty one (none yet, or one of an older format)."""
+    path = os.path.join(out, MANIFEST)
+    if os.path.exists(path):
+        old_format = _load_json(path) or {}
+        if old_format.get("format") not in OLD_FORMATS:
+            return load_manifest(out)
+        _note(
+            f"{out!r} was prepared by an older hybridpar ({old_format['format']}: each split "
+            "numbered its own classes); preparing again"
+        )
+    return {"format": FORMAT, "splits": {}}
+
+
+class FolderLock:
+    """An exclusive ``flock`` on ``out``/.prepare.lock until ``release`` (or the ``with``
+    block's end): two processes preparing one folder would delete and write the same shards.
+    A second one says once that it waits, then goes on when the first is done. Taken again by
+    the thread that holds it (the trainer's first-use check holds it around ``prepare``), it
+    holds nothing more."""
+
+    _held = threading.local()  # the folders this thread holds
+
+    def __init__(self, out: str):
+        import fcntl
+
+        self.key, self.file = os.path.realpath(out), None
+        folders = self._held.__dict__.setdefault("folders", set())
+        if self.key in folders:
+            return
+        path = os.path.join(out, ".prepare.lock")
+        try:
+            os.makedirs(out, exist_ok=True)
+            self.file = open(path, "a")
+        except OSError as e:
+            raise DataError(
+                f"cannot write {path} ({e.strerror}): the prepared data goes beside it; point "
+                "--out (data.prepared_dir) at a folder you can write"
+            ) from None
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting: another process is preparing {out}", flush=True)
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+        folders.add(self.key)
+
+    def release(self) -> None:
+        if self.file is not None:
+            self._held.folders.discard(self.key)
+            self.file.close()  # unlocks
+            self.file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
 
 
 def _parse_copies(text: str):

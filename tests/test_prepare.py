@@ -13,6 +13,8 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +24,7 @@ from PIL import Image
 from hybridpar.errors import ConfigError
 from hybridpar.input import records
 from hybridpar.input.pipeline import ImagePipeline
-from hybridpar.input.prepare import prepare
+from hybridpar.input.prepare import FolderLock, prepare
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before TF loads, here and in the workers
 import tensorflow as tf
@@ -317,12 +319,42 @@ def test_tar_gz_and_split_folder_give_the_same_records(small, tmp_path):
         for copy in want["copies"].values():
             files = [s["file"] for s in copy["shards"]]
             assert _read(out, files)["image"].tolist() == _read(done, files)["image"].tolist()
-        assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []  # staging gone
+        hidden = [p.name for p in out.iterdir() if p.name.startswith(".")]
+        assert hidden == [".prepare.lock"]  # staging gone; the lock's file stays (no race)
     # A second split prepared into the same --out is merged into its manifest.
     prepare([src / "photos"], out, split="photos", workers=1, **KW)
     merged = records.load_manifest(str(out))["splits"]
     assert sorted(merged) == ["odd", "photos"]
     assert dict(merged["odd"], source=None, fingerprint=None) == want
+
+
+def test_a_second_preparer_of_one_folder_waits_then_reuses_the_shards(small, tmp_path, capsys):
+    """Two preparers of one folder (this command run twice, or beside a trainer's first use
+    of the data): the second waits for the first (its lock on the folder), says so, writes
+    nothing meanwhile, then reuses the shards. Planted bug that fails it: no lock in
+    ``prepare`` (the second writes at once)."""
+    src, done, manifest, _ = small
+    out = tmp_path / "out"
+    shutil.copytree(done, out)
+    lost = out / manifest["splits"]["photos"]["copies"]["full"]["shards"][1]["file"]
+    lost.unlink()  # the first one is still writing it
+    first = FolderLock(str(out))
+    result = {}
+    second = threading.Thread(target=lambda: result.update(m=prepare([src], out, **KW)))
+    second.start()
+    try:
+        deadline = time.time() + 60
+        while "waiting: another process is preparing" not in capsys.readouterr().out:
+            assert time.time() < deadline, "the second preparer did not say it waits"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert second.is_alive() and not lost.exists()  # waiting, nothing written
+        lost.write_bytes(b"")  # stands in for the first one's shard: must be kept, not redone
+    finally:
+        first.release()
+    second.join(timeout=120)
+    assert not second.is_alive() and result["m"] == manifest
+    assert lost.read_bytes() == b""  # reused
 
 
 def test_changed_arguments_into_the_same_out_are_refused(small):
