@@ -45,7 +45,8 @@ against 3.71, 3.71, 2.97), 1.253 to 85%; the loaded wall clocks' ``tta_speedup_8
 and what is left to win: bench/results/curriculum_tta/before/NOTES.md. Other first stages
 against the same fixed runs, priced (bench/results/curriculum_tta/README.md):
 ``2:24-512@0.5`` 1.145 (one seed), 24 -> 28 -> 32 px 1.279 (two), ``3:24-256@0.5`` 1.237
-(three, 0.990-1.481; finals 86.14, 85.89, 85.98%, better than the recipe's, slower to 80%).
+(three, 0.990-1.481; finals 86.14, 85.89, 85.98%, better than the recipe's, slower to 80%),
+``2:24-256@0.5`` 1.353 (one; final 85.93%).
 Earlier one-seed
 figures, evaluated once an epoch, ranged from 1.06x to 1.47x on one epoch's difference.
 Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
