@@ -115,16 +115,42 @@ def xla_flags(comm_cfg, platform: str) -> list[str]:
     return flags
 
 
+# Compiler defects of a given jaxlib that a training run must step around, by platform: (the
+# first jaxlib release it was seen on, the flag). XLA:GPU of jaxlib 0.11.2 (an H200, 2026-12)
+# aborted compiling our ResNet-50 train step in its Triton GEMM fusion pass (a CHECK failure
+# in triton_tiling_propagation.cc); cuBLAS GEMMs avoid it. Applied from that minor release on
+# until a later one is checked without it; 0.10.x never showed it.
+WORKAROUNDS = {"gpu": (((0, 11), "--xla_gpu_enable_triton_gemm=false"),)}
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor), read from its metadata: no import of jax."""
+    from importlib import metadata
+
+    try:
+        return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def workaround_flags(platform: str, jaxlib_version: tuple[int, ...] | None = None) -> list[str]:
+    """The flags ``WORKAROUNDS`` asks for on ``platform`` with this jaxlib (no side effects)."""
+    version = _jaxlib_version() if jaxlib_version is None else tuple(jaxlib_version)
+    platform = _PLATFORM_ALIASES.get(platform, platform)
+    return [flag for since, flag in WORKAROUNDS.get(platform, ()) if version >= since]
+
+
 def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
 def apply(comm_cfg, platform: str | None = None) -> list[str]:
-    """Adds the ``comm`` flags for ``platform`` (default: ``detect_platform()``) to the
-    environment variable its backend reads, before the backend starts. Returns the flags
-    added (those whose name the variable did not hold already)."""
+    """Adds the ``comm`` flags for ``platform`` (default: ``detect_platform()``), and the
+    installed jaxlib's ``workaround_flags``, to the environment variable its backend reads,
+    before the backend starts. Returns the flags added (those whose name the variable did not
+    hold already)."""
     platform = detect_platform() if platform is None else platform
-    flags = xla_flags(comm_cfg, platform)
+    flags = xla_flags(comm_cfg, platform) + workaround_flags(platform)
     var = ENV_VAR.get(_PLATFORM_ALIASES.get(platform, platform))
     if not flags or var is None:
         return []
