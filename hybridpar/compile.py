@@ -34,19 +34,31 @@ from hybridpar.errors import ConfigError
 OVERLAP_LINES = 6  # per program in the text report, those moving the most bytes first
 
 
-def compile_programs(config, target: targets.Target, out: str | None = None) -> dict:
+def compile_programs(config, target: targets.Target, out: str | None = None, show=None) -> dict:
     """Every stage's train step and the eval step compiled for ``target``; the report as
     a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
-    the executables are written to, for ``train --compiled``."""
-    from hybridpar import comm_report
+    the executables are written to, for ``train --compiled`` (checked before compiling).
+    ``show``: called with the report before the file is written, so a failed write loses
+    no report."""
+    import copy
+
+    from hybridpar import comm_report, executables
     from hybridpar.mesh import axes_across_slices
 
     t0 = time.time()
+    if out:
+        executables.check_out(out)
+    size = executables.data_size(config)
+    if size is not None and size != config.data.train_examples:
+        # plan as the run will from the data itself, so its file fits without the flag
+        config = copy.deepcopy(config)
+        config.data.train_examples = size
     try:
         run = _setup_for(config, target)
     except ConfigError as e:
-        if "devices" in str(e) and target.platform == "cpu":
-            raise ConfigError(f"{e} (--target cpu:N compiles for N virtual CPU devices)") from None
+        if "devices but" in str(e):  # the mesh's size is not the target's
+            msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
+            raise ConfigError(f"{msg} ({_target_hint(target, config.mesh)})") from None
         raise
     program, c = run.program, config
     wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
@@ -83,11 +95,7 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
             )
         )
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
-    if out:
-        from hybridpar import executables
-
-        executables.save(out, program, target.spec or f"cpu:{target.devices_count}")
-    return dict(
+    report = dict(
         out=out,
         target=target.spec or f"cpu:{target.devices_count}",
         target_description=target.describe(),
@@ -102,6 +110,35 @@ def compile_programs(config, target: targets.Target, out: str | None = None) -> 
         largest=f"{largest['program']} (batch {largest['batch']}, {largest['image_size']} px)",
         wall_s=round(time.time() - t0, 3),
     )
+    if show is not None:
+        show(report)
+    if out:
+        executables.save(out, program, report["target"])
+    return report
+
+
+def _target_hint(target: targets.Target, mesh: str) -> str:
+    """What a compile for the mesh's device count names as its target: a like target of
+    that size where one exists (the same chip and slices)."""
+    import math
+    import re
+
+    want = math.prod(int(n) for n in re.findall(r":\s*(\d+)", mesh))
+    if target.platform == "cpu":
+        return f"--target cpu:{want} compiles for {want} virtual CPU devices"
+    unit = "chips" if target.platform == "tpu" else "GPUs"
+    here = f"--target {target.spec} is {target.devices_count} {unit}"
+    if target.platform == "tpu":
+        per_slice = want // target.slices * target.chip.cores_per_chip
+        slices = f",slices={target.slices}" if target.slices > 1 else ""
+        spec = f"tpu:{target.chip.name}-{per_slice}{slices}"
+    else:
+        spec = f"gpu:{target.chip.name}-{want}"
+    try:
+        fits = want % target.slices == 0 and targets.parse(spec).devices_count == want
+    except ConfigError:
+        fits = False
+    return f"{here}; --target {spec} has {want}" if fits else here
 
 
 def _setup_for(config, target: targets.Target):
@@ -185,11 +222,19 @@ def _step_within(run, target, kind: str, batch: int, size: int):
     step = run.program.train_step if kind == "train" else run.program.eval_step
     compiled = step(batch, size)
     if target.platform == "gpu":
-        need = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
-        if need > target.chip.hbm_bytes:
+        over = over_capacity(run.program.compiles[-1]["memory_per_device_bytes"], target)
+        if over:
             run.program.forget((kind, batch, size))  # not a usable program
-            raise OverHbm(need, target.chip.hbm_bytes)
+            raise OverHbm(*over)
     return compiled
+
+
+def over_capacity(memory: dict, target: targets.Target) -> tuple[int, int] | None:
+    """``(needed, available)`` bytes where a program's per-device memory (``memory_of``:
+    bytes) is over the target chip's capacity (bytes), else None. Pure, so it is tested
+    without the GPU compiler."""
+    need, available = memory.get("total", 0), target.chip.hbm_bytes
+    return (need, available) if need > available else None
 
 
 class OverHbm(Exception):
@@ -257,24 +302,25 @@ def format_report(report: dict, config_path: str) -> str:
             lines.append(f"    {alike[text]} x {text}")
         if len(alike) > OVERLAP_LINES:
             lines.append(f"    ... {len(alike) - OVERLAP_LINES} more (--json lists every one)")
-    if report["out"]:
-        lines.append(f"  wrote the {len(report['programs'])} programs to {report['out']}")
+    if report["out"]:  # printed before the file is written: a failed write is an error after
+        lines.append(f"  writing the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
         lines.append(f"  (HBM per chip: {targets.gib(report['hbm_bytes_per_chip'])})")
     lines.append(
         "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
         "collectives, launch and input are not counted, so real steps are slower"
     )
+    # every per-program figure is the largest program's, the one largest= names
     big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
-    train = [r for r in report["programs"] if r["program"] == "train"]
-    rates = [r["roofline_images_per_s_per_chip"] for r in train]
+    rates = [r["roofline_images_per_s_per_chip"] for r in report["programs"]
+             if r["program"] == "train"]  # fmt: skip
     lines.append(
         f"memory_per_chip_bytes={big['memory'].get('total')} "
         f"largest={big['program']}:b{big['batch']}:{big['image_size']}px "
-        f"flops_per_chip={train[0]['flops']} "
+        f"flops_per_chip={big['flops']} "
         f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
-        f"collective_bytes={train[0]['collective_bytes']} "
-        f"exposed_bytes={train[0]['bytes_exposed']} target={report['target']} "
+        f"collective_bytes={big['collective_bytes']} "
+        f"exposed_bytes={big['bytes_exposed']} target={report['target']} "
         f"programs={len(report['programs'])} wall_s={report['wall_s']}"
     )
     return "\n".join(lines)
@@ -304,8 +350,12 @@ def main(argv=None) -> None:
             import jax
 
             target = targets.Target(jax.default_backend(), jax.device_count())
-        report = compile_programs(config, target, args.out)
-        print(json.dumps(report) if args.json else format_report(report, config_path))
+
+        def show(report):  # before --out is written: a failed write keeps the report
+            print(json.dumps(report) if args.json else format_report(report, config_path),
+                  flush=True)  # fmt: skip
+
+        compile_programs(config, target, args.out, show=show)
 
     cli.main(run)
 

@@ -6,8 +6,9 @@
 ``save`` writes every program a ``Program`` has compiled (JAX's ``serialize_executable``)
 with what they were compiled for: the devices (platform, kind, count), the mesh, a hash of
 the config (the keys that may change between a run's segments left out: they change no
-program), and the JAX, jaxlib and libtpu versions. ``load`` checks each of those against the
-run it is loading into; a mismatch is one error naming it (``recompile=True`` warns and
+program) and the config itself, and the JAX, jaxlib and libtpu versions. ``load`` checks each
+of those against the run it is loading into; a mismatch is one error naming it (a config by
+its first differing key, as a workdir's is named; ``recompile=True`` warns and
 compiles instead), since an executable for another mesh, config or compiler would run
 another computation or none. On a match the run's steps are the loaded executables and
 compile nothing: on a pod, minutes of the clock saved at every start and restart.
@@ -49,6 +50,23 @@ def _version(package: str) -> str | None:
         return None
 
 
+def config_differences(saved: dict, config) -> list[tuple[str, object, object]]:
+    """``(key, when compiled, now)`` for each key ``config_hash`` covers that differs from
+    the config a file was compiled with, in the config's order."""
+    return checkpoint.differences(saved, checkpoint.config_dict(config), free=NOT_HASHED)
+
+
+def data_size(config) -> int | None:
+    """The training examples of a built-in data set whose size is known without reading
+    it (scikit-learn's digits: its fixed split), else None: a compile without the data then
+    plans from it as the run will from the data."""
+    if config.data.name != "digits":
+        return None
+    from hybridpar.input import arrays
+
+    return len(arrays.load_digits(8)[0]["label"])  # the split does not depend on the size
+
+
 def describe(program) -> dict:
     """What a program's executables are compiled for, as ``save`` records and ``load``
     compares."""
@@ -69,21 +87,67 @@ def describe(program) -> dict:
     }
 
 
+def check_out(path: str) -> None:
+    """``path`` can be written (its ``.tmp`` created and removed), or one error: checked
+    before compiling, which takes minutes for a large model."""
+    if os.path.isdir(path):
+        raise ConfigError(f"--out {path} is a folder: name a file in it, e.g. {path}/programs.bin")
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "wb"):
+            pass
+        os.remove(tmp)
+    except OSError as e:
+        raise ConfigError(
+            f"--out {path}: cannot write there ({e.strerror}); name a file in a folder that "
+            "exists and that you can write"
+        ) from None
+
+
 def save(path: str, program, target: str) -> dict:
-    """Writes every compiled program of ``program`` to ``path``; returns the file's header."""
+    """Writes every compiled program of ``program`` to ``path``; returns the file's header.
+    A failed write (a full disk) is one error and leaves neither ``path`` nor its ``.tmp``."""
     from jax.experimental.serialize_executable import serialize
 
     header = {"format": FORMAT, "target": target, **describe(program), "programs": []}
+    # the config itself, so a refusal names the key that differs, not just the hash
+    header["config"] = checkpoint.config_dict(program.config)
     entries = []
     for (kind, batch, size), compiled in program.compiled_programs().items():
         payload, in_tree, out_tree = serialize(compiled)
         entries.append(((kind, batch, size), payload, in_tree, out_tree))
         header["programs"].append({"program": kind, "batch": batch, "image_size": size})
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        pickle.dump({"header": header, "entries": entries}, f)
-    os.replace(tmp, path)  # a reader never sees half a file
+    try:
+        with open(tmp, "wb") as f:
+            pickle.dump({"header": header, "entries": entries}, f)
+        os.replace(tmp, path)  # a reader never sees half a file
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise ConfigError(
+            f"--out {path}: the compiled programs were not written ({e.strerror}); free "
+            "space there or name another --out, and compile again"
+        ) from None
     return header
+
+
+def mismatches(header: dict, here: dict, config=None) -> list[tuple[str, object, object]]:
+    """``(field, when compiled, here)`` for each field of ``describe`` (and the format)
+    where a file's ``header`` and this run differ, the format first. Where the header holds
+    the config, the run's (``config``) is compared key by key, each differing key named;
+    else by the hash. A version this run lacks (no libtpu on a CPU run) is not compared:
+    the platform already differs."""
+    wrong = [] if header.get("format") == FORMAT else [("format", header.get("format"), FORMAT)]
+    for k, v in here.items():
+        keys = []
+        if k == "config_hash" and config is not None and isinstance(header.get("config"), dict):
+            keys = config_differences(header["config"], config)
+        if keys:
+            wrong.extend(keys)
+        elif header.get(k) != v and not (k in ("libtpu", "cuda_plugin") and v is None):
+            wrong.append((k, header.get(k), v))
+    return wrong
 
 
 def load(path: str, program, recompile: bool = False) -> int:
@@ -99,17 +163,10 @@ def load(path: str, program, recompile: bool = False) -> int:
             f"--compiled {path}: not a file of compiled programs ({type(e).__name__}: {e}); "
             "write one with python -m hybridpar.compile --config ... --target ... --out FILE"
         ) from None
-    here = describe(program)
-    wrong = [
-        (k, header.get(k), v)
-        for k, v in here.items()
-        if header.get(k) != v and not (k in ("libtpu", "cuda_plugin") and v is None)
-    ]
-    if header.get("format") != FORMAT:
-        wrong.insert(0, ("format", header.get("format"), FORMAT))
+    wrong = mismatches(header, describe(program), program.config)
     if wrong:
         key, was, now = wrong[0]
-        what = f"{key} was {was!r} when compiled (--target {header.get('target')}), here {now!r}"
+        what = f"{key} was {was!r} when compiled (--target {header.get('target')}), now {now!r}"
         if key == "plan":  # [start step, steps, steps per epoch] per stage
             what += (
                 " ([first step, steps, steps per epoch] per stage: a compile without the "

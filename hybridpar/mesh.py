@@ -32,8 +32,9 @@ def axes_with_devices(mesh, axes) -> tuple[str, ...]:
     return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
 
 
-def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
-    """``"data:4,model:2"`` -> ``{"data": 4, "fsdp": 1, "model": 2}``; ``-1`` fills the rest."""
+def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[str, int]:
+    """``"data:4,model:2"`` -> ``{"data": 4, "fsdp": 1, "model": 2}``; ``-1`` fills the rest.
+    ``platform``: the devices', for the hint when the count is wrong."""
     sizes: dict[str, int] = {}
     fill = None
     for part in (p.strip() for p in spec.split(",") if p.strip()):
@@ -72,10 +73,16 @@ def parse_mesh_spec(spec: str, num_devices: int) -> dict[str, int]:
         sizes[fill] = num_devices // known
     total = math.prod(sizes.values())
     if total != num_devices:
+        # virtual devices are a CPU-only remedy: a TPU or GPU count is the hardware's
+        where = (
+            f" (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})"
+            if platform == "cpu"
+            else ""
+        )
         raise ConfigError(
             f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
             f"make the sizes multiply to {num_devices} (e.g. --config.mesh=data:-1), or run on "
-            f"{total} devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})"
+            f"{total} devices{where}"
         )
     return {axis: sizes.get(axis, 1) for axis in AXES}
 
@@ -90,7 +97,7 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
     devices = list(jax.devices() if devices is None else devices)
     if isinstance(spec, dict):
         spec = ",".join(f"{k}:{v}" for k, v in spec.items())
-    sizes = parse_mesh_spec(spec, len(devices))
+    sizes = parse_mesh_spec(spec, len(devices), devices[0].platform if devices else "cpu")
     shape = tuple(sizes[a] for a in AXES)
     if jax.process_count() > 1 and sizes["model"] > 1 and jax.local_device_count() % sizes["model"]:
         raise ConfigError(

@@ -211,7 +211,12 @@ def parse(spec: str) -> Target:
             f"(python -m hybridpar.simulate --preset tpu-{name}); {fix}"
         )
     chip = CHIPS[name]
-    if count % chip.cores_per_chip or slices < 1:
+    if slices < 1:
+        raise ConfigError(
+            f"--target {spec}: slices=S is how many slices are joined over DCN, at least 1 "
+            f"(or leave it out for one), e.g. tpu:{name}-{count},slices=2"
+        )
+    if count % chip.cores_per_chip:
         raise ConfigError(
             f"--target {spec}: {name}-N counts TensorCores ({chip.cores_per_chip} per chip), "
             f"so N must be a multiple of {chip.cores_per_chip}; {fix}"
@@ -227,7 +232,9 @@ def parse(spec: str) -> Target:
 def _parse_gpu(spec: str, name: str, count: int, fix: str) -> Target:
     if name not in GPUS:
         raise ConfigError(f"--target {spec}: unknown GPU {name!r}; {fix}")
-    if count < 1 or (count > GPUS_PER_NODE and count % GPUS_PER_NODE):
+    if count < 1:
+        raise ConfigError(f"--target {spec}: at least one GPU, e.g. gpu:{name}-8")
+    if count > GPUS_PER_NODE and count % GPUS_PER_NODE:
         raise ConfigError(
             f"--target {spec}: N GPUs fill nodes of {GPUS_PER_NODE}: use up to "
             f"{GPUS_PER_NODE} or a multiple of it"

@@ -6,7 +6,7 @@ deviceless path, on the tiny digits ResNet.
   devices as a real H100 names itself (what a serialized program is checked against), and
   the gradient all-reduces asynchronous (start/done pairs), as XLA schedules them on GPUs.
 * A program over the GPU's memory is refused with the plan that fits (the GPU compiler does
-  not check memory itself: the tool does).
+  not check memory itself: the tool does); the comparison itself is tested without the plugin.
 * On a machine without accelerators the tools start JAX on the CPU without first starting
   the installed plugins (whose failed start prints a traceback).
 
@@ -53,6 +53,22 @@ def test_gpu_targets_fill_nodes_of_eight(spec, gpus, shape):
 def test_a_bad_gpu_target_says_what_is_accepted(spec, expect):
     with pytest.raises(ConfigError, match=expect):
         targets.parse(spec)
+
+
+@pytest.mark.parametrize("name", ["h100", "h200", "a100"])
+def test_the_gpu_memory_check_compares_bytes_with_the_capacity(name):
+    """The check the GPU compiler leaves to the tool, without the plugin: a program's
+    per-GPU bytes against the GPU's bytes (80 GB on an H100: 74.51 GiB), refused from one
+    byte over."""
+    from hybridpar.compile import OverHbm, _hbm_shortfall, over_capacity
+
+    t = targets.parse(f"gpu:{name}-8")
+    cap = {"h100": 80e9, "h200": 141e9, "a100": 80e9}[name]
+    assert t.chip.hbm_bytes == cap
+    assert over_capacity({"total": int(cap)}, t) is None
+    assert over_capacity({"total": int(cap) + 1}, t) == (int(cap) + 1, cap)
+    # the error the tool raises reads back as (need, capacity), as the TPU compiler's does
+    assert _hbm_shortfall(OverHbm(*over_capacity({"total": 2 * int(cap)}, t))) == (2 * cap, cap)
 
 
 @pytest.fixture(scope="module")

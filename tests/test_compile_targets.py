@@ -67,6 +67,50 @@ def test_a_bad_target_says_what_is_accepted(spec, expect):
     assert expect in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "spec,expect",
+    [("tpu:v5e-8,slices=0", "slices=S is how many slices"), ("gpu:h100-0", "at least one GPU")],
+)
+def test_a_zero_count_says_at_least_one(spec, expect):
+    with pytest.raises(ConfigError, match=expect) as e:
+        targets.parse(spec)
+    assert "multiple of" not in str(e.value) and "up to" not in str(e.value)
+
+
+def test_a_mesh_of_another_size_names_a_target_of_its_size():
+    from hybridpar.compile import _target_hint
+
+    hint = _target_hint(targets.parse("tpu:v5e-4,slices=2"), "data:16")
+    assert hint == "--target tpu:v5e-4,slices=2 is 8 chips; --target tpu:v5e-8,slices=2 has 16"
+    assert _target_hint(targets.parse("cpu:8"), "data:4,model:4").startswith("--target cpu:16")
+
+
+def _program(name, batch, size, total, flops, coll):
+    """One program's row of a compile report, with what the text report reads."""
+    return dict(program=name, batch=batch, image_size=size, memory={"total": total, "temp": 0},
+                flops=flops, bytes_accessed=1, collective_ops=1, collective_bytes=coll,
+                async_collective_ops=0, bytes_exposed=coll, bytes_overlapped=0, ops_overlapped=0,
+                ops_exposed=1, overlap=[], compile_s=1.0,
+                roofline_images_per_s_per_chip=9.0)  # fmt: skip
+
+
+def test_the_last_line_gives_the_largest_programs_figures():
+    from hybridpar.compile import format_report
+
+    report = dict(
+        mesh={"data": 8}, target_description="t", wall_s=1.0, slices=1, axes_across_slices=[],
+        out=None, hbm_bytes_per_chip=None, target="cpu:8",
+        programs=[_program("train", 32, 24, 100, 24e9, 240),
+                  _program("train", 32, 32, 200, 32e9, 320),
+                  _program("eval", 64, 32, 150, 8e9, 80)],
+    )  # fmt: skip
+    line = format_report(report, "c.py").splitlines()[-1]
+    last = dict(kv.split("=", 1) for kv in line.split())
+    assert last["largest"] == "train:b32:32px"
+    assert (last["flops_per_chip"], last["collective_bytes"], last["exposed_bytes"]) == (
+        str(32e9), "320", "320")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def v5e_8():
     target = targets.parse("tpu:v5e-8")
@@ -184,11 +228,9 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
 
     config = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3)
     out = str(tmp_path / "programs.bin")
-    # without the data, the plan (and so the LR schedule in the steps) comes from
-    # data.train_examples: the data's own count here, as a user would pass it
-    offline = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3,
-                          **{"data.train_examples": DIGITS_TRAIN})  # fmt: skip
-    report = compile_programs(offline, targets.parse("cpu:8"), out=out)
+    # without the data the plan (and so the LR schedule in the steps) comes from the data's
+    # size: digits' is known, so the same config compiles a file that fits, with no flag
+    report = compile_programs(config, targets.parse("cpu:8"), out=out)
     assert len(report["programs"]) == 3  # both stages' train steps and the eval step
 
     loaded = setup(config, str(tmp_path / "loaded"), compiled=out)
@@ -205,7 +247,8 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     "change,expect",
     [
         ({"mesh": "data:8"}, "mesh was {'data': 4, 'fsdp': 1, 'model': 2}"),
-        ({"optim.base_lr": 0.5}, "config_hash was"),
+        # the config's first differing key, as a workdir of another config names it
+        ({"optim.base_lr": 0.5}, "optim.base_lr was 0.4 when compiled (--target cpu:8), now 0.5"),
         ({"data.train_examples": 480}, "plan was [[0, 11, 44]] when compiled"),
     ],
 )
@@ -224,6 +267,84 @@ def test_a_file_for_another_run_is_refused_or_recompiled(tmp_path, change, expec
     assert run.program.compiles == []  # nothing loaded: the steps will compile here
 
 
+# What a file records, each compared on load: a field left out of the comparison would let
+# a program for another device, config or compiler run.
+HEADER_FIELDS = ("format", "platform", "device_kind", "devices", "mesh", "config_hash",
+                 "config", "plan", "jax", "jaxlib")  # fmt: skip
+
+
+def test_every_field_of_a_files_header_is_checked(tmp_path):
+    import pickle
+
+    from hybridpar import executables
+    from hybridpar.compile import compile_programs
+    from hybridpar.run import setup
+
+    out = tmp_path / "programs.bin"
+    compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(out))
+    saved = pickle.loads(out.read_bytes())
+
+    def program():  # the run's, planned without reading the data
+        config = tiny_digits(**{"data.train_examples": DIGITS_TRAIN})
+        return setup(config, with_data=False).program
+
+    assert executables.load(str(out), program()) == 2  # as written, it fits
+    for field in HEADER_FIELDS:
+        changed = {**saved["header"], field: "changed"}
+        if field == "config":  # one key of it: named as the trainer names a workdir's
+            changed[field] = {**saved["header"]["config"], "seed": -1}
+        (tmp_path / field).write_bytes(pickle.dumps({**saved, "header": changed}))
+        with pytest.raises(ConfigError, match="does not fit this run") as e:
+            executables.load(str(tmp_path / field), program())
+        want = "seed was -1" if field == "config" else f"{field} was 'changed'"
+        assert want in str(e.value), (field, str(e.value))
+    # the compilers' versions, compared where the run has one (not libtpu on a CPU run)
+    here = executables.describe(program())
+    for field in ("libtpu", "cuda_plugin"):
+        now = {**here, field: "1.0"}
+        header = {**now, "format": executables.FORMAT, field: "0.9"}
+        assert executables.mismatches(header, now) == [(field, "0.9", "1.0")]
+        assert executables.mismatches({**header, field: "0.9"}, {**now, field: None}) == []
+
+
+def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
+    from hybridpar import compile as tool
+
+    def never(*a, **k):
+        raise AssertionError("compiled before checking --out")
+
+    monkeypatch.setattr(tool, "_setup_for", never)
+    (tmp_path / "a_file").write_text("")
+    for out, expect in [(tmp_path / "a_file" / "programs.bin", "cannot write there"),
+                        (tmp_path / "no" / "programs.bin", "No such file"),
+                        (tmp_path, "is a folder")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=expect):
+            tool.compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(out))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no .tmp left
+
+
+def test_a_failed_write_comes_after_the_report_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from hybridpar import executables
+    from hybridpar.compile import compile_programs
+
+    events = []
+
+    def full_disk(obj, f):
+        events.append("write")
+        f.write(b"part of it")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(executables.pickle, "dump", full_disk)
+    out = tmp_path / "programs.bin"
+    with pytest.raises(ConfigError, match="were not written .No space left on device"):
+        compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(out),
+                         show=lambda report: events.append(len(report["programs"])))  # fmt: skip
+    assert events == [2, "write"]  # the report (2 programs) is out before the write fails
+    assert list(tmp_path.iterdir()) == []  # neither the file nor its .tmp
+
+
 @needs_libtpu
 def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
     """As a user runs it: the tiny digits job compiled for tpu:v5e-8 with --out, its table
@@ -238,8 +359,10 @@ def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
     r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (
-        "for TPU v5e v5e:2x4: 8 chips" in r.stdout and f"wrote the 2 programs to {out}" in r.stdout
+        "for TPU v5e v5e:2x4: 8 chips" in r.stdout
+        and f"writing the 2 programs to {out}" in r.stdout
     )
+    assert out.exists() and not Path(f"{out}.tmp").exists()
     last = dict(
         kv.split("=", 1) for kv in r.stdout.strip().splitlines()[-1].split(" ") if "=" in kv
     )

@@ -68,6 +68,10 @@ def test_parse_mesh_spec_wrong_product_names_device_count_and_flag():
     assert "8" in msg and "16" in msg
     assert "xla_force_host_platform_device_count" in msg
     assert "data:-1" in msg  # the other fix: let one axis fill the devices
+    # virtual devices are the CPU's remedy only: not suggested for a TPU's or GPU's count
+    with pytest.raises(ConfigError) as e:
+        parse_mesh_spec("data:4,model:4", 8, platform="tpu")
+    assert "16 devices" in str(e.value) and "xla_force_host" not in str(e.value)
 
 
 def test_parse_mesh_spec_unknown_axis():
