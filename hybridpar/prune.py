@@ -143,6 +143,24 @@ def param_count(gs: list[Group], params, counts: dict) -> int:
     return total + int(sum(np.size(x) for x in jax.tree.leaves(params)))
 
 
+def int8_bytes(model, gs: list[Group], params, stats, counts: dict) -> int:
+    """The bytes of ``quantize``'s int8 weights (``weight_bytes_int8``: int8 kernels, their
+    float32 steps, the folded biases, each layer's activation step and zero point) of
+    ``params``' model with ``counts[name]`` channels in each group. Exact: the same folding
+    and quantization on the pruned shapes (which channels are kept changes no size). Not
+    ``param_count`` times a ratio: the per-channel steps and biases weigh more per
+    parameter the narrower the model."""
+    from hybridpar import int8
+
+    widths = group_widths(gs, params)
+    keep = {g.name: np.arange(int(counts.get(g.name, widths[g.name]))) for g in gs}
+    p, s = apply(gs, params, stats, keep)
+    arch = int8.architecture(model, p)
+    layers = int8.fold_batchnorm(arch, p, s, model.bn_epsilon)
+    ranges = {k: {"min": 0.0, "max_abs": 1.0} for k, v in layers.items() if "kernel" in v}
+    return int8.tree_bytes(int8.quantize(layers, ranges))
+
+
 def apply(gs: list[Group], params, stats, keep: dict):
     """``(params, stats)`` with only the kept channels (numpy copies; inputs unchanged)."""
     import jax

@@ -11,8 +11,14 @@ hybridpar.compress``).
 * On a tiny trained digits run: the pruned run trains from its weights and evaluates through
   ``python -m hybridpar.prune`` and ``python -m hybridpar.train``; the teacher's widths with
   the pruned weights are an ``error:`` line.
-* The teacher as its own student: the distillation term stays near 0 (a random student's is
-  far above); the distillation step on 8 devices computes what one device does.
+* The distillation step on 8 devices computes what one device does.
+* Distillation's loss and gradient are Hinton's, T^2 included, at several temperatures;
+  the teacher's logits are its inference-mode ones, and the train step's loss is the
+  formula on them (the teacher as its own student, where a train-mode teacher's KL is 0).
+* The loop: the int8 bytes it plans rounds with are what ``quantize`` writes, so the round
+  that spends the budget fits it; with each round's work stood in for, it stops at the
+  round that meets the budget, exits 3 where none does, refuses a teacher still training
+  or unfinished, a loop of another teacher step, and a second loop on the same workdir.
 * The loop resumes a round stopped by SIGTERM, and bad input is one ``error:`` line.
 """
 
@@ -116,27 +122,217 @@ def test_param_count_is_the_pruned_models(model, size):
     assert prune.param_count(gs, params, {}) == sum(np.size(a) for a in jax.tree.leaves(params))
 
 
+def _real_int8_bytes(model, size, params, stats, keep):
+    """What ``quantize`` writes for the model pruned to ``keep``: calibrated on random
+    images, folded, quantized, measured (``prune.int8_bytes``'s shapes-only path aside)."""
+    from hybridpar import int8
+
+    gs = prune.groups(model, params)
+    counts = prune.counts_for(gs, prune.group_widths(gs, params), keep)
+    p, s = prune.apply(gs, params, stats, prune.keep_masks(gs, params, stats, counts))
+    arch = int8.architecture(model, p)
+    layers = int8.fold_batchnorm(arch, p, s, model.bn_epsilon)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, size, size, 3)), jnp.float32)
+    return int8.tree_bytes(int8.quantize(layers, int8.calibrate(arch, layers, [x])))
+
+
+@pytest.mark.parametrize("model,size", MODELS, ids=IDS)
+def test_int8_bytes_are_what_quantize_writes(model, size):
+    params, stats = random_variables(model, size)
+    gs = prune.groups(model, params)
+    widths = prune.group_widths(gs, params)
+    for keep in (0.8, 0.3):
+        got = prune.int8_bytes(model, gs, params, stats, prune.counts_for(gs, widths, keep))
+        assert got == _real_int8_bytes(model, size, params, stats, keep), keep
+
+
 def test_the_last_round_spends_the_budget():
     from hybridpar import compress
 
     model, size = MODELS[2]
-    params, _ = random_variables(model, size)
+    params, stats = random_variables(model, size)
     gs = prune.groups(model, params)
     widths = prune.group_widths(gs, params)
-    params_at = lambda k: prune.param_count(gs, params, prune.counts_for(gs, widths, k))  # noqa: E731
-    teacher = {"kb_int8": 1.02 * params_at(1.0) / 1000, "params": params_at(1.0)}
-    per_param = teacher["kb_int8"] / teacher["params"]
-    # step 0.25: round 1 keeps 0.75, which is over a budget at 0.6 of the teacher's size
-    budget = 0.6 * teacher["kb_int8"]
-    assert compress.keep_for(1, 0.25, teacher, budget, params_at) == 0.75
-    # a budget round 1 would undershoot: the largest fraction that fits, not 0.75
-    budget = 0.8 * teacher["kb_int8"]
-    k = compress.keep_for(1, 0.25, teacher, budget, params_at)
-    assert 0.75 < k < 1 and per_param * params_at(k) <= budget
-    # the largest: no fraction on the 0.001 grid gives a bigger model within the budget
-    fits = [params_at(x) for x in np.arange(0.751, 1.0, 0.001)]
-    assert params_at(k) == max(n for n in fits if per_param * n <= budget)
-    assert per_param * params_at(0.75) < 0.9 * budget  # what the plain step would have left
+
+    def bytes_at(k):
+        return prune.int8_bytes(model, gs, params, stats, prune.counts_for(gs, widths, k))
+
+    def real(k):
+        return _real_int8_bytes(model, size, params, stats, k)
+
+    teacher, step = real(1.0), real(0.75)
+    # step 0.25: round 1 keeps 0.75, whose weights are over a budget just under them
+    assert compress.keep_for(1, 0.25, 0.99 * step / 1000, bytes_at) == 0.75
+    # a budget round 1 would undershoot: the largest fraction whose int8 weights fit it,
+    # as quantize then measures them (the issue's round "fitted" 200 KB and landed at 200.8)
+    for share in (0.2, 0.5, 0.8):
+        budget_kb = (step + share * (teacher - step)) / 1000
+        k = compress.keep_for(1, 0.25, budget_kb, bytes_at)
+        assert 0.75 < k < 1 and real(k) <= 1000 * budget_kb, (share, k, real(k))
+        assert real(round(k + 0.001, 3)) > 1000 * budget_kb, (share, k)  # the largest
+
+
+# ---- the loop's rules, with each round's work stood in for ---------------------------------
+
+# A stand-in teacher: int8 bytes at a fraction of its channels, growing as the real ones do.
+FAKE_STEP = 40
+
+
+def _fake_bytes(keep):
+    return int(100_000 * keep**2) + 500
+
+
+def _fake_teacher(path):
+    """A finished run as compress sees it before any device: config.json, a checkpoint's
+    directory and a completed summary (the rounds themselves are ``_fake_rounds``')."""
+    from hybridpar import checkpoint
+
+    path.mkdir()
+    config = tiny_digits(**LONGER)
+    (path / "config.json").write_text(json.dumps(checkpoint.config_dict(config)))
+    (path / "checkpoints" / str(FAKE_STEP)).mkdir(parents=True)
+    (path / "summary.json").write_text(json.dumps(
+        {"completed": True, "steps": FAKE_STEP, "total_steps": FAKE_STEP}))  # fmt: skip
+    return path
+
+
+def _fake_rounds(monkeypatch, drops=None):
+    """Each round's work (prune, distil, quantize) replaced by a report of ``_fake_bytes``
+    at its fraction and a top-1 ``drops[index]`` points under the teacher's (default 0);
+    returns the list of ``(index, keep)`` of the rounds made."""
+    from hybridpar import compress
+
+    made = []
+
+    def make_round(config, args, index, keep, rd, rows, reference, log):
+        made.append((index, keep))
+        top1 = 0.9 - (drops or {}).get(index, 0.0) / 100
+        ev = {"float": {"top1": 0.9 if index == 0 else top1}, "int8": {"top1": top1}}
+        report = {"eval": ev, "params": int(1000 * keep), "weight_bytes_int8": _fake_bytes(keep),
+                  "flops_per_image": 1, "latency_ms": {"int8_batch1_ms": 1.0},
+                  "step": FAKE_STEP if index == 0 else 0}  # fmt: skip
+        return report, args.workdir if index == 0 else os.path.join(rd, "run")
+
+    monkeypatch.setattr(compress, "teacher_size", lambda w: ({}, _fake_bytes))
+    monkeypatch.setattr(compress, "make_round", make_round)
+    monkeypatch.setattr(compress, "plot", lambda *a: None)
+    return made
+
+
+def _main(w, *extra):
+    """``compress.main`` on ``w``: ``(exit code, stdout lines, stderr lines)``."""
+    import contextlib
+    import io
+
+    from hybridpar import compress
+
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["--workdir", str(w), "--step", "0.25", "--max-drop", "1", *extra]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            compress.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue().splitlines(), err.getvalue().splitlines()
+
+
+def test_the_loop_stops_at_the_round_that_meets_the_budget(tmp_path, monkeypatch):
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    # 100.5 KB, then 56.8 KB at 0.75, then the most of (0.5625, 0.75) that fits 40 KB
+    code, out, err = _main(w, "--budget-kb", "40")
+    assert code == 0, (out, err)
+    assert [i for i, _ in made] == [0, 1, 2], made  # not a round past the budget
+    keep = made[2][1]
+    assert _fake_bytes(keep) <= 40_000 < _fake_bytes(round(keep + 0.001, 3)), keep
+    assert out[-1].startswith("kb_int8=39.9 ") and out[-1].endswith(f" teacher_step={FAKE_STEP}")
+    rows = [json.loads((w / "compress" / f"round_0{i}" / "result.json").read_text())
+            for i in range(3)]  # fmt: skip
+    assert [r["teacher_step"] for r in rows] == [FAKE_STEP] * 3
+    assert not (w / "compress" / "round_03").exists()
+    # the same command again: every round read back, none made
+    code, out2, _ = _main(w, "--budget-kb", "40")
+    assert code == 0 and len(made) == 3 and out2[-1] == out[-1], made
+
+
+@pytest.mark.parametrize("why", ["drop", "rounds"])
+def test_a_budget_not_reached_exits_3(tmp_path, monkeypatch, why):
+    w = _fake_teacher(tmp_path / "t")
+    # round 2 loses 3 points (the loop stops there), or one round only is allowed
+    made = _fake_rounds(monkeypatch, drops={2: 3.0})
+    extra = ["--max-rounds", "1"] if why == "rounds" else []
+    code, out, err = _main(w, "--budget-kb", "40", *extra)
+    assert code == 3, (out, err)
+    assert [i for i, _ in made] == ([0, 1] if why == "rounds" else [0, 1, 2])
+    assert "budget 40 KB NOT reached" in "\n".join(out), out
+    assert out[-1].startswith("kb_int8=56.8 "), out  # round 1: the smallest within the drop
+    assert len(err) == 1 and err[0].startswith("budget not reached: ") and "56.8 KB" in err[0]
+
+
+def test_a_loop_of_another_teacher_step_is_not_reused(tmp_path, monkeypatch):
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "40")[0] == 0 and len(made) == 3
+    # the run trained on (a config change resumed it): the rounds were made from step 40
+    (w / "checkpoints" / "80").mkdir()
+    code, out, err = _main(w, "--budget-kb", "40")
+    assert code == 2 and len(made) == 3, (out, err)
+    assert len(err) == 1 and err[0].startswith("error: ") and "at step 40" in err[0], err
+    assert "latest is step 80" in err[0], err
+    # a loop from before settings.json named the teacher's step: round 0's report tells it
+    settings = w / "compress" / "settings.json"
+    old = json.loads(settings.read_text())
+    del old["teacher_step"]
+    settings.write_text(json.dumps(old))
+    q = w / "compress" / "round_00" / "quantized"
+    q.mkdir()
+    (q / "report.json").write_text(json.dumps({"step": FAKE_STEP}))
+    code, _, err = _main(w, "--budget-kb", "40")
+    assert code == 2 and len(made) == 3 and "at step 40" in err[0], err
+
+
+@pytest.mark.parametrize("state", ["training", "no-summary", "stopped"])
+def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
+    from hybridpar import workdir_lock
+
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    lock = None
+    if state == "training":  # a trainer holds the workdir (its summary: the last segment's)
+        lock = workdir_lock.acquire(str(w))
+    elif state == "no-summary":
+        (w / "summary.json").unlink()
+    else:
+        (w / "summary.json").write_text(json.dumps(
+            {"completed": False, "steps": 12, "total_steps": FAKE_STEP}))  # fmt: skip
+    try:
+        code, out, err = _main(w, "--budget-kb", "40")
+    finally:
+        if lock is not None:
+            lock.release()
+    assert code == 2 and made == [], (out, err)
+    message = {"training": "is still training", "no-summary": "has no summary.json",
+               "stopped": "stopped at step 12 of 40"}[state]  # fmt: skip
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert not (w / "compress").exists()
+
+
+def test_two_loops_on_one_workdir_exclude_each_other(tmp_path, monkeypatch):
+    from hybridpar import compress
+
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    (w / "compress").mkdir()
+    other = compress.lock_loop(str(w))  # as another compress's, for its whole loop
+    try:
+        code, out, err = _main(w, "--budget-kb", "40")
+    finally:
+        other.release()
+    assert code == 2 and made == [], (out, err)
+    assert len(err) == 1 and err[0].startswith("error: another compress runs on "), err
+    assert not (w / "compress" / "settings.json").exists()
+    assert _main(w, "--budget-kb", "40")[0] == 0 and len(made) == 3  # once it has ended
 
 
 # ---- a tiny trained teacher ----------------------------------------------------------------
@@ -231,24 +427,72 @@ def _batch(config):
     return next(iter(r.data.train_batches(0)))
 
 
-def test_teacher_as_its_own_student_keeps_the_kl_near_zero(teacher):
+def _softmax64(z, t):
+    z = np.asarray(z, np.float64) / t
+    e = np.exp(z - z.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+def _distill_loss64(ce, student, teacher_logits, t, alpha):
+    """Hinton et al.'s loss per example, in float64: ``(1 - alpha) ce + alpha T^2 KL``."""
+    ps, pt = _softmax64(student, t), _softmax64(teacher_logits, t)
+    kl = (pt * (np.log(pt) - np.log(ps))).sum(-1)
+    return (1 - alpha) * np.asarray(ce, np.float64) + alpha * t * t * kl
+
+
+@pytest.mark.parametrize("t", [1.0, 2.0, 4.0])
+def test_distill_loss_and_its_gradient_are_hintons(t):
+    rng = np.random.default_rng(0)
+    s, te = (rng.normal(size=(2, 4, 10)) * 3).astype(np.float32)
+    ce = rng.uniform(0.5, 2.0, size=4).astype(np.float32)
+    alpha = 0.7
+    want = _distill_loss64(ce, s, te, t, alpha)
+    soft = want - (1 - alpha) * ce
+    assert soft.min() > 0.05 * want.max()  # the KL term weighs in every example
+    # float32 softmaxes of logits of a few units: a few hundred eps of the loss
+    tol = 300 * EPS32 * np.abs(want).max()
+    got = np.asarray(distill.loss(ce, s, te, t, alpha), np.float64)
+    assert np.abs(got - want).max() <= tol, (got, want)
+    # the gradient in the student's logits: alpha * T * (p_student - p_teacher); the T^2
+    # keeps it on the hard term's scale whatever T
+    grad = jax.grad(lambda x: distill.loss(ce, x, te, t, alpha).sum())(s)
+    want_grad = alpha * t * (_softmax64(s, t) - _softmax64(te, t))
+    assert np.abs(np.asarray(grad) - want_grad).max() <= 300 * EPS32 * np.abs(want_grad).max()
+
+
+def test_the_teacher_runs_in_inference_mode(teacher):
+    """The teacher's logits are its model's at inference (running BatchNorm statistics),
+    and the train step's loss is Hinton's on them; the teacher as its own student, so that a
+    teacher in train mode (the batch's statistics, the student's own logits) would hide
+    behind a KL of 0."""
+    from hybridpar import steps
+
     t, _, _ = teacher
     one = jax.devices()[:1]
     c = tiny_digits(**LONGER)
-    c.init_from = str(t)
-    batch = _batch(c)
-    ce, _ = _one_step(c, one, batch)  # the teacher's own loss (train-mode BatchNorm)
-    c.distill.teacher_workdir = str(t)
+    c.init_from = c.distill.teacher_workdir = str(t)
     c.distill.alpha = 0.5
-    mixed, _ = _one_step(c, one, batch)
-    kl = mixed - 0.5 * ce  # alpha * T^2 * KL(teacher || itself in train mode)
-    assert -1e-4 <= kl < 0.02 * ce, (mixed, ce)
-    # negative control: a random student of the same shapes
-    c.init_from = ""
-    random_ce, _ = _one_step(tiny_digits(**LONGER), one, batch)
-    random_mixed, _ = _one_step(c, one, batch)
-    # measured: 0.014 for the teacher itself, 0.32 for the random student
-    assert random_mixed - 0.5 * random_ce > 5 * max(kl, 0.02 * ce)
+    batch = _batch(c)
+    r = run.setup(c, None, devices=one)
+    x = steps.normalize(batch["image"], c.data.mean, c.data.std, np.float32)
+    model, teach = r.program.model, distill.Teacher(c, r.mesh)
+    variables = jax.device_get(meta.unbox(teach.variables()))
+    inference = np.asarray(model.apply(variables, x, train=False), np.float64)
+    train_mode = np.asarray(model.apply(variables, x, train=True, mutable=["batch_stats"])[0],
+                            np.float64)  # fmt: skip
+    tol = 100 * EPS32 * np.abs(inference).max()
+    got = np.asarray(teach.logits(teach.variables(), x), np.float64)
+    assert np.abs(got - inference).max() <= tol, np.abs(got - inference).max()
+    assert np.abs(train_mode - inference).max() > 1000 * tol  # the two modes differ here
+    # the step: its student (the teacher's weights at step 0) in train mode, its teacher not
+    loss, _ = _one_step(c, one, batch)
+    ce = np.asarray(steps.cross_entropy(train_mode, batch["label"], c.label_smoothing))
+    d = c.distill
+    want = _distill_loss64(ce, train_mode, inference, d.temperature, d.alpha).mean()
+    hard = (1 - d.alpha) * ce.mean()  # what a teacher in train mode would leave
+    step_tol = 1e-4 * abs(want)  # one jitted forward against another: float32 roundings
+    assert abs(loss - want) <= step_tol, (loss, want, hard)
+    assert want - hard > 20 * step_tol, (want, hard)  # the KL term is well above that
 
 
 def test_distillation_on_8_devices_is_one_device(teacher):
@@ -312,7 +556,9 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
     assert not (t / "compress" / "round_01" / "result.json").exists()
     again = subprocess.run(_compress(t), cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)  # fmt: skip
-    assert again.returncode == 0, again.stderr[-3000:]
+    # 1 KB is out of reach in one round: exit code 3, and the line that says so
+    assert again.returncode == 3, again.stderr[-3000:]
+    assert again.stderr.strip().splitlines()[-1].startswith("budget not reached: "), again.stderr
     events = [json.loads(x)["event"] for x in metrics.read_text().splitlines()]
     assert "resume" in events, events  # the round's run went on from its checkpoint
     last = again.stdout.strip().splitlines()[-1]
@@ -320,6 +566,14 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
     rows = [json.loads((t / "compress" / f"round_0{i}" / "result.json").read_text())
             for i in (0, 1)]  # fmt: skip
     assert rows[1]["params"] < 0.4 * rows[0]["params"]
+    # each round names the teacher's checkpoint it was made from
+    from hybridpar import cli, compress
+
+    step = compress.teacher_step(cli.load_run(str(t)), str(t))
+    assert [r["teacher_step"] for r in rows] == [step, step] and last.endswith(f"={step}")
+    # the sizes the loop plans rounds with are the ones quantize wrote, to the byte
+    _, bytes_at = compress.teacher_size(str(t))
+    assert [r["bytes_int8"] for r in rows] == [bytes_at(1.0), bytes_at(rows[1]["keep"])]
     assert (t / "compress" / "front.png").exists() and (t / "compress" / "rounds.md").exists()
     # The round's distilled run is evaluated and quantized without its teacher (moved away
     # with it: the run's config still names the old path).
@@ -369,7 +623,8 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     if "holds a loop" in message:
         t = tmp_path / "t"
         os.makedirs(t / "compress")
-        (t / "config.json").write_text((teacher[0] / "config.json").read_text())
+        for name in ("config.json", "summary.json"):
+            (t / name).write_text((teacher[0] / name).read_text())
         os.symlink(teacher[0] / "checkpoints", t / "checkpoints")
         (t / "compress" / "settings.json").write_text(json.dumps(
             {"step": 0.5, "epochs": 4.0, "criterion": "l1", "calibration_batches": 2}))  # fmt: skip
