@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from hybridpar import cli
-from hybridpar.comm_report import use_virtual_cpu_devices
+from hybridpar.comm_report import check_target_devices, use_virtual_cpu_devices
 from hybridpar.comm_report_schema import CommReport
 from hybridpar.config import HEADS
 from hybridpar.curriculum import duration
@@ -589,9 +589,7 @@ def main(argv=None) -> None:
             target = targets.parse(args.target)
         except ConfigError as e:
             cli.fail(str(e))
-        if args.devices not in (None, target.devices_count):
-            cli.fail(f"--devices={args.devices} but --target {args.target} has "
-                     f"{target.devices_count} chips; pass one of them")  # fmt: skip
+        check_target_devices(args.devices, args.target, target)
         args.devices = target.devices_count
         if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
             cli.fail(

@@ -249,10 +249,90 @@ def test_parse_overlap_on_hand_written_scheduled_hlo():
     assert describe_overlap(chain).startswith("all-gather 576 B: async over 2 ops (")
 
 
+INTERLEAVED_HLO = """
+HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%conv_fusion (p0: bf16[8,16,16,4], p1: bf16[3,3,4,8]) -> bf16[8,16,16,8] {
+  %p0 = bf16[8,16,16,4]{3,2,1,0} parameter(0)
+  %p1 = bf16[3,3,4,8]{3,2,1,0} parameter(1)
+  ROOT %convolution.1 = bf16[8,16,16,8]{3,2,1,0} convolution(%p0, %p1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+}
+
+%rs_1 (p0: f32[16]) -> f32[4] {
+  %p0 = f32[16]{0} parameter(0)
+  ROOT %reduce-scatter.1 = f32[4]{0} reduce-scatter(%p0), channel_id=11, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+%rs_2 (p0: f32[64]) -> f32[16] {
+  %p0 = f32[64]{0} parameter(0)
+  ROOT %reduce-scatter.2 = f32[16]{0} reduce-scatter(%p0), channel_id=12, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[16], b: f32[4], c: f32[64], x: bf16[8,16,16,4], w: bf16[3,3,4,8], m: f32[32,64], n: f32[64,16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %b = f32[4]{0} parameter(1)
+  %c = f32[64]{0} parameter(2)
+  %x = bf16[8,16,16,4]{3,2,1,0} parameter(3)
+  %w = bf16[3,3,4,8]{3,2,1,0} parameter(4)
+  %m = f32[32,64]{1,0} parameter(5)
+  %n = f32[64,16]{1,0} parameter(6)
+  %all-reduce-start.1 = f32[16]{0} all-reduce-start(%a), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %all-reduce-start.2 = f32[4]{0} all-reduce-start(%b), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  %all-gather-start.3 = (f32[4]{0}, f32[32]{0}) all-gather-start(%b), channel_id=3, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %fusion.1 = bf16[8,16,16,8]{3,2,1,0} fusion(%x, %w), kind=kOutput, calls=%conv_fusion
+  %all-reduce-done.2 = f32[4]{0} all-reduce-done(%all-reduce-start.2)
+  %dot.1 = f32[32,16]{1,0} dot(%m, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %all-gather-done.3 = f32[32]{0} all-gather-done(%all-gather-start.3)
+  %dot.2 = f32[32,16]{1,0} dot(%m, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %all-reduce-done.1 = f32[16]{0} all-reduce-done(%all-reduce-start.1)
+  %rs-start.1 = ((f32[16]{0}), f32[4]{0}) async-start(%a), calls=%rs_1
+  %rs-start.2 = ((f32[64]{0}), f32[16]{0}) async-start(%c), calls=%rs_2
+  %fusion.2 = bf16[8,16,16,8]{3,2,1,0} fusion(%x, %w), kind=kOutput, calls=%conv_fusion
+  %rs-done.2 = f32[16]{0} async-done(%rs-start.2), calls=%rs_2
+  %dot.3 = f32[32,16]{1,0} dot(%m, %n), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %rs-done.1 = f32[4]{0} async-done(%rs-start.1), calls=%rs_1
+  ROOT %out = f32[16]{0} add(%all-reduce-done.1, %a)
+}
+"""
+
+
+def test_parse_overlap_pairs_interleaved_starts_with_their_own_dones():
+    """Starts of the same kind in flight together, their dones in another order: each
+    start ends at the done that names it (not the next done of its kind, nor the dones in
+    start order), so it overlaps the compute up to that done."""
+    got = {
+        e["start"]: (e["done"], e["kind"], e["bytes"], e["overlaps"])
+        for e in parse_overlap(INTERLEAVED_HLO)
+    }
+    assert got == {
+        "all-reduce-start.1": ("all-reduce-done.1", "all-reduce", 64,
+                               {"convolution": 1, "dot": 2}),
+        "all-reduce-start.2": ("all-reduce-done.2", "all-reduce", 16, {"convolution": 1}),
+        "all-gather-start.3": ("all-gather-done.3", "all-gather", 128,
+                               {"convolution": 1, "dot": 1}),
+        "rs-start.1": ("rs-done.1", "reduce-scatter", 16, {"convolution": 1, "dot": 1}),
+        "rs-start.2": ("rs-done.2", "reduce-scatter", 64, {"convolution": 1}),
+    }  # fmt: skip
+
+
 def test_shape_bytes():
     assert shape_bytes("f32[2,3]{1,0}") == 24
     assert shape_bytes("(bf16[4]{0}, s8[3], pred[])") == 12
     assert shape_bytes("token[]") == 0
+
+
+def test_the_simulators_digits_size_is_the_runs():
+    """hybridpar.simulate prices a digits report's epoch without loading the data: its
+    constant is the split the run trains on."""
+    from hybridpar import executables, simulate
+
+    assert executables.data_size(load_config(DIGITS)) == simulate.DIGITS_TRAIN_IMAGES
 
 
 def _report(args, devices=8, timeout=300, config=DIGITS):
@@ -304,6 +384,10 @@ def test_cli_text_on_hybrid_mesh():
     [
         (["--config.mesh_typo=data:8"], 8, "no config key 'mesh_typo'; did you mean 'mesh'"),
         (["--config.mesh=data:8"], 4, "needs 8 devices but 4 are available"),
+        # --devices beside a target is its count or refused, as plan refuses it
+        (["--target", "gpu:h100-8"], 4, "--devices=4 but --target gpu:h100-8 has 8 devices"),
+        (["--target", "tpu:v5e-8"], 4, "--devices=4 but --target tpu:v5e-8 has 8 devices"),
+        (["--target", "cpu:8"], 4, "--devices=4 but --target cpu:8 has 8 devices"),
     ],
 )
 def test_cli_errors_are_one_line(args, devices, expect):

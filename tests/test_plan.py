@@ -4,6 +4,7 @@ limit, a limit below every plan is one ``error:`` line naming the smallest plan'
 a second call comes from the cache. One planning run compiles (six plans, in two worker
 processes); every other call reads its cache."""
 
+import importlib.util
 import json
 import os
 
@@ -191,6 +192,7 @@ def test_candidates_respect_the_rules():
         (["--memory-gib", "nan"], "--memory-gib: 'nan' is not a finite number"),
         (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
         (["--target", "gpu:h100-8"], "the GPU compiler gives no FLOP count ahead of time"),
+        (["--target", "tpu:v5e-16"], "--devices=8 but --target tpu:v5e-16 has 16 devices"),
     ],
 )
 def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
@@ -235,3 +237,31 @@ def test_v3_is_in_the_chip_table_but_not_a_compile_target():
     assert targets.CHIPS["v3"].peak_bf16_flops == 123e12
     with pytest.raises(ConfigError, match="scaling model only"):
         targets.parse("tpu:v3-8")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None and not os.environ.get("CI"),
+    reason='libtpu missing: pip install -e ".[tpu-aot]"',
+)
+def test_a_tpu_plans_memory_is_at_least_the_compilers_peak(monkeypatch):
+    """On tpu:v5e-8 the TPU compiler reports no temporaries for the tiny data:4,model:2
+    step, yet gives its peak as several times its arguments: the plan's memory/dev (what a
+    plan worker reads) is that peak, not the 1.3 MiB of arguments and outputs."""
+    from hybridpar import targets
+    from hybridpar.run import setup
+
+    target = targets.parse("tpu:v5e-8")
+    targets.prepare(target)
+    monkeypatch.setenv("HYBRIDPAR_PLAN_TARGET", target.spec)
+    overrides = [(k, str(v)) for k, v in {**TINY, "mesh": "data:4,model:2"}.items()]
+    rep = plan._compile_one(DIGITS, overrides)
+    # the same step compiled here: the compiler's own memory analysis
+    run = setup(cli.load(DIGITS, overrides), with_data=False, devices=target.devices())
+    run.program.compiler_options = target.compiler_options()
+    stats = run.program.train_step(32, 16).memory_analysis()
+    mem = rep["memory"]
+    assert mem["temp"] == stats.temp_size_in_bytes  # read as the compiler reports it
+    parts = mem["arguments"] + mem["outputs"] + mem["temp"] - mem["aliased"]
+    assert stats.peak_memory_in_bytes > 2 * parts  # the case: a peak the parts miss
+    assert rep["memory_per_device_bytes"] == stats.peak_memory_in_bytes
+    assert mem.get("peak") == stats.peak_memory_in_bytes  # kept beside the parts

@@ -387,7 +387,14 @@ def _row(kind, count, nbytes, group_size, is_async=False, groups="{{0,1,2,3},{4,
     }
 
 
-def _report_dict(rows, mesh, global_batch=64, image_shape=(32, 32, 3), flops=1e10) -> dict:
+# the run a report's config describes, as comm_report records it (the keys simulate reads)
+SYNTHETIC_RUN = {"data": {"name": "synthetic", "train_examples": 4096}, "num_epochs": 2.0,
+                 "stages": ""}  # fmt: skip
+
+
+def _report_dict(
+    rows, mesh, global_batch=64, image_shape=(32, 32, 3), flops=1e10, run=SYNTHETIC_RUN
+) -> dict:
     """The JSON object `python -m hybridpar.comm_report --json` prints, for these rows."""
     by_kind = {}
     for r in rows:
@@ -413,7 +420,7 @@ def _report_dict(rows, mesh, global_batch=64, image_shape=(32, 32, 3), flops=1e1
         "global_batch": global_batch,
         "image_shape": list(image_shape),
         "compile_s": 1.5,
-        "config": {"mesh": ",".join(f"{k}:{v}" for k, v in mesh.items())},
+        "config": {"mesh": ",".join(f"{k}:{v}" for k, v in mesh.items()), **run},
         "bytes_accessed": 2e9,
     }
 
@@ -595,6 +602,52 @@ def test_comm_report_cli_simulates_the_compiled_step(tmp_path, capsys):
     assert sim.main(["--devices", "8", "--preset", "tpu-v4"]) == 0
     legend = capsys.readouterr().out.strip().splitlines()[-1]
     assert "analytic ResNet-50 (counted, not compiled)" in legend and "ASSUMPTION" in legend
+
+
+def _simulated(capsys, path, *flags) -> dict:
+    assert sim.main(["--comm-report", str(path), "--devices", "8", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_comm_report_is_priced_on_its_own_data_and_epochs(tmp_path, capsys):
+    """A report's time to train is over its run's data set and epochs (digits' 1,437 images,
+    synthetic data's data.train_examples, its curriculum), not ImageNet's 35 epochs, and
+    the output says where each came from; data read from files needs the flag."""
+    rows = [_row("all-reduce", 4, 100, None, groups="{}")]
+    digits = {"data": {"name": "digits", "train_examples": 4096}, "num_epochs": 15.0}
+    path = tmp_path / "digits.json"
+    path.write_text(json.dumps(_report_dict(rows, {"data": 8}, 64, (16,), run=digits)))
+    out = _simulated(capsys, path)
+    assert (out["images_per_epoch"], out["stages"]) == (1437, "15:16-8")
+    assert "digits" in out["images_per_epoch_from"] and "num_epochs" in out["stages_from"]
+    step_s = out["rows"][0]["step_s"]
+    assert out["rows"][0]["time_to_train_s"] == pytest.approx(15 * 1437 / 64 * step_s)
+    # the same as saying so with the flags, which say so in their turn
+    said = _simulated(capsys, path, "--images-per-epoch", "1437", "--epochs", "15")
+    assert said["rows"] == out["rows"]
+    assert said["images_per_epoch_from"] == "--images-per-epoch"
+    assert said["stages_from"] == "--epochs"
+    assert sim.main(["--comm-report", str(path), "--devices", "8"]) == 0
+    text = capsys.readouterr().out.splitlines()[1]
+    assert text.startswith("time to train: 15:16-8 (END_EPOCH:SIZE-BATCH, the comm report's")
+    assert "1,437 images/epoch (the comm report's data: digits" in text
+    # synthetic data: its nominal epoch; a curriculum: its stages (batches per device)
+    synthetic = dict(SYNTHETIC_RUN, stages="1:16-8,2:32-4@0.5~0.9", num_epochs=2.0)
+    path.write_text(json.dumps(_report_dict(rows, {"data": 8}, 64, (16,), run=synthetic)))
+    out = _simulated(capsys, path)
+    assert (out["images_per_epoch"], out["stages"]) == (4096, "1:16-8,2:32-4")
+    # data read from files: the report does not know its size
+    files = {"data": {"name": "images", "train_examples": 4096}, "num_epochs": 15.0}
+    path.write_text(json.dumps(_report_dict(rows, {"data": 8}, 64, (16,), run=files)))
+    assert sim.main(["--comm-report", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "--images-per-epoch N" in err[0]
+    assert _simulated(capsys, path, "--images-per-epoch", "5000")["images_per_epoch"] == 5000
+    # without a report: ImageNet's, and said to be the default
+    assert sim.main(["--devices", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["images_per_epoch"] == sim.IMAGENET_TRAIN_IMAGES and out["stages"] == "35:224-256"
+    assert "default" in out["images_per_epoch_from"] and "default" in out["stages_from"]
 
 
 # ----------------------------------------------------------------------------- curriculum
@@ -786,6 +839,30 @@ def test_verdict_is_within_15_percent_either_way_and_printed():
     assert {r["verdict"] for r in rows} == {"PASS", "FAIL"}  # both are there to see
 
 
+def test_validate_exit_status_says_whether_every_case_passed(capsys, monkeypatch):
+    """A failing validation fails the command (exit 1, said on the last line and in
+    --json); all within the band: 0. Bad input stays 2."""
+    rows = sim.validation_table()
+    failed = sum(r["verdict"] == "FAIL" for r in rows)
+    assert failed and sim.VALIDATION_FAILED == 1
+    assert sim.main(["--validate"]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (
+        f"validation: {len(rows) - failed} of {len(rows)} within 15%, {failed} outside: "
+        "FAIL (exit status 1)"
+    )
+    assert sim.main(["--validate", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert (out["failed"], out["exit_status"]) == (failed, 1)
+    assert "exit status 1 when any case is outside 15%" in " ".join(
+        sim.build_parser().format_help().split()
+    )
+    passing = [dict(r, verdict="PASS") for r in rows]
+    monkeypatch.setattr("hybridpar.simulate.cli.validation_table", lambda overlap: passing)
+    assert sim.main(["--validate"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith(": PASS")
+
+
 def test_parse_devices():
     assert sim.parse_devices("8,16,32") == [8, 16, 32]
     assert sim.parse_devices("8..64") == [8, 16, 32, 64]
@@ -864,7 +941,7 @@ sys.argv = ["python -m hybridpar.simulate", *sys.argv[1:]]
 try:
     runpy.run_module("hybridpar.simulate", run_name="__main__", alter_sys=True)
 except SystemExit as e:
-    assert not e.code, e.code
+    print("exit status:", e.code or 0)
 print("jax imported:", sorted(m for m in sys.modules if m == "jax" or m.startswith("jax.")))
 """
 
@@ -898,4 +975,7 @@ def test_cli_runs_without_jax(tmp_path, argv):
     argv = ["--comm-report", str(report)] if argv == ["REPORT"] else argv
     proc = _python("-c", _RUN_WITHOUT_JAX, *argv)
     assert proc.returncode == 0, proc.stderr
+    # --validate's exit status says that cases fail (test_validate_exit_status...)
+    code = sim.VALIDATION_FAILED if argv == ["--validate"] else 0
+    assert f"exit status: {code}\n" in proc.stdout, proc.stdout[-2000:]
     assert proc.stdout.strip().endswith("jax imported: []"), proc.stdout[-2000:]

@@ -53,6 +53,7 @@ from __future__ import annotations
 from hybridpar.simulate.calibration import fit_eval_overhead, fit_rate, points_from_metrics
 from hybridpar.simulate.cli import (
     DEFAULT_DEVICES,
+    VALIDATION_FAILED,
     build_parser,
     format_rows,
     format_validation,
@@ -119,6 +120,7 @@ from hybridpar.simulate.validation import (
 )
 from hybridpar.simulate.workload import (
     BACKWARD_FRACTION,
+    DIGITS_TRAIN_IMAGES,
     GRAD_BYTES,
     IMAGENET_EVAL_IMAGES,
     IMAGENET_TRAIN_IMAGES,
@@ -131,6 +133,9 @@ from hybridpar.simulate.workload import (
     group_stride,
     inner_size,
     load_comm_report,
+    read_comm_report,
+    report_epochs,
+    report_images_per_epoch,
     resnet50_workload,
     workload_from_report,
 )
@@ -139,6 +144,7 @@ __all__ = [
     "ALIASES",
     "BACKWARD_FRACTION",
     "DEFAULT_DEVICES",
+    "DIGITS_TRAIN_IMAGES",
     "FASTAI_STAGES",
     "GB",
     "GBIT",
@@ -157,6 +163,7 @@ __all__ = [
     "UNCALIBRATED_PRESETS",
     "US",
     "VALIDATION_CASES",
+    "VALIDATION_FAILED",
     "Collective",
     "Evaluation",
     "Link",
@@ -189,6 +196,9 @@ __all__ = [
     "inner_size",
     "input_seconds",
     "load_comm_report",
+    "read_comm_report",
+    "report_epochs",
+    "report_images_per_epoch",
     "main",
     "members_per_node",
     "nic_share_per_device",

@@ -29,11 +29,15 @@ from hybridpar.simulate.validation import PASS_BAND, validation_table
 from hybridpar.simulate.workload import (
     IMAGENET_TRAIN_IMAGES,
     Workload,
-    load_comm_report,
+    read_comm_report,
+    report_epochs,
+    report_images_per_epoch,
     resnet50_workload,
+    workload_from_report,
 )
 
 DEFAULT_DEVICES = [2**k for k in range(3, 13)]  # 8 .. 4096
+VALIDATION_FAILED = 1  # exit status of --validate with a case outside the band (2: bad input)
 
 
 def parse_devices(text: str) -> list[int]:
@@ -261,6 +265,43 @@ def _calibrated(preset: Preset, workload: Workload, args) -> Preset:
     return preset
 
 
+def _stages(args, report) -> tuple[list[Stage], str]:
+    """The stages to train through, and where they come from: the flags, else the comm
+    report's own run, else 35 epochs."""
+    if args.stages:
+        return parse_stages(args.stages), "--stages"
+    if args.epochs is not None:
+        return [Stage(args.epochs, args.image_size, args.per_device_batch)], "--epochs"
+    if report is None:
+        return [Stage(35.0, args.image_size, args.per_device_batch)], "35 epochs, the default"
+    epochs, said = report_epochs(report)
+    if epochs is None:
+        raise ValueError(f"--comm-report {args.comm_report}: {said}; pass --epochs E")
+    if isinstance(epochs, str):  # the run's curriculum, batches per batch shard
+        from hybridpar.curriculum import parse_stages as parse_curriculum
+
+        return [Stage(e, size, b) for e, size, b, _ in parse_curriculum(epochs)], said
+    return [Stage(epochs, args.image_size, args.per_device_batch)], said
+
+
+def _images_per_epoch(args, report) -> tuple[int, str]:
+    """Training images per epoch, and where that comes from: the flag, else the comm
+    report's data set, else ImageNet's."""
+    if args.images_per_epoch is not None:
+        if args.images_per_epoch < 1:
+            raise ValueError(f"--images-per-epoch={args.images_per_epoch} must be >= 1")
+        return args.images_per_epoch, "--images-per-epoch"
+    if report is None:
+        return IMAGENET_TRAIN_IMAGES, "ImageNet's train split, the default"
+    n, said = report_images_per_epoch(report)
+    if n is None:
+        raise ValueError(
+            f"--comm-report {args.comm_report}: {said}; pass --images-per-epoch N, its "
+            "training images (ImageNet's train split: 1281167)"
+        )
+    return n, said
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hybridpar.simulate",
@@ -297,14 +338,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--stages",
         default=None,
-        help="curriculum END_EPOCH:IMAGE_SIZE-PER_GPU_BATCH,... "
-        "(default: --epochs at --image-size/--per-device-batch)",
+        help="curriculum END_EPOCH:IMAGE_SIZE-PER_GPU_BATCH,... (default: the comm "
+        "report's own stages, else --epochs at --image-size/--per-device-batch)",
     )
     ap.add_argument(
         "--epochs",
         type=cli.finite_float,
-        default=35.0,
-        help="epochs when --stages is not given (default 35)",
+        default=None,
+        help="epochs when --stages is not given (default: the comm report's num_epochs; "
+        "without a report 35)",
     )
     ap.add_argument(
         "--overlap",
@@ -390,7 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="fixed seconds per evaluation pass",
     )
-    ap.add_argument("--images-per-epoch", type=int, default=IMAGENET_TRAIN_IMAGES)
+    ap.add_argument(
+        "--images-per-epoch",
+        type=int,
+        default=None,
+        help="training images per epoch (default: the comm report's data set, from its "
+        "config; without a report ImageNet's 1,281,167)",
+    )
     ap.add_argument(
         "--eval-s-per-epoch",
         type=cli.finite_float,
@@ -400,7 +448,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(
-        "--validate", action="store_true", help="print the validation table against published runs"
+        "--validate",
+        action="store_true",
+        help="print the validation table against published runs; exit status "
+        f"{VALIDATION_FAILED} when any case is outside {PASS_BAND:.0%}% (0 when all pass)",
     )
     ap.add_argument("--list-presets", action="store_true")
     return ap
@@ -447,15 +498,24 @@ def _main(args) -> int:
         return 0
     if args.validate:
         results = validation_table(args.overlap)
+        failed = sum(r["verdict"] != "PASS" for r in results)
+        code = VALIDATION_FAILED if failed else 0
         if args.json:
-            print(json.dumps({"validation": results}))
+            print(json.dumps({"validation": results, "failed": failed, "exit_status": code}))
         else:
             print(format_validation(results))
-        return 0
+            print(
+                f"validation: {len(results) - failed} of {len(results)} within "
+                f"{PASS_BAND:.0%}, {failed} outside: "
+                + (f"FAIL (exit status {code})" if failed else "PASS")
+            )
+        return code
 
     preset = get_preset(args.preset)
+    report = None
     if args.comm_report:
-        workload = load_comm_report(args.comm_report)
+        report = read_comm_report(args.comm_report)
+        workload = workload_from_report(report)
         # by default simulate the step the report was compiled for
         if args.per_device_batch is None:
             args.per_device_batch = round(workload.reference_batch)
@@ -475,10 +535,8 @@ def _main(args) -> int:
             args.calibrate, args.image_size, args.per_device_batch, preset, workload
         )
     devices = parse_devices(args.devices) if args.devices else DEFAULT_DEVICES
-    if args.stages:
-        stages = parse_stages(args.stages)
-    else:
-        stages = [Stage(args.epochs, args.image_size, args.per_device_batch)]
+    stages, stages_from = _stages(args, report)
+    images_per_epoch, images_from = _images_per_epoch(args, report)
     rows = simulate(
         workload,
         preset,
@@ -488,7 +546,7 @@ def _main(args) -> int:
         stages,
         args.overlap,
         efficiency,
-        args.images_per_epoch,
+        images_per_epoch,
         args.eval_s_per_epoch,
         Evaluation(args.eval_every_epochs, per_device_batch=args.per_device_batch)
         if args.eval_every_epochs > 0
@@ -522,7 +580,9 @@ def _main(args) -> int:
                     "image_size": args.image_size,
                     "overlap": args.overlap,
                     "stages": format_stages(stages),
-                    "images_per_epoch": args.images_per_epoch,
+                    "stages_from": stages_from,
+                    "images_per_epoch": images_per_epoch,
+                    "images_per_epoch_from": images_from,
                     "eval_s_per_epoch": args.eval_s_per_epoch,
                     "png": args.png if png_written else None,
                     "rows": rows,
@@ -532,8 +592,8 @@ def _main(args) -> int:
         return 0
     print(title)
     print(
-        f"time to train: {format_stages(stages)} (END_EPOCH:SIZE-BATCH), "
-        f"{args.images_per_epoch:,} images/epoch"
+        f"time to train: {format_stages(stages)} (END_EPOCH:SIZE-BATCH, {stages_from}), "
+        f"{images_per_epoch:,} images/epoch ({images_from})"
         + (f", eval {args.eval_s_per_epoch:g} s/epoch" if args.eval_s_per_epoch else "")
     )
     print(format_rows(rows))

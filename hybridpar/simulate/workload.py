@@ -15,6 +15,9 @@ from hybridpar.comm_report_schema import CommReport
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_EVAL_IMAGES = 50_000
+# scikit-learn's digits: the train part of the fixed 80/20 split (hybridpar.input.arrays),
+# known without the data, as hybridpar.executables.data_size finds it
+DIGITS_TRAIN_IMAGES = 1_437
 
 RESNET50_PARAMS = 25_557_032  # torchvision/Flax ResNet-50, 1,000 classes, incl. BN gamma/beta
 RESNET50_FWD_FLOPS_224 = 8.2e9  # 4.1 G multiply-adds forward at 224 px, 2 FLOPs each
@@ -283,6 +286,37 @@ def workload_from_report(report: CommReport) -> Workload:
     )
 
 
-def load_comm_report(path: str) -> Workload:
+def read_comm_report(path: str) -> CommReport:
     with open(path) as f:
-        return workload_from_report(CommReport.from_json(f.read(), source=path))
+        return CommReport.from_json(f.read(), source=path)
+
+
+def load_comm_report(path: str) -> Workload:
+    return workload_from_report(read_comm_report(path))
+
+
+def report_images_per_epoch(report: CommReport) -> tuple[int | None, str]:
+    """(training images per epoch, where that is said) of the run a comm report's config
+    describes, or (None, why it does not say). Synthetic data's epoch is its
+    data.train_examples; digits' is its fixed split; data read from files has the size of
+    the files, which a compile without the data never saw."""
+    data = report.config.get("data") or {}
+    name = data.get("name")
+    if name == "synthetic" and data.get("train_examples"):
+        return int(data["train_examples"]), "the comm report's data.train_examples (synthetic)"
+    if name == "digits":
+        return DIGITS_TRAIN_IMAGES, "the comm report's data: digits, its train split"
+    if name is None:
+        return None, "its config names no data"
+    return None, f"its data (data.name={name!r}) is read from files, whose size it does not hold"
+
+
+def report_epochs(report: CommReport) -> tuple[str | float | None, str]:
+    """(the config's curriculum text, or its num_epochs, where that is said) of the run a
+    comm report describes, or (None, why it does not say)."""
+    config = report.config
+    if config.get("stages"):
+        return config["stages"], "the comm report's stages"
+    if config.get("num_epochs"):
+        return float(config["num_epochs"]), "the comm report's num_epochs"
+    return None, "its config has no num_epochs"
