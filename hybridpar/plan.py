@@ -129,13 +129,15 @@ def _comm_of(config) -> str:
     return "xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}"
 
 
-def candidates(config, devices: int, choices: dict) -> tuple[list[Candidate], int]:
+def candidates(
+    config, devices: int, choices: dict, platform: str = "cpu"
+) -> tuple[list[Candidate], int]:
     """The valid plans of the product of `choices`, closest to the config first, and how
-    many the product had."""
+    many the product had. ``platform``: the devices' (a mesh error's hint depends on it)."""
     from hybridpar.mesh import parse_mesh_spec
 
     base = Candidate(
-        mesh=tuple(parse_mesh_spec(config.mesh, devices).items()),
+        mesh=tuple(parse_mesh_spec(config.mesh, devices, platform).items()),
         head=config.model.head,
         bn_sync=config.model.bn_sync,
         comm=_comm_of(config),
@@ -157,7 +159,7 @@ def candidates(config, devices: int, choices: dict) -> tuple[list[Candidate], in
     return out, len(grid)
 
 
-def _choices(config, devices: int, args) -> dict:
+def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
     """The value list of each axis: the flags', else the defaults around the config's."""
     from hybridpar.mesh import parse_mesh_spec
 
@@ -167,7 +169,9 @@ def _choices(config, devices: int, args) -> dict:
     mesh = None
     if args.meshes:  # space-separated: a mesh spec has commas of its own
         try:
-            mesh = [tuple(parse_mesh_spec(s, devices).items()) for s in args.meshes.split()]
+            mesh = [
+                tuple(parse_mesh_spec(s, devices, platform).items()) for s in args.meshes.split()
+            ]
         except ConfigError as e:
             cli.fail(f"--meshes {args.meshes!r}: {e}")
     comms = listed(args.comm)
@@ -365,7 +369,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         preset,
         devices,
         stages_of(config, b),
-        config.data.train_examples,
+        _train_examples(config),
         overlap,
         evaluation=evaluation,
     )
@@ -377,6 +381,14 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         "predicted_time_to_train_s": train.total_s,
         "predicted_eval_s": train.eval_s,
     }
+
+
+def _train_examples(config) -> int:
+    """An epoch's images: a built-in set's own size where known (digits' split), else the
+    config's nominal ``data.train_examples``."""
+    from hybridpar.executables import data_size
+
+    return data_size(config) or config.data.train_examples
 
 
 def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -> dict:
@@ -400,7 +412,7 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
         "predicted_scaling_efficiency": compute / step,
         "predicted_exposed_comm_s": exposed,
         "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
-        "predicted_time_to_train_s": config.num_epochs * config.data.train_examples / images,
+        "predicted_time_to_train_s": config.num_epochs * _train_examples(config) / images,
         "predicted_eval_s": None,
         "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives, "
         "at least the per-step floor",
@@ -639,9 +651,10 @@ def main(argv=None) -> None:
         from hybridpar.config import validate
 
         validate(config)  # every value checked before a device or a worker starts
-        choices = _choices(config, n, args)
+        platform = target.platform if target is not None else "cpu"
+        choices = _choices(config, n, args, platform)
         _check_values(config, choices, validate)
-        plans, product = candidates(config, n, choices)
+        plans, product = candidates(config, n, choices, platform)
         if not plans:
             cli.fail(
                 f"no candidate plan is valid for {n} devices with these choices ({product} "

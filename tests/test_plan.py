@@ -265,3 +265,15 @@ def test_a_tpu_plans_memory_is_at_least_the_compilers_peak(monkeypatch):
     assert stats.peak_memory_in_bytes > 2 * parts  # the case: a peak the parts miss
     assert rep["memory_per_device_bytes"] == stats.peak_memory_in_bytes
     assert mem.get("peak") == stats.peak_memory_in_bytes  # kept beside the parts
+
+
+def test_time_to_train_counts_a_built_in_sets_own_epoch():
+    """digits' epoch is its 1,437-image split, not the config's nominal train_examples
+    (4,096), which plan's predicted time to train used to take."""
+    from hybridpar.config import load_config
+
+    config = load_config(DIGITS)
+    assert config.data.train_examples != 1437
+    assert plan._train_examples(config) == 1437
+    config.data.name = "synthetic"
+    assert plan._train_examples(config) == config.data.train_examples
