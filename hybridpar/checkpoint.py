@@ -1,8 +1,9 @@
 """Checkpoints of a run, and what a workdir already holds.
 
 A workdir is a run (README.md, Running). ``check_run`` reads what it holds before anything is
-built: ``config.json`` (written at the first start) must match the new config, or the
-command is an error naming the first differing key (``--allow-config-change`` overrides);
+built: the config its latest checkpoint holds (``config.json``, written at each start, where
+there is no checkpoint yet) must match the new config, or the command is an error naming the
+first differing key (``--allow-config-change`` overrides);
 a ``summary.json`` that says completed means there is nothing left to do.
 
 ``Checkpoints`` wraps orbax's ``CheckpointManager``: each step directory holds three items,
@@ -19,9 +20,12 @@ layout, whatever layout they were saved in.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -130,10 +134,38 @@ def check_dir(path: str) -> None:
     )
 
 
+def held_config(directory: str) -> tuple[int, dict] | None:
+    """``(step, config)`` of the newest checkpoint in ``directory`` whose config reads back,
+    or None. Read as a file (orbax's JSON item), without JAX: ``check_run`` comes before
+    the backend may start. Only committed steps are named by their number alone."""
+    try:
+        steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for step in steps:
+        try:
+            with open(os.path.join(directory, str(step), "config", "metadata")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and saved:
+            return step, saved
+    return None
+
+
+def run_config(workdir: str, config) -> dict | None:
+    """The config of the run in ``workdir``: the one its latest checkpoint holds, which is
+    what a resume continues; ``config.json`` (a file anyone may edit) only where there is no
+    checkpoint yet."""
+    held = held_config(checkpoint_dir(config, workdir))
+    return held[1] if held else read_json(os.path.join(workdir, "config.json"))
+
+
 def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
-    """What ``workdir`` holds: raises if it is a run of another config (unless allowed);
-    returns its summary if that run completed, else None (a new run or one to resume)."""
-    saved = read_json(os.path.join(workdir, "config.json"))
+    """What ``workdir`` holds: raises if it is a run of another config (``run_config``,
+    unless allowed); returns its summary if that run completed, else None (a new run or one
+    to resume)."""
+    saved = run_config(workdir, config)
     if saved is not None and not allow_config_change:
         diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
         if diff:
@@ -183,13 +215,28 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
         )
 
 
-def record_config(workdir: str, config) -> list[str]:
+def record_config(workdir: str, config, held: tuple[int, dict] | None = None) -> list[str]:
     """Writes ``config.json`` (process 0, atomically) unless it already holds this config;
-    returns the keys that differ from the one it replaces (allowed by the caller)."""
+    returns the keys that differ (allowed by the caller) from the config of the checkpoint
+    resumed, ``held`` as ``(step, config)``, or without one from the ``config.json`` it
+    replaces. A ``config.json`` that says otherwise than ``held`` is named in a warning."""
     path = os.path.join(workdir, "config.json")
     new = config_dict(config)
     saved = read_json(path)
-    changed = [] if saved is None else [k for k, _, _ in differences(saved, new)]
+    if held is not None and saved is not None and jax.process_index() == 0:
+        edited = differences(held[1], saved, free=PLACEMENT_KEYS)
+        if edited:
+            key, ckpt, file = edited[0]
+            more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""
+            print(
+                f"warning: {path} says {key}={file!r}{more}, but the checkpoint of step "
+                f"{held[0]} this run resumes from holds {key}={ckpt!r}: the checkpoint's "
+                "config is the run's (compared with this command's); config.json now holds "
+                "this command's config",
+                flush=True,
+            )
+    base = held[1] if held is not None else saved
+    changed = [] if base is None else [k for k, _, _ in differences(base, new)]
     if jax.process_index() == 0 and (saved is None or saved != new):
         write_json(path, new)
     return changed
@@ -207,6 +254,54 @@ def directory_bytes(path: str) -> int:
 
 
 _single_writer = False  # orbax's array handler replaced (once per process)
+_quiet = False  # the filters of quiet_background_failures installed (once per process)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """An error record that orbax logged, or one whose exception passed through orbax."""
+    if record.levelno < logging.ERROR:
+        return False
+    where = [record.pathname]
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        where.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return any(f"{os.sep}orbax{os.sep}" in w for w in where)
+
+
+def _closed_loop(unraisable) -> bool:
+    """tensorstore's callback for a write that ended after orbax closed the event loop that
+    awaited it (the loop's coroutine failed first): raised in a C++ thread, reported as
+    unraisable, with no object."""
+    e = unraisable.exc_value
+    return (
+        unraisable.object is None
+        and isinstance(e, RuntimeError)
+        and str(e) == "Event loop is closed"
+    )
+
+
+def quiet_background_failures() -> None:
+    """A save that fails (a full disk) fails in orbax's background threads, which report it
+    themselves: an ERROR log with a traceback per thread, asyncio's "exception was never
+    retrieved" for each write gathered with the failed one, and tensorstore's callbacks into
+    the event loop orbax closed on the first error: dozens of tracebacks. ``Checkpoints``
+    reports the failure once, as ``SaveFailed`` (the CLI's one ``error:`` line), so these
+    are dropped; other records and hooks are left as they were."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+    keep = lambda record: not _from_orbax(record)  # noqa: E731
+    logging.getLogger("absl").addFilter(keep)  # orbax logs through absl
+    logging.getLogger("asyncio").addFilter(keep)  # the loops' default exception handler
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def latest_state(config, workdir: str, abstract_state):
@@ -244,17 +339,24 @@ class Checkpoints:
         import orbax.checkpoint as ocp
 
         global _single_writer
+        quiet_background_failures()
         if jax.process_count() == 1 and not _single_writer:
             _single_writer = True
             # orbax splits a replicated array's write over its replicas, with one sliced
             # copy per replica and shape, each compiled on the first save. Worth it where
             # replicas are on different hosts;
             # in one process it only costs, so one replica writes each shard.
-            ocp.type_handlers.register_type_handler(
-                jax.Array,
-                ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
-                override=True,
-            )
+            absl = logging.getLogger("absl")
+            level = absl.level
+            absl.setLevel(logging.ERROR)  # its warning that we override is no news to a user
+            try:
+                ocp.type_handlers.register_type_handler(
+                    jax.Array,
+                    ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                    override=True,
+                )
+            finally:
+                absl.setLevel(level)
         self.ocp, self.directory = ocp, directory
         self._committed_at = None  # set by orbax's thread when an async save is final
         if read_only:
@@ -343,7 +445,11 @@ class Checkpoints:
         self.manager.reload()  # what is on disk now: the failed step is not a checkpoint
         good = [x for x in self.manager.all_steps() if x != step]
         last = f"the last complete one is step {max(good)}" if good else "there is none before it"
-        msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        # tensorstore puts the OS's reason (a full disk) at the end of a long message
+        code = re.search(r"os_error_code='(\d+)'", msg)
+        msg = (f"{os.strerror(int(code[1]))}: " if code else "") + msg
+        msg = msg if len(msg) <= 300 else msg[:297] + "..."
         return SaveFailed(
             f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
             "left as it was; free space or fix the directory, then run the same command"

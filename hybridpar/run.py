@@ -112,6 +112,8 @@ def _setup(
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         distributed.initialize(config)
+    if for_training and finished is None:
+        warn_schedule(config)
     lock = None
     if workdir is not None:  # one trainer per workdir; each process its own lock file
         lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
@@ -144,6 +146,20 @@ def _setup(
     if compiled:
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
+
+
+def warn_schedule(config) -> None:
+    """A warmup as long as the run or longer is cut to the run (``schedules.lr_factor``): the
+    LR only rises. A warning, not an error: a recipe shortened for a smoke test or a timing
+    (``--config.num_epochs=0.1``) does that on purpose."""
+    o, epochs = config.optim, config.num_epochs
+    if o.warmup_epochs > 0 and o.warmup_epochs >= epochs:
+        log(
+            f"warning: optim.warmup_epochs={o.warmup_epochs:g} is not shorter than the run "
+            f"(num_epochs={epochs:g}): the LR rises for the whole run, reaches optim.base_lr "
+            f"only at its last step and never decays; set e.g. "
+            f"--config.optim.warmup_epochs={epochs / 10:.3g} (or more num_epochs)"
+        )
 
 
 def _missing(path: str) -> list[str]:

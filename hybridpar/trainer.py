@@ -384,8 +384,9 @@ def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, written: i
 
 
 def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
-    """``(state, loop, resumed from step or None)``: the latest checkpoint's, read straight
-    into this program's shardings, or a new state at step 0."""
+    """``(state, loop, resumed from step or None, the checkpoint's config or None)``: the
+    latest checkpoint's, read straight into this program's shardings, or a new state at
+    step 0."""
     program = run.program
     restored = saver.restore(program.abstract_state())
     if restored is None:
@@ -400,9 +401,9 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
                 0, global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale
             )
             state = program.data_init(state, batches)
-        return state, LoopState(seed=run.config.seed), None
-    step, state, loop, _ = restored
-    return state, LoopState.from_dict(loop), step
+        return state, LoopState(seed=run.config.seed), None, None
+    step, state, loop, config = restored
+    return state, LoopState.from_dict(loop), step, config
 
 
 def release(run: Run) -> None:
@@ -464,13 +465,15 @@ def start(run: Run, hooks) -> Training:
     c, program, plan = run.config, run.program, run.plan
     clock = Clock(run.start_time)  # set-up began in setup()
     log(describe_mesh(run.mesh))
-    changed = checkpoint.record_config(run.workdir, c)
     saver = checkpoint.Checkpoints(
         checkpoint.checkpoint_dir(c, run.workdir),
         max_to_keep=c.checkpoint.max_to_keep,
         async_save=c.checkpoint["async"],
     )
-    state, loop, resumed = restore_or_init(run, saver)
+    state, loop, resumed, held = restore_or_init(run, saver)
+    # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
+    held = None if resumed is None else (resumed, held)
+    changed = checkpoint.record_config(run.workdir, c, held)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).

@@ -363,6 +363,15 @@ def lr_range(config, workdir: str) -> dict:
     result = {"base_lr": base_lrs, "loss": losses, "steps": len(records), "stopped": stop.stopped}
     result |= suggest(base_lrs, losses)
     result["override"] = f"--config.optim.base_lr={result['suggested_base_lr']:g}"
+    if stop.stopped is None and result["diverged_base_lr"] is None:
+        # Without the blow-up the test cannot tell where the LR becomes too large: the
+        # steepest descent seen so far may lie well below the one that learns fastest.
+        result["warning"] = (
+            f"the loss did not diverge up to optim.base_lr={base_lrs[-1]:.3g}, so the test "
+            "was too short to see where the LR becomes too large and the suggestion may be "
+            f"too low; run it again in a new --workdir with a larger --config.tune.lr_max "
+            f"(now {c.tune.lr_max:g}) or --config.tune.lr_epochs (now {c.tune.lr_epochs:g})"
+        )
     write_json(path, result, indent=1)
     plot_lr_range(result, os.path.join(workdir, "lr_range.png"))
     return result
@@ -401,6 +410,8 @@ def print_lr_range(result: dict, workdir: str) -> None:
         f"\nsuggested peak LR (the steepest descent): {result['override']}"
     )
     print(f"wrote {workdir}/lr_range.png and {workdir}/lr_range.json")
+    if result.get("warning"):
+        print(f"warning: {result['warning']}")
 
 
 # ---- search: the study ---------------------------------------------------------------------------

@@ -427,3 +427,17 @@ def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_
     assert parts["setup"] > saved["setup"]  # the restart's set-up on top of the first's
     assert parts["compile"] > saved["compile"]  # the restart compiled again
     assert resumed["goodput"] == pytest.approx(parts["train"] / resumed["wall_s"], abs=1e-3)
+
+
+@pytest.mark.parametrize("warmup, warned", [(0.25, True), (0.4, True), (0.1, False)])
+def test_a_warmup_as_long_as_the_run_is_a_warning_at_set_up(tmp_path, capsys, warmup, warned):
+    """A warmup of the whole run or longer (num_epochs=0.25): the LR only rises. A warning,
+    not an error: a recipe shortened for a smoke test does it on purpose. Planted bug that
+    fails it: no check."""
+    setup(tiny_digits(**{"optim.warmup_epochs": warmup}), str(tmp_path), with_data=False)
+    out = capsys.readouterr().out
+    line = [x for x in out.splitlines() if x.startswith("warning: optim.warmup_epochs")]
+    assert bool(line) == warned, out
+    if warned:
+        assert f"optim.warmup_epochs={warmup:g} is not shorter than the run" in line[0]
+        assert "--config.optim.warmup_epochs=0.025" in line[0]

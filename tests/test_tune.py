@@ -180,3 +180,19 @@ def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
     assert trials[1].system_attrs["fixed_params"] == trials[0].params
     assert trials[1].user_attrs["workdir"] == "trials/000"
+
+
+def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys):
+    """An LR range test whose LR never gets large enough for the loss to diverge (here up to
+    0.01 over a quarter epoch) cannot tell where the LR becomes too large: a warning line
+    says so and what to raise, also when shown again. Planted bug that fails it: no check."""
+    args = ["lr", "--config", DIGITS, "--workdir", str(tmp_path / "lr"),
+            *(f"--config.{k}={v}" for k, v in TINY_DIGITS.items()),
+            "--config.tune.lr_epochs=0.25", "--config.tune.lr_min=1e-4",
+            "--config.tune.lr_max=0.01"]  # fmt: skip
+    for _ in range(2):  # run, then shown again from lr_range.json
+        tune.main(args)
+        out = capsys.readouterr().out
+        warning = [x for x in out.splitlines() if x.startswith("warning: ")]
+        assert len(warning) == 1 and "the loss did not diverge up to optim.base_lr=" in warning[0]
+        assert "--config.tune.lr_max (now 0.01) or --config.tune.lr_epochs (now 0.25)" in warning[0]

@@ -94,3 +94,35 @@ def test_cli_second_trainer_is_refused_and_touches_nothing(tmp_path):
     assert "stop it (SIGTERM saves a checkpoint)" in errors[0]
     assert {p.name: p.stat().st_mtime_ns for p in w.iterdir()} == before  # only our .lock
     lock.release()
+
+
+class TryTheLock:
+    """A trainer hook that, after each step, checks the workdir's lock is held and that a
+    second trainer's attempt on the workdir is refused (a second open file, as another
+    process's would be: ``flock`` locks belong to the open file, not the process)."""
+
+    def __init__(self, workdir):
+        self.workdir, self.refused = workdir, []
+
+    def __call__(self, loop, state, metrics, stage):
+        assert workdir_lock.held(self.workdir), f"the lock was not held at step {loop.step}"
+        with pytest.raises(ConfigError, match="is in use by another trainer"):
+            workdir_lock.acquire(self.workdir, retry_s=0)
+        self.refused.append(loop.step)
+
+
+def test_a_trainer_holds_its_lock_from_set_up_through_its_last_step(tmp_path):
+    """Planted bug that fails it at the first step: the lock released at the end of set-up
+    (found before only by an evaluator test's timeout)."""
+    from helpers import tiny_digits
+
+    from hybridpar import trainer
+    from hybridpar.run import setup
+
+    w = str(tmp_path / "w")
+    run = setup(tiny_digits(num_epochs=0.1), w)
+    assert workdir_lock.held(w)
+    probe = TryTheLock(w)
+    summary = trainer.train(run, hooks=[probe])
+    assert summary["completed"] and probe.refused == list(range(1, summary["steps"] + 1))
+    assert not workdir_lock.held(w)  # released at the end, for the next command
