@@ -2,6 +2,7 @@
 
     python -m hybridpar.train --config experiments/cifar10_fast.py --workdir runs/c10f
     python -m hybridpar.train --config experiments/cifar10_fast.py:cpu --workdir runs/c10c
+    ... cifar10_fast.py:gpu,8 ...   # on 8 GPUs at one GPU's global batches
 
 In the spirit of airbench (Keller Jordan's 94% in seconds on one A100) and Page's ResNet-9:
 a 2x2 first layer whitened from the training images and frozen, flip + 2-px translate, label
@@ -18,8 +19,12 @@ Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the f
 
 Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
 per device, target 94%) or ``cpu`` (sized for 2 cores, one device: widths 48-96-96,
-8 epochs, target 85%). Data: the JPEG tars in $HYBRIDPAR_DATA (default ../shared/data),
-prepared on first use as experiments/cifar10.py does.
+8 epochs, target 85%), then the number of data-parallel devices to share those batches
+(default 1). Both are sized for one device and their stages' batches are per device: on 8
+GPUs ``gpu`` trains at a global batch of 8,192 then 4,096, 6 and 12 steps an epoch (set-up
+says so). ``gpu,8`` keeps one GPU's global batches on 8 (128 then 64 per GPU). Data: the
+JPEG tars in $HYBRIDPAR_DATA (default ../shared/data), prepared on first use as
+experiments/cifar10.py does.
 
 Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
 - On 2 idle cores, from the start of the run (compilation and evaluation included): the
@@ -54,6 +59,7 @@ fixed-size recipe needs for 85%.
 ``gpu`` is not measured yet.
 """
 
+import re
 from pathlib import Path
 
 from hybridpar.config import load_config
@@ -67,10 +73,20 @@ VARIANTS = {
 
 
 def get_config(args: str = ""):
-    variant = args or "gpu"
+    variant, _, devices = args.partition(",")
+    variant = variant or "gpu"
     if variant not in VARIANTS:
         raise ConfigError(f"cifar10_fast.py:{args}: the variant is one of {', '.join(VARIANTS)}")
     width, epochs, stages, target = VARIANTS[variant]
+    batches = [int(b) for b in re.findall(r"-(\d+)", stages)]
+    n = int(devices) if devices.isdigit() else 0
+    if devices and (n < 1 or any(b % n for b in batches)):
+        raise ConfigError(
+            f"cifar10_fast.py:{args}: the device count must divide the per-device batches "
+            f"{' and '.join(map(str, batches))}: e.g. {variant},8 for 8 devices"
+        )
+    if n > 1:  # the same global batches, shared by n devices
+        stages = re.sub(r"-(\d+)", lambda m: f"-{int(m[1]) // n}", stages)
     c = load_config(str(Path(__file__).with_name("cifar10.py")))
     c.model.update(name="airbench", num_filters=width)
     c.data.update(

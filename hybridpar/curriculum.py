@@ -51,6 +51,7 @@ class Stage:
     global_batch: int
     min_scale: float
     momentum: float | None = None  # None: the run's momentum (optim.momentum or its ramp)
+    per_device_batch: int | None = None  # config.stages' batch; None: global_batch's stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,7 @@ def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
             per_device * data_parallel_size,
             d.min_scale if scale is None else scale,
             momentum,
+            per_device,
         )
         for end, size, per_device, scale, momentum in _parse(config.stages)
     ]
@@ -231,7 +233,19 @@ def single_stage_plan(steps_per_epoch: int, total_steps: int, global_batch: int)
 
 
 def describe(plan: StagePlan) -> str:
+    """One line per stage; first, where config.stages' batches are multiplied by more than
+    one data-parallel device, a line saying so and the global batches they become (a recipe
+    sized for one device otherwise takes N times its batch, N times fewer steps, unnoticed)."""
     lines = []
+    per = [s.stage for s in plan.stages if s.stage.per_device_batch]
+    dp = per[0].global_batch // per[0].per_device_batch if per else 1
+    if dp > 1:
+        lines.append(
+            f"config.stages gives batches per data-parallel device: x{dp} here, so global "
+            f"batches {', '.join(str(st.global_batch) for st in per)} "
+            f"({', '.join(str(st.per_device_batch) for st in per)} a device); to keep the "
+            f"global batches of one device, divide the stages' batches by {dp}"
+        )
     for s in plan.stages:
         st = s.stage
         lines.append(

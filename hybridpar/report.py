@@ -4,15 +4,19 @@ Compares training runs from their records (``run_records.read_run``): for each w
 ``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
 (``python -m hybridpar.evaluate``'s eval events, if any), ``W/summary.json`` and
 ``W/config.json`` (if written). Writes one PNG (``--out``, default ``report.png``): top-1
-and top-5 against wall time (a log axis where one run is over 4x another's length) and
-against epochs, one colour and marker per run, the evaluator's points hollow, each stage
-switch a dotted vertical line; where the time went, one stacked bar per run whose
+and top-5 against wall time (a log axis in plain seconds where one run is over 4x another's
+length) and against epochs, one colour and marker per run, the evaluator's points hollow,
+each stage switch a dotted vertical line; where the time went, one stacked bar per run whose
 summary.json has a ``time_breakdown``; and the schedule against epochs (learning rate,
 momentum, global batch, image size) computed from the config, every step from epoch 0 and
-each stage's change a step, with the logged values as dots. A schedule series no run
-changes is a note in the title, not a panel. Prints a markdown table of the runs (name,
-epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s) and writes it
-beside the PNG (the same path with ``.md``).
+each stage's change a step, with the logged values as dots. Only panels some run has data
+for, rows filled (no empty slot). The title names the config keys that differ between runs
+and the schedule series a run holds fixed: once where every run holds the same value, per
+run where not. Prints a markdown table of the runs (name, epochs, steps, best top-1 and
+top-5, time to target, wall, compile, images/s) and writes it beside the PNG (the same path
+with ``.md``). Time to target is the first eval at or over it
+among all the run's eval records, the evaluator's too, for summary.json's targets and for
+``--target-top1`` / ``--target-top5`` alike.
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
 missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
@@ -51,32 +55,28 @@ def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
 
 
 def targets(run: RunRecords, asked: dict) -> str:
-    """``top1 0.8: 22.0s (19.0s w/o compile)`` for each target: the ``asked`` ones from the
-    eval records, else summary.json's ``target_top1`` / ``target_top5``."""
+    """``top1 0.8: 22.0s (19.0s w/o compile)`` for each target, the ``asked`` ones or else
+    summary.json's ``target_top1`` / ``target_top5``: timed by one rule either way, from all
+    the run's eval records (the evaluator's too, which summary.json's time never counts)."""
     s = run.summary or {}
-    reached = s.get("time_to_target") or {}
-    if "wall_s" in reached:  # summaries before top-5 targets: one entry, for top-1
-        reached = {"top1": reached}
     cells = []
     for metric in ("top1", "top5"):
         target = asked.get(metric) or s.get(f"target_{metric}")
         if not target:
             continue
-        hit = time_to(run, metric, target) if asked.get(metric) else reached.get(metric)
+        hit = time_to(run, metric, target)
         if hit is None:
             cells.append(f"{metric} {target:g}: not reached")
             continue
-        text = f"{metric} {target:g}: {hit['wall_s']:.1f}s"
-        if hit.get("wall_s_without_compile") is not None:
-            text += f" ({hit['wall_s_without_compile']:.1f}s w/o compile)"
-        cells.append(text)
+        cells.append(f"{metric} {target:g}: {hit['wall_s']:.1f}s "
+                     f"({hit['wall_s_without_compile']:.1f}s w/o compile)")  # fmt: skip
     return "; ".join(cells) or "-"
 
 
 def row(name: str, run: RunRecords, asked: dict) -> dict:
     """The table's values for one run: from the records, and from summary.json for what only
     it knows (wall and images/s over every resumed segment, whether the run completed).
-    ``asked``: ``{"top1": target, "top5": target}`` to time from the eval records."""
+    ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets."""
     s = run.summary or {}
     records = run.train + run.eval
     top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
@@ -199,29 +199,30 @@ def drawn(schedules: list[dict]) -> list[str]:
 
 
 def figure(runs: list[tuple[str, RunRecords]]):
-    """Accuracy against wall time and epochs, where the time went (runs whose summary.json
-    has a ``time_breakdown``), and the schedule against epochs; a schedule series that no
-    run changes is a note in the title, not a panel."""
+    """Accuracy against wall time and epochs (where some run has evals), where the time went
+    (runs whose summary.json has a ``time_breakdown``), and the schedule series some run
+    changes, against epochs: only panels with something in them, laid out with no empty
+    slot. The title names what differs between runs and, once, what every run holds fixed."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
     schedules = [schedule(run) for _, run in runs]
     shown = drawn(schedules)
-    with_time = [(n, r) for n, r in runs if (r.summary or {}).get("time_breakdown")]
-    panels = ["wall", "epoch"] + (["time"] if with_time else []) + shown
-    rows = (len(panels) + 2) // 3
-    fig, axes = plt.subplots(rows, 3, figsize=(15, 4 * rows + 0.6), squeeze=False)
-    axes = dict(zip(panels, axes.flat))
-    for ax in list(fig.axes)[len(panels) :]:
-        ax.remove()
-    acc_t, acc_e = axes["wall"], axes["epoch"]
+    with_eval = any(run.eval for _, run in runs)
+    with_time = [(n, r) for n, r in runs if sum(breakdown(r).values()) > 0]
+    panels = (["wall", "epoch"] if with_eval else []) + (["time"] if with_time else []) + shown
+    fig, axes = layout(plt, panels)
+    if not panels:  # set-up records only: no step or eval yet
+        fig.text(0.5, 0.5, "no train or eval records yet", ha="center", va="center")
+        return fig
+    acc_t, acc_e = axes.get("wall"), axes.get("epoch")
     ends = []
     for i, ((name, run), sched) in enumerate(zip(runs, schedules)):
         color, marker, line = f"C{i % 10}", MARKERS[i % len(MARKERS)], LINES[i % len(LINES)]
         ends.append(max([r.wall_s for r in run.train + run.eval] or [1.0]))
         by_source = [([e for e in run.eval if e.source == source], face)
                      for source, face in ((None, color), ("evaluator", "white"))]  # fmt: skip
-        for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")):
+        for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")) if with_eval else ():
             for metric, style, alpha in (("top1", "-", 1.0), ("top5", "--", 0.6)):
                 ax.plot([getattr(e, x) for e in run.eval], [getattr(e, metric) for e in run.eval],
                         style, color=color, alpha=alpha)  # fmt: skip
@@ -238,26 +239,25 @@ def figure(runs: list[tuple[str, RunRecords]]):
                 ax.plot([t.epoch for t in logged], [getattr(t, field) for t in logged], marker,
                         color=color, markersize=3)  # fmt: skip
         for s in run.stage[1:]:  # the switches (the first stage starts the run)
-            acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
-            for key in ["epoch", *shown]:
+            if acc_t is not None:
+                acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
+            for key in ["epoch", *shown] if with_eval else shown:
                 axes[key].axvline(s.epoch, color=color, linestyle=":", alpha=0.7)
     if with_time:
         time_breakdown(axes["time"], with_time)
-    if max(ends) > 4 * min(ends):  # a short run next to a long one: both readable
-        acc_t.set_xscale("log")
-        acc_t.set_xlabel("wall time (s, log scale)")
-    else:
-        acc_t.set_xlim(left=0)  # from the run's start: set-up and compilation count
-        acc_t.set_xlabel("wall time (s)")
-    runs_legend = [Line2D([], [], color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
-                          label=name) for i, (name, _) in enumerate(runs)]  # fmt: skip
-    styles = [Line2D([], [], color="grey", linestyle="-", label="top-1"),
-              Line2D([], [], color="grey", linestyle="--", label="top-5"),
-              Line2D([], [], color="grey", marker="o", linestyle="none", label="trainer's eval"),
-              Line2D([], [], color="grey", marker="o", markerfacecolor="white", linestyle="none",
-                     label="evaluator's eval")]  # fmt: skip
-    acc_t.legend(handles=runs_legend, fontsize=7)
-    acc_e.legend(handles=styles, fontsize=7)
+    if with_eval:
+        wall_axis(acc_t, ends)
+        runs_legend = [Line2D([], [], color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
+                              label=name) for i, (name, _) in enumerate(runs)]  # fmt: skip
+        styles = [Line2D([], [], color="grey", linestyle="-", label="top-1"),
+                  Line2D([], [], color="grey", linestyle="--", label="top-5"),
+                  Line2D([], [], color="grey", marker="o", linestyle="none",
+                         label="trainer's eval"),
+                  Line2D([], [], color="grey", marker="o", markerfacecolor="white",
+                         linestyle="none", label="evaluator's eval")]  # fmt: skip
+        acc_t.legend(handles=runs_legend, fontsize=7)
+        acc_e.legend(handles=styles, fontsize=7)
+        acc_e.set_xlabel("epoch")
     for key, ax in axes.items():
         if key != "time":
             ax.set_ylabel("accuracy" if key in ("wall", "epoch") else key)
@@ -265,25 +265,111 @@ def figure(runs: list[tuple[str, RunRecords]]):
         if key in shown:
             ax.set_xlabel("epoch")
             ax.legend(fontsize=7)
-    acc_e.set_xlabel("epoch")
-    notes = []
-    for (name, _), sched in zip(runs, schedules):
-        fixed = [f"{k} {sched[k][1][0]:g}" for k in SCHEDULE if k not in shown and len(sched[k][1])]
-        notes.append(f"{name}: {', '.join(fixed)}" if fixed else "")
-    note = "; ".join(n for n in notes if n)
-    fig.suptitle("accuracy: top-1 solid, top-5 dashed, filled markers the trainer's evals, "
-                 "hollow the evaluator's; dotted lines: stage switches"
-                 + (f"\nthroughout the run (not drawn): {note}" if note else ""),
-                 fontsize=10)  # fmt: skip
+    fig.suptitle(title(runs, schedules, shown, with_eval), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def breakdown(run: RunRecords) -> dict:
+    """summary.json's ``time_breakdown`` (seconds per part), or {} where it has none."""
+    parts = (run.summary or {}).get("time_breakdown") or {}
+    return {k: float(v or 0.0) for k, v in parts.items()}
+
+
+def layout(plt, panels: list[str]):
+    """A figure with one axes per panel, three to a row at most and the rows shared out
+    evenly (5: 3 and 2, each of the 2 wider), so no slot of the grid is left empty."""
+    n = max(len(panels), 1)
+    rows = -(-n // 3)
+    counts = [n // rows + (r < n % rows) for r in range(rows)]
+    fig = plt.figure(figsize=(15, 4 * rows + 0.8))
+    grid = fig.add_gridspec(rows, 6)  # 6 columns: a row of 1, 2 or 3 panels fills it
+    slots = [grid[r, j * 6 // k : (j + 1) * 6 // k]
+             for r, k in enumerate(counts) for j in range(k)]  # fmt: skip
+    return fig, {p: fig.add_subplot(slot) for p, slot in zip(panels, slots)}
+
+
+def wall_axis(ax, ends: list[float]) -> None:
+    """A log axis where one run is over 4x another's length, labelled in plain seconds
+    (30, 40, 60, 100, not 3x10^1); else linear from 0."""
+    from matplotlib.ticker import LogFormatter
+
+    class Seconds(LogFormatter):  # the same ticks labelled, in plain numbers
+        def __call__(self, x, pos=None):
+            return (f"{x:,.0f}" if x >= 1 else f"{x:g}") if super().__call__(x, pos) else ""
+
+    if max(ends) > 4 * min(ends):  # a short run next to a long one: both readable
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(Seconds())
+        ax.xaxis.set_minor_formatter(Seconds(labelOnlyBase=False))
+        ax.set_xlabel("wall time (s, log scale)")
+    else:
+        ax.set_xlim(left=0)  # from the run's start: set-up and compilation count
+        ax.set_xlabel("wall time (s)")
+
+
+def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
+    """The key to the accuracy panels, the config keys whose values differ between runs,
+    the schedule series each run holds fixed at its own value, and those every run holds
+    at one value (once)."""
+    lines = []
+    if with_eval:
+        lines.append("accuracy: top-1 solid, top-5 dashed, filled markers the trainer's evals, "
+                     "hollow the evaluator's"
+                     + ("; dotted lines: stage switches" if any(len(r.stage) > 1 for _, r in runs)
+                        else ""))  # fmt: skip
+    differ = differing_keys(runs)
+    fixed, per_run = [], []
+    for k in SCHEDULE:
+        if k in shown:
+            continue
+        values = {n: s[k][1][0] for (n, _), s in zip(runs, schedules) if len(s[k][1])}
+        if len(set(values.values())) == 1:
+            fixed.append(f"{k} {next(iter(values.values())):g}")
+        elif values:
+            per_run.append(f"{k} (" + ", ".join(f"{n} {v:g}" for n, v in values.items()) + ")")
+    if differ or per_run:
+        lines.append("runs differ in: " + "; ".join(differ + per_run))
+    if fixed:
+        lines.append("fixed throughout (not drawn): " + ", ".join(fixed))
+    return "\n".join(lines)
+
+
+def differing_keys(runs, most: int = 4) -> list[str]:
+    """``key (run value, run value)`` for the config.json keys whose values differ between
+    runs (a run without config.json takes no part), the first ``most`` of them."""
+    flat = {n: flatten(r.config) for n, r in runs if r.config}
+    if len(flat) < 2:
+        return []
+    keys = sorted({k for c in flat.values() for k in c})
+    differ = [k for k in keys if len({repr(c.get(k)) for c in flat.values()}) > 1]
+
+    def short(v):
+        text = "-" if v is None else str(v)
+        return text if len(text) <= 30 else text[:29] + "…"
+
+    out = [f"{k} (" + ", ".join(f"{n} {short(c.get(k))}" for n, c in flat.items()) + ")"
+           for k in differ[:most]]  # fmt: skip
+    if len(differ) > most:
+        out.append(f"{len(differ) - most} more config keys")
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
     """One stacked bar per run: summary.json's ``time_breakdown`` (seconds per part,
     ``run_records.TIME_PARTS`` first, in their order), labelled with its goodput (the
     summary's, else train seconds over the parts' sum)."""
-    parts = {name: run.summary["time_breakdown"] for name, run in runs}
+    parts = {name: breakdown(run) for name, run in runs}
     order = [p for p in TIME_PARTS if any(p in b for b in parts.values())]
     order += sorted({p for b in parts.values() for p in b} - set(order))
     left = [0.0] * len(runs)
@@ -307,7 +393,7 @@ def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
 
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
     """Reads the runs, writes ``out`` (PNG) and its ``.md`` table; returns the table.
-    ``asked``: targets to time from the eval records, e.g. ``{"top1": 0.8}``."""
+    ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``."""
     runs = list(zip(names(workdirs), [read_run(w) for w in workdirs]))
     if os.path.dirname(out):
         os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -327,8 +413,8 @@ def main(argv=None) -> None:
             f"--target-{metric}",
             type=cli.finite_float,
             default=None,
-            help=f"time to this {metric} (a fraction) from the eval records, for every run; "
-            f"default: each summary.json's target_{metric} and its time",
+            help=f"time to this {metric} (a fraction) for every run; default: each "
+            f"summary.json's target_{metric}. Timed from all eval records, the evaluator's too",
         )
     args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
     asked = {"top1": args.target_top1, "top5": args.target_top5}

@@ -53,12 +53,32 @@ def test_ffcv_has_two_train_shapes_switching_late(epochs, switch):
     assert c.data.image_size == 256 and c.num_epochs == epochs
 
 
+def test_cifar10_fast_says_its_global_batch_on_more_devices_or_keeps_it():
+    """Its stages' batches are per device: on 8 GPUs ``gpu`` is 8x the batch of one, and the
+    plan the trainer logs at set-up says so first; ``gpu,8`` keeps one GPU's batches."""
+    from hybridpar.curriculum import describe, plan_stages
+
+    def plan(spec, devices):
+        stages = stages_from_config(load_config(str(EXPERIMENTS / spec)), devices)
+        return plan_stages(stages, lambda batch: 50_000 // batch)  # CIFAR-10's train split
+
+    one = describe(plan("cifar10_fast.py:gpu", 1)).splitlines()
+    assert one[0].startswith("stage 0:") and "global batch 1024, 192 steps (48/epoch)" in one[0]
+    eight = describe(plan("cifar10_fast.py:gpu", 8)).splitlines()
+    assert "per data-parallel device: x8 here, so global batches 8192, 4096" in eight[0]
+    assert "global batch 8192, 24 steps (6/epoch)" in eight[1]
+    kept = plan("cifar10_fast.py:gpu,8", 8)
+    assert [s.stage.global_batch for s in kept.stages] == [1024, 512]
+    assert "global batches 1024, 512 (128, 64 a device)" in describe(kept)
+
+
 @pytest.mark.parametrize(
     "spec,expect",
     [
         ("resnet50_imagenet_dawnbench.py:,64", "the GPU count is 128, 8 or 1"),
         ("resnet50_imagenet_mlperf.py:,big", "the global batch is a number"),
         ("resnet50_imagenet_ffcv.py:,17", "the epochs are one of"),
+        ("cifar10_fast.py:gpu,3", "the device count must divide"),
     ],
 )
 def test_bad_recipe_arguments_are_config_errors(spec, expect):
@@ -115,6 +135,65 @@ def test_jobset_mounts_a_memory_backed_dev_shm_for_nccl():
     (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
     assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory"
     assert pod["terminationGracePeriodSeconds"] >= 60  # time to save at a step boundary
+
+
+FAKE_TRAINER = """#!/bin/bash
+echo "$@" > "$LOG/args"
+while [ "$1" != --workdir ]; do shift; done
+mkdir -p "$2" && cd "$2"
+case $MODE in
+  completed) echo '{"completed": true}' > summary.json ;;
+  failed) exit 3 ;;
+  drained)  # SIGTERM: stop with a checkpoint, exit 0
+    stop() { echo TERM > "$LOG/signal"; echo '{"completed": false}' > summary.json; exit 0; }
+    trap stop TERM
+    touch "$LOG/started"
+    while :; do sleep 0.05; done ;;
+esac
+"""
+
+
+@pytest.mark.parametrize("mode,exit_code", [("completed", 0), ("drained", 1), ("failed", 3)])
+def test_jobset_command_fails_the_pod_while_the_run_is_unfinished(tmp_path, mode, exit_code):
+    """The container's command run by sh with a stand-in trainer as python: a node drain's
+    SIGTERM reaches the trainer, which saves and exits 0 with summary.json not completed;
+    the command then exits 1, so the JobSet restarts the run rather than count the pod as
+    succeeded. A completed run exits 0; a failed trainer's exit code passes through."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    yaml = pytest.importorskip("yaml")
+    pod = yaml.safe_load((LAUNCH / "jobset.yaml").read_text())
+    (container,) = pod["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"][
+        "containers"
+    ]
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python").write_text(FAKE_TRAINER)
+    (bin_ / "python").chmod(0o755)
+    workdir = tmp_path / "run"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", LOG=str(tmp_path), MODE=mode,
+               WORKDIR=str(workdir))  # fmt: skip
+    p = subprocess.Popen(container["command"], cwd=tmp_path, env=env, start_new_session=True)
+    try:
+        if mode == "drained":
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            while p.poll() is None and time.monotonic() < deadline:
+                p.send_signal(signal.SIGTERM)  # as Kubernetes does: to the container's PID 1
+                time.sleep(0.2)
+            assert (tmp_path / "signal").read_text() == "TERM\n"  # passed on to the trainer
+        assert p.wait(timeout=60) == exit_code
+    finally:  # the stand-in too, where it outlived its shell
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+    assert f"--workdir {workdir} " in (tmp_path / "args").read_text()
 
 
 def test_tpu_vm_recipe_trains_detached_from_the_ssh_session():

@@ -241,7 +241,8 @@ def test_series_that_no_run_changes_are_a_note_not_a_panel(tmp_path):
     assert report.drawn(both) == ["learning rate", "momentum", "global batch", "image size (px)"]
     fig = report.figure([("fixed", fixed)])
     assert len(fig.axes) == 3  # accuracy twice, the learning rate
-    assert "fixed: momentum 0.9, global batch 64, image size (px) 16" in fig._suptitle.get_text()
+    note = "fixed throughout (not drawn): momentum 0.9, global batch 64, image size (px) 16"
+    assert note in fig._suptitle.get_text()
 
 
 def test_evaluator_points_are_hollow_a_long_run_puts_wall_time_on_a_log_axis(tmp_path):
@@ -281,3 +282,71 @@ def test_the_time_breakdown_is_one_stacked_bar_per_run(tmp_path):
     assert [b.get_width() for b in bars] == [parts[p] for p in order]
     assert [b.get_x() for b in bars] == pytest.approx([0, 2, 5, 25, 27, 28, 28.5, 29.5])
     assert [t.get_text() for t in ax.texts] == [" goodput 70%"]
+
+
+def test_time_to_target_is_one_rule_from_every_eval_with_or_without_the_flag(tmp_path):
+    """summary.json times its target from the trainer's evals only; the evaluator reached
+    it first. The table gives the evaluator's time whether the target is summary.json's or
+    asked for."""
+    w = tmp_path / "a"
+    write_jsonl(w / "metrics.jsonl", [
+        ev("compile", 0, 0.0, 3.0, program="train", batch=32, image_size=16, compile_s=2.0),
+        evaluation(10, 1.0, 60.0, 0.7, 0.95),
+        evaluation(30, 3.0, 144.5, 0.8, 0.99),
+    ])  # fmt: skip
+    write_jsonl(w / "evaluator" / "metrics.jsonl", [
+        evaluation(20, 2.0, 117.8, 0.75, 0.99, source="evaluator", split="test"),
+    ])  # fmt: skip
+    (w / "summary.json").write_text(json.dumps({
+        "completed": True, "target_top5": 0.99,
+        "time_to_target": {"top5": {"target": 0.99, "value": 0.99, "step": 30, "epoch": 3.0,
+                                    "wall_s": 144.5, "wall_s_without_compile": 142.5}},
+    }))  # fmt: skip
+    out = str(tmp_path / "r.png")
+    want = "top5 0.99: 117.8s (115.8s w/o compile)"
+    assert table_rows(report.report([str(w)], out))["a"]["time to target"] == want
+    assert table_rows(report.report([str(w)], out, {"top5": 0.99}))["a"]["time to target"] == want
+
+
+def test_plain_second_ticks_no_empty_panel_and_a_title_of_what_differs(tmp_path):
+    """A log wall axis labelled 30, 40, 60, 100 (not 3x10^1); every panel drawn holds data
+    and every row of the grid is filled (five panels: 3 + 2, no empty slot); a panel with
+    no data for any run is not drawn; the title names the config key the runs differ in,
+    and the settings they share once."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    config_run(tmp_path / "a", "2:16-4,4:24-4")  # batch 32 throughout, size 16 then 24
+    config_run(tmp_path / "b", "4:24-4")
+    runs = [(n, report.read_run(str(tmp_path / n))) for n in ("a", "b")]
+    runs[0][1].summary = {"time_breakdown": {"setup": 1.0, "train": 9.0}}
+    fig = report.figure(runs)
+    assert [a.get_ylabel() or a.get_title() for a in fig.axes] == [
+        "accuracy", "accuracy", "where the time went", "learning rate", "image size (px)",
+    ]  # fmt: skip
+    for ax in fig.axes:
+        assert any(len(line.get_xdata()) for line in ax.lines) or ax.patches, ax.get_ylabel()
+    rows: dict[int, int] = {}
+    for ax in fig.axes:
+        spec = ax.get_subplotspec()
+        rows[spec.rowspan.start] = rows.get(spec.rowspan.start, 0) + len(spec.colspan)
+    assert len(set(rows.values())) == 1  # each row as wide as the grid
+    title = fig._suptitle.get_text()
+    assert "runs differ in: stages (a 2:16-4,4:24-4, b 4:24-4)" in title
+    assert title.count("momentum 0.9") == 1 and title.count("global batch 32") == 1
+
+    wall = fig.axes[0]
+    wall.set_xscale("linear")
+    report.wall_axis(wall, [25.0, 120.0])  # a short run and one over 4x its length
+    wall.set_xlim(25, 120)
+    fig.canvas.draw()
+    major, minor = (
+        [t.get_text() for t in labels if t.get_text() and 25 <= t.get_position()[0] <= 120]
+        for labels in (wall.get_xticklabels(), wall.get_xticklabels(minor=True))
+    )
+    assert (wall.get_xscale(), major, minor) == ("log", ["100"], ["30", "40", "60"])
+
+    for _, run in runs:  # no evals yet, no breakdown: no accuracy or time panels
+        run.eval, run.summary = [], None
+    assert [a.get_ylabel() for a in report.figure(runs).axes] == ["learning rate",
+                                                                   "image size (px)"]  # fmt: skip
