@@ -145,6 +145,14 @@ def base_config() -> ml_collections.ConfigDict:
             shuffle_buffer=16384,
             prefetch=2,  # global batches placed on the devices ahead of the step
             threads=0,  # tf.data threads; 0: as many as cores
+            # digits, synthetic, images: the whole set decoded once into uint8 arrays (images:
+            # with Pillow, cached beside the prepared data), held by every device, and each
+            # batch gathered, shuffled and augmented by a jitted step there
+            # (input/on_device.py): no host pipeline and no TensorFlow in the process.
+            on_device=False,
+            # on_device: MiB of data each device may hold; 0: a quarter of the device's
+            # memory (1024 where the backend reports none, as on CPU).
+            on_device_limit_mb=0.0,
         )
     )
     c.global_batch = 256
@@ -402,6 +410,7 @@ RANGES = {
     "data.eval_crop_ratio": (0, 1, False, True),
     "data.prefetch": (0, None, True, True),
     "data.threads": (0, None, True, True),
+    "data.on_device_limit_mb": (0, None, True, True),
     "comm.bucket_mb": (0, None, False, True),
     "eval_every_epochs": (0, None, True, True),
     "log_every_s": (0, None, True, True),
@@ -518,11 +527,17 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
     for key in ("target_top1", "target_top5"):
         if c[key] > 1:
             raise ConfigError(f"{key}={c[key]} is a fraction: use e.g. --config.{key}=0.93, not 93")
-    if c.data.translate < 0 or (c.data.translate and c.data.name not in ("images", "tfds")):
+    if c.data.on_device and c.data.name == "tfds":  # tfds reads through TensorFlow
+        raise ConfigError(
+            "data.on_device=True holds digits, synthetic or images sets, not data.name='tfds'; "
+            "set --config.data.on_device=False, or point data.name=images at the image files"
+        )
+    translates = c.data.on_device or c.data.name in ("images", "tfds")
+    if c.data.translate < 0 or (c.data.translate and not translates):
         raise ConfigError(
             f"data.translate={c.data.translate!r}: a number of pixels >= 0, and only for the "
-            f"tf.data pipeline (data.name 'images' or 'tfds', not {c.data.name!r}); set "
-            "--config.data.translate=0"
+            f"tf.data pipeline (data.name 'images' or 'tfds', not {c.data.name!r}) or "
+            "data.on_device=True; set --config.data.translate=0"
         )
     if o.schedule == "exponential" and (o.warmup_epochs > 0 or o.warmup_start_factor <= 0):
         raise ConfigError(

@@ -260,8 +260,15 @@ def shard_batch(batch, mesh: Mesh):
     all of whose leaves must hold the same number of examples (leading dimension): an image
     batch and a label batch of different lengths would otherwise pair the wrong examples, or
     train on padding, without an error.
+
+    A batch of global arrays already placed on a mesh (every leaf a ``jax.Array`` with a
+    ``NamedSharding``: the on-device input's) is returned untouched where each leaf is split
+    over the data axes of ``mesh`` as above, else moved there.
     """
     n_local = data_parallel_size(mesh) // jax.process_count()  # checks the mesh's axes first
+    placed = _placed(batch, mesh)
+    if placed is not None:
+        return placed
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     lengths = {}
     for path, x in leaves:
@@ -289,6 +296,30 @@ def shard_batch(batch, mesh: Mesh):
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def _placed(batch, mesh: Mesh):
+    """``batch`` on ``mesh``'s batch sharding when all its leaves are global arrays on a mesh
+    (untouched where they are there already); None for host-local data."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves or not all(
+        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) for _, x in leaves
+    ):
+        return None
+    lengths = {path_str(p): (x.shape[:1] or (None,))[0] for p, x in leaves}
+    if len(set(lengths.values())) > 1 or None in lengths.values():
+        raise ConfigError(
+            f"batch leaves have different leading (example) dimensions ({lengths}); every leaf "
+            "of a batch must hold the same examples, e.g. one label per image"
+        )
+
+    def one(x):
+        target = batch_sharding(mesh, x.ndim)
+        if x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        return jax.device_put(x, target)
+
+    return jax.tree.map(one, batch)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -137,7 +137,7 @@ def _setup(
     if with_data:
         from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
 
-        data = make_data(config, jax.process_index(), jax.process_count())
+        data = make_data(config, jax.process_index(), jax.process_count(), mesh)
         plan = plan_stages(stages, data.steps_for)
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----

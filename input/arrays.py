@@ -71,6 +71,12 @@ def _host_slice(global_batch: int, process_index: int, process_count: int) -> sl
     return slice(process_index * per, (process_index + 1) * per)
 
 
+def permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """An epoch's order of ``n`` examples, from (seed, epoch) alone: the same on every host
+    and for the on-device input (``on_device.py``), which takes the same batches."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
 def train_batches(
     data: dict,
     global_batch: int,
@@ -86,7 +92,7 @@ def train_batches(
             f"the training set has {n} examples, fewer than one global batch of "
             f"{global_batch}; lower global_batch"
         )
-    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    perm = permutation(n, seed, epoch)
     mine = _host_slice(global_batch, process_index, process_count)
     for b in range(n // global_batch):
         idx = perm[b * global_batch : (b + 1) * global_batch][mine]

@@ -7,6 +7,9 @@ epoch, eval batches, steps per epoch and facts for the run's records. The kinds:
 * ``images``: tars or folders in the SPLIT/CLASS/FILE layout, prepared once into TFRecords
   (``prepare.py``) and read by the tf.data pipeline (``pipeline.py``).
 * ``tfds``: a tensorflow-datasets dataset, read by the same pipeline.
+
+With ``data.on_device`` (digits, synthetic, images), ``on_device.py`` holds the whole set on
+every device and its batches are global arrays already on the mesh, made by a jitted step.
 """
 
 from __future__ import annotations
@@ -37,9 +40,15 @@ class Data:
     steps_for: Callable[[int], int] | None = None
 
 
-def make_data(c, pi: int, pc: int) -> Data:
+def make_data(c, pi: int, pc: int, mesh=None) -> Data:
+    """``mesh``: the run's, where the on-device set is placed (None: ``c.mesh`` over every
+    device); the host pipelines only slice by process."""
     d = c.data
     shape = (d.image_size, d.image_size, d.channels)
+    if d.on_device:  # global batches made on the devices: no process slices, no TensorFlow
+        from hybridpar.input import on_device
+
+        return on_device.make_data(c, mesh)
     if d.name in ("digits", "synthetic"):
         return _in_memory(c, pi, pc, shape)
     if d.name in ("images", "tfds"):

@@ -1,0 +1,663 @@
+"""Data that lives on the device (``data.on_device=True``): sets that fit in accelerator memory,
+held whole by every device and batched there, as airbench does on a GPU.
+
+The set is decoded once into uint8 arrays (digits and synthetic are numpy already,
+``arrays.py``; an ``images`` set is decoded with Pillow straight from its tars or folders and
+cached beside the prepared data, ``PREPARED_DIR/on_device/``), then placed once, replicated, on
+every device of the mesh. Each batch is made by a jitted pre-step:
+
+* the epoch's order: the host path's own permutation from (seed, epoch) (``arrays.permutation``),
+  placed once per epoch; the step's slice of it is taken inside the jit;
+* a gather whose output is split over the data axes, so each device gathers only its own
+  examples from its own copy (no collective: ``tests/test_on_device.py`` checks the HLO);
+* the augmentation, per example, as two small matrix products (rows, then columns) that do
+  the crop window and its bilinear resize to the stage's size, the translation and the flip.
+
+Every random draw is made for the whole global batch from a key folded from (seed, epoch,
+step), so the batch at (seed, epoch, step) is the same on any mesh and any number of
+processes, and a resumed run reads exactly what the uninterrupted one did. Nothing here
+imports TensorFlow.
+
+Augmentation, as on the host: ``images``: a random-resized crop (area ``min_scale``..1 of the
+image, aspect 3/4..4/3, ten tries then the centre 0.875; ``min_scale`` 1: the whole image)
+resized to the stage's size, a translation by up to ``data.translate`` pixels
+(reflect-padded), a horizontal flip. ``digits``, ``synthetic``: none, as their host path,
+besides ``data.translate``; their sets are made at each size the run uses, as on the host.
+Eval: every example once in order, the last batch padded and masked; ``images`` take the
+centre ``eval_crop_ratio`` of the image, resized to ``data.image_size``.
+
+An ``images`` set is stored at one square size, the largest the config trains or evaluates at
+(``data.image_size`` and the stages'): an image of another size is resized (shorter side) and
+centre-cropped to it; CIFAR-10's 32x32 images are kept as they are.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import json
+import math
+import os
+import threading
+
+import numpy as np
+
+from hybridpar.errors import ConfigError, DataError
+from hybridpar.input import arrays
+
+CACHE_FORMAT = "hybridpar-on-device-v1"
+CPU_LIMIT_MB = 1024  # per device, where the backend reports no memory (CPU)
+_TAG_AUGMENT = 2  # folded into the seed's key first: independent of other uses of the seed
+_ATTEMPTS = 10  # random-resized-crop tries before the centre crop, as the host pipeline
+_FALLBACK_CROP = 0.875
+
+
+# ---- Fitting on the device ------------------------------------------------------------------
+
+
+def device_limit(limit_mb: float, device) -> tuple[int, str]:
+    """The bytes of data one device may hold, and where that figure comes from."""
+    if limit_mb > 0:
+        return int(limit_mb * 2**20), "data.on_device_limit_mb"
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # backends without memory statistics
+        pass
+    if stats and stats.get("bytes_limit"):
+        total = int(stats["bytes_limit"])
+        return total // 4, f"a quarter of the {total / 2**30:.1f} GiB of {device.device_kind}"
+    where = f"the default for a {device.platform} device, which reports no memory"
+    return CPU_LIMIT_MB * 2**20, where
+
+
+def check_fits(need: int, what: str, limit_mb: float, device) -> None:
+    limit, why = device_limit(limit_mb, device)
+    if need > limit:
+        raise DataError(
+            f"data.on_device=True: {what} take {need / 2**20:.1f} MiB on each device, more than "
+            f"the {limit / 2**20:.1f} MiB allowed ({why}); set --config.data.on_device=False to "
+            "read it from the host, or raise --config.data.on_device_limit_mb"
+        )
+
+
+# ---- The jitted pre-steps -------------------------------------------------------------------
+
+
+def _reflect(i, n: int):
+    """Indices outside 0..n-1 mirrored back without repeating the edge (tf.pad REFLECT)."""
+    import jax.numpy as jnp
+
+    i = jnp.abs(i)
+    return jnp.where(i > n - 1, 2 * (n - 1) - i, i)
+
+
+def _weights(start, length, j, out: int, size: int):
+    """(B, out, size) bilinear weights: output index ``j`` (B, out) of the window
+    [start, start + length) of a side of ``size`` pixels resized to ``out``, half-pixel
+    centres and no antialiasing (as tf.image.resize); a window of ``out`` pixels at an
+    integer offset is an exact copy."""
+    import jax
+    import jax.numpy as jnp
+
+    start, end = start[:, None], (start + length - 1)[:, None]
+    src = start + (j + 0.5) * (length[:, None] / out) - 0.5
+    src = jnp.clip(src, start, end)
+    lo = jnp.floor(src)
+    frac = (src - lo)[..., None]
+    lo = lo.astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, end.astype(jnp.int32))
+    return jax.nn.one_hot(lo, size) * (1 - frac) + jax.nn.one_hot(hi, size) * frac
+
+
+def _resample(x, wy, wx):
+    """uint8 (B, S, S, C) -> uint8 (B, O, O, C): rows by ``wy``, columns by ``wx`` (B, O, S),
+    rounded half up. HIGHEST: the GPU's default TF32 products would change pixel values."""
+    import jax
+    import jax.numpy as jnp
+
+    hp = jax.lax.Precision.HIGHEST
+    x = x.astype(jnp.float32)
+    rows = jnp.einsum("bis,bsrc->birc", wy, x, precision=hp)
+    out = jnp.einsum("bjr,birc->bijc", wx, rows, precision=hp)
+    return jnp.clip(jnp.floor(out + 0.5), 0, 255).astype(jnp.uint8)
+
+
+def _windows(key, n: int, size: int, min_scale: float):
+    """Random-resized-crop windows (y0, x0, h, w), float32 (n,), over a size x size image."""
+    import jax
+    import jax.numpy as jnp
+
+    full = jnp.full((n,), float(size), jnp.float32)
+    if min_scale >= 1.0:
+        return jnp.zeros((n,), jnp.float32), jnp.zeros((n,), jnp.float32), full, full
+    k_area, k_ratio, k_y, k_x = jax.random.split(key, 4)
+    area = size * size * jax.random.uniform(k_area, (n, _ATTEMPTS), minval=min_scale, maxval=1.0)
+    log_r = jax.random.uniform(
+        k_ratio, (n, _ATTEMPTS), minval=math.log(3 / 4), maxval=math.log(4 / 3)
+    )
+    w = jnp.round(jnp.sqrt(area * jnp.exp(log_r)))
+    h = jnp.round(jnp.sqrt(area / jnp.exp(log_r)))
+    ok = (w >= 1) & (h >= 1) & (w <= size) & (h <= size)
+    first = jnp.argmax(ok, axis=1)[:, None]
+    side = float(max(1, round(_FALLBACK_CROP * size)))
+    found = ok.any(axis=1)
+    h = jnp.where(found, jnp.take_along_axis(h, first, 1)[:, 0], side)
+    w = jnp.where(found, jnp.take_along_axis(w, first, 1)[:, 0], side)
+    y0 = jnp.floor(jax.random.uniform(k_y, (n,)) * (size - h + 1))
+    x0 = jnp.floor(jax.random.uniform(k_x, (n,)) * (size - w + 1))
+    return y0, x0, h, w
+
+
+def train_maps(key, n: int, size: int, out: int, min_scale: float, flip: bool, translate: int):
+    """The (rows, columns) weights of ``n`` augmented examples: crop window resized to
+    ``out``, then shifted by up to ``translate`` px (reflect-padded), then maybe flipped."""
+    import jax
+    import jax.numpy as jnp
+
+    k_crop, k_shift, k_flip = jax.random.split(key, 3)
+    y0, x0, h, w = _windows(k_crop, n, size, min_scale)
+    ry = rx = jnp.broadcast_to(jnp.arange(out), (n, out))
+    if translate:
+        shift = jax.random.randint(k_shift, (n, 2), 0, 2 * translate + 1) - translate
+        ry = _reflect(ry + shift[:, :1], out)
+        rx = _reflect(rx + shift[:, 1:], out)
+    if flip:  # after the shift: output column i is the shifted image's column out-1-i
+        rx = jnp.where(jax.random.bernoulli(k_flip, 0.5, (n,))[:, None], rx[:, ::-1], rx)
+    return _weights(y0, h, ry, out, size), _weights(x0, w, rx, out, size)
+
+
+def centre_weights(size: int, out: int, ratio: float) -> np.ndarray:
+    """(out, size) weights of the centre crop of ``ratio`` x the side, resized to ``out``
+    (the host pipeline's eval window: side rounded, offset (size - side + 1) // 2)."""
+    side = min(max(int(round(ratio * size)), 1), size)
+    start = (size - side + 1) // 2
+    src = np.clip(start + (np.arange(out) + 0.5) * side / out - 0.5, start, start + side - 1)
+    lo = np.floor(src).astype(int)
+    hi = np.minimum(lo + 1, start + side - 1)
+    frac = src - lo
+    w = np.zeros((out, size), np.float32)
+    w[np.arange(out), lo] += 1 - frac
+    w[np.arange(out), hi] += frac
+    return w
+
+
+def augment_key(seed: int, epoch, step):
+    import jax
+
+    key = jax.random.fold_in(jax.random.key(seed), _TAG_AUGMENT)
+    return jax.random.fold_in(jax.random.fold_in(key, epoch), step)
+
+
+# ---- The data set on the mesh ---------------------------------------------------------------
+
+
+class DeviceSet:
+    """Train sets (one per stored size) and the eval set, replicated on every device of
+    ``mesh``, and the pre-steps that batch them. ``train``: {size: {"image", "label"}}
+    (uint8 NHWC, int32); ``nominal``: examples in an epoch (the synthetic pool is cycled to
+    make one, as on the host); ``crop``/``flip``/``translate``: the train augmentation."""
+
+    def __init__(self, mesh, seed: int, train: dict, test: dict, *, nominal: int | None = None,
+                 cycled: bool = False, crop: bool = False, flip: bool = False, translate: int = 0,
+                 eval_size: int | None = None, eval_crop_ratio: float = 1.0):  # fmt: skip
+        import jax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        self.mesh, self.seed = mesh, int(seed)
+        self.crop, self.flip, self.translate = crop, flip, int(translate)
+        self.cycled = cycled
+        rep = NamedSharding(mesh, P())
+        self.replicated = rep
+        self.train = {
+            s: {k: jax.device_put(np.asarray(v), rep) for k, v in t.items()}
+            for s, t in train.items()
+        }
+        same = [s for s, t in train.items() if t is test]  # eval split = train split: once
+        self.test = (
+            self.train[same[0]]
+            if same
+            else {k: jax.device_put(np.asarray(v), rep) for k, v in test.items()}
+        )
+        self.n_train = len(next(iter(train.values()))["label"])
+        self.n_test = len(test["label"])
+        self.nominal = nominal or self.n_train
+        self.test_size = int(test["image"].shape[1])
+        self.eval_size = eval_size or self.test_size
+        self.eval_crop_ratio = float(eval_crop_ratio)
+        self._lock = threading.Lock()
+        self._fns: dict = {}
+        self._orders: dict = {}
+
+    # ---- train ----
+
+    def steps_for(self, global_batch: int) -> int:
+        return self.nominal // global_batch
+
+    def stored(self, size: int) -> int:
+        """The stored train set a stage at ``size`` reads: its own size, else the largest."""
+        return size if size in self.train else max(self.train)
+
+    def order(self, epoch: int, global_batch: int):
+        """The epoch's example order (its steps' worth), replicated on the devices: the host
+        path's permutation from (seed, epoch); for digits and synthetic from (seed, epoch *
+        1000 + cycle), the pool cycled to fill a nominal epoch, as their host path does."""
+        import jax
+
+        key = (epoch, global_batch)
+        with self._lock:
+            if key in self._orders:
+                return self._orders[key]
+        n, need = self.n_train, self.steps_for(global_batch) * global_batch
+        per_cycle = (n // global_batch) * global_batch
+        parts, cycle = [], 0
+        while sum(map(len, parts)) < need:
+            tag = epoch * 1000 + cycle if self.cycled else epoch
+            parts.append(arrays.permutation(n, self.seed, tag)[:per_cycle])
+            cycle += 1
+        order = jax.device_put(np.concatenate(parts)[:need].astype(np.int32), self.replicated)
+        with self._lock:
+            if len(self._orders) >= 4:  # this epoch's and the next, at a stage's batch or two
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[key] = order
+        return order
+
+    def train_fn(self, global_batch: int, size: int, min_scale: float):
+        """The jitted ``(images, labels, order, epoch, step) -> batch`` of one stage."""
+        key = ("train", global_batch, size, float(min_scale))
+        with self._lock:
+            if key in self._fns:
+                return self._fns[key]
+        import jax
+        from jax import lax
+
+        from hybridpar.partitioning import batch_sharding
+
+        mesh, b, stored = self.mesh, global_batch, self.stored(size)
+        scale = float(min_scale) if self.crop else 1.0
+        plain = scale >= 1.0 and size == stored and not (self.flip or self.translate)
+        seed, flip, translate = self.seed, self.flip, self.translate
+
+        def make(images, labels, order, epoch, step):
+            idx = lax.dynamic_slice_in_dim(order, step * b, b)
+            idx = lax.with_sharding_constraint(idx, batch_sharding(mesh, 1))
+            x, y = images[idx], labels[idx]
+            if not plain:
+                key = augment_key(seed, epoch, step)
+                wy, wx = train_maps(key, b, stored, size, scale, flip, translate)
+                x = _resample(x, wy, wx)
+            return {"image": x, "label": y}
+
+        out = {"image": batch_sharding(mesh, 4), "label": batch_sharding(mesh, 1)}
+        fn = jax.jit(make, out_shardings=out)
+        with self._lock:
+            self._fns[key] = fn
+        return fn
+
+    def train_batches(self, epoch: int, start_step: int, steps: int | None, global_batch: int,
+                      size: int, min_scale: float):  # fmt: skip
+        """Global batches from (epoch, start_step) on, ``steps`` of them into the next
+        epochs (None: to the end of the epoch)."""
+        per = self.steps_for(global_batch)
+        if per == 0 or global_batch > self.n_train:
+            raise DataError(
+                f"the training set has {self.n_train} examples, fewer than one global batch "
+                f"of {global_batch}; lower global_batch"
+            )
+        fn = self.train_fn(global_batch, size, min_scale)
+        data = self.train[self.stored(size)]
+        left = per - start_step if steps is None else steps
+        while left > 0:
+            n = min(per - start_step, left)
+            order = self.order(epoch, global_batch)
+            for step in range(start_step, start_step + n):
+                yield fn(data["image"], data["label"], order, np.int32(epoch), np.int32(step))
+            epoch, start_step, left = epoch + 1, 0, left - n
+
+    # ---- eval ----
+
+    def eval_fn(self, global_batch: int):
+        key = ("eval", global_batch)
+        with self._lock:
+            if key in self._fns:
+                return self._fns[key]
+        import jax
+        import jax.numpy as jnp
+        from jax import lax
+
+        from hybridpar.partitioning import batch_sharding
+
+        mesh, b, n = self.mesh, global_batch, self.n_test
+        size, out, ratio = self.test_size, self.eval_size, self.eval_crop_ratio
+        w = None
+        if out != size or int(round(ratio * size)) < size:
+            w = centre_weights(size, out, ratio)
+
+        def make(images, labels, start):
+            idx = start + jnp.arange(b, dtype=jnp.int32)
+            mask = idx < n
+            idx = lax.with_sharding_constraint(jnp.where(mask, idx, 0), batch_sharding(mesh, 1))
+            x, y = images[idx], labels[idx]
+            if w is not None:
+                ww = jnp.broadcast_to(jnp.asarray(w), (b, *w.shape))
+                x = _resample(x, ww, ww)
+            return {"image": x, "label": y, "mask": mask.astype(jnp.float32)}
+
+        out_sh = {"image": batch_sharding(mesh, 4), "label": batch_sharding(mesh, 1),
+                  "mask": batch_sharding(mesh, 1)}  # fmt: skip
+        fn = jax.jit(make, out_shardings=out_sh)
+        with self._lock:
+            self._fns[key] = fn
+        return fn
+
+    def eval_batches(self, global_batch: int):
+        fn = self.eval_fn(global_batch)
+        for start in range(0, self.n_test, global_batch):
+            yield fn(self.test["image"], self.test["label"], np.int32(start))
+
+
+# ---- From the config ------------------------------------------------------------------------
+
+
+def image_sizes(c) -> list[int]:
+    """Every image size the config trains or evaluates at: data.image_size and the stages'."""
+    from hybridpar.curriculum import parse_stages
+
+    stages = parse_stages(c.stages) if c.stages else []
+    return sorted({c.data.image_size, *(size for _, size, _, _ in stages)})
+
+
+def make_data(c, mesh=None):
+    """The ``Data`` (``datasets.Data``) of ``c`` held on the devices of ``mesh`` (the run's;
+    None: ``c.mesh`` over every device, as the run's set-up makes it)."""
+    import jax
+
+    from hybridpar.input.datasets import Data
+    from hybridpar.mesh import make_mesh
+
+    d = c.data
+    mesh = make_mesh(c.mesh) if mesh is None else mesh
+    sizes = image_sizes(c)
+    kw: dict = {"translate": d.translate}
+    info: dict = {"source": d.name}
+    if d.name == "digits":
+        if d.channels != 1:
+            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
+        train = {s: arrays.load_digits(s)[0] for s in sizes}
+        test = arrays.load_digits(d.image_size)[1]
+        kw.update(cycled=True)  # the host path's seeds, so the same batches
+    elif d.name == "synthetic":  # a pool of random images stands in for an epoch, as on the host
+        pool = min(d.train_examples, 4 * c.global_batch)
+        train = {s: arrays.synthetic(pool, s, d.num_classes, c.seed, d.channels) for s in sizes}
+        n = min(d.eval_examples, 2 * c.eval_batch)
+        test = arrays.synthetic(n, d.image_size, d.num_classes, c.seed + 1, d.channels)
+        kw.update(nominal=d.train_examples, cycled=True)
+    elif d.name == "images":
+        if d.channels != 3:
+            raise ConfigError("data.name=images decodes RGB images: set data.channels=3")
+        train, test, info = _images(c, max(sizes), mesh)
+        kw.update(crop=True, flip=True, eval_size=d.image_size, eval_crop_ratio=d.eval_crop_ratio)
+    else:
+        raise ConfigError(
+            f"data.on_device=True holds digits, synthetic or images sets, not data.name="
+            f"{d.name!r}; set --config.data.on_device=False"
+        )
+    if d.name != "images":
+        check_fits(_nbytes(train, test), f"the {d.name} arrays", d.on_device_limit_mb,
+                   mesh.devices.flat[0])  # fmt: skip
+    n_train = len(next(iter(train.values()))["label"])
+    if n_train < c.global_batch:
+        raise DataError(
+            f"the training set has {n_train} examples, fewer than one global batch of "
+            f"{c.global_batch}; lower global_batch"
+        )
+    ds = DeviceSet(mesh, c.seed, train, test, **kw)
+
+    def train_batches(epoch, start_step=0, *, steps=None, global_batch=None, image_size=None,
+                      min_scale=None):  # fmt: skip
+        return ds.train_batches(
+            epoch,
+            start_step,
+            steps,
+            global_batch or c.global_batch,
+            image_size or d.image_size,
+            d.min_scale if min_scale is None else min_scale,
+        )
+
+    # the data event's schema (run_records.Data) has no on-device fields: said on stdout
+    info = info | {"train_examples": ds.n_train, "eval_examples": ds.n_test}
+    if jax.process_index() == 0:
+        stored = ", ".join(f"{s}px" for s in sorted(train))
+        print(f"data on the devices: {_nbytes(train, test) / 2**20:.1f} MiB on each (train at "
+              f"{stored}), batched and augmented there", flush=True)  # fmt: skip
+    shape = (d.image_size, d.image_size, d.channels)
+    return Data(
+        train_batches,
+        lambda: ds.eval_batches(c.eval_batch),
+        ds.steps_for(c.global_batch),
+        ds.n_test,
+        shape,
+        info,
+        ds.steps_for,
+    )
+
+
+def _nbytes(train: dict, test: dict) -> int:
+    sets = [*train.values()] + ([] if any(t is test for t in train.values()) else [test])
+    return sum(np.asarray(v).nbytes for t in sets for v in t.values())
+
+
+# ---- images: decoded once with Pillow, cached beside the prepared data -----------------------
+
+
+def _images(c, size: int, mesh):
+    """``(train, test, info)`` of an ``images`` set stored at ``size`` px, from the cache in
+    PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
+    from hybridpar.input import prepare as prep
+    from hybridpar.input.datasets import default_prepared_dir
+
+    d = c.data
+    sources = [os.path.abspath(s.strip()) for s in d.source.split(",") if s.strip()]
+    if not sources:
+        raise ConfigError(
+            "data.on_device=True decodes an images set from its tars or folders: set "
+            "data.source (data.prepared_dir alone holds TFRecords, read with TensorFlow)"
+        )
+    folder = os.path.join(d.prepared_dir or default_prepared_dir(sources), "on_device")
+    splits = list(dict.fromkeys([d.train_split, d.eval_split]))
+    with prep.FolderLock(folder):
+        staging: list = []
+        try:
+            out = _load_or_decode(c, size, mesh, sources, folder, splits, staging)
+        finally:
+            for f in staging:
+                if os.path.exists(f):
+                    os.remove(f)
+    (train, tm), (test, em) = out[d.train_split], out[d.eval_split]
+    if len(tm["classes"]) != d.num_classes:
+        raise DataError(
+            f"the data has {len(tm['classes'])} classes but data.num_classes={d.num_classes}; "
+            f"set --config.data.num_classes={len(tm['classes'])}"
+        )
+    info = {
+        "source": d.source,
+        "train_split": d.train_split,
+        "eval_split": d.eval_split,
+        "num_classes": len(tm["classes"]),
+        "skipped": len(tm["skipped"]) + (len(em["skipped"]) if em is not tm else 0),
+    }
+    return {size: train}, test, info
+
+
+def cache_paths(folder: str, split: str, size: int) -> tuple[str, str]:
+    base = os.path.join(folder, f"{split}-{size}px")
+    return base + ".npz", base + ".json"
+
+
+def _cached(folder: str, split: str, size: int, sources: list[str], classes) -> tuple:
+    """``(meta, '')`` where the cache of ``split`` serves these sources as they are now (and
+    ``classes``, when given), else ``(None, why not)``."""
+    from hybridpar.input import prepare as prep
+
+    arrays_path, meta_path = cache_paths(folder, split, size)
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None, "not decoded yet"
+    if meta.get("format") != CACHE_FORMAT or not os.path.exists(arrays_path):
+        return None, "not decoded yet"
+    if meta.get("source") not in sources:
+        return None, f"it was decoded from {meta.get('source')!r}"
+    try:
+        fingerprint = meta["fingerprint"]
+        change = prep.describe_change(fingerprint, prep.source_fingerprint(fingerprint))
+    except (ConfigError, OSError) as e:
+        return None, f"its source cannot be checked ({e})"
+    if change:
+        return None, f"the source changed since it was decoded: {change}"
+    if classes is not None and meta["classes"] != list(classes):
+        return None, "the class list changed"
+    return meta, ""
+
+
+def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
+    from hybridpar.input import prepare as prep
+
+    d = c.data
+    classes = prep.parse_classes(d.classes)
+    if classes is None:  # the train split's class folders, from its cache if that is current
+        meta, _ = _cached(folder, d.train_split, size, sources, None)
+        classes = meta["classes"] if meta else None
+    state = {s: _cached(folder, s, size, sources, classes) for s in splits}
+    listed = {}
+    if any(why for _, why in state.values()):
+        os.makedirs(folder, exist_ok=True)
+        for source in sources:
+            for name, listing in prep.list_source(source, None, folder, staging).items():
+                if name in listed:
+                    raise DataError(
+                        f"split {name!r} is in both {listed[name][0]!r} and {source!r}; "
+                        "keep each split in one source"
+                    )
+                listed[name] = (source, listing)
+        if classes is None:
+            if d.train_split not in listed:
+                raise DataError(
+                    f"data.train_split={d.train_split!r} is not a split of {', '.join(sources)} "
+                    f"(it has {sorted(listed)}): set --config.data.train_split to one of those"
+                )
+            classes = list(listed[d.train_split][1]["class_dirs"])
+            state = {s: _cached(folder, s, size, sources, classes) for s in splits}
+    counts = {}
+    for split, (meta, why) in state.items():
+        if not why:
+            counts[split] = meta["num_examples"]
+        elif split in listed:
+            counts[split] = len(listed[split][1]["files"])
+        else:
+            key = "train_split" if split == d.train_split else "eval_split"
+            raise DataError(
+                f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has "
+                f"{sorted(listed)}): set --config.data.{key} to one of those"
+            )
+    per_image = size * size * 3 + 4
+    need = sum(counts.values()) * per_image
+    what = ", ".join(f"{n} {s} images" for s, n in counts.items()) + f" at {size}x{size}"
+    check_fits(need, what, d.on_device_limit_mb, mesh.devices.flat[0])
+    out = {}
+    for split, (meta, why) in state.items():
+        arrays_path, meta_path = cache_paths(folder, split, size)
+        if why:
+            source, listing = listed[split]
+            print(f"decoding split {split!r} of {source} with Pillow into {arrays_path} ({why}; "
+                  "later runs reuse it)", flush=True)  # fmt: skip
+            meta = _decode_split(listing, classes, size, arrays_path, meta_path, source)
+        with np.load(arrays_path) as z:
+            out[split] = ({"image": z["image"], "label": z["label"]}, meta)
+    return out
+
+
+def decode_image(data: bytes, size: int):
+    """Encoded bytes -> uint8 (size, size, 3), or ``(None, why)`` where it does not decode:
+    upright by EXIF, transparency on white, resized (shorter side) and centre-cropped."""
+    from PIL import Image, ImageOps
+
+    from hybridpar.input.prepare import MAX_PIXELS
+
+    try:
+        img = Image.open(io.BytesIO(data))
+        if img.width * img.height > MAX_PIXELS:
+            return None, f"over {MAX_PIXELS:,} pixels (decompression bomb guard)"
+        img.load()
+        img = ImageOps.exif_transpose(img)
+    except Exception as e:  # PIL raises many types for corrupt data
+        return None, f"undecodable ({type(e).__name__}: {str(e)[:200]})"
+    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
+        rgba = img.convert("RGBA")
+        img = Image.new("RGB", img.size, (255, 255, 255))
+        img.paste(rgba, mask=rgba.getchannel("A"))
+    elif img.mode.startswith("I;16"):  # 16-bit grey: keep the high byte (convert would clip)
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L").convert("RGB")
+    else:
+        img = img.convert("RGB")
+    w, h = img.size
+    if (w, h) != (size, size):
+        scale = size / min(w, h)
+        w, h = max(size, round(w * scale)), max(size, round(h * scale))
+        img = img.resize((w, h), Image.Resampling.BILINEAR)
+        left, top = (w - size) // 2, (h - size) // 2
+        img = img.crop((left, top, left + size, top + size))
+    return np.asarray(img, np.uint8), None
+
+
+def _decode_split(listing, classes, size, arrays_path, meta_path, source) -> dict:
+    from hybridpar.input import prepare as prep
+
+    label = {name: i for i, name in enumerate(classes)}
+    files = listing["files"]
+    extra = sorted({f[1] for f in files} - set(label))
+    if extra:
+        raise DataError(
+            f"{source!r} has class folder(s) {extra[:10]} that the class list lacks, so they "
+            "have no label; remove or rename them, or list every class (data.classes)"
+        )
+
+    def chunk(items):
+        handles, out = {}, []
+        try:
+            for _, _, file, offset, n in items:
+                out.append(decode_image(prep._read(handles, file, offset, n), size))
+        finally:
+            for f in handles.values():
+                f.close()
+        return out
+
+    step = 512
+    pieces = [files[i : i + step] for i in range(0, len(files), step)]
+    workers = max(1, len(os.sched_getaffinity(0)))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # PIL decodes without the GIL
+        decoded = [r for part in pool.map(chunk, pieces) for r in part]
+    keep = [i for i, (img, _) in enumerate(decoded) if img is not None]
+    skipped = [{"name": files[i][0], "reason": decoded[i][1]} for i in range(len(files))
+               if decoded[i][0] is None]  # fmt: skip
+    empty = np.zeros((0, size, size, 3), np.uint8)
+    images = np.stack([decoded[i][0] for i in keep]) if keep else empty
+    labels = np.asarray([label[files[i][1]] for i in keep], np.int32)
+    tmp = arrays_path + ".tmp.npz"
+    np.savez(tmp, image=images, label=labels)
+    os.replace(tmp, arrays_path)
+    meta = {
+        "format": CACHE_FORMAT,
+        "source": source,
+        "fingerprint": listing["fingerprint"],
+        "classes": list(classes),
+        "size": size,
+        "num_examples": len(keep),
+        "skipped": skipped,
+    }
+    with open(meta_path + ".tmp", "w") as f:
+        json.dump(meta, f)
+    os.replace(meta_path + ".tmp", meta_path)  # last: the arrays are complete before it
+    return meta
