@@ -317,22 +317,8 @@ def lock_loop(workdir: str):
     """``W/compress/.lock`` for this process's life (``workdir_lock``): a second loop on the
     same ``W`` would write the same rounds (and rename the same files) under the first."""
     from hybridpar import workdir_lock
-    from hybridpar.errors import WorkdirError
 
-    root = os.path.join(workdir, DIR)
-    try:
-        # the role only words workdir_lock's own refusal, replaced here
-        return workdir_lock.acquire(root, role="evaluator")
-    except WorkdirError:
-        lock = workdir_lock.path(root)
-        h = workdir_lock.holder(lock)
-        who = f"pid {h.get('pid')} on host {h.get('host')}, since {h.get('since')}" if h else (
-            "a process that has not written its name yet")  # fmt: skip
-        raise WorkdirError(
-            f"another compress runs on {workdir!r} ({who}; lock {lock}): wait for it to "
-            "finish, or stop it (Ctrl-C) and run this command again: it goes on from the "
-            "rounds done"
-        ) from None
+    return workdir_lock.acquire(os.path.join(workdir, DIR), role="compress")
 
 
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):

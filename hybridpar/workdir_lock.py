@@ -126,6 +126,8 @@ ADVICE = {
     "command again to resume, or pass another --workdir",
     "evaluator": "wait for it to finish, or stop it (Ctrl-C) and run this command again: it "
     "goes on from the records",
+    "compress": "wait for it to finish, or stop it (Ctrl-C) and run this command again: it "
+    "goes on from the rounds done",
 }
 
 
