@@ -227,8 +227,8 @@ def load(path: str | None, overrides=()):
 
 
 def load_run(workdir: str, overrides=()):
-    """The config of the run in ``workdir``, from its ``config.json``, with ``overrides``
-    applied: what the tools that read a run (evaluate, quantize) use without ``--config``.
+    """The config of the run in ``workdir``, its latest checkpoint's (else its
+    ``config.json``'s), with ``overrides`` applied: what the tools that read a run (evaluate, quantize) use without ``--config``.
     They run in one process, so ``distributed`` is off unless an override sets it."""
     from hybridpar.config import from_saved
 
@@ -246,6 +246,12 @@ def load_run(workdir: str, overrides=()):
             f"cannot read {path!r} ({e}): pass --config experiments/NAME.py"
         ) from None
     config = from_saved(saved, path)
+    # the run's truth is its latest checkpoint's config (config.json may be edited by hand)
+    from hybridpar.checkpoint import run_config
+
+    held = run_config(workdir, config)
+    if held is not None and held != saved:
+        config = from_saved(held, f"the latest checkpoint in {workdir}")
     config.distributed = False
     config.lock()
     return apply_overrides(config, overrides, path)

@@ -427,6 +427,10 @@ def test_the_run_s_config_is_its_checkpoint_s_not_a_hand_edited_config_json(
         saved["optim"]["base_lr"] = 0.2
         (w / "config.json").write_text(json.dumps(saved))
     edited = tiny_digits(**{"optim.base_lr": 0.2})
+    # the tools that read a run (evaluator, quantize, compress) take the checkpoint's too
+    from hybridpar import cli
+
+    assert cli.load_run(str(tmp_path / "same")).optim.base_lr == 0.4
 
     w = tmp_path / "same"
     setup(tiny_digits(), str(w), with_data=False).lock.release()  # not refused
