@@ -471,32 +471,10 @@ def _flops(compiled) -> float | None:
     return cost_of(compiled)["flops"]
 
 
-def memory_need(compiled) -> tuple[str, dict]:
-    """``run.memory_line``'s (text, memory), its total at least the compiler's own peak.
-
-    The TPU compiler can report no temporaries at all (``temp_size_in_bytes`` 0) for a step
-    whose peak it gives as several times its arguments: the tiny digits step on
-    ``tpu:v5e-8``, ``data:4,model:2``, at every batch, while ``data:8`` reports them. The
-    sum then understates the step, so the need is the larger of the two; ``peak`` is kept
-    beside it. The CPU's peak leaves temporaries out, so the sum stays the need there."""
-    from hybridpar.run import memory_line, memory_text
-
-    text, mem = memory_line(compiled)
-    stats = compiled.memory_analysis()
-    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0)
-    if not mem or peak <= mem["total"]:
-        return text, mem
-    text = (
-        f"per-device memory of the train step: {peak / 2**20:.1f} MiB, the compiler's peak; "
-        f"the parts it reports sum to less: {memory_text(mem)}"
-    )
-    return text, dict(mem, peak=peak, total=peak)
-
-
 def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
     """Compiles the config's train step for the mesh and returns the report; ``target``: a
     ``hybridpar.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
-    from hybridpar.run import setup
+    from hybridpar.run import memory_line, setup
 
     devices = target.devices() if target is not None else None
     try:
@@ -520,7 +498,7 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
         k = by_kind.setdefault(r["kind"], {"count": 0, "bytes": 0})
         k["count"] += r["count"]
         k["bytes"] += r["total_bytes"]
-    mem_text, mem = memory_need(compiled)
+    mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
     dev = run.mesh.devices.flat[0]
     return CommReport(
         collectives=tuple(CollectiveRow.from_dict(r) for r in collectives),

@@ -181,10 +181,14 @@ def memory_text(mem: dict) -> str:
     if not mem:
         return "not reported by this backend"
     mib = {k: v / 2**20 for k, v in mem.items()}
-    return (
-        "{total:.1f} MiB (arguments {arguments:.1f}, outputs {outputs:.1f}, temp {temp:.1f}, "
-        "donated/aliased {aliased:.1f})".format(**mib)
+    parts = (
+        "arguments {arguments:.1f}, outputs {outputs:.1f}, temp {temp:.1f}, "
+        "donated/aliased {aliased:.1f}".format(**mib)
     )
+    if "peak" in mem:  # memory_of: the parts' sum fell short of the compiler's peak
+        total = mib["arguments"] + mib["outputs"] + mib["temp"] - mib["aliased"]
+        return f"{mib['peak']:.1f} MiB, the compiler's peak (the parts sum to {total:.1f}: {parts})"
+    return "{total:.1f} MiB ({parts})".format(total=mib["total"], parts=parts)
 
 
 def program_name(rec: dict) -> str:

@@ -277,3 +277,25 @@ def test_time_to_train_counts_a_built_in_sets_own_epoch():
     assert plan._train_examples(config) == 1437
     config.data.name = "synthetic"
     assert plan._train_examples(config) == config.data.train_examples
+
+
+def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():
+    """program.memory_of (the compile tool's and the train pre-flight's figure, as well as
+    plan's) takes the compiler's peak where the parts sum to less, and says so."""
+    import types
+
+    from hybridpar.program import memory_of
+    from hybridpar.run import memory_text
+
+    def compiled(temp, peak):
+        stats = types.SimpleNamespace(argument_size_in_bytes=2**20, output_size_in_bytes=2**20,
+                                      temp_size_in_bytes=temp, alias_size_in_bytes=2**20,
+                                      peak_memory_in_bytes=peak)  # fmt: skip
+        return types.SimpleNamespace(memory_analysis=lambda: stats)
+
+    tpu = memory_of(compiled(0, 8 * 2**20))  # no temporaries reported, a peak of 8 MiB
+    assert tpu["total"] == tpu["peak"] == 8 * 2**20
+    assert memory_text(tpu).startswith("8.0 MiB, the compiler's peak (the parts sum to 1.0")
+    cpu = memory_of(compiled(3 * 2**20, 2**20))  # a peak without temporaries: the sum stands
+    assert cpu["total"] == 4 * 2**20 and "peak" not in cpu
+    assert memory_text(cpu).startswith("4.0 MiB (arguments 1.0")
