@@ -1,6 +1,7 @@
 """ResNet-50 training throughput on one GPU: hybridpar bfloat16 vs PyTorch AMP channels_last.
 
     python3 bench/gpu/resnet50_gpu.py [--quick | --smoke] [--sizes 128,224] [--batch 256]
+        [--batches 224,224 (one per size)] [--config experiments/NAME.py[:ARGS]]
 
 For a single-H200 machine with jax, flax, optax and torch but no TensorFlow (nothing here
 imports it: hybridpar.program does not). Synthetic data placed on the device before timing.
@@ -104,6 +105,10 @@ def parse_args(argv=None):
     p.add_argument("--smoke", action="store_true", help="32 px, batch 2, 1 step: runs anywhere")
     p.add_argument("--sizes", default="128,224")
     p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--batches", default="",
+                   help="a global batch per size, comma-separated (default: --batch for all)")
+    p.add_argument("--config", default="",
+                   help="hybridpar's experiment config FILE[:ARGS] (default: resnet50_imagenet.py)")
     p.add_argument("--dtype", default="bfloat16", help="compute dtype of both candidates")
     p.add_argument("--steps", type=int, default=20, help="steps per candidate per round")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (median)")
@@ -117,7 +122,18 @@ def parse_args(argv=None):
         a.steps, a.repeats, a.warmup = 10, 3, 3
     if a.smoke:
         a.sizes, a.batch, a.steps, a.repeats, a.warmup, a.matmul_n = "32", 2, 1, 1, 0, 256
+        a.batches = ""
     return a
+
+
+def batch_per_size(args, sizes):
+    """``{size: global batch}``: ``--batches`` aligned with ``--sizes``, else ``--batch``."""
+    if not args.batches:
+        return {s: args.batch for s in sizes}
+    batches = [int(b) for b in args.batches.split(",")]
+    if len(batches) != len(sizes):
+        sys.exit(f"error: --batches has {len(batches)} values for {len(sizes)} --sizes")
+    return dict(zip(sizes, batches))
 
 
 def main(argv=None):
@@ -137,7 +153,12 @@ def main(argv=None):
         torch.backends.cudnn.benchmark = True
     dev = jax.devices()[0]
     sizes = [int(s) for s in args.sizes.split(",")]
+    batches = batch_per_size(args, sizes)
     overrides = [tuple(kv.split("=", 1)) for kv in args.set]
+    if args.config:  # make_hybridpar takes the recipe's file from here
+        config_file = args.config
+        rs_program = rs.hybridpar_program
+        rs.hybridpar_program = lambda *a, **k: rs_program(*a, config_file=config_file, **k)
 
     mm = {"jax": rs.JaxMatmul(args.dtype, args.matmul_n)}
     if torch is not None:
@@ -146,19 +167,21 @@ def main(argv=None):
 
     rows, state0 = [], {}
     for size in sizes:
-        host = rs.host_batch(args.batch, size)
+        batch = batches[size]
+        host = rs.host_batch(batch, size)
         cands, setup = [], {}
         t0 = time.perf_counter()
-        c = rs.make_hybridpar("hybridpar", args.dtype, size, args.batch, overrides, state0, host)
+        c = rs.make_hybridpar("hybridpar", args.dtype, size, batch, overrides, state0, host)
         cands.append(c)
         setup[id(c)] = time.perf_counter() - t0
         if torch is not None:
-            c = rs.TorchStep.from_config(c.cfg, args.dtype, size, args.batch, host, device=tdev)
+            c = rs.TorchStep.from_config(c.cfg, args.dtype, size, batch, host, device=tdev)
             cands.append(c)
             setup[id(c)] = 0.0
-        rates = rs.time_interleaved(cands, setup, mm, mm_samples, args)
+        size_args = argparse.Namespace(**{**vars(args), "batch": batch})
+        rates = rs.time_interleaved(cands, setup, mm, mm_samples, size_args)
         for c in cands:
-            rows.append((c.name, size, rates[id(c)], setup[id(c)], c.loss()))
+            rows.append((c.name, size, batch, rates[id(c)], setup[id(c)], c.loss()))
         del cands
 
     peaks = {k: statistics.median(v) for k, v in mm_samples.items()}
@@ -167,20 +190,22 @@ def main(argv=None):
     print(
         f"device: {gpu} ({dev.platform}); jax {jax.__version__}"
         + (f", torch {torch.__version__} on {tdev}" if torch is not None else ", no torch")
-        + f"; batch {args.batch}; {args.dtype}; {args.repeats} rounds x {args.steps} steps"
+        + f"; batch {args.batches or args.batch}; {args.dtype}; "
+        + f"{args.repeats} rounds x {args.steps} steps"
+        + (f"; config {args.config}" if args.config else "")
     )
     print(
         f"{args.dtype} matmul peak ({args.matmul_n}^3, median): "
         + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in peaks.items())
     )
-    print(f"{'impl':<10} {'size':>4} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"{'impl':<10} {'size':>4} {'batch':>5} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'compile s':>9} {'last loss':>9}")  # fmt: skip
     ips = {}
-    for name, size, rate, setup_s, loss in rows:
+    for name, size, batch, rate, setup_s, loss in rows:
         tf = rate * rs.train_flops(size) / 1e12
         ips[(name, size)] = (rate, tf * 1e12 / peak)
         print(
-            f"{name:<10} {size:>4} {rate:>9.1f} {tf:>8.1f} {tf * 1e12 / peak:>6.3f} "
+            f"{name:<10} {size:>4} {batch:>5} {rate:>9.1f} {tf:>8.1f} {tf * 1e12 / peak:>6.3f} "
             f"{setup_s:>9.1f} {loss:>9.4f}"
         )
     print("(MLPerf 8 x H200, per GPU, 224 px: about 7,700 images/s)")
@@ -195,7 +220,7 @@ def main(argv=None):
     figs += [f"torch_ips_{s}={ips[('torch', s)][0]:.1f}" for s in sizes if ("torch", s) in ips]
     figs += [
         f"peak_tflops={peak / 1e12:.1f}",
-        f"batch={args.batch}",
+        f"batch={args.batches or args.batch}",
         f"dtype={args.dtype}",
         f"device={dev.platform}",
     ]
