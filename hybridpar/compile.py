@@ -40,14 +40,31 @@ def compile_programs(config, target: targets.Target, out: str | None = None, sho
     the executables are written to, for ``train --compiled`` (checked before compiling).
     ``show``: called with the report before the file is written, so a failed write loses
     no report."""
+    from hybridpar import executables
+
+    if not out:
+        return _compile_programs(config, target, out, show)
+    executables.check_out(out)
+    # An executable JAX loaded from its persistent cache serializes without its functions
+    # (jax 0.10.2, XLA:CPU: "NOT_FOUND: Function wrapped_add not found" at the loading run's
+    # first step), so a compile for --out never reads that cache.
+    import jax
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        return _compile_programs(config, target, out, show)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+
+
+def _compile_programs(config, target, out, show) -> dict:
     import copy
 
     from hybridpar import comm_report, executables
     from hybridpar.mesh import axes_across_slices
 
     t0 = time.time()
-    if out:
-        executables.check_out(out)
     size = executables.data_size(config)
     if size is not None and size != config.data.train_examples:
         # plan as the run will from the data itself, so its file fits without the flag

@@ -109,6 +109,13 @@ def save(path: str, program, target: str) -> dict:
     A failed write (a full disk) is one error and leaves neither ``path`` nor its ``.tmp``."""
     from jax.experimental.serialize_executable import serialize
 
+    cached = [r for r in program.compiles if r.get("cache_hit")]
+    if cached:  # see compile.compile_programs: such a file fails at the loading run's step
+        raise ConfigError(
+            f"{len(cached)} of the programs came from JAX's persistent compilation cache, "
+            "which does not serialize whole: compile them with the cache off "
+            "(jax.config.update('jax_enable_compilation_cache', False)) and save again"
+        )
     header = {"format": FORMAT, "target": target, **describe(program), "programs": []}
     # the config itself, so a refusal names the key that differs, not just the hash
     header["config"] = checkpoint.config_dict(program.config)
