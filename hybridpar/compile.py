@@ -250,6 +250,8 @@ def over_capacity(memory: dict, target: targets.Target) -> tuple[int, int] | Non
     """``(needed, available)`` bytes where a program's per-device memory (``memory_of``:
     bytes) is over the target chip's capacity (bytes), else None. Pure, so it is tested
     without the GPU compiler."""
+    if target.chip is None:  # this machine's own devices: their runtime checks memory
+        return None
     need, available = memory.get("total", 0), target.chip.hbm_bytes
     return (need, available) if need > available else None
 
@@ -366,6 +368,9 @@ def main(argv=None) -> None:
         else:  # this machine's own devices: no chip figures, so no capacity or roofline
             import jax
 
+            from hybridpar import comm
+
+            comm.apply(config.comm)  # the run's XLA flags, before the backend starts
             target = targets.Target(jax.default_backend(), jax.device_count())
 
         def show(report):  # before --out is written: a failed write keeps the report

@@ -126,8 +126,9 @@ class Target:
 
     def devices(self):
         """The devices to lay the mesh on: None for ``cpu:N`` (the process's own, which
-        ``prepare`` made N), else the TPU topology's."""
-        if self.platform == "cpu":
+        ``prepare`` made N) and for this machine's own devices (no chip named), else the TPU
+        topology's or the described GPUs'."""
+        if self.platform == "cpu" or self.chip is None:
             return None
         from jax.experimental import topologies
 
@@ -244,11 +245,11 @@ def _parse_gpu(spec: str, name: str, count: int, fix: str) -> Target:
 
 
 def have_cuda_plugin() -> bool:
-    """jax's CUDA plugin is installed (the ``gpu-aot`` extra)."""
-    return (
-        importlib.util.find_spec("jax_plugins") is not None
-        and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    )
+    """jax's CUDA plugin is installed (the ``gpu-aot`` extra's CUDA 12 one, or CUDA 13's,
+    which the lent GPU machines' image has)."""
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    return any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13))
 
 
 def gpu_target_config(name: str) -> str:

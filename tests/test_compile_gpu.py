@@ -71,6 +71,28 @@ def test_the_gpu_memory_check_compares_bytes_with_the_capacity(name):
     assert _hbm_shortfall(OverHbm(*over_capacity({"total": 2 * int(cap)}, t))) == (2 * cap, cap)
 
 
+def test_this_machines_own_gpus_are_a_target_without_a_chip(monkeypatch):
+    """compile without --target on a GPU machine: the process's own devices (no topology
+    to describe) and no datasheet capacity (the GPU's own runtime checks memory); it used
+    to unpack a shape and read a chip that such a target does not have. The CUDA 13 plugin
+    (the lent GPU image's) counts as the plugin too."""
+    import importlib.util
+
+    from hybridpar.compile import over_capacity
+
+    own = targets.Target("gpu", 1)
+    assert own.devices() is None
+    assert over_capacity({"total": 10**15}, own) is None
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        object() if name in ("jax_plugins", "jax_plugins.xla_cuda13") else None))  # fmt: skip
+    assert targets.have_cuda_plugin()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
+        object() if name == "jax_plugins" else None))  # fmt: skip
+    assert not targets.have_cuda_plugin()
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+
+
 @pytest.fixture(scope="module")
 def h100_8():
     target = targets.parse("gpu:h100-8")
