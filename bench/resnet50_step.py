@@ -280,10 +280,12 @@ def torch_resnet50(num_classes: int = NUM_CLASSES):
 
 
 class TorchStep:
-    """Eager PyTorch train step: channels_last, autocast(bfloat16) for the bf16 rows."""
+    """PyTorch train step: channels_last, autocast(bfloat16) for the bf16 rows; eager, or
+    with ``compiled`` the model through ``torch.compile`` (TorchInductor), the stronger peer."""
 
     def __init__(
-        self, dtype, size, batch, host, *, lr, weight_decay, label_smoothing, device, threads=None
+        self, dtype, size, batch, host, *, lr, weight_decay, label_smoothing, device, threads=None,
+        compiled=False,
     ):
         self.name, self.dtype, self.size, self.batch_size = "torch", dtype, size, batch
         self.threads = threads
@@ -291,6 +293,9 @@ class TorchStep:
             self.name = f"torch/{threads}t"
         self.device = torch.device(device)
         self.model = torch_resnet50().to(self.device, memory_format=torch.channels_last)
+        if compiled:  # compiled at the first step, which the timing counts as set-up
+            self.model = torch.compile(self.model)
+            self.name = "torch.compile"
         decay = [p for p in self.model.parameters() if p.ndim > 1]
         rest = [p for p in self.model.parameters() if p.ndim <= 1]
         self.opt = torch.optim.SGD(
@@ -312,7 +317,7 @@ class TorchStep:
         self.note = ""
 
     @classmethod
-    def from_config(cls, cfg, dtype, size, batch, host, *, device, threads=None):
+    def from_config(cls, cfg, dtype, size, batch, host, *, device, threads=None, compiled=False):
         """The step with hybridpar's recipe from ``cfg`` (its defaults where ``cfg`` is None:
         no hybridpar candidate was built)."""
         return cls(
@@ -325,6 +330,7 @@ class TorchStep:
             label_smoothing=cfg.label_smoothing if cfg else 0.1,
             device=device,
             threads=threads,
+            compiled=compiled,
         )
 
     def _step(self):

@@ -11,7 +11,10 @@ Rows:
   compute, float32 parameters, SGD + Nesterov, label smoothing, sharded state, donation,
   the ``comm`` section's XLA GPU flags), compiled ahead of time;
 * ``torch``: the same ResNet-50 v1.5 in eager PyTorch, channels_last,
-  ``torch.autocast(bfloat16)``, cudnn.benchmark on.
+  ``torch.autocast(bfloat16)``, cudnn.benchmark on;
+* ``torch.compile``: the same step with the model through ``torch.compile`` (TorchInductor,
+  default mode), the stronger peer: eager PyTorch leaves kernel fusion on the table
+  (``--no-torch-compile`` leaves it out; its compile time is the first step's).
 
 Interleaved rounds of ``--steps`` steps per candidate, median round; MFU against the
 measured bfloat16 matmul peak (``--matmul-n`` square product, the faster of JAX and
@@ -115,6 +118,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=5, help="untimed steps after the first")
     p.add_argument("--matmul-n", type=int, default=8192)
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--no-torch-compile", dest="torch_compile", action="store_false",
+                   help="leave out the torch.compile row (eager PyTorch only)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="hybridpar config override, repeatable")  # fmt: skip
     a = p.parse_args(argv)
@@ -175,9 +180,12 @@ def main(argv=None):
         cands.append(c)
         setup[id(c)] = time.perf_counter() - t0
         if torch is not None:
-            c = rs.TorchStep.from_config(c.cfg, args.dtype, size, batch, host, device=tdev)
-            cands.append(c)
-            setup[id(c)] = 0.0
+            cfg = c.cfg
+            for compiled in (False, True) if args.torch_compile else (False,):
+                c = rs.TorchStep.from_config(cfg, args.dtype, size, batch, host, device=tdev,
+                                             compiled=compiled)  # fmt: skip
+                cands.append(c)
+                setup[id(c)] = 0.0
         size_args = argparse.Namespace(**{**vars(args), "batch": batch})
         rates = rs.time_interleaved(cands, setup, mm, mm_samples, size_args)
         for c in cands:
@@ -198,14 +206,14 @@ def main(argv=None):
         f"{args.dtype} matmul peak ({args.matmul_n}^3, median): "
         + ", ".join(f"{k} {v / 1e12:.1f} TFLOP/s" for k, v in peaks.items())
     )
-    print(f"{'impl':<10} {'size':>4} {'batch':>5} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
+    print(f"{'impl':<13} {'size':>4} {'batch':>5} {'images/s':>9} {'TFLOP/s':>8} {'MFU':>6} "
           f"{'compile s':>9} {'last loss':>9}")  # fmt: skip
     ips = {}
     for name, size, batch, rate, setup_s, loss in rows:
         tf = rate * rs.train_flops(size) / 1e12
         ips[(name, size)] = (rate, tf * 1e12 / peak)
         print(
-            f"{name:<10} {size:>4} {batch:>5} {rate:>9.1f} {tf:>8.1f} {tf * 1e12 / peak:>6.3f} "
+            f"{name:<13} {size:>4} {batch:>5} {rate:>9.1f} {tf:>8.1f} {tf * 1e12 / peak:>6.3f} "
             f"{setup_s:>9.1f} {loss:>9.4f}"
         )
     print("(MLPerf 8 x H200, per GPU, 224 px: about 7,700 images/s)")
@@ -214,10 +222,18 @@ def main(argv=None):
         for s in sizes
         if ("torch", s) in ips
     ]
+    figs += [
+        f"ratio_vs_torch_compile_{s}="
+        f"{ips[('hybridpar', s)][0] / ips[('torch.compile', s)][0]:.3f}"
+        for s in sizes
+        if ("torch.compile", s) in ips
+    ]
     figs += [f"mfu_hybridpar_{s}={ips[('hybridpar', s)][1]:.3f}" for s in sizes]
     figs += [f"mfu_torch_{s}={ips[('torch', s)][1]:.3f}" for s in sizes if ("torch", s) in ips]
     figs += [f"hybridpar_ips_{s}={ips[('hybridpar', s)][0]:.1f}" for s in sizes]
     figs += [f"torch_ips_{s}={ips[('torch', s)][0]:.1f}" for s in sizes if ("torch", s) in ips]
+    figs += [f"torch_compile_ips_{s}={ips[('torch.compile', s)][0]:.1f}" for s in sizes
+             if ("torch.compile", s) in ips]  # fmt: skip
     figs += [
         f"peak_tflops={peak / 1e12:.1f}",
         f"batch={args.batches or args.batch}",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # ResNet-50 training throughput on one GPU (written for a single H200): hybridpar bfloat16
-# vs PyTorch AMP channels_last, at 128 and 224 px, batch 256, synthetic on-device data, with
-# MFU against a measured bfloat16 matmul peak. Needs jax (with its CUDA plugin), flax,
+# vs PyTorch AMP channels_last (eager, and through torch.compile), at 128 and 224 px, batch
+# 256, synthetic on-device data, with MFU against a measured bfloat16 matmul peak. Needs jax (with its CUDA plugin), flax,
 # optax and torch; not TensorFlow, and hybridpar need not be installed (run from the
 # checkout; ml_collections is replaced by a small shim if missing).
 #
