@@ -228,8 +228,9 @@ def load(path: str | None, overrides=()):
 
 def load_run(workdir: str, overrides=()):
     """The config of the run in ``workdir``, its latest checkpoint's (else its
-    ``config.json``'s), with ``overrides`` applied: what the tools that read a run (evaluate, quantize) use without ``--config``.
-    They run in one process, so ``distributed`` is off unless an override sets it."""
+    ``config.json``'s), with ``overrides`` applied: what the tools that read a run (evaluate,
+    quantize) use without ``--config``. They run in one process, so ``distributed`` is off
+    unless an override sets it."""
     from hybridpar.config import from_saved
 
     path = os.path.join(workdir, "config.json")

@@ -210,7 +210,8 @@ def _tiny_on_a_pod():
     from hybridpar import targets
 
     config = SimpleNamespace(
-        global_batch=4096 * 8, num_epochs=1, data=SimpleNamespace(train_examples=1_281_167)
+        global_batch=4096 * 8, num_epochs=1,
+        data=SimpleNamespace(name="images", train_examples=1_281_167),
     )
     rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3}
     return config, rep, targets.parse("tpu:v5p-8192")

@@ -478,8 +478,8 @@ def cifar_data(ctx, s: Section) -> Path | None:
 def decode_tars(folder: Path) -> dict:
     """Every image of train.tar and test.tar decoded with Pillow (RGB, as stored: CIFAR-10's
     32x32), labels by sorted class folder: what airbench's loader is given."""
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     out, classes = {}, None
     for split in ("train", "test"):
@@ -666,7 +666,8 @@ def stage_rates(rec: dict) -> list[dict]:
         out.append(dict(stage=st["stage"], size=st["image_size"], batch=batch,
                         steps=st.get("steps"), rate=rate, step_s=step_s, gap=gap,
                         background=comp.get("background"), wait_s=comp.get("wait_s"),
-                        compile_s=comp.get("compile_s"), cache_hit=comp.get("cache_hit")))  # fmt: skip
+                        compile_s=comp.get("compile_s"),
+                        cache_hit=comp.get("cache_hit")))  # fmt: skip
     return out
 
 
@@ -705,7 +706,8 @@ def section_c(ctx) -> Section:
     bench = run("c_step_bench", [PY, str(GPU_DIR / "resnet50_gpu.py"), "--no-torch",
                                  "--config", RESNET_CONFIG, "--sizes", sizes, "--batches", batches,
                                  *steps, *[f"--set={k}={v}" for k, v in kv]],
-                ctx.work, ctx.budget.cap(150), {"JAX_COMPILATION_CACHE_DIR": str(cache)})  # fmt: skip
+                ctx.work, ctx.budget.cap(150),
+                {"JAX_COMPILATION_CACHE_DIR": str(cache)})  # fmt: skip
     step = parse_step_bench(bench.log) if bench.rc == 0 else {}
     if bench.rc != 0:
         s.fail(f"step bench: {bench.error_line()}", bench)
@@ -748,7 +750,8 @@ def section_c(ctx) -> Section:
     s.say(f"goodput: train steps over the wall time {good}; productive step time (each "
           f"stage's steps at its steady step time) over the wall {productive / wall:.3f}"
           if wall else "goodput: -")
-    s.figs.update(resnet_goodput=good, resnet_productive=round(productive / wall, 3) if wall else None,
+    s.figs.update(resnet_goodput=good,
+                  resnet_productive=round(productive / wall, 3) if wall else None,
                   resnet_wall_s=wall, resnet_compile_s=summ["compile_s"])  # fmt: skip
     pred = (summ.get("memory_per_device_bytes") or {}).get("total")
     peak = peak_bytes(rec)

@@ -102,7 +102,9 @@ def pack(src: Path, out: Path, per_class: int = 0, tars=TARS) -> dict:
                     taken[cls] = taken.get(cls, 0) + 1
                     data = tf.extractfile(m).read()
                     blob.write(data)
-                    members.append([m.name, "f", m.mode, m.mtime, offset, len(data), file_hash(data)])
+                    members.append(
+                        [m.name, "f", m.mode, m.mtime, offset, len(data), file_hash(data)]
+                    )
                     offset += len(data)
             index["tars"].append(
                 {"name": name, "sha256": digest, "common": common or {}, "members": members}
