@@ -109,8 +109,8 @@ import sys
 import time
 from pathlib import Path
 
-from hybridpar import run_records, workdir_lock
-from hybridpar.curriculum import parse_stages  # JAX-free, as this parent process stays
+from hybridpar.config.curriculum import parse_stages  # JAX-free, as this parent process stays
+from hybridpar.runtime import run_records, workdir_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("curriculum", "fixed")
@@ -297,8 +297,8 @@ def prepare(args) -> dict:
     trainer makes it on first use; returns its ``train_examples`` and the mesh's
     ``data_parallel`` size (the checkpoint interval's steps come from them)."""
     code = (
-        "import json, sys; from hybridpar import cli; from hybridpar.input.datasets import "
-        "make_data; from hybridpar.mesh import make_mesh, data_parallel_size; "
+        "import json, sys; from hybridpar.config import cli; from hybridpar.input.datasets import "
+        "make_data; from hybridpar.parallel.mesh import make_mesh, data_parallel_size; "
         "c = cli.load(sys.argv[1], [tuple(kv.split('=', 1)) for kv in sys.argv[2:]]); "
         "d = make_data(c, 0, 1); print(json.dumps({'train_examples': d.steps_for(1), "
         "'data_parallel': data_parallel_size(make_mesh(c.mesh))}))"
@@ -518,7 +518,10 @@ def key_of(target: float) -> str:
 
 
 def main(argv=None) -> None:
-    from hybridpar.cli import cpu_when_no_accelerator, finite_float  # JAX-free, as this stays
+    from hybridpar.config.cli import (  # JAX-free, as this stays
+        cpu_when_no_accelerator,
+        finite_float,
+    )
 
     cpu_when_no_accelerator()  # for the processes it starts: no libtpu warnings on a CPU
 

@@ -23,9 +23,10 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from hybridpar import cli, shard_batch  # noqa: E402
-from hybridpar.run import setup  # noqa: E402
-from hybridpar.state import init_sharded  # noqa: E402
+from hybridpar import shard_batch
+from hybridpar.config import cli  # noqa: E402
+from hybridpar.program.state import init_sharded  # noqa: E402
+from hybridpar.runtime.run import setup  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 p.add_argument("--batch", type=int, default=64, help="global batch (both meshes)")

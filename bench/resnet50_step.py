@@ -151,8 +151,8 @@ class TorchMatmul:
 def hybridpar_program(dtype: str, size: int, batch: int, overrides=(), config_file=None):
     """``(config, mesh, program)``: the recipe with ``precision.compute=dtype`` at ``size``,
     through the train CLI's own override parser and set-up (no data)."""
-    from hybridpar import cli
-    from hybridpar.run import setup
+    from hybridpar.config import cli
+    from hybridpar.runtime.run import setup
 
     cfg = cli.load(str(config_file or ROOT / "experiments" / "resnet50_imagenet.py"))
     cfg.precision.compute = dtype
@@ -196,8 +196,8 @@ def make_hybridpar(name, dtype, size, batch, overrides, state0, host):
     """hybridpar's step; ``state0`` (a dict holding the state, or empty) is filled by the
     first call with ``init_sharded``'s state, which later candidates copy (the parameters
     do not depend on the image size or the compute dtype unless ``precision.params`` does)."""
-    from hybridpar.partitioning import shard_batch
-    from hybridpar.state import init_sharded
+    from hybridpar.parallel.partitioning import shard_batch
+    from hybridpar.program.state import init_sharded
 
     cfg, mesh, program = hybridpar_program(dtype, size, batch, overrides)
     key = (cfg.precision.params, str(program.shardings))
@@ -568,6 +568,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from hybridpar import cli
+    from hybridpar.config import cli
 
     cli.main(main)  # a bad --set is one error: line

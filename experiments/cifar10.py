@@ -9,7 +9,7 @@ normalised on the devices.
 import os
 from pathlib import Path
 
-from hybridpar.config import base_config
+from hybridpar.config.schema import base_config
 
 DATA = Path(
     os.environ.get("HYBRIDPAR_DATA", Path(__file__).resolve().parents[2] / "shared" / "data")

@@ -62,8 +62,8 @@ fixed-size recipe needs for 85%.
 import re
 from pathlib import Path
 
-from hybridpar.config import load_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import load_config
 
 VARIANTS = {
     # widths, epochs, stages (END:SIZE-BATCH_PER_DEVICE), target top-1

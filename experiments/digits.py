@@ -4,7 +4,7 @@
 a small ResNet. Reaches >= 97% test top-1 in about a minute on 2 CPU cores.
 """
 
-from hybridpar.config import base_config
+from hybridpar.config.schema import base_config
 
 
 def get_config():

@@ -8,7 +8,7 @@ The head is 2048 x 100,352 = 206M parameters (822 MB in float32).
 
 from pathlib import Path
 
-from hybridpar.config import load_config
+from hybridpar.config.schema import load_config
 
 
 def get_config():

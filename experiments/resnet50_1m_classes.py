@@ -3,7 +3,7 @@
 The head alone is 2048 x 1M = 2.05G parameters: 8.2 GB in float32, as much again for the
 momentum and for the gradient, plus logits of batch x 1M. ``data:-1`` replicates all of it on
 every device. Here the head is partial-FC (``model.head=partial_fc``, see
-``hybridpar/sharded_head.py``): its classes are split over all devices, the features are
+``hybridpar/parallel/sharded_head.py``): its classes are split over all devices, the features are
 all-gathered over the data axes for the head only, and the trunk stays data parallel.
 Softmax cross-entropy and top-k never gather the logits.
 
@@ -20,7 +20,7 @@ it to be a multiple of its shards (all devices for partial_fc, ``model`` for sha
 
 from pathlib import Path
 
-from hybridpar.config import load_config
+from hybridpar.config.schema import load_config
 
 
 def get_config(num_classes: str = "1000000"):

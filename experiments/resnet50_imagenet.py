@@ -21,8 +21,8 @@ Mixed precision: bfloat16 compute, float32 parameters.
 
 import os
 
-from hybridpar.config import base_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config
 
 ARCHIVES = ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar")
 

@@ -24,8 +24,8 @@ default here is bfloat16, which needs no scaling. DAWNBench's target: 93% top-5.
 
 from pathlib import Path
 
-from hybridpar.config import load_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import load_config
 
 STAGES = "20:128-224@0.08,38:224-224@0.087,40:288-128@0.5"
 PEAK_LR, PEAK_BATCH = 8.5, 128 * 224  # MoXing's LR at its 128-px global batch

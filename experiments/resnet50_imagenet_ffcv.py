@@ -16,8 +16,8 @@ smoothing 0.1, weight decay 5e-5 off BatchNorm, evaluation at 256 px with test-t
 
 from pathlib import Path
 
-from hybridpar.config import load_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import load_config
 
 EPOCHS = ("16", "24", "32", "40", "56", "88")
 

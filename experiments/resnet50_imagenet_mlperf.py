@@ -15,8 +15,8 @@ time to target with and without compilation.
 
 from pathlib import Path
 
-from hybridpar.config import load_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import load_config
 
 BASE_BATCH, BASE_LR = 3264, 10.5
 

@@ -3,7 +3,7 @@ synthetic images, for tensor parallelism of its wide layers.
 
 ``--config.partitioning.preset=tensor`` with a ``model`` axis splits the bottleneck convs of
 stages 3 and 4 Megatron-style (conv1 over output channels, conv2 over input channels; see
-``hybridpar/partitioning.py``). ``:STAGES`` (e.g. ``:1234``) applies the same split to the
+``hybridpar/parallel/partitioning.py``). ``:STAGES`` (e.g. ``:1234``) applies the same split to the
 blocks of those stages instead. ``docs/model_parallel.md`` compares these with pure data
 parallelism through ``python -m hybridpar.comm_report``:
 
@@ -13,7 +13,7 @@ parallelism through ``python -m hybridpar.comm_report``:
 
 from pathlib import Path
 
-from hybridpar.config import load_config
+from hybridpar.config.schema import load_config
 
 
 def get_config(tensor_stages: str = ""):

@@ -15,29 +15,29 @@ from __future__ import annotations
 
 import importlib
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "AXES": "hybridpar.mesh",
-    "BATCH_AXES": "hybridpar.mesh",
-    "data_parallel_size": "hybridpar.mesh",
-    "make_mesh": "hybridpar.mesh",
-    "parse_mesh_spec": "hybridpar.mesh",
-    "DATA_PARALLEL": "hybridpar.partitioning",
-    "FSDP": "hybridpar.partitioning",
-    "HYBRID": "hybridpar.partitioning",
-    "PRESETS": "hybridpar.partitioning",
-    "TENSOR": "hybridpar.partitioning",
-    "Rules": "hybridpar.partitioning",
-    "batch_sharding": "hybridpar.partitioning",
-    "infer_shardings": "hybridpar.partitioning",
-    "infer_spec": "hybridpar.partitioning",
-    "preset_rules": "hybridpar.partitioning",
-    "shard_batch": "hybridpar.partitioning",
-    "ShardedHead": "hybridpar.sharded_head",
-    "sharded_cross_entropy": "hybridpar.sharded_head",
-    "sharded_topk_hits": "hybridpar.sharded_head",
+    "AXES": "hybridpar.parallel.mesh",
+    "BATCH_AXES": "hybridpar.parallel.mesh",
+    "data_parallel_size": "hybridpar.parallel.mesh",
+    "make_mesh": "hybridpar.parallel.mesh",
+    "parse_mesh_spec": "hybridpar.parallel.mesh",
+    "DATA_PARALLEL": "hybridpar.parallel.partitioning",
+    "FSDP": "hybridpar.parallel.partitioning",
+    "HYBRID": "hybridpar.parallel.partitioning",
+    "PRESETS": "hybridpar.parallel.partitioning",
+    "TENSOR": "hybridpar.parallel.partitioning",
+    "Rules": "hybridpar.parallel.partitioning",
+    "batch_sharding": "hybridpar.parallel.partitioning",
+    "infer_shardings": "hybridpar.parallel.partitioning",
+    "infer_spec": "hybridpar.parallel.partitioning",
+    "preset_rules": "hybridpar.parallel.partitioning",
+    "shard_batch": "hybridpar.parallel.partitioning",
+    "ShardedHead": "hybridpar.parallel.sharded_head",
+    "sharded_cross_entropy": "hybridpar.parallel.sharded_head",
+    "sharded_topk_hits": "hybridpar.parallel.sharded_head",
 }
 
 __all__ = ["ConfigError", *sorted(_EXPORTS)]

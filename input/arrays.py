@@ -1,9 +1,9 @@
 """In-memory data sets and their batching: scikit-learn's digits and synthetic images.
 
 Both need no download. Batches are host-local numpy dicts (``image`` uint8 NHWC, ``label``
-int32, and ``mask`` for eval); ``hybridpar.partitioning.shard_batch`` turns them into global
-arrays. Every process computes the same global permutation from (seed, epoch) and takes its
-own contiguous slice of each global batch, so hosts read disjoint examples and a given seed
+int32, and ``mask`` for eval); ``hybridpar.shard_batch`` turns them into global arrays.
+Every process computes the same global permutation from (seed, epoch) and takes its own
+contiguous slice of each global batch, so hosts read disjoint examples and a given seed
 and step always give the same batch.
 """
 
@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from hybridpar.errors import ConfigError, DataError
+from hybridpar.config.errors import ConfigError, DataError
 
 
 def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:

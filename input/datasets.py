@@ -21,7 +21,7 @@ import itertools
 import os
 from typing import Callable, Iterator
 
-from hybridpar.errors import ConfigError, DataError
+from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input import arrays
 
 

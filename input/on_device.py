@@ -42,7 +42,7 @@ import threading
 
 import numpy as np
 
-from hybridpar.errors import ConfigError, DataError
+from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input import arrays
 
 CACHE_FORMAT = "hybridpar-on-device-v1"
@@ -272,7 +272,7 @@ class DeviceSet:
         import jax
         from jax import lax
 
-        from hybridpar.partitioning import batch_sharding
+        from hybridpar.parallel.partitioning import batch_sharding
 
         mesh, b, stored = self.mesh, global_batch, self.stored(size)
         scale = float(min_scale) if self.crop else 1.0
@@ -326,7 +326,7 @@ class DeviceSet:
         import jax.numpy as jnp
         from jax import lax
 
-        from hybridpar.partitioning import batch_sharding
+        from hybridpar.parallel.partitioning import batch_sharding
 
         mesh, b, n = self.mesh, global_batch, self.n_test
         size, out, ratio = self.test_size, self.eval_size, self.eval_crop_ratio
@@ -362,7 +362,7 @@ class DeviceSet:
 
 def image_sizes(c) -> list[int]:
     """Every image size the config trains or evaluates at: data.image_size and the stages'."""
-    from hybridpar.curriculum import parse_stages
+    from hybridpar.config.curriculum import parse_stages
 
     stages = parse_stages(c.stages) if c.stages else []
     return sorted({c.data.image_size, *(size for _, size, _, _ in stages)})
@@ -374,7 +374,7 @@ def make_data(c, mesh=None):
     import jax
 
     from hybridpar.input.datasets import Data
-    from hybridpar.mesh import make_mesh
+    from hybridpar.parallel.mesh import make_mesh
 
     d = c.data
     mesh = make_mesh(c.mesh) if mesh is None else mesh

@@ -2,7 +2,7 @@
 
 ``ImagePipeline`` yields host-local numpy batches with the same contract as
 ``hybridpar.input.arrays`` (``image`` uint8 NHWC, ``label`` int32, eval adds ``mask``
-float32 1/0); ``hybridpar.partitioning.shard_batch`` (or ``prefetch_to_mesh`` in
+float32 1/0); ``hybridpar.parallel.partitioning.shard_batch`` (or ``prefetch_to_mesh`` in
 ``input/prefetch.py``) turns them into global arrays. The cache levels, from slowest to fastest:
 
 1. prepared shards chosen by the current image size (``records.choose_copy``: a 128-px
@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input import records
 from hybridpar.input.transforms import eval_transform, train_transform
 

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Callable, Iterable, Iterator
 
-from hybridpar.partitioning import shard_batch
+from hybridpar.parallel.partitioning import shard_batch
 
 _DONE = object()
 

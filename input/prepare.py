@@ -32,8 +32,8 @@ import time
 import warnings
 import zlib
 
-from hybridpar import cli
-from hybridpar.errors import ConfigError, DataError
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input.records import (
     FORMAT,
     MANIFEST,

@@ -58,7 +58,7 @@ from __future__ import annotations
 import json
 import os
 
-from hybridpar.errors import DataError
+from hybridpar.config.errors import DataError
 
 FORMAT = "hybridpar-tfrecord-v2"
 # v1 numbered each split's own sorted class list, so labels could disagree between splits.

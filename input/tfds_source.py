@@ -15,7 +15,7 @@ import statistics
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input.pipeline import ImagePipeline
 
 _SIDE_SAMPLE = 256  # images whose shorter sides estimate the split's median

@@ -65,7 +65,7 @@ class AirbenchNet(nn.Module):
     zero_init_last_bn: bool = True
     small_stem: bool = True
     pointwise_dot: bool = True
-    # A pruned net's widths (hybridpar/prune.py): each block's conv2 and conv1 outputs;
+    # A pruned net's widths (hybridpar/tools/prune.py): each block's conv2 and conv1 outputs;
     # (): num_filters, 2 num_filters, 2 num_filters.
     stage_widths: Sequence[int] = ()
     block_widths: Sequence[int] = ()

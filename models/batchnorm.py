@@ -44,8 +44,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybridpar.config import parse_bn_sync
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.parsing import parse_bn_sync
 
 
 def bn_devices_per_group(bn_sync: str, data_parallel_size: int) -> int:

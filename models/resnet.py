@@ -6,7 +6,7 @@ annotated with logical axes, so the model itself stays free of any parallelism.
 
 ``model.apply(..., return_features=True)`` stops before the classifier and returns the pooled
 features ``(batch, embed)``: steps that place the head themselves (class-sharded softmax,
-``hybridpar/sharded_head.py``) apply ``params["head"]`` to them. The head's parameters are
+``hybridpar/parallel/sharded_head.py``) apply ``params["head"]`` to them. The head's parameters are
 still created by ``init`` (which runs the whole model).
 """
 
@@ -117,7 +117,7 @@ class _Block(nn.Module):
     strides: int = 1
     zero_init_last_bn: bool = True
     width_factor: int = 1
-    # Pruned widths (hybridpar/prune.py); 0: the defaults from ``filters``.
+    # Pruned widths (hybridpar/tools/prune.py); 0: the defaults from ``filters``.
     inner_width: int = 0  # the convs inside the block (before the last)
     out_width: int = 0  # the block's output, the residual stream
 
@@ -194,8 +194,8 @@ class ResNet(nn.Module):
     bn_axis_name: Any = None
     bn_axis_index_groups: Any = None
     bn_group_sharding: Any = None
-    # Narrower widths, as a pruned model has them (hybridpar/prune.py; model.stem_width etc.
-    # in hybridpar/config.py): the stem's output, each stage's output (the residual stream)
+    # Narrower widths, as a pruned model has them (hybridpar/tools/prune.py; model.stem_width etc.
+    # in hybridpar/config/schema.py): the stem's output, each stage's output (the residual stream)
     # and each block's inner convs, in block order. 0 / (): the defaults from num_filters.
     stem_width: int = 0
     stage_widths: Sequence[int] = ()

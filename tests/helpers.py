@@ -44,14 +44,14 @@ import pytest
 from flax.core import meta
 
 from hybridpar import make_mesh, shard_batch
-from hybridpar.config import base_config
-from hybridpar.curriculum import single_stage_plan
-from hybridpar.optim import decay_mask
-from hybridpar.partitioning import infer_shardings
-from hybridpar.precision import LossScale, Policy
-from hybridpar.program import build_program
-from hybridpar.state import make_init_fn
-from hybridpar.steps import jit_train_step, make_train_step
+from hybridpar.config.curriculum import single_stage_plan
+from hybridpar.config.schema import base_config
+from hybridpar.parallel.partitioning import infer_shardings
+from hybridpar.program.optim import decay_mask
+from hybridpar.program.precision import LossScale, Policy
+from hybridpar.program.program import build_program
+from hybridpar.program.state import make_init_fn
+from hybridpar.program.steps import jit_train_step, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
@@ -91,7 +91,7 @@ TINY_DIGITS = {
 
 def tiny_digits(mesh="data:4,model:2", **overrides):
     """``TINY_DIGITS`` on ``mesh``, with ``overrides`` (dotted keys) applied as the CLI would."""
-    from hybridpar import cli
+    from hybridpar.config import cli
 
     c = cli.load(DIGITS)
     c.mesh = mesh
@@ -101,7 +101,7 @@ def tiny_digits(mesh="data:4,model:2", **overrides):
 
 def compile_tiny(target, mesh, **overrides) -> dict:
     """``compile_programs``' report of ``tiny_digits(mesh, **overrides)`` for ``target``."""
-    from hybridpar.compile import compile_programs
+    from hybridpar.tools.compile import compile_programs
 
     return compile_programs(tiny_digits(mesh=mesh, **overrides), target)
 
@@ -126,7 +126,7 @@ def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProc
     virtual device count (``--devices``); this process's XLA_FLAGS and JAX_PLATFORMS are not
     passed on. Compile-only, as the planner compiles: memory and collectives are fixed
     before LLVM, whose optimisations this skips (a third of a ResNet-50 compile)."""
-    from hybridpar.plan import ANALYSIS_XLA_FLAGS
+    from hybridpar.tools.plan import ANALYSIS_XLA_FLAGS
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = " ".join(ANALYSIS_XLA_FLAGS)

@@ -14,11 +14,11 @@ from flax.core import meta
 from helpers import random_like, tiny_digits
 from PIL import Image
 
-from hybridpar import trainer
 from hybridpar.models.airbench import WHITEN_EPS, AirbenchNet, patches_2x2, whitening_kernel
-from hybridpar.precision import make_policy
-from hybridpar.run import setup
-from hybridpar.steps import cross_entropy, make_eval_step, normalize
+from hybridpar.program.precision import make_policy
+from hybridpar.program.steps import cross_entropy, make_eval_step, normalize
+from hybridpar.runtime import trainer
+from hybridpar.runtime.run import setup
 
 
 def _images(n=64, size=12, channels=3, seed=0):

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input.arrays import eval_batches, load_digits, steps_per_epoch, train_batches
 
 

@@ -43,10 +43,10 @@ from flax.core import meta
 from helpers import NO_LLVM_OPT, NO_LLVM_OPT_FLAG, ROOT, bench_module, build, cpu_env, random_like
 
 from hybridpar import shard_batch
-from hybridpar.config import load_config
+from hybridpar.config.schema import load_config
 from hybridpar.models import MODELS
 from hybridpar.models.resnet import BottleneckResNetBlock, ResNet, ResNet50
-from hybridpar.precision import LossScale
+from hybridpar.program.precision import LossScale
 
 flax_reference = bench_module("flax_reference")
 
@@ -385,7 +385,7 @@ def test_curriculum_tta_calibration_stages_alternate_the_shapes_for_the_steps_as
     the trainer's plan of them (its whole steps per epoch at each batch) gives exactly
     those steps. Planted bugs that fail it: the batch per device taken as global, an epoch
     of examples / batch steps (not the trainer's whole steps)."""
-    from hybridpar.curriculum import Stage, plan_stages
+    from hybridpar.config.curriculum import Stage, plan_stages
 
     # 1,100 examples: 5 whole steps per epoch at a global batch of 200, 3 at 300
     text = tta.alternating_stages(["24-100@0.5", "32-150~0.95"], 7, 2, 1100, 2)
@@ -439,7 +439,7 @@ def test_curriculum_tta_speedups_per_seed_and_their_spread():
 
 def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeypatch, capsys):
     """One evaluator per run: the bench's own waits for one that holds the run's records."""
-    from hybridpar import workdir_lock
+    from hybridpar.runtime import workdir_lock
 
     runs = [tmp_path / "curriculum", tmp_path / "fixed"]
     for w in runs:

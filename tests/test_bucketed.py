@@ -42,16 +42,16 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
-from hybridpar.bucketed import bucket_plan, forward_params
-from hybridpar.comm_report import parse_collectives
-from hybridpar.config import validate
+from hybridpar.config.schema import validate
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.partitioning import batch_sharding, infer_shardings, path_str
-from hybridpar.precision import LossScale, Policy
-from hybridpar.state import abstract_like, make_init_fn
-from hybridpar.steps import jit_train_step, make_train_step, normalize, scaled_loss_fn
-from hybridpar.sync import BucketedSync, XlaSync, make_sync
+from hybridpar.parallel.bucketed import bucket_plan, forward_params
+from hybridpar.parallel.partitioning import batch_sharding, infer_shardings, path_str
+from hybridpar.program.precision import LossScale, Policy
+from hybridpar.program.state import abstract_like, make_init_fn
+from hybridpar.program.steps import jit_train_step, make_train_step, normalize, scaled_loss_fn
+from hybridpar.program.sync import BucketedSync, XlaSync, make_sync
+from hybridpar.tools.comm_report import parse_collectives
 
 BATCH, SIZE, CLASSES, STEPS = 16, 16, 10, 3
 MEAN, STD = (127.5,) * 3, (64.0,) * 3

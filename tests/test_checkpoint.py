@@ -39,10 +39,10 @@ from helpers import (
     tiny_digits,
 )
 
-from hybridpar import checkpoint, trainer
-from hybridpar.curriculum import stages_from_config
-from hybridpar.errors import ConfigError, SaveFailed
-from hybridpar.run import check_workdir, setup
+from hybridpar.config.curriculum import stages_from_config
+from hybridpar.config.errors import ConfigError, SaveFailed
+from hybridpar.runtime import checkpoint, trainer
+from hybridpar.runtime.run import check_workdir, setup
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP = 4  # the in-process run is stopped after this step
@@ -428,9 +428,9 @@ def test_the_run_s_config_is_its_checkpoint_s_not_a_hand_edited_config_json(
         (w / "config.json").write_text(json.dumps(saved))
     edited = tiny_digits(**{"optim.base_lr": 0.2})
     # the tools that read a run (evaluator, quantize, compress) take the checkpoint's too
-    from hybridpar import cli
+    from hybridpar.runtime import trained
 
-    assert cli.load_run(str(tmp_path / "same")).optim.base_lr == 0.4
+    assert trained.load_config(str(tmp_path / "same")).optim.base_lr == 0.4
 
     w = tmp_path / "same"
     setup(tiny_digits(), str(w), with_data=False).lock.release()  # not refused

@@ -3,8 +3,8 @@ own flag wins over them."""
 
 import os
 
-from hybridpar import comm
-from hybridpar.config import base_config
+from hybridpar.config.schema import base_config
+from hybridpar.parallel import comm
 
 TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 

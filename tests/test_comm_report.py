@@ -12,16 +12,16 @@ import ml_collections
 import pytest
 from helpers import run_compile_tool
 
-from hybridpar import comm
-from hybridpar.comm_report import (
+from hybridpar.config.schema import base_config, load_config
+from hybridpar.models import create_model
+from hybridpar.parallel import comm
+from hybridpar.tools.comm_report import (
     describe_overlap,
     overlap_totals,
     parse_collectives,
     parse_overlap,
     shape_bytes,
 )
-from hybridpar.config import base_config, load_config
-from hybridpar.models import create_model
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -155,7 +155,8 @@ def test_the_tpu_compilers_fused_and_cloned_collectives_count_once_as_async():
 # async-start/-done with nothing between; and the TPU compiler's chain, a gather started
 # in one fusion (AsyncCollectiveStart), cloned into an async_collective_fusion beside a
 # convolution, and ended in a third (AsyncCollectiveDone), with a dot scheduled between.
-SCHEDULED_HLO = """
+# The start of both scheduled modules below: a reduction for the collectives, a convolution.
+HLO_PRELUDE = """
 HloModule jit_step, is_scheduled=true
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -169,7 +170,9 @@ HloModule jit_step, is_scheduled=true
   %p1 = bf16[3,3,4,8]{3,2,1,0} parameter(1)
   ROOT %convolution.1 = bf16[8,16,16,8]{3,2,1,0} convolution(%p0, %p1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
 }
+"""
 
+SCHEDULED_HLO = HLO_PRELUDE + """
 %async_rs (p0: f32[16]) -> f32[4] {
   %p0 = f32[16]{0} parameter(0)
   ROOT %reduce-scatter.9 = f32[4]{0} reduce-scatter(%p0), channel_id=9, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
@@ -249,21 +252,7 @@ def test_parse_overlap_on_hand_written_scheduled_hlo():
     assert describe_overlap(chain).startswith("all-gather 576 B: async over 2 ops (")
 
 
-INTERLEAVED_HLO = """
-HloModule jit_step, is_scheduled=true
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %sum = f32[] add(%x, %y)
-}
-
-%conv_fusion (p0: bf16[8,16,16,4], p1: bf16[3,3,4,8]) -> bf16[8,16,16,8] {
-  %p0 = bf16[8,16,16,4]{3,2,1,0} parameter(0)
-  %p1 = bf16[3,3,4,8]{3,2,1,0} parameter(1)
-  ROOT %convolution.1 = bf16[8,16,16,8]{3,2,1,0} convolution(%p0, %p1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
-}
-
+INTERLEAVED_HLO = HLO_PRELUDE + """
 %rs_1 (p0: f32[16]) -> f32[4] {
   %p0 = f32[16]{0} parameter(0)
   ROOT %reduce-scatter.1 = f32[4]{0} reduce-scatter(%p0), channel_id=11, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
@@ -330,7 +319,8 @@ def test_shape_bytes():
 def test_the_simulators_digits_size_is_the_runs():
     """hybridpar.simulate prices a digits report's epoch without loading the data: its
     constant is the split the run trains on."""
-    from hybridpar import executables, simulate
+    from hybridpar import simulate
+    from hybridpar.runtime import executables
 
     assert executables.data_size(load_config(DIGITS)) == simulate.DIGITS_TRAIN_IMAGES
 
@@ -430,7 +420,7 @@ def test_apply_keeps_flags_already_in_the_environment(monkeypatch):
 
 def test_gpu_flags_do_not_break_a_cpu_only_jax():
     code = (
-        "from hybridpar import comm, config\n"
+        "from hybridpar.parallel import comm\nfrom hybridpar.config import schema as config\n"
         "print(comm.apply(config.base_config().comm, 'gpu'))\n"
         "import jax, jax.numpy as jnp\n"
         "print(float(jax.jit(lambda x: (2 * x).sum())(jnp.ones(4))))\n"
@@ -473,7 +463,7 @@ def test_bucketed_mode_reports_one_all_reduce_per_bucket():
     bucket and one for the loss and BN running averages, nothing else. On the digits model
     with small buckets (its gradients in several), not ResNet-50 (slow to compile through
     the CLI; tests/test_bucketed.py counts ResNet-50's in process)."""
-    from hybridpar.bucketed import bucket_plan, forward_params
+    from hybridpar.parallel.bucketed import bucket_plan, forward_params
 
     config = load_config(DIGITS)
     m = config.model

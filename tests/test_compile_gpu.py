@@ -22,9 +22,9 @@ import sys
 import pytest
 from helpers import compile_tiny
 
-from hybridpar import targets
-from hybridpar.cli import ACCELERATOR_FILES
-from hybridpar.errors import ConfigError
+from hybridpar.config.cli import ACCELERATOR_FILES
+from hybridpar.config.errors import ConfigError
+from hybridpar.tools import targets
 
 HAVE_PLUGIN = targets.have_cuda_plugin()
 needs_plugin = pytest.mark.skipif(
@@ -60,7 +60,7 @@ def test_the_gpu_memory_check_compares_bytes_with_the_capacity(name):
     """The check the GPU compiler leaves to the tool, without the plugin: a program's
     per-GPU bytes against the GPU's bytes (80 GB on an H100: 74.51 GiB), refused from one
     byte over."""
-    from hybridpar.compile import OverHbm, _hbm_shortfall, over_capacity
+    from hybridpar.tools.compile import OverHbm, _hbm_shortfall, over_capacity
 
     t = targets.parse(f"gpu:{name}-8")
     cap = {"h100": 80e9, "h200": 141e9, "a100": 80e9}[name]
@@ -78,7 +78,7 @@ def test_this_machines_own_gpus_are_a_target_without_a_chip(monkeypatch):
     (the lent GPU image's) counts as the plugin too."""
     import importlib.util
 
-    from hybridpar.compile import over_capacity
+    from hybridpar.tools.compile import over_capacity
 
     own = targets.Target("gpu", 1)
     assert own.devices() is None
@@ -134,7 +134,10 @@ def test_a_program_over_the_gpus_memory_is_refused_with_the_plan_that_fits(h100_
 def test_the_tools_start_jax_without_the_plugins_traceback_on_a_cpu_machine():
     # with the CUDA plugin installed, JAX's own start-up prints its failed initialisation
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    code = "import jax; from hybridpar import cli; cli.main(lambda: print(jax.default_backend()))"
+    code = (
+        "import jax; from hybridpar.config import cli; "
+        "cli.main(lambda: print(jax.default_backend()))"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "Unable to load CUDA" not in r.stderr

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 from helpers import DIGITS, compile_tiny, tiny_digits
 
-from hybridpar import targets
-from hybridpar.cli import ACCELERATOR_FILES
-from hybridpar.errors import ConfigError
+from hybridpar.config.cli import ACCELERATOR_FILES
+from hybridpar.config.errors import ConfigError
+from hybridpar.tools import targets
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -78,7 +78,7 @@ def test_a_zero_count_says_at_least_one(spec, expect):
 
 
 def test_a_mesh_of_another_size_names_a_target_of_its_size():
-    from hybridpar.compile import _target_hint
+    from hybridpar.tools.compile import _target_hint
 
     hint = _target_hint(targets.parse("tpu:v5e-4,slices=2"), "data:16")
     assert hint == "--target tpu:v5e-4,slices=2 is 8 chips; --target tpu:v5e-8,slices=2 has 16"
@@ -95,7 +95,7 @@ def _program(name, batch, size, total, flops, coll):
 
 
 def test_the_last_line_gives_the_largest_programs_figures():
-    from hybridpar.compile import format_report
+    from hybridpar.tools.compile import format_report
 
     report = dict(
         mesh={"data": 8}, target_description="t", wall_s=1.0, slices=1, axes_across_slices=[],
@@ -162,7 +162,7 @@ def test_the_tpu_compiler_reduces_xla_modes_gradients_in_bfloat16(v5e_8):
     step's all-reduces carry 4; the rest (loss, BatchNorm statistics) is float32 in both."""
     import jax
 
-    from hybridpar.run import setup
+    from hybridpar.runtime.run import setup
 
     train = {}
     for rd in ("float32", "bfloat16"):
@@ -227,9 +227,9 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     without its functions, and the loading run failed at its first step."""
     import jax
 
-    from hybridpar import trainer
-    from hybridpar.compile import compile_programs
-    from hybridpar.run import setup
+    from hybridpar.runtime import trainer
+    from hybridpar.runtime.run import setup
+    from hybridpar.tools.compile import compile_programs
 
     assert jax.config.jax_compilation_cache_dir  # conftest's: the case needs a cache
     config = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3)
@@ -259,8 +259,8 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     ],
 )
 def test_a_file_for_another_run_is_refused_or_recompiled(tmp_path, change, expect):
-    from hybridpar.compile import compile_programs
-    from hybridpar.run import setup
+    from hybridpar.runtime.run import setup
+    from hybridpar.tools.compile import compile_programs
 
     out = str(tmp_path / "programs.bin")
     common = {"mesh": "data:4,model:2", "data.train_examples": DIGITS_TRAIN}
@@ -282,9 +282,9 @@ HEADER_FIELDS = ("format", "platform", "device_kind", "devices", "mesh", "config
 def test_every_field_of_a_files_header_is_checked(tmp_path):
     import pickle
 
-    from hybridpar import executables
-    from hybridpar.compile import compile_programs
-    from hybridpar.run import setup
+    from hybridpar.runtime import executables
+    from hybridpar.runtime.run import setup
+    from hybridpar.tools.compile import compile_programs
 
     out = tmp_path / "programs.bin"
     compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(out))
@@ -314,7 +314,7 @@ def test_every_field_of_a_files_header_is_checked(tmp_path):
 
 
 def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
-    from hybridpar import compile as tool
+    from hybridpar.tools import compile as tool
 
     def never(*a, **k):
         raise AssertionError("compiled before checking --out")
@@ -332,8 +332,8 @@ def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
 def test_a_failed_write_comes_after_the_report_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 
-    from hybridpar import executables
-    from hybridpar.compile import compile_programs
+    from hybridpar.runtime import executables
+    from hybridpar.tools.compile import compile_programs
 
     events = []
 
@@ -426,7 +426,10 @@ def test_the_tools_start_jax_on_the_cpu_without_libtpus_warnings():
     # libtpu prints its failed initialisation (a host it cannot find) before the CPU
     unset = ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")
     env = {k: v for k, v in os.environ.items() if k not in unset}
-    code = "import jax; from hybridpar import cli; cli.main(lambda: print(jax.default_backend()))"
+    code = (
+        "import jax; from hybridpar.config import cli; "
+        "cli.main(lambda: print(jax.default_backend()))"
+    )
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr[-2000:]
     assert "TPU" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

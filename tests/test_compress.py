@@ -1,5 +1,5 @@
-"""Compression: channel pruning (``hybridpar/prune.py``), distillation
-(``hybridpar/distill.py``) and the compress-and-retrain loop (``python -m
+"""Compression: channel pruning (``hybridpar/tools/prune.py``), distillation
+(``hybridpar/runtime/distill.py``) and the compress-and-retrain loop (``python -m
 hybridpar.compress``).
 
 * Pruning nothing, with every group's channels in a random order, leaves the logits as they
@@ -37,9 +37,11 @@ import pytest
 from flax.core import meta
 from helpers import DIGITS, config_args, cpu_env, random_variables, tiny_digits
 
-from hybridpar import distill, partitioning, prune, run, trainer
 from hybridpar.models.airbench import AirbenchNet
 from hybridpar.models.resnet import ResNet50, ResNetTiny
+from hybridpar.parallel import partitioning
+from hybridpar.runtime import distill, run, trained, trainer
+from hybridpar.tools import prune
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
@@ -125,7 +127,7 @@ def test_param_count_is_the_pruned_models(model, size):
 def _real_int8_bytes(model, size, params, stats, keep):
     """What ``quantize`` writes for the model pruned to ``keep``: calibrated on random
     images, folded, quantized, measured (``prune.int8_bytes``'s shapes-only path aside)."""
-    from hybridpar import int8
+    from hybridpar.program import int8
 
     gs = prune.groups(model, params)
     counts = prune.counts_for(gs, prune.group_widths(gs, params), keep)
@@ -147,7 +149,7 @@ def test_int8_bytes_are_what_quantize_writes(model, size):
 
 
 def test_the_last_round_spends_the_budget():
-    from hybridpar import compress
+    from hybridpar.tools import compress
 
     model, size = MODELS[2]
     params, stats = random_variables(model, size)
@@ -185,7 +187,7 @@ def _fake_bytes(keep):
 def _fake_teacher(path):
     """A finished run as compress sees it before any device: config.json, a checkpoint's
     directory and a completed summary (the rounds themselves are ``_fake_rounds``')."""
-    from hybridpar import checkpoint
+    from hybridpar.runtime import checkpoint
 
     path.mkdir()
     config = tiny_digits(**LONGER)
@@ -200,7 +202,7 @@ def _fake_rounds(monkeypatch, drops=None):
     """Each round's work (prune, distil, quantize) replaced by a report of ``_fake_bytes``
     at its fraction and a top-1 ``drops[index]`` points under the teacher's (default 0);
     returns the list of ``(index, keep)`` of the rounds made."""
-    from hybridpar import compress
+    from hybridpar.tools import compress
 
     made = []
 
@@ -224,7 +226,7 @@ def _main(w, *extra):
     import contextlib
     import io
 
-    from hybridpar import compress
+    from hybridpar.tools import compress
 
     out, err = io.StringIO(), io.StringIO()
     argv = ["--workdir", str(w), "--step", "0.25", "--max-drop", "1", *extra]
@@ -294,7 +296,7 @@ def test_a_loop_of_another_teacher_step_is_not_reused(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("state", ["training", "no-summary", "stopped"])
 def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
-    from hybridpar import workdir_lock
+    from hybridpar.runtime import workdir_lock
 
     w = _fake_teacher(tmp_path / "t")
     made = _fake_rounds(monkeypatch)
@@ -319,7 +321,7 @@ def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
 
 
 def test_two_loops_on_one_workdir_exclude_each_other(tmp_path, monkeypatch):
-    from hybridpar import compress
+    from hybridpar.tools import compress
 
     w = _fake_teacher(tmp_path / "t")
     made = _fake_rounds(monkeypatch)
@@ -347,7 +349,7 @@ def teacher(tmp_path_factory):
     # a train line every step: the loop's rounds inherit it, and the SIGTERM test waits for one
     config = tiny_digits(**{**LONGER, "log_every_s": 0.0})
     trainer.train(run.setup(config, str(t), devices=one))
-    from hybridpar.mesh import make_mesh
+    from hybridpar.parallel.mesh import make_mesh
 
     r = prune.prune_run(str(t), str(root / "pruned"), 0.5, mesh=make_mesh("data:1", devices=one))
     return t, root / "pruned", r
@@ -412,11 +414,11 @@ def _one_step(config, devices, batch):
     """The first train step's loss and parameters, from ``config``'s ``init_from``."""
     r = run.setup(config, None, devices=devices)
     p = r.program
-    from hybridpar.state import init_sharded
+    from hybridpar.program.state import init_sharded
 
     state = init_sharded(p.init, p.shardings, jax.random.key(config.seed))
     if config.init_from:
-        state = prune.start_from(config.init_from, state, p)
+        state = trained.start_from(config.init_from, state, p)
     step = p.train_step(config.global_batch)
     state, metrics = step(state, partitioning.shard_batch(batch, r.mesh))
     return float(metrics["loss"]), jax.device_get(meta.unbox(state.params))
@@ -465,7 +467,7 @@ def test_the_teacher_runs_in_inference_mode(teacher):
     and the train step's loss is Hinton's on them; the teacher as its own student, so that a
     teacher in train mode (the batch's statistics, the student's own logits) would hide
     behind a KL of 0."""
-    from hybridpar import steps
+    from hybridpar.program import steps
 
     t, _, _ = teacher
     one = jax.devices()[:1]
@@ -567,9 +569,10 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
             for i in (0, 1)]  # fmt: skip
     assert rows[1]["params"] < 0.4 * rows[0]["params"]
     # each round names the teacher's checkpoint it was made from
-    from hybridpar import cli, compress
+    from hybridpar.runtime import trained
+    from hybridpar.tools import compress
 
-    step = compress.teacher_step(cli.load_run(str(t)), str(t))
+    step = compress.teacher_step(trained.load_config(str(t)), str(t))
     assert [r["teacher_step"] for r in rows] == [step, step] and last.endswith(f"={step}")
     # the sizes the loop plans rounds with are the ones quantize wrote, to the byte
     _, bytes_at = compress.teacher_size(str(t))
@@ -591,8 +594,8 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
 def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     import argparse
 
-    from hybridpar import compress
-    from hybridpar.errors import ConfigError
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.tools import compress
 
     (tmp_path / compress.DIR).mkdir()
     old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
@@ -617,7 +620,7 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     ids=["budget", "step", "drop", "other-loop", "not-a-run", "no-checkpoint"],
 )
 def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
-    from hybridpar import compress
+    from hybridpar.tools import compress
 
     t = teacher[0]
     if "holds a loop" in message:

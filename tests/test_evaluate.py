@@ -31,10 +31,11 @@ from pathlib import Path
 import pytest
 from helpers import DIGITS, TINY_DIGITS, config_args, saved_loop, tiny_digits
 
-from hybridpar import evaluate, evaluator, trainer, workdir_lock
-from hybridpar.curriculum import plan_stages, stages_from_config
-from hybridpar.errors import ConfigError, WorkdirError
-from hybridpar.run import setup
+from hybridpar.config.curriculum import plan_stages, stages_from_config
+from hybridpar.config.errors import ConfigError, WorkdirError
+from hybridpar.runtime import evaluator, trainer, workdir_lock
+from hybridpar.runtime.run import setup
+from hybridpar.tools import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = {"checkpoint.every_steps": 3, "checkpoint.max_to_keep": 0, "eval_every_epochs": 0}

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hybridpar.config import base_config, validate
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config, validate
 from hybridpar.models import im2col
 from hybridpar.models.airbench import AirbenchNet
 from hybridpar.models.im2col import MIN_FLOPS, MIN_POSITIONS, Im2colConv, use_im2col

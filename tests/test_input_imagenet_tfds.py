@@ -59,7 +59,7 @@ def manual_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def built(manual_dir, tmp_path_factory):
-    from hybridpar.errors import ConfigError
+    from hybridpar.config.errors import ConfigError
     from hybridpar.input.tfds_source import TfdsPipeline
 
     root, labels, val_synsets = manual_dir
@@ -108,7 +108,7 @@ def test_imagenet2012_builds_from_the_manual_dir_and_reads_like_prepared_data(bu
 
 
 def test_experiment_points_at_imagenet_with_one_override(manual_dir, tmp_path):
-    from hybridpar.config import load_config
+    from hybridpar.config.schema import load_config
 
     root, _, _ = manual_dir
     c = load_config(f"{ROOT}/experiments/resnet50_imagenet.py:{root}")

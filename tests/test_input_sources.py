@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hybridpar.config import base_config
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config
 from hybridpar.input import datasets, records
 from hybridpar.input.pipeline import ImagePipeline
 from hybridpar.input.prepare import main as prepare_main

@@ -1,11 +1,11 @@
 """The package's layers, checked on its source: what may import what.
 
-* The config schema (``hybridpar.config``) imports no JAX or Flax, validation included: its
-  registries of names are plain data, checked here against the code they name.
-* The parallel layer (mesh, partitioning, the sharded head, collectives, joining
-  processes) imports nothing of the program layer (steps, train state, program, precision,
-  gradient syncs, heads, run, trainer), directly or through another module: read from the
-  source with ``ast``, so imports inside functions count too.
+* The config schema (``hybridpar.config.schema``) imports no JAX or Flax, validation
+  included: its registries of names are plain data, checked here against the code they name.
+* The layers are the folders (``LAYERS``, lowest first: config, parallel, models, input,
+  program, runtime, tools): a module imports only its own layer and those below, read from
+  the source with ``ast``, so imports inside functions count too. Nothing outside tools/
+  imports a tool, and the partitioning API imports neither the schema nor ml_collections.
 * No module imports itself through others (no import cycle, function-level imports
   included), and only the train command and tune import the trainer.
 """
@@ -13,13 +13,14 @@
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-from hybridpar import config as schema
+from hybridpar.config import schema
 
 NO_JAX = """
 import sys
-from hybridpar import config
+from hybridpar.config import schema as config
 c = config.base_config()
 config.validate(c)
 c.model.name, c.data.image_size, c.num_epochs = "airbench", 32, 2.0
@@ -36,12 +37,12 @@ def test_the_config_schema_imports_no_jax_or_flax():
 
 
 def test_the_schema_registries_name_what_the_code_has():
-    from hybridpar import partitioning
-    from hybridpar.heads import make_head
-    from hybridpar.mesh import make_mesh
     from hybridpar.models import MODELS
-    from hybridpar.sharded_head import ShardedHead
-    from hybridpar.steps import DENSE
+    from hybridpar.parallel import partitioning
+    from hybridpar.parallel.mesh import make_mesh
+    from hybridpar.parallel.sharded_head import ShardedHead
+    from hybridpar.program.heads import make_head
+    from hybridpar.program.steps import DENSE
 
     assert schema.MODEL_NAMES == tuple(sorted(MODELS))
     sizes = {k: getattr(v, "keywords", {}).get("stage_sizes") for k, v in MODELS.items()}
@@ -57,10 +58,23 @@ def test_the_schema_registries_name_what_the_code_has():
 
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {"hybridpar.models": ROOT / "models", "hybridpar.input": ROOT / "input",
-                "hybridpar": ROOT / "hybridpar"}  # pyproject.toml's package-dir  # fmt: skip
-PARALLEL = ["mesh", "partitioning", "sharded_head", "comm", "distributed", "bucketed"]
-PROGRAM = ["steps", "state", "program", "precision", "sync", "heads", "run", "trainer"]
+# where each package's source is: pyproject.toml's own mapping, the longest prefix first
+_DIRS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+PACKAGE_DIRS = {k: ROOT / v for k, v in sorted(_DIRS.items(), key=lambda kv: -len(kv[0]))}
+# The layers, lowest first, as the folders name them: a module imports its own layer and
+# those below it, never one above (function-level imports included). The scaling model
+# (hybridpar.simulate) is a tool's library; the package's face (hybridpar/__init__.py) and
+# the command entry points (hybridpar/NAME.py for python -m hybridpar.NAME) sit on top.
+LAYERS = ("config", "parallel", "models", "input", "program", "runtime", "tools", "top")
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "top"
+    if parts[1] == "simulate":
+        return "tools"
+    return parts[1] if parts[1] in LAYERS else "top"
 
 
 def _file(module: str) -> Path | None:
@@ -88,8 +102,10 @@ def _imports(module: str) -> set[str]:
             if node.level:
                 parts = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parts + ([node.module] if node.module else []))
-            out.add(base)
-            out |= {f"{base}.{a.name}" for a in node.names}  # "from hybridpar import steps"
+            names = {f"{base}.{a.name}" for a in node.names}  # "from hybridpar import simulate"
+            out |= names
+            if any(_file(n) is None for n in names):  # a name of the module itself
+                out.add(base)
     return {m for m in out if _file(m) is not None}
 
 
@@ -104,23 +120,41 @@ def _reach(start: str) -> dict[str, str]:
     return seen
 
 
-def test_the_parallel_layer_imports_nothing_of_the_program_layer():
-    assert "hybridpar.state" in _reach("hybridpar.sync")  # the reader finds imports at all
+def test_each_layer_imports_only_itself_and_the_layers_below():
+    assert "hybridpar.program.state" in _reach("hybridpar.program.sync")  # imports are seen
+    assert layer("hybridpar.tools.plan") == "tools" and layer("hybridpar.models.resnet") == "models"
     bad = []
-    for name in PARALLEL:
-        reached = _reach(f"hybridpar.{name}")
-        for upper in PROGRAM:
-            m, chain = f"hybridpar.{upper}", []
-            while m in reached and m:
-                chain.append(m)
-                m = reached[m]
-            if chain:
-                bad.append(" <- ".join(chain))
+    for m in _modules():
+        for d in sorted(_imports(m)):
+            if LAYERS.index(layer(d)) > LAYERS.index(layer(m)):
+                bad.append(f"{m} ({layer(m)}) imports {d} ({layer(d)})")
     assert not bad, bad
 
 
+API = """
+import sys
+import hybridpar
+hybridpar.make_mesh, hybridpar.infer_shardings, hybridpar.shard_batch, hybridpar.Rules
+hybridpar.ShardedHead, hybridpar.preset_rules
+print(sorted({m.split(".")[0] for m in sys.modules} & {"ml_collections", "tensorflow"}),
+      "hybridpar.config.schema" in sys.modules)
+"""
+
+
+def test_the_partitioning_api_imports_no_config_schema():
+    """What users import into their own code pulls in neither the config schema nor
+    ml_collections (nor TensorFlow): read from the source, and seen in a fresh process."""
+    for m in ("hybridpar.parallel.partitioning", "hybridpar.parallel.mesh",
+              "hybridpar.parallel.sharded_head"):  # fmt: skip
+        reached = _reach(m)
+        assert "hybridpar.config.schema" not in reached, (m, reached)
+    out = subprocess.run([sys.executable, "-c", API], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[] False"
+
+
 def test_only_the_train_command_and_tune_import_the_trainer():
-    # every other tool builds its run with hybridpar.run; the loop is the train CLI's
+    # every other tool builds its run with hybridpar.runtime.run; the loop is the train CLI's
     files = sorted((ROOT / "hybridpar").rglob("*.py"))
     modules = [
         "hybridpar." + ".".join(f.relative_to(ROOT / "hybridpar").with_suffix("").parts)
@@ -129,16 +163,21 @@ def test_only_the_train_command_and_tune_import_the_trainer():
     importers = [
         m.removesuffix(".__init__")
         for m in modules
-        if "hybridpar.trainer" in _imports(m.removesuffix(".__init__"))
+        if "hybridpar.runtime.trainer" in _imports(m.removesuffix(".__init__"))
     ]
-    assert sorted(importers) == ["hybridpar.train", "hybridpar.tune"], importers
+    assert sorted(importers) == ["hybridpar.tools.train", "hybridpar.tools.tune"], importers
 
 
-def _modules() -> list[str]:
-    files = sorted((ROOT / "hybridpar").rglob("*.py"))
-    names = ["hybridpar." + ".".join(f.relative_to(ROOT / "hybridpar").with_suffix("").parts)
-             for f in files]  # fmt: skip
-    return [m.removesuffix(".__init__") for m in names]
+def _modules(packages=None) -> list[str]:
+    """Every module of ``packages`` (default: every package pyproject.toml maps: hybridpar,
+    its models and input)."""
+    names = set()
+    for package, folder in PACKAGE_DIRS.items():
+        if packages is not None and package not in packages:
+            continue
+        for f in folder.rglob("*.py"):
+            names.add(".".join([package, *f.relative_to(folder).with_suffix("").parts]))
+    return sorted(m.removesuffix(".__init__") for m in names if _file(m.removesuffix(".__init__")))
 
 
 def test_no_module_imports_itself_through_others():
@@ -150,7 +189,7 @@ def test_no_module_imports_itself_through_others():
         return {d for d in _imports(m) if d != m and d not in ("hybridpar", m.rpartition(".")[0])}
 
     cycles = []
-    for m in _modules():
+    for m in _modules(["hybridpar"]):
         for d in deps(m):
             if m in _reach_through(d, deps):
                 cycles.append(f"{m} -> {d} -> ... -> {m}")

@@ -1,4 +1,4 @@
-"""Tests for hybridpar.mesh and hybridpar.partitioning (on 8 virtual CPU devices).
+"""Tests for hybridpar.parallel.mesh and hybridpar.parallel.partitioning (on 8 virtual CPU devices).
 
 Everything works on shapes (ShapeDtypeStruct / jax.eval_shape) where it can, so nothing
 large is allocated and nothing is compiled.

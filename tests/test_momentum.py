@@ -21,9 +21,8 @@ import optax
 import pytest
 from helpers import batches, build, tiny_config, tiny_digits
 
-from hybridpar import shard_batch, trainer
-from hybridpar.config import base_config, validate
-from hybridpar.curriculum import (
+from hybridpar import shard_batch
+from hybridpar.config.curriculum import (
     Stage,
     parse_stages,
     plan_stages,
@@ -31,10 +30,12 @@ from hybridpar.curriculum import (
     stage_momenta,
     stages_from_config,
 )
-from hybridpar.errors import ConfigError
-from hybridpar.optim import decay_mask, make_momentum_schedule, make_optimizer, momentum_at
-from hybridpar.run import setup
-from hybridpar.state import init_sharded
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config, validate
+from hybridpar.program.optim import decay_mask, make_momentum_schedule, make_optimizer, momentum_at
+from hybridpar.program.state import init_sharded
+from hybridpar.runtime import trainer
+from hybridpar.runtime.run import setup
 
 PLAN = single_stage_plan(10, 100, 256)  # 10 steps an epoch
 

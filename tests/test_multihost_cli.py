@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, free_port
 
-from hybridpar import distributed
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.parallel import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")

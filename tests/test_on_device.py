@@ -29,11 +29,12 @@ import numpy as np
 import pytest
 from helpers import TINY_DIGITS, CrashAt, config_args, cpu_env, require_shared_data, tiny_digits
 
-from hybridpar import checkpoint, make_mesh, shard_batch, trainer
-from hybridpar.config import base_config, validate
-from hybridpar.errors import ConfigError, DataError
+from hybridpar import make_mesh, shard_batch
+from hybridpar.config.errors import ConfigError, DataError
+from hybridpar.config.schema import base_config, validate
 from hybridpar.input import arrays, datasets, on_device
-from hybridpar.run import setup
+from hybridpar.runtime import checkpoint, trainer
+from hybridpar.runtime.run import setup
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("data:1", "data:8", "data:4,model:2")
@@ -223,7 +224,7 @@ def test_digits_on_device_trains_as_the_host_path_and_resumes_bitwise(tmp_path):
 
 NO_TENSORFLOW = (
     "import sys; sys.modules['tensorflow'] = None; "  # an import of it fails
-    "from hybridpar import train; {call}; "
+    "from hybridpar.tools import train; {call}; "
     "del sys.modules['tensorflow']; "
     "assert 'tensorflow' not in sys.modules, 'tensorflow imported'; print('NO_TENSORFLOW')"
 )
@@ -306,7 +307,7 @@ def test_cifar10_test_tar_on_device_in_a_process_without_tensorflow(tmp_path):
     data = require_shared_data("cifar10-jpeg/test.tar")
     tar = data / "cifar10-jpeg" / "test.tar"
     call = (
-        "from hybridpar.config import base_config; from hybridpar.input import datasets; "
+        "from hybridpar.config.schema import base_config; from hybridpar.input import datasets; "
         "import numpy as np; c = base_config(); c.mesh = 'data:8'; "
         f"c.data.update(name='images', source={str(tar)!r}, prepared_dir={str(tmp_path)!r}, "
         "train_split='test', image_size=32, num_classes=10, on_device=True, min_scale=1.0, "

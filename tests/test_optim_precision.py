@@ -1,4 +1,5 @@
-"""Tests for hybridpar.optim (schedules, optimizers, weight-decay mask) and hybridpar.precision."""
+"""Tests for hybridpar.program.optim (schedules, optimizers, weight-decay mask) and
+hybridpar.program.precision."""
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +7,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from hybridpar.config import base_config
-from hybridpar.curriculum import single_stage_plan
-from hybridpar.errors import ConfigError
-from hybridpar.optim import decay_mask, make_optimizer, make_schedule, peak_lr
-from hybridpar.precision import DTYPES, LossScale, Policy, all_finite, make_policy
+from hybridpar.config.curriculum import single_stage_plan
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config
+from hybridpar.program.optim import decay_mask, make_optimizer, make_schedule, peak_lr
+from hybridpar.program.precision import DTYPES, LossScale, Policy, all_finite, make_policy
 
 
 def optim_cfg(**overrides):

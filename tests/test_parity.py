@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar import FSDP, infer_shardings, make_mesh, preset_rules
 from hybridpar.models import ResNet50
-from hybridpar.precision import LossScale
-from hybridpar.state import make_init_fn
+from hybridpar.program.precision import LossScale
+from hybridpar.program.state import make_init_fn
 
 MESHES = ["data:8", "fsdp:8", "data:4,model:2", "data:2,fsdp:2,model:2"]
 

@@ -17,13 +17,13 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input import records
 from hybridpar.input import transforms as T
 from hybridpar.input.pipeline import ImagePipeline
 from hybridpar.input.prefetch import chain_ahead, prefetch_to_mesh
-from hybridpar.mesh import make_mesh
-from hybridpar.partitioning import batch_sharding
+from hybridpar.parallel.mesh import make_mesh
+from hybridpar.parallel.partitioning import batch_sharding
 
 SHARD_SIZES = [24, 25, 26, 25, 27, 23, 25, 25]  # uneven, so hosts hold different counts
 N = sum(SHARD_SIZES)

@@ -11,7 +11,8 @@ import os
 import pytest
 from helpers import DIGITS, config_args, run_compile_tool
 
-from hybridpar import cli, plan
+from hybridpar.config import cli
+from hybridpar.tools import plan
 
 # The tiny digits model (8 filters, 16 px, batch 32 = 4 per device), so that each plan
 # compiles quickly.
@@ -70,7 +71,7 @@ def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
     """A limit between the plans' needs (from the cache): the bigger ones are dropped, and
     the pick, compiled again here from its overrides alone, needs what the planner said and
     fits the limit."""
-    from hybridpar.comm_report import report
+    from hybridpar.tools.comm_report import report
 
     out, _, cache = first
     needs = sorted(p["memory_per_device_bytes"] for p in out["plans"])
@@ -207,7 +208,7 @@ def _tiny_on_a_pod():
     """A toy step as the TPU compiler might count it, on a 4,096-chip v5p pod."""
     from types import SimpleNamespace
 
-    from hybridpar import targets
+    from hybridpar.tools import targets
 
     config = SimpleNamespace(
         global_batch=4096 * 8, num_epochs=1,
@@ -232,8 +233,8 @@ def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
 
 
 def test_v3_is_in_the_chip_table_but_not_a_compile_target():
-    from hybridpar import targets
-    from hybridpar.errors import ConfigError
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.tools import targets
 
     assert targets.CHIPS["v3"].peak_bf16_flops == 123e12
     with pytest.raises(ConfigError, match="scaling model only"):
@@ -248,8 +249,8 @@ def test_a_tpu_plans_memory_is_at_least_the_compilers_peak(monkeypatch):
     """On tpu:v5e-8 the TPU compiler reports no temporaries for the tiny data:4,model:2
     step, yet gives its peak as several times its arguments: the plan's memory/dev (what a
     plan worker reads) is that peak, not the 1.3 MiB of arguments and outputs."""
-    from hybridpar import targets
-    from hybridpar.run import setup
+    from hybridpar.runtime.run import setup
+    from hybridpar.tools import targets
 
     target = targets.parse("tpu:v5e-8")
     targets.prepare(target)
@@ -271,7 +272,7 @@ def test_a_tpu_plans_memory_is_at_least_the_compilers_peak(monkeypatch):
 def test_time_to_train_counts_a_built_in_sets_own_epoch():
     """digits' epoch is its 1,437-image split, not the config's nominal train_examples
     (4,096), which plan's predicted time to train used to take."""
-    from hybridpar.config import load_config
+    from hybridpar.config.schema import load_config
 
     config = load_config(DIGITS)
     assert config.data.train_examples != 1437
@@ -285,8 +286,8 @@ def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():
     plan's) takes the compiler's peak where the parts sum to less, and says so."""
     import types
 
-    from hybridpar.program import memory_of
-    from hybridpar.run import memory_text
+    from hybridpar.program.program import memory_of
+    from hybridpar.runtime.run import memory_text
 
     def compiled(temp, peak):
         stats = types.SimpleNamespace(argument_size_in_bytes=2**20, output_size_in_bytes=2**20,

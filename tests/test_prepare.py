@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input import records
 from hybridpar.input.pipeline import ImagePipeline
 from hybridpar.input.prepare import FolderLock, prepare

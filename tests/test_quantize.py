@@ -1,4 +1,4 @@
-"""Int8 post-training quantization: ``hybridpar/int8.py`` and
+"""Int8 post-training quantization: ``hybridpar/program/int8.py`` and
 ``python -m hybridpar.quantize``.
 
 * Folding BatchNorm into the convolutions leaves the float logits unchanged (basic and
@@ -28,10 +28,12 @@ import pytest
 from flax.core import meta
 from helpers import DIGITS, TINY_DIGITS, config_args, random_variables, tiny_digits
 
-from hybridpar import checkpoint, cli, int8, quantize, run, trainer
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
-from hybridpar.run import setup
+from hybridpar.program import int8
+from hybridpar.runtime import checkpoint, run, trained, trainer
+from hybridpar.runtime.run import setup
+from hybridpar.tools import quantize
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
@@ -197,7 +199,7 @@ def quantized(tmp_path_factory):
     one = jax.devices()[:1]  # one device: the train step compiles faster than on a mesh
     summary = trainer.train(setup(tiny_digits(**LONGER), str(w), devices=one))
     # as the command does without --config: the run's own config, from its config.json
-    config = cli.load_run(str(w))
+    config = trained.load_config(str(w))
     assert checkpoint.config_dict(config) == checkpoint.config_dict(tiny_digits(**LONGER))
     args = quantize_args(str(w))
     quantize.check_args(args, config)
@@ -266,8 +268,9 @@ def test_each_calibration_quantizes_the_run(quantized, tmp_path, method):
     and below it somewhere; the model stays accurate, and the saved steps are the ranges'."""
     w, _, default = quantized
     one = jax.devices()[:1]
-    report = quantize.run(cli.load_run(str(w)), str(w), calibration_batches=4, calibration=method,
-                          percentile=99.9, repeats=1, latency_batches=(1,), devices=one,
+    report = quantize.run(trained.load_config(str(w)), str(w), calibration_batches=4,
+                          calibration=method, percentile=99.9, repeats=1,
+                          latency_batches=(1,), devices=one,
                           out=str(tmp_path / method))  # fmt: skip
     assert report["calibration"] == method and default["calibration"] == "mse"
     ranges, mse = report["activation_ranges"], default["activation_ranges"]

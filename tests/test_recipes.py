@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.config import load_config, validate
-from hybridpar.curriculum import stages_from_config
-from hybridpar.errors import ConfigError
-from hybridpar.optim import lr_batch_factor
+from hybridpar.config.curriculum import stages_from_config
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import load_config, validate
+from hybridpar.program.optim import lr_batch_factor
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -56,7 +56,7 @@ def test_ffcv_has_two_train_shapes_switching_late(epochs, switch):
 def test_cifar10_fast_says_its_global_batch_on_more_devices_or_keeps_it():
     """Its stages' batches are per device: on 8 GPUs ``gpu`` is 8x the batch of one, and the
     plan the trainer logs at set-up says so first; ``gpu,8`` keeps one GPU's batches."""
-    from hybridpar.curriculum import describe, plan_stages
+    from hybridpar.config.curriculum import describe, plan_stages
 
     def plan(spec, devices):
         stages = stages_from_config(load_config(str(EXPERIMENTS / spec)), devices)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from hybridpar import report
-from hybridpar.run_records import read_records
+from hybridpar.runtime.run_records import read_records
+from hybridpar.tools import report
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,7 +175,7 @@ def test_without_matplotlib_the_error_names_the_install(tmp_path, capsys, monkey
 def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
     """A writer killed mid-line leaves a partial last line; the resumed run's first record
     must still be its own line, which every reader keeps (the partial one is skipped)."""
-    from hybridpar.metrics import MetricsWriter
+    from hybridpar.runtime.metrics import MetricsWriter
 
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps(ev("train", 1, 0.1, 1.0)) + "\n" + '{"event": "train", "st')
@@ -193,8 +193,8 @@ def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
 def config_run(w: Path, stages: str, **optim) -> None:
     """A run with its config.json (8 data-parallel devices): a stage line per stage of
     ``stages``, train lines every epoch and an eval at the end of each stage."""
-    from hybridpar.config import base_config
-    from hybridpar.curriculum import stages_from_config
+    from hybridpar.config.curriculum import stages_from_config
+    from hybridpar.config.schema import base_config
 
     c = base_config()
     c.stages, c.num_epochs = stages, float(stages.split(",")[-1].split(":")[0])

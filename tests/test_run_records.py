@@ -1,4 +1,4 @@
-"""``hybridpar.run_records``: every metrics.jsonl event round-trips through its one line
+"""``hybridpar.runtime.run_records``: every metrics.jsonl event round-trips through its one line
 format and reader; a line cut short by a kill is skipped and the rest read; lines of other
 versions (fields or events this one does not declare) read and keep what they carry; the
 atomic JSON write leaves the old file whole when it fails. No JAX."""
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hybridpar import run_records as rr
+from hybridpar.runtime import run_records as rr
 
 COMMON = {"step": 33, "epoch": 1.5, "wall_s": 12.5}
 MEMORY = {"arguments": 10, "outputs": 2, "temp": 30, "aliased": 1, "total": 41}

@@ -10,9 +10,9 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from hybridpar.errors import ConfigError
-from hybridpar.mesh import make_mesh
-from hybridpar.partitioning import infer_shardings, shard_batch
+from hybridpar.config.errors import ConfigError
+from hybridpar.parallel.mesh import make_mesh
+from hybridpar.parallel.partitioning import infer_shardings, shard_batch
 
 
 @pytest.fixture(scope="module")

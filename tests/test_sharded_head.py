@@ -26,15 +26,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, shard_batch
-from hybridpar.config import base_config
-from hybridpar.curriculum import single_stage_plan
-from hybridpar.heads import make_head
-from hybridpar.mesh import AXES, BATCH_AXES
-from hybridpar.plan import ANALYSIS_XLA_FLAGS
-from hybridpar.program import build_program
-from hybridpar.sharded_head import ShardedHead
-from hybridpar.state import init_sharded
-from hybridpar.steps import DENSE, cross_entropy, normalize
+from hybridpar.config.curriculum import single_stage_plan
+from hybridpar.config.schema import base_config
+from hybridpar.parallel.mesh import AXES, BATCH_AXES
+from hybridpar.parallel.sharded_head import ShardedHead
+from hybridpar.program.heads import make_head
+from hybridpar.program.program import build_program
+from hybridpar.program.state import init_sharded
+from hybridpar.program.steps import DENSE, cross_entropy, normalize
+from hybridpar.tools.plan import ANALYSIS_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data:2,model:4"
@@ -292,8 +292,8 @@ def test_1m_classes_data8_model8_needs_a_quarter_of_data64s_memory():
     would take minutes (docs/model_parallel.md has the ResNet-50 figures)."""
     code = (
         "import json\n"
-        "from hybridpar.comm_report import report\n"
-        "from hybridpar.config import load_config\n"
+        "from hybridpar.tools.comm_report import report\n"
+        "from hybridpar.config.schema import load_config\n"
         "out = {}\n"
         "for mesh, head in (('data:64', 'dense'), ('data:8,model:8', 'sharded')):\n"
         "    c = load_config('experiments/resnet50_1m_classes.py')\n"

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from hybridpar import simulate as sim
-from hybridpar.comm_report_schema import CollectiveRow, CommReport
+from hybridpar.tools.comm_report_schema import CollectiveRow, CommReport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -804,7 +804,7 @@ def test_mlperf_tpu_case_from_its_stated_inputs(case):
     peak on the others), the run's steps at its batch per chip, and an evaluation pass (a
     forward third of a step, or the floor) every 4 epochs; its communication hides behind
     the backward pass, as the split says."""
-    from hybridpar.targets import CHIPS
+    from hybridpar.tools.targets import CHIPS
 
     row = sim.run_mlperf_case(case)
     chips = _chips_of(case.source)
@@ -956,8 +956,8 @@ def _python(*args):
     "module,jax_free",
     [
         ("hybridpar.simulate", True),
-        ("hybridpar.comm_report_schema", True),
-        ("hybridpar.mesh", False),  # the control: a module that does need JAX
+        ("hybridpar.tools.comm_report_schema", True),
+        ("hybridpar.parallel.mesh", False),  # the control: a module that does need JAX
     ],
 )
 def test_import_does_not_start_jax(module, jax_free):

@@ -11,9 +11,9 @@ from helpers import hand_built, random_state, run
 from hybridpar import make_mesh, preset_rules, shard_batch
 from hybridpar.input.arrays import eval_batches
 from hybridpar.models import ResNetTiny
-from hybridpar.precision import LossScale, Policy, make_policy
-from hybridpar.state import create_sharded_state, make_init_fn
-from hybridpar.steps import (
+from hybridpar.program.precision import LossScale, Policy, make_policy
+from hybridpar.program.state import create_sharded_state, make_init_fn
+from hybridpar.program.steps import (
     cross_entropy,
     jit_eval_step,
     jit_train_step,
@@ -169,7 +169,7 @@ class _FixedLogits:
 
 @pytest.mark.parametrize("train", [True, False])
 def test_precision_output_sets_the_dtype_the_loss_sees(train):
-    from hybridpar.steps import DenseHead
+    from hybridpar.program.steps import DenseHead
 
     # Logits with more mantissa bits than bfloat16 keeps, so rounding them changes the loss.
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(4, CLASSES)) * 3, jnp.float32)

@@ -25,7 +25,7 @@ from helpers import (
 
 from hybridpar import make_mesh
 from hybridpar.models import BottleneckResNetBlock, ResNet
-from hybridpar.partitioning import FSDP, TENSOR, preset_rules
+from hybridpar.parallel.partitioning import FSDP, TENSOR, preset_rules
 
 STEPS = 2
 MODEL = ResNet(

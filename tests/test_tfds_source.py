@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
 from hybridpar.input.tfds_source import TfdsPipeline
 
 

@@ -171,7 +171,7 @@ def test_missing_config_and_unwritable_workdir(tmp_path):
 def test_every_error_of_the_family_is_one_error_line_and_exit_2(kind, capsys):
     """Bad input and a failed run alike: ``cli.main`` turns each into one ``error:`` line
     (exit 2), with no traceback."""
-    from hybridpar import cli, errors
+    from hybridpar.config import cli, errors
 
     def fn():
         raise getattr(errors, kind)("what is wrong; how to fix it")
@@ -326,7 +326,8 @@ def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path
 def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():
     """In-process: once the loop's handler is in, the first SIGTERM asks for a checkpoint
     and hands the signal back to the handler from before the CLI's, not to the CLI's."""
-    from hybridpar import checkpoint, train
+    from hybridpar.runtime import checkpoint
+    from hybridpar.tools import train
 
     before = signal.getsignal(signal.SIGTERM)
     early = train.EarlyStop()

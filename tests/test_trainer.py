@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 from helpers import DIGITS, CrashAt, saved_loop, tiny_digits
 
-from hybridpar import checkpoint, run_records, shard_batch, trainer
-from hybridpar.errors import ConfigError, NonFinite, StopRequested
-from hybridpar.optim import lr_batch_factor
-from hybridpar.run import setup
-from hybridpar.state import init_sharded
+from hybridpar import shard_batch
+from hybridpar.config.errors import ConfigError, NonFinite, StopRequested
+from hybridpar.program.optim import lr_batch_factor
+from hybridpar.program.state import init_sharded
+from hybridpar.runtime import checkpoint, run_records, trainer
+from hybridpar.runtime.run import setup
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -211,7 +212,8 @@ def test_a_mistake_found_after_the_directory_checks_leaves_no_directory_behind(t
 
 def test_import_hybridpar_and_its_parser_do_not_start_jax():
     code = (
-        "import sys, hybridpar, hybridpar.cli, hybridpar.config, hybridpar.curriculum; "
+        "import sys, hybridpar, hybridpar.config.cli, hybridpar.config.schema; "
+        "import hybridpar.config.curriculum; "
         "assert 'jax' not in sys.modules, 'jax imported'; "
         "hybridpar.make_mesh; assert 'jax' in sys.modules"  # and the names still resolve
     )

@@ -1,4 +1,4 @@
-"""``python -m hybridpar.tune``: the LR range test and the search (hybridpar/tune.py).
+"""``python -m hybridpar.tune``: the LR range test and the search (hybridpar/tools/tune.py).
 
 The runs are the tiny digits job (8 filters, 16 px, batch 32, one device): a range test of
 half an epoch and a search of two one-epoch trials."""
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from helpers import DIGITS, TINY_DIGITS, tiny_digits
 
-from hybridpar import tune
-from hybridpar.config import validate
-from hybridpar.errors import ConfigError
-from hybridpar.optim import lr_factor
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import validate
+from hybridpar.program.optim import lr_factor
+from hybridpar.tools import tune
 
 
 def test_exponential_schedule_rises_geometrically_to_the_peak():

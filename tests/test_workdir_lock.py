@@ -1,4 +1,4 @@
-"""One trainer per workdir (hybridpar/workdir_lock.py).
+"""One trainer per workdir (hybridpar/runtime/workdir_lock.py).
 
 * A held lock refuses a second one with the holder's host, pid and start time; a clean
   release removes the file and frees the workdir; a probe (``held``) neither takes the lock
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from helpers import DIGITS, TINY_DIGITS, config_args
 
-from hybridpar import workdir_lock
-from hybridpar.errors import ConfigError
+from hybridpar.config.errors import ConfigError
+from hybridpar.runtime import workdir_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_a_probe_does_not_make_a_trainer_fail(tmp_path):
 
 def test_a_holder_killed_with_sigkill_leaves_no_stale_lock(tmp_path):
     code = (
-        "import sys, time; from hybridpar import workdir_lock; "
+        "import sys, time; from hybridpar.runtime import workdir_lock; "
         "lock = workdir_lock.acquire(sys.argv[1]); print('held', flush=True); time.sleep(600)"
     )
     p = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE,
@@ -116,8 +116,8 @@ def test_a_trainer_holds_its_lock_from_set_up_through_its_last_step(tmp_path):
     (found before only by an evaluator test's timeout)."""
     from helpers import tiny_digits
 
-    from hybridpar import trainer
-    from hybridpar.run import setup
+    from hybridpar.runtime import trainer
+    from hybridpar.runtime.run import setup
 
     w = str(tmp_path / "w")
     run = setup(tiny_digits(num_epochs=0.1), w)

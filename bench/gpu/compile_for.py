@@ -22,14 +22,14 @@ import time
 
 
 def aot(argv) -> None:
-    from hybridpar import targets
+    from hybridpar.tools import targets
 
     cuda12 = targets.have_cuda_plugin
     targets.have_cuda_plugin = lambda: cuda12() or (
         importlib.util.find_spec("jax_plugins") is not None
         and importlib.util.find_spec("jax_plugins.xla_cuda13") is not None
     )
-    from hybridpar import compile as tool
+    from hybridpar.tools import compile as tool
 
     tool.main(argv)
 
@@ -37,14 +37,15 @@ def aot(argv) -> None:
 def device(argv) -> None:
     import copy
 
-    from hybridpar import cli, executables
+    from hybridpar.config import cli
+    from hybridpar.runtime import executables
 
     parser = cli.ArgumentParser("compile_for.py device", __doc__)
     parser.add_argument("--out", required=True)
     args, config = cli.parse(parser, argv)
 
     def run():
-        from hybridpar.run import setup
+        from hybridpar.runtime.run import setup
 
         t0 = time.time()
         c = config

@@ -4,7 +4,7 @@
         [--batches 224,224 (one per size)] [--config experiments/NAME.py[:ARGS]]
 
 For a single-H200 machine with jax, flax, optax and torch but no TensorFlow (nothing here
-imports it: hybridpar.program does not). Synthetic data placed on the device before timing.
+imports it: hybridpar.program.program does not). Synthetic data placed on the device before timing.
 Rows:
 
 * ``hybridpar``: ``build_program`` on ``experiments/resnet50_imagenet.py`` (bfloat16
@@ -50,7 +50,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 def _ml_collections_shim():
     """A minimal stand-in for ml_collections.ConfigDict (attribute access, update), enough
-    for hybridpar.config, where ml_collections is not installed (the H200 image)."""
+    for hybridpar.config.schema, where ml_collections is not installed (the H200 image)."""
 
     class ConfigDict(dict):
         def __init__(self, d=None, **kw):
@@ -144,8 +144,8 @@ def batch_per_size(args, sizes):
 def main(argv=None):
     args = parse_args(argv)
     ensure_hybridpar_importable()
-    from hybridpar import comm
-    from hybridpar.config import base_config
+    from hybridpar.config.schema import base_config
+    from hybridpar.parallel import comm
 
     comm.apply(base_config().comm)  # XLA GPU collective/scheduler flags, before jax starts
 

@@ -39,7 +39,7 @@ def main() -> None:
     if len(sys.argv) < 2:
         sys.exit("usage: train_peak.py PEAK.json TRAIN_ARGS...")
     out, argv = sys.argv[1], sys.argv[2:]
-    from hybridpar import train
+    from hybridpar.tools import train
 
     sys.argv = ["python -m hybridpar.train", *argv]
     try:

@@ -20,7 +20,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from hybridpar.run_records import Train, read_records
+from hybridpar.runtime.run_records import Train, read_records
 from hybridpar.simulate.hardware import Preset
 from hybridpar.simulate.step import Evaluation, eval_pass_s
 from hybridpar.simulate.workload import Workload, resnet50_workload

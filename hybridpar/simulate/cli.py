@@ -9,7 +9,7 @@ import json
 import sys
 from collections.abc import Iterable, Sequence
 
-from hybridpar import cli
+from hybridpar.config import cli
 from hybridpar.simulate.calibration import fit_rate, points_from_metrics
 from hybridpar.simulate.hardware import GB, TFLOPS, Preset
 from hybridpar.simulate.plot import write_png
@@ -278,7 +278,7 @@ def _stages(args, report) -> tuple[list[Stage], str]:
     if epochs is None:
         raise ValueError(f"--comm-report {args.comm_report}: {said}; pass --epochs E")
     if isinstance(epochs, str):  # the run's curriculum, batches per batch shard
-        from hybridpar.curriculum import parse_stages as parse_curriculum
+        from hybridpar.config.curriculum import parse_stages as parse_curriculum
 
         return [Stage(e, size, b) for e, size, b, _ in parse_curriculum(epochs)], said
     return [Stage(epochs, args.image_size, args.per_device_batch)], said

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hybridpar.targets import CHIPS, GIB
+from hybridpar.tools.targets import CHIPS, GIB
 
 GB = 1e9  # bytes; link figures below are decimal GB/s as vendors quote them
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
@@ -159,7 +159,7 @@ _H100 = Preset(
 )
 
 
-# TPU presets: every chip of hybridpar.targets.CHIPS (peak, HBM, ICI and the sources there).
+# TPU presets: every chip of hybridpar.tools.targets.CHIPS (peak, HBM, ICI and the sources there).
 # ASSUMPTIONS: ~2,000 ResNet-50 images/s per v3 chip at 224 px, and every other chip at the
 # same fraction of its peak; alpha 2 us per ICI hop; one ICI domain of up to 4,096 chips
 # (MLPerf's 4,096-chip v3 and v4 runs were joined by ICI).

@@ -205,7 +205,7 @@ class MLPerfRun:
 
     run: str
     source: str  # repository and path of the result log
-    chip: str  # a key of hybridpar.targets.CHIPS; the preset is tpu-<chip>
+    chip: str  # a key of hybridpar.tools.targets.CHIPS; the preset is tpu-<chip>
     chips: int
     global_batch: int
     epochs: int

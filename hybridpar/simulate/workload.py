@@ -11,12 +11,12 @@ import math
 import re
 from dataclasses import dataclass
 
-from hybridpar.comm_report_schema import CommReport
+from hybridpar.tools.comm_report_schema import CommReport
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_EVAL_IMAGES = 50_000
 # scikit-learn's digits: the train part of the fixed 80/20 split (hybridpar.input.arrays),
-# known without the data, as hybridpar.executables.data_size finds it
+# known without the data, as hybridpar.runtime.executables.data_size finds it
 DIGITS_TRAIN_IMAGES = 1_437
 
 RESNET50_PARAMS = 25_557_032  # torchvision/Flax ResNet-50, 1,000 classes, incl. BN gamma/beta
@@ -40,7 +40,7 @@ class Collective:
       that fills a node first). 1: contiguous (a group over the innermost axes, or over all
       devices). A group over the batch axes has the product of the sizes of the axes that
       vary faster than them: `Workload.model_parallel` on our meshes, whose model axis is
-      the innermost (hybridpar.mesh). It decides how many members share a node
+      the innermost (hybridpar.parallel.mesh). It decides how many members share a node
       (`cost.members_per_node`), so how much of the collective crosses the network.
     """
 
@@ -120,7 +120,7 @@ def resnet50_workload(grad_dtype: str = "fp32", bucket_mb: float | None = 32.0) 
     )
 
 
-# hybridpar.mesh.BATCH_AXES, restated: importing hybridpar.mesh would start JAX
+# hybridpar.parallel.mesh.BATCH_AXES, restated: importing hybridpar.parallel.mesh would start JAX
 _BATCH_AXES = ("data", "fsdp")
 
 # comm_report's kinds (comm_report.KINDS) -> the cost model's
@@ -140,7 +140,7 @@ def inner_size(mesh: dict[str, int], axes: tuple[str, ...]) -> int:
     the sizes of the axes after the innermost of `axes` that has more than one device.
 
     `mesh` lists its axes outermost first, as comm_report writes `mesh.shape`, and the last
-    axis varies fastest in device order (hybridpar.mesh: data, fsdp, model, so that model's
+    axis varies fastest in device order (hybridpar.parallel.mesh: data, fsdp, model, so that model's
     groups sit inside a node). A group over `data` on data:8,model:8 has stride 8; on
     data:64 stride 1; 1 also when none of `axes` has more than one device.
     """

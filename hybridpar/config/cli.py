@@ -1,0 +1,277 @@
+"""The one command-line parser of every hybridpar tool: ``--config FILE[:ARGS]`` and
+``--config.KEY=VALUE`` overrides, plus each tool's own flags.
+
+    parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
+    parser.add_argument("--workdir", required=True)
+    args, config = cli.parse(parser)          # or cli.parse(parser, argv)
+
+The override syntax is ml_collections ``config_flags``' (the config is locked, so a
+misspelt key is an error, and a value takes the type of the key it replaces), but the parser
+is ours, for three reasons: every tool (train, evaluate, comm_report, the benches, and report
+and plan to come) shares it with one set of ``error:`` messages; it needs no absl, so the
+benches run where only jax, flax and optax are installed (the GPU image, with
+``bench/gpu``'s stand-in for ml_collections); and nothing here imports JAX, so a tool can
+still set device counts and XLA flags after parsing.
+
+Every mistake is one ``error:`` line on stderr and exit code 2 (``fail``); ``main`` runs a
+tool's function and turns an ``errors.Error`` from anywhere below into the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import glob
+import logging
+import math
+import os
+import sys
+from typing import Callable, Sequence
+
+from hybridpar.config.errors import ConfigError, Error
+
+CONFIG_HELP = (
+    "--config FILE[:ARGS]   experiment config (a Python file with get_config()), e.g. "
+    "experiments/digits.py\n  --config.KEY=VALUE     override one key, e.g. "
+    "--config.mesh=data:4,model:2 (repeatable; keys in hybridpar/config/schema.py)"
+)
+
+
+def fail(message: str) -> None:
+    """One ``error:`` line and exit code 2: the contract for every bad input."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
+    sys.exit(2)
+
+
+def finite_float(text: str) -> float:
+    """``type=`` of every float flag: a number, not nan or inf (``float`` takes both, and
+    they fail far from the flag, in a traceback or 20 steps later)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give a number")
+    return value
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with our error contract (one ``error:`` line, exit 2, no usage dump)."""
+
+    def __init__(self, prog: str, doc: str | None = None, **kw):
+        first = (doc or "").strip().splitlines()
+        super().__init__(
+            prog=prog,
+            description=first[0] if first else None,
+            epilog=CONFIG_HELP,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            allow_abbrev=False,
+            **kw,
+        )
+
+    def error(self, message):  # argparse's own errors: missing or unknown flags
+        fail(f"{message} (see {self.prog} --help)")
+
+
+def split_config_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, str]], list]:
+    """``argv`` -> (config path, [(key, raw value)], the other arguments)."""
+    path, overrides, rest = None, [], []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        a = args[i]
+        if a == "--config" or a.startswith("--config=") or a.startswith("--config."):
+            name, eq, value = a.partition("=")
+            if not eq:  # "--config X" / "--config.KEY X"
+                if i + 1 >= len(args):
+                    fail(f"{a} needs a value")
+                value, i = args[i + 1], i + 1
+            if name == "--config":
+                path = value
+            else:
+                overrides.append((name[len("--config.") :], value))
+        else:
+            rest.append(a)
+        i += 1
+    return path, overrides, rest
+
+
+def config_keys(config, prefix: str = "") -> list[str]:
+    """Every dotted key of ``config`` (sections included), for "did you mean"."""
+    keys = []
+    for k, v in config.items():
+        keys.append(prefix + k)
+        if hasattr(v, "items"):
+            keys.extend(config_keys(v, prefix + k + "."))
+    return keys
+
+
+def _parse_value(key: str, raw: str, current):
+    """``raw`` as the type of the value it replaces (config_flags' rule)."""
+    try:
+        if isinstance(current, bool):
+            low = raw.strip().lower()
+            if low not in ("true", "false", "1", "0"):
+                raise ValueError
+            return low in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, str):
+            return raw
+        if isinstance(current, (tuple, list)):
+            value = ast.literal_eval(raw)
+            if isinstance(value, list):
+                value = tuple(value)
+            if not isinstance(value, tuple):
+                value = (value,)
+            return value
+    except (ValueError, SyntaxError):
+        kind = type(current).__name__
+        example = {"tuple": "(1, 2)", "bool": "True", "int": "8", "float": "0.1"}.get(kind, "")
+        fail(
+            f"--config.{key}={raw!r}: {key} takes a{'n' if kind[0] in 'aeiou' else ''} {kind}"
+            + (f", e.g. --config.{key}={example}" if example else "")
+        )
+    try:  # a key whose default is None: a Python literal, or else the text itself
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
+
+
+# What other training codebases call some of our keys (Flax's examples, big_vision, timm),
+# so "did you mean" finds ours from theirs.
+KNOWN_AS = {
+    "learning_rate": "optim.base_lr",
+    "lr": "optim.base_lr",
+    "base_learning_rate": "optim.base_lr",
+    "batch_size": "global_batch",
+    "epochs": "num_epochs",
+    "total_epochs": "num_epochs",
+    "wd": "optim.weight_decay",
+    "optimizer": "optim.name",
+    "model_name": "model.name",
+    "dataset": "data.name",
+}
+
+
+def suggest(key: str, keys) -> list[str]:
+    """Up to three keys of ``keys`` that ``key`` may have meant, the likeliest first: by how
+    close the dotted key is, or its last part to a key's last part or ``KNOWN_AS`` name, so a
+    key in the wrong section or under another codebase's name is found too."""
+
+    def close(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a, b).ratio()
+
+    leaf = key.rsplit(".", 1)[-1]
+    sections = {k.rpartition(".")[0] for k in keys}
+    keys = [k for k in keys if k not in sections]  # a section is not set itself
+    aliases: dict[str, list[str]] = {}
+    for alias, k in KNOWN_AS.items():
+        aliases.setdefault(k, []).append(alias)
+    score = {
+        k: max(
+            [close(key, k), close(leaf, k.rsplit(".", 1)[-1])]
+            + [close(leaf, a) for a in aliases.get(k, [])]
+        )  # fmt: skip
+        for k in keys
+    }
+    best = sorted((k for k in score if score[k] >= 0.6), key=lambda k: (-score[k], k))
+    return best[:3]
+
+
+def apply_overrides(config, overrides: Sequence[tuple[str, str]], source: str = "the config"):
+    """Sets each ``(dotted key, raw value)`` on ``config`` (a ConfigDict or any nested
+    mapping); an unknown key is an error that suggests the closest ones."""
+    keys = set(config_keys(config))
+    for key, raw in overrides:
+        if key not in keys:
+            close = suggest(key, keys)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            fail(
+                f"no config key {key!r}{hint} (keys are set as --config.KEY=VALUE; see "
+                f"{source} and hybridpar/config/schema.py for the valid ones)"
+            )
+        *parents, leaf = key.split(".")
+        node = config
+        for p in parents:
+            node = node[p]
+        if hasattr(node[leaf], "items"):
+            fail(f"--config.{key} is a section; set its keys, e.g. --config.{key}.KEY=VALUE")
+        value = _parse_value(key, raw, node[leaf])
+        try:
+            node[leaf] = value
+        except (TypeError, ValueError) as e:  # ConfigDict's type safety
+            fail(f"--config.{key}={raw!r}: {' '.join(str(e).split())}")
+    return config
+
+
+def load(path: str | None, overrides=()):
+    """The config ``path`` names, with ``overrides`` applied and keys locked."""
+    from hybridpar.config.schema import load_config
+
+    if not path:
+        fail("pass --config experiments/NAME.py")
+    try:
+        config = load_config(path)
+    except ConfigError as e:
+        fail(f"could not load the config file: {e}")
+    except (OSError, SyntaxError, ImportError, AttributeError, TypeError) as e:
+        fail(f"could not load the config file {path!r}: {type(e).__name__}: {e}")
+    if hasattr(config, "lock"):
+        config.lock()  # no new keys: a misspelt one is an error, not a silent new field
+    return apply_overrides(config, overrides, path.partition(":")[0])
+
+
+def parse(
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None = None,
+    *,
+    config=True,
+    from_run=False,
+):
+    """``(args, config)`` from ``argv`` (default ``sys.argv[1:]``); ``config=False`` makes
+    ``--config`` optional (None when absent). ``from_run``: without ``--config`` the config
+    is the run's (``runtime.trained.load_config``, by the tool once it knows the workdir),
+    so the overrides are kept in ``args.config_overrides``."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a in ("-h", "--help") for a in argv):
+        parser.print_help()
+        sys.exit(0)
+    path, overrides, rest = split_config_args(argv)
+    args = parser.parse_args(rest)
+    args.config_overrides = overrides
+    if path is None and (from_run or not config):
+        if overrides and not from_run:
+            fail("--config.KEY overrides need --config FILE")
+        return args, None
+    return args, load(path, overrides)
+
+
+# The device files of the accelerators JAX runs on: NVIDIA GPUs, a TPU VM's chips (v4 and
+# v5e as accel, v5p and v6e through vfio), AMD GPUs.
+ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
+
+
+def cpu_when_no_accelerator() -> None:
+    """JAX's CPU backend on a machine with no accelerator, unless ``JAX_PLATFORMS`` says
+    otherwise: else JAX first starts every installed accelerator plugin (the compile-only
+    extras bring libtpu and the CUDA plugin), which print warnings and a traceback before it
+    falls back to the CPU."""
+    if "JAX_PLATFORMS" not in os.environ and not any(map(glob.glob, ACCELERATOR_FILES)):
+        os.environ["JAX_PLATFORMS"] = "cpu"  # for processes this one starts
+        if "jax" in sys.modules:  # jax read the environment when it was imported
+            sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def main(fn: Callable[[], object]) -> None:
+    """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line."""
+    # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+    cpu_when_no_accelerator()
+    try:
+        fn()
+    except Error as e:
+        fail(str(e))

@@ -1,0 +1,335 @@
+"""Explicitly bucketed gradient reduction (``comm.mode=bucketed``), data parallel only.
+
+Under ``jax.jit`` XLA inserts one all-reduce per gradient (and per BatchNorm statistic), and
+whether it fuses them is up to the backend (the CPU backend keeps ~100 separate ops for a
+ResNet-50). Here the step runs under ``jax.shard_map`` instead: each device computes the
+loss and gradients of its own slice of the batch, then the gradients are flattened into
+buckets of at most ``bucket_mb`` MiB and each bucket is reduced with ONE ``psum`` over the
+data axes. Buckets are filled in reverse layer order (the last layers' gradients come out of
+the backward pass first), so a backend with asynchronous collectives and a latency-hiding
+scheduler can reduce the first buckets while the backward pass goes on, as Horovod, PyTorch
+DDP and MoXing do. The loss and the BatchNorm running statistics share one more ``psum``.
+The optimizer update then runs under ``jax.jit`` on the replicated parameters, exactly as in
+``hybridpar.program.steps.make_train_step``, so the two steps are numerically equal.
+
+FSDP (``fsdp`` > 1): parameters split over ``fsdp`` (by the partitioning rules, passed in
+as the state ``shardings``) are gathered before the forward pass with ONE ``all_gather`` per bucket
+(buckets in forward order), and their gradients are reduced with ONE ``psum_scatter`` per
+bucket over ``fsdp`` (plus one ``psum`` over ``data`` when both axes are > 1), so each
+device keeps only its shard of the gradient, as ZeRO/FSDP do. Small parameters the rules
+leave replicated are reduced with one more ``psum`` per bucket. The optimizer then updates
+each shard where it lives.
+
+Limits: a ``model`` axis > 1 is an error (use ``comm.mode=xla`` for model parallelism), and
+parameters may be split over ``fsdp`` only.
+
+This module is the parallel layer's part: bucket planning and the collectives in buckets,
+on plain pytrees of arrays and specs; it knows no train state, step or precision. The
+gradient sync that wraps a train step with them, ``BucketedSync``, is ``hybridpar/program/sync.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax.core import meta
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from hybridpar.config.errors import ConfigError
+from hybridpar.parallel.mesh import BATCH_AXES, axes_with_devices
+from hybridpar.parallel.partitioning import path_str
+
+Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
+
+
+def _nbytes_and_dtype(x) -> tuple[int, np.dtype]:
+    x = meta.unbox(x)
+    return int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize, np.dtype(x.dtype)
+
+
+def _leaves_in_order(tree, prefix: Path = ()):
+    """``(path, leaf)`` in the dicts' insertion order (jax.tree.leaves would sort keys)."""
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            yield from _leaves_in_order(v, prefix + (k,))
+    else:
+        yield prefix, tree
+
+
+def forward_params(model, input_shape, **apply_kwargs):
+    """The model's parameters (abstract, unboxed) in the order ``model.init`` creates them.
+
+    That is the forward (layer) order for linen modules. ``jax.eval_shape`` alone would not
+    do: its output is rebuilt by ``tree_unflatten``, which sorts dict keys, so the order is
+    read inside the traced function.
+    """
+    seen = []
+
+    def init():
+        variables = model.init(
+            jax.random.key(0), jnp.zeros(input_shape, jnp.float32), train=False, **apply_kwargs
+        )
+        seen.append(
+            [
+                (p, jax.ShapeDtypeStruct(np.shape(meta.unbox(x)), meta.unbox(x).dtype))
+                for p, x in _leaves_in_order(variables["params"])
+            ]
+        )
+        return variables
+
+    jax.eval_shape(init)
+    out: dict = {}
+    for path, leaf in seen[0]:
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = leaf
+    return out
+
+
+def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
+    """Buckets of parameter paths for the gradient reduction, first bucket first.
+
+    ``params`` is a nested dict in forward order (as ``model.init`` creates it, or
+    ``forward_params``); its leaves are arrays, ShapeDtypeStructs or Flax axis boxes. Leaves
+    are taken in REVERSE order and packed greedily: a bucket closes when the next gradient
+    would take it over ``bucket_mb`` MiB or has another dtype; a gradient larger than
+    ``bucket_mb`` gets a bucket of its own. Every parameter is in exactly one bucket.
+    """
+    if not bucket_mb > 0:
+        raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
+    limit = bucket_mb * 2**20
+    plan: list[list[Path]] = []
+    cur: list[Path] = []
+    cur_bytes, cur_dtype = 0, None
+    for path, leaf in reversed(list(_leaves_in_order(params))):
+        nbytes, dtype = _nbytes_and_dtype(leaf)
+        if cur and (cur_bytes + nbytes > limit or dtype != cur_dtype):
+            plan.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(path)
+        cur_bytes += nbytes
+        cur_dtype = dtype
+    if cur:
+        plan.append(cur)
+    return plan
+
+
+def _path_of(keypath) -> Path:
+    return tuple(path_str(keypath).split("/"))
+
+
+def to_varying(x, axes):
+    """Marks ``x`` as per-device (varying over ``axes``) for shard_map's type system.
+
+    Without it, ``jax.grad`` with respect to a replicated (invariant) parameter makes JAX
+    insert a ``psum`` per parameter itself, which is what bucketing avoids.
+    """
+    aval = jax.typeof(x)
+    vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
+    missing = tuple(a for a in axes if a not in vma)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _zero_from(x):
+    """A scalar 0 that XLA cannot fold away, computed from ``x``: min(|x[0]|, 0) is 0 for
+    every finite or infinite value (a NaN stays NaN, and a NaN step is skipped or
+    diverged anyway). Adding it changes no value, but orders one psum after another."""
+    first = jnp.ravel(x)[0].astype(jnp.float32)
+    return jnp.minimum(jnp.abs(first), 0.0)
+
+
+def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
+    """Mean over devices of several arrays with ONE psum of their concatenation.
+
+    ``reduce_dtype``: the dtype the concatenation is summed in (None: the arrays' own);
+    each result comes back in its array's dtype.
+
+    ``after``: an array from an earlier psum that this one must follow. The data dependence
+    keeps XLA's all-reduce combiner, which merges independent all-reduces (on CPU into one
+    op at the end of the step), from fusing the buckets back together: each bucket stays
+    one collective that can start as soon as its own gradients and the previous bucket are
+    done, while the backward pass goes on. (``lax.optimization_barrier`` does not do it:
+    the CPU and GPU compilers drop barriers before combining.)
+    """
+    leaves = [to_varying(x, axes) for x in leaves]
+    if not leaves:
+        return []
+    dtype = jnp.result_type(*leaves)
+    flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
+    if after is not None:
+        flat = flat + _zero_from(after).astype(flat.dtype)
+    flat = lax.psum(flat.astype(reduce_dtype or dtype), axes).astype(dtype) / n
+    out, offset = [], 0
+    for x in leaves:
+        out.append(flat[offset : offset + x.size].reshape(x.shape).astype(x.dtype))
+        offset += x.size
+    return out
+
+
+def _as_rows(x, dim: int, rows: int):
+    """``x`` as ``(rows, -1)``: row i holds shard i of ``x`` split along ``dim``."""
+    return jnp.moveaxis(x, dim, 0).reshape(rows, -1)
+
+
+def _from_rows(flat, shape, dim: int):
+    """Inverse of ``_as_rows``: the rows of ``flat``, in order, as an array of ``shape``
+    (row i filling block i of ``dim``)."""
+    moved = (shape[dim],) + tuple(np.delete(np.asarray(shape), dim))
+    return jnp.moveaxis(flat.reshape(moved), 0, dim)
+
+
+def _with_dim(shape, dim: int, size: int) -> tuple:
+    return tuple(size if i == dim else s for i, s in enumerate(shape))
+
+
+def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
+    """Mean over the data-parallel devices of several FSDP-split gradients, each device
+    keeping only its own ``fsdp`` shard: ONE ``psum_scatter`` over ``fsdp`` of their
+    concatenation (laid out so that shard i of every gradient lands on device i), then
+    one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``.
+    Both sum in ``reduce_dtype`` (None: the gradients' own dtype)."""
+    leaves = [to_varying(x, axes) for x in leaves]
+    f = lax.axis_size("fsdp")
+    dtype = jnp.result_type(*leaves)
+    flat = jnp.concatenate([_as_rows(x, d, f).astype(dtype) for x, d in zip(leaves, dims)], 1)
+    if after is not None:
+        flat = flat + _zero_from(after).astype(flat.dtype)
+    flat = flat.astype(reduce_dtype or dtype)
+    flat = lax.psum_scatter(flat, "fsdp", scatter_dimension=0, tiled=True)  # (1, total / f)
+    if "data" in axes:
+        flat = lax.psum(flat, "data")
+    flat = flat.astype(dtype) / n
+    out, offset = [], 0
+    for x, d in zip(leaves, dims):
+        size = x.size // f
+        piece = flat[:, offset : offset + size]
+        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] // f), d).astype(x.dtype))
+        offset += size
+    return out
+
+
+def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
+    """Full parameters from their ``fsdp`` shards, ONE ``all_gather`` per bucket.
+
+    Call inside ``jax.shard_map``. The buckets go in forward order (the reverse of ``plan``,
+    which is the gradient order) so the first layers' parameters arrive first. Parameters
+    with no entry in ``shard_dims`` (replicated) pass through.
+    """
+    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    full = dict(by_path)
+    f = lax.axis_size("fsdp")
+    for bucket in reversed(plan):
+        paths = [p for p in reversed(bucket) if shard_dims.get(p) is not None]
+        if not paths:
+            continue
+        shards = [by_path[p] for p in paths]
+        dtype = jnp.result_type(*shards)
+        flat = jnp.concatenate(
+            [_as_rows(x, shard_dims[p], 1).astype(dtype) for p, x in zip(paths, shards)], 1
+        )
+        if after is not None:
+            flat = flat + _zero_from(after).astype(flat.dtype)
+        flat = lax.all_gather(flat, "fsdp", axis=0, tiled=True)  # (f, total / f)
+        offset = 0
+        for p, x in zip(paths, shards):
+            piece = flat[:, offset : offset + x.size]
+            d = shard_dims[p]
+            full[p] = _from_rows(piece, _with_dim(x.shape, d, x.shape[d] * f), d).astype(x.dtype)
+            offset += x.size
+        after = flat
+    return jax.tree_util.tree_map_with_path(lambda kp, _: full[_path_of(kp)], params)
+
+
+def reduce_in_buckets(
+    grads,
+    plan,
+    axes=BATCH_AXES,
+    n: int | None = None,
+    after=None,
+    shard_dims=None,
+    reduce_dtype=None,
+):
+    """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
+
+    Call inside ``jax.shard_map``; ``grads`` has any dict structure holding the plan's
+    paths. The buckets are reduced in plan order, each after the previous one (and after
+    ``after``, if given), so they stay separate collectives. ``shard_dims`` (FSDP) maps a
+    path to the dimension its parameter is split along over ``fsdp``: those gradients are
+    reduce-scattered (one ``psum_scatter`` per bucket) and come back as this device's shard.
+    ``reduce_dtype``: the dtype each bucket is summed in (None: the gradients' own); the
+    means come back in the gradients' dtypes.
+    """
+    if n is None:
+        n = math.prod(lax.axis_size(a) for a in axes)
+    shard_dims = shard_dims or {}
+    by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
+    planned = [p for bucket in plan for p in bucket]
+    if sorted(map(str, planned)) != sorted(map(str, by_path)):
+        raise ValueError("the bucket plan does not cover the gradients exactly once each")
+    reduced = {}
+    for bucket in plan:
+        split = [p for p in bucket if shard_dims.get(p) is not None]
+        whole = [p for p in bucket if shard_dims.get(p) is None]
+        if split:
+            dims = [shard_dims[p] for p in split]
+            leaves = [by_path[p] for p in split]
+            out = _flat_scatter_mean(leaves, dims, axes, n, after, reduce_dtype)
+            reduced.update(zip(split, out))
+            after = out[0]
+        if whole:
+            out = flat_pmean([by_path[p] for p in whole], axes, n, after, reduce_dtype)
+            reduced.update(zip(whole, out))
+            after = out[0]
+    return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
+
+
+def is_spec(x) -> bool:
+    return isinstance(x, (P, jax.sharding.NamedSharding))
+
+
+def fsdp_dims(specs) -> dict[Path, int]:
+    """``{path: dim}`` for the arrays whose spec splits a dimension over ``fsdp``.
+
+    ``specs``: a tree of ``PartitionSpec`` or ``NamedSharding`` (parameters or BatchNorm
+    statistics). A spec naming ``data`` (an array split over the batch axis) is an error.
+    """
+    dims = {}
+    for kp, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        spec = getattr(spec, "spec", spec)
+        for d, entry in enumerate(spec):
+            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            if "data" in axes:
+                raise ConfigError(
+                    f"comm.mode=bucketed: parameter {path_str(kp)!r} is split over 'data' "
+                    f"({spec}); split parameters over 'fsdp' (or use comm.mode=xla)"
+                )
+            if "fsdp" in axes:
+                dims[_path_of(kp)] = d
+    return dims
+
+
+def active_axes(mesh) -> tuple[str, ...]:
+    """The data-parallel axes of ``mesh`` with more than one device.
+
+    The step names only these (see ``mesh.axes_with_devices``); all of them on one device.
+    """
+    return axes_with_devices(mesh, BATCH_AXES) or BATCH_AXES
+
+
+__all__ = [
+    "active_axes",
+    "bucket_plan",
+    "flat_pmean",
+    "forward_params",
+    "fsdp_dims",
+    "gather_in_buckets",
+    "is_spec",
+    "reduce_in_buckets",
+    "to_varying",
+]

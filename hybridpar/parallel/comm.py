@@ -1,0 +1,169 @@
+"""XLA's collective combining and latency hiding, from the ``comm`` config section.
+
+Under ``jax.jit`` XLA inserts the gradient collectives; its GPU and TPU backends then combine
+small ones into larger ones (up to a byte threshold) and, with the latency-hiding scheduler,
+start them asynchronously so they overlap the rest of the backward pass. Both are compiler
+flags that XLA reads once, when the backend starts, so ``apply`` must run before anything
+touches the devices (``jax.devices()``, ``make_mesh``, ``jax.distributed.initialize``):
+
+    from hybridpar.parallel import comm
+    comm.apply(config.comm)          # then make the mesh, compile, train
+
+What goes where, by platform:
+
+- ``gpu`` (CUDA or ROCm): ``XLA_FLAGS`` gets
+  ``--xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes`` from
+  ``comm.combine_threshold_mb`` (one value for all three; ``<= 0`` leaves XLA's defaults)
+  and ``--xla_gpu_enable_latency_hiding_scheduler`` from ``comm.latency_hiding``. These
+  flags are part of every jaxlib's XLA, so they are harmless on a CPU-only install.
+- ``tpu``: ``LIBTPU_INIT_ARGS`` gets ``--xla_tpu_enable_latency_hiding_scheduler``.
+  libtpu's combiner thresholds are not publicly documented; ``TPU_COMBINE_FLAGS_BEST_KNOWN``
+  lists the names seen in public experiment notes, but they are NOT applied, since libtpu
+  may refuse unknown flags at start-up (XLA itself aborts on an unknown flag in
+  ``XLA_FLAGS``). Set them in ``LIBTPU_INIT_ARGS`` yourself once checked on your libtpu.
+- ``cpu``: nothing. XLA's CPU backend has no combiner-threshold or latency-hiding flags
+  (jaxlib 0.10.2 knows only the ``xla_gpu_*`` ones); what its pipeline combines it does on
+  its own, with no knob (on 0.10.2 the data-parallel ResNet-50 gradient comes out as a few
+  large all-reduces, beside one small all-reduce per BatchNorm layer for the global batch
+  statistics; see ``python -m hybridpar.comm_report``). ``comm.mode=bucketed`` is the
+  explicit, backend-independent way to set the fusion.
+
+Flags already present in the environment win: ``apply`` only adds flags whose name is not
+there yet, so ``XLA_FLAGS=--xla_gpu_all_reduce_combine_threshold_bytes=... python -m
+hybridpar.train ...`` overrides the config for one run, and calling ``apply`` twice is harmless.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+
+from hybridpar.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The environment variable that carries each platform's compiler flags.
+ENV_VAR = {"gpu": "XLA_FLAGS", "tpu": "LIBTPU_INIT_ARGS"}
+
+# Best-known libtpu names of the combiner thresholds (unverified; not applied, see above).
+TPU_COMBINE_FLAGS_BEST_KNOWN = (
+    "--xla_tpu_all_reduce_combine_threshold_bytes",
+    "--xla_tpu_all_gather_combine_threshold_bytes",
+    "--xla_tpu_reduce_scatter_combine_threshold_bytes",
+)
+
+# PJRT plugins that make jax use a GPU (XLA's GPU backend serves CUDA and ROCm alike).
+_GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
+_PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def detect_platform() -> str:
+    """The platform jax will start on ("gpu", "tpu" or "cpu"), without starting it.
+
+    First the requested platforms (``jax.config.jax_platforms`` if jax is imported, which
+    holds ``JAX_PLATFORMS`` as read at import or a later ``jax.config.update``; else the
+    ``JAX_PLATFORMS`` variable): the first one listed is the default. Otherwise what is
+    installed: libtpu -> "tpu", a CUDA/ROCm PJRT plugin -> "gpu", else "cpu". An installed
+    plugin without its hardware means jax falls back to CPU; the flags set for it are then
+    unused and harmless.
+    """
+    requested = None
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        requested = jax.config.jax_platforms
+    if not requested:
+        requested = os.environ.get("JAX_PLATFORMS", "")
+    first = requested.split(",")[0].strip().lower() if requested else ""
+    if first:
+        return _PLATFORM_ALIASES.get(first, first)
+    if _has_module("libtpu"):
+        return "tpu"
+    if any(_has_module(p) for p in _GPU_PLUGINS):
+        return "gpu"
+    return "cpu"
+
+
+def _bool(v: bool) -> str:
+    return "true" if v else "false"
+
+
+def xla_flags(comm_cfg, platform: str) -> list[str]:
+    """The compiler flags the ``comm`` section asks for on ``platform`` (no side effects)."""
+    mb = float(comm_cfg.combine_threshold_mb)
+    if not isinstance(comm_cfg.latency_hiding, bool):
+        raise ConfigError(f"comm.latency_hiding={comm_cfg.latency_hiding!r} must be True or False")
+    platform = _PLATFORM_ALIASES.get(platform, platform)
+    flags: list[str] = []
+    if platform == "gpu":
+        if mb > 0:
+            nbytes = int(mb * 2**20)
+            for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+                flags.append(f"--xla_gpu_{kind}_combine_threshold_bytes={nbytes}")
+        flags.append(f"--xla_gpu_enable_latency_hiding_scheduler={_bool(comm_cfg.latency_hiding)}")
+    elif platform == "tpu":
+        flags.append(f"--xla_tpu_enable_latency_hiding_scheduler={_bool(comm_cfg.latency_hiding)}")
+    # cpu (and anything else): XLA has no combiner or latency-hiding flags to set.
+    return flags
+
+
+# Compiler defects of a given jaxlib that a training run must step around, by platform: (the
+# first jaxlib release it was seen on, the flag). XLA:GPU of jaxlib 0.11.2 (an H200, 2026-12)
+# aborted compiling our ResNet-50 train step in its Triton GEMM fusion pass (a CHECK failure
+# in triton_tiling_propagation.cc); cuBLAS GEMMs avoid it. Applied from that minor release on
+# until a later one is checked without it; 0.10.x never showed it.
+WORKAROUNDS = {"gpu": (((0, 11), "--xla_gpu_enable_triton_gemm=false"),)}
+
+
+def _jaxlib_version() -> tuple[int, ...]:
+    """The installed jaxlib's (major, minor), read from its metadata: no import of jax."""
+    from importlib import metadata
+
+    try:
+        return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return (0, 0)
+
+
+def workaround_flags(platform: str, jaxlib_version: tuple[int, ...] | None = None) -> list[str]:
+    """The flags ``WORKAROUNDS`` asks for on ``platform`` with this jaxlib (no side effects)."""
+    version = _jaxlib_version() if jaxlib_version is None else tuple(jaxlib_version)
+    platform = _PLATFORM_ALIASES.get(platform, platform)
+    return [flag for since, flag in WORKAROUNDS.get(platform, ()) if version >= since]
+
+
+def _flag_name(flag: str) -> str:
+    return flag.split("=", 1)[0]
+
+
+def apply(comm_cfg, platform: str | None = None) -> list[str]:
+    """Adds the ``comm`` flags for ``platform`` (default: ``detect_platform()``), and the
+    installed jaxlib's ``workaround_flags``, to the environment variable its backend reads,
+    before the backend starts. Returns the flags added (those whose name the variable did not
+    hold already)."""
+    platform = detect_platform() if platform is None else platform
+    flags = xla_flags(comm_cfg, platform) + workaround_flags(platform)
+    var = ENV_VAR.get(_PLATFORM_ALIASES.get(platform, platform))
+    if not flags or var is None:
+        return []
+    current = os.environ.get(var, "")
+    present = {_flag_name(f) for f in current.split()}
+    added = [f for f in flags if _flag_name(f) not in present]
+    if added:
+        os.environ[var] = " ".join([current, *added]).strip()
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if added and bridge is not None and bridge.backends_are_initialized():
+        log.warning(
+            "comm: the jax backend has already started, so %s will not take effect in this "
+            "process; call hybridpar.parallel.comm.apply before the first use of the devices",
+            " ".join(added),
+        )
+    return added

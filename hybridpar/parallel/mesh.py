@@ -1,0 +1,180 @@
+"""Device meshes from a one-line spec such as ``"data:4,model:2"``.
+
+Every mesh has the three axes ``data``, ``fsdp`` and ``model`` (in that order; axes the spec
+leaves out have size 1), so rules and steps can name any axis on any mesh. ``model`` is the
+innermost axis: ``jax.make_mesh`` lays devices out so that the innermost axes are the
+closest devices (same host, same NVLink/ICI island), which is where the chatty
+model-parallel collectives belong. The data axes then span hosts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+from hybridpar.config.errors import ConfigError
+
+AXES = ("data", "fsdp", "model")
+# Batch dimensions are split over every data-parallel axis: FSDP is data parallel too.
+BATCH_AXES = ("data", "fsdp")
+
+
+def axes_with_devices(mesh, axes) -> tuple[str, ...]:
+    """The axes of ``axes`` over more than one device of ``mesh``, in order.
+
+    Code that names mesh axes in collectives or shard_map specs uses only these: JAX and
+    XLA keep a collective over a size-1 axis as one-device all-reduces (XLA:CPU does not
+    remove them).
+    """
+    return tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+
+
+def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[str, int]:
+    """``"data:4,model:2"`` -> ``{"data": 4, "fsdp": 1, "model": 2}``; ``-1`` fills the rest.
+    ``platform``: the devices', for the hint when the count is wrong."""
+    sizes: dict[str, int] = {}
+    fill = None
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        name, sep, size = part.partition(":")
+        name = name.strip()
+        if not sep or name not in AXES:
+            raise ConfigError(
+                f"mesh spec {spec!r}: {part!r} is not AXIS:SIZE with AXIS one of {AXES}; "
+                "write it like 'data:4,model:2' (-1 means the rest of the devices)"
+            )
+        if name in sizes or name == fill:
+            raise ConfigError(f"mesh spec {spec!r} names axis {name!r} twice")
+        try:
+            n = int(size)
+        except ValueError:
+            raise ConfigError(
+                f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer"
+            ) from None
+        if n == -1:
+            if fill is not None:
+                raise ConfigError(f"mesh spec {spec!r}: only one axis may be -1")
+            fill = name
+        elif n < 1:
+            raise ConfigError(
+                f"mesh spec {spec!r}: axis {name!r} has size {n}; sizes are >= 1 or -1"
+            )
+        else:
+            sizes[name] = n
+    known = math.prod(sizes.values())
+    if fill is not None:
+        if num_devices % known:
+            raise ConfigError(
+                f"mesh spec {spec!r}: the fixed axes ({known} devices) do not divide the "
+                f"{num_devices} devices, so -1 cannot fill the rest"
+            )
+        sizes[fill] = num_devices // known
+    total = math.prod(sizes.values())
+    if total != num_devices:
+        # virtual devices are a CPU-only remedy: a TPU or GPU count is the hardware's
+        where = (
+            f" (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count={total})"
+            if platform == "cpu"
+            else ""
+        )
+        raise ConfigError(
+            f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
+            f"make the sizes multiply to {num_devices} (e.g. --config.mesh=data:-1), or run on "
+            f"{total} devices{where}"
+        )
+    return {axis: sizes.get(axis, 1) for axis in AXES}
+
+
+def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Builds a ``Mesh`` with axes ``("data", "fsdp", "model")`` from a spec string or dict.
+
+    ``devices`` defaults to all devices of all processes. Axes are ``AxisType.Auto`` so XLA's
+    partitioner propagates shardings through the model (we constrain only inputs, parameters
+    and outputs).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if isinstance(spec, dict):
+        spec = ",".join(f"{k}:{v}" for k, v in spec.items())
+    sizes = parse_mesh_spec(spec, len(devices), devices[0].platform if devices else "cpu")
+    shape = tuple(sizes[a] for a in AXES)
+    if jax.process_count() > 1 and sizes["model"] > 1 and jax.local_device_count() % sizes["model"]:
+        raise ConfigError(
+            f"mesh {spec!r}: model axis of size {sizes['model']} does not divide the "
+            f"{jax.local_device_count()} devices of one host; model-parallel groups must stay "
+            "inside a host (fast links), so choose a model size that divides the devices per host"
+        )
+    slices = len({getattr(d, "slice_index", 0) for d in devices})
+    if slices > 1:
+        return _multi_slice_mesh(spec, sizes, slices, devices)
+    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def _multi_slice_mesh(spec: str, sizes: dict, slices: int, devices) -> Mesh:
+    """Devices of several slices (TPU pods joined over the data-centre network, DCN): only
+    ``data`` crosses the slices, as data parallelism needs one gradient reduction per step
+    over the slow links, while ``fsdp`` and ``model`` gather and reduce within a layer and
+    stay on a slice's fast interconnect (ICI); MaxText splits its ``dcn_*`` and ``ici_*``
+    axes the same way."""
+    from jax.experimental import mesh_utils
+
+    if sizes["data"] % slices:
+        raise ConfigError(
+            f"mesh {spec!r} on {slices} slices: only the data axis crosses slices (fsdp and "
+            f"model stay within one, on its fast links), so data={sizes['data']} must be a "
+            f"multiple of {slices}, e.g. --config.mesh=data:{slices},fsdp:-1"
+        )
+    ici = (sizes["data"] // slices, sizes["fsdp"], sizes["model"])
+    grid = mesh_utils.create_hybrid_device_mesh(ici, (slices, 1, 1), devices=devices)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def axes_across_slices(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes along which devices of different slices meet (their traffic goes over
+    DCN); empty on one slice or on devices without slices."""
+    import numpy as np
+
+    index = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+    return tuple(a for i, a in enumerate(mesh.axis_names) if (np.diff(index, axis=i) != 0).any())
+
+
+def batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The data-parallel axes ``mesh`` has, in ``BATCH_AXES`` order.
+
+    Any mesh over the axes ``data``, ``fsdp`` and ``model`` works, ``jax.make_mesh((4, 2),
+    ("data", "model"))`` included: an axis it lacks counts as size 1. Other names are refused,
+    since a batch split over an axis we do not know would silently not be split.
+    """
+    unknown = [a for a in mesh.axis_names if a not in AXES]
+    if unknown:
+        raise ConfigError(
+            f"mesh axes {tuple(mesh.axis_names)}: {tuple(unknown)} not among {AXES}; hybridpar "
+            f"splits the batch over {BATCH_AXES} and models over 'model', so name the mesh "
+            "axes from those, e.g. jax.make_mesh((4, 2), ('data', 'model'))"
+        )
+    return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
+
+
+def data_parallel_size(mesh: Mesh | str) -> int:
+    """How many ways the batch is split: the product of the data-parallel axes, of a mesh
+    or of the spec that names one (``"data:4,model:2"``; only a spec with -1 needs the
+    device count, which starts JAX's backend but allocates nothing)."""
+    if isinstance(mesh, str):
+        sizes = [p.partition(":")[2].strip() for p in mesh.split(",") if p.strip()]
+        if "-1" in sizes:
+            devices = jax.device_count()
+        else:  # parse_mesh_spec says what is wrong with a bad size
+            devices = math.prod(int(n) for n in sizes if n.isdigit())
+        sizes = parse_mesh_spec(mesh, devices)
+        return math.prod(sizes[a] for a in BATCH_AXES)
+    return math.prod(mesh.shape[a] for a in batch_axes(mesh))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    axes = ", ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
+    kind = mesh.devices.flat[0].platform
+    return (
+        f"mesh: {axes} ({mesh.size} {kind} devices, {jax.process_count()} process(es); "
+        f"batch split {data_parallel_size(mesh)} ways)"
+    )

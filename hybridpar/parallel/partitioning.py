@@ -1,0 +1,372 @@
+"""Placement of every array on the mesh, decided by rules that are plain data.
+
+A user's own training code needs three things from here, and they work on any pytree (Flax
+linen variables or NNX state, optax state, plain dicts):
+
+* ``Rules``: ordered ``(path_regex, spec)`` pairs (first match wins; a spec is a tuple with one
+  entry per dimension: a mesh axis name, a tuple of names, or None), then a logical-axis table
+  for leaves that carry logical names (``nn.with_logical_partitioning``, as t5x and MaxText
+  models do), then an optional FSDP pass that shards the largest free dimension of every
+  big-enough array over ``fsdp`` (big_vision's "fsdp" tactic).
+* ``infer_shardings(tree, rules, mesh)``: a tree of ``NamedSharding`` with the (unboxed)
+  structure of ``tree``.
+* ``shard_batch(batch, mesh)``: host-local numpy batches -> global arrays split over the data axes.
+
+A rule that does not divide a dimension is an error naming the array path, its shape and the
+axis (the FSDP pass instead picks a dimension that divides, or leaves the array replicated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from flax.core import meta
+from flax.linen.spmd import LogicallyPartitioned
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.parsing import check_rule_patterns
+from hybridpar.parallel.mesh import batch_axes, data_parallel_size
+
+# One entry per dimension: None, an axis name, or a tuple of axis names.
+Spec = tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """Where arrays go. All fields are data, so configs can hold and print them."""
+
+    path: Sequence[tuple[str, Spec]] = ()  # (regex searched in "a/b/c" paths, spec)
+    logical: Sequence[tuple[str, Any]] = ()  # (logical axis name, mesh axis / tuple / None)
+    fsdp_min_size: int | None = None  # None: no FSDP pass; else shard arrays this large
+
+    def __add__(self, other: "Rules") -> "Rules":
+        """Concatenates: ``self``'s rules take priority over ``other``'s."""
+        mins = [m for m in (self.fsdp_min_size, other.fsdp_min_size) if m is not None]
+        return Rules(
+            tuple(self.path) + tuple(other.path),
+            tuple(self.logical) + tuple(other.logical),
+            min(mins) if mins else None,
+        )
+
+
+# Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
+# and the logical axes the models annotate.
+DATA_PARALLEL = Rules()
+FSDP = Rules(
+    fsdp_min_size=2**10
+)  # smaller arrays (BN vectors): one gather costs more than it saves
+# Data x model hybrid: the classifier head is split along the classes, and the wide
+# convolutions of the last two stages along their output channels; everything else is
+# replicated over `model` and the batch is split over the data axes.
+HYBRID = Rules(
+    path=((r"stage[34]_block\d+/(conv\d|proj_conv)/kernel$", (None, None, None, "model")),),
+    logical=(("classes", "model"),),
+)
+# Megatron-style tensor parallelism for the wide bottlenecks of the last two stages (their
+# conv1 and conv2 are 73% of Wide-ResNet-50-2's weights): conv1 split over `model` along its
+# output channels, conv2 along its input channels, so the activation between them stays
+# split (no collective) and conv2's partial sums take one all-reduce over `model` forward
+# (and the block input's gradient one backward). conv3, the projections and BatchNorm stay
+# replicated. Activations shrink with depth while weights grow, so these stages are where
+# splitting weights saves the most memory per byte communicated (docs/model_parallel.md).
+# XLA's wrong strided-conv gradient (see _fsdp) needs a kernel split on both channel
+# dimensions; this layout is checked against one device in tests/test_tensor_parallel.py.
+TENSOR = Rules(
+    path=(
+        (r"stage[34]_block\d+/conv1/kernel$", (None, None, None, "model")),
+        (r"stage[34]_block\d+/conv2/kernel$", (None, None, "model", None)),
+    ),
+    logical=(("classes", "model"),),
+)
+PRESETS = {"data": DATA_PARALLEL, "fsdp": FSDP, "hybrid": HYBRID, "tensor": TENSOR}
+
+
+def preset_rules(name: str, mesh: Mesh) -> Rules:
+    """A preset by name; ``auto`` combines the presets the mesh's axes call for."""
+    if name == "auto":
+        rules = Rules()
+        if mesh.shape.get("model", 1) > 1:
+            rules = rules + HYBRID
+        if mesh.shape.get("fsdp", 1) > 1:
+            rules = rules + FSDP
+        return rules
+    if name not in PRESETS:
+        raise ConfigError(
+            f"unknown partitioning preset {name!r}; choose one of {sorted(PRESETS) + ['auto']}"
+        )
+    return PRESETS[name]
+
+
+def path_str(path) -> str:
+    """A jax key path as ``"params/stage1_block0/conv1/kernel"``."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _is_box(x) -> bool:
+    """Leaves that wrap an array: linen's axis boxes and NNX Variables (whose pytree path
+    would otherwise end in ``/value`` and miss rules such as ``kernel$``)."""
+    return isinstance(x, (meta.AxisMetadata, nnx.Variable))
+
+
+def _unbox(x):
+    if isinstance(x, nnx.Variable):
+        return x.get_value()
+    return x.unbox() if isinstance(x, meta.AxisMetadata) else x
+
+
+def _axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
+    spec = tuple(spec)
+    if len(spec) > len(shape):
+        raise ConfigError(
+            f"{where}: spec {spec} has {len(spec)} entries but the array has "
+            f"shape {tuple(shape)} ({why})"
+        )
+    spec = spec + (None,) * (len(shape) - len(spec))
+    for dim, (entry, size) in enumerate(zip(spec, shape)):
+        axes = _axes(entry)
+        for a in axes:
+            if a not in mesh.shape:
+                raise ConfigError(
+                    f"{where}: spec {spec} names mesh axis {a!r}, not one of "
+                    f"{tuple(mesh.axis_names)} ({why})"
+                )
+        n = math.prod(mesh.shape[a] for a in axes)
+        if size % n:
+            raise ConfigError(
+                f"{where} with shape {tuple(shape)}: dimension {dim} (size {size}) does not "
+                f"divide mesh axis {'x'.join(axes)!r} (size {n}) ({why}); change the rule or "
+                f"the mesh so the size divides"
+            )
+    return spec
+
+
+def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
+    """Adds ``fsdp`` to one dimension of an array that is big enough.
+
+    An array the rules already split (say output channels over ``model``) gets ``fsdp``
+    stacked on that same dimension, ``("model", "fsdp")``: gathering over ``fsdp`` then gives
+    back exactly the model-parallel layout. Putting ``fsdp`` on a second dimension instead
+    (input channels) also makes XLA's SPMD partitioner (jax 0.10.2, Shardy and GSPMD alike)
+    compute a wrong input gradient for strided convolutions; ``tests/test_parity.py`` pins
+    that bug. Other arrays get ``fsdp`` on their largest dimension that it divides.
+    """
+    n = mesh.shape.get("fsdp", 1)
+    used = {a for e in spec for a in _axes(e)}
+    if n == 1 or "fsdp" in used or math.prod(shape) < min_size:
+        return spec
+    sharded = [d for d in range(len(shape)) if spec[d] is not None]
+    if sharded:
+        d = sharded[-1]
+        axes = _axes(spec[d]) + ("fsdp",)
+        if shape[d] % math.prod(mesh.shape[a] for a in axes):
+            return spec
+        return spec[:d] + (axes,) + spec[d + 1 :]
+    free = [d for d in range(len(shape)) if shape[d] % n == 0]
+    if not free:
+        return spec
+    d = max(free, key=lambda i: (shape[i], i))
+    return spec[:d] + ("fsdp",) + spec[d + 1 :]
+
+
+def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -> P:
+    """The ``PartitionSpec`` of one array (see module docstring for the order of rules)."""
+    check_rule_patterns(rules.path)
+    spec = None
+    for pattern, rule_spec in rules.path:
+        if re.search(pattern, path):
+            spec = _check(rule_spec, shape, mesh, f"array {path!r}", f"rule {pattern!r}")
+            break
+    if spec is None and logical_names is not None and rules.logical:
+        table = {}
+        for name, axis in rules.logical:  # first entry for a name wins, like path rules
+            table.setdefault(name, axis)
+        mapped = tuple(table.get(name) for name in logical_names)
+        spec = _check(
+            mapped, shape, mesh, f"array {path!r}", f"logical axes {tuple(logical_names)}"
+        )
+    if spec is None:
+        spec = (None,) * len(shape)
+    if rules.fsdp_min_size is not None:
+        spec = _fsdp(spec, shape, mesh, rules.fsdp_min_size)
+    return P(*spec)
+
+
+def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh):
+    """A tree of ``NamedSharding`` for ``tree``'s arrays (or ShapeDtypeStructs).
+
+    ``tree`` may hold Flax boxed leaves (``LogicallyPartitioned``, ``Partitioned``): their
+    names are used and the result has the unboxed structure. An NNX ``Variable`` gets one
+    sharding (a valid ``out_shardings`` prefix for its State); path rules and FSDP apply.
+    ``rules`` may be a ``Rules`` or a plain sequence of ``(path_regex, spec)`` pairs.
+    """
+    if not isinstance(rules, Rules):
+        rules = Rules(path=tuple(rules))
+
+    def one(path, leaf):
+        p = path_str(path)
+        if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
+            spec = infer_spec(p, np.shape(leaf.unbox()), rules, mesh, leaf.names)
+        elif isinstance(leaf, meta.Partitioned):  # mesh axes given directly by the model
+            spec = P(
+                *_check(
+                    leaf.names,
+                    np.shape(leaf.unbox()),
+                    mesh,
+                    f"array {p!r}",
+                    "its nn.Partitioned annotation",
+                )
+            )
+        else:
+            spec = infer_spec(p, np.shape(_unbox(leaf)), rules, mesh)
+        return NamedSharding(mesh, spec)
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
+    """Leading (batch) dimension split over the data-parallel axes, the rest replicated.
+
+    Works on any mesh ``batch_axes`` accepts, with Auto or Explicit axes."""
+    return NamedSharding(mesh, P(batch_axes(mesh) or None, *([None] * (ndim - 1))))
+
+
+def shard_batch(batch, mesh: Mesh):
+    """Host-local numpy arrays -> global ``jax.Array``s split over the data axes.
+
+    Each process passes its own slice of the global batch (all processes the same size);
+    the global batch is the concatenation in process order. Works on any pytree of arrays,
+    all of whose leaves must hold the same number of examples (leading dimension): an image
+    batch and a label batch of different lengths would otherwise pair the wrong examples, or
+    train on padding, without an error.
+
+    A batch of global arrays already placed on a mesh (every leaf a ``jax.Array`` with a
+    ``NamedSharding``: the on-device input's) is returned untouched where each leaf is split
+    over the data axes of ``mesh`` as above, else moved there.
+    """
+    n_local = data_parallel_size(mesh) // jax.process_count()  # checks the mesh's axes first
+    placed = _placed(batch, mesh)
+    if placed is not None:
+        return placed
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    lengths = {}
+    for path, x in leaves:
+        shape = np.shape(x)
+        lengths[path_str(path)] = shape[0] if shape else None
+    if len(set(lengths.values())) > 1:
+        listed = ", ".join(
+            f"{name!r}: {'a scalar' if n is None else n}" for name, n in lengths.items()
+        )
+        raise ConfigError(
+            f"batch leaves have different leading (example) dimensions on this host ({listed}); "
+            "every leaf of a batch must hold the same examples, e.g. one label per image"
+        )
+
+    def one(path, x):
+        x = np.asarray(x)
+        if x.ndim == 0 or x.shape[0] % max(n_local, 1):
+            raise ConfigError(
+                f"batch array {path_str(path)!r} has leading size {x.shape[:1]} on this host, "
+                f"which does not divide the {max(n_local, 1)} data-parallel shards of this host; "
+                "make the per-host batch a multiple of the data axes (data x fsdp) per host"
+            )
+        sharding = batch_sharding(mesh, x.ndim)
+        global_shape = (x.shape[0] * jax.process_count(),) + x.shape[1:]
+        return jax.make_array_from_process_local_data(sharding, x, global_shape)
+
+    return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def _placed(batch, mesh: Mesh):
+    """``batch`` on ``mesh``'s batch sharding when all its leaves are global arrays on a mesh
+    (untouched where they are there already); None for host-local data."""
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves or not all(
+        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) for _, x in leaves
+    ):
+        return None
+    lengths = {path_str(p): (x.shape[:1] or (None,))[0] for p, x in leaves}
+    if len(set(lengths.values())) > 1 or None in lengths.values():
+        raise ConfigError(
+            f"batch leaves have different leading (example) dimensions ({lengths}); every leaf "
+            "of a batch must hold the same examples, e.g. one label per image"
+        )
+
+    def one(x):
+        target = batch_sharding(mesh, x.ndim)
+        if x.sharding.is_equivalent_to(target, x.ndim):
+            return x
+        return jax.device_put(x, target)
+
+    return jax.tree.map(one, batch)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def sharding_table(shardings, tree, max_rows: int = 24) -> str:
+    """A short table of how parameter groups are placed: one row per distinct (spec, group).
+
+    Groups are the path with block indices and the params / optimizer-state prefix dropped
+    (``stage3_block*/conv2/kernel`` counts the kernels and their momentum), so a ResNet-50
+    prints in a couple of dozen lines.
+    """
+    rows: dict[tuple[str, str], list] = {}
+    flat_s = jax.tree_util.tree_flatten_with_path(shardings)[0]
+    flat_t = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
+    for (path, s), leaf in zip(flat_s, flat_t):
+        leaf = _unbox(leaf)
+        # A parameter and its optimizer buffers (same name under opt_state) share a row.
+        group = re.sub(r"_block\d+", "_block*", path_str(path))
+        group = re.sub(
+            r"^(params|opt_state/(\w+/)*?(trace|mu|nu)|opt_state/\d+(/\d+)*)/", "", group
+        )
+        key = (group, str(s.spec))
+        nbytes = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
+        per_dev = (
+            nbytes // math.prod(s.mesh.shape[a] for e in s.spec for a in _axes(e))
+            if s.spec
+            else nbytes
+        )
+        r = rows.setdefault(key, [0, 0, 0])
+        r[0] += 1
+        r[1] += nbytes
+        r[2] += per_dev
+    lines = [f"{'arrays':>6} {'MiB total':>10} {'MiB/device':>10}  spec  group"]
+    ordered = sorted(rows.items(), key=lambda kv: -kv[1][1])
+    for (group, spec), (n, b, d) in ordered[:max_rows]:
+        lines.append(f"{n:>6} {b / 2**20:>10.2f} {d / 2**20:>10.2f}  {spec}  {group}")
+    if len(ordered) > max_rows:
+        rest = ordered[max_rows:]
+        lines.append(
+            f"{sum(r[0] for _, r in rest):>6} {sum(r[1] for _, r in rest) / 2**20:>10.2f} "
+            f"{sum(r[2] for _, r in rest) / 2**20:>10.2f}  ...  ({len(rest)} more groups)"
+        )
+    total = sum(r[1] for r in rows.values())
+    dev = sum(r[2] for r in rows.values())
+    lines.append(
+        f"{sum(r[0] for r in rows.values()):>6} {total / 2**20:>10.2f} {dev / 2**20:>10.2f}  total"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,211 @@
+"""Classifier heads whose logits are never gathered (``model.head``): for 100k-1M classes.
+
+A 1M-class head on 2048-d features is 2G parameters (8 GB in float32, as much again per
+optimizer buffer) and a batch x 1M logits tensor; pure data parallelism replicates all of
+it on every device. ``model.head`` chooses the plan:
+
+``dense``       the model's own ``Dense`` under ``jax.jit``: XLA places the logits (today's
+                behaviour; the ``hybrid`` preset splits the kernel over ``model``).
+``sharded``     kernel ``(embed, classes)`` split over ``model`` along the classes. The
+                features are all-gathered over ``model``, so each device computes the
+                logits of its data slice for its classes, ``(B/d, C/m)``. The kernel is
+                replicated over the data axes: its gradient is all-reduced over them,
+                ``C*E/m`` values per device per step.
+``partial_fc``  kernel split over EVERY device (data x fsdp x model) and the features
+                all-gathered over all of them, for the head only (the model-parallel FC
+                of Partial FC, An et al. 2021, without its class sampling): each device
+                computes the logits of the whole batch for its ``C/n`` classes. Every
+                device owns its classes and sees the whole batch, so the kernel's gradient
+                needs no reduction at all; the features go out (all-gather) and their
+                gradient comes back (reduce-scatter): ``B*E`` each.
+
+In both, the trunk is data parallel over every device, as in the classic data-model hybrid
+(Krizhevsky 2014: data-parallel convolutions, model-parallel classifier): its batch is split
+over all mesh axes (the input arrives split over data x fsdp, and each device of a model
+group keeps its own part: no communication), so no device computes an example twice. A
+trunk weight that the rules split over ``model`` (the ``hybrid`` preset) is then gathered
+for use like an FSDP weight.
+
+When ``partial_fc`` is the cheaper plan: it moves ~``2*B*E`` per step, ``sharded`` ~``2*B*E/d``
+plus the ``C*E/m`` all-reduce of the kernel's gradient, so partial-FC wins whenever the global
+batch ``B`` is below ``C/m`` (1M classes, ``m=8``: 1,024 against 125,000). It also holds
+``C*E/n`` of the kernel and optimizer state per device instead of ``C*E/m``, and needs no
+``model`` axis. The logits take ``B*C/n`` per device in both. ``sharded`` wins for smaller
+class counts at large batches (``B > C/m``).
+
+Both run the matmul, softmax cross-entropy and top-k under ``jax.shard_map``, each device
+holding its own block of classes, with the collectives written out:
+
+* loss: ``logsumexp_c z - (1-eps) z_label - eps/C sum_c z`` (label smoothing ``eps``), from
+  each shard's max (one ``pmax``) and its sum of exponentials, label logit and sum of
+  logits (one ``psum`` of the three): ``O(B)`` values, whatever ``C``.
+* top-k: an example is a top-k hit iff fewer than k classes rank above its label (higher
+  logit, or an equal one with a lower class id, which is ``lax.top_k``'s order), so the
+  ranks of all examples need one ``psum`` of ``B`` integers and no gather of anything.
+
+The model stays free of collectives: it returns its features (``return_features=True``)
+and the step applies ``params["head"]`` here. Doing the matmul inside ``shard_map`` (rather
+than keeping the ``Dense`` in the model and constraining its output) pins exactly what is
+communicated, instead of leaving XLA free to gather a 1M-wide tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from hybridpar.parallel.mesh import BATCH_AXES
+from hybridpar.parallel.partitioning import Rules
+
+
+def _axis_size(axis) -> int:
+    return math.prod(lax.axis_size(a) for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def _shard_offset(logits, axis):
+    """This device's first class id: shards are consecutive blocks in ``axis`` order."""
+    return lax.axis_index(axis) * logits.shape[-1]
+
+
+def _my_label_logit(z, labels, axis):
+    """The label's logit where this device holds the label's class, else 0: ``(B,)``."""
+    local = labels - _shard_offset(z, axis)
+    mine = (local >= 0) & (local < z.shape[-1])
+    picked = jnp.take_along_axis(z, jnp.clip(local, 0, z.shape[-1] - 1)[:, None], axis=-1)
+    return jnp.where(mine, picked[:, 0], 0.0)
+
+
+def sharded_cross_entropy(logits, labels, label_smoothing: float, axis):
+    """Per-example softmax cross-entropy of class-sharded logits; call inside ``jax.shard_map``.
+
+    ``logits``: ``(B, C_local)``, this device's block of classes (block ``axis_index(axis)``
+    of the ``C = C_local * axis_size`` classes); ``labels``: ``(B,)`` global class ids, the
+    same on every device of ``axis``; ``axis``: the mesh axis (or tuple of axes) the classes
+    are split over. Returns ``(B,)`` float32, equal on every device of ``axis``; equal to
+    ``steps.cross_entropy`` of the whole logits.
+    """
+    z = logits.astype(jnp.float32)
+    num_classes = z.shape[-1] * _axis_size(axis)
+    # The max only keeps exp() in range; logsumexp does not depend on it, so no gradient.
+    m = lax.pmax(jnp.max(lax.stop_gradient(z), axis=-1), axis)
+    parts = [jnp.sum(jnp.exp(z - m[:, None]), axis=-1), _my_label_logit(z, labels, axis)]
+    if label_smoothing:
+        parts.append(jnp.sum(z, axis=-1))  # smoothing puts eps/C on every class
+    sums = lax.psum(jnp.stack(parts), axis)  # one collective for all three
+    loss = m + jnp.log(sums[0]) - (1.0 - label_smoothing) * sums[1]
+    if label_smoothing:
+        loss = loss - label_smoothing / num_classes * sums[2]
+    return loss
+
+
+def label_rank(logits, labels, axis):
+    """How many classes rank above each example's label (``lax.top_k`` order: higher logit
+    first, ties to the lower class id); inside ``jax.shard_map``, ``(B,)`` int32."""
+    z = logits.astype(jnp.float32)
+    zl = lax.psum(_my_label_logit(lax.stop_gradient(z), labels, axis), axis)[:, None]
+    ids = _shard_offset(z, axis) + jnp.arange(z.shape[-1])
+    above = (z > zl) | ((z == zl) & (ids[None, :] < labels[:, None]))
+    return lax.psum(jnp.sum(above, axis=-1, dtype=jnp.int32), axis)
+
+
+def sharded_topk_hits(logits, labels, k: int, axis):
+    """Whether each label is among the top ``k`` classes of class-sharded logits, without
+    gathering them; inside ``jax.shard_map``. ``(B,)`` bool."""
+    return label_rank(logits, labels, axis) < k
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedHead:
+    """Applies the head ``params["head"]`` (``kernel (E, C)``, ``bias (C,)``) to features
+    ``(B, E)`` and returns per-example loss (and top-k hits) without gathering the logits.
+
+    ``class_axes``: mesh axes the classes are split over. ``batch_axes``: mesh axes the
+    trunk's batch, and so the features, are split over (in ``AXES`` order). The features
+    are all-gathered over the batch axes that also split the classes (the innermost ones),
+    so that every device holding a block of classes sees every example of its batch slice.
+    """
+
+    mesh: Mesh
+    class_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...] = BATCH_AXES
+
+    @property
+    def num_shards(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.class_axes)
+
+    @property
+    def gather_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.batch_axes if a in self.class_axes)
+
+    def rules(self) -> Rules:
+        """The placement this head computes in: the classes over ``class_axes``."""
+        return Rules(logical=(("classes", self.class_axes),))
+
+    def split_batch(self, x):
+        """``x`` (images) split over ``batch_axes`` for the trunk: where they are already
+        split over fewer axes (the input's data x fsdp), each device just keeps its part."""
+        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(self.batch_axes)))
+
+    def apply(
+        self, model, variables, images, labels, *, train, label_smoothing=0.0, topk=(), policy=None
+    ):
+        """As ``steps.DenseHead.apply``: the model's trunk (its features), then this head on
+        ``params["head"]``. ``policy`` is unused: the matmul runs in the features' dtype
+        and the softmax in float32."""
+        del policy
+        x = self.split_batch(images)
+        if train:
+            features, new_vars = model.apply(
+                variables, x, train=True, mutable=["batch_stats"], return_features=True
+            )
+        else:
+            features, new_vars = model.apply(variables, x, train=False, return_features=True), {}
+        head = variables["params"]["head"]
+        classes = head["kernel"].shape[-1]
+        ks = {k: min(k, classes) for k in topk}  # fewer classes than k: every class is a hit
+        topk = tuple(sorted(set(ks.values())))
+        out = self(features, head, labels, label_smoothing=label_smoothing, topk=topk)
+        hits = {f"top{k}": out[f"top{v}"] for k, v in ks.items()}
+        return {"loss": out["loss"], **hits}, new_vars
+
+    def __call__(self, features, params, labels, *, label_smoothing: float = 0.0, topk=()):
+        """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example.
+
+        The matmul runs in the features' dtype (the model's compute dtype, as its ``Dense``
+        would), softmax and loss in float32.
+        """
+        gather, cls = self.gather_axes, self.class_axes
+        keep = tuple(a for a in self.batch_axes if a not in gather)
+
+        def per_device(x, kernel, bias, labels):
+            if gather:  # every example of this batch slice meets this device's classes
+                x = lax.all_gather(x, gather, axis=0, tiled=True)
+                labels = lax.all_gather(labels, gather, axis=0, tiled=True)
+            z = x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
+            out = {"loss": sharded_cross_entropy(z, labels, label_smoothing, cls)}
+            if topk:
+                rank = label_rank(z, labels, cls)
+                out.update({f"top{k}": rank < k for k in topk})
+            return out
+
+        batch = P(self.batch_axes)
+        return jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(batch, P(None, cls), P(cls), batch),
+            out_specs=P(keep or None),
+        )(features, params["kernel"], params["bias"], labels)
+
+
+__all__ = [
+    "ShardedHead",
+    "label_rank",
+    "sharded_cross_entropy",
+    "sharded_topk_hits",
+]

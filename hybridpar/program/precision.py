@@ -1,0 +1,94 @@
+"""Mixed-precision policy and dynamic loss scaling.
+
+The policy says which dtype parameters are stored in, which the model computes in, and which
+its logits come out in. BatchNorm statistics (Flax reduces them in float32), softmax and the
+loss are always float32. float16 needs dynamic loss scaling: gradients are computed for
+``loss * scale``; a step whose gradients are not finite is skipped and halves the scale, and
+``period`` finite steps in a row double it (as in Micikevicius et al. 2018 and NVIDIA Apex).
+bfloat16 has float32's exponent range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from hybridpar.config.errors import ConfigError
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    param_dtype: jnp.dtype = jnp.float32
+    compute_dtype: jnp.dtype = jnp.float32
+    output_dtype: jnp.dtype = jnp.float32
+
+    @property
+    def needs_loss_scale(self) -> bool:
+        return jnp.dtype(self.compute_dtype) == jnp.float16
+
+
+def _dtype(name: str, what: str):
+    if name not in DTYPES:
+        raise ConfigError(f"{what}={name!r} is not a dtype we support; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def make_policy(
+    compute: str = "float32", params: str = "float32", output: str = "float32"
+) -> Policy:
+    """Policy from dtype names (config: precision.compute / .params / .output)."""
+    return Policy(
+        param_dtype=_dtype(params, "precision.params"),
+        compute_dtype=_dtype(compute, "precision.compute"),
+        output_dtype=_dtype(output, "precision.output"),
+    )
+
+
+class LossScale(struct.PyTreeNode):
+    """Dynamic loss scale. With ``dynamic=False`` it is a constant 1 and never skips."""
+
+    scale: jax.Array
+    good_steps: jax.Array
+    period: int = struct.field(pytree_node=False, default=2000)
+    factor: float = struct.field(pytree_node=False, default=2.0)
+    dynamic: bool = struct.field(pytree_node=False, default=True)
+
+    @classmethod
+    def create(
+        cls, dynamic: bool, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0
+    ):
+        return cls(
+            scale=jnp.asarray(initial if dynamic else 1.0, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            period=period,
+            factor=factor,
+            dynamic=dynamic,
+        )
+
+    def unscale(self, grads):
+        inv = 1.0 / self.scale
+        return jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
+
+    def update(self, finite: jax.Array) -> "LossScale":
+        """Halve on a non-finite step; double after ``period`` finite steps in a row."""
+        if not self.dynamic:
+            return self
+        grow = finite & (self.good_steps + 1 >= self.period)
+        scale = jnp.where(
+            finite,
+            jnp.where(grow, self.scale * self.factor, self.scale),
+            jnp.maximum(self.scale / self.factor, 1.0),
+        )
+        good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
+        return self.replace(scale=scale, good_steps=good)
+
+
+def all_finite(tree) -> jax.Array:
+    """One boolean: every element of every array in ``tree`` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)

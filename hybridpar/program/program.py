@@ -1,0 +1,368 @@
+"""From a config to the jitted train and eval steps, with nothing allocated.
+
+``build_program`` does the model, optimizer, precision and placement part of a run, so the
+training CLI and tools that only compile (``comm_report``, memory and scaling studies) build
+the very same step. Shapes come from ``jax.eval_shape``; lowering uses abstract arrays.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from hybridpar.config.curriculum import StagePlan, plan_stages, stages_from_config
+from hybridpar.config.errors import ConfigError
+from hybridpar.models import create_model
+from hybridpar.models.batchnorm import bn_groups_for
+from hybridpar.models.im2col import use_im2col
+from hybridpar.parallel import partitioning
+from hybridpar.parallel.mesh import data_parallel_size
+from hybridpar.program import compile_cache
+from hybridpar.program.heads import Head, make_head
+from hybridpar.program.optim import make_optimizer
+from hybridpar.program.precision import LossScale, Policy, make_policy
+from hybridpar.program.state import abstract_like, make_init_fn
+from hybridpar.program.steps import jit_eval_step, jit_train_step, make_eval_step, make_train_step
+from hybridpar.program.sync import make_sync
+
+
+def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:
+    """The config's own rules first, then the head's (a sharded head's kernel must sit where
+    its shard_map computes; the dense head has none), then the preset's."""
+    own = partitioning.Rules(
+        path=tuple(tuple(r) for r in c.rules), logical=tuple(tuple(r) for r in c.logical_rules)
+    )
+    rules = own + head.rules() + partitioning.preset_rules(c.preset, mesh)
+    if c.fsdp_min_size >= 0:
+        rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
+    return rules
+
+
+def check_batch_sizes(config, mesh) -> None:
+    """Every batch must split evenly over the data-parallel devices (data x fsdp); a
+    curriculum's batches are per device, so they always do."""
+    dp = data_parallel_size(mesh)
+    names = ("eval_batch",) if config.stages else ("global_batch", "eval_batch")
+    for name in names:
+        if config[name] % dp:
+            raise ConfigError(
+                f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
+                f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
+                f"--config.{name}={max(dp, config[name] // dp * dp)}"
+            )
+
+
+@dataclasses.dataclass
+class Program:
+    """What a run compiles, for any (batch, image size): the model, optimizer, precision and
+    placement, and the train and eval steps built from them. Steps are compiled ahead of
+    time per (batch, image size) and cached, so a curriculum's stages each compile once and
+    a stage that comes back costs nothing. The steps are built from the fields, so
+    ``dataclasses.replace(program, tx=other)`` is a program with other steps (the tests'
+    negative controls use that)."""
+
+    config: Any
+    mesh: Any
+    rules: partitioning.Rules
+    policy: Policy
+    model: Any
+    tx: Any
+    schedule: Callable  # step -> learning rate (over the run's stages)
+    plan: StagePlan
+    head: Head  # steps.DENSE (the model's own classifier) or a ShardedHead
+    init: Callable  # rng -> boxed TrainState
+    abstract: Any  # boxed abstract TrainState (logical names kept, for the placement table)
+    shardings: Any  # NamedSharding tree of the (unboxed) TrainState
+    channels: int
+    teacher: Any = None  # a distill.Teacher (distill.teacher_workdir), or None
+    # the gradient sync (sync.make_sync), made with the program: a mesh it cannot run on is
+    # an error at set-up, before the run writes anything to its workdir
+    sync: Any = None
+    # (kind, batch, image size) -> compiled step; and one record per compilation
+    _compiled: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    compiles: list = dataclasses.field(default_factory=list, init=False, repr=False)
+    # (kind, batch, image size) -> future of (compiled, record), from compile_in_background
+    _pending: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _compiler: Any = dataclasses.field(default=None, init=False, repr=False)
+    # XLA options for every compile of this program; the compile-only tools set a
+    # target's own (targets.Target.compiler_options), a training run sets none
+    compiler_options: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """The first stage's image shape (the one the parameters were initialised with)."""
+        size = self.plan.stages[0].stage.image_size or self.config.data.image_size
+        return (size, size, self.channels)
+
+    def abstract_state(self):
+        return abstract_like(self.abstract, self.shardings)
+
+    def abstract_batch(self, n: int, image_size: int | None = None, keys=("image", "label")):
+        size = image_size or self.image_shape[0]
+        specs = {
+            "image": ((n, size, size, self.channels), np.uint8),
+            "label": ((n,), np.int32),
+            "mask": ((n,), np.float32),
+        }
+        return {
+            k: jax.ShapeDtypeStruct(
+                specs[k][0],
+                specs[k][1],
+                sharding=partitioning.batch_sharding(self.mesh, len(specs[k][0])),
+            )
+            for k in keys
+        }
+
+    @functools.cached_property
+    def train_jit(self):
+        """The jitted ``(state, batch) -> (state, metrics)``, old state donated."""
+        extra = () if self.teacher is None else (self.teacher.shardings,)
+        return jit_train_step(
+            self._train_step_fn(), self.shardings, self.mesh, {"image": 4, "label": 1}, extra
+        )
+
+    @functools.cached_property
+    def eval_jit(self):
+        """The jitted ``(state, batch) -> sums`` of loss, top-1/5 hits and real examples."""
+        step = make_eval_step(self.model, self.policy, head=self.head,
+                              flip=self.config.eval_flip, **self._input_kw)  # fmt: skip
+        return jit_eval_step(step, self.shardings, self.mesh, {"image": 4, "label": 1, "mask": 1})
+
+    @property
+    def _input_kw(self) -> dict:
+        """What the train and eval steps both take from the config: normalisation and the
+        loss's label smoothing."""
+        d = self.config.data
+        return {
+            "mean": tuple(d.mean),
+            "std": tuple(d.std),
+            "label_smoothing": self.config.label_smoothing,
+        }
+
+    def _train_step_fn(self):
+        return make_train_step(
+            self.model,
+            self.tx,
+            self.policy,
+            self.schedule,
+            head=self.head,
+            sync=self.sync,
+            teacher=self.teacher,
+            **self._input_kw,
+        )
+
+    def data_init(self, state, batches, images: int = 5000):
+        """``state`` with the parameters the model sets from training data (``data_init``:
+        airbench's whitening kernel), from the first host batches of ``batches`` until
+        ``images`` images (global) are in; as it is for other models. Computed on the
+        global arrays, so every process gets the same values."""
+        if not hasattr(self.model, "data_init"):
+            return state
+        from hybridpar.program.steps import normalize
+
+        chunks, seen = [], 0
+        for host in batches:
+            chunks.append(partitioning.shard_batch({"image": host["image"]}, self.mesh)["image"])
+            seen += chunks[-1].shape[0]
+            if seen >= images:
+                break
+        d = self.config.data
+
+        def init(params, *chunks):
+            x = jax.numpy.concatenate([normalize(c, d.mean, d.std, np.float32) for c in chunks])
+            return self.model.data_init(params, x)
+
+        params = jax.jit(init, out_shardings=self.shardings.params)(state.params, *chunks)
+        return state.replace(params=params)
+
+    def lower_train(self, global_batch: int, image_size: int | None = None):
+        extra = () if self.teacher is None else (self.teacher.abstract,)
+        return self.train_jit.lower(
+            self.abstract_state(), self.abstract_batch(global_batch, image_size), *extra
+        )
+
+    def lower_eval(self, eval_batch: int, image_size: int | None = None):
+        batch = self.abstract_batch(eval_batch, image_size, ("image", "label", "mask"))
+        return self.eval_jit.lower(self.abstract_state(), batch)
+
+    def train_step(self, global_batch: int, image_size: int | None = None):
+        """The train step compiled for this batch and size (cached)."""
+        step = self._compile("train", global_batch, image_size or self.image_shape[0])
+        return step if self.teacher is None else self.teacher.bind(step)
+
+    def eval_step(self, eval_batch: int, image_size: int | None = None):
+        """The eval step compiled for this batch and size (cached)."""
+        return self._compile("eval", eval_batch, image_size or self.image_shape[0])
+
+    def compile_in_background(self, programs) -> None:
+        """Starts compiling ``programs`` (``(kind, batch, image size)`` tuples, in order) in
+        one background thread; ``train_step``/``eval_step`` then wait for theirs, and their
+        record says how long (``wait_s``: the stall on the critical path). One thread: XLA's
+        compile releases the GIL, so it runs beside the steps; concurrent lower+compile
+        calls have hit JAX bugs (jax-ml/jax#11788, #16978, #32354), so one at a time, and
+        the trainer starts it only once its main thread has compiled its own steps."""
+        if self._compiler is None:
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, "hybridpar-compile")
+        for kind, batch, size in programs:
+            key = (kind, batch, size or self.image_shape[0])
+            if key not in self._compiled and key not in self._pending:
+                self._pending[key] = self._compiler.submit(self._build, *key)
+
+    @property
+    def compiling(self) -> int:
+        """How many programs are queued or compiling in the background."""
+        return len(self._pending)
+
+    def stop_background(self) -> None:
+        """Drops the background compilations not yet started (a stopping run needs none)."""
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
+            self._compiler, self._pending = None, {}
+
+    def compiled_programs(self) -> dict:
+        """``{(kind, batch, image size): compiled}``: every step compiled (or loaded) so far,
+        in order (``hybridpar.runtime.executables`` writes them to a file)."""
+        return dict(self._compiled)
+
+    def forget(self, key: tuple) -> None:
+        """Drops the compiled step for ``key`` (one that cannot run: the next call compiles
+        it again)."""
+        self._compiled.pop(key, None)
+
+    def preload(self, key: tuple, compiled, load_s: float, source: str) -> None:
+        """``compiled`` (an executable loaded from ``source``) as the step for ``key``
+        (kind, batch, image size): that step then compiles nothing."""
+        self._compiled[key] = compiled
+        kind, batch, size = key
+        self.compiles.append({
+            "program": kind,
+            "batch": batch,
+            "image_size": size,
+            "compile_s": round(load_s, 3),  # the load is what this start spent on it
+            "cache_hit": False,
+            "loaded_from": source,
+            "memory_per_device_bytes": memory_of(compiled),
+        })  # fmt: skip
+
+    def _build(self, kind: str, batch: int, size: int):
+        t0, hits = time.time(), compile_cache.hits()
+        lower = self.lower_train if kind == "train" else self.lower_eval
+        compiled = lower(batch, size).compile(self.compiler_options or None)
+        record = {
+            "program": kind,
+            "batch": batch,
+            "image_size": size,
+            "compile_s": round(time.time() - t0, 3),
+            # loaded from the persistent cache (compile_cache) instead of compiled
+            "cache_hit": compile_cache.hits() > hits,
+            "memory_per_device_bytes": memory_of(compiled),
+        }
+        return compiled, record
+
+    def _compile(self, kind: str, batch: int, size: int):
+        key = (kind, batch, size)
+        if key not in self._compiled:
+            future = self._pending.pop(key, None)
+            if future is None:
+                compiled, record = self._build(*key)
+            else:
+                t0 = time.time()
+                compiled, record = future.result()
+                record.update(background=True, wait_s=round(time.time() - t0, 3))
+            self._compiled[key] = compiled
+            self.compiles.append(record)
+        return self._compiled[key]
+
+
+def memory_of(compiled) -> dict:
+    """One device's memory for a compiled program, in bytes, by XLA's ``memory_analysis``:
+    arguments, outputs, temporaries, what is donated (aliased) and the total; ``{}`` where
+    the backend does not report it.
+
+    The total is at least the compiler's own peak, kept as ``peak`` where it is larger: the
+    TPU compiler can report no temporaries (``temp`` 0) for a step whose peak is several
+    times its arguments (the tiny digits step on ``tpu:v5e-8``, ``data:4,model:2``), so the
+    parts' sum would understate it. The CPU's peak leaves temporaries out: the sum stands."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    out = dict(
+        arguments=m.argument_size_in_bytes,
+        outputs=m.output_size_in_bytes,
+        temp=m.temp_size_in_bytes,
+        aliased=m.alias_size_in_bytes,
+    )
+    out["total"] = out["arguments"] + out["outputs"] + out["temp"] - out["aliased"]
+    peak = int(getattr(m, "peak_memory_in_bytes", 0) or 0)
+    if peak > out["total"]:
+        out["peak"] = out["total"] = peak
+    return out
+
+
+def widths(m) -> dict:
+    """A pruned ResNet's width options (model.stem_width, ...), only those set: the other
+    models take none."""
+    keys = ("stem_width", "stage_widths", "block_widths")
+    return {k: m[k] for k in keys if m[k]}
+
+
+def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> Program:
+    """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
+    size); None for tools that compile without data, which get one stage of the config's
+    nominal ``data.train_examples``. ``teacher``: a distilled run's ``distill.Teacher``,
+    whose forward pass its train step runs (``run.setup`` makes it; a program without one
+    evaluates, prunes or serves as a teacher itself)."""
+    if plan is None:
+        stages = stages_from_config(config, data_parallel_size(mesh))
+        plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
+    head = make_head(config, mesh)
+    rules = rules_from_config(config.partitioning, mesh, head)
+    p = config.precision
+    policy = make_policy(p.compute, p.params, p.output)
+    m = config.model
+    model = create_model(
+        m.name,
+        num_classes=config.data.num_classes,
+        num_filters=m.num_filters,
+        zero_init_last_bn=m.zero_init_last_bn,
+        bn_momentum=m.bn_momentum,
+        bn_epsilon=m.bn_epsilon,
+        small_stem=m.small_stem,
+        pointwise_dot=m.pointwise_dot,
+        im2col_grad=use_im2col(m.conv_grad),
+        dtype=policy.compute_dtype,
+        param_dtype=policy.param_dtype,
+        bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),
+        **widths(m),
+    )
+    tx, schedule = make_optimizer(config.optim, plan)
+    loss_scale = LossScale.create(
+        policy.needs_loss_scale, p.loss_scale_initial, p.loss_scale_period
+    )
+    size = plan.stages[0].stage.image_size or config.data.image_size
+    init = make_init_fn(model, tx, (1, size, size, config.data.channels), loss_scale)
+    abstract = jax.eval_shape(init, jax.random.key(config.seed))
+    shardings = partitioning.infer_shardings(abstract, rules, mesh)
+    return Program(
+        config,
+        mesh,
+        rules,
+        policy,
+        model,
+        tx,
+        schedule,
+        plan,
+        head,
+        init,
+        abstract,
+        shardings,
+        config.data.channels,
+        teacher,
+        make_sync(config, mesh, shardings),
+    )

@@ -1,0 +1,222 @@
+"""How a train step reduces its gradients across the data-parallel devices: the
+``GradientSync`` a step is built with (``steps.make_train_step(sync=...)``), and
+``make_sync``, which picks the one ``comm.mode`` names.
+
+``XlaSync`` (``comm.mode=xla``) leaves the all-reduces to XLA. ``BucketedSync``
+(``comm.mode=bucketed``) runs the loss and gradients per device under ``jax.shard_map`` and
+reduces them in buckets with ``hybridpar.parallel.bucketed``'s collectives on plain pytrees (that
+module's docstring says how); it knows the train state, the model and the loss, which the
+collectives beside the partitioning do not.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from hybridpar.config.errors import ConfigError
+from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
+from hybridpar.parallel.bucketed import (
+    Path,
+    active_axes,
+    bucket_plan,
+    flat_pmean,
+    forward_params,
+    fsdp_dims,
+    gather_in_buckets,
+    is_spec,
+    reduce_in_buckets,
+    to_varying,
+)
+from hybridpar.parallel.mesh import BATCH_AXES, data_parallel_size
+from hybridpar.program.state import TrainState
+
+
+def _check_mesh(mesh) -> int:
+    if mesh.shape.get("model", 1) > 1:
+        raise ConfigError(
+            f"comm.mode=bucketed is data parallel only, but the mesh has model="
+            f"{mesh.shape['model']}; use comm.mode=xla for model parallelism"
+        )
+    return data_parallel_size(mesh)
+
+
+def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):
+    """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
+    kind, _ = parse_bn_sync(bn_sync)
+    groups = bn_axis_index_groups_for(bn_sync, data_parallel_size)
+    if not hasattr(model, "bn_axis_name"):
+        if kind == "global" and data_parallel_size == 1:
+            return model
+        raise ConfigError(
+            f"comm.mode=bucketed needs a model with BatchNorm sync fields (bn_axis_name, ...); "
+            f"{type(model).__name__} has none: use comm.mode=xla"
+        )
+    return model.clone(
+        bn_groups=1,
+        bn_group_sharding=None,
+        bn_axis_name=None if kind == "local" else axes,
+        bn_axis_index_groups=groups,
+    )
+
+
+class BucketedSync:
+    """``comm.mode=bucketed``: the gradient sync of ``steps.make_train_step`` done by us.
+
+    Each device computes its own slice's loss and gradients under ``jax.shard_map``; the
+    gradients are reduced in buckets (one ``psum``, or with FSDP one ``psum_scatter``, per
+    bucket), and FSDP-split parameters gathered in buckets before the forward pass. Same
+    ``gradients`` as ``XlaSync``, so the step around it is the one plain step.
+
+    ``shardings``: the state's ``NamedSharding`` tree (None: all replicated). The model
+    passed to ``gradients`` may be the one built for ``comm.mode=xla`` (any
+    ``bn_groups``): its BatchNorm is reconfigured for ``bn_sync`` inside shard_map.
+    ``reduce_dtype`` (``comm.reduce_dtype``): each bucket is cast to it before its
+    collectives and back to the gradients' dtype after ("float32": no cast, the gradients
+    reduce in their own dtype), so ``"bfloat16"`` halves the bytes of float32 gradients.
+    """
+
+    def __init__(
+        self,
+        mesh,
+        bucket_mb: float,
+        bn_sync: str = "global",
+        shardings=None,
+        reduce_dtype: str = "float32",
+    ):
+        self.dp = _check_mesh(mesh)
+        if not bucket_mb > 0:
+            raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
+        self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
+        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
+        self.axes = active_axes(mesh)
+        bn_axis_index_groups_for(bn_sync, self.dp)  # a bad bn_sync fails here, not in jit
+        self.param_specs, self.stats_specs = P(), P()
+        self.param_dims, self.stats_dims = {}, {}
+        fsdp = mesh.shape.get("fsdp", 1) > 1  # a spec naming fsdp of size 1 splits nothing
+        if shardings is not None:
+            self.param_specs, self.stats_specs = (
+                jax.tree.map(lambda s: s.spec, tree, is_leaf=is_spec)
+                for tree in (shardings.params, shardings.batch_stats)
+            )
+            # fsdp_dims also refuses a parameter split over another axis, fsdp or not.
+            dims = fsdp_dims(self.param_specs), fsdp_dims(self.stats_specs)
+            if fsdp:
+                self.param_dims, self.stats_dims = dims
+        self._local: dict[int, object] = {}
+        self._plans: dict[tuple, list] = {}
+
+    def local_model(self, model):
+        """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
+        if id(model) not in self._local:
+            self._local[id(model)] = bucketed_model(model, self.bn_sync, self.dp, self.axes)
+        return self._local[id(model)]
+
+    def plan_for(self, model, image_shape) -> list[list[Path]]:
+        """The buckets (parameter paths, forward order) for images of ``image_shape``."""
+        key = (id(model), tuple(image_shape))
+        if key not in self._plans:
+            local = self.local_model(model)
+            self._plans[key] = bucket_plan(forward_params(local, (1, *key[1])), self.bucket_mb)
+        return self._plans[key]
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        local, axes, dp = self.local_model(model), self.axes, self.dp
+        param_dims, stats_dims = self.param_dims, self.stats_dims
+
+        def per_device(params, batch_stats, scale, images, labels):
+            plan = self.plan_for(model, images.shape[1:])
+            if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
+                batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
+            if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
+                params = gather_in_buckets(params, plan, param_dims)
+            params = jax.tree.map(lambda p: to_varying(p, axes), params)
+
+            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
+            grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
+            # Loss and BN running averages (per device for local/group statistics): one
+            # psum, first, as they are ready when the forward pass ends; then the buckets.
+            # Always in float32, whatever reduce_dtype: it is a few KiB, and the running
+            # averages are state kept across steps, where bfloat16 rounding would build up
+            # (a gradient's rounding is one step's noise that SGD averages out).
+            flat, treedef = jax.tree.flatten((loss, new_stats))
+            flat = flat_pmean(flat, axes, dp)
+            loss, new_stats = jax.tree.unflatten(treedef, flat)
+            grads = reduce_in_buckets(grads, plan, axes, dp, after=flat[0],
+                                      shard_dims=param_dims,
+                                      reduce_dtype=self.reduce_dtype)  # fmt: skip
+            return grads, loss, new_stats
+
+        # Gradients come out split like the parameters; the BatchNorm statistics come out
+        # whole, and jit's out_shardings keep each device's slice (no communication).
+        sharded = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
+            out_specs=(self.param_specs, P(), P()),
+        )
+        return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
+
+
+class XlaSync:
+    """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
+    (and combines them as its flags allow; ``comm.mode=xla``). ``BucketedSync`` is the
+    other choice, with the same ``gradients``.
+
+    ``reduce_dtype`` other than float32 (``comm.reduce_dtype``, data-parallel meshes): XLA
+    would reduce each gradient in the dtype of the op computing it, before any cast of ours,
+    so each device computes its own slice's gradient under ``jax.shard_map`` and they are
+    summed with one ``psum`` in ``reduce_dtype``, cast back to the gradients' dtype after;
+    the loss and BatchNorm statistics are averaged in float32 (the bucketed step's psums,
+    in one bucket).
+    """
+
+    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global"):
+        self.mesh, self.bn_sync = mesh, bn_sync
+        self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
+        others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
+        if self.reduce_dtype is not None and others:
+            # Data parallel only: FSDP's split parameters would be gathered whole per device,
+            # and with a model axis left to XLA inside shard_map the TPU compiler moved several
+            # times the bytes, while XLA:CPU could not widen the bfloat16 psum.
+            raise ConfigError(
+                f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
+                f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
+                "use --config.comm.mode=bucketed (data and fsdp) or comm.reduce_dtype=float32"
+            )
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        if self.reduce_dtype is not None:
+            return self._one_bucket.gradients(model, state, images, labels, loss_fn_for)
+        loss_fn = loss_fn_for(model, state.batch_stats, images, labels, state.loss_scale.scale)
+        grads, (loss, batch_stats) = jax.grad(loss_fn, has_aux=True)(state.params)
+        return grads, loss, batch_stats
+
+    @functools.cached_property
+    def _one_bucket(self):
+        """The reduction made explicit: the bucketed sync with one bucket of every gradient
+        (no size limit) over replicated parameters, the mesh being data parallel only."""
+        return BucketedSync(self.mesh, math.inf, self.bn_sync, None, self.reduce_dtype)
+
+
+class GradientSync(Protocol):
+    """How a train step reduces its gradients across the data-parallel devices: the loss
+    and BatchNorm statistics of the global batch and the gradients of the (scaled) loss,
+    from ``loss_fn_for(model, batch_stats, images, labels, scale) -> params -> (scaled
+    loss, (loss, new batch_stats))``. ``steps.make_train_step`` applies the update."""
+
+    def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
+
+
+def make_sync(config, mesh, shardings) -> GradientSync:
+    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name):
+    ``XlaSync`` or ``BucketedSync``."""
+    if config.comm.mode == "bucketed":
+        c = config.comm
+        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
+    return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)

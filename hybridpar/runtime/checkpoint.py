@@ -1,0 +1,554 @@
+"""Checkpoints of a run, and what a workdir already holds.
+
+A workdir is a run (README.md, Running). ``check_run`` reads what it holds before anything is
+built: the config its latest checkpoint holds (``config.json``, written at each start, where
+there is no checkpoint yet) must match the new config, or the command is an error naming the
+first differing key (``--allow-config-change`` overrides);
+a ``summary.json`` that says completed means there is nothing left to do.
+
+``Checkpoints`` wraps orbax's ``CheckpointManager``: each step directory holds three items,
+the train state (``StandardSave``: every process writes its own shards), the trainer's
+``LoopState`` and the config (``JsonSave``, as plain JSON a person can read). orbax writes a
+step into a temporary directory and renames it when complete, so a crash during a save
+leaves the previous checkpoint as it was. Restoring takes the TARGET shardings (the new
+program's ``abstract_state()``): each process reads only its own shards, in the new
+layout, whatever layout they were saved in.
+
+``Preemption`` turns SIGTERM and SIGINT into a flag that the loop reads at a step boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+
+import jax
+
+from hybridpar.config.errors import ConfigError, SaveFailed, WorkdirError
+from hybridpar.runtime.run_records import read_json, read_records, write_json
+
+ITEMS = ("state", "loop", "config")
+# Keys that may change between the segments of one run: they change neither the numbers
+# nor what a checkpoint holds (how often to log and checkpoint, how long to wait for the
+# other processes, where compiled programs are cached).
+FREE_KEYS = (
+    "log_every_s",
+    "checkpoint.",
+    "distributed_timeout_s",
+    "compile_cache",
+)
+# Keys that only place the computation or move data: a run resumes with other values (a
+# checkpoint restores into the new shardings, the `resume` line names them), and the
+# evaluator and quantize may set their own. The mesh with one proviso: the global batches
+# must stay (``check_batches``). The one list for the trainer and the tools that read a run.
+PLACEMENT_KEYS = (
+    "mesh",
+    "partitioning.",
+    "comm.",
+    "distributed",
+    "eval_batch",
+    "data.prefetch",
+    "data.threads",
+)
+
+
+def checkpoint_dir(config, workdir: str) -> str:
+    return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, "checkpoints"))
+
+
+def config_dict(config) -> dict:
+    """The config as plain JSON values (tuples become lists), as ``config.json`` holds it."""
+    return json.loads(config.to_json())
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def differences(saved: dict, new: dict, free=()) -> list[tuple[str, object, object]]:
+    """``(key, saved value, new value)`` for every key that differs, in the config's order;
+    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` and ``free``
+    (keys, or prefixes ending in ".") are left out, and so is a key the saved config lacks
+    whose new value is its default: a key added to ``base_config`` since that run started,
+    set as the run had it (without the key)."""
+    from hybridpar.config.schema import base_config
+
+    a, b = flatten(saved), flatten(new)
+    defaults = flatten(config_dict(base_config()))
+    free = (*FREE_KEYS, *free)
+    out = []
+    for key in list(a) + [k for k in b if k not in a]:
+        if key.startswith(free):
+            continue
+        if key not in a and key in defaults and b.get(key) == defaults[key]:
+            continue
+        old, now = a.get(key, "<missing>"), b.get(key, "<missing>")
+        if old != now:
+            out.append((key, old, now))
+    return out
+
+
+def another_config(workdir: str, diff: list) -> str:
+    """The start of the error for a workdir whose run has another config: its first
+    difference (``differences``) and how many more."""
+    key, old, new = diff[0]
+    more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+    return (
+        f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now {new!r}{more}"
+    )
+
+
+def ensure_writable(path: str, what: str, fix: str) -> None:
+    """``path`` exists and this process can write there, or one error naming ``fix``."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        # Named by host and pid, not jax.process_index(): that would start the backend
+        # before comm's XLA flags and jax.distributed.initialize, which must come first.
+        probe = os.path.join(path, f".write_test.{socket.gethostname()}.{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise WorkdirError(f"{what} {path!r} is not writable ({e.strerror}); {fix}") from None
+
+
+def check_dir(path: str) -> None:
+    """An unwritable checkpoint directory is an error before training, not after an epoch."""
+    ensure_writable(
+        path,
+        "checkpoint directory",
+        "pass --config.checkpoint.dir=DIR where you can write (default WORKDIR/checkpoints)",
+    )
+
+
+def held_config(directory: str) -> tuple[int, dict] | None:
+    """``(step, config)`` of the newest checkpoint in ``directory`` whose config reads back,
+    or None. Read as a file (orbax's JSON item), without JAX: ``check_run`` comes before
+    the backend may start. Only committed steps are named by their number alone."""
+    try:
+        steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
+    except OSError:
+        return None
+    for step in steps:
+        try:
+            with open(os.path.join(directory, str(step), "config", "metadata")) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(saved, dict) and saved:
+            return step, saved
+    return None
+
+
+def run_config(workdir: str, config) -> dict | None:
+    """The config of the run in ``workdir``: the one its latest checkpoint holds, which is
+    what a resume continues; ``config.json`` (a file anyone may edit) only where there is no
+    checkpoint yet."""
+    held = held_config(checkpoint_dir(config, workdir))
+    return held[1] if held else read_json(os.path.join(workdir, "config.json"))
+
+
+def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
+    """What ``workdir`` holds: raises if it is a run of another config (``run_config``,
+    unless allowed); returns its summary if that run completed, else None (a new run or one
+    to resume)."""
+    saved = run_config(workdir, config)
+    if saved is not None and not allow_config_change:
+        diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
+        if diff:
+            raise WorkdirError(
+                f"{another_config(workdir, diff)}; use a new --workdir, or pass "
+                "--allow-config-change to continue that run with this config (only "
+                f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
+            )
+    summary = read_json(os.path.join(workdir, "summary.json"))
+    if summary is not None and summary.get("completed"):
+        if saved is None or not differences(saved, config_dict(config), free=PLACEMENT_KEYS):
+            return summary
+        # the config changed on purpose (more epochs, say): train on from the last step
+    return None
+
+
+def check_batches(workdir: str, config, stages: list, data_parallel: int) -> None:
+    """A run resumed on another mesh must train the steps it would have: with
+    ``config.stages`` the batches are per data-parallel device, so a mesh of another data x
+    fsdp size changes every stage's global batch; and BatchNorm statistics over each
+    device's or group's examples (``model.bn_sync`` not global) change with that size too.
+    Checked against the last ``stage`` line of the run's ``metrics.jsonl`` (none: no step
+    trained yet, any mesh will do)."""
+    records, _ = read_records(os.path.join(workdir, "metrics.jsonl"))
+    last = next((r for r in reversed(records) if r.event == "stage"), None)
+    if last is None or last.stage >= len(stages):
+        return  # another number of stages: a change check_run has refused or allowed
+    new = stages[last.stage].global_batch
+    fix = (
+        f"use a mesh with {last.data_parallel or 'its'} data-parallel devices (data x "
+        "fsdp), or pass --allow-config-change to train on with the new batches"
+    )
+    if new != last.global_batch:
+        raise WorkdirError(
+            f"workdir {workdir!r} holds a run that trained stage {last.stage} at global "
+            f"batch {last.global_batch}; on mesh {config.mesh!r} ({data_parallel} "
+            f"data-parallel devices) config.stages gives it {new}, as its batches are per "
+            f"data-parallel device: {fix}"
+        )
+    old = last.data_parallel
+    if config.model.bn_sync != "global" and old is not None and old != data_parallel:
+        raise WorkdirError(
+            f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
+            f"model.bn_sync={config.model.bn_sync!r} (BatchNorm statistics over each device's "
+            f"or group's examples); mesh {config.mesh!r} has {data_parallel}, which changes "
+            f"those statistics: {fix}"
+        )
+
+
+def record_config(workdir: str, config, held: tuple[int, dict] | None = None) -> list[str]:
+    """Writes ``config.json`` (process 0, atomically) unless it already holds this config;
+    returns the keys that differ (allowed by the caller) from the config of the checkpoint
+    resumed, ``held`` as ``(step, config)``, or without one from the ``config.json`` it
+    replaces. A ``config.json`` that says otherwise than ``held`` is named in a warning."""
+    path = os.path.join(workdir, "config.json")
+    new = config_dict(config)
+    saved = read_json(path)
+    if held is not None and saved is not None and jax.process_index() == 0:
+        edited = differences(held[1], saved, free=PLACEMENT_KEYS)
+        if edited:
+            key, ckpt, file = edited[0]
+            more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""
+            print(
+                f"warning: {path} says {key}={file!r}{more}, but the checkpoint of step "
+                f"{held[0]} this run resumes from holds {key}={ckpt!r}: the checkpoint's "
+                "config is the run's (compared with this command's); config.json now holds "
+                "this command's config",
+                flush=True,
+            )
+    base = held[1] if held is not None else saved
+    changed = [] if base is None else [k for k, _, _ in differences(base, new)]
+    if jax.process_index() == 0 and (saved is None or saved != new):
+        write_json(path, new)
+    return changed
+
+
+def directory_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:  # deleted under us (retention): not part of this checkpoint
+                pass
+    return total
+
+
+_single_writer = False  # orbax's array handler replaced (once per process)
+_quiet = False  # the filters of quiet_background_failures installed (once per process)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    """An error record that orbax logged, or one whose exception passed through orbax."""
+    if record.levelno < logging.ERROR:
+        return False
+    where = [record.pathname]
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        where.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return any(f"{os.sep}orbax{os.sep}" in w for w in where)
+
+
+def _closed_loop(unraisable) -> bool:
+    """tensorstore's callback for a write that ended after orbax closed the event loop that
+    awaited it (the loop's coroutine failed first): raised in a C++ thread, reported as
+    unraisable, with no object."""
+    e = unraisable.exc_value
+    return (
+        unraisable.object is None
+        and isinstance(e, RuntimeError)
+        and str(e) == "Event loop is closed"
+    )
+
+
+def quiet_background_failures() -> None:
+    """A save that fails (a full disk) fails in orbax's background threads, which report it
+    themselves: an ERROR log with a traceback per thread, asyncio's "exception was never
+    retrieved" for each write gathered with the failed one, and tensorstore's callbacks into
+    the event loop orbax closed on the first error: dozens of tracebacks. ``Checkpoints``
+    reports the failure once, as ``SaveFailed`` (the CLI's one ``error:`` line), so these
+    are dropped; other records and hooks are left as they were."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+    keep = lambda record: not _from_orbax(record)  # noqa: E731
+    logging.getLogger("absl").addFilter(keep)  # orbax logs through absl
+    logging.getLogger("asyncio").addFilter(keep)  # the loops' default exception handler
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not _closed_loop(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def latest_state(config, workdir: str, abstract_state):
+    """The train state of the latest checkpoint of the run of ``config`` in ``workdir``,
+    read into ``abstract_state``'s shardings (``Program.abstract_state()``)."""
+    saver = Checkpoints(checkpoint_dir(config, workdir), read_only=True)
+    try:
+        restored = saver.restore(abstract_state)
+    finally:
+        saver.close()
+    if restored is None:
+        raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
+    return restored[1]
+
+
+class Checkpoints:
+    """orbax's ``CheckpointManager`` over ``directory``, with the run's three items.
+
+    ``save`` returns after the blocking part (the copy of the state to host memory); the
+    write goes on in the background when ``async_save``. ``finished()`` hands back, once,
+    each save that has since been committed, with its blocking and total seconds and size
+    on disk: the ``checkpoint`` events. We decide when to save (steps, minutes, preemption),
+    so orbax's own interval is 1 and each save is forced. ``read_only``: for a reader beside
+    a running trainer (the evaluator): nothing saved, deleted or created, and the trainer's
+    save in flight (a temporary directory) left alone."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        max_to_keep: int = 3,
+        async_save: bool = True,
+        read_only: bool = False,
+    ):
+        import orbax.checkpoint as ocp
+
+        global _single_writer
+        quiet_background_failures()
+        if jax.process_count() == 1 and not _single_writer:
+            _single_writer = True
+            # orbax splits a replicated array's write over its replicas, with one sliced
+            # copy per replica and shape, each compiled on the first save. Worth it where
+            # replicas are on different hosts;
+            # in one process it only costs, so one replica writes each shard.
+            absl = logging.getLogger("absl")
+            level = absl.level
+            absl.setLevel(logging.ERROR)  # its warning that we override is no news to a user
+            try:
+                ocp.type_handlers.register_type_handler(
+                    jax.Array,
+                    ocp.type_handlers.ArrayHandler(use_replica_parallel=False),
+                    override=True,
+                )
+            finally:
+                absl.setLevel(level)
+        self.ocp, self.directory = ocp, directory
+        self._committed_at = None  # set by orbax's thread when an async save is final
+        if read_only:
+            options = ocp.CheckpointManagerOptions(
+                read_only=True,
+                save_interval_steps=0,
+                max_to_keep=None,
+                create=False,
+                cleanup_tmp_directories=False,
+                enable_async_checkpointing=False,
+            )
+        else:
+            options = ocp.CheckpointManagerOptions(
+                save_interval_steps=1,
+                max_to_keep=max_to_keep or None,
+                enable_async_checkpointing=async_save,
+                cleanup_tmp_directories=True,  # a save cut short by a crash leaves a tmp dir
+                async_options=(
+                    ocp.AsyncOptions(post_finalization_callback=self._committed)
+                    if async_save
+                    else None
+                ),
+            )
+        self.manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+        self._pending = None  # (step, start time, blocking seconds) of the save in flight
+        self._done: list[dict] = []
+
+    def _committed(self) -> None:
+        self._committed_at = time.time()
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def committed_steps(self) -> list[int]:
+        """The steps on disk now, oldest first (read again: another process may have saved
+        or deleted some). orbax lists only committed steps, never a save in flight."""
+        self.manager.reload()
+        return sorted(self.manager.all_steps())
+
+    def save(self, step: int, state, loop: dict, config: dict) -> float:
+        """Saves at ``step``; returns the seconds it blocked the loop."""
+        self._collect(wait=True)  # one save in flight at a time (orbax waits for it anyway)
+        args = self.ocp.args
+        t0 = time.time()
+        self._committed_at = None
+        try:
+            self.manager.save(
+                step,
+                args=args.Composite(
+                    state=args.StandardSave(state),
+                    loop=args.JsonSave(loop),
+                    config=args.JsonSave(config),
+                ),
+                force=True,
+            )
+        except Exception as e:  # noqa: BLE001 - a full disk, a permission, a name in the way
+            raise self._failed(step, e) from None
+        blocking = time.time() - t0
+        self._pending = (step, t0, blocking)
+        self._collect(wait=False)
+        return blocking
+
+    def _collect(self, wait: bool) -> None:
+        if self._pending is None or (not wait and self.manager.is_saving_in_progress()):
+            return
+        step, t0, blocking = self._pending
+        try:
+            self.manager.wait_until_finished()  # at once if done; raises if the write failed
+        except Exception as e:  # noqa: BLE001
+            self._pending = None
+            raise self._failed(step, e) from None
+        end = self._committed_at or time.time()
+        self._pending = None
+        path = os.path.join(self.directory, str(step))
+        self._done.append(
+            dict(
+                step=step,
+                blocking_s=round(blocking, 4),
+                total_s=round(max(end - t0, blocking), 4),
+                bytes=directory_bytes(path),
+                path=path,
+            )
+        )
+
+    def _failed(self, step: int, e: Exception) -> SaveFailed:
+        self.manager.reload()  # what is on disk now: the failed step is not a checkpoint
+        good = [x for x in self.manager.all_steps() if x != step]
+        last = f"the last complete one is step {max(good)}" if good else "there is none before it"
+        msg = " ".join(f"{type(e).__name__}: {e}".split())
+        # tensorstore puts the OS's reason (a full disk) at the end of a long message
+        code = re.search(r"os_error_code='(\d+)'", msg)
+        msg = (f"{os.strerror(int(code[1]))}: " if code else "") + msg
+        msg = msg if len(msg) <= 300 else msg[:297] + "..."
+        return SaveFailed(
+            f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
+            "left as it was; free space or fix the directory, then run the same command"
+        )
+
+    def finished(self, wait: bool = False) -> list[dict]:
+        """The saves committed since the last call (``wait``: after the one in flight)."""
+        self._collect(wait)
+        done, self._done = self._done, []
+        return done
+
+    def restore(self, abstract_state, step: int | None = None):
+        """``(step, state, loop dict, config dict)`` from the newest checkpoint that reads
+        back whole, or None when there is none. A newest one that does not read back (cut
+        short, corrupted) is skipped with a warning, the one before it used. If none reads
+        back, that is an error, not a new run from step 0 beside them: every checkpoint
+        failing alike means the state no longer fits them (another optimizer, say). With
+        ``step``: that checkpoint, or orbax's error if it does not read back."""
+        if step is not None:
+            return self._read(step, abstract_state)
+        steps, first = sorted(self.manager.all_steps(), reverse=True), None
+        for newest in steps:
+            try:
+                return self._read(newest, abstract_state)
+            except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
+                msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                first = first or msg
+                if jax.process_index() == 0:
+                    print(
+                        f"warning: checkpoint {newest} in {self.directory} does not read back "
+                        f"({msg}); trying the one before it",
+                        flush=True,
+                    )
+        if steps:
+            raise WorkdirError(
+                f"none of the {len(steps)} checkpoint(s) in {self.directory} (steps "
+                f"{', '.join(map(str, sorted(steps)))}) reads back into this run's train state "
+                f"(newest: {first}); if the config changed what the state holds (optimizer, "
+                "model, momentum schedule), start a new --workdir, or move the checkpoints "
+                "away to start this one over"
+            )
+        return None
+
+    def _read(self, step: int, abstract_state):
+        args = self.ocp.args
+        out = self.manager.restore(
+            step,
+            args=args.Composite(
+                state=args.StandardRestore(abstract_state),
+                loop=args.JsonRestore(),
+                config=args.JsonRestore(),
+            ),
+        )
+        return step, out["state"], dict(out["loop"]), dict(out["config"])
+
+    def close(self) -> None:
+        try:
+            self.manager.close()
+        except Exception:  # noqa: BLE001 - a failed save: reported by save/finished already
+            pass
+
+
+class Preemption:
+    """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
+    exits cleanly. A second signal of the same kind acts as it would have without us (so a
+    second Ctrl-C stops at once). On several processes the signal handlers stay JAX's:
+    one process saving alone would wait forever for the others, so there every process
+    saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def request(self, why: str = "requested") -> None:
+        self.requested = self.requested or why
+
+    def _handler(self, signum, frame):
+        name = signal.Signals(signum).name
+        self.request(name)
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        if jax.process_index() == 0:
+            print(
+                f"{name}: saving a checkpoint at the next step boundary, then stopping "
+                f"(send {name} again to stop at once)",
+                flush=True,
+            )
+
+    def install(self) -> "Preemption":
+        single = jax.process_count() == 1
+        if single and threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                previous = signal.signal(s, self._handler)
+                # the train CLI's handler until now (train.EarlyStop) hands back the one it replaced
+                self._previous[s] = getattr(previous, "original", {}).get(s, previous)
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}

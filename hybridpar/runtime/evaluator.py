@@ -1,0 +1,328 @@
+"""Evaluation off the training clock, as MoXing ran it: a second process evaluates the run's
+checkpoints while the trainer goes on.
+
+    events = run(config, workdir, watch=True)   # python -m hybridpar.evaluate ... --watch
+
+``run`` checks that ``workdir`` holds a run of ``config`` (its ``config.json``; the keys in
+``PLACEMENT_KEYS`` may differ, so ``--config.mesh=...`` fits the evaluator to its own
+devices), sets up with ``hybridpar.runtime.run.setup`` (the same program, data and plan as the
+trainer, on this process's mesh), then evaluates each committed checkpoint once, oldest
+first: read straight into this mesh's shardings (read-only: the trainer's saves and retention
+are left alone), then ``run.evaluate`` on the whole eval split. Each is an ``eval`` event
+with the checkpoint's step, the trainer's wall time at that step (``wall_s``, from the
+checkpoint's loop state) and ``source: evaluator``; a checkpoint deleted (by the run's
+``checkpoint.max_to_keep``) before its turn is an ``eval_skipped`` event. Those events are
+also the record of what is done: a restarted evaluator evaluates only what is new.
+
+``from_epoch`` (``--from-epoch``) leaves the checkpoints before that epoch alone: not
+evaluated and not recorded, so a later call without it evaluates them (a time-to-accuracy
+measurement needs only the checkpoints near its target and the last).
+
+With ``watch`` it polls for new checkpoints and stops once the run's last step
+(``plan.total_steps``, which the trainer always checkpoints) is done, or once summary.json
+says the run completed and nothing new is left. It may start before the run (it waits for
+the workdir's ``config.json``), and it stops with an error once the run has ended
+unfinished: no trainer holds the workdir's lock and nothing new came for ``dead_after_s``.
+One evaluator per run: it holds ``W/evaluator/.lock`` (``workdir_lock``) while it runs, and a
+second one is refused with an error naming the first.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+
+from hybridpar.config.errors import ConfigError, WorkdirError
+from hybridpar.parallel.mesh import describe_mesh
+from hybridpar.runtime import checkpoint, workdir_lock
+from hybridpar.runtime.metrics import MetricsWriter
+from hybridpar.runtime.run import Run, evaluate, log, setup
+from hybridpar.runtime.run_records import read_records
+
+# Keys that may differ from the run's, besides checkpoint.FREE_KEYS: the placement keys
+# (where and how fast the evaluation runs: another eval batch pads differently, but every
+# example still counts once), and when and to what end the trainer evaluates.
+PLACEMENT_KEYS = (*checkpoint.PLACEMENT_KEYS, "eval_every_epochs", "target_top1", "target_top5")
+SKIPPED = "eval_skipped"
+# With --watch: how long a run may bring no new checkpoint with no trainer alive on it
+# before the evaluator stops (a preempted run is usually resumed within minutes).
+DEAD_AFTER_S = 300.0
+
+
+def check_run_of(config, workdir: str) -> bool:
+    """Raises unless ``workdir`` exists and, once its trainer has written ``config.json``,
+    holds a run of ``config`` (placement keys aside). False while there is no
+    ``config.json`` yet (the trainer writes it after its set-up, before any checkpoint)."""
+    if not os.path.isdir(workdir):
+        raise WorkdirError(
+            f"no workdir {workdir!r}: pass the --workdir of a training run (the one given to "
+            "python -m hybridpar.train), or start that run first"
+        )
+    saved = checkpoint.read_json(os.path.join(workdir, "config.json"))
+    if saved is None:
+        return False
+    diff = checkpoint.differences(saved, checkpoint.config_dict(config), free=PLACEMENT_KEYS)
+    if diff:
+        key, old, _ = diff[0]
+        raise ConfigError(
+            f"{checkpoint.another_config(workdir, diff)}; pass the run's own config "
+            f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} "
+            "may differ"
+        )
+    return True
+
+
+def check_position(plan, step: int, loop: dict) -> None:
+    """The checkpoint's loop must have seen the examples this config's plan gives by
+    ``step``, else this plan (epochs, the last step) is not the trainer's: with
+    ``config.stages`` the batches are per data-parallel device, so the plan follows the mesh."""
+    mine = sum(
+        min(max(step - s.start_step, 0), s.num_steps) * s.stage.global_batch for s in plan.stages
+    )
+    if loop["samples_seen"] != mine:
+        raise ConfigError(
+            f"checkpoint {step} has seen {loop['samples_seen']} training examples, but this "
+            f"config's stages give {mine} by that step: config.stages sets batches per "
+            "data-parallel device, so pass a --config.mesh with the trainer's data x fsdp size"
+        )
+
+
+class Stamped:
+    """A writer for ``run.evaluate``: every event it writes gets ``stamp``'s fields, so
+    ``wall_s`` is the trainer's wall time at the checkpoint's step, not the evaluator's."""
+
+    def __init__(self, writer: MetricsWriter, **stamp):
+        self.writer, self.stamp = writer, stamp
+
+    def write(self, event: str, step: int, epoch: float, **values) -> dict:
+        return self.writer.write(event, step, epoch, **{**values, **self.stamp})
+
+
+class Evaluator:
+    """Evaluates a run's committed checkpoints, oldest first, each once.
+
+    Its records go to ``W/evaluator/`` (``metrics.jsonl``, ``tb/``), not into the trainer's
+    files: TensorBoard event files are one writer's each (a second writer of ``eval/top1``
+    in ``W/tb`` would tangle with the trainer's series), and the trainer's ``metrics.jsonl``
+    stays one process's record, appended only by its own resumes. Appending from both would
+    hold on a local disk (each line is one short ``O_APPEND`` write) but not on every network
+    file system through which an evaluator on another machine may see ``W``."""
+
+    def __init__(self, run: Run, workdir: str, from_epoch: float = 0.0):
+        self.run, self.workdir, self.from_epoch = run, workdir, from_epoch
+        self.out = os.path.join(workdir, "evaluator")  # made writable and locked by run()
+        done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
+        self.done = {r.step for r in done if r.event in ("eval", SKIPPED)}
+        self.saver = checkpoint.Checkpoints(
+            checkpoint.checkpoint_dir(run.config, workdir), read_only=True
+        )
+        self.writer = MetricsWriter(self.out)
+        self.written: list[dict] = []  # this call's events
+        self.known: set[int] = set()  # steps committed at some point (listed, or in W's events)
+        self._offset = 0  # how far W/metrics.jsonl has been read
+
+    def poll(self) -> list[int]:
+        """The committed steps not done yet, oldest first. A step known to have been
+        committed that is no longer on disk was deleted (by the run's retention, or by hand)
+        before its turn: an ``eval_skipped`` event, not an error."""
+        # The trainer's checkpoint events first, then the listing: a step reported committed
+        # but not listed is gone, not still to come.
+        path = os.path.join(self.workdir, "metrics.jsonl")
+        events, self._offset = read_records(path, self._offset)
+        self.known |= {r.step for r in events if r.event == "checkpoint"}
+        committed = [s for s in self.saver.committed_steps() if self.wanted(s)]
+        self.known = {s for s in self.known | set(committed) if self.wanted(s)}
+        for step in sorted(self.known - set(committed) - self.done):
+            self.skip(step, "deleted before it was evaluated (keep more with "
+                      "--config.checkpoint.max_to_keep in the trainer, or evaluate on faster "
+                      "devices)")  # fmt: skip
+        return [s for s in committed if s not in self.done]
+
+    def wanted(self, step: int) -> bool:
+        """At or after ``from_epoch``, to the records' 4 decimals (an epoch read off
+        ``metrics.jsonl`` names its own checkpoint)."""
+        return self.run.plan.epoch_at(step) >= self.from_epoch - 5e-5
+
+    def skip(self, step: int, why: str) -> None:
+        self.done.add(step)
+        log(f"checkpoint {step}: skipped, {why}")
+        # wall_s: the trainer's time at a checkpoint that is gone is not known
+        rec = self.writer.write(SKIPPED, step, self.run.plan.epoch_at(step), wall_s=None,
+                                source="evaluator", reason=why)  # fmt: skip
+        self.written.append(rec)
+
+    def evaluate(self, step: int) -> None:
+        """One checkpoint, read into this program's shardings, on the whole eval split."""
+        t0 = time.time()
+        try:
+            _, state, loop, _ = self.saver.restore(self.run.program.abstract_state(), step=step)
+        except Exception as e:  # noqa: BLE001 - deleted under us, or it does not read back
+            if step not in self.saver.committed_steps():
+                return self.skip(step, "deleted while it was being read")
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            return self.skip(step, f"does not read back ({msg})")
+        check_position(self.run.plan, step, loop)
+        read_s = time.time() - t0
+        writer = Stamped(self.writer, wall_s=loop["wall_s"], source="evaluator")
+        self.written.append(evaluate(self.run, state, step, writer))
+        self.done.add(step)
+        log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
+                    f"{read_s:.1f}s, evaluated in {time.time() - t0 - read_s:.1f}s")  # fmt: skip
+
+    def completed(self) -> bool:
+        summary = checkpoint.read_json(os.path.join(self.workdir, "summary.json"))
+        return bool(summary and summary.get("completed"))
+
+    def loop(self, watch: bool, poll_s: float, config_checked: bool, liveness=None) -> list[dict]:
+        """Evaluates what is there (``watch``: and what comes, until the run's last step is
+        done, or an error once ``liveness`` says the run has ended unfinished); returns the
+        events written."""
+        liveness = liveness or Liveness(self.workdir, DEAD_AFTER_S)
+        last = self.run.plan.total_steps
+        if self.from_epoch:
+            log(f"evaluating the checkpoints from epoch {self.from_epoch:g} on; the earlier "
+                "ones are left for a call without --from-epoch")  # fmt: skip
+        if watch:
+            log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
+        while True:
+            completed = self.completed()  # read before the listing, which then has its last step
+            todo = self.poll()
+            if todo and not config_checked:  # the trainer wrote config.json since we began
+                if not check_run_of(self.run.config, self.workdir):
+                    raise ConfigError(
+                        f"{self.saver.directory} holds checkpoints but {self.workdir!r} has no "
+                        "config.json: pass the --workdir the training run was given"
+                    )
+                config_checked = True
+            if not watch and not todo and not self.done:
+                since = f" from epoch {self.from_epoch:g} on" if self.from_epoch else ""
+                raise ConfigError(
+                    f"no checkpoints{since} in {self.saver.directory} yet: pass --watch to "
+                    "wait for them (the trainer saves every checkpoint.every_steps steps "
+                    "and/or every_minutes minutes, and at its last step)"
+                    + (", or a lower --from-epoch" if since else "")
+                )
+            for step in todo:
+                self.evaluate(step)
+            if not watch or last in self.done or completed:
+                break
+            if todo:
+                liveness.progress()
+            elif liveness.dead():
+                latest = max(self.known, default=None)
+                raise ConfigError(
+                    f"the run in {self.workdir!r} ended before its last step ({last}): no "
+                    f"trainer has held its lock and no checkpoint came for "
+                    f"{liveness.dead_after_s:g}s (the latest is "
+                    f"{'step ' + str(latest) if latest is not None else 'none'}); resume it "
+                    "with its training command and run this again (it goes on from its "
+                    "record), or pass a larger --dead-after-s"
+                )
+            time.sleep(poll_s)
+        steps = [r["step"] for r in self.written if r["event"] == "eval"]
+        skipped = len(self.written) - len(steps)
+        log(f"evaluated {len(steps)} checkpoint(s) {steps or ''}".rstrip()
+                    + (f", skipped {skipped}" if skipped else "")
+                    + f"; records in {self.out}/metrics.jsonl")  # fmt: skip
+        return self.written
+
+    def close(self) -> None:
+        self.writer.close()
+        self.saver.close()
+
+
+class Liveness:
+    """Whether a watched run can still bring something new: a live trainer holds the
+    workdir's lock (``workdir_lock.held``, a probe that never blocks it), or something new
+    came within ``dead_after_s`` (0: wait for ever). Between a stop and its resume no
+    trainer holds the lock for a while: hence the timeout rather than a look."""
+
+    def __init__(self, workdir: str, dead_after_s: float):
+        self.workdir, self.dead_after_s = workdir, dead_after_s
+        self.last = time.time()
+
+    def progress(self) -> None:
+        self.last = time.time()
+
+    def dead(self) -> bool:
+        if os.path.isdir(self.workdir) and workdir_lock.held(self.workdir):
+            self.last = time.time()
+        return self.dead_after_s > 0 and time.time() - self.last > self.dead_after_s
+
+
+def wait_for_run(workdir: str, watch: bool, poll_s: float, liveness: Liveness) -> None:
+    """With ``watch``: until ``workdir`` and its ``config.json`` exist (the trainer writes it
+    when its set-up is done), so the evaluator may start before the trainer."""
+    config_json = os.path.join(workdir, "config.json")
+    if not watch or os.path.exists(config_json):
+        return
+    log(f"waiting for the run in {workdir} to start (for its config.json)")
+    while not os.path.exists(config_json):
+        if liveness.dead():
+            raise ConfigError(
+                f"no training run started in {workdir!r} within {liveness.dead_after_s:g}s "
+                "(no config.json, no trainer holding its lock): start it with python -m "
+                "hybridpar.train and this --workdir, or pass a larger --dead-after-s "
+                "(0 waits for ever)"
+            )
+        time.sleep(poll_s)
+
+
+def run(
+    config,
+    workdir: str,
+    *,
+    watch=False,
+    poll_s=5.0,
+    devices=None,
+    overrides=(),
+    dead_after_s: float = DEAD_AFTER_S,
+    from_epoch: float = 0.0,
+) -> list[dict]:
+    """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, from its
+    ``config.json``, with ``overrides``) on ``devices`` (default: all), those from
+    ``from_epoch`` on; returns the events written (``eval`` and ``eval_skipped``). With
+    ``watch`` it may start before the run and stops with an error once the run has ended
+    unfinished (``Liveness``)."""
+    liveness = Liveness(workdir, dead_after_s)
+    wait_for_run(workdir, watch, poll_s, liveness)
+    if config is None:
+        from hybridpar.runtime import trained
+
+        if not os.path.isdir(workdir):
+            check_run_of(config, workdir)  # its error: no such workdir
+        config = trained.load_config(workdir, overrides)
+    checked = check_run_of(config, workdir)  # before any device or data is touched
+    # One evaluator per run, as one trainer: two would append the same records. Taken
+    # before the set-up, so a second one stops at once, not after compiling.
+    out = os.path.join(workdir, "evaluator")
+    checkpoint.ensure_writable(
+        out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
+    )
+    # A distributed evaluator's processes lock a file each (.lock, .lock.N), once the
+    # runtime has said which process this is (as the trainer's do).
+    lock = None if config.distributed else workdir_lock.acquire(out, role="evaluator")
+    try:
+        # workdir None: none of the trainer's workdir checks and writes (we only read there)
+        r = setup(config, None, devices=devices, for_training=False)
+        if lock is None:
+            lock = workdir_lock.acquire(out, jax.process_index(), role="evaluator")
+        if from_epoch > r.plan.num_epochs:
+            raise ConfigError(
+                f"--from-epoch={from_epoch:g} is after the run's last epoch "
+                f"({r.plan.num_epochs:g}): pass one from 0 to {r.plan.num_epochs:g}"
+            )
+        log(describe_mesh(r.mesh))
+        evaluator = Evaluator(r, workdir, from_epoch)
+        try:
+            return evaluator.loop(watch, poll_s, checked, liveness)
+        except KeyboardInterrupt:
+            log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
+            return evaluator.written
+        finally:
+            evaluator.close()
+    finally:
+        if lock is not None:
+            lock.release()

@@ -1,0 +1,301 @@
+"""A run built and inspected: everything before the first step, shared by every tool.
+
+    run = setup(config, workdir)   # config -> mesh and rules -> data -> program (shardings)
+
+``setup`` is the one set-up sequence every tool shares (the train CLI, the evaluator,
+comm_report, compile, quantize, tune, the benches): check the config, set XLA's flags before
+the backend starts, build the mesh, check the batches against it, open the data (optional:
+compile-only tools skip it), plan the stages in steps and build the program. Beside it: the
+evaluation pass (``evaluate``), the per-device memory report and process-0 logging. The
+loop that trains a run is ``hybridpar/runtime/trainer.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+
+import jax
+
+from hybridpar.config.curriculum import PlannedStage, StagePlan, plan_stages, stages_from_config
+from hybridpar.config.schema import validate
+from hybridpar.parallel import comm, distributed
+from hybridpar.parallel.mesh import data_parallel_size, make_mesh
+from hybridpar.program import compile_cache
+from hybridpar.program.program import Program, build_program, check_batch_sizes, memory_of
+from hybridpar.runtime import checkpoint, executables, workdir_lock
+from hybridpar.runtime.distill import make_teacher
+from hybridpar.runtime.metrics import MetricsWriter
+
+
+def log(msg: str) -> None:
+    if jax.process_index() == 0:
+        print(msg, flush=True)
+
+
+# ---- Set-up ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Run:
+    config: object
+    workdir: str | None
+    mesh: object
+    program: Program
+    plan: StagePlan
+    data: object | None  # hybridpar.input.datasets.Data; None for compile-only tools
+    start_time: float
+    xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
+    finished: dict | None = None  # the summary of the workdir's run, if it completed
+    lock: workdir_lock.Lock | None = None  # the workdir's, held until train() ends
+
+
+def check_workdir(workdir: str) -> None:
+    checkpoint.ensure_writable(workdir, "workdir", "pass a --workdir you can write to")
+
+
+def setup(config, workdir: str | None = None, *, for_training: bool = True, **kwargs) -> Run:
+    """``_setup``, which leaves no empty directory behind when it stops on a mistake found
+    after the directory checks (a mesh larger than the devices, data that does not match
+    the config): the workdir, checkpoint and compile-cache directories it created are
+    removed again while still empty."""
+    validate(config, sources=for_training)  # first: the paths below come from the config
+    made = [] if workdir is None else _missing(workdir)
+    for path in (
+        workdir and checkpoint.checkpoint_dir(config, workdir),
+        compile_cache.resolve(config.compile_cache, workdir),
+    ):
+        made += _missing(path) if path else []
+    locks = []  # the workdir lock _setup took: released here if it then fails
+    try:
+        return _setup(config, workdir, locks=locks, for_training=for_training, **kwargs)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        for path in sorted(set(made), key=len, reverse=True):  # the deepest first
+            try:
+                os.rmdir(path)  # only if still empty
+            except OSError:
+                pass
+        raise
+
+
+def _setup(
+    config,
+    workdir: str | None = None,
+    *,
+    with_data: bool = True,
+    devices=None,
+    allow_config_change: bool = False,
+    locks: list | None = None,
+    compiled: str | None = None,
+    recompile: bool = False,
+    for_training: bool = True,
+) -> Run:
+    """Everything before the first step, in the order data flows; every check that needs no
+    device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
+    value stops before data or devices are touched. ``devices``: the mesh's devices (default:
+    all).
+    ``allow_config_change``: resume a workdir's run with a config that differs from its own.
+    ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
+    of compiling; one that does not fit the run is an error, or with ``recompile`` a warning.
+    ``for_training``: False for tools that never train (the evaluator, quantize): a run's
+    ``init_from`` and distillation teacher need not be there any more."""
+    start = time.time()
+    finished = None
+    if workdir is not None:
+        if os.path.isdir(workdir):
+            finished = checkpoint.check_run(workdir, config, allow_config_change)
+        check_workdir(workdir)
+        checkpoint.check_dir(checkpoint.checkpoint_dir(config, workdir))
+        with_data = with_data and finished is None  # nothing to train: no data to open
+    flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
+    if config.distributed:
+        distributed.initialize(config)
+    if for_training and finished is None:
+        warn_schedule(config)
+    lock = None
+    if workdir is not None:  # one trainer per workdir; each process its own lock file
+        lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
+        if locks is not None:
+            locks.append(lock)
+    cache_dir = compile_cache.resolve(config.compile_cache, workdir)
+    if cache_dir is not None:  # before the first compilation, so that one is cached too
+        fix = 'pass --config.compile_cache=DIR you can write, or ""'
+        checkpoint.ensure_writable(cache_dir, "compile cache directory", fix)
+        compile_cache.enable(cache_dir)
+
+    # ---- Mesh and placement rules ----
+    mesh = make_mesh(config.mesh, devices=devices)
+    check_batch_sizes(config, mesh)
+    stages = stages_from_config(config, data_parallel_size(mesh))
+    if workdir is not None and not allow_config_change:  # resumed on another mesh?
+        checkpoint.check_batches(workdir, config, stages, data_parallel_size(mesh))
+
+    # ---- Data: host-local batches, and so the steps each stage runs ----
+    data, plan = None, None
+    if with_data:
+        from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
+
+        data = make_data(config, jax.process_index(), jax.process_count(), mesh)
+        plan = plan_stages(stages, data.steps_for)
+
+    # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
+    teacher = make_teacher(config, mesh) if for_training else None
+    program = build_program(config, mesh, plan, teacher)
+    if compiled:
+        executables.load(compiled, program, recompile)
+    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
+
+
+def warn_schedule(config) -> None:
+    """A warmup as long as the run or longer is cut to the run (``schedules.lr_factor``): the
+    LR only rises. A warning, not an error: a recipe shortened for a smoke test or a timing
+    (``--config.num_epochs=0.1``) does that on purpose."""
+    o, epochs = config.optim, config.num_epochs
+    if o.warmup_epochs > 0 and o.warmup_epochs >= epochs:
+        log(
+            f"warning: optim.warmup_epochs={o.warmup_epochs:g} is not shorter than the run "
+            f"(num_epochs={epochs:g}): the LR rises for the whole run, reaches optim.base_lr "
+            f"only at its last step and never decays; set e.g. "
+            f"--config.optim.warmup_epochs={epochs / 10:.3g} (or more num_epochs)"
+        )
+
+
+def _missing(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def memory_line(compiled) -> tuple[str, dict]:
+    """``(text, memory_of(compiled))``: one device's memory for a compiled train step."""
+    mem = memory_of(compiled)
+    return f"per-device memory of the train step: {memory_text(mem)}", mem
+
+
+def memory_text(mem: dict) -> str:
+    if not mem:
+        return "not reported by this backend"
+    mib = {k: v / 2**20 for k, v in mem.items()}
+    parts = (
+        "arguments {arguments:.1f}, outputs {outputs:.1f}, temp {temp:.1f}, "
+        "donated/aliased {aliased:.1f}".format(**mib)
+    )
+    if "peak" in mem:  # memory_of: the parts' sum fell short of the compiler's peak
+        total = mib["arguments"] + mib["outputs"] + mib["temp"] - mib["aliased"]
+        return f"{mib['peak']:.1f} MiB, the compiler's peak (the parts sum to {total:.1f}: {parts})"
+    return "{total:.1f} MiB ({parts})".format(total=mib["total"], parts=parts)
+
+
+def program_name(rec: dict) -> str:
+    return f"{rec['program']} step (batch {rec['batch']}, {rec['image_size']} px)"
+
+
+def memory_report(records: list) -> tuple[str, dict]:
+    """The pre-flight memory line over every compiled program (each stage's train step and
+    the eval step): the largest named first, since that is what must fit, then the others.
+    Returns ``(text, the largest's memory)``."""
+    known = [r for r in records if r.get("memory_per_device_bytes")]
+    if not known:
+        return "per-device memory: not reported by this backend", {}
+    known.sort(key=lambda r: r["memory_per_device_bytes"]["total"], reverse=True)
+    largest, *rest = known
+    mem = largest["memory_per_device_bytes"]
+    text = f"per-device memory, largest of {len(known)} programs: {program_name(largest)} "
+    text += memory_text(mem)
+    if rest:
+        others = ", ".join(
+            f"{program_name(r)} {r['memory_per_device_bytes']['total'] / 2**20:.1f} MiB"
+            for r in rest
+        )
+        text += f"; then {others}"
+    return text, dict(mem, program=program_name(largest))
+
+
+# ---- Evaluation ---------------------------------------------------------------------------------
+
+
+def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
+    """The whole eval split at ``data.image_size`` (padded batches, every example once)."""
+    from hybridpar.input.prefetch import prefetch_to_mesh
+
+    c = run.config
+    eval_step = run.program.eval_step(c.eval_batch, c.data.image_size)
+    sums = None
+    for batch in prefetch_to_mesh(run.data.eval_batches(), run.mesh, c.data.prefetch):
+        out = eval_step(state, batch)
+        sums = out if sums is None else jax.tree.map(lambda a, b: a + b, sums, out)
+    sums = jax.device_get(sums)
+    n = float(sums["count"])
+    if round(n) != run.data.num_eval:
+        raise AssertionError(f"eval counted {n} examples, expected {run.data.num_eval}")
+    epoch = run.plan.epoch_at(step)
+    rec = writer.write(
+        "eval",
+        step,
+        epoch,
+        split=c.data.eval_split if c.data.name in ("images", "tfds") else "test",
+        loss=float(sums["loss_sum"]) / n,
+        top1=float(sums["top1_sum"]) / n,
+        top5=float(sums["top5_sum"]) / n,
+        examples=int(n),
+    )
+    log(
+        f"eval  step {step:>6}  epoch {epoch:6.2f}  loss {rec['loss']:.4f}  "
+        f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
+    )
+    return rec
+
+
+@dataclasses.dataclass
+class LoopState:
+    """Everything a resumed run needs besides the train state: where the loop is (step,
+    stage, data position as epoch and step within it), what it has seen, and the eval and
+    time-to-target bookkeeping. Plain values, so a checkpoint can hold it as JSON."""
+
+    step: int = 0
+    stage: int = 0
+    epoch: int = 0  # the epoch the next batch comes from
+    step_in_epoch: int = 0  # and its index in that epoch (at the stage's batch)
+    samples_seen: int = 0
+    seed: int = 0  # the data order is a function of (seed, epoch, step)
+    last_eval: dict | None = None
+    best_eval: dict | None = None
+    time_to_target: dict | None = None  # {"top1": {...}, "top5": {...}} once reached
+    compile_s: float = 0.0  # compilation time of every segment so far
+    train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
+    train_images: int = 0
+    wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
+    time_parts: dict = dataclasses.field(default_factory=dict)  # trainer.Clock's, at wall_s
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "LoopState":
+        return cls(**d)
+
+    def enter(self, stage: PlannedStage) -> None:
+        """Move the data position to where ``stage`` begins (unless already inside it)."""
+        if self.step == stage.start_step:
+            self.stage = stage.index
+            self.epoch, self.step_in_epoch = start_position(stage)
+
+    def advance(self, stage: PlannedStage) -> None:
+        self.step += 1
+        self.samples_seen += stage.stage.global_batch
+        self.step_in_epoch += 1
+        if self.step_in_epoch == stage.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+
+def start_position(stage: PlannedStage) -> tuple[int, int]:
+    """``(epoch, step in that epoch)`` where ``stage`` begins."""
+    epoch = math.floor(stage.start_epoch + 1e-9)
+    return epoch, int(round((stage.start_epoch - epoch) * stage.steps_per_epoch))

@@ -1,0 +1,299 @@
+"""Run records: the events of a run's ``metrics.jsonl`` (one dataclass per event), their one
+line format and one reader, a run's records gathered for the tools that compare runs, and
+the one atomic JSON write (``summary.json``, ``config.json`` and the tools' results).
+
+    rec = make("eval", step=330, epoch=15.0, wall_s=65.5, split="test", loss=0.62, ...)
+    line = to_line(rec)                             # what metrics.MetricsWriter appends
+    recs, offset = read_records(path)               # Record objects, a cut last line left out
+    run = read_run(workdir)                         # the trainer's and evaluator's records
+
+Every line is ``{"event", "step", "epoch", "wall_s", ...}``; a field an event does not
+declare is a ``TypeError`` when written (add it to the event's class), and is kept in
+``extra`` (and written back) when read, so files of other versions read and round-trip.
+A field declared with a default of None is left out of the line while it is None.
+
+``summary.json``'s ``time_breakdown`` is ``{part: seconds}`` (``TIME_PARTS`` names the
+usual parts, in the order the report stacks them; other parts are drawn after them) and
+``goodput`` the fraction of the wall time spent in train steps.
+
+JAX-free: the report, the simulator's calibration and the benches read runs without devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from hybridpar.config.errors import ConfigError, WorkdirError
+
+# summary.json's time_breakdown parts: seconds each; together the run's wall time.
+TIME_PARTS = {
+    "setup": "set-up before the first compile (config, data, devices, restoring state)",
+    "compile": "compiling before the first step",
+    "compile_wait": "stage switches waiting for a background compile",
+    "train": "train steps (goodput: this over the wall time)",
+    "input_wait": "steps waiting for their next batch",
+    "eval": "evaluations",
+    "checkpoint": "the blocking part of checkpoint saves",
+    "redone": "steps run again after a restart from an older checkpoint",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Record:
+    """An event's common fields; ``extra``: fields this version does not declare."""
+
+    event: str
+    step: int | None
+    epoch: float | None
+    wall_s: float | None  # from the run's start, over every resumed segment
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Data(Record):
+    event: str = "data"
+    source: str | None = None
+    train_split: str | None = None
+    eval_split: str | None = None
+    train_examples: int | None = None
+    eval_examples: int | None = None
+    num_classes: int | None = None
+    skipped: int | None = None
+    converted: int | None = None
+    rotated: int | None = None
+    splits: dict | None = None  # per split: examples, skipped, converted, rotated, ...
+
+
+@dataclasses.dataclass(kw_only=True)
+class Compile(Record):
+    event: str = "compile"
+    program: str  # train or eval
+    batch: int
+    image_size: int
+    compile_s: float
+    cache_hit: bool | None = None
+    loaded_from: str | None = None  # an executables file
+    memory_per_device_bytes: dict | None = None
+    background: bool | None = None
+    wait_s: float | None = None  # a background compile: how long its stage switch waited
+
+
+@dataclasses.dataclass(kw_only=True)
+class Stage(Record):
+    event: str = "stage"
+    stage: int
+    image_size: int
+    global_batch: int
+    min_scale: float | None = None
+    steps: int | None = None
+    data_parallel: int | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Train(Record):
+    event: str = "train"
+    loss: float | None  # None: every step since the last line was skipped (non-finite)
+    lr: float
+    momentum: float | None = None
+    images_per_s: float | None = None
+    image_size: int | None = None
+    global_batch: int | None = None
+    stage: int | None = None
+    skipped_steps: int | None = None
+    loss_scale: float | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Eval(Record):
+    event: str = "eval"
+    split: str | None = None
+    loss: float | None = None
+    top1: float
+    top5: float
+    examples: int | None = None
+    source: str | None = None  # "evaluator": python -m hybridpar.evaluate's
+
+
+@dataclasses.dataclass(kw_only=True)
+class EvalSkipped(Record):
+    event: str = "eval_skipped"
+    source: str | None = None
+    reason: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Checkpoint(Record):
+    event: str = "checkpoint"
+    blocking_s: float | None = None
+    total_s: float | None = None
+    bytes: int | None = None
+    path: str | None = None
+
+
+@dataclasses.dataclass(kw_only=True)
+class Resume(Record):
+    event: str = "resume"
+    from_step: int | None = None
+    data_epoch: int | None = None
+    data_step_in_epoch: int | None = None
+    directory: str | None = None
+    changed_keys: list | None = None
+
+
+EVENTS = {
+    cls.__dataclass_fields__["event"].default: cls
+    for cls in (Data, Compile, Stage, Train, Eval, EvalSkipped, Checkpoint, Resume)
+}
+_COMMON = ("event", "step", "epoch", "wall_s")
+
+
+def make(event: str, *, step, epoch, wall_s, **values) -> Record:
+    """The record of ``event`` (a name in ``EVENTS``); an undeclared field is a TypeError."""
+    return EVENTS[event](step=int(step), epoch=round(float(epoch), 4), wall_s=wall_s, **values)
+
+
+def to_dict(rec: Record) -> dict:
+    """The line's object: the common fields, the event's own (those with a default of None
+    only when set), then ``extra``."""
+    out = {}
+    for f in dataclasses.fields(rec):
+        if f.name == "extra":
+            continue
+        value = getattr(rec, f.name)
+        if value is not None or f.name in _COMMON or f.default is dataclasses.MISSING:
+            out[f.name] = value
+    return out | rec.extra
+
+
+def to_line(rec: Record) -> str:
+    return json.dumps(to_dict(rec), default=_plain) + "\n"
+
+
+def from_dict(d: dict) -> Record:
+    """A line's object as its event's record (an unknown event: a plain ``Record``); fields
+    the line lacks are None, fields the class lacks go to ``extra``."""
+    cls = EVENTS.get(d.get("event"), Record)
+    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    known = {k: d.get(k) for k in names if k != "event" or cls is Record}
+    return cls(**known, extra={k: v for k, v in d.items() if k not in names})
+
+
+def read_records(path: str, offset: int = 0) -> tuple[list[Record], int]:
+    """The records of ``path`` from byte ``offset`` on, and the offset after the last whole
+    line: a line cut short (its writer killed, or still writing) is left out, and so is a
+    line that is not a JSON object. A missing file has none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    end = data.rfind(b"\n") + 1
+    records = []
+    for line in data[:end].splitlines():
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(d, dict):
+            records.append(from_dict(d))
+    return records, offset + end
+
+
+def read_json(path: str):
+    """``path``'s JSON, or None if there is no such file."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise WorkdirError(f"cannot read {path!r} ({e}); move it away to start over") from None
+
+
+def write_json(path: str, value, indent: int | None = 2) -> None:
+    """Writes ``value`` to ``path`` through a temporary file beside it, so a reader (or a
+    kill) never meets half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(value, f, indent=indent, default=_plain)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):  # the dump failed: the file at path is as it was
+            os.remove(tmp)
+
+
+@dataclasses.dataclass
+class RunRecords:
+    """One run's records as they stand after its resumes: the records of steps that ran
+    again replace the first ones. ``eval``: one per step, by step, the trainer's before the
+    evaluator's; ``stage``: the first line of each stage, in order."""
+
+    train: list[Train]
+    eval: list[Eval]
+    stage: list[Stage]
+    compile: list[Compile]
+    checkpoint: list[Checkpoint]
+    summary: dict | None
+    config: dict | None
+
+
+def resumed_from(resume: Resume | dict) -> int:
+    """The last step a ``resume`` record keeps: the steps after it ran again (0 for a run
+    started again with no checkpoint), so their earlier records are superseded."""
+    r = resume if isinstance(resume, dict) else to_dict(resume)
+    return r["step"] if r.get("from_step") is None else r["from_step"]
+
+
+def read_run(workdir: str) -> RunRecords:
+    """``W/metrics.jsonl``, ``W/evaluator/metrics.jsonl`` (if any), ``W/summary.json`` and
+    ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError."""
+    if not os.path.isdir(workdir):
+        raise ConfigError(
+            f"no workdir {workdir!r}: pass the --workdir of a training run "
+            "(python -m hybridpar.train --workdir W)"
+        )
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"{workdir!r} has no metrics.jsonl: pass the --workdir of a training run (the "
+            "trainer writes W/metrics.jsonl once its set-up is done)"
+        )
+    kinds: dict[str, list[Any]] = {"train": [], "compile": [], "checkpoint": []}
+    evals, stages = {}, {}
+    for r in read_records(path)[0]:
+        if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
+            last = resumed_from(r)
+            kinds["train"] = [t for t in kinds["train"] if t.step <= last]
+            evals = {s: e for s, e in evals.items() if s <= last}
+            stages = {i: s for i, s in stages.items() if s.step <= last}
+        elif isinstance(r, Eval):
+            evals[r.step] = r
+        elif isinstance(r, Stage):
+            stages.setdefault(r.stage, r)  # a resume inside a stage marks it again
+        elif r.event in kinds:
+            kinds[r.event].append(r)
+    for r in read_records(os.path.join(workdir, "evaluator", "metrics.jsonl"))[0]:
+        if isinstance(r, Eval) and r.wall_s is not None:
+            evals.setdefault(r.step, r)
+    return RunRecords(
+        train=kinds["train"],
+        eval=[evals[s] for s in sorted(evals)],
+        stage=[stages[i] for i in sorted(stages)],
+        compile=kinds["compile"],
+        checkpoint=kinds["checkpoint"],
+        summary=read_json(os.path.join(workdir, "summary.json")),
+        config=read_json(os.path.join(workdir, "config.json")),
+    )
+
+
+def _plain(x):
+    """numpy and JAX scalars as Python numbers; anything else JSON lacks as its text."""
+    try:
+        return x.item()
+    except AttributeError:
+        return str(x)

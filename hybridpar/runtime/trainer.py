@@ -1,0 +1,641 @@
+"""The trainer: a run's loop from its first step to its last, top to bottom.
+
+    run = setup(config, workdir)   # hybridpar/runtime/run.py: config -> mesh -> data -> program
+    summary = train(run)           # start, the loop over stages of steps, the summary
+
+``train`` starts (the train state and ``LoopState`` from the workdir's latest checkpoint
+or new, every stage's step compiled), runs the loop (for each batch: step, then the hooks:
+progress log, evaluation, checkpoints), then writes the summary. Everything a resumed run
+needs besides the train state is in ``LoopState``. SIGTERM or SIGINT stops the loop at the
+next step boundary with a checkpoint; the same command resumes it
+(``hybridpar/runtime/checkpoint.py`` says what a workdir may hold). Only the train CLI, tune and
+tests drive it; every other tool builds its run with ``hybridpar/runtime/run.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import math
+import time
+from typing import Protocol
+
+import jax
+import numpy as np
+
+from hybridpar.config import curriculum
+from hybridpar.config.curriculum import PlannedStage, describe
+from hybridpar.config.errors import NonFinite, SaveFailed, StopRequested
+from hybridpar.parallel import partitioning
+from hybridpar.parallel.mesh import data_parallel_size, describe_mesh
+from hybridpar.program import compile_cache
+from hybridpar.program.state import init_sharded
+from hybridpar.runtime import checkpoint, run_records
+from hybridpar.runtime.metrics import MetricsWriter
+from hybridpar.runtime.run import (
+    LoopState,
+    Run,
+    evaluate,
+    log,
+    memory_report,
+    memory_text,
+    program_name,
+    start_position,
+)
+
+# ---- The loop's state ---------------------------------------------------------------------------
+
+
+def targets_met(config, loop: LoopState) -> bool:
+    """``stop_at_target`` is on and every target set has been reached: the run ends here."""
+    wanted = [m for m in ("top1", "top5") if config[f"target_{m}"] > 0]
+    reached = loop.time_to_target or {}
+    return bool(config.stop_at_target and wanted) and all(m in reached for m in wanted)
+
+
+def host_batches(run: Run, stage: int, step: int, epoch: int, step_in_epoch: int):
+    """This host's batches from a data position (the loop's, passed as values: a thread
+    reads this ahead) to the run's last step, stage after stage, as one stream. Each stage
+    is one input across its epochs (``train_batches(..., steps=)``), and the next stage's
+    (at its own size and batch) is opened and its first batches made while the steps
+    before it run, as MoXing's input did, instead of after them (``chain_ahead``)."""
+    from hybridpar.input.prefetch import chain_ahead
+
+    def segments(stage, step, epoch, step_in_epoch):  # (epoch, first step, steps, stage)
+        for planned in run.plan.stages[stage:]:
+            if step == planned.start_step:
+                epoch, step_in_epoch = start_position(planned)
+            if planned.end_step > step:
+                yield epoch, step_in_epoch, planned.end_step - step, planned.stage
+            step = planned.end_step
+
+    def opener(epoch, step_in_epoch, n, st):
+        kw = dict(global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale)
+        return lambda: run.data.train_batches(epoch, step_in_epoch, steps=n, **kw)
+
+    return chain_ahead(opener(*seg) for seg in segments(stage, step, epoch, step_in_epoch))
+
+
+def global_batches(run: Run, loop: LoopState):
+    """``host_batches`` from the loop's position, placed on the mesh ahead of the step
+    (``data.prefetch`` deep). The caller takes each stage's steps from it in turn."""
+    from hybridpar.input.prefetch import prefetch_to_mesh
+
+    position = (loop.stage, loop.step, loop.epoch, loop.step_in_epoch)
+    return prefetch_to_mesh(host_batches(run, *position), run.mesh, run.config.data.prefetch)
+
+
+class Clock:
+    """Where a run's wall time goes (summary.json's ``time_breakdown``): every moment from
+    set-up on counts in exactly one part (``run_records.TIME_PARTS``), the one the last
+    ``to`` named, so the parts add up to the wall time by construction and what is
+    measured is which part each stretch of time belongs to. A resumed run starts from the
+    parts its checkpoint saved (``add``), as its wall time does."""
+
+    def __init__(self, start: float, part: str = "setup"):
+        self.parts: dict[str, float] = {}
+        self.part, self.since = part, start
+
+    def to(self, part: str) -> str:
+        """Counts the time since the last switch to the current part, then switches to
+        ``part``; returns the part it leaves."""
+        now = time.time()
+        self.parts[self.part] = self.parts.get(self.part, 0.0) + now - self.since
+        left, self.part, self.since = self.part, part, now
+        return left
+
+    @contextlib.contextmanager
+    def within(self, part: str):
+        """``part`` for the block, then back to the part it interrupted."""
+        left = self.to(part)
+        try:
+            yield
+        finally:
+            self.to(left)
+
+    def add(self, parts: dict) -> None:
+        for k, v in parts.items():
+            self.parts[k] = self.parts.get(k, 0.0) + v
+
+    def totals(self) -> dict:
+        """Seconds per part up to now, the current one included."""
+        running = {self.part: time.time() - self.since}
+        return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
+
+
+def furthest_step(workdir: str) -> int:
+    """The last step the run's records show done: a run resumed from an older checkpoint
+    redoes the steps up to it."""
+    recs, _ = run_records.read_records(f"{workdir}/metrics.jsonl")
+    return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
+
+
+# ---- Hooks: what happens after a step ---------------------------------------------------------
+
+
+class Hook(Protocol):
+    """What runs after each step, in order: ``Progress``, ``Evaluate``, the hooks passed to
+    ``train``, then the ``Checkpointer`` (``start`` builds the list). A hook may read
+    everything and change ``loop``'s bookkeeping; it asks the loop to stop at this step by
+    raising ``errors.StopRequested(reason)``: the hooks after it do not run, and the run
+    ends cleanly with ``summary["preempted"] = reason`` (no checkpoint of this step unless
+    one was already saved). Any other exception fails the run."""
+
+    def __call__(self, loop: LoopState, state, metrics: dict, stage: PlannedStage) -> None: ...
+
+
+class Progress:
+    """Train lines in metrics.jsonl and on stdout every ``log_every_s`` seconds (and before
+    each eval). Fetching the metrics waits for the steps, so images/s is honest.
+
+    Also counts the steps the train step skipped (non-finite loss or gradient): after
+    ``max_nonfinite_steps`` in a row it raises ``NonFinite``. It looks at least every that
+    many steps, so a diverged run stops within twice the limit whatever ``log_every_s``."""
+
+    def __init__(self, run: Run, writer: MetricsWriter):
+        self.run, self.writer = run, writer
+        self.pending, self.t0, self.step0 = [], time.time(), 0
+        self.limit = run.config.max_nonfinite_steps
+        self.counted = 0  # how many of `pending` count_skips has seen
+        self.bad_in_a_row = 0
+
+    def restart(self, loop: LoopState) -> None:
+        """Time from now on counts as training (after set-up, compilation or evaluation)."""
+        self.t0, self.step0 = time.time(), loop.step
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        self.pending.append(metrics)
+        if len(self.pending) - self.counted >= self.limit:
+            self.count_skips()
+        if time.time() - self.t0 >= self.run.config.log_every_s:
+            self.flush(loop, stage)
+
+    def count_skips(self) -> None:
+        """Counts the skipped steps in a row among the pending steps not yet seen."""
+        new = self.pending[self.counted :]
+        for i, ok in enumerate(jax.device_get([m["grads_finite"] for m in new])):
+            self.bad_in_a_row = 0 if ok else self.bad_in_a_row + 1
+            if self.bad_in_a_row >= self.limit:
+                last = self.step0 + self.counted + i + 1
+                first = last - self.bad_in_a_row + 1
+                raise NonFinite(
+                    f"{self.bad_in_a_row} steps in a row ({first}..{last}) had a non-finite "
+                    f"loss or gradient (max_nonfinite_steps={self.limit}); each was skipped, "
+                    f"so the parameters are those after step {first - 1}. The run diverged: "
+                    "lower optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 "
+                    "/ float16 with loss scaling instead of pure low precision"
+                )
+        self.counted = len(self.pending)
+
+    def flush(self, loop: LoopState, stage: PlannedStage) -> None:
+        if not self.pending:
+            return
+        self.count_skips()
+        fetched = jax.device_get(self.pending)
+        now = time.time()
+        good = [f["loss"] for f in fetched if bool(f["grads_finite"])]
+        loss = float(np.mean(good)) if good else float("nan")  # of the steps applied
+        steps, dt = loop.step - self.step0, now - self.t0
+        batch = stage.stage.global_batch
+        loop.train_time_s += dt
+        loop.train_images += steps * batch
+        total = self.run.plan.total_steps
+        epoch = self.run.plan.epoch_at(loop.step)
+        self.writer.write(
+            "train",
+            loop.step,
+            epoch,
+            loss=loss if good else None,  # JSON has no NaN
+            lr=float(fetched[-1]["lr"]),
+            momentum=float(fetched[-1].get("momentum", self.run.config.optim.momentum)),
+            images_per_s=round(steps * batch / dt, 2),
+            image_size=stage.stage.image_size,
+            global_batch=batch,
+            stage=stage.index,
+            skipped_steps=sum(not bool(f["grads_finite"]) for f in fetched),
+            loss_scale=float(fetched[-1]["loss_scale"]),
+        )
+        eta = curriculum.duration((total - loop.step) * dt / steps)
+        log(
+            f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
+            f"{steps * batch / dt:8.1f} img/s  ETA {eta}"
+        )
+        self.pending, self.counted = [], 0
+        self.restart(loop)
+
+
+class Evaluate:
+    """Every ``eval_every_epochs`` (and after the last step): the eval split, an ``eval``
+    line, and the time to ``target_top1`` the first time it is reached."""
+
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, clock: Clock):
+        self.run, self.writer, self.progress, self.clock = run, writer, progress, clock
+        self.every = run.config.eval_every_epochs
+
+    def due(self, loop: LoopState) -> bool:
+        if loop.step >= self.run.plan.total_steps:
+            return True
+        if self.every <= 0:
+            return False
+        plan = self.run.plan
+        crossed = math.floor(plan.epoch_at(loop.step) / self.every + 1e-6)
+        return crossed > math.floor(plan.epoch_at(loop.step - 1) / self.every + 1e-6)
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        if not self.due(loop):
+            return
+        self.progress.flush(loop, stage)  # waits for the steps in flight: train time
+        with self.clock.within("eval"):
+            rec = evaluate(self.run, state, loop.step, self.writer)
+        loop.last_eval = rec
+        if loop.best_eval is None or rec["top1"] > loop.best_eval["top1"]:
+            loop.best_eval = rec
+        reached = loop.time_to_target or {}
+        for metric in ("top1", "top5"):
+            target = self.run.config[f"target_{metric}"]
+            if metric not in reached and target > 0 and rec[metric] >= target:
+                reached[metric] = {
+                    "target": target,
+                    "value": rec[metric],
+                    "step": rec["step"],
+                    "epoch": rec["epoch"],
+                    "wall_s": rec["wall_s"],  # from the start: compilation, eval included
+                    "wall_s_without_compile": round(rec["wall_s"] - loop.compile_s, 3),
+                }
+                at = f"{rec['wall_s']:.1f}s (epoch {rec['epoch']:.2f})"
+                log(f"reached {metric} {target:g} at {at}")
+        loop.time_to_target = reached or None
+        self.progress.restart(loop)  # eval time is not training throughput
+
+
+class Checkpointer:
+    """A checkpoint every ``checkpoint.every_steps`` steps and/or ``every_minutes``
+    minutes, at the last step, and when a stop was requested (``preemption``: our signal
+    flag; on several processes, JAX's preemption sync point, so all save the same step);
+    each save is a ``checkpoint`` event once it is committed. Runs last among the hooks,
+    so the loop state it saves includes this step's evaluation."""
+
+    def __init__(self, run: Run, writer: MetricsWriter, progress: Progress, clock: Clock,
+                 saver, preemption):  # fmt: skip
+        self.run, self.writer, self.progress, self.clock = run, writer, progress, clock
+        self.saver, self.preemption = saver, preemption
+        self.every_steps = run.config.checkpoint.every_steps
+        self.every_s = run.config.checkpoint.every_minutes * 60
+        self.last_save = time.time()
+        self.config = checkpoint.config_dict(run.config)
+        self.finished = False
+
+    def due(self, loop: LoopState) -> bool:
+        return (
+            loop.step >= self.run.plan.total_steps
+            or targets_met(self.run.config, loop)
+            or (self.every_steps > 0 and loop.step % self.every_steps == 0)
+            or (self.every_s > 0 and time.time() - self.last_save >= self.every_s)
+        )
+
+    def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
+        self.events()
+        stop = self.preemption.requested is not None
+        stop = self.saver.manager.reached_preemption(loop.step) or stop
+        if stop or self.due(loop):
+            self.save(loop, state, stage)
+        if stop and loop.step < self.run.plan.total_steps:  # at the last step: just finish
+            raise StopRequested(self.preemption.requested or "preemption sync point")
+
+    def save(self, loop: LoopState, state, stage: PlannedStage) -> None:
+        if self.saver.latest_step() == loop.step:
+            return
+        self.progress.flush(loop, stage)  # so the saved loop state counts every step's time
+        with self.clock.within("checkpoint"):
+            loop.wall_s, loop.time_parts = self.writer.wall_s(), self.clock.totals()
+            self.saver.save(loop.step, state, loop.to_dict(), self.config)
+        self.last_save = time.time()
+        self.progress.restart(loop)  # the blocking part is a checkpoint's, not training's
+        self.events()
+
+    def finish(self) -> str | None:
+        """Waits for the save in flight and closes the manager; the save's error, if any.
+        A second call does nothing."""
+        if self.finished:
+            return None
+        self.finished = True
+        try:
+            self.events(wait=True)
+        except SaveFailed as e:
+            return str(e)
+        finally:
+            self.saver.close()
+        return None
+
+    def events(self, wait: bool = False) -> None:
+        """A ``checkpoint`` line for each save committed since the last call."""
+        for rec in self.saver.finished(wait):
+            step = rec.pop("step")
+            self.writer.write("checkpoint", step, self.run.plan.epoch_at(step), **rec)
+
+
+# ---- The run -------------------------------------------------------------------------------------
+
+MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see run_stages)
+
+
+def compile_all(run: Run, first_stage: int) -> dict:
+    """The train step of every stage from the one the run starts in, and the eval step: now,
+    or the later stages' in a background thread while the first one trains
+    (``compile_ahead``), so that no stage switch waits for the compiler. Logs the per-device
+    memory of every program compiled before the first step, the largest first (a later
+    stage at a larger image size can need more than the first), and returns the largest's."""
+    c, program = run.config, run.program
+    first, *later = run.plan.stages[first_stage:] or run.plan.stages[-1:]
+    program.train_step(first.stage.global_batch, first.stage.image_size)
+    program.eval_step(c.eval_batch, c.data.image_size)
+    later = [("train", s.stage.global_batch, s.stage.image_size) for s in later]
+    background = c.compile_ahead == "background" or (
+        c.compile_ahead == "auto" and jax.default_backend() != "cpu"
+    )
+    if background:
+        program.compile_in_background(later)
+    else:
+        for _, batch, size in later:
+            program.train_step(batch, size)
+    text, mem = memory_report(program.compiles)
+    if program.compiling:
+        text += (
+            f" ({program.compiling} later stage(s) compiling in the background: "
+            "each one's memory is in its compile line; compile_ahead=before gives them all here)"
+        )
+    log(text)
+    return mem
+
+
+def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, written: int) -> int:
+    """One ``compile`` line per compilation from index ``written`` on (each with its own
+    program's per-device memory), their time on the critical path (the compile itself, or
+    the wait for a background one) added to ``loop.compile_s``; returns how many are
+    written now."""
+    for rec in run.program.compiles[written:]:
+        writer.write("compile", loop.step, run.plan.epoch_at(loop.step), **rec)
+        loop.compile_s += rec["wait_s"] if rec.get("background") else rec["compile_s"]
+        if rec.get("background"):
+            log(f"{rec['program']} step for batch {rec['batch']} at {rec['image_size']} px: "
+                f"compiled in the background in {rec['compile_s']:.1f}s, waited "
+                f"{rec['wait_s']:.1f}s for it; per-device memory "
+                f"{memory_text(rec.get('memory_per_device_bytes') or {})}")  # fmt: skip
+    return len(run.program.compiles)
+
+
+def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
+    """``(state, loop, resumed from step or None, the checkpoint's config or None)``: the
+    latest checkpoint's, read straight into this program's shardings, or a new state at
+    step 0."""
+    program = run.program
+    restored = saver.restore(program.abstract_state())
+    if restored is None:
+        state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
+        if run.config.init_from:  # a trained or pruned run's weights, e.g. hybridpar.prune's
+            from hybridpar.runtime.trained import start_from
+
+            state = start_from(run.config.init_from, state, program)
+        elif hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
+            st = run.plan.stages[0].stage
+            batches = run.data.train_batches(
+                0, global_batch=st.global_batch, image_size=st.image_size, min_scale=st.min_scale
+            )
+            state = program.data_init(state, batches)
+        return state, LoopState(seed=run.config.seed), None, None
+    step, state, loop, config = restored
+    return state, LoopState.from_dict(loop), step, config
+
+
+def release(run: Run) -> None:
+    """The workdir's lock, for the next trainer (also released by the OS if we die)."""
+    if run.lock is not None:
+        run.lock.release()
+
+
+@dataclasses.dataclass
+class Training:
+    """A started run: what its loop and its summary share."""
+
+    run: Run
+    writer: MetricsWriter
+    saver: checkpoint.Checkpoints
+    state: object
+    loop: LoopState
+    resumed: int | None  # the checkpoint's step it resumed from
+    memory: dict  # the largest program's per-device memory
+    progress: Progress
+    checkpointer: Checkpointer
+    preemption: checkpoint.Preemption
+    hooks: list
+    batches: object  # every stage's, in order, read ahead across switches
+    written: int  # compile lines written so far
+    clock: Clock  # where the wall time goes
+    redo_until: int  # the steps up to it were done before the restart: they are redone
+
+
+def train(run: Run, hooks=()) -> dict:
+    """Trains ``run`` to its last step, from the workdir's latest checkpoint if it holds
+    one; returns (and writes) the summary. ``hooks``: more ``Hook``s, run after each step
+    before the checkpointer (tune's pruner, tests' stops and probes)."""
+    if run.finished is not None:
+        log(f"{run.workdir} holds a run that completed ({run.finished['steps']} steps): "
+            "nothing to do; pass a new --workdir to train again")  # fmt: skip
+        release(run)
+        return run.finished
+    t = start(run, hooks)
+    try:
+        preempted = run_stages(t)
+    except NonFinite as e:  # no save after it: the checkpoints on disk stay as they were
+        failure = str(e) + last_checkpoint_note(t)
+        end(t, failure=failure)
+        raise NonFinite(failure) from None
+    except BaseException as e:  # recorded in the summary, then raised as it was
+        end(t, failure=f"{type(e).__name__}: {e}")
+        raise
+    summary, save_error = end(t, preempted=preempted)
+    if save_error:
+        raise SaveFailed(save_error)
+    return summary
+
+
+def start(run: Run, hooks) -> Training:
+    """Everything between set-up and the first step: the config recorded, the train state
+    restored or new, the ``resume`` and ``data`` lines, every stage's step compiled (or
+    compiling in the background) and the hooks."""
+    c, program, plan = run.config, run.program, run.plan
+    clock = Clock(run.start_time)  # set-up began in setup()
+    log(describe_mesh(run.mesh))
+    saver = checkpoint.Checkpoints(
+        checkpoint.checkpoint_dir(c, run.workdir),
+        max_to_keep=c.checkpoint.max_to_keep,
+        async_save=c.checkpoint["async"],
+    )
+    state, loop, resumed, held = restore_or_init(run, saver)
+    # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
+    held = None if resumed is None else (resumed, held)
+    changed = checkpoint.record_config(run.workdir, c, held)
+    clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
+    # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
+    # was killed before its first checkpoint, which leaves records but nothing to resume).
+    redo_until = furthest_step(run.workdir)
+    log(
+        "parameter and optimizer-state placement:\n"
+        + partitioning.sharding_table(program.shardings, program.abstract)
+    )
+    log(describe(plan))
+    # wall_s goes on from where the checkpoint left it: this segment started that much earlier
+    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s)
+    if resumed is not None:
+        writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed,
+                     data_epoch=loop.epoch, data_step_in_epoch=loop.step_in_epoch,
+                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+        log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
+            + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
+    elif redo_until:  # its records up to redo_until are superseded, as after a resume
+        writer.write("resume", 0, 0.0, from_step=0, data_epoch=0, data_step_in_epoch=0,
+                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+        log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
+            "stopped were not saved (checkpoint.every_steps sets how often); training again "
+            "from step 0")  # fmt: skip
+    writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
+    with clock.within("compile"):
+        mem = compile_all(run, loop.stage)
+    before = loop.compile_s  # a resumed run's earlier segments
+    written = record_compiles(run, writer, loop, 0)
+    compile_s = loop.compile_s - before
+    cached = sum(r["cache_hit"] for r in program.compiles)
+    pending = program.compiling
+    log(
+        f"compiled {len(program.compiles)} programs in {compile_s:.1f}s"
+        + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
+        + (f", {pending} more compiling in the background" if pending else "")
+        + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
+        f"{len(plan.stages)} stage(s))"
+    )
+    progress = Progress(run, writer)
+    preemption = checkpoint.Preemption()
+    checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
+    hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
+    batches = global_batches(run, loop)
+    preemption.install()
+    return Training(run, writer, saver, state, loop, resumed, mem, progress, checkpointer,
+                    preemption, hooks, batches, written, clock, redo_until)  # fmt: skip
+
+
+def run_stages(t: Training) -> str | None:
+    """The loop: each stage's steps, each step followed by the hooks, until the last step,
+    the targets (``stop_at_target``) or a requested stop; returns the stop's reason."""
+    run, loop = t.run, t.loop
+    c, program, plan = run.config, run.program, run.plan
+    # Steps dispatched but not yet computed. JAX dispatch returns at once, so without a bound
+    # the loop would run up to max_nonfinite_steps steps ahead of the device, and a SIGTERM's
+    # save would wait for all of them. Two in flight keep the device busy.
+    in_flight = collections.deque()
+    try:
+        for stage in plan.stages[loop.stage :]:
+            if targets_met(c, loop):
+                break
+            loop.enter(stage)
+            st = stage.stage
+            with t.clock.within("compile_wait"):  # compiled ahead, or compiling still
+                train_step = program.train_step(st.global_batch, st.image_size)
+            t.written = record_compiles(run, t.writer, loop, t.written)
+            t.writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
+                           image_size=st.image_size, global_batch=st.global_batch,
+                           min_scale=st.min_scale, steps=stage.num_steps,
+                           data_parallel=data_parallel_size(run.mesh))  # fmt: skip
+            t.progress.restart(loop)
+            batches = itertools.islice(t.batches, stage.end_step - loop.step)
+            while True:
+                t.clock.to("input_wait")
+                batch = next(batches, None)
+                # the step, and the hooks' waits for it (a redone step's in "redone")
+                t.clock.to("redone" if loop.step < t.redo_until else "train")
+                if batch is None:
+                    break
+                t.state, metrics = train_step(t.state, batch)
+                in_flight.append(metrics["loss"])
+                if len(in_flight) > MAX_STEPS_IN_FLIGHT:
+                    in_flight.popleft().block_until_ready()
+                loop.advance(stage)
+                for hook in t.hooks:
+                    hook(loop, t.state, metrics, stage)
+                if targets_met(c, loop):  # saved by the checkpointer above
+                    log(f"every target reached at step {loop.step}/{plan.total_steps}: "
+                        "stopping there (stop_at_target)")  # fmt: skip
+                    break
+            t.progress.flush(loop, stage)  # a stage's steps are logged at its own batch
+    except StopRequested as e:  # a hook's request (Hook), a signal's by the checkpointer
+        return str(e)
+    return None
+
+
+def last_checkpoint_note(t: Training) -> str:
+    """For a diverged run: the checkpoint to resume from, and the failed save if any."""
+    error = t.checkpointer.finish()
+    last = t.saver.latest_step()
+    return (
+        f"; the last checkpoint, step {last} in {t.saver.directory}, is intact: resume from "
+        "it with the changed config and --allow-config-change"
+        if last is not None
+        else "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
+    ) + (f" ({error})" if error else "")
+
+
+def part_order(part: str) -> int:
+    order = list(run_records.TIME_PARTS)
+    return order.index(part) if part in order else len(order)
+
+
+def end(t: Training, failure: str | None = None, preempted: str | None = None):
+    """Stops the input and background threads, waits for the save in flight (committed
+    before we may exit), writes the summary and releases the workdir, whether the loop
+    ended, stopped or failed. Returns ``(summary, the failed save's error or None)``."""
+    run, loop, saver = t.run, t.loop, t.saver
+    c, program, plan = run.config, run.program, run.plan
+    t.batches.close()  # stops the prefetch thread
+    program.stop_background()
+    t.preemption.uninstall()
+    t.clock.to("checkpoint")  # the save in flight
+    save_error = t.checkpointer.finish()
+    failure = failure or save_error
+    parts, wall_s = t.clock.totals(), t.writer.wall_s()
+    summary = {
+        "mesh": dict(run.mesh.shape),
+        "steps": loop.step,
+        "total_steps": plan.total_steps,
+        "completed": not failure
+        and not preempted
+        and (loop.step >= plan.total_steps or targets_met(c, loop)),
+        "stopped_at_target": targets_met(c, loop) and loop.step < plan.total_steps,
+        "error": failure,
+        "preempted": preempted,
+        "resumed_from": t.resumed,
+        "latest_checkpoint": saver.latest_step(),
+        "final_eval": loop.last_eval,
+        "best_eval": loop.best_eval,
+        "wall_s": round(wall_s, 3),
+        "compile_s": round(loop.compile_s, 3),  # every segment's
+        "time_breakdown": {k: round(parts[k], 3) for k in sorted(parts, key=part_order)},
+        "goodput": round(parts.get("train", 0.0) / wall_s, 4) if wall_s > 0 else None,
+        "train_images_per_s": (
+            round(loop.train_images / loop.train_time_s, 2) if loop.train_time_s else None
+        ),
+        "target_top1": c.target_top1 if c.target_top1 > 0 else None,
+        "target_top5": c.target_top5 if c.target_top5 > 0 else None,
+        "time_to_target": loop.time_to_target,
+        "memory_per_device_bytes": t.memory,  # the largest program's, named in "program"
+        "memory_by_program": [
+            {"name": program_name(r), "bytes": r.get("memory_per_device_bytes") or {}}
+            for r in program.compiles
+        ],
+        "stages": [dataclasses.asdict(s.stage) | {"steps": s.num_steps} for s in plan.stages],
+        "loop": loop.to_dict(),
+    }
+    t.writer.summary(summary)
+    t.writer.close()
+    release(run)
+    return summary, save_error

@@ -1,0 +1,630 @@
+"""``python -m hybridpar.comm_report --config experiments/NAME.py [--devices N] [--json]``.
+
+Compiles the train step ahead of time with abstract inputs (no data, nothing allocated) and
+reports what the optimized HLO communicates: every collective (kind, count, bytes, replica
+groups, async or not), the bytes per step, the FLOPs and the per-device memory.
+
+``--devices N`` compiles for N virtual CPU devices instead of the real ones, so a pod's step
+can be inspected on a laptop. XLA reads the device count when the backend starts; nothing
+imports JAX before the command line is parsed (``import hybridpar`` is lazy), so setting
+``XLA_FLAGS`` and ``JAX_PLATFORMS`` then is enough. The set-up is the train CLI's own
+(``hybridpar.runtime.run.setup``, without data), so both check a config alike.
+
+Bytes are those of each op's result shape (tuples summed; for async ``-start``/``-done``
+pairs, the ``-done`` result): the payload, not the wire traffic (a ring all-reduce of B
+bytes over n devices sends 2(n-1)/n x B per device). The counts are of ops in the
+program; a collective inside a loop body would run once per iteration. XLA's CPU backend
+has no bfloat16 reduction: it widens a bfloat16 all-reduce or reduce-scatter to float32
+between two casts; those count at bfloat16's width, what the program asked for and what a
+GPU or TPU moves (``comm.reduce_dtype=bfloat16`` halves the gradients' bytes here too).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import Counter
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.tools.comm_report_schema import CollectiveRow, CommReport
+
+# Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
+# the virtual CPU device count before the backend starts.
+
+# ---- HLO parsing ----------------------------------------------------------------------------
+
+KINDS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
+_DTYPE_BYTES = {
+    "pred": 1, "s2": 0.25, "u2": 0.25, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b([a-z]\w*)\[([^\]]*)\]")
+_COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NESTED = r"\{(?:[^{}]|\{[^{}]*\})*\}"
+_GROUPS = re.compile(
+    r"replica_groups=("
+    + _NESTED
+    + r"|\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?"
+    + r"|mesh\[[^\]]*\](?:, device_ids=\((?:[^()]|\([^()]*\))*\))? \{[^{}]*\})"
+)
+_PAIRS = re.compile(r"source_target_pairs=(" + _NESTED + ")")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+# XLA's CPU pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names
+# the widened reduction computation ``<name>_promoted``.
+_PROMOTED = re.compile(r"to_apply=%?[\w.\-]+_promoted\b")
+
+
+def _split_balanced(text: str) -> tuple[str, str]:
+    """``"(a, (b)) rest"`` -> ``("(a, (b))", " rest")``; text must start with a bracket."""
+    pairs = {"(": ")", "{": "}", "[": "]"}
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in pairs:
+            depth += 1
+        elif ch in pairs.values():
+            depth -= 1
+            if depth == 0:
+                return text[: i + 1], text[i + 1 :]
+    return text, ""
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """Top-level elements of a tuple shape ``(a, b, (c, d))``; ``[shape]`` if not a tuple."""
+    if not shape.startswith("("):
+        return [shape]
+    inner, parts, depth, start = shape[1:-1], [], 0, 0
+    for i, ch in enumerate(inner):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(inner[start:i].strip())
+            start = i + 1
+    parts.append(inner[start:].strip())
+    return [p for p in parts if p]
+
+
+def shape_bytes(shape: str) -> int:
+    """Bytes of an HLO shape string; tuples are summed, tokens count 0."""
+    total = 0.0
+    for dtype, dims in _ARRAY.findall(shape):
+        if dtype not in _DTYPE_BYTES:
+            if dtype.startswith(("f8", "f6", "f4")):
+                size = 1.0 if dtype.startswith("f8") else 0.5  # f8e4m3fn, f4e2m1fn, ...
+            else:
+                continue  # token[], opaque: no payload
+        else:
+            size = _DTYPE_BYTES[dtype]
+        count = 1
+        for d in dims.split(","):
+            d = d.strip().lstrip("<=")
+            if d:
+                count *= int(d)
+        total += count * size
+    return int(total)
+
+
+def _short_groups(text: str | None, pairs: bool = False) -> tuple[str, int | None]:
+    """Replica groups as printed, shortened, and the group size (devices per collective)."""
+    if text is None:
+        return "", None
+    if pairs:
+        n = len(re.findall(r"\{[^{}]*\}", text[1:-1]))
+        return f"{n} source-target pairs", None
+    if text.startswith("mesh["):  # mesh['axis_0'=4,'axis_1'=2] {'axis_1'}: over named axes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", text.split("]", 1)[0]))
+        over = set(re.findall(r"'(\w+)'", text.rsplit("{", 1)[-1]))
+        ids = re.search(r"device_ids=\(([^{]*)\)\s*\{", text)
+        # Axes of size 1 change nothing: drop them and number the rest from 0.
+        kept = [(a, int(n)) for a, n in sizes.items() if int(n) > 1 or a in over]
+        size = math.prod(n for a, n in kept if a in over)
+        where = ",".join(str(i) for i, (a, _) in enumerate(kept) if a in over)
+        short = f"mesh[{','.join(str(n) for _, n in kept)}]"
+        short += f" ids {ids.group(1)}" if ids else ""
+        return f"{short} over axis {where}", size
+    if text.startswith("["):  # iota form [groups,size]<=[devices]: already short
+        dims = text.split("]", 1)[0][1:].split(",")
+        return text, int(dims[-1])
+    groups = re.findall(r"\{([^{}]*)\}", text[1:-1])
+    if not groups:
+        return "{} (all devices)", None
+    size = len(groups[0].split(","))
+    if len(text) <= 48:
+        return text, size
+    ids = groups[0].split(",")
+    first = ",".join(ids) if len(ids) <= 4 else ",".join(ids[:3]) + ",...," + ids[-1]
+    more = ",..." if len(groups) > 1 else ""
+    return f"{len(groups)}x{size} {{{{{first}}}{more}}}", size
+
+
+def _instructions(hlo_text: str) -> list[dict]:
+    out, computation = [], None
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if m is None:
+            c = _COMPUTATION.match(line)
+            if c is not None:
+                computation = c.group(1)
+            continue
+        name, rest = m.group(1), m.group(2).lstrip()
+        if rest.startswith("("):
+            shape, rest = _split_balanced(rest)
+        else:
+            shape, _, rest = rest.partition(" ")
+            rest = " " + rest
+        op = _OPCODE.match(rest)
+        if op is None:
+            continue
+        operands, attrs = _split_balanced(rest[op.end() - 1 :])
+        out.append(
+            {
+                "name": name,
+                "shape": shape,
+                "opcode": op.group(1),
+                "operands": re.findall(r"%([\w.\-]+)", operands),
+                "attrs": attrs,
+                "computation": computation,
+            }
+        )
+    return out
+
+
+def parse_collectives(hlo_text: str) -> list[dict]:
+    """Every collective of an HLO module's text, grouped by (kind, bytes, groups, async).
+
+    Returns dicts with ``kind``, ``count``, ``bytes`` (per op), ``total_bytes``, ``groups``
+    (replica groups as printed, shortened), ``group_size`` (devices taking part in each op;
+    None where the text does not say: all devices, or a collective-permute) and ``async``.
+    An async pair (``-start`` and ``-done``) counts once, as async, with the bytes of the
+    ``-done`` result; a collective wrapped in an ``async-start`` computation counts as async.
+    A reduction the CPU backend widened from bfloat16 to float32 counts as bfloat16.
+
+    The TPU compiler writes an asynchronous collective into an ``async_collective_fusion``
+    computation together with the compute it overlaps, and may clone one collective into
+    several fused computations: collectives inside fusions that share a ``channel_id`` are
+    one (counted once, async if any copy is), and one inside such a fusion counts as async.
+    """
+    instrs = _instructions(hlo_text)
+    done_shape = {}
+    async_computations, fused_computations = set(), set()
+    for ins in instrs:
+        if ins["opcode"].endswith("-done") and ins["operands"]:
+            done_shape[ins["operands"][0]] = ins["shape"]
+        if ins["opcode"] == "async-start":
+            async_computations.update(_CALLS.findall(ins["attrs"]))
+        if ins["opcode"] == "fusion":
+            fused_computations.update(_CALLS.findall(ins["attrs"]))
+    counts: Counter = Counter()
+    seen: dict = {}  # channel_id -> the key it was counted under
+    for ins in instrs:
+        opcode, is_async = ins["opcode"], False
+        if opcode.endswith("-start") and opcode[: -len("-start")] in KINDS:
+            kind, is_async = opcode[: -len("-start")], True
+            shape = done_shape.get(ins["name"])
+            if shape is None:  # no -done seen: the start's result is (operands, outputs, ...)
+                elems = _tuple_elements(ins["shape"])
+                shape = elems[1] if kind != "all-reduce" and len(elems) >= 2 else ins["shape"]
+        elif opcode in KINDS:
+            kind, shape = opcode, ins["shape"]
+            is_async = ins["computation"] in async_computations or ins["computation"].startswith(
+                "async_collective_fusion"
+            )
+        else:
+            continue
+        if _PROMOTED.search(ins["attrs"]):
+            shape = re.sub(r"\bf32\[", "bf16[", shape)
+        if kind == "collective-permute":
+            m = _PAIRS.search(ins["attrs"])
+            groups, size = _short_groups(m.group(1) if m else None, pairs=True)
+        else:
+            m = _GROUPS.search(ins["attrs"])
+            groups, size = _short_groups(m.group(1) if m else None)
+        key = (kind, shape_bytes(shape), groups, size, is_async)
+        # channel ids repeat across the CPU backend's collectives: only clones in fusions
+        channel = (
+            _CHANNEL.search(ins["attrs"]) if ins["computation"] in fused_computations else None
+        )
+        if channel is not None and channel.group(1) in seen:  # a clone of one counted
+            first = seen[channel.group(1)]
+            if is_async and not first[4]:  # count it once, as async
+                counts[first] -= 1
+                counts[key] += 1
+                seen[channel.group(1)] = key
+            continue
+        if channel is not None:
+            seen[channel.group(1)] = key
+        counts[key] += 1
+    counts = +counts  # drop the zero counts a move to async left
+    rows = [
+        dict(kind=k, count=n, bytes=b, total_bytes=n * b, groups=g, group_size=gs, **{"async": a})
+        for (k, b, g, gs, a), n in counts.items()
+    ]
+    rows.sort(key=lambda r: (KINDS.index(r["kind"]), -r["total_bytes"], r["groups"], r["async"]))
+    return rows
+
+
+# ---- What each collective overlaps with ----------------------------------------------------
+
+# Ops that move or name data but compute nothing; anything else scheduled between a
+# collective's start and done is compute it can hide behind.
+_NO_COMPUTE = {
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "copy", "copy-start",
+    "copy-done", "async-start", "async-update", "async-done", "after-all", "partition-id",
+    "replica-id", "opt-barrier",
+}  # fmt: skip
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+_LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+
+
+def _custom_call_target(ins: dict) -> str:
+    m = _TARGET.search(ins["attrs"])
+    return m.group(1) if m else ""
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
+
+
+def _op_flops(ins: dict, shapes: dict) -> int:
+    """2 x multiply-adds of a convolution or dot, from its shapes (as XLA's cost analysis)."""
+    out = math.prod(_dims(ins["shape"]))
+    if ins["opcode"] == "dot":
+        lhs = _dims(shapes.get(ins["operands"][0], ""))
+        m = _LHS_CONTRACTING.search(ins["attrs"])
+        idx = [int(i) for i in m.group(1).split(",") if i] if m else []
+        return 2 * out * math.prod(lhs[i] for i in idx if i < len(lhs))
+    kernel = _dims(shapes.get(ins["operands"][1], "")) if len(ins["operands"]) > 1 else []
+    m = _DIM_LABELS.search(ins["attrs"])
+    if not kernel or m is None or "o" not in m.group(1):
+        return 0
+    return 2 * out * math.prod(kernel) // max(kernel[m.group(1).index("o")], 1)
+
+
+def parse_overlap(hlo_text: str) -> list[dict]:
+    """What every collective of a scheduled HLO module overlaps with, in schedule order.
+
+    Each collective, one dict: ``kind``, ``bytes`` (as ``parse_collectives`` counts them),
+    ``async``, ``computation``, ``start``/``done`` (instruction names), ``compute_ops``
+    (compute scheduled between start and done), ``overlaps`` (those ops by kind:
+    ``convolution``, ``dot``, ``fusion``, ``custom-call``, ...), ``flops`` (of the
+    convolutions and dots among them, from their shapes) and ``exposed``: True for a
+    synchronous collective or an asynchronous one with no compute between start and done.
+
+    The asynchronous forms: ``kind-start``/``kind-done`` pairs; ``async-start``/
+    ``async-done`` around a computation holding the collective; and the TPU compiler's
+    fusions, where a collective starts in one fusion (``AsyncCollectiveStart``), is cloned
+    into ``async_collective_fusion`` computations beside the compute it overlaps and ends in
+    another (``AsyncCollectiveDone``), the clones sharing a ``channel_id``: from the first
+    fusion to the last is one collective, and those fusions' own compute overlaps it.
+    """
+    instrs = _instructions(hlo_text)
+    comps: dict = {}
+    for ins in instrs:
+        comps.setdefault(ins["computation"], []).append(ins)
+    called = set()  # run inside another instruction: not scheduled on their own
+    for ins in instrs:
+        called.update(_CALLS.findall(ins["attrs"]) + _TO_APPLY.findall(ins["attrs"]))
+    shapes = {c: {i["name"]: i["shape"] for i in seq} for c, seq in comps.items()}
+    inner_memo: dict = {}
+
+    def inner(comp: str) -> list[dict]:
+        """Every instruction of ``comp`` and of the computations it calls."""
+        if comp not in inner_memo:
+            inner_memo[comp] = []
+            out = []
+            for ins in comps.get(comp, []):
+                out.append(ins)
+                for sub in _CALLS.findall(ins["attrs"]):
+                    out.extend(inner(sub))
+            inner_memo[comp] = out
+        return inner_memo[comp]
+
+    def is_compute(ins: dict) -> bool:
+        op = ins["opcode"]
+        if op in _NO_COMPUTE or op in KINDS or op.endswith(("-start", "-done")):
+            return False
+        if op == "custom-call":
+            return not _custom_call_target(ins).startswith("AsyncCollective")
+        if op == "fusion":
+            body = [i for c in _CALLS.findall(ins["attrs"]) for i in inner(c)]
+            return any(is_compute(i) for i in body if i["opcode"] != "fusion")
+        return True
+
+    def label(ins: dict) -> str:
+        ops = {i["opcode"] for c in _CALLS.findall(ins["attrs"]) for i in inner(c)}
+        for kind in ("convolution", "dot"):
+            if ins["opcode"] == kind or kind in ops:
+                return kind
+        if ins["opcode"] == "custom-call":
+            return f"custom-call {_custom_call_target(ins)}"
+        return ins["opcode"]
+
+    def flops(ins: dict) -> int:
+        if ins["opcode"] in ("convolution", "dot"):
+            return _op_flops(ins, shapes[ins["computation"]])
+        return sum(flops(i) for c in _CALLS.findall(ins["attrs"]) for i in comps.get(c, []))
+
+    def payload(ins: dict, shape: str) -> int:
+        if _PROMOTED.search(ins["attrs"]):
+            shape = re.sub(r"\bf32\[", "bf16[", shape)
+        return shape_bytes(shape)
+
+    events = []
+    for comp, seq in comps.items():
+        if comp in called:
+            continue
+        chains: dict = {}  # channel id -> [collective, its fusions' positions, wrapped]
+        for i, ins in enumerate(seq):
+            op = ins["opcode"]
+            if op in KINDS:
+                events.append((comp, seq, i, i, op, payload(ins, ins["shape"]), False))
+            elif op.endswith("-start") and op[: -len("-start")] in KINDS:
+                kind = op[: -len("-start")]
+                done = next((j for j in range(i + 1, len(seq)) if seq[j]["opcode"] == f"{kind}-done"
+                             and seq[j]["operands"][:1] == [ins["name"]]), None)  # fmt: skip
+                shape = seq[done]["shape"] if done is not None else ins["shape"]
+                events.append((comp, seq, i, done or i, kind, payload(ins, shape), True))
+            elif _CALLS.search(ins["attrs"]):
+                body = [x for c in _CALLS.findall(ins["attrs"]) for x in inner(c)]
+                for coll in (x for x in body if x["opcode"] in KINDS):
+                    channel = _CHANNEL.search(coll["attrs"])
+                    key = channel.group(1) if channel else ins["name"]
+                    if key not in chains:
+                        chains[key] = [coll, [], op == "async-start"]
+                    if i not in chains[key][1]:
+                        chains[key][1].append(i)
+        for coll, places, wrapped in chains.values():
+            start, done = places[0], places[-1]
+            if wrapped:  # async-start ... async-done: follow the chain of its results
+                names = {seq[start]["name"]}
+                for j in range(start + 1, len(seq)):
+                    if seq[j]["opcode"] in ("async-update", "async-done") and (
+                        seq[j]["operands"][:1] and seq[j]["operands"][0] in names
+                    ):
+                        names.add(seq[j]["name"])
+                        done = j
+            is_async = wrapped or len(places) > 1
+            events.append((comp, seq, start, done, coll["opcode"], payload(coll, coll["shape"]),
+                           is_async))  # fmt: skip
+    out = []
+    events.sort(key=lambda e: (e[0], e[2]))  # by computation, then schedule
+    for comp, seq, start, done, kind, nbytes, is_async in events:
+        between = [x for x in seq[start + 1 : done] if is_compute(x)]
+        out.append(
+            dict(
+                kind=kind,
+                bytes=nbytes,
+                computation=comp,
+                start=seq[start]["name"],
+                done=seq[done]["name"],
+                compute_ops=len(between),
+                overlaps=dict(Counter(label(x) for x in between)),
+                flops=sum(flops(x) for x in between),
+                exposed=not between,
+                **{"async": is_async},
+            )
+        )
+    return out
+
+
+def describe_overlap(e: dict) -> str:
+    """One collective's overlap in a few words, e.g. ``all-gather 9.0 KiB: async over 3 ops
+    (2 convolution, 1 fusion; 1.2 MFLOP)`` or ``all-reduce 64 B: synchronous, exposed``."""
+    head = f"{e['kind']} {_mib(e['bytes'])}"
+    if not e["async"]:
+        return f"{head}: synchronous, exposed"
+    if e["exposed"]:
+        return f"{head}: async, nothing between start and done, exposed"
+    ops = ", ".join(f"{n} {k}" for k, n in sorted(e["overlaps"].items(), key=lambda kv: -kv[1]))
+    flops = f"; {e['flops'] / 1e6:.3g} MFLOP" if e["flops"] else ""
+    return f"{head}: async over {e['compute_ops']} ops ({ops}{flops})"
+
+
+def overlap_totals(events: list[dict]) -> dict:
+    """Bytes and ops of the collectives that overlap compute and of those exposed."""
+    return {
+        "bytes_overlapped": sum(e["bytes"] for e in events if not e["exposed"]),
+        "bytes_exposed": sum(e["bytes"] for e in events if e["exposed"]),
+        "ops_overlapped": sum(1 for e in events if not e["exposed"]),
+        "ops_exposed": sum(1 for e in events if e["exposed"]),
+    }
+
+
+# ---- The report -----------------------------------------------------------------------------
+
+
+def cost_of(compiled) -> dict:
+    """``{"flops": ..., "bytes_accessed": ...}`` per device from the compiler's
+    ``cost_analysis`` (each None where the backend does not say)."""
+    try:
+        ca = compiled.cost_analysis()
+    except (NotImplementedError, RuntimeError, ValueError):  # not on every backend
+        ca = None
+    parts = ca if isinstance(ca, (list, tuple)) else [ca]
+    out = {}
+    for key, name in (("flops", "flops"), ("bytes_accessed", "bytes accessed")):
+        vals = [d[name] for d in parts if isinstance(d, dict) and d.get(name) is not None]
+        out[key] = float(sum(vals)) if vals else None
+    return out
+
+
+def _flops(compiled) -> float | None:
+    return cost_of(compiled)["flops"]
+
+
+def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
+    """Compiles the config's train step for the mesh and returns the report; ``target``: a
+    ``hybridpar.tools.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
+    from hybridpar.runtime.run import memory_line, setup
+
+    devices = target.devices() if target is not None else None
+    try:
+        run = setup(config, with_data=False, devices=devices)  # the train CLI's own checks
+    except ConfigError as e:
+        if "devices" not in str(e):
+            raise
+        hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
+        raise ConfigError(f"{e}{hint}") from None
+    mesh, program, applied = run.mesh, run.program, run.xla_flags
+    if target is not None:
+        program.compiler_options = target.compiler_options()
+    d = config.data
+    image_shape = (d.image_size, d.image_size, d.channels)
+    compiled = program.train_step(config.global_batch, d.image_size)
+    compile_s = program.compiles[-1]["compile_s"]
+
+    collectives = parse_collectives(compiled.as_text())
+    by_kind: dict = {}
+    for r in collectives:
+        k = by_kind.setdefault(r["kind"], {"count": 0, "bytes": 0})
+        k["count"] += r["count"]
+        k["bytes"] += r["total_bytes"]
+    mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
+    dev = run.mesh.devices.flat[0]
+    return CommReport(
+        collectives=tuple(CollectiveRow.from_dict(r) for r in collectives),
+        by_kind=by_kind,
+        total_bytes=sum(r["total_bytes"] for r in collectives),
+        total_ops=sum(r["count"] for r in collectives),
+        flops=_flops(compiled),
+        bytes_accessed=cost_of(compiled)["bytes_accessed"],
+        memory_per_device_bytes=mem.get("total"),
+        memory=mem,
+        memory_text=mem_text,
+        mesh=dict(mesh.shape),
+        devices={
+            "count": run.mesh.size,
+            "platform": dev.platform,
+            "kind": dev.device_kind,
+            "virtual": virtual_devices is not None,
+        },
+        xla_flags_applied=applied,
+        global_batch=config.global_batch,
+        image_shape=list(image_shape),
+        compile_s=round(compile_s, 3),
+        config=json.loads(config.to_json()),
+    )
+
+
+def _mib(n: float) -> str:
+    if n >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{int(n)} B"
+
+
+def format_report(rep: CommReport, config_path: str) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in rep.mesh.items())
+    dev = rep.devices
+    lines = [
+        (
+            f"comm_report: {config_path} on {dev['count']} {dev['platform']} devices"
+            f"{' (virtual)' if dev['virtual'] else ''}; mesh {mesh}; global batch "
+            f"{rep.global_batch}; images {'x'.join(map(str, rep.image_shape))}"
+        ),
+        f"compiled the train step in {rep.compile_s:.1f}s"
+        + (f" with {' '.join(rep.xla_flags_applied)}" if rep.xla_flags_applied else ""),
+        "",
+        "collectives in the optimized HLO (bytes per op from its result shape):",
+        f"  {'kind':<20} {'count':>5} {'bytes/op':>12} {'total':>12}  {'async':<5}  groups",
+    ]
+    for r in rep.collectives:
+        lines.append(
+            f"  {r.kind:<20} {r.count:>5} {_mib(r.bytes):>12} {_mib(r.total_bytes):>12}"
+            f"  {'yes' if r.is_async else 'no':<5}  {r.groups}"
+        )
+    if not rep.collectives:
+        lines.append("  (none)")
+    kinds = ", ".join(f"{k} {v['count']} ops {_mib(v['bytes'])}" for k, v in rep.by_kind.items())
+    lines += [
+        "",
+        f"total per step: {rep.total_ops} collective ops, {_mib(rep.total_bytes)}"
+        + (f" ({kinds})" if kinds else ""),
+        "FLOPs per step per device (cost_analysis): "
+        + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported"),
+        rep.memory_text,
+    ]
+    return "\n".join(lines)
+
+
+def use_virtual_cpu_devices(n: int) -> None:
+    """N virtual CPU devices for this process; must run before JAX's backend starts."""
+    from hybridpar.tools import targets
+
+    if n < 1:
+        cli.fail(f"--devices={n} must be a positive integer")
+    targets.prepare(targets.Target("cpu", n))
+
+
+def check_target_devices(devices: int | None, spec: str, target) -> None:
+    """``--devices`` beside ``--target``: the same count or one ``error:`` line (plan and
+    comm_report alike; the target's count is the one compiled for)."""
+    if devices not in (None, target.devices_count):
+        cli.fail(
+            f"--devices={devices} but --target {spec} has {target.devices_count} "
+            "devices; pass one of them"
+        )
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.comm_report", __doc__)
+    parser.add_argument(
+        "--devices", type=int, help="compile for N virtual CPU devices instead of the real ones"
+    )
+    parser.add_argument(
+        "--target",
+        help="compile for a TPU topology with the TPU compiler (no TPU needed), e.g. "
+        "tpu:v5e-16, or for GPUs with the GPU compiler (no GPU needed), e.g. gpu:h100-16; "
+        "or cpu:N, as --devices N",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, config = cli.parse(parser, argv)
+    target = None
+    if args.target:
+        from hybridpar.tools import targets
+
+        try:
+            target = targets.parse(args.target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        check_target_devices(args.devices, args.target, target)
+        try:
+            targets.prepare(target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        if target.platform == "cpu":
+            args.devices, target = target.devices_count, None
+    if args.devices is not None:
+        use_virtual_cpu_devices(args.devices)
+    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
+
+    def run():
+        rep = report(config, args.devices, target)
+        if args.json:
+            print(rep.to_json())
+        else:
+            print(format_report(rep, config_path))
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()

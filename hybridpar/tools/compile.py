@@ -1,0 +1,392 @@
+"""``python -m hybridpar.compile --config experiments/NAME.py --target tpu:v5e-16 [--json]``
+
+Compiles every program a run would compile, each curriculum stage's train step and the eval
+step, for a target without running anything: the TPU compiler itself for ``tpu:...``
+targets (libtpu's ahead-of-time path, on a machine with no TPU: ``hybridpar/tools/targets.py``),
+or XLA:CPU on N virtual devices for ``cpu:N``. The set-up is the trainer's own
+(``hybridpar.runtime.run.setup`` without data, on the target's devices), so the programs are the
+ones the run will execute on that hardware.
+
+For each program: per-chip memory (arguments, outputs, temporaries, and the total against
+the chip's HBM), FLOPs and bytes accessed by the compiler's count, every collective as
+the compiler scheduled it (kind, bytes, groups, asynchronous or not) and what each
+overlaps: the compute scheduled between its start and done, and the bytes overlapped and
+exposed (a synchronous collective, or one with nothing between, is exposed), compile time, and a
+roofline bound on the step time (FLOPs at peak or bytes at HBM bandwidth, whichever is
+longer; collectives, launch and input not counted) with the images/s per chip it allows.
+A program that does not fit the chip's HBM (the TPU compiler refuses it) is one ``error:``
+line naming its need, the capacity and a plan that compiles. The last line is
+``key=value`` figures for the largest program.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.tools import targets
+
+# Nothing above imports JAX: ``--target`` sets the environment before the backend starts.
+
+OVERLAP_LINES = 6  # per program in the text report, those moving the most bytes first
+
+
+def compile_programs(config, target: targets.Target, out: str | None = None, show=None) -> dict:
+    """Every stage's train step and the eval step compiled for ``target``; the report as
+    a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
+    the executables are written to, for ``train --compiled`` (checked before compiling).
+    ``show``: called with the report before the file is written, so a failed write loses
+    no report."""
+    from hybridpar.runtime import executables
+
+    if not out:
+        return _compile_programs(config, target, out, show)
+    executables.check_out(out)
+    # An executable JAX loaded from its persistent cache serializes without its functions
+    # (jax 0.10.2, XLA:CPU: "NOT_FOUND: Function wrapped_add not found" at the loading run's
+    # first step), so a compile for --out never reads that cache. JAX decides once per
+    # process whether the cache is used: the flag takes effect only after a reset.
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        return _compile_programs(config, target, out, show)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()
+
+
+def _compile_programs(config, target, out, show) -> dict:
+    import copy
+
+    from hybridpar.parallel.mesh import axes_across_slices
+    from hybridpar.runtime import executables
+    from hybridpar.tools import comm_report
+
+    t0 = time.time()
+    size = executables.data_size(config)
+    if size is not None and size != config.data.train_examples:
+        # plan as the run will from the data itself, so its file fits without the flag
+        config = copy.deepcopy(config)
+        config.data.train_examples = size
+    try:
+        run = _setup_for(config, target)
+    except ConfigError as e:
+        if "devices but" in str(e):  # the mesh's size is not the target's
+            msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
+            raise ConfigError(f"{msg} ({_target_hint(target, config.mesh)})") from None
+        raise
+    program, c = run.program, config
+    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
+    wanted.append(("eval", c.eval_batch, c.data.image_size))
+    rows = []
+    for kind, batch, size in dict.fromkeys(wanted):  # each (program, batch, size) once
+        compiled = _compile_or_explain(run, target, kind, batch, size)
+        rec = program.compiles[-1]
+        hlo = compiled.as_text()
+        collectives = comm_report.parse_collectives(hlo)
+        overlap = comm_report.parse_overlap(hlo)
+        cost = comm_report.cost_of(compiled)
+        mem = rec["memory_per_device_bytes"]
+        step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
+        per_chip = batch / target.devices_count
+        rows.append(
+            dict(
+                program=kind,
+                batch=batch,
+                image_size=size,
+                compile_s=rec["compile_s"],
+                memory=mem,
+                **cost,
+                collective_ops=sum(r["count"] for r in collectives),
+                collective_bytes=sum(r["total_bytes"] for r in collectives),
+                async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
+                **comm_report.overlap_totals(overlap),
+                collectives=collectives,
+                overlap=[dict(e, text=comm_report.describe_overlap(e)) for e in overlap],
+                roofline_step_s=step_s,
+                roofline_images_per_s_per_chip=(
+                    round(per_chip / step_s, 1) if step_s and kind == "train" else None
+                ),
+            )
+        )
+    largest = max(rows, key=lambda r: r["memory"].get("total", 0))
+    report = dict(
+        out=out,
+        target=target.spec or f"cpu:{target.devices_count}",
+        target_description=target.describe(),
+        hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
+        mesh=dict(run.mesh.shape),
+        slices=target.slices,
+        axes_across_slices=list(axes_across_slices(run.mesh)),
+        # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
+        device_platform=run.mesh.devices.flat[0].platform,
+        device_kind=run.mesh.devices.flat[0].device_kind,
+        programs=rows,
+        largest=f"{largest['program']} (batch {largest['batch']}, {largest['image_size']} px)",
+        wall_s=round(time.time() - t0, 3),
+    )
+    if show is not None:
+        show(report)
+    if out:
+        executables.save(out, program, report["target"])
+    return report
+
+
+def _target_hint(target: targets.Target, mesh: str) -> str:
+    """What a compile for the mesh's device count names as its target: a like target of
+    that size where one exists (the same chip and slices)."""
+    import math
+    import re
+
+    want = math.prod(int(n) for n in re.findall(r":\s*(\d+)", mesh))
+    if target.platform == "cpu":
+        return f"--target cpu:{want} compiles for {want} virtual CPU devices"
+    unit = "chips" if target.platform == "tpu" else "GPUs"
+    here = f"--target {target.spec} is {target.devices_count} {unit}"
+    if target.platform == "tpu":
+        per_slice = want // target.slices * target.chip.cores_per_chip
+        slices = f",slices={target.slices}" if target.slices > 1 else ""
+        spec = f"tpu:{target.chip.name}-{per_slice}{slices}"
+    else:
+        spec = f"gpu:{target.chip.name}-{want}"
+    try:
+        fits = want % target.slices == 0 and targets.parse(spec).devices_count == want
+    except ConfigError:
+        fits = False
+    return f"{here}; --target {spec} has {want}" if fits else here
+
+
+def _setup_for(config, target: targets.Target):
+    """The run's set-up without data on the target's devices, its steps compiled with the
+    options every compile for that target needs."""
+    from hybridpar.runtime.run import setup
+
+    run = setup(config, with_data=False, devices=target.devices())
+    run.program.compiler_options = target.compiler_options()
+    return run
+
+
+def _compile_or_explain(run, target, kind: str, batch: int, size: int):
+    """The program compiled; where it is over the chip's HBM (the TPU compiler refuses to
+    compile it; a GPU program is checked after), one error naming the need, the capacity
+    and a plan that does compile: the same batch with the state sharded over every chip
+    (``fsdp``), else the largest smaller batch found on this mesh (each candidate compiled
+    to check)."""
+    try:
+        return _step_within(run, target, kind, batch, size)
+    except Exception as e:
+        need = _hbm_shortfall(e)
+        if need is None:
+            raise
+    head = (
+        f"the {kind} step (batch {batch}, {size} px) needs {need[0] / 2**30:.2f} GiB of HBM per "
+        f"chip on {target.spec} where {need[1] / 2**30:.2f} GiB are available (the "
+        f"{target.platform.upper()} compiler's count)"
+    )
+    fix = _fitting_mesh(run, target, kind, batch, size)
+    fix = fix or _fitting_batch(run, target, kind, batch, size, need)
+    raise ConfigError(f"{head}: {fix}" if fix else f"{head}; neither fsdp:-1 nor a smaller "
+                      "batch compiles within it: use a chip with more HBM")  # fmt: skip
+
+
+def _fitting_mesh(run, target, kind, batch, size) -> str | None:
+    """``--config.mesh=fsdp:-1`` if the same program compiles within HBM on it."""
+    import copy
+
+    if run.mesh.shape.get("fsdp", 1) == run.mesh.size:
+        return None
+    config = copy.deepcopy(run.config)
+    config.mesh = "fsdp:-1"
+    try:
+        other = _setup_for(config, target)
+        _step_within(other, target, kind, batch, size)
+    except Exception as e:
+        if _hbm_shortfall(e) is None and not isinstance(e, ConfigError):
+            raise
+        return None
+    mem = other.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
+    return f"--config.mesh=fsdp:-1 compiles it ({targets.gib(mem)} per chip)"
+
+
+def _fitting_batch(run, target, kind, batch, size, need, tries: int = 3) -> str | None:
+    """The first of up to ``tries`` smaller batches (scaled by capacity over need, in
+    multiples of the data-parallel size) that compiles within HBM on this mesh."""
+    from hybridpar.parallel.mesh import data_parallel_size
+
+    dp = data_parallel_size(run.mesh)
+    trial = batch
+    for _ in range(tries):
+        trial = int(trial * need[1] / need[0] * 0.9) // dp * dp
+        if trial < dp:
+            return None
+        try:
+            _step_within(run, target, kind, trial, size)
+        except Exception as e:
+            if _hbm_shortfall(e) is None:
+                raise
+            continue
+        mem = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
+        key = "eval_batch" if kind == "eval" else "global_batch (or the stage's batch)"
+        return f"{key}={trial} compiles on this mesh ({targets.gib(mem)} per chip)"
+    return None
+
+
+def _step_within(run, target, kind: str, batch: int, size: int):
+    """The step compiled, or the TPU compiler's out-of-memory error; the GPU compiler
+    does not check device memory, so its programs are checked here, in the same words."""
+    step = run.program.train_step if kind == "train" else run.program.eval_step
+    compiled = step(batch, size)
+    if target.platform == "gpu":
+        over = over_capacity(run.program.compiles[-1]["memory_per_device_bytes"], target)
+        if over:
+            run.program.forget((kind, batch, size))  # not a usable program
+            raise OverHbm(*over)
+    return compiled
+
+
+def over_capacity(memory: dict, target: targets.Target) -> tuple[int, int] | None:
+    """``(needed, available)`` bytes where a program's per-device memory (``memory_of``:
+    bytes) is over the target chip's capacity (bytes), else None. Pure, so it is tested
+    without the GPU compiler."""
+    if target.chip is None:  # this machine's own devices: their runtime checks memory
+        return None
+    need, available = memory.get("total", 0), target.chip.hbm_bytes
+    return (need, available) if need > available else None
+
+
+class OverHbm(Exception):
+    def __init__(self, need: float, available: float):
+        super().__init__(f"{need} bytes needed, {available} available")
+        self.need = (need, available)
+
+
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _hbm_shortfall(e: Exception) -> tuple[float, float] | None:
+    """``(needed, available)`` bytes from the TPU compiler's out-of-memory error (or ours)."""
+    import re
+
+    if isinstance(e, OverHbm):
+        return e.need
+    message = str(e)
+    m = re.search(r"\(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)", message)
+    if not m or "RESOURCE_EXHAUSTED" not in message:
+        return None
+    return float(m.group(1)) * _UNITS[m.group(2)], float(m.group(3)) * _UNITS[m.group(4)]
+
+
+def format_report(report: dict, config_path: str) -> str:
+    mesh = ", ".join(f"{k}={v}" for k, v in report["mesh"].items())
+    lines = [
+        f"compile: {config_path} for {report['target_description']}",
+        f"mesh {mesh}; {len(report['programs'])} programs in {report['wall_s']:.1f}s"
+        + (
+            f"; across the {report['slices']} slices (DCN): "
+            f"{', '.join(report['axes_across_slices'])}, the other axes within a slice (ICI)"
+            if report["slices"] > 1
+            else ""
+        ),
+        "",
+        f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
+        f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'exposed':>10} {'compile':>8} "
+        f"{'roofline img/s/chip':>19}",
+    ]
+    for r in report["programs"]:
+        m = r["memory"]
+        name = f"{r['program']} b{r['batch']} {r['image_size']}px"
+        flops = f"{r['flops'] / 1e9:.2f}" if r["flops"] else "-"
+        accessed = f"{r['bytes_accessed'] / 1e9:.3f}" if r["bytes_accessed"] else "-"
+        coll = f"{r['collective_ops']} / {r['collective_bytes'] / 2**20:.1f} MiB"
+        rate = r["roofline_images_per_s_per_chip"]
+        lines.append(
+            f"  {name:<28} {targets.gib(m.get('total', 0)):>12} {targets.gib(m.get('temp', 0)):>10}"
+            f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
+            f"{r['bytes_exposed'] / 2**20:>6.1f} MiB {r['compile_s']:>7.1f}s "
+            f"{rate if rate is not None else '-':>19}"
+        )
+    lines.append("what each collective overlaps (compute scheduled between its start and done):")
+    for r in report["programs"]:
+        lines.append(
+            f"  {r['program']} b{r['batch']} {r['image_size']}px: "
+            f"{r['bytes_overlapped'] / 2**20:.2f} MiB overlapped ({r['ops_overlapped']} ops), "
+            f"{r['bytes_exposed'] / 2**20:.2f} MiB exposed ({r['ops_exposed']} ops)"
+        )
+        alike, nbytes = Counter(e["text"] for e in r["overlap"]), Counter()
+        for e in r["overlap"]:
+            nbytes[e["text"]] += e["bytes"]
+        for text, _ in nbytes.most_common(OVERLAP_LINES):
+            lines.append(f"    {alike[text]} x {text}")
+        if len(alike) > OVERLAP_LINES:
+            lines.append(f"    ... {len(alike) - OVERLAP_LINES} more (--json lists every one)")
+    if report["out"]:  # printed before the file is written: a failed write is an error after
+        lines.append(f"  writing the {len(report['programs'])} programs to {report['out']}")
+    if report["hbm_bytes_per_chip"]:
+        lines.append(f"  (HBM per chip: {targets.gib(report['hbm_bytes_per_chip'])})")
+    lines.append(
+        "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
+        "collectives, launch and input are not counted, so real steps are slower"
+    )
+    # every per-program figure is the largest program's, the one largest= names
+    big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
+    rates = [r["roofline_images_per_s_per_chip"] for r in report["programs"]
+             if r["program"] == "train"]  # fmt: skip
+    lines.append(
+        f"memory_per_chip_bytes={big['memory'].get('total')} "
+        f"largest={big['program']}:b{big['batch']}:{big['image_size']}px "
+        f"flops_per_chip={big['flops']} "
+        f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
+        f"collective_bytes={big['collective_bytes']} "
+        f"exposed_bytes={big['bytes_exposed']} target={report['target']} "
+        f"programs={len(report['programs'])} wall_s={report['wall_s']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.compile", __doc__)
+    parser.add_argument(
+        "--target",
+        help="cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16, or "
+        "gpu:GPU-N, e.g. gpu:h100-16 (default: this machine's devices)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the compiled programs here, for python -m hybridpar.train --compiled FILE",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args, config = cli.parse(parser, argv)
+    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
+
+    def run():
+        if args.target:
+            target = targets.parse(args.target)
+            targets.prepare(target)
+        else:  # this machine's own devices: no chip figures, so no capacity or roofline
+            import jax
+
+            from hybridpar.parallel import comm
+
+            comm.apply(config.comm)  # the run's XLA flags, before the backend starts
+            target = targets.Target(jax.default_backend(), jax.device_count())
+
+        def show(report):  # before --out is written: a failed write keeps the report
+            print(json.dumps(report) if args.json else format_report(report, config_path),
+                  flush=True)  # fmt: skip
+
+        compile_programs(config, target, args.out, show=show)
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
+[--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn] [--max-rounds 8]
+[--calibration max|percentile|mse]``.
+
+The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
+still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
+in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the teacher's channels in
+every group (``hybridpar.prune``; where that would land under ``K``, to the largest fraction
+whose int8 weights fit ``K``, computed exactly from the pruned shapes), distils it from the
+teacher for ``--epochs`` epochs (``hybridpar.runtime.distill``; the run's own optimizer and
+schedule), quantizes it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval
+split. Rounds go on while the int8 top-1 stays within ``--max-drop`` points of the float
+teacher's and the int8 weights are above ``K`` KB (1 KB = 1000 bytes).
+
+Every round is kept in ``W/compress/round_NN/``: ``pruned/`` (the pruned model, a run at
+step 0), ``run/`` (its distillation run, a trainer workdir: the trainer resumes it),
+``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
+``result.json`` once it is done (with ``teacher_step``, the teacher's checkpoint it was made
+from). ``W/compress/settings.json`` keys the rounds: the flags that make them and the
+teacher's step; a loop of other settings or of another teacher step is an ``error:``, never
+reused. One loop per ``W`` at a time (``W/compress/.lock``). A stopped loop (SIGTERM,
+Ctrl-C, kill) goes on from where it stopped with the same command. It prints a row per
+round (parameters, int8 KB, FLOPs per image, int8 top-1, its drop in points against the
+float teacher, int8 CPU latency at batch 1), writes the table to ``W/compress/rounds.md``
+and the size/accuracy front to ``W/compress/front.png``, and ends with the smallest model
+within the drop and the line ``kb_int8=... top1_drop=... top1=... params=... flops=...
+teacher_step=...``. Exit code 0 when that model is within the budget, 3 when the loop
+stopped without one (a line on stderr says why), 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+
+import numpy as np
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.runtime import trained
+
+DIR = "compress"
+# What makes the rounds' models: another value on an existing loop is an error. The budget
+# and the drop only say when to stop, so they may change.
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration")
+BEFORE = {"calibration": "max"}  # what a loop's settings.json without the key was made with
+
+
+class Stop:
+    """SIGTERM / SIGINT outside a round's training (pruning, quantizing): exit 0 at once.
+    Every file a round writes lands whole (written beside, then renamed), so the same
+    command redoes only the unfinished part. The trainer's own handler (a checkpoint at the
+    next step) takes over while a round trains, and hands this one back after it."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        # not ``original`` (train.EarlyStop's name): checkpoint.Preemption hands back a
+        # handler's ``original``, and this one must be handed back itself
+        self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        # the terminal's stdout: a round may be writing the trainer's lines to its log
+        print(f"{signal.Signals(signum).name}: stopped; the same command continues the loop",
+              file=sys.__stdout__, flush=True)  # fmt: skip
+        os._exit(0)
+
+
+def check_args(args, config) -> None:
+    """Flags, the teacher's workdir and its run's config, before any device is touched."""
+    from hybridpar.tools import quantize
+
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the trained teacher's run)")
+    if args.budget_kb is None or args.budget_kb <= 0:
+        cli.fail("pass --budget-kb K > 0: the int8 weights' size to reach, in KB, e.g. 100")
+    if args.max_drop < 0:
+        cli.fail(f"--max-drop={args.max_drop} must be >= 0 (points of top-1), e.g. 1.0")
+    if not 0 < args.step < 1:
+        cli.fail(f"--step={args.step} must be in (0, 1): the fraction pruned per round, e.g. 0.25")
+    if args.epochs <= 0:
+        cli.fail(f"--epochs={args.epochs} must be > 0: each round's distillation, e.g. 3")
+    if args.max_rounds < 1:
+        cli.fail(f"--max-rounds={args.max_rounds} must be >= 1")
+    if args.calibration_batches < 1:
+        cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    if config.distributed:
+        cli.fail("compress runs in one process: pass --config.distributed=False")
+    quantize.check_trained_run(
+        config, args.workdir, "trained", "compress starts from a trained run"
+    )
+    check_teacher(args.workdir)
+    from hybridpar.models import MODELS
+
+    name = config.model.name
+    if name != "airbench" and "stage_sizes" not in getattr(MODELS[name], "keywords", {}):
+        raise ConfigError(
+            f"compress prunes the ResNets of models/resnet.py and the airbench net, not "
+            f"model.name={name!r}"
+        )
+    check_settings(args, teacher_step(config, args.workdir))
+
+
+def check_teacher(workdir: str) -> None:
+    """The teacher is a finished run that no trainer holds: a checkpoint from the middle of
+    a run would be every round's teacher, and the rounds' reference, while the run moves on."""
+    from hybridpar.runtime import run_records, workdir_lock
+
+    if workdir_lock.held(workdir):
+        h = workdir_lock.holder(workdir_lock.path(workdir))
+        who = f" (pid {h.get('pid')} on host {h.get('host')})" if h else ""
+        raise ConfigError(
+            f"{workdir!r} is still training{who}: compress starts from a finished run; "
+            "run this command again once its training has ended"
+        )
+    summary = run_records.read_json(os.path.join(workdir, "summary.json"))
+    if not (summary or {}).get("completed"):
+        why = (
+            "has no summary.json (its training has not ended)"
+            if summary is None
+            else f"stopped at step {summary.get('steps')} of {summary.get('total_steps')}"
+        )
+        raise ConfigError(
+            f"the run in {workdir!r} {why}: compress starts from a finished run; finish "
+            "it first (the same python -m hybridpar.train command resumes it)"
+        )
+
+
+def teacher_step(config, workdir: str) -> int:
+    """The step of the teacher's latest checkpoint (the one quantize and the distillation
+    read): with the settings, what the rounds are made from."""
+    from hybridpar.runtime import checkpoint
+
+    ckpt = checkpoint.checkpoint_dir(config, workdir)
+    return max(int(n) for n in os.listdir(ckpt) if n.isdigit())
+
+
+def settings_of(args) -> dict:
+    return {k: getattr(args, k) for k in SETTINGS}
+
+
+def saved_teacher_step(root: str, saved: dict) -> int | None:
+    """The teacher step a loop was made from: its settings.json's, else (a loop from before
+    that key) the step its round 0 quantized, else None (no round made yet)."""
+    if "teacher_step" in saved:
+        return saved["teacher_step"]
+    try:
+        with open(os.path.join(root, "round_00", "quantized", "report.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def check_settings(args, step: int | None = None) -> None:
+    """A loop already in ``W/compress`` was made with these settings and (``step``) from
+    this teacher checkpoint, else the ``ConfigError`` that says which differs."""
+    path = os.path.join(args.workdir, DIR, "settings.json")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        saved = json.load(f)
+    loop = os.path.dirname(path)
+    for k, v in settings_of(args).items():
+        was = saved.get(k, BEFORE.get(k))
+        if was != v:
+            flag = "--" + k.replace("_", "-")
+            raise ConfigError(
+                f"{loop} holds a loop with {flag}={was} (not {v}): pass {flag}={was} to "
+                f"continue it, or move {loop} away to start another"
+            )
+    was = saved_teacher_step(loop, saved)
+    if step is not None and was is not None and was != step:
+        raise ConfigError(
+            f"{loop} holds a loop made from the teacher's checkpoint at step {was}, and "
+            f"{args.workdir!r}'s latest is step {step}: its rounds are stale; move {loop} "
+            "away (or delete it) to compress the run as it is now"
+        )
+
+
+def round_config(config, workdir: str, pruned: str, epochs: float):
+    """The teacher's config for a round's distillation run: the pruned widths, started from
+    ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end."""
+    c = config.copy_and_resolve_references()
+    p = trained.load_config(pruned)
+    with c.unlocked():
+        c.model = p.model
+        c.init_from = os.path.abspath(pruned)
+        c.distill.teacher_workdir = os.path.abspath(workdir)
+        c.num_epochs = float(epochs)
+        c.stages = ""
+        c.eval_every_epochs = float(epochs)
+        c.optim.warmup_epochs = min(c.optim.warmup_epochs, epochs / 4)
+        c.target_top1 = c.target_top5 = -1.0
+        c.stop_at_target = False
+    return c
+
+
+def keep_for(index: int, step: float, budget_kb: float, bytes_at) -> float:
+    """Round ``index``'s fraction of the teacher's channels: ``(1 - step)^index``, unless
+    that model's int8 weights would be under the budget, then the largest fraction (to
+    0.001) whose weights fit it, so the last round spends the budget rather than
+    undershooting. ``bytes_at(keep)``: the int8 bytes of the teacher pruned to ``keep``
+    (exact, ``prune.int8_bytes``); they never shrink as ``keep`` grows, so a bisection
+    finds the largest."""
+    keep = (1 - step) ** index
+    budget = budget_kb * 1000
+    if bytes_at(keep) >= budget:
+        return keep
+    top = (1 - step) ** (index - 1)
+    # descending; each evaluated at the value the round then prunes to
+    grid = [round(float(k), 3) for k in np.arange(top - 0.001, keep, -0.001)]
+    grid = [k for k in grid if keep < k < top]
+    lo, hi = 0, len(grid)  # the first index that fits is in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bytes_at(grid[mid]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return grid[lo] if lo < len(grid) else keep
+
+
+def bytes_of(row: dict) -> float:
+    """A row's int8 bytes (a row from before the key: its rounded KB)."""
+    return row.get("bytes_int8", 1000 * row["kb_int8"])
+
+
+def fits(row: dict, budget_kb: float) -> bool:
+    return bytes_of(row) <= 1000 * budget_kb
+
+
+def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str) -> dict:
+    top1 = report["eval"]["int8"]["top1"]
+    return {
+        "round": index,
+        "keep": round(keep, 4),
+        "params": report["params"],
+        "kb_int8": round(report["weight_bytes_int8"] / 1000, 1),
+        "bytes_int8": report["weight_bytes_int8"],  # what the budget is held to
+        "flops": report["flops_per_image"],
+        "top1": round(top1, 4),
+        "top1_float": round(report["eval"]["float"]["top1"], 4),
+        "top1_drop": round(100 * (teacher_top1 - top1), 2),
+        "ms_b1_int8": report["latency_ms"]["int8_batch1_ms"],
+        "exported": os.path.join(path, "quantized", "model.jax_exported"),
+    }
+
+
+HEADER = ("round", "keep", "params", "int8 KB", "MFLOPs/img", "top1 int8", "drop (pts)",
+          "ms b1 int8")  # fmt: skip
+
+
+def format_row(r: dict) -> list[str]:
+    return [str(r["round"]), f"{r['keep']:.3f}", str(r["params"]), f"{r['kb_int8']:.1f}",
+            f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}", f"{r['top1_drop']:.2f}",
+            f"{r['ms_b1_int8']:.3f}"]  # fmt: skip
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    return lines + ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+
+
+def best(rows: list[dict], max_drop: float) -> dict | None:
+    """The smallest int8 model within the drop."""
+    ok = [r for r in rows if r["top1_drop"] <= max_drop]
+    return min(ok, key=lambda r: (bytes_of(r), -r["top1"])) if ok else None
+
+
+def plot(rows: list[dict], teacher_top1: float, budget_kb: float, max_drop: float, path):
+    from hybridpar.tools.tune import pyplot
+
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    kb, top1 = [r["kb_int8"] for r in rows], [100 * r["top1"] for r in rows]
+    ax.plot(kb, top1, "o-", color="C0", label="int8 model per round")
+    for i, (r, x, y) in enumerate(zip(rows, kb, top1)):  # above and below in turn: a landed
+        # last round sits a few KB from the one before it
+        ax.annotate(str(r["round"]), (x, y), textcoords="offset points",
+                    xytext=(4, 4 if i % 2 == 0 else -12))  # fmt: skip
+    ax.axhline(100 * teacher_top1, color="C2", ls="--", label="float teacher")
+    ax.axhline(100 * teacher_top1 - max_drop, color="C3", ls=":", label=f"-{max_drop:g} points")
+    ax.axvline(budget_kb, color="C1", ls=":", label=f"budget {budget_kb:g} KB")
+    ax.set_xscale("log")
+    ax.set_xlabel("int8 weights (KB)")
+    ax.set_ylabel("top-1 (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: str, value) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(value, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def clear_leftovers(directory: str) -> None:
+    """What a killed step left half-written beside its result (``NAME.tmp-PID``)."""
+    for name in os.listdir(directory):
+        if ".tmp-" in name:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def lock_loop(workdir: str):
+    """``W/compress/.lock`` for this process's life (``workdir_lock``): a second loop on the
+    same ``W`` would write the same rounds (and rename the same files) under the first."""
+    from hybridpar.runtime import workdir_lock
+
+    return workdir_lock.acquire(os.path.join(workdir, DIR), role="compress")
+
+
+def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):
+    """Round ``index`` in ``rd``: ``(quantize's report, the run it quantized)``; raises
+    ``KeyboardInterrupt`` when its training was stopped."""
+    from hybridpar.tools import prune, quantize, tune
+
+    w = args.workdir
+    qkw = dict(calibration_batches=args.calibration_batches, calibration=args.calibration,
+               repeats=args.repeats, latency_batches=(1,), overwrite=True)  # fmt: skip
+    if index == 0:  # the teacher itself, in int8
+        with tune.quiet(rd):
+            return quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw), w
+    fits = f" (the most that fits {args.budget_kb:g} KB)"
+    fits = "" if keep == (1 - args.step) ** index else fits
+    log(
+        f"round {index}: pruning to {keep:.3f} of the teacher's channels{fits}, "
+        f"then {args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)"
+    )
+    previous = rows[-1]["run"]
+    pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
+    if not os.path.exists(pruned):
+        with tune.quiet(rd):
+            prune.prune_run(previous, pruned, keep, criterion=args.criterion,
+                            reference=reference)  # fmt: skip
+    c = round_config(config, w, pruned, args.epochs)
+    _, summary = tune.run_trainer(c, source)
+    if summary.get("preempted"):
+        raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
+    with tune.quiet(rd):
+        return quantize.run(c, source, out=os.path.join(rd, "quantized"), **qkw), source
+
+
+def run(config, args, log=print) -> dict | None:
+    """The loop; returns the chosen row (None if no model is within the drop), or raises
+    ``KeyboardInterrupt`` when a round's training was stopped (the same call resumes)."""
+    w = args.workdir
+    root = os.path.join(w, DIR)
+    os.makedirs(root, exist_ok=True)
+    lock = lock_loop(w)
+    try:
+        return _run(config, args, root, log)
+    finally:
+        lock.release()
+
+
+def _run(config, args, root: str, log) -> dict | None:
+    import time
+
+    w = args.workdir
+    check_teacher(w)  # again, under the lock: the teacher may have changed since check_args
+    step = teacher_step(config, w)
+    check_settings(args, step)
+    write_json(os.path.join(root, "settings.json"), {**settings_of(args), "teacher_step": step})
+    rows, t0 = [], time.time()
+    # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
+    # the groups' widths every round's fraction refers to, and the int8 bytes at a fraction
+    reference, bytes_at = teacher_size(w)
+    log("| " + " | ".join(HEADER) + " |")
+    for index in range(args.max_rounds + 1):
+        rd = os.path.join(root, f"round_{index:02d}")
+        os.makedirs(rd, exist_ok=True)
+        clear_leftovers(rd)
+        keep = 1.0 if index == 0 else keep_for(index, args.step, args.budget_kb, bytes_at)
+        result = os.path.join(rd, "result.json")
+        if os.path.exists(result):
+            with open(result) as f:
+                row = json.load(f)
+            if row.get("teacher_step", step) != step:
+                raise ConfigError(
+                    f"{result} was made from the teacher's step {row['teacher_step']}, not "
+                    f"{step}: move {root} away (or delete it) to start another loop"
+                )
+        else:
+            start = time.time()
+            report, source = make_round(config, args, index, keep, rd, rows, reference, log)
+            if index == 0 and report["step"] != step:  # trained on since the check
+                raise ConfigError(
+                    f"the teacher in {w!r} moved to step {report['step']} during compress: "
+                    f"run this command again once its training has ended"
+                )
+            # round 0's float top-1 is the teacher's: every later row's reference
+            teacher_top1 = (
+                report["eval"]["float"]["top1"] if index == 0 else rows[0]["teacher_top1"]
+            )
+            row = row_of(index, keep, report, teacher_top1, rd)
+            row.update(teacher_top1=teacher_top1, teacher_step=step, run=source,
+                       seconds=round(time.time() - start, 1))  # fmt: skip
+            write_json(result, row)
+        rows.append(row)
+        log("| " + " | ".join(format_row(row)) + " |")
+        if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb):
+            break
+    teacher_top1 = rows[0]["teacher_top1"]
+    with open(os.path.join(root, "rounds.md"), "w") as f:
+        f.write("\n".join(table(rows)) + "\n")
+    plot(rows, teacher_top1, args.budget_kb, args.max_drop, os.path.join(root, "front.png"))
+    chosen = best(rows, args.max_drop)
+    took = sum(r.get("seconds", 0) for r in rows)
+    log(
+        f"teacher: step {step}, float top-1 {teacher_top1:.4f}; rounds took {took:.0f}s in "
+        f"all ({time.time() - t0:.0f}s this time); table {root}/rounds.md, front "
+        f"{root}/front.png"
+    )
+    if chosen is None:
+        log(f"no int8 model within {args.max_drop:g} points of the teacher")
+        return None
+    reached = "reached" if fits(chosen, args.budget_kb) else "NOT reached"
+    log(f"smallest within {args.max_drop:g} points: round {chosen['round']} "
+        f"({chosen['kb_int8']:.1f} KB, budget {args.budget_kb:g} KB {reached}); "
+        f"int8 model {chosen['exported']}")  # fmt: skip
+    print(f"kb_int8={chosen['kb_int8']:.1f} top1_drop={chosen['top1_drop']:.2f} "
+          f"top1={chosen['top1']:.4f} params={chosen['params']} flops={chosen['flops']} "
+          f"teacher_step={step}", flush=True)  # fmt: skip
+    return chosen
+
+
+def teacher_size(workdir: str):
+    """``(reference, bytes_at)``: each channel group's width in the teacher (the rounds'
+    fractions refer to them), and ``bytes_at(keep)``, the int8 bytes of the teacher pruned
+    to ``keep`` of every group's channels."""
+    import jax
+    from flax.core import meta
+
+    from hybridpar.parallel.mesh import make_mesh
+    from hybridpar.tools import prune
+
+    mesh = make_mesh("data:-1", devices=jax.devices()[:1])
+    _, prog, state = trained.read_trained(workdir, mesh)
+    params = jax.device_get(meta.unbox(state.params))
+    stats = jax.device_get(meta.unbox(state.batch_stats))
+    gs = prune.groups(prog.model, params)
+    reference = prune.group_widths(gs, params)
+
+    def bytes_at(keep: float) -> int:
+        counts = prune.counts_for(gs, reference, keep)
+        return prune.int8_bytes(prog.model, gs, params, stats, counts)
+
+    return reference, bytes_at
+
+
+NOT_REACHED = 3  # the exit code of a loop that ends without a model within the budget
+
+
+def outcome(chosen: dict | None, args) -> str | None:
+    """Why the loop ended without its goal (the line before exit code 3), or None."""
+    if chosen is not None and fits(chosen, args.budget_kb):
+        return None
+    how = (
+        "pass a larger --max-drop or --epochs, a smaller --step, or a larger --budget-kb"
+    )
+    if chosen is None:
+        return f"budget not reached: no int8 model within {args.max_drop:g} points; {how}"
+    return (
+        f"budget not reached: the smallest int8 model within {args.max_drop:g} points is "
+        f"{chosen['kb_int8']:.1f} KB (round {chosen['round']}), over --budget-kb "
+        f"{args.budget_kb:g}; {how}, or more --max-rounds"
+    )
+
+
+def main(argv=None) -> None:
+    stop = Stop()  # from the first line: a stop before training exits 0
+    try:
+        _main(argv)
+    finally:
+        stop.restore()
+
+
+def _main(argv) -> None:
+    from hybridpar.tools import quantize
+
+    parser = cli.ArgumentParser("python -m hybridpar.compress", __doc__)
+    parser.add_argument("--workdir", help="the trained teacher's run (read only)")
+    parser.add_argument("--budget-kb", type=cli.finite_float,
+                        help="stop once the int8 weights are at most this many KB")  # fmt: skip
+    parser.add_argument("--max-drop", type=cli.finite_float, default=1.0,
+                        help="points of top-1 the int8 model may lose (default 1.0)")  # fmt: skip
+    parser.add_argument("--step", type=cli.finite_float, default=0.25,
+                        help="fraction of channels pruned per round (default 0.25)")  # fmt: skip
+    parser.add_argument("--epochs", type=cli.finite_float, default=3.0,
+                        help="distillation epochs per round (default 3)")  # fmt: skip
+    parser.add_argument("--criterion", choices=("l1", "bn"), default="l1",
+                        help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
+    parser.add_argument("--max-rounds", type=int, default=8)
+    parser.add_argument("--calibration-batches", type=int, default=8)
+    parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="mse",
+                        help="activation ranges, as hybridpar.quantize's")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed calls per latency figure (median)")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv, from_run=True)
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the trained teacher's run)")
+
+    def go():
+        c = config or trained.load_config(args.workdir, args.config_overrides)
+        check_args(args, c)
+        try:
+            chosen = run(c, args)
+        except KeyboardInterrupt as e:
+            print(f"stopped: {e}; the same command continues the loop", flush=True)
+            return
+        why = outcome(chosen, args)
+        if why:
+            print(why, file=sys.stderr, flush=True)
+            sys.exit(NOT_REACHED)
+
+    cli.main(go)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""``python -m hybridpar.evaluate --workdir W [--watch] [--from-epoch E] [--config FILE] ...``.
+
+Evaluation off the training clock: evaluates each checkpoint of the training run in ``W``
+on the whole eval split, on this process's own devices, while the trainer goes on. Without
+``--watch``, every checkpoint not evaluated yet, then exit; with ``--watch``, also each new
+one as it is committed, until the run's last step. ``--from-epoch E``: only the checkpoints
+from epoch E on (the earlier ones are left for a later call without it). Train with
+``--config.eval_every_epochs=0`` to leave it every evaluation but the last.
+
+Only the command line: the evaluation itself is ``hybridpar/runtime/evaluator.py``. The
+config is the run's own (its latest checkpoint's, or ``--config`` naming the same);
+``--config.mesh=...`` (and the other placement keys) may fit it to the devices here. With
+``--watch`` it may start before the trainer, and stops with an error once the run has ended
+unfinished (``--dead-after-s``). Records go to ``W/evaluator/metrics.jsonl``. A bad workdir
+or config is one ``error:`` line that names the fix (exit code 2).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hybridpar.config import cli
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.evaluate", __doc__)
+    parser.add_argument("--workdir", help="the training run's workdir")
+    parser.add_argument(
+        "--watch", action="store_true", help="wait for new checkpoints until the run's last step"
+    )
+    parser.add_argument(
+        "--from-epoch",
+        type=cli.finite_float,
+        default=0.0,
+        help="evaluate only the checkpoints from this epoch on (default 0: all)",
+    )
+    parser.add_argument(
+        "--poll-s", type=cli.finite_float, default=5.0, help="seconds between looks (with --watch)"
+    )
+    parser.add_argument(
+        "--dead-after-s",
+        type=float,
+        default=300.0,
+        help="with --watch: stop with an error once no trainer holds the workdir and no new "
+        "checkpoint came for this long (default 300; 0 waits for ever)",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv, from_run=True)
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the training run's)")
+    if not args.poll_s > 0:
+        cli.fail(f"--poll-s={args.poll_s:g} must be > 0, e.g. --poll-s=5")
+    if not args.dead_after_s >= 0:
+        cli.fail(f"--dead-after-s={args.dead_after_s:g} must be >= 0 (0 waits for ever)")
+
+    if args.from_epoch < 0:
+        cli.fail(f"--from-epoch={args.from_epoch:g} must be >= 0 (0: every checkpoint)")
+
+    from hybridpar.runtime import (
+        evaluator,  # imports jax: after the command line is known to be good
+    )
+
+    cli.main(
+        lambda: evaluator.run(
+            config,
+            args.workdir,
+            watch=args.watch,
+            poll_s=args.poll_s,
+            overrides=args.config_overrides,
+            dead_after_s=args.dead_after_s,
+            from_epoch=args.from_epoch,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,725 @@
+"""``python -m hybridpar.plan --config experiments/NAME.py --devices N [--hardware PRESET]
+[--memory-gib G] [--config.KEY=VALUE ...] [--json]``: the mesh, head, BatchNorm sync,
+communication and batch that fit and train fastest on a pod, found by compiling.
+
+Each candidate plan is the config with a few keys changed (``mesh``, ``model.head``,
+``model.bn_sync``, ``comm.mode`` and ``comm.bucket_mb``, ``global_batch``,
+``precision.compute``). Each is compiled ahead of time on N virtual CPU devices by
+``hybridpar.tools.comm_report.report`` (nothing allocated), which gives its per-device memory,
+collectives and FLOPs; ``hybridpar.simulate`` turns those into a step time and a time to
+train on the hardware preset. Plans that need more than the memory limit are dropped; the
+rest are ranked by predicted time to train, then memory.
+
+The candidates are the product of the value lists below (``--meshes``, ``--heads``, ...),
+less the combinations the config rules out before compiling (a sharded head needs a
+``model`` axis that divides the classes, partial-FC all devices; bucketed communication
+needs ``model`` = 1 and the dense head). The plans closest to the config (fewest keys
+changed) are compiled first, up to ``--max-plans``.
+
+The global batch stays the config's unless ``--per-device-batch`` lists others: the batch is
+part of the recipe (its learning rate and epochs were tuned for it), and the scaling model
+predicts time per epoch, not how many epochs a larger batch needs.
+
+Compiles run in ``--jobs`` worker processes (each one JAX process on N virtual devices;
+compiling a large model on many devices takes GiBs of host memory per process). Each result
+is cached under ``--cache-dir`` by the content of its config, N, the JAX version and
+hybridpar's source, so a second call with the same config compiles nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import dataclasses
+import hashlib
+import importlib.metadata
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+from hybridpar.config import cli
+from hybridpar.config.curriculum import duration
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import HEADS
+from hybridpar.runtime.run_records import write_json
+from hybridpar.tools.comm_report import check_target_devices, use_virtual_cpu_devices
+from hybridpar.tools.comm_report_schema import CommReport
+
+# Nothing above imports JAX: the virtual device count is set before the backend starts.
+
+BN_SYNCS = ("global", "local")
+GIB = 2**30
+# XLA:CPU flags for compile-only analysis: memory and collectives come from buffer
+# assignment and the HLO passes, before LLVM; skipping LLVM's optimisations takes a large
+# part of the compile time away and changes neither.
+ANALYSIS_XLA_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+# ---- Candidates -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One plan: the values of the keys the planner varies."""
+
+    mesh: tuple  # ((axis, size), ...) for data, fsdp, model
+    head: str
+    bn_sync: str
+    comm: str  # "xla" or "bucketed:MB"
+    per_device_batch: int  # global batch / devices
+    compute: str  # precision.compute
+
+    @property
+    def mesh_spec(self) -> str:
+        return ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
+
+    def overrides(self, devices: int) -> dict[str, str]:
+        """The ``--config.KEY=VALUE`` pairs that make the config this plan."""
+        mode, _, mb = self.comm.partition(":")
+        out = {
+            "mesh": self.mesh_spec,
+            "model.head": self.head,
+            "model.bn_sync": self.bn_sync,
+            "comm.mode": mode,
+            "global_batch": str(self.per_device_batch * devices),
+            "precision.compute": self.compute,
+        }
+        if mb:
+            out["comm.bucket_mb"] = mb
+        return out
+
+    def label(self) -> str:
+        return (
+            f"{self.mesh_spec} {self.head} bn={self.bn_sync} {self.comm} b={self.per_device_batch}"
+        )
+
+
+def mesh_factorisations(devices: int, max_model: int = 8) -> list[tuple]:
+    """Every (data, fsdp, model) with data * fsdp * model = devices and model <= max_model
+    (``model`` stays inside a host of 8), data-parallel first."""
+    out = []
+    divisors = [k for k in range(1, devices + 1) if devices % k == 0]
+    for m in divisors:
+        if m > max_model:
+            continue
+        for f in divisors:
+            if (devices // m) % f == 0:
+                out.append((("data", devices // m // f), ("fsdp", f), ("model", m)))
+    out.sort(key=lambda s: (s[2][1], s[1][1]))
+    return out
+
+
+def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
+    """Why the config would reject `c` (None: it may compile)."""
+    model = dict(c.mesh)["model"]
+    if c.head == "sharded" and (model == 1 or num_classes % model):
+        return "the sharded head needs a model axis > 1 that divides the classes"
+    if c.head == "partial_fc" and num_classes % devices:
+        return "partial_fc needs the classes to divide over all devices"
+    if c.comm != "xla" and (model > 1 or c.head != "dense"):
+        return "bucketed communication needs model=1 and the dense head"
+    return None
+
+
+def _comm_of(config) -> str:
+    return "xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}"
+
+
+def candidates(
+    config, devices: int, choices: dict, platform: str = "cpu"
+) -> tuple[list[Candidate], int]:
+    """The valid plans of the product of `choices`, closest to the config first, and how
+    many the product had. ``platform``: the devices' (a mesh error's hint depends on it)."""
+    from hybridpar.parallel.mesh import parse_mesh_spec
+
+    base = Candidate(
+        mesh=tuple(parse_mesh_spec(config.mesh, devices, platform).items()),
+        head=config.model.head,
+        bn_sync=config.model.bn_sync,
+        comm=_comm_of(config),
+        per_device_batch=config.global_batch // devices,
+        compute=config.precision.compute,
+    )
+    axes = [f.name for f in dataclasses.fields(Candidate)]
+    grid = list(itertools.product(*(choices[a] for a in axes)))
+    out = []
+    for values in grid:
+        c = Candidate(*values)
+        if _rule_out(c, devices, config.data.num_classes) is None:
+            out.append(c)
+
+    def distance(c):
+        return sum(getattr(c, a) != getattr(base, a) for a in axes)
+
+    out.sort(key=distance)  # stable: within a distance, the order of the value lists
+    return out, len(grid)
+
+
+def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
+    """The value list of each axis: the flags', else the defaults around the config's."""
+    from hybridpar.parallel.mesh import parse_mesh_spec
+
+    def listed(text):
+        return [v.strip() for v in text.split(",") if v.strip()] if text else None
+
+    mesh = None
+    if args.meshes:  # space-separated: a mesh spec has commas of its own
+        try:
+            mesh = [
+                tuple(parse_mesh_spec(s, devices, platform).items()) for s in args.meshes.split()
+            ]
+        except ConfigError as e:
+            cli.fail(f"--meshes {args.meshes!r}: {e}")
+    comms = listed(args.comm)
+    for c in comms or ():
+        mode, _, mb = c.partition(":")
+        if mode not in ("xla", "bucketed") or (mode == "bucketed") != bool(mb):
+            cli.fail(f"--comm {c!r}: write xla or bucketed:MB, e.g. --comm xla,bucketed:32")
+    batches = listed(args.per_device_batch)
+    if config.global_batch % devices and not batches:
+        cli.fail(
+            f"global_batch={config.global_batch} does not divide over {devices} devices; set "
+            f"--config.global_batch to a multiple of {devices} or pass --per-device-batch"
+        )
+    try:
+        batch = [int(b) for b in batches] if batches else [config.global_batch // devices]
+    except ValueError:
+        cli.fail(f"--per-device-batch {args.per_device_batch!r}: comma-separated integers")
+    if min(batch) < 1:
+        cli.fail(f"--per-device-batch {args.per_device_batch!r}: batches are >= 1")
+    base_comm = _comm_of(config)
+    default_comm = [base_comm] + [
+        c for c in ("xla", f"bucketed:{config.comm.bucket_mb:g}") if c != base_comm
+    ]
+
+    def first(value, values):
+        return [value] + [v for v in values if v != value]
+
+    return {
+        "mesh": mesh or mesh_factorisations(devices),
+        "head": listed(args.heads) or first(config.model.head, HEADS),
+        "bn_sync": listed(args.bn_sync) or first(config.model.bn_sync, BN_SYNCS),
+        "comm": comms or default_comm,
+        "per_device_batch": batch,
+        "compute": listed(args.precision) or [config.precision.compute],
+    }
+
+
+def _check_values(config, choices: dict, validate) -> None:
+    """Each listed head, BN sync and dtype is one the config accepts: a typo is one error
+    line now, not a failed compile per plan."""
+    for flag, key, values in (
+        ("--heads", "model.head", choices["head"]),
+        ("--bn-sync", "model.bn_sync", choices["bn_sync"]),
+        ("--precision", "precision.compute", choices["compute"]),
+    ):
+        for v in values:
+            c = copy.deepcopy(config)
+            cli.apply_overrides(c, [(key, v), ("comm.mode", "xla")])
+            try:
+                validate(c)
+            except ConfigError as e:
+                cli.fail(f"{flag} {v!r}: {e}")
+
+
+# ---- Compiling (in worker processes) and the cache ---------------------------------------------
+
+
+def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
+    """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it."""
+    from hybridpar.tools.comm_report import report
+
+    config = cli.load(config_path, overrides)
+    spec = os.environ.get("HYBRIDPAR_PLAN_TARGET")
+    try:
+        if spec:  # the TPU compiler, on the topology's devices (the environment is set)
+            from hybridpar.tools import targets
+
+            return report(config, target=targets.parse(spec)).to_dict()
+        return report(config, virtual_devices=int(os.environ["HYBRIDPAR_PLAN_DEVICES"])).to_dict()
+    except ConfigError as e:  # comm_report's hint about --devices means nothing here
+        return {"error": " ".join(str(e).split(" (comm_report: --devices")[0].split())}
+
+
+def _source_hash() -> str:
+    """The source of the code that builds the compiled step (hybridpar and its models; not
+    the input pipeline, which a compile without data never runs, nor the scaling model and
+    this planner, which only read the result): a change to it invalidates the cache."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for pkg in ("hybridpar", "hybridpar.models"):
+        for root in importlib.util.find_spec(pkg).submodule_search_locations:
+            for p in sorted(Path(root).rglob("*.py")):
+                rel = p.relative_to(root).as_posix()
+                if pkg == "hybridpar" and (rel.startswith("simulate/") or rel == "plan.py"):
+                    continue
+                h.update(f"{pkg}/{rel}".encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_key(config, devices: int, source: str) -> str:
+    versions = {n: importlib.metadata.version(n) for n in ("jax", "jaxlib")}
+    payload = json.dumps(
+        {
+            "config": json.loads(config.to_json()),
+            "devices": devices,
+            "target": os.environ.get("HYBRIDPAR_PLAN_TARGET"),  # None: virtual CPU devices
+            "source": source,
+            # flags that change what XLA compiles; the device count is `devices`
+            "xla_flags": sorted(
+                f
+                for f in os.environ.get("XLA_FLAGS", "").split()
+                if not f.startswith("--xla_force_host_platform_device_count")
+            ),
+            **versions,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hybridpar" / "plan"
+
+
+def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cache_dir, log):
+    """{plan: report dict (or {"error"})}, each from the cache or compiled in `jobs`
+    processes; a report carries ``from_cache``."""
+    source = _source_hash()
+    results, todo = {}, []
+    for c in plans:
+        plan_config = copy.deepcopy(config)
+        cli.apply_overrides(plan_config, list(c.overrides(devices).items()))
+        path = cache_dir / f"{cache_key(plan_config, devices, source)}.json" if cache_dir else None
+        if path is not None and path.exists():
+            results[c] = dict(json.loads(path.read_text()), from_cache=True)
+        else:
+            todo.append((c, path))
+    if results:
+        log(f"plan: {len(results)} of {len(plans)} plans from the cache in {cache_dir}")
+    if not todo:
+        return results
+    where = os.environ.get("HYBRIDPAR_PLAN_TARGET") or f"{devices} virtual CPU devices"
+    log(f"plan: compiling {len(todo)} plans for {where}, {jobs} at a time")
+    start = time.perf_counter()
+    context = multiprocessing.get_context("spawn")  # a fresh JAX per worker, never forked
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        futures = {
+            pool.submit(
+                _compile_one, config_path, base_overrides + list(c.overrides(devices).items())
+            ): (c, path)
+            for c, path in todo
+        }
+        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            c, path = futures[fut]
+            try:
+                rep = fut.result()
+            except Exception as e:  # a worker that died (host memory): that plan fails
+                rep = {"error": f"the compile failed: {type(e).__name__}: {e}"}
+            what = rep.get("error") or (
+                f"{_bytes(rep['memory_per_device_bytes'])}/device, "
+                f"{rep['total_bytes'] / 2**20:.1f} MiB collectives, "
+                f"compiled in {rep['compile_s']:.0f} s"
+            )
+            elapsed = time.perf_counter() - start
+            log(f"plan: [{done}/{len(todo)}] {c.label()}: {what} ({elapsed:.0f} s)")
+            if path is not None and "error" not in rep:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_json(str(path), rep, indent=None)
+            results[c] = dict(rep, from_cache=False)
+    return results
+
+
+# ---- Prediction and ranking ----------------------------------------------------------------
+
+
+def stages_of(config, per_batch_shard: int):
+    """The run's curriculum as the scaling model's stages (batches per batch shard)."""
+    from hybridpar import simulate as sim
+    from hybridpar.config.curriculum import parse_stages
+
+    if config.stages:
+        return [sim.Stage(end, size, batch) for end, size, batch, _ in parse_stages(config.stages)]
+    return [sim.Stage(config.num_epochs, config.data.image_size, per_batch_shard)]
+
+
+def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
+    """Step and time to train of one compiled plan on `preset`."""
+    from hybridpar import simulate as sim
+
+    report = CommReport.from_dict({k: v for k, v in rep.items() if k != "from_cache"})
+    workload = sim.workload_from_report(report)
+    b = round(workload.reference_batch)
+    step = sim.predict_step(workload, preset, devices, b, workload.reference_image_size, overlap)
+    # the evaluation passes the config runs on the clock, at its eval batch per batch shard
+    evaluation = sim.Evaluation(
+        config.eval_every_epochs,
+        config.data.eval_examples,
+        config.data.image_size,
+        max(config.eval_batch * b // config.global_batch, 1),
+    )
+    train = sim.time_to_train(
+        workload,
+        preset,
+        devices,
+        stages_of(config, b),
+        _train_examples(config),
+        overlap,
+        evaluation=evaluation,
+    )
+    return {
+        "predicted_step_s": step.step_s,
+        "predicted_images_per_s": step.images_per_s,
+        "predicted_scaling_efficiency": step.efficiency,
+        "predicted_exposed_comm_s": step.exposed_comm_s,
+        "predicted_time_to_train_s": train.total_s,
+        "predicted_eval_s": train.eval_s,
+    }
+
+
+def _train_examples(config) -> int:
+    """An epoch's images: a built-in set's own size where known (digits' split), else the
+    config's nominal ``data.train_examples``."""
+    from hybridpar.runtime.executables import data_size
+
+    return data_size(config) or config.data.train_examples
+
+
+def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -> dict:
+    """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
+    compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
+    bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
+    bandwidth, ``overlap`` of that hidden behind compute, and never less than the scaling
+    model's per-step floor (``simulate.hardware.STEP_FLOOR_S``). Evaluation and input not
+    counted: an estimate for ranking plans, not a prediction of a run."""
+    from hybridpar.simulate.hardware import STEP_FLOOR_S
+    from hybridpar.tools import targets
+
+    compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
+    comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
+    exposed = max(comm - overlap * compute, (1 - overlap) * comm)
+    step = max(compute + exposed, STEP_FLOOR_S)
+    images = config.global_batch / step
+    return {
+        "predicted_step_s": step,
+        "predicted_images_per_s": images,
+        "predicted_scaling_efficiency": compute / step,
+        "predicted_exposed_comm_s": exposed,
+        "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
+        "predicted_time_to_train_s": config.num_epochs * _train_examples(config) / images,
+        "predicted_eval_s": None,
+        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives, "
+        "at least the per-step floor",
+    }
+
+
+def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: int):
+    """`preset` fitted to a run's measured rates, taken to be of the closest compiled plan
+    to the config (`plans` closest first) without a model axis: its FLOPs per image."""
+    from hybridpar import simulate as sim
+
+    ok = [c for c in plans if "error" not in results[c]]
+    reports = [results[c] for c in ok if dict(c.mesh)["model"] == 1] or [results[c] for c in ok]
+    if not reports:
+        return preset
+    rep = CommReport.from_dict({k: v for k, v in reports[0].items() if k != "from_cache"})
+    try:
+        points = sim.points_from_metrics(metrics_path, devices)
+        return sim.fit_rate(points, preset, sim.workload_from_report(rep), metrics_path)
+    except (OSError, ValueError, KeyError) as e:
+        cli.fail(f"--calibrate-from {metrics_path}: {e}")
+
+
+def plan_rows(
+    config, results: dict, devices: int, preset, limit_bytes: int, overlap: float, target=None
+):
+    """(ranked plans that fit, plans that do not fit, plans that failed), each a dict.
+    ``target``: a TPU target, whose estimate (``predict_on_target``) replaces the preset's."""
+    fits, too_big, failed = [], [], []
+    for c, rep in results.items():
+        row = {
+            "plan": c.label(),
+            "overrides": c.overrides(devices),
+            "per_device_batch": c.per_device_batch,
+            "from_cache": rep.get("from_cache", False),
+        }
+        if "error" in rep:
+            failed.append(dict(row, error=rep["error"]))
+            continue
+        row.update(
+            memory_per_device_bytes=rep["memory_per_device_bytes"],
+            collective_bytes=rep["total_bytes"],
+            collective_ops=rep["total_ops"],
+            flops_per_device=rep["flops"],
+            compile_s=rep["compile_s"],
+            compiled_for=f"{rep['devices']['platform']} ({rep['devices']['kind']})",
+        )
+        if target is not None:
+            row.update(predict_on_target(config, rep, target, devices, overlap))
+        else:
+            row.update(predict(config, rep, preset, devices, overlap))
+        (fits if rep["memory_per_device_bytes"] <= limit_bytes else too_big).append(row)
+    fits.sort(key=lambda r: (r["predicted_time_to_train_s"], r["memory_per_device_bytes"]))
+    too_big.sort(key=lambda r: r["memory_per_device_bytes"])
+    return fits, too_big, failed
+
+
+def _bytes(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def format_table(fits, too_big, failed, limit_bytes) -> str:
+    header = ["rank", "mesh", "head", "bn_sync", "comm", "batch/dev", "compute", "memory/dev",
+              "collectives MiB (ops)", "img/s", "time to train"]  # fmt: skip
+    rows = []
+    for rank, r in enumerate(fits + too_big, 1):
+        o = r["overrides"]
+        comm = o["comm.mode"] + (f":{o['comm.bucket_mb']}" if "comm.bucket_mb" in o else "")
+        rows.append([
+            str(rank) if r in fits else "-", o["mesh"], o["model.head"], o["model.bn_sync"],
+            comm, str(r["per_device_batch"]), o["precision.compute"],
+            _bytes(r["memory_per_device_bytes"]) + ("" if r in fits else " (too big)"),
+            f"{r['collective_bytes'] / 2**20:,.1f} ({r['collective_ops']})",
+            f"{r['predicted_images_per_s']:,.0f}", duration(r["predicted_time_to_train_s"]),
+        ])  # fmt: skip
+    widths = [
+        max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
+
+    def line(cells):
+        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
+
+    out = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
+    out += [f"failed: {r['plan']}: {r['error']}" for r in failed]
+    return "\n".join(out)
+
+
+def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
+    """Which of the table's figures are compiled and which modelled (and from what)."""
+    from hybridpar.simulate.hardware import STEP_FLOOR_S
+
+    floor = f"at least {STEP_FLOOR_S * 1e3:g} ms a step (the per-step floor, an ASSUMPTION)"
+    if target is not None:
+        return (
+            f"compiled (the TPU compiler, {target.spec}): memory/dev, collectives. modelled: "
+            "img/s and time to train, the compiler's FLOPs and bytes over the chip's roofline "
+            f"plus its collectives over ICI, {floor}; no input or evaluation cost, so an upper "
+            "bound for ranking, not a prediction of a run"
+        )
+    rate = f"measured ({calibrated_from})" if calibrated_from else preset.reference_note
+    return (
+        f"compiled (XLA:CPU on {devices} virtual devices): memory/dev, collectives. modelled "
+        f"(python -m hybridpar.simulate, {preset.name}): img/s and time to train, from the "
+        f"compiled FLOPs and collectives, the device's rate {rate}, {floor}"
+    )
+
+
+# ---- The command line ------------------------------------------------------------------------
+
+
+def build_parser() -> cli.ArgumentParser:
+    p = cli.ArgumentParser("python -m hybridpar.plan", __doc__)
+    p.add_argument(
+        "--devices",
+        type=int,
+        help="plan for N devices (compiled on N virtual CPU devices)",
+    )
+    p.add_argument(
+        "--target",
+        help="plan for a TPU slice with the TPU compiler (no TPU needed), e.g. tpu:v5p-256: "
+        "memory is the chip's, plans ranked by the compiler's FLOPs and bytes on the chip",
+    )
+    p.add_argument(
+        "--hardware",
+        default="h100",
+        help="scaling-model preset (python -m hybridpar.simulate --list-presets)",
+    )
+    p.add_argument(
+        "--memory-gib",
+        type=cli.finite_float,
+        help="per-device memory limit (default: the preset's)",
+    )
+    p.add_argument(
+        "--meshes",
+        help="meshes to try, space-separated, e.g. 'data:64 fsdp:64 data:8,model:8' "
+        "(default: every data x fsdp x model factorisation with model <= 8)",
+    )
+    p.add_argument("--heads", help="dense,sharded,partial_fc (default: all three)")
+    p.add_argument("--bn-sync", help="global,local (default: both)")
+    p.add_argument("--comm", help="xla,bucketed:MB (default: xla and bucketed at comm.bucket_mb)")
+    p.add_argument(
+        "--per-device-batch", help="global batch / devices to try (default: the config's)"
+    )
+    p.add_argument("--precision", help="precision.compute values to try (default: the config's)")
+    p.add_argument(
+        "--max-plans",
+        type=int,
+        default=24,
+        help="compile at most this many, closest to the config first (default 24)",
+    )
+    p.add_argument(
+        "--jobs", type=int, default=1, help="compiles at a time, one process each (default 1)"
+    )
+    p.add_argument(
+        "--overlap",
+        type=cli.finite_float,
+        default=0.8,
+        help="scaling model's overlap of communication with the backward pass",
+    )
+    p.add_argument(
+        "--calibrate-from",
+        metavar="METRICS_JSONL",
+        help="fit the preset's per-step overhead and efficiency to a run of this model "
+        "(python -m hybridpar.simulate --calibrate-from; docs/scaling.md)",
+    )
+    p.add_argument(
+        "--calibrate-devices", type=int, default=1, help="devices of that run (default 1)"
+    )
+    p.add_argument(
+        "--cache-dir", help=f"where compiled results are kept (default {default_cache_dir()})"
+    )
+    p.add_argument("--no-cache", action="store_true", help="compile everything, keep nothing")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p  # fmt: skip
+
+
+def main(argv=None) -> None:
+    from hybridpar import simulate as sim
+
+    args, config = cli.parse(build_parser(), argv)
+    target = None
+    if args.target:
+        from hybridpar.tools import targets
+
+        try:
+            target = targets.parse(args.target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        check_target_devices(args.devices, args.target, target)
+        args.devices = target.devices_count
+        if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
+            cli.fail(
+                f"--target {args.target}: the GPU compiler gives no FLOP count ahead of time, "
+                f"so plans cannot be ranked for it; python -m hybridpar.compile --target "
+                f"{args.target} gives a plan's memory and collectives"
+            )
+        if target.platform == "cpu":
+            target = None
+    if args.devices is None:
+        cli.fail("pass --devices N (virtual CPU devices) or --target tpu:CHIP-N")
+    n = args.devices
+    if n < 1 or args.max_plans < 1 or args.jobs < 1:
+        cli.fail(
+            f"--devices={n}, --max-plans={args.max_plans}, --jobs={args.jobs}: each must be >= 1"
+        )
+    try:
+        preset = sim.get_preset(args.hardware)
+    except ValueError as e:
+        cli.fail(f"--hardware: {e}")
+    default_gib = target.chip.hbm_bytes / GIB if target else preset.memory_gib
+    limit_gib = default_gib if args.memory_gib is None else args.memory_gib
+    if limit_gib <= 0:
+        cli.fail(f"--memory-gib={limit_gib:g} must be positive")
+    if target is not None:  # before anything below starts JAX (workers inherit it)
+        try:
+            targets.prepare(target)
+        except ConfigError as e:
+            cli.fail(str(e))
+        os.environ["HYBRIDPAR_PLAN_TARGET"] = target.spec
+    else:
+        use_virtual_cpu_devices(n)
+        flags = os.environ["XLA_FLAGS"].split()
+        os.environ["XLA_FLAGS"] = " ".join(
+            flags
+            + [f for f in ANALYSIS_XLA_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
+        )
+        os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
+    os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    config_path, base_overrides, _ = cli.split_config_args(argv)
+
+    def log(message):  # progress on stderr, so --json's stdout stays one object
+        print(message, file=sys.stderr, flush=True)
+
+    def run():
+        from hybridpar.config.schema import validate
+
+        validate(config)  # every value checked before a device or a worker starts
+        platform = target.platform if target is not None else "cpu"
+        choices = _choices(config, n, args, platform)
+        _check_values(config, choices, validate)
+        plans, product = candidates(config, n, choices, platform)
+        if not plans:
+            cli.fail(
+                f"no candidate plan is valid for {n} devices with these choices ({product} "
+                "combinations); widen --meshes/--heads/--comm"
+            )
+        kept = plans[: args.max_plans]
+        log(
+            f"plan: {product} combinations, {len(plans)} valid; the {len(kept)} closest to the "
+            f"config are planned (--max-plans {args.max_plans})"
+        )
+        cache_dir = None if args.no_cache else Path(args.cache_dir or default_cache_dir())
+        results = compile_plans(
+            config_path, config, base_overrides, kept, n, args.jobs, cache_dir, log
+        )
+        limit = int(limit_gib * GIB)
+        hardware = preset
+        if args.calibrate_from:
+            hardware = _calibrated(
+                preset, results, kept, args.calibrate_from, args.calibrate_devices
+            )
+        fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap, target)
+        if not fits:
+            if too_big:
+                s = too_big[0]
+                cli.fail(
+                    f"no plan fits in {limit_gib:g} GiB per device: the smallest, "
+                    f"{s['plan']}, needs {_bytes(s['memory_per_device_bytes'])}; raise "
+                    "--memory-gib, add devices, or try other plans (--meshes, --heads, "
+                    "--per-device-batch)"
+                )
+            first = failed[0]
+            cli.fail(f"every plan failed to compile; the first: {first['plan']}: {first['error']}")
+        best = fits[0]
+        winning = " ".join(f"--config.{k}={v}" for k, v in best["overrides"].items())
+        cached = sum(r["from_cache"] for r in fits + too_big + failed)
+        if args.json:
+            print(json.dumps({
+                "devices": n, "hardware": preset.name, "memory_limit_bytes": limit,
+                "target": target.spec if target else None,
+                "efficiency": hardware.efficiency, "step_overhead_s": hardware.step_overhead_s,
+                "calibration": hardware.reference_note,
+                "overlap": args.overlap, "combinations": product, "valid": len(plans),
+                "compiled": len(kept), "from_cache": cached,
+                "cache_dir": str(cache_dir) if cache_dir else None,
+                "plans": fits, "too_big": too_big, "failed": failed, "winning_overrides": winning,
+            }))  # fmt: skip
+            return
+        on = target.describe() if target else f"{preset.name} ({preset.description})"
+        print(
+            f"plan: {config_path} on {n} devices, {on}, "
+            f"{limit_gib:g} GiB per device; {len(fits)} plans fit, {len(too_big)} do not"
+            + (f", {len(failed)} failed" if failed else "")
+            + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
+        )
+        print(format_table(fits, too_big, failed, limit))
+        print(legend(target, hardware, n, args.calibrate_from))
+        print(
+            f"\nbest: {best['plan']}: {_bytes(best['memory_per_device_bytes'])}/device, "
+            f"predicted {best['predicted_images_per_s']:,.0f} img/s, "
+            f"{duration(best['predicted_time_to_train_s'])} to train"
+        )
+        print(f"winning overrides: {winning}")
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""``python -m hybridpar.prune --workdir W --out DIR --fraction F [--criterion l1|bn]``.
+
+Structured channel pruning of a trained ResNet (models/resnet.py) or airbench net
+(models/airbench.py, whose convs each make a group of their own): whole output channels of
+convolutions are removed, with their BatchNorm entries and the matching input channels of
+every layer that reads them, so what is left is a ResNet of the same family with narrower
+widths (``model.stem_width``, ``model.stage_widths``, ``model.block_widths``).
+
+Channels that meet in a residual add are one group with one keep-mask: the stem's output and
+every block output of stage 1 (identity shortcuts), then per stage the projection's output
+and every block output of that stage; each block's inner convs are groups of their own. A
+group's channels are ranked by the sum over its producing layers of ``|gamma|`` of the
+BatchNorm after each (``bn``, network slimming's measure) or of the L1 norm of the folded
+filter (``l1``: ``|gamma| / sqrt(var + eps) * sum |W[..., c]|``, the output's scale).
+
+``DIR`` is then a run of the smaller model at step 0: its ``config.json`` (the source run's
+config with the narrower widths) and a checkpoint (the surviving parameters and statistics,
+a fresh optimizer state), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR``
+read it as they read any run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+
+import numpy as np
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.runtime import trained
+
+CRITERIA = ("bn", "l1")
+
+
+@dataclasses.dataclass
+class Group:
+    """Channels tied together: ``producers`` (conv path, its BatchNorm's path) write them,
+    ``consumers`` (conv paths, and ``head``) read them on their input axis."""
+
+    name: str
+    producers: list
+    consumers: list
+
+
+def groups(model, params) -> list[Group]:
+    """The channel groups of a ResNet (or the airbench net) and its (unboxed) params, in
+    the order of the forward pass."""
+    from hybridpar.program import int8
+
+    arch = int8.architecture(model, params)  # the same model check and block walk
+    if isinstance(arch, int8.AirbenchArch):  # no residuals: every conv's output on its own
+        out = []
+        for i in range(1, arch.blocks + 1):
+            b, after = f"block{i}", f"block{i + 1}_conv1" if i < arch.blocks else "head"
+            out.append(Group(f"{b}_conv1", [(f"{b}_conv1", f"{b}_bn1")], [f"{b}_conv2"]))
+            out.append(Group(f"{b}_conv2", [(f"{b}_conv2", f"{b}_bn2")], [after]))
+        return out
+    stream = Group("stem", [("stem_conv", "stem_bn")], [])
+    out = [stream]
+    for b in arch.blocks:
+        n = b.name
+        convs = ["conv1", "conv2", "conv3"] if b.bottleneck else ["conv1", "conv2"]
+        stream.consumers.append(f"{n}/conv1")
+        if b.projects:
+            stream.consumers.append(f"{n}/proj_conv")
+            stream = Group(n.split("_")[0], [(f"{n}/proj_conv", f"{n}/proj_bn")], [])
+            out.append(stream)
+        last = convs[-1]
+        stream.producers.append((f"{n}/{last}", f"{n}/{int8.BN_OF[last]}"))
+        for i, c in enumerate(convs[:-1]):
+            out.append(Group(f"{n}/{c}", [(f"{n}/{c}", f"{n}/{int8.BN_OF[c]}")],
+                             [f"{n}/{convs[i + 1]}"]))  # fmt: skip
+    stream.consumers.append("head")
+    return out
+
+
+def _get(tree, path: str):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def importance(group: Group, params, stats, criterion: str, epsilon: float) -> np.ndarray:
+    """One score per channel of ``group`` (higher: kept first)."""
+    if criterion not in CRITERIA:
+        raise ConfigError(f"--criterion={criterion!r} is not one of {', '.join(CRITERIA)}")
+    score = 0.0
+    for conv, bn in group.producers:
+        gamma = np.abs(np.asarray(_get(params, bn)["scale"], np.float64))
+        if criterion == "bn":
+            score = score + gamma
+        else:
+            var = np.asarray(_get(stats, bn)["var"], np.float64)
+            w = np.abs(np.asarray(_get(params, conv)["kernel"], np.float64))
+            score = score + gamma / np.sqrt(var + epsilon) * w.sum(axis=(0, 1, 2))
+    return score
+
+
+def keep_masks(gs: list[Group], params, stats, counts: dict, criterion="l1", epsilon=1e-5):
+    """``{group name: sorted indices kept}``: the ``counts[name]`` best channels of each
+    group (a group not in ``counts`` keeps all)."""
+    keep = {}
+    for g in gs:
+        score = importance(g, params, stats, criterion, epsilon)
+        n = int(counts.get(g.name, score.size))
+        if not 1 <= n <= score.size:
+            raise ConfigError(f"group {g.name}: cannot keep {n} of {score.size} channels")
+        keep[g.name] = np.sort(np.argsort(-score, kind="stable")[:n])
+    return keep
+
+
+def param_count(gs: list[Group], params, counts: dict) -> int:
+    """The parameters of ``params``' model with ``counts[name]`` channels in each group (a
+    group not in ``counts`` keeps its width): the producers' kernels and BatchNorm entries
+    and the readers' kernels change, everything else stays."""
+    import jax
+
+    width = {**group_widths(gs, params), **counts}
+    out_of = {conv: g.name for g in gs for conv, _ in g.producers}
+    in_of = {path: g.name for g in gs for path in g.consumers}
+    bns = {bn: g.name for g in gs for _, bn in g.producers}
+    total, touched = 0, set()
+    for path in [*out_of, *in_of, *bns]:
+        if path in touched:
+            continue
+        touched.add(path)
+        for name, leaf in _get(params, path).items():
+            shape = list(np.shape(leaf))
+            total -= int(np.prod(shape))
+            if path in bns:
+                shape[-1] = width[bns[path]]
+            elif name == "kernel":
+                axis = 0 if path == "head" else 2
+                if path in in_of:
+                    shape[axis] = width[in_of[path]]
+                if path in out_of:
+                    shape[-1] = width[out_of[path]]
+            elif path in out_of:  # a producer's bias
+                shape[-1] = width[out_of[path]]
+            total += int(np.prod(shape))
+    return total + int(sum(np.size(x) for x in jax.tree.leaves(params)))
+
+
+def int8_bytes(model, gs: list[Group], params, stats, counts: dict) -> int:
+    """The bytes of ``quantize``'s int8 weights (``weight_bytes_int8``: int8 kernels, their
+    float32 steps, the folded biases, each layer's activation step and zero point) of
+    ``params``' model with ``counts[name]`` channels in each group. Exact: the same folding
+    and quantization on the pruned shapes (which channels are kept changes no size). Not
+    ``param_count`` times a ratio: the per-channel steps and biases weigh more per
+    parameter the narrower the model."""
+    from hybridpar.program import int8
+
+    widths = group_widths(gs, params)
+    keep = {g.name: np.arange(int(counts.get(g.name, widths[g.name]))) for g in gs}
+    p, s = apply(gs, params, stats, keep)
+    arch = int8.architecture(model, p)
+    layers = int8.fold_batchnorm(arch, p, s, model.bn_epsilon)
+    ranges = {k: {"min": 0.0, "max_abs": 1.0} for k, v in layers.items() if "kernel" in v}
+    return int8.tree_bytes(int8.quantize(layers, ranges))
+
+
+def apply(gs: list[Group], params, stats, keep: dict):
+    """``(params, stats)`` with only the kept channels (numpy copies; inputs unchanged)."""
+    import jax
+
+    params = jax.tree.map(np.asarray, params)
+    stats = jax.tree.map(np.asarray, stats)
+    for g in gs:
+        idx = keep[g.name]
+        for conv, bn in g.producers:
+            p = _get(params, conv)
+            p["kernel"] = p["kernel"][..., idx]
+            for tree in (_get(params, bn), _get(stats, bn)):
+                for k in tree:
+                    tree[k] = tree[k][idx]
+        for path in g.consumers:
+            p = _get(params, path)
+            p["kernel"] = p["kernel"][idx] if path == "head" else p["kernel"][:, :, idx, :]
+    return params, stats
+
+
+def widths_of(model, params) -> dict:
+    """The config's width keys that give ``params``' shapes: ``{"stem_width": ...,
+    "stage_widths": (...), "block_widths": (...)}``."""
+    from hybridpar.program import int8
+
+    arch = int8.architecture(model, params)
+    if isinstance(arch, int8.AirbenchArch):
+        n = range(1, arch.blocks + 1)
+        return {
+            "stage_widths": tuple(int(params[f"block{i}_conv2"]["kernel"].shape[-1]) for i in n),
+            "block_widths": tuple(int(params[f"block{i}_conv1"]["kernel"].shape[-1]) for i in n),
+        }
+    last = "conv3" if arch.blocks[0].bottleneck else "conv2"
+    stages = {}
+    for b in arch.blocks:
+        stages[b.name.split("_")[0]] = int(params[b.name][last]["kernel"].shape[-1])
+    return {
+        "stem_width": int(params["stem_conv"]["kernel"].shape[-1]),
+        "stage_widths": tuple(stages.values()),
+        "block_widths": tuple(
+            int(params[b.name]["conv1"]["kernel"].shape[-1]) for b in arch.blocks
+        ),  # fmt: skip
+    }
+
+
+def group_widths(gs: list[Group], params) -> dict:
+    return {g.name: int(_get(params, g.producers[0][0])["kernel"].shape[-1]) for g in gs}
+
+
+def counts_for(gs: list[Group], widths: dict, keep_fraction: float) -> dict:
+    """Channels to keep per group: ``keep_fraction`` of ``widths`` (a group's width in the
+    model the fraction refers to), at least one; a bottleneck block's two inner convs keep
+    the same number (block_widths has one width per block)."""
+    counts = {g.name: max(1, int(round(widths[g.name] * keep_fraction))) for g in gs}
+    for name in list(counts):
+        if name.endswith("/conv2") and name.replace("/conv2", "/conv1") in counts:
+            counts[name] = counts[name.replace("/conv2", "/conv1")]
+    return counts
+
+
+# ---- Reading and writing runs ------------------------------------------------------------
+
+
+def write_run(config, params, stats, out: str, mesh) -> None:
+    """``out``: ``config.json`` and a step-0 checkpoint of ``params`` / ``stats`` (host
+    arrays) with a fresh optimizer state, written beside and moved into place."""
+    import jax
+
+    from hybridpar.program import program
+    from hybridpar.program.state import init_sharded
+    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime.run import LoopState
+
+    prog = program.build_program(config, mesh)
+    state = init_sharded(prog.init, prog.shardings, jax.random.key(config.seed))
+    state = state.replace(
+        params=jax.device_put(params, prog.shardings.params),
+        batch_stats=jax.device_put(stats, prog.shardings.batch_stats),
+    )
+    tmp = f"{out}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        checkpoint.record_config(tmp, config)
+        saver = checkpoint.Checkpoints(os.path.join(tmp, "checkpoints"), async_save=False)
+        try:
+            saver.save(0, state, LoopState(seed=config.seed).to_dict(),
+                       checkpoint.config_dict(config))  # fmt: skip
+            saver.finished(wait=True)
+        finally:
+            saver.close()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def pruned_config(config, widths: dict):
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        c.model.update(widths)
+        c.init_from = ""
+    return c
+
+
+def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
+              reference=None, mesh=None) -> dict:  # fmt: skip
+    """Prunes the run in ``workdir`` to ``keep_fraction`` of each group's width in
+    ``reference`` (``{group: width}``, default: this model's) and writes the smaller run to
+    ``out``. Returns ``{"widths", "params", "kept"}``."""
+    import jax
+    from flax.core import meta
+
+    from hybridpar.parallel.mesh import make_mesh
+
+    mesh = mesh or make_mesh("data:-1")
+    config, prog, state = trained.read_trained(workdir, mesh)
+    params = jax.device_get(meta.unbox(state.params))
+    stats = jax.device_get(meta.unbox(state.batch_stats))
+    gs = groups(prog.model, params)
+    counts = counts_for(gs, reference or group_widths(gs, params), keep_fraction)
+    keep = keep_masks(gs, params, stats, counts, criterion, prog.model.bn_epsilon)
+    params, stats = apply(gs, params, stats, keep)
+    widths = widths_of(prog.model, params)
+    write_run(pruned_config(config, widths), params, stats, out, mesh)
+    n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
+    return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()}}
+
+
+def overrides(widths: dict) -> str:
+    """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
+    return " ".join(f"--config.model.{k}='{v}'" for k, v in widths.items())
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.prune", __doc__)
+    parser.add_argument("--workdir", help="the trained run's workdir (read only)")
+    parser.add_argument("--out", help="where the pruned run goes (a new directory)")
+    parser.add_argument("--fraction", type=cli.finite_float,
+                        help="fraction of each group's channels to remove, in [0, 1)")  # fmt: skip
+    parser.add_argument("--criterion", choices=CRITERIA, default="l1",
+                        help="l1: folded filter L1 (default); bn: BatchNorm |scale|")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, _ = cli.parse(parser, argv, config=False)
+    if not args.workdir or not args.out or args.fraction is None:
+        cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")
+    if not 0 <= args.fraction < 1:
+        cli.fail(f"--fraction={args.fraction} must be in [0, 1), e.g. 0.5")
+    if os.path.exists(args.out):
+        cli.fail(f"--out {args.out} exists: pass a new directory, or move it away first")
+
+    def go():
+        trained.load_config(args.workdir)  # a run's config.json, or the error that says so
+        r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
+        print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
+              f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
+
+    cli.main(go)
+
+
+if __name__ == "__main__":
+    main()

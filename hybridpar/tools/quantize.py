@@ -1,0 +1,366 @@
+"""``python -m hybridpar.quantize --workdir W [--config experiments/NAME.py]
+[--calibration-batches K] [--calibration max|percentile|mse] [--percentile P]
+[--weights int8] [--activations int8|none] [--overwrite]``.
+
+Int8 post-training quantization of a trained run: reads ``W``'s latest checkpoint
+(read-only), folds BatchNorm into the convolutions, quantizes the weights per output channel
+and (``--activations int8``) the input of every conv and of the head with static scales
+calibrated on K training batches (each tensor's range: the largest ``|x|``, a percentile of
+it, or the range of least squared error), evaluates the float and the int8 model on the
+whole eval split, times both on this CPU at batch 1 and 64 (side by side, median of
+repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-channel
+steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
+serialized StableHLO, see ``hybridpar.program.int8.load_exported``) and ``report.json``. The last
+line printed is ``top1_drop=... top1_float=... top1_int8=... ...`` (the drop in points). The
+arithmetic is ``hybridpar/program/int8.py``. A bad workdir or config is one ``error:`` line (exit
+code 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.runtime import trained
+
+OUT = "quantized"
+CALIBRATIONS = ("max", "percentile", "mse")  # hybridpar.program.int8's (which imports JAX)
+LATENCY_BATCHES = (1, 64)
+
+
+def check_args(args, config) -> None:
+    """Everything that needs no device and no data: the flags, the workdir, its run's
+    config, a checkpoint to read and where the results go."""
+    if args.calibration_batches < 1:
+        cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    if not 0 < args.percentile <= 100:
+        cli.fail(f"--percentile={args.percentile:g} is in (0, 100], e.g. 99.99")
+    if args.repeats < 1:
+        cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
+    if config.distributed:  # every process would write W/quantized/ and time the same CPU
+        cli.fail("quantize runs in one process: pass --config.distributed=False")
+    why = "quantize reads a trained run's latest checkpoint"
+    check_trained_run(config, args.workdir, "training", why)
+    out = os.path.join(args.workdir, OUT)
+    if os.path.exists(out) and not args.overwrite:
+        raise ConfigError(
+            f"{out} exists (an earlier quantization): pass --overwrite to replace it, or move "
+            "it away first"
+        )
+
+
+def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
+    """``workdir`` holds a run of ``config`` (the evaluator's rule: only where and how fast
+    it runs may differ from the run's config) and a checkpoint, else the ``ConfigError`` that
+    says so; ``run`` and ``needs`` word it for the tool (``compress`` checks the same)."""
+    from hybridpar.runtime import checkpoint, evaluator
+
+    if not evaluator.check_run_of(config, workdir):
+        raise ConfigError(
+            f"{workdir!r} has no config.json: pass the --workdir of a {run} run "
+            "(python -m hybridpar.train writes it there)"
+        )
+    ckpt = checkpoint.checkpoint_dir(config, workdir)
+    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+        raise ConfigError(
+            f"no checkpoint in {ckpt}: {needs}; train it first (python -m hybridpar.train with "
+            "the same --config and --workdir)"
+        )
+
+
+def median_ms(fn, x, repeats: int) -> float:
+    import jax
+    import numpy as np
+
+    jax.block_until_ready(fn(x))  # compiled and warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def flops_per_image(arch, layers: dict, shape) -> int:
+    """XLA's count of floating-point operations of the folded float network on one image."""
+    import jax
+    import numpy as np
+
+    from hybridpar.program import int8
+
+    x = jax.ShapeDtypeStruct((1, *shape), np.float32)
+    lowered = jax.jit(lambda lay, x: int8.float_forward(arch, lay, x)).lower(layers, x)
+    cost = lowered.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return int(cost["flops"])
+
+
+def compare(fns: dict, batches) -> tuple[dict, dict]:
+    """Each of ``fns`` (name -> uint8 images -> logits; the first is the reference) over the
+    same masked host batches: ``({name: {top1, top5, examples}}, {agreement, logit_error})``,
+    the agreement and the logits' relative L2 error (``|int8 - float| / |float|`` over the
+    whole split) of the second against the first."""
+    import jax
+    import numpy as np
+
+    names = list(fns)
+    hits = {n: [0.0, 0.0] for n in names}
+    count = same = err2 = ref2 = 0.0
+    for b in batches:
+        mask = np.asarray(b["mask"], np.float64)
+        label = np.asarray(b["label"])[:, None]
+        logits = {n: np.asarray(jax.device_get(fns[n](b["image"])), np.float64) for n in names}
+        for n in names:
+            top5 = np.argsort(-logits[n], axis=-1)[:, :5]
+            hits[n][0] += float(((top5[:, :1] == label).any(-1) * mask).sum())
+            hits[n][1] += float(((top5 == label).any(-1) * mask).sum())
+        ref, other = logits[names[0]], logits[names[1]]
+        same += float(((ref.argmax(-1) == other.argmax(-1)) * mask).sum())
+        err2 += float((((other - ref) ** 2).sum(-1) * mask).sum())
+        ref2 += float(((ref**2).sum(-1) * mask).sum())
+        count += float(mask.sum())
+    evals = {
+        n: {"top1": h1 / count, "top5": h5 / count, "examples": int(count)}
+        for n, (h1, h5) in hits.items()
+    }
+    return evals, {"agreement": same / count, "logit_error": float(np.sqrt(err2 / ref2))}
+
+
+def table(report: dict) -> list[str]:
+    """The float and int8 figures side by side."""
+    batches = sorted({int(k.split("_batch")[1][:-3]) for k in report["latency_ms"]})
+    lines = [f"{'':8}{'top1':>8}{'top5':>8}{'weight bytes':>14}"
+             + "".join(f"{f'batch {b} ms':>12}" for b in batches)]  # fmt: skip
+    for name in ("float", "int8"):
+        e, ms = report["eval"][name], report["latency_ms"]
+        lines.append(f"{name:8}{e['top1']:8.4f}{e['top5']:8.4f}{report[f'weight_bytes_{name}']:14d}"
+                     + "".join(f"{ms[f'{name}_batch{b}_ms']:12.3f}" for b in batches))  # fmt: skip
+    return lines
+
+
+def last_line(report: dict) -> str:
+    """``top1_drop=...`` first, then the rest of the figures, as key=value."""
+    ev, ms = report["eval"], report["latency_ms"]
+    batches = sorted({int(k.split("_batch")[1][:-3]) for k in ms})
+    figures = {
+        "top1_drop": f"{report['top1_drop_points']:.2f}",
+        "top1_float": f"{ev['float']['top1']:.4f}",
+        "top1_int8": f"{ev['int8']['top1']:.4f}",
+        "top5_drop": f"{report['top5_drop_points']:.2f}",
+        "weight_bytes_float": report["weight_bytes_float"],
+        "weight_bytes_int8": report["weight_bytes_int8"],
+        "ratio": f"{report['ratio']:.2f}",
+        "agreement": f"{report['top1_agreement']:.4f}",
+        "logit_error": f"{report['logit_error']:.4f}",
+    }
+    for b in batches:  # float ms / int8 ms: above 1, int8 is faster
+        f, q = ms[f"float_batch{b}_ms"], ms[f"int8_batch{b}_ms"]
+        figures[f"speedup_b{b}"] = f"{f / q:.2f}"
+        figures[f"ms_b{b}_float"], figures[f"ms_b{b}_int8"] = f"{f:.3f}", f"{q:.3f}"
+    return " ".join(f"{k}={v}" for k, v in figures.items())
+
+
+def run(config, workdir: str, *, calibration_batches=8, calibration="mse", percentile=99.99,
+        activations="int8", overwrite=False, repeats=5, latency_batches=LATENCY_BATCHES,
+        devices=None, out=None) -> dict:  # fmt: skip
+    """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
+    ``W/quantized/report.json``). Arguments are checked by ``check_args``. ``devices``: the
+    mesh's, for reading the checkpoint (default: all); the rest runs on the first. ``out``:
+    where the files go instead of ``W/quantized`` (hybridpar.compress's rounds)."""
+    import itertools
+
+    import jax
+    import numpy as np
+    from flax.core import meta
+
+    from hybridpar.program import int8
+    from hybridpar.program.steps import normalize
+    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime.run import log, setup
+
+    r = setup(config, None, devices=devices, for_training=False)
+    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
+    try:
+        restored = saver.restore(r.program.abstract_state())
+    finally:
+        saver.close()
+    if restored is None:
+        raise ConfigError(f"no checkpoint reads back in {saver.directory}")
+    step, state, _, _ = restored
+    params = jax.device_get(meta.unbox(state.params))
+    stats = jax.device_get(meta.unbox(state.batch_stats))
+    model, d = r.program.model, config.data
+    mean, std = tuple(d.mean), tuple(d.std)
+    log(f"read the checkpoint at step {step}")
+
+    # ---- Fold, calibrate, quantize (one device, plain jit: nothing here is sharded) ----
+    device = r.mesh.devices.flat[0]
+    arch = int8.architecture(model, params)
+    layers = int8.fold_batchnorm(arch, params, stats, model.bn_epsilon)
+    with jax.default_device(device):
+        t0 = time.time()
+        to_float = jax.jit(lambda im: normalize(im, mean, std, np.float32))
+        ranges, used = None, 0
+        if activations == "int8":  # training batches: the first K of epoch 0
+            images = [
+                b["image"] for b in itertools.islice(r.data.train_batches(0), calibration_batches)
+            ]
+            used = len(images)
+            ranges = int8.calibrate(arch, layers, map(to_float, images), calibration, percentile)
+            if used < calibration_batches:
+                log(f"calibrated on {used} batches (a whole epoch), not "
+                            f"{calibration_batches}")  # fmt: skip
+        q = int8.quantize(layers, ranges)
+        calibrate_s = time.time() - t0
+        variables = {"params": params, "batch_stats": stats}
+
+        @jax.jit
+        def float_model(images):  # the trained model as the trainer evaluates it
+            x = normalize(images, mean, std, r.program.policy.compute_dtype)
+            return model.apply(variables, x, train=False).astype(np.float32)
+
+        int8_model = jax.jit(int8.serving_fn(arch, q, mean, std))
+
+        # ---- The eval split, float and int8 ----
+        t0 = time.time()
+        models = {"float": float_model, "int8": int8_model}
+        evals, agree = compare(models, r.data.eval_batches())
+        for name, e in evals.items():
+            if e["examples"] != r.data.num_eval:
+                raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
+        eval_s = time.time() - t0
+        log(f"calibrated ({calibration}) on {used} batches in "
+                    f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
+
+        # ---- CPU latency, side by side ----
+        shape = (d.image_size, d.image_size, d.channels)  # the eval size (a curriculum ends there)
+        latency = {}
+        t0 = time.time()
+        for b in latency_batches:
+            x = np.random.default_rng(0).integers(0, 256, (b, *shape), np.uint8)
+            x = jax.device_put(x, device)
+            for _ in range(2):  # interleaved rounds, so drift on a shared machine hits both
+                for name, fn in (("float", float_model), ("int8", int8_model)):
+                    ms = median_ms(fn, x, repeats)
+                    key = f"{name}_batch{b}_ms"
+                    latency[key] = min(latency.get(key, ms), ms)
+        latency_s = time.time() - t0
+
+    # ---- Files: written beside, then moved into place ----
+    out = out or os.path.join(workdir, OUT)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    os.makedirs(tmp)
+    try:
+        np.savez(os.path.join(tmp, "params.npz"), **int8.flat(q))
+        int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"))
+        float_bytes = int8.tree_bytes(params)
+        int8_bytes = int8.tree_bytes(q)
+        f1, q1 = evals["float"]["top1"], evals["int8"]["top1"]
+        f5, q5 = evals["float"]["top5"], evals["int8"]["top5"]
+        report = {
+            "workdir": os.path.abspath(workdir),
+            "step": int(step),
+            "weights": "int8",
+            "activations": activations,
+            "calibration_batches": used,
+            "calibration": calibration if activations == "int8" else None,
+            "percentile": percentile if calibration == "percentile" else None,
+            "calibration_s": round(calibrate_s, 3),
+            "eval": evals,
+            "top1_drop_points": round(100 * (f1 - q1), 4),
+            "top5_drop_points": round(100 * (f5 - q5), 4),
+            "top1_agreement": round(agree["agreement"], 6),
+            "logit_error": round(agree["logit_error"], 6),
+            # float: every trained parameter (kernels, BN scales and biases, head); int8: the
+            # int8 kernels, their float32 steps, the folded float32 biases and activation steps
+            "weight_bytes_float": float_bytes,
+            "weight_bytes_int8": int8_bytes,
+            "ratio": round(float_bytes / int8_bytes, 3),
+            "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            "flops_per_image": flops_per_image(arch, layers, shape),
+            "latency_ms": {k: round(v, 3) for k, v in latency.items()},
+            "latency_repeats": repeats,
+            "latency_s": round(latency_s, 3),
+            "device": str(device.device_kind),
+            "activation_ranges": ranges,
+            "files": ["params.npz", "model.jax_exported", "report.json"],
+        }
+        with open(os.path.join(tmp, "report.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        if os.path.exists(out) and overwrite:
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:  # nothing half-written left beside the results
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    # ---- The report ----
+    for line in table(report):
+        log(line)
+    log(f"wrote {out}/ (params.npz, model.jax_exported, report.json)")
+    print(last_line(report), flush=True)
+    return report
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.quantize", __doc__)
+    parser.add_argument("--workdir", help="the training run's workdir")
+    parser.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=8,
+        help="training batches that set the static activation scales (default 8)",
+    )
+    parser.add_argument(
+        "--calibration",
+        choices=CALIBRATIONS,
+        default="mse",
+        help="each activation's range: mse, the range of least squared quantization error "
+        "(default), max |x| over the batches, or a --percentile of |x|",
+    )
+    parser.add_argument(
+        "--percentile", type=cli.finite_float, default=99.99, help="for --calibration percentile"
+    )
+    parser.add_argument("--weights", choices=("int8",), default="int8")
+    parser.add_argument(
+        "--activations",
+        choices=("int8", "none"),
+        default="int8",
+        help="int8: static per-tensor scales (default); none: weight-only, float activations",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing WORKDIR/quantized/"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="timed calls per latency figure (median)"
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv, from_run=True)
+    if not args.workdir:
+        cli.fail("pass --workdir DIR (the training run's)")
+
+    def go():
+        # without --config: the run's own, from its config.json
+        c = config or trained.load_config(args.workdir, args.config_overrides)
+        check_args(args, c)  # before any device or data is touched
+        run(
+            c,
+            args.workdir,
+            calibration_batches=args.calibration_batches,
+            calibration=args.calibration,
+            percentile=args.percentile,
+            activations=args.activations,
+            overwrite=args.overwrite,
+            repeats=args.repeats,
+        )
+
+    cli.main(go)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,434 @@
+"""``python -m hybridpar.report W [W2 ...] [--out PATH] [--target-top1 X] [--target-top5 X]``.
+
+Compares training runs from their records (``run_records.read_run``): for each workdir
+``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
+(``python -m hybridpar.evaluate``'s eval events, if any), ``W/summary.json`` and
+``W/config.json`` (if written). Writes one PNG (``--out``, default ``report.png``): top-1
+and top-5 against wall time (a log axis in plain seconds where one run is over 4x another's
+length) and against epochs, one colour and marker per run, the evaluator's points hollow,
+each stage switch a dotted vertical line; where the time went, one stacked bar per run whose
+summary.json has a ``time_breakdown``; and the schedule against epochs (learning rate,
+momentum, global batch, image size) computed from the config, every step from epoch 0 and
+each stage's change a step, with the logged values as dots. Only panels some run has data
+for, rows filled (no empty slot). The title names the config keys that differ between runs
+and the schedule series a run holds fixed: once where every run holds the same value, per
+run where not. Prints a markdown table of the runs (name, epochs, steps, best top-1 and
+top-5, time to target, wall, compile, images/s) and writes it beside the PNG (the same path
+with ``.md``). Time to target is the first eval at or over it
+among all the run's eval records, the evaluator's too, for summary.json's targets and for
+``--target-top1`` / ``--target-top5`` alike.
+
+Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
+missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
+from hybridpar.runtime.run_records import TIME_PARTS, RunRecords, read_run
+
+COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
+           "compile s", "images/s", "status")  # fmt: skip
+
+
+def names(workdirs: list[str]) -> list[str]:
+    """Each run's folder name, or the path as given where two folder names are the same."""
+    base = [os.path.basename(os.path.normpath(w)) for w in workdirs]
+    return [b if base.count(b) == 1 else w for b, w in zip(base, workdirs)]
+
+
+def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
+    """The first eval (in wall time) with ``metric`` at or above ``target``, counted as
+    summary.json's ``time_to_target`` is: ``wall_s`` from the start of the run, and
+    ``wall_s_without_compile`` less the compile records written before it."""
+    hits = [e for e in run.eval if getattr(e, metric) >= target]
+    if not hits:
+        return None
+    first = min(hits, key=lambda e: e.wall_s)
+    compile_s = sum(c.compile_s for c in run.compile if c.wall_s <= first.wall_s)
+    return {"wall_s": first.wall_s, "wall_s_without_compile": first.wall_s - compile_s}
+
+
+def targets(run: RunRecords, asked: dict) -> str:
+    """``top1 0.8: 22.0s (19.0s w/o compile)`` for each target, the ``asked`` ones or else
+    summary.json's ``target_top1`` / ``target_top5``: timed by one rule either way, from all
+    the run's eval records (the evaluator's too, which summary.json's time never counts)."""
+    s = run.summary or {}
+    cells = []
+    for metric in ("top1", "top5"):
+        target = asked.get(metric) or s.get(f"target_{metric}")
+        if not target:
+            continue
+        hit = time_to(run, metric, target)
+        if hit is None:
+            cells.append(f"{metric} {target:g}: not reached")
+            continue
+        cells.append(f"{metric} {target:g}: {hit['wall_s']:.1f}s "
+                     f"({hit['wall_s_without_compile']:.1f}s w/o compile)")  # fmt: skip
+    return "; ".join(cells) or "-"
+
+
+def row(name: str, run: RunRecords, asked: dict) -> dict:
+    """The table's values for one run: from the records, and from summary.json for what only
+    it knows (wall and images/s over every resumed segment, whether the run completed).
+    ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets."""
+    s = run.summary or {}
+    records = run.train + run.eval
+    top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
+    ips = [t.images_per_s for t in run.train if t.images_per_s]
+    if not s:
+        status = "running or killed (no summary.json)"
+    elif s.get("completed"):
+        status = "completed"
+    else:
+        status = "error" if s.get("error") else "stopped"
+    return {
+        "run": name,
+        "epochs": max((r.epoch for r in records), default=0.0),
+        "steps": s.get("steps", max((r.step for r in records), default=0)),
+        "best top1": max(top1, default=None),
+        "best top5": max(top5, default=None),  # each its own best, as targets count them
+        "time to target": targets(run, asked),
+        "wall s": s.get("wall_s", max((r.wall_s for r in records), default=None)),
+        "compile s": sum(c.compile_s for c in run.compile) or s.get("compile_s"),
+        "images/s": s.get("train_images_per_s") or (statistics.median(ips) if ips else None),
+        "status": status,
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    def cell(key, v):
+        if v is None:
+            return "-"
+        if key in ("best top1", "best top5"):
+            return f"{v:.4f}"
+        if key == "epochs":
+            return f"{round(v, 2):g}"
+        return f"{v:.1f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(k, r[k]) for k in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+MARKERS = "os^vD<>ph*"  # one per run, so runs stay apart where their lines overlap
+LINES = ("-", "--", "-.", ":")
+SCHEDULE = ("learning rate", "momentum", "global batch", "image size (px)")
+LOGGED = {"learning rate": "lr", "momentum": "momentum"}  # train lines' fields
+
+
+def schedule(run: RunRecords) -> dict[str, tuple]:
+    """``{name in SCHEDULE: (epochs, values)}`` to the run's last epoch: from its config.json
+    where it has one (every step's value from epoch 0, each stage's change a step), else as
+    its train and stage lines sampled it."""
+    last = max((r.epoch for r in run.train + run.eval), default=0.0)
+    dp = run.stage[0].data_parallel if run.stage else None
+    if run.config and run.stage and (dp or not run.config.get("stages")):
+        try:
+            return config_schedule(run.config, dp or 1, last)
+        except (AttributeError, KeyError):  # a config.json of a version without some key
+            pass
+    return logged_schedule(run, last)
+
+
+def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, tuple]:
+    import numpy as np
+    from ml_collections import ConfigDict
+
+    from hybridpar.config.curriculum import stages_from_config
+    from hybridpar.config.schedules import lr_factor, momentum_at, peak_lr
+
+    c = ConfigDict(config)
+    o, stages = c.optim, stages_from_config(c, data_parallel)
+    parts, start = [], 0.0
+    for st in stages:
+        if start > last:
+            break
+        end = min(st.end_epoch, last)
+        kinks = [k for k in (o.warmup_epochs, o.momentum_ramp_epochs) if start < k < end]
+        e = np.union1d(np.linspace(start, end, 200), kinks)  # the warmup's peak drawn
+        lr = peak_lr(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
+        m = st.momentum
+        if m is None:
+            m = momentum_at(o, e) if o.momentum_start >= 0 else o.momentum
+        parts.append((e, lr, m + 0 * e, st.global_batch + 0 * e, st.image_size + 0 * e))
+        start = st.end_epoch
+    e, *values = (np.concatenate(v) for v in zip(*parts))
+    return {name: (e, v) for name, v in zip(SCHEDULE, values)}
+
+
+def logged_schedule(run: RunRecords, last: float) -> dict[str, tuple]:
+    import numpy as np
+
+    switch = [s.epoch for s in run.stage] + [last]
+    out = {"learning rate": ([t.epoch for t in run.train], [t.lr for t in run.train])}
+    with_m = [t for t in run.train if t.momentum is not None]  # older lines lack it
+    out["momentum"] = ([t.epoch for t in with_m], [t.momentum for t in with_m])
+    for name, key in (("global batch", "global_batch"), ("image size (px)", "image_size")):
+        ys = [getattr(s, key) for s in run.stage]
+        out[name] = (np.repeat(switch, 2)[1:-1], np.repeat(ys, 2)) if ys else ([], [])
+    return out
+
+
+def constant(values) -> bool:
+    return len(values) == 0 or max(values) - min(values) <= 1e-9 * max(abs(max(values)), 1e-30)
+
+
+def plot(runs: list[tuple[str, RunRecords]], path: str) -> None:
+    """Writes ``figure(runs)`` to ``path`` (PNG)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError('the report\'s PNG needs matplotlib: pip install -e ".[plot]"') from None
+    fig = figure(runs)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def drawn(schedules: list[dict]) -> list[str]:
+    """The schedule series that get a panel: those some run changes."""
+    return [k for k in SCHEDULE if not all(constant(s[k][1]) for s in schedules)]
+
+
+def figure(runs: list[tuple[str, RunRecords]]):
+    """Accuracy against wall time and epochs (where some run has evals), where the time went
+    (runs whose summary.json has a ``time_breakdown``), and the schedule series some run
+    changes, against epochs: only panels with something in them, laid out with no empty
+    slot. The title names what differs between runs and, once, what every run holds fixed."""
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    schedules = [schedule(run) for _, run in runs]
+    shown = drawn(schedules)
+    with_eval = any(run.eval for _, run in runs)
+    with_time = [(n, r) for n, r in runs if sum(breakdown(r).values()) > 0]
+    panels = (["wall", "epoch"] if with_eval else []) + (["time"] if with_time else []) + shown
+    fig, axes = layout(plt, panels)
+    if not panels:  # set-up records only: no step or eval yet
+        fig.text(0.5, 0.5, "no train or eval records yet", ha="center", va="center")
+        return fig
+    acc_t, acc_e = axes.get("wall"), axes.get("epoch")
+    ends = []
+    for i, ((name, run), sched) in enumerate(zip(runs, schedules)):
+        color, marker, line = f"C{i % 10}", MARKERS[i % len(MARKERS)], LINES[i % len(LINES)]
+        ends.append(max([r.wall_s for r in run.train + run.eval] or [1.0]))
+        by_source = [([e for e in run.eval if e.source == source], face)
+                     for source, face in ((None, color), ("evaluator", "white"))]  # fmt: skip
+        for ax, x in ((acc_t, "wall_s"), (acc_e, "epoch")) if with_eval else ():
+            for metric, style, alpha in (("top1", "-", 1.0), ("top5", "--", 0.6)):
+                ax.plot([getattr(e, x) for e in run.eval], [getattr(e, metric) for e in run.eval],
+                        style, color=color, alpha=alpha)  # fmt: skip
+                for ev, face in by_source:
+                    ax.plot([getattr(e, x) for e in ev], [getattr(e, metric) for e in ev],
+                            marker, color=color, markerfacecolor=face, alpha=alpha)  # fmt: skip
+        for key in shown:
+            ax = axes[key]
+            xs, ys = sched[key]
+            ax.plot(xs, ys, line, color=color, linewidth=2.5 - 0.5 * (i % 3), label=name)
+            field = LOGGED.get(key)
+            if field and run.config:  # the config's curve, and the values the trainer logged
+                logged = [t for t in run.train if getattr(t, field) is not None]
+                ax.plot([t.epoch for t in logged], [getattr(t, field) for t in logged], marker,
+                        color=color, markersize=3)  # fmt: skip
+        for s in run.stage[1:]:  # the switches (the first stage starts the run)
+            if acc_t is not None:
+                acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
+            for key in ["epoch", *shown] if with_eval else shown:
+                axes[key].axvline(s.epoch, color=color, linestyle=":", alpha=0.7)
+    if with_time:
+        time_breakdown(axes["time"], with_time)
+    if with_eval:
+        wall_axis(acc_t, ends)
+        runs_legend = [Line2D([], [], color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
+                              label=name) for i, (name, _) in enumerate(runs)]  # fmt: skip
+        styles = [Line2D([], [], color="grey", linestyle="-", label="top-1"),
+                  Line2D([], [], color="grey", linestyle="--", label="top-5"),
+                  Line2D([], [], color="grey", marker="o", linestyle="none",
+                         label="trainer's eval"),
+                  Line2D([], [], color="grey", marker="o", markerfacecolor="white",
+                         linestyle="none", label="evaluator's eval")]  # fmt: skip
+        acc_t.legend(handles=runs_legend, fontsize=7)
+        acc_e.legend(handles=styles, fontsize=7)
+        acc_e.set_xlabel("epoch")
+    for key, ax in axes.items():
+        if key != "time":
+            ax.set_ylabel("accuracy" if key in ("wall", "epoch") else key)
+            ax.grid(True, alpha=0.3)
+        if key in shown:
+            ax.set_xlabel("epoch")
+            ax.legend(fontsize=7)
+    fig.suptitle(title(runs, schedules, shown, with_eval), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def breakdown(run: RunRecords) -> dict:
+    """summary.json's ``time_breakdown`` (seconds per part), or {} where it has none."""
+    parts = (run.summary or {}).get("time_breakdown") or {}
+    return {k: float(v or 0.0) for k, v in parts.items()}
+
+
+def layout(plt, panels: list[str]):
+    """A figure with one axes per panel, three to a row at most and the rows shared out
+    evenly (5: 3 and 2, each of the 2 wider), so no slot of the grid is left empty."""
+    n = max(len(panels), 1)
+    rows = -(-n // 3)
+    counts = [n // rows + (r < n % rows) for r in range(rows)]
+    fig = plt.figure(figsize=(15, 4 * rows + 0.8))
+    grid = fig.add_gridspec(rows, 6)  # 6 columns: a row of 1, 2 or 3 panels fills it
+    slots = [grid[r, j * 6 // k : (j + 1) * 6 // k]
+             for r, k in enumerate(counts) for j in range(k)]  # fmt: skip
+    return fig, {p: fig.add_subplot(slot) for p, slot in zip(panels, slots)}
+
+
+def wall_axis(ax, ends: list[float]) -> None:
+    """A log axis where one run is over 4x another's length, labelled in plain seconds
+    (30, 40, 60, 100, not 3x10^1); else linear from 0."""
+    from matplotlib.ticker import LogFormatter
+
+    class Seconds(LogFormatter):  # the same ticks labelled, in plain numbers
+        def __call__(self, x, pos=None):
+            return (f"{x:,.0f}" if x >= 1 else f"{x:g}") if super().__call__(x, pos) else ""
+
+    if max(ends) > 4 * min(ends):  # a short run next to a long one: both readable
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(Seconds())
+        ax.xaxis.set_minor_formatter(Seconds(labelOnlyBase=False))
+        ax.set_xlabel("wall time (s, log scale)")
+    else:
+        ax.set_xlim(left=0)  # from the run's start: set-up and compilation count
+        ax.set_xlabel("wall time (s)")
+
+
+def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
+    """The key to the accuracy panels, the config keys whose values differ between runs,
+    the schedule series each run holds fixed at its own value, and those every run holds
+    at one value (once)."""
+    lines = []
+    if with_eval:
+        lines.append("accuracy: top-1 solid, top-5 dashed, filled markers the trainer's evals, "
+                     "hollow the evaluator's"
+                     + ("; dotted lines: stage switches" if any(len(r.stage) > 1 for _, r in runs)
+                        else ""))  # fmt: skip
+    differ = differing_keys(runs)
+    fixed, per_run = [], []
+    for k in SCHEDULE:
+        if k in shown:
+            continue
+        values = {n: s[k][1][0] for (n, _), s in zip(runs, schedules) if len(s[k][1])}
+        if len(set(values.values())) == 1:
+            fixed.append(f"{k} {next(iter(values.values())):g}")
+        elif values:
+            per_run.append(f"{k} (" + ", ".join(f"{n} {v:g}" for n, v in values.items()) + ")")
+    if differ or per_run:
+        lines.append("runs differ in: " + "; ".join(differ + per_run))
+    if fixed:
+        lines.append("fixed throughout (not drawn): " + ", ".join(fixed))
+    return "\n".join(lines)
+
+
+def differing_keys(runs, most: int = 4) -> list[str]:
+    """``key (run value, run value)`` for the config.json keys whose values differ between
+    runs (a run without config.json takes no part), the first ``most`` of them."""
+    flat = {n: flatten(r.config) for n, r in runs if r.config}
+    if len(flat) < 2:
+        return []
+    keys = sorted({k for c in flat.values() for k in c})
+    differ = [k for k in keys if len({repr(c.get(k)) for c in flat.values()}) > 1]
+
+    def short(v):
+        text = "-" if v is None else str(v)
+        return text if len(text) <= 30 else text[:29] + "…"
+
+    out = [f"{k} (" + ", ".join(f"{n} {short(c.get(k))}" for n, c in flat.items()) + ")"
+           for k in differ[:most]]  # fmt: skip
+    if len(differ) > most:
+        out.append(f"{len(differ) - most} more config keys")
+    return out
+
+
+def flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
+    """One stacked bar per run: summary.json's ``time_breakdown`` (seconds per part,
+    ``run_records.TIME_PARTS`` first, in their order), labelled with its goodput (the
+    summary's, else train seconds over the parts' sum)."""
+    parts = {name: breakdown(run) for name, run in runs}
+    order = [p for p in TIME_PARTS if any(p in b for b in parts.values())]
+    order += sorted({p for b in parts.values() for p in b} - set(order))
+    left = [0.0] * len(runs)
+    for j, part in enumerate(order):
+        widths = [float(b.get(part) or 0.0) for b in parts.values()]
+        ax.barh(list(parts), widths, left=left, height=0.5, color=f"C{j % 10}",
+                hatch="//" * (j >= 10), label=part, edgecolor="white")  # fmt: skip
+        left = [a + w for a, w in zip(left, widths)]
+    for y, ((name, run), total) in enumerate(zip(runs, left)):
+        goodput = run.summary.get("goodput")
+        if goodput is None and total:
+            goodput = float(parts[name].get("train") or 0.0) / total
+        if goodput is not None:
+            ax.text(total, y, f" goodput {goodput:.0%}", va="center", fontsize=8)
+    ax.invert_yaxis()  # the first run on top, as in the legends
+    ax.set_xlabel("wall time (s)")
+    ax.set_title("where the time went", fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+    ax.margins(x=0.15)
+
+
+def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
+    """Reads the runs, writes ``out`` (PNG) and its ``.md`` table; returns the table.
+    ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``."""
+    runs = list(zip(names(workdirs), [read_run(w) for w in workdirs]))
+    if os.path.dirname(out):
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+    plot(runs, out)
+    table = markdown([row(name, run, asked or {}) for name, run in runs])
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(table)
+    return table
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.report", __doc__)
+    parser.add_argument("workdirs", nargs="+", metavar="W", help="training runs' workdirs")
+    parser.add_argument("--out", default="report.png", help="the PNG (the table: same, .md)")
+    for metric in ("top1", "top5"):
+        parser.add_argument(
+            f"--target-{metric}",
+            type=cli.finite_float,
+            default=None,
+            help=f"time to this {metric} (a fraction) for every run; default: each "
+            f"summary.json's target_{metric}. Timed from all eval records, the evaluator's too",
+        )
+    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    asked = {"top1": args.target_top1, "top5": args.target_top5}
+    for metric, target in asked.items():
+        if target is not None and not 0 < target <= 1:
+            cli.fail(f"--target-{metric}={target:g} is a fraction: use e.g. 0.93, not 93")
+
+    def run():
+        table = report(args.workdirs, args.out, {k: v for k, v in asked.items() if v})
+        print(table, end="")
+        print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md")
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""``python -m hybridpar.train --config experiments/NAME.py --workdir DIR [--config.KEY=VALUE]``.
+
+Only the command line: the run's set-up is ``hybridpar/runtime/run.py``, its loop to the last step
+``hybridpar/runtime/trainer.py``. Bad config or input stops with one ``error:`` line that names the
+fix (exit code 2), before any data or device is touched where it can be.
+
+A workdir is a run: the same command again resumes it from its latest checkpoint (after
+SIGTERM, SIGINT, a crash or kill -9), or says it has finished (exit 0). A config that differs
+from the run's own is an error naming the first differing key; ``--allow-config-change``
+continues the run with the new config.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+
+from hybridpar.config import cli
+
+STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
+
+
+class EarlyStop:
+    """The signal handler from the command's first line until the training loop installs its
+    own (``checkpoint.Preemption``, which takes over ``original``). Before the first step
+    there is nothing to save, so a stop exits 0 at once, where the default action exited
+    143. At once, not at the end of a long compilation (a preemption notice may be short),
+    and by ``os._exit``, not an exception: one raised inside JAX's compiler or a gc callback
+    is swallowed or crashes the interpreter's exit. What set-up writes survives a kill -9
+    by design (config.json and prepared data atomically, whole metrics lines, no
+    checkpoint yet), so the workdir starts again as it was."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.original = {s: signal.signal(s, self) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.original.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        print(f"{signal.Signals(signum).name}: {STOPPED_EARLY}", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def main(argv=None) -> None:
+    early = EarlyStop()
+    try:
+        _main(argv, early)
+    finally:
+        early.restore()
+
+
+def _main(argv, early: EarlyStop) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
+    parser.add_argument("--workdir", help="directory for metrics, summary, checkpoints")
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume the workdir's run although this config differs from its own",
+    )
+    parser.add_argument(
+        "--compiled",
+        metavar="FILE",
+        help="load the steps from this file (python -m hybridpar.compile ... --out FILE) "
+        "instead of compiling them",
+    )
+    parser.add_argument(
+        "--recompile",
+        action="store_true",
+        help="with --compiled: compile here, with a warning, when the file does not fit the run",
+    )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, config = cli.parse(parser, argv)
+    if not args.workdir:
+        cli.fail("pass --config experiments/NAME.py and --workdir DIR")
+    if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
+        early.restore()
+
+    # These import jax: after the command line is known to be good.
+    from hybridpar.runtime import trainer
+    from hybridpar.runtime.run import log, setup
+
+    def run():
+        r = setup(config, args.workdir, allow_config_change=args.allow_config_change,
+              compiled=args.compiled, recompile=args.recompile)  # fmt: skip
+        summary = trainer.train(r)
+        if summary.get("preempted"):
+            again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])
+            log(
+                f"stopped ({summary['preempted']}) at step {summary['steps']}/"
+                f"{summary['total_steps']} with a checkpoint; resume with the same command:\n"
+                f"  {again}"
+            )
+            return
+        if r.finished is not None:  # train() said the workdir's run is done; nothing new
+            return
+        ev = summary["final_eval"] or {}
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in summary["time_breakdown"].items() if v)
+        log(f"where the time went: {parts}; goodput {summary['goodput']:.0%} (train steps "
+            "over the wall time)")  # fmt: skip
+        log(
+            f"done: top1 {ev.get('top1', float('nan')):.4f} in {summary['wall_s']:.1f}s "
+            f"(compile {summary['compile_s']:.1f}s); summary in {args.workdir}/summary.json"
+        )
+
+    cli.main(run)
+
+
+def run() -> None:
+    """Console-script entry point (``hybridpar-train``)."""
+    main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,710 @@
+"""``python -m hybridpar.tune lr|search --config experiments/NAME.py --workdir DIR [...]``.
+
+``lr``: the LR range test (Smith 2017; fast.ai's ``lr_find``). One short run of the trainer
+whose ``optim.base_lr`` rises geometrically from ``tune.lr_min`` to ``tune.lr_max`` over
+``tune.lr_epochs`` (``optim.schedule=exponential``, a train line after every step), stopped
+once the loss diverges. It writes ``DIR/lr_range.png`` (loss against LR) and
+``DIR/lr_range.json`` and prints the suggested peak LR as an override.
+
+``search --trials N --budget-epochs E``: a study over short runs of the trainer (each
+``E`` epochs, its schedule fitted to them) that draws the keys of ``tune.space`` with
+optuna's TPE sampler and stops a trial early (median pruning) when its top-1 at an
+evaluation is below the median of the finished trials' at the same one. The objective is
+``tune.objective``: top-1 at the budget, or the wall time to ``target_top1``. Resumable: the
+study lives in ``DIR/study.db`` and each trial's run in ``DIR/trials/NNN``, so the same
+command continues it (a trial cut off by Ctrl-C or a kill resumes from its checkpoint); a
+larger ``--trials`` adds trials. It prints one line per trial and the best overrides, and
+writes ``DIR/trials.md`` and ``DIR/search.png``.
+
+The trials' and the range test's own trainer output goes to their ``log.txt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import sys
+import time
+
+from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError, Error, StopRequested
+from hybridpar.config.schema import config_value
+
+SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
+
+
+# ---- The search space: tune.space, checked before anything runs ----------------------------------
+
+
+def _number(text: str, item: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(
+            f"tune.space: {text!r} in {item!r} is not a number; write ranges as LO..HI, "
+            f"e.g. --config.tune.space={SPACE_EXAMPLE!r}"
+        ) from None
+
+
+def parse_space(config) -> list[dict]:
+    """``tune.space`` -> ``[{key, kind ("float", "int", "choice"), low, high, log,
+    choices}]``. Each key must be a config key with a number (ranges) or any value
+    (choices), and both ends of a range and every choice must pass ``validate``."""
+    from hybridpar.config.schema import validate
+
+    keys = set(cli.config_keys(config))
+    params = []
+    for item in [s.strip() for s in config.tune.space.split(",") if s.strip()]:
+        key, eq, spec = (s.strip() for s in item.partition("="))
+        if not eq or not spec:
+            raise ConfigError(
+                f"tune.space: {item!r} is not KEY=RANGE; use KEY=LO..HI, KEY=log:LO..HI or "
+                f"KEY=A|B|C, e.g. --config.tune.space={SPACE_EXAMPLE!r}"
+            )
+        if (
+            key not in keys
+            or key.startswith("tune.")
+            or hasattr(config_value(config, key), "items")
+        ):
+            leaves = [k for k in keys if not hasattr(config_value(config, k), "items")]
+            close = cli.suggest(key, [k for k in leaves if not k.startswith("tune.")])
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"tune.space: {key!r} is not a config key to search{hint}; name one of "
+                "hybridpar/config/schema.py's keys, e.g. optim.base_lr"
+            )
+        current = config_value(config, key)
+        if "|" in spec:
+            choices = [_cast(key, c.strip(), current, item) for c in spec.split("|")]
+            param = dict(key=key, kind="choice", choices=choices)
+            ends = choices
+        else:
+            log = spec.startswith("log:")
+            low, dots, high = spec.removeprefix("log:").partition("..")
+            if not dots or isinstance(current, bool) or not isinstance(current, (int, float)):
+                raise ConfigError(
+                    f"tune.space: {item!r}: a range LO..HI needs a number key and two dots "
+                    f"({key} is {current!r}); for other values list them as {key}=A|B"
+                )
+            low, high = _number(low, item), _number(high, item)
+            kind = "int" if isinstance(current, int) else "float"
+            if kind == "int" and (low != int(low) or high != int(high)):
+                raise ConfigError(f"tune.space: {item!r}: {key} is an int, so LO and HI must be")
+            if not low < high or (log and low <= 0):
+                need = "0 < LO < HI for log:" if log else "LO < HI"
+                raise ConfigError(f"tune.space: {item!r} needs {need}; e.g. {key}=log:0.01..1")
+            if kind == "int":
+                low, high = int(low), int(high)
+            param = dict(key=key, kind=kind, low=low, high=high, log=log)
+            ends = [low, high]
+        for value in ends:  # the space may not reach outside what validate accepts
+            trial = copy.deepcopy(config)
+            _set(trial, key, value)
+            try:
+                validate(trial)
+            except ConfigError as e:
+                raise ConfigError(f"tune.space: {item!r} reaches {key}={value!r}: {e}") from None
+        params.append(param)
+    if not params:
+        raise ConfigError(f"tune.space is empty: set e.g. --config.tune.space={SPACE_EXAMPLE!r}")
+    return params
+
+
+BATCH_KEYS = ("global_batch", "eval_batch")
+
+
+def check_batches(config, space: list[dict]) -> None:
+    """Every batch the space can draw splits evenly over the data-parallel devices (data x
+    fsdp) of every mesh it can draw, as the trainer requires (``program.check_batch_sizes``).
+    Checked for every choice before the first trial: otherwise a bad one fails only when its
+    trial starts, after the trials before it have run. A range over a batch key draws
+    batches that do not split whenever that size is > 1, so there choices are asked for. A
+    curriculum's batches are per device, so its global_batch is not used (as in the trainer).
+    """
+    by_key = {p["key"]: p for p in space}
+    batches = [p for k, p in by_key.items() if k in BATCH_KEYS]
+    if not batches:
+        return
+    from hybridpar.parallel.mesh import data_parallel_size  # imports jax, starts no backend
+
+    meshes = by_key["mesh"]["choices"] if "mesh" in by_key else [config.mesh]
+    for mesh in meshes:
+        dp = data_parallel_size(mesh)
+        where = f"the {dp} data-parallel devices of mesh {mesh!r} (data x fsdp)"
+        for p in batches:
+            key = p["key"]
+            if dp == 1 or (key == "global_batch" and config.stages):
+                continue
+            if p["kind"] != "choice":
+                first = max(dp, -(-p["low"] // dp) * dp)
+                fix = "|".join(map(str, range(first, max(p["high"], first) + 1, dp)[:4]))
+                raise ConfigError(
+                    f"tune.space: {key}={p['low']}..{p['high']} draws batches that do not "
+                    f"divide over {where}; list multiples of {dp} as choices instead, e.g. "
+                    f"{key}={fix} in --config.tune.space"
+                )
+            bad = [b for b in p["choices"] if b % dp]
+            if bad:
+                fix = dict.fromkeys(max(dp, b // dp * dp) for b in p["choices"])
+                raise ConfigError(
+                    f"tune.space: {key}={'|'.join(map(str, p['choices']))}: "
+                    f"{', '.join(map(str, bad))} do{'es' * (len(bad) == 1)} not divide over "
+                    f"{where}; use multiples of {dp}, e.g. {key}={'|'.join(map(str, fix))} in "
+                    "--config.tune.space"
+                )
+
+
+def _set(config, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for p in parents:
+        config = config[p]
+    config[leaf] = type(config[leaf])(value) if isinstance(config[leaf], float) else value
+
+
+def _cast(key: str, text: str, current, item: str):
+    """A choice as the type of the value it replaces."""
+    try:
+        if isinstance(current, bool):
+            return {"true": True, "false": False}[text.lower()]
+        if isinstance(current, (int, float)):
+            return type(current)(text)
+        return text
+    except (ValueError, KeyError):
+        raise ConfigError(
+            f"tune.space: {text!r} in {item!r} is not a {type(current).__name__} as {key} is"
+        ) from None
+
+
+def check(config, mode: str) -> list[dict] | None:
+    """Every tune value of ``mode``, before data or devices are touched."""
+    t = config.tune
+    if mode == "lr":
+        if not 0 < t.lr_min < t.lr_max or t.lr_epochs <= 0:
+            raise ConfigError(
+                f"tune.lr_min={t.lr_min!r}, tune.lr_max={t.lr_max!r}, tune.lr_epochs="
+                f"{t.lr_epochs!r}: the range test needs 0 < lr_min < lr_max and lr_epochs > 0; "
+                "set e.g. --config.tune.lr_min=1e-4 --config.tune.lr_max=10"
+            )
+        return None
+    if t.objective not in ("top1", "time_to_target"):
+        raise ConfigError(
+            f"tune.objective={t.objective!r} is not one of top1, time_to_target; use e.g. "
+            "--config.tune.objective=top1"
+        )
+    if t.objective == "time_to_target" and config.target_top1 <= 0:
+        raise ConfigError(
+            "tune.objective='time_to_target' needs a target: set --config.target_top1=..."
+        )
+    counts = (t.startup_trials, t.prune_after_trials, t.prune_warmup_evals)
+    if t.eval_every_epochs <= 0 or min(counts) < 0:
+        raise ConfigError(
+            "tune.eval_every_epochs must be > 0 and tune.startup_trials, "
+            "tune.prune_after_trials, tune.prune_warmup_evals >= 0; set e.g. "
+            "--config.tune.eval_every_epochs=1"
+        )
+    space = parse_space(config)
+    check_batches(config, space)  # before any trial or device: see check_batches
+    return space
+
+
+# ---- Running the trainer quietly -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def quiet(workdir: str):
+    """The trainer's own lines (mesh, placement, progress) into ``workdir/log.txt``."""
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "log.txt"), "a") as f:
+        with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+            yield
+
+
+def pyplot():
+    """matplotlib's pyplot, or None with a message (the PNG is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print('no PNG: it needs matplotlib (pip install -e ".[plot]")')
+        return None
+    return plt
+
+
+def run_trainer(config, workdir: str, hooks_for=lambda run: []) -> tuple[object, dict]:
+    """Sets up and trains ``config`` in ``workdir``; ``hooks_for(run)``: the trainer's hooks
+    (``trainer.Hook``) for the run once set up (its plan known)."""
+    from hybridpar.runtime import trainer
+    from hybridpar.runtime.run import setup
+
+    with quiet(workdir):
+        r = setup(config, workdir)
+        return r, trainer.train(r, hooks=hooks_for(r))
+
+
+# ---- lr: the range test --------------------------------------------------------------------------
+
+
+def range_test_config(config):
+    """``config`` with the LR rising geometrically from tune.lr_min to tune.lr_max (as
+    optim.base_lr) over tune.lr_epochs, one stage, a train line after every step, no
+    evaluation until the last step and a constant momentum (a ramp would mix its effect in)."""
+    c, t = copy.deepcopy(config), config.tune
+    c.optim.update(
+        schedule="exponential",
+        base_lr=float(t.lr_max),
+        warmup_start_factor=t.lr_min / t.lr_max,
+        warmup_epochs=0.0,
+        momentum_start=-1.0,
+    )
+    c.update(num_epochs=float(t.lr_epochs), stages="", log_every_s=0.0, eval_every_epochs=0.0)
+    c.stop_at_target = False
+    return c
+
+
+def diverged(first: float, lowest: float, now: float) -> bool:
+    """The LR has started to undo what the run learnt: the loss, having fallen by at least
+    5% of where it started, is back above half-way from its lowest to the start (or not
+    finite). fast.ai's "4x the lowest" never fires on our nets: with BatchNorm (and the
+    zero-initialised last BN of each block) the loss climbs back towards chance and then
+    wanders, it does not explode."""
+    if not math.isfinite(now):
+        return True
+    drop = first - lowest
+    return drop > 0.05 * first and now > lowest + 0.5 * drop
+
+
+class StopOnDivergence:
+    """Stops the range test once the loss diverged (``diverged``, on a bias-corrected
+    running mean): the larger LRs say nothing more and cost time."""
+
+    def __init__(self):
+        self.mean, self.first, self.lowest, self.n, self.stopped = 0.0, None, math.inf, 0, None
+
+    def __call__(self, loop, state, metrics, stage) -> None:
+        import jax
+
+        loss = float(jax.device_get(metrics["loss"]))
+        self.n += 1
+        self.mean = 0.8 * self.mean + 0.2 * loss
+        now = self.mean / (1 - 0.8**self.n)
+        self.first = now if self.first is None else self.first
+        self.lowest = min(self.lowest, now)
+        if diverged(self.first, self.lowest, now):
+            self.stopped = f"the loss diverged at step {loop.step}"
+            raise StopRequested(self.stopped)
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Centred moving average: no lag, so a minimum or a slope stays at its own LR."""
+    h = window // 2
+    return [sum(values[max(0, i - h) : i + h + 1]) / len(values[max(0, i - h) : i + h + 1])
+            for i in range(len(values))]  # fmt: skip
+
+
+def suggest(base_lrs: list[float], losses: list[float]) -> dict:
+    """The suggested peak ``optim.base_lr``: where the smoothed loss falls fastest against
+    log LR, before its minimum (and before it diverged). That is the LR that learns fastest
+    (Smith 2017; Lightning's ``lr_find``), a fair peak for warmup + decay. Not fast.ai's
+    "minimum / 10": on our nets the loss falls slowly for decades of LR and then steeply, so
+    a tenth of the minimum lands in the slow part (digits: 0.12, a third of the hand-tuned
+    0.4), where a short run barely moves; it is kept in the result for comparison."""
+    import numpy as np
+
+    smoothed = smooth(losses, max(5, len(losses) // 8) | 1)
+    lowest = np.minimum.accumulate(smoothed)
+    end = next((i for i in range(len(smoothed))
+                if diverged(smoothed[0], lowest[i], smoothed[i])), len(smoothed))  # fmt: skip
+    i = int(np.argmin(smoothed[:end]))
+    slope = np.gradient(smoothed[: i + 1], np.log(base_lrs[: i + 1])) if i > 1 else [0.0]
+    j = int(np.argmin(slope))
+    return {
+        "smoothed": smoothed,
+        "diverged_base_lr": base_lrs[end] if end < len(smoothed) else None,
+        "min_loss": smoothed[i],
+        "min_loss_base_lr": base_lrs[i],
+        "steepest_base_lr": base_lrs[j],
+        "min_over_10_base_lr": base_lrs[i] / 10,
+        "suggested_base_lr": float(f"{base_lrs[j]:.2g}"),
+    }
+
+
+def lr_range(config, workdir: str) -> dict:
+    from hybridpar.program.optim import lr_batch_factor
+    from hybridpar.runtime.checkpoint import another_config, config_dict, differences, read_json
+    from hybridpar.runtime.run_records import read_run, write_json
+
+    c = range_test_config(config)
+    saved = read_json(os.path.join(workdir, "config.json"))
+    diff = differences(saved, config_dict(c)) if saved is not None else []
+    if diff:
+        raise ConfigError(f"{another_config(workdir, diff)}; use a new --workdir for this test")
+    path = os.path.join(workdir, "lr_range.json")
+    if os.path.isfile(path):  # done before: the same command shows it again
+        with open(path) as f:
+            result = json.load(f)
+        print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
+        return result
+    stop = StopOnDivergence()
+    run_trainer(c, workdir, lambda run: [stop])
+    factor = lr_batch_factor(c.optim, c.global_batch)
+    records = [t for t in read_run(workdir).train if t.loss is not None]
+    if len(records) < 5:
+        raise ConfigError(
+            f"the range test ran {len(records)} steps with a finite loss, too few to read a "
+            "curve from: raise --config.tune.lr_epochs or lower --config.tune.lr_min"
+        )
+    base_lrs = [t.lr / factor for t in records]
+    losses = [t.loss for t in records]
+    result = {"base_lr": base_lrs, "loss": losses, "steps": len(records), "stopped": stop.stopped}
+    result |= suggest(base_lrs, losses)
+    result["override"] = f"--config.optim.base_lr={result['suggested_base_lr']:g}"
+    if stop.stopped is None and result["diverged_base_lr"] is None:
+        # Without the blow-up the test cannot tell where the LR becomes too large: the
+        # steepest descent seen so far may lie well below the one that learns fastest.
+        result["warning"] = (
+            f"the loss did not diverge up to optim.base_lr={base_lrs[-1]:.3g}, so the test "
+            "was too short to see where the LR becomes too large and the suggestion may be "
+            f"too low; run it again in a new --workdir with a larger --config.tune.lr_max "
+            f"(now {c.tune.lr_max:g}) or --config.tune.lr_epochs (now {c.tune.lr_epochs:g})"
+        )
+    write_json(path, result, indent=1)
+    plot_lr_range(result, os.path.join(workdir, "lr_range.png"))
+    return result
+
+
+def plot_lr_range(result: dict, path: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ax.semilogx(result["base_lr"], result["loss"], color="C0", alpha=0.35, label="loss")
+    ax.semilogx(result["base_lr"], result["smoothed"], color="C0", label="smoothed")
+    ax.axvline(result["min_loss_base_lr"], color="C3", linestyle=":", label="minimum")
+    ax.axvline(result["suggested_base_lr"], color="C2", linestyle="--",
+               label=f"suggested {result['suggested_base_lr']:g} (steepest descent)")  # fmt: skip
+    top = min(max(result["loss"]), 3 * result["loss"][0])  # the blow-up would hide the curve
+    ax.set_ylim(min(result["loss"]) * 0.9, top)
+    ax.set_xlabel("optim.base_lr (LR at lr_batch_base)")
+    ax.set_ylabel("train loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_lr_range(result: dict, workdir: str) -> None:
+    lrs = result["base_lr"]
+    print(
+        f"lr range test: {result['steps']} steps, optim.base_lr {lrs[0]:.3g} -> {lrs[-1]:.3g}"
+        + (f" ({result['stopped']}: stopped)" if result["stopped"] else "")
+    )
+    print(
+        f"smoothed loss lowest ({result['min_loss']:.4f}) at optim.base_lr="
+        f"{result['min_loss_base_lr']:.3g}, falling fastest at {result['steepest_base_lr']:.3g}"
+        f"\nsuggested peak LR (the steepest descent): {result['override']}"
+    )
+    print(f"wrote {workdir}/lr_range.png and {workdir}/lr_range.json")
+    if result.get("warning"):
+        print(f"warning: {result['warning']}")
+
+
+# ---- search: the study ---------------------------------------------------------------------------
+
+
+class Prune:
+    """Reports each evaluation's top-1 to the trial (the error, 1 - top-1, when the study
+    minimises time) and stops the run cleanly (``StopRequested``) where the pruner says so.
+    The step optuna sees is the evaluation's index, not the train step, so trials with
+    different batches compare at the same epochs."""
+
+    def __init__(self, trial, config, minimise: bool, total_steps: int):
+        self.trial, self.config, self.minimise = trial, config, minimise
+        self.every = config.tune.eval_every_epochs
+        self.total_steps, self.pruned = total_steps, None
+
+    def __call__(self, loop, state, metrics, stage) -> None:
+        from hybridpar.runtime.trainer import targets_met
+
+        ev = loop.last_eval
+        if ev is None or ev["step"] != loop.step:
+            return
+        index = round(ev["epoch"] / self.every)
+        self.trial.report(1 - ev["top1"] if self.minimise else ev["top1"], index)
+        last = loop.step >= self.total_steps or targets_met(self.config, loop)
+        if not last and self.trial.should_prune():
+            self.pruned = f"pruned at epoch {ev['epoch']:g} (top1 {ev['top1']:.4f})"
+            raise StopRequested(self.pruned)
+
+
+def trial_config(config, params: dict, budget: float):
+    c = copy.deepcopy(config)
+    for key, value in params.items():
+        _set(c, key, value)
+    c.num_epochs = float(budget)
+    c.eval_every_epochs = float(config.tune.eval_every_epochs)
+    if config.tune.objective == "time_to_target":
+        c.stop_at_target = True
+    return c
+
+
+def suggest_params(trial, space: list[dict]) -> dict:
+    out = {}
+    for p in space:
+        if p["kind"] == "choice":
+            out[p["key"]] = trial.suggest_categorical(p["key"], p["choices"])
+        elif p["kind"] == "int":
+            out[p["key"]] = trial.suggest_int(p["key"], p["low"], p["high"], log=p["log"])
+        else:
+            out[p["key"]] = trial.suggest_float(p["key"], p["low"], p["high"], log=p["log"])
+    return out
+
+
+def open_study(config, workdir: str, budget: float):
+    """The study in ``workdir/study.db``: new, or the one a previous call left, which must
+    be of this config and budget. Trials a previous call left unfinished (killed: still
+    RUNNING; or stopped by a signal) are queued again with their workdir, to resume there."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from hybridpar.runtime.checkpoint import another_config, config_dict, differences
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    os.makedirs(workdir, exist_ok=True)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{os.path.abspath(workdir)}/study.db")
+    minimise = config.tune.objective == "time_to_target"
+    study = optuna.create_study(
+        study_name="search",
+        storage=storage,
+        direction="minimize" if minimise else "maximize",
+        load_if_exists=True,
+    )
+    this = {"config": config_dict(config), "budget_epochs": budget}
+    saved = study.user_attrs.get("search")
+    if saved is None:
+        study.set_user_attr("search", this)
+    else:
+        diff = [("budget_epochs", saved["budget_epochs"], budget)] * (
+            saved["budget_epochs"] != budget
+        ) + differences(saved["config"], this["config"])
+        if diff:
+            raise ConfigError(
+                f"{another_config(workdir, diff).replace('a run', 'a search')}; use a new "
+                "--workdir for another search"
+            )
+    trials = study.get_trials(deepcopy=False)
+    kept = {t.user_attrs.get("workdir") for t in trials
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING)}  # fmt: skip
+    for t in trials:
+        if t.state == TrialState.RUNNING:  # its process was killed: nothing runs it now
+            storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+        elif not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted")):
+            continue
+        if t.user_attrs.get("workdir") not in kept:
+            study.enqueue_trial(t.params, user_attrs={"workdir": t.user_attrs["workdir"]})
+            kept.add(t.user_attrs["workdir"])
+    # Seeded by how far the study is, so a resumed study does not draw its first trials again.
+    study.sampler = optuna.samplers.TPESampler(
+        seed=config.seed + len(trials), n_startup_trials=config.tune.startup_trials
+    )
+    study.pruner = optuna.pruners.MedianPruner(  # evaluations count from 1: see Prune
+        n_startup_trials=config.tune.prune_after_trials,
+        n_warmup_steps=config.tune.prune_warmup_evals + 1,
+    )
+    return study
+
+
+def run_trial(study, config, space, workdir: str, budget: float) -> str:
+    """One trial: its run, then ``tell``. Returns its line; raises ``KeyboardInterrupt``
+    when a signal stopped it (it resumes on the next call)."""
+    from optuna.trial import TrialState
+
+    from hybridpar.config.errors import NonFinite
+
+    trial = study.ask()
+    again = trial.user_attrs.get("workdir")  # queued again by open_study: resumes there
+    sub = again or os.path.join("trials", f"{trial.number:03d}")
+    trial.set_user_attr("workdir", sub)
+    params = suggest_params(trial, space)
+    c = trial_config(config, params, budget)
+    prunes = []  # the trial's pruner, once its run is set up (it needs the run's last step)
+
+    def hooks_for(run):
+        prunes.append(Prune(trial, c, config.tune.objective == "time_to_target",
+                            run.plan.total_steps))  # fmt: skip
+        return prunes
+
+    start, note, value = time.time(), "", None
+    try:
+        _, summary = run_trainer(c, os.path.join(workdir, sub), hooks_for)
+    except NonFinite:  # a diverging LR is a bad trial, not a broken search
+        summary, note = None, "diverged"
+    except Error as e:  # a bad input or a failed save: the study cannot go on
+        study.tell(trial, state=TrialState.FAIL)
+        raise type(e)(f"trial {trial.number} ({overrides(params)}): {e}") from None
+    seconds = time.time() - start
+    trial.set_user_attr("seconds", round(seconds, 1))
+    head = f"trial {trial.number:>3}{f' (resumed {sub})' if again else ''}  {overrides(params)}"
+    pruned = prunes[0].pruned if prunes else None
+    if pruned:
+        study.tell(trial, state=TrialState.PRUNED)
+        return f"{head}  {pruned}  {seconds:.0f}s"
+    if summary is not None and summary.get("preempted"):
+        trial.set_user_attr("interrupted", True)
+        trial.set_user_attr("note", f"stopped by {summary['preempted']}, queued again")
+        study.tell(trial, state=TrialState.FAIL)
+        raise KeyboardInterrupt(f"trial {trial.number} stopped ({summary['preempted']})")
+    if config.tune.objective == "top1":
+        value = ((summary or {}).get("final_eval") or {}).get("top1", 0.0)
+    else:
+        hit = ((summary or {}).get("time_to_target") or {}).get("top1")
+        value, note = (hit["wall_s"], note) if hit else (math.inf, note or "target not reached")
+    trial.set_user_attr("note", note)
+    study.tell(trial, value)
+    return f"{head}  {config.tune.objective} {value:.4f}  {note or 'complete'}  {seconds:.0f}s"
+
+
+def overrides(params: dict) -> str:
+    return " ".join(f"--config.{k}={v:.3g}" if isinstance(v, float) else f"--config.{k}={v}"
+                    for k, v in params.items())  # fmt: skip
+
+
+def finished(study) -> list:
+    from optuna.trial import TrialState
+
+    return [t for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]  # fmt: skip
+
+
+def search(config, workdir: str, n_trials: int, budget: float) -> object:
+    space = check(config, "search")
+    study = open_study(config, workdir, budget)
+    done = len(finished(study))
+    if done >= n_trials:
+        print(f"the study in {workdir} has finished {done} trials (--trials {n_trials}): "
+              "nothing to run; pass a larger --trials to add more")  # fmt: skip
+    else:
+        where = f"each trial's run in {workdir}/trials/"
+        print(f"study {workdir}/study.db: {done} of {n_trials} trials done, {budget:g} epochs "
+              f"each; {where}", flush=True)  # fmt: skip
+    while len(finished(study)) < n_trials:
+        print(run_trial(study, config, space, workdir, budget), flush=True)
+    write_results(study, config, workdir)
+    return study
+
+
+def write_results(study, config, workdir: str) -> None:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    keys = [p["key"] for p in parse_space(config)]
+    name = config.tune.objective
+    lines = ["| trial | state | " + name + " | " + " | ".join(keys) + " | seconds | note |",
+             "|" + "---|" * (len(keys) + 5)]  # fmt: skip
+    for t in trials:
+        value = "-" if t.value is None else f"{t.value:.4f}"
+        if t.state == TrialState.PRUNED and t.intermediate_values:
+            last = max(t.intermediate_values)
+            value = f"({t.intermediate_values[last]:.4f} at eval {last})"
+        cells = [f"{t.params[k]:.4g}" if isinstance(t.params.get(k), float)
+                 else str(t.params.get(k, "-")) for k in keys]  # fmt: skip
+        seconds, note = t.user_attrs.get("seconds", "-"), t.user_attrs.get("note", "")
+        state = t.state.name.lower()
+        lines.append(
+            f"| {t.number} | {state} | {value} | {' | '.join(cells)} | {seconds} | {note} |"
+        )
+    table = "\n".join(lines) + "\n"
+    with open(os.path.join(workdir, "trials.md"), "w") as f:
+        f.write(table)
+    print(table, end="")
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    if complete:
+        best = study.best_trial
+        print(f"best: trial {best.number}, {name} {best.value:.4f}: {overrides(best.params)}")
+    plot_search(study, os.path.join(workdir, "search.png"), name)
+    print(f"wrote {workdir}/trials.md and {workdir}/search.png")
+
+
+def plot_search(study, path: str, name: str) -> None:
+    from optuna.trial import TrialState
+
+    plt = pyplot()
+    if plt is None:
+        return
+    trials = [t for t in study.get_trials(deepcopy=False)
+              if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]  # fmt: skip
+    fig, (obj, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
+    done = [t for t in trials if t.state == TrialState.COMPLETE]
+    obj.plot([t.number for t in done], [t.value for t in done], "o", label="complete")
+    pick = min if study.direction.name == "MINIMIZE" else max
+    best = [pick(t.value for t in done if t.number <= n.number) for n in done]
+    obj.step([t.number for t in done], best, where="post", color="C2", label="best so far")
+    cut = [t for t in trials if t.state == TrialState.PRUNED and t.intermediate_values
+           and pick is max]  # intermediates are the objective only when it is top-1  # fmt: skip
+    obj.plot([t.number for t in cut], [t.intermediate_values[max(t.intermediate_values)]
+             for t in cut], "x", color="0.5", label="pruned (its last eval)")  # fmt: skip
+    for t in trials:
+        xs = sorted(t.intermediate_values)
+        pruned = t.state == TrialState.PRUNED
+        curves.plot(xs, [t.intermediate_values[x] for x in xs], "--" if pruned else "-",
+                    color="0.6" if pruned else None, marker=".", label=None if pruned
+                    else f"trial {t.number}")  # fmt: skip
+    obj.set_xlabel("trial")
+    obj.set_ylabel(name)
+    curves.set_xlabel("evaluation (tune.eval_every_epochs apart)")
+    curves.set_ylabel("1 - top1" if study.direction.name == "MINIMIZE" else "top1")
+    curves.set_title("each trial's evaluations (pruned: dashed grey)", fontsize=9)
+    for ax in (obj, curves):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- Command line --------------------------------------------------------------------------------
+
+
+def main(argv=None) -> None:
+    parser = cli.ArgumentParser("python -m hybridpar.tune", __doc__)
+    parser.add_argument("mode", choices=("lr", "search"), help="the LR range test or a search")
+    parser.add_argument("--workdir", required=True, help="the test's or the study's directory")
+    parser.add_argument("--trials", type=int, help="search: trials in all (finished ones count)")
+    parser.add_argument(
+        "--budget-epochs", type=cli.finite_float, help="search: epochs of each trial"
+    )
+    args, config = cli.parse(parser, sys.argv[1:] if argv is None else list(argv))
+    if args.mode == "search":
+        if args.trials is None or args.trials < 1:
+            cli.fail("search needs --trials N (N >= 1), e.g. --trials 12")
+        if args.budget_epochs is None or args.budget_epochs <= 0:
+            cli.fail("search needs --budget-epochs E (E > 0), e.g. --budget-epochs 3")
+    elif args.trials is not None or args.budget_epochs is not None:
+        cli.fail("--trials and --budget-epochs are for search, not lr")
+
+    def run():
+        from hybridpar.config.schema import validate
+
+        validate(config)
+        check(config, args.mode)
+        from hybridpar.runtime.run import check_workdir
+
+        check_workdir(args.workdir)
+        if args.mode == "lr":
+            print_lr_range(lr_range(config, args.workdir), args.workdir)
+            return
+        try:
+            search(config, args.workdir, args.trials, args.budget_epochs)
+        except KeyboardInterrupt as e:
+            print(f"stopped: {e or 'interrupted'}; the same command continues the study")
+
+    cli.main(run)
+
+
+if __name__ == "__main__":
+    main()
