@@ -574,14 +574,23 @@ def use_virtual_cpu_devices(n: int) -> None:
     targets.prepare(targets.Target("cpu", n))
 
 
-def check_target_devices(devices: int | None, spec: str, target) -> None:
-    """``--devices`` beside ``--target``: the same count or one ``error:`` line (plan and
-    comm_report alike; the target's count is the one compiled for)."""
+def target_of(spec: str | None, devices: int | None):
+    """The ``--target`` of plan and comm_report alike, parsed (None without one), or one
+    ``error:`` line; ``--devices`` beside it must be its count, the one compiled for."""
+    if not spec:
+        return None
+    from hybridpar.tools import targets
+
+    try:
+        target = targets.parse(spec)
+    except ConfigError as e:
+        cli.fail(str(e))
     if devices not in (None, target.devices_count):
         cli.fail(
             f"--devices={devices} but --target {spec} has {target.devices_count} "
             "devices; pass one of them"
         )
+    return target
 
 
 def main(argv=None) -> None:
@@ -597,15 +606,10 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
-    target = None
-    if args.target:
+    target = target_of(args.target, args.devices)
+    if target is not None:
         from hybridpar.tools import targets
 
-        try:
-            target = targets.parse(args.target)
-        except ConfigError as e:
-            cli.fail(str(e))
-        check_target_devices(args.devices, args.target, target)
         try:
             targets.prepare(target)
         except ConfigError as e:

@@ -46,7 +46,7 @@ from hybridpar.config.curriculum import duration
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import HEADS
 from hybridpar.runtime.run_records import write_json
-from hybridpar.tools.comm_report import check_target_devices, use_virtual_cpu_devices
+from hybridpar.tools.comm_report import target_of, use_virtual_cpu_devices
 from hybridpar.tools.comm_report_schema import CommReport
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
@@ -593,15 +593,8 @@ def main(argv=None) -> None:
     from hybridpar import simulate as sim
 
     args, config = cli.parse(build_parser(), argv)
-    target = None
-    if args.target:
-        from hybridpar.tools import targets
-
-        try:
-            target = targets.parse(args.target)
-        except ConfigError as e:
-            cli.fail(str(e))
-        check_target_devices(args.devices, args.target, target)
+    target = target_of(args.target, args.devices)
+    if target is not None:
         args.devices = target.devices_count
         if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
             cli.fail(
@@ -627,6 +620,8 @@ def main(argv=None) -> None:
     if limit_gib <= 0:
         cli.fail(f"--memory-gib={limit_gib:g} must be positive")
     if target is not None:  # before anything below starts JAX (workers inherit it)
+        from hybridpar.tools import targets
+
         try:
             targets.prepare(target)
         except ConfigError as e:
