@@ -443,3 +443,16 @@ def test_a_warmup_as_long_as_the_run_is_a_warning_at_set_up(tmp_path, capsys, wa
     if warned:
         assert f"optim.warmup_epochs={warmup:g} is not shorter than the run" in line[0]
         assert "--config.optim.warmup_epochs=0.025" in line[0]
+
+
+def test_the_step_is_called_under_a_transfer_guard(tmp_path, monkeypatch):
+    """Batches reach the step already on the devices (the prefetch places them); a host
+    batch there would be an implicit copy on every step, which the loop's transfer guard
+    makes an error. Here the prefetch is bypassed, so numpy batches reach the step. Planted
+    bug that fails it: the guard left out (XLA then copies them silently)."""
+    from hybridpar.input import prefetch
+
+    monkeypatch.setattr(prefetch, "prefetch_to_mesh", lambda batches, mesh, size: iter(batches))
+    run = setup(tiny_digits("data:8"), str(tmp_path))
+    with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
+        trainer.train(run)

@@ -556,7 +556,11 @@ def run_stages(t: Training) -> str | None:
                 t.clock.to("redone" if loop.step < t.redo_until else "train")
                 if batch is None:
                     break
-                t.state, metrics = train_step(t.state, batch)
+                # a named step for the profiler; and no implicit host-to-device copy in the
+                # step's call: the batch and state are on the devices, anything else is a bug
+                with jax.profiler.StepTraceAnnotation("train", step_num=loop.step), \
+                        jax.transfer_guard("disallow"):  # fmt: skip
+                    t.state, metrics = train_step(t.state, batch)
                 in_flight.append(metrics["loss"])
                 if len(in_flight) > MAX_STEPS_IN_FLIGHT:
                     in_flight.popleft().block_until_ready()
