@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer on one GPU, end to end, in one device call (issue 45 item 3): the README's
+# The trainer on one GPU, end to end, in one device call: the README's
 # digits job, CIFAR-10 to 94% on device-resident data beside airbench94, the DAWNBench
 # ResNet-50 stages against the step bench, and a program compiled ahead and loaded. Writes
 # bench/results/gpu/e2e_<gpu>_<date>.txt (tables, then one key=value line, ratios first);

@@ -74,7 +74,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.init_from = ""
     # Knowledge distillation (hybridpar/runtime/distill.py): with teacher_workdir set, the loss is
     # (1 - alpha) x cross-entropy + alpha x temperature^2 x KL(teacher || student) on logits
-    # at that temperature; the teacher (the run's latest checkpoint and its config.json)
+    # at that temperature; the teacher (the run's latest checkpoint and the config it holds)
     # runs in the same step on the same mesh, in inference mode, without gradients.
     c.distill = ml_collections.ConfigDict(dict(teacher_workdir="", temperature=4.0, alpha=0.9))
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.

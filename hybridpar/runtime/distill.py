@@ -5,8 +5,8 @@ With ``distill.teacher_workdir`` set, each example's loss is
     (1 - alpha) * cross_entropy(student, labels) + alpha * T^2 * KL(p_teacher || p_student)
 
 with ``p = softmax(logits / T)`` (Hinton et al.; the ``T^2`` keeps the soft term's gradient
-on the scale of the hard one's). The teacher is the run in that workdir: its config.json and
-its latest checkpoint, placed by the student's partitioning rules on the student's mesh. It
+on the scale of the hard one's). The teacher is the run in that workdir: its latest checkpoint
+and the config it holds, placed by the student's partitioning rules on the student's mesh. It
 runs in the same jitted train step, in inference mode (running BatchNorm statistics), on the
 step's normalised images; its logits are a constant of the gradient. Its variables are a
 third argument of the train step, beside the state and the batch.

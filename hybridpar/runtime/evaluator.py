@@ -281,8 +281,8 @@ def run(
     dead_after_s: float = DEAD_AFTER_S,
     from_epoch: float = 0.0,
 ) -> list[dict]:
-    """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, from its
-    ``config.json``, with ``overrides``) on ``devices`` (default: all), those from
+    """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, its latest
+    checkpoint's, with ``overrides``) on ``devices`` (default: all), those from
     ``from_epoch`` on; returns the events written (``eval`` and ``eval_skipped``). With
     ``watch`` it may start before the run and stops with an error once the run has ended
     unfinished (``Liveness``)."""

@@ -345,7 +345,7 @@ def main(argv=None) -> None:
         cli.fail("pass --workdir DIR (the training run's)")
 
     def go():
-        # without --config: the run's own, from its config.json
+        # without --config: the run's own, its latest checkpoint's
         c = config or trained.load_config(args.workdir, args.config_overrides)
         check_args(args, c)  # before any device or data is touched
         run(
