@@ -14,7 +14,7 @@ to 24 px, a crop of about 71-100% of the side shows objects at 0.75-1.06x (0.88x
 average) the scale the 32-px test images show them at, where the whole image shows them at
 0.75x (FixRes, Touvron et al. 2019: train at the scale you test at). ``gpu`` takes the small
 images at twice the batch, for throughput; ``cpu`` keeps batch 512, since a CPU runs no
-faster at a larger batch and fewer steps learned less per epoch (below).
+faster at a larger batch and fewer steps learned less per epoch.
 Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the first layer.
 
 Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
@@ -26,37 +26,9 @@ says so). ``gpu,8`` keeps one GPU's global batches on 8 (128 then 64 per GPU). D
 JPEG tars in $HYBRIDPAR_DATA (default ../shared/data), prepared on first use as
 experiments/cifar10.py does.
 
-Measured, ``cpu`` (one seed; the runs are deterministic at a given core count):
-- On 2 idle cores, from the start of the run (compilation and evaluation included): the
-  recipe reached 85.79% test top-1 after the 8 epochs at 3,110 s (52 min; compile 20.1 s),
-  top-1 by epoch 52.9, 60.5, 67.4, 80.0, 79.9, 83.7, 84.1, 85.8%; 209 img/s at 24 px, 117
-  at 32, in a slow hour. A plain fixed-size recipe needs 61 minutes.
-  In a faster hour (148 img/s at 32 px), with whole images at 24 px (``3:24-512,8:32-512``):
-  85.78% at 2,575 s, 80.27% at epoch 4 (1,189 s). ``3.2:24-768,8:32-512``: 85.51% at
-  3,001 s, 78.9% at epoch 4.
-- One core per run, two runs at a time, top-1 at epochs 1-4 (the first 4 of the 8):
-  ``3:24-512@0.5`` (the recipe) 54.1, 61.2, 70.0, 80.16%; ``3:24-512`` 50.0, 66.5, 72.8,
-  79.37%; ``2.5:24-512`` 51.7, 66.5, 74.1, 79.93%; ``3:24-256`` 58.2, 69.3, 72.3, 80.11%;
-  ``3:24-256@0.5`` 55.3, 67.9, 73.2, 80.52% (batch 256 learns more per epoch, but its 24-px
-  epochs took about 1.2x as long as batch 512's). The same model at 32 px throughout: 53.9,
-  73.2, 77.6, 81.4%.
-Time to 80% against the same model at 32 px throughout, ``python bench/curriculum_tta.py``
-over a copy of bench/results/curriculum_tta/before (one core per run, side by side,
-quarter-epoch checkpoints; 2026-12-04, three seeds, trained beside other work): on the
-priced clock (each step at its shape's calibrated cost, 24 px 0.52x of 32 px)
-``tta_speedup_80_priced=1.346``, min 1.183, max 1.478 (80% at epoch 3.96, 4.21, 3.96
-against 3.71, 3.71, 2.97), 1.253 to 85%; the loaded wall clocks' ``tta_speedup_80=1.193``
-(1.082-1.586). Final top-1 85.91, 85.57, 85.95% against 86.18, 86.36, 86.02%. The records
-and what is left to win: bench/results/curriculum_tta/before/NOTES.md. Other first stages
-against the same fixed runs, priced (bench/results/curriculum_tta/README.md):
-``2:24-512@0.5`` 1.145 (one seed), 24 -> 28 -> 32 px 1.279 (two), ``3:24-256@0.5`` 1.237
-(three, 0.990-1.481; finals 86.14, 85.89, 85.98%, better than the recipe's, slower to 80%),
-``2:24-256@0.5`` 1.353 (one; final 85.93%).
-Earlier one-seed
-figures, evaluated once an epoch, ranged from 1.06x to 1.47x on one epoch's difference.
-Widths 64-128-128 ran 170 and 92 img/s, too slow for 8 epochs in the hour that the plain
-fixed-size recipe needs for 85%.
-``gpu`` is not measured yet.
+Measured figures (``cpu``; ``gpu`` is not measured yet): single runs in
+../bench/results/cifar10_fast/NOTES.md, time to 80% against the same model at 32 px
+throughout in ../bench/results/curriculum_tta/README.md.
 """
 
 import re
