@@ -114,7 +114,7 @@ def bare_init(prepared, sizes):
         def one(x):
             shape = tf.image.extract_jpeg_shape(x[0])
             seed = tf.stack([tf.constant(7, tf.int64), x[1]])
-            return tf.stack(T._random_window(shape, seed, 0.08, 1.0, (3 / 4, 4 / 3)))
+            return tf.stack(T.random_window(shape, seed, 0.08, 1.0, (3 / 4, 4 / 3)))
 
         return tf.map_fn(one, (data, ids), fn_output_signature=tf.int32)
 

@@ -16,8 +16,9 @@ import numpy as np
 from hybridpar.config.errors import ConfigError, DataError
 
 
-def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
-    """(N, h, w) float -> (N, size, size) by bilinear interpolation (align_corners=False)."""
+def resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
+    """(N, h, w) float -> (N, size, size) by bilinear interpolation: half-pixel centres, no
+    antialiasing (as ``tf.image.resize``)."""
     n, h, w = images.shape
 
     def grid(src, dst):
@@ -43,7 +44,7 @@ def load_digits(image_size: int, test_fraction: float = 0.2, split_seed: int = 0
     from sklearn.model_selection import train_test_split
 
     d = sk_digits()
-    images = _resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), image_size)
+    images = resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), image_size)
     images = np.clip(np.round(images), 0, 255).astype(np.uint8)[..., None]
     labels = d.target.astype(np.int32)
     tr_x, te_x, tr_y, te_y = train_test_split(

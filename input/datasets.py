@@ -40,15 +40,17 @@ class Data:
     steps_for: Callable[[int], int] | None = None
 
 
-def make_data(c, pi: int, pc: int, mesh=None) -> Data:
+def make_data(c, pi: int, pc: int, mesh=None, stage_sizes: list[int] | None = None) -> Data:
     """``mesh``: the run's, where the on-device set is placed (None: ``c.mesh`` over every
-    device); the host pipelines only slice by process."""
+    device); the host pipelines only slice by process. ``stage_sizes``: the image sizes of
+    the run's planned stages, at which an on-device set is stored (None: read from
+    ``c.stages``)."""
     d = c.data
     shape = (d.image_size, d.image_size, d.channels)
     if d.on_device:  # global batches made on the devices: no process slices, no TensorFlow
         from hybridpar.input import on_device
 
-        return on_device.make_data(c, mesh)
+        return on_device.make_data(c, mesh, stage_sizes)
     if d.name in ("digits", "synthetic"):
         return _in_memory(c, pi, pc, shape)
     if d.name in ("images", "tfds"):
@@ -157,7 +159,7 @@ def _pipeline(c, pi, pc, shape) -> Data:
         dct_scaling=d.dct_scaling,
     )
     if d.name == "images":
-        prepared = _ensure_prepared(d)
+        prepared = ensure_prepared(d)
         train = ImagePipeline(prepared, d.train_split, **common)
         test = ImagePipeline(prepared, d.eval_split, **common)
     else:
@@ -225,9 +227,12 @@ def split_counts(pipes: dict) -> dict:
     return totals | {"splits": splits}
 
 
-def _ensure_prepared(d) -> str:
-    """The prepared directory, preparing the sources first if they are not yet, or again if
-    they changed since; with only ``prepared_dir``, a changed source is an error."""
+def ensure_prepared(d) -> str:
+    """The prepared directory of the ``data`` config section ``d`` (``data.name=images``),
+    preparing the sources first if they are not yet, or again if they changed since; with
+    only ``prepared_dir``, a changed source is an error. Safe to call from several processes
+    at once (one prepares, the others wait), and what ``make_data`` calls, so calling it
+    first (say, once before a multi-host launch) prepares the data the run then reuses."""
     sources = [s.strip() for s in d.source.split(",") if s.strip()]
     prepared = d.prepared_dir or (default_prepared_dir(sources) if sources else "")
     if not prepared:

@@ -360,17 +360,20 @@ class DeviceSet:
 # ---- From the config ------------------------------------------------------------------------
 
 
-def image_sizes(c) -> list[int]:
-    """Every image size the config trains or evaluates at: data.image_size and the stages'."""
-    from hybridpar.config.curriculum import parse_stages
+def image_sizes(c, stage_sizes: list[int] | None = None) -> list[int]:
+    """Every image size the config trains or evaluates at: data.image_size and the stages'
+    (``stage_sizes``, the run plan's; None: read from ``c.stages``)."""
+    if stage_sizes is None:
+        from hybridpar.config.curriculum import parse_stages
 
-    stages = parse_stages(c.stages) if c.stages else []
-    return sorted({c.data.image_size, *(size for _, size, _, _ in stages)})
+        stage_sizes = [size for _, size, _, _ in parse_stages(c.stages)] if c.stages else []
+    return sorted({c.data.image_size, *stage_sizes})
 
 
-def make_data(c, mesh=None):
+def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
     """The ``Data`` (``datasets.Data``) of ``c`` held on the devices of ``mesh`` (the run's;
-    None: ``c.mesh`` over every device, as the run's set-up makes it)."""
+    None: ``c.mesh`` over every device, as the run's set-up makes it), stored at
+    ``image_sizes(c, stage_sizes)``: the run's set-up passes its stages' sizes."""
     import jax
 
     from hybridpar.input.datasets import Data
@@ -378,7 +381,7 @@ def make_data(c, mesh=None):
 
     d = c.data
     mesh = make_mesh(c.mesh) if mesh is None else mesh
-    sizes = image_sizes(c)
+    sizes = image_sizes(c, stage_sizes)
     kw: dict = {"translate": d.translate}
     info: dict = {"source": d.name}
     if d.name == "digits":

@@ -344,13 +344,13 @@ class ImagePipeline:
         self._fns[key] = tf.function(build).get_concrete_function(*spec)
         return self._fns[key]
 
-    def _decoding(self, copy: str, image_size: int) -> dict:
-        """How ``copy``'s records decode at ``image_size``: ``jpeg_only`` where prepare wrote
-        them all as JPEG that TF decodes (no format test per image), and ``dct_scaling`` only
-        where it can pay: where the copy's median shorter side is at least
-        ``DCT_MIN_SIDE`` x ``image_size`` or, for copies prepared without that figure, where
-        its longest side is. Each time an input is opened the four-way DCT branch costs
-        a function instantiation."""
+    def decoding_for(self, copy: str, image_size: int) -> dict:
+        """How ``copy``'s records decode at ``image_size``: the keywords the transforms get
+        (as ``copy_for`` names the copy). ``jpeg_only`` where prepare wrote them all as JPEG
+        that TF decodes (no format test per image), and ``dct_scaling`` only where it can pay:
+        where the copy's median shorter side is at least ``DCT_MIN_SIDE`` x ``image_size``
+        or, for copies prepared without that figure, where its longest side is. Each time an
+        input is opened the four-way DCT branch costs a function instantiation."""
         entry = self.info["copies"][copy]
         side = entry.get("median_short_side", entry.get("max_side"))
         return {
@@ -364,7 +364,7 @@ class ImagePipeline:
         scale, decoding) and kept: tracing it (four DCT-scale branches) took longer than
         decoding a 1,000-image epoch's first batches, and every epoch and stage used to
         trace it again."""
-        decoding = self._decoding(copy, image_size)
+        decoding = self.decoding_for(copy, image_size)
         key = ("train", image_size, min_scale, *decoding.values())
         if key not in self._fns:
             spec = (tf.TensorSpec([], tf.string), tf.TensorSpec([2], tf.int64))
@@ -400,7 +400,7 @@ class ImagePipeline:
         crop_ratio = self.eval_crop_ratio
         copy = self.copy_for(image_size)
         ds = self._records(copy, ordered=True)
-        decoding = self._decoding(copy, image_size)
+        decoding = self.decoding_for(copy, image_size)
 
         def transform(ex):
             out = {

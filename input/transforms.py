@@ -32,10 +32,12 @@ def _center_window(shape, crop_ratio: float):
     return (h - side + 1) // 2, (w - side + 1) // 2, side, side
 
 
-def _random_window(shape, seed, min_scale, max_scale, ratio):
-    """A random-resized-crop window of an image of ``shape`` [h, w, c]; the centre crop where
-    sampling fails. ``min_scale`` 1: the whole image (which the sampler would return as its
-    failure, and the fallback would shrink to the centre crop)."""
+def random_window(shape, seed, min_scale, max_scale, ratio):
+    """A random-resized-crop window (offset_y, offset_x, h, w) of an image of ``shape``
+    [h, w, c], drawn from ``seed`` (``train_transform`` passes the first of its seed split
+    in two); the centre crop where sampling fails. ``min_scale`` 1: the whole image (which
+    the sampler would return as its failure, and the fallback would shrink to the centre
+    crop)."""
     if min_scale >= 1.0:
         return (tf.constant(0, tf.int32), tf.constant(0, tf.int32), shape[0], shape[1])
     begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
@@ -73,9 +75,10 @@ def dct_ratio(crop_h, crop_w, image_size: int):
     return steps[0] + steps[1] + steps[2]  # the conditions are nested: 8x implies 4x implies 2x
 
 
-def _decode_crop_jpeg(image_bytes, shape, window, image_size):
-    """``decode_and_crop_jpeg`` of ``window`` (original pixel coordinates), at the DCT scale
-    that ``dct_ratio`` picks; ``image_size`` None decodes at full scale."""
+def decode_crop_jpeg(image_bytes, shape, window, image_size):
+    """``decode_and_crop_jpeg`` of ``window`` (original pixel coordinates) of a JPEG of
+    ``shape``, at the DCT scale that ``dct_ratio`` picks; ``image_size`` None decodes at
+    full scale. Both transforms decode their JPEG windows through it."""
     oy, ox, h, w = window
 
     def at(r):
@@ -109,7 +112,7 @@ def _decode_window(image_bytes, window_fn, image_size=None, jpeg_only=False):
 
     def jpeg():
         shape = tf.image.extract_jpeg_shape(image_bytes)
-        return _decode_crop_jpeg(image_bytes, shape, window_fn(shape), image_size)
+        return decode_crop_jpeg(image_bytes, shape, window_fn(shape), image_size)
 
     def other():
         image = tf.io.decode_image(image_bytes, channels=3, expand_animations=False)
@@ -153,7 +156,7 @@ def train_transform(
     box_seed, flip_seed = seeds[0], seeds[1]
 
     def window(shape):
-        return _random_window(shape, box_seed, min_scale, max_scale, ratio)
+        return random_window(shape, box_seed, min_scale, max_scale, ratio)
 
     scale_for = image_size if dct_scaling else None
     image = _resize_uint8(_decode_window(image_bytes, window, scale_for, jpeg_only), image_size)

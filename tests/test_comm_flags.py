@@ -2,6 +2,7 @@
 own flag wins over them."""
 
 import os
+from importlib import metadata
 
 from hybridpar.config.schema import base_config
 from hybridpar.parallel import comm
@@ -16,13 +17,27 @@ def test_triton_gemm_workaround_follows_the_jaxlib_version():
     assert comm.workaround_flags("gpu", (0, 10)) == []
     assert comm.workaround_flags("tpu", (0, 11)) == []
     assert comm.workaround_flags("cpu", (0, 11)) == []
-    # the installed one is read without importing jax: this suite pins jax 0.10
-    assert comm._jaxlib_version()[:2] == (0, 10)
+
+
+def _jaxlib(monkeypatch, version: str):
+    """The installed jaxlib's version, as its package metadata gives it, replaced."""
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda n: version if n == "jaxlib" else real(n))
+
+
+def test_the_installed_jaxlib_version_is_read_from_its_metadata(monkeypatch):
+    # this suite pins jax 0.10: no workaround, as for the version given
+    assert metadata.version("jaxlib").startswith("0.10.")
+    assert comm.workaround_flags("gpu") == comm.workaround_flags("gpu", (0, 10)) == []
+    _jaxlib(monkeypatch, "0.11.2")  # the default is read again on each call
+    assert comm.workaround_flags("gpu") == [TRITON_OFF]
+    _jaxlib(monkeypatch, "0.12.0rc1")
+    assert comm.workaround_flags("gpu") == [TRITON_OFF]
 
 
 def test_apply_adds_the_workaround_unless_the_user_set_that_flag(monkeypatch):
     c = base_config().comm
-    monkeypatch.setattr(comm, "_jaxlib_version", lambda: (0, 11))
+    _jaxlib(monkeypatch, "0.11.2")
     monkeypatch.setenv("XLA_FLAGS", "--foo=1")
     assert TRITON_OFF in comm.apply(c, "gpu")
     assert TRITON_OFF in os.environ["XLA_FLAGS"].split()
@@ -30,6 +45,6 @@ def test_apply_adds_the_workaround_unless_the_user_set_that_flag(monkeypatch):
     assert TRITON_OFF not in comm.apply(c, "gpu")  # the user's own choice wins
     assert "--xla_gpu_enable_triton_gemm=true" in os.environ["XLA_FLAGS"].split()
     assert TRITON_OFF not in os.environ["XLA_FLAGS"].split()
-    monkeypatch.setattr(comm, "_jaxlib_version", lambda: (0, 10))
+    _jaxlib(monkeypatch, "0.10.0")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert TRITON_OFF not in comm.apply(c, "gpu")

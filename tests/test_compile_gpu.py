@@ -60,7 +60,7 @@ def test_the_gpu_memory_check_compares_bytes_with_the_capacity(name):
     """The check the GPU compiler leaves to the tool, without the plugin: a program's
     per-GPU bytes against the GPU's bytes (80 GB on an H100: 74.51 GiB), refused from one
     byte over."""
-    from hybridpar.tools.compile import OverHbm, _hbm_shortfall, over_capacity
+    from hybridpar.tools.compile import OverHbm, hbm_shortfall, over_capacity
 
     t = targets.parse(f"gpu:{name}-8")
     cap = {"h100": 80e9, "h200": 141e9, "a100": 80e9}[name]
@@ -68,7 +68,7 @@ def test_the_gpu_memory_check_compares_bytes_with_the_capacity(name):
     assert over_capacity({"total": int(cap)}, t) is None
     assert over_capacity({"total": int(cap) + 1}, t) == (int(cap) + 1, cap)
     # the error the tool raises reads back as (need, capacity), as the TPU compiler's does
-    assert _hbm_shortfall(OverHbm(*over_capacity({"total": 2 * int(cap)}, t))) == (2 * cap, cap)
+    assert hbm_shortfall(OverHbm(*over_capacity({"total": 2 * int(cap)}, t))) == (2 * cap, cap)
 
 
 def test_this_machines_own_gpus_are_a_target_without_a_chip(monkeypatch):

@@ -78,11 +78,11 @@ def test_a_zero_count_says_at_least_one(spec, expect):
 
 
 def test_a_mesh_of_another_size_names_a_target_of_its_size():
-    from hybridpar.tools.compile import _target_hint
+    from hybridpar.tools.compile import target_hint
 
-    hint = _target_hint(targets.parse("tpu:v5e-4,slices=2"), "data:16")
+    hint = target_hint(targets.parse("tpu:v5e-4,slices=2"), "data:16")
     assert hint == "--target tpu:v5e-4,slices=2 is 8 chips; --target tpu:v5e-8,slices=2 has 16"
-    assert _target_hint(targets.parse("cpu:8"), "data:4,model:4").startswith("--target cpu:16")
+    assert target_hint(targets.parse("cpu:8"), "data:4,model:4").startswith("--target cpu:16")
 
 
 def _program(name, batch, size, total, flops, coll):
@@ -314,12 +314,13 @@ def test_every_field_of_a_files_header_is_checked(tmp_path):
 
 
 def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
+    from hybridpar.runtime import run
     from hybridpar.tools import compile as tool
 
     def never(*a, **k):
-        raise AssertionError("compiled before checking --out")
+        raise AssertionError("set up (to compile) before checking --out")
 
-    monkeypatch.setattr(tool, "_setup_for", never)
+    monkeypatch.setattr(run, "setup", never)
     (tmp_path / "a_file").write_text("")
     for out, expect in [(tmp_path / "a_file" / "programs.bin", "cannot write there"),
                         (tmp_path / "no" / "programs.bin", "No such file"),
@@ -327,6 +328,8 @@ def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=expect):
             tool.compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(out))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no .tmp left
+    with pytest.raises(AssertionError, match="before checking"):  # a good --out: set up
+        tool.compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(tmp_path / "p"))
 
 
 def test_a_failed_write_comes_after_the_report_and_leaves_nothing(tmp_path, monkeypatch):

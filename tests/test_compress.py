@@ -17,7 +17,9 @@ hybridpar.compress``).
   formula on them (the teacher as its own student, where a train-mode teacher's KL is 0).
 * The loop: the int8 bytes it plans rounds with are what ``quantize`` writes, so the round
   that spends the budget fits it; with each round's work stood in for, it stops at the
-  round that meets the budget, exits 3 where none does, refuses a teacher still training
+  round that meets the budget (of the int8 weights, or of the LiteRT file: a tiny
+  teacher's file-budget round writes a model.tflite within it; a file budget under the
+  smallest file is an ``error:``), exits 3 where none does, refuses a teacher still training
   or unfinished, a loop of another teacher step, and a second loop on the same workdir.
 * The loop resumes a round stopped by SIGTERM, and bad input is one ``error:`` line.
 """
@@ -184,6 +186,14 @@ def _fake_bytes(keep):
     return int(100_000 * keep**2) + 500
 
 
+FAKE_OVERHEAD = 10_000  # the stand-in LiteRT file: its int8 weights and this
+
+
+def _fake_size(workdir, of="weights"):
+    """``compress.teacher_size``'s stand-in: the file's bound is its size."""
+    return {}, _fake_bytes if of == "weights" else lambda k: _fake_bytes(k) + FAKE_OVERHEAD
+
+
 def _fake_teacher(path):
     """A finished run as compress sees it before any device: config.json, a checkpoint's
     directory and a completed summary (the rounds themselves are ``_fake_rounds``')."""
@@ -210,12 +220,15 @@ def _fake_rounds(monkeypatch, drops=None):
         made.append((index, keep))
         top1 = 0.9 - (drops or {}).get(index, 0.0) / 100
         ev = {"float": {"top1": 0.9 if index == 0 else top1}, "int8": {"top1": top1}}
+        file_bytes = _fake_bytes(keep) + FAKE_OVERHEAD
         report = {"eval": ev, "params": int(1000 * keep), "weight_bytes_int8": _fake_bytes(keep),
                   "flops_per_image": 1, "latency_ms": {"int8_batch1_ms": 1.0},
-                  "step": FAKE_STEP if index == 0 else 0}  # fmt: skip
+                  "step": FAKE_STEP if index == 0 else 0,
+                  "litert": {"file_bytes": file_bytes, "file_kb": round(file_bytes / 1000, 1),
+                             "latency_ms": 0.25}}  # fmt: skip
         return report, args.workdir if index == 0 else os.path.join(rd, "run")
 
-    monkeypatch.setattr(compress, "teacher_size", lambda w: ({}, _fake_bytes))
+    monkeypatch.setattr(compress, "teacher_size", _fake_size)
     monkeypatch.setattr(compress, "make_round", make_round)
     monkeypatch.setattr(compress, "plot", lambda *a: None)
     return made
@@ -258,6 +271,41 @@ def test_the_loop_stops_at_the_round_that_meets_the_budget(tmp_path, monkeypatch
     assert code == 0 and len(made) == 3 and out2[-1] == out[-1], made
 
 
+def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
+    """``--budget-of file``: the rounds go on past the weights' 40 KB until the file fits,
+    the last fitted to the file's bound; the rows and the last line say which budget."""
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    code, out, err = _main(w, "--budget-kb", "40", "--budget-of", "file")
+    assert code == 0, (out, err)
+    # 110.5 KB, 66.8 at 0.75, 42.1 at 0.5625: then the most of (0.42, 0.5625) that fits
+    assert [i for i, _ in made] == [0, 1, 2, 3], made
+    keep = made[3][1]
+    file_at = _fake_size(w, "file")[1]
+    assert file_at(keep) <= 40_000 < file_at(round(keep + 0.001, 3)), keep
+    assert out[-1].startswith("kb_int8=30.0 ") and " file_kb=40.0 " in out[-1], out[-1]
+    assert out[-1].endswith(f" budget_of=file teacher_step={FAKE_STEP}"), out[-1]
+    row = json.loads((w / "compress" / "round_03" / "result.json").read_text())
+    assert row["budget_of"] == "file" and row["budget_kb"] == 40.0
+    assert row["file_bytes"] == row["planned_bytes"] == file_at(keep)
+    # the same rounds under the default budget, the weights: round 2's 32.1 KB fit it
+    made.clear()
+    code, out, _ = _main(tmp_path / "t", "--budget-kb", "40")
+    assert code == 0 and made == [] and out[-1].endswith(" budget_of=weights teacher_step=40")
+    assert out[-1].startswith("kb_int8=32.1 ") and " file_kb=42.1 " in out[-1], out[-1]
+
+
+def test_a_file_budget_under_the_files_overhead_is_an_error(tmp_path, monkeypatch):
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    code, out, err = _main(w, "--budget-kb", "10", "--budget-of", "file")
+    assert code == 2 and made == [], (out, err)
+    assert len(err) == 1 and err[0].startswith("error: --budget-kb 10 --budget-of file:"), err
+    assert "10.5 KB" in err[0], err  # one channel per group: 500 bytes and the overhead
+    assert not (w / "compress" / "settings.json").exists()
+    assert _main(w, "--budget-kb", "10")[0] == 0  # a weights budget of 10 KB is reachable
+
+
 @pytest.mark.parametrize("why", ["drop", "rounds"])
 def test_a_budget_not_reached_exits_3(tmp_path, monkeypatch, why):
     w = _fake_teacher(tmp_path / "t")
@@ -267,7 +315,7 @@ def test_a_budget_not_reached_exits_3(tmp_path, monkeypatch, why):
     code, out, err = _main(w, "--budget-kb", "40", *extra)
     assert code == 3, (out, err)
     assert [i for i, _ in made] == ([0, 1] if why == "rounds" else [0, 1, 2])
-    assert "budget 40 KB NOT reached" in "\n".join(out), out
+    assert "budget 40 KB of weights NOT reached" in "\n".join(out), out
     assert out[-1].startswith("kb_int8=56.8 "), out  # round 1: the smallest within the drop
     assert len(err) == 1 and err[0].startswith("budget not reached: ") and "56.8 KB" in err[0]
 
@@ -589,6 +637,33 @@ def test_loop_resumes_a_round_stopped_by_sigterm(teacher, tmp_path):
         cmd += ["--repeats", "1"] if tool == "quantize" else []
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (tool, r.stderr[-3000:])
+
+
+def test_a_file_budget_round_writes_a_file_within_it(teacher, tmp_path):
+    """``--budget-of file`` on the tiny teacher, the budget halfway between its files at
+    0.5 and all of its channels: round 1 prunes to the largest fraction whose predicted file
+    fits, and the real ``model.tflite`` it distils, calibrates and converts is within the
+    budget (a prediction under the real file, as the weights alone would make, fails)."""
+    import shutil
+
+    from hybridpar.tools import compress
+
+    t = tmp_path / "t"
+    shutil.copytree(teacher[0], t)
+    _, file_at = compress.teacher_size(str(t), "file")
+    budget = (file_at(0.5) + file_at(1.0)) // 2
+    cmd = _compress(t, "--budget-kb", f"{budget / 1000}", "--budget-of", "file", "--epochs", "1",
+                    "--max-drop", "100")  # fmt: skip
+    r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(devices=1), capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    last = r.stdout.strip().splitlines()[-1]
+    assert " budget_of=file " in last, last
+    row = json.loads((t / "compress" / "round_01" / "result.json").read_text())
+    size = (t / "compress" / "round_01" / "quantized" / "model.tflite").stat().st_size
+    assert 0.5 < row["keep"] < 1 and row["budget_of"] == "file", row
+    assert row["file_bytes"] == size <= row["planned_bytes"] <= budget, (size, row, budget)
+    assert f" file_kb={size / 1000:.1f} " in last, last
 
 
 def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):

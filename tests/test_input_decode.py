@@ -47,7 +47,7 @@ def _pairs(photos):
         reduced = T.train_transform(data, seed, SIZE, min_scale=MIN_SCALE, dct_scaling=True)
         box_seed = tf.random.experimental.stateless_split(seed, num=2)[0]
         shape = tf.image.extract_jpeg_shape(data)
-        _, _, h, w = T._random_window(shape, box_seed, MIN_SCALE, 1.0, (3 / 4, 4 / 3))
+        _, _, h, w = T.random_window(shape, box_seed, MIN_SCALE, 1.0, (3 / 4, 4 / 3))
         return full, reduced, T.dct_ratio(h, w, SIZE)
 
     full, reduced, ratio = [], [], []
@@ -87,7 +87,7 @@ def test_reduced_scale_decoding_keeps_the_augmentation(photos):
 
 def test_negative_control_unscaled_offsets_are_caught(photos, monkeypatch):
     """A bug that crops the scaled image at offsets in full-size pixels (clipped to fit)."""
-    right = T._decode_crop_jpeg
+    right = T.decode_crop_jpeg
 
     def broken(data, shape, window, image_size):
         oy, ox, h, w = window
@@ -107,6 +107,6 @@ def test_negative_control_unscaled_offsets_are_caught(photos, monkeypatch):
 
         return tf.switch_case(k, [at(r) for r in T.DCT_RATIOS])
 
-    monkeypatch.setattr(T, "_decode_crop_jpeg", broken)
+    monkeypatch.setattr(T, "decode_crop_jpeg", broken)
     with pytest.raises(AssertionError, match="median"):  # caught by the paired check itself
         _check(*_pairs(photos))

@@ -148,7 +148,7 @@ def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_sourc
     c = base_config()
     c.data.update(name="images", prepared_dir=str(tmp_path / "out"), eval_split="train")
     c.data.source = str(tar)
-    assert datasets._ensure_prepared(c.data) == str(tmp_path / "out")
+    assert datasets.ensure_prepared(c.data) == str(tmp_path / "out")
     _tree(src, {"train/bee/2.jpg": _jpeg(seed=3)})
     with tarfile.open(tar, "w") as t:  # the same name, rewritten with one more image
         t.add(src / "train", arcname="train")
@@ -157,9 +157,9 @@ def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_sourc
     with pytest.raises(
         ConfigError, match=r"out of date: .*data.tar' changed \(modification time.*data.source"
     ):
-        datasets._ensure_prepared(c.data)
+        datasets.ensure_prepared(c.data)
     c.data.source = str(tar)
-    datasets._ensure_prepared(c.data)
+    datasets.ensure_prepared(c.data)
     assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 3
 
 
@@ -187,7 +187,7 @@ def test_processes_preparing_at_once_prepare_once(tmp_path, monkeypatch, capsys)
 
     def run():
         try:
-            results.append(datasets._ensure_prepared(c.data))
+            results.append(datasets.ensure_prepared(c.data))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -297,7 +297,7 @@ def test_missing_eval_split_says_to_set_eval_split_or_add_the_folder(tmp_path):
     c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
     c.data.update(eval_split="validation")
     with pytest.raises(ConfigError) as e:
-        datasets._ensure_prepared(c.data)
+        datasets.ensure_prepared(c.data)
     msg = str(e.value)
     assert "data.eval_split='validation'" in msg and "--config.data.eval_split" in msg
     assert "validation/CLASS/FILE" in msg and "prepare" not in msg.split("(it has")[1]

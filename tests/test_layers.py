@@ -131,6 +131,25 @@ def test_each_layer_imports_only_itself_and_the_layers_below():
     assert not bad, bad
 
 
+def _is_tool(module: str) -> bool:
+    return module == "hybridpar.tools" or module.startswith("hybridpar.tools.")
+
+
+def test_nothing_outside_tools_imports_a_tool():
+    """A tool is a command: only other tools and the command entry points (hybridpar/NAME.py,
+    for python -m hybridpar.NAME) import one. The scaling model (hybridpar.simulate) sits in
+    the tools layer but is a library below them: it imports no tool either."""
+    assert "hybridpar.tools.plan" in _imports("hybridpar.plan")  # an entry point's is seen
+    bad = [
+        f"{m} imports {d}"
+        for m in _modules()
+        if not _is_tool(m) and not (layer(m) == "top" and m.count(".") == 1)
+        for d in sorted(_imports(m))
+        if _is_tool(d)
+    ]
+    assert not bad, bad
+
+
 API = """
 import sys
 import hybridpar

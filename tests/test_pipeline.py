@@ -245,11 +245,11 @@ def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_
     branches. The batches stay the same, and a copy without the fields (this hand-made one
     holds a PNG record) keeps the format test."""
     pipe = ImagePipeline(prepared, "train", process_index=0, process_count=1)
-    assert pipe._decoding("full", 16) == {"jpeg_only": False, "dct_scaling": True}
-    assert pipe._decoding("64px", 16) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 4x16
-    assert pipe._decoding("64px", 17)["dct_scaling"] is False
+    assert pipe.decoding_for("full", 16) == {"jpeg_only": False, "dct_scaling": True}
+    assert pipe.decoding_for("64px", 16) == {"jpeg_only": False, "dct_scaling": True}  # 64 >= 4x16
+    assert pipe.decoding_for("64px", 17)["dct_scaling"] is False
     nodct = ImagePipeline(prepared, "train", process_index=0, process_count=1, dct_scaling=False)
-    assert nodct._decoding("full", 16)["dct_scaling"] is False
+    assert nodct.decoding_for("full", 16)["dct_scaling"] is False
     # The 64-px copy is all JPEG: marked so, it reads the same batches without the test.
     root = str(tmp_path / "p")
     shutil.copytree(prepared, root)
@@ -261,10 +261,10 @@ def test_decoding_skips_the_format_test_and_dct_branches_only_where_they_cannot_
     with open(path, "w") as f:
         json.dump(manifest, f)
     marked = ImagePipeline(root, "train", process_index=0, process_count=1)
-    assert marked._decoding("64px", 40) == {"jpeg_only": True, "dct_scaling": False}
-    assert marked._decoding("full", 40) == {"jpeg_only": False, "dct_scaling": False}
-    assert marked._decoding("full", 25)["dct_scaling"] is True  # 4 x 25 <= the median 100
-    assert marked._decoding("full", 26)["dct_scaling"] is False
+    assert marked.decoding_for("64px", 40) == {"jpeg_only": True, "dct_scaling": False}
+    assert marked.decoding_for("full", 40) == {"jpeg_only": False, "dct_scaling": False}
+    assert marked.decoding_for("full", 25)["dct_scaling"] is True  # 4 x 25 <= the median 100
+    assert marked.decoding_for("full", 26)["dct_scaling"] is False
     kw = {"image_size": 40, "global_batch": 16}
     assert _same(_epoch(marked, 1, **kw), _epoch(pipe, 1, **kw))
     assert _same(

@@ -12,6 +12,7 @@ import pytest
 from helpers import DIGITS, config_args, run_compile_tool
 
 from hybridpar.config import cli
+from hybridpar.config.formatting import GIB, byte_size
 from hybridpar.tools import plan
 
 # The tiny digits model (8 filters, 16 px, batch 32 = 4 per device), so that each plan
@@ -78,7 +79,7 @@ def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
     assert needs[0] < needs[-1], "the plans should differ in memory"
     limit = (needs[0] + needs[-1]) / 2
     code, stdout, stderr = _plan_here(
-        [*ARGS, "--memory-gib", repr(limit / plan.GIB), "--json"], cache, capsys, monkeypatch
+        [*ARGS, "--memory-gib", repr(limit / GIB), "--json"], cache, capsys, monkeypatch
     )
     assert code == 0, stderr[-3000:]
     limited = json.loads(stdout.strip().splitlines()[-1])
@@ -96,7 +97,7 @@ def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
 def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first, capsys, monkeypatch):
     out, _, cache = first
     smallest = min(out["plans"], key=lambda p: p["memory_per_device_bytes"])
-    limit_gib = smallest["memory_per_device_bytes"] / 2 / plan.GIB
+    limit_gib = smallest["memory_per_device_bytes"] / 2 / GIB
     code, stdout, stderr = _plan_here(
         [*ARGS, "--memory-gib", repr(limit_gib)], cache, capsys, monkeypatch
     )
@@ -104,7 +105,7 @@ def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first, capsys
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in stderr
     assert smallest["plan"] in errors[0]
-    assert f"needs {plan._bytes(smallest['memory_per_device_bytes'])}" in errors[0]
+    assert f"needs {byte_size(smallest['memory_per_device_bytes'])}" in errors[0]
 
 
 def test_a_second_call_comes_from_the_cache(first):
@@ -256,7 +257,7 @@ def test_a_tpu_plans_memory_is_at_least_the_compilers_peak(monkeypatch):
     targets.prepare(target)
     monkeypatch.setenv("HYBRIDPAR_PLAN_TARGET", target.spec)
     overrides = [(k, str(v)) for k, v in {**TINY, "mesh": "data:4,model:2"}.items()]
-    rep = plan._compile_one(DIGITS, overrides)
+    rep = plan.compile_one(DIGITS, overrides)
     # the same step compiled here: the compiler's own memory analysis
     run = setup(cli.load(DIGITS, overrides), with_data=False, devices=target.devices())
     run.program.compiler_options = target.compiler_options()
@@ -276,9 +277,9 @@ def test_time_to_train_counts_a_built_in_sets_own_epoch():
 
     config = load_config(DIGITS)
     assert config.data.train_examples != 1437
-    assert plan._train_examples(config) == 1437
+    assert plan.train_examples_of(config) == 1437
     config.data.name = "synthetic"
-    assert plan._train_examples(config) == config.data.train_examples
+    assert plan.train_examples_of(config) == config.data.train_examples
 
 
 def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():

@@ -149,7 +149,9 @@ def test_int8_layer_is_exact_on_representable_values(unsigned):
     assert int(p["x_zero"]) == (128 if unsigned else 0)
     p["x_step"] = x_step  # the codes' own step (calibration would pick max/255 or max/127)
     np.testing.assert_array_equal(p["kernel"], kernel)
-    want = np.asarray(int8._linear(x, w, 1, 1)) + bias
+    conv = jax.lax.conv_general_dilated  # the float conv, padded by 1
+    layout = ("NHWC", "HWIO", "NHWC")
+    want = np.asarray(conv(x, w, (1, 1), ((1, 1), (1, 1)), dimension_numbers=layout)) + bias
     got = np.asarray(int8.int8_layer(p, jnp.asarray(x), 1, 1))
     # exact int32 sums; the float reference rounds its 36-term sums
     tol = 64 * EPS32 * (np.abs(x).max() * np.abs(w).sum((0, 1, 2)).max() + np.abs(bias).max())
@@ -227,7 +229,13 @@ def test_int8_accuracy_and_size(quantized):
     assert report["top1_drop_points"] <= 3.0, report["eval"]
     assert report["top1_agreement"] >= 0.9, report["top1_agreement"]
     assert 3.5 < report["ratio"] < 4.0, report["ratio"]
-    assert set(os.listdir(w / "quantized")) == {"params.npz", "model.jax_exported", "report.json"}
+    files = {"params.npz", "model.jax_exported", "model.tflite", "report.json"}
+    assert set(os.listdir(w / "quantized")) == files
+    lite = report["litert"]  # the LiteRT file: its runtime's top-1 is int8's, nearly
+    assert lite["file_bytes"] == os.path.getsize(w / "quantized" / "model.tflite")
+    assert lite["top1_ours"] == ev["int8"]["top1"] and lite["examples"] == n
+    assert lite["agreement"] >= 0.97 and abs(lite["top1"] - lite["top1_ours"]) <= 0.02, lite
+    assert lite["calibrated"]["agreement"] >= 0.9, lite  # the converter's own ranges
 
 
 def test_exported_model_equals_in_process(quantized):
@@ -270,7 +278,7 @@ def test_each_calibration_quantizes_the_run(quantized, tmp_path, method):
     one = jax.devices()[:1]
     report = quantize.run(trained.load_config(str(w)), str(w), calibration_batches=4,
                           calibration=method, percentile=99.9, repeats=1,
-                          latency_batches=(1,), devices=one,
+                          latency_batches=(1,), devices=one, litert_calibrated=False,
                           out=str(tmp_path / method))  # fmt: skip
     assert report["calibration"] == method and default["calibration"] == "mse"
     ranges, mse = report["activation_ranges"], default["activation_ranges"]
@@ -401,3 +409,6 @@ def test_airbench_run_quantizes(tmp_path):
     served = int8.load_exported(str(w / "quantized" / "model.jax_exported"))
     images = np.random.default_rng(0).integers(0, 256, (2, 16, 16, 1), np.uint8)
     assert np.asarray(served(images)).shape == (2, 10)
+    lite = report["litert"]  # the LiteRT file of the airbench net too (its GELUs, max / 9)
+    assert os.path.exists(w / "quantized" / "model.tflite") and "model.tflite" in report["files"]
+    assert lite["top1_ours"] == ev["int8"]["top1"] and lite["agreement"] >= 0.9, lite

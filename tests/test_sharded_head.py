@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, shard_batch
 from hybridpar.config.curriculum import single_stage_plan
-from hybridpar.config.schema import base_config
+from hybridpar.config.schema import base_config, validate
 from hybridpar.parallel.mesh import AXES, BATCH_AXES
 from hybridpar.parallel.sharded_head import ShardedHead
 from hybridpar.program.heads import make_head
@@ -339,14 +339,17 @@ def test_classes_that_do_not_divide_the_shards_say_how_to_fix():
 
 
 def test_unknown_head_and_bucketed_mode_are_config_errors():
+    # checked once, by the schema, before any head is made (run.setup validates first)
     c = _config("softmax", MESH)
-    with pytest.raises(ConfigError, match="choose one of dense, sharded, partial_fc"):
-        make_head(c, make_mesh(MESH))
+    with pytest.raises(ConfigError, match="model.head='softmax' is not one of dense, sharded, "
+                       "partial_fc; use e.g. --config.model.head=dense"):  # fmt: skip
+        validate(c)
     c.model.head = "sharded"
     c.comm.mode = "bucketed"
     with pytest.raises(ConfigError, match="needs comm.mode=xla"):
-        make_head(c, make_mesh(MESH))
+        validate(c)
     c.model.head = "dense"
+    validate(c)
     assert make_head(c, make_mesh(MESH)) is DENSE
 
 

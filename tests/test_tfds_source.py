@@ -66,8 +66,8 @@ def test_dct_scaling_follows_the_sampled_median_side(builder_dir):
     images (28 x 28 PNGs here) and allows reduced DCT scales only up to a quarter of it."""
     pipe = TfdsPipeline(builder_dir, "train", process_index=0, process_count=1)
     assert pipe.info["copies"]["full"]["median_short_side"] == 28
-    assert pipe._decoding("full", 7)["dct_scaling"] is True
-    assert pipe._decoding("full", 8)["dct_scaling"] is False
+    assert pipe.decoding_for("full", 7)["dct_scaling"] is True
+    assert pipe.decoding_for("full", 8)["dct_scaling"] is False
 
 
 def _images(batches) -> set[bytes]:

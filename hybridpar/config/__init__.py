@@ -1,2 +1,3 @@
-"""The run's configuration, parsed and checked without JAX: the schema, the
-command line, errors, the curriculum and the learning-rate schedules."""
+"""The JAX-free base layer: the run's configuration, parsed and checked (the schema, the
+command line, errors, the curriculum and the learning-rate schedules), and the facts and
+rules every layer may read (the accelerator table, how sizes, times and tables print)."""

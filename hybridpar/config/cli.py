@@ -4,6 +4,7 @@
     parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
     parser.add_argument("--workdir", required=True)
     args, config = cli.parse(parser)          # or cli.parse(parser, argv)
+    # args.config_path, args.config_overrides: what --config and --config.KEY=VALUE said
 
 The override syntax is ml_collections ``config_flags``' (the config is locked, so a
 misspelt key is an error, and a value takes the type of the key it replaces), but the parser
@@ -234,15 +235,17 @@ def parse(
 ):
     """``(args, config)`` from ``argv`` (default ``sys.argv[1:]``); ``config=False`` makes
     ``--config`` optional (None when absent). ``from_run``: without ``--config`` the config
-    is the run's (``runtime.trained.load_config``, by the tool once it knows the workdir),
-    so the overrides are kept in ``args.config_overrides``."""
+    is the run's (``runtime.trained.load_config``, by the tool once it knows the workdir).
+    Besides the tool's own flags, ``args`` holds what the command line said of the config:
+    ``config_path`` (``--config``'s value, or None), ``config_overrides`` (the
+    ``(key, raw value)`` pairs) and ``argv`` (the arguments read, for a command to repeat)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in ("-h", "--help") for a in argv):
         parser.print_help()
         sys.exit(0)
     path, overrides, rest = split_config_args(argv)
     args = parser.parse_args(rest)
-    args.config_overrides = overrides
+    args.config_path, args.config_overrides, args.argv = path, overrides, argv
     if path is None and (from_run or not config):
         if overrides and not from_run:
             fail("--config.KEY overrides need --config FILE")

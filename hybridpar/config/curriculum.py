@@ -20,7 +20,9 @@ injected hyperparameter (``hybridpar/program/optim.py``), so a stage's momentum 
 epochs of the full steps an epoch holds at its global batch (the input drops the last partial
 batch) and a fractional end epoch ends the stage part-way through an epoch. The learning
 rate and other schedules are functions of the epoch reached (``StagePlan.epoch_at``), not
-of a step count under one batch, so they stay right when the batch changes. Nothing here
+of a step count under one batch, so they stay right when the batch changes. The plan also
+keeps the mesh's figures it was made for (data-parallel size, axis sizes): a run's set-up
+builds it once and everything after reads it. Nothing here
 touches JAX's devices; ``epoch_at`` works on NumPy and traced JAX integers alike.
 """
 
@@ -34,6 +36,7 @@ from typing import Callable
 import numpy as np
 
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import duration
 
 _NUMBER = r"\d*\.?\d+(?:[eE]-?\d+)?"
 _STAGE = re.compile(
@@ -74,16 +77,20 @@ def parse_stages(text: str) -> list[tuple[float, int, int, float | None]]:
     ``data.min_scale``). Epochs must increase; sizes and batches be positive; a scale in
     (0, 1]. A stage's ``~MOMENTUM`` is checked here too, but returned by
     ``stage_momenta`` (these tuples keep their four fields for the callers that unpack them)."""
-    return [t[:4] for t in _parse(text)]
+    return [t[:4] for t in read_stages(text)]
 
 
 def stage_momenta(text: str) -> list[float | None]:
     """Each stage's ``~MOMENTUM``, or None where it has none: ``"20:128-224~0.98,38:224-224"``
     -> ``[0.98, None]``. Errors as ``parse_stages``."""
-    return [t[4] for t in _parse(text)]
+    return [t[4] for t in read_stages(text)]
 
 
-def _parse(text: str) -> list[tuple[float, int, int, float | None, float | None]]:
+def read_stages(text: str) -> list[tuple[float, int, int, float | None, float | None]]:
+    """The one parser of the stage string, every reader above goes through it: each
+    stage's ``(end epoch, image size, per-device batch, min crop scale or None, momentum
+    or None)``. A run's set-up calls it once (``stages_from_config``); its plan carries
+    the result on."""
     out = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = _STAGE.match(part)
@@ -134,13 +141,23 @@ def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
             momentum,
             per_device,
         )
-        for end, size, per_device, scale, momentum in _parse(config.stages)
+        for end, size, per_device, scale, momentum in read_stages(config.stages)
     ]
 
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
+    """The run's plan: the config read once at set-up (``run.setup``), for everything after
+    it (the program, its optimizer schedules, the input, the loop, the tools) to read
+    instead of deriving it again. ``stages``: each stage in steps. ``data_parallel``: how
+    many ways the run's mesh splits each batch (data x fsdp); ``mesh_shape``: the mesh's
+    axis sizes. Each stage's steps per epoch are the data's (the config's nominal
+    ``data.train_examples`` for tools that compile without data). None or empty in a plan
+    made without a mesh (``single_stage_plan``, a schedule's tests)."""
+
     stages: tuple[PlannedStage, ...]
+    data_parallel: int | None = None
+    mesh_shape: tuple[tuple[str, int], ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -199,13 +216,15 @@ class StagePlan:
 MAX_STEPS = 10**8
 
 
-def duration(s: float) -> str:
-    """Seconds as a person reads them: ``"42.0 s"``, ``"12.5 min"``, ``"3.20 h"``."""
-    return f"{s / 3600:.2f} h" if s >= 3600 else f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s"
-
-
-def plan_stages(stages: list[Stage], steps_per_epoch: Callable[[int], int]) -> StagePlan:
-    """Steps of each stage, given the data's full steps per epoch at a global batch."""
+def plan_stages(
+    stages: list[Stage],
+    steps_per_epoch: Callable[[int], int],
+    *,
+    data_parallel: int | None = None,
+    mesh_shape: dict | None = None,
+) -> StagePlan:
+    """Steps of each stage, given the data's full steps per epoch at a global batch; the
+    plan also keeps the mesh's figures the stages were made for (``stages_from_config``)."""
     planned, step, start = [], 0, 0.0
     for i, st in enumerate(stages):
         spe = steps_per_epoch(st.global_batch)
@@ -223,7 +242,8 @@ def plan_stages(stages: list[Stage], steps_per_epoch: Callable[[int], int]) -> S
             f"global batch {st.global_batch}), more than {MAX_STEPS:,}: at 10 ms a step "
             f"{duration(step / 100)}; lower --config.num_epochs (or the stages' end epochs)"
         )
-    return StagePlan(tuple(planned))
+    mesh = tuple((str(a), int(n)) for a, n in (mesh_shape or {}).items())
+    return StagePlan(tuple(planned), data_parallel, mesh)
 
 
 def single_stage_plan(steps_per_epoch: int, total_steps: int, global_batch: int) -> StagePlan:
@@ -238,7 +258,7 @@ def describe(plan: StagePlan) -> str:
     sized for one device otherwise takes N times its batch, N times fewer steps, unnoticed)."""
     lines = []
     per = [s.stage for s in plan.stages if s.stage.per_device_batch]
-    dp = per[0].global_batch // per[0].per_device_batch if per else 1
+    dp = (plan.data_parallel or per[0].global_batch // per[0].per_device_batch) if per else 1
     if dp > 1:
         lines.append(
             f"config.stages gives batches per data-parallel device: x{dp} here, so global "
@@ -262,9 +282,9 @@ __all__ = [
     "Stage",
     "StagePlan",
     "describe",
-    "duration",
     "parse_stages",
     "plan_stages",
+    "read_stages",
     "single_stage_plan",
     "stage_momenta",
     "stages_from_config",

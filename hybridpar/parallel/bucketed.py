@@ -20,6 +20,9 @@ device keeps only its shard of the gradient, as ZeRO/FSDP do. Small parameters t
 leave replicated are reduced with one more ``psum`` per bucket. The optimizer then updates
 each shard where it lives.
 
+``comm.mode=overlap`` (``hybridpar/parallel/overlap.py``) uses the same plan and psums, but
+issues each bucket's psum from inside the backward pass (a custom VJP per bucket).
+
 Limits: a ``model`` axis > 1 is an error (use ``comm.mode=xla`` for model parallelism), and
 parameters may be split over ``fsdp`` only.
 

@@ -21,6 +21,10 @@ What goes where, by platform:
   lists the names seen in public experiment notes, but they are NOT applied, since libtpu
   may refuse unknown flags at start-up (XLA itself aborts on an unknown flag in
   ``XLA_FLAGS``). Set them in ``LIBTPU_INIT_ARGS`` yourself once checked on your libtpu.
+  With libtpu 0.0.42's defaults every gradient all-reduce compiles synchronous, whatever
+  ``comm.mode``; with the overlap flags MaxText sets (async collective fusion of
+  all-reduces among them) some buckets of ``comm.mode=overlap`` or ``bucketed`` compile
+  asynchronous, beside the backward pass. None of them is set here yet.
 - ``cpu``: nothing. XLA's CPU backend has no combiner-threshold or latency-hiding flags
   (jaxlib 0.10.2 knows only the ``xla_gpu_*`` ones); what its pipeline combines it does on
   its own, with no knob (on 0.10.2 the data-parallel ResNet-50 gradient comes out as a few

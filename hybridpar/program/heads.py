@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Protocol
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.schema import HEADS
 from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices
 from hybridpar.parallel.partitioning import Rules
 from hybridpar.parallel.sharded_head import ShardedHead
@@ -34,18 +33,12 @@ class Head(Protocol):
 
 def make_head(config, mesh) -> Head:
     """The head ``config.model.head`` names: ``steps.DENSE`` (the model's own classifier,
-    the default wherever no head is given) or a ``ShardedHead``."""
+    the default wherever no head is given) or a ``ShardedHead``. ``config`` is a validated
+    one (``schema.validate``: the head's name and its comm.mode rule are checked there);
+    what needs the mesh is checked here."""
     kind = config.model.head
-    if kind not in HEADS:
-        raise ConfigError(f"model.head={kind!r}: choose one of {', '.join(HEADS)}")
     if kind == "dense":
         return DENSE
-    if config.comm.mode != "xla":
-        raise ConfigError(
-            f"model.head={kind!r} needs comm.mode=xla (comm.mode={config.comm.mode!r} reduces "
-            "replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
-        )
-
     # The trunk is data parallel over every device (its batch split over all axes), so no
     # device computes an example twice; only the head uses the model axis as such.
     batch = axes_with_devices(mesh, AXES) or BATCH_AXES

@@ -8,8 +8,8 @@
     export(arch, q, mean, std, image_shape, path); run = load_exported(path)
 
 The network is written out here as plain functions of a flat ``{"stage1_block0/conv1":
-{"kernel", "bias"}, ...}`` tree rather than through qwix (see the README's Compression
-section for why): BatchNorm in inference mode is a per-channel affine map after each
+{"kernel", "bias"}, ...}`` tree rather than through qwix (docs/compression.md says
+why): BatchNorm in inference mode is a per-channel affine map after each
 convolution, so it folds into that convolution's kernel (``W * s``) and a bias (``beta -
 mean * s``), with ``s = gamma / sqrt(var + eps)``; what is left between the convolutions is
 ReLU, the residual add, max-pooling and the mean-pool, which stay in float32.

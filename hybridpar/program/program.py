@@ -44,10 +44,9 @@ def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:
     return rules
 
 
-def check_batch_sizes(config, mesh) -> None:
-    """Every batch must split evenly over the data-parallel devices (data x fsdp); a
-    curriculum's batches are per device, so they always do."""
-    dp = data_parallel_size(mesh)
+def check_batch_sizes(config, dp: int) -> None:
+    """Every batch must split evenly over the ``dp`` data-parallel devices (data x fsdp) of
+    the config's mesh; a curriculum's batches are per device, so they always do."""
     names = ("eval_batch",) if config.stages else ("global_batch", "eval_batch")
     for name in names:
         if config[name] % dp:
@@ -312,15 +311,27 @@ def widths(m) -> dict:
     return {k: m[k] for k in keys if m[k]}
 
 
+def nominal_steps(config) -> Callable[[int], int]:
+    """Full steps an epoch holds at a global batch, from the config's nominal
+    ``data.train_examples``: the plan of a run that compiles without opening its data."""
+    return lambda batch: max(config.data.train_examples // batch, 1)
+
+
 def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> Program:
-    """The run's program on ``mesh``. ``plan``: the run's stages in steps (from the data
-    size); None for tools that compile without data, which get one stage of the config's
-    nominal ``data.train_examples``. ``teacher``: a distilled run's ``distill.Teacher``,
-    whose forward pass its train step runs (``run.setup`` makes it; a program without one
-    evaluates, prunes or serves as a teacher itself)."""
-    if plan is None:
-        stages = stages_from_config(config, data_parallel_size(mesh))
-        plan = plan_stages(stages, lambda batch: max(config.data.train_examples // batch, 1))
+    """The run's program on ``mesh``. ``plan``: the run's plan (``run.setup`` makes it once,
+    from the data size); None for callers on their own (a trained run read back, a teacher),
+    which get the config's stages on ``mesh`` over its nominal ``data.train_examples``. A
+    plan made by hand without the mesh's figures (``single_stage_plan``) gets them here.
+    ``teacher``: a distilled run's ``distill.Teacher``, whose forward pass its train step
+    runs (``run.setup`` makes it; a program without one evaluates, prunes or serves as a
+    teacher itself)."""
+    if plan is None or plan.data_parallel is None:
+        dp, shape = data_parallel_size(mesh), dict(mesh.shape)
+        if plan is None:
+            plan = plan_stages(stages_from_config(config, dp), nominal_steps(config),
+                               data_parallel=dp, mesh_shape=shape)  # fmt: skip
+        else:
+            plan = dataclasses.replace(plan, data_parallel=dp, mesh_shape=tuple(shape.items()))
     head = make_head(config, mesh)
     rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision
@@ -338,7 +349,7 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
         im2col_grad=use_im2col(m.conv_grad),
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
-        bn_groups=bn_groups_for(m.bn_sync, data_parallel_size(mesh)),
+        bn_groups=bn_groups_for(m.bn_sync, plan.data_parallel),
         **widths(m),
     )
     tx, schedule = make_optimizer(config.optim, plan)
@@ -364,5 +375,5 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
         shardings,
         config.data.channels,
         teacher,
-        make_sync(config, mesh, shardings),
+        make_sync(config, mesh, shardings, plan.data_parallel),
     )

@@ -115,7 +115,7 @@ def make_train_step(
     ``head``: a ``heads.Head``, ``DENSE`` (the model's own classifier) or a ``ShardedHead``
     (``model.head``: sharded, partial_fc: classes split, the logits never gathered).
     ``sync``: how the gradients are reduced, ``XlaSync()`` (default) or
-    ``sync.BucketedSync`` (``comm.mode=bucketed``).
+    ``sync.BucketedSync`` (``comm.mode=bucketed``) or ``sync.OverlapSync`` (``overlap``).
     ``teacher``: a ``distill.Teacher``; the step then takes its variables as a third
     argument, ``train_step(state, batch, teacher_variables)``.
     """

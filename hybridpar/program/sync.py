@@ -6,7 +6,9 @@
 (``comm.mode=bucketed``) runs the loss and gradients per device under ``jax.shard_map`` and
 reduces them in buckets with ``hybridpar.parallel.bucketed``'s collectives on plain pytrees (that
 module's docstring says how); it knows the train state, the model and the loss, which the
-collectives beside the partitioning do not.
+collectives beside the partitioning do not. ``OverlapSync`` (``comm.mode=overlap``, data
+parallel only) is the bucketed sync with each bucket's psum issued from the backward pass
+(``hybridpar.parallel.overlap``).
 """
 
 from __future__ import annotations
@@ -34,16 +36,17 @@ from hybridpar.parallel.bucketed import (
     to_varying,
 )
 from hybridpar.parallel.mesh import BATCH_AXES, data_parallel_size
+from hybridpar.parallel.overlap import reduce_in_backward
 from hybridpar.program.state import TrainState
 
 
-def _check_mesh(mesh) -> int:
+def _check_mesh(mesh, dp: int | None = None) -> int:
     if mesh.shape.get("model", 1) > 1:
         raise ConfigError(
             f"comm.mode=bucketed is data parallel only, but the mesh has model="
             f"{mesh.shape['model']}; use comm.mode=xla for model parallelism"
         )
-    return data_parallel_size(mesh)
+    return dp or data_parallel_size(mesh)  # the run's plan's, where the caller has one
 
 
 def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):
@@ -88,8 +91,9 @@ class BucketedSync:
         bn_sync: str = "global",
         shardings=None,
         reduce_dtype: str = "float32",
+        data_parallel: int | None = None,
     ):
-        self.dp = _check_mesh(mesh)
+        self.dp = _check_mesh(mesh, data_parallel)
         if not bucket_mb > 0:
             raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
         self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
@@ -163,6 +167,47 @@ class BucketedSync:
         return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
 
 
+class OverlapSync(BucketedSync):
+    """``comm.mode=overlap``: the bucketed sync with each bucket's reduction issued from the
+    backward pass (``hybridpar.parallel.overlap``: a custom VJP per bucket whose backward rule
+    psums its gradients), not after ``jax.grad``. Same buckets, BatchNorm set-up, loss and
+    statistics psum and ``reduce_dtype`` as ``BucketedSync``; data-parallel meshes only."""
+
+    def __init__(self, mesh, *args, **kwargs):
+        others = {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
+        if others:
+            raise ConfigError(
+                f"comm.mode=overlap is data parallel only, but the mesh has "
+                f"{', '.join(f'{a}={n}' for a, n in others.items())}; use "
+                "--config.comm.mode=bucketed (data and fsdp) or comm.mode=xla (any mesh)"
+            )
+        super().__init__(mesh, *args, **kwargs)
+
+    def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        local, axes, dp = self.local_model(model), self.axes, self.dp
+
+        def per_device(params, batch_stats, scale, images, labels):
+            plan = self.plan_for(model, images.shape[1:])
+            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
+
+            def reduced_loss(params):  # params replicated: grads come out reduced, replicated
+                return loss_fn(reduce_in_backward(params, plan, axes, dp, self.reduce_dtype))
+
+            grads, (loss, new_stats) = jax.grad(reduced_loss, has_aux=True)(params)
+            # Loss and BN running averages in float32, as BucketedSync does.
+            flat, treedef = jax.tree.flatten((loss, new_stats))
+            loss, new_stats = jax.tree.unflatten(treedef, flat_pmean(flat, axes, dp))
+            return grads, loss, new_stats
+
+        sharded = jax.shard_map(
+            per_device,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
+            out_specs=(self.param_specs, P(), P()),
+        )
+        return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
+
+
 class XlaSync:
     """Gradients of the global batch's loss under ``jax.jit``: XLA inserts the all-reduces
     (and combines them as its flags allow; ``comm.mode=xla``). ``BucketedSync`` is the
@@ -213,10 +258,13 @@ class GradientSync(Protocol):
     def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
 
 
-def make_sync(config, mesh, shardings) -> GradientSync:
+def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> GradientSync:
     """The gradient sync ``comm.mode`` names (``config.validate`` checked the name):
-    ``XlaSync`` or ``BucketedSync``."""
-    if config.comm.mode == "bucketed":
+    ``XlaSync``, ``BucketedSync`` or ``OverlapSync``. ``data_parallel``: the run plan's
+    (None: the mesh's)."""
+    if config.comm.mode in ("bucketed", "overlap"):
         c = config.comm
-        return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype)
+        cls = OverlapSync if c.mode == "overlap" else BucketedSync
+        return cls(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype,
+                   data_parallel)  # fmt: skip
     return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)

@@ -1,6 +1,6 @@
 """Checkpoints of a run, and what a workdir already holds.
 
-A workdir is a run (README.md, Running). ``check_run`` reads what it holds before anything is
+A workdir is a run (docs/running.md). ``check_run`` reads what it holds before anything is
 built: the config its latest checkpoint holds (``config.json``, written at each start, where
 there is no checkpoint yet) must match the new config, or the command is an error naming the
 first differing key (``--allow-config-change`` overrides);
@@ -31,7 +31,7 @@ import time
 
 import jax
 
-from hybridpar.config.errors import ConfigError, SaveFailed, WorkdirError
+from hybridpar.config.errors import SaveFailed, WorkdirError
 from hybridpar.runtime.run_records import read_json, read_records, write_json
 
 ITEMS = ("state", "loop", "config")
@@ -302,19 +302,6 @@ def quiet_background_failures() -> None:
             previous(unraisable)
 
     sys.unraisablehook = hook
-
-
-def latest_state(config, workdir: str, abstract_state):
-    """The train state of the latest checkpoint of the run of ``config`` in ``workdir``,
-    read into ``abstract_state``'s shardings (``Program.abstract_state()``)."""
-    saver = Checkpoints(checkpoint_dir(config, workdir), read_only=True)
-    try:
-        restored = saver.restore(abstract_state)
-    finally:
-        saver.close()
-    if restored is None:
-        raise ConfigError(f"no checkpoint in {saver.directory}: train {workdir} first")
-    return restored[1]
 
 
 class Checkpoints:

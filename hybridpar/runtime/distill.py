@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from hybridpar.config.errors import ConfigError
+from hybridpar.runtime import trained
 
 
 def loss(ce, student_logits, teacher_logits, temperature: float, alpha: float):
@@ -31,13 +32,11 @@ def loss(ce, student_logits, teacher_logits, temperature: float, alpha: float):
 
 
 class Teacher:
-    """The teacher of ``config`` on ``mesh``: its model, variables' shardings and abstract
-    values now; the variables themselves read from its checkpoint on first use."""
+    """The teacher of ``config`` on ``mesh`` (a ``trained.TrainedRun``): its model,
+    variables' shardings and abstract values now; the variables themselves read from its
+    checkpoint on first use."""
 
     def __init__(self, config, mesh):
-        from hybridpar.program import program
-        from hybridpar.runtime import trained
-
         d = config.distill
         self.workdir, self.temperature, self.alpha = d.teacher_workdir, d.temperature, d.alpha
         tc = trained.load_config(self.workdir)
@@ -53,25 +52,13 @@ class Teacher:
                 f"the teacher in {self.workdir} has {tc.data.num_classes} classes, this run "
                 f"{config.data.num_classes}: distil a teacher of the same classes"
             )
-        with tc.unlocked():
-            tc.partitioning = config.partitioning  # placed like the student's parameters
-        self.config = tc
-        self.program = program.build_program(tc, mesh)
-        self.model = self.program.model
-        s = self.program.shardings
-        self.shardings = {"params": s.params, "batch_stats": s.batch_stats}
-        a = self.program.abstract_state()
-        self.abstract = {"params": a.params, "batch_stats": a.batch_stats}
-        self._variables = None
+        # placed like the student's parameters
+        self.run = trained.TrainedRun(self.workdir, mesh, config.partitioning, config=tc)
+        self.config, self.program, self.model = tc, self.run.program, self.run.model
+        self.shardings, self.abstract = self.run.shardings, self.run.abstract
 
     def variables(self):
-        if self._variables is None:
-            from hybridpar.runtime import checkpoint
-
-            abstract = self.program.abstract_state()
-            state = checkpoint.latest_state(self.config, self.workdir, abstract)
-            self._variables = {"params": state.params, "batch_stats": state.batch_stats}
-        return self._variables
+        return self.run.variables()
 
     def logits(self, variables, images):
         """The teacher's logits (float32) for the student's normalised ``images``."""

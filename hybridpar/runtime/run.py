@@ -19,12 +19,24 @@ import time
 
 import jax
 
-from hybridpar.config.curriculum import PlannedStage, StagePlan, plan_stages, stages_from_config
+from hybridpar.config.curriculum import (
+    PlannedStage,
+    Stage,
+    StagePlan,
+    plan_stages,
+    stages_from_config,
+)
 from hybridpar.config.schema import validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.program import compile_cache
-from hybridpar.program.program import Program, build_program, check_batch_sizes, memory_of
+from hybridpar.program.program import (
+    Program,
+    build_program,
+    check_batch_sizes,
+    memory_of,
+    nominal_steps,
+)
 from hybridpar.runtime import checkpoint, executables, workdir_lock
 from hybridpar.runtime.distill import make_teacher
 from hybridpar.runtime.metrics import MetricsWriter
@@ -129,18 +141,20 @@ def _setup(
 
     # ---- Mesh and placement rules ----
     mesh = make_mesh(config.mesh, devices=devices)
-    check_batch_sizes(config, mesh)
-    stages = stages_from_config(config, data_parallel_size(mesh))
+    # The config read once into the plan's figures: everything after reads them from the
+    # plan (run.plan, program.plan), never from config.stages or the mesh again.
+    dp = data_parallel_size(mesh)
+    check_batch_sizes(config, dp)
+    stages = stages_from_config(config, dp)
     if workdir is not None and not allow_config_change:  # resumed on another mesh?
-        checkpoint.check_batches(workdir, config, stages, data_parallel_size(mesh))
+        checkpoint.check_batches(workdir, config, stages, dp)
 
     # ---- Data: host-local batches, and so the steps each stage runs ----
-    data, plan = None, None
+    data, steps_for = None, nominal_steps(config)  # compile-only: the nominal split
     if with_data:
-        from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
-
-        data = make_data(config, jax.process_index(), jax.process_count(), mesh)
-        plan = plan_stages(stages, data.steps_for)
+        data = open_data(config, mesh, stages)
+        steps_for = data.steps_for
+    plan = plan_stages(stages, steps_for, data_parallel=dp, mesh_shape=dict(mesh.shape))
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     teacher = make_teacher(config, mesh) if for_training else None
@@ -148,6 +162,15 @@ def _setup(
     if compiled:
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
+
+
+def open_data(config, mesh, stages: list[Stage]):
+    """The run's ``datasets.Data``; an on-device set is stored at the image sizes of
+    ``stages`` (the plan's), not those of the config's stage string read again."""
+    from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
+
+    sizes = sorted({s.image_size for s in stages})
+    return make_data(config, jax.process_index(), jax.process_count(), mesh, sizes)
 
 
 def warn_schedule(config) -> None:

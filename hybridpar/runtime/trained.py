@@ -1,7 +1,7 @@
 """A trained run read back: its config (the one its latest checkpoint holds), its program
-and state on a mesh, and a new run's state started from its weights (``init_from``). The
-tools that read a run (evaluate, quantize, prune, compress) and the trainer's
-``init_from`` read it here.
+and variables on a mesh (``TrainedRun``), and a new run's state started from its weights
+(``init_from``). The one reader of a run: the tools (evaluate, quantize, prune, compress),
+the distillation teacher and the trainer's ``init_from`` read it here.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import json
 import os
 
 import jax
+from flax.core import meta
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.schema import from_saved
-from hybridpar.program import program
+from hybridpar.config.schema import from_saved, validate
+from hybridpar.program.program import build_program
 from hybridpar.runtime import checkpoint
 
 
@@ -46,29 +47,64 @@ def load_config(workdir: str, overrides=()):
     return cli.apply_overrides(config, overrides, path)
 
 
-def read_trained(workdir: str, mesh, partitioning=None):
-    """``(config, program, state)``: the run in ``workdir`` (``load_config``'s) and its
-    latest checkpoint, read into its shardings on ``mesh`` (with ``partitioning``, another
-    config's placement section: a teacher placed like its student)."""
-    config = load_config(workdir)
-    if partitioning is not None:
-        with config.unlocked():
-            config.partitioning = partitioning
-    prog = program.build_program(config, mesh)
-    return config, prog, checkpoint.latest_state(config, workdir, prog.abstract_state())
+class TrainedRun:
+    """The run in ``workdir`` read back on ``mesh``: ``config`` (its latest checkpoint's,
+    ``load_config``'s, unless given), ``program`` and ``model``, and its variables (the
+    latest checkpoint's parameters and BatchNorm statistics, at ``step``) read on first use.
+    ``partitioning``: another config's placement section, so the variables sit where that
+    run's would (a teacher or ``init_from`` placed like its student). ``program``: one
+    already built of ``config`` on ``mesh`` (``run.setup``'s), else one is built."""
+
+    def __init__(self, workdir: str, mesh, partitioning=None, config=None, program=None):
+        config = load_config(workdir) if config is None else config
+        if partitioning is not None:
+            with config.unlocked():
+                config.partitioning = partitioning
+        # the program relies on a checked config: the schema is where names are checked
+        validate(config, sources=False)
+        self.workdir, self.config = workdir, config
+        self.program = program or build_program(config, mesh)
+        self.model = self.program.model
+        s, a = self.program.shardings, self.program.abstract_state()
+        self.shardings = {"params": s.params, "batch_stats": s.batch_stats}
+        self.abstract = {"params": a.params, "batch_stats": a.batch_stats}
+        self.step = None  # the checkpoint's, once read
+        self._variables = None
+
+    def variables(self) -> dict:
+        """``{"params", "batch_stats"}`` of the latest checkpoint, in ``shardings`` (the
+        optimizer state is read but not kept)."""
+        if self._variables is None:
+            directory = checkpoint.checkpoint_dir(self.config, self.workdir)
+            saver = checkpoint.Checkpoints(directory, read_only=True)
+            try:
+                restored = saver.restore(self.program.abstract_state())
+            finally:
+                saver.close()
+            if restored is None:
+                raise ConfigError(f"no checkpoint in {directory}: train {self.workdir} first")
+            self.step, state = int(restored[0]), restored[1]
+            self._variables = {"params": state.params, "batch_stats": state.batch_stats}
+        return self._variables
+
+    def host_variables(self) -> tuple:
+        """``(params, batch_stats)`` unboxed, as host arrays: what the compression tools
+        rewrite."""
+        v = self.variables()
+        return jax.device_get(meta.unbox(v["params"])), jax.device_get(meta.unbox(v["batch_stats"]))
 
 
 def start_from(path: str, state, prog):
     """``state`` (a new run's, at step 0) with the parameters and BatchNorm statistics of
     the run in ``path`` (``init_from``), read into this run's shardings; its shapes must be
     this model's."""
-    _, _, src = read_trained(path, prog.mesh, prog.config.partitioning)
+    src = TrainedRun(path, prog.mesh, prog.config.partitioning).variables()
     for name in ("params", "batch_stats"):
-        a, b = getattr(state, name), getattr(src, name)
+        a, b = getattr(state, name), src[name]
         shapes = jax.tree.map(lambda x: x.shape, a), jax.tree.map(lambda x: x.shape, b)
         if jax.tree.structure(a) != jax.tree.structure(b) or shapes[0] != shapes[1]:
             raise ConfigError(
                 f"init_from={path!r} holds a model of other shapes than this config's: give "
                 f"this run the model keys of {path}/config.json (model.name, model.*_width*)"
             )
-    return state.replace(params=src.params, batch_stats=src.batch_stats)
+    return state.replace(params=src["params"], batch_stats=src["batch_stats"])

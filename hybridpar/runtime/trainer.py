@@ -25,11 +25,11 @@ from typing import Protocol
 import jax
 import numpy as np
 
-from hybridpar.config import curriculum
+from hybridpar.config import formatting
 from hybridpar.config.curriculum import PlannedStage, describe
 from hybridpar.config.errors import NonFinite, SaveFailed, StopRequested
 from hybridpar.parallel import partitioning
-from hybridpar.parallel.mesh import data_parallel_size, describe_mesh
+from hybridpar.parallel.mesh import describe_mesh
 from hybridpar.program import compile_cache
 from hybridpar.program.state import init_sharded
 from hybridpar.runtime import checkpoint, run_records
@@ -217,7 +217,7 @@ class Progress:
             skipped_steps=sum(not bool(f["grads_finite"]) for f in fetched),
             loss_scale=float(fetched[-1]["loss_scale"]),
         )
-        eta = curriculum.duration((total - loop.step) * dt / steps)
+        eta = formatting.duration((total - loop.step) * dt / steps)
         log(
             f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
             f"{steps * batch / dt:8.1f} img/s  ETA {eta}"
@@ -546,7 +546,7 @@ def run_stages(t: Training) -> str | None:
             t.writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
                            image_size=st.image_size, global_batch=st.global_batch,
                            min_scale=st.min_scale, steps=stage.num_steps,
-                           data_parallel=data_parallel_size(run.mesh))  # fmt: skip
+                           data_parallel=plan.data_parallel)  # fmt: skip
             t.progress.restart(loop)
             batches = itertools.islice(t.batches, stage.end_step - loop.step)
             while True:

@@ -8,14 +8,15 @@ The model (plain Python, no JAX; every number is per training step of data-paral
 scaling, i.e. the per-device batch stays fixed while devices are added):
 
     compute   = step overhead + FLOPs per device per step / (peak FLOP/s * efficiency)
+    param     = parameters * bytes per parameter / HBM bandwidth     (the optimizer's update)
     comm      = sum over collectives of count * cost(cheapest algorithm)   (alpha-beta model)
-    exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
+    exposed   = max(0, comm - min(overlap, max_overlap) * backward),  backward = 2/3 * compute
     input     = images per device per step / (images/s per host core * cores per device)
-    step      = max(compute + exposed, input, per-step floor)
+    step      = max(compute + param + exposed, input, per-step floor)
     images/s  = global batch / step
     scaling efficiency = images/s(p) / (p * images/s(1))          (= compute / step <= 1)
-    time to train = sum over curriculum stages of epochs * images per epoch / images/s(stage)
-                    + evaluation passes (forward steps at the eval size + a fixed cost each)
+    time to train = start-up + sum over curriculum stages of epochs * images per epoch /
+                    images/s(stage) + evaluation passes (forward steps + a fixed cost each)
 
 `efficiency` is the fraction of peak a single device reaches on a ResNet-50 step; each preset
 calibrates it from a stated single-device images/s (`calibrate`). The collectives come either
@@ -39,10 +40,11 @@ The package, one job a module (each imports only the ones above it):
 
     hardware.py    presets as data: peak FLOP/s, links, reference single-device rates
     workload.py    FLOPs and collectives of a step: analytic ResNet-50, or a comm_report
-    cost.py        alpha-beta costs of ring, tree, hierarchical and torus collectives
+    cost.py        alpha-beta costs of ring, tree, hierarchical and torus (rings per side)
     step.py        calibrated presets, step time and efficiency, stages, time to train
     calibration.py step overhead and efficiency fitted to measured rates; evaluation cost
-    validation.py  the published runs of docs/scaling.md section 3 (MLPerf TPU pods too)
+    validation.py  the published runs docs/scaling.md compares with; the MLPerf calibration
+                   runs that set the TPU and H100 constants, kept apart from those checked
     plot.py, cli.py, __main__.py   the command line
 
 Everything public is importable from here (`from hybridpar import simulate as sim`).
@@ -52,6 +54,7 @@ from __future__ import annotations
 
 from hybridpar.simulate.calibration import fit_eval_overhead, fit_rate, points_from_metrics
 from hybridpar.simulate.cli import (
+    BEYOND,
     DEFAULT_DEVICES,
     VALIDATION_FAILED,
     build_parser,
@@ -73,6 +76,7 @@ from hybridpar.simulate.cost import (
     reduce_scatter_time,
     ring_allreduce_time,
     torus_allreduce_time,
+    torus_shape,
     tree_allreduce_time,
 )
 from hybridpar.simulate.hardware import (
@@ -88,11 +92,14 @@ from hybridpar.simulate.hardware import (
 )
 from hybridpar.simulate.plot import write_png
 from hybridpar.simulate.step import (
+    MAX_CONVERGED_BATCH,
     PRESETS,
+    PUBLISHED_CONVERGED_BATCHES,
     Evaluation,
     Stage,
     StepPrediction,
     TrainPrediction,
+    beyond_converged_batch,
     calibrate,
     comm_time,
     compute_seconds,
@@ -100,21 +107,34 @@ from hybridpar.simulate.step import (
     format_stages,
     get_preset,
     input_seconds,
+    param_seconds,
     parse_stages,
     predict_step,
+    startup_seconds,
     time_to_train,
     with_calibrated_efficiency,
 )
 from hybridpar.simulate.validation import (
+    CALIBRATION_RUNS,
     FASTAI_STAGES,
+    MLPERF_GPU_RUNS,
     MLPERF_TPU_RUNS,
     MOXING_STAGES,
+    OTHER_CALIBRATION_SOURCES,
     PASS_BAND,
     VALIDATION_CASES,
+    CalibrationRun,
     MLPerfRun,
     ValidationCase,
+    calibration_names,
+    fit_preset,
+    fitted_from,
+    held_out_problems,
+    published_preset,
+    published_workload,
     run_mlperf_case,
     run_validation_case,
+    validation_names,
     validation_table,
     verdict,
 )
@@ -141,8 +161,13 @@ from hybridpar.simulate.workload import (
 )
 
 __all__ = [
+    "MAX_CONVERGED_BATCH",
+    "PUBLISHED_CONVERGED_BATCHES",
+    "beyond_converged_batch",
+    "BEYOND",
     "ALIASES",
     "BACKWARD_FRACTION",
+    "CALIBRATION_RUNS",
     "DEFAULT_DEVICES",
     "DIGITS_TRAIN_IMAGES",
     "FASTAI_STAGES",
@@ -153,6 +178,7 @@ __all__ = [
     "IMAGENET_TRAIN_IMAGES",
     "MLPERF_TPU_RUNS",
     "MOXING_STAGES",
+    "OTHER_CALIBRATION_SOURCES",
     "PASS_BAND",
     "PRESETS",
     "RESNET50_FWD_FLOPS_224",
@@ -164,6 +190,7 @@ __all__ = [
     "US",
     "VALIDATION_CASES",
     "VALIDATION_FAILED",
+    "CalibrationRun",
     "Collective",
     "Evaluation",
     "Link",
@@ -181,40 +208,51 @@ __all__ = [
     "bucket_sizes",
     "build_parser",
     "calibrate",
+    "calibration_names",
     "collective_options",
     "comm_time",
     "compute_seconds",
     "eval_pass_s",
     "fit_eval_overhead",
     "fit_rate",
+    "fit_preset",
+    "published_preset",
+    "published_workload",
+    "MLPERF_GPU_RUNS",
+    "fitted_from",
     "format_rows",
     "format_stages",
     "format_validation",
     "get_preset",
     "group_stride",
+    "held_out_problems",
     "hierarchical_allreduce_time",
     "inner_size",
     "input_seconds",
     "load_comm_report",
-    "read_comm_report",
-    "report_epochs",
-    "report_images_per_epoch",
     "main",
     "members_per_node",
     "nic_share_per_device",
+    "param_seconds",
     "parse_devices",
     "parse_stages",
     "points_from_metrics",
     "predict_step",
+    "read_comm_report",
     "reduce_scatter_time",
+    "report_epochs",
+    "report_images_per_epoch",
     "resnet50_workload",
     "ring_allreduce_time",
     "run_mlperf_case",
     "run_validation_case",
     "simulate",
+    "startup_seconds",
     "time_to_train",
     "torus_allreduce_time",
+    "torus_shape",
     "tree_allreduce_time",
+    "validation_names",
     "validation_table",
     "verdict",
     "with_calibrated_efficiency",

@@ -10,13 +10,16 @@ import sys
 from collections.abc import Iterable, Sequence
 
 from hybridpar.config import cli
+from hybridpar.config.formatting import duration, table
 from hybridpar.simulate.calibration import fit_rate, points_from_metrics
 from hybridpar.simulate.hardware import GB, TFLOPS, Preset
 from hybridpar.simulate.plot import write_png
 from hybridpar.simulate.step import (
+    MAX_CONVERGED_BATCH,
     PRESETS,
     Evaluation,
     Stage,
+    beyond_converged_batch,
     calibrate,
     format_stages,
     get_preset,
@@ -37,6 +40,7 @@ from hybridpar.simulate.workload import (
 )
 
 DEFAULT_DEVICES = [2**k for k in range(3, 13)]  # 8 .. 4096
+BEYOND = "beyond any published converged batch"
 VALIDATION_FAILED = 1  # exit status of --validate with a case outside the band (2: bad input)
 
 
@@ -63,23 +67,6 @@ def parse_devices(text: str) -> list[int]:
     if not out:
         raise ValueError("no device counts given")
     return out
-
-
-def _fmt_duration(s: float) -> str:
-    if s >= 3600:
-        return f"{s / 3600:.2f} h"
-    if s >= 60:
-        return f"{s / 60:.1f} min"
-    return f"{s:.0f} s"
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-
-    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def simulate(
@@ -119,6 +106,10 @@ def simulate(
         row["eval_s"] = tt.eval_s
         row["stage_s"] = [secs for _, _, secs in tt.stages]
         row["stage_efficiency"] = [s.efficiency for _, s, _ in tt.stages]
+        # ImageNet's epochs to the target are published only up to MAX_CONVERGED_BATCH
+        row["beyond_converged_batch"] = images_per_epoch == IMAGENET_TRAIN_IMAGES and (
+            beyond_converged_batch(stages, p, workload.model_parallel)
+        )
         rows.append(row)
     return rows
 
@@ -147,11 +138,17 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['comm_s'] * 1e3:.1f}",
             f"{r['images_per_s']:,.0f}",
             f"{r['efficiency']:.3f}",
-            _fmt_duration(r["time_to_train_s"]),
+            BEYOND if r.get("beyond_converged_batch") else duration(r["time_to_train_s"]),
         ]
         for r in rows
     ]
-    return _table(body, header)
+    out = table(body, header)
+    if any(r.get("beyond_converged_batch") for r in rows):
+        out += (
+            f"\n{BEYOND}: a global batch over {MAX_CONVERGED_BATCH:,}, the largest published "
+            "to reach ResNet-50's target on ImageNet; its epochs to the target are unknown"
+        )
+    return out
 
 
 def legend(workload: Workload, preset: Preset, efficiency: float | None) -> str:
@@ -203,7 +200,7 @@ def format_validation(results: list[dict]) -> str:
         ]
         for r in results
     ]
-    kinds = ["compute", "comm", "input", "eval", "floor"]
+    kinds = ["compute", "param", "fixed", "comm", "input", "eval", "startup", "floor"]
     split = []
     for r in results:
         if r["metric"] == "efficiency":  # one step on the larger device count, in ms
@@ -215,22 +212,58 @@ def format_validation(results: list[dict]) -> str:
             if r["metric"] == "images_per_s_per_chip":
                 total += f" (published {r['published_s']:g} s)"
         split.append([r["run"], *cells, total])
-    split_header = ["where the prediction goes", "compute", "comm (exposed)", "input", "eval"]
-    split_header += ["per-step floor", "predicted"]
+    split_header = ["where the prediction goes", "compute", "per-parameter", "fixed per step"]
+    split_header += ["comm (exposed)", "input", "eval", "start-up", "per-step floor"]
+    split_header += ["predicted"]
+    pods = [r for r in results if r.get("published_block_s")]
+    steady = [
+        [
+            r["run"],
+            f"{r['published_block_s']:.3f} s",
+            f"{r['predicted_block_s']:.3f} s",
+            f"{r['predicted_block_s'] / r['published_block_s']:.2f}",
+            f"{r['published_startup_s']:.2f} s",
+            f"{r['predicted_startup_s']:.2f} s",
+        ]
+        for r in pods
+    ]
+    steady_header = ["in the logs' own blocks", "4 epochs (log)", "4 epochs (model)", "ratio"]
+    steady_header += ["start-up (log)", "start-up (model)"]
     sources = [f"{r['run']}: {r['source']}" for r in results if r.get("source")]
     return "\n".join(
         [
-            _table(body, header),
+            table(body, header),
             "",
-            _table(split, split_header),
+            table(split, split_header),
             "",
+            *([table(steady, steady_header), ""] if steady else []),
             "published: measured by the runs' authors (the MLPerf figures from their result "
-            "logs); predicted: modelled (compute at the preset's calibrated fraction of peak, "
-            "communication by the alpha-beta model, input and evaluation where calibrated, "
-            "the per-step floor an assumption)",
+            "logs); predicted: modelled (compute at the fitted fraction of peak, the "
+            "per-parameter work over HBM bandwidth, a fixed cost per step, the all-reduce "
+            "as rings along the torus sides (alpha-beta), evaluation, input and start-up "
+            "where calibrated, the per-step floor an assumption)",
+            *held_out_lines(results),
             *sources,
         ]
     )
+
+
+def held_out_lines(results: list[dict]) -> list[str]:
+    """Which published runs set the constants (calibration) and which only check them
+    (validation), as --validate says it."""
+    from hybridpar.simulate.validation import CALIBRATION_RUNS, OTHER_CALIBRATION_SOURCES
+
+    lines = ["calibration (set the constants; not checked against):"]
+    lines += [f"  {r.run}: {r.source}" for r in CALIBRATION_RUNS]
+    lines += [f"  {k}: {v}" for k, v in OTHER_CALIBRATION_SOURCES.items()]
+    kept = [r["run"] for r in results if r.get("held_out", True)]
+    lines.append(f"validation (only checked): {len(kept)} of {len(results)} rows held out")
+    lines += [
+        f"  NOT held out: {r['run']} (calibrated on {', '.join(r['calibrated_on'])})"
+        for r in results
+        if not r.get("held_out", True)
+    ]
+    return lines
 
 
 def _calibrated(preset: Preset, workload: Workload, args) -> Preset:
@@ -494,7 +527,7 @@ def _main(args) -> int:
         if args.json:
             print(json.dumps({k: dataclasses.asdict(v) for k, v in PRESETS.items()}))
         else:
-            print(_table(rows, hdr))
+            print(table(rows, hdr))
         return 0
     if args.validate:
         results = validation_table(args.overlap)
@@ -558,9 +591,8 @@ def _main(args) -> int:
         f"{args.image_size} px; overlap {args.overlap:g}; efficiency {eff:.3f} of "
         f"{preset.peak_flops / TFLOPS:g} TFLOP/s"
     )
-    png_written = None
-    if args.png:
-        png_written = write_png(rows, args.png, title)
+    if args.png:  # no matplotlib: an error line (ConfigError) before anything is printed
+        write_png(rows, args.png, title)
     if args.json:
         print(
             json.dumps(
@@ -584,7 +616,7 @@ def _main(args) -> int:
                     "images_per_epoch": images_per_epoch,
                     "images_per_epoch_from": images_from,
                     "eval_s_per_epoch": args.eval_s_per_epoch,
-                    "png": args.png if png_written else None,
+                    "png": args.png,
                     "rows": rows,
                 }
             )
@@ -598,6 +630,6 @@ def _main(args) -> int:
     )
     print(format_rows(rows))
     print(legend(workload, preset, efficiency))
-    if png_written:
+    if args.png:
         print(f"wrote {args.png}")
     return 0

@@ -4,6 +4,10 @@ marked as such).
 The presets here are raw: each states the single-device ResNet-50 rate it is calibrated
 from, and `hybridpar.simulate.step.PRESETS` fills in the fraction of peak that reproduces
 it (calibration needs the workload's FLOPs, which live in `workload.py`).
+
+A preset of a chip in the accelerator table (`hybridpar.config.hardware`: every TPU, the
+H100, H200 and A100) takes its peak, memory and link bandwidths from there, as the compile
+targets do; only the older GPUs (P100, V100), which nothing else uses, are stated here.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hybridpar.tools.targets import CHIPS, GIB
+from hybridpar.config.formatting import GIB
+from hybridpar.config.hardware import GPUS, TPUS, Chip
 
 GB = 1e9  # bytes; link figures below are decimal GB/s as vendors quote them
 GBIT = 1e9 / 8  # bytes per second in one Gb/s
@@ -21,7 +26,7 @@ TFLOPS = 1e12
 # The per-step floor: no step, however small its network and batch, takes less. ASSUMPTION,
 # 1 ms: of the order of the host's dispatch of one jitted train step over ResNet-50's train
 # state (428 arrays), which bench/step_floor.py measures on this project's machine
-# (docs/scaling.md, section 1); not measured on a TPU or GPU host. The host dispatches
+# (docs/scaling.md); not measured on a TPU or GPU host. The host dispatches
 # step n+1 while the device runs step n, so it bounds the step from below rather than adding
 # to it; the device's own fixed costs per step are `step_overhead_s`.
 STEP_FLOOR_S = 1e-3
@@ -62,6 +67,7 @@ class Preset:
     devices_per_node: devices sharing the fast intra-node link (NVLink island, ICI domain).
     torus_dims: > 0 for TPU ICI, which is a 2D/3D torus rather than nodes + a switch.
     memory_gib: memory per device (HBM), what a plan must fit in (`hybridpar.plan`).
+    chip: the accelerator table's entry the figures come from; "" for a preset stated here.
 
     What a real run spends besides the FLOPs (0: not modelled; set by calibration, see
     `hybridpar.simulate.calibration`):
@@ -73,6 +79,14 @@ class Preset:
     eval_overhead_s: a fixed cost per evaluation pass (loader start, synchronisation).
     step_floor_s: the least a step takes (`STEP_FLOOR_S`): step = max(compute + exposed
       comm, input, floor).
+    hbm_bytes_per_s / param_bytes_per_param: the per-parameter work of a step that does not
+      shrink with the batch (the optimizer's update and the gradient's casts): bytes moved
+      per parameter over the memory bandwidth (0: not modelled).
+    max_overlap: the most of the backward pass the device's compiler actually hides
+      collectives behind, whatever `overlap` asks (1: as asked; 0: every byte exposed).
+    startup_s / startup_images_per_s_per_host / chips_per_host: what a timed run spends before
+      its steady state: a fixed start-up plus the first epoch's decode of each host's share of
+      the data while it is not yet cached (0: not modelled).
     """
 
     name: str
@@ -96,6 +110,13 @@ class Preset:
     eval_overhead_s: float = 0.0
     step_floor_s: float = STEP_FLOOR_S
     efficiency: float = float("nan")
+    chip: str = ""
+    hbm_bytes_per_s: float = 0.0
+    param_bytes_per_param: float = 0.0
+    max_overlap: float = 1.0
+    startup_s: float = 0.0
+    startup_images_per_s_per_host: float = 0.0
+    chips_per_host: int = 1
 
     def inter_bandwidth_per_node(self) -> float:
         """Bytes/s leaving one node (all of its NICs together)."""
@@ -139,31 +160,60 @@ _V100_25GBE = Preset(
 )
 
 
-# H100 SXM5 (DGX H100): 989 TFLOP/s bf16 dense (datasheet; 1,979 with sparsity).
-# NVLink 4: 900 GB/s bidirectional = 450 GB/s per direction per GPU.
-# 8 x NDR InfiniBand 400 Gb/s, one per GPU.
+def _gpu_preset(chip: Chip, **kw) -> Preset:
+    """A DGX-style node of 8 ``chip``s: a ring all-reduce within the node runs at half of
+    the NVLink's bidirectional bandwidth (its per-direction bandwidth, NCCL's bus bandwidth),
+    and between nodes at one NIC per GPU."""
+    return Preset(
+        name=chip.name,
+        peak_flops=chip.peak_bf16_flops,
+        dtype="bfloat16",
+        grad_dtype="bf16",
+        devices_per_node=8,
+        memory_gib=chip.hbm_bytes / GIB,
+        chip=chip.name,
+        **kw,
+    )
+
+
+# H100 (DGX H100): NVLink 4, 450 GB/s per direction; NDR InfiniBand 400 Gb/s per GPU.
 # Reference rate: ASSUMPTION ~3,000 images/s bf16 at 224 px for a plain framework step
 # (tuned MLPerf stacks reach more: see the H200 preset).
-_H100 = Preset(
-    name="h100",
+_H100 = _gpu_preset(
+    GPUS["h100"],
     description="H100 SXM5 bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU (DGX H100)",
-    peak_flops=989 * TFLOPS,
-    dtype="bfloat16",
-    grad_dtype="bf16",
-    devices_per_node=8,
-    intra=Link(450 * GB, 3 * US, name="NVLink 4 (450 GB/s)"),
-    inter=Link(400 * GBIT, _IB_ALPHA, per="device", name="NDR IB 400 Gb/s per GPU"),
+    intra=Link(GPUS["h100"].ici_bytes_per_s / 2, 3 * US, name="NVLink 4 (450 GB/s)"),
+    inter=Link(GPUS["h100"].dcn_bytes_per_s, _IB_ALPHA, name="NDR IB 400 Gb/s per GPU"),
     reference_images_per_s=3000.0,
     reference_note="ASSUMPTION: ~3,000 img/s bf16 at 224 px (plain framework step)",
-    memory_gib=80.0,
+)
+# A100 (DGX A100): NVLink 3, 300 GB/s per direction; HDR InfiniBand 200 Gb/s per GPU.
+# Reference rate: ASSUMPTION ~2,500 images/s bf16 at 224 px (MLPerf v1.x-era A100 figures
+# are ~2,500-2,800 with MXNet + DALI).
+_A100 = _gpu_preset(
+    GPUS["a100"],
+    description="A100 SXM4 80 GB bf16, 8/node NVLink 3, HDR IB 200 Gb/s per GPU (DGX A100)",
+    intra=Link(GPUS["a100"].ici_bytes_per_s / 2, 3 * US, name="NVLink 3 (300 GB/s)"),
+    inter=Link(GPUS["a100"].dcn_bytes_per_s, _IB_ALPHA, name="HDR IB 200 Gb/s per GPU"),
+    reference_images_per_s=2500.0,
+    reference_note="ASSUMPTION: ~2,500 img/s bf16 at 224 px",
 )
 
 
-# TPU presets: every chip of hybridpar.tools.targets.CHIPS (peak, HBM, ICI and the sources there).
+# TPU presets: every chip of hybridpar.config.hardware.TPUS (peak, HBM, ICI; sources there).
 # ASSUMPTIONS: ~2,000 ResNet-50 images/s per v3 chip at 224 px, and every other chip at the
-# same fraction of its peak; alpha 2 us per ICI hop; one ICI domain of up to 4,096 chips
-# (MLPerf's 4,096-chip v3 and v4 runs were joined by ICI).
+# same fraction of its peak (the published MLPerf runs replace this for v3 and v4:
+# hybridpar.simulate.validation fits those from its calibration runs); alpha 2 us per ICI
+# hop; one ICI domain of up to 4,096 chips (MLPerf's 4,096-chip v3 and v4 runs were joined
+# by ICI).
 TPU_V3_IMAGES_PER_S = 2000.0
+# Bytes the optimizer moves per parameter per step, the same at any batch. ASSUMPTION, 28:
+# a LARS/momentum update in float32 reads the parameter, its gradient and momentum and
+# writes the parameter and momentum (20 bytes), and LARS's two norms read the parameter and
+# gradient again (8).
+PARAM_BYTES_PER_PARAM = 28.0
+# Hosts: a v3-8, v4-8 or v5p-8 host drives 4 chips; a v5e or v6e host 8.
+TPU_CHIPS_PER_HOST = {"v5e": 8, "v6e": 8}
 
 
 def _tpu_preset(chip) -> Preset:
@@ -171,7 +221,7 @@ def _tpu_preset(chip) -> Preset:
     # bidirectional bandwidth, which is the all-reduce bandwidth per chip the pages quote
     allreduce = chip.ici_bytes_per_s / 2
     ici = Link(allreduce, 2 * US, per="device", name=f"ICI {chip.torus_dims}D torus")
-    rate = TPU_V3_IMAGES_PER_S * chip.peak_bf16_flops / CHIPS["v3"].peak_bf16_flops
+    rate = TPU_V3_IMAGES_PER_S * chip.peak_bf16_flops / TPUS["v3"].peak_bf16_flops
     return Preset(
         name=f"tpu-{chip.name}",
         description=f"TPU {chip.name} bf16, {chip.torus_dims}D torus ICI "
@@ -187,6 +237,13 @@ def _tpu_preset(chip) -> Preset:
         "(2,000 on v3, the same fraction of peak on the others)",
         torus_dims=chip.torus_dims,
         memory_gib=chip.hbm_bytes / GIB,
+        chip=chip.name,
+        hbm_bytes_per_s=chip.hbm_bytes_per_s,
+        param_bytes_per_param=PARAM_BYTES_PER_PARAM,
+        # The TPU compiler leaves the gradient all-reduce synchronous (compile's overlap
+        # report: every byte exposed on a data-parallel step, docs/scaling.md): none hidden.
+        max_overlap=0.0,
+        chips_per_host=TPU_CHIPS_PER_HOST.get(chip.name, 4),
     )
 
 
@@ -219,38 +276,29 @@ UNCALIBRATED_PRESETS = [
         description="V100 SXM2 fp16, 8/node NVLink 2, 100 GbE per node",
         inter=Link(100 * GBIT, _ETH_ALPHA, per="node", name="100 GbE per node"),
     ),
-    # A100 SXM4 (DGX A100): 312 TFLOP/s bf16 dense (datasheet). NVLink 3: 600 GB/s
-    # bidirectional = 300 GB/s per direction per GPU, taken as the ring bus bandwidth.
-    # 8 x HDR InfiniBand 200 Gb/s, one per GPU.
-    # Reference rate: ASSUMPTION ~2,500 images/s bf16 at 224 px (MLPerf v1.x-era A100 figures
-    # are ~2,500-2,800 with MXNet + DALI).
-    Preset(
-        name="a100",
-        description="A100 SXM4 bf16, 8/node NVLink 3, HDR IB 200 Gb/s per GPU (DGX A100)",
-        peak_flops=312 * TFLOPS,
-        dtype="bfloat16",
-        grad_dtype="bf16",
-        devices_per_node=8,
-        intra=Link(300 * GB, 3 * US, name="NVLink 3 (300 GB/s)"),
-        inter=Link(200 * GBIT, _IB_ALPHA, per="device", name="HDR IB 200 Gb/s per GPU"),
-        reference_images_per_s=2500.0,
-        reference_note="ASSUMPTION: ~2,500 img/s bf16 at 224 px",
-        memory_gib=40.0,  # the first DGX A100's A100 40 GB
+    _A100,
+    # the same A100 with 40 GB (the first DGX A100): what a plan must fit in is all that differs
+    dataclasses.replace(
+        _A100,
+        name="a100-40gb",
+        description="A100 SXM4 40 GB bf16, 8/node NVLink 3, HDR IB 200 Gb/s per GPU (DGX A100)",
+        memory_gib=GPUS["a100-40gb"].hbm_bytes / GIB,
+        chip="a100-40gb",
     ),
     _H100,
-    # H200 SXM: same compute and links as H100 (989 TFLOP/s bf16 dense, NVLink 4, NDR 400);
-    # 141 GB HBM3e at 4.8 TB/s. Reference rate: MLPerf Training v4.0, one node of 8 H200,
-    # ResNet-50 in 12.0 min, about 7,700 images/s per GPU: a tuned
-    # MXNet + DALI stack. The difference from the h100 preset is the software, not the chip.
+    # H200 SXM: the H100's compute and links, more and faster HBM. Reference rate: MLPerf
+    # Training v4.0, one node of 8 H200, ResNet-50 in 12.0 min, about 7,700 images/s per
+    # GPU: a tuned MXNet + DALI stack. The difference from the h100 preset is the software.
     dataclasses.replace(
         _H100,
         name="h200",
         description="H200 SXM bf16, 8/node NVLink 4, NDR IB 400 Gb/s per GPU",
         reference_images_per_s=7700.0,
         reference_note="MLPerf Training v4.0 (8 x H200, 12.0 min): ~7,700 img/s/GPU, tuned",
-        memory_gib=141.0,
+        memory_gib=GPUS["h200"].hbm_bytes / GIB,
+        chip="h200",
     ),
-    *(_tpu_preset(chip) for chip in CHIPS.values()),
+    *(_tpu_preset(chip) for chip in TPUS.values()),
 ]
 
 ALIASES = {"v100": "v100-25gbe", "p100": "p100-50gbe"}

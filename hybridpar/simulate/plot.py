@@ -3,26 +3,15 @@ when asked: training never needs it)."""
 
 from __future__ import annotations
 
-import sys
-
 import numpy as np
 
+from hybridpar.config.formatting import pyplot
 
-def write_png(rows: list[dict], path: str, title: str) -> bool:
-    """Images/s and scaling efficiency against devices. False (and a message) when
-    matplotlib is not installed: it is an optional dependency."""
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(
-            f"matplotlib is not installed: skipping {path} "
-            "(pip install matplotlib to get the plot)",
-            file=sys.stderr,
-        )
-        return False
+def write_png(rows: list[dict], path: str, title: str) -> None:
+    """Images/s and scaling efficiency against devices. matplotlib is optional: without it,
+    a ConfigError saying how to install it."""
+    plt = pyplot()
     devs = np.array([r["devices"] for r in rows], dtype=float)
     ips = np.array([r["images_per_s"] for r in rows])
     eff = np.array([r["efficiency"] for r in rows])
@@ -45,4 +34,3 @@ def write_png(rows: list[dict], path: str, title: str) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True

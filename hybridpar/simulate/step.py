@@ -2,10 +2,13 @@
 efficiency on p devices; the calibrated presets; curriculum stages and time to train.
 
     compute   = step overhead + FLOPs per device per step / (peak FLOP/s * efficiency)
+    param     = parameters * bytes moved per parameter / HBM bandwidth  (not shrinking with
+                the batch: the optimizer's update)
     comm      = sum over collectives of count * cost(cheapest algorithm)
-    exposed   = max(0, comm - overlap * backward),   backward = 2/3 * compute
+    exposed   = max(0, comm - min(overlap, max_overlap) * backward),  backward = 2/3 * compute
     input     = images per device per step / (input images/s per core * cores per device)
-    step      = max(compute + exposed, input, per-step floor)
+    step      = max(compute + param + exposed, input, per-step floor)
+    run       = start-up + steps * step + evaluation passes
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ from hybridpar.simulate.workload import (
 )
 
 
+def param_seconds(workload: Workload, preset: Preset) -> float:
+    """The per-parameter work of one step, which does not shrink with the batch: the
+    workload's parameters times the bytes the update moves per parameter, over the HBM
+    bandwidth. 0 where either is not known."""
+    if preset.hbm_bytes_per_s <= 0 or preset.param_bytes_per_param <= 0:
+        return 0.0
+    return workload.params * preset.param_bytes_per_param / preset.hbm_bytes_per_s
+
+
 def calibrate(
     measured_images_per_s: float,
     image_size: int,
@@ -36,18 +48,19 @@ def calibrate(
 ) -> float:
     """Efficiency (fraction of peak) that reproduces a measured single-device rate.
 
-    efficiency = FLOPs per step / (peak * (measured step time - step overhead)),
+    efficiency = FLOPs per step / (peak * (measured step time - step overhead - param)),
     measured step time = batch / measured_images_per_s.
     """
     if measured_images_per_s <= 0 or batch <= 0:
         raise ValueError("measured rate and batch must be positive")
     workload = workload or resnet50_workload()
-    step_s = batch / measured_images_per_s - preset.step_overhead_s
+    fixed = preset.step_overhead_s + param_seconds(workload, preset)
+    step_s = batch / measured_images_per_s - fixed
     if step_s <= 0:
         raise ValueError(
             f"{measured_images_per_s:g} images/s at batch {batch} is a step of "
             f"{batch / measured_images_per_s:.4g} s, not more than the preset's step overhead "
-            f"{preset.step_overhead_s:.4g} s"
+            f"and per-parameter work {fixed:.4g} s"
         )
     flops = workload.step_flops(batch, image_size) * workload.model_parallel
     return flops / (preset.peak_flops * step_s)
@@ -93,17 +106,21 @@ class StepPrediction:
     algorithms: str  # the chosen algorithm(s), e.g. "hier-ring" or "ring x2, tree x1"
     input_s: float = 0.0  # host seconds to decode one device's images (0: not modelled)
     overhead_s: float = 0.0  # the preset's fixed cost per step, inside compute_s
+    param_s: float = 0.0  # per-parameter work (bytes per parameter over HBM bandwidth)
 
     def parts(self) -> dict[str, float]:
         """The step's seconds by what they are spent on, summing to `step_s`: the FLOPs
-        (`compute`), exposed communication (`comm`), the input's wait beyond both (`input`)
-        and the fixed cost per step plus what the floor adds (`floor`)."""
-        busy = self.compute_s + self.exposed_comm_s
+        (`compute`), the per-parameter work (`param`), the fixed cost per step (`fixed`),
+        exposed communication (`comm`), the input's wait beyond them (`input`) and what the
+        per-step floor adds (`floor`)."""
+        busy = self.compute_s + self.param_s + self.exposed_comm_s
         return {
             "compute": self.compute_s - self.overhead_s,
+            "param": self.param_s,
+            "fixed": self.overhead_s,
             "comm": self.exposed_comm_s,
             "input": max(0.0, self.input_s - busy),
-            "floor": self.overhead_s + self.step_s - max(busy, self.input_s),
+            "floor": self.step_s - max(busy, self.input_s),
         }
 
 
@@ -159,17 +176,21 @@ def predict_step(
     if not eff > 0:
         raise ValueError(f"efficiency must be positive, got {eff}")
     compute = compute_seconds(workload, preset, per_device_batch, image_size, eff)
+    param = param_seconds(workload, preset)
     comm, algos = comm_time(workload, preset, devices)
-    exposed = max(0.0, comm - overlap * workload.backward_fraction * compute)
+    hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
+    exposed = max(0.0, comm - hidden)
     # The input runs ahead of the device (prefetch), so it only shows when it is slower.
     images = per_device_batch / m  # each device's share of the global batch
     input_s = input_seconds(preset, images, image_size)
-    step = max(compute + exposed, input_s, preset.step_floor_s)
+    step = max(compute + param + exposed, input_s, preset.step_floor_s)
     global_batch = devices // m * per_device_batch
     images_per_s = global_batch / step
     # one device runs the whole model (m times one device's share) and decodes its batch
     single = per_device_batch / max(
-        m * compute, input_seconds(preset, per_device_batch, image_size), preset.step_floor_s
+        m * compute + param,
+        input_seconds(preset, per_device_batch, image_size),
+        preset.step_floor_s,
     )
     scaling = images_per_s / (devices * single)
     assert scaling <= 1.0 + 1e-9, (scaling, compute, step)
@@ -189,7 +210,18 @@ def predict_step(
         algorithms=algos,
         input_s=input_s,
         overhead_s=preset.step_overhead_s,
+        param_s=param,
     )
+
+
+def startup_seconds(preset: Preset, devices: int, images_per_epoch: int) -> float:
+    """What a timed run spends before its steady state: the preset's fixed start-up plus
+    the first epoch's decode of each host's share of the data (not yet cached)."""
+    out = preset.startup_s
+    if preset.startup_images_per_s_per_host > 0:
+        hosts = math.ceil(devices / max(1, preset.chips_per_host))
+        out += images_per_epoch / hosts / preset.startup_images_per_s_per_host
+    return out
 
 
 def compute_seconds(
@@ -260,6 +292,30 @@ def format_stages(stages: Sequence[Stage]) -> str:
     return ",".join(f"{s.end_epoch:g}:{s.image_size}-{s.per_device_batch}" for s in stages)
 
 
+# The largest global batches at which ResNet-50 has been published reaching the MLPerf
+# target (75.9% top-1) on ImageNet, with the epochs it took (the epoch of the last
+# evaluation in each result log): epochs grow with the batch, and past the largest no run
+# says how many it would take, so the model predicts no time to train there.
+PUBLISHED_CONVERGED_BATCHES = {
+    3200: (35, "MLPerf v3.0 NVIDIA, 8 x DGX H100"),
+    4096: (60, "MLPerf v0.6 Google, TPU v3-32"),
+    16384: (64, "MLPerf v0.6 Google, TPU v3-128"),
+    20480: (50, "MLPerf v3.0 NVIDIA, 64 x DGX H100"),
+    32768: (76, "MLPerf v0.6 Google, TPU v3-1024"),
+    55296: (80, "MLPerf v2.0 Google, TPU v4-6912"),
+    57344: (77, "MLPerf v3.0 CoreWeave, 448 x HGX H100"),
+    65536: (92, "MLPerf v0.7 Google, TPU v3-8192, JAX (LARS)"),
+}
+MAX_CONVERGED_BATCH = max(PUBLISHED_CONVERGED_BATCHES)
+
+
+def beyond_converged_batch(stages: Sequence[Stage], devices: int, model_parallel: int = 1) -> bool:
+    """Whether a stage's global batch on `devices` is beyond any published converged
+    ImageNet batch (`MAX_CONVERGED_BATCH`): its epochs to the target are unknown."""
+    replicas = devices // model_parallel
+    return any(st.per_device_batch * replicas > MAX_CONVERGED_BATCH for st in stages)
+
+
 @dataclass(frozen=True)
 class TrainPrediction:
     devices: int
@@ -268,15 +324,17 @@ class TrainPrediction:
     eval_s: float
     epochs: float
     stages: tuple[tuple[Stage, StepPrediction, float], ...]  # (stage, step, seconds)
+    startup_s: float = 0.0
 
     def parts(self) -> dict[str, float]:
         """`total_s` by what it is spent on: each stage's steps split as
-        `StepPrediction.parts`, and the evaluation (`eval`)."""
-        out = {"compute": 0.0, "comm": 0.0, "input": 0.0, "floor": 0.0}
+        `StepPrediction.parts`, the evaluation (`eval`) and the start-up (`startup`)."""
+        out = dict.fromkeys(("compute", "param", "fixed", "comm", "input", "floor"), 0.0)
         for _, step, secs in self.stages:
             for k, v in step.parts().items():
                 out[k] += v * secs / step.step_s
         out["eval"] = self.eval_s
+        out["startup"] = self.startup_s
         return out
 
 
@@ -320,7 +378,8 @@ def time_to_train(
     evaluation: Evaluation | None = None,
 ) -> TrainPrediction:
     """Sum over stages of (end - start epochs) * images per epoch / images/s at that stage,
-    plus `eval_s_per_epoch` for every epoch trained and the passes of `evaluation`."""
+    plus `eval_s_per_epoch` for every epoch trained, the passes of `evaluation` and the
+    preset's start-up (`startup_seconds`)."""
     start = 0.0
     parts = []
     train_s = 0.0
@@ -337,4 +396,6 @@ def time_to_train(
     if evaluation is not None and evaluation.every_epochs > 0:
         passes = math.floor(epochs / evaluation.every_epochs + 1e-9)
         eval_s += passes * eval_pass_s(workload, preset, devices, evaluation)
-    return TrainPrediction(devices, train_s + eval_s, train_s, eval_s, epochs, tuple(parts))
+    startup = startup_seconds(preset, devices, images_per_epoch)
+    total = train_s + eval_s + startup
+    return TrainPrediction(devices, total, train_s, eval_s, epochs, tuple(parts), startup)

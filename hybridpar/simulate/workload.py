@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from hybridpar.tools.comm_report_schema import CommReport
+from hybridpar.runtime.comm_report_schema import CommReport
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 IMAGENET_EVAL_IMAGES = 50_000
@@ -71,6 +71,7 @@ class Workload:
     source: str = "analytic"
     reference_batch: float | None = None  # per-device batch the FLOPs were measured at
     compiled_by: str = ""  # the compiler that counted a comm report's FLOPs and collectives
+    params: int = 0  # parameters per device, for the per-parameter work (0: not modelled)
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
@@ -117,6 +118,7 @@ def resnet50_workload(grad_dtype: str = "fp32", bucket_mb: float | None = 32.0) 
         reference_image_size=224,
         collectives=colls,
         source="analytic",
+        params=RESNET50_PARAMS,
     )
 
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from collections import Counter
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.tools.comm_report_schema import CollectiveRow, CommReport
+from hybridpar.config.formatting import byte_size
+from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport
 
 # Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
 # the virtual CPU device count before the backend starts.
@@ -63,7 +63,16 @@ _GROUPS = re.compile(
 )
 _PAIRS = re.compile(r"source_target_pairs=(" + _NESTED + ")")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+# The clones of one collective in the TPU compiler's fusions share a continuation chain id
+# (chain_id="N"), or else a channel id; a shard_map's collectives may all have channel_id=1.
+_CHAIN = re.compile(r'\bchain_id="(\d+)"')
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
+def _clone_key(attrs: str) -> str | None:
+    m = _CHAIN.search(attrs) or _CHANNEL.search(attrs)
+    return m.group(0) if m else None
+
 # XLA's CPU pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names
 # the widened reduction computation ``<name>_promoted``.
 _PROMOTED = re.compile(r"to_apply=%?[\w.\-]+_promoted\b")
@@ -238,17 +247,17 @@ def parse_collectives(hlo_text: str) -> list[dict]:
         key = (kind, shape_bytes(shape), groups, size, is_async)
         # channel ids repeat across the CPU backend's collectives: only clones in fusions
         channel = (
-            _CHANNEL.search(ins["attrs"]) if ins["computation"] in fused_computations else None
+            _clone_key(ins["attrs"]) if ins["computation"] in fused_computations else None
         )
-        if channel is not None and channel.group(1) in seen:  # a clone of one counted
-            first = seen[channel.group(1)]
+        if channel is not None and channel in seen:  # a clone of one counted
+            first = seen[channel]
             if is_async and not first[4]:  # count it once, as async
                 counts[first] -= 1
                 counts[key] += 1
-                seen[channel.group(1)] = key
+                seen[channel] = key
             continue
         if channel is not None:
-            seen[channel.group(1)] = key
+            seen[channel] = key
         counts[key] += 1
     counts = +counts  # drop the zero counts a move to async left
     rows = [
@@ -376,18 +385,17 @@ def parse_overlap(hlo_text: str) -> list[dict]:
         for i, ins in enumerate(seq):
             op = ins["opcode"]
             if op in KINDS:
-                events.append((comp, seq, i, i, op, payload(ins, ins["shape"]), False))
+                events.append((comp, seq, i, i, op, payload(ins, ins["shape"]), False, ins))
             elif op.endswith("-start") and op[: -len("-start")] in KINDS:
                 kind = op[: -len("-start")]
                 done = next((j for j in range(i + 1, len(seq)) if seq[j]["opcode"] == f"{kind}-done"
                              and seq[j]["operands"][:1] == [ins["name"]]), None)  # fmt: skip
                 shape = seq[done]["shape"] if done is not None else ins["shape"]
-                events.append((comp, seq, i, done or i, kind, payload(ins, shape), True))
+                events.append((comp, seq, i, done or i, kind, payload(ins, shape), True, ins))
             elif _CALLS.search(ins["attrs"]):
                 body = [x for c in _CALLS.findall(ins["attrs"]) for x in inner(c)]
                 for coll in (x for x in body if x["opcode"] in KINDS):
-                    channel = _CHANNEL.search(coll["attrs"])
-                    key = channel.group(1) if channel else ins["name"]
+                    key = _clone_key(coll["attrs"]) or ins["name"]
                     if key not in chains:
                         chains[key] = [coll, [], op == "async-start"]
                     if i not in chains[key][1]:
@@ -404,11 +412,12 @@ def parse_overlap(hlo_text: str) -> list[dict]:
                         done = j
             is_async = wrapped or len(places) > 1
             events.append((comp, seq, start, done, coll["opcode"], payload(coll, coll["shape"]),
-                           is_async))  # fmt: skip
+                           is_async, coll))  # fmt: skip
     out = []
     events.sort(key=lambda e: (e[0], e[2]))  # by computation, then schedule
-    for comp, seq, start, done, kind, nbytes, is_async in events:
+    for comp, seq, start, done, kind, nbytes, is_async, coll in events:
         between = [x for x in seq[start + 1 : done] if is_compute(x)]
+        groups = _GROUPS.search(coll["attrs"])  # devices per group (None: not stated)
         out.append(
             dict(
                 kind=kind,
@@ -420,6 +429,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
                 overlaps=dict(Counter(label(x) for x in between)),
                 flops=sum(flops(x) for x in between),
                 exposed=not between,
+                group_size=_short_groups(groups.group(1) if groups else None)[1],
                 **{"async": is_async},
             )
         )
@@ -429,7 +439,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
 def describe_overlap(e: dict) -> str:
     """One collective's overlap in a few words, e.g. ``all-gather 9.0 KiB: async over 3 ops
     (2 convolution, 1 fusion; 1.2 MFLOP)`` or ``all-reduce 64 B: synchronous, exposed``."""
-    head = f"{e['kind']} {_mib(e['bytes'])}"
+    head = f"{e['kind']} {byte_size(e['bytes'])}"
     if not e["async"]:
         return f"{head}: synchronous, exposed"
     if e["exposed"]:
@@ -437,6 +447,31 @@ def describe_overlap(e: dict) -> str:
     ops = ", ".join(f"{n} {k}" for k, n in sorted(e["overlaps"].items(), key=lambda kv: -kv[1]))
     flops = f"; {e['flops'] / 1e6:.3g} MFLOP" if e["flops"] else ""
     return f"{head}: async over {e['compute_ops']} ops ({ops}{flops})"
+
+
+# Bytes through each chip per byte of a collective's result, in a ring over n devices.
+_RING_FACTOR = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: n - 1,  # its result is one device's share
+    "all-to-all": lambda n: (n - 1) / n,
+}
+
+
+def hidden_estimate(e: dict, peak_flops: float, link_bytes_per_s: float, devices: int) -> dict:
+    """Whether what a collective overlaps can hide it, by estimate. ``compute_s``: the FLOPs
+    scheduled between its start and done at the chip's peak (a lower bound: elementwise and
+    memory-bound work count nothing); ``collective_s``: a ring's bytes through each chip
+    (``_RING_FACTOR``, over ``group_size`` devices, else ``devices``) at
+    ``link_bytes_per_s``, latency not counted; ``bytes_hidden``: the bytes times the share of
+    that time the compute covers (0 where exposed)."""
+    n = e.get("group_size") or devices
+    factor = _RING_FACTOR.get(e["kind"], lambda n: 1.0)(max(n, 1))
+    collective_s = e["bytes"] * factor / link_bytes_per_s
+    compute_s = e["flops"] / peak_flops
+    share = 0.0 if e["exposed"] else min(1.0, compute_s / collective_s) if collective_s else 1.0
+    return dict(compute_s=compute_s, collective_s=collective_s,
+                bytes_hidden=int(round(e["bytes"] * share)))  # fmt: skip
 
 
 def overlap_totals(events: list[dict]) -> dict:
@@ -525,12 +560,6 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
     )
 
 
-def _mib(n: float) -> str:
-    if n >= 2**20:
-        return f"{n / 2**20:.2f} MiB"
-    return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{int(n)} B"
-
-
 def format_report(rep: CommReport, config_path: str) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in rep.mesh.items())
     dev = rep.devices
@@ -548,15 +577,17 @@ def format_report(rep: CommReport, config_path: str) -> str:
     ]
     for r in rep.collectives:
         lines.append(
-            f"  {r.kind:<20} {r.count:>5} {_mib(r.bytes):>12} {_mib(r.total_bytes):>12}"
+            f"  {r.kind:<20} {r.count:>5} {byte_size(r.bytes):>12} {byte_size(r.total_bytes):>12}"
             f"  {'yes' if r.is_async else 'no':<5}  {r.groups}"
         )
     if not rep.collectives:
         lines.append("  (none)")
-    kinds = ", ".join(f"{k} {v['count']} ops {_mib(v['bytes'])}" for k, v in rep.by_kind.items())
+    kinds = ", ".join(
+        f"{k} {v['count']} ops {byte_size(v['bytes'])}" for k, v in rep.by_kind.items()
+    )
     lines += [
         "",
-        f"total per step: {rep.total_ops} collective ops, {_mib(rep.total_bytes)}"
+        f"total per step: {rep.total_ops} collective ops, {byte_size(rep.total_bytes)}"
         + (f" ({kinds})" if kinds else ""),
         "FLOPs per step per device (cost_analysis): "
         + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported"),
@@ -618,14 +649,13 @@ def main(argv=None) -> None:
             args.devices, target = target.devices_count, None
     if args.devices is not None:
         use_virtual_cpu_devices(args.devices)
-    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
 
     def run():
         rep = report(config, args.devices, target)
         if args.json:
             print(rep.to_json())
         else:
-            print(format_report(rep, config_path))
+            print(format_report(rep, args.config_path))
 
     cli.main(run)
 

@@ -11,7 +11,9 @@ For each program: per-chip memory (arguments, outputs, temporaries, and the tota
 the chip's HBM), FLOPs and bytes accessed by the compiler's count, every collective as
 the compiler scheduled it (kind, bytes, groups, asynchronous or not) and what each
 overlaps: the compute scheduled between its start and done, and the bytes overlapped and
-exposed (a synchronous collective, or one with nothing between, is exposed), compile time, and a
+exposed (a synchronous collective, or one with nothing between, is exposed), an estimate of
+the bytes that compute hides (its FLOPs at the chip's peak against the collective's time on
+the chip's links: ``comm_report.hidden_estimate``), compile time, and a
 roofline bound on the step time (FLOPs at peak or bytes at HBM bandwidth, whichever is
 longer; collectives, launch and input not counted) with the images/s per chip it allows.
 A program that does not fit the chip's HBM (the TPU compiler refuses it) is one ``error:``
@@ -22,12 +24,12 @@ line naming its need, the capacity and a plan that compiles. The last line is
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections import Counter
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import byte_size
 from hybridpar.tools import targets
 
 # Nothing above imports JAX: ``--target`` sets the environment before the backend starts.
@@ -81,7 +83,7 @@ def _compile_programs(config, target, out, show) -> dict:
     except ConfigError as e:
         if "devices but" in str(e):  # the mesh's size is not the target's
             msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
-            raise ConfigError(f"{msg} ({_target_hint(target, config.mesh)})") from None
+            raise ConfigError(f"{msg} ({target_hint(target, config.mesh)})") from None
         raise
     program, c = run.program, config
     wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
@@ -92,7 +94,11 @@ def _compile_programs(config, target, out, show) -> dict:
         rec = program.compiles[-1]
         hlo = compiled.as_text()
         collectives = comm_report.parse_collectives(hlo)
-        overlap = comm_report.parse_overlap(hlo)
+        overlap = [dict(e, text=comm_report.describe_overlap(e))
+                   for e in comm_report.parse_overlap(hlo)]  # fmt: skip
+        if target.chip is not None:  # hidden or only overlapped: compute vs link time
+            for e in overlap:
+                e.update(_hidden(e, target))
         cost = comm_report.cost_of(compiled)
         mem = rec["memory_per_device_bytes"]
         step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
@@ -109,8 +115,10 @@ def _compile_programs(config, target, out, show) -> dict:
                 collective_bytes=sum(r["total_bytes"] for r in collectives),
                 async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
                 **comm_report.overlap_totals(overlap),
+                bytes_hidden_est=(sum(e["bytes_hidden"] for e in overlap)
+                                  if target.chip is not None else None),  # fmt: skip
                 collectives=collectives,
-                overlap=[dict(e, text=comm_report.describe_overlap(e)) for e in overlap],
+                overlap=overlap,
                 roofline_step_s=step_s,
                 roofline_images_per_s_per_chip=(
                     round(per_chip / step_s, 1) if step_s and kind == "train" else None
@@ -140,7 +148,7 @@ def _compile_programs(config, target, out, show) -> dict:
     return report
 
 
-def _target_hint(target: targets.Target, mesh: str) -> str:
+def target_hint(target: targets.Target, mesh: str) -> str:
     """What a compile for the mesh's device count names as its target: a like target of
     that size where one exists (the same chip and slices)."""
     import math
@@ -164,6 +172,23 @@ def _target_hint(target: targets.Target, mesh: str) -> str:
     return f"{here}; --target {spec} has {want}" if fits else here
 
 
+def _hidden(e: dict, target: targets.Target) -> dict:
+    """``comm_report.hidden_estimate`` at the target chip's peak and one direction of its
+    ICI (a GPU's NVLink), and the text saying it for an overlapped collective."""
+    from hybridpar.tools import comm_report
+
+    c = target.chip
+    est = comm_report.hidden_estimate(e, c.peak_bf16_flops, c.ici_bytes_per_s / 2,
+                                      target.devices_count)  # fmt: skip
+    if not e["exposed"]:
+        est["text"] = (
+            f"{e['text']}: est. {est['compute_s'] * 1e6:.3g} us of compute vs "
+            f"{est['collective_s'] * 1e6:.3g} us on the links, "
+            f"{byte_size(est['bytes_hidden'])} hidden"
+        )
+    return est
+
+
 def _setup_for(config, target: targets.Target):
     """The run's set-up without data on the target's devices, its steps compiled with the
     options every compile for that target needs."""
@@ -183,12 +208,12 @@ def _compile_or_explain(run, target, kind: str, batch: int, size: int):
     try:
         return _step_within(run, target, kind, batch, size)
     except Exception as e:
-        need = _hbm_shortfall(e)
+        need = hbm_shortfall(e)
         if need is None:
             raise
     head = (
-        f"the {kind} step (batch {batch}, {size} px) needs {need[0] / 2**30:.2f} GiB of HBM per "
-        f"chip on {target.spec} where {need[1] / 2**30:.2f} GiB are available (the "
+        f"the {kind} step (batch {batch}, {size} px) needs {byte_size(need[0])} of HBM per "
+        f"chip on {target.spec} where {byte_size(need[1])} are available (the "
         f"{target.platform.upper()} compiler's count)"
     )
     fix = _fitting_mesh(run, target, kind, batch, size)
@@ -209,19 +234,17 @@ def _fitting_mesh(run, target, kind, batch, size) -> str | None:
         other = _setup_for(config, target)
         _step_within(other, target, kind, batch, size)
     except Exception as e:
-        if _hbm_shortfall(e) is None and not isinstance(e, ConfigError):
+        if hbm_shortfall(e) is None and not isinstance(e, ConfigError):
             raise
         return None
     mem = other.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
-    return f"--config.mesh=fsdp:-1 compiles it ({targets.gib(mem)} per chip)"
+    return f"--config.mesh=fsdp:-1 compiles it ({byte_size(mem)} per chip)"
 
 
 def _fitting_batch(run, target, kind, batch, size, need, tries: int = 3) -> str | None:
     """The first of up to ``tries`` smaller batches (scaled by capacity over need, in
     multiples of the data-parallel size) that compiles within HBM on this mesh."""
-    from hybridpar.parallel.mesh import data_parallel_size
-
-    dp = data_parallel_size(run.mesh)
+    dp = run.plan.data_parallel
     trial = batch
     for _ in range(tries):
         trial = int(trial * need[1] / need[0] * 0.9) // dp * dp
@@ -230,12 +253,12 @@ def _fitting_batch(run, target, kind, batch, size, need, tries: int = 3) -> str 
         try:
             _step_within(run, target, kind, trial, size)
         except Exception as e:
-            if _hbm_shortfall(e) is None:
+            if hbm_shortfall(e) is None:
                 raise
             continue
         mem = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
         key = "eval_batch" if kind == "eval" else "global_batch (or the stage's batch)"
-        return f"{key}={trial} compiles on this mesh ({targets.gib(mem)} per chip)"
+        return f"{key}={trial} compiles on this mesh ({byte_size(mem)} per chip)"
     return None
 
 
@@ -271,7 +294,7 @@ class OverHbm(Exception):
 _UNITS = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
-def _hbm_shortfall(e: Exception) -> tuple[float, float] | None:
+def hbm_shortfall(e: Exception) -> tuple[float, float] | None:
     """``(needed, available)`` bytes from the TPU compiler's out-of-memory error (or ours)."""
     import re
 
@@ -305,20 +328,22 @@ def format_report(report: dict, config_path: str) -> str:
         name = f"{r['program']} b{r['batch']} {r['image_size']}px"
         flops = f"{r['flops'] / 1e9:.2f}" if r["flops"] else "-"
         accessed = f"{r['bytes_accessed'] / 1e9:.3f}" if r["bytes_accessed"] else "-"
-        coll = f"{r['collective_ops']} / {r['collective_bytes'] / 2**20:.1f} MiB"
+        coll = f"{r['collective_ops']} / {byte_size(r['collective_bytes'])}"
         rate = r["roofline_images_per_s_per_chip"]
         lines.append(
-            f"  {name:<28} {targets.gib(m.get('total', 0)):>12} {targets.gib(m.get('temp', 0)):>10}"
+            f"  {name:<28} {byte_size(m.get('total', 0)):>12} {byte_size(m.get('temp', 0)):>10}"
             f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
-            f"{r['bytes_exposed'] / 2**20:>6.1f} MiB {r['compile_s']:>7.1f}s "
+            f"{byte_size(r['bytes_exposed']):>10} {r['compile_s']:>7.1f}s "
             f"{rate if rate is not None else '-':>19}"
         )
     lines.append("what each collective overlaps (compute scheduled between its start and done):")
     for r in report["programs"]:
         lines.append(
             f"  {r['program']} b{r['batch']} {r['image_size']}px: "
-            f"{r['bytes_overlapped'] / 2**20:.2f} MiB overlapped ({r['ops_overlapped']} ops), "
-            f"{r['bytes_exposed'] / 2**20:.2f} MiB exposed ({r['ops_exposed']} ops)"
+            f"{byte_size(r['bytes_overlapped'])} overlapped ({r['ops_overlapped']} ops), "
+            f"{byte_size(r['bytes_exposed'])} exposed ({r['ops_exposed']} ops)"
+            + (f"; est. {byte_size(r['bytes_hidden_est'])} hidden by the compute between"
+               if r.get("bytes_hidden_est") is not None else "")  # fmt: skip
         )
         alike, nbytes = Counter(e["text"] for e in r["overlap"]), Counter()
         for e in r["overlap"]:
@@ -330,7 +355,7 @@ def format_report(report: dict, config_path: str) -> str:
     if report["out"]:  # printed before the file is written: a failed write is an error after
         lines.append(f"  writing the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
-        lines.append(f"  (HBM per chip: {targets.gib(report['hbm_bytes_per_chip'])})")
+        lines.append(f"  (HBM per chip: {byte_size(report['hbm_bytes_per_chip'])})")
     lines.append(
         "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
         "collectives, launch and input are not counted, so real steps are slower"
@@ -365,7 +390,6 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
-    config_path = cli.split_config_args(sys.argv[1:] if argv is None else argv)[0]
 
     def run():
         if args.target:
@@ -380,7 +404,7 @@ def main(argv=None) -> None:
             target = targets.Target(jax.default_backend(), jax.device_count())
 
         def show(report):  # before --out is written: a failed write keeps the report
-            print(json.dumps(report) if args.json else format_report(report, config_path),
+            print(json.dumps(report) if args.json else format_report(report, args.config_path),
                   flush=True)  # fmt: skip
 
         compile_programs(config, target, args.out, show=show)

@@ -1,16 +1,21 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
-[--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn] [--max-rounds 8]
-[--calibration max|percentile|mse]``.
+[--budget-of weights|file] [--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn]
+[--max-rounds 8] [--calibration max|percentile|mse]``.
 
 The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
 still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
 in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the teacher's channels in
 every group (``hybridpar.prune``; where that would land under ``K``, to the largest fraction
-whose int8 weights fit ``K``, computed exactly from the pruned shapes), distils it from the
-teacher for ``--epochs`` epochs (``hybridpar.runtime.distill``; the run's own optimizer and
-schedule), quantizes it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval
-split. Rounds go on while the int8 top-1 stays within ``--max-drop`` points of the float
-teacher's and the int8 weights are above ``K`` KB (1 KB = 1000 bytes).
+that fits ``K``, computed from the pruned shapes), distils it from the teacher for
+``--epochs`` epochs (``hybridpar.runtime.distill``; the run's own optimizer and schedule),
+quantizes it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval split.
+Rounds go on while the int8 top-1 stays within ``--max-drop`` points of the float teacher's
+and the budgeted size is above ``K`` KB (1 KB = 1000 bytes). ``--budget-of`` says which
+size: ``weights`` (the default), the int8 weights (exact from the pruned shapes); ``file``,
+the whole LiteRT ``model.tflite``, what an edge device stores (the weights plus the file's
+quantization parameters and structure: from the pruned shapes, an upper bound
+``edge.predict_bytes`` measured once on a file of the teacher's; whether a round fits is
+its real file's size).
 
 Every round is kept in ``W/compress/round_NN/``: ``pruned/`` (the pruned model, a run at
 step 0), ``run/`` (its distillation run, a trainer workdir: the trainer resumes it),
@@ -24,8 +29,11 @@ round (parameters, int8 KB, FLOPs per image, int8 top-1, its drop in points agai
 float teacher, int8 CPU latency at batch 1), writes the table to ``W/compress/rounds.md``
 and the size/accuracy front to ``W/compress/front.png``, and ends with the smallest model
 within the drop and the line ``kb_int8=... top1_drop=... top1=... params=... flops=...
-teacher_step=...``. Exit code 0 when that model is within the budget, 3 when the loop
-stopped without one (a line on stderr says why), 2 for bad input.
+file_kb=... latency_ms=... budget_of=... teacher_step=...`` (file_kb and latency_ms: its
+LiteRT ``model.tflite``'s whole size and one-thread ms per image; budget_of: the size held
+to ``K``, also in each round's ``result.json``). Exit code 0 when that model is within the
+budget, 3 when the loop stopped without one (a line on stderr says why), 2 for bad input
+(a file budget under the smallest file the teacher prunes to among it).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import numpy as np
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import pyplot
 from hybridpar.runtime import trained
 
 DIR = "compress"
@@ -81,7 +90,8 @@ def check_args(args, config) -> None:
     if not args.workdir:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
     if args.budget_kb is None or args.budget_kb <= 0:
-        cli.fail("pass --budget-kb K > 0: the int8 weights' size to reach, in KB, e.g. 100")
+        what = {"weights": "the int8 weights'", "file": "the LiteRT file's"}[args.budget_of]
+        cli.fail(f"pass --budget-kb K > 0: {what} size to reach, in KB, e.g. 100")
     if args.max_drop < 0:
         cli.fail(f"--max-drop={args.max_drop} must be >= 0 (points of top-1), e.g. 1.0")
     if not 0 < args.step < 1:
@@ -205,11 +215,11 @@ def round_config(config, workdir: str, pruned: str, epochs: float):
 
 def keep_for(index: int, step: float, budget_kb: float, bytes_at) -> float:
     """Round ``index``'s fraction of the teacher's channels: ``(1 - step)^index``, unless
-    that model's int8 weights would be under the budget, then the largest fraction (to
-    0.001) whose weights fit it, so the last round spends the budget rather than
-    undershooting. ``bytes_at(keep)``: the int8 bytes of the teacher pruned to ``keep``
-    (exact, ``prune.int8_bytes``); they never shrink as ``keep`` grows, so a bisection
-    finds the largest."""
+    that model's size would be under the budget, then the largest fraction (to 0.001)
+    whose size fits it, so the last round spends the budget rather than undershooting.
+    ``bytes_at(keep)``: the budgeted bytes of the teacher pruned to ``keep`` (``teacher_size``:
+    the int8 weights, exact, or the file, an upper bound); they never shrink as ``keep``
+    grows, so a bisection finds the largest."""
     keep = (1 - step) ** index
     budget = budget_kb * 1000
     if bytes_at(keep) >= budget:
@@ -228,13 +238,21 @@ def keep_for(index: int, step: float, budget_kb: float, bytes_at) -> float:
     return grid[lo] if lo < len(grid) else keep
 
 
-def bytes_of(row: dict) -> float:
-    """A row's int8 bytes (a row from before the key: its rounded KB)."""
+BUDGETS = ("weights", "file")  # what --budget-kb bounds
+
+
+def bytes_of(row: dict, of: str = "weights") -> float:
+    """A row's int8 weights' or LiteRT file's bytes (a row from before the key: its rounded
+    KB; without a file: infinite, it fits no file budget)."""
+    if of == "file":
+        if row.get("file_bytes") is not None:
+            return row["file_bytes"]
+        return float("inf") if row.get("file_kb") is None else 1000 * row["file_kb"]
     return row.get("bytes_int8", 1000 * row["kb_int8"])
 
 
-def fits(row: dict, budget_kb: float) -> bool:
-    return bytes_of(row) <= 1000 * budget_kb
+def fits(row: dict, budget_kb: float, of: str = "weights") -> bool:
+    return bytes_of(row, of) <= 1000 * budget_kb
 
 
 def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str) -> dict:
@@ -250,18 +268,22 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
         "top1_float": round(report["eval"]["float"]["top1"], 4),
         "top1_drop": round(100 * (teacher_top1 - top1), 2),
         "ms_b1_int8": report["latency_ms"]["int8_batch1_ms"],
+        # the LiteRT file's size and one-thread latency (None where none was written)
+        "file_kb": report.get("litert", {}).get("file_kb"),
+        "file_bytes": report.get("litert", {}).get("file_bytes"),  # a file budget's measure
+        "latency_ms": report.get("litert", {}).get("latency_ms"),
         "exported": os.path.join(path, "quantized", "model.jax_exported"),
     }
 
 
-HEADER = ("round", "keep", "params", "int8 KB", "MFLOPs/img", "top1 int8", "drop (pts)",
-          "ms b1 int8")  # fmt: skip
+HEADER = ("round", "keep", "params", "int8 KB", "file KB", "MFLOPs/img", "top1 int8",
+          "drop (pts)", "ms b1 int8")  # fmt: skip
 
 
 def format_row(r: dict) -> list[str]:
     return [str(r["round"]), f"{r['keep']:.3f}", str(r["params"]), f"{r['kb_int8']:.1f}",
-            f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}", f"{r['top1_drop']:.2f}",
-            f"{r['ms_b1_int8']:.3f}"]  # fmt: skip
+            _figure(r.get("file_kb"), 1), f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}",
+            f"{r['top1_drop']:.2f}", f"{r['ms_b1_int8']:.3f}"]  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -269,20 +291,18 @@ def table(rows: list[dict]) -> list[str]:
     return lines + ["| " + " | ".join(format_row(r)) + " |" for r in rows]
 
 
-def best(rows: list[dict], max_drop: float) -> dict | None:
-    """The smallest int8 model within the drop."""
+def best(rows: list[dict], max_drop: float, of: str = "weights") -> dict | None:
+    """The smallest int8 model (its weights or its file) within the drop."""
     ok = [r for r in rows if r["top1_drop"] <= max_drop]
-    return min(ok, key=lambda r: (bytes_of(r), -r["top1"])) if ok else None
+    return min(ok, key=lambda r: (bytes_of(r, of), bytes_of(r), -r["top1"])) if ok else None
 
 
-def plot(rows: list[dict], teacher_top1: float, budget_kb: float, max_drop: float, path):
-    from hybridpar.tools.tune import pyplot
-
+def plot(rows: list[dict], teacher_top1: float, budget_kb: float, max_drop: float, path,
+         of: str = "weights"):  # fmt: skip
     plt = pyplot()
-    if plt is None:
-        return
     fig, ax = plt.subplots(figsize=(6, 4))
-    kb, top1 = [r["kb_int8"] for r in rows], [100 * r["top1"] for r in rows]
+    kb = [bytes_of(r, of) / 1000 for r in rows]
+    top1 = [100 * r["top1"] for r in rows]
     ax.plot(kb, top1, "o-", color="C0", label="int8 model per round")
     for i, (r, x, y) in enumerate(zip(rows, kb, top1)):  # above and below in turn: a landed
         # last round sits a few KB from the one before it
@@ -292,7 +312,7 @@ def plot(rows: list[dict], teacher_top1: float, budget_kb: float, max_drop: floa
     ax.axhline(100 * teacher_top1 - max_drop, color="C3", ls=":", label=f"-{max_drop:g} points")
     ax.axvline(budget_kb, color="C1", ls=":", label=f"budget {budget_kb:g} KB")
     ax.set_xscale("log")
-    ax.set_xlabel("int8 weights (KB)")
+    ax.set_xlabel({"weights": "int8 weights (KB)", "file": "LiteRT file (KB)"}[of])
     ax.set_ylabel("top-1 (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
@@ -329,11 +349,12 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
 
     w = args.workdir
     qkw = dict(calibration_batches=args.calibration_batches, calibration=args.calibration,
-               repeats=args.repeats, latency_batches=(1,), overwrite=True)  # fmt: skip
+               repeats=args.repeats, latency_batches=(1,), overwrite=True,
+               litert_calibrated=False)  # fmt: skip
     if index == 0:  # the teacher itself, in int8
         with tune.quiet(rd):
             return quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw), w
-    fits = f" (the most that fits {args.budget_kb:g} KB)"
+    fits = f" (the most that fits {args.budget_kb:g} KB of {args.budget_of})"
     fits = "" if keep == (1 - args.step) ** index else fits
     log(
         f"round {index}: pruning to {keep:.3f} of the teacher's channels{fits}, "
@@ -373,11 +394,18 @@ def _run(config, args, root: str, log) -> dict | None:
     check_teacher(w)  # again, under the lock: the teacher may have changed since check_args
     step = teacher_step(config, w)
     check_settings(args, step)
+    # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
+    # the groups' widths every round's fraction refers to, and the budgeted bytes at a fraction
+    reference, bytes_at = teacher_size(w, args.budget_of)
+    floor = bytes_at(0.0)  # one channel in every group
+    if args.budget_of == "file" and floor > 1000 * args.budget_kb:
+        raise ConfigError(
+            f"--budget-kb {args.budget_kb:g} --budget-of file: the smallest file this teacher "
+            f"prunes to (one channel per group) may weigh {floor / 1000:.1f} KB, most of it "
+            "the file's own structure; pass a larger --budget-kb, or --budget-of weights"
+        )
     write_json(os.path.join(root, "settings.json"), {**settings_of(args), "teacher_step": step})
     rows, t0 = [], time.time()
-    # first, outside tune.quiet: the logging handlers orbax sets up keep the stream they find
-    # the groups' widths every round's fraction refers to, and the int8 bytes at a fraction
-    reference, bytes_at = teacher_size(w)
     log("| " + " | ".join(HEADER) + " |")
     for index in range(args.max_rounds + 1):
         rd = os.path.join(root, f"round_{index:02d}")
@@ -406,18 +434,22 @@ def _run(config, args, root: str, log) -> dict | None:
                 report["eval"]["float"]["top1"] if index == 0 else rows[0]["teacher_top1"]
             )
             row = row_of(index, keep, report, teacher_top1, rd)
+            # the budget the round was made under, and what its fraction was planned with
+            row.update(budget_of=args.budget_of, budget_kb=args.budget_kb,
+                       planned_bytes=int(bytes_at(keep)))  # fmt: skip
             row.update(teacher_top1=teacher_top1, teacher_step=step, run=source,
                        seconds=round(time.time() - start, 1))  # fmt: skip
             write_json(result, row)
         rows.append(row)
         log("| " + " | ".join(format_row(row)) + " |")
-        if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb):
+        if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb, args.budget_of):
             break
     teacher_top1 = rows[0]["teacher_top1"]
     with open(os.path.join(root, "rounds.md"), "w") as f:
         f.write("\n".join(table(rows)) + "\n")
-    plot(rows, teacher_top1, args.budget_kb, args.max_drop, os.path.join(root, "front.png"))
-    chosen = best(rows, args.max_drop)
+    plot(rows, teacher_top1, args.budget_kb, args.max_drop, os.path.join(root, "front.png"),
+         args.budget_of)  # fmt: skip
+    chosen = best(rows, args.max_drop, args.budget_of)
     took = sum(r.get("seconds", 0) for r in rows)
     log(
         f"teacher: step {step}, float top-1 {teacher_top1:.4f}; rounds took {took:.0f}s in "
@@ -427,38 +459,56 @@ def _run(config, args, root: str, log) -> dict | None:
     if chosen is None:
         log(f"no int8 model within {args.max_drop:g} points of the teacher")
         return None
-    reached = "reached" if fits(chosen, args.budget_kb) else "NOT reached"
+    reached = "reached" if fits(chosen, args.budget_kb, args.budget_of) else "NOT reached"
     log(f"smallest within {args.max_drop:g} points: round {chosen['round']} "
-        f"({chosen['kb_int8']:.1f} KB, budget {args.budget_kb:g} KB {reached}); "
-        f"int8 model {chosen['exported']}")  # fmt: skip
+        f"({chosen['kb_int8']:.1f} KB of int8 weights, file "
+        f"{_figure(chosen.get('file_kb'), 1)} KB; budget {args.budget_kb:g} KB of "
+        f"{args.budget_of} {reached}); int8 model {chosen['exported']}")  # fmt: skip
     print(f"kb_int8={chosen['kb_int8']:.1f} top1_drop={chosen['top1_drop']:.2f} "
           f"top1={chosen['top1']:.4f} params={chosen['params']} flops={chosen['flops']} "
-          f"teacher_step={step}", flush=True)  # fmt: skip
+          f"file_kb={_figure(chosen.get('file_kb'), 1)} "
+          f"latency_ms={_figure(chosen.get('latency_ms'), 3)} budget_of={args.budget_of} "
+          f"teacher_step={step}",
+          flush=True)  # fmt: skip
     return chosen
 
 
-def teacher_size(workdir: str):
+def _figure(value, digits: int) -> str:
+    """``value`` to ``digits`` places, or ``na`` (a row from before the LiteRT file, or a net
+    it does not export)."""
+    return "na" if value is None else f"{value:.{digits}f}"
+
+
+def teacher_size(workdir: str, of: str = "weights"):
     """``(reference, bytes_at)``: each channel group's width in the teacher (the rounds'
-    fractions refer to them), and ``bytes_at(keep)``, the int8 bytes of the teacher pruned
-    to ``keep`` of every group's channels."""
+    fractions refer to them), and ``bytes_at(keep)``, the bytes of the teacher pruned to
+    ``keep`` of every group's channels: ``of`` ``"weights"``, its int8 weights (exact);
+    ``"file"``, at most its LiteRT file's (``edge.predict_bytes``, the file's overhead
+    measured on the teacher's own file, converted here once)."""
     import jax
-    from flax.core import meta
 
     from hybridpar.parallel.mesh import make_mesh
+    from hybridpar.program import int8
     from hybridpar.tools import prune
 
-    mesh = make_mesh("data:-1", devices=jax.devices()[:1])
-    _, prog, state = trained.read_trained(workdir, mesh)
-    params = jax.device_get(meta.unbox(state.params))
-    stats = jax.device_get(meta.unbox(state.batch_stats))
-    gs = prune.groups(prog.model, params)
+    src = trained.TrainedRun(workdir, make_mesh("data:-1", devices=jax.devices()[:1]))
+    params, stats = src.host_variables()
+    gs = prune.groups(src.model, params)
     reference = prune.group_widths(gs, params)
 
-    def bytes_at(keep: float) -> int:
-        counts = prune.counts_for(gs, reference, keep)
-        return prune.int8_bytes(prog.model, gs, params, stats, counts)
+    def quantized(keep: float):
+        return prune.quantized(src.model, gs, params, stats, prune.counts_for(gs, reference, keep))
 
-    return reference, bytes_at
+    if of == "weights":
+        return reference, lambda keep: int8.tree_bytes(quantized(keep)[1])
+    from hybridpar.tools import edge  # imports TensorFlow: only for a file budget
+
+    d = src.config.data
+    arch, q = quantized(1.0)
+    shape = (d.image_size, d.image_size, d.channels)
+    blob = edge.convert(arch, q, tuple(d.mean), tuple(d.std), shape, edge.dummy_ranges(arch))
+    model = edge.size_model(blob)
+    return reference, lambda keep: edge.predict_bytes(quantized(keep)[1], d.channels, model)
 
 
 NOT_REACHED = 3  # the exit code of a loop that ends without a model within the budget
@@ -466,16 +516,17 @@ NOT_REACHED = 3  # the exit code of a loop that ends without a model within the 
 
 def outcome(chosen: dict | None, args) -> str | None:
     """Why the loop ended without its goal (the line before exit code 3), or None."""
-    if chosen is not None and fits(chosen, args.budget_kb):
+    if chosen is not None and fits(chosen, args.budget_kb, args.budget_of):
         return None
     how = (
         "pass a larger --max-drop or --epochs, a smaller --step, or a larger --budget-kb"
     )
     if chosen is None:
         return f"budget not reached: no int8 model within {args.max_drop:g} points; {how}"
+    size = bytes_of(chosen, args.budget_of) / 1000
     return (
         f"budget not reached: the smallest int8 model within {args.max_drop:g} points is "
-        f"{chosen['kb_int8']:.1f} KB (round {chosen['round']}), over --budget-kb "
+        f"{size:.1f} KB of {args.budget_of} (round {chosen['round']}), over --budget-kb "
         f"{args.budget_kb:g}; {how}, or more --max-rounds"
     )
 
@@ -494,7 +545,10 @@ def _main(argv) -> None:
     parser = cli.ArgumentParser("python -m hybridpar.compress", __doc__)
     parser.add_argument("--workdir", help="the trained teacher's run (read only)")
     parser.add_argument("--budget-kb", type=cli.finite_float,
-                        help="stop once the int8 weights are at most this many KB")  # fmt: skip
+                        help="stop once the budgeted size is at most this many KB")  # fmt: skip
+    parser.add_argument("--budget-of", choices=BUDGETS, default="weights",
+                        help="what --budget-kb bounds: the int8 weights (default) or the whole "
+                             "LiteRT file")  # fmt: skip
     parser.add_argument("--max-drop", type=cli.finite_float, default=1.0,
                         help="points of top-1 the int8 model may lose (default 1.0)")  # fmt: skip
     parser.add_argument("--step", type=cli.finite_float, default=0.25,
@@ -509,12 +563,12 @@ def _main(argv) -> None:
                         help="activation ranges, as hybridpar.quantize's")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed calls per latency figure (median)")  # fmt: skip
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
 
     def go():
+        pyplot()  # the front's PNG needs matplotlib: say so now, not after the rounds
         c = config or trained.load_config(args.workdir, args.config_overrides)
         check_args(args, c)
         try:

@@ -17,8 +17,6 @@ or config is one ``error:`` line that names the fix (exit code 2).
 
 from __future__ import annotations
 
-import sys
-
 from hybridpar.config import cli
 
 
@@ -44,7 +42,6 @@ def main(argv=None) -> None:
         help="with --watch: stop with an error once no trainer holds the workdir and no new "
         "checkpoint came for this long (default 300; 0 waits for ever)",
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the training run's)")

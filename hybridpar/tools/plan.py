@@ -42,17 +42,16 @@ import time
 from pathlib import Path
 
 from hybridpar.config import cli
-from hybridpar.config.curriculum import duration
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import GIB, MIB, byte_size, duration, table
 from hybridpar.config.schema import HEADS
+from hybridpar.runtime.comm_report_schema import CommReport
 from hybridpar.runtime.run_records import write_json
 from hybridpar.tools.comm_report import target_of, use_virtual_cpu_devices
-from hybridpar.tools.comm_report_schema import CommReport
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
 BN_SYNCS = ("global", "local")
-GIB = 2**30
 # XLA:CPU flags for compile-only analysis: memory and collectives come from buffer
 # assignment and the HLO passes, before LLVM; skipping LLVM's optimisations takes a large
 # part of the compile time away and changes neither.
@@ -229,7 +228,7 @@ def _check_values(config, choices: dict, validate) -> None:
 # ---- Compiling (in worker processes) and the cache ---------------------------------------------
 
 
-def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
+def compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
     """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it."""
     from hybridpar.tools.comm_report import report
 
@@ -256,7 +255,7 @@ def _source_hash() -> str:
         for root in importlib.util.find_spec(pkg).submodule_search_locations:
             for p in sorted(Path(root).rglob("*.py")):
                 rel = p.relative_to(root).as_posix()
-                if pkg == "hybridpar" and (rel.startswith("simulate/") or rel == "plan.py"):
+                if pkg == "hybridpar" and (rel.startswith("simulate/") or rel.endswith("plan.py")):
                     continue
                 h.update(f"{pkg}/{rel}".encode() + p.read_bytes())
     return h.hexdigest()[:16]
@@ -312,7 +311,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
         futures = {
             pool.submit(
-                _compile_one, config_path, base_overrides + list(c.overrides(devices).items())
+                compile_one, config_path, base_overrides + list(c.overrides(devices).items())
             ): (c, path)
             for c, path in todo
         }
@@ -323,8 +322,8 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
             except Exception as e:  # a worker that died (host memory): that plan fails
                 rep = {"error": f"the compile failed: {type(e).__name__}: {e}"}
             what = rep.get("error") or (
-                f"{_bytes(rep['memory_per_device_bytes'])}/device, "
-                f"{rep['total_bytes'] / 2**20:.1f} MiB collectives, "
+                f"{byte_size(rep['memory_per_device_bytes'])}/device, "
+                f"{byte_size(rep['total_bytes'])} collectives, "
                 f"compiled in {rep['compile_s']:.0f} s"
             )
             elapsed = time.perf_counter() - start
@@ -369,7 +368,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         preset,
         devices,
         stages_of(config, b),
-        _train_examples(config),
+        train_examples_of(config),
         overlap,
         evaluation=evaluation,
     )
@@ -383,7 +382,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     }
 
 
-def _train_examples(config) -> int:
+def train_examples_of(config) -> int:
     """An epoch's images: a built-in set's own size where known (digits' split), else the
     config's nominal ``data.train_examples``."""
     from hybridpar.runtime.executables import data_size
@@ -412,7 +411,7 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
         "predicted_scaling_efficiency": compute / step,
         "predicted_exposed_comm_s": exposed,
         "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
-        "predicted_time_to_train_s": config.num_epochs * _train_examples(config) / images,
+        "predicted_time_to_train_s": config.num_epochs * train_examples_of(config) / images,
         "predicted_eval_s": None,
         "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives, "
         "at least the per-step floor",
@@ -470,10 +469,6 @@ def plan_rows(
     return fits, too_big, failed
 
 
-def _bytes(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
-
-
 def format_table(fits, too_big, failed, limit_bytes) -> str:
     header = ["rank", "mesh", "head", "bn_sync", "comm", "batch/dev", "compute", "memory/dev",
               "collectives MiB (ops)", "img/s", "time to train"]  # fmt: skip
@@ -484,19 +479,11 @@ def format_table(fits, too_big, failed, limit_bytes) -> str:
         rows.append([
             str(rank) if r in fits else "-", o["mesh"], o["model.head"], o["model.bn_sync"],
             comm, str(r["per_device_batch"]), o["precision.compute"],
-            _bytes(r["memory_per_device_bytes"]) + ("" if r in fits else " (too big)"),
-            f"{r['collective_bytes'] / 2**20:,.1f} ({r['collective_ops']})",
+            byte_size(r["memory_per_device_bytes"]) + ("" if r in fits else " (too big)"),
+            f"{r['collective_bytes'] / MIB:,.1f} ({r['collective_ops']})",
             f"{r['predicted_images_per_s']:,.0f}", duration(r["predicted_time_to_train_s"]),
         ])  # fmt: skip
-    widths = [
-        max(len(h), *(len(x[i]) for x in rows)) if rows else len(h) for i, h in enumerate(header)
-    ]
-
-    def line(cells):
-        return "  ".join(c.rjust(w) for c, w in zip(cells, widths))
-
-    out = [line(header), line(["-" * w for w in widths]), *map(line, rows)]
-    out += [f"failed: {r['plan']}: {r['error']}" for r in failed]
+    out = [table(rows, header), *(f"failed: {r['plan']}: {r['error']}" for r in failed)]
     return "\n".join(out)
 
 
@@ -636,8 +623,7 @@ def main(argv=None) -> None:
         )
         os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
     os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
-    argv = sys.argv[1:] if argv is None else list(argv)
-    config_path, base_overrides, _ = cli.split_config_args(argv)
+    config_path, base_overrides = args.config_path, args.config_overrides
 
     def log(message):  # progress on stderr, so --json's stdout stays one object
         print(message, file=sys.stderr, flush=True)
@@ -676,7 +662,7 @@ def main(argv=None) -> None:
                 s = too_big[0]
                 cli.fail(
                     f"no plan fits in {limit_gib:g} GiB per device: the smallest, "
-                    f"{s['plan']}, needs {_bytes(s['memory_per_device_bytes'])}; raise "
+                    f"{s['plan']}, needs {byte_size(s['memory_per_device_bytes'])}; raise "
                     "--memory-gib, add devices, or try other plans (--meshes, --heads, "
                     "--per-device-batch)"
                 )
@@ -707,7 +693,7 @@ def main(argv=None) -> None:
         print(format_table(fits, too_big, failed, limit))
         print(legend(target, hardware, n, args.calibrate_from))
         print(
-            f"\nbest: {best['plan']}: {_bytes(best['memory_per_device_bytes'])}/device, "
+            f"\nbest: {best['plan']}: {byte_size(best['memory_per_device_bytes'])}/device, "
             f"predicted {best['predicted_images_per_s']:,.0f} img/s, "
             f"{duration(best['predicted_time_to_train_s'])} to train"
         )

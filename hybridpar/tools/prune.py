@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import sys
 
 import numpy as np
 
@@ -153,13 +152,22 @@ def int8_bytes(model, gs: list[Group], params, stats, counts: dict) -> int:
     parameter the narrower the model."""
     from hybridpar.program import int8
 
+    return int8.tree_bytes(quantized(model, gs, params, stats, counts)[1])
+
+
+def quantized(model, gs: list[Group], params, stats, counts: dict):
+    """``(arch, q)``: ``params``' model with ``counts[name]`` channels in each group (the
+    first ones), folded and quantized as ``quantize`` does, every activation step 1/255 of
+    ``[0, 1]``: its sizes (``int8_bytes``, ``edge.predict_bytes``), not its values."""
+    from hybridpar.program import int8
+
     widths = group_widths(gs, params)
     keep = {g.name: np.arange(int(counts.get(g.name, widths[g.name]))) for g in gs}
     p, s = apply(gs, params, stats, keep)
     arch = int8.architecture(model, p)
     layers = int8.fold_batchnorm(arch, p, s, model.bn_epsilon)
     ranges = {k: {"min": 0.0, "max_abs": 1.0} for k, v in layers.items() if "kernel" in v}
-    return int8.tree_bytes(int8.quantize(layers, ranges))
+    return arch, int8.quantize(layers, ranges)
 
 
 def apply(gs: list[Group], params, stats, keep: dict):
@@ -273,20 +281,18 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     ``reference`` (``{group: width}``, default: this model's) and writes the smaller run to
     ``out``. Returns ``{"widths", "params", "kept"}``."""
     import jax
-    from flax.core import meta
 
     from hybridpar.parallel.mesh import make_mesh
 
     mesh = mesh or make_mesh("data:-1")
-    config, prog, state = trained.read_trained(workdir, mesh)
-    params = jax.device_get(meta.unbox(state.params))
-    stats = jax.device_get(meta.unbox(state.batch_stats))
-    gs = groups(prog.model, params)
+    src = trained.TrainedRun(workdir, mesh)
+    params, stats = src.host_variables()
+    gs = groups(src.model, params)
     counts = counts_for(gs, reference or group_widths(gs, params), keep_fraction)
-    keep = keep_masks(gs, params, stats, counts, criterion, prog.model.bn_epsilon)
+    keep = keep_masks(gs, params, stats, counts, criterion, src.model.bn_epsilon)
     params, stats = apply(gs, params, stats, keep)
-    widths = widths_of(prog.model, params)
-    write_run(pruned_config(config, widths), params, stats, out, mesh)
+    widths = widths_of(src.model, params)
+    write_run(pruned_config(src.config, widths), params, stats, out, mesh)
     n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
     return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()}}
 
@@ -304,7 +310,6 @@ def main(argv=None) -> None:
                         help="fraction of each group's channels to remove, in [0, 1)")  # fmt: skip
     parser.add_argument("--criterion", choices=CRITERIA, default="l1",
                         help="l1: folded filter L1 (default); bn: BatchNorm |scale|")  # fmt: skip
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, _ = cli.parse(parser, argv, config=False)
     if not args.workdir or not args.out or args.fraction is None:
         cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")

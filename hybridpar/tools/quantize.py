@@ -10,7 +10,9 @@ it, or the range of least squared error), evaluates the float and the int8 model
 whole eval split, times both on this CPU at batch 1 and 64 (side by side, median of
 repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-channel
 steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
-serialized StableHLO, see ``hybridpar.program.int8.load_exported``) and ``report.json``. The last
+serialized StableHLO, see ``hybridpar.program.int8.load_exported``), ``model.tflite`` (the
+same steps as a LiteRT full-integer int8 file, ``hybridpar.tools.edge``: its size, top-1,
+agreement with int8 and one-thread latency in the report) and ``report.json``. The last
 line printed is ``top1_drop=... top1_float=... top1_int8=... ...`` (the drop in points). The
 arithmetic is ``hybridpar/program/int8.py``. A bad workdir or config is one ``error:`` line (exit
 code 2).
@@ -21,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 
 from hybridpar.config import cli
@@ -162,39 +163,38 @@ def last_line(report: dict) -> str:
         f, q = ms[f"float_batch{b}_ms"], ms[f"int8_batch{b}_ms"]
         figures[f"speedup_b{b}"] = f"{f / q:.2f}"
         figures[f"ms_b{b}_float"], figures[f"ms_b{b}_int8"] = f"{f:.3f}", f"{q:.3f}"
+    lite = report.get("litert", {})
+    if "file_kb" in lite:  # the LiteRT file's: size, top-1, agreement with int8, latency
+        figures["file_kb"] = f"{lite['file_kb']:.1f}"
+        figures["top1_litert"] = f"{lite['top1']:.4f}"
+        figures["agreement_litert"] = f"{lite['agreement']:.4f}"
+        figures["latency_ms"] = f"{lite['latency_ms']:.3f}"
+        figures["ms_1tflops"] = f"{lite['ms_at_1tflops']:.4f}"
     return " ".join(f"{k}={v}" for k, v in figures.items())
 
 
 def run(config, workdir: str, *, calibration_batches=8, calibration="mse", percentile=99.99,
         activations="int8", overwrite=False, repeats=5, latency_batches=LATENCY_BATCHES,
-        devices=None, out=None) -> dict:  # fmt: skip
+        devices=None, out=None, litert_calibrated=True) -> dict:  # fmt: skip
     """Quantizes ``workdir``'s latest checkpoint; returns the report (also in
     ``W/quantized/report.json``). Arguments are checked by ``check_args``. ``devices``: the
     mesh's, for reading the checkpoint (default: all); the rest runs on the first. ``out``:
-    where the files go instead of ``W/quantized`` (hybridpar.compress's rounds)."""
+    where the files go instead of ``W/quantized`` (hybridpar.compress's rounds).
+    ``litert_calibrated``: also convert with the converter's own calibration, for the
+    report's comparison row (not kept)."""
     import itertools
 
     import jax
     import numpy as np
-    from flax.core import meta
 
     from hybridpar.program import int8
     from hybridpar.program.steps import normalize
-    from hybridpar.runtime import checkpoint
     from hybridpar.runtime.run import log, setup
 
     r = setup(config, None, devices=devices, for_training=False)
-    saver = checkpoint.Checkpoints(checkpoint.checkpoint_dir(config, workdir), read_only=True)
-    try:
-        restored = saver.restore(r.program.abstract_state())
-    finally:
-        saver.close()
-    if restored is None:
-        raise ConfigError(f"no checkpoint reads back in {saver.directory}")
-    step, state, _, _ = restored
-    params = jax.device_get(meta.unbox(state.params))
-    stats = jax.device_get(meta.unbox(state.batch_stats))
-    model, d = r.program.model, config.data
+    src = trained.TrainedRun(workdir, r.mesh, config=config, program=r.program)
+    params, stats = src.host_variables()
+    step, model, d = src.step, r.program.model, config.data
     mean, std = tuple(d.mean), tuple(d.std)
     log(f"read the checkpoint at step {step}")
 
@@ -205,7 +205,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     with jax.default_device(device):
         t0 = time.time()
         to_float = jax.jit(lambda im: normalize(im, mean, std, np.float32))
-        ranges, used = None, 0
+        ranges, used, images = None, 0, []
         if activations == "int8":  # training batches: the first K of epoch 0
             images = [
                 b["image"] for b in itertools.islice(r.data.train_batches(0), calibration_batches)
@@ -260,6 +260,13 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"))
         float_bytes = int8.tree_bytes(params)
         int8_bytes = int8.tree_bytes(q)
+        flops = flops_per_image(arch, layers, shape)
+        from hybridpar.tools import edge  # imports TensorFlow: only here
+
+        with jax.default_device(device):  # the LiteRT file, against int8_model
+            litert = edge.export(os.path.join(tmp, "model.tflite"), arch, q, layers, mean, std,
+                                 shape, images, r.data.eval_batches, int8_model, flops,
+                                 int8_bytes, calibrated=litert_calibrated)  # fmt: skip
         f1, q1 = evals["float"]["top1"], evals["int8"]["top1"]
         f5, q5 = evals["float"]["top5"], evals["int8"]["top5"]
         report = {
@@ -282,13 +289,16 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             "weight_bytes_int8": int8_bytes,
             "ratio": round(float_bytes / int8_bytes, 3),
             "params": int(sum(np.size(x) for x in jax.tree.leaves(params))),
-            "flops_per_image": flops_per_image(arch, layers, shape),
+            "flops_per_image": flops,
             "latency_ms": {k: round(v, 3) for k, v in latency.items()},
             "latency_repeats": repeats,
             "latency_s": round(latency_s, 3),
             "device": str(device.device_kind),
             "activation_ranges": ranges,
-            "files": ["params.npz", "model.jax_exported", "report.json"],
+            # the LiteRT int8 file: size, top-1 against int8, one-thread latency
+            "litert": litert,
+            "files": ["params.npz", "model.jax_exported", "report.json"]
+            + ([] if "skipped" in litert else ["model.tflite"]),
         }
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
@@ -302,7 +312,8 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     # ---- The report ----
     for line in table(report):
         log(line)
-    log(f"wrote {out}/ (params.npz, model.jax_exported, report.json)")
+    log(edge.summary(litert))
+    log(f"wrote {out}/ ({', '.join(report['files'])})")
     print(last_line(report), flush=True)
     return report
 
@@ -339,7 +350,6 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--repeats", type=int, default=5, help="timed calls per latency figure (median)"
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the training run's)")

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 
 from hybridpar.config import cli
-from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import pyplot
 from hybridpar.runtime.run_records import TIME_PARTS, RunRecords, read_run
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
@@ -181,13 +180,7 @@ def constant(values) -> bool:
 
 def plot(runs: list[tuple[str, RunRecords]], path: str) -> None:
     """Writes ``figure(runs)`` to ``path`` (PNG)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ConfigError('the report\'s PNG needs matplotlib: pip install -e ".[plot]"') from None
+    plt = pyplot()
     fig = figure(runs)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -203,7 +196,7 @@ def figure(runs: list[tuple[str, RunRecords]]):
     (runs whose summary.json has a ``time_breakdown``), and the schedule series some run
     changes, against epochs: only panels with something in them, laid out with no empty
     slot. The title names what differs between runs and, once, what every run holds fixed."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.lines import Line2D
 
     schedules = [schedule(run) for _, run in runs]
@@ -416,7 +409,7 @@ def main(argv=None) -> None:
             help=f"time to this {metric} (a fraction) for every run; default: each "
             f"summary.json's target_{metric}. Timed from all eval records, the evaluator's too",
         )
-    args = parser.parse_args(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)  # argparse reads sys.argv[1:] itself when None
     asked = {"top1": args.target_top1, "top5": args.target_top5}
     for metric, target in asked.items():
         if target is not None and not 0 < target <= 1:

@@ -13,12 +13,9 @@ TPU compiler), but nothing can run on them. The names follow Cloud TPU's acceler
 types: ``v5e-N`` and ``v6e-N`` count chips, ``v4-N`` and ``v5p-N`` count TensorCores (two
 per chip), so ``v5p-128`` is 64 chips (a 4x4x4 cube).
 
-Chip figures are per chip, from the Cloud TPU system-architecture pages for each version
-(cloud.google.com/tpu/docs/v3, /v4, /v5e, /v5p, /v6e): peak dense bfloat16 FLOP/s, HBM
-capacity and bandwidth, bidirectional ICI bandwidth, and data-centre network (DCN) bandwidth
-where the page gives it. They are the one table of TPU chips: the scaling model's TPU presets
-(``hybridpar.simulate``) are built from it too. v3 is there for the scaling model only (the
-published MLPerf runs on it); it has no slice shapes here and is not a compile target.
+The chips' figures (peak, HBM, links) are the accelerator table's
+(``hybridpar.config.hardware``), which the planner and the scaling model read too; v3 is in
+it for the scaling model only (no slice shapes here: not a compile target).
 
 ``--target gpu:h100-16`` (also ``h200``, ``a100``; N GPUs, 8 to a node) does the same with
 XLA's GPU compiler, through the CUDA plugin's deviceless path (``pip install -e
@@ -37,55 +34,12 @@ import importlib.util
 import os
 import re
 
+from hybridpar.config import hardware
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import GIB
+from hybridpar.config.hardware import GPUS_PER_NODE, Chip
 
-GIB = 2**30
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    name: str
-    peak_bf16_flops: float  # dense, per chip
-    hbm_bytes: int
-    hbm_bytes_per_s: float
-    ici_bytes_per_s: float  # bidirectional, per chip
-    dcn_bytes_per_s: float | None  # per chip, where published
-    cores_per_chip: int  # TensorCores: what v4-N / v5p-N count
-    torus_dims: int  # 2: a 2D torus (v5e, v6e); 3: 3D (v4, v5p)
-    chip_config: str  # libtpu's chip_config_name ("megacore": one device per chip); "": none
-
-
-CHIPS = {
-    # cloud.google.com/tpu/docs/v3: 123 TFLOP/s, 32 GiB HBM2 at 900 GB/s, 1,024 chips a pod
-    # on a 2D torus. ASSUMPTION: ICI taken at twice the all-reduce bandwidth per chip (340
-    # TB/s a pod over 1,024 chips, 332 GB/s a chip), as for v4 below. DCN not published.
-    "v3": Chip("v3", 123e12, 32 * GIB, 900e9, 2 * 340e12 / 1024, None, 2, 2, ""),
-    # cloud.google.com/tpu/docs/v4: 275 TFLOP/s, 32 GiB HBM2 at 1200 GB/s. ASSUMPTION: the
-    # page gives no per-chip ICI, only the all-reduce bandwidth per pod (1.1 PB/s over 4,096
-    # chips, 269 GB/s a chip); taken at twice that, as the v5e page gives 200 GB/s a chip of
-    # all-reduce bandwidth (51.2 TB/s over 256) against 400 GB/s of ICI. DCN not published.
-    "v4": Chip("v4", 275e12, 32 * GIB, 1200e9, 2 * 1.1e15 / 4096, None, 2, 3, "megacore"),
-    # cloud.google.com/tpu/docs/v5e: 197 TFLOP/s, 16 GB HBM2 at 819 GB/s, ICI 400 GB/s
-    # bidirectional; DCN 2 x 100 Gb/s NICs per 8-chip host = 25 Gb/s per chip.
-    "v5e": Chip("v5e", 197e12, 16 * GIB, 819e9, 400e9, 25e9 / 8, 1, 2, "default"),
-    # cloud.google.com/tpu/docs/v5p: 459 TFLOP/s, 95 GiB HBM2e at 2765 GB/s, ICI 1200 GB/s
-    # bidirectional, DCN 50 Gb/s per chip.
-    "v5p": Chip("v5p", 459e12, 95 * GIB, 2765e9, 1200e9, 50e9 / 8, 2, 3, "megacore"),
-    # cloud.google.com/tpu/docs/v6e: 918 TFLOP/s, 32 GB HBM at 1638 GB/s, ICI 800 GB/s
-    # bidirectional; DCN not published per chip.
-    "v6e": Chip("v6e", 918e12, 32 * GIB, 1638e9, 800e9, None, 1, 2, "default"),
-}
-# GPUs, per GPU: NVIDIA's datasheets (H100 SXM5 80 GB, H200 SXM 141 GB, A100 SXM4 80 GB):
-# dense bfloat16 FLOP/s (the datasheets' figures are with sparsity: halved), HBM capacity
-# and bandwidth, NVLink bandwidth (bidirectional, in the ICI field), and the network of a
-# DGX node (8 x 400 Gb/s ConnectX-7 for H100/H200, 8 x 200 Gb/s for A100, one per GPU)
-# in the DCN field.
-GPUS = {
-    "h100": Chip("h100", 989e12, 80 * 10**9, 3.35e12, 900e9, 400e9 / 8, 1, 0, ""),
-    "h200": Chip("h200", 989e12, 141 * 10**9, 4.8e12, 900e9, 400e9 / 8, 1, 0, ""),
-    "a100": Chip("a100", 312e12, 80 * 10**9, 2.039e12, 600e9, 200e9 / 8, 1, 0, ""),
-}
-GPUS_PER_NODE = 8
+CHIPS = hardware.TPUS  # the TPU chips, by version
 # What XLA's GPU compiler reads from a device (its gpu_device_info), per GPU: the name the
 # driver reports, compute capability, streaming multiprocessors, boost clock (GHz), shared
 # memory per SM and per block (opt-in), L2 cache, FP32 units per SM: from NVIDIA's
@@ -95,6 +49,8 @@ _GPU_DEVICE = {
     "h200": ("NVIDIA H200", (9, 0), 132, 1.98, 233472, 232448, 50 * 2**20, 128),
     "a100": ("NVIDIA A100-SXM4-80GB", (8, 0), 108, 1.41, 167936, 166912, 40 * 2**20, 64),
 }
+# the GPU targets: the accelerator table's GPUs that have a device description above
+GPUS = {name: hardware.GPUS[name] for name in _GPU_DEVICE}
 GPU_EXTRA = 'pip install -e ".[gpu-aot]"'
 # The slice shapes Cloud TPU offers, by chip count: (x, y) for 2D tori, (x, y, z) for 3D.
 _SHAPES_2D = {1: (1, 1), 4: (2, 2), 8: (2, 4), 16: (4, 4), 32: (4, 8), 64: (8, 8),
@@ -331,6 +287,3 @@ def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> floa
     c = target.chip
     return max(flops / c.peak_bf16_flops, (bytes_accessed or 0) / c.hbm_bytes_per_s)
 
-
-def gib(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB / 100 else f"{n / 2**20:.1f} MiB"

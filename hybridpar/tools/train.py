@@ -75,7 +75,6 @@ def _main(argv, early: EarlyStop) -> None:
         action="store_true",
         help="with --compiled: compile here, with a warning, when the file does not fit the run",
     )
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, config = cli.parse(parser, argv)
     if not args.workdir:
         cli.fail("pass --config experiments/NAME.py and --workdir DIR")
@@ -91,7 +90,7 @@ def _main(argv, early: EarlyStop) -> None:
               compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
         if summary.get("preempted"):
-            again = shlex.join([sys.executable, "-m", "hybridpar.train", *argv])
+            again = shlex.join([sys.executable, "-m", "hybridpar.train", *args.argv])
             log(
                 f"stopped ({summary['preempted']}) at step {summary['steps']}/"
                 f"{summary['total_steps']} with a checkpoint; resume with the same command:\n"

@@ -26,11 +26,11 @@ import copy
 import json
 import math
 import os
-import sys
 import time
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError, Error, StopRequested
+from hybridpar.config.formatting import pyplot
 from hybridpar.config.schema import config_value
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
@@ -222,19 +222,6 @@ def quiet(workdir: str):
             yield
 
 
-def pyplot():
-    """matplotlib's pyplot, or None with a message (the PNG is optional)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('no PNG: it needs matplotlib (pip install -e ".[plot]")')
-        return None
-    return plt
-
-
 def run_trainer(config, workdir: str, hooks_for=lambda run: []) -> tuple[object, dict]:
     """Sets up and trains ``config`` in ``workdir``; ``hooks_for(run)``: the trainer's hooks
     (``trainer.Hook``) for the run once set up (its plan known)."""
@@ -379,8 +366,6 @@ def lr_range(config, workdir: str) -> dict:
 
 def plot_lr_range(result: dict, path: str) -> None:
     plt = pyplot()
-    if plt is None:
-        return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ax.semilogx(result["base_lr"], result["loss"], color="C0", alpha=0.35, label="loss")
     ax.semilogx(result["base_lr"], result["smoothed"], color="C0", label="smoothed")
@@ -634,8 +619,6 @@ def plot_search(study, path: str, name: str) -> None:
     from optuna.trial import TrialState
 
     plt = pyplot()
-    if plt is None:
-        return
     trials = [t for t in study.get_trials(deepcopy=False)
               if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]  # fmt: skip
     fig, (obj, curves) = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -678,7 +661,7 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--budget-epochs", type=cli.finite_float, help="search: epochs of each trial"
     )
-    args, config = cli.parse(parser, sys.argv[1:] if argv is None else list(argv))
+    args, config = cli.parse(parser, argv)
     if args.mode == "search":
         if args.trials is None or args.trials < 1:
             cli.fail("search needs --trials N (N >= 1), e.g. --trials 12")
@@ -690,6 +673,7 @@ def main(argv=None) -> None:
     def run():
         from hybridpar.config.schema import validate
 
+        pyplot()  # the PNGs it ends with need matplotlib: say so now, not after the training
         validate(config)
         check(config, args.mode)
         from hybridpar.runtime.run import check_workdir

@@ -1,0 +1,82 @@
+"""The run plan: the config read once at set-up into the figures everything after it reads.
+
+* From set-up on (past the config's validation), the stage string is parsed once: set-up,
+  the on-device data, the program, its schedules and the loop across a stage switch all
+  read the plan.
+* The plan's figures (data-parallel size, mesh axes, each stage's batches, steps per epoch
+  and steps) are those the config, mesh and data give, on data:4,model:2 and on data:8.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import tiny_digits
+
+from hybridpar.config import curriculum
+from hybridpar.runtime import run as run_module
+from hybridpar.runtime import trainer
+from hybridpar.runtime.run import setup
+
+TWO_STAGES = {"stages": "0.2:16-8,0.5:24-4", "num_epochs": 0.5}
+
+
+def test_from_set_up_on_the_stage_string_is_parsed_once(tmp_path, monkeypatch):
+    parsed, validating = [], [False]
+    real_parse, real_validate = curriculum.read_stages, run_module.validate
+
+    def read_stages(text):
+        if not validating[0]:
+            parsed.append(text)
+        return real_parse(text)
+
+    def validate(*args, **kwargs):  # before set-up: may parse the string for its checks
+        validating[0] = True
+        try:
+            return real_validate(*args, **kwargs)
+        finally:
+            validating[0] = False
+
+    monkeypatch.setattr(curriculum, "read_stages", read_stages)
+    monkeypatch.setattr(run_module, "validate", validate)
+    # on-device data (it stores every stage's size), the later stage compiled ahead
+    short = {"stages": "0.1:16-8,0.15:24-4", "num_epochs": 0.15}  # 4 steps, then 4
+    config = tiny_digits(**short, **{"data.on_device": True, "compile_ahead": "before"})
+    run = setup(config, str(tmp_path))
+    assert parsed == [config.stages]
+    summary = trainer.train(run)
+    assert summary["completed"] and summary["steps"] == run.plan.total_steps
+    assert [(s["global_batch"], s["steps"]) for s in summary["stages"]] == [(32, 4), (16, 4)]
+    assert parsed == [config.stages]  # and nothing after set-up parsed it again
+
+
+# (mesh, data-parallel size, per stage: global batch, steps per epoch, steps).
+# Steps per epoch: digits' 1,437 training examples // global batch; steps: the stage's
+# epochs x that, rounded.
+MESHES = [
+    ("data:4,model:2", 4, [(32, 44, 9), (16, 89, 27)]),  # 0.2 x 44 = 8.8; 0.3 x 89 = 26.7
+    ("data:8", 8, [(64, 22, 4), (32, 44, 13)]),  # 0.2 x 22 = 4.4; 0.3 x 44 = 13.2
+]
+
+
+@pytest.mark.parametrize("mesh, dp, want", MESHES, ids=[m[0] for m in MESHES])
+def test_the_plan_holds_the_figures_the_config_mesh_and_data_give(mesh, dp, want):
+    from hybridpar.parallel.mesh import data_parallel_size
+
+    config = tiny_digits(mesh=mesh, **TWO_STAGES)
+    run = setup(config, None)
+    plan = run.plan
+    assert run.program.plan is plan  # the program reads the run's plan, not its own
+    assert plan.data_parallel == dp == data_parallel_size(run.mesh)
+    named = {a: int(n) for a, n in (p.split(":") for p in mesh.split(","))}
+    assert dict(plan.mesh_shape) == dict(run.mesh.shape)  # the mesh's axes, in its order
+    assert {a: n for a, n in plan.mesh_shape if a in named or n > 1} == named
+    got = [(s.stage.global_batch, s.steps_per_epoch, s.num_steps) for s in plan.stages]
+    assert got == want
+    assert [(s.stage.image_size, s.stage.per_device_batch) for s in plan.stages] == [
+        (16, 8), (24, 4)]  # fmt: skip
+    # the same as the stages and steps derived from the config, mesh and data on their own
+    old = curriculum.plan_stages(
+        curriculum.stages_from_config(config, data_parallel_size(run.mesh)), run.data.steps_for
+    )
+    assert plan.stages == old.stages
+    assert f"x{dp} here" in curriculum.describe(plan)

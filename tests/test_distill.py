@@ -1,0 +1,107 @@
+"""The one reader of a trained run (``runtime.trained.TrainedRun``) as the distillation
+teacher, prune and ``init_from`` use it, and the teacher's own checks.
+
+The run here is written, not trained: ``prune.write_run`` of weights drawn from another seed
+than the config's, so a reader that built a fresh model instead of reading the checkpoint
+would be seen."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax.core import meta
+from helpers import tiny_digits
+
+from hybridpar.config.errors import ConfigError
+from hybridpar.parallel.mesh import make_mesh
+from hybridpar.program import program
+from hybridpar.program.state import init_sharded
+from hybridpar.runtime import distill, trained
+from hybridpar.tools import prune
+
+CHECKPOINT_LR, EDITED_LR = 0.1, 0.7
+
+
+def _mesh():
+    return make_mesh("data:1", devices=jax.devices()[:1])
+
+
+def _host(variables):
+    return jax.device_get(meta.unbox(variables))
+
+
+def _same(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    same_tree = jax.tree.structure(a) == jax.tree.structure(b)
+    return same_tree and all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """``(workdir, {"params", "batch_stats"})``: a run at step 0 whose config.json was edited
+    by hand afterwards (the checkpoint's config is the run's)."""
+    w = tmp_path_factory.mktemp("distill") / "run"
+    c = tiny_digits(mesh="data:1", **{"optim.base_lr": CHECKPOINT_LR})
+    mesh = _mesh()
+    prog = program.build_program(c, mesh)
+    state = init_sharded(prog.init, prog.shardings, jax.random.key(c.seed + 7))
+    params = _host(state.params)
+    stats = jax.tree.map(lambda x: x + 0.25, _host(state.batch_stats))  # not init's 0 and 1
+    prune.write_run(c, params, stats, str(w), mesh)
+    saved = json.loads((w / "config.json").read_text())
+    saved["optim"]["base_lr"] = EDITED_LR
+    (w / "config.json").write_text(json.dumps(saved))
+    return w, {"params": params, "batch_stats": stats}
+
+
+def _student(teacher_dir, **overrides):
+    c = tiny_digits(mesh="data:1", **overrides)
+    c.distill.teacher_workdir = str(teacher_dir)
+    return c
+
+
+def test_the_teacher_prune_and_init_from_read_the_same_run(written, tmp_path):
+    w, want = written
+    mesh = _mesh()
+    run = trained.TrainedRun(str(w), mesh)
+    assert run.config.optim.base_lr == CHECKPOINT_LR  # the checkpoint's config, not the json
+    assert run.step is None  # nothing read before it is asked for
+    assert _same(run.host_variables(), (want["params"], want["batch_stats"]))
+    assert run.step == 0  # the checkpoint's (write_run's)
+
+    teacher = distill.Teacher(_student(w, **{"partitioning.preset": "fsdp"}), mesh)
+    assert teacher.config.optim.base_lr == CHECKPOINT_LR
+    assert _same(_host(teacher.variables()), want)
+    assert teacher.variables() is teacher.variables()  # read once
+    # placed like the student's parameters: the student's placement section
+    assert teacher.config.partitioning.preset == "fsdp" != run.config.partitioning.preset
+
+    out = tmp_path / "kept"  # prune keeping every channel: the run as prune read it
+    prune.prune_run(str(w), str(out), 1.0, mesh=mesh)
+    copy = trained.TrainedRun(str(out), mesh)
+    assert copy.config.optim.base_lr == CHECKPOINT_LR
+    assert _same(copy.host_variables(), (want["params"], want["batch_stats"]))
+
+    student = program.build_program(_student(w), mesh)
+    fresh = init_sharded(student.init, student.shardings, jax.random.key(0))
+    started = trained.start_from(str(w), fresh, student)
+    assert _same(_host({"params": started.params, "batch_stats": started.batch_stats}), want)
+
+
+def test_a_teacher_of_other_normalisation_or_classes_is_refused(written):
+    w, _ = written
+    with pytest.raises(ConfigError, match="normalises its images with other data.mean"):
+        distill.Teacher(_student(w, **{"data.mean": (9.0,)}), _mesh())
+    with pytest.raises(ConfigError, match=f"the teacher in {w} has 10 classes, this run 12"):
+        distill.Teacher(_student(w, **{"data.num_classes": 12}), _mesh())
+
+
+def test_a_teacher_that_is_not_a_trained_run_is_refused(written, tmp_path):
+    w, _ = written
+    with pytest.raises(ConfigError, match="config.json: pass the --workdir of a training run"):
+        distill.Teacher(_student(tmp_path), _mesh())
+    (tmp_path / "config.json").write_text((w / "config.json").read_text())
+    teacher = distill.Teacher(_student(tmp_path), _mesh())  # the checkpoint: on first use
+    with pytest.raises(ConfigError, match=f"no checkpoint in {tmp_path}"):
+        teacher.variables()
