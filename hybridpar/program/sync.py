@@ -156,12 +156,17 @@ class BucketedSync:
                                       reduce_dtype=self.reduce_dtype)  # fmt: skip
             return grads, loss, new_stats
 
-        # Gradients come out split like the parameters; the BatchNorm statistics come out
-        # whole, and jit's out_shardings keep each device's slice (no communication).
+        return self.per_device_map(per_device, state, images, labels)
+
+    def per_device_map(self, per_device, state: TrainState, images, labels):
+        """``per_device(params, batch_stats, scale, images, labels)`` on each device's shard
+        under ``jax.shard_map``. Gradients come out split like the parameters; the BatchNorm
+        statistics come out whole, and jit's out_shardings keep each device's slice (no
+        communication)."""
         sharded = jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
+            in_specs=(self.param_specs, self.stats_specs, P(), P(self.axes), P(self.axes)),
             out_specs=(self.param_specs, P(), P()),
         )
         return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
@@ -199,13 +204,7 @@ class OverlapSync(BucketedSync):
             loss, new_stats = jax.tree.unflatten(treedef, flat_pmean(flat, axes, dp))
             return grads, loss, new_stats
 
-        sharded = jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=(self.param_specs, self.stats_specs, P(), P(axes), P(axes)),
-            out_specs=(self.param_specs, P(), P()),
-        )
-        return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
+        return self.per_device_map(per_device, state, images, labels)
 
 
 class XlaSync:
