@@ -41,7 +41,7 @@ from helpers import (
 
 from hybridpar.config.curriculum import stages_from_config
 from hybridpar.config.errors import ConfigError, SaveFailed
-from hybridpar.runtime import checkpoint, trainer
+from hybridpar.runtime import checkpoint, run_config, trainer
 from hybridpar.runtime.run import check_workdir, setup
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -260,10 +260,10 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     # it has its default, and is one once set otherwise
     saved = json.loads((runs["full"] / "config.json").read_text())
     del saved["max_nonfinite_steps"]
-    new = checkpoint.config_dict(tiny_digits())
-    assert checkpoint.differences(saved, new) == []
+    new = run_config.config_dict(tiny_digits())
+    assert run_config.differences(saved, new) == []
     new["max_nonfinite_steps"] = 3
-    assert checkpoint.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
+    assert run_config.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
     run = setup(tiny_digits(seed=1), str(runs["full"]), with_data=False,
                         allow_config_change=True)  # fmt: skip
     assert run.finished is None  # the changed run is not finished: it would train on
@@ -285,7 +285,7 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
     stage = {"event": "stage", "step": 0, "stage": 0, "global_batch": 32, "data_parallel": 8}
     (w / "metrics.jsonl").write_text(json.dumps(stage) + "\n")
     on8 = tiny_digits(mesh="data:8", stages="0.25:16-4")
-    checkpoint.check_batches(str(w), on8, stages_from_config(on8, 8), 8)  # the same: fine
+    run_config.check_batches(str(w), on8, stages_from_config(on8, 8), 8)  # the same: fine
     on4 = tiny_digits(stages="0.25:16-4")  # data:4,model:2
     with pytest.raises(
         ConfigError,
@@ -296,9 +296,9 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
     assert sorted(p.name for p in w.iterdir()) == ["metrics.jsonl"]  # lock released, no dirs
     local = tiny_digits(**{"model.bn_sync": "local"})
     with pytest.raises(ConfigError, match="trained on 8 data-parallel devices with model.bn"):
-        checkpoint.check_batches(str(w), local, stages_from_config(local, 4), 4)
+        run_config.check_batches(str(w), local, stages_from_config(local, 4), 4)
     local.model.bn_sync = "global"
-    checkpoint.check_batches(str(w), local, stages_from_config(local, 4), 4)
+    run_config.check_batches(str(w), local, stages_from_config(local, 4), 4)
 
 
 # ---- The CLI, as a user runs it --------------------------------------------------------------

@@ -197,11 +197,11 @@ def _fake_size(workdir, of="weights"):
 def _fake_teacher(path):
     """A finished run as compress sees it before any device: config.json, a checkpoint's
     directory and a completed summary (the rounds themselves are ``_fake_rounds``')."""
-    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime import run_config
 
     path.mkdir()
     config = tiny_digits(**LONGER)
-    (path / "config.json").write_text(json.dumps(checkpoint.config_dict(config)))
+    (path / "config.json").write_text(json.dumps(run_config.config_dict(config)))
     (path / "checkpoints" / str(FAKE_STEP)).mkdir(parents=True)
     (path / "summary.json").write_text(json.dumps(
         {"completed": True, "steps": FAKE_STEP, "total_steps": FAKE_STEP}))  # fmt: skip

@@ -31,7 +31,7 @@ from helpers import DIGITS, TINY_DIGITS, config_args, random_variables, tiny_dig
 from hybridpar.config.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
 from hybridpar.program import int8
-from hybridpar.runtime import checkpoint, run, trained, trainer
+from hybridpar.runtime import run, run_config, trained, trainer
 from hybridpar.runtime.run import setup
 from hybridpar.tools import quantize
 
@@ -202,7 +202,7 @@ def quantized(tmp_path_factory):
     summary = trainer.train(setup(tiny_digits(**LONGER), str(w), devices=one))
     # as the command does without --config: the run's own config, from its config.json
     config = trained.load_config(str(w))
-    assert checkpoint.config_dict(config) == checkpoint.config_dict(tiny_digits(**LONGER))
+    assert run_config.config_dict(config) == run_config.config_dict(tiny_digits(**LONGER))
     args = quantize_args(str(w))
     quantize.check_args(args, config)
     report = quantize.run(

@@ -326,12 +326,11 @@ def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path
 def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():
     """In-process: once the loop's handler is in, the first SIGTERM asks for a checkpoint
     and hands the signal back to the handler from before the CLI's, not to the CLI's."""
-    from hybridpar.runtime import checkpoint
-    from hybridpar.tools import train
+    from hybridpar.runtime import signals
 
     before = signal.getsignal(signal.SIGTERM)
-    early = train.EarlyStop()
-    preemption = checkpoint.Preemption().install()
+    early = signals.EarlyStop()
+    preemption = signals.Preemption().install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)
         assert preemption.requested == "SIGTERM"
@@ -340,3 +339,26 @@ def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops
         preemption.uninstall()
         early.restore()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_training_loop_hands_a_handler_other_than_the_early_one_back_itself():
+    """Only ``EarlyStop`` is passed over: another tool's handler (compress's ``Stop``) gets
+    the second signal itself, whatever attributes it has."""
+    from hybridpar.runtime import signals
+
+    class Other:
+        original = {signal.SIGTERM: signal.SIG_DFL}  # EarlyStop's attribute once read by name
+
+        def __call__(self, signum, frame):
+            pass
+
+    other = Other()
+    before = signal.signal(signal.SIGTERM, other)
+    preemption = signals.Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested == "SIGTERM"
+        assert signal.getsignal(signal.SIGTERM) is other
+    finally:
+        preemption.uninstall()
+        signal.signal(signal.SIGTERM, before)

@@ -1,10 +1,5 @@
-"""Checkpoints of a run, and what a workdir already holds.
-
-A workdir is a run (docs/running.md). ``check_run`` reads what it holds before anything is
-built: the config its latest checkpoint holds (``config.json``, written at each start, where
-there is no checkpoint yet) must match the new config, or the command is an error naming the
-first differing key (``--allow-config-change`` overrides);
-a ``summary.json`` that says completed means there is nothing left to do.
+"""Checkpoints of a run: orbax's ``CheckpointManager`` with the run's items, and the checks
+of the directory they go to.
 
 ``Checkpoints`` wraps orbax's ``CheckpointManager``: each step directory holds three items,
 the train state (``StandardSave``: every process writes its own shards), the trainer's
@@ -14,101 +9,28 @@ leaves the previous checkpoint as it was. Restoring takes the TARGET shardings (
 program's ``abstract_state()``): each process reads only its own shards, in the new
 layout, whatever layout they were saved in.
 
-``Preemption`` turns SIGTERM and SIGINT into a flag that the loop reads at a step boundary.
+What a workdir's run is (its config, compared with a new command's) is
+``hybridpar/runtime/run_config.py``; the stop signals, ``hybridpar/runtime/signals.py``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
-import signal
 import socket
 import sys
-import threading
 import time
 
 import jax
 
 from hybridpar.config.errors import SaveFailed, WorkdirError
-from hybridpar.runtime.run_records import read_json, read_records, write_json
 
 ITEMS = ("state", "loop", "config")
-# Keys that may change between the segments of one run: they change neither the numbers
-# nor what a checkpoint holds (how often to log and checkpoint, how long to wait for the
-# other processes, where compiled programs are cached).
-FREE_KEYS = (
-    "log_every_s",
-    "checkpoint.",
-    "distributed_timeout_s",
-    "compile_cache",
-)
-# Keys that only place the computation or move data: a run resumes with other values (a
-# checkpoint restores into the new shardings, the `resume` line names them), and the
-# evaluator and quantize may set their own. The mesh with one proviso: the global batches
-# must stay (``check_batches``). The one list for the trainer and the tools that read a run.
-PLACEMENT_KEYS = (
-    "mesh",
-    "partitioning.",
-    "comm.",
-    "distributed",
-    "eval_batch",
-    "data.prefetch",
-    "data.threads",
-)
 
 
 def checkpoint_dir(config, workdir: str) -> str:
     return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, "checkpoints"))
-
-
-def config_dict(config) -> dict:
-    """The config as plain JSON values (tuples become lists), as ``config.json`` holds it."""
-    return json.loads(config.to_json())
-
-
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[prefix + k] = v
-    return out
-
-
-def differences(saved: dict, new: dict, free=()) -> list[tuple[str, object, object]]:
-    """``(key, saved value, new value)`` for every key that differs, in the config's order;
-    a key one side lacks has the value ``"<missing>"`` there. ``FREE_KEYS`` and ``free``
-    (keys, or prefixes ending in ".") are left out, and so is a key the saved config lacks
-    whose new value is its default: a key added to ``base_config`` since that run started,
-    set as the run had it (without the key)."""
-    from hybridpar.config.schema import base_config
-
-    a, b = flatten(saved), flatten(new)
-    defaults = flatten(config_dict(base_config()))
-    free = (*FREE_KEYS, *free)
-    out = []
-    for key in list(a) + [k for k in b if k not in a]:
-        if key.startswith(free):
-            continue
-        if key not in a and key in defaults and b.get(key) == defaults[key]:
-            continue
-        old, now = a.get(key, "<missing>"), b.get(key, "<missing>")
-        if old != now:
-            out.append((key, old, now))
-    return out
-
-
-def another_config(workdir: str, diff: list) -> str:
-    """The start of the error for a workdir whose run has another config: its first
-    difference (``differences``) and how many more."""
-    key, old, new = diff[0]
-    more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
-    return (
-        f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now {new!r}{more}"
-    )
 
 
 def ensure_writable(path: str, what: str, fix: str) -> None:
@@ -132,114 +54,6 @@ def check_dir(path: str) -> None:
         "checkpoint directory",
         "pass --config.checkpoint.dir=DIR where you can write (default WORKDIR/checkpoints)",
     )
-
-
-def held_config(directory: str) -> tuple[int, dict] | None:
-    """``(step, config)`` of the newest checkpoint in ``directory`` whose config reads back,
-    or None. Read as a file (orbax's JSON item), without JAX: ``check_run`` comes before
-    the backend may start. Only committed steps are named by their number alone."""
-    try:
-        steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
-    except OSError:
-        return None
-    for step in steps:
-        try:
-            with open(os.path.join(directory, str(step), "config", "metadata")) as f:
-                saved = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(saved, dict) and saved:
-            return step, saved
-    return None
-
-
-def run_config(workdir: str, config) -> dict | None:
-    """The config of the run in ``workdir``: the one its latest checkpoint holds, which is
-    what a resume continues; ``config.json`` (a file anyone may edit) only where there is no
-    checkpoint yet."""
-    held = held_config(checkpoint_dir(config, workdir))
-    return held[1] if held else read_json(os.path.join(workdir, "config.json"))
-
-
-def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
-    """What ``workdir`` holds: raises if it is a run of another config (``run_config``,
-    unless allowed); returns its summary if that run completed, else None (a new run or one
-    to resume)."""
-    saved = run_config(workdir, config)
-    if saved is not None and not allow_config_change:
-        diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
-        if diff:
-            raise WorkdirError(
-                f"{another_config(workdir, diff)}; use a new --workdir, or pass "
-                "--allow-config-change to continue that run with this config (only "
-                f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
-            )
-    summary = read_json(os.path.join(workdir, "summary.json"))
-    if summary is not None and summary.get("completed"):
-        if saved is None or not differences(saved, config_dict(config), free=PLACEMENT_KEYS):
-            return summary
-        # the config changed on purpose (more epochs, say): train on from the last step
-    return None
-
-
-def check_batches(workdir: str, config, stages: list, data_parallel: int) -> None:
-    """A run resumed on another mesh must train the steps it would have: with
-    ``config.stages`` the batches are per data-parallel device, so a mesh of another data x
-    fsdp size changes every stage's global batch; and BatchNorm statistics over each
-    device's or group's examples (``model.bn_sync`` not global) change with that size too.
-    Checked against the last ``stage`` line of the run's ``metrics.jsonl`` (none: no step
-    trained yet, any mesh will do)."""
-    records, _ = read_records(os.path.join(workdir, "metrics.jsonl"))
-    last = next((r for r in reversed(records) if r.event == "stage"), None)
-    if last is None or last.stage >= len(stages):
-        return  # another number of stages: a change check_run has refused or allowed
-    new = stages[last.stage].global_batch
-    fix = (
-        f"use a mesh with {last.data_parallel or 'its'} data-parallel devices (data x "
-        "fsdp), or pass --allow-config-change to train on with the new batches"
-    )
-    if new != last.global_batch:
-        raise WorkdirError(
-            f"workdir {workdir!r} holds a run that trained stage {last.stage} at global "
-            f"batch {last.global_batch}; on mesh {config.mesh!r} ({data_parallel} "
-            f"data-parallel devices) config.stages gives it {new}, as its batches are per "
-            f"data-parallel device: {fix}"
-        )
-    old = last.data_parallel
-    if config.model.bn_sync != "global" and old is not None and old != data_parallel:
-        raise WorkdirError(
-            f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
-            f"model.bn_sync={config.model.bn_sync!r} (BatchNorm statistics over each device's "
-            f"or group's examples); mesh {config.mesh!r} has {data_parallel}, which changes "
-            f"those statistics: {fix}"
-        )
-
-
-def record_config(workdir: str, config, held: tuple[int, dict] | None = None) -> list[str]:
-    """Writes ``config.json`` (process 0, atomically) unless it already holds this config;
-    returns the keys that differ (allowed by the caller) from the config of the checkpoint
-    resumed, ``held`` as ``(step, config)``, or without one from the ``config.json`` it
-    replaces. A ``config.json`` that says otherwise than ``held`` is named in a warning."""
-    path = os.path.join(workdir, "config.json")
-    new = config_dict(config)
-    saved = read_json(path)
-    if held is not None and saved is not None and jax.process_index() == 0:
-        edited = differences(held[1], saved, free=PLACEMENT_KEYS)
-        if edited:
-            key, ckpt, file = edited[0]
-            more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""
-            print(
-                f"warning: {path} says {key}={file!r}{more}, but the checkpoint of step "
-                f"{held[0]} this run resumes from holds {key}={ckpt!r}: the checkpoint's "
-                "config is the run's (compared with this command's); config.json now holds "
-                "this command's config",
-                flush=True,
-            )
-    base = held[1] if held is not None else saved
-    changed = [] if base is None else [k for k, _, _ in differences(base, new)]
-    if jax.process_index() == 0 and (saved is None or saved != new):
-        write_json(path, new)
-    return changed
 
 
 def directory_bytes(path: str) -> int:
@@ -497,45 +311,3 @@ class Checkpoints:
             self.manager.close()
         except Exception:  # noqa: BLE001 - a failed save: reported by save/finished already
             pass
-
-
-class Preemption:
-    """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
-    exits cleanly. A second signal of the same kind acts as it would have without us (so a
-    second Ctrl-C stops at once). On several processes the signal handlers stay JAX's:
-    one process saving alone would wait forever for the others, so there every process
-    saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.requested: str | None = None
-        self._previous = {}
-
-    def request(self, why: str = "requested") -> None:
-        self.requested = self.requested or why
-
-    def _handler(self, signum, frame):
-        name = signal.Signals(signum).name
-        self.request(name)
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-        if jax.process_index() == 0:
-            print(
-                f"{name}: saving a checkpoint at the next step boundary, then stopping "
-                f"(send {name} again to stop at once)",
-                flush=True,
-            )
-
-    def install(self) -> "Preemption":
-        single = jax.process_count() == 1
-        if single and threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                previous = signal.signal(s, self._handler)
-                # the train CLI's handler until now (train.EarlyStop) hands back the one it replaced
-                self._previous[s] = getattr(previous, "original", {}).get(s, previous)
-        return self
-
-    def uninstall(self) -> None:
-        for s, h in self._previous.items():
-            signal.signal(s, h)
-        self._previous = {}

@@ -8,7 +8,7 @@ checkpoints while the trainer goes on.
 devices), sets up with ``hybridpar.runtime.run.setup`` (the same program, data and plan as the
 trainer, on this process's mesh), then evaluates each committed checkpoint once, oldest
 first: read straight into this mesh's shardings (read-only: the trainer's saves and retention
-are left alone), then ``run.evaluate`` on the whole eval split. Each is an ``eval`` event
+are left alone), then ``run.eval_pass`` on the whole eval split. Each is an ``eval`` event
 with the checkpoint's step, the trainer's wall time at that step (``wall_s``, from the
 checkpoint's loop state) and ``source: evaluator``; a checkpoint deleted (by the run's
 ``checkpoint.max_to_keep``) before its turn is an ``eval_skipped`` event. Those events are
@@ -36,15 +36,15 @@ import jax
 
 from hybridpar.config.errors import ConfigError, WorkdirError
 from hybridpar.parallel.mesh import describe_mesh
-from hybridpar.runtime import checkpoint, workdir_lock
+from hybridpar.runtime import checkpoint, run_config, workdir_lock
 from hybridpar.runtime.metrics import MetricsWriter
-from hybridpar.runtime.run import Run, evaluate, log, setup
-from hybridpar.runtime.run_records import read_records
+from hybridpar.runtime.run import Run, eval_pass, log, setup
+from hybridpar.runtime.run_records import read_json, read_records
 
-# Keys that may differ from the run's, besides checkpoint.FREE_KEYS: the placement keys
+# Keys that may differ from the run's, besides run_config.FREE_KEYS: the placement keys
 # (where and how fast the evaluation runs: another eval batch pads differently, but every
 # example still counts once), and when and to what end the trainer evaluates.
-PLACEMENT_KEYS = (*checkpoint.PLACEMENT_KEYS, "eval_every_epochs", "target_top1", "target_top5")
+PLACEMENT_KEYS = (*run_config.PLACEMENT_KEYS, "eval_every_epochs", "target_top1", "target_top5")
 SKIPPED = "eval_skipped"
 # With --watch: how long a run may bring no new checkpoint with no trainer alive on it
 # before the evaluator stops (a preempted run is usually resumed within minutes).
@@ -60,14 +60,14 @@ def check_run_of(config, workdir: str) -> bool:
             f"no workdir {workdir!r}: pass the --workdir of a training run (the one given to "
             "python -m hybridpar.train), or start that run first"
         )
-    saved = checkpoint.read_json(os.path.join(workdir, "config.json"))
+    saved = read_json(os.path.join(workdir, "config.json"))
     if saved is None:
         return False
-    diff = checkpoint.differences(saved, checkpoint.config_dict(config), free=PLACEMENT_KEYS)
+    diff = run_config.differences(saved, run_config.config_dict(config), free=PLACEMENT_KEYS)
     if diff:
         key, old, _ = diff[0]
         raise ConfigError(
-            f"{checkpoint.another_config(workdir, diff)}; pass the run's own config "
+            f"{run_config.another_config(workdir, diff)}; pass the run's own config "
             f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} "
             "may differ"
         )
@@ -90,7 +90,7 @@ def check_position(plan, step: int, loop: dict) -> None:
 
 
 class Stamped:
-    """A writer for ``run.evaluate``: every event it writes gets ``stamp``'s fields, so
+    """A writer for ``run.eval_pass``: every event it writes gets ``stamp``'s fields, so
     ``wall_s`` is the trainer's wall time at the checkpoint's step, not the evaluator's."""
 
     def __init__(self, writer: MetricsWriter, **stamp):
@@ -166,13 +166,13 @@ class Evaluator:
         check_position(self.run.plan, step, loop)
         read_s = time.time() - t0
         writer = Stamped(self.writer, wall_s=loop["wall_s"], source="evaluator")
-        self.written.append(evaluate(self.run, state, step, writer))
+        self.written.append(eval_pass(self.run, state, step, writer))
         self.done.add(step)
         log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
                     f"{read_s:.1f}s, evaluated in {time.time() - t0 - read_s:.1f}s")  # fmt: skip
 
     def completed(self) -> bool:
-        summary = checkpoint.read_json(os.path.join(self.workdir, "summary.json"))
+        summary = read_json(os.path.join(self.workdir, "summary.json"))
         return bool(summary and summary.get("completed"))
 
     def loop(self, watch: bool, poll_s: float, config_checked: bool, liveness=None) -> list[dict]:

@@ -26,19 +26,19 @@ import pickle
 import time
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.runtime import checkpoint
+from hybridpar.runtime import run_config
 
 FORMAT = 1
 
 
 # data.train_examples reaches the programs only through the plan, which is compared itself:
 # a compile without the data may set it to the data's count and still fit the run's config.
-NOT_HASHED = (*checkpoint.FREE_KEYS, "data.train_examples")
+NOT_HASHED = (*run_config.FREE_KEYS, "data.train_examples")
 
 
 def config_hash(config) -> str:
     """sha256 of the config's keys that can change a compiled program (``NOT_HASHED`` out)."""
-    flat = checkpoint.flatten(checkpoint.config_dict(config))
+    flat = run_config.flatten(run_config.config_dict(config))
     kept = {k: v for k, v in sorted(flat.items()) if not k.startswith(NOT_HASHED)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -53,7 +53,7 @@ def _version(package: str) -> str | None:
 def config_differences(saved: dict, config) -> list[tuple[str, object, object]]:
     """``(key, when compiled, now)`` for each key ``config_hash`` covers that differs from
     the config a file was compiled with, in the config's order."""
-    return checkpoint.differences(saved, checkpoint.config_dict(config), free=NOT_HASHED)
+    return run_config.differences(saved, run_config.config_dict(config), free=NOT_HASHED)
 
 
 def data_size(config) -> int | None:
@@ -118,7 +118,7 @@ def save(path: str, program, target: str) -> dict:
         )
     header = {"format": FORMAT, "target": target, **describe(program), "programs": []}
     # the config itself, so a refusal names the key that differs, not just the hash
-    header["config"] = checkpoint.config_dict(program.config)
+    header["config"] = run_config.config_dict(program.config)
     entries = []
     for (kind, batch, size), compiled in program.compiled_programs().items():
         payload, in_tree, out_tree = serialize(compiled)

@@ -37,7 +37,7 @@ from hybridpar.program.program import (
     memory_of,
     nominal_steps,
 )
-from hybridpar.runtime import checkpoint, executables, workdir_lock
+from hybridpar.runtime import checkpoint, executables, run_config, workdir_lock
 from hybridpar.runtime.distill import make_teacher
 from hybridpar.runtime.metrics import MetricsWriter
 
@@ -119,7 +119,7 @@ def _setup(
     finished = None
     if workdir is not None:
         if os.path.isdir(workdir):
-            finished = checkpoint.check_run(workdir, config, allow_config_change)
+            finished = run_config.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)
         checkpoint.check_dir(checkpoint.checkpoint_dir(config, workdir))
         with_data = with_data and finished is None  # nothing to train: no data to open
@@ -147,7 +147,7 @@ def _setup(
     check_batch_sizes(config, dp)
     stages = stages_from_config(config, dp)
     if workdir is not None and not allow_config_change:  # resumed on another mesh?
-        checkpoint.check_batches(workdir, config, stages, dp)
+        run_config.check_batches(workdir, config, stages, dp)
 
     # ---- Data: host-local batches, and so the steps each stage runs ----
     data, steps_for = None, nominal_steps(config)  # compile-only: the nominal split
@@ -244,8 +244,10 @@ def memory_report(records: list) -> tuple[str, dict]:
 # ---- Evaluation ---------------------------------------------------------------------------------
 
 
-def evaluate(run: Run, state, step: int, writer: MetricsWriter) -> dict:
-    """The whole eval split at ``data.image_size`` (padded batches, every example once)."""
+def eval_pass(run: Run, state, step: int, writer: MetricsWriter) -> dict:
+    """One pass over the whole eval split at ``data.image_size`` (padded batches, every
+    example once), written as an ``eval`` event: the trainer's in-loop and final evaluations
+    and the evaluator's, of each checkpoint, are this."""
     from hybridpar.input.prefetch import prefetch_to_mesh
 
     c = run.config

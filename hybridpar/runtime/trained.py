@@ -16,7 +16,7 @@ from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import from_saved, validate
 from hybridpar.program.program import build_program
-from hybridpar.runtime import checkpoint
+from hybridpar.runtime import checkpoint, run_config
 
 
 def load_config(workdir: str, overrides=()):
@@ -39,7 +39,7 @@ def load_config(workdir: str, overrides=()):
         ) from None
     config = from_saved(saved, path)
     # the run's truth is its latest checkpoint's config (config.json may be edited by hand)
-    held = checkpoint.run_config(workdir, config)
+    held = run_config.of_workdir(workdir, config)
     if held is not None and held != saved:
         config = from_saved(held, f"the latest checkpoint in {workdir}")
     config.distributed = False

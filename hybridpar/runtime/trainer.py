@@ -8,7 +8,7 @@ or new, every stage's step compiled), runs the loop (for each batch: step, then 
 progress log, evaluation, checkpoints), then writes the summary. Everything a resumed run
 needs besides the train state is in ``LoopState``. SIGTERM or SIGINT stops the loop at the
 next step boundary with a checkpoint; the same command resumes it
-(``hybridpar/runtime/checkpoint.py`` says what a workdir may hold). Only the train CLI, tune and
+(``hybridpar/runtime/run_config.py`` says what a workdir may hold). Only the train CLI, tune and
 tests drive it; every other tool builds its run with ``hybridpar/runtime/run.py``.
 """
 
@@ -32,12 +32,12 @@ from hybridpar.parallel import partitioning
 from hybridpar.parallel.mesh import describe_mesh
 from hybridpar.program import compile_cache
 from hybridpar.program.state import init_sharded
-from hybridpar.runtime import checkpoint, run_records
+from hybridpar.runtime import checkpoint, run_config, run_records, signals
 from hybridpar.runtime.metrics import MetricsWriter
 from hybridpar.runtime.run import (
     LoopState,
     Run,
-    evaluate,
+    eval_pass,
     log,
     memory_report,
     memory_text,
@@ -248,7 +248,7 @@ class Evaluate:
             return
         self.progress.flush(loop, stage)  # waits for the steps in flight: train time
         with self.clock.within("eval"):
-            rec = evaluate(self.run, state, loop.step, self.writer)
+            rec = eval_pass(self.run, state, loop.step, self.writer)
         loop.last_eval = rec
         if loop.best_eval is None or rec["top1"] > loop.best_eval["top1"]:
             loop.best_eval = rec
@@ -284,7 +284,7 @@ class Checkpointer:
         self.every_steps = run.config.checkpoint.every_steps
         self.every_s = run.config.checkpoint.every_minutes * 60
         self.last_save = time.time()
-        self.config = checkpoint.config_dict(run.config)
+        self.config = run_config.config_dict(run.config)
         self.finished = False
 
     def due(self, loop: LoopState) -> bool:
@@ -428,7 +428,7 @@ class Training:
     memory: dict  # the largest program's per-device memory
     progress: Progress
     checkpointer: Checkpointer
-    preemption: checkpoint.Preemption
+    preemption: signals.Preemption
     hooks: list
     batches: object  # every stage's, in order, read ahead across switches
     written: int  # compile lines written so far
@@ -476,7 +476,7 @@ def start(run: Run, hooks) -> Training:
     state, loop, resumed, held = restore_or_init(run, saver)
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held)
-    changed = checkpoint.record_config(run.workdir, c, held)
+    changed = run_config.record_config(run.workdir, c, held)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
@@ -516,7 +516,7 @@ def start(run: Run, hooks) -> Training:
         f"{len(plan.stages)} stage(s))"
     )
     progress = Progress(run, writer)
-    preemption = checkpoint.Preemption()
+    preemption = signals.Preemption()
     checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
     hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
     batches = global_batches(run, loop)

@@ -67,8 +67,7 @@ class Stop:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        # not ``original`` (train.EarlyStop's name): checkpoint.Preemption hands back a
-        # handler's ``original``, and this one must be handed back itself
+        # not a signals.EarlyStop: signals.Preemption hands this one back itself
         self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
 
     def restore(self) -> None:

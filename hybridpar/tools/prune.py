@@ -240,7 +240,7 @@ def write_run(config, params, stats, out: str, mesh) -> None:
 
     from hybridpar.program import program
     from hybridpar.program.state import init_sharded
-    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime import checkpoint, run_config
     from hybridpar.runtime.run import LoopState
 
     prog = program.build_program(config, mesh)
@@ -253,11 +253,11 @@ def write_run(config, params, stats, out: str, mesh) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
-        checkpoint.record_config(tmp, config)
+        run_config.record_config(tmp, config)
         saver = checkpoint.Checkpoints(os.path.join(tmp, "checkpoints"), async_save=False)
         try:
             saver.save(0, state, LoopState(seed=config.seed).to_dict(),
-                       checkpoint.config_dict(config))  # fmt: skip
+                       run_config.config_dict(config))  # fmt: skip
             saver.finished(wait=True)
         finally:
             saver.close()

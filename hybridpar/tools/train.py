@@ -12,40 +12,11 @@ continues the run with the new config.
 
 from __future__ import annotations
 
-import os
 import shlex
-import signal
 import sys
 
 from hybridpar.config import cli
-
-STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
-
-
-class EarlyStop:
-    """The signal handler from the command's first line until the training loop installs its
-    own (``checkpoint.Preemption``, which takes over ``original``). Before the first step
-    there is nothing to save, so a stop exits 0 at once, where the default action exited
-    143. At once, not at the end of a long compilation (a preemption notice may be short),
-    and by ``os._exit``, not an exception: one raised inside JAX's compiler or a gc callback
-    is swallowed or crashes the interpreter's exit. What set-up writes survives a kill -9
-    by design (config.json and prepared data atomically, whole metrics lines, no
-    checkpoint yet), so the workdir starts again as it was."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.original = {s: signal.signal(s, self) for s in self.SIGNALS}
-
-    def restore(self) -> None:
-        for s, h in self.original.items():
-            if signal.getsignal(s) is self:
-                signal.signal(s, h)
-
-    def __call__(self, signum, frame):
-        print(f"{signal.Signals(signum).name}: {STOPPED_EARLY}", flush=True)
-        sys.stderr.flush()
-        os._exit(0)
+from hybridpar.runtime.signals import EarlyStop
 
 
 def main(argv=None) -> None:
@@ -85,7 +56,7 @@ def _main(argv, early: EarlyStop) -> None:
     from hybridpar.runtime import trainer
     from hybridpar.runtime.run import log, setup
 
-    def run():
+    def train_and_report():
         r = setup(config, args.workdir, allow_config_change=args.allow_config_change,
               compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
@@ -108,12 +79,7 @@ def _main(argv, early: EarlyStop) -> None:
             f"(compile {summary['compile_s']:.1f}s); summary in {args.workdir}/summary.json"
         )
 
-    cli.main(run)
-
-
-def run() -> None:
-    """Console-script entry point (``hybridpar-train``)."""
-    main()
+    cli.main(train_and_report)
 
 
 if __name__ == "__main__":

@@ -322,8 +322,8 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
 
 def lr_range(config, workdir: str) -> dict:
     from hybridpar.program.optim import lr_batch_factor
-    from hybridpar.runtime.checkpoint import another_config, config_dict, differences, read_json
-    from hybridpar.runtime.run_records import read_run, write_json
+    from hybridpar.runtime.run_config import another_config, config_dict, differences
+    from hybridpar.runtime.run_records import read_json, read_run, write_json
 
     c = range_test_config(config)
     saved = read_json(os.path.join(workdir, "config.json"))
@@ -457,7 +457,7 @@ def open_study(config, workdir: str, budget: float):
     import optuna
     from optuna.trial import TrialState
 
-    from hybridpar.runtime.checkpoint import another_config, config_dict, differences
+    from hybridpar.runtime.run_config import another_config, config_dict, differences
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     os.makedirs(workdir, exist_ok=True)

@@ -1,0 +1,93 @@
+"""SIGTERM and SIGINT in training: ``EarlyStop`` before the loop, ``Preemption`` in it.
+
+The train command installs ``EarlyStop`` on its first line: before the first step there is
+nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
+over from it: a stop then saves a checkpoint at the next step boundary, and a second signal
+goes to the handler ``EarlyStop`` replaced (``EarlyStop.replaced``), as without either.
+Nothing here imports JAX at import time: the command installs ``EarlyStop`` before it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
+
+
+class EarlyStop:
+    """The signal handler from the command's first line until the training loop's
+    ``Preemption`` takes over. Before the first step there is nothing to save, so a stop
+    exits 0 at once, where the default action exited 143. At once, not at the end of a long
+    compilation (a preemption notice may be short), and by ``os._exit``, not an exception:
+    one raised inside JAX's compiler or a gc callback is swallowed or crashes the
+    interpreter's exit. What set-up writes survives a kill -9 by design (config.json and
+    prepared data atomically, whole metrics lines, no checkpoint yet), so the workdir starts
+    again as it was."""
+
+    def __init__(self):
+        self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
+
+    def replaced(self, signum: int):
+        """The handler of ``signum`` from before this one: what a handler that takes over
+        from this one (``Preemption.install``) hands the signal back to."""
+        return self._replaced[signum]
+
+    def restore(self) -> None:
+        for s, h in self._replaced.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        print(f"{signal.Signals(signum).name}: {STOPPED_EARLY}", flush=True)
+        sys.stderr.flush()
+        os._exit(0)
+
+
+class Preemption:
+    """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
+    exits cleanly. A second signal of the same kind acts as it would have without us (so a
+    second Ctrl-C stops at once): it goes to the handler from before, or where that was an
+    ``EarlyStop``, to the one the ``EarlyStop`` replaced. Any other handler (compress's
+    ``Stop``) is handed back itself. On several processes the signal handlers stay JAX's:
+    one process saving alone would wait forever for the others, so there every process
+    saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
+
+    SIGNALS = SIGNALS
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def request(self, why: str = "requested") -> None:
+        self.requested = self.requested or why
+
+    def _handler(self, signum, frame):
+        name = signal.Signals(signum).name
+        self.request(name)
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        print(  # installed on one process only: it prints for the run
+            f"{name}: saving a checkpoint at the next step boundary, then stopping "
+            f"(send {name} again to stop at once)",
+            flush=True,
+        )
+
+    def install(self) -> "Preemption":
+        import jax  # here: the module stays importable before JAX (see above)
+
+        single = jax.process_count() == 1
+        if single and threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                previous = signal.signal(s, self._handler)
+                if isinstance(previous, EarlyStop):  # its job (before the loop) is over
+                    previous = previous.replaced(s)
+                self._previous[s] = previous
+        return self
+
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, h)
+        self._previous = {}
