@@ -46,7 +46,6 @@ def decay_mask(params):
 def make_schedule(cfg, plan: StagePlan) -> optax.Schedule:
     """``step -> learning rate`` over the stages of ``plan``: the epoch a step reaches sets
     the schedule's shape, the batch of its stage the scale (``lr_batch_factor``)."""
-    lr_factor(cfg, 0.0, plan.num_epochs)  # an unknown schedule name fails here, not in jit
 
     def schedule(step):
         epoch = plan.epoch_at(step)

@@ -176,17 +176,8 @@ class OverlapSync(BucketedSync):
     """``comm.mode=overlap``: the bucketed sync with each bucket's reduction issued from the
     backward pass (``hybridpar.parallel.overlap``: a custom VJP per bucket whose backward rule
     psums its gradients), not after ``jax.grad``. Same buckets, BatchNorm set-up, loss and
-    statistics psum and ``reduce_dtype`` as ``BucketedSync``; data-parallel meshes only."""
-
-    def __init__(self, mesh, *args, **kwargs):
-        others = {a: n for a, n in mesh.shape.items() if a != "data" and n > 1}
-        if others:
-            raise ConfigError(
-                f"comm.mode=overlap is data parallel only, but the mesh has "
-                f"{', '.join(f'{a}={n}' for a, n in others.items())}; use "
-                "--config.comm.mode=bucketed (data and fsdp) or comm.mode=xla (any mesh)"
-            )
-        super().__init__(mesh, *args, **kwargs)
+    statistics psum and ``reduce_dtype`` as ``BucketedSync``; data-parallel meshes only (the
+    config schema refuses others)."""
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
         local, axes, dp = self.local_model(model), self.axes, self.dp
