@@ -808,15 +808,24 @@ def _chips_of(source: str) -> int:
     return 8 * (int(nodes.group(1)) if nodes else 1)
 
 
+def _tpu_flops(b: int) -> float:
+    """The compiled ResNet-50 step's FLOPs per chip at `b` images a chip: a power law
+    between the two nearest compiled batches (the compiled ones exact)."""
+    pts = sorted((k, f) for k, (f, _) in sim.RESNET50_TRAIN_224.items())
+    i = next((i for i, (k, _) in enumerate(pts) if k >= b and i > 0), len(pts) - 1)
+    (b0, f0), (b1, f1) = pts[i - 1], pts[i]
+    return f0 * (b / b0) ** (math.log(f1 / f0) / math.log(b1 / b0))
+
+
 def _tpu_step_by_hand(chip: str, preset, chips: int, b: int) -> float:
-    """One step of the analytic ResNet-50 on a TPU pod, worked by hand: FLOPs at the fitted
+    """One step of ResNet-50 on a TPU pod, worked by hand: the compiled FLOPs at the fitted
     fraction of peak, the fixed cost, 28 bytes a parameter over HBM, and the fused fp32
     gradient all-reduce as bidirectional rings along the torus sides (2 us a hop, B = ICI /
     dims), all of it exposed."""
     from hybridpar.config.hardware import TPUS
 
     t = TPUS[chip]
-    compute = b * 3 * 8.2e9 / (t.peak_bf16_flops * preset.efficiency)
+    compute = _tpu_flops(b) / (t.peak_bf16_flops * preset.efficiency)
     param = 25_557_032 * 28 / t.hbm_bytes_per_s
     comm, part = 0.0, 25_557_032 * 4.0
     for k in sim.torus_shape(chips, t.torus_dims):
@@ -841,7 +850,7 @@ def test_mlperf_tpu_case_from_its_stated_inputs(case):
     b = case.global_batch // chips
     step = _tpu_step_by_hand(case.chip, preset, chips, b)
     steps = case.epochs * 1_281_167 / case.global_batch
-    forward = (b * 3 * 8.2e9 / (preset.peak_flops * preset.efficiency) + preset.step_overhead_s) / 3
+    forward = (_tpu_flops(b) / (preset.peak_flops * preset.efficiency) + preset.step_overhead_s) / 3
     eval_pass = math.ceil(50_000 / case.global_batch) * max(forward, sim.STEP_FLOOR_S)
     startup = preset.startup_s + 1_281_167 / (chips / 4) / preset.startup_images_per_s_per_host
     by_hand = steps * step + case.epochs // 4 * eval_pass + startup
@@ -893,7 +902,8 @@ def test_fitted_tpu_constants_reproduce_their_calibration_runs(run):
     else:  # the GPU all-reduce partly hidden, at the overlap the fit took
         wl = sim.published_workload(preset)
         step = sim.predict_step(wl, preset, run.chips, b, 224, 0.8).step_s
-    forward = (b * 3 * 8.2e9 / (preset.peak_flops * preset.efficiency) + preset.step_overhead_s) / 3
+    flops = _tpu_flops(b) if preset.torus_dims else b * 3 * 8.2e9
+    forward = (flops / (preset.peak_flops * preset.efficiency) + preset.step_overhead_s) / 3
     eval_pass = 0.0 if run.block_eval_s else math.ceil(50_000 / run.global_batch) * forward
     block = 4 * 1_281_167 / run.global_batch * step + eval_pass + run.block_eval_s
     assert block == pytest.approx(run.block_s, rel=1e-9)
@@ -1138,3 +1148,104 @@ def test_cli_runs_without_jax(tmp_path, argv):
     code = sim.VALIDATION_FAILED if argv == ["--validate"] else 0
     assert f"exit status: {code}\n" in proc.stdout, proc.stdout[-2000:]
     assert proc.stdout.strip().endswith("jax imported: []"), proc.stdout[-2000:]
+
+
+# ------------------------------------------------------------- compute at the per-chip batch
+
+
+def test_compute_at_batch_from_compiled_counts_by_hand():
+    """Counts compiled at 8 and 32 images a chip, worked by hand at 16 (between: a power
+    law, the geometric mean of a proportional and a fixed count), at 8 (exact) and at 64
+    (beyond: the last segment's exponent), on a chip of 100 TFLOP/s and 1 TB/s:
+
+    FLOPs  8: 2e11, 32: 8e11 (x4 for x4 images)  -> 16: 4e11, 64: 1.6e12
+    bytes  8: 6e9,  32: 6e9  (fixed)              -> 16: 6e9,  64: 6e9
+    roofline  16: max(4e11 / 1e14, 6e9 / 1e12) = max(4 ms, 6 ms) = 6 ms   (bytes-bound)
+              64: max(1.6e12 / 1e14, 6 ms)     = 16 ms                     (FLOP-bound)
+    step      fixed 1 ms + FLOPs at peak / efficiency 0.5: 1 + 4 / 0.5 = 9 ms at 16,
+              1 + 16 / 0.5 = 33 ms at 64 (the bytes are not HBM traffic: not in the step).
+
+    At another image size there are no compiled counts: the FLOPs at peak (64 images at
+    3 * 8.2e9 FLOPs and (112/224)^2 = 1/4: 1.5744e12 / 4 / 1e14 = 3.936 ms)."""
+    table = {8: (2e11, 6e9), 32: (8e11, 6e9)}
+    assert sim.interpolate([(8, 2e11), (32, 8e11)], 16) == pytest.approx(4e11, rel=1e-12)
+    assert sim.interpolate([(8, 6e9), (32, 6e9)], 16) == pytest.approx(6e9, rel=1e-12)
+    assert sim.interpolate([(8, 2e11), (32, 8e11)], 8) == pytest.approx(2e11, rel=1e-12)
+    assert sim.interpolate([(8, 1.0), (32, 2.0)], 128) == pytest.approx(4.0, rel=1e-12)
+    assert sim.roofline_seconds(table, 16, 1e14, 1e12) == pytest.approx(6e-3, rel=1e-12)
+    assert sim.roofline_seconds(table, 64, 1e14, 1e12) == pytest.approx(16e-3, rel=1e-12)
+    preset = dataclasses.replace(
+        sim.get_preset("tpu-v4"), peak_flops=1e14, hbm_bytes_per_s=1e12, step_overhead_s=1e-3
+    )
+    wl = dataclasses.replace(
+        sim.resnet50_workload("fp32", None),
+        compiled_steps=tuple((b, f, m) for b, (f, m) in table.items()),
+    )
+    assert sim.compute_seconds(wl, preset, 16, 224, 0.5) == pytest.approx(9e-3, rel=1e-12)
+    assert sim.compute_seconds(wl, preset, 64, 224, 0.5) == pytest.approx(33e-3, rel=1e-12)
+    assert sim.ideal_seconds(wl, preset, 64, 112) == pytest.approx(3.936e-3, rel=1e-12)
+
+
+def test_compiled_counts_are_the_compilers():
+    """`RESNET50_TRAIN_224` is the train program of each compiled JSON file (FLOPs and bytes
+    accessed per chip; the file's batch is 4 chips' worth), every file is in it, and the
+    TPU presets of the published runs use it (their workload carries it)."""
+    import glob
+
+    folder = os.path.join(REPO, "bench", "results", "scaling_validation", "compiled")
+    found = {}
+    for path in glob.glob(os.path.join(folder, "v4-8_b*.json")):
+        with open(path) as f:
+            report = json.load(f)
+        chips = 4
+        assert report["target"] == "tpu:v4-8" and report["mesh"]["data"] == chips, path
+        (train,) = [p for p in report["programs"] if p["program"] == "train"]
+        assert train["image_size"] == 224, path
+        found[train["batch"] // chips] = (train["flops"], train["bytes_accessed"])
+    assert found and found == sim.RESNET50_TRAIN_224
+    wl = sim.published_workload(sim.published_preset("v3"))
+    assert wl.compiled_steps == sim.compiled_steps()
+    assert sim.published_workload(sim.published_preset("h100")).compiled_steps == ()
+
+
+@pytest.mark.parametrize(
+    "run", [r for r in sim.CALIBRATION_RUNS if r.chip in ("v3", "v4")], ids=lambda r: r.run
+)
+def test_compiled_bytes_are_not_hbm_traffic(run):
+    """Why the step leaves out the compiled bytes accessed: at each TPU calibration run's
+    batch per chip they would take longer at the chip's HBM bandwidth than the log's whole
+    step (its block of 4 epochs, evaluation included, over its steps), so they overcount
+    what the HBM moves; the compiled FLOPs at peak take less than that step."""
+    from hybridpar.config.hardware import TPUS
+
+    t = TPUS[run.chip]
+    flops, nbytes = sim.compiled.counts(sim.RESNET50_TRAIN_224, run.per_chip_batch)
+    step = run.block_s / run.steps_per_block()
+    assert nbytes / t.hbm_bytes_per_s > step > flops / t.peak_bf16_flops
+
+
+def test_compiled_sync_collectives_stay_exposed_whatever_the_overlap():
+    """A hand-written comm report compiled for 8 GPUs (data:8): one all-reduce of 40 MB the
+    compiler left synchronous and one of 40 MB it made asynchronous. At overlap 1 on the
+    H100 preset the synchronous one is exposed whole, the asynchronous one less what the
+    backward pass (2/3 of compute) hides: exposed = t + max(0, t - 2/3 compute), t one
+    op's seconds; the same report compiled by XLA's CPU backend (whose collectives are all
+    synchronous, saying nothing of a GPU's schedule) hides both alike, max(0, 2t - 2/3
+    compute)."""
+    rows = [_row("all-reduce", 1, 40e6, 8, False, "{{0,1,2,3,4,5,6,7}}"),
+            _row("all-reduce", 1, 40e6, 8, True, "{{0,1,2,3,4,5,6,7}}")]  # fmt: skip
+    d = _report_dict(rows, {"data": 8}, global_batch=2048, image_shape=(224, 224, 3), flops=6e12)
+    preset = sim.get_preset("h100")
+    d["devices"]["platform"], d["devices"]["kind"] = "gpu", "NVIDIA H100 80GB HBM3"
+    gpu = sim.workload_from_report(CommReport.from_dict(d))
+    d["devices"]["platform"], d["devices"]["kind"] = "cpu", "cpu"
+    cpu = sim.workload_from_report(CommReport.from_dict(d))
+    t = sim.best_algorithm("all-reduce", 40e6, 8, preset)[1]
+    step = sim.predict_step(gpu, preset, 8, 256, 224, overlap=1.0)
+    backward = 2 / 3 * step.compute_s
+    assert sim.sync_comm_time(gpu, preset, 8) == pytest.approx(t, rel=1e-12)
+    assert step.exposed_comm_s == pytest.approx(t + max(0.0, t - backward), rel=1e-12)
+    assert step.exposed_comm_s >= t > 0
+    other = sim.predict_step(cpu, preset, 8, 256, 224, overlap=1.0)
+    assert sim.sync_comm_time(cpu, preset, 8) == 0.0
+    assert other.exposed_comm_s == pytest.approx(max(0.0, 2 * t - backward), rel=1e-12)

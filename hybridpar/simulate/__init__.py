@@ -64,6 +64,12 @@ from hybridpar.simulate.cli import (
     parse_devices,
     simulate,
 )
+from hybridpar.simulate.compiled import (
+    RESNET50_TRAIN_224,
+    compiled_steps,
+    interpolate,
+    roofline_seconds,
+)
 from hybridpar.simulate.cost import (
     Topology,
     all_gather_time,
@@ -106,11 +112,13 @@ from hybridpar.simulate.step import (
     eval_pass_s,
     format_stages,
     get_preset,
+    ideal_seconds,
     input_seconds,
     param_seconds,
     parse_stages,
     predict_step,
     startup_seconds,
+    sync_comm_time,
     time_to_train,
     with_calibrated_efficiency,
 )
@@ -212,6 +220,12 @@ __all__ = [
     "collective_options",
     "comm_time",
     "compute_seconds",
+    "sync_comm_time",
+    "compiled_steps",
+    "ideal_seconds",
+    "interpolate",
+    "roofline_seconds",
+    "RESNET50_TRAIN_224",
     "eval_pass_s",
     "fit_eval_overhead",
     "fit_rate",

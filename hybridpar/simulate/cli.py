@@ -238,7 +238,8 @@ def format_validation(results: list[dict]) -> str:
             "",
             *([table(steady, steady_header), ""] if steady else []),
             "published: measured by the runs' authors (the MLPerf figures from their result "
-            "logs); predicted: modelled (compute at the fitted fraction of peak, the "
+            "logs); predicted: modelled (compute at the fitted fraction of peak, on a TPU "
+            "the compiler's FLOPs at the run's batch per chip, the "
             "per-parameter work over HBM bandwidth, a fixed cost per step, the all-reduce "
             "as rings along the torus sides (alpha-beta), evaluation, input and start-up "
             "where calibrated, the per-step floor an assumption)",
@@ -353,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--comm-report",
         default=None,
         metavar="FILE",
-        help="take FLOPs and collectives from `hybridpar.comm_report --json`",
+        help="take FLOPs and collectives from `hybridpar.comm_report --json` (the "
+        "collectives a TPU or GPU compiler left synchronous stay exposed whatever --overlap)",
     )
     ap.add_argument(
         "--per-device-batch",

@@ -5,7 +5,9 @@ efficiency on p devices; the calibrated presets; curriculum stages and time to t
     param     = parameters * bytes moved per parameter / HBM bandwidth  (not shrinking with
                 the batch: the optimizer's update)
     comm      = sum over collectives of count * cost(cheapest algorithm)
-    exposed   = max(0, comm - min(overlap, max_overlap) * backward),  backward = 2/3 * compute
+    exposed   = sync + max(0, comm - sync - min(overlap, max_overlap) * backward),
+                backward = 2/3 * compute; sync: the collectives a TPU or GPU compiler left
+                synchronous in a compiled comm report (0 otherwise)
     input     = images per device per step / (input images/s per core * cores per device)
     step      = max(compute + param + exposed, input, per-step floor)
     run       = start-up + steps * step + evaluation passes
@@ -19,6 +21,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridpar.simulate.compiled import interpolate
 from hybridpar.simulate.cost import Topology, best_algorithm
 from hybridpar.simulate.hardware import ALIASES, UNCALIBRATED_PRESETS, Preset
 from hybridpar.simulate.workload import (
@@ -124,21 +127,41 @@ class StepPrediction:
         }
 
 
+def _collective_times(workload: Workload, preset: Preset, devices: int):
+    """(collective, algorithm, seconds of one op) for each of the workload's collectives."""
+    replicas = devices // workload.model_parallel
+    for c in workload.collectives:
+        if c.group_size is not None:
+            p = min(c.group_size, devices)
+        else:
+            p = devices if c.spans_all else replicas
+        yield (c, *best_algorithm(c.kind, c.nbytes, p, preset, c.stride))
+
+
+def sync_comm_time(workload: Workload, preset: Preset, devices: int) -> float:
+    """Seconds per step of the collectives the compiler left synchronous (`is_async`
+    False), which no overlap hides: only for a comm report compiled by a TPU or GPU
+    compiler (XLA's CPU backend runs every collective synchronously, which says nothing of
+    an accelerator's schedule); 0 otherwise."""
+    platform = workload.compiled_by.split(" ", 1)[0]
+    if not platform or platform == "cpu":
+        return 0.0
+    return sum(
+        c.count * t
+        for c, _, t in _collective_times(workload, preset, devices)
+        if c.is_async is False
+    )
+
+
 def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, str]:
     """Total collective seconds per step on `devices`, and the algorithms chosen.
 
     Each collective is costed over its group's devices `stride` apart (`Collective.stride`),
     which sets how many members share a node and so how much crosses the network.
     """
-    replicas = devices // workload.model_parallel
     total = 0.0
     chosen: dict[str, int] = {}
-    for c in workload.collectives:
-        if c.group_size is not None:
-            p = min(c.group_size, devices)
-        else:
-            p = devices if c.spans_all else replicas
-        name, t = best_algorithm(c.kind, c.nbytes, p, preset, c.stride)
+    for c, name, t in _collective_times(workload, preset, devices):
         total += c.count * t
         if name != "none":
             chosen[name] = chosen.get(name, 0) + c.count
@@ -179,7 +202,8 @@ def predict_step(
     param = param_seconds(workload, preset)
     comm, algos = comm_time(workload, preset, devices)
     hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
-    exposed = max(0.0, comm - hidden)
+    sync = sync_comm_time(workload, preset, devices)  # exposed whatever the overlap
+    exposed = sync + max(0.0, comm - sync - hidden)
     # The input runs ahead of the device (prefetch), so it only shows when it is slower.
     images = per_device_batch / m  # each device's share of the global batch
     input_s = input_seconds(preset, images, image_size)
@@ -227,10 +251,24 @@ def startup_seconds(preset: Preset, devices: int, images_per_epoch: int) -> floa
 def compute_seconds(
     workload: Workload, preset: Preset, per_device_batch: int, image_size: int, efficiency: float
 ) -> float:
-    """One device's train step without communication: the fixed overhead plus its FLOPs at
-    `efficiency` of peak."""
-    flops = workload.step_flops(per_device_batch, image_size)
-    return preset.step_overhead_s + flops / (preset.peak_flops * efficiency)
+    """One device's train step without communication: the fixed overhead plus its ideal
+    seconds (`ideal_seconds`) at `efficiency`."""
+    ideal = ideal_seconds(workload, preset, per_device_batch, image_size)
+    return preset.step_overhead_s + ideal / efficiency
+
+
+def ideal_seconds(
+    workload: Workload, preset: Preset, per_device_batch: int, image_size: int
+) -> float:
+    """One device's step at efficiency 1: its FLOPs at peak. The FLOPs are the compiler's
+    at this batch where the workload has compiled counts at this image size (interpolated
+    between the compiled batches, `compiled.interpolate`), else the analytic count. The
+    compiled bytes accessed are not used: they are not HBM traffic (the bytes at the HBM
+    bandwidth exceed the steps the calibration logs measured, docs/scaling.md)."""
+    if workload.compiled_steps and image_size == workload.reference_image_size:
+        points = [(b, f) for b, f, _ in workload.compiled_steps]
+        return interpolate(points, per_device_batch) / preset.peak_flops
+    return workload.step_flops(per_device_batch, image_size) / preset.peak_flops
 
 
 def input_seconds(preset: Preset, images: float, image_size: int) -> float:

@@ -12,12 +12,14 @@ from dataclasses import dataclass
 
 from hybridpar.config.hardware import GPUS, GPUS_PER_NODE, TPUS
 from hybridpar.simulate.calibration import fit_eval_overhead
+from hybridpar.simulate.compiled import compiled_steps
 from hybridpar.simulate.hardware import PARAM_BYTES_PER_PARAM, Preset
 from hybridpar.simulate.step import (
     Evaluation,
     Stage,
     eval_pass_s,
     get_preset,
+    ideal_seconds,
     parse_stages,
     predict_step,
     time_to_train,
@@ -502,7 +504,9 @@ def published_workload(preset: Preset):
     data-parallel step: one combined all-reduce; the logs do not say the dtype). GPU: the
     preset's 16-bit gradients in 32 MB buckets (NCCL, overlapped)."""
     if preset.torus_dims:
-        return resnet50_workload(preset.grad_dtype, None)
+        return dataclasses.replace(
+            resnet50_workload(preset.grad_dtype, None), compiled_steps=compiled_steps()
+        )
     return resnet50_workload(preset.grad_dtype, 32.0)
 
 
@@ -533,7 +537,7 @@ def fit_preset(chip: str, runs: Sequence[CalibrationRun] | None = None) -> Prese
             steps = r.steps_per_block()
             ev_steps = 0 if r.block_eval_s else math.ceil(IMAGENET_EVAL_IMAGES / r.global_batch)
             train = r.block_s - r.block_eval_s - steps * (step.param_s + step.exposed_comm_s)
-            xs.append(workload.step_flops(b, 224) / fit.peak_flops)  # seconds at efficiency 1
+            xs.append(ideal_seconds(workload, fit, b, 224))  # seconds at efficiency 1
             ys.append(train / (steps + ev_steps / TRAIN_FLOPS_FACTOR))
         slope = (ys[0] - ys[1]) / (xs[0] - xs[1])
         fixed = ys[0] - slope * xs[0]

@@ -72,6 +72,10 @@ class Workload:
     reference_batch: float | None = None  # per-device batch the FLOPs were measured at
     compiled_by: str = ""  # the compiler that counted a comm report's FLOPs and collectives
     params: int = 0  # parameters per device, for the per-parameter work (0: not modelled)
+    # the compiler's counts of this step per device at `reference_image_size`, at several
+    # per-device batches: ((batch, FLOPs, bytes accessed), ...) (hybridpar.simulate.compiled);
+    # () where none was compiled: FLOPs from `flops_per_image`
+    compiled_steps: tuple[tuple[int, float, float], ...] = ()
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
