@@ -67,9 +67,6 @@ def test_the_plan_holds_the_figures_the_config_mesh_and_data_give(mesh, dp, want
     plan = run.plan
     assert run.program.plan is plan  # the program reads the run's plan, not its own
     assert plan.data_parallel == dp == data_parallel_size(run.mesh)
-    named = {a: int(n) for a, n in (p.split(":") for p in mesh.split(","))}
-    assert dict(plan.mesh_shape) == dict(run.mesh.shape)  # the mesh's axes, in its order
-    assert {a: n for a, n in plan.mesh_shape if a in named or n > 1} == named
     got = [(s.stage.global_batch, s.steps_per_epoch, s.num_steps) for s in plan.stages]
     assert got == want
     assert [(s.stage.image_size, s.stage.per_device_batch) for s in plan.stages] == [

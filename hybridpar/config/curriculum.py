@@ -150,14 +150,13 @@ class StagePlan:
     """The run's plan: the config read once at set-up (``run.setup``), for everything after
     it (the program, its optimizer schedules, the input, the loop, the tools) to read
     instead of deriving it again. ``stages``: each stage in steps. ``data_parallel``: how
-    many ways the run's mesh splits each batch (data x fsdp); ``mesh_shape``: the mesh's
-    axis sizes. Each stage's steps per epoch are the data's (the config's nominal
-    ``data.train_examples`` for tools that compile without data). None or empty in a plan
-    made without a mesh (``single_stage_plan``, a schedule's tests)."""
+    many ways the run's mesh splits each batch (data x fsdp), None in a plan made without a
+    mesh (``single_stage_plan``, a schedule's tests). Each stage's steps per epoch are the
+    data's (the config's nominal ``data.train_examples`` for tools that compile without
+    data)."""
 
     stages: tuple[PlannedStage, ...]
     data_parallel: int | None = None
-    mesh_shape: tuple[tuple[str, int], ...] = ()
 
     @property
     def total_steps(self) -> int:
@@ -221,10 +220,9 @@ def plan_stages(
     steps_per_epoch: Callable[[int], int],
     *,
     data_parallel: int | None = None,
-    mesh_shape: dict | None = None,
 ) -> StagePlan:
     """Steps of each stage, given the data's full steps per epoch at a global batch; the
-    plan also keeps the mesh's figures the stages were made for (``stages_from_config``)."""
+    plan also keeps the data-parallel size the stages were made for (``stages_from_config``)."""
     planned, step, start = [], 0, 0.0
     for i, st in enumerate(stages):
         spe = steps_per_epoch(st.global_batch)
@@ -242,8 +240,7 @@ def plan_stages(
             f"global batch {st.global_batch}), more than {MAX_STEPS:,}: at 10 ms a step "
             f"{duration(step / 100)}; lower --config.num_epochs (or the stages' end epochs)"
         )
-    mesh = tuple((str(a), int(n)) for a, n in (mesh_shape or {}).items())
-    return StagePlan(tuple(planned), data_parallel, mesh)
+    return StagePlan(tuple(planned), data_parallel)
 
 
 def single_stage_plan(steps_per_epoch: int, total_steps: int, global_batch: int) -> StagePlan:

@@ -321,17 +321,17 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
     """The run's program on ``mesh``. ``plan``: the run's plan (``run.setup`` makes it once,
     from the data size); None for callers on their own (a trained run read back, a teacher),
     which get the config's stages on ``mesh`` over its nominal ``data.train_examples``. A
-    plan made by hand without the mesh's figures (``single_stage_plan``) gets them here.
+    plan made by hand without the data-parallel size (``single_stage_plan``) gets it here.
     ``teacher``: a distilled run's ``distill.Teacher``, whose forward pass its train step
     runs (``run.setup`` makes it; a program without one evaluates, prunes or serves as a
     teacher itself)."""
     if plan is None or plan.data_parallel is None:
-        dp, shape = data_parallel_size(mesh), dict(mesh.shape)
+        dp = data_parallel_size(mesh)
         if plan is None:
             plan = plan_stages(stages_from_config(config, dp), nominal_steps(config),
-                               data_parallel=dp, mesh_shape=shape)  # fmt: skip
+                               data_parallel=dp)  # fmt: skip
         else:
-            plan = dataclasses.replace(plan, data_parallel=dp, mesh_shape=tuple(shape.items()))
+            plan = dataclasses.replace(plan, data_parallel=dp)
     head = make_head(config, mesh)
     rules = rules_from_config(config.partitioning, mesh, head)
     p = config.precision

@@ -154,7 +154,7 @@ def _setup(
     if with_data:
         data = open_data(config, mesh, stages)
         steps_for = data.steps_for
-    plan = plan_stages(stages, steps_for, data_parallel=dp, mesh_shape=dict(mesh.shape))
+    plan = plan_stages(stages, steps_for, data_parallel=dp)
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     teacher = make_teacher(config, mesh) if for_training else None
