@@ -87,6 +87,8 @@ class Preset:
     startup_s / startup_images_per_s_per_host / chips_per_host: what a timed run spends before
       its steady state: a fixed start-up plus the first epoch's decode of each host's share of
       the data while it is not yet cached (0: not modelled).
+    size_change_s: what a curriculum run spends at each change of image size beyond its
+      steady epochs (the new size's first reads and kernel selection; 0: not modelled).
     """
 
     name: str
@@ -117,6 +119,7 @@ class Preset:
     startup_s: float = 0.0
     startup_images_per_s_per_host: float = 0.0
     chips_per_host: int = 1
+    size_change_s: float = 0.0
 
     def inter_bandwidth_per_node(self) -> float:
         """Bytes/s leaving one node (all of its NICs together)."""

@@ -10,7 +10,7 @@ efficiency on p devices; the calibrated presets; curriculum stages and time to t
                 synchronous in a compiled comm report (0 otherwise)
     input     = images per device per step / (input images/s per core * cores per device)
     step      = max(compute + param + exposed, input, per-step floor)
-    run       = start-up + steps * step + evaluation passes
+    run       = start-up + steps * step + evaluation passes + changes of image size
 """
 
 from __future__ import annotations
@@ -363,16 +363,19 @@ class TrainPrediction:
     epochs: float
     stages: tuple[tuple[Stage, StepPrediction, float], ...]  # (stage, step, seconds)
     startup_s: float = 0.0
+    size_change_s: float = 0.0  # all the changes of image size together
 
     def parts(self) -> dict[str, float]:
         """`total_s` by what it is spent on: each stage's steps split as
-        `StepPrediction.parts`, the evaluation (`eval`) and the start-up (`startup`)."""
+        `StepPrediction.parts`, the evaluation (`eval`), the start-up (`startup`) and the
+        changes of image size (`size change`)."""
         out = dict.fromkeys(("compute", "param", "fixed", "comm", "input", "floor"), 0.0)
         for _, step, secs in self.stages:
             for k, v in step.parts().items():
                 out[k] += v * secs / step.step_s
         out["eval"] = self.eval_s
         out["startup"] = self.startup_s
+        out["size change"] = self.size_change_s
         return out
 
 
@@ -416,8 +419,8 @@ def time_to_train(
     evaluation: Evaluation | None = None,
 ) -> TrainPrediction:
     """Sum over stages of (end - start epochs) * images per epoch / images/s at that stage,
-    plus `eval_s_per_epoch` for every epoch trained, the passes of `evaluation` and the
-    preset's start-up (`startup_seconds`)."""
+    plus `eval_s_per_epoch` for every epoch trained, the passes of `evaluation`, the
+    preset's start-up (`startup_seconds`) and its cost per change of image size."""
     start = 0.0
     parts = []
     train_s = 0.0
@@ -435,5 +438,9 @@ def time_to_train(
         passes = math.floor(epochs / evaluation.every_epochs + 1e-9)
         eval_s += passes * eval_pass_s(workload, preset, devices, evaluation)
     startup = startup_seconds(preset, devices, images_per_epoch)
-    total = train_s + eval_s + startup
-    return TrainPrediction(devices, total, train_s, eval_s, epochs, tuple(parts), startup)
+    changes = sum(a.image_size != b.image_size for a, b in zip(stages, stages[1:]))
+    size_change = changes * preset.size_change_s
+    total = train_s + eval_s + startup + size_change
+    return TrainPrediction(
+        devices, total, train_s, eval_s, epochs, tuple(parts), startup, size_change
+    )
