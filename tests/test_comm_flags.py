@@ -48,3 +48,45 @@ def test_apply_adds_the_workaround_unless_the_user_set_that_flag(monkeypatch):
     _jaxlib(monkeypatch, "0.10.0")
     monkeypatch.setenv("XLA_FLAGS", "")
     assert TRITON_OFF not in comm.apply(c, "gpu")
+
+
+def _libtpu(monkeypatch, version: str | None):
+    """The installed libtpu's version, as its package metadata gives it (None: not there)."""
+    real = metadata.version
+
+    def version_of(name):
+        if name != "libtpu":
+            return real(name)
+        if version is None:
+            raise metadata.PackageNotFoundError(name)
+        return version
+
+    monkeypatch.setattr(metadata, "version", version_of)
+
+
+def test_tpu_all_reduces_are_made_asynchronous_from_the_libtpu_that_has_the_flags(monkeypatch):
+    # Without them libtpu compiles every all-reduce synchronous (tests/test_compile_targets.py
+    # compiles it); comm.latency_hiding turns them on or off with the scheduler.
+    on, off = base_config().comm, base_config().comm
+    on.mode = off.mode = "overlap"
+    off.latency_hiding = False
+    names = comm.TPU_ASYNC_ALL_REDUCE[1]
+    _libtpu(monkeypatch, "0.0.42.1")
+    assert [f for f in comm.xla_flags(on, "tpu") if f.split("=")[0] in names] == [
+        f"{n}=true" for n in names]  # fmt: skip
+    assert [f for f in comm.xla_flags(off, "tpu") if f.split("=")[0] in names] == [
+        f"{n}=false" for n in names]  # fmt: skip
+    for older in ("0.0.41", None):  # a libtpu that may not know them aborts on them
+        _libtpu(monkeypatch, older)
+        assert comm.xla_flags(on, "tpu") == ["--xla_tpu_enable_latency_hiding_scheduler=true"]
+    _libtpu(monkeypatch, "0.0.42.1")
+    assert not any(f.split("=")[0] in names for f in comm.xla_flags(on, "gpu"))
+    for mode in ("bucketed", "xla"):  # xla's all-reduces end the step: nothing to overlap
+        c = base_config().comm
+        c.mode = mode
+        assert any(f.split("=")[0] in names for f in comm.xla_flags(c, "tpu")) == (
+            mode == "bucketed")  # fmt: skip
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_enable_async_all_reduce=false")
+    added = comm.apply(on, "tpu")  # the user's own setting wins, the other flag is added
+    assert "--xla_enable_async_all_reduce=true" not in added and f"{names[1]}=true" in added
+    assert os.environ["LIBTPU_INIT_ARGS"].split()[0] == "--xla_enable_async_all_reduce=false"

@@ -358,11 +358,16 @@ def test_a_failed_write_comes_after_the_report_and_leaves_nothing(tmp_path, monk
 def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
     """As a user runs it: the tiny digits job compiled for tpu:v5e-8 with --out, its table
     and last line; the file then given to a training run on this machine's CPUs is one
-    error naming the platform it was compiled for (it cannot run here)."""
+    error naming the platform it was compiled for (it cannot run here). The buckets reduced
+    from the backward pass, under the libtpu flags the config's comm section sets: some of
+    the gradient's all-reduces compile asynchronous, and the file says under which flags."""
+    import pickle
+
     from helpers import TINY_DIGITS, config_args
 
     out = tmp_path / "programs.bin"
-    args = ["--config", DIGITS, *config_args({**TINY_DIGITS, "mesh": "data:8"})]
+    overlap = {"comm.mode": "overlap", "comm.bucket_mb": 0.1, "model.bn_sync": "local"}
+    args = ["--config", DIGITS, *config_args({**TINY_DIGITS, "mesh": "data:8", **overlap})]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "hybridpar.compile", *args, "--target", "tpu:v5e-8"]
     r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
@@ -376,6 +381,9 @@ def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
         kv.split("=", 1) for kv in r.stdout.strip().splitlines()[-1].split(" ") if "=" in kv
     )
     assert last["target"] == "tpu:v5e-8" and int(last["memory_per_chip_bytes"]) > 0
+    assert 0 < int(last["exposed_bytes"]) < int(last["collective_bytes"])
+    flags = pickle.loads(out.read_bytes())["header"]["compiler_flags"]["LIBTPU_INIT_ARGS"]
+    assert "--xla_enable_async_all_reduce=true" in flags.split()
     r = subprocess.run([sys.executable, "-m", "hybridpar.train", *args, "--workdir",
                         str(tmp_path / "run"), "--compiled", str(out)], cwd=ROOT, env=env,
                        capture_output=True, text=True)  # fmt: skip

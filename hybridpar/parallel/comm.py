@@ -16,15 +16,18 @@ What goes where, by platform:
   ``comm.combine_threshold_mb`` (one value for all three; ``<= 0`` leaves XLA's defaults)
   and ``--xla_gpu_enable_latency_hiding_scheduler`` from ``comm.latency_hiding``. These
   flags are part of every jaxlib's XLA, so they are harmless on a CPU-only install.
-- ``tpu``: ``LIBTPU_INIT_ARGS`` gets ``--xla_tpu_enable_latency_hiding_scheduler``.
+- ``tpu``: ``LIBTPU_INIT_ARGS`` gets ``--xla_tpu_enable_latency_hiding_scheduler`` and,
+  for ``comm.mode=bucketed`` or ``overlap`` with libtpu 0.0.42 or later, the flags of
+  ``TPU_ASYNC_ALL_REDUCE``, all from ``comm.latency_hiding``. Without them libtpu compiles
+  every all-reduce synchronous: nothing of the backward pass runs beside a gradient's
+  reduction. With them, the buckets (with local BatchNorm: global BatchNorm's all-reduces
+  get merged with them) compile asynchronous where the schedule has work after them
+  (``python -m hybridpar.compile --target tpu:...`` says which, and how much compute each
+  overlaps); ``comm.mode=xla``'s all-reduces come at the end of the step, where they
+  changed nothing.
   libtpu's combiner thresholds are not publicly documented; ``TPU_COMBINE_FLAGS_BEST_KNOWN``
   lists the names seen in public experiment notes, but they are NOT applied, since libtpu
-  may refuse unknown flags at start-up (XLA itself aborts on an unknown flag in
-  ``XLA_FLAGS``). Set them in ``LIBTPU_INIT_ARGS`` yourself once checked on your libtpu.
-  With libtpu 0.0.42's defaults every gradient all-reduce compiles synchronous, whatever
-  ``comm.mode``; with the overlap flags MaxText sets (async collective fusion of
-  all-reduces among them) some buckets of ``comm.mode=overlap`` or ``bucketed`` compile
-  asynchronous, beside the backward pass. None of them is set here yet.
+  aborts at start-up on a flag it does not know (as XLA does on one in ``XLA_FLAGS``).
 - ``cpu``: nothing. XLA's CPU backend has no combiner-threshold or latency-hiding flags
   (jaxlib 0.10.2 knows only the ``xla_gpu_*`` ones); what its pipeline combines it does on
   its own, with no knob (on 0.10.2 the data-parallel ResNet-50 gradient comes out as a few
@@ -58,7 +61,27 @@ TPU_COMBINE_FLAGS_BEST_KNOWN = (
     "--xla_tpu_reduce_scatter_combine_threshold_bytes",
 )
 
-# PJRT plugins that make jax use a GPU (XLA's GPU backend serves CUDA and ROCm alike).
+# libtpu flags that let an all-reduce run asynchronously, measured one at a time on libtpu
+# 0.0.42 (the digits step on tpu:v5e-8, data:8, comm.mode=overlap, local BatchNorm: 6
+# bucket all-reduces; bench/results/overlap_tpu/NOTES.md): the first two only together make
+# any of them asynchronous (2 of 6: the buckets with convolutions after them); the third
+# lets the compiler also carry them through the elementwise fusions after them (4 of 6; on
+# ResNet-50, tpu:v5p-128, 29 of 32 buckets). They cost HBM traffic (the compiler's bytes
+# accessed per step: +2% on that ResNet-50 step, +60% on the digits step), and under
+# comm.mode=xla, whose all-reduces come at the end of the step, they changed nothing but
+# that, so they are set for the bucketed and overlap modes only. MaxText's other overlap
+# flags (async collective fusion itself, its multiple steps, the TensorCore's
+# compute/collective overlap) changed nothing. Set from this libtpu release on (libtpu
+# aborts on a flag it does not know).
+TPU_ASYNC_ALL_REDUCE = (
+    (0, 0, 42),
+    (
+        "--xla_enable_async_all_reduce",
+        "--xla_tpu_enable_async_collective_fusion_fuse_all_reduce",
+        "--xla_tpu_enable_async_collective_fusion_fuse_kloop_fusions",
+    ),
+)
+
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
 
@@ -114,7 +137,11 @@ def xla_flags(comm_cfg, platform: str) -> list[str]:
                 flags.append(f"--xla_gpu_{kind}_combine_threshold_bytes={nbytes}")
         flags.append(f"--xla_gpu_enable_latency_hiding_scheduler={_bool(comm_cfg.latency_hiding)}")
     elif platform == "tpu":
-        flags.append(f"--xla_tpu_enable_latency_hiding_scheduler={_bool(comm_cfg.latency_hiding)}")
+        on = _bool(comm_cfg.latency_hiding)
+        flags.append(f"--xla_tpu_enable_latency_hiding_scheduler={on}")
+        since, names = TPU_ASYNC_ALL_REDUCE
+        if comm_cfg.mode != "xla" and _release("libtpu", 3) >= since:
+            flags += [f"{name}={on}" for name in names]
     # cpu (and anything else): XLA has no combiner or latency-hiding flags to set.
     return flags
 
@@ -127,19 +154,20 @@ def xla_flags(comm_cfg, platform: str) -> list[str]:
 WORKAROUNDS = {"gpu": (((0, 11), "--xla_gpu_enable_triton_gemm=false"),)}
 
 
-def _jaxlib_version() -> tuple[int, ...]:
-    """The installed jaxlib's (major, minor), read from its metadata: no import of jax."""
+def _release(package: str, parts: int) -> tuple[int, ...]:
+    """An installed package's release as its first ``parts`` numbers, read from its metadata
+    (no import); (0,) where it is not installed."""
     from importlib import metadata
 
     try:
-        return tuple(int(p) for p in metadata.version("jaxlib").split(".")[:2])
+        return tuple(int(p) for p in metadata.version(package).split(".")[:parts])
     except (metadata.PackageNotFoundError, ValueError):
-        return (0, 0)
+        return (0,)
 
 
 def workaround_flags(platform: str, jaxlib_version: tuple[int, ...] | None = None) -> list[str]:
     """The flags ``WORKAROUNDS`` asks for on ``platform`` with this jaxlib (no side effects)."""
-    version = _jaxlib_version() if jaxlib_version is None else tuple(jaxlib_version)
+    version = _release("jaxlib", 2) if jaxlib_version is None else tuple(jaxlib_version)
     platform = _PLATFORM_ALIASES.get(platform, platform)
     return [flag for since, flag in WORKAROUNDS.get(platform, ()) if version >= since]
 

@@ -26,6 +26,7 @@ import pickle
 import time
 
 from hybridpar.config.errors import ConfigError
+from hybridpar.parallel import comm
 from hybridpar.runtime import run_config
 
 FORMAT = 1
@@ -119,6 +120,11 @@ def save(path: str, program, target: str) -> dict:
     header = {"format": FORMAT, "target": target, **describe(program), "programs": []}
     # the config itself, so a refusal names the key that differs, not just the hash
     header["config"] = run_config.config_dict(program.config)
+    # the compiler flags they were compiled under (comm.apply's and the user's): they shape
+    # the schedule, so a reader can tell how; not compared on load, since a compiled program
+    # runs as it was compiled whatever the loading process's flags
+    flags = {var: os.environ.get(var) for var in comm.ENV_VAR.values()}
+    header["compiler_flags"] = {var: v for var, v in flags.items() if v}
     entries = []
     for (kind, batch, size), compiled in program.compiled_programs().items():
         payload, in_tree, out_tree = serialize(compiled)

@@ -642,7 +642,7 @@ def main(argv=None) -> None:
         from hybridpar.tools import targets
 
         try:
-            targets.prepare(target)
+            targets.prepare(target, config.comm)
         except ConfigError as e:
             cli.fail(str(e))
         if target.platform == "cpu":

@@ -394,7 +394,7 @@ def main(argv=None) -> None:
     def run():
         if args.target:
             target = targets.parse(args.target)
-            targets.prepare(target)
+            targets.prepare(target, config.comm)
         else:  # this machine's own devices: no chip figures, so no capacity or roofline
             import jax
 

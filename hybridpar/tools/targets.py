@@ -38,6 +38,7 @@ from hybridpar.config import hardware
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import GIB
 from hybridpar.config.hardware import GPUS_PER_NODE, Chip
+from hybridpar.parallel import comm
 
 CHIPS = hardware.TPUS  # the TPU chips, by version
 # What XLA's GPU compiler reads from a device (its gpu_device_info), per GPU: the name the
@@ -241,10 +242,19 @@ device_description_str: "{kind}"
 """
 
 
-def prepare(target: Target) -> None:
+def prepare(target: Target, comm_cfg=None) -> None:
     """The environment a target needs, set before JAX starts: N virtual CPU devices, or
     libtpu's compiler on a host without a TPU (JAX's CPU backend for the process itself; no
-    cloud metadata query; no machine-wide libtpu lock, so two tools can compile at once)."""
+    cloud metadata query; no machine-wide libtpu lock, so two tools can compile at once).
+    With ``comm_cfg`` (a config's ``comm``), also the compiler flags a run on the target
+    would get from it (``comm.apply`` for the target's platform), so a program compiled for
+    the target is scheduled as the run's would be."""
+    _platform_environment(target)
+    if comm_cfg is not None:
+        comm.apply(comm_cfg, target.platform)
+
+
+def _platform_environment(target: Target) -> None:
     if target.platform == "cpu":
         kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
                 if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
