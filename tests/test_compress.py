@@ -295,6 +295,27 @@ def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
     assert out[-1].startswith("kb_int8=32.1 ") and " file_kb=42.1 " in out[-1], out[-1]
 
 
+def test_the_rounds_table_has_each_files_size_and_latency(tmp_path, monkeypatch):
+    """rounds.md: per round the LiteRT file's KB and one-thread ms (the loop's last line's
+    ``file_kb``, ``latency_ms``), ``na`` for a round without a file."""
+    from hybridpar.tools import compress
+
+    w = _fake_teacher(tmp_path / "t")
+    _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "40")[0] == 0
+    lines = (w / "compress" / "rounds.md").read_text().splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    header, rows = cells[0], cells[2:]
+    kb, ms = header.index("file KB"), header.index("file ms b1")
+    assert len(rows) == 3 and all(len(r) == len(header) for r in rows), cells
+    for i, r in enumerate(rows):
+        row = json.loads((w / "compress" / f"round_0{i}" / "result.json").read_text())
+        assert r[kb] == f"{row['file_kb']:.1f}" and r[ms] == "0.250", (r, row)
+    no_file = {**row, "file_kb": None, "file_bytes": None, "latency_ms": None}
+    r = compress.format_row(no_file)
+    assert r[kb] == r[ms] == "na", r
+
+
 def test_a_file_budget_under_the_files_overhead_is_an_error(tmp_path, monkeypatch):
     w = _fake_teacher(tmp_path / "t")
     made = _fake_rounds(monkeypatch)

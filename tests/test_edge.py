@@ -185,6 +185,37 @@ def test_the_files_logits_are_our_int8_forwards(exported):
     assert flips == 0 and clear >= 10, (flips, clear)  # enough images with a clear lead
 
 
+MAX_CODES = 3  # the kernels' rounding: XNNPACK and LiteRT's reference kernels part by as much
+MEAN_CODES = 0.3
+
+
+def logit_codes_apart(blob, arch, q, ranges, images, points=True):
+    """``(largest |file - ours|, mean)`` in codes of the file's int8 logits, ours
+    ``int8_forward`` with the file's extra points (``points``) or without them."""
+    ours = jax.jit(int8.serving_fn(arch, q, MEAN, STD, ranges if points else None))
+    got, want = edge.runner(blob)(images), np.asarray(ours(images))
+    lo, hi, narrow = ranges["logits"]
+    apart = np.abs(got - want) / ((hi - lo) / (254 if narrow else 255))
+    return float(apart.max()), float(apart.mean())
+
+
+def test_our_int8_forward_quantizes_where_the_file_does(exported):
+    """With the file's ranges, ``int8_forward`` is the file's quantized network: every
+    tensor the file holds in int8 (the outputs before each residual add or GELU, the
+    mean-pool's input, the logits) ours rounds and clips at the same range, and a block's
+    residual adds the int8 codes its conv1 reads. What is left is the kernels' rounding, a
+    few codes of the int8 logits (on the test images of the digits job the same as between
+    LiteRT's own two CPU kernel sets). Negative control: without those points (the float
+    tensors ours kept before), the logits are further apart than that."""
+    arch, _, q, calibration, ranges, blob, _ = exported
+    images = np.concatenate([*calibration, _images(5, 24)])  # beyond the ranges too
+    most, mean = logit_codes_apart(blob, arch, q, ranges, images)
+    # measured: at most 1-2 codes, 0.01-0.18 on average
+    assert most <= MAX_CODES and mean <= MEAN_CODES, (most, mean)
+    before = logit_codes_apart(blob, arch, q, ranges, images, points=False)
+    assert before[1] > MEAN_CODES, before  # measured: 0.53-1.07 (at most 2.5-5)
+
+
 def test_a_wrong_weight_step_is_caught(exported):
     """The negative control: the head's steps 25% larger in what is converted (its int8
     codes the same), as a converter that re-derived the scales its own way would make them."""

@@ -14,6 +14,7 @@
   ``quantized/`` without ``--overwrite`` are ``error:`` lines.
 """
 
+import json
 import os
 import re
 import shutil
@@ -248,7 +249,11 @@ def test_exported_model_equals_in_process(quantized):
     program = setup(c, None, with_data=False, devices=jax.devices()[:1]).program
     params = meta.unbox(program.abstract.params)
     arch = int8.architecture(program.model, params)
-    in_process = jax.jit(int8.serving_fn(arch, q, c.data.mean, c.data.std))
+    # the exported model quantizes where the LiteRT file does, at the report's ranges
+    report = json.loads((w / "quantized" / "report.json").read_text())
+    ranges = {k: tuple(v) for k, v in report["output_ranges"].items()}
+    assert set(ranges) == set(int8.points(arch)), ranges
+    in_process = jax.jit(int8.serving_fn(arch, q, c.data.mean, c.data.std, ranges))
     served = int8.load_exported(str(w / "quantized" / "model.jax_exported"))
     images = np.random.default_rng(0).integers(0, 256, (5, 16, 16, 1), np.uint8)
     want, got = np.asarray(in_process(images)), np.asarray(served(images))

@@ -12,7 +12,11 @@ The network is written out here as plain functions of a flat ``{"stage1_block0/c
 why): BatchNorm in inference mode is a per-channel affine map after each
 convolution, so it folds into that convolution's kernel (``W * s``) and a bias (``beta -
 mean * s``), with ``s = gamma / sqrt(var + eps)``; what is left between the convolutions is
-ReLU, the residual add, max-pooling and the mean-pool, which stay in float32.
+ReLU, the residual add, max-pooling and the mean-pool. Given ``output_ranges``,
+``int8_forward`` also rounds every tensor a full-integer file holds in int8 (``points``:
+the outputs before each residual add, the mean-pool's input, the logits) and adds each
+block's int8 input in its residual, as the LiteRT file does (``hybridpar.tools.edge``);
+without them those stay float32.
 
 Quantization (symmetric, no zero points, as torchvision's and TFLite's int8 convs):
 
@@ -169,11 +173,16 @@ def layer_paths(arch: Arch) -> list[str]:
     return out + ["head"]
 
 
-def forward(arch: Arch, layer, x):
+def _same(name, x):
+    return x
+
+
+def forward(arch: Arch, layer, x, point=_same):
     """The ResNet of ``models/resnet.py`` in inference mode, BatchNorm folded;
-    ``layer(path, x, strides, pad)`` computes one conv (4-d ``x``) or the head (2-d)."""
+    ``layer(path, x, strides, pad)`` computes one conv (4-d ``x``) or the head (2-d);
+    ``point(name, x)`` sees each tensor of ``points(arch)`` (and returns what goes on)."""
     if isinstance(arch, AirbenchArch):
-        return _forward_airbench(arch, layer, x)
+        return _forward_airbench(arch, layer, x, point)
     relu = jax.nn.relu
     if arch.small_stem:
         x = relu(layer("stem_conv", x, 1, 1))
@@ -184,29 +193,132 @@ def forward(arch: Arch, layer, x):
         )
     for b in arch.blocks:
         n, s = b.name, b.strides
+        x = point(f"{n}/in", x)
         if b.bottleneck:
             y = relu(layer(f"{n}/conv1", x, 1, 0))
             y = relu(layer(f"{n}/conv2", y, s, 1))
-            y = layer(f"{n}/conv3", y, 1, 0)
+            y = point(f"{n}/conv3:out", layer(f"{n}/conv3", y, 1, 0))
         else:
             y = relu(layer(f"{n}/conv1", x, s, 1))
-            y = layer(f"{n}/conv2", y, 1, 1)
-        r = layer(f"{n}/proj_conv", x, s, 0) if b.projects else x
+            y = point(f"{n}/conv2:out", layer(f"{n}/conv2", y, 1, 1))
+        r = point(f"{n}/proj_conv:out", layer(f"{n}/proj_conv", x, s, 0)) if b.projects else x
         x = relu(r + y)
-    return layer("head", jnp.mean(x, axis=(1, 2)), 1, 0)
+    x = point("pre_pool", x)
+    return point("logits", layer("head", jnp.mean(x, axis=(1, 2)), 1, 0))
 
 
-def _forward_airbench(arch: AirbenchArch, layer, x):
+AIRBENCH_SCALE = 9.0  # the airbench head's input is the global max / 9
+
+
+def _forward_airbench(arch: AirbenchArch, layer, x, point=_same):
     """models/airbench.py's net in inference mode; ``layer`` also applies the unfolded
     ``bn1`` affine maps (``_apply``)."""
     gelu = functools.partial(jax.nn.gelu, approximate=False)
-    x = gelu(layer("whiten", x, 1, 0))
+    x = gelu(point("whiten:out", layer("whiten", x, 1, 0)))
     for i in range(1, arch.blocks + 1):
-        y = layer(f"block{i}_conv1", x, 1, 1)
+        b = f"block{i}"
+        y = point(f"{b}_conv1:out", layer(f"{b}_conv1", x, 1, 1))
         y = lax.reduce_window(y, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-        x = gelu(layer(f"block{i}_bn1", y, 1, 0))
-        x = gelu(layer(f"block{i}_conv2", x, 1, 1))
-    return layer("head", jnp.max(x, axis=(1, 2)) / 9.0, 1, 0)
+        x = gelu(point(f"{b}_bn1:out", layer(f"{b}_bn1", y, 1, 0)))
+        x = gelu(point(f"{b}_conv2:out", layer(f"{b}_conv2", x, 1, 1)))
+    return point("logits", layer("head", jnp.max(x, axis=(1, 2)) / AIRBENCH_SCALE, 1, 0))
+
+
+def points(arch) -> list[str]:
+    """The tensors a full-integer int8 file holds in int8 that the layers' own input steps
+    do not cover (``output_ranges`` gives each its range): in a ResNet each block's last
+    conv and projection outputs (before the residual add), the last block's output (before
+    the mean-pool); in the airbench net each conv's output (before its max-pool or GELU)
+    and each ``bn1``'s; then the logits. (A block's input, ``"{block}/in"``, is the int8
+    tensor its conv1 reads: its residual adds those codes too, at conv1's own step.)"""
+    out = []
+    if isinstance(arch, AirbenchArch):
+        out.append("whiten:out")
+        for i in range(1, arch.blocks + 1):
+            out += [f"block{i}_conv1:out", f"block{i}_bn1:out", f"block{i}_conv2:out"]
+        return out + ["logits"]
+    for b in arch.blocks:
+        out.append(f"{b.name}/{'conv3' if b.bottleneck else 'conv2'}:out")
+        if b.projects:
+            out.append(f"{b.name}/proj_conv:out")
+    return out + ["pre_pool", "logits"]
+
+
+GELU_FLOOR = -4.0  # |GELU(x)| < 1.3e-4 below it
+
+
+def gelu_inputs(arch) -> dict:
+    """``{point before a GELU: (the layer that reads the GELU's output, its scale)}``
+    (airbench; the last block's output reaches the head through the max / 9)."""
+    if not isinstance(arch, AirbenchArch):
+        return {}
+    n = arch.blocks
+    out = {"whiten:out": ("block1_conv1", 1.0)}
+    for i in range(1, n + 1):
+        out[f"block{i}_bn1:out"] = (f"block{i}_conv2", 1.0)
+        last = ("head", AIRBENCH_SCALE)
+        out[f"block{i}_conv2:out"] = (f"block{i + 1}_conv1", 1.0) if i < n else last
+    return out
+
+
+def input_range(p: dict) -> tuple[float, float, bool]:
+    """``(min, max, narrow_range)`` of a layer's input codes as a fake quant takes them."""
+    step, zero = float(p["x_step"]), int(p["x_zero"])
+    if zero:
+        return 0.0, 255 * step, False  # post-ReLU: codes 0..255 (LiteRT's zero point -128)
+    return -QMAX * step, QMAX * step, True
+
+
+def output_ranges(arch, q: dict, batches) -> dict:
+    """``{point: (min, max, narrow)}`` of each of ``points(arch)``: the largest ``|x|`` of
+    the float network of ``q``'s dequantized kernels over ``batches`` (normalised float
+    images), symmetric int8 (``narrow``) or ``0..max`` (255 steps) where never below zero.
+    A GELU's input only as far as its consumer clips: up to the consumer's range (GELU(x) ~ x
+    above it) and down to ``GELU_FLOOR`` (GELU(x) ~ 0 below it)."""
+    deq = {k: {**p, "kernel": dequantize(p["kernel"], p["w_step"], -1)} if "kernel" in p
+           else p for k, p in q.items()}  # fmt: skip
+
+    def seen_in(lay, x):
+        seen = {}
+
+        def point(name, h):
+            if not name.endswith("/in"):
+                seen[name] = (jnp.min(h), jnp.max(jnp.abs(h)))
+            return h
+
+        forward(arch, lambda path, h, s, pad: _apply(lay[path], h, s, pad, _float_layer), x,
+                point)  # fmt: skip
+        return seen
+
+    fn = jax.jit(seen_in)
+    seen = {}
+    for x in batches:
+        for k, (lo, hi) in jax.device_get(fn(deq, x)).items():
+            a, b = seen.get(k, (0.0, 0.0))
+            seen[k] = (min(a, float(lo)), max(b, float(hi)))
+    out = {}
+    for name in points(arch):
+        lo, hi = seen[name]
+        hi = hi if hi > 0 else 1.0
+        out[name] = (0.0, hi, False) if lo >= 0 else (-hi, hi, True)
+    for name, (consumer, scale) in gelu_inputs(arch).items():
+        lo, hi = seen[name]
+        top = scale * input_range(q[consumer])[1]
+        out[name] = (max(lo, GELU_FLOOR), max(min(hi, top), 1e-6), False)
+    return out
+
+
+def fake_quant(x, lo, hi, narrow):
+    """``x`` through TensorFlow's ``fake_quant_with_min_max_vars`` (8 bits): the range
+    nudged so that 0.0 is a code, clipped, rounded half up to its 255 (``narrow``: 254)
+    steps: the values the file's int8 tensor of that range holds."""
+    qmin, qmax = (np.float32(1), np.float32(255)) if narrow else (np.float32(0), np.float32(255))
+    lo, hi = np.float32(lo), np.float32(hi)
+    scale = (hi - lo) / (qmax - qmin)
+    zero = np.clip(np.floor(qmin - lo / scale + np.float32(0.5)), qmin, qmax)
+    nlo, nhi = (qmin - zero) * scale, (qmax - zero) * scale
+    inv = np.float32(1) / scale  # as TensorFlow's kernel: times the inverse, not divided
+    return jnp.floor((jnp.clip(x, nlo, nhi) - nlo) * inv + np.float32(0.5)) * scale + nlo
 
 
 def _apply(p: dict, h, strides, pad, linear):
@@ -406,14 +518,31 @@ def int8_layer(p: dict, h, strides: int, pad: int, pad_code: bool = True):
     return acc.astype(jnp.float32) * (p["x_step"] * p["w_step"]) + p["bias"]
 
 
-def int8_forward(arch: Arch, q: dict, x):
+def int8_forward(arch: Arch, q: dict, x, ranges: dict | None = None):
     """Logits of the quantized network (``x``: normalised float images). Each layer: its
     input quantized with its static step, ``int8 x int8 -> int32``, rescaled by ``x_step *
     w_step``, plus the float bias. A shifted input (``x_zero`` 128) is padded with the code
     of 0.0 (``-x_zero``), so that every window's shift is the same ``x_zero * sum(kernel)``,
     added back in int32. Without ``x_step``: float input times the dequantized kernel
-    (weight-only)."""
-    return forward(arch, lambda path, h, s, pad: _apply(q[path], h, s, pad, int8_layer), x)
+    (weight-only).
+
+    ``ranges`` (``output_ranges``'): also every tensor a full-integer file holds in int8 at
+    that range, and each block's residual adds the codes its conv1 reads, not the float
+    input: the same quantized network as the LiteRT file (``hybridpar.tools.edge``), which
+    then differs from this one by its kernels' rounding alone. Without them (None) those
+    tensors stay float32."""
+    if ranges is None:
+        point = _same
+    else:
+
+        def point(name, h):
+            if name.endswith("/in"):  # the codes the block's conv1 reads
+                p = q[name[: -len("in")] + "conv1"]
+                return fake_quant(h, *input_range(p)) if "x_step" in p else h
+            return fake_quant(h, *ranges[name])
+
+    layer = lambda path, h, s, pad: _apply(q[path], h, s, pad, int8_layer)  # noqa: E731
+    return forward(arch, layer, x, point)
 
 
 # ---- sizes, files, export ----------------------------------------------------------------
@@ -436,24 +565,26 @@ def unflat(arrays) -> dict:
     return q
 
 
-def serving_fn(arch: Arch, q: dict, mean, std):
-    """uint8 images (batch, H, W, C) -> float32 logits, the arrays held as constants."""
+def serving_fn(arch: Arch, q: dict, mean, std, ranges: dict | None = None):
+    """uint8 images (batch, H, W, C) -> float32 logits, the arrays held as constants
+    (``ranges``: ``int8_forward``'s)."""
     from hybridpar.program.steps import normalize  # the trainer's own (pure jnp: exports as it is)
 
     consts = jax.tree.map(jnp.asarray, q)
 
     def serve(images):
-        return int8_forward(arch, consts, normalize(images, mean, std, jnp.float32))
+        return int8_forward(arch, consts, normalize(images, mean, std, jnp.float32), ranges)
 
     return serve
 
 
-def export(arch: Arch, q: dict, mean, std, image_shape, path: str) -> None:
+def export(arch: Arch, q: dict, mean, std, image_shape, path: str,
+           ranges: dict | None = None) -> None:  # fmt: skip
     """The quantized network, its arrays included, as serialized StableHLO
     (``jax.export``), for any batch size: ``load_exported(path)(images)``."""
     (b,) = jax.export.symbolic_shape("batch")
     spec = jax.ShapeDtypeStruct((b, *image_shape), jnp.uint8)
-    exported = jax.export.export(jax.jit(serving_fn(arch, q, mean, std)))(spec)
+    exported = jax.export.export(jax.jit(serving_fn(arch, q, mean, std, ranges)))(spec)
     with open(path, "wb") as f:
         f.write(exported.serialize())
 

@@ -275,14 +275,17 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
     }
 
 
+# "file KB" and "file ms b1": the round's LiteRT model.tflite, its whole size and one-thread
+# latency per image, as the loop's last line gives them (na where no file was written)
 HEADER = ("round", "keep", "params", "int8 KB", "file KB", "MFLOPs/img", "top1 int8",
-          "drop (pts)", "ms b1 int8")  # fmt: skip
+          "drop (pts)", "ms b1 int8", "file ms b1")  # fmt: skip
 
 
 def format_row(r: dict) -> list[str]:
     return [str(r["round"]), f"{r['keep']:.3f}", str(r["params"]), f"{r['kb_int8']:.1f}",
             _figure(r.get("file_kb"), 1), f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}",
-            f"{r['top1_drop']:.2f}", f"{r['ms_b1_int8']:.3f}"]  # fmt: skip
+            f"{r['top1_drop']:.2f}", f"{r['ms_b1_int8']:.3f}",
+            _figure(r.get("latency_ms"), 3)]  # fmt: skip
 
 
 def table(rows: list[dict]) -> list[str]:

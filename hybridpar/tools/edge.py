@@ -19,14 +19,18 @@ input ``0..255 x_step``, which is LiteRT's zero point -128: our codes, which are
 (weights ``1/std``, bias ``-mean/std``) into the first conv's step; the logits come out
 float32. Airbench's unfolded BatchNorms are 1x1 depthwise convs too, its GELUs LiteRT's.
 
-Full-integer needs a scale on every tensor; ours has none where it stays float
+Full-integer needs a scale on every tensor; our layers' input steps leave some out
 (``_extra_points``): in a ResNet the output of each block's last conv and of its
 projection (before the residual add), the last block's output (before the mean-pool); in
 airbench each conv's and BatchNorm's output; and the logits. Those get ranges from the
-float network on the calibration images (``extra_ranges``: the largest ``|x|``, symmetric
-int8 or 0..255 after a ReLU; a GELU's input only as far as its consumer's range); with
-fixed-point requantization they are where the file's logits part from ``int8_forward``'s
-(``measure`` reports the agreement).
+float network on the calibration images (``extra_ranges``, ``int8.output_ranges``: the
+largest ``|x|``, symmetric int8 or 0..255 after a ReLU; a GELU's input only as far as its
+consumer's range). ``int8.int8_forward`` with the same ranges quantizes there too (and adds
+each block's int8 input in its residual, as the file does), so the file and ours are one
+quantized network; what is left between their logits is the kernels' rounding (fixed-point
+or float32 requantization, the int32 biases), at most a few codes of the int8 logits, as
+much as LiteRT's own XNNPACK and reference kernels differ by on the same file (``measure``
+reports the agreement).
 
 ``convert_calibrated``: the float network through the converter's own calibration (a
 representative dataset, its own ranges everywhere), the comparison row.
@@ -50,12 +54,7 @@ QMAX = int8.QMAX
 # ---- the network in TensorFlow -----------------------------------------------------------
 
 
-def input_range(p: dict) -> tuple[float, float, bool]:
-    """``(min, max, narrow_range)`` of a layer's input codes as ``fake_quant`` takes them."""
-    step, zero = float(p["x_step"]), int(p["x_zero"])
-    if zero:
-        return 0.0, 255 * step, False  # post-ReLU: codes 0..255 (LiteRT's zero point -128)
-    return -QMAX * step, QMAX * step, True
+input_range = int8.input_range  # a layer's input codes as ``fake_quant`` takes them
 
 
 def _fq_weights(tf, kernel, step):
@@ -67,25 +66,8 @@ def _fq_weights(tf, kernel, step):
     )
 
 
-def _extra_points(arch) -> list[str]:
-    """The tensors ours keeps in float that LiteRT must quantize: in a ResNet each block's
-    last conv and projection outputs (before the residual add); in the airbench net each
-    conv's output (before its max-pool or GELU) and each ``bn1``'s; then (a ResNet) the last
-    block's output before the mean-pool, and the logits."""
-    out = []
-    if isinstance(arch, int8.AirbenchArch):
-        out.append("whiten:out")
-        for i in range(1, arch.blocks + 1):
-            out += [f"block{i}_conv1:out", f"block{i}_bn1:out", f"block{i}_conv2:out"]
-        return out + ["logits"]
-    for b in arch.blocks:
-        out.append(f"{b.name}/{'conv3' if b.bottleneck else 'conv2'}:out")
-        if b.projects:
-            out.append(f"{b.name}/proj_conv:out")
-    return out + ["pre_pool", "logits"]
-
-
-AIRBENCH_SCALE = 9.0  # the airbench head's input is the global max / 9 (int8._forward_airbench)
+_extra_points = int8.points  # the tensors ours keeps in float that LiteRT must quantize
+AIRBENCH_SCALE = int8.AIRBENCH_SCALE  # the airbench head's input is the global max / 9
 
 
 def network(tf, arch, q, mean, std, observe, fake: bool):
@@ -220,52 +202,13 @@ def check_shared_steps(arch, q) -> None:
 
 
 def extra_ranges(arch, q, mean, std, image_batches) -> dict:
-    """``{point: (min, max, narrow)}`` of each extra point (``_extra_points``): the largest
-    ``|x|`` of the float network (the dequantized kernels) over ``image_batches`` (uint8)."""
-    import tensorflow as tf
+    """``int8.output_ranges`` over ``image_batches`` (uint8): the file's and our int8
+    forward's ranges of the extra points (``_extra_points``) are one."""
+    from hybridpar.program.steps import normalize
 
-    deq = {k: {**p, "kernel": int8.dequantize(p["kernel"], p["w_step"], -1)} if "kernel" in p
-           else p for k, p in q.items()}  # fmt: skip
-    seen: dict = {}
-
-    def observe(name, x):
-        lo, hi = seen.get(name, (0.0, 0.0))
-        seen[name] = (min(lo, float(tf.reduce_min(x))), max(hi, float(tf.reduce_max(tf.abs(x)))))
-        return x
-
-    fn = network(tf, arch, deq, mean, std, observe, fake=False)
-    for images in image_batches:
-        fn(tf.constant(np.asarray(images, np.float32)))
-    out = {}
-    for name in _extra_points(arch):
-        lo, hi = seen[name]
-        hi = hi if hi > 0 else 1.0
-        out[name] = (0.0, hi, False) if lo >= 0 else (-hi, hi, True)
-    for name, (consumer, scale) in _gelu_inputs(arch).items():
-        # A GELU's input is int8 in the file; what its consumer clips needs no codes: up to
-        # the consumer's range (GELU(x) ~ x above it) and down to GELU_FLOOR (GELU(x) ~ 0
-        # below it), at about the consumer's step rather than the conv output's wider one.
-        lo, hi = seen[name]
-        top = scale * input_range(q[consumer])[1]
-        out[name] = (max(lo, GELU_FLOOR), max(min(hi, top), 1e-6), False)
-    return out
-
-
-GELU_FLOOR = -4.0  # |GELU(x)| < 1.3e-4 below it
-
-
-def _gelu_inputs(arch) -> dict:
-    """``{extra point before a GELU: (the layer that reads the GELU's output, its scale)}``
-    (airbench; the last block's output reaches the head through the max / 9)."""
-    if not isinstance(arch, int8.AirbenchArch):
-        return {}
-    n = arch.blocks
-    out = {"whiten:out": ("block1_conv1", 1.0)}
-    for i in range(1, n + 1):
-        out[f"block{i}_bn1:out"] = (f"block{i}_conv2", 1.0)
-        last = ("head", AIRBENCH_SCALE)
-        out[f"block{i}_conv2:out"] = (f"block{i + 1}_conv1", 1.0) if i < n else last
-    return out
+    return int8.output_ranges(
+        arch, q, (normalize(np.asarray(x), mean, std, np.float32) for x in image_batches)
+    )
 
 
 def _convert(tf, fn, image_shape, representative=None, small: bool = True) -> bytes:
@@ -566,14 +509,16 @@ def measure(blob: bytes, batches, ours, flops: int, weight_bytes: int, image_sha
     logits), ``flops`` per image (float count, a multiply-add is 2), ``weight_bytes`` (our
     int8 weights, steps and biases)."""
     run = runner(blob)
-    count = hits = hits_ours = same = 0.0
+    count = hits = hits_ours = same = gap = 0.0
     for b in batches:
         mask = np.asarray(b["mask"], np.float64)
         label = np.asarray(b["label"])
         keep = mask > 0
         images = np.asarray(b["image"])
-        got = run(images[keep]).argmax(-1)
-        want = np.asarray(ours(images)).argmax(-1)[keep]
+        got = run(images[keep])
+        want = np.asarray(ours(images))[keep]
+        gap = max(gap, float(np.abs(got - want).max(initial=0.0)))
+        got, want = got.argmax(-1), want.argmax(-1)
         hits += float((got == label[keep]).sum())
         hits_ours += float((want == label[keep]).sum())
         same += float((got == want).sum())
@@ -594,6 +539,7 @@ def measure(blob: bytes, batches, ours, flops: int, weight_bytes: int, image_sha
         "top1": hits / count,
         "top1_ours": hits_ours / count,
         "agreement": same / count,
+        "logit_gap": gap,  # the largest |file - ours| of any logit
         "examples": int(count),
         "latency_ms": round(ms, 4),
         "latency_repeats": repeats,
@@ -607,20 +553,22 @@ def measure(blob: bytes, batches, ours, flops: int, weight_bytes: int, image_sha
 
 def export(path: str, arch, q, layers, mean, std, image_shape, calibration_images, batches,
            ours, flops: int, weight_bytes: int, calibrated: bool = True,
-           repeats: int = 200) -> dict:  # fmt: skip
+           repeats: int = 200, ranges: dict | None = None) -> dict:  # fmt: skip
     """Writes the LiteRT file of ``q`` at our steps to ``path`` and returns ``measure``'s
     figures, with (``calibrated``) the converter's own calibration's beside them under
     ``"calibrated"`` (file size, top-1, agreement with ours, latency; its file is not kept).
     ``batches()``: a fresh iterator of the eval batches; ``calibration_images``: the uint8
-    batches ``q``'s activation steps were calibrated on. Float activations (weight-only
-    int8) have no full-integer file: then nothing is written and it returns
-    ``{"skipped": why}``."""
+    batches ``q``'s activation steps were calibrated on; ``ranges``: the extra points'
+    (``int8.output_ranges``', those ``ours`` quantizes at), else computed from them. Float
+    activations (weight-only int8) have no full-integer file: then nothing is written and
+    it returns ``{"skipped": why}``."""
     if any("kernel" in p and "x_step" not in p for p in q.values()):
         return {"skipped": "full-integer LiteRT needs int8 activations (--activations int8)"}
     calibration_images = [np.asarray(x) for x in calibration_images]
     t0 = time.time()
-    blob = convert(arch, q, mean, std, image_shape,
-                   extra_ranges(arch, q, mean, std, calibration_images))  # fmt: skip
+    if ranges is None:
+        ranges = extra_ranges(arch, q, mean, std, calibration_images)
+    blob = convert(arch, q, mean, std, image_shape, ranges)
     convert_s = time.time() - t0
     with open(path, "wb") as f:
         f.write(blob)
@@ -641,7 +589,8 @@ def summary(figures: dict) -> str:
     line = (
         f"LiteRT int8 model.tflite: {f['file_kb']:.1f} KB ({f['overhead_bytes']} bytes over "
         f"the int8 weights); top-1 {f['top1']:.4f} (our int8 {f['top1_ours']:.4f}, agreement "
-        f"{f['agreement']:.4f}); {f['latency_ms']:.3f} ms/image at batch 1 on one thread "
+        f"{f['agreement']:.4f}, logits at most {f['logit_gap']:.3f} apart); "
+        f"{f['latency_ms']:.3f} ms/image at batch 1 on one thread "
         f"({f['flops_per_image'] / 1e6:.2f} MFLOPs, {f['efficiency']:.3f} of this CPU's int8 "
         f"matmul rate): ~{f['ms_at_1tflops']:.4f} ms on a 1 TFLOPS device"
     )

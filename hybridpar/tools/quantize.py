@@ -6,7 +6,9 @@ Int8 post-training quantization of a trained run: reads ``W``'s latest checkpoin
 (read-only), folds BatchNorm into the convolutions, quantizes the weights per output channel
 and (``--activations int8``) the input of every conv and of the head with static scales
 calibrated on K training batches (each tensor's range: the largest ``|x|``, a percentile of
-it, or the range of least squared error), evaluates the float and the int8 model on the
+it, or the range of least squared error), and the other tensors a full-integer file holds in
+int8 (``int8.output_ranges``, their largest ``|x|``; the int8 model rounds them as the file
+does), evaluates the float and the int8 model on the
 whole eval split, times both on this CPU at batch 1 and 64 (side by side, median of
 repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-channel
 steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
@@ -117,7 +119,9 @@ def compare(fns: dict, batches) -> tuple[dict, dict]:
         label = np.asarray(b["label"])[:, None]
         logits = {n: np.asarray(jax.device_get(fns[n](b["image"])), np.float64) for n in names}
         for n in names:
-            top5 = np.argsort(-logits[n], axis=-1)[:, :5]
+            # stable: of tied logits (the int8 logits tie often) the first class, as argmax
+            # and the LiteRT file's reader take it
+            top5 = np.argsort(-logits[n], axis=-1, kind="stable")[:, :5]
             hits[n][0] += float(((top5[:, :1] == label).any(-1) * mask).sum())
             hits[n][1] += float(((top5 == label).any(-1) * mask).sum())
         ref, other = logits[names[0]], logits[names[1]]
@@ -216,6 +220,12 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
                 log(f"calibrated on {used} batches (a whole epoch), not "
                             f"{calibration_batches}")  # fmt: skip
         q = int8.quantize(layers, ranges)
+        # the tensors a full-integer file holds in int8 beyond the layers' inputs: int8_model
+        # quantizes them at the file's ranges, so the two are one quantized network (left
+        # float, the file's top-1 parted from ours by more than its kernels' rounding)
+        outputs = None
+        if activations == "int8":
+            outputs = int8.output_ranges(arch, q, map(to_float, images))
         calibrate_s = time.time() - t0
         variables = {"params": params, "batch_stats": stats}
 
@@ -224,7 +234,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             x = normalize(images, mean, std, r.program.policy.compute_dtype)
             return model.apply(variables, x, train=False).astype(np.float32)
 
-        int8_model = jax.jit(int8.serving_fn(arch, q, mean, std))
+        int8_model = jax.jit(int8.serving_fn(arch, q, mean, std, outputs))
 
         # ---- The eval split, float and int8 ----
         t0 = time.time()
@@ -257,7 +267,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     os.makedirs(tmp)
     try:
         np.savez(os.path.join(tmp, "params.npz"), **int8.flat(q))
-        int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"))
+        int8.export(arch, q, mean, std, shape, os.path.join(tmp, "model.jax_exported"), outputs)
         float_bytes = int8.tree_bytes(params)
         int8_bytes = int8.tree_bytes(q)
         flops = flops_per_image(arch, layers, shape)
@@ -266,7 +276,8 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         with jax.default_device(device):  # the LiteRT file, against int8_model
             litert = edge.export(os.path.join(tmp, "model.tflite"), arch, q, layers, mean, std,
                                  shape, images, r.data.eval_batches, int8_model, flops,
-                                 int8_bytes, calibrated=litert_calibrated)  # fmt: skip
+                                 int8_bytes, calibrated=litert_calibrated,
+                                 ranges=outputs)  # fmt: skip
         f1, q1 = evals["float"]["top1"], evals["int8"]["top1"]
         f5, q5 = evals["float"]["top5"], evals["int8"]["top5"]
         report = {
@@ -295,6 +306,8 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             "latency_s": round(latency_s, 3),
             "device": str(device.device_kind),
             "activation_ranges": ranges,
+            # (min, max, narrow) of the other int8 tensors, the file's and int8_model's
+            "output_ranges": outputs,
             # the LiteRT int8 file: size, top-1 against int8, one-thread latency
             "litert": litert,
             "files": ["params.npz", "model.jax_exported", "report.json"]
