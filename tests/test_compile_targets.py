@@ -101,7 +101,7 @@ def test_the_last_line_gives_the_largest_programs_figures():
         mesh={"data": 8}, target_description="t", wall_s=1.0, slices=1, axes_across_slices=[],
         out=None, hbm_bytes_per_chip=None, target="cpu:8",
         programs=[_program("train", 32, 24, 100, 24e9, 240),
-                  _program("train", 32, 32, 200, 32e9, 320),
+                  dict(_program("train", 32, 32, 200, 32e9, 320), bytes_hidden_est=64),
                   _program("eval", 64, 32, 150, 8e9, 80)],
     )  # fmt: skip
     line = format_report(report, "c.py").splitlines()[-1]
@@ -109,6 +109,7 @@ def test_the_last_line_gives_the_largest_programs_figures():
     assert last["largest"] == "train:b32:32px"
     assert (last["flops_per_chip"], last["collective_bytes"], last["exposed_bytes"]) == (
         str(32e9), "320", "320")  # fmt: skip
+    assert last["hidden_bytes_est"] == "64"
 
 
 @pytest.fixture(scope="module")

@@ -333,3 +333,42 @@ def test_hidden_estimate_weighs_the_compute_between_against_the_links_time():
     assert whole["collective_s"] == pytest.approx(1e-6) and whole["bytes_hidden"] == 64
     assert hidden_estimate(first, peak, 64 * 2 * 7 / 8 / 2e-6, devices=4)["bytes_hidden"] == 32
     assert hidden_estimate(dict(first, exposed=True), peak, 1.0, devices=4)["bytes_hidden"] == 0
+
+
+GPU_LIBRARY_CALLS_HLO = """
+HloModule jit_step, is_scheduled=true
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (g: f32[1024], x: f32[8,8,8,4], w: f32[16,3,3,4], dy: f32[8,8,8,16], a: f32[32,64], b: f32[64,16]) -> f32[1024] {
+  %g = f32[1024]{0} parameter(0)
+  %x = f32[8,8,8,4]{3,2,1,0} parameter(1)
+  %w = f32[16,3,3,4]{3,2,1,0} parameter(2)
+  %dy = f32[8,8,8,16]{3,2,1,0} parameter(3)
+  %a = f32[32,64]{1,0} parameter(4)
+  %b = f32[64,16]{1,0} parameter(5)
+  %all-reduce-start = f32[1024]{0} all-reduce-start(%g), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %fwd = (f32[8,8,8,16]{3,2,1,0}, u8[0]{0}) custom-call(%x, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convForward"
+  %bwi = (f32[8,8,8,4]{3,2,1,0}, u8[0]{0}) custom-call(%dy, %w), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardInput"
+  %bwf = (f32[16,3,3,4]{3,2,1,0}, u8[0]{0}) custom-call(%x, %dy), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_o01i->b01f, custom_call_target="__cudnn$convBackwardFilter"
+  %mm = (f32[32,16]{1,0}, s8[1024]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  ROOT %all-reduce-done = f32[1024]{0} all-reduce-done(%all-reduce-start)
+}
+"""  # noqa: E501
+
+
+def test_the_gpu_compilers_library_calls_count_as_the_compute_beside_a_collective():
+    """XLA:GPU's convolutions and matrix products are cuDNN and cuBLAS calls, whose FLOPs the
+    compiler does not count: each of the three 3x3 convolutions (forward, input and kernel
+    gradients, 8 x 8 x 8 x 16 outputs of 3 x 3 x 4 multiply-adds in the forward's terms) and
+    the 32 x 64 @ 64 x 16 product count from their shapes."""
+    from hybridpar.tools.comm_report import parse_overlap
+
+    (e,) = parse_overlap(GPU_LIBRARY_CALLS_HLO)
+    assert e["async"] and not e["exposed"] and e["compute_ops"] == 4
+    conv = 2 * (8 * 8 * 8 * 16) * (3 * 3 * 4)
+    assert e["flops"] == 3 * conv + 2 * 32 * 16 * 64

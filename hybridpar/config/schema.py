@@ -213,7 +213,8 @@ def base_config() -> ml_collections.ConfigDict:
             # as its layers' gradients exist (data-parallel meshes only).
             mode="xla",
             bucket_mb=32.0,
-            # The dtype the gradients are summed in across devices (bucketed mode only):
+            # The dtype the gradients are summed in across devices (every mode; under xla,
+            # data-parallel meshes only):
             # "bfloat16" halves the bytes of float32 gradients (they come back as float32
             # for the optimizer); "float32": each gradient in its own dtype.
             reduce_dtype="float32",

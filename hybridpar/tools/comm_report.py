@@ -293,19 +293,52 @@ def _dims(shape: str) -> list[int]:
     return [int(d.strip().lstrip("<=")) for d in m.group(2).split(",") if d.strip()] if m else []
 
 
+# The GPU compiler's library calls that are a convolution or a matrix product: which operand
+# (or -1, the result) is the convolution's output and which its kernel, in the forward
+# convolution's terms that ``dim_labels`` keeps (cuDNN's backward passes are convolutions of
+# the same size: dx from (dy, w), dw from (x, dy)).
+_CUDNN_CONV = {
+    "__cudnn$convForward": (-1, 1),
+    "__cudnn$convBiasActivationForward": (-1, 1),
+    "__cudnn$convBackwardInput": (0, 1),
+    "__cudnn$convBackwardFilter": (1, -1),
+}
+_GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+
+
+def _first_array(shape: str) -> str:
+    """A tuple-shaped result's first element (a library call's output, before its scratch)."""
+    m = _ARRAY.search(shape)
+    return m.group(0) if m else ""
+
+
 def _op_flops(ins: dict, shapes: dict) -> int:
-    """2 x multiply-adds of a convolution or dot, from its shapes (as XLA's cost analysis)."""
-    out = math.prod(_dims(ins["shape"]))
-    if ins["opcode"] == "dot":
-        lhs = _dims(shapes.get(ins["operands"][0], ""))
-        m = _LHS_CONTRACTING.search(ins["attrs"])
-        idx = [int(i) for i in m.group(1).split(",") if i] if m else []
-        return 2 * out * math.prod(lhs[i] for i in idx if i < len(lhs))
-    kernel = _dims(shapes.get(ins["operands"][1], "")) if len(ins["operands"]) > 1 else []
-    m = _DIM_LABELS.search(ins["attrs"])
+    """2 x multiply-adds of a convolution or dot, from its shapes (as XLA's cost analysis);
+    also of the GPU compiler's cuDNN convolutions and cuBLAS GEMMs, which it gives none."""
+    op, attrs = ins["opcode"], ins["attrs"]
+    target = _custom_call_target(ins) if op == "custom-call" else ""
+    operand = [shapes.get(o, "") for o in ins["operands"]]
+
+    def dims_of(i):  # -1: the result
+        return _dims(_first_array(ins["shape"]) if i < 0 else operand[i] if i < len(operand)
+                     else "")  # fmt: skip
+
+    if op == "dot" or target in _GEMMS:
+        m = (_LHS_CONTRACTING if op == "dot" else _GEMM_CONTRACTING).search(attrs)
+        idx = [int(i.strip('" ')) for i in m.group(1).split(",") if i.strip('" ')] if m else []
+        lhs = dims_of(0)
+        return 2 * math.prod(dims_of(-1)) * math.prod(lhs[i] for i in idx if i < len(lhs))
+    if op == "convolution":
+        out, kernel = dims_of(-1), dims_of(1)
+    elif target in _CUDNN_CONV:
+        out, kernel = (dims_of(i) for i in _CUDNN_CONV[target])
+    else:
+        return 0
+    m = _DIM_LABELS.search(attrs)
     if not kernel or m is None or "o" not in m.group(1):
         return 0
-    return 2 * out * math.prod(kernel) // max(kernel[m.group(1).index("o")], 1)
+    return 2 * math.prod(out) * math.prod(kernel) // max(kernel[m.group(1).index("o")], 1)
 
 
 def parse_overlap(hlo_text: str) -> list[dict]:
@@ -368,7 +401,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
         return ins["opcode"]
 
     def flops(ins: dict) -> int:
-        if ins["opcode"] in ("convolution", "dot"):
+        if ins["opcode"] in ("convolution", "dot", "custom-call"):
             return _op_flops(ins, shapes[ins["computation"]])
         return sum(flops(i) for c in _CALLS.findall(ins["attrs"]) for i in comps.get(c, []))
 

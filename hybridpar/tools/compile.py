@@ -370,7 +370,10 @@ def format_report(report: dict, config_path: str) -> str:
         f"flops_per_chip={big['flops']} "
         f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
         f"collective_bytes={big['collective_bytes']} "
-        f"exposed_bytes={big['bytes_exposed']} target={report['target']} "
+        f"exposed_bytes={big['bytes_exposed']} "
+        # what the compute beside them can hide, by estimate (None without chip figures):
+        # "not exposed" only says something was scheduled between a start and its done
+        f"hidden_bytes_est={big.get('bytes_hidden_est')} target={report['target']} "
         f"programs={len(report['programs'])} wall_s={report['wall_s']}"
     )
     return "\n".join(lines)
