@@ -362,3 +362,30 @@ def test_the_training_loop_hands_a_handler_other_than_the_early_one_back_itself(
     finally:
         preemption.uninstall()
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_signal_inside_a_print_is_said_at_the_step_boundary(monkeypatch):
+    """A signal that lands while the loop prints to a buffered log file: the handler's own
+    print there raises (a reentrant write), which once ended a compress run with a
+    traceback. The stop is still requested and its message comes at the step boundary."""
+    from hybridpar.runtime import signals
+
+    said = []
+
+    def busy_stream(*args, **kwargs):  # what print does inside another print to one file
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='log.txt'>")
+
+    monkeypatch.setattr(signals, "print", busy_stream, raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = signals.Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested == "SIGTERM"
+        monkeypatch.setattr(signals, "print", lambda *a, **k: said.append(a[0]), raising=False)
+        preemption.say_unsaid()
+        preemption.say_unsaid()  # once
+    finally:
+        preemption.uninstall()
+        signal.signal(signal.SIGTERM, before)
+    assert said == ["SIGTERM: saving a checkpoint at the next step boundary, then stopping "
+                    "(send SIGTERM again to stop at once)"]  # fmt: skip

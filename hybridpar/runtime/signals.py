@@ -42,7 +42,11 @@ class EarlyStop:
                 signal.signal(s, h)
 
     def __call__(self, signum, frame):
-        print(f"{signal.Signals(signum).name}: {STOPPED_EARLY}", flush=True)
+        msg = f"{signal.Signals(signum).name}: {STOPPED_EARLY}"
+        try:
+            print(msg, flush=True)
+        except RuntimeError:  # inside a print to the same stream (see Preemption._handler)
+            os.write(2, f"{msg}\n".encode())
         sys.stderr.flush()
         os._exit(0)
 
@@ -60,6 +64,7 @@ class Preemption:
 
     def __init__(self):
         self.requested: str | None = None
+        self.unsaid: str | None = None  # the handler's message, where it could not print
         self._previous = {}
 
     def request(self, why: str = "requested") -> None:
@@ -69,11 +74,18 @@ class Preemption:
         name = signal.Signals(signum).name
         self.request(name)
         signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
-        print(  # installed on one process only: it prints for the run
-            f"{name}: saving a checkpoint at the next step boundary, then stopping "
-            f"(send {name} again to stop at once)",
-            flush=True,
-        )
+        msg = (f"{name}: saving a checkpoint at the next step boundary, then stopping "
+               f"(send {name} again to stop at once)")  # fmt: skip
+        try:  # installed on one process only: it prints for the run
+            print(msg, flush=True)
+        except RuntimeError:  # the signal came inside a print to the same buffered stream,
+            self.unsaid = msg  # which refuses a reentrant write: the loop says it (say_unsaid)
+
+    def say_unsaid(self) -> None:
+        """Prints the handler's message if the handler could not."""
+        if self.unsaid is not None:
+            msg, self.unsaid = self.unsaid, None
+            print(msg, flush=True)
 
     def install(self) -> "Preemption":
         import jax  # here: the module stays importable before JAX (see above)

@@ -298,6 +298,8 @@ class Checkpointer:
     def __call__(self, loop: LoopState, state, metrics, stage: PlannedStage) -> None:
         self.events()
         stop = self.preemption.requested is not None
+        if stop:
+            self.preemption.say_unsaid()
         stop = self.saver.manager.reached_preemption(loop.step) or stop
         if stop or self.due(loop):
             self.save(loop, state, stage)
