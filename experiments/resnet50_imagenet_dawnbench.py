@@ -6,8 +6,8 @@
 
 Arguments after ``:``: where ImageNet is (as ``resnet50_imagenet.py``; empty: synthetic
 images), then the GPU count the run is sized for (128, 8 or 1; default 128). The stages are
-MoXing's DAWNBench entry's (its .json: 21 epochs at 128 px, 21 at 224 px, 2 at 288 px, at
-global batches of 28,672 and 16,384), in our notation: 128 px until epoch 21 (batch 224 per
+MoXing's DAWNBench submission's (21 epochs at 128 px, 21 at 224 px, 2 at 288 px, at global
+batches of 28,672 and 16,384), in our notation: 128 px until epoch 21 (batch 224 per
 GPU, crops down to 8% of the image), 224 px until 42 (224 per GPU, 8.7%), 288 px until 44
 (128 per GPU, 50%); its log reached 93% top-5 during the first 288-px epoch. The
 batch is per data-parallel device, so the same string runs on any device count; the LR

@@ -250,7 +250,8 @@ def test_data_meshes_are_accepted(mesh):
 # fusion: each bucket's all-reduce starts in one fusion, is cloned into an
 # async_collective_fusion beside a convolution and ends in a third. Inside a shard_map every
 # collective has channel_id=1; the clones of one bucket share a chain_id instead.
-TPU_CHAINS_HLO = """
+# A scheduled module's start: the reduction its all-reduces apply.
+HLO_HEADER = """
 HloModule jit_step, is_scheduled=true
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -258,7 +259,8 @@ HloModule jit_step, is_scheduled=true
   %y = f32[] parameter(1)
   ROOT %sum = f32[] add(%x, %y)
 }
-""" + "".join(
+"""
+TPU_CHAINS_HLO = HLO_HEADER + "".join(
     f"""
 %start_{i} (p0: f32[{n}]) -> (f32[{n}], u32[]) {{
   %p0 = f32[{n}]{{0}} parameter(0)
@@ -335,15 +337,7 @@ def test_hidden_estimate_weighs_the_compute_between_against_the_links_time():
     assert hidden_estimate(dict(first, exposed=True), peak, 1.0, devices=4)["bytes_hidden"] == 0
 
 
-GPU_LIBRARY_CALLS_HLO = """
-HloModule jit_step, is_scheduled=true
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %s = f32[] add(%x, %y)
-}
-
+GPU_LIBRARY_CALLS_HLO = HLO_HEADER + """
 ENTRY %main (g: f32[1024], x: f32[8,8,8,4], w: f32[16,3,3,4], dy: f32[8,8,8,16], a: f32[32,64], b: f32[64,16]) -> f32[1024] {
   %g = f32[1024]{0} parameter(0)
   %x = f32[8,8,8,4]{3,2,1,0} parameter(1)

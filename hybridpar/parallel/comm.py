@@ -61,18 +61,13 @@ TPU_COMBINE_FLAGS_BEST_KNOWN = (
     "--xla_tpu_reduce_scatter_combine_threshold_bytes",
 )
 
-# libtpu flags that let an all-reduce run asynchronously, measured one at a time on libtpu
-# 0.0.42 (the digits step on tpu:v5e-8, data:8, comm.mode=overlap, local BatchNorm: 6
-# bucket all-reduces; bench/results/overlap_tpu/NOTES.md): the first two only together make
-# any of them asynchronous (2 of 6: the buckets with convolutions after them); the third
-# lets the compiler also carry them through the elementwise fusions after them (4 of 6; on
-# ResNet-50, tpu:v5p-128, 29 of 32 buckets). They cost HBM traffic (the compiler's bytes
-# accessed per step: +2% on that ResNet-50 step, +60% on the digits step), and under
-# comm.mode=xla, whose all-reduces come at the end of the step, they changed nothing but
-# that, so they are set for the bucketed and overlap modes only. MaxText's other overlap
-# flags (async collective fusion itself, its multiple steps, the TensorCore's
-# compute/collective overlap) changed nothing. Set from this libtpu release on (libtpu
-# aborts on a flag it does not know).
+# libtpu flags that let an all-reduce run asynchronously, each measured alone on libtpu 0.0.42
+# (bench/results/overlap_tpu/NOTES.md): the first two only together make any bucket's
+# all-reduce asynchronous; the third lets the compiler also carry them through the
+# elementwise fusions after them. They cost HBM traffic, and comm.mode=xla's all-reduces,
+# at the end of the step, stayed synchronous under them: so they are set for the bucketed
+# and overlap modes only. Set from this libtpu release on (libtpu aborts on a flag it does
+# not know).
 TPU_ASYNC_ALL_REDUCE = (
     (0, 0, 42),
     (

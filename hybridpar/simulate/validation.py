@@ -42,24 +42,20 @@ def verdict(ratio: float) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# The 2017-2018 GPU runs. Sources: the DAWNBench entries (stanford-futuredata/dawn-bench-entries,
-# ImageNet/train/*.json and .tsv: the .tsv's `hours` is the run's clock at each epoch's
-# evaluation), cybertronai/imagenet18 (fast.ai/DIU's code: train.py's schedules and
-# training/train_imagenet_nv.py) and Goyal et al. 2017 (arXiv 1706.02677).
+# The 2017-2018 GPU runs: each case's `source` names the log its figures are read from (a
+# DAWNBench entry's per-epoch clock and accuracy, or the paper).
 # --------------------------------------------------------------------------------------------
 
-# MoXing (Huawei ModelArts, TensorFlow 1.8 + MoXing), 128 V100 in 16 nodes "with RDMA": the
-# entry huaweicloud_resnet50_modelarts_16_machine_tensorflow18 as submitted in November 2018
-# (dawn-bench-entries commit 910be03): 21 epochs at 128 px and 21 at 224 px at a batch of
-# 28,672 (224 per GPU), then 288 px at 16,384 (128 per GPU); its .tsv reaches 93.01% top-5
-# after epoch 43 at 0.174419 h = 628 s (10:28, the leaderboard's time).
+# MoXing (Huawei ModelArts, TensorFlow 1.8 + MoXing), 128 V100 in 16 nodes "with RDMA", as
+# first submitted (November 2018): 21 epochs at 128 px and 21 at 224 px at a batch of
+# 28,672 (224 per GPU), then 288 px at 16,384 (128 per GPU); 93.01% top-5 after epoch 43,
+# at 0.174419 h = 628 s (10:28, the leaderboard's time).
 MOXING_STAGES = "21:128-224,42:224-224,43:288-128"
-# fast.ai/DIU, 16 x p3.16xlarge (entry fastai_resnet50_p3_16_machine_pytorch; code: imagenet18
-# train.py `sixteen_machines` at 59a8f25, the commit the entry cites): 128 px at 64 per GPU
-# to epoch 6, then 128 to 16; 224 px at 64 to 19, then 192 to 37; 288 px at 128. Its .tsv
-# reaches 93.11% top-5 after epoch 38 at 0.301439 h = 1,085 s (announced as "18 minutes").
+# fast.ai/DIU, 16 x p3.16xlarge, the schedule of the code its entry names: 128 px at 64 per
+# GPU to epoch 6, then 128 to 16; 224 px at 64 to 19, then 192 to 37; 288 px at 128. 93.11%
+# top-5 after epoch 38, at 0.301439 h = 1,085 s (announced as "18 minutes").
 FASTAI_STAGES = "6:128-64,16:128-128,19:224-64,37:224-192,38:288-128"
-# Both evaluated after every epoch (an accuracy per epoch in each .tsv, on the run's clock):
+# Both evaluated after every epoch (an accuracy per epoch in each log, on the run's clock):
 # the model counts a pass per epoch, its forward steps at (ASSUMPTION) 224 px and 256 per
 # GPU, and the fixed cost per pass fitted below.
 EVERY_EPOCH = Evaluation(every_epochs=1.0, image_size=224, per_device_batch=256)
@@ -111,9 +107,8 @@ class EpochLog:
 
 # The calibration runs of the 2018 V100 constants: fast.ai/DIU's 4- and 8-machine DAWNBench
 # entries, the same code and software (PyTorch 0.4/0.5, NCCL 2.2.13, fp16) on 25 GbE
-# p3.16xlarge, other runs than the 16-machine one validated. Schedules: imagenet18 train.py
-# `four_machines` at 4edeea1 and `eight_machines` at f0fc713, the commits the entries cite
-# (at 288 px the 4-machine code has 128 per GPU, which its .json gives as a batch of 8,192).
+# p3.16xlarge, other runs than the 16-machine one validated; each schedule is the one of the
+# code its entry names (at 288 px the 4-machine code has 128 per GPU: a batch of 8,192).
 V100_2018_LOGS = [
     EpochLog(
         "DAWNBench fast.ai/DIU 2018, 4 x p3.16xlarge",

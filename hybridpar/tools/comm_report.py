@@ -321,8 +321,9 @@ def _op_flops(ins: dict, shapes: dict) -> int:
     operand = [shapes.get(o, "") for o in ins["operands"]]
 
     def dims_of(i):  # -1: the result
-        return _dims(_first_array(ins["shape"]) if i < 0 else operand[i] if i < len(operand)
-                     else "")  # fmt: skip
+        if i < 0:
+            return _dims(_first_array(ins["shape"]))
+        return _dims(operand[i]) if i < len(operand) else []
 
     if op == "dot" or target in _GEMMS:
         m = (_LHS_CONTRACTING if op == "dot" else _GEMM_CONTRACTING).search(attrs)
