@@ -94,7 +94,7 @@ def cifar_args(smoke: bool, prepared: Path) -> list[str]:
 
 # ResNet-50, DAWNBench stages: (size, per-GPU batch, min crop scale, steps). An epoch of the
 # synthetic set is 10 steps at batch 224, so the first stage ends at epoch 200 and the LR
-# warmup and momentum ramp keep the recipe's shares of it (2 and 20 of 40 epochs: 1/20, 1/2).
+# warmup and momentum ramp keep about the recipe's shares of it (2 and 21 of 44 epochs: 1/20, 1/2).
 RESNET_STAGES = ((128, 224, 0.08, 2000), (224, 224, 0.087, 200), (288, 128, 0.5, 170))
 RESNET_SMOKE = ((32, 4, 0.08, 6), (40, 2, 0.5, 4))  # two stages: one switch to check
 RESNET_EXAMPLES = {False: 2240, True: 16}
