@@ -83,18 +83,19 @@ def _result_sizes(line: str) -> list[int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _one_device(bn_sync):
-    """The one-device reference run, its model holding the BatchNorm groups data:8 has."""
+def _one_device(bn_sync, data_parallel=8):
+    """The one-device reference run, its model holding the BatchNorm groups that a mesh of
+    ``data_parallel`` devices over the data axes has."""
     single = build(tiny_config("data:1", **{"label_smoothing": 0.1}), jax.devices()[:1])
-    groups = bn_groups_for(bn_sync, 8)
+    groups = bn_groups_for(bn_sync, data_parallel)
     single = dataclasses.replace(single, model=single.model.clone(bn_groups=groups))
     start = random_state(single)
     step = compiled_step(single, start, NO_LLVM_OPT)
     return reference(single, start, host_batches(), step=step)
 
 
-def _overlap_run(bn_sync, start):
-    program = build(_config(**{"model.bn_sync": bn_sync}))
+def _overlap_run(bn_sync, start, mesh="data:8"):
+    program = build(_config(mesh, **{"model.bn_sync": bn_sync}))
     step = compiled_step(program, start, NO_LLVM_OPT)
     return run(step, program, start, host_batches()), step.as_text()
 
@@ -121,20 +122,51 @@ def test_overlap_equals_one_device(bn_sync):
         assert len(plan) <= len(lines) <= len(plan) + 1
 
 
-def test_rejects_a_bucket_summed_not_averaged(monkeypatch):
-    """Negative control: one bucket's psum left undivided (n = 1: 8x its gradient) fails
-    the same check, naming that bucket's arrays."""
-    want = _one_device("local")
+# The meshes beyond data parallelism: FSDP (each bucket gathered in the forward pass and
+# reduce-scattered in the backward pass) and a model axis left to the compiler. The BatchNorm
+# modes differ so that each collective path is taken somewhere.
+OTHER_MESHES = [
+    ("data:2,fsdp:4", "local", 8),
+    ("fsdp:8", "global", 8),
+    ("data:4,model:2", "global", 4),
+    ("data:2,fsdp:2,model:2", "local", 4),
+]
+
+
+@pytest.mark.parametrize("mesh,bn_sync,dp", OTHER_MESHES)
+def test_overlap_on_fsdp_and_model_meshes_equals_one_device(mesh, bn_sync, dp):
+    want = _one_device(bn_sync, dp)
+    got, hlo = _overlap_run(bn_sync, want.start, mesh)
+    assert_parity(got, want)
+    if "fsdp" in mesh:
+        # ZeRO-3's order per bucket: one gather forward, one reduce-scatter backward, for
+        # each bucket holding parameters the rules split over fsdp (none merged, none per
+        # parameter).
+        sync = build(_config(mesh, **{"model.bn_sync": bn_sync})).sync
+        split = [b for b in _plan() if any(p in sync.param_dims for p in b)]
+        assert len(split) >= 2
+        kinds = [ln for ln in hlo.splitlines() if " reduce-scatter(" in ln]
+        assert len(kinds) == len(split)
+        gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln]
+        if "model" not in mesh:  # the compiler adds gathers of its own over a model axis
+            assert len(gathers) == len(split)
+
+
+@pytest.mark.parametrize("mesh,bn_sync,dp", [("data:8", "local", 8), *OTHER_MESHES[::2]])
+def test_rejects_a_bucket_summed_not_averaged(monkeypatch, mesh, bn_sync, dp):
+    """Negative control: one bucket's reduction left undivided (n = 1: dp times its
+    gradient), whole or reduce-scattered, fails the same check, naming that bucket's arrays."""
+    want = _one_device(bn_sync, dp)
     bucket = _plan()[len(_plan()) // 2]
-    shapes = [tuple(np.shape(_get(want.start.params, p))) for p in bucket]
-    real = overlap.flat_pmean
+    real = overlap.reduce_bucket
 
-    def broken(leaves, axes, n, **kw):
-        hit = [tuple(x.shape) for x in leaves] == shapes
-        return real(leaves, axes, 1 if hit else n, **kw)
+    def broken(leaves, dims, axes, n, *args):
+        ranks = [np.ndim(_get(want.start.params, p)) for p in bucket]
+        hit = [x.ndim for x in leaves] == ranks  # this bucket (shards have the same rank)
+        return real(leaves, dims, axes, 1 if hit else n, *args)
 
-    monkeypatch.setattr(overlap, "flat_pmean", broken)
-    got, _ = _overlap_run("local", want.start)
+    monkeypatch.setattr(overlap, "reduce_bucket", broken)
+    got, _ = _overlap_run(bn_sync, want.start, mesh)
     assert_rejected(got, want, re.escape("".join(f"['{k}']" for k in bucket[0])))
 
 
@@ -228,20 +260,20 @@ def test_bfloat16_bound_rejects_a_float8_reduce():
     assert _worst_excess(_reduced("float8_e4m3fn")) > 1
 
 
-# --- meshes it does not support yet: one error naming the fix ----------------------------
+# --- the config accepts every mesh -------------------------------------------------------
 
 
-@pytest.mark.parametrize("mesh", ["data:4,model:2", "data:2,fsdp:4", "fsdp:8"])
-def test_non_data_meshes_are_refused_naming_the_modes_that_run_them(mesh):
-    with pytest.raises(ConfigError, match=r"comm.mode=overlap needs a mesh over data only .*"
-                       r"comm.mode=bucketed .*comm.mode=xla"):  # fmt: skip
-        validate(_config(mesh))
-
-
-@pytest.mark.parametrize("mesh", ["data:8", "data:-1", "data:8,fsdp:1,model:1"])
-def test_data_meshes_are_accepted(mesh):
+@pytest.mark.parametrize(
+    "mesh", ["data:8", "data:-1", "data:8,fsdp:1,model:1", "data:4,model:2", "fsdp:8"]
+)
+def test_every_mesh_is_accepted(mesh):
     validate(_config(mesh))
     validate(_config(mesh, **{"comm.reduce_dtype": "bfloat16"}))
+
+
+def test_a_sharded_head_is_refused_naming_the_mode_that_runs_it():
+    with pytest.raises(ConfigError, match=r"model.head='sharded' needs comm.mode=xla"):
+        validate(_config("data:4,model:2", **{"model.head": "sharded"}))
 
 
 # --- the compile report on the TPU compiler's asynchronous all-reduces -------------------

@@ -210,7 +210,8 @@ def base_config() -> ml_collections.ConfigDict:
             # at most bucket_mb MiB in reverse layer order, one psum per bucket (with fsdp > 1:
             # one all-gather of the parameters and one reduce-scatter per bucket).
             # "overlap": the same buckets, each reduced from inside the backward pass as soon
-            # as its layers' gradients exist (data-parallel meshes only).
+            # as its layers' gradients exist (any mesh: fsdp gathers in the forward pass and
+            # reduce-scatters in the backward pass, bucket by bucket; a model axis is XLA's).
             mode="xla",
             bucket_mb=32.0,
             # The dtype the gradients are summed in across devices (every mode; under xla,
@@ -459,17 +460,6 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"{c.model.head!r} head reduces in float32); use --config.model.head=dense or "
             "--config.comm.reduce_dtype=float32"
         )
-    if c.comm.mode == "overlap":
-        # Each bucket's psum sits in the backward pass; gathers (fsdp) and a model axis's
-        # collectives are not set up there yet.
-        split = [p.strip() for p in str(c.mesh).split(",") if p.strip().split(":")[0] != "data"]
-        split = [p for p in split if p.partition(":")[2].strip() not in ("", "1")]
-        if split:
-            raise ConfigError(
-                f"comm.mode=overlap needs a mesh over data only (mesh={c.mesh!r} has "
-                f"{', '.join(split)}); use --config.comm.mode=bucketed (data and fsdp) or "
-                "--config.comm.mode=xla (any mesh)"
-            )
     if c.model.head != "dense" and c.comm.mode != "xla":
         raise ConfigError(
             f"model.head={c.model.head!r} needs comm.mode=xla (comm.mode={c.comm.mode!r} "

@@ -20,11 +20,12 @@ device keeps only its shard of the gradient, as ZeRO/FSDP do. Small parameters t
 leave replicated are reduced with one more ``psum`` per bucket. The optimizer then updates
 each shard where it lives.
 
-``comm.mode=overlap`` (``hybridpar/parallel/overlap.py``) uses the same plan and psums, but
-issues each bucket's psum from inside the backward pass (a custom VJP per bucket).
+``comm.mode=overlap`` (``hybridpar/parallel/overlap.py``) uses the same plan and collectives
+(``flat_gather``, ``reduce_bucket``), but issues each bucket's from inside the forward and
+backward passes (a custom VJP per bucket).
 
-Limits: a ``model`` axis > 1 is an error (use ``comm.mode=xla`` for model parallelism), and
-parameters may be split over ``fsdp`` only.
+Limits of ``comm.mode=bucketed``: a ``model`` axis > 1 is an error (``comm.mode=overlap``
+or ``xla`` run it), and parameters may be split over ``fsdp`` only.
 
 This module is the parallel layer's part: bucket planning and the collectives in buckets,
 on plain pytrees of arrays and specs; it knows no train state, step or precision. The
@@ -147,11 +148,13 @@ def _zero_from(x):
     return jnp.minimum(jnp.abs(first), 0.0)
 
 
-def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
+def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None, concat=True):
     """Mean over devices of several arrays with ONE psum of their concatenation.
 
     ``reduce_dtype``: the dtype the concatenation is summed in (None: the arrays' own);
-    each result comes back in its array's dtype.
+    each result comes back in its array's dtype. ``concat=False``: one psum of the arrays
+    as they are (one all-reduce of several operands), for arrays split over an axis the
+    compiler partitions (``model``), which a concatenation would gather whole first.
 
     ``after``: an array from an earlier psum that this one must follow. The data dependence
     keeps XLA's all-reduce combiner, which merges independent all-reduces (on CPU into one
@@ -163,6 +166,11 @@ def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None):
     leaves = [to_varying(x, axes) for x in leaves]
     if not leaves:
         return []
+    if not concat:
+        if after is not None:
+            leaves[0] = leaves[0] + _zero_from(after).astype(leaves[0].dtype)
+        summed = lax.psum([x.astype(reduce_dtype or x.dtype) for x in leaves], axes)
+        return [(s.astype(x.dtype) / n).astype(x.dtype) for s, x in zip(summed, leaves)]
     dtype = jnp.result_type(*leaves)
     flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
     if after is not None:
@@ -217,6 +225,25 @@ def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
     return out
 
 
+def flat_gather(shards, dims, after=None):
+    """Whole arrays from their ``fsdp`` shards (``dims``: the dimension each is split
+    along) with ONE ``all_gather`` of their concatenation, after ``after`` if given (see
+    ``flat_pmean``). Returns the arrays and the gathered concatenation (an ``after`` for
+    the next gather)."""
+    f = lax.axis_size("fsdp")
+    dtype = jnp.result_type(*shards)
+    flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
+    if after is not None:
+        flat = flat + _zero_from(after).astype(flat.dtype)
+    flat = lax.all_gather(flat, "fsdp", axis=0, tiled=True)  # (f, total / f)
+    out, offset = [], 0
+    for x, d in zip(shards, dims):
+        piece = flat[:, offset : offset + x.size]
+        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] * f), d).astype(x.dtype))
+        offset += x.size
+    return out, flat
+
+
 def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
     """Full parameters from their ``fsdp`` shards, ONE ``all_gather`` per bucket.
 
@@ -226,27 +253,36 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
     """
     by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     full = dict(by_path)
-    f = lax.axis_size("fsdp")
     for bucket in reversed(plan):
         paths = [p for p in reversed(bucket) if shard_dims.get(p) is not None]
         if not paths:
             continue
-        shards = [by_path[p] for p in paths]
-        dtype = jnp.result_type(*shards)
-        flat = jnp.concatenate(
-            [_as_rows(x, shard_dims[p], 1).astype(dtype) for p, x in zip(paths, shards)], 1
-        )
-        if after is not None:
-            flat = flat + _zero_from(after).astype(flat.dtype)
-        flat = lax.all_gather(flat, "fsdp", axis=0, tiled=True)  # (f, total / f)
-        offset = 0
-        for p, x in zip(paths, shards):
-            piece = flat[:, offset : offset + x.size]
-            d = shard_dims[p]
-            full[p] = _from_rows(piece, _with_dim(x.shape, d, x.shape[d] * f), d).astype(x.dtype)
-            offset += x.size
-        after = flat
+        dims = [shard_dims[p] for p in paths]
+        out, after = flat_gather([by_path[p] for p in paths], dims, after)
+        full.update(zip(paths, out))
     return jax.tree_util.tree_map_with_path(lambda kp, _: full[_path_of(kp)], params)
+
+
+def reduce_bucket(leaves, dims, axes, n, after=None, reduce_dtype=None, concat=True):
+    """One bucket's mean over the devices of ``axes``: the gradients split over ``fsdp``
+    (``dims[i]``: the dimension, None for a whole one) with one ``psum_scatter`` (each
+    device keeps its shard), the whole ones with one ``psum``, each after ``after``.
+    Returns the means in ``leaves``' order and the last result (the next bucket's
+    ``after``)."""
+    out = [None] * len(leaves)
+    for split in (True, False):
+        idx = [i for i, d in enumerate(dims) if (d is not None) == split]
+        if not idx:
+            continue
+        part = [leaves[i] for i in idx]
+        if split:
+            got = _flat_scatter_mean(part, [dims[i] for i in idx], axes, n, after, reduce_dtype)
+        else:
+            got = flat_pmean(part, axes, n, after, reduce_dtype, concat)
+        for i, g in zip(idx, got):
+            out[i] = g
+        after = got[0]
+    return out, after
 
 
 def reduce_in_buckets(
@@ -277,18 +313,10 @@ def reduce_in_buckets(
         raise ValueError("the bucket plan does not cover the gradients exactly once each")
     reduced = {}
     for bucket in plan:
-        split = [p for p in bucket if shard_dims.get(p) is not None]
-        whole = [p for p in bucket if shard_dims.get(p) is None]
-        if split:
-            dims = [shard_dims[p] for p in split]
-            leaves = [by_path[p] for p in split]
-            out = _flat_scatter_mean(leaves, dims, axes, n, after, reduce_dtype)
-            reduced.update(zip(split, out))
-            after = out[0]
-        if whole:
-            out = flat_pmean([by_path[p] for p in whole], axes, n, after, reduce_dtype)
-            reduced.update(zip(whole, out))
-            after = out[0]
+        dims = [shard_dims.get(p) for p in bucket]
+        out, after = reduce_bucket([by_path[p] for p in bucket], dims, axes, n, after,
+                                   reduce_dtype)  # fmt: skip
+        reduced.update(zip(bucket, out))
     return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
 
 
@@ -331,8 +359,10 @@ __all__ = [
     "flat_pmean",
     "forward_params",
     "fsdp_dims",
+    "flat_gather",
     "gather_in_buckets",
     "is_spec",
+    "reduce_bucket",
     "reduce_in_buckets",
     "to_varying",
 ]

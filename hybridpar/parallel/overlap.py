@@ -19,10 +19,13 @@ without it XLA's all-reduce combiner may merge the independent psums into one at
 The dependency travels as a scalar "token" the identities pass along in forward order, whose
 cotangent carries it back in the reverse order.
 
-Call ``reduce_in_backward`` inside ``jax.shard_map`` on replicated (invariant) parameters;
-``jax.grad`` through it returns the gradients already averaged over ``axes`` and
-replicated. Data-parallel axes only: a parameter split over ``fsdp`` or ``model`` is not
-supported here (use ``comm.mode=bucketed`` or ``xla``).
+Call ``reduce_in_backward`` inside ``jax.shard_map``; ``jax.grad`` through it returns the
+gradients already averaged over ``axes``. FSDP: a bucket's parameters split over ``fsdp``
+are gathered whole by the identity's forward rule (one all_gather per bucket, in forward
+order) and their gradients reduce-scattered back to the shard by its backward rule (one
+psum_scatter per bucket), as ZeRO-3 does. A ``model`` axis is the compiler's
+(``OverlapSync`` leaves it out of the shard_map's manual axes); its split gradients are
+reduced as they are, since concatenating them would gather them whole first.
 """
 
 from __future__ import annotations
@@ -34,48 +37,70 @@ from hybridpar.parallel.bucketed import (
     Path,
     _path_of,
     _zero_from,
-    flat_pmean,
+    flat_gather,
+    reduce_bucket,
     to_varying,
 )
 
 
-def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype):
-    """``(leaves, token) -> (leaves, token)``: the identity whose backward rule averages the
-    leaves' cotangents over ``axes`` with one psum, after the token's cotangent."""
+def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, concat: bool):
+    """``(leaves, token) -> (leaves, token)`` for one bucket. Forward: the leaves split over
+    ``fsdp`` (``dims[i]`` not None) gathered whole with one all_gather after the token, the
+    others marked per-device. Backward: their cotangents averaged over ``axes`` with one
+    psum (whole) or psum_scatter (split, back to this device's shard), after the token's
+    cotangent."""
+    split = [i for i, d in enumerate(dims) if d is not None]
 
     @jax.custom_vjp
     def identity(leaves, token):
-        return [to_varying(x, axes) for x in leaves], token
+        out = [to_varying(x, axes) for x in leaves]
+        if split:
+            full, flat = flat_gather([leaves[i] for i in split], [dims[i] for i in split],
+                                     after=token)  # fmt: skip
+            for i, x in zip(split, full):
+                out[i] = to_varying(x, axes)
+            token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
+        return out, token
 
     def fwd(leaves, token):
         return identity(leaves, token), None
 
     def bwd(_, cts):
         ct_leaves, ct_token = cts
-        out = flat_pmean(list(ct_leaves), axes, n, after=ct_token, reduce_dtype=reduce_dtype)
+        out, last = reduce_bucket(list(ct_leaves), list(dims), axes, n, ct_token, reduce_dtype,
+                                  concat)  # fmt: skip
         # The next bucket's reduction (earlier layers) follows this one: see the docstring.
-        return out, _zero_from(out[0]).astype(ct_token.dtype)
+        return out, to_varying(_zero_from(last).astype(ct_token.dtype), axes)
 
     identity.defvjp(fwd, bwd)
     return identity
 
 
-def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtype=None):
+def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtype=None,
+                       shard_dims=None, concat=True):  # fmt: skip
     """``params`` with each bucket of ``plan`` wrapped in ``_bucket_identity``: the same
-    values (per-device), whose gradients reduce bucket by bucket in the backward pass.
+    values (per-device, whole), whose gradients reduce bucket by bucket in the backward pass.
 
     ``n``: the number of devices over ``axes`` (the mean's divisor). ``reduce_dtype``: the
     dtype each bucket is summed in (None: the gradients' own); the gradients come back in
-    their own dtypes.
+    their own dtypes. ``shard_dims`` (FSDP): ``{path: dim}`` of the parameters this device
+    holds a shard of (split along ``dim`` over ``fsdp``): gathered in the forward pass, their
+    gradients reduce-scattered back to the shard. ``concat=False``: each bucket's whole
+    gradients are summed as they are, not concatenated (``flat_pmean``), as a ``model`` axis
+    the compiler partitions needs.
     """
+    shard_dims = shard_dims or {}
     by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
     planned = [p for bucket in plan for p in bucket]
     if sorted(map(str, planned)) != sorted(map(str, by_path)):
         raise ValueError("the bucket plan does not cover the parameters exactly once each")
     out = dict(by_path)
-    token = jnp.zeros((), jnp.float32)
-    identity = _bucket_identity(tuple(axes), n, reduce_dtype)
+    # Per-device over ``axes`` from the start, so that its type is the same before and after
+    # a bucket whose gathered parameters it follows (custom_vjp checks the cotangent's type).
+    token = to_varying(jnp.zeros((), jnp.float32), tuple(axes))
     for bucket in reversed(plan):  # forward order: the token passes from stem to head
+        dims = tuple(shard_dims.get(p) for p in bucket)
+        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat)
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
     return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)

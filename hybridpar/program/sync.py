@@ -6,8 +6,8 @@
 (``comm.mode=bucketed``) runs the loss and gradients per device under ``jax.shard_map`` and
 reduces them in buckets with ``hybridpar.parallel.bucketed``'s collectives on plain pytrees (that
 module's docstring says how); it knows the train state, the model and the loss, which the
-collectives beside the partitioning do not. ``OverlapSync`` (``comm.mode=overlap``, data
-parallel only) is the bucketed sync with each bucket's psum issued from the backward pass
+collectives beside the partitioning do not. ``OverlapSync`` (``comm.mode=overlap``, any
+mesh) is the bucketed sync with each bucket's psum issued from the backward pass
 (``hybridpar.parallel.overlap``).
 """
 
@@ -40,8 +40,20 @@ from hybridpar.parallel.overlap import reduce_in_backward
 from hybridpar.program.state import TrainState
 
 
-def _check_mesh(mesh, dp: int | None = None) -> int:
-    if mesh.shape.get("model", 1) > 1:
+def _without_model(spec):
+    """``spec`` with the ``model`` axis left out: a shard_map manual over the other axes
+    names only those (the arrays keep their model-axis split, which the compiler handles)."""
+
+    def drop(entry):
+        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+        kept = tuple(a for a in axes if a != "model")
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return P(*(drop(e) for e in spec))
+
+
+def _check_mesh(mesh, dp: int | None = None, model_axis_ok: bool = False) -> int:
+    if mesh.shape.get("model", 1) > 1 and not model_axis_ok:
         raise ConfigError(
             f"comm.mode=bucketed is data parallel only, but the mesh has model="
             f"{mesh.shape['model']}; use comm.mode=xla for model parallelism"
@@ -84,6 +96,8 @@ class BucketedSync:
     reduce in their own dtype), so ``"bfloat16"`` halves the bytes of float32 gradients.
     """
 
+    model_axis_ok = False  # a model axis > 1 is refused (OverlapSync leaves it to XLA)
+
     def __init__(
         self,
         mesh,
@@ -93,7 +107,7 @@ class BucketedSync:
         reduce_dtype: str = "float32",
         data_parallel: int | None = None,
     ):
-        self.dp = _check_mesh(mesh, data_parallel)
+        self.dp = _check_mesh(mesh, data_parallel, self.model_axis_ok)
         if not bucket_mb > 0:
             raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
         self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
@@ -163,11 +177,18 @@ class BucketedSync:
         under ``jax.shard_map``. Gradients come out split like the parameters; the BatchNorm
         statistics come out whole, and jit's out_shardings keep each device's slice (no
         communication)."""
+        params, stats = self.param_specs, self.stats_specs
+        manual = frozenset()  # all axes
+        if self.mesh.shape.get("model", 1) > 1:  # model_axis_ok: the compiler partitions it
+            manual = frozenset(a for a in self.mesh.axis_names if a != "model")
+            params, stats = (jax.tree.map(_without_model, t, is_leaf=is_spec)
+                             for t in (params, stats))  # fmt: skip
         sharded = jax.shard_map(
             per_device,
             mesh=self.mesh,
-            in_specs=(self.param_specs, self.stats_specs, P(), P(self.axes), P(self.axes)),
-            out_specs=(self.param_specs, P(), P()),
+            in_specs=(params, stats, P(), P(self.axes), P(self.axes)),
+            out_specs=(params, P(), P()),
+            axis_names=manual,
         )
         return sharded(state.params, state.batch_stats, state.loss_scale.scale, images, labels)
 
@@ -176,18 +197,31 @@ class OverlapSync(BucketedSync):
     """``comm.mode=overlap``: the bucketed sync with each bucket's reduction issued from the
     backward pass (``hybridpar.parallel.overlap``: a custom VJP per bucket whose backward rule
     psums its gradients), not after ``jax.grad``. Same buckets, BatchNorm set-up, loss and
-    statistics psum and ``reduce_dtype`` as ``BucketedSync``; data-parallel meshes only (the
-    config schema refuses others)."""
+    statistics psum and ``reduce_dtype`` as ``BucketedSync``.
+
+    FSDP: each bucket's identity gathers its split parameters in the forward pass and
+    reduce-scatters their gradients in the backward pass (ZeRO-3's order, bucket by bucket).
+    A ``model`` axis stays the compiler's: the step is manual over the data axes only
+    (``shard_map``'s ``axis_names``), so the rules' model-parallel splits, and the
+    collectives they need inside the forward and backward passes, are partitioned by XLA as
+    under ``comm.mode=xla``, while the gradients' reduction over the data axes is ours."""
+
+    model_axis_ok = True
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
         local, axes, dp = self.local_model(model), self.axes, self.dp
+        param_dims, stats_dims = self.param_dims, self.stats_dims
+        concat = self.mesh.shape.get("model", 1) == 1  # see flat_pmean
 
         def per_device(params, batch_stats, scale, images, labels):
             plan = self.plan_for(model, images.shape[1:])
+            if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
+                batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
             loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
 
-            def reduced_loss(params):  # params replicated: grads come out reduced, replicated
-                return loss_fn(reduce_in_backward(params, plan, axes, dp, self.reduce_dtype))
+            def reduced_loss(params):  # grads come out reduced (and scattered, for FSDP)
+                return loss_fn(reduce_in_backward(params, plan, axes, dp, self.reduce_dtype,
+                                                  param_dims, concat))  # fmt: skip
 
             grads, (loss, new_stats) = jax.grad(reduced_loss, has_aux=True)(params)
             # Loss and BN running averages in float32, as BucketedSync does.
