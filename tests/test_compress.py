@@ -395,7 +395,7 @@ def test_two_loops_on_one_workdir_exclude_each_other(tmp_path, monkeypatch):
     w = _fake_teacher(tmp_path / "t")
     made = _fake_rounds(monkeypatch)
     (w / "compress").mkdir()
-    other = compress.lock_loop(str(w))  # as another compress's, for its whole loop
+    other = compress.lock_loop(str(w / "compress"))  # another compress's, for its whole loop
     try:
         code, out, err = _main(w, "--budget-kb", "40")
     finally:
@@ -404,6 +404,27 @@ def test_two_loops_on_one_workdir_exclude_each_other(tmp_path, monkeypatch):
     assert len(err) == 1 and "in use by another compress" in err[0], err
     assert not (w / "compress" / "settings.json").exists()
     assert _main(w, "--budget-kb", "40")[0] == 0 and len(made) == 3  # once it has ended
+
+
+def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeypatch):
+    """``--seed N``: the rounds in W/compress_seedN (never mixed with the teacher-seed loop
+    in W/compress), and the distillation config carries the seed."""
+    from hybridpar.tools import compress
+
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "40", "--seed", "7")[0] == 0 and len(made) == 3
+    assert (w / "compress_seed7" / "round_02" / "result.json").exists()
+    assert not (w / "compress").exists()
+    assert _main(w, "--budget-kb", "40")[0] == 0 and len(made) == 6  # its own rounds
+    assert _main(w, "--budget-kb", "40", "--seed", "7")[0] == 0 and len(made) == 6  # reused
+
+    teacher = trained.load_config(str(w))
+    pruned = tmp_path / "p"
+    pruned.mkdir()
+    (pruned / "config.json").write_text((w / "config.json").read_text())
+    assert compress.round_config(teacher, str(w), str(pruned), 1.0, 7).seed == 7
+    assert compress.round_config(teacher, str(w), str(pruned), 1.0).seed == teacher.seed
 
 
 # ---- a tiny trained teacher ----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
 [--budget-of weights|file] [--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn]
-[--max-rounds 8] [--calibration max|percentile|mse]``.
+[--max-rounds 8] [--calibration max|percentile|mse] [--seed N]``.
 
 The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
 still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
@@ -17,8 +17,10 @@ quantization parameters and structure: from the pruned shapes, an upper bound
 ``edge.predict_bytes`` measured once on a file of the teacher's; whether a round fits is
 its real file's size).
 
-Every round is kept in ``W/compress/round_NN/``: ``pruned/`` (the pruned model, a run at
-step 0), ``run/`` (its distillation run, a trainer workdir: the trainer resumes it),
+Every round is kept in ``W/compress/round_NN/`` (``W/compress_seedN/`` with ``--seed N``,
+the distillation runs' seed, so that several seeds of one teacher sit side by side):
+``pruned/`` (the pruned model, a run at step 0), ``run/`` (its distillation run, a trainer
+workdir: the trainer resumes it),
 ``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
 ``result.json`` once it is done (with ``teacher_step``, the teacher's checkpoint it was made
 from). ``W/compress/settings.json`` keys the rounds: the flags that make them and the
@@ -168,10 +170,17 @@ def saved_teacher_step(root: str, saved: dict) -> int | None:
         return None
 
 
+def loop_root(args) -> str:
+    """Where the loop lives: ``W/compress``, or ``W/compress_seedN`` for ``--seed N`` (each
+    seed's rounds apart, the teacher shared)."""
+    name = DIR if getattr(args, "seed", None) is None else f"{DIR}_seed{args.seed}"
+    return os.path.join(args.workdir, name)
+
+
 def check_settings(args, step: int | None = None) -> None:
-    """A loop already in ``W/compress`` was made with these settings and (``step``) from
-    this teacher checkpoint, else the ``ConfigError`` that says which differs."""
-    path = os.path.join(args.workdir, DIR, "settings.json")
+    """A loop already in ``loop_root(args)`` was made with these settings and (``step``)
+    from this teacher checkpoint, else the ``ConfigError`` that says which differs."""
+    path = os.path.join(loop_root(args), "settings.json")
     if not os.path.exists(path):
         return
     with open(path) as f:
@@ -194,12 +203,15 @@ def check_settings(args, step: int | None = None) -> None:
         )
 
 
-def round_config(config, workdir: str, pruned: str, epochs: float):
+def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | None = None):
     """The teacher's config for a round's distillation run: the pruned widths, started from
-    ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end."""
+    ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end; ``seed``
+    (None: the teacher's) sets its data order and augmentation."""
     c = config.copy_and_resolve_references()
     p = trained.load_config(pruned)
     with c.unlocked():
+        if seed is not None:
+            c.seed = int(seed)
         c.model = p.model
         c.init_from = os.path.abspath(pruned)
         c.distill.teacher_workdir = os.path.abspath(workdir)
@@ -336,12 +348,13 @@ def clear_leftovers(directory: str) -> None:
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
-def lock_loop(workdir: str):
-    """``W/compress/.lock`` for this process's life (``workdir_lock``): a second loop on the
-    same ``W`` would write the same rounds (and rename the same files) under the first."""
+def lock_loop(root: str):
+    """``root/.lock`` (the loop's folder) for this process's life (``workdir_lock``): a
+    second loop there would write the same rounds (and rename the same files) under the
+    first."""
     from hybridpar.runtime import workdir_lock
 
-    return workdir_lock.acquire(os.path.join(workdir, DIR), role="compress")
+    return workdir_lock.acquire(root, role="compress")
 
 
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):
@@ -368,7 +381,7 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
         with tune.quiet(rd):
             prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                             reference=reference)  # fmt: skip
-    c = round_config(config, w, pruned, args.epochs)
+    c = round_config(config, w, pruned, args.epochs, getattr(args, "seed", None))
     _, summary = tune.run_trainer(c, source)
     if summary.get("preempted"):
         raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
@@ -379,10 +392,9 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
 def run(config, args, log=print) -> dict | None:
     """The loop; returns the chosen row (None if no model is within the drop), or raises
     ``KeyboardInterrupt`` when a round's training was stopped (the same call resumes)."""
-    w = args.workdir
-    root = os.path.join(w, DIR)
+    root = loop_root(args)
     os.makedirs(root, exist_ok=True)
-    lock = lock_loop(w)
+    lock = lock_loop(root)
     try:
         return _run(config, args, root, log)
     finally:
@@ -560,6 +572,9 @@ def _main(argv) -> None:
     parser.add_argument("--criterion", choices=("l1", "bn"), default="l1",
                         help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=None,
+                        help="the distillation runs' seed (default: the teacher's); the loop "
+                             "of seed N lives in W/compress_seedN")  # fmt: skip
     parser.add_argument("--calibration-batches", type=int, default=8)
     parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="mse",
                         help="activation ranges, as hybridpar.quantize's")  # fmt: skip
