@@ -179,9 +179,10 @@ def _get(tree, path):
 # --- the loss scale: a non-finite step is skipped -----------------------------------------
 
 
-def test_overlap_float16_loss_scale_skips_overflow():
+@pytest.mark.parametrize("mesh", ["data:8", "data:2,fsdp:4", "data:4,model:2"])
+def test_overlap_float16_loss_scale_skips_overflow(mesh):
     overrides = {"precision.compute": "float16", "precision.loss_scale_initial": 2.0**40}
-    program = build(_config(**{"model.bn_sync": "local", **overrides}))
+    program = build(_config(mesh, **{"model.bn_sync": "local", **overrides}))
     start = random_state(program)
     state = place(start, program.shardings)
     step = compiled_step(program, start, NO_LLVM_OPT)
