@@ -17,9 +17,11 @@ from hybridpar.models import create_model
 from hybridpar.parallel import comm
 from hybridpar.tools.comm_report import (
     describe_overlap,
+    hidden_estimate,
     overlap_totals,
     parse_collectives,
     parse_overlap,
+    schedule_figures,
     shape_bytes,
 )
 
@@ -252,6 +254,35 @@ def test_parse_overlap_on_hand_written_scheduled_hlo():
     assert describe_overlap(chain).startswith("all-gather 576 B: async over 2 ops (")
 
 
+def test_schedule_figures_are_the_targets_estimate_and_none_on_cpu():
+    """What a comm report compiled for a TPU or GPU carries: the bytes its schedule leaves
+    exposed and those hidden by estimate at the chip's figures (the ones compile's report
+    uses); nothing for XLA:CPU. A chip so slow that any compute outlasts the links hides
+    every overlapped byte; one so fast that the compute takes no time hides none."""
+    import dataclasses
+
+    from hybridpar.tools import targets
+
+    tpu = targets.parse("tpu:v5e-8")
+    chip = tpu.chip
+    want = sum(hidden_estimate(e, chip.peak_bf16_flops, chip.ici_bytes_per_s / 2, 8)
+               ["bytes_hidden"] for e in parse_overlap(SCHEDULED_HLO))  # fmt: skip
+    assert schedule_figures(SCHEDULED_HLO, tpu) == {"bytes_exposed": 80, "bytes_hidden_est": want}
+    # By hand at 1 PFLOP/s and v5e's ICI one way (200 GB/s): the overlapped all-reduce's
+    # compute outlasts its 64 B (hidden whole); the all-gather's 1.245 MFLOP (1.245 ns)
+    # against 576 B x 7/8 / 200 GB/s = 2.52 ns on the links hides 285 of its 576 B.
+    assert chip.ici_bytes_per_s == 400e9
+    faster = dataclasses.replace(tpu, chip=dataclasses.replace(chip, peak_bf16_flops=1e15))
+    assert schedule_figures(SCHEDULED_HLO, faster)["bytes_hidden_est"] == 64 + 285
+    slow = dataclasses.replace(tpu, chip=dataclasses.replace(chip, peak_bf16_flops=1.0))
+    assert schedule_figures(SCHEDULED_HLO, slow)["bytes_hidden_est"] == 640
+    fast = dataclasses.replace(tpu, chip=dataclasses.replace(chip, peak_bf16_flops=1e30))
+    assert schedule_figures(SCHEDULED_HLO, fast)["bytes_hidden_est"] == 0
+    none = {"bytes_exposed": None, "bytes_hidden_est": None}
+    assert schedule_figures(SCHEDULED_HLO, None) == none
+    assert schedule_figures(SCHEDULED_HLO, targets.parse("cpu:8")) == none
+
+
 INTERLEAVED_HLO = HLO_PRELUDE + """
 %rs_1 (p0: f32[16]) -> f32[4] {
   %p0 = f32[16]{0} parameter(0)
@@ -351,6 +382,8 @@ def test_cli_json_data_parallel_reports_the_gradient_all_reduce():
     assert rep["mesh"] == {"data": 8, "fsdp": 1, "model": 1}
     assert rep["devices"]["count"] == 8 and rep["devices"]["platform"] == "cpu"
     assert rep["config"]["mesh"] == "data:8"
+    # XLA:CPU's schedule says nothing of an accelerator's: no exposed or hidden figures
+    assert rep["bytes_exposed"] is None and rep["bytes_hidden_est"] is None
     for row in rep["collectives"]:
         assert {"kind", "count", "bytes", "groups", "async"} <= row.keys()
     all_reduce = sum(

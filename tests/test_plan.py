@@ -233,6 +233,33 @@ def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
     assert "floor" in plan.legend(target, None, target.devices_count, None)
 
 
+def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
+    """A plan compiled for a TPU whose report says what its schedule hides: exposed comm =
+    comm x (1 - hidden / collective bytes), whatever the overlap (all hidden: 0 at overlap
+    0; none hidden: all of comm at overlap 1), and the row says so. A report without the
+    figures (cached before them) keeps the assumed overlap: max(comm - overlap x compute,
+    (1 - overlap) x comm)."""
+    config, _, target = _tiny_on_a_pod()
+    total = 1e9  # collective bytes: seconds on the links against a small roofline
+    rep = {"flops": 1e10, "bytes_accessed": 1e6, "total_bytes": total}
+    comm = total / target.chip.ici_bytes_per_s
+
+    def exposed(overlap, **figures):
+        p = plan.predict_on_target(config, dict(rep, **figures), target, 8, overlap)
+        return p["predicted_exposed_comm_s"], p["exposed_from"]
+
+    assert exposed(0.0, bytes_hidden_est=total) == (0.0, "compiler schedule")
+    assert exposed(1.0, bytes_hidden_est=0) == (pytest.approx(comm), "compiler schedule")
+    assert exposed(0.8, bytes_hidden_est=total / 4)[0] == pytest.approx(0.75 * comm)
+    from hybridpar.tools import targets
+
+    compute = targets.roofline_step_s(target, rep["flops"], rep["bytes_accessed"])
+    want = max(comm - 0.8 * compute, 0.2 * comm)
+    assert exposed(0.8) == (pytest.approx(want), "assumed overlap 0.8")
+    assert exposed(0.8, bytes_hidden_est=None)[1] == "assumed overlap 0.8"
+    assert exposed(1.0)[0] < comm  # the assumption hides some: the two differ
+
+
 def test_v3_is_in_the_chip_table_but_not_a_compile_target():
     from hybridpar.config.errors import ConfigError
     from hybridpar.tools import targets

@@ -69,6 +69,13 @@ class CommReport:
     memory_text: str = dataclasses.field(default="", compare=False)
     # by the compiler's cost_analysis, per device; absent from reports written before it
     bytes_accessed: float | None = None
+    # Compiled for a TPU or GPU target only (None for XLA:CPU, whose schedule says nothing
+    # of an accelerator's, and in reports written before them): the collective bytes the
+    # compiler's schedule leaves exposed (synchronous, or nothing scheduled between start
+    # and done), and the bytes the compute scheduled beside them hides, by estimate
+    # (comm_report.hidden_estimate at the target chip's figures).
+    bytes_exposed: int | None = None
+    bytes_hidden_est: int | None = None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -78,6 +85,11 @@ class CommReport:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
+
+    def hidden_share(self) -> float | None:
+        """The share of the step's collective bytes the compiler's schedule hides, by
+        estimate; None where the report has no estimate (`hidden_share`)."""
+        return hidden_share(self.total_bytes, self.bytes_hidden_est)
 
     @classmethod
     def from_dict(cls, d, source: str = "the input") -> CommReport:
@@ -109,8 +121,19 @@ class CommReport:
 
 
 _REPORT_KEYS = {f.name for f in dataclasses.fields(CommReport)} - {"memory_text"}
-_OPTIONAL_KEYS = {"bytes_accessed"}
+_OPTIONAL_KEYS = {"bytes_accessed", "bytes_exposed", "bytes_hidden_est"}
 _ROW_KEYS = {f.name for f in dataclasses.fields(CollectiveRow)} - {"is_async"} | {"async"}
+
+
+def hidden_share(total_bytes, bytes_hidden_est) -> float | None:
+    """`bytes_hidden_est` over `total_bytes`, in [0, 1]; None without an estimate. The
+    schedule's estimate covers the collectives it sees (not those inside a loop's body):
+    the rest count as exposed."""
+    if bytes_hidden_est is None:
+        return None
+    if not total_bytes:
+        return 1.0  # no collective bytes: nothing to expose
+    return min(1.0, max(0.0, bytes_hidden_est / total_bytes))
 
 
 def _problem(d) -> str | None:

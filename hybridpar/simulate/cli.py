@@ -165,6 +165,17 @@ def legend(workload: Workload, preset: Preset, efficiency: float | None) -> str:
     )
 
 
+def exposed_from(workload: Workload, overlap: float) -> str:
+    """What decides the exposed communication, for the table's title: the compiler's
+    schedule where the comm report says what it hides, else the assumed overlap."""
+    if workload.hidden_share is None:
+        return f"overlap {overlap:g}"
+    return (
+        f"exposed comm from the compiler's schedule ({workload.hidden_share:.0%} of the "
+        f"collective bytes hidden, est.; overlap {overlap:g} not used)"
+    )
+
+
 def _fmt_validated(r: dict, v: float) -> str:
     if r["metric"] == "efficiency":
         return f"{v:.3f}"
@@ -384,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--comm-report",
         default=None,
         metavar="FILE",
-        help="take FLOPs and collectives from `hybridpar.comm_report --json` (the "
-        "collectives a TPU or GPU compiler left synchronous stay exposed whatever --overlap)",
+        help="take FLOPs and collectives from `hybridpar.comm_report --json` (compiled for "
+        "a TPU or GPU: the share of the collectives its schedule leaves exposed is exposed, "
+        "whatever --overlap)",
     )
     ap.add_argument(
         "--per-device-batch",
@@ -418,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=cli.finite_float,
         default=0.8,
         help="fraction of the backward pass that can hide communication "
-        "(0.8: bucketed/fused reductions; 0: no overlap)",
+        "(0.8: bucketed/fused reductions; 0: no overlap; not used with a --comm-report "
+        "a TPU or GPU compiler scheduled)",
     )
     ap.add_argument(
         "--grad-dtype",
@@ -624,8 +637,8 @@ def _main(args) -> int:
     eff = preset.efficiency if efficiency is None else efficiency
     title = (
         f"{preset.name}: {workload.name}; {args.per_device_batch}/device at "
-        f"{args.image_size} px; overlap {args.overlap:g}; efficiency {eff:.3f} of "
-        f"{preset.peak_flops / TFLOPS:g} TFLOP/s"
+        f"{args.image_size} px; {exposed_from(workload, args.overlap)}; efficiency "
+        f"{eff:.3f} of {preset.peak_flops / TFLOPS:g} TFLOP/s"
     )
     if args.png:  # no matplotlib: an error line (ConfigError) before anything is printed
         write_png(rows, args.png, title)
@@ -647,6 +660,12 @@ def _main(args) -> int:
                     "per_device_batch": args.per_device_batch,
                     "image_size": args.image_size,
                     "overlap": args.overlap,
+                    "hidden_share": workload.hidden_share,
+                    "exposed_from": (
+                        "compiler schedule"
+                        if workload.hidden_share is not None
+                        else f"assumed overlap {args.overlap:g}"
+                    ),
                     "stages": format_stages(stages),
                     "stages_from": stages_from,
                     "images_per_epoch": images_per_epoch,

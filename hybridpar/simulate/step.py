@@ -7,7 +7,8 @@ efficiency on p devices; the calibrated presets; curriculum stages and time to t
     comm      = sum over collectives of count * cost(cheapest algorithm)
     exposed   = sync + max(0, comm - sync - min(overlap, max_overlap) * backward),
                 backward = 2/3 * compute; sync: the collectives a TPU or GPU compiler left
-                synchronous in a compiled comm report (0 otherwise)
+                synchronous in a compiled comm report (0 otherwise); where that report
+                says what its schedule hides: comm * (1 - hidden share), overlap unused
     input     = images per device per step / (input images/s per core * cores per device)
     step      = max(compute + param + exposed, input, per-step floor)
     run       = start-up + steps * step + evaluation passes + changes of image size
@@ -184,7 +185,9 @@ def predict_step(
     """Step time on `devices` devices (weak scaling: fixed per-device batch).
 
     compute = FLOPs per device per step / (peak * efficiency)
-    exposed = max(0, comm - overlap * backward_fraction * compute)
+    exposed = max(0, comm - overlap * backward_fraction * compute), or, where a TPU or
+      GPU compiler's schedule says what it hides (`Workload.hidden_share`),
+      comm * (1 - hidden_share) whatever the overlap
     step = max(compute + exposed, input, floor);  images/s = global batch / step
     scaling efficiency = images/s / (devices * images/s of one device) = compute / step
     """
@@ -201,9 +204,12 @@ def predict_step(
     compute = compute_seconds(workload, preset, per_device_batch, image_size, eff)
     param = param_seconds(workload, preset)
     comm, algos = comm_time(workload, preset, devices)
-    hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
-    sync = sync_comm_time(workload, preset, devices)  # exposed whatever the overlap
-    exposed = sync + max(0.0, comm - sync - hidden)
+    if workload.hidden_share is not None:  # the compiler's schedule, not an assumption
+        exposed = comm * (1.0 - workload.hidden_share)
+    else:
+        hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
+        sync = sync_comm_time(workload, preset, devices)  # exposed whatever the overlap
+        exposed = sync + max(0.0, comm - sync - hidden)
     # The input runs ahead of the device (prefetch), so it only shows when it is slower.
     images = per_device_batch / m  # each device's share of the global batch
     input_s = input_seconds(preset, images, image_size)

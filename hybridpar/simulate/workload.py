@@ -76,6 +76,10 @@ class Workload:
     # per-device batches: ((batch, FLOPs, bytes accessed), ...) (hybridpar.simulate.compiled);
     # () where none was compiled: FLOPs from `flops_per_image`
     compiled_steps: tuple[tuple[int, float, float], ...] = ()
+    # the share of the collectives' bytes a TPU or GPU compiler's schedule hides behind
+    # compute, by estimate (a comm report's bytes_hidden_est / total_bytes); None where no
+    # such schedule was read: `overlap` decides
+    hidden_share: float | None = None
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
@@ -243,6 +247,8 @@ def workload_from_report(report: CommReport) -> Workload:
       (`inner_size`: the model axes inside them), any other group 1.
     - A group over all batch-axis devices (at their stride) or all devices grows with the
       simulated device count; any other group (a `model` axis) keeps its size.
+    - `hidden_share`: the report's hidden bytes over its collective bytes, where a TPU or
+      GPU compiler scheduled it (XLA:CPU's schedule says nothing of an accelerator's).
     """
     devices = int(report.devices["count"])
     batch_devs = math.prod(n for a, n in report.mesh.items() if a in _BATCH_AXES)
@@ -280,6 +286,7 @@ def workload_from_report(report: CommReport) -> Workload:
             "the comm report has no positive `flops` (its backend's cost_analysis gave none)"
         )
     b = report.global_batch / batch_devs
+    platform = report.devices.get("platform")
     return Workload(
         name=f"comm_report ({len(colls)} collective kinds, mesh {report.mesh})",
         flops_per_image=float(report.flops) / b,
@@ -288,7 +295,8 @@ def workload_from_report(report: CommReport) -> Workload:
         model_parallel=model,
         source="comm_report",
         reference_batch=float(b),
-        compiled_by=f"{report.devices.get('platform')} ({report.devices.get('kind')})",
+        compiled_by=f"{platform} ({report.devices.get('kind')})",
+        hidden_share=report.hidden_share() if platform not in (None, "", "cpu") else None,
     )
 
 

@@ -508,6 +508,27 @@ def hidden_estimate(e: dict, peak_flops: float, link_bytes_per_s: float, devices
                 bytes_hidden=int(round(e["bytes"] * share)))  # fmt: skip
 
 
+def hidden_on_target(e: dict, target) -> dict:
+    """``hidden_estimate`` of one collective compiled for ``target`` (which names a chip):
+    at the chip's bfloat16 peak and one direction of its ICI (a GPU's NVLink)."""
+    c = target.chip
+    return hidden_estimate(e, c.peak_bf16_flops, c.ici_bytes_per_s / 2, target.devices_count)
+
+
+def schedule_figures(hlo_text: str, target) -> dict:
+    """``{"bytes_exposed", "bytes_hidden_est"}`` of a program compiled for ``target``: the
+    bytes its schedule leaves exposed (``overlap_totals``) and those the compute beside them
+    hides by estimate (``hidden_on_target``). Both None without a target chip (XLA:CPU's
+    schedule says nothing of an accelerator's)."""
+    if target is None or target.chip is None:
+        return {"bytes_exposed": None, "bytes_hidden_est": None}
+    events = parse_overlap(hlo_text)
+    return {
+        "bytes_exposed": overlap_totals(events)["bytes_exposed"],
+        "bytes_hidden_est": sum(hidden_on_target(e, target)["bytes_hidden"] for e in events),
+    }
+
+
 def overlap_totals(events: list[dict]) -> dict:
     """Bytes and ops of the collectives that overlap compute and of those exposed."""
     return {
@@ -561,7 +582,8 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
     compiled = program.train_step(config.global_batch, d.image_size)
     compile_s = program.compiles[-1]["compile_s"]
 
-    collectives = parse_collectives(compiled.as_text())
+    hlo = compiled.as_text()
+    collectives = parse_collectives(hlo)
     by_kind: dict = {}
     for r in collectives:
         k = by_kind.setdefault(r["kind"], {"count": 0, "bytes": 0})
@@ -591,6 +613,7 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
         image_shape=list(image_shape),
         compile_s=round(compile_s, 3),
         config=json.loads(config.to_json()),
+        **schedule_figures(hlo, target),
     )
 
 
@@ -623,6 +646,13 @@ def format_report(rep: CommReport, config_path: str) -> str:
         "",
         f"total per step: {rep.total_ops} collective ops, {byte_size(rep.total_bytes)}"
         + (f" ({kinds})" if kinds else ""),
+    ]
+    if rep.bytes_hidden_est is not None:
+        lines.append(
+            f"the compiler's schedule: {byte_size(rep.bytes_exposed)} exposed; est. "
+            f"{byte_size(rep.bytes_hidden_est)} hidden by the compute beside them"
+        )
+    lines += [
         "FLOPs per step per device (cost_analysis): "
         + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported"),
         rep.memory_text,

@@ -177,9 +177,7 @@ def _hidden(e: dict, target: targets.Target) -> dict:
     ICI (a GPU's NVLink), and the text saying it for an overlapped collective."""
     from hybridpar.tools import comm_report
 
-    c = target.chip
-    est = comm_report.hidden_estimate(e, c.peak_bf16_flops, c.ici_bytes_per_s / 2,
-                                      target.devices_count)  # fmt: skip
+    est = comm_report.hidden_on_target(e, target)
     if not e["exposed"]:
         est["text"] = (
             f"{e['text']}: est. {est['compute_s'] * 1e6:.3g} us of compute vs "

@@ -45,7 +45,7 @@ from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import GIB, MIB, byte_size, duration, table
 from hybridpar.config.schema import HEADS
-from hybridpar.runtime.comm_report_schema import CommReport
+from hybridpar.runtime.comm_report_schema import CommReport, hidden_share
 from hybridpar.runtime.run_records import write_json
 from hybridpar.tools.comm_report import target_of, use_virtual_cpu_devices
 
@@ -394,15 +394,22 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
     """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
     compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
     bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
-    bandwidth, ``overlap`` of that hidden behind compute, and never less than the scaling
-    model's per-step floor (``simulate.hardware.STEP_FLOOR_S``). Evaluation and input not
-    counted: an estimate for ranking plans, not a prediction of a run."""
+    bandwidth less what is hidden behind compute, and never less than the scaling model's
+    per-step floor (``simulate.hardware.STEP_FLOOR_S``). Hidden: the share of the bytes the
+    compiler's schedule hides by estimate (``bytes_hidden_est``), where the report has it;
+    else ``overlap`` of the compute, at most ``overlap`` of the collectives. Evaluation and
+    input not counted: an estimate for ranking plans, not a prediction of a run."""
     from hybridpar.simulate.hardware import STEP_FLOOR_S
     from hybridpar.tools import targets
 
     compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
     comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
-    exposed = max(comm - overlap * compute, (1 - overlap) * comm)
+    share = hidden_share(rep["total_bytes"], rep.get("bytes_hidden_est"))
+    if share is not None:
+        exposed, exposed_from = comm * (1 - share), "compiler schedule"
+    else:  # a report cached before the schedule was read
+        exposed = max(comm - overlap * compute, (1 - overlap) * comm)
+        exposed_from = f"assumed overlap {overlap:g}"
     step = max(compute + exposed, STEP_FLOOR_S)
     images = config.global_batch / step
     return {
@@ -410,11 +417,12 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
         "predicted_images_per_s": images,
         "predicted_scaling_efficiency": compute / step,
         "predicted_exposed_comm_s": exposed,
+        "exposed_from": exposed_from,
         "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
         "predicted_time_to_train_s": config.num_epochs * train_examples_of(config) / images,
         "predicted_eval_s": None,
-        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives, "
-        "at least the per-step floor",
+        "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives "
+        f"less those hidden ({exposed_from}), at least the per-step floor",
     }
 
 
@@ -496,8 +504,9 @@ def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
         return (
             f"compiled (the TPU compiler, {target.spec}): memory/dev, collectives. modelled: "
             "img/s and time to train, the compiler's FLOPs and bytes over the chip's roofline "
-            f"plus its collectives over ICI, {floor}; no input or evaluation cost, so an upper "
-            "bound for ranking, not a prediction of a run"
+            "plus its collectives over ICI less the share its schedule hides (an estimate), "
+            f"{floor}; no input or evaluation cost, so an upper bound for ranking, not a "
+            "prediction of a run"
         )
     rate = f"measured ({calibrated_from})" if calibrated_from else preset.reference_note
     return (
@@ -557,7 +566,8 @@ def build_parser() -> cli.ArgumentParser:
         "--overlap",
         type=cli.finite_float,
         default=0.8,
-        help="scaling model's overlap of communication with the backward pass",
+        help="scaling model's overlap of communication with the backward pass (with "
+        "--target, the compiler's schedule says what is hidden instead)",
     )
     p.add_argument(
         "--calibrate-from",
