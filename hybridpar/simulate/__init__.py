@@ -10,7 +10,8 @@ scaling, i.e. the per-device batch stays fixed while devices are added):
     compute   = step overhead + FLOPs per device per step / (peak FLOP/s * efficiency)
     param     = parameters * bytes per parameter / HBM bandwidth     (the optimizer's update)
     comm      = sum over collectives of count * cost(cheapest algorithm)   (alpha-beta model)
-    exposed   = max(0, comm - min(overlap, max_overlap) * backward),  backward = 2/3 * compute
+    exposed   = max(0, comm - min(overlap, max_overlap) * backward),  backward = 2/3 * compute;
+                comm * (1 - hidden share) where a TPU or GPU compiler's comm report has one
     input     = images per device per step / (images/s per host core * cores per device)
     step      = max(compute + param + exposed, input, per-step floor)
     images/s  = global batch / step
