@@ -19,8 +19,10 @@ Not here: airbench's lookahead EMA, multi-crop TTA and bias-only warmup of the f
 
 Arguments after ``:``: ``gpu`` (default: widths 128-256-256, 10 epochs, batch 1024 then 512
 per device, target 94%) or ``cpu`` (sized for 2 cores, one device: widths 48-96-96,
-8 epochs, target 85%), then the number of data-parallel devices to share those batches
-(default 1). Both are sized for one device and their stages' batches are per device: on 8
+8 epochs, target 85%) or ``edge`` (widths 25-50-50, the size ``compress`` prunes ``cpu``
+to for 100 KB of int8 weights, trained from the start for 16 epochs, target 83%), then the
+number of data-parallel devices to share those batches
+(default 1). All are sized for one device and their stages' batches are per device: on 8
 GPUs ``gpu`` trains at a global batch of 8,192 then 4,096, 6 and 12 steps an epoch (set-up
 says so). ``gpu,8`` keeps one GPU's global batches on 8 (128 then 64 per GPU). Data: the
 JPEG tars in $HYBRIDPAR_DATA (default ../shared/data), prepared on first use as
