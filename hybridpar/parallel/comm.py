@@ -20,8 +20,9 @@ What goes where, by platform:
   for ``comm.mode=bucketed`` or ``overlap`` with libtpu 0.0.42 or later, the flags of
   ``TPU_ASYNC_ALL_REDUCE``, all from ``comm.latency_hiding``. Without them libtpu compiles
   every all-reduce synchronous: nothing of the backward pass runs beside a gradient's
-  reduction. With them, the buckets (with local BatchNorm: global BatchNorm's all-reduces
-  get merged with them) compile asynchronous where the schedule has work after them
+  reduction. With them, the buckets (on a small step libtpu's combiner may merge them with
+  global BatchNorm's all-reduces, which keeps them synchronous; the NOTES give the flag that
+  stops it) compile asynchronous where the schedule has work after them
   (``python -m hybridpar.compile --target tpu:...`` says which, and how much compute each
   overlaps); ``comm.mode=xla``'s all-reduces come at the end of the step, where they
   changed nothing.
