@@ -202,3 +202,24 @@ def test_tpu_vm_recipe_trains_detached_from_the_ssh_session():
     assert subprocess.run(["bash", "-n", str(LAUNCH / "tpu_vm_pod.sh")]).returncode == 0
     run = (LAUNCH / "tpu_vm_pod.sh").read_text().split("# The run:")[1]
     assert "setsid nohup python -m hybridpar.train" in run and '< /dev/null &"' in run
+
+
+def test_cifar10_fast_edge_fits_the_compress_budget_from_the_start():
+    """The ``edge`` variant is the size ``compress --budget-kb 100`` prunes ``cpu`` to: its
+    int8 weights (quantize's own count, from the shapes) within 100 KB, and under half of
+    ``cpu``'s."""
+    import jax
+    from flax.core import meta
+
+    from hybridpar.models import AirbenchNet
+    from hybridpar.tools import prune
+
+    def int8_kb(variant):
+        c = load_config(str(EXPERIMENTS / f"cifar10_fast.py:{variant}"))
+        model = AirbenchNet(num_classes=c.data.num_classes, num_filters=c.model.num_filters)
+        v = meta.unbox(model.init(jax.random.key(0), jax.numpy.zeros((1, 32, 32, 3)), train=False))
+        gs = prune.groups(model, v["params"])
+        return prune.int8_bytes(model, gs, v["params"], v["batch_stats"], {}) / 1000
+
+    edge, cpu = int8_kb("edge"), int8_kb("cpu")
+    assert edge <= 100 and edge < cpu / 2, (edge, cpu)
