@@ -272,6 +272,13 @@ def test_every_mesh_is_accepted(mesh):
     validate(_config(mesh, **{"comm.reduce_dtype": "bfloat16"}))
 
 
+def test_a_bfloat16_reduce_beside_a_model_axis_is_refused_on_cpu_not_aborted():
+    """XLA:CPU aborts the whole process compiling this step; the sync says so first."""
+    with pytest.raises(ConfigError, match=r"does not compile on CPU devices .*"
+                       r"comm.reduce_dtype=float32"):  # fmt: skip
+        build(_config("data:4,model:2", **{"comm.reduce_dtype": "bfloat16"}))
+
+
 def test_a_sharded_head_is_refused_naming_the_mode_that_runs_it():
     with pytest.raises(ConfigError, match=r"model.head='sharded' needs comm.mode=xla"):
         validate(_config("data:4,model:2", **{"model.head": "sharded"}))

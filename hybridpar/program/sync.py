@@ -208,6 +208,19 @@ class OverlapSync(BucketedSync):
 
     model_axis_ok = True
 
+    def __init__(self, mesh, bucket_mb, bn_sync="global", shardings=None,
+                 reduce_dtype="float32", data_parallel=None):  # fmt: skip
+        platform = mesh.devices.flat[0].platform
+        if mesh.shape.get("model", 1) > 1 and reduce_dtype != "float32" and platform == "cpu":
+            # XLA:CPU (jaxlib 0.10.2) aborts the process compiling it (a CHECK failure in
+            # HloInstruction); the TPU and GPU compilers build it.
+            raise ConfigError(
+                f"comm.mode=overlap with a model axis and comm.reduce_dtype={reduce_dtype!r} "
+                "does not compile on CPU devices (XLA:CPU aborts); use "
+                "--config.comm.reduce_dtype=float32 here (TPU and GPU compile it)"
+            )
+        super().__init__(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel)
+
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
         local, axes, dp = self.local_model(model), self.axes, self.dp
         param_dims, stats_dims = self.param_dims, self.stats_dims
