@@ -194,6 +194,22 @@ def test_a_mesh_over_the_chips_hbm_is_refused_with_the_plan_that_fits(v5e_8):
     assert float(fits.split(" GiB per chip")[0]) < 16
 
 
+@needs_libtpu
+def test_a_mesh_the_torus_cannot_tile_is_an_error_naming_one_that_can():
+    """jax.make_mesh raises NotImplementedError (a traceback) for axis sizes that are not
+    products of the torus' sides; the mesh builder says which sizes fit instead."""
+    from hybridpar import make_mesh
+
+    devices = targets.parse("tpu:v5p-128").devices()  # 64 chips, a 4x4x4 torus
+    with pytest.raises(ConfigError) as e:
+        make_mesh("data:8,fsdp:8", devices)
+    assert str(e.value) == (
+        "mesh 'data:8,fsdp:8' does not tile the 64 devices' 4x4x4 torus: each axis size must "
+        "be a product of some of its sides (1, 4, 16, 64), and data=8, fsdp=8 are not; use "
+        "e.g. --config.mesh=data:-1,fsdp:4")  # fmt: skip
+    assert make_mesh("data:-1,fsdp:4", devices).shape["data"] == 16  # the example fits
+
+
 def test_compile_cli_bad_target_is_one_error_line():
     r = subprocess.run(
         [sys.executable, "-m", "hybridpar.compile", "--config", DIGITS, "--target", "tpu:v9-8"],

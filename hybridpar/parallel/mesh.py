@@ -9,6 +9,7 @@ model-parallel collectives belong. The data axes then span hosts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Sequence
 
@@ -108,7 +109,43 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
     slices = len({getattr(d, "slice_index", 0) for d in devices})
     if slices > 1:
         return _multi_slice_mesh(spec, sizes, slices, devices)
-    return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    try:
+        return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES),
+                             devices=devices)  # fmt: skip
+    except NotImplementedError as e:  # a TPU torus that these sizes cannot tile
+        raise ConfigError(_torus_hint(spec, sizes, devices, e)) from None
+
+
+def _torus_sides(devices) -> tuple[int, ...]:
+    """The sides of the devices' physical grid (TPU ``coords``); () where they have none."""
+    coords = [tuple(getattr(d, "coords", ()) or ()) for d in devices]
+    if not coords or not coords[0]:
+        return ()
+    sides = [max(c[i] for c in coords) + 1 for i in range(len(coords[0]))]
+    per_chip = len(devices) // math.prod(sides)  # cores of one chip, where a chip has several
+    return tuple(n for n in (*sides, per_chip) if n > 1)
+
+
+def _torus_hint(spec: str, sizes: dict, devices, error) -> str:
+    """One line for a mesh jax cannot lay on the TPU torus: what fits, and an example."""
+    sides = _torus_sides(devices)
+    if not sides:
+        return f"mesh {spec!r} cannot be laid on these devices: {str(error).split('. ')[0]}"
+    fits = sorted({math.prod(c) for r in range(len(sides) + 1)
+                   for c in itertools.combinations(sides, r)})  # fmt: skip
+    bad = [a for a in AXES if sizes[a] not in fits]
+    example = ",".join(
+        f"{a}:{min(fits, key=lambda f: (abs(math.log(f / sizes[a])), f))}"
+        for a in AXES if a != "data" and sizes[a] > 1
+    )  # fmt: skip
+    example = "data:-1" + ("," + example if example else "")
+    grid = "x".join(map(str, sides))
+    return (
+        f"mesh {spec!r} does not tile the {len(devices)} devices' {grid} torus: each axis size "
+        f"must be a product of some of its sides ({', '.join(map(str, fits))}), and "
+        f"{', '.join(f'{a}={sizes[a]}' for a in bad)} {'is' if len(bad) == 1 else 'are'} "
+        f"not; use e.g. --config.mesh={example}"
+    )
 
 
 def _multi_slice_mesh(spec: str, sizes: dict, slices: int, devices) -> Mesh:
