@@ -389,6 +389,12 @@ NO_LLVM_OPT_FLAG = "".join(f"--{k}={v}" for k, v in NO_LLVM_OPT.items())
 def compiled_step(program, start, compiler_options=None, step=None):
     """The program's train step (or ``step``, a jitted step of the same signature) compiled
     ahead of time for ``start`` and BATCH-sized batches (``.as_text()`` gives its HLO)."""
+    return lowered_step(program, start, step).compile(compiler_options)
+
+
+def lowered_step(program, start, step=None):
+    """``compiled_step`` before XLA's passes: ``.as_text()`` gives the StableHLO, with the
+    dtypes JAX asked for (XLA:CPU widens 16-bit collectives when it compiles)."""
     state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=s),
         start,
@@ -398,7 +404,7 @@ def compiled_step(program, start, compiler_options=None, step=None):
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
         shard_batch(batches(steps=1)[0], program.mesh),
     )
-    return (step or program.train_jit).lower(state, batch).compile(compiler_options)
+    return (step or program.train_jit).lower(state, batch)
 
 
 @dataclasses.dataclass

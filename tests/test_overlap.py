@@ -30,6 +30,7 @@ from helpers import (
     assert_rejected,
     build,
     compiled_step,
+    lowered_step,
     place,
     random_state,
     reference,
@@ -150,6 +151,39 @@ def test_overlap_on_fsdp_and_model_meshes_equals_one_device(mesh, bn_sync, dp):
         gathers = [ln for ln in hlo.splitlines() if " all-gather(" in ln]
         if "model" not in mesh:  # the compiler adds gathers of its own over a model axis
             assert len(gathers) == len(split)
+
+
+def test_fsdp_gathers_kernels_in_the_compute_dtype_to_the_same_values():
+    """bfloat16 compute: the split kernels are gathered in bfloat16 (half the bytes), and
+    since every layer casts its kernel to bfloat16 anyway the step is the one with float32
+    gathers, to the bit. Negative control: gathering in float8 changes it."""
+    config = _config("data:2,fsdp:4", **{"model.bn_sync": "local",
+                                         "precision.compute": "bfloat16"})  # fmt: skip
+    program = build(config)
+    assert program.sync.gather_dtype == jnp.bfloat16
+    start = random_state(program)
+
+    def one_step(gather_dtype):
+        sync = OverlapSync(program.mesh, BUCKET_MB, "local", program.shardings,
+                           gather_dtype=gather_dtype)  # fmt: skip
+        p = dataclasses.replace(program, sync=sync)
+        got = run(compiled_step(p, start, NO_LLVM_OPT), p, start, host_batches(steps=1))
+        got = jax.tree.leaves((got.state, got.losses))
+        gathers = [ln for ln in lowered_step(p, start).as_text().splitlines()
+                   if "all_gather" in ln]  # fmt: skip
+        return got, gathers
+
+    narrow, gathers = one_step("bfloat16")
+    wide, wide_gathers = one_step(None)
+    # one bfloat16 gather per bucket holding split kernels (the tiny ResNet's split
+    # parameters are all kernels), none in float32
+    assert len(gathers) == len(wide_gathers) >= 2
+    assert all("xbf16>" in ln for ln in gathers), gathers
+    assert not any("xbf16>" in ln for ln in wide_gathers)
+    for a, b in zip(narrow, wide, strict=True):
+        np.testing.assert_array_equal(a, b)
+    fp8, _ = one_step("float8_e4m3fn")
+    assert any(not np.array_equal(a, b) for a, b in zip(fp8, wide))
 
 
 @pytest.mark.parametrize("mesh,bn_sync,dp", [("data:8", "local", 8), *OTHER_MESHES[::2]])

@@ -43,22 +43,26 @@ from hybridpar.parallel.bucketed import (
 )
 
 
-def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, concat: bool):
+def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, concat: bool,
+                     gather_dtype=None, ndims: tuple = ()):  # fmt: skip
     """``(leaves, token) -> (leaves, token)`` for one bucket. Forward: the leaves split over
-    ``fsdp`` (``dims[i]`` not None) gathered whole with one all_gather after the token, the
-    others marked per-device. Backward: their cotangents averaged over ``axes`` with one
-    psum (whole) or psum_scatter (split, back to this device's shard), after the token's
-    cotangent."""
+    ``fsdp`` (``dims[i]`` not None) gathered whole with one all_gather after the token (two
+    where ``gather_dtype`` takes the kernels, ``ndims[i] >= 2``, apart), the others marked
+    per-device. Backward: their cotangents averaged over ``axes`` with one psum (whole) or
+    psum_scatter (split, back to this device's shard), after the token's cotangent."""
     split = [i for i, d in enumerate(dims) if d is not None]
+    narrow = [i for i in split if gather_dtype is not None and ndims[i] >= 2]
+    groups = [g for g in (narrow, [i for i in split if i not in narrow]) if g]
 
     @jax.custom_vjp
     def identity(leaves, token):
         out = [to_varying(x, axes) for x in leaves]
-        if split:
-            full, flat = flat_gather([leaves[i] for i in split], [dims[i] for i in split],
-                                     after=token)  # fmt: skip
-            for i, x in zip(split, full):
-                out[i] = to_varying(x, axes)
+        for group in groups:
+            cast = gather_dtype if group is narrow else None
+            shards = [leaves[i].astype(cast or leaves[i].dtype) for i in group]
+            full, flat = flat_gather(shards, [dims[i] for i in group], after=token)
+            for i, x in zip(group, full):
+                out[i] = to_varying(x.astype(leaves[i].dtype), axes)
             token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
         return out, token
 
@@ -77,7 +81,7 @@ def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, c
 
 
 def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtype=None,
-                       shard_dims=None, concat=True):  # fmt: skip
+                       shard_dims=None, concat=True, gather_dtype=None):  # fmt: skip
     """``params`` with each bucket of ``plan`` wrapped in ``_bucket_identity``: the same
     values (per-device, whole), whose gradients reduce bucket by bucket in the backward pass.
 
@@ -87,7 +91,9 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     holds a shard of (split along ``dim`` over ``fsdp``): gathered in the forward pass, their
     gradients reduce-scattered back to the shard. ``concat=False``: each bucket's whole
     gradients are summed as they are, not concatenated (``flat_pmean``), as a ``model`` axis
-    the compiler partitions needs.
+    the compiler partitions needs. ``gather_dtype`` (FSDP): the dtype the split kernels
+    (arrays of 2 or more dimensions) are gathered in, the model's compute dtype, which every
+    layer casts its kernel to anyway: the same values in half the bytes.
     """
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
@@ -100,7 +106,9 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     token = to_varying(jnp.zeros((), jnp.float32), tuple(axes))
     for bucket in reversed(plan):  # forward order: the token passes from stem to head
         dims = tuple(shard_dims.get(p) for p in bucket)
-        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat)
+        ndims = tuple(by_path[p].ndim for p in bucket)
+        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat, gather_dtype,
+                                    ndims)  # fmt: skip
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
     return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)
