@@ -717,7 +717,7 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     (tmp_path / compress.DIR).mkdir()
     old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
     (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
-    args = argparse.Namespace(workdir=str(tmp_path), **old, calibration="max")
+    args = argparse.Namespace(workdir=str(tmp_path), **old, calibration="max", seed=None)
     compress.check_settings(args)  # the calibration it was made with
     args.calibration = "mse"  # today's default
     with pytest.raises(ConfigError, match="--calibration=max"):

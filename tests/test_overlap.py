@@ -161,6 +161,8 @@ def test_fsdp_gathers_kernels_in_the_compute_dtype_to_the_same_values():
                                          "precision.compute": "bfloat16"})  # fmt: skip
     program = build(config)
     assert program.sync.gather_dtype == jnp.bfloat16
+    wider = _config("data:2,fsdp:4", **{"precision.params": "bfloat16"})  # float32 compute
+    assert build(wider).sync.gather_dtype is None  # a wider gather would only add bytes
     start = random_state(program)
 
     def one_step(gather_dtype):

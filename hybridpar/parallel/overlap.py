@@ -44,21 +44,23 @@ from hybridpar.parallel.bucketed import (
 
 
 def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, concat: bool,
-                     gather_dtype=None, ndims: tuple = ()):  # fmt: skip
+                     gather_dtype=None):  # fmt: skip
     """``(leaves, token) -> (leaves, token)`` for one bucket. Forward: the leaves split over
-    ``fsdp`` (``dims[i]`` not None) gathered whole with one all_gather after the token (two
-    where ``gather_dtype`` takes the kernels, ``ndims[i] >= 2``, apart), the others marked
-    per-device. Backward: their cotangents averaged over ``axes`` with one psum (whole) or
-    psum_scatter (split, back to this device's shard), after the token's cotangent."""
-    split = [i for i, d in enumerate(dims) if d is not None]
-    narrow = [i for i in split if gather_dtype is not None and ndims[i] >= 2]
-    groups = [g for g in (narrow, [i for i in split if i not in narrow]) if g]
+    ``fsdp`` (``dims[i]`` not None) gathered whole with one all_gather after the token (the
+    kernels, 2 or more dimensions, in a second one in ``gather_dtype`` where given), the
+    others marked per-device. Backward: their cotangents averaged over ``axes`` with one
+    psum (whole) or psum_scatter (split, back to this device's shard), after the token's
+    cotangent."""
 
     @jax.custom_vjp
     def identity(leaves, token):
         out = [to_varying(x, axes) for x in leaves]
-        for group in groups:
-            cast = gather_dtype if group is narrow else None
+        split = [i for i, d in enumerate(dims) if d is not None]
+        kernels = [i for i in split if gather_dtype is not None and leaves[i].ndim >= 2]
+        rest = [i for i in split if i not in kernels]
+        for group, cast in ((kernels, gather_dtype), (rest, None)):
+            if not group:
+                continue
             shards = [leaves[i].astype(cast or leaves[i].dtype) for i in group]
             full, flat = flat_gather(shards, [dims[i] for i in group], after=token)
             for i, x in zip(group, full):
@@ -106,9 +108,7 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     token = to_varying(jnp.zeros((), jnp.float32), tuple(axes))
     for bucket in reversed(plan):  # forward order: the token passes from stem to head
         dims = tuple(shard_dims.get(p) for p in bucket)
-        ndims = tuple(by_path[p].ndim for p in bucket)
-        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat, gather_dtype,
-                                    ndims)  # fmt: skip
+        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat, gather_dtype)
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
     return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)

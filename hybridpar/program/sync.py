@@ -308,7 +308,8 @@ def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> Grad
         if c.mode == "bucketed":
             return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings,
                                 c.reduce_dtype, data_parallel)  # fmt: skip
-        p = config.precision
+        p = config.precision  # gather kernels narrower only: wider would add bytes
+        narrower = jnp.dtype(p.compute).itemsize < jnp.dtype(p.params).itemsize
         return OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype,
-                           data_parallel, None if p.compute == p.params else p.compute)  # fmt: skip
+                           data_parallel, p.compute if narrower else None)  # fmt: skip
     return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)

@@ -21,6 +21,7 @@ from hybridpar.simulate.step import (
     Stage,
     beyond_converged_batch,
     calibrate,
+    exposed_source,
     format_stages,
     get_preset,
     parse_stages,
@@ -661,11 +662,7 @@ def _main(args) -> int:
                     "image_size": args.image_size,
                     "overlap": args.overlap,
                     "hidden_share": workload.hidden_share,
-                    "exposed_from": (
-                        "compiler schedule"
-                        if workload.hidden_share is not None
-                        else f"assumed overlap {args.overlap:g}"
-                    ),
+                    "exposed_from": exposed_source(workload.hidden_share, args.overlap),
                     "stages": format_stages(stages),
                     "stages_from": stages_from,
                     "images_per_epoch": images_per_epoch,

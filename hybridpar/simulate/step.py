@@ -173,6 +173,12 @@ def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, 
     return total, ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
 
 
+def exposed_source(hidden_share: float | None, overlap: float) -> str:
+    """What decides the exposed communication: a compiler's schedule (a comm report's
+    hidden share) where there is one, else the assumed overlap."""
+    return "compiler schedule" if hidden_share is not None else f"assumed overlap {overlap:g}"
+
+
 def predict_step(
     workload: Workload,
     preset: Preset,

@@ -23,9 +23,9 @@ the distillation runs' seed, so that several seeds of one teacher sit side by si
 workdir: the trainer resumes it),
 ``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
 ``result.json`` once it is done (with ``teacher_step``, the teacher's checkpoint it was made
-from). ``W/compress/settings.json`` keys the rounds: the flags that make them and the
+from). The loop folder's ``settings.json`` keys the rounds: the flags that make them and the
 teacher's step; a loop of other settings or of another teacher step is an ``error:``, never
-reused. One loop per ``W`` at a time (``W/compress/.lock``). A stopped loop (SIGTERM,
+reused. One loop per loop folder at a time (its ``.lock``). A stopped loop (SIGTERM,
 Ctrl-C, kill) goes on from where it stopped with the same command. It prints a row per
 round (parameters, int8 KB, FLOPs per image, int8 top-1, its drop in points against the
 float teacher, int8 CPU latency at batch 1), writes the table to ``W/compress/rounds.md``
@@ -173,7 +173,7 @@ def saved_teacher_step(root: str, saved: dict) -> int | None:
 def loop_root(args) -> str:
     """Where the loop lives: ``W/compress``, or ``W/compress_seedN`` for ``--seed N`` (each
     seed's rounds apart, the teacher shared)."""
-    name = DIR if getattr(args, "seed", None) is None else f"{DIR}_seed{args.seed}"
+    name = DIR if args.seed is None else f"{DIR}_seed{args.seed}"
     return os.path.join(args.workdir, name)
 
 
@@ -381,7 +381,7 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
         with tune.quiet(rd):
             prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                             reference=reference)  # fmt: skip
-    c = round_config(config, w, pruned, args.epochs, getattr(args, "seed", None))
+    c = round_config(config, w, pruned, args.epochs, args.seed)
     _, summary = tune.run_trainer(c, source)
     if summary.get("preempted"):
         raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")

@@ -400,16 +400,17 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
     else ``overlap`` of the compute, at most ``overlap`` of the collectives. Evaluation and
     input not counted: an estimate for ranking plans, not a prediction of a run."""
     from hybridpar.simulate.hardware import STEP_FLOOR_S
+    from hybridpar.simulate.step import exposed_source
     from hybridpar.tools import targets
 
     compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
     comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
     share = hidden_share(rep["total_bytes"], rep.get("bytes_hidden_est"))
     if share is not None:
-        exposed, exposed_from = comm * (1 - share), "compiler schedule"
+        exposed = comm * (1 - share)
     else:  # a report cached before the schedule was read
         exposed = max(comm - overlap * compute, (1 - overlap) * comm)
-        exposed_from = f"assumed overlap {overlap:g}"
+    exposed_from = exposed_source(share, overlap)
     step = max(compute + exposed, STEP_FLOOR_S)
     images = config.global_batch / step
     return {
