@@ -423,7 +423,7 @@ def test_cli_errors_are_one_line(args, devices, expect):
 
 def test_xla_flags_per_platform():
     c = base_config().comm
-    assert c.mode == "xla" and c.bucket_mb == 32.0
+    assert c.mode == "auto" and c.bucket_mb == 4.0  # auto: no async all-reduce flags on TPU
     gpu = comm.xla_flags(c, "gpu")
     nbytes = int(c.combine_threshold_mb * 2**20)
     assert f"--xla_gpu_all_reduce_combine_threshold_bytes={nbytes}" in gpu

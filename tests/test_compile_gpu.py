@@ -115,6 +115,17 @@ def test_the_gpu_compiler_reports_memory_and_async_all_reduces(h100_8):
 
 
 @needs_plugin
+def test_the_default_on_gpus_reduces_in_the_backward_pass(h100_8):
+    """comm.mode=auto on 8 GPUs, data parallel: the overlap mode, its bucket all-reduces
+    asynchronous beside the backward pass (tests/test_comm_auto.py has the rule)."""
+    rep = compile_tiny(h100_8, "data:8", **{"comm.bucket_mb": 0.1})
+    assert rep["gradient_sync"].startswith("gradient sync: overlap, 0.1 MiB buckets")
+    train = rep["programs"][0]
+    assert train["collective_ops"] > 2  # several buckets, not one all-reduce at the end
+    assert train["async_collective_ops"] == train["collective_ops"]
+
+
+@needs_plugin
 def test_a_program_over_the_gpus_memory_is_refused_with_the_plan_that_fits(h100_8):
     # A 150M-class head on the tiny trunk: ~9.6e9 parameters, replicated on data:8 with their
     # gradients and momentum (over 100 GB per GPU against an H100's 80); over 8 GPUs, 1/8.

@@ -189,7 +189,8 @@ def test_candidates_respect_the_rules():
     [
         (["--meshes", "data:3"], "--meshes 'data:3'"),
         (["--hardware", "nope"], "unknown preset 'nope'"),
-        (["--comm", "bucketed"], "write xla or bucketed:MB"),
+        (["--comm", "bucketed"], "write auto, xla, bucketed:MB or overlap:MB"),
+        (["--comm", "overlap"], "write auto, xla, bucketed:MB or overlap:MB"),
         (["--memory-gib", "0"], "must be positive"),
         (["--memory-gib", "nan"], "--memory-gib: 'nan' is not a finite number"),
         (["--heads", "dense,shardedd"], "--heads 'shardedd'"),

@@ -205,6 +205,9 @@ def base_config() -> ml_collections.ConfigDict:
     # backend starts).
     c.comm = ml_collections.ConfigDict(
         dict(
+            # "auto": per platform and mesh, the mode whose compiled schedule hides the most
+            # of the reduction for no more bytes than XLA's own (program/sync.py choose_mode:
+            # overlap on GPU data-parallel meshes, xla elsewhere; the run's log says which).
             # "xla": XLA inserts and combines the collectives itself (under the flags below);
             # "bucketed": the data-parallel step reduces the gradients itself, in buckets of
             # at most bucket_mb MiB in reverse layer order, one psum per bucket (with fsdp > 1:
@@ -212,13 +215,17 @@ def base_config() -> ml_collections.ConfigDict:
             # "overlap": the same buckets, each reduced from inside the backward pass as soon
             # as its layers' gradients exist (any mesh: fsdp gathers in the forward pass and
             # reduce-scatters in the backward pass, bucket by bucket; a model axis is XLA's).
-            mode="xla",
-            bucket_mb=32.0,
+            mode="auto",
+            # 4 MiB: on the GPU compiler ResNet-50's bfloat16 buckets of 4 MiB hid the most
+            # (88%; 2 and 1 MiB less); larger ones leave the last layers' bucket exposed.
+            bucket_mb=4.0,
             # The dtype the gradients are summed in across devices (every mode; under xla,
             # data-parallel meshes only):
             # "bfloat16" halves the bytes of float32 gradients (they come back as float32
-            # for the optimizer); "float32": each gradient in its own dtype.
-            reduce_dtype="float32",
+            # for the optimizer); "float32": each gradient in its own dtype; "auto": the
+            # bucketed and overlap modes sum in bfloat16 where the step computes in it (the
+            # dtype XLA's own reduction of the kernels' gradients has), else float32.
+            reduce_dtype="auto",
             # GPU: --xla_gpu_{all_reduce,all_gather,reduce_scatter}_combine_threshold_bytes.
             # XLA's default is 30 MiB; 256 MiB is above the whole float32 gradient of a
             # ResNet-50 (~98 MiB), so data dependencies and the scheduler, not the size cap,
@@ -333,8 +340,8 @@ DATA_NAMES = ("digits", "synthetic", "images", "tfds")
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 CHOICES = {
     "data.name": DATA_NAMES,
-    "comm.mode": ("xla", "bucketed", "overlap"),
-    "comm.reduce_dtype": ("float32", "bfloat16"),
+    "comm.mode": ("auto", "xla", "bucketed", "overlap"),
+    "comm.reduce_dtype": ("auto", "float32", "bfloat16"),
     "model.conv_grad": ("auto", "im2col", "xla"),
     "compile_ahead": ("auto", "background", "before"),
     "optim.name": ("sgd", "lars"),
@@ -452,7 +459,7 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
-    if c.comm.reduce_dtype != "float32" and c.model.head != "dense":
+    if c.comm.reduce_dtype == "bfloat16" and c.model.head != "dense":
         # The explicit reduction (sync.XlaSync) runs the loss per device under shard_map,
         # where a sharded head's own collectives over the model axis are not set up.
         raise ConfigError(
@@ -460,7 +467,7 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"{c.model.head!r} head reduces in float32); use --config.model.head=dense or "
             "--config.comm.reduce_dtype=float32"
         )
-    if c.model.head != "dense" and c.comm.mode != "xla":
+    if c.model.head != "dense" and c.comm.mode not in ("xla", "auto"):
         raise ConfigError(
             f"model.head={c.model.head!r} needs comm.mode=xla (comm.mode={c.comm.mode!r} "
             "reduces replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
@@ -580,7 +587,8 @@ def _check_runs(c, sources: bool) -> None:
                 f"{key}={path!r} is not a run: no config.json there; pass the --workdir of "
                 "a training run (or the --out of python -m hybridpar.prune)"
             )
-    if c.distill.teacher_workdir and (c.model.head != "dense" or c.comm.mode != "xla"):
+    if c.distill.teacher_workdir and (c.model.head != "dense"
+                                      or c.comm.mode not in ("xla", "auto")):
         raise ConfigError(
             "distillation needs the model's own head and XLA's gradient sync: set "
             "--config.model.head=dense and --config.comm.mode=xla"

@@ -82,6 +82,11 @@ _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "j
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
 
 
+def platform_name(platform: str) -> str:
+    """"gpu", "tpu" or "cpu" for a jax platform or device name ("cuda", "rocm", ...)."""
+    return _PLATFORM_ALIASES.get(platform.lower(), platform.lower())
+
+
 def _has_module(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -136,7 +141,8 @@ def xla_flags(comm_cfg, platform: str) -> list[str]:
         on = _bool(comm_cfg.latency_hiding)
         flags.append(f"--xla_tpu_enable_latency_hiding_scheduler={on}")
         since, names = TPU_ASYNC_ALL_REDUCE
-        if comm_cfg.mode != "xla" and _release("libtpu", 3) >= since:
+        # (comm.mode=auto is xla on TPU: program/sync.py AUTO_BY_PLATFORM)
+        if comm_cfg.mode in ("bucketed", "overlap") and _release("libtpu", 3) >= since:
             flags += [f"{name}={on}" for name in names]
     # cpu (and anything else): XLA has no combiner or latency-hiding flags to set.
     return flags

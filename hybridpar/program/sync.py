@@ -35,6 +35,7 @@ from hybridpar.parallel.bucketed import (
     reduce_in_buckets,
     to_varying,
 )
+from hybridpar.parallel.comm import platform_name
 from hybridpar.parallel.mesh import BATCH_AXES, data_parallel_size
 from hybridpar.parallel.overlap import reduce_in_backward
 from hybridpar.program.state import TrainState
@@ -299,17 +300,71 @@ class GradientSync(Protocol):
     def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
 
 
+# comm.mode=auto, by platform: the mode whose compiled schedule hid the most of ResNet-50's
+# gradient reduction (224 px, bfloat16, bench/results/overlap_tpu/NOTES.md), and why.
+AUTO_BY_PLATFORM = {
+    "gpu": ("overlap", "XLA:GPU runs the buckets beside the backward convolutions, est. 88% "
+                       "of ResNet-50's bytes hidden against 0.2% under xla"),
+    "tpu": ("xla", "libtpu's schedule hides est. 8% of the overlap mode's buckets, for 5% "
+                   "more HBM traffic and 1.6-1.9x the activation memory"),
+    "cpu": ("xla", "XLA:CPU runs every collective synchronously: nothing to hide it behind"),
+}  # fmt: skip
+
+
+def choose_mode(config, platform: str, mesh_shape: dict, data_parallel: int) -> tuple[str, str]:
+    """The gradient sync mode for ``comm.mode`` on this platform and mesh, and why: the
+    config's own, or for ``auto`` the overlap mode where it hides the reduction for no more
+    bytes than XLA's (``AUTO_BY_PLATFORM``) and nothing rules it out, else xla."""
+    mode = config.comm.mode
+    if mode != "auto":
+        return mode, "comm.mode"
+    if data_parallel <= 1:
+        return "xla", "auto: one data-parallel device, no gradient to reduce"
+    if config.model.head != "dense":
+        return "xla", f"auto: a {config.model.head} head, not measured in the overlap mode"
+    if config.distill.teacher_workdir:
+        return "xla", "auto: distillation's step"
+    if mesh_shape.get("model", 1) > 1:
+        return "xla", "auto: a model axis, where the overlap mode moved 4.3x the bytes on TPU"
+    if mesh_shape.get("fsdp", 1) > 1:
+        return "xla", "auto: an fsdp axis, where the overlap mode took 1.9x the memory on TPU"
+    if config.precision.compute == "float16":  # XLA reduces float16 gradients: half our bytes
+        return "xla", "auto: float16 compute, whose gradients XLA sums in float16"
+    mode, why = AUTO_BY_PLATFORM.get(platform_name(platform), AUTO_BY_PLATFORM["cpu"])
+    return mode, f"auto: {why}"
+
+
+def reduce_dtype_for(config, mode: str, mesh_shape: dict) -> str:
+    """``comm.reduce_dtype`` with ``auto`` resolved: bfloat16 where the bucketed or overlap
+    mode sums data and fsdp buckets of a bfloat16 step (XLA's own reduction sums the
+    kernels' gradients in it too: the same bytes), else float32."""
+    r = config.comm.reduce_dtype
+    if r != "auto":
+        return r
+    own = mode in ("bucketed", "overlap") and mesh_shape.get("model", 1) == 1
+    return "bfloat16" if own and config.precision.compute == "bfloat16" else "float32"
+
+
 def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> GradientSync:
-    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name):
-    ``XlaSync``, ``BucketedSync`` or ``OverlapSync``. ``data_parallel``: the run plan's
-    (None: the mesh's)."""
-    if config.comm.mode in ("bucketed", "overlap"):
-        c = config.comm
-        if c.mode == "bucketed":
-            return BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings,
-                                c.reduce_dtype, data_parallel)  # fmt: skip
+    """The gradient sync ``comm.mode`` names (``config.validate`` checked the name), or
+    ``auto`` chooses (``choose_mode``): ``XlaSync``, ``BucketedSync`` or ``OverlapSync``,
+    whose ``choice`` says which and why. ``data_parallel``: the run plan's (None: the
+    mesh's)."""
+    dp = data_parallel or data_parallel_size(mesh)
+    shape = dict(mesh.shape)
+    mode, why = choose_mode(config, mesh.devices.flat[0].platform, shape, dp)
+    c, reduce_dtype = config.comm, reduce_dtype_for(config, mode, shape)
+    if mode == "bucketed":
+        sync = BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
+                            data_parallel)  # fmt: skip
+    elif mode == "overlap":
         p = config.precision  # gather kernels narrower only: wider would add bytes
         narrower = jnp.dtype(p.compute).itemsize < jnp.dtype(p.params).itemsize
-        return OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, c.reduce_dtype,
+        sync = OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
                            data_parallel, p.compute if narrower else None)  # fmt: skip
-    return XlaSync(mesh, config.comm.reduce_dtype, config.model.bn_sync)
+    else:
+        sync = XlaSync(mesh, reduce_dtype, config.model.bn_sync)
+    how = f", {c.bucket_mb:g} MiB buckets" if mode != "xla" else ""
+    how += f" summed in {reduce_dtype}" if mode != "xla" or reduce_dtype != "float32" else ""
+    sync.choice = f"gradient sync: {mode}{how} ({why})"
+    return sync

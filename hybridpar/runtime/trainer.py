@@ -470,6 +470,7 @@ def start(run: Run, hooks) -> Training:
     c, program, plan = run.config, run.program, run.plan
     clock = Clock(run.start_time)  # set-up began in setup()
     log(describe_mesh(run.mesh))
+    log(program.sync.choice)
     saver = checkpoint.Checkpoints(
         checkpoint.checkpoint_dir(c, run.workdir),
         max_to_keep=c.checkpoint.max_to_keep,

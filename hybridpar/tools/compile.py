@@ -132,6 +132,7 @@ def _compile_programs(config, target, out, show) -> dict:
         target_description=target.describe(),
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
         mesh=dict(run.mesh.shape),
+        gradient_sync=program.sync.choice,
         slices=target.slices,
         axes_across_slices=list(axes_across_slices(run.mesh)),
         # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
@@ -316,6 +317,7 @@ def format_report(report: dict, config_path: str) -> str:
             if report["slices"] > 1
             else ""
         ),
+        report.get("gradient_sync", ""),  # (reports saved before it have none)
         "",
         f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
         f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'exposed':>10} {'compile':>8} "

@@ -68,7 +68,7 @@ class Candidate:
     mesh: tuple  # ((axis, size), ...) for data, fsdp, model
     head: str
     bn_sync: str
-    comm: str  # "xla" or "bucketed:MB"
+    comm: str  # "auto", "xla", "bucketed:MB" or "overlap:MB"
     per_device_batch: int  # global batch / devices
     compute: str  # precision.compute
 
@@ -119,13 +119,16 @@ def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
         return "the sharded head needs a model axis > 1 that divides the classes"
     if c.head == "partial_fc" and num_classes % devices:
         return "partial_fc needs the classes to divide over all devices"
-    if c.comm != "xla" and (model > 1 or c.head != "dense"):
-        return "bucketed communication needs model=1 and the dense head"
+    if c.comm.startswith("bucketed") and model > 1:
+        return "bucketed communication needs model=1"
+    if c.comm not in ("xla", "auto") and c.head != "dense":
+        return "bucketed and overlap communication need the dense head"
     return None
 
 
 def _comm_of(config) -> str:
-    return "xla" if config.comm.mode == "xla" else f"bucketed:{config.comm.bucket_mb:g}"
+    mode = config.comm.mode
+    return mode if mode in ("xla", "auto") else f"{mode}:{config.comm.bucket_mb:g}"
 
 
 def candidates(
@@ -176,8 +179,10 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
     comms = listed(args.comm)
     for c in comms or ():
         mode, _, mb = c.partition(":")
-        if mode not in ("xla", "bucketed") or (mode == "bucketed") != bool(mb):
-            cli.fail(f"--comm {c!r}: write xla or bucketed:MB, e.g. --comm xla,bucketed:32")
+        if mode not in ("auto", "xla", "bucketed", "overlap") or (
+            mode in ("bucketed", "overlap")) != bool(mb):  # fmt: skip
+            cli.fail(f"--comm {c!r}: write auto, xla, bucketed:MB or overlap:MB, e.g. "
+                     "--comm xla,overlap:4")  # fmt: skip
     batches = listed(args.per_device_batch)
     if config.global_batch % devices and not batches:
         cli.fail(
@@ -191,8 +196,10 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
     if min(batch) < 1:
         cli.fail(f"--per-device-batch {args.per_device_batch!r}: batches are >= 1")
     base_comm = _comm_of(config)
+    # auto is xla or overlap by the target's platform and each plan's mesh
+    others = ("xla",) if base_comm != "auto" else ()
     default_comm = [base_comm] + [
-        c for c in ("xla", f"bucketed:{config.comm.bucket_mb:g}") if c != base_comm
+        c for c in (*others, f"bucketed:{config.comm.bucket_mb:g}") if c != base_comm
     ]
 
     def first(value, values):
@@ -549,7 +556,9 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument("--heads", help="dense,sharded,partial_fc (default: all three)")
     p.add_argument("--bn-sync", help="global,local (default: both)")
-    p.add_argument("--comm", help="xla,bucketed:MB (default: xla and bucketed at comm.bucket_mb)")
+    p.add_argument("--comm", help="auto, xla, bucketed:MB, overlap:MB, comma-separated "
+                   "(default: the config's, xla unless it is auto, and bucketed at "
+                   "comm.bucket_mb)")
     p.add_argument(
         "--per-device-batch", help="global batch / devices to try (default: the config's)"
     )
