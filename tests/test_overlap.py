@@ -315,11 +315,6 @@ def test_a_bfloat16_reduce_beside_a_model_axis_is_refused_on_cpu_not_aborted():
         build(_config("data:4,model:2", **{"comm.reduce_dtype": "bfloat16"}))
 
 
-def test_a_sharded_head_is_refused_naming_the_mode_that_runs_it():
-    with pytest.raises(ConfigError, match=r"model.head='sharded' needs comm.mode=xla"):
-        validate(_config("data:4,model:2", **{"model.head": "sharded"}))
-
-
 # --- the compile report on the TPU compiler's asynchronous all-reduces -------------------
 #
 # Abridged from the overlap step compiled for tpu:v5e-8 with libtpu's async collective

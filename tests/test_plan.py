@@ -143,7 +143,7 @@ def test_calibration_from_a_run_changes_the_prediction(first, tmp_path, capsys, 
     assert got["from_cache"] == 6
     # the config's own plan (data:8, what the run ran) predicts the run's rate at its batch
     # of 4 per device (its few small collectives hide behind the backward pass)
-    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global xla b=4")
+    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global auto b=4")
     assert own["predicted_images_per_s"] == pytest.approx(8 * 4 / (0.020 + 0.001 * 4), rel=0.01)
     assert max(p["predicted_images_per_s"] for p in got["plans"]) < min(
         p["predicted_images_per_s"] for p in out["plans"]

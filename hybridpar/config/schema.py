@@ -459,18 +459,19 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
-    if c.comm.reduce_dtype == "bfloat16" and c.model.head != "dense":
-        # The explicit reduction (sync.XlaSync) runs the loss per device under shard_map,
-        # where a sharded head's own collectives over the model axis are not set up.
+    if c.comm.reduce_dtype == "bfloat16" and c.model.head != "dense" and c.comm.mode != "overlap":
+        # The explicit reduction (sync.XlaSync) runs the loss per device under shard_map
+        # over the data axes, where a sharded head's own collectives are not set up.
         raise ConfigError(
-            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs model.head=dense (a "
-            f"{c.model.head!r} head reduces in float32); use --config.model.head=dense or "
-            "--config.comm.reduce_dtype=float32"
+            f"comm.reduce_dtype={c.comm.reduce_dtype!r} needs model.head=dense or comm.mode="
+            f"overlap (comm.mode={c.comm.mode!r} with a {c.model.head!r} head reduces in "
+            "float32); use --config.comm.mode=overlap or --config.comm.reduce_dtype=float32"
         )
-    if c.model.head != "dense" and c.comm.mode not in ("xla", "auto"):
+    if c.model.head != "dense" and c.comm.mode not in ("xla", "auto", "overlap"):
         raise ConfigError(
-            f"model.head={c.model.head!r} needs comm.mode=xla (comm.mode={c.comm.mode!r} "
-            "reduces replicated gradients itself); use --config.comm.mode=xla or model.head=dense"
+            f"model.head={c.model.head!r} needs comm.mode=xla or overlap (comm.mode="
+            f"{c.comm.mode!r} reduces replicated gradients itself); use --config.comm.mode=xla "
+            "or model.head=dense"
         )
     for key in ("every_steps", "every_minutes", "max_to_keep"):
         if c.checkpoint[key] < 0:

@@ -30,12 +30,18 @@ reduced as they are, since concatenating them would gather them whole first.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from hybridpar.parallel.bucketed import (
     Path,
+    _as_rows,
+    _from_rows,
     _path_of,
+    _with_dim,
     _zero_from,
     flat_gather,
     reduce_bucket,
@@ -114,4 +120,137 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)
 
 
-__all__ = ["reduce_in_backward"]
+# --- a step manual over every axis (a class-sharded head: the trunk data parallel over all) ---
+
+
+def _size(axes) -> int:
+    return math.prod(lax.axis_size(a) for a in axes)
+
+
+def _gather_over(shards, dims, axes, after):
+    """``flat_gather`` over ``axes`` (a tuple of mesh axes, gathered as one): whole arrays
+    along ``dims`` from this device's blocks, with one all_gather of their concatenation."""
+    k, dtype = _size(axes), jnp.result_type(*shards)
+    flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
+    flat = lax.all_gather(flat + _zero_from(after).astype(dtype), axes, axis=0, tiled=True)
+    out, offset = [], 0
+    for x, d in zip(shards, dims):
+        piece = flat[:, offset : offset + x.size]
+        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] * k), d).astype(x.dtype))
+        offset += x.size
+    return out, flat
+
+
+def _scatter_over(grads, dims, axes, after):
+    """The inverse's transpose: the sums over ``axes`` of whole gradients, each device
+    keeping its block along ``dims``, with one psum_scatter of their concatenation."""
+    k = _size(axes)
+    flat = jnp.concatenate([_as_rows(g, d, k) for g, d in zip(grads, dims)], 1)
+    flat = lax.psum_scatter(flat + _zero_from(after).astype(flat.dtype), axes,
+                            scatter_dimension=0, tiled=True)  # fmt: skip
+    out, offset = [], 0
+    for g, d in zip(grads, dims):
+        size = g.size // k
+        shard = _with_dim(g.shape, d, g.shape[d] // k)
+        out.append(_from_rows(flat[:, offset : offset + size], shard, d))
+        offset += size
+    return out, flat
+
+
+def _groups(keys) -> dict:
+    """Indices grouped by key, in first-seen order: the leaves one collective serves."""
+    out: dict = {}
+    for i, key in enumerate(keys):
+        out.setdefault(key, []).append(i)
+    return out
+
+
+def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
+    """``_bucket_identity`` for a step manual over every axis in ``axes``. ``splits[i]``:
+    the ``(mesh axes, dim)`` blocks leaf i arrives split in, gathered whole in the forward
+    rule (one all_gather per bucket and split, kernels in ``gather_dtype`` where given);
+    ``sums[i]``: the axes its gradient sums over in the backward rule, the split ones by
+    psum_scatter back to this device's block, the rest by one psum; then / ``n``."""
+
+    @jax.custom_vjp
+    def identity(leaves, token):
+        out = list(leaves)
+        cast = [gather_dtype if gather_dtype is not None and x.ndim >= 2 else None
+                for x in leaves]  # fmt: skip
+        keys = [(tuple(a for a, _ in s), c) if s else None for s, c in zip(splits, cast)]
+        for key, idx in _groups(keys).items():
+            if key is None:
+                continue
+            xs = [leaves[i].astype(key[1] or leaves[i].dtype) for i in idx]
+            for k, split_axes in enumerate(key[0]):  # the outer blocks first
+                xs, flat = _gather_over(xs, [splits[i][k][1] for i in idx], split_axes, token)
+                token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
+            for i, x in zip(idx, xs):
+                out[i] = x.astype(leaves[i].dtype)
+        return [to_varying(x, axes) for x in out], token
+
+    def fwd(leaves, token):
+        return identity(leaves, token), None
+
+    def bwd(_, cts):
+        ct_leaves, after = cts
+        out = [None] * len(ct_leaves)
+        keys = [(tuple(a for a, _ in s), tuple(m)) for s, m in zip(splits, sums)]
+        for (split_axes, sum_axes), idx in _groups(keys).items():
+            gs = [to_varying(ct_leaves[i], axes) for i in idx]
+            done = {a for a_s in split_axes for a in a_s}
+            rest = tuple(a for a in sum_axes if a not in done)
+            dtype = jnp.result_type(*gs)
+            if split_axes or rest:  # owned gradients (no collective) keep their dtype
+                gs = [g.astype(reduce_dtype or dtype) for g in gs]
+            for k in reversed(range(len(split_axes))):
+                gs, after = _scatter_over(gs, [splits[i][k][1] for i in idx], split_axes[k],
+                                          after)  # fmt: skip
+            flat = jnp.concatenate([jnp.ravel(g) for g in gs]) + _zero_from(after).astype(
+                gs[0].dtype
+            )
+            if rest:
+                flat = lax.psum(flat, rest)
+            flat, offset = flat.astype(dtype) / n, 0
+            for i, g in zip(idx, gs):
+                out[i] = flat[offset : offset + g.size].reshape(g.shape).astype(ct_leaves[i].dtype)
+                offset += g.size
+            after = flat
+        return out, to_varying(_zero_from(after).astype(jnp.float32), axes)
+
+    identity.defvjp(fwd, bwd)
+    return identity
+
+
+def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None,
+                              reduce_dtype=None, gather_dtype=None):  # fmt: skip
+    """``reduce_in_backward`` for a step manual over every mesh axis in ``axes`` (the trunk
+    data parallel over all devices, as under a class-sharded head). ``splits``:
+    ``{path: ((mesh axes, dim), ...)}`` of the parameters this device holds a block of and
+    computes with whole (FSDP, or a trunk weight the rules split over ``model``): gathered
+    in the forward pass, their gradients reduce-scattered back to the block. ``sums``:
+    ``{path: axes}`` for parameters whose gradient sums over other axes than all of
+    ``axes`` (a sharded head's kernel: over the axes it is replicated on; none where every
+    device owns its classes); they are not gathered. Every gradient is divided by ``n``.
+    """
+    splits, sums = splits or {}, sums or {}
+    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    planned = [p for bucket in plan for p in bucket]
+    if sorted(map(str, planned)) != sorted(map(str, by_path)):
+        raise ValueError("the bucket plan does not cover the parameters exactly once each")
+    out = dict(by_path)
+    axes = tuple(axes)
+    token = to_varying(jnp.zeros((), jnp.float32), axes)
+    for bucket in reversed(plan):
+        identity = _manual_bucket_identity(
+            axes, n, reduce_dtype,
+            tuple(tuple(splits.get(p, ())) for p in bucket),
+            tuple(tuple(sums.get(p, axes)) for p in bucket),
+            gather_dtype,
+        )  # fmt: skip
+        leaves, token = identity([by_path[p] for p in bucket], token)
+        out.update(zip(bucket, leaves))
+    return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)
+
+
+__all__ = ["reduce_in_backward", "reduce_in_backward_manual"]

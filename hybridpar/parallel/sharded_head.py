@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybridpar.parallel.mesh import BATCH_AXES
+from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices
 from hybridpar.parallel.partitioning import Rules
 
 
@@ -120,6 +121,14 @@ def sharded_topk_hits(logits, labels, k: int, axis):
     return label_rank(logits, labels, axis) < k
 
 
+def class_axes(kind: str, mesh) -> tuple[str, ...]:
+    """The mesh axes a ``model.head`` of ``kind`` (``sharded`` or ``partial_fc``) splits the
+    classes over: ``model``, or every axis with devices (``AXES`` order: batch axes first)."""
+    if kind == "sharded":
+        return ("model",)
+    return axes_with_devices(mesh, AXES) or ("model",)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardedHead:
     """Applies the head ``params["head"]`` (``kernel (E, C)``, ``bias (C,)``) to features
@@ -159,7 +168,7 @@ class ShardedHead:
         ``params["head"]``. ``policy`` is unused: the matmul runs in the features' dtype
         and the softmax in float32."""
         del policy
-        x = self.split_batch(images)
+        x = images if self._inside_manual() else self.split_batch(images)
         if train:
             features, new_vars = model.apply(
                 variables, x, train=True, mutable=["batch_stats"], return_features=True
@@ -174,37 +183,60 @@ class ShardedHead:
         hits = {f"top{k}": out[f"top{v}"] for k, v in ks.items()}
         return {"loss": out["loss"], **hits}, new_vars
 
+    def _inside_manual(self) -> bool:
+        """Whether this runs inside a ``jax.shard_map`` already manual over every axis the
+        head names (a gradient sync's per-device step, ``sync.OverlapSync`` with a head):
+        the inputs are then this device's, and the head's body runs as it is."""
+        manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+        mine = set(self.batch_axes) | set(self.class_axes)
+        if manual and not mine <= manual:  # a shard_map over all axes cannot nest in it
+            raise ValueError(
+                f"the {'/'.join(self.class_axes)}-sharded head runs inside a shard_map manual "
+                f"over {sorted(manual)} only; it needs every axis of {sorted(mine)} manual "
+                "(the gradient sync must know the head: OverlapSync(head=...))"
+            )
+        return bool(manual)
+
+    def local(self, x, kernel, bias, labels, *, label_smoothing: float = 0.0, topk=()):
+        """The head on one device, inside a ``jax.shard_map`` manual over ``batch_axes`` and
+        ``class_axes``: ``x`` and ``labels`` this device's slice of the batch, ``kernel``
+        and ``bias`` its block of classes. Returns per-example ``loss`` (and ``top{k}``) of
+        the slice gathered over ``gather_axes``: equal on every device of that group."""
+        gather, cls = self.gather_axes, self.class_axes
+        if gather:  # every example of this batch slice meets this device's classes
+            x = lax.all_gather(x, gather, axis=0, tiled=True)
+            labels = lax.all_gather(labels, gather, axis=0, tiled=True)
+        z = x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
+        out = {"loss": sharded_cross_entropy(z, labels, label_smoothing, cls)}
+        if topk:
+            rank = label_rank(z, labels, cls)
+            out.update({f"top{k}": rank < k for k in topk})
+        return out
+
     def __call__(self, features, params, labels, *, label_smoothing: float = 0.0, topk=()):
         """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example.
 
         The matmul runs in the features' dtype (the model's compute dtype, as its ``Dense``
-        would), softmax and loss in float32.
+        would), softmax and loss in float32. Inside a shard_map manual over every axis
+        (``_inside_manual``) the arrays are this device's and so is the result (``local``).
         """
-        gather, cls = self.gather_axes, self.class_axes
-        keep = tuple(a for a in self.batch_axes if a not in gather)
-
-        def per_device(x, kernel, bias, labels):
-            if gather:  # every example of this batch slice meets this device's classes
-                x = lax.all_gather(x, gather, axis=0, tiled=True)
-                labels = lax.all_gather(labels, gather, axis=0, tiled=True)
-            z = x @ kernel.astype(x.dtype) + bias.astype(x.dtype)
-            out = {"loss": sharded_cross_entropy(z, labels, label_smoothing, cls)}
-            if topk:
-                rank = label_rank(z, labels, cls)
-                out.update({f"top{k}": rank < k for k in topk})
-            return out
-
-        batch = P(self.batch_axes)
+        kernel, bias = params["kernel"], params["bias"]
+        per_device = partial(self.local, label_smoothing=label_smoothing, topk=topk)
+        if self._inside_manual():
+            return per_device(features, kernel, bias, labels)
+        keep = tuple(a for a in self.batch_axes if a not in self.gather_axes)
+        batch, cls = P(self.batch_axes), self.class_axes
         return jax.shard_map(
             per_device,
             mesh=self.mesh,
             in_specs=(batch, P(None, cls), P(cls), batch),
             out_specs=P(keep or None),
-        )(features, params["kernel"], params["bias"], labels)
+        )(features, kernel, bias, labels)
 
 
 __all__ = [
     "ShardedHead",
+    "class_axes",
     "label_rank",
     "sharded_cross_entropy",
     "sharded_topk_hits",

@@ -13,7 +13,7 @@ from typing import Protocol
 from hybridpar.config.errors import ConfigError
 from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices
 from hybridpar.parallel.partitioning import Rules
-from hybridpar.parallel.sharded_head import ShardedHead
+from hybridpar.parallel.sharded_head import ShardedHead, class_axes
 from hybridpar.program.steps import DENSE
 
 
@@ -50,10 +50,7 @@ def make_head(config, mesh) -> Head:
                 f"--config.{name}={max(mesh.size, config[name] // mesh.size * mesh.size)}, "
                 "or model.head=dense"
             )
-    if kind == "sharded":
-        head = ShardedHead(mesh, ("model",), batch)
-    else:  # partial_fc: classes over all devices (AXES puts the batch axes first)
-        head = ShardedHead(mesh, axes_with_devices(mesh, AXES) or ("model",), batch)
+    head = ShardedHead(mesh, class_axes(kind, mesh), batch)
     n, c = head.num_shards, config.data.num_classes
     if c % n:
         over = " x ".join(f"{a}:{mesh.shape[a]}" for a in head.class_axes if mesh.shape[a] > 1)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.models.batchnorm import bn_axis_index_groups_for, parse_bn_sync
+from hybridpar.models.batchnorm import bn_axis_index_groups_for, bn_groups_for, parse_bn_sync
 from hybridpar.parallel.bucketed import (
     Path,
     active_axes,
@@ -36,8 +36,10 @@ from hybridpar.parallel.bucketed import (
     to_varying,
 )
 from hybridpar.parallel.comm import platform_name
-from hybridpar.parallel.mesh import BATCH_AXES, data_parallel_size
-from hybridpar.parallel.overlap import reduce_in_backward
+from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices, data_parallel_size
+from hybridpar.parallel.overlap import reduce_in_backward, reduce_in_backward_manual
+from hybridpar.parallel.partitioning import path_str
+from hybridpar.parallel.sharded_head import class_axes
 from hybridpar.program.state import TrainState
 
 
@@ -51,6 +53,39 @@ def _without_model(spec):
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return P(*(drop(e) for e in spec))
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
+def _head_layout(kind: str, mesh, param_specs):
+    """A class-sharded head's step, manual over every axis (the trunk data parallel over
+    all devices): ``(axes, splits, sums, n)`` for ``overlap.reduce_in_backward_manual``.
+    A trunk parameter's blocks (FSDP's, or a ``model`` split of the rules) are gathered
+    for use; the head's own stay split over its classes, its gradient summed over the axes
+    it is replicated on (none for partial_fc), blocks stacked on the classes over another
+    axis (FSDP's pass) gathered back to the head's. ``n``: the devices one head's batch
+    slice is split over, the mean's divisor (each device's loss is its group's)."""
+    axes = axes_with_devices(mesh, AXES) or BATCH_AXES
+    classes = tuple(a for a in class_axes(kind, mesh) if a in axes)
+    splits, sums = {}, {}
+    for kp, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
+        path = tuple(path_str(kp).split("/"))
+        blocks = [(tuple(a for a in _entry_axes(e) if a in axes), d)
+                  for d, e in enumerate(getattr(spec, "spec", spec))]  # fmt: skip
+        if path[0] == "head":
+            owned = tuple(a for b, _ in blocks for a in b if a in classes)
+            if owned != classes or any(b[: len(owned)] != owned for b, _ in blocks if b):
+                raise ConfigError(f"model.head={kind!r}: {path_str(kp)} is split as {spec}, "
+                                  f"not over {classes} first")  # fmt: skip
+            blocks = [(tuple(a for a in b if a not in classes), d) for b, d in blocks]
+            sums[path] = tuple(a for a in axes if a not in owned)
+        blocks = tuple((b, d) for b, d in blocks if b)
+        if blocks:
+            splits[path] = blocks
+    n = math.prod(mesh.shape[a] for a in axes if a not in classes)
+    return axes, splits, sums, n
 
 
 def _check_mesh(mesh, dp: int | None = None, model_axis_ok: bool = False) -> int:
@@ -98,6 +133,7 @@ class BucketedSync:
     """
 
     model_axis_ok = False  # a model axis > 1 is refused (OverlapSync leaves it to XLA)
+    all_manual = False  # the step manual over the data axes only (see OverlapSync's head)
 
     def __init__(
         self,
@@ -180,7 +216,7 @@ class BucketedSync:
         communication)."""
         params, stats = self.param_specs, self.stats_specs
         manual = frozenset()  # all axes
-        if self.mesh.shape.get("model", 1) > 1:  # model_axis_ok: the compiler partitions it
+        if self.mesh.shape.get("model", 1) > 1 and not self.all_manual:  # the compiler's
             manual = frozenset(a for a in self.mesh.axis_names if a != "model")
             params, stats = (jax.tree.map(_without_model, t, is_leaf=is_spec)
                              for t in (params, stats))  # fmt: skip
@@ -205,15 +241,27 @@ class OverlapSync(BucketedSync):
     A ``model`` axis stays the compiler's: the step is manual over the data axes only
     (``shard_map``'s ``axis_names``), so the rules' model-parallel splits, and the
     collectives they need inside the forward and backward passes, are partitioned by XLA as
-    under ``comm.mode=xla``, while the gradients' reduction over the data axes is ours."""
+    under ``comm.mode=xla``, while the gradients' reduction over the data axes is ours.
+
+    ``head`` (``model.head``) other than ``dense``: the class-sharded head's own collectives
+    need every axis manual, and its trunk is data parallel over every device, so the step
+    is manual over all axes (``_head_layout``): the batch split over all of them, the
+    trunk's gradients averaged over all, a trunk weight split over ``model`` gathered and
+    reduce-scattered as FSDP's are, the head's kernel reduced only over the axes it is
+    replicated on, and the head's body run in place (``ShardedHead.local``)."""
 
     model_axis_ok = True
 
     def __init__(self, mesh, bucket_mb, bn_sync="global", shardings=None,
-                 reduce_dtype="float32", data_parallel=None, gather_dtype=None):  # fmt: skip
+                 reduce_dtype="float32", data_parallel=None, gather_dtype=None,
+                 head="dense"):  # fmt: skip
         # FSDP's kernels are gathered in the model's compute dtype (None: their own), which
         # each layer casts them to anyway: the same values in fewer bytes.
         self.gather_dtype = None if gather_dtype is None else jnp.dtype(gather_dtype)
+        self.head = head
+        if head != "dense":
+            self._init_head(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel)
+            return
         platform = mesh.devices.flat[0].platform
         if mesh.shape.get("model", 1) > 1 and reduce_dtype != "float32" and platform == "cpu":
             # XLA:CPU (jaxlib 0.10.2) aborts the process compiling it (a CHECK failure in
@@ -225,7 +273,40 @@ class OverlapSync(BucketedSync):
             )
         super().__init__(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel)
 
+    def _init_head(self, mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel):
+        if shardings is None:
+            raise ValueError(f"OverlapSync(head={self.head!r}) needs the state's shardings")
+        super().__init__(mesh, bucket_mb, bn_sync, None, reduce_dtype, data_parallel)
+        self.all_manual = True
+        self.param_specs, self.stats_specs = (
+            jax.tree.map(lambda s: s.spec, tree, is_leaf=is_spec)
+            for tree in (shardings.params, shardings.batch_stats)
+        )
+        self.axes, self.splits, self.sums, self.n = _head_layout(
+            self.head, mesh, self.param_specs)  # fmt: skip
+        self.n_all = math.prod(mesh.shape[a] for a in self.axes)
+        self.stats_dims = fsdp_dims(self.stats_specs) if mesh.shape.get("fsdp", 1) > 1 else {}
+        for kp, spec in jax.tree_util.tree_flatten_with_path(self.stats_specs, is_leaf=is_spec)[0]:
+            if any(a != "fsdp" for e in spec for a in _entry_axes(e) if mesh.shape[a] > 1):
+                raise ConfigError(f"model.head={self.head!r} with comm.mode=overlap: the "
+                                  f"BatchNorm statistics {path_str(kp)} are split as {spec}; "
+                                  "only fsdp can split them")  # fmt: skip
+
+    def local_model(self, model):
+        if self.head == "dense":
+            return super().local_model(model)
+        if id(model) not in self._local:
+            # The BatchNorm groups of the xla step (B / groups consecutive examples), each
+            # now over n_all / groups devices of the batch split over every axis.
+            groups = bn_groups_for(self.bn_sync, self.dp)
+            per = self.n_all // groups
+            sync = "global" if groups == 1 else "local" if per == 1 else f"group:{per}"
+            self._local[id(model)] = bucketed_model(model, sync, self.n_all, self.axes)
+        return self._local[id(model)]
+
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        if self.head != "dense":
+            return self._head_gradients(model, state, images, labels, loss_fn_for)
         local, axes, dp = self.local_model(model), self.axes, self.dp
         param_dims, stats_dims = self.param_dims, self.stats_dims
         concat = self.mesh.shape.get("model", 1) == 1  # see flat_pmean
@@ -245,6 +326,30 @@ class OverlapSync(BucketedSync):
             # Loss and BN running averages in float32, as BucketedSync does.
             flat, treedef = jax.tree.flatten((loss, new_stats))
             loss, new_stats = jax.tree.unflatten(treedef, flat_pmean(flat, axes, dp))
+            return grads, loss, new_stats
+
+        return self.per_device_map(per_device, state, images, labels)
+
+    def _head_gradients(self, model, state: TrainState, images, labels, loss_fn_for):
+        local, axes, stats_dims = self.local_model(model), self.axes, self.stats_dims
+
+        def per_device(params, batch_stats, scale, images, labels):
+            plan = self.plan_for(model, images.shape[1:])
+            if stats_dims:
+                batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
+            loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
+
+            def reduced_loss(params):
+                reduced = reduce_in_backward_manual(params, plan, axes, self.n, self.splits,
+                                                    self.sums, self.reduce_dtype,
+                                                    self.gather_dtype)  # fmt: skip
+                return loss_fn(reduced)
+
+            grads, (loss, new_stats) = jax.grad(reduced_loss, has_aux=True)(params)
+            # Each device's loss is its head group's: their mean over all devices is the
+            # batch's (the groups are equal).
+            flat, treedef = jax.tree.flatten((loss, new_stats))
+            loss, new_stats = jax.tree.unflatten(treedef, flat_pmean(flat, axes, self.n_all))
             return grads, loss, new_stats
 
         return self.per_device_map(per_device, state, images, labels)
@@ -361,7 +466,8 @@ def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> Grad
         p = config.precision  # gather kernels narrower only: wider would add bytes
         narrower = jnp.dtype(p.compute).itemsize < jnp.dtype(p.params).itemsize
         sync = OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
-                           data_parallel, p.compute if narrower else None)  # fmt: skip
+                           data_parallel, p.compute if narrower else None,
+                           config.model.head)  # fmt: skip
     else:
         sync = XlaSync(mesh, reduce_dtype, config.model.bn_sync)
     how = f", {c.bucket_mb:g} MiB buckets" if mode != "xla" else ""
