@@ -194,6 +194,13 @@ def _instructions(hlo_text: str) -> list[dict]:
     return out
 
 
+def _offloaded(ins: dict) -> bool:
+    """A ``call-start`` run on another thread of the chip (the TPU compiler's collectives
+    offloaded to the SparseCores, ``async_execution_thread="sparsecore"``): the called
+    computation runs beside the TensorCore's work until its ``call-done``."""
+    return ins["opcode"] == "call-start" and "async_execution_thread" in ins["attrs"]
+
+
 def parse_collectives(hlo_text: str) -> list[dict]:
     """Every collective of an HLO module's text, grouped by (kind, bytes, groups, async).
 
@@ -217,6 +224,8 @@ def parse_collectives(hlo_text: str) -> list[dict]:
             done_shape[ins["operands"][0]] = ins["shape"]
         if ins["opcode"] == "async-start":
             async_computations.update(_CALLS.findall(ins["attrs"]))
+        if _offloaded(ins):
+            async_computations.update(_TO_APPLY.findall(ins["attrs"]))
         if ins["opcode"] == "fusion":
             fused_computations.update(_CALLS.findall(ins["attrs"]))
     counts: Counter = Counter()
@@ -353,7 +362,8 @@ def parse_overlap(hlo_text: str) -> list[dict]:
     synchronous collective or an asynchronous one with no compute between start and done.
 
     The asynchronous forms: ``kind-start``/``kind-done`` pairs; ``async-start``/
-    ``async-done`` around a computation holding the collective; and the TPU compiler's
+    ``async-done`` around a computation holding the collective; ``call-start``/``call-done``
+    of a computation offloaded to another core (the TPU SparseCores); and the TPU compiler's
     fusions, where a collective starts in one fusion (``AsyncCollectiveStart``), is cloned
     into ``async_collective_fusion`` computations beside the compute it overlaps and ends in
     another (``AsyncCollectiveDone``), the clones sharing a ``channel_id``: from the first
@@ -385,8 +395,8 @@ def parse_overlap(hlo_text: str) -> list[dict]:
         op = ins["opcode"]
         if op in _NO_COMPUTE or op in KINDS or op.endswith(("-start", "-done")):
             return False
-        if op == "custom-call":
-            return not _custom_call_target(ins).startswith("AsyncCollective")
+        if op == "custom-call":  # not the markers of an async collective or call
+            return not _custom_call_target(ins).startswith(("AsyncCollective", "PrepareAsync"))
         if op == "fusion":
             body = [i for c in _CALLS.findall(ins["attrs"]) for i in inner(c)]
             return any(is_compute(i) for i in body if i["opcode"] != "fusion")
@@ -426,6 +436,13 @@ def parse_overlap(hlo_text: str) -> list[dict]:
                              and seq[j]["operands"][:1] == [ins["name"]]), None)  # fmt: skip
                 shape = seq[done]["shape"] if done is not None else ins["shape"]
                 events.append((comp, seq, i, done or i, kind, payload(ins, shape), True, ins))
+            elif _offloaded(ins):
+                body = [x for c in _TO_APPLY.findall(ins["attrs"]) for x in inner(c)]
+                for coll in (x for x in body if x["opcode"] in KINDS):
+                    done = next((j for j in range(i + 1, len(seq)) if seq[j]["opcode"] ==
+                                 "call-done" and seq[j]["operands"][:1] == [ins["name"]]), i)
+                    events.append((comp, seq, i, done, coll["opcode"],
+                                   payload(coll, coll["shape"]), True, coll))  # fmt: skip
             elif _CALLS.search(ins["attrs"]):
                 body = [x for c in _CALLS.findall(ins["attrs"]) for x in inner(c)]
                 for coll in (x for x in body if x["opcode"] in KINDS):
