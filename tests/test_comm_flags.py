@@ -90,3 +90,32 @@ def test_tpu_all_reduces_are_made_asynchronous_from_the_libtpu_that_has_the_flag
     added = comm.apply(on, "tpu")  # the user's own setting wins, the other flag is added
     assert "--xla_enable_async_all_reduce=true" not in added and f"{names[1]}=true" in added
     assert os.environ["LIBTPU_INIT_ARGS"].split()[0] == "--xla_enable_async_all_reduce=false"
+
+
+def test_sparsecore_offload_on_the_chips_it_was_measured_on(monkeypatch):
+    """comm.sparsecore_offload=auto runs the all-reduces on the SparseCores of the chips
+    listed (v5p), read from TPU_ACCELERATOR_TYPE as a TPU VM sets it; on/off force it; a
+    libtpu older than the flags, or another platform, gets none."""
+    _, chips, offload = comm.TPU_SPARSECORE_ALL_REDUCE
+    assert chips == ("v5p",)
+
+    def offloaded(chip, mode="auto", platform="tpu"):
+        c = base_config().comm
+        c.sparsecore_offload = mode
+        return [f for f in comm.xla_flags(c, platform, chip) if f in offload]
+
+    _libtpu(monkeypatch, "0.0.42")
+    assert offloaded("v5p") == list(offload)
+    assert offloaded("v5e") == offloaded(None) == offloaded("v5p", "off") == []
+    assert offloaded("v5e", "on") == list(offload)
+    assert offloaded("v5p", platform="gpu") == []
+    _libtpu(monkeypatch, "0.0.41")
+    assert offloaded("v5p") == []
+    for kind, chip in (("v5p-128", "v5p"), ("v5litepod-16", "v5e"), ("v6e-8", "v6e"),
+                       ("", None)):  # fmt: skip
+        monkeypatch.setenv("TPU_ACCELERATOR_TYPE", kind)
+        assert comm.tpu_chip() == chip
+    _libtpu(monkeypatch, "0.0.42")
+    monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-128")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
+    assert set(offload) <= set(comm.apply(base_config().comm, "tpu"))

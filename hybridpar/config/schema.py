@@ -237,6 +237,10 @@ def base_config() -> ml_collections.ConfigDict:
             # GPU/TPU: XLA's latency-hiding scheduler, which moves async collectives to
             # overlap with the backward pass that follows them.
             latency_hiding=True,
+            # TPU: run the all-reduces on the chip's SparseCores, beside the TensorCores'
+            # backward pass (hybridpar/parallel/comm.py TPU_SPARSECORE_ALL_REDUCE): "auto"
+            # on the chips where it was measured (v5p), "on", "off".
+            sparsecore_offload="auto",
         )
     )
 
@@ -342,6 +346,7 @@ CHOICES = {
     "data.name": DATA_NAMES,
     "comm.mode": ("auto", "xla", "bucketed", "overlap"),
     "comm.reduce_dtype": ("auto", "float32", "bfloat16"),
+    "comm.sparsecore_offload": ("auto", "on", "off"),
     "model.conv_grad": ("auto", "im2col", "xla"),
     "compile_ahead": ("auto", "background", "before"),
     "optim.name": ("sgd", "lars"),

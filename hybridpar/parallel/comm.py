@@ -16,7 +16,9 @@ What goes where, by platform:
   ``comm.combine_threshold_mb`` (one value for all three; ``<= 0`` leaves XLA's defaults)
   and ``--xla_gpu_enable_latency_hiding_scheduler`` from ``comm.latency_hiding``. These
   flags are part of every jaxlib's XLA, so they are harmless on a CPU-only install.
-- ``tpu``: ``LIBTPU_INIT_ARGS`` gets ``--xla_tpu_enable_latency_hiding_scheduler`` and,
+- ``tpu``: ``LIBTPU_INIT_ARGS`` gets, on chips with SparseCores (``comm.sparsecore_offload``,
+  ``TPU_SPARSECORE_ALL_REDUCE``), the flags that run the all-reduces there, beside the
+  backward pass; and ``--xla_tpu_enable_latency_hiding_scheduler`` and,
   for ``comm.mode=bucketed`` or ``overlap`` with libtpu 0.0.42 or later, the flags of
   ``TPU_ASYNC_ALL_REDUCE``, all from ``comm.latency_hiding``. Without them libtpu compiles
   every all-reduce synchronous: nothing of the backward pass runs beside a gradient's
@@ -78,6 +80,20 @@ TPU_ASYNC_ALL_REDUCE = (
     ),
 )
 
+# The libtpu flag that runs the all-reduces on the chip's SparseCores, beside the
+# TensorCores' work. On tpu:v5p-128, the DAWNBench ResNet-50 224-px step under
+# comm.mode=xla, it took the gradient all-reduces from synchronous at the end of the step to
+# asynchronous beside the backward convolutions (bytes exposed 100% -> 1%, est. 82% hidden),
+# for the same memory and HBM traffic (bench/results/overlap_tpu/NOTES.md). Of MaxText's
+# SparseCore offload set, the other four flags changed nothing there (each dropped in turn,
+# on digits), and the set crashed libtpu 0.0.42 compiling for v6e; v5e has no SparseCores.
+# Set by comm.sparsecore_offload=auto on the chips listed, from this libtpu release on.
+TPU_SPARSECORE_ALL_REDUCE = (
+    (0, 0, 42),
+    ("v5p",),
+    ("--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true",),
+)
+
 _GPU_PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_rocm7_plugin", "jax_rocm60_plugin")
 _PLATFORM_ALIASES = {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu", "cpu": "cpu"}
 
@@ -120,12 +136,31 @@ def detect_platform() -> str:
     return "cpu"
 
 
+def tpu_chip() -> str | None:
+    """The TPU chip this process runs or compiles for ("v5p", "v5e", ...), from
+    ``TPU_ACCELERATOR_TYPE`` (set on TPU VMs and GKE, and by ``targets.prepare``); None where
+    it is not set."""
+    kind = os.environ.get("TPU_ACCELERATOR_TYPE", "").strip().lower()
+    name = kind.rsplit("-", 1)[0] if kind else ""
+    return {"v5litepod": "v5e"}.get(name, name) or None
+
+
+def sparsecore_offload(comm_cfg, chip: str | None) -> bool:
+    """Whether the all-reduces go to the SparseCores (``comm.sparsecore_offload``): "on",
+    "off", or "auto", on for the chips ``TPU_SPARSECORE_ALL_REDUCE`` lists."""
+    mode = comm_cfg.get("sparsecore_offload", "auto")
+    if mode not in ("auto", "on", "off"):
+        raise ConfigError(f"comm.sparsecore_offload={mode!r} must be auto, on or off")
+    return mode == "on" or (mode == "auto" and chip in TPU_SPARSECORE_ALL_REDUCE[1])
+
+
 def _bool(v: bool) -> str:
     return "true" if v else "false"
 
 
-def xla_flags(comm_cfg, platform: str) -> list[str]:
-    """The compiler flags the ``comm`` section asks for on ``platform`` (no side effects)."""
+def xla_flags(comm_cfg, platform: str, chip: str | None = None) -> list[str]:
+    """The compiler flags the ``comm`` section asks for on ``platform`` and, for a TPU,
+    ``chip`` ("v5p", ...; None: not known) (no side effects)."""
     mb = float(comm_cfg.combine_threshold_mb)
     if not isinstance(comm_cfg.latency_hiding, bool):
         raise ConfigError(f"comm.latency_hiding={comm_cfg.latency_hiding!r} must be True or False")
@@ -144,6 +179,9 @@ def xla_flags(comm_cfg, platform: str) -> list[str]:
         # (comm.mode=auto is xla on TPU: program/sync.py AUTO_BY_PLATFORM)
         if comm_cfg.mode in ("bucketed", "overlap") and _release("libtpu", 3) >= since:
             flags += [f"{name}={on}" for name in names]
+        since, _, offload = TPU_SPARSECORE_ALL_REDUCE
+        if sparsecore_offload(comm_cfg, chip) and _release("libtpu", 3) >= since:
+            flags += list(offload)
     # cpu (and anything else): XLA has no combiner or latency-hiding flags to set.
     return flags
 
@@ -178,13 +216,13 @@ def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def apply(comm_cfg, platform: str | None = None) -> list[str]:
-    """Adds the ``comm`` flags for ``platform`` (default: ``detect_platform()``), and the
-    installed jaxlib's ``workaround_flags``, to the environment variable its backend reads,
-    before the backend starts. Returns the flags added (those whose name the variable did not
-    hold already)."""
+def apply(comm_cfg, platform: str | None = None, chip: str | None = None) -> list[str]:
+    """Adds the ``comm`` flags for ``platform`` (default: ``detect_platform()``) and, on a
+    TPU, ``chip`` (default: ``tpu_chip()``), and the installed jaxlib's
+    ``workaround_flags``, to the environment variable its backend reads, before the backend
+    starts. Returns the flags added (those whose name the variable did not hold already)."""
     platform = detect_platform() if platform is None else platform
-    flags = xla_flags(comm_cfg, platform) + workaround_flags(platform)
+    flags = xla_flags(comm_cfg, platform, chip or tpu_chip()) + workaround_flags(platform)
     var = ENV_VAR.get(_PLATFORM_ALIASES.get(platform, platform))
     if not flags or var is None:
         return []

@@ -251,7 +251,7 @@ def prepare(target: Target, comm_cfg=None) -> None:
     the target is scheduled as the run's would be."""
     _platform_environment(target)
     if comm_cfg is not None:
-        comm.apply(comm_cfg, target.platform)
+        comm.apply(comm_cfg, target.platform, target.chip.name if target.chip else None)
 
 
 def _platform_environment(target: Target) -> None:
