@@ -43,7 +43,8 @@ from helpers import batches as host_batches
 from hybridpar import ConfigError, shard_batch
 from hybridpar.config.schema import validate
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.parallel import overlap
+from hybridpar.parallel.partitioning import path_str
+from hybridpar.program import sync as sync_module
 from hybridpar.program.steps import normalize, scaled_loss_fn
 from hybridpar.program.sync import OverlapSync
 
@@ -137,15 +138,17 @@ def test_rejects_a_trunk_bucket_summed_not_averaged(monkeypatch):
     target = ("stage4_block0", "conv2", "kernel")
     assert target in program.sync.splits  # gathered forward, reduce-scattered backward
     bucket = next(b for b in program.sync.plan_for(program.model, (16, 16, 3)) if target in b)
-    real = overlap._manual_bucket_identity
+    real = sync_module.reduce_in_backward_manual
     calls = []
 
-    def broken(axes, n, reduce_dtype, splits, sums, gather_dtype):
+    def broken(params, plan, axes, n, *args):  # that bucket's leaves from a sum over all
         calls.append(1)
-        hit = splits == tuple(tuple(program.sync.splits.get(p, ())) for p in bucket)
-        return real(axes, 1 if hit else n, reduce_dtype, splits, sums, gather_dtype)
+        right, summed = real(params, plan, axes, n, *args), real(params, plan, axes, 1, *args)
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, a, b: b if tuple(path_str(kp).split("/")) in bucket else a,
+            right, summed)  # fmt: skip
 
-    monkeypatch.setattr(overlap, "_manual_bucket_identity", broken)
+    monkeypatch.setattr(sync_module, "reduce_in_backward_manual", broken)
     got = _run(program, want.start)
     assert calls
     assert_rejected(got, want, "|".join(re.escape("".join(f"['{k}']" for k in p))
