@@ -143,7 +143,7 @@ def test_calibration_from_a_run_changes_the_prediction(first, tmp_path, capsys, 
     assert got["from_cache"] == 6
     # the config's own plan (data:8, what the run ran) predicts the run's rate at its batch
     # of 4 per device (its few small collectives hide behind the backward pass)
-    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global auto b=4")
+    own = next(p for p in got["plans"] if p["plan"] == "data:8 dense bn=global xla b=4")
     assert own["predicted_images_per_s"] == pytest.approx(8 * 4 / (0.020 + 0.001 * 4), rel=0.01)
     assert max(p["predicted_images_per_s"] for p in got["plans"]) < min(
         p["predicted_images_per_s"] for p in out["plans"]
@@ -182,6 +182,26 @@ def test_candidates_respect_the_rules():
         assert c.comm == "xla" or (model == 1 and c.head == "dense")
     assert found[0].overrides(8)["mesh"] == "data:8"  # the config's own plan first
     assert {c.overrides(8)["model.head"] for c in found} == {"dense", "sharded"}
+
+
+@pytest.mark.parametrize("platform, want", [("gpu", "overlap:4"), ("cpu", "xla")])
+def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
+    """comm.mode=auto resolved per plan as the run would (sync.choose_mode): the overlap
+    mode for a GPU mesh over data only, xla with a model axis; a plan listed twice once."""
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    choices = {
+        "mesh": [(("data", 8), ("fsdp", 1), ("model", 1)), (("data", 4), ("fsdp", 1),
+                                                              ("model", 2))],
+        "head": ["dense"],
+        "bn_sync": ["global"],
+        "comm": ["auto", "xla"],
+        "per_device_batch": [4],
+        "compute": ["float32"],
+    }  # fmt: skip
+    found, _ = plan.candidates(config, 8, choices, platform)
+    assert [c.comm for c in found if c.mesh_spec == "data:8"][0] == want
+    assert [c.comm for c in found if c.mesh_spec == "data:4,model:2"] == ["xla"]  # once
+    assert found[0].overrides(8)["comm.mode"] == want.split(":")[0]
 
 
 @pytest.mark.parametrize(

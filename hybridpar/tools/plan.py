@@ -131,6 +131,21 @@ def _comm_of(config) -> str:
     return mode if mode in ("xla", "auto") else f"{mode}:{config.comm.bucket_mb:g}"
 
 
+def _resolved(c: Candidate, config, platform: str) -> Candidate:
+    """An ``auto`` plan as the run would resolve it on ``platform`` (``sync.choose_mode``),
+    so its label and overrides name the mode it compiles."""
+    if c.comm != "auto":
+        return c
+    from hybridpar.program.sync import choose_mode
+
+    plan_config = copy.deepcopy(config)
+    cli.apply_overrides(plan_config, [("model.head", c.head), ("precision.compute", c.compute)])
+    shape = dict(c.mesh)
+    mode, _ = choose_mode(plan_config, platform, shape, shape["data"] * shape["fsdp"])
+    comm = mode if mode == "xla" else f"{mode}:{config.comm.bucket_mb:g}"
+    return dataclasses.replace(c, comm=comm)
+
+
 def candidates(
     config, devices: int, choices: dict, platform: str = "cpu"
 ) -> tuple[list[Candidate], int]:
@@ -146,13 +161,15 @@ def candidates(
         per_device_batch=config.global_batch // devices,
         compute=config.precision.compute,
     )
+    base = _resolved(base, config, platform)
     axes = [f.name for f in dataclasses.fields(Candidate)]
     grid = list(itertools.product(*(choices[a] for a in axes)))
     out = []
     for values in grid:
-        c = Candidate(*values)
+        c = _resolved(Candidate(*values), config, platform)
         if _rule_out(c, devices, config.data.num_classes) is None:
             out.append(c)
+    out = list(dict.fromkeys(out))  # auto may resolve to a plan listed already
 
     def distance(c):
         return sum(getattr(c, a) != getattr(base, a) for a in axes)
