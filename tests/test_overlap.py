@@ -47,7 +47,7 @@ from hybridpar.parallel import overlap
 from hybridpar.parallel.bucketed import bucket_plan, forward_params
 from hybridpar.parallel.partitioning import path_str
 from hybridpar.program.steps import normalize, scaled_loss_fn
-from hybridpar.program.sync import OverlapSync
+from hybridpar.program.sync import BucketedSync, OverlapSync
 
 SIZE, CLASSES = 16, 10
 BUCKET_MB = 0.1  # several buckets for the tiny ResNet (0.7 MiB of parameters)
@@ -153,21 +153,24 @@ def test_overlap_on_fsdp_and_model_meshes_equals_one_device(mesh, bn_sync, dp):
             assert len(gathers) == len(split)
 
 
-def test_fsdp_gathers_kernels_in_the_compute_dtype_to_the_same_values():
+@pytest.mark.parametrize("mode,cls", [("overlap", OverlapSync), ("bucketed", BucketedSync)])
+def test_fsdp_gathers_kernels_in_the_compute_dtype_to_the_same_values(mode, cls):
     """bfloat16 compute: the split kernels are gathered in bfloat16 (half the bytes), and
     since every layer casts its kernel to bfloat16 anyway the step is the one with float32
-    gathers, to the bit. Negative control: gathering in float8 changes it."""
+    gathers, to the bit (the bucketed mode's gather is before jax.grad: the gradient of the
+    narrowed kernel, widened, is the float32 one's). Negative control: float8 changes it."""
+    mode_of = {"comm.mode": mode}
     config = _config("data:2,fsdp:4", **{"model.bn_sync": "local",
-                                         "precision.compute": "bfloat16"})  # fmt: skip
+                                         "precision.compute": "bfloat16", **mode_of})  # fmt: skip
     program = build(config)
-    assert program.sync.gather_dtype == jnp.bfloat16
-    wider = _config("data:2,fsdp:4", **{"precision.params": "bfloat16"})  # float32 compute
+    assert type(program.sync) is cls and program.sync.gather_dtype == jnp.bfloat16
+    wider = _config("data:2,fsdp:4", **{"precision.params": "bfloat16", **mode_of})
     assert build(wider).sync.gather_dtype is None  # a wider gather would only add bytes
     start = random_state(program)
 
     def one_step(gather_dtype):
-        sync = OverlapSync(program.mesh, BUCKET_MB, "local", program.shardings,
-                           gather_dtype=gather_dtype)  # fmt: skip
+        sync = cls(program.mesh, BUCKET_MB, "local", program.shardings,
+                   gather_dtype=gather_dtype)  # fmt: skip
         p = dataclasses.replace(program, sync=sync)
         got = run(compiled_step(p, start, NO_LLVM_OPT), p, start, host_batches(steps=1))
         got = jax.tree.leaves((got.state, got.losses))

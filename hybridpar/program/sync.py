@@ -143,8 +143,12 @@ class BucketedSync:
         shardings=None,
         reduce_dtype: str = "float32",
         data_parallel: int | None = None,
+        gather_dtype=None,
     ):
         self.dp = _check_mesh(mesh, data_parallel, self.model_axis_ok)
+        # FSDP's kernels are gathered in the model's compute dtype (None: their own), which
+        # each layer casts them to anyway: the same values in fewer bytes.
+        self.gather_dtype = None if gather_dtype is None else jnp.dtype(gather_dtype)
         if not bucket_mb > 0:
             raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
         self.mesh, self.bucket_mb, self.bn_sync = mesh, bucket_mb, bn_sync
@@ -165,6 +169,17 @@ class BucketedSync:
                 self.param_dims, self.stats_dims = dims
         self._local: dict[int, object] = {}
         self._plans: dict[tuple, list] = {}
+
+    def _narrowed(self, params):
+        """The split kernels (rank >= 2) cast to ``gather_dtype``, the rest as they are."""
+        if self.gather_dtype is None:
+            return params
+        return jax.tree_util.tree_map_with_path(
+            lambda kp, x: x.astype(self.gather_dtype)
+            if x.ndim >= 2 and self.param_dims.get(tuple(path_str(kp).split("/"))) is not None
+            else x,
+            params,
+        )
 
     def local_model(self, model):
         """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
@@ -188,12 +203,15 @@ class BucketedSync:
             plan = self.plan_for(model, images.shape[1:])
             if stats_dims:  # the few BatchNorm statistics FSDP splits: one gather for all
                 batch_stats = gather_in_buckets(batch_stats, [list(stats_dims)], stats_dims)
+            shards = params
             if param_dims:  # FSDP: this device holds shards; gather them, bucket by bucket
-                params = gather_in_buckets(params, plan, param_dims)
+                params = gather_in_buckets(self._narrowed(params), plan, param_dims)
             params = jax.tree.map(lambda p: to_varying(p, axes), params)
 
             loss_fn = loss_fn_for(local, batch_stats, images, labels, scale)
             grads, (loss, new_stats) = jax.grad(loss_fn, has_aux=True)(params)
+            # a narrowed kernel's gradient, widened: the float32 kernel's, exactly
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, shards)
             # Loss and BN running averages (per device for local/group statistics): one
             # psum, first, as they are ready when the forward pass ends; then the buckets.
             # Always in float32, whatever reduce_dtype: it is a few KiB, and the running
@@ -255,12 +273,10 @@ class OverlapSync(BucketedSync):
     def __init__(self, mesh, bucket_mb, bn_sync="global", shardings=None,
                  reduce_dtype="float32", data_parallel=None, gather_dtype=None,
                  head="dense"):  # fmt: skip
-        # FSDP's kernels are gathered in the model's compute dtype (None: their own), which
-        # each layer casts them to anyway: the same values in fewer bytes.
-        self.gather_dtype = None if gather_dtype is None else jnp.dtype(gather_dtype)
         self.head = head
         if head != "dense":
-            self._init_head(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel)
+            self._init_head(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel,
+                            gather_dtype)  # fmt: skip
             return
         platform = mesh.devices.flat[0].platform
         if mesh.shape.get("model", 1) > 1 and reduce_dtype != "float32" and platform == "cpu":
@@ -271,12 +287,15 @@ class OverlapSync(BucketedSync):
                 "does not compile on CPU devices (XLA:CPU aborts); use "
                 "--config.comm.reduce_dtype=float32 here (TPU and GPU compile it)"
             )
-        super().__init__(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel)
+        super().__init__(mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel,
+                         gather_dtype)  # fmt: skip
 
-    def _init_head(self, mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel):
+    def _init_head(self, mesh, bucket_mb, bn_sync, shardings, reduce_dtype, data_parallel,
+                   gather_dtype=None):  # fmt: skip
         if shardings is None:
             raise ValueError(f"OverlapSync(head={self.head!r}) needs the state's shardings")
-        super().__init__(mesh, bucket_mb, bn_sync, None, reduce_dtype, data_parallel)
+        super().__init__(mesh, bucket_mb, bn_sync, None, reduce_dtype, data_parallel,
+                         gather_dtype)  # fmt: skip
         self.all_manual = True
         self.param_specs, self.stats_specs = (
             jax.tree.map(lambda s: s.spec, tree, is_leaf=is_spec)
@@ -460,15 +479,15 @@ def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> Grad
     shape = dict(mesh.shape)
     mode, why = choose_mode(config, mesh.devices.flat[0].platform, shape, dp)
     c, reduce_dtype = config.comm, reduce_dtype_for(config, mode, shape)
+    p = config.precision  # gather kernels narrower only: wider would add bytes
+    narrower = jnp.dtype(p.compute).itemsize < jnp.dtype(p.params).itemsize
+    gather = p.compute if narrower else None
     if mode == "bucketed":
         sync = BucketedSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
-                            data_parallel)  # fmt: skip
+                            data_parallel, gather)  # fmt: skip
     elif mode == "overlap":
-        p = config.precision  # gather kernels narrower only: wider would add bytes
-        narrower = jnp.dtype(p.compute).itemsize < jnp.dtype(p.params).itemsize
         sync = OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
-                           data_parallel, p.compute if narrower else None,
-                           config.model.head)  # fmt: skip
+                           data_parallel, gather, config.model.head)  # fmt: skip
     else:
         sync = XlaSync(mesh, reduce_dtype, config.model.bn_sync)
     how = f", {c.bucket_mb:g} MiB buckets" if mode != "xla" else ""
