@@ -199,47 +199,63 @@ def _with_dim(shape, dim: int, size: int) -> tuple:
     return tuple(size if i == dim else s for i, s in enumerate(shape))
 
 
-def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
-    """Mean over the data-parallel devices of several FSDP-split gradients, each device
-    keeping only its own ``fsdp`` shard: ONE ``psum_scatter`` over ``fsdp`` of their
-    concatenation (laid out so that shard i of every gradient lands on device i), then
-    one ``psum`` over ``data`` of the (fsdp times smaller) result if ``data`` is in ``axes``.
-    Both sum in ``reduce_dtype`` (None: the gradients' own dtype)."""
-    leaves = [to_varying(x, axes) for x in leaves]
-    f = lax.axis_size("fsdp")
-    dtype = jnp.result_type(*leaves)
-    flat = jnp.concatenate([_as_rows(x, d, f).astype(dtype) for x, d in zip(leaves, dims)], 1)
+def _axes_size(axes) -> int:
+    """The devices over ``axes`` (one mesh axis or a tuple of them), inside shard_map."""
+    return math.prod(lax.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
+
+
+def scatter_flat(leaves, dims, axes, after=None):
+    """ONE ``psum_scatter`` over ``axes`` of the leaves' concatenation, laid out so that
+    block i of every leaf (along ``dims``) lands on device i: their sums, this device's
+    blocks of them, as ``(1, total / k)`` (``unscatter`` splits it), after ``after``."""
+    k, dtype = _axes_size(axes), jnp.result_type(*leaves)
+    flat = jnp.concatenate([_as_rows(x, d, k).astype(dtype) for x, d in zip(leaves, dims)], 1)
     if after is not None:
         flat = flat + _zero_from(after).astype(flat.dtype)
-    flat = flat.astype(reduce_dtype or dtype)
-    flat = lax.psum_scatter(flat, "fsdp", scatter_dimension=0, tiled=True)  # (1, total / f)
-    if "data" in axes:
-        flat = lax.psum(flat, "data")
-    flat = flat.astype(dtype) / n
-    out, offset = [], 0
+    return lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)
+
+
+def unscatter(flat, leaves, dims, axes) -> list:
+    """``scatter_flat``'s result as this device's blocks of ``leaves`` (in ``flat``'s dtype)."""
+    k, out, offset = _axes_size(axes), [], 0
     for x, d in zip(leaves, dims):
-        size = x.size // f
-        piece = flat[:, offset : offset + size]
-        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] // f), d).astype(x.dtype))
+        size = x.size // k
+        out.append(_from_rows(flat[:, offset : offset + size],
+                              _with_dim(x.shape, d, x.shape[d] // k), d))  # fmt: skip
         offset += size
     return out
 
 
-def flat_gather(shards, dims, after=None):
-    """Whole arrays from their ``fsdp`` shards (``dims``: the dimension each is split
-    along) with ONE ``all_gather`` of their concatenation, after ``after`` if given (see
-    ``flat_pmean``). Returns the arrays and the gathered concatenation (an ``after`` for
-    the next gather)."""
-    f = lax.axis_size("fsdp")
+def _flat_scatter_mean(leaves, dims, axes, n, after=None, reduce_dtype=None):
+    """Mean over the data-parallel devices of several FSDP-split gradients, each device
+    keeping only its own ``fsdp`` shard: ONE ``psum_scatter`` over ``fsdp`` of their
+    concatenation (``scatter_flat``), then one ``psum`` over ``data`` of the (fsdp times
+    smaller) result if ``data`` is in ``axes``. Both sum in ``reduce_dtype`` (None: the
+    gradients' own dtype)."""
+    leaves = [to_varying(x, axes) for x in leaves]
+    dtype = jnp.result_type(*leaves)
+    flat = scatter_flat([x.astype(reduce_dtype or dtype) for x in leaves], dims, "fsdp", after)
+    if "data" in axes:
+        flat = lax.psum(flat, "data")
+    flat = flat.astype(dtype) / n
+    return [b.astype(x.dtype) for b, x in zip(unscatter(flat, leaves, dims, "fsdp"), leaves)]
+
+
+def flat_gather(shards, dims, after=None, axes="fsdp"):
+    """Whole arrays from their shards over ``axes`` (``fsdp``, or a tuple of mesh axes
+    gathered as one; ``dims``: the dimension each is split along) with ONE ``all_gather``
+    of their concatenation, after ``after`` if given (see ``flat_pmean``). Returns the
+    arrays and the gathered concatenation (an ``after`` for the next gather)."""
+    k = _axes_size(axes)
     dtype = jnp.result_type(*shards)
     flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
     if after is not None:
         flat = flat + _zero_from(after).astype(flat.dtype)
-    flat = lax.all_gather(flat, "fsdp", axis=0, tiled=True)  # (f, total / f)
+    flat = lax.all_gather(flat, axes, axis=0, tiled=True)  # (k, total / k)
     out, offset = [], 0
     for x, d in zip(shards, dims):
         piece = flat[:, offset : offset + x.size]
-        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] * f), d).astype(x.dtype))
+        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] * k), d).astype(x.dtype))
         offset += x.size
     return out, flat
 
@@ -305,7 +321,7 @@ def reduce_in_buckets(
     means come back in the gradients' dtypes.
     """
     if n is None:
-        n = math.prod(lax.axis_size(a) for a in axes)
+        n = _axes_size(axes)
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     planned = [p for bucket in plan for p in bucket]
@@ -360,6 +376,8 @@ __all__ = [
     "forward_params",
     "fsdp_dims",
     "flat_gather",
+    "scatter_flat",
+    "unscatter",
     "gather_in_buckets",
     "is_spec",
     "reduce_bucket",

@@ -30,22 +30,19 @@ reduced as they are, since concatenating them would gather them whole first.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from hybridpar.parallel.bucketed import (
     Path,
-    _as_rows,
-    _from_rows,
     _path_of,
-    _with_dim,
     _zero_from,
     flat_gather,
     reduce_bucket,
+    scatter_flat,
     to_varying,
+    unscatter,
 )
 
 
@@ -123,40 +120,6 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
 # --- a step manual over every axis (a class-sharded head: the trunk data parallel over all) ---
 
 
-def _size(axes) -> int:
-    return math.prod(lax.axis_size(a) for a in axes)
-
-
-def _gather_over(shards, dims, axes, after):
-    """``flat_gather`` over ``axes`` (a tuple of mesh axes, gathered as one): whole arrays
-    along ``dims`` from this device's blocks, with one all_gather of their concatenation."""
-    k, dtype = _size(axes), jnp.result_type(*shards)
-    flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
-    flat = lax.all_gather(flat + _zero_from(after).astype(dtype), axes, axis=0, tiled=True)
-    out, offset = [], 0
-    for x, d in zip(shards, dims):
-        piece = flat[:, offset : offset + x.size]
-        out.append(_from_rows(piece, _with_dim(x.shape, d, x.shape[d] * k), d).astype(x.dtype))
-        offset += x.size
-    return out, flat
-
-
-def _scatter_over(grads, dims, axes, after):
-    """The inverse's transpose: the sums over ``axes`` of whole gradients, each device
-    keeping its block along ``dims``, with one psum_scatter of their concatenation."""
-    k = _size(axes)
-    flat = jnp.concatenate([_as_rows(g, d, k) for g, d in zip(grads, dims)], 1)
-    flat = lax.psum_scatter(flat + _zero_from(after).astype(flat.dtype), axes,
-                            scatter_dimension=0, tiled=True)  # fmt: skip
-    out, offset = [], 0
-    for g, d in zip(grads, dims):
-        size = g.size // k
-        shard = _with_dim(g.shape, d, g.shape[d] // k)
-        out.append(_from_rows(flat[:, offset : offset + size], shard, d))
-        offset += size
-    return out, flat
-
-
 def _groups(keys) -> dict:
     """Indices grouped by key, in first-seen order: the leaves one collective serves."""
     out: dict = {}
@@ -183,7 +146,7 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
                 continue
             xs = [leaves[i].astype(key[1] or leaves[i].dtype) for i in idx]
             for k, split_axes in enumerate(key[0]):  # the outer blocks first
-                xs, flat = _gather_over(xs, [splits[i][k][1] for i in idx], split_axes, token)
+                xs, flat = flat_gather(xs, [splits[i][k][1] for i in idx], token, split_axes)
                 token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
             for i, x in zip(idx, xs):
                 out[i] = x.astype(leaves[i].dtype)
@@ -204,8 +167,9 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
             if split_axes or rest:  # owned gradients (no collective) keep their dtype
                 gs = [g.astype(reduce_dtype or dtype) for g in gs]
             for k in reversed(range(len(split_axes))):
-                gs, after = _scatter_over(gs, [splits[i][k][1] for i in idx], split_axes[k],
-                                          after)  # fmt: skip
+                dims = [splits[i][k][1] for i in idx]
+                after = scatter_flat(gs, dims, split_axes[k], after)
+                gs = unscatter(after, gs, dims, split_axes[k])
             flat = jnp.concatenate([jnp.ravel(g) for g in gs]) + _zero_from(after).astype(
                 gs[0].dtype
             )
