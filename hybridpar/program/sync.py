@@ -43,20 +43,20 @@ from hybridpar.parallel.sharded_head import class_axes
 from hybridpar.program.state import TrainState
 
 
+def _entry_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names."""
+    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+
+
 def _without_model(spec):
     """``spec`` with the ``model`` axis left out: a shard_map manual over the other axes
     names only those (the arrays keep their model-axis split, which the compiler handles)."""
 
     def drop(entry):
-        axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
-        kept = tuple(a for a in axes if a != "model")
+        kept = tuple(a for a in _entry_axes(entry) if a != "model")
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return P(*(drop(e) for e in spec))
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
 def _head_layout(kind: str, mesh, param_specs):
@@ -73,7 +73,7 @@ def _head_layout(kind: str, mesh, param_specs):
     for kp, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
         path = tuple(path_str(kp).split("/"))
         blocks = [(tuple(a for a in _entry_axes(e) if a in axes), d)
-                  for d, e in enumerate(getattr(spec, "spec", spec))]  # fmt: skip
+                  for d, e in enumerate(spec)]  # fmt: skip
         if path[0] == "head":
             owned = tuple(a for b, _ in blocks for a in b if a in classes)
             if owned != classes or any(b[: len(owned)] != owned for b, _ in blocks if b):
@@ -419,7 +419,10 @@ class GradientSync(Protocol):
     """How a train step reduces its gradients across the data-parallel devices: the loss
     and BatchNorm statistics of the global batch and the gradients of the (scaled) loss,
     from ``loss_fn_for(model, batch_stats, images, labels, scale) -> params -> (scaled
-    loss, (loss, new batch_stats))``. ``steps.make_train_step`` applies the update."""
+    loss, (loss, new batch_stats))``. ``steps.make_train_step`` applies the update.
+    ``make_sync`` sets ``choice``: the line the run's log gives (mode, and why)."""
+
+    choice: str
 
     def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
 
