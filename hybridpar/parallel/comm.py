@@ -85,9 +85,10 @@ TPU_ASYNC_ALL_REDUCE = (
 # comm.mode=xla, it took the gradient all-reduces from synchronous at the end of the step to
 # asynchronous beside the backward convolutions (bytes exposed 100% -> 1%, est. 82% hidden),
 # for the same memory and HBM traffic (bench/results/overlap_tpu/NOTES.md). Of MaxText's
-# SparseCore offload set, the other four flags changed nothing there (each dropped in turn,
-# on digits), and the set crashed libtpu 0.0.42 compiling for v6e; v5e has no SparseCores.
-# Set by comm.sparsecore_offload=auto on the chips listed, from this libtpu release on.
+# SparseCore offload set, the other four flags changed nothing (each dropped in turn, on
+# digits). v5e has no SparseCores (the flag changes nothing); on v6e it offloads a tiny
+# step's all-reduce, but no real step there was measured. Set by comm.sparsecore_offload=auto
+# on the chips listed, from this libtpu release on.
 TPU_SPARSECORE_ALL_REDUCE = (
     (0, 0, 42),
     ("v5p",),
@@ -128,7 +129,7 @@ def detect_platform() -> str:
         requested = os.environ.get("JAX_PLATFORMS", "")
     first = requested.split(",")[0].strip().lower() if requested else ""
     if first:
-        return _PLATFORM_ALIASES.get(first, first)
+        return platform_name(first)
     if _has_module("libtpu"):
         return "tpu"
     if any(_has_module(p) for p in _GPU_PLUGINS):
@@ -164,7 +165,7 @@ def xla_flags(comm_cfg, platform: str, chip: str | None = None) -> list[str]:
     mb = float(comm_cfg.combine_threshold_mb)
     if not isinstance(comm_cfg.latency_hiding, bool):
         raise ConfigError(f"comm.latency_hiding={comm_cfg.latency_hiding!r} must be True or False")
-    platform = _PLATFORM_ALIASES.get(platform, platform)
+    platform = platform_name(platform)
     flags: list[str] = []
     if platform == "gpu":
         if mb > 0:
@@ -208,7 +209,7 @@ def _release(package: str, parts: int) -> tuple[int, ...]:
 def workaround_flags(platform: str, jaxlib_version: tuple[int, ...] | None = None) -> list[str]:
     """The flags ``WORKAROUNDS`` asks for on ``platform`` with this jaxlib (no side effects)."""
     version = _release("jaxlib", 2) if jaxlib_version is None else tuple(jaxlib_version)
-    platform = _PLATFORM_ALIASES.get(platform, platform)
+    platform = platform_name(platform)
     return [flag for since, flag in WORKAROUNDS.get(platform, ()) if version >= since]
 
 
@@ -223,7 +224,7 @@ def apply(comm_cfg, platform: str | None = None, chip: str | None = None) -> lis
     starts. Returns the flags added (those whose name the variable did not hold already)."""
     platform = detect_platform() if platform is None else platform
     flags = xla_flags(comm_cfg, platform, chip or tpu_chip()) + workaround_flags(platform)
-    var = ENV_VAR.get(_PLATFORM_ALIASES.get(platform, platform))
+    var = ENV_VAR.get(platform_name(platform))
     if not flags or var is None:
         return []
     current = os.environ.get(var, "")
