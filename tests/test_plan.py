@@ -169,17 +169,19 @@ def test_candidates_respect_the_rules():
         "mesh": meshes,
         "head": list(plan.HEADS),
         "bn_sync": ["global"],
-        "comm": ["xla", "bucketed:32"],
+        "comm": ["xla", "bucketed:32", "overlap:4"],
         "per_device_batch": [4],
         "compute": ["float32"],
     }
     found, product = plan.candidates(config, 8, choices)
-    assert product == 10 * 3 * 2
+    assert product == 10 * 3 * 3
     for c in found:
         model = dict(c.mesh)["model"]
         assert c.head != "sharded" or (model > 1 and 10 % model == 0)
         assert c.head != "partial_fc"  # 10 classes do not split over 8 devices
-        assert c.comm == "xla" or (model == 1 and c.head == "dense")
+        assert c.comm != "bucketed:32" or (model == 1 and c.head == "dense")
+    # the overlap mode runs on model axes and with the sharded head
+    assert any(c.comm == "overlap:4" and c.head == "sharded" for c in found)
     assert found[0].overrides(8)["mesh"] == "data:8"  # the config's own plan first
     assert {c.overrides(8)["model.head"] for c in found} == {"dense", "sharded"}
 

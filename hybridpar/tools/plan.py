@@ -119,10 +119,8 @@ def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
         return "the sharded head needs a model axis > 1 that divides the classes"
     if c.head == "partial_fc" and num_classes % devices:
         return "partial_fc needs the classes to divide over all devices"
-    if c.comm.startswith("bucketed") and model > 1:
-        return "bucketed communication needs model=1"
-    if c.comm not in ("xla", "auto") and c.head != "dense":
-        return "bucketed and overlap communication need the dense head"
+    if c.comm.startswith("bucketed") and (model > 1 or c.head != "dense"):
+        return "bucketed communication needs model=1 and the dense head"
     return None
 
 
