@@ -524,31 +524,23 @@ def test_bucketed_mode_reports_one_all_reduce_per_bucket():
 # it): the all-reduce lives in a computation that a call-start runs on the "sparsecore"
 # thread while the TensorCore runs the convolution scheduled before its call-done (and the
 # marker preparing the next offloaded call).
-SPARSECORE_HLO = """
-HloModule jit_step, is_scheduled=true
-
-%add (x: f32[], y: f32[]) -> f32[] {
-  %x = f32[] parameter(0)
-  %y = f32[] parameter(1)
-  ROOT %sum = f32[] add(%x, %y)
-}
-
+SPARSECORE_HLO = HLO_PRELUDE + """
 %called_computation (p0: f32[64]) -> f32[64] {
   %p0 = f32[64]{0} parameter(0)
   ROOT %all-reduce.1 = f32[64]{0} all-reduce(%p0), channel_id=60, replica_groups={{0,1,2,3}}, to_apply=%add
 }
 
-ENTRY %main (g: f32[64], a: f32[8,3,3,4], k: f32[3,3,4,4]) -> (f32[64], f32[8,3,3,4]) {
+ENTRY %main (g: f32[64], a: bf16[8,16,16,4], k: bf16[3,3,4,8]) -> (f32[64], bf16[8,16,16,8]) {
   %g = f32[64]{0} parameter(0)
-  %a = f32[8,3,3,4]{3,2,1,0} parameter(1)
-  %k = f32[3,3,4,4]{3,2,1,0} parameter(2)
+  %a = bf16[8,16,16,4]{3,2,1,0} parameter(1)
+  %k = bf16[3,3,4,8]{3,2,1,0} parameter(2)
   %prep = s32[] custom-call(), custom_call_target="PrepareAsyncCallStart"
   %prep_done = token[] custom-call(%prep), custom_call_target="PrepareAsyncCallDone"
   %start = ((f32[64]{0}), f32[64]{0}) call-start(%g), async_execution_thread="sparsecore", to_apply=%called_computation
   %prep_next = s32[] custom-call(), custom_call_target="PrepareAsyncCallStart"
-  %conv = f32[8,3,3,4]{3,2,1,0} convolution(%a, %k), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f
+  %conv = bf16[8,16,16,8]{3,2,1,0} fusion(%a, %k), kind=kOutput, calls=%conv_fusion
   %done = f32[64]{0} call-done(%start)
-  ROOT %out = (f32[64]{0}, f32[8,3,3,4]{3,2,1,0}) tuple(%done, %conv)
+  ROOT %out = (f32[64]{0}, bf16[8,16,16,8]{3,2,1,0}) tuple(%done, %conv)
 }
 """  # noqa: E501
 
@@ -565,4 +557,4 @@ def test_an_all_reduce_offloaded_to_the_sparsecores_is_async_beside_the_convolut
     assert (event["async"], event["exposed"], event["overlaps"]) == (True, False,
                                                                      {"convolution": 1})
     assert (event["start"], event["done"]) == ("start", "done")
-    assert event["flops"] == 2 * 8 * 3 * 3 * 4 * (3 * 3 * 4)
+    assert event["flops"] == 2 * (8 * 16 * 16 * 8) * (3 * 3 * 4)  # the fusion's convolution
