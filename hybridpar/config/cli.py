@@ -60,12 +60,13 @@ def finite_float(text: str) -> float:
 class ArgumentParser(argparse.ArgumentParser):
     """argparse with our error contract (one ``error:`` line, exit 2, no usage dump)."""
 
-    def __init__(self, prog: str, doc: str | None = None, **kw):
+    def __init__(self, prog: str, doc: str | None = None, *, takes_config: bool = True, **kw):
         first = (doc or "").strip().splitlines()
         super().__init__(
             prog=prog,
             description=first[0] if first else None,
-            epilog=CONFIG_HELP,
+            # a tool that reads no config (its runs' own) does not advertise --config
+            epilog=CONFIG_HELP if takes_config else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,
             allow_abbrev=False,
             **kw,

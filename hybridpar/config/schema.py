@@ -299,7 +299,7 @@ def base_config() -> ml_collections.ConfigDict:
             # The trials' evaluations: median pruning compares trials at each of them.
             eval_every_epochs=1.0,
             startup_trials=5,  # TPE draws this many at random before it models
-            prune_after_trials=3,  # median pruning starts once this many trials finished
+            prune_after_trials=3,  # median pruning starts once this many completed (not pruned)
             # ... and at a trial's evaluation after this many: the first ones say little (on
             # digits at epoch 1 every trial is at 10-30% top-1, the best of them included).
             prune_warmup_evals=1,

@@ -37,7 +37,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument(
         "--dead-after-s",
-        type=float,
+        type=cli.finite_float,
         default=300.0,
         help="with --watch: stop with an error once no trainer holds the workdir and no new "
         "checkpoint came for this long (default 300; 0 waits for ever)",

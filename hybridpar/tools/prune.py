@@ -303,14 +303,19 @@ def overrides(widths: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.prune", __doc__)
+    parser = cli.ArgumentParser("python -m hybridpar.prune", __doc__, takes_config=False)
     parser.add_argument("--workdir", help="the trained run's workdir (read only)")
     parser.add_argument("--out", help="where the pruned run goes (a new directory)")
     parser.add_argument("--fraction", type=cli.finite_float,
                         help="fraction of each group's channels to remove, in [0, 1)")  # fmt: skip
     parser.add_argument("--criterion", choices=CRITERIA, default="l1",
                         help="l1: folded filter L1 (default); bn: BatchNorm |scale|")  # fmt: skip
-    args, _ = cli.parse(parser, argv, config=False)
+    args, _ = cli.parse(parser, argv, from_run=True)
+    if args.config_path or args.config_overrides:  # else silently not the config pruned
+        cli.fail(
+            "prune reads the run's own config from --workdir: drop --config and "
+            "--config.KEY (pass them to the train command that trains the pruned run)"
+        )
     if not args.workdir or not args.out or args.fraction is None:
         cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")
     if not 0 <= args.fraction < 1:
