@@ -427,6 +427,63 @@ def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeyp
     assert compress.round_config(teacher, str(w), str(pruned), 1.0).seed == teacher.seed
 
 
+@pytest.mark.parametrize("init", ["pruned", "scratch"])
+def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum(
+    tmp_path, monkeypatch, init
+):
+    """``--init scratch``: the round's run has the pruned widths but no ``init_from`` and
+    the teacher's stages stretched to ``--epochs``, its shape taken from the teacher; the
+    default starts from the previous round's pruned weights in one stage. Through
+    ``make_round`` (its pruning, trainer and quantizing stood in for), and the loop's
+    settings key it: a loop of the other init is not reused."""
+    import argparse
+
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.runtime import run_config
+    from hybridpar.tools import compress, quantize, tune
+
+    w = tmp_path / "t"
+    w.mkdir()
+    config = tiny_digits(**{**LONGER, "stages": "1:16-32,1.5:16-64", "num_epochs": 1.5})
+    (w / "config.json").write_text(json.dumps(run_config.config_dict(config)))
+    pruned_from, ran = [], []
+
+    def fake_prune(source, out, keep, **kw):
+        pruned_from.append(source)
+        os.makedirs(out)
+        narrow = tiny_digits(**{**LONGER, "model.num_filters": 3})
+        (Path(out) / "config.json").write_text(json.dumps(run_config.config_dict(narrow)))
+
+    monkeypatch.setattr(prune, "prune_run", fake_prune)
+    monkeypatch.setattr(tune, "run_trainer", lambda c, d: ran.append(c) or (None, {}))
+    monkeypatch.setattr(quantize, "run", lambda *a, **k: {"stand-in": True})
+    args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
+                              epochs=3.0, criterion="l1", seed=None, init=init,
+                              calibration_batches=1, calibration="max", repeats=1)  # fmt: skip
+    rows = [{"run": str(tmp_path / "round_01_run")}]
+    rd = tmp_path / "round_02"
+    rd.mkdir()
+    compress.make_round(config, args, 2, 0.25, str(rd), rows, {}, lambda *a: None)
+    (c,) = ran
+    assert c.model.num_filters == 3 and c.num_epochs == 3.0
+    assert c.distill.teacher_workdir == str(w)
+    if init == "scratch":
+        assert c.init_from == "" and c.stages == "2:16-32,3:16-64"
+        assert pruned_from == [str(w)]  # the shape at 0.25 of the teacher's channels
+    else:
+        assert c.init_from == str(rd / "pruned") and c.stages == ""
+        assert pruned_from == [rows[-1]["run"]]
+
+    loop = w / "compress"
+    loop.mkdir()
+    saved = {k: getattr(args, k) for k in compress.SETTINGS}
+    (loop / "settings.json").write_text(json.dumps(saved))
+    compress.check_settings(args)  # the same loop
+    args.init = {"pruned": "scratch", "scratch": "pruned"}[init]
+    with pytest.raises(ConfigError, match=f"--init={init}"):
+        compress.check_settings(args)
+
+
 # ---- a tiny trained teacher ----------------------------------------------------------------
 
 
@@ -717,7 +774,9 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     (tmp_path / compress.DIR).mkdir()
     old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
     (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
-    args = argparse.Namespace(workdir=str(tmp_path), **old, calibration="max", seed=None)
+    args = argparse.Namespace(
+        workdir=str(tmp_path), **old, calibration="max", seed=None, init="pruned"
+    )  # a loop from before --init: pruned
     compress.check_settings(args)  # the calibration it was made with
     args.calibration = "mse"  # today's default
     with pytest.raises(ConfigError, match="--calibration=max"):

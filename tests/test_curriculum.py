@@ -77,3 +77,28 @@ def test_the_plan_holds_the_figures_the_config_mesh_and_data_give(mesh, dp, want
     )
     assert plan.stages == old.stages
     assert f"x{dp} here" in curriculum.describe(plan)
+
+
+@pytest.mark.parametrize(
+    "text,epochs,want",
+    [
+        ("3:24-512@0.5,8:32-512", 16.0, "6:24-512@0.5,16:32-512"),
+        ("20:128-224@0.08~0.98, 38:224-224,40:288-128@0.5", 20.0,
+         "10:128-224@0.08~0.98,19:224-224,20:288-128@0.5"),
+        ("8:32-512", 1 / 3, None),  # one stage: it ends at the run's end, to the digit
+    ],
+    ids=["double", "halve", "one-stage"],
+)  # fmt: skip
+def test_stretched_stages_keep_the_curriculum_and_end_at_the_epochs(text, epochs, want):
+    """``stretch_stages``: every end epoch scaled so the last is ``epochs`` (what a run of
+    another length needs: the config requires the last stage to end at num_epochs), each
+    stage's size, batch, scale and momentum as they were."""
+    out = curriculum.stretch_stages(text, epochs)
+    if want is not None:
+        assert out == want
+    old, new = curriculum.read_stages(text), curriculum.read_stages(out)
+    assert new[-1][0] == pytest.approx(epochs, rel=1e-11)
+    assert [s[1:] for s in new] == [s[1:] for s in old]
+    assert [n[0] / o[0] for n, o in zip(new, old)] == pytest.approx(
+        [epochs / old[-1][0]] * len(old)
+    )

@@ -127,6 +127,18 @@ def read_stages(text: str) -> list[tuple[float, int, int, float | None, float | 
     return out
 
 
+def stretch_stages(text: str, epochs: float) -> str:
+    """``text`` with every end epoch scaled so that the last stage ends at ``epochs`` (the same
+    curriculum over a longer or shorter run; sizes, batches, scales and momenta unchanged):
+    ``stretch_stages("3:24-512@0.5,8:32-512", 16)`` -> ``"6:24-512@0.5,16:32-512"``."""
+    ends = [t[0] for t in read_stages(text)]
+    factor = epochs / ends[-1]
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    return ",".join(
+        f"{end * factor:.12g}:{p.split(':', 1)[1].strip()}" for end, p in zip(ends, parts)
+    )
+
+
 def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
     """The run's stages; with ``config.stages`` empty, the one stage the flat keys give."""
     d = config.data

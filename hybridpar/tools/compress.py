@@ -1,14 +1,17 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
 [--budget-of weights|file] [--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn]
-[--max-rounds 8] [--calibration max|percentile|mse] [--seed N]``.
+[--max-rounds 8] [--calibration max|percentile|mse] [--seed N] [--init pruned|scratch]``.
 
 The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
 still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
 in int8. Round r prunes round r-1's model to ``(1 - step)^r`` of the teacher's channels in
 every group (``hybridpar.prune``; where that would land under ``K``, to the largest fraction
 that fits ``K``, computed from the pruned shapes), distils it from the teacher for
-``--epochs`` epochs (``hybridpar.runtime.distill``; the run's own optimizer and schedule),
-quantizes it to int8 (``hybridpar.quantize``) and evaluates it on the whole eval split.
+``--epochs`` epochs (``hybridpar.runtime.distill``; the run's own optimizer and schedule;
+with ``--init scratch`` the round's model has the pruned shape but random weights, and
+trains with the teacher's stages stretched to ``--epochs``: an edge-sized model trained
+from the start, distilled, beside the pruned ones), quantizes it to int8
+(``hybridpar.quantize``) and evaluates it on the whole eval split.
 Rounds go on while the int8 top-1 stays within ``--max-drop`` points of the float teacher's
 and the budgeted size is above ``K`` KB (1 KB = 1000 bytes). ``--budget-of`` says which
 size: ``weights`` (the default), the int8 weights (exact from the pruned shapes); ``file``,
@@ -56,8 +59,12 @@ from hybridpar.runtime import trained
 DIR = "compress"
 # What makes the rounds' models: another value on an existing loop is an error. The budget
 # and the drop only say when to stop, so they may change.
-SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration")
-BEFORE = {"calibration": "max"}  # what a loop's settings.json without the key was made with
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration", "init")
+# what a loop's settings.json without the key was made with
+BEFORE = {"calibration": "max", "init": "pruned"}
+# Where a round's model starts: the previous round's pruned weights, or random weights in the
+# pruned shape (the teacher's recipe, curriculum included, stretched to --epochs).
+INITS = ("pruned", "scratch")
 
 
 class Stop:
@@ -203,20 +210,29 @@ def check_settings(args, step: int | None = None) -> None:
         )
 
 
-def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | None = None):
-    """The teacher's config for a round's distillation run: the pruned widths, started from
-    ``pruned``, distilled from the teacher, ``epochs`` long, evaluated at its end; ``seed``
-    (None: the teacher's) sets its data order and augmentation."""
+def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | None = None,
+                 init: str = "pruned"):  # fmt: skip
+    """The teacher's config for a round's distillation run: the pruned widths, distilled
+    from the teacher, ``epochs`` long, evaluated at its end; ``seed`` (None: the teacher's)
+    sets its data order and augmentation. ``init="pruned"``: started from ``pruned``'s
+    weights, one stage; ``"scratch"``: from random weights, with the teacher's stages
+    stretched to ``epochs`` (a model trained from the start needs its recipe)."""
+    from hybridpar.config.curriculum import stretch_stages
+
     c = config.copy_and_resolve_references()
     p = trained.load_config(pruned)
     with c.unlocked():
         if seed is not None:
             c.seed = int(seed)
         c.model = p.model
-        c.init_from = os.path.abspath(pruned)
         c.distill.teacher_workdir = os.path.abspath(workdir)
         c.num_epochs = float(epochs)
-        c.stages = ""
+        if init == "scratch":
+            c.init_from = ""
+            c.stages = stretch_stages(config.stages, epochs) if config.stages else ""
+        else:
+            c.init_from = os.path.abspath(pruned)
+            c.stages = ""
         c.eval_every_epochs = float(epochs)
         c.optim.warmup_epochs = min(c.optim.warmup_epochs, epochs / 4)
         c.target_top1 = c.target_top5 = -1.0
@@ -371,17 +387,19 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
             return quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw), w
     fits = f" (the most that fits {args.budget_kb:g} KB of {args.budget_of})"
     fits = "" if keep == (1 - args.step) ** index else fits
+    scratch = args.init == "scratch"
+    how = "from random weights in the shape of" if scratch else "pruning to"
     log(
-        f"round {index}: pruning to {keep:.3f} of the teacher's channels{fits}, "
+        f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
         f"then {args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)"
     )
-    previous = rows[-1]["run"]
+    previous = w if scratch else rows[-1]["run"]  # scratch: only the widths are used
     pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
     if not os.path.exists(pruned):
         with tune.quiet(rd):
             prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                             reference=reference)  # fmt: skip
-    c = round_config(config, w, pruned, args.epochs, args.seed)
+    c = round_config(config, w, pruned, args.epochs, args.seed, args.init)
     _, summary = tune.run_trainer(c, source)
     if summary.get("preempted"):
         raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
@@ -532,9 +550,7 @@ def outcome(chosen: dict | None, args) -> str | None:
     """Why the loop ended without its goal (the line before exit code 3), or None."""
     if chosen is not None and fits(chosen, args.budget_kb, args.budget_of):
         return None
-    how = (
-        "pass a larger --max-drop or --epochs, a smaller --step, or a larger --budget-kb"
-    )
+    how = "pass a larger --max-drop or --epochs, a smaller --step, or a larger --budget-kb"
     if chosen is None:
         return f"budget not reached: no int8 model within {args.max_drop:g} points; {how}"
     size = bytes_of(chosen, args.budget_of) / 1000
@@ -571,6 +587,10 @@ def _main(argv) -> None:
                         help="distillation epochs per round (default 3)")  # fmt: skip
     parser.add_argument("--criterion", choices=("l1", "bn"), default="l1",
                         help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
+    parser.add_argument("--init", choices=INITS, default="pruned",
+                        help="where each round's model starts: the previous round's weights, "
+                             "pruned (default), or random weights in the pruned shape, trained "
+                             "with the teacher's curriculum stretched to --epochs")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
     parser.add_argument("--seed", type=int, default=None,
                         help="the distillation runs' seed (default: the teacher's); the loop "
