@@ -408,7 +408,8 @@ def test_two_loops_on_one_workdir_exclude_each_other(tmp_path, monkeypatch):
 
 def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeypatch):
     """``--seed N``: the rounds in W/compress_seedN (never mixed with the teacher-seed loop
-    in W/compress), and the distillation config carries the seed."""
+    in W/compress, nor with the --init scratch loop in W/compress_scratch), and the
+    distillation config carries the seed."""
     from hybridpar.tools import compress
 
     w = _fake_teacher(tmp_path / "t")
@@ -418,6 +419,8 @@ def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeyp
     assert not (w / "compress").exists()
     assert _main(w, "--budget-kb", "40")[0] == 0 and len(made) == 6  # its own rounds
     assert _main(w, "--budget-kb", "40", "--seed", "7")[0] == 0 and len(made) == 6  # reused
+    assert _main(w, "--budget-kb", "40", "--init", "scratch")[0] == 0 and len(made) == 9
+    assert (w / "compress_scratch" / "round_02" / "result.json").exists()  # its own loop
 
     teacher = trained.load_config(str(w))
     pruned = tmp_path / "p"
@@ -474,13 +477,15 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
         assert c.init_from == str(rd / "pruned") and c.stages == ""
         assert pruned_from == [rows[-1]["run"]]
 
-    loop = w / "compress"
+    loop = w / {"pruned": "compress", "scratch": "compress_scratch"}[init]
+    assert compress.loop_root(args) == str(loop)  # each init's rounds apart
     loop.mkdir()
     saved = {k: getattr(args, k) for k in compress.SETTINGS}
     (loop / "settings.json").write_text(json.dumps(saved))
     compress.check_settings(args)  # the same loop
-    args.init = {"pruned": "scratch", "scratch": "pruned"}[init]
-    with pytest.raises(ConfigError, match=f"--init={init}"):
+    saved["init"] = {"pruned": "scratch", "scratch": "pruned"}[init]  # made by hand
+    (loop / "settings.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=f"--init={saved['init']}"):
         compress.check_settings(args)
 
 

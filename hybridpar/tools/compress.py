@@ -21,7 +21,8 @@ quantization parameters and structure: from the pruned shapes, an upper bound
 its real file's size).
 
 Every round is kept in ``W/compress/round_NN/`` (``W/compress_seedN/`` with ``--seed N``,
-the distillation runs' seed, so that several seeds of one teacher sit side by side):
+the distillation runs' seed, ``W/compress_scratch[_seedN]/`` with ``--init scratch``, so
+that several seeds and inits of one teacher sit side by side):
 ``pruned/`` (the pruned model, a run at step 0), ``run/`` (its distillation run, a trainer
 workdir: the trainer resumes it),
 ``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
@@ -178,9 +179,11 @@ def saved_teacher_step(root: str, saved: dict) -> int | None:
 
 
 def loop_root(args) -> str:
-    """Where the loop lives: ``W/compress``, or ``W/compress_seedN`` for ``--seed N`` (each
-    seed's rounds apart, the teacher shared)."""
-    name = DIR if args.seed is None else f"{DIR}_seed{args.seed}"
+    """Where the loop lives: ``W/compress``, ``W/compress_seedN`` for ``--seed N``, each with
+    ``_scratch`` after ``compress`` for ``--init scratch`` (each seed's and each init's
+    rounds apart, the teacher shared)."""
+    name = DIR + ("_scratch" if args.init == "scratch" else "")
+    name += "" if args.seed is None else f"_seed{args.seed}"
     return os.path.join(args.workdir, name)
 
 
