@@ -150,14 +150,45 @@ def test_calibration_from_a_run_changes_the_prediction(first, tmp_path, capsys, 
     )  # far below the uncalibrated H100 figures
 
 
-def test_cache_key_follows_config_devices_and_source():
+def test_cache_key_follows_config_devices_source_and_compiler_flags(monkeypatch):
+    monkeypatch.delenv("LIBTPU_INIT_ARGS", raising=False)
     config = cli.load(DIGITS)
     key = plan.cache_key(config, 8, "src")
     assert key == plan.cache_key(cli.load(DIGITS), 8, "src")
     assert key != plan.cache_key(config, 16, "src")
     assert key != plan.cache_key(config, 8, "other source")
+    # the user's TPU compiler flags change what a --target tpu plan compiles to
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_jf_crs_combiner_threshold_count=1")
+    assert key != plan.cache_key(config, 8, "src")
+    monkeypatch.delenv("LIBTPU_INIT_ARGS")
     config.model.bn_sync = "local"
     assert key != plan.cache_key(config, 8, "src")
+
+
+@pytest.mark.parametrize("mode", ["xla", "overlap"])
+def test_a_target_plan_compiles_with_its_own_comm_flags(monkeypatch, mode):
+    """On a TPU target each plan's worker sets that plan's comm flags before its JAX starts:
+    an overlap plan gets the asynchronous all-reduce flags its run would, an xla plan none,
+    whatever the base config said (the report itself stood in for, reading the flags)."""
+    from hybridpar.parallel import comm
+    from hybridpar.tools import comm_report
+
+    class Report:  # what the compiler's environment held when the plan compiled
+        def to_dict(self):
+            return {"flags": os.environ["LIBTPU_INIT_ARGS"]}
+
+    monkeypatch.setattr(comm_report, "report", lambda config, **kw: Report())
+    monkeypatch.setenv("HYBRIDPAR_PLAN_TARGET", "tpu:v5e-8")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_user_flag=1")
+    out = plan.compile_one(DIGITS, [("comm.mode", mode), ("mesh", "data:8")])
+    flags = out["flags"].split()
+    assert "--xla_user_flag=1" in flags  # the user's own stay
+    names = {f.split("=")[0] for f in flags}
+    _, async_names = comm.TPU_ASYNC_ALL_REDUCE
+    if mode == "overlap":
+        assert set(async_names) <= names, flags
+    else:
+        assert not set(async_names) & names, flags
 
 
 def test_candidates_respect_the_rules():
@@ -235,7 +266,8 @@ def _tiny_on_a_pod():
     from hybridpar.tools import targets
 
     config = SimpleNamespace(
-        global_batch=4096 * 8, num_epochs=1,
+        global_batch=4096 * 8,
+        num_epochs=1,
         data=SimpleNamespace(name="images", train_examples=1_281_167),
     )
     rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3}

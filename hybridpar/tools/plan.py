@@ -251,16 +251,23 @@ def _check_values(config, choices: dict, validate) -> None:
 
 
 def compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
-    """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it."""
-    from hybridpar.tools.comm_report import report
+    """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it.
+    For a target, a fresh process per plan (``compile_all``): this plan's own ``comm`` flags
+    go into the compiler's environment before JAX starts here, as its run would get them
+    (an overlap plan's asynchronous all-reduces, an xla plan's none)."""
+    from hybridpar.parallel import comm
+    from hybridpar.tools import targets
 
     config = cli.load(config_path, overrides)
     spec = os.environ.get("HYBRIDPAR_PLAN_TARGET")
-    try:
-        if spec:  # the TPU compiler, on the topology's devices (the environment is set)
-            from hybridpar.tools import targets
+    target = targets.parse(spec) if spec else None
+    if target is not None:
+        comm.apply(config.comm, target.platform, target.chip.name if target.chip else None)
+    from hybridpar.tools.comm_report import report  # JAX starts here
 
-            return report(config, target=targets.parse(spec)).to_dict()
+    try:
+        if target is not None:  # the target's compiler, on its devices (the environment is set)
+            return report(config, target=target).to_dict()
         return report(config, virtual_devices=int(os.environ["HYBRIDPAR_PLAN_DEVICES"])).to_dict()
     except ConfigError as e:  # comm_report's hint about --devices means nothing here
         return {"error": " ".join(str(e).split(" (comm_report: --devices")[0].split())}
@@ -283,20 +290,29 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:  # libtpu: only with the tpu-aot extra
+        return None
+
+
 def cache_key(config, devices: int, source: str) -> str:
-    versions = {n: importlib.metadata.version(n) for n in ("jax", "jaxlib")}
+    versions = {n: _version(n) for n in ("jax", "jaxlib", "libtpu")}
     payload = json.dumps(
         {
             "config": json.loads(config.to_json()),
             "devices": devices,
             "target": os.environ.get("HYBRIDPAR_PLAN_TARGET"),  # None: virtual CPU devices
             "source": source,
-            # flags that change what XLA compiles; the device count is `devices`
+            # flags that change what XLA compiles (the user's; the plan's own comm flags
+            # follow from its config); the device count is `devices`
             "xla_flags": sorted(
                 f
                 for f in os.environ.get("XLA_FLAGS", "").split()
                 if not f.startswith("--xla_force_host_platform_device_count")
             ),
+            "libtpu_init_args": sorted(os.environ.get("LIBTPU_INIT_ARGS", "").split()),
             **versions,
         },
         sort_keys=True,
@@ -330,7 +346,11 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     log(f"plan: compiling {len(todo)} plans for {where}, {jobs} at a time")
     start = time.perf_counter()
     context = multiprocessing.get_context("spawn")  # a fresh JAX per worker, never forked
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+    # for a target, a fresh worker per plan: each plan's comm flags are set before its JAX
+    fresh = 1 if os.environ.get("HYBRIDPAR_PLAN_TARGET") else None
+    with concurrent.futures.ProcessPoolExecutor(
+        jobs, mp_context=context, max_tasks_per_child=fresh
+    ) as pool:
         futures = {
             pool.submit(
                 compile_one, config_path, base_overrides + list(c.overrides(devices).items())
@@ -571,9 +591,12 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument("--heads", help="dense,sharded,partial_fc (default: all three)")
     p.add_argument("--bn-sync", help="global,local (default: both)")
-    p.add_argument("--comm", help="auto, xla, bucketed:MB, overlap:MB, comma-separated "
-                   "(default: the config's, xla unless it is auto, and bucketed at "
-                   "comm.bucket_mb)")
+    p.add_argument(
+        "--comm",
+        help="auto, xla, bucketed:MB, overlap:MB, comma-separated "
+        "(default: the config's, xla unless it is auto, and bucketed at "
+        "comm.bucket_mb)",
+    )
     p.add_argument(
         "--per-device-batch", help="global batch / devices to try (default: the config's)"
     )
@@ -644,8 +667,8 @@ def main(argv=None) -> None:
     if target is not None:  # before anything below starts JAX (workers inherit it)
         from hybridpar.tools import targets
 
-        try:
-            targets.prepare(target, config.comm)
+        try:  # each plan's own comm flags: in its worker (compile_one)
+            targets.prepare(target)
         except ConfigError as e:
             cli.fail(str(e))
         os.environ["HYBRIDPAR_PLAN_TARGET"] = target.spec
