@@ -56,7 +56,7 @@ def get_config(args: str = ""):
         raise ConfigError(f"cifar10_fast.py:{args}: the variant is one of {', '.join(VARIANTS)}")
     width, epochs, stages, target = VARIANTS[variant]
     batches = [int(b) for b in re.findall(r"-(\d+)", stages)]
-    n = int(devices) if devices.isdigit() else 0
+    n = int(devices) if devices.isdecimal() else 0
     if devices and (n < 1 or any(b % n for b in batches)):
         raise ConfigError(
             f"cifar10_fast.py:{args}: the device count must divide the per-device batches "

@@ -80,3 +80,61 @@ def test_tools_that_read_their_runs_config_refuse_and_do_not_advertise_config(
         evaluate_help = __import__("hybridpar.tools.evaluate", fromlist=["main"]).main
         evaluate_help(["--help"])
     assert "--config.KEY" in capsys.readouterr().out  # the control: a tool that takes one
+
+
+@pytest.mark.parametrize(
+    "body,says",
+    [
+        ("def get_config():\n    return 5\n", "returned a int, not a config"),
+        ("def get_config():\n    return {'mesh': 'data:1'}\n", "returned a dict, not a config"),
+        ("def get_config():\n    raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here"),
+        ("def get_config():\n    return 1 / 0\n", "ZeroDivisionError"),
+    ],
+    ids=["int", "dict", "raises", "divides-by-zero"],
+)
+def test_a_config_file_that_loads_but_misbehaves_is_one_error_line(tmp_path, capsys, body, says):
+    """The config file is the user's code: whatever its get_config returns or raises is
+    bad input, one ``error:`` line naming the file, not a traceback."""
+    path = tmp_path / "mine.py"
+    path.write_text(body)
+    with pytest.raises(SystemExit) as e:
+        cli.load(str(path))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert says in err[0] and "mine.py" in err[0], err
+
+
+def test_a_recipes_device_count_is_a_decimal_number(capsys):
+    """``cifar10_fast.py:cpu,2`` shares the batches over 2 devices; a count str.isdigit
+    takes but int() does not ("²") is the recipe's own error line."""
+    import pathlib
+
+    recipe = str(pathlib.Path(DIGITS).with_name("cifar10_fast.py"))
+    assert cli.load(f"{recipe}:cpu,2").stages == "3:24-256@0.5,8:32-256"
+    with pytest.raises(SystemExit) as e:
+        cli.load(f"{recipe}:cpu,\u00b2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "device count" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "override,says",
+    [
+        (("model.num_filters", "0"), "model.num_filters=0 is out of range: it must be >= 1"),
+        (("model.bn_epsilon", "-1.0"), "model.bn_epsilon=-1.0 is out of range: it must be > 0"),
+        (("model.bn_momentum", "1.0"), "model.bn_momentum=1.0 is out of range"),
+        (("data.std", "(0,)"), "data.std=(0,) must be 1 finite number(s), each > 0"),
+        (("data.mean", "('a',)"), "data.mean=('a',) must be 1 finite number(s)"),
+    ],
+    ids=["filters", "epsilon", "bn-momentum", "std", "mean"],
+)
+def test_model_and_pixel_keys_out_of_their_meaning_are_refused_up_front(override, says):
+    """Keys that failed only inside the model or the input (a division by zero in im2col, a
+    string in the normalisation, a step of non-finite losses that named no key): checked
+    with the config, one error line naming the key."""
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.config.schema import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(cli.load(DIGITS, [override]))
+    assert says in str(e.value) and "\n" not in str(e.value), str(e.value)

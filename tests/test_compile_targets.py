@@ -387,13 +387,16 @@ def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
     args = ["--config", DIGITS, *config_args({**TINY_DIGITS, "mesh": "data:8", **overlap})]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "hybridpar.compile", *args, "--target", "tpu:v5e-8"]
+    mine = tmp_path / "programs.bin.tmp"  # the user's own file of that name: left as it is
+    mine.write_text("mine")
     r = subprocess.run([*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert mine.read_text() == "mine" and len(list(tmp_path.iterdir())) == 2
     assert (
         "for TPU v5e v5e:2x4: 8 chips" in r.stdout
         and f"writing the 2 programs to {out}" in r.stdout
     )
-    assert out.exists() and not Path(f"{out}.tmp").exists()
+    assert out.exists()
     last = dict(
         kv.split("=", 1) for kv in r.stdout.strip().splitlines()[-1].split(" ") if "=" in kv
     )
@@ -461,3 +464,17 @@ def test_the_tools_start_jax_on_the_cpu_without_libtpus_warnings():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "cpu", r.stderr[-2000:]
     assert "TPU" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_checking_an_out_file_leaves_the_users_files_alone(tmp_path):
+    """``--out F`` is checked before compiling by writing a file beside it: one of this
+    process's own name, never ``F.tmp``, which may be the user's."""
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.runtime import executables
+
+    mine = tmp_path / "prog.bin.tmp"
+    mine.write_text("mine")
+    executables.check_out(str(tmp_path / "prog.bin"))
+    assert mine.read_text() == "mine" and sorted(tmp_path.iterdir()) == [mine]
+    with pytest.raises(ConfigError, match="cannot write there"):
+        executables.check_out(str(tmp_path / "no" / "prog.bin"))

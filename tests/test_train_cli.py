@@ -389,3 +389,23 @@ def test_a_signal_inside_a_print_is_said_at_the_step_boundary(monkeypatch):
         signal.signal(signal.SIGTERM, before)
     assert said == ["SIGTERM: saving a checkpoint at the next step boundary, then stopping "
                     "(send SIGTERM again to stop at once)"]  # fmt: skip
+
+
+def test_a_folder_with_a_summary_but_no_run_is_refused_and_kept(tmp_path):
+    """A workdir holding someone's summary.json but no run of ours (no config.json, no
+    checkpoint): training there would overwrite it (and a bare {"completed": true} was a
+    KeyError), so it is one error naming the folder, and the file stays as it was."""
+    import json
+
+    from hybridpar.config import cli
+    from hybridpar.config.errors import WorkdirError
+    from hybridpar.runtime import run_config
+
+    w = tmp_path / "mine"
+    w.mkdir()
+    (w / "summary.json").write_text(json.dumps({"completed": True}))
+    with pytest.raises(WorkdirError, match="holds a summary.json but no run"):
+        run_config.check_run(str(w), cli.load(DIGITS))
+    assert json.loads((w / "summary.json").read_text()) == {"completed": True}
+    (w / "summary.json").unlink()
+    assert run_config.check_run(str(w), cli.load(DIGITS)) is None  # the control: a new run

@@ -220,10 +220,17 @@ def load(path: str | None, overrides=()):
         config = load_config(path)
     except ConfigError as e:
         fail(f"could not load the config file: {e}")
-    except (OSError, SyntaxError, ImportError, AttributeError, TypeError) as e:
+    except Exception as e:  # the file is the user's code: whatever it raises is their input
         fail(f"could not load the config file {path!r}: {type(e).__name__}: {e}")
-    if hasattr(config, "lock"):
-        config.lock()  # no new keys: a misspelt one is an error, not a silent new field
+    import ml_collections
+
+    if not isinstance(config, ml_collections.ConfigDict):
+        fail(
+            f"the config file {path!r}: get_config() returned a {type(config).__name__}, not "
+            "a config: return hybridpar.config.schema.base_config() with your changes, as "
+            "experiments/digits.py does"
+        )
+    config.lock()  # no new keys: a misspelt one is an error, not a silent new field
     return apply_overrides(config, overrides, path.partition(":")[0])
 
 

@@ -371,6 +371,9 @@ RANGES = {
     "distill.temperature": (0, None, False, True),
     "distill.alpha": (0, 1, True, True),
     "model.stem_width": (0, None, True, True),
+    "model.num_filters": (1, None, True, True),
+    "model.bn_epsilon": (0, None, False, True),
+    "model.bn_momentum": (0, 1, True, False),
     "optim.lr_batch_base": (0, None, False, True),
     "optim.momentum": (0, 1, True, False),
     "optim.momentum_ramp_epochs": (0, None, True, True),
@@ -464,6 +467,16 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"data.mean and data.std need {c.data.channels} entries "
             "(one per channel, data.channels)"
         )
+    for key in ("data.mean", "data.std"):  # pixel statistics: finite numbers, std above 0
+        v = _get(c, key)
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                   and (key == "data.mean" or x > 0) for x in v):  # fmt: skip
+            example = tuple(_get(base_config(), key))[: c.data.channels]
+            raise ConfigError(
+                f"{key}={tuple(v)!r} must be {c.data.channels} finite number(s)"
+                f"{', each > 0' if key == 'data.std' else ''} (pixel statistics on the 0-255 "
+                f"scale, one per channel), e.g. --config.{key}='{example}'"
+            )
     if c.comm.reduce_dtype == "bfloat16" and c.model.head != "dense" and c.comm.mode != "overlap":
         # The explicit reduction (sync.XlaSync) runs the loss per device under shard_map
         # over the data axes, where a sharded head's own collectives are not set up.

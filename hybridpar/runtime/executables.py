@@ -88,14 +88,20 @@ def describe(program) -> dict:
     }
 
 
+def _tmp_name(path: str) -> str:
+    """Where ``path`` is written before its rename: a name of this process's, so that no
+    file of the user's (a ``path.tmp`` of their own) is truncated or removed."""
+    return f"{path}.tmp-{os.getpid()}"
+
+
 def check_out(path: str) -> None:
-    """``path`` can be written (its ``.tmp`` created and removed), or one error: checked
-    before compiling, which takes minutes for a large model."""
+    """``path`` can be written (a file of this process's own name beside it created and
+    removed), or one error: checked before compiling, which takes minutes for a large model."""
     if os.path.isdir(path):
         raise ConfigError(f"--out {path} is a folder: name a file in it, e.g. {path}/programs.bin")
-    tmp = f"{path}.tmp"
+    tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb"):
+        with open(tmp, "xb"):
             pass
         os.remove(tmp)
     except OSError as e:
@@ -130,9 +136,9 @@ def save(path: str, program, target: str) -> dict:
         payload, in_tree, out_tree = serialize(compiled)
         entries.append(((kind, batch, size), payload, in_tree, out_tree))
         header["programs"].append({"program": kind, "batch": batch, "image_size": size})
-    tmp = f"{path}.tmp"
+    tmp = _tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             pickle.dump({"header": header, "entries": entries}, f)
         os.replace(tmp, path)  # a reader never sees half a file
     except OSError as e:

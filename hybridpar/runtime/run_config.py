@@ -131,6 +131,12 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
                 f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
             )
     summary = read_json(os.path.join(workdir, "summary.json"))
+    if summary is not None and saved is None:  # a run writes config.json long before it
+        raise WorkdirError(
+            f"{workdir!r} holds a summary.json but no run (no config.json, no checkpoint): "
+            "it is not a hybridpar run's, and training there would overwrite it; use a new "
+            "--workdir"
+        )
     if summary is not None and summary.get("completed"):
         if saved is None or not differences(saved, config_dict(config), free=PLACEMENT_KEYS):
             return summary

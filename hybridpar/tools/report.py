@@ -414,6 +414,12 @@ def main(argv=None) -> None:
     for metric, target in asked.items():
         if target is not None and not 0 < target <= 1:
             cli.fail(f"--target-{metric}={target:g} is a fraction: use e.g. 0.93, not 93")
+    if os.path.splitext(args.out)[1].lower() != ".png":  # else matplotlib fails after the reading
+        cli.fail(f"--out {args.out}: the figure is a PNG; name it FILE.png (the table goes "
+                 "beside it as FILE.md)")  # fmt: skip
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):
+        cli.fail(f"--out {args.out}: no folder {folder!r}; make it first, or write elsewhere")
 
     def run():
         table = report(args.workdirs, args.out, {k: v for k, v in asked.items() if v})
