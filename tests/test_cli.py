@@ -138,3 +138,15 @@ def test_model_and_pixel_keys_out_of_their_meaning_are_refused_up_front(override
     with pytest.raises(ConfigError) as e:
         validate(cli.load(DIGITS, [override]))
     assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("rules", ["(('x',),)", "(('embed', 3),)", "('embed',)"])
+def test_logical_rules_that_are_not_pairs_are_refused_with_the_config(rules):
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.config.schema import validate
+
+    with pytest.raises(ConfigError, match="is not a .logical_name, mesh_axis. pair"):
+        validate(cli.load(DIGITS, [("partitioning.logical_rules", rules)]))
+    # the control: a name to an axis, to several, or to none
+    ok = "(('embed', 'fsdp'), ('mlp', ('data', 'model')), ('vocab', None))"
+    validate(cli.load(DIGITS, [("partitioning.logical_rules", ok)]))

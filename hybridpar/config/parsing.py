@@ -33,6 +33,23 @@ def parse_bn_sync(bn_sync: str) -> tuple[str, int]:
     )
 
 
+def check_logical_rules(logical_rules) -> None:
+    """A ``ConfigError`` naming the first ``partitioning.logical_rules`` entry that is not a
+    ``(logical_name, mesh_axis)`` pair (the axis a name, a tuple of names, or None)."""
+
+    def axis(a) -> bool:
+        names = a if isinstance(a, (tuple, list)) else (a,)
+        return a is None or all(isinstance(n, str) for n in names)
+
+    for rule in logical_rules:
+        ok = isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)
+        if not ok or not axis(rule[1]):
+            raise ConfigError(
+                f"partitioning.logical_rules entry {rule!r} is not a (logical_name, mesh_axis) "
+                "pair; write e.g. (('embed', 'fsdp'), ('mlp', 'model'))"
+            )
+
+
 def check_rule_patterns(path_rules) -> None:
     """A ``ConfigError`` naming the first ``(path_regex, spec)`` rule whose regex does not
     compile, or that is not such a pair (``re`` caches the compiled ones for the searches)."""

@@ -16,7 +16,7 @@ import re
 import ml_collections
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.parsing import check_rule_patterns, parse_bn_sync
+from hybridpar.config.parsing import check_logical_rules, check_rule_patterns, parse_bn_sync
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -534,6 +534,7 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             "e.g. --config.optim.warmup_start_factor=1e-4 --config.optim.warmup_epochs=0"
         )
     check_rule_patterns(c.partitioning.rules)
+    check_logical_rules(c.partitioning.logical_rules)
     if c.optim.frozen:
         try:
             re.compile(c.optim.frozen)
