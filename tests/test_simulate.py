@@ -1215,6 +1215,100 @@ def test_cli_errors_are_one_line(capsys):
     assert sim.main(["--preset", "nope"]) == 2
 
 
+def _exit_status(argv) -> int:
+    """`python -m hybridpar.simulate`'s exit status: argparse's errors exit, main's return."""
+    try:
+        return sim.main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+@pytest.mark.parametrize(
+    "argv,flag,fix",
+    [
+        (["--overlap", "nan"], "--overlap", "e.g. 0.8"),
+        (["--overlap", "1.5"], "--overlap", "in [0, 1]"),
+        (["--devics", "8"], "--devics", "--help"),
+        (["--grad-dtype", "int8"], "--grad-dtype", "'bf16'"),
+        (["--per-device-batch", "12.5"], "--per-device-batch", "e.g. 256"),
+        (["--per-device-batch", "0"], "--per-device-batch", "e.g. 256"),  # was ZeroDivisionError
+        (
+            ["--calibrate-from", "METRICS", "--calibrate-devices", "0"],
+            "--calibrate-devices",
+            "e.g. 8",
+        ),
+        (["--calibrate-devices", "2"], "--calibrate-devices", "--calibrate-from"),
+        (["--calibrate-from", "METRICS", "--preset", "a100"], "--calibrate-from", "--preset"),
+        (["--image-size", "-1"], "--image-size", "e.g. 224"),
+        (["--efficiency", "5"], "--efficiency", "(0, 1]"),
+        (["--epochs", "0"], "--epochs", "e.g. 35"),
+        (["--bucket-mb", "-1"], "--bucket-mb", "e.g. 32"),
+        (["--bucket-mb", "1e-9"], "--bucket-mb", "at least"),  # 1e11 buckets: out of memory
+        (
+            ["--input-per-core", "400@128", "--cores-per-device", "0"],
+            "--cores-per-device",
+            "e.g. 4",
+        ),
+        (["--cores-per-device", "4"], "--cores-per-device", "--input-per-core 400@128"),
+        (["--eval-every-epochs", "-1"], "--eval-every-epochs", "e.g. 1"),
+        (["--eval-every-epochs", "1e-320"], "--eval-every-epochs", "e.g. 1"),  # was OverflowError
+        (["--eval-overhead-s", "2"], "--eval-overhead-s", "--eval-every-epochs 1"),
+        (["--devices", "abc"], "--devices", "e.g. 8,16,32"),
+        (["--devices", "8..."], "--devices", "e.g. 8,16,32"),
+        (["--input-per-core", "abc@x", "--cores-per-device", "4"], "--input-per-core", "400@128"),
+        (["--calibrate", "1e9"], "--calibrate", "measured rate"),  # 2e4 times the peak
+        (["--step-overhead-s", "0.084"], "--step-overhead-s", "e.g. 0.004"),  # ditto
+        (["--preset", "nope"], "--preset", "h100"),
+        (["--stages", "20:128"], "--stages", "e.g. 20:128-224"),
+        (["--comm-report", "REPORT", "--devices", "1,3"], "--devices", "e.g. --devices 16"),
+    ],
+)
+def test_cli_bad_input_is_one_error_line_naming_the_flag(tmp_path, capsys, argv, flag, fix):
+    """Each bad value: exit status 2, one `error:` line naming the flag and a fix, nothing on
+    stdout (refused before any work), no traceback (an exception would fail this test)."""
+    metrics = tmp_path / "metrics.jsonl"  # a run 10x faster than an a100's peak
+    line = {"event": "train", "image_size": 224, "global_batch": 256, "images_per_s": 1e5}
+    metrics.write_text("\n".join(json.dumps(line) for _ in range(3)) + "\n")
+    report = tmp_path / "r.json"  # model-parallel 2: odd device counts cannot run it
+    report.write_text(json.dumps(_report_dict([_row("all-reduce", 1, 4, None)], HYBRID)))
+    paths = {"METRICS": str(metrics), "REPORT": str(report)}
+    assert _exit_status([paths.get(a, a) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert flag in lines[0] and fix in lines[0], lines[0]
+    assert out == ""
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--overlap", "0"],
+        ["--overlap", "1"],
+        ["--efficiency", "1"],
+        ["--bucket-mb", "0"],
+        ["--eval-every-epochs", "0"],
+        ["--eval-every-epochs", "1", "--eval-overhead-s", "0"],
+        ["--input-per-core", "400@128", "--cores-per-device", "0.5"],
+        ["--per-device-batch", "1", "--image-size", "1", "--epochs", "0.5"],
+        ["--step-overhead-s", "0", "--step-floor-s", "0", "--calibrate", "100"],
+    ],
+)
+def test_cli_takes_each_flag_at_the_edge_of_its_range(capsys, argv):
+    """The other side of the refusals above: values at the edge of each range still run."""
+    assert _exit_status(["--devices", "8", "--json", *argv]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and json.loads(out)["rows"][0]["devices"] == 8
+
+
+def test_cli_bad_input_exits_2_without_a_traceback_from_python_m():
+    """The process itself: `python -m` with a batch of 0 (it divided by zero)."""
+    proc = _python("-m", "hybridpar.simulate", "--per-device-batch", "0")
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("error: ") and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and "usage:" not in proc.stderr
+
+
 # ----------------------------------------------------------------------------- no JAX
 
 # Runs the CLI as `python -m` does (runpy), then says whether jax was ever imported.

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from hybridpar.config import cli
 from hybridpar.config.formatting import duration, table
@@ -45,6 +47,9 @@ BEYOND = "beyond any published converged batch"
 VALIDATION_FAILED = 1  # exit status of --validate with a case outside the band (2: bad input)
 
 
+DEVICES_FORM = "a comma list and/or doubling range of counts >= 1, e.g. 8,16,32 or 8..4096"
+
+
 def parse_devices(text: str) -> list[int]:
     """ "8,16,32" or a doubling range "8..4096" (or a mix)."""
     out: list[int] = []
@@ -52,21 +57,20 @@ def parse_devices(text: str) -> list[int]:
         part = part.strip()
         if not part:
             continue
-        if ".." in part:
-            lo, hi = (int(x) for x in part.split(".."))
-            if lo < 1 or hi < lo:
-                raise ValueError(f"bad device range {part!r}")
-            v = lo
-            while v <= hi:
-                out.append(v)
-                v *= 2
-        else:
-            v = int(part)
-            if v < 1:
-                raise ValueError(f"device counts must be >= 1, got {v}")
+        lo, dots, hi = part.partition("..")
+        try:
+            lo = int(lo)
+            hi = int(hi) if dots else lo
+        except ValueError:
+            raise ValueError(f"bad device count {part!r}: write {DEVICES_FORM}") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"bad device count {part!r}: write {DEVICES_FORM}")
+        v = lo
+        while v <= hi:
             out.append(v)
+            v *= 2
     if not out:
-        raise ValueError("no device counts given")
+        raise ValueError(f"no device counts given: write {DEVICES_FORM}")
     return out
 
 
@@ -315,15 +319,10 @@ def _calibrated(preset: Preset, workload: Workload, args) -> Preset:
     if args.step_overhead_s is not None:
         changes["step_overhead_s"] = args.step_overhead_s
     if args.input_per_core is not None:
-        rate, sep, size = args.input_per_core.partition("@")
-        if not sep or args.cores_per_device is None:
-            raise ValueError(
-                f"--input-per-core {args.input_per_core!r}: write IMAGES_PER_S@SIZE, e.g. "
-                "400@128, with --cores-per-device"
-            )
+        rate, size = input_per_core(args.input_per_core)
         changes.update(
-            input_images_per_s_per_core=float(rate),
-            input_reference_size=int(size),
+            input_images_per_s_per_core=rate,
+            input_reference_size=size,
             cores_per_device=args.cores_per_device,
         )
     if args.eval_overhead_s is not None:
@@ -334,11 +333,35 @@ def _calibrated(preset: Preset, workload: Workload, args) -> Preset:
         raise ValueError(f"calibration values must be >= 0, got {changes}")
     preset = dataclasses.replace(preset, **changes)
     if "step_overhead_s" in changes:  # the reference rate now includes the overhead
-        preset = with_calibrated_efficiency(preset, workload)
+        try:
+            preset = with_calibrated_efficiency(preset, workload)
+            above_peak(
+                preset.efficiency,
+                "the preset's reference rate with this overhead",
+                "give a smaller overhead, e.g. 0.004",
+            )
+        except ValueError as e:
+            raise ValueError(f"--step-overhead-s {args.step_overhead_s:g}: {e}") from None
     if args.calibrate_from:
-        points = points_from_metrics(args.calibrate_from, args.calibrate_devices)
-        preset = fit_rate(points, preset, workload, f"fitted to {args.calibrate_from}")
+        try:
+            points = points_from_metrics(args.calibrate_from, args.calibrate_devices or 1)
+            preset = fit_rate(points, preset, workload, f"fitted to {args.calibrate_from}")
+            above_peak(
+                preset.efficiency,
+                "the fitted rate",
+                "is --preset the run's device and --calibrate-devices its device count?",
+            )
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--calibrate-from: {e}") from None
     return preset
+
+
+def above_peak(efficiency: float, what: str, fix: str) -> None:
+    """A calibration that makes the device faster than its peak FLOP rate is bad input."""
+    if efficiency > 1:
+        raise ValueError(
+            f"{what} would need {efficiency:.3g} times the device's peak FLOP rate; {fix}"
+        )
 
 
 def _stages(args, report) -> tuple[list[Stage], str]:
@@ -378,11 +401,64 @@ def _images_per_epoch(args, report) -> tuple[int, str]:
     return n, said
 
 
+def number(meaning: str, example: str, ok: Callable[[float], bool]) -> Callable[[str], float]:
+    """`type=` of a float flag: a finite number (`cli.finite_float`) for which `ok` holds,
+    else an error that says what the flag takes and a good value."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cli.finite_float(text)
+        except argparse.ArgumentTypeError:
+            value = math.nan
+        if not ok(value):  # nan fails every comparison
+            raise argparse.ArgumentTypeError(f"{text!r} is not {meaning}; e.g. {example}")
+        return value
+
+    return parse
+
+
+def count(meaning: str, example: str) -> Callable[[str], int]:
+    """`type=` of an integer flag: a whole number >= 1, else an error that says what the
+    flag takes and a good value (a count of 0 divides by zero deep in the model)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {meaning} >= 1; e.g. {example}")
+        return value
+
+    return parse
+
+
+MIN_BUCKET_MB = 0.001  # smaller buckets are millions of list entries, not a what-if
+MAX_EPOCHS = 1e6  # with MIN_EVAL_EVERY: at most 1e9 evaluation passes, a finite count
+MIN_EVAL_EVERY = 0.001
+SECONDS = "a number of seconds >= 0"
+
+
+def input_per_core(text: str) -> tuple[float, int]:
+    """--input-per-core IMAGES_PER_S@SIZE -> (images/s of one core, image size in px)."""
+    rate, sep, size = text.partition("@")
+    try:
+        value = (float(rate), int(size)) if sep else None
+    except ValueError:
+        value = None
+    if value is None or not (math.isfinite(value[0]) and value[0] > 0 and value[1] >= 1):
+        raise ValueError(
+            f"--input-per-core {text!r}: write IMAGES_PER_S@SIZE, a rate > 0 at an image "
+            "size in px, e.g. 400@128, with --cores-per-device"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m hybridpar.simulate",
-        description="Predict ResNet-50 step time, throughput, scaling efficiency and time to "
-        "train on 8 to 4,096 devices (alpha-beta communication model).",
+    ap = cli.ArgumentParser("python -m hybridpar.simulate", takes_config=False)
+    ap.description = (
+        "Predict ResNet-50 step time, throughput, scaling efficiency and time to train on 8 "
+        "to 4,096 devices\n(alpha-beta communication model)."
     )
     ap.add_argument(
         "--preset", default="h100", help=f"hardware: {', '.join(PRESETS)} (aliases: v100, p100)"
@@ -402,14 +478,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--per-device-batch",
-        type=int,
+        type=count("a whole number of images per device", "256"),
         default=None,
         help="images per device (per batch shard) per step (default 256, or the comm "
         "report's own batch)",
     )
     ap.add_argument(
         "--image-size",
-        type=int,
+        type=count("an image side in px, a whole number", "224"),
         default=None,
         help="image side in px (default 224, or the comm report's own size)",
     )
@@ -421,14 +497,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--epochs",
-        type=cli.finite_float,
+        type=number(
+            f"a number of epochs in (0, {MAX_EPOCHS:g}]", "35", lambda v: 0 < v <= MAX_EPOCHS
+        ),
         default=None,
         help="epochs when --stages is not given (default: the comm report's num_epochs; "
         "without a report 35)",
     )
     ap.add_argument(
         "--overlap",
-        type=cli.finite_float,
+        type=number("a fraction in [0, 1]", "0.8", lambda v: 0 <= v <= 1),
         default=0.8,
         help="fraction of the backward pass that can hide communication "
         "(0.8: bucketed/fused reductions; 0: no overlap; not used with a --comm-report "
@@ -444,19 +522,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--bucket-mb",
-        type=cli.finite_float,
+        type=number(
+            f"0 (one fused buffer) or a bucket of at least {MIN_BUCKET_MB:g} MB",
+            "32",
+            lambda v: v == 0 or v >= MIN_BUCKET_MB,
+        ),
         default=32.0,
         help="analytic model: gradient buckets of at most this many MB (0: one fused buffer)",
     )
     ap.add_argument(
         "--efficiency",
-        type=cli.finite_float,
+        type=number("a fraction of peak in (0, 1]", "0.4", lambda v: 0 < v <= 1),
         default=None,
         help="fraction of peak for a ResNet-50 step (default: the preset's calibrated value)",
     )
     ap.add_argument(
         "--calibrate",
-        type=cli.finite_float,
+        type=number("a measured rate in images/s > 0", "2500", lambda v: v > 0),
         default=None,
         metavar="IMAGES_PER_S",
         help="calibrate efficiency from a measured single-device rate at "
@@ -471,19 +553,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--calibrate-devices",
-        type=int,
-        default=1,
+        type=count("a whole number of devices", "8"),
+        default=None,
         help="devices of the --calibrate-from run (its rates are per device; default 1)",
     )
     ap.add_argument(
         "--step-overhead-s",
-        type=cli.finite_float,
+        type=number(SECONDS, "0.004", lambda v: v >= 0),
         default=None,
         help="fixed seconds per step besides the FLOPs (default: the preset's, 0)",
     )
     ap.add_argument(
         "--step-floor-s",
-        type=cli.finite_float,
+        type=number(SECONDS, "0.001", lambda v: v >= 0),
         default=None,
         help="the least a step takes, which it cannot go below however small (default: the "
         "preset's, 0.001; 0: none)",
@@ -496,31 +578,38 @@ def build_parser() -> argparse.ArgumentParser:
         "(bench/input_pipeline.py measures it); needs --cores-per-device",
     )
     ap.add_argument(
-        "--cores-per-device", type=cli.finite_float, default=None, help="host cores per device"
+        "--cores-per-device",
+        type=number("a number of host cores > 0", "4", lambda v: v > 0),
+        default=None,
+        help="host cores per device (with --input-per-core)",
     )
     ap.add_argument(
         "--eval-every-epochs",
-        type=cli.finite_float,
+        type=number(
+            f"0 (none) or a number of epochs >= {MIN_EVAL_EVERY:g}",
+            "1",
+            lambda v: v == 0 or v >= MIN_EVAL_EVERY,
+        ),
         default=0.0,
         help="an evaluation pass every E epochs on the clock (ImageNet's 50,000 images at "
         "224 px; default 0: none)",
     )
     ap.add_argument(
         "--eval-overhead-s",
-        type=cli.finite_float,
+        type=number(SECONDS, "2", lambda v: v >= 0),
         default=None,
-        help="fixed seconds per evaluation pass",
+        help="fixed seconds per evaluation pass (with --eval-every-epochs)",
     )
     ap.add_argument(
         "--images-per-epoch",
-        type=int,
+        type=count("a whole number of images", "1281167"),
         default=None,
         help="training images per epoch (default: the comm report's data set, from its "
         "config; without a report ImageNet's 1,281,167)",
     )
     ap.add_argument(
         "--eval-s-per-epoch",
-        type=cli.finite_float,
+        type=number(SECONDS, "10", lambda v: v >= 0),
         default=0.0,
         help="fixed evaluation cost added per epoch (seconds)",
     )
@@ -537,12 +626,45 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_args(args) -> None:
+    """Every flag's value that argparse's types cannot check alone, before any work: a
+    ValueError naming the flag and what it takes."""
+    # flags that only change what another flag turns on: alone they would do nothing
+    for flag, other, example in (
+        ("--cores-per-device", "--input-per-core", "400@128"),
+        ("--eval-overhead-s", "--eval-every-epochs", "1"),
+        ("--calibrate-devices", "--calibrate-from", "RUN/metrics.jsonl"),
+    ):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and not getattr(args, other[2:].replace("-", "_")):
+            raise ValueError(f"{flag} needs {other}, e.g. {other} {example} {flag} {value:g}")
+    if args.input_per_core is not None:
+        input_per_core(args.input_per_core)
+        if args.cores_per_device is None:
+            raise ValueError(f"--input-per-core {args.input_per_core!r} needs --cores-per-device")
+    for flag, value, parse in (
+        ("--preset", args.preset, get_preset),
+        ("--devices", args.devices, parse_devices),
+        ("--stages", args.stages, parse_stages),
+    ):
+        if value is not None:
+            try:
+                parse(value)
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+    if args.stages is not None and parse_stages(args.stages)[-1].end_epoch > MAX_EPOCHS:
+        raise ValueError(f"--stages {args.stages!r}: end epochs go to {MAX_EPOCHS:g} at most")
+    if args.png and not os.path.isdir(os.path.dirname(args.png) or "."):
+        raise ValueError(f"--png {args.png!r}: no such directory; write it to an existing one")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_args(args)
         return _main(args)
     except (ValueError, TypeError, KeyError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
 
 
@@ -597,8 +719,11 @@ def _main(args) -> int:
     preset = get_preset(args.preset)
     report = None
     if args.comm_report:
-        report = read_comm_report(args.comm_report)
-        workload = workload_from_report(report)
+        try:
+            report = read_comm_report(args.comm_report)
+            workload = workload_from_report(report)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--comm-report: {e}") from None
         # by default simulate the step the report was compiled for
         if args.per_device_batch is None:
             args.per_device_batch = round(workload.reference_batch)
@@ -614,10 +739,24 @@ def _main(args) -> int:
     preset = _calibrated(preset, workload, args)
     efficiency = args.efficiency
     if args.calibrate is not None:
-        efficiency = calibrate(
-            args.calibrate, args.image_size, args.per_device_batch, preset, workload
+        try:
+            efficiency = calibrate(
+                args.calibrate, args.image_size, args.per_device_batch, preset, workload
+            )
+            above_peak(
+                efficiency,
+                f"{args.calibrate:g} images/s",
+                "give one device's measured rate at --image-size and --per-device-batch",
+            )
+        except ValueError as e:
+            raise ValueError(f"--calibrate: {e}") from None
+    devices = parse_devices(args.devices) if args.devices is not None else DEFAULT_DEVICES
+    m = workload.model_parallel
+    if all(p % m for p in devices):  # simulate() skips each one: an empty table
+        raise ValueError(
+            f"--devices {args.devices or '8..4096 (the default)'}: no count is a multiple of "
+            f"the comm report's model-parallel size {m}; pass e.g. --devices {8 * m}"
         )
-    devices = parse_devices(args.devices) if args.devices else DEFAULT_DEVICES
     stages, stages_from = _stages(args, report)
     images_per_epoch, images_from = _images_per_epoch(args, report)
     rows = simulate(
