@@ -558,3 +558,57 @@ def test_an_all_reduce_offloaded_to_the_sparsecores_is_async_beside_the_convolut
                                                                      {"convolution": 1})
     assert (event["start"], event["done"]) == ("start", "done")
     assert event["flops"] == 2 * (8 * 16 * 16 * 8) * (3 * 3 * 4)  # the fusion's convolution
+
+
+class _Compiled(Exception):
+    """Raised by the stand-in for ``report``: a call got as far as compiling."""
+
+
+def _report_refusing_to_compile(args, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``comm_report.main(args)`` in this process with ``report`` (the compile) raising
+    ``_Compiled``: (exit code, stdout, stderr). The variables it sets are put back."""
+    from hybridpar.tools import comm_report
+
+    def compiled(config, virtual_devices=None, target=None):
+        raise _Compiled(virtual_devices)
+
+    monkeypatch.setattr(comm_report, "report", compiled)
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    capsys.readouterr()
+    try:
+        comm_report.main(["--config", DIGITS, *args])
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize(
+    "devices, says",
+    [
+        ("100000", ["--devices=100000", "at most 4096 virtual CPU devices", "--target tpu:"]),
+        ("4097", ["--devices=4097", "at most 4096 virtual CPU devices", "--target tpu:"]),
+        ("0", ["--devices=0", "positive integer"]),
+        ("-8", ["--devices=-8", "positive integer"]),
+    ],
+)
+def test_a_virtual_device_count_out_of_bounds_is_refused_before_compiling(
+    monkeypatch, capsys, devices, says
+):
+    """100,000 virtual devices would hang XLA:CPU's start-up with no output: one ``error:``
+    line naming --devices and --target (the way to compile for a real pod), exit 2."""
+    code, stdout, stderr = _report_refusing_to_compile(["--devices", devices], monkeypatch, capsys)
+    assert code == 2 and stdout == "", stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr
+    assert all(s in lines[0] for s in says), lines[0]
+
+
+def test_the_virtual_device_bound_itself_gets_as_far_as_compiling(monkeypatch, capsys):
+    """The control: 4,096 devices pass the check and reach ``report`` (the stand-in, so no
+    backend starts here), so the refusals above are the bound's."""
+    with pytest.raises(_Compiled) as e:
+        _report_refusing_to_compile(["--devices", "4096"], monkeypatch, capsys)
+    assert e.value.args == (4096,)

@@ -384,3 +384,94 @@ def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():
     cpu = memory_of(compiled(3 * 2**20, 2**20))  # a peak without temporaries: the sum stands
     assert cpu["total"] == 4 * 2**20 and "peak" not in cpu
     assert memory_text(cpu).startswith("4.0 MiB (arguments 1.0")
+
+
+class _Compiled(Exception):
+    """Raised by the stand-ins for the compile entry points: a call got as far as compiling."""
+
+
+def _plan_refusing_to_compile(args, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``plan.main(args)`` in this process with every compile entry point (``compile_plans``,
+    ``compile_one``, ``comm_report.report``) raising ``_Compiled``: (code, stdout, stderr)."""
+    from hybridpar.tools import comm_report
+
+    def compiled(*args, **kwargs):
+        raise _Compiled
+
+    for module, name in ((plan, "compile_plans"), (plan, "compile_one"), (comm_report, "report")):
+        monkeypatch.setattr(module, name, compiled)
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    capsys.readouterr()
+    try:
+        plan.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _metrics_file(path, lines) -> str:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+_TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s": 1000.0}
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--overlap", "3"], ["--overlap=3", "[0, 1]"]),
+        (["--overlap", "-0.5"], ["--overlap=-0.5", "[0, 1]"]),
+        (["--cache-dir", "{file}"], ["--cache-dir", "is a file", "--no-cache"]),
+        (["--cache-dir", "{file}/sub"], ["--cache-dir", "--no-cache"]),
+        (["--calibrate-from", "{tmp}/missing.jsonl"], ["--calibrate-from", "no such file"]),
+        (["--calibrate-from", "{no_train}"], ["--calibrate-from", "no train lines"]),
+        (["--calibrate-from", "{bad_rate}"], ["--calibrate-from", "not a measured rate"]),
+        (["--calibrate-devices", "0"], ["--calibrate-devices=0", ">= 1"]),
+        (["--comm", "bucketed:abc"], ["--comm 'bucketed:abc'", "--comm xla,overlap:4"]),
+        (["--comm", "xla,overlap:0"], ["--comm 'overlap:0'", "--comm xla,overlap:4"]),
+        (["--comm", "overlap:inf"], ["--comm 'overlap:inf'", "--comm xla,overlap:4"]),
+        (["--comm", "xla,bucketed:-4"], ["--comm 'bucketed:-4'", "--comm xla,overlap:4"]),
+        (["--devices", "100000"], ["--devices=100000", "at most 4096", "--target tpu:"]),
+        (["--devices", "4097"], ["--devices=4097", "at most 4096", "--target tpu:"]),
+    ],
+)
+def test_bad_flags_are_refused_before_anything_compiles(tmp_path, capsys, monkeypatch, extra, says):
+    """Each is one ``error:`` line naming the flag, exit 2, before a progress line or a
+    compile: not a traceback or an error after every plan compiled."""
+    afile = tmp_path / "afile"
+    afile.write_text("not a directory")
+    paths = {
+        "tmp": str(tmp_path),
+        "file": str(afile),
+        "no_train": _metrics_file(tmp_path / "eval.jsonl", [{"event": "eval", "top1": 0.5}]),
+        "bad_rate": _metrics_file(tmp_path / "neg.jsonl", [dict(_TRAIN, images_per_s=-5.0)]),
+    }
+    cache = tmp_path / "cache"
+    args = [*ARGS, "--cache-dir", str(cache), *(a.format(**paths) for a in extra)]
+    code, stdout, stderr = _plan_refusing_to_compile(args, monkeypatch, capsys)
+    assert code == 2 and stdout == "", stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), stderr  # no "plan:" line first
+    assert all(s in lines[0] for s in says), lines[0]
+    assert not cache.exists() or not list(cache.iterdir())  # nothing cached
+
+
+def test_good_flags_get_as_far_as_compiling(tmp_path, capsys, monkeypatch):
+    """The control: at the limits the checks allow (overlap 1, 4,096 is the bound, a usable
+    calibration file and cache dir), plan reaches its compile entry point, so the refusals
+    above are the checks' and the stand-in is on the path that compiles."""
+    metrics = _metrics_file(tmp_path / "metrics.jsonl", [_TRAIN] * 3)
+    cache = tmp_path / "new" / "cache"
+    args = [*ARGS, "--overlap", "1", "--comm", "xla,overlap:0.5", "--calibrate-from", metrics,
+            "--calibrate-devices", "8", "--cache-dir", str(cache)]  # fmt: skip
+    with pytest.raises(_Compiled):
+        _plan_refusing_to_compile(args, monkeypatch, capsys)
+    assert cache.is_dir()  # made before compiling
+    assert plan.calibration_points(metrics, 8) == [(16, 4.0, 125.0)]
+    from hybridpar.tools import comm_report
+
+    comm_report.check_virtual_devices(4096, "--devices=4096")  # the bound itself passes

@@ -677,18 +677,38 @@ def format_report(rep: CommReport, config_path: str) -> str:
     return "\n".join(lines)
 
 
+# XLA:CPU makes every virtual device as its backend starts, in a time that grows nearly as
+# the count squared (4,096: 2 s; 16,384: 25 s; 100,000: minutes, with no output). 4,096 is
+# also the most chips of a TPU target (tpu:v5p-8192).
+MAX_VIRTUAL_DEVICES = 4096
+
+
+def check_virtual_devices(n: int, flag: str, gpu: bool = True) -> None:
+    """``n`` virtual CPU devices are at least one and at most ``MAX_VIRTUAL_DEVICES``, or one
+    ``error:`` line naming ``flag`` (``gpu``: whether the tool compiles for GPU targets)."""
+    if n < 1:
+        cli.fail(f"{flag} must be a positive integer")
+    if n > MAX_VIRTUAL_DEVICES:
+        pods = "tpu:CHIP-N" + (" or gpu:GPU-N" if gpu else "")
+        cli.fail(
+            f"{flag}: at most {MAX_VIRTUAL_DEVICES} virtual CPU devices (XLA:CPU's start-up "
+            f"grows about as their count squared); to compile for a real pod use --target {pods} "
+            "instead, e.g. --target tpu:v5p-8192"
+        )
+
+
 def use_virtual_cpu_devices(n: int) -> None:
     """N virtual CPU devices for this process; must run before JAX's backend starts."""
     from hybridpar.tools import targets
 
-    if n < 1:
-        cli.fail(f"--devices={n} must be a positive integer")
+    check_virtual_devices(n, f"--devices={n}")
     targets.prepare(targets.Target("cpu", n))
 
 
-def target_of(spec: str | None, devices: int | None):
+def target_of(spec: str | None, devices: int | None, gpu: bool = True):
     """The ``--target`` of plan and comm_report alike, parsed (None without one), or one
-    ``error:`` line; ``--devices`` beside it must be its count, the one compiled for."""
+    ``error:`` line; ``--devices`` beside it must be its count, the one compiled for
+    (``gpu``: as ``check_virtual_devices``)."""
     if not spec:
         return None
     from hybridpar.tools import targets
@@ -702,6 +722,8 @@ def target_of(spec: str | None, devices: int | None):
             f"--devices={devices} but --target {spec} has {target.devices_count} "
             "devices; pass one of them"
         )
+    if target.platform == "cpu":
+        check_virtual_devices(target.devices_count, f"--target {spec}", gpu)
     return target
 
 

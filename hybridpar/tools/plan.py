@@ -35,9 +35,11 @@ import hashlib
 import importlib.metadata
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,7 +49,11 @@ from hybridpar.config.formatting import GIB, MIB, byte_size, duration, table
 from hybridpar.config.schema import HEADS
 from hybridpar.runtime.comm_report_schema import CommReport, hidden_share
 from hybridpar.runtime.run_records import write_json
-from hybridpar.tools.comm_report import target_of, use_virtual_cpu_devices
+from hybridpar.tools.comm_report import (
+    check_virtual_devices,
+    target_of,
+    use_virtual_cpu_devices,
+)
 
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
@@ -198,6 +204,14 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
             mode in ("bucketed", "overlap")) != bool(mb):  # fmt: skip
             cli.fail(f"--comm {c!r}: write auto, xla, bucketed:MB or overlap:MB, e.g. "
                      "--comm xla,overlap:4")  # fmt: skip
+        if mb:  # else each plan's override fails in its compile, under --config.comm.bucket_mb
+            try:
+                size = float(mb)
+            except ValueError:
+                size = math.nan
+            if not (math.isfinite(size) and size > 0):
+                cli.fail(f"--comm {c!r}: the bucket size MB after {mode}: is a positive "
+                         "number of MiB, e.g. --comm xla,overlap:4")  # fmt: skip
     batches = listed(args.per_device_batch)
     if config.global_batch % devices and not batches:
         cli.fail(
@@ -469,9 +483,31 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
     }
 
 
-def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: int):
-    """`preset` fitted to a run's measured rates, taken to be of the closest compiled plan
-    to the config (`plans` closest first) without a model axis: its FLOPs per image."""
+def calibration_points(metrics_path: str, devices: int) -> list[tuple[int, float, float]]:
+    """The measured points of ``--calibrate-from`` (``simulate.points_from_metrics``), read
+    before anything compiles: a missing or unusable file is one error line, not one after
+    every plan compiled."""
+    from hybridpar import simulate as sim
+
+    try:
+        points = sim.points_from_metrics(metrics_path, devices)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        hint = "" if "metrics.jsonl" in str(e) else "; pass a run's metrics.jsonl"
+        cli.fail(f"--calibrate-from {metrics_path}: {e}{hint}")
+    for size, batch, rate in points:  # what fit_rate refuses, said now
+        if size <= 0 or batch <= 0 or rate <= 0:
+            cli.fail(
+                f"--calibrate-from {metrics_path}: a train line of image size {size}, "
+                f"{batch:g} images per device and {rate:g} img/s is not a measured rate; pass "
+                "a run's metrics.jsonl"
+            )
+    return points
+
+
+def _calibrated(preset, results: dict, plans: list, points: list, metrics_path: str):
+    """`preset` fitted to a run's measured rates (`points`, ``calibration_points``), taken
+    to be of the closest compiled plan to the config (`plans` closest first) without a model
+    axis: its FLOPs per image."""
     from hybridpar import simulate as sim
 
     ok = [c for c in plans if "error" not in results[c]]
@@ -479,11 +515,30 @@ def _calibrated(preset, results: dict, plans: list, metrics_path: str, devices: 
     if not reports:
         return preset
     rep = CommReport.from_dict({k: v for k, v in reports[0].items() if k != "from_cache"})
-    try:
-        points = sim.points_from_metrics(metrics_path, devices)
+    try:  # the one check that needs a compiled plan: the rates against its FLOPs
         return sim.fit_rate(points, preset, sim.workload_from_report(rep), metrics_path)
-    except (OSError, ValueError, KeyError) as e:
+    except ValueError as e:
         cli.fail(f"--calibrate-from {metrics_path}: {e}")
+
+
+def usable_cache_dir(args) -> Path | None:
+    """``--cache-dir`` (or the default) made and written to once, before anything compiles:
+    a file in its place or a read-only one is one error line, not a traceback after every
+    plan compiled. None with ``--no-cache``."""
+    if args.no_cache:
+        return None
+    path = Path(args.cache_dir or default_cache_dir()).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        why = "is a file, not a directory" if path.is_file() else (e.strerror or str(e))
+        cli.fail(
+            f"--cache-dir {path}: {why}; pass a writable directory, e.g. --cache-dir "
+            "/tmp/hybridpar-plan, or --no-cache"
+        )
+    return path
 
 
 def plan_rows(
@@ -614,8 +669,8 @@ def build_parser() -> cli.ArgumentParser:
         "--overlap",
         type=cli.finite_float,
         default=0.8,
-        help="scaling model's overlap of communication with the backward pass (with "
-        "--target, the compiler's schedule says what is hidden instead)",
+        help="scaling model's overlap of communication with the backward pass, in [0, 1] "
+        "(default 0.8; with --target, the compiler's schedule says what is hidden instead)",
     )
     p.add_argument(
         "--calibrate-from",
@@ -638,7 +693,7 @@ def main(argv=None) -> None:
     from hybridpar import simulate as sim
 
     args, config = cli.parse(build_parser(), argv)
-    target = target_of(args.target, args.devices)
+    target = target_of(args.target, args.devices, gpu=False)
     if target is not None:
         args.devices = target.devices_count
         if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
@@ -652,10 +707,23 @@ def main(argv=None) -> None:
     if args.devices is None:
         cli.fail("pass --devices N (virtual CPU devices) or --target tpu:CHIP-N")
     n = args.devices
-    if n < 1 or args.max_plans < 1 or args.jobs < 1:
+    if n < 1 or args.max_plans < 1 or args.jobs < 1 or args.calibrate_devices < 1:
         cli.fail(
-            f"--devices={n}, --max-plans={args.max_plans}, --jobs={args.jobs}: each must be >= 1"
+            f"--devices={n}, --max-plans={args.max_plans}, --jobs={args.jobs}, "
+            f"--calibrate-devices={args.calibrate_devices}: each must be >= 1"
         )
+    if target is None:  # compiled on N virtual CPU devices (a cpu:N target's checked above)
+        check_virtual_devices(n, f"--devices={n}", gpu=False)
+    # Every flag is checked before the first compile: a mistake is one line now, not a
+    # traceback after minutes of compiling.
+    if not 0.0 <= args.overlap <= 1.0:
+        cli.fail(
+            f"--overlap={args.overlap:g}: the share of the backward pass that hides "
+            "communication is in [0, 1], e.g. --overlap 0.8"
+        )
+    points = None
+    if args.calibrate_from:
+        points = calibration_points(args.calibrate_from, args.calibrate_devices)
     try:
         preset = sim.get_preset(args.hardware)
     except ValueError as e:
@@ -681,6 +749,7 @@ def main(argv=None) -> None:
         )
         os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
     os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
+    cache_dir = usable_cache_dir(args)
     config_path, base_overrides = args.config_path, args.config_overrides
 
     def log(message):  # progress on stderr, so --json's stdout stays one object
@@ -704,16 +773,13 @@ def main(argv=None) -> None:
             f"plan: {product} combinations, {len(plans)} valid; the {len(kept)} closest to the "
             f"config are planned (--max-plans {args.max_plans})"
         )
-        cache_dir = None if args.no_cache else Path(args.cache_dir or default_cache_dir())
         results = compile_plans(
             config_path, config, base_overrides, kept, n, args.jobs, cache_dir, log
         )
         limit = int(limit_gib * GIB)
         hardware = preset
         if args.calibrate_from:
-            hardware = _calibrated(
-                preset, results, kept, args.calibrate_from, args.calibrate_devices
-            )
+            hardware = _calibrated(preset, results, kept, points, args.calibrate_from)
         fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap, target)
         if not fits:
             if too_big:
