@@ -461,7 +461,7 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
     monkeypatch.setattr(tune, "run_trainer", lambda c, d: ran.append(c) or (None, {}))
     monkeypatch.setattr(quantize, "run", lambda *a, **k: {"stand-in": True})
     args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
-                              epochs=3.0, criterion="l1", seed=None, init=init,
+                              epochs=3.0, criterion="l1", seed=None, init=init, alpha=None,
                               calibration_batches=1, calibration="max", repeats=1)  # fmt: skip
     rows = [{"run": str(tmp_path / "round_01_run")}]
     rd = tmp_path / "round_02"
@@ -469,7 +469,12 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
     compress.make_round(config, args, 2, 0.25, str(rd), rows, {}, lambda *a: None)
     (c,) = ran
     assert c.model.num_filters == 3 and c.num_epochs == 3.0
-    assert c.distill.teacher_workdir == str(w)
+    assert c.distill.teacher_workdir == str(w) and c.distill.alpha == config.distill.alpha
+    # --alpha: the teacher's share of every round's loss
+    assert (
+        compress.round_config(config, str(w), str(rd / "pruned"), 3.0, alpha=0.25).distill.alpha
+        == 0.25
+    )
     if init == "scratch":
         assert c.init_from == "" and c.stages == "2:16-32,3:16-64"
         assert pruned_from == [str(w)]  # the shape at 0.25 of the teacher's channels
@@ -483,6 +488,12 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
     saved = {k: getattr(args, k) for k in compress.SETTINGS}
     (loop / "settings.json").write_text(json.dumps(saved))
     compress.check_settings(args)  # the same loop
+    args.alpha = 0.5  # a loop made with the run's own alpha is not this one
+    with pytest.raises(
+        ConfigError, match="holds a loop with no --alpha .not 0.5.: pass no --alpha"
+    ):
+        compress.check_settings(args)
+    args.alpha = None
     saved["init"] = {"pruned": "scratch", "scratch": "pruned"}[init]  # made by hand
     (loop / "settings.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=f"--init={saved['init']}"):
@@ -780,8 +791,8 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
     (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
     args = argparse.Namespace(
-        workdir=str(tmp_path), **old, calibration="max", seed=None, init="pruned"
-    )  # a loop from before --init: pruned
+        workdir=str(tmp_path), **old, calibration="max", seed=None, init="pruned", alpha=None
+    )  # a loop from before --init and --alpha: pruned, the run's alpha
     compress.check_settings(args)  # the calibration it was made with
     args.calibration = "mse"  # today's default
     with pytest.raises(ConfigError, match="--calibration=max"):
@@ -794,11 +805,12 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
         (["--budget-kb", "0"], "--budget-kb K > 0"),
         (["--step", "1.5"], "--step=1.5 must be in (0, 1)"),
         (["--max-drop", "-1"], "--max-drop=-1.0 must be >= 0"),
+        (["--alpha", "1.5"], "--alpha=1.5 must be in [0, 1]"),
         (["--epochs", "2"], "holds a loop with --epochs=4"),
         ([], "config.json: pass the --workdir of a training run"),
         ([], "no checkpoint"),
     ],
-    ids=["budget", "step", "drop", "other-loop", "not-a-run", "no-checkpoint"],
+    ids=["budget", "step", "drop", "alpha", "other-loop", "not-a-run", "no-checkpoint"],
 )
 def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar.tools import compress

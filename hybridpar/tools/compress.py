@@ -1,6 +1,7 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
 [--budget-of weights|file] [--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn]
-[--max-rounds 8] [--calibration max|percentile|mse] [--seed N] [--init pruned|scratch]``.
+[--max-rounds 8] [--calibration max|percentile|mse] [--seed N] [--init pruned|scratch]
+[--alpha A]``.
 
 The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
 still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
@@ -60,9 +61,9 @@ from hybridpar.runtime import trained
 DIR = "compress"
 # What makes the rounds' models: another value on an existing loop is an error. The budget
 # and the drop only say when to stop, so they may change.
-SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration", "init")
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration", "init", "alpha")
 # what a loop's settings.json without the key was made with
-BEFORE = {"calibration": "max", "init": "pruned"}
+BEFORE = {"calibration": "max", "init": "pruned", "alpha": None}
 # Where a round's model starts: the previous round's pruned weights, or random weights in the
 # pruned shape (the teacher's recipe, curriculum included, stretched to --epochs).
 INITS = ("pruned", "scratch")
@@ -109,6 +110,8 @@ def check_args(args, config) -> None:
         cli.fail(f"--epochs={args.epochs} must be > 0: each round's distillation, e.g. 3")
     if args.max_rounds < 1:
         cli.fail(f"--max-rounds={args.max_rounds} must be >= 1")
+    if args.alpha is not None and not 0 <= args.alpha <= 1:
+        cli.fail(f"--alpha={args.alpha:g} must be in [0, 1]: the teacher's share of the loss")
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
     if config.distributed:
@@ -200,8 +203,9 @@ def check_settings(args, step: int | None = None) -> None:
         was = saved.get(k, BEFORE.get(k))
         if was != v:
             flag = "--" + k.replace("_", "-")
+            same = f"no {flag}" if was is None else f"{flag}={was}"
             raise ConfigError(
-                f"{loop} holds a loop with {flag}={was} (not {v}): pass {flag}={was} to "
+                f"{loop} holds a loop with {same} (not {v}): pass {same} to "
                 f"continue it, or move {loop} away to start another"
             )
     was = saved_teacher_step(loop, saved)
@@ -214,12 +218,13 @@ def check_settings(args, step: int | None = None) -> None:
 
 
 def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | None = None,
-                 init: str = "pruned"):  # fmt: skip
+                 init: str = "pruned", alpha: float | None = None):  # fmt: skip
     """The teacher's config for a round's distillation run: the pruned widths, distilled
     from the teacher, ``epochs`` long, evaluated at its end; ``seed`` (None: the teacher's)
     sets its data order and augmentation. ``init="pruned"``: started from ``pruned``'s
     weights, one stage; ``"scratch"``: from random weights, with the teacher's stages
-    stretched to ``epochs`` (a model trained from the start needs its recipe)."""
+    stretched to ``epochs`` (a model trained from the start needs its recipe). ``alpha``
+    (None: the teacher config's ``distill.alpha``): the teacher's share of the loss."""
     from hybridpar.config.curriculum import stretch_stages
 
     c = config.copy_and_resolve_references()
@@ -229,6 +234,8 @@ def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | N
             c.seed = int(seed)
         c.model = p.model
         c.distill.teacher_workdir = os.path.abspath(workdir)
+        if alpha is not None:
+            c.distill.alpha = float(alpha)
         c.num_epochs = float(epochs)
         if init == "scratch":
             c.init_from = ""
@@ -402,7 +409,7 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
         with tune.quiet(rd):
             prune.prune_run(previous, pruned, keep, criterion=args.criterion,
                             reference=reference)  # fmt: skip
-    c = round_config(config, w, pruned, args.epochs, args.seed, args.init)
+    c = round_config(config, w, pruned, args.epochs, args.seed, args.init, args.alpha)
     _, summary = tune.run_trainer(c, source)
     if summary.get("preempted"):
         raise KeyboardInterrupt(f"round {index} stopped ({summary['preempted']})")
@@ -594,6 +601,9 @@ def _main(argv) -> None:
                         help="where each round's model starts: the previous round's weights, "
                              "pruned (default), or random weights in the pruned shape, trained "
                              "with the teacher's curriculum stretched to --epochs")  # fmt: skip
+    parser.add_argument("--alpha", type=cli.finite_float, default=None,
+                        help="distillation's weight on the teacher, in [0, 1] (default: the "
+                             "run's distill.alpha, 0.9; 0: the labels alone)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
     parser.add_argument("--seed", type=int, default=None,
                         help="the distillation runs' seed (default: the teacher's); the loop "
