@@ -230,7 +230,8 @@ def load(path: str | None, overrides=()):
             "a config: return hybridpar.config.schema.base_config() with your changes, as "
             "experiments/digits.py does"
         )
-    config.lock()  # no new keys: a misspelt one is an error, not a silent new field
+    if hasattr(config, "lock"):  # (bench/gpu's stand-in for ml_collections has no lock)
+        config.lock()  # no new keys: a misspelt one is an error, not a silent new field
     return apply_overrides(config, overrides, path.partition(":")[0])
 
 

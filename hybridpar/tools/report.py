@@ -417,9 +417,6 @@ def main(argv=None) -> None:
     if os.path.splitext(args.out)[1].lower() != ".png":  # else matplotlib fails after the reading
         cli.fail(f"--out {args.out}: the figure is a PNG; name it FILE.png (the table goes "
                  "beside it as FILE.md)")  # fmt: skip
-    folder = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(folder):
-        cli.fail(f"--out {args.out}: no folder {folder!r}; make it first, or write elsewhere")
 
     def run():
         table = report(args.workdirs, args.out, {k: v for k, v in asked.items() if v})
