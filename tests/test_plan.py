@@ -475,3 +475,16 @@ def test_good_flags_get_as_far_as_compiling(tmp_path, capsys, monkeypatch):
     from hybridpar.tools import comm_report
 
     comm_report.check_virtual_devices(4096, "--devices=4096")  # the bound itself passes
+
+
+def test_a_damaged_cache_file_is_compiled_again_not_a_traceback(tmp_path):
+    """The cache is a shortcut: a file cut short (a full disk, a kill) or not a report is
+    one line and that plan compiled again, not a JSON traceback after the other plans."""
+    said = []
+    for text in ('{"memory_per_device_bytes": 1', "[1, 2]", ""):
+        path = tmp_path / "k.json"
+        path.write_text(text)
+        assert plan.cached_report(path, said.append) is None
+    assert len(said) == 3 and all("compiling that plan again" in s for s in said)
+    path.write_text(json.dumps({"total_bytes": 5}))
+    assert plan.cached_report(path, said.append) == {"total_bytes": 5} and len(said) == 3

@@ -334,6 +334,19 @@ def cache_key(config, devices: int, source: str) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
+def cached_report(path: Path, log) -> dict | None:
+    """A cached plan's report, or None (with a line saying so) where the file does not read
+    back as one: a cache is only a shortcut, so that plan is compiled again."""
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        report = None
+    if not isinstance(report, dict):
+        log(f"plan: {path} is not a cached plan (damaged?): compiling that plan again")
+        return None
+    return report
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "hybridpar" / "plan"
@@ -348,8 +361,9 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
         plan_config = copy.deepcopy(config)
         cli.apply_overrides(plan_config, list(c.overrides(devices).items()))
         path = cache_dir / f"{cache_key(plan_config, devices, source)}.json" if cache_dir else None
-        if path is not None and path.exists():
-            results[c] = dict(json.loads(path.read_text()), from_cache=True)
+        cached = cached_report(path, log) if path is not None and path.exists() else None
+        if cached is not None:
+            results[c] = dict(cached, from_cache=True)
         else:
             todo.append((c, path))
     if results:
