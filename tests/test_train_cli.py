@@ -409,3 +409,6 @@ def test_a_folder_with_a_summary_but_no_run_is_refused_and_kept(tmp_path):
     assert json.loads((w / "summary.json").read_text()) == {"completed": True}
     (w / "summary.json").unlink()
     assert run_config.check_run(str(w), cli.load(DIGITS)) is None  # the control: a new run
+    (w / "config.json").write_text("[1, 2]")  # JSON, but no config (was an AttributeError)
+    with pytest.raises(WorkdirError, match="config.json holds a list, not a run's config"):
+        run_config.check_run(str(w), cli.load(DIGITS))

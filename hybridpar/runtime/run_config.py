@@ -114,7 +114,16 @@ def of_workdir(workdir: str, config) -> dict | None:
     what a resume continues; ``config.json`` (a file anyone may edit) only where there is no
     checkpoint yet."""
     held = held_config(checkpoint_dir(config, workdir))
-    return held[1] if held else read_json(os.path.join(workdir, "config.json"))
+    if held:
+        return held[1]
+    path = os.path.join(workdir, "config.json")
+    saved = read_json(path)
+    if saved is not None and not isinstance(saved, dict):  # JSON, but no config
+        raise WorkdirError(
+            f"{path} holds a {type(saved).__name__}, not a run's config: move it away (or "
+            "use a new --workdir) to start a run there"
+        )
+    return saved
 
 
 def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
