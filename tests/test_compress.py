@@ -421,6 +421,9 @@ def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeyp
     assert _main(w, "--budget-kb", "40", "--seed", "7")[0] == 0 and len(made) == 6  # reused
     assert _main(w, "--budget-kb", "40", "--init", "scratch")[0] == 0 and len(made) == 9
     assert (w / "compress_scratch" / "round_02" / "result.json").exists()  # its own loop
+    # another alpha beside a seed's loop: its own folder, not a refusal of the seed's
+    assert _main(w, "--budget-kb", "40", "--alpha", "0.5", "--seed", "7")[0] == 0
+    assert len(made) == 12 and (w / "compress_alpha0.5_seed7" / "round_02").exists()
 
     teacher = trained.load_config(str(w))
     pruned = tmp_path / "p"
@@ -488,12 +491,13 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
     saved = {k: getattr(args, k) for k in compress.SETTINGS}
     (loop / "settings.json").write_text(json.dumps(saved))
     compress.check_settings(args)  # the same loop
-    args.alpha = 0.5  # a loop made with the run's own alpha is not this one
-    with pytest.raises(
-        ConfigError, match="holds a loop with no --alpha .not 0.5.: pass no --alpha"
-    ):
-        compress.check_settings(args)
+    args.alpha = 0.5  # another alpha: a loop folder of its own, nothing refused
+    assert compress.loop_root(args) == str(loop) + "_alpha0.5"
+    compress.check_settings(args)
     args.alpha = None
+    (loop / "settings.json").write_text(json.dumps({**saved, "alpha": 0.5}))  # made by hand
+    with pytest.raises(ConfigError, match="holds a loop with --alpha=0.5 .not None."):
+        compress.check_settings(args)
     saved["init"] = {"pruned": "scratch", "scratch": "pruned"}[init]  # made by hand
     (loop / "settings.json").write_text(json.dumps(saved))
     with pytest.raises(ConfigError, match=f"--init={saved['init']}"):

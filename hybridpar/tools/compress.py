@@ -22,7 +22,8 @@ quantization parameters and structure: from the pruned shapes, an upper bound
 its real file's size).
 
 Every round is kept in ``W/compress/round_NN/`` (``W/compress_seedN/`` with ``--seed N``,
-the distillation runs' seed, ``W/compress_scratch[_seedN]/`` with ``--init scratch``, so
+the distillation runs' seed, ``W/compress[_scratch][_alphaA][_seedN]/`` with ``--init
+scratch`` and ``--alpha A``, so
 that several seeds and inits of one teacher sit side by side):
 ``pruned/`` (the pruned model, a run at step 0), ``run/`` (its distillation run, a trainer
 workdir: the trainer resumes it),
@@ -182,10 +183,11 @@ def saved_teacher_step(root: str, saved: dict) -> int | None:
 
 
 def loop_root(args) -> str:
-    """Where the loop lives: ``W/compress``, ``W/compress_seedN`` for ``--seed N``, each with
-    ``_scratch`` after ``compress`` for ``--init scratch`` (each seed's and each init's
-    rounds apart, the teacher shared)."""
+    """Where the loop lives: ``W/compress``, ``W/compress_seedN`` for ``--seed N``, with
+    ``_scratch`` for ``--init scratch`` and ``_alphaA`` for ``--alpha A`` before the seed
+    (the loops compared on one teacher apart: each seed's, init's and alpha's)."""
     name = DIR + ("_scratch" if args.init == "scratch" else "")
+    name += "" if args.alpha is None else f"_alpha{args.alpha:g}"
     name += "" if args.seed is None else f"_seed{args.seed}"
     return os.path.join(args.workdir, name)
 
