@@ -195,14 +195,23 @@ def xla_flags(comm_cfg, platform: str, chip: str | None = None) -> list[str]:
 WORKAROUNDS = {"gpu": (((0, 11), "--xla_gpu_enable_triton_gemm=false"),)}
 
 
-def _release(package: str, parts: int) -> tuple[int, ...]:
-    """An installed package's release as its first ``parts`` numbers, read from its metadata
-    (no import); (0,) where it is not installed."""
+def installed_version(package: str) -> str | None:
+    """An installed package's version, read from its metadata (no import); None where it is
+    not installed."""
     from importlib import metadata
 
     try:
-        return tuple(int(p) for p in metadata.version(package).split(".")[:parts])
-    except (metadata.PackageNotFoundError, ValueError):
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _release(package: str, parts: int) -> tuple[int, ...]:
+    """An installed package's release as its first ``parts`` numbers; (0,) where it is not
+    installed."""
+    try:
+        return tuple(int(p) for p in (installed_version(package) or "0").split(".")[:parts])
+    except ValueError:
         return (0,)
 
 

@@ -19,7 +19,6 @@ The file is a pickle (executables and their argument trees): load only files you
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import pickle
@@ -42,13 +41,6 @@ def config_hash(config) -> str:
     flat = run_config.flatten(run_config.config_dict(config))
     kept = {k: v for k, v in sorted(flat.items()) if not k.startswith(NOT_HASHED)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def config_differences(saved: dict, config) -> list[tuple[str, object, object]]:
@@ -81,10 +73,12 @@ def describe(program) -> dict:
         # the steps' schedules are functions of the plan (steps per stage and epoch), which
         # a compile without data takes from data.train_examples
         "plan": [[s.start_step, s.num_steps, s.steps_per_epoch] for s in program.plan.stages],
-        "jax": _version("jax"),
-        "jaxlib": _version("jaxlib"),
-        "libtpu": _version("libtpu") if device.platform == "tpu" else None,
-        "cuda_plugin": _version("jax-cuda12-plugin") if device.platform == "gpu" else None,
+        "jax": comm.installed_version("jax"),
+        "jaxlib": comm.installed_version("jaxlib"),
+        "libtpu": comm.installed_version("libtpu") if device.platform == "tpu" else None,
+        "cuda_plugin": comm.installed_version("jax-cuda12-plugin")
+        if device.platform == "gpu"
+        else None,
     }
 
 

@@ -32,7 +32,6 @@ import concurrent.futures
 import copy
 import dataclasses
 import hashlib
-import importlib.metadata
 import itertools
 import json
 import math
@@ -304,15 +303,10 @@ def _source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:  # libtpu: only with the tpu-aot extra
-        return None
-
-
 def cache_key(config, devices: int, source: str) -> str:
-    versions = {n: _version(n) for n in ("jax", "jaxlib", "libtpu")}
+    from hybridpar.parallel.comm import installed_version
+
+    versions = {n: installed_version(n) for n in ("jax", "jaxlib", "libtpu")}
     payload = json.dumps(
         {
             "config": json.loads(config.to_json()),
