@@ -1261,6 +1261,12 @@ def _exit_status(argv) -> int:
         (["--preset", "nope"], "--preset", "h100"),
         (["--stages", "20:128"], "--stages", "e.g. 20:128-224"),
         (["--comm-report", "REPORT", "--devices", "1,3"], "--devices", "e.g. --devices 16"),
+        # a flag another makes moot is refused, not silently unused
+        (["--comm-report", "REPORT", "--grad-dtype", "bf16"], "--grad-dtype", "drop"),
+        (["--comm-report", "REPORT", "--bucket-mb", "0"], "--bucket-mb", "drop"),
+        (["--stages", "20:128-224", "--epochs", "5"], "--epochs", "drop --epochs"),
+        (["--validate", "--preset", "v100"], "--preset", "drop it"),
+        (["--list-presets", "--validate", "--devices", "8"], "--devices, --validate", "them"),
     ],
 )
 def test_cli_bad_input_is_one_error_line_naming_the_flag(tmp_path, capsys, argv, flag, fix):

@@ -514,7 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--grad-dtype",
-        default="fp32",
+        default=None,
         choices=["fp32", "bf16", "fp16", "preset"],
         help="gradient dtype of the analytic ResNet-50 all-reduce (default fp32: "
         "hybridpar keeps float32 parameters, so their gradients are float32; "
@@ -527,8 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
             "32",
             lambda v: v == 0 or v >= MIN_BUCKET_MB,
         ),
-        default=32.0,
-        help="analytic model: gradient buckets of at most this many MB (0: one fused buffer)",
+        default=None,
+        help="analytic model: gradient buckets of at most this many MB (default 32; 0: one "
+        "fused buffer)",
     )
     ap.add_argument(
         "--efficiency",
@@ -626,9 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def check_args(args) -> None:
+def check_args(args, defaults: dict) -> None:
     """Every flag's value that argparse's types cannot check alone, before any work: a
-    ValueError naming the flag and what it takes."""
+    ValueError naming the flag and what it takes. ``defaults``: the parser's, by dest."""
     # flags that only change what another flag turns on: alone they would do nothing
     for flag, other, example in (
         ("--cores-per-device", "--input-per-core", "400@128"),
@@ -638,6 +639,23 @@ def check_args(args) -> None:
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None and not getattr(args, other[2:].replace("-", "_")):
             raise ValueError(f"{flag} needs {other}, e.g. {other} {example} {flag} {value:g}")
+    # flags another flag makes moot: refused, never silently unused
+    for flag, on, uses in (
+        ("--list-presets", args.list_presets, {"list_presets", "json"}),
+        ("--validate", args.validate, {"validate", "json", "overlap"}),
+    ):
+        given = [k for k, v in vars(args).items() if k not in uses and v != defaults[k]]
+        if on and given:
+            names = ", ".join("--" + k.replace("_", "-") for k in given)
+            raise ValueError(f"{flag} takes no {names}; drop {'it' if len(given) == 1 else 'them'}")
+    report, stages = args.comm_report and "--comm-report", args.stages and "--stages"
+    for flag, value, other, why in (
+        ("--grad-dtype", args.grad_dtype, report, "its compiled collectives have their dtype"),
+        ("--bucket-mb", args.bucket_mb, report, "its compiled collectives have their sizes"),
+        ("--epochs", args.epochs, stages, "the last stage's end epoch is how long"),
+    ):
+        if value is not None and other:
+            raise ValueError(f"{flag} is not used with {other} ({why}); drop {flag}")
     if args.input_per_core is not None:
         input_per_core(args.input_per_core)
         if args.cores_per_device is None:
@@ -659,9 +677,10 @@ def check_args(args) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     try:
-        check_args(args)
+        check_args(args, {k: ap.get_default(k) for k in vars(args)})
         return _main(args)
     except (ValueError, TypeError, KeyError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -730,8 +749,10 @@ def _main(args) -> int:
         if args.image_size is None:
             args.image_size = workload.reference_image_size
     else:
-        grad_dtype = preset.grad_dtype if args.grad_dtype == "preset" else args.grad_dtype
-        workload = resnet50_workload(grad_dtype, args.bucket_mb or None)
+        grad_dtype = args.grad_dtype or "fp32"
+        grad_dtype = preset.grad_dtype if grad_dtype == "preset" else grad_dtype
+        bucket_mb = 32.0 if args.bucket_mb is None else args.bucket_mb
+        workload = resnet50_workload(grad_dtype, bucket_mb or None)
     if args.per_device_batch is None:
         args.per_device_batch = 256
     if args.image_size is None:
