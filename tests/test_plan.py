@@ -249,6 +249,10 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
         (["--heads", "dense,shardedd"], "--heads 'shardedd'"),
         (["--target", "gpu:h100-8"], "the GPU compiler gives no FLOP count ahead of time"),
         (["--target", "tpu:v5e-16"], "--devices=8 but --target tpu:v5e-16 has 16 devices"),
+        # a flag another makes moot is refused, not silently unused
+        (["--calibrate-devices", "8"], "pass --calibrate-from RUN/metrics.jsonl with it"),
+        (["--target", "tpu:v5e-8", "--hardware", "a100"], "--hardware is not used with --target"),
+        (["--target", "tpu:v5e-8", "--calibrate-from", "m.jsonl"], "--calibrate-from is not used"),
     ],
 )
 def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
@@ -430,7 +434,8 @@ _TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s"
         (["--calibrate-from", "{tmp}/missing.jsonl"], ["--calibrate-from", "no such file"]),
         (["--calibrate-from", "{no_train}"], ["--calibrate-from", "no train lines"]),
         (["--calibrate-from", "{bad_rate}"], ["--calibrate-from", "not a measured rate"]),
-        (["--calibrate-devices", "0"], ["--calibrate-devices=0", ">= 1"]),
+        (["--calibrate-devices", "0", "--calibrate-from", "{tmp}/m.jsonl"],
+         ["--calibrate-devices=0", ">= 1"]),  # fmt: skip
         (["--comm", "bucketed:abc"], ["--comm 'bucketed:abc'", "--comm xla,overlap:4"]),
         (["--comm", "xla,overlap:0"], ["--comm 'overlap:0'", "--comm xla,overlap:4"]),
         (["--comm", "overlap:inf"], ["--comm 'overlap:inf'", "--comm xla,overlap:4"]),

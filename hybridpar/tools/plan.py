@@ -639,8 +639,7 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument(
         "--hardware",
-        default="h100",
-        help="scaling-model preset (python -m hybridpar.simulate --list-presets)",
+        help="scaling-model preset (python -m hybridpar.simulate --list-presets; default h100)",
     )
     p.add_argument(
         "--memory-gib",
@@ -687,7 +686,7 @@ def build_parser() -> cli.ArgumentParser:
         "(python -m hybridpar.simulate --calibrate-from; docs/scaling.md)",
     )
     p.add_argument(
-        "--calibrate-devices", type=int, default=1, help="devices of that run (default 1)"
+        "--calibrate-devices", type=int, help="devices of that run (default 1)"
     )
     p.add_argument(
         "--cache-dir", help=f"where compiled results are kept (default {default_cache_dir()})"
@@ -702,6 +701,17 @@ def main(argv=None) -> None:
 
     args, config = cli.parse(build_parser(), argv)
     target = target_of(args.target, args.devices, gpu=False)
+    # flags another makes moot: refused, never silently unused
+    if args.calibrate_devices is not None and not args.calibrate_from:
+        cli.fail("--calibrate-devices says how many devices the --calibrate-from run had; "
+                 "pass --calibrate-from RUN/metrics.jsonl with it, or drop it")  # fmt: skip
+    tpu = target is not None and target.platform == "tpu"
+    for flag, value in (("--hardware", args.hardware), ("--calibrate-from", args.calibrate_from)):
+        if tpu and value is not None:
+            cli.fail(f"{flag} is not used with --target {args.target} (the TPU compiler's "
+                     "figures for the chip replace the scaling model); drop it")  # fmt: skip
+    args.hardware = args.hardware or "h100"
+    args.calibrate_devices = 1 if args.calibrate_devices is None else args.calibrate_devices
     if target is not None:
         args.devices = target.devices_count
         if target.platform == "gpu":  # its ranking needs the compiler's FLOPs
