@@ -241,6 +241,13 @@ def ensure_prepared(d) -> str:
             "or data.prepared_dir (the output of `python -m hybridpar.input.prepare`)"
         )
     wanted = [d.train_split] + ([d.eval_split] if d.eval_split != d.train_split else [])
+    for s in sources:  # before a lock or a folder is made for them in the cache
+        if not os.path.exists(s):
+            raise DataError(
+                f"data.source {os.path.abspath(s)!r} does not exist; set --config.data.source="
+                "PATH[,PATH] to your tars or folders (the experiments' defaults are under "
+                "$HYBRIDPAR_DATA)"
+            )
     if sources:
         from hybridpar.input import prepare as prep
 

@@ -140,6 +140,15 @@ def test_changed_folder_is_prepared_again_saying_what_changed(tmp_path, capsys):
     assert _labels(out, "train") == {"ant/1.jpg": 0, "bee/1.jpg": 1, "bee/2.jpg": 1, "cow/1.jpg": 2}
 
 
+def test_a_missing_source_is_one_error_and_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
+    c = base_config()
+    c.data.update(name="images", source=str(tmp_path / "nowhere" / "train.tar"))
+    with pytest.raises(ConfigError, match=r"data.source '.*nowhere/train.tar' does not exist; set"):
+        datasets.ensure_prepared(c.data)
+    assert not (tmp_path / "cache").exists()  # no lock or empty folder left for it
+
+
 def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_source(tmp_path):
     src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
     tar = tmp_path / "data.tar"
