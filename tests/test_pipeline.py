@@ -381,3 +381,17 @@ def test_prefetch_to_mesh(prepared):
     assert stopped_at <= 4, f"the producer pulled {stopped_at} batches for one consumed"
     time.sleep(0.3)
     assert len(pulled) == stopped_at
+
+
+def test_importing_the_pipeline_logs_nothing():
+    """TensorFlow's start-up banners (oneDNN, CPU features) are not a training run's output:
+    a bad-input run would show them above its one error line."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TF_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import hybridpar.input.pipeline"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stderr == "" and proc.stdout == "", proc.stderr
