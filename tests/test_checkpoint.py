@@ -501,3 +501,13 @@ def test_a_disk_that_fills_during_a_save_is_one_error_line_and_no_traceback(tmp_
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: checkpoint 2 could not be written")
     assert "File too large" in lines[0] and "free space" in lines[0]
+
+
+def test_a_read_only_reader_logs_no_warning(tmp_path, caplog):
+    """The evaluator and compress open a run's checkpoints read-only; orbax's warning that
+    the directory is read-only would read as a permission problem on every start."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    checkpoint.Checkpoints(str(tmp_path), read_only=True).close()
+    assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text

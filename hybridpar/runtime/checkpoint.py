@@ -95,18 +95,25 @@ def _closed_loop(unraisable) -> bool:
     )
 
 
+def _read_only_notice(record: logging.LogRecord) -> bool:
+    """orbax's warning that a manager opened read-only is read-only: what we asked for, and
+    a reader's user would take it for a permission problem."""
+    return record.msg == "Given directory is read only=%s"
+
+
 def quiet_background_failures() -> None:
     """A save that fails (a full disk) fails in orbax's background threads, which report it
     themselves: an ERROR log with a traceback per thread, asyncio's "exception was never
     retrieved" for each write gathered with the failed one, and tensorstore's callbacks into
     the event loop orbax closed on the first error: dozens of tracebacks. ``Checkpoints``
     reports the failure once, as ``SaveFailed`` (the CLI's one ``error:`` line), so these
-    are dropped; other records and hooks are left as they were."""
+    are dropped, and so is orbax's notice that a reader's manager is read-only; other records
+    and hooks are left as they were."""
     global _quiet
     if _quiet:
         return
     _quiet = True
-    keep = lambda record: not _from_orbax(record)  # noqa: E731
+    keep = lambda record: not (_from_orbax(record) or _read_only_notice(record))  # noqa: E731
     logging.getLogger("absl").addFilter(keep)  # orbax logs through absl
     logging.getLogger("asyncio").addFilter(keep)  # the loops' default exception handler
     previous = sys.unraisablehook
