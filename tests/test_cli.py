@@ -58,6 +58,22 @@ def test_evaluate_refuses_a_dead_time_that_is_not_finite(tmp_path, capsys, value
     assert err[0].startswith("error: ") and "--dead-after-s" in err[0], err
 
 
+@pytest.mark.parametrize("flag", ["--poll-s=1", "--dead-after-s=10"])
+def test_evaluate_refuses_a_wait_flag_without_watch(tmp_path, capsys, flag):
+    """Without --watch nothing is waited for: the flag would be silently unused."""
+    from hybridpar.tools import evaluate
+
+    w = tmp_path / "w"
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--workdir", str(w), flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    name = flag.partition("=")[0]
+    assert err[0] == f"error: {name} is not used without --watch (nothing is waited for); " \
+        "pass --watch with it, or drop it", err  # fmt: skip
+    assert not w.exists()
+
+
 @pytest.mark.parametrize("config", [["--config", DIGITS], ["--config.model.num_filters=8"]],
                          ids=["file", "override"])  # fmt: skip
 def test_tools_that_read_their_runs_config_refuse_and_do_not_advertise_config(

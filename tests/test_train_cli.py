@@ -142,6 +142,10 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
             ["--config.mesh=data:4,model:2", "--config.comm.reduce_dtype=bfloat16"],
             "comm.reduce_dtype='bfloat16' under comm.mode=xla needs a mesh over data only",
         ),
+        # a flag another makes moot is refused, not silently unused; before the config is
+        # checked (the mesh here would be the next error, and the run's start without it)
+        (["--recompile", "--config.mesh=data:3"], "error: --recompile says what to do when "
+         "the --compiled file does not fit the run; pass --compiled FILE with it, or drop it"),
     ],
 )
 def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):

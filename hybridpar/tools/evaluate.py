@@ -33,18 +33,24 @@ def main(argv=None) -> None:
         help="evaluate only the checkpoints from this epoch on (default 0: all)",
     )
     parser.add_argument(
-        "--poll-s", type=cli.finite_float, default=5.0, help="seconds between looks (with --watch)"
+        "--poll-s", type=cli.finite_float, help="with --watch: seconds between looks (default 5)"
     )
     parser.add_argument(
         "--dead-after-s",
         type=cli.finite_float,
-        default=300.0,
         help="with --watch: stop with an error once no trainer holds the workdir and no new "
         "checkpoint came for this long (default 300; 0 waits for ever)",
     )
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the training run's)")
+    # without --watch nothing is waited for: these would be silently unused
+    for flag, value in (("--poll-s", args.poll_s), ("--dead-after-s", args.dead_after_s)):
+        if value is not None and not args.watch:
+            cli.fail(f"{flag} is not used without --watch (nothing is waited for); pass --watch "
+                     "with it, or drop it")  # fmt: skip
+    args.poll_s = 5.0 if args.poll_s is None else args.poll_s
+    args.dead_after_s = 300.0 if args.dead_after_s is None else args.dead_after_s
     if not args.poll_s > 0:
         cli.fail(f"--poll-s={args.poll_s:g} must be > 0, e.g. --poll-s=5")
     if not args.dead_after_s >= 0:

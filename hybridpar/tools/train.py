@@ -49,6 +49,9 @@ def _main(argv, early: EarlyStop) -> None:
     args, config = cli.parse(parser, argv)
     if not args.workdir:
         cli.fail("pass --config experiments/NAME.py and --workdir DIR")
+    if args.recompile and not args.compiled:  # else silently a plain run that compiles
+        cli.fail("--recompile says what to do when the --compiled file does not fit the run; "
+                 "pass --compiled FILE with it, or drop it")  # fmt: skip
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
 
