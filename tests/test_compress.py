@@ -803,6 +803,30 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
         compress.check_settings(args)
 
 
+def test_a_scratch_loop_goes_on_whatever_ranking_it_was_saved_with(tmp_path):
+    """--criterion is refused with --init scratch (the rounds keep only the pruned shape), so
+    a scratch loop saved with --criterion bn must go on without it; a pruned loop must not."""
+    import argparse
+
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.tools import compress
+
+    saved = {"step": 0.25, "epochs": 3.0, "criterion": "bn", "calibration_batches": 8,
+             "calibration": "mse", "alpha": None}  # fmt: skip
+    for init in ("scratch", "pruned"):
+        args = argparse.Namespace(workdir=str(tmp_path), **{**saved, "criterion": "l1"},
+                                  seed=None, init=init)  # fmt: skip
+        os.makedirs(compress.loop_root(args))
+        path = os.path.join(compress.loop_root(args), "settings.json")
+        with open(path, "w") as f:
+            json.dump({**saved, "init": init}, f)
+        if init == "scratch":
+            compress.check_settings(args)
+        else:
+            with pytest.raises(ConfigError, match="--criterion=bn"):
+                compress.check_settings(args)
+
+
 @pytest.mark.parametrize(
     "extra,message",
     [
@@ -813,9 +837,14 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
         (["--epochs", "2"], "holds a loop with --epochs=4"),
         ([], "config.json: pass the --workdir of a training run"),
         ([], "no checkpoint"),
+        # a flag another makes moot is refused, not silently unused
+        (["--init", "scratch", "--criterion", "l1"],
+         "--criterion is not used with --init scratch (its rounds start from random weights: "
+         "only the pruned widths are kept); drop --criterion"),
     ],
-    ids=["budget", "step", "drop", "alpha", "other-loop", "not-a-run", "no-checkpoint"],
-)
+    ids=["budget", "step", "drop", "alpha", "other-loop", "not-a-run", "no-checkpoint",
+         "criterion-scratch"],
+)  # fmt: skip
 def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar.tools import compress
 
@@ -828,10 +857,11 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
         os.symlink(teacher[0] / "checkpoints", t / "checkpoints")
         (t / "compress" / "settings.json").write_text(json.dumps(
             {"step": 0.5, "epochs": 4.0, "criterion": "l1", "calibration_batches": 2}))  # fmt: skip
-    elif message.startswith("config.json") or message == "no checkpoint":  # not a run
+    elif message.startswith("config.json") or message == "no checkpoint" or "--init" in extra:
+        # not a run (the flags are checked before the workdir)
         t = tmp_path / "t"
         t.mkdir()
-        if message == "no checkpoint":
+        if message == "no checkpoint" or "--init" in extra:
             (t / "config.json").write_text((teacher[0] / "config.json").read_text())
     argv = _compress(t)[3:] + extra
     with pytest.raises(SystemExit) as e:
@@ -841,3 +871,4 @@ def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     if t.parent == tmp_path:
         assert not (t / "compress").exists() or "holds a loop" in message
+        assert not (t / "compress_scratch").exists()

@@ -216,7 +216,7 @@ def quantize_args(workdir):
     import argparse
 
     return argparse.Namespace(workdir=workdir, calibration_batches=4, repeats=1, overwrite=False,
-                              percentile=99.99)  # fmt: skip
+                              calibration=None, percentile=None, activations="int8")  # fmt: skip
 
 
 def test_int8_accuracy_and_size(quantized):
@@ -330,6 +330,34 @@ def _assert_error(p, *words):
     assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
     for word in words:
         assert word in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra,says",
+    [
+        (["--activations", "none", "--calibration", "max"],
+         "--calibration is not used with --activations none (weight-only int8 calibrates no "
+         "activation ranges); drop it"),
+        (["--activations", "none", "--calibration-batches", "4", "--percentile", "99"],
+         "--calibration-batches, --percentile are not used with --activations none"),
+        (["--percentile", "99.9"], "--percentile is not used with --calibration mse (the "
+         "default); pass --calibration percentile with it, or drop it"),
+        (["--calibration", "max", "--percentile", "99.9"],
+         "--percentile is not used with --calibration max; pass --calibration percentile"),
+        # the control: where the flags are used, the check lets them through
+        (["--calibration", "percentile", "--percentile", "99.9"], "no workdir"),
+        (["--activations", "none"], "no workdir"),
+    ],
+)  # fmt: skip
+def test_a_flag_another_makes_moot_is_one_error_line(tmp_path, capsys, extra, says):
+    """A flag the quantization would not use is refused, not silently unused."""
+    w = tmp_path / "w"
+    with pytest.raises(SystemExit) as e:
+        quantize.main(["--config", DIGITS, "--workdir", str(w), *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert says in err[0], err
+    assert not w.exists()
 
 
 def test_missing_checkpoint_is_an_error(quantized, tmp_path):

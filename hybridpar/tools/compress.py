@@ -115,6 +115,11 @@ def check_args(args, config) -> None:
         cli.fail(f"--alpha={args.alpha:g} must be in [0, 1]: the teacher's share of the loss")
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    # a scratch round keeps only the pruned shape, which the ranking does not change
+    if args.init == "scratch" and args.criterion is not None:
+        cli.fail("--criterion is not used with --init scratch (its rounds start from random "
+                 "weights: only the pruned widths are kept); drop --criterion")  # fmt: skip
+    args.criterion = args.criterion or "l1"
     if config.distributed:
         cli.fail("compress runs in one process: pass --config.distributed=False")
     quantize.check_trained_run(
@@ -203,6 +208,8 @@ def check_settings(args, step: int | None = None) -> None:
     loop = os.path.dirname(path)
     for k, v in settings_of(args).items():
         was = saved.get(k, BEFORE.get(k))
+        if k == "criterion" and args.init == "scratch":
+            continue  # moot there: a scratch loop of either ranking goes on
         if was != v:
             flag = "--" + k.replace("_", "-")
             same = f"no {flag}" if was is None else f"{flag}={was}"
@@ -597,7 +604,7 @@ def _main(argv) -> None:
                         help="fraction of channels pruned per round (default 0.25)")  # fmt: skip
     parser.add_argument("--epochs", type=cli.finite_float, default=3.0,
                         help="distillation epochs per round (default 3)")  # fmt: skip
-    parser.add_argument("--criterion", choices=("l1", "bn"), default="l1",
+    parser.add_argument("--criterion", choices=("l1", "bn"),
                         help="channel ranking (hybridpar.prune; default l1)")  # fmt: skip
     parser.add_argument("--init", choices=INITS, default="pruned",
                         help="where each round's model starts: the previous round's weights, "

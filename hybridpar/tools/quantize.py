@@ -39,12 +39,25 @@ LATENCY_BATCHES = (1, 64)
 def check_args(args, config) -> None:
     """Everything that needs no device and no data: the flags, the workdir, its run's
     config, a checkpoint to read and where the results go."""
-    if args.calibration_batches < 1:
+    if args.calibration_batches is not None and args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
-    if not 0 < args.percentile <= 100:
+    if args.percentile is not None and not 0 < args.percentile <= 100:
         cli.fail(f"--percentile={args.percentile:g} is in (0, 100], e.g. 99.99")
     if args.repeats < 1:
         cli.fail(f"--repeats={args.repeats} must be >= 1, e.g. 5")
+    # flags another makes moot: refused, never silently unused
+    if args.activations == "none":
+        given = [f for f in ("--calibration", "--calibration-batches", "--percentile")
+                 if getattr(args, f[2:].replace("-", "_")) is not None]  # fmt: skip
+        if given:
+            cli.fail(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} not used with "
+                     "--activations none (weight-only int8 calibrates no activation ranges); "
+                     f"drop {'it' if len(given) == 1 else 'them'}")  # fmt: skip
+    calibration = args.calibration or "mse"
+    if args.percentile is not None and calibration != "percentile":
+        cli.fail(f"--percentile is not used with --calibration {calibration}"
+                 f"{'' if args.calibration else ' (the default)'}; pass --calibration "
+                 "percentile with it, or drop it")  # fmt: skip
     if config.distributed:  # every process would write W/quantized/ and time the same CPU
         cli.fail("quantize runs in one process: pass --config.distributed=False")
     why = "quantize reads a trained run's latest checkpoint"
@@ -337,18 +350,18 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--calibration-batches",
         type=int,
-        default=8,
         help="training batches that set the static activation scales (default 8)",
     )
     parser.add_argument(
         "--calibration",
         choices=CALIBRATIONS,
-        default="mse",
         help="each activation's range: mse, the range of least squared quantization error "
         "(default), max |x| over the batches, or a --percentile of |x|",
     )
     parser.add_argument(
-        "--percentile", type=cli.finite_float, default=99.99, help="for --calibration percentile"
+        "--percentile",
+        type=cli.finite_float,
+        help="for --calibration percentile: the percentile of |x| (default 99.99)",
     )
     parser.add_argument("--weights", choices=("int8",), default="int8")
     parser.add_argument(
@@ -371,12 +384,12 @@ def main(argv=None) -> None:
         # without --config: the run's own, its latest checkpoint's
         c = config or trained.load_config(args.workdir, args.config_overrides)
         check_args(args, c)  # before any device or data is touched
+        # a flag not given: run()'s default
+        given = {k: getattr(args, k) for k in ("calibration_batches", "calibration", "percentile")}
         run(
             c,
             args.workdir,
-            calibration_batches=args.calibration_batches,
-            calibration=args.calibration,
-            percentile=args.percentile,
+            **{k: v for k, v in given.items() if v is not None},
             activations=args.activations,
             overwrite=args.overwrite,
             repeats=args.repeats,
