@@ -907,9 +907,11 @@ def main(argv=None) -> int:
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="tar or folder: SPLIT/CLASS/FILE")
     p.add_argument("--out", required=True, help="output folder (shared by all splits)")
     p.add_argument("--copies", default="full", help="e.g. full,160: full size and a 160-px copy")
-    p.add_argument("--quality", type=int, default=90, help="JPEG quality of reduced copies")
+    p.add_argument("--quality", type=int, help="JPEG quality of reduced copies (default 90)")
     p.add_argument(
-        "--serve-ratio", type=cli.finite_float, default=1.25, help="serves up to side / ratio"
+        "--serve-ratio",
+        type=cli.finite_float,
+        help="a reduced copy serves image sizes up to its side / ratio (default 1.25)",
     )
     p.add_argument("--examples-per-shard", type=int, default=1024)
     p.add_argument("--workers", type=int, default=os.cpu_count())
@@ -928,7 +930,17 @@ def main(argv=None) -> int:
     )
     args = vars(p.parse_args(argv))  # the options are named like prepare()'s arguments
     try:
-        copies = _parse_copies(args.pop("copies"))
+        raw = args.pop("copies")
+        copies = _parse_copies(raw)
+        # a full-size copy is never re-encoded and serves every size: these would be unused
+        for key in ("quality", "serve_ratio"):
+            if args[key] is None:
+                del args[key]  # prepare()'s default
+            elif all(c is None for c in copies):
+                flag = "--" + key.replace("_", "-")
+                raise ConfigError(f"{flag} is only used by reduced copies, and --copies {raw} "
+                                  "makes none; pass e.g. --copies full,160 with it, or drop "
+                                  "it")  # fmt: skip
         prepare(args.pop("sources"), args.pop("out"), copies, **args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

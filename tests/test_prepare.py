@@ -387,6 +387,27 @@ def test_bad_sources_and_out_are_config_errors(tmp_path):
         prepare([empty], tmp_path / "file")
 
 
+@pytest.mark.parametrize(
+    "extra, flag",
+    [(["--quality", "80"], "--quality"), (["--serve-ratio", "1.5", "--copies", "full"],
+                                          "--serve-ratio")],
+)  # fmt: skip
+def test_cli_refuses_a_reduced_copy_flag_without_one(tmp_path, capsys, extra, flag):
+    """The full-size copy is never re-encoded and serves every size: --quality and
+    --serve-ratio would be silently unused without a reduced copy."""
+    from hybridpar.input.prepare import main
+
+    _write(tmp_path / "src" / "train" / "cat" / "x.jpg", _jpeg(_image(8, 8)))
+    out = tmp_path / "out"
+    code = main([str(tmp_path / "src"), "--out", str(out), "--workers", "1", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [
+        f"error: {flag} is only used by reduced copies, and --copies full makes none; pass "
+        "e.g. --copies full,160 with it, or drop it"
+    ], err
+    assert not out.exists()
+
+
 def test_cli_missing_source_prints_one_error_line(tmp_path):
     proc = subprocess.run(
         [

@@ -61,6 +61,35 @@ def test_bad_space_is_one_error_line(tmp_path, capsys, space, message):
 
 
 @pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["lr", "--config.tune.space=optim.base_lr=log:0.01..1"],
+         "--config.tune.space is not used by tune lr (it is a tune search key); drop it"),
+        (["lr", "--config.tune.objective=top1"], "--config.tune.objective is not used by tune lr"),
+        (["search", "--trials", "2", "--budget-epochs", "1", "--config.tune.lr_max=1"],
+         "--config.tune.lr_max is not used by tune search (it is a tune lr key); drop it"),
+    ],
+)  # fmt: skip
+def test_the_other_modes_tune_key_is_one_error_line(tmp_path, capsys, argv, says):
+    """A tune key only the other mode reads, set on the command line, is refused: it would
+    be silently unused."""
+    mode, *rest = argv
+    with pytest.raises(SystemExit) as e:
+        tune.main([mode, "--config", DIGITS, "--workdir", str(tmp_path / "s"), *rest])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert says in err[0] and not (tmp_path / "s").exists(), err
+
+
+def test_every_tune_key_belongs_to_one_mode():
+    """The refusal above knows each mode's keys: a new tune key must be put in one."""
+    from hybridpar.config.schema import base_config
+
+    lr, search = set(tune.MODE_KEYS["lr"]), set(tune.MODE_KEYS["search"])
+    assert not lr & search and lr | search == set(base_config().tune.keys())
+
+
+@pytest.mark.parametrize(
     "mesh, space, says",
     [
         (

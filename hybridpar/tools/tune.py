@@ -34,6 +34,12 @@ from hybridpar.config.formatting import pyplot
 from hybridpar.config.schema import config_value
 
 SPACE_EXAMPLE = "optim.base_lr=log:0.01..1,optim.warmup_epochs=0..2,global_batch=32|64"
+# the tune keys each mode reads (every key of the schema's tune section is in one)
+MODE_KEYS = {
+    "lr": ("lr_min", "lr_max", "lr_epochs"),
+    "search": ("space", "objective", "eval_every_epochs", "startup_trials",
+               "prune_after_trials", "prune_warmup_evals"),  # fmt: skip
+}
 
 
 # ---- The search space: tune.space, checked before anything runs ----------------------------------
@@ -669,6 +675,12 @@ def main(argv=None) -> None:
             cli.fail("search needs --budget-epochs E (E > 0), e.g. --budget-epochs 3")
     elif args.trials is not None or args.budget_epochs is not None:
         cli.fail("--trials and --budget-epochs are for search, not lr")
+    # the other mode's tune keys, set here, would be silently unused
+    other = "search" if args.mode == "lr" else "lr"
+    for key, _ in args.config_overrides:
+        if key.partition(".")[2] in MODE_KEYS[other] and key.startswith("tune."):
+            cli.fail(f"--config.{key} is not used by tune {args.mode} (it is a tune {other} "
+                     "key); drop it")  # fmt: skip
 
     def run():
         from hybridpar.config.schema import validate
