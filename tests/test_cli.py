@@ -10,7 +10,7 @@ from hybridpar.config import cli
 
 
 def _parser():
-    parser = cli.ArgumentParser("python -m hybridpar.example")
+    parser = cli.ArgumentParser("python -m hybridpar.example", "An example tool.")
     parser.add_argument("--workdir")
     return parser
 
@@ -31,6 +31,29 @@ def test_parse_from_a_run_keeps_the_overrides_without_a_config(monkeypatch):
     args, config = cli.parse(_parser(), from_run=True)
     assert config is None and args.config_path is None
     assert args.config_overrides == [("optim.base_lr", "0.3")]
+
+
+TOOLS = ("comm_report", "compile", "compress", "evaluate", "plan", "prune", "quantize",
+         "report", "train", "tune")  # fmt: skip
+
+
+@pytest.mark.parametrize("tool", [*TOOLS, "simulate"])
+def test_help_says_what_the_tool_does_in_plain_words(tool, capsys):
+    """--help's line under the usage is the tool's summary for a user: not the module
+    docstring's usage line in reST quotes (it was, cut at its first line), and it names
+    what the tool does."""
+    import importlib
+
+    module = importlib.import_module(
+        "hybridpar.simulate.cli" if tool == "simulate" else f"hybridpar.tools.{tool}"
+    )
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    summary = out.split("\n\n")[1]  # usage, blank line, the summary
+    assert "``" not in summary and not summary.startswith("python -m"), summary
+    assert len(summary.split()) >= 6 and summary.rstrip().endswith((".", ")")), summary
 
 
 def test_no_number_flag_takes_nan_or_inf():

@@ -40,7 +40,9 @@ def device(argv) -> None:
     from hybridpar.config import cli
     from hybridpar.runtime import executables
 
-    parser = cli.ArgumentParser("compile_for.py device", __doc__)
+    parser = cli.ArgumentParser(
+        "compile_for.py device", "The run's programs compiled on this GPU, saved to --out."
+    )
     parser.add_argument("--out", required=True)
     args, config = cli.parse(parser, argv)
 

@@ -1,7 +1,7 @@
 """The one command-line parser of every hybridpar tool: ``--config FILE[:ARGS]`` and
 ``--config.KEY=VALUE`` overrides, plus each tool's own flags.
 
-    parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
+    parser = cli.ArgumentParser("python -m hybridpar.train", "Train a model from a config.")
     parser.add_argument("--workdir", required=True)
     args, config = cli.parse(parser)          # or cli.parse(parser, argv)
     # args.config_path, args.config_overrides: what --config and --config.KEY=VALUE said
@@ -58,13 +58,14 @@ def finite_float(text: str) -> float:
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with our error contract (one ``error:`` line, exit 2, no usage dump)."""
+    """argparse with our error contract (one ``error:`` line, exit 2, no usage dump).
+    ``summary``: what the tool does, for a user (``--help``'s first line under the usage; the
+    module's docstring is for whoever reads the code)."""
 
-    def __init__(self, prog: str, doc: str | None = None, *, takes_config: bool = True, **kw):
-        first = (doc or "").strip().splitlines()
+    def __init__(self, prog: str, summary: str, *, takes_config: bool = True, **kw):
         super().__init__(
             prog=prog,
-            description=first[0] if first else None,
+            description=summary,
             # a tool that reads no config (its runs' own) does not advertise --config
             epilog=CONFIG_HELP if takes_config else None,
             formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -455,10 +455,11 @@ def input_per_core(text: str) -> tuple[float, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = cli.ArgumentParser("python -m hybridpar.simulate", takes_config=False)
-    ap.description = (
+    ap = cli.ArgumentParser(
+        "python -m hybridpar.simulate",
         "Predict ResNet-50 step time, throughput, scaling efficiency and time to train on 8 "
-        "to 4,096 devices\n(alpha-beta communication model)."
+        "to 4,096 devices\n(alpha-beta communication model).",
+        takes_config=False,
     )
     ap.add_argument(
         "--preset", default="h100", help=f"hardware: {', '.join(PRESETS)} (aliases: v100, p100)"

@@ -728,7 +728,13 @@ def target_of(spec: str | None, devices: int | None, gpu: bool = True):
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.comm_report", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.comm_report",
+        (
+            "Compile the train step ahead of time and report what it communicates: every "
+            "collective, bytes, FLOPs and per-device memory."
+        ),
+    )
     parser.add_argument(
         "--devices", type=int, help="compile for N virtual CPU devices instead of the real ones"
     )

@@ -380,7 +380,14 @@ def format_report(report: dict, config_path: str) -> str:
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.compile", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.compile",
+        (
+            "Compile every program a run would compile (each stage's train step, the eval step) "
+            "for a target such as tpu:v5e-16, without running anything; --out saves them for "
+            "train --compiled."
+        ),
+    )
     parser.add_argument(
         "--target",
         help="cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S], e.g. tpu:v5e-16, or "

@@ -591,7 +591,13 @@ def main(argv=None) -> None:
 def _main(argv) -> None:
     from hybridpar.tools import quantize
 
-    parser = cli.ArgumentParser("python -m hybridpar.compress", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.compress",
+        (
+            "Prune, distil and quantize a finished run, round after round, until its int8 model "
+            "fits --budget-kb within --max-drop points of top-1."
+        ),
+    )
     parser.add_argument("--workdir", help="the trained teacher's run (read only)")
     parser.add_argument("--budget-kb", type=cli.finite_float,
                         help="stop once the budgeted size is at most this many KB")  # fmt: skip

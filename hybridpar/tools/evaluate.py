@@ -21,7 +21,13 @@ from hybridpar.config import cli
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.evaluate", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.evaluate",
+        (
+            "Evaluate a training run's checkpoints on the whole eval split, off the training "
+            "clock (--watch: as they are written)."
+        ),
+    )
     parser.add_argument("--workdir", help="the training run's workdir")
     parser.add_argument(
         "--watch", action="store_true", help="wait for new checkpoints until the run's last step"

@@ -626,7 +626,13 @@ def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
 
 
 def build_parser() -> cli.ArgumentParser:
-    p = cli.ArgumentParser("python -m hybridpar.plan", __doc__)
+    p = cli.ArgumentParser(
+        "python -m hybridpar.plan",
+        (
+            "Find the mesh, head, BatchNorm sync, communication and batch that fit a pod and "
+            "train fastest, by compiling each candidate."
+        ),
+    )
     p.add_argument(
         "--devices",
         type=int,

@@ -303,7 +303,14 @@ def overrides(widths: dict) -> str:
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.prune", __doc__, takes_config=False)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.prune",
+        (
+            "Remove whole channels of a trained run's convolutions, keeping --fraction of them: "
+            "the smaller model as a new run at step 0, for train --config.init_from."
+        ),
+        takes_config=False,
+    )
     parser.add_argument("--workdir", help="the trained run's workdir (read only)")
     parser.add_argument("--out", help="where the pruned run goes (a new directory)")
     parser.add_argument("--fraction", type=cli.finite_float,

@@ -398,7 +398,14 @@ def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.report", __doc__, takes_config=False)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.report",
+        (
+            "Compare training runs from their records: one plot of accuracy against time and "
+            "epochs, and a table."
+        ),
+        takes_config=False,
+    )
     parser.add_argument("workdirs", nargs="+", metavar="W", help="training runs' workdirs")
     parser.add_argument("--out", default="report.png", help="the PNG (the table: same, .md)")
     for metric in ("top1", "top5"):

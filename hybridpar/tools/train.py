@@ -28,7 +28,10 @@ def main(argv=None) -> None:
 
 
 def _main(argv, early: EarlyStop) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.train", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.train",
+        "Train a model from an experiment config; the same command resumes a stopped run.",
+    )
     parser.add_argument("--workdir", help="directory for metrics, summary, checkpoints")
     parser.add_argument(
         "--allow-config-change",

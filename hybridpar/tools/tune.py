@@ -660,7 +660,13 @@ def plot_search(study, path: str, name: str) -> None:
 
 
 def main(argv=None) -> None:
-    parser = cli.ArgumentParser("python -m hybridpar.tune", __doc__)
+    parser = cli.ArgumentParser(
+        "python -m hybridpar.tune",
+        (
+            "lr: the learning-rate range test; search: a study over the keys of tune.space, "
+            "each trial a short run of the trainer."
+        ),
+    )
     parser.add_argument("mode", choices=("lr", "search"), help="the LR range test or a search")
     parser.add_argument("--workdir", required=True, help="the test's or the study's directory")
     parser.add_argument("--trials", type=int, help="search: trials in all (finished ones count)")
