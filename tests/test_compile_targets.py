@@ -157,6 +157,41 @@ def test_the_tpu_compiler_reports_per_chip_memory_collectives_and_flops(v5e_8):
 
 
 @needs_libtpu
+def test_a_tpu_compile_leaves_the_persistent_cache_alone(v5e_8):
+    """JAX's persistent cache is on in this process (conftest, as a user's
+    JAX_COMPILATION_CACHE_DIR would be), and a compile-only client cannot read back what it
+    would write there: the second compile for the TPU warned "Error reading persistent
+    compilation cache entry" for each program and compiled again. So compiles for a
+    described device skip the cache: nothing written, nothing warned; and the cache still
+    takes this process's own programs afterwards."""
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+
+    cache = jax.config.jax_compilation_cache_dir
+    assert cache, "the suite runs with JAX's persistent cache on (conftest)"
+
+    def entries():
+        return sorted(p for p in Path(cache).rglob("*") if p.is_file())
+
+    before = entries()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compile_tiny(v5e_8, "data:8", **{"data.num_classes": 11})  # a program new here
+    assert not [w for w in caught if "compilation cache" in str(w.message)], caught
+    assert entries() == before
+    was = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:  # the control: a program of this process's own CPU devices is written
+        jax.jit(lambda x: jnp.sin(x) * 3.25 - 1.5).lower(jnp.ones((7, 13))).compile()
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", was)
+    assert len(entries()) > len(before)
+
+
+@needs_libtpu
 def test_the_tpu_compiler_reduces_xla_modes_gradients_in_bfloat16(v5e_8):
     """comm.reduce_dtype=bfloat16 under comm.mode=xla, as the TPU compiler places it: the
     gradients cross the chips in one all-reduce of 2 bytes a parameter, where the float32

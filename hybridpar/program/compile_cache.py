@@ -16,6 +16,7 @@ and reported the same way.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 _hits = 0  # persistent-cache hits in this process (JAX reports them as monitoring events)
@@ -66,6 +67,36 @@ def enable(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _active = path
+
+
+def compile_only(devices) -> bool:
+    """Whether ``devices`` (a mesh's) are described to a compiler rather than this process's
+    own: a TPU topology's chips or GPUs compiled for ahead of time, on a machine without them.
+    """
+    import jax
+
+    return devices.flat[0] not in jax.devices()  # (a run's mesh is always on these)
+
+
+@contextlib.contextmanager
+def bypassed():
+    """No persistent cache for the compilations inside, whatever is on: what a compile-only
+    client builds for devices it does not have cannot be read back from the cache (jax 0.10,
+    libtpu: "PjRtCompiler must be constructed with a Client", a warning on every later
+    compile, and a useless entry left on disk), and an executable loaded from it serializes
+    without its functions. JAX decides once whether the cache is used: the flag takes
+    effect only after a reset."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache as cc
+
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    cc.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
+        cc.reset_cache()
 
 
 def active() -> str | None:

@@ -50,19 +50,11 @@ def compile_programs(config, target: targets.Target, out: str | None = None, sho
     executables.check_out(out)
     # An executable JAX loaded from its persistent cache serializes without its functions
     # (jax 0.10.2, XLA:CPU: "NOT_FOUND: Function wrapped_add not found" at the loading run's
-    # first step), so a compile for --out never reads that cache. JAX decides once per
-    # process whether the cache is used: the flag takes effect only after a reset.
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache as cc
+    # first step), so a compile for --out never reads that cache.
+    from hybridpar.program import compile_cache
 
-    was = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
-    try:
+    with compile_cache.bypassed():
         return _compile_programs(config, target, out, show)
-    finally:
-        jax.config.update("jax_enable_compilation_cache", was)
-        cc.reset_cache()
 
 
 def _compile_programs(config, target, out, show) -> dict:
