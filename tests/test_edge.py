@@ -21,6 +21,8 @@ and a tiny random airbench net (GELUs, max-pools, unfolded BatchNorms, the globa
   other widths, at most two slacks over it (negative control: no overhead, it undershoots).
 """
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -241,6 +243,22 @@ def test_measure_reports_the_file(exported):
     assert m["agreement"] == m["top1"]
     assert m["latency_ms"] > 0 and 0 < m["efficiency"]
     assert m["ms_at_1tflops"] == pytest.approx(1e6 / (1e12 * m["efficiency"]) * 1e3, rel=1e-9)
+
+
+def test_making_and_running_a_file_prints_nothing_unless_it_fails(exported, capfd):
+    """The converter's and the runtime's C++ log lines ("Ignored output_format", the XNNPACK
+    delegate) and the converter's deprecation notice reached the terminal past sys.stderr,
+    several for every file quantize or a compress round made: held now, and shown only with
+    the error of a block that fails."""
+    arch, _, q, calibration, ranges, _, _ = exported
+    capfd.readouterr()
+    blob = edge.convert(arch, q, MEAN, STD, (SIZE, SIZE, 3), ranges, small=False)
+    edge.runner(blob)(calibration[0][:2])
+    assert capfd.readouterr() == ("", "")
+    with pytest.raises(ValueError, match="planted"), edge.native_log_held():
+        os.write(2, b"a native line\n")
+        raise ValueError("planted")
+    assert capfd.readouterr().err == "a native line\n"
 
 
 def _same_tensors(a, b) -> list[str]:

@@ -41,7 +41,11 @@ and only when they write the file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -211,21 +215,46 @@ def extra_ranges(arch, q, mean, std, image_batches) -> dict:
     )
 
 
+@contextlib.contextmanager
+def native_log_held():
+    """The converter's and the runtime's own log lines, held: TensorFlow Lite's C++ code
+    writes them to file descriptor 2, past Python's ``sys.stderr`` ("Ignored
+    output_format", "Created TensorFlow Lite XNNPACK delegate", a deprecation notice), several
+    for every file made or run. They are shown only if the block raises, before the error."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def _convert(tf, fn, image_shape, representative=None, small: bool = True) -> bytes:
     """The converter's flatbuffer of ``fn``, through ``compact`` when ``small``."""
     spec = tf.TensorSpec((1, *image_shape), tf.float32)
     concrete = tf.function(fn, input_signature=[spec]).get_concrete_function()
-    converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete])
-    converter.optimizations = [tf.lite.Optimize.DEFAULT]
-    # the converter's version and options as a metadata entry: nothing a runtime reads
-    converter.exclude_conversion_metadata = small
-    converter.inference_input_type = tf.uint8  # camera pixels as they come
-    if representative is not None:
-        converter.representative_dataset = representative
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    # else the fake quants make every tensor int8; TFLITE_BUILTINS_INT8 would ask for a
-    # representative dataset (TF 2.21 checks for one before it sees the fake quants)
-    blob = converter.convert()
+    with native_log_held():  # (from_concrete_functions logs a deprecation notice)
+        converter = tf.lite.TFLiteConverter.from_concrete_functions([concrete])
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        # the converter's version and options as a metadata entry: nothing a runtime reads
+        converter.exclude_conversion_metadata = small
+        converter.inference_input_type = tf.uint8  # camera pixels as they come
+        if representative is not None:
+            converter.representative_dataset = representative
+            converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        # else the fake quants make every tensor int8; TFLITE_BUILTINS_INT8 would ask for a
+        # representative dataset (TF 2.21 checks for one before it sees the fake quants)
+        blob = converter.convert()
     return compact(blob) if small else blob
 
 
@@ -437,8 +466,9 @@ def interpreter(blob: bytes, num_threads: int = 1):
         import tensorflow as tf
 
         Interpreter = tf.lite.Interpreter
-    it = Interpreter(model_content=blob, num_threads=num_threads)
-    it.allocate_tensors()
+    with native_log_held():
+        it = Interpreter(model_content=blob, num_threads=num_threads)
+        it.allocate_tensors()
     return it
 
 
