@@ -408,9 +408,11 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
     fits = "" if keep == (1 - args.step) ** index else fits
     scratch = args.init == "scratch"
     how = "from random weights in the shape of" if scratch else "pruning to"
+    alpha = config.distill.alpha if args.alpha is None else args.alpha
     log(
         f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
-        f"then {args.epochs:g} epochs of distillation (log: {rd}/run/log.txt)"
+        f"then {args.epochs:g} epochs of distillation at alpha {alpha:g} (log: "
+        f"{rd}/run/log.txt)"
     )
     previous = w if scratch else rows[-1]["run"]  # scratch: only the widths are used
     pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
@@ -618,7 +620,8 @@ def _main(argv) -> None:
                              "with the teacher's curriculum stretched to --epochs")  # fmt: skip
     parser.add_argument("--alpha", type=cli.finite_float, default=None,
                         help="distillation's weight on the teacher, in [0, 1] (default: the "
-                             "run's distill.alpha, 0.9; 0: the labels alone)")  # fmt: skip
+                             "run's distill.alpha: 0.5, or 0.9 in runs trained before "
+                             "2026-12-06; 0: the labels alone)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8)
     parser.add_argument("--seed", type=int, default=None,
                         help="the distillation runs' seed (default: the teacher's); the loop "
