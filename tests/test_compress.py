@@ -785,6 +785,38 @@ def test_a_file_budget_round_writes_a_file_within_it(teacher, tmp_path):
     assert f" file_kb={size / 1000:.1f} " in last, last
 
 
+@pytest.mark.parametrize("percentile", [None, 99.5])
+def test_percentile_reaches_every_rounds_quantize(tmp_path, monkeypatch, percentile):
+    """``--percentile`` (with ``--calibration percentile``) is what each round's quantize
+    calibrates with, the teacher's round 0 too; without it, quantize's own default. Through
+    ``make_round`` with its pruning, trainer and quantizing stood in for."""
+    import argparse
+
+    from hybridpar.runtime import run_config
+    from hybridpar.tools import compress, prune, quantize, tune
+
+    w = tmp_path / "t"
+    w.mkdir()
+    config = tiny_digits(**LONGER)
+    (w / "config.json").write_text(json.dumps(run_config.config_dict(config)))
+    calls = []
+    monkeypatch.setattr(prune, "prune_run", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "run_trainer", lambda c, d: (None, {}))
+    monkeypatch.setattr(quantize, "run", lambda *a, **k: calls.append(k) or {})
+    monkeypatch.setattr(compress, "round_config", lambda *a: config)
+    args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
+                              epochs=3.0, criterion="l1", seed=None, init="pruned", alpha=None,
+                              calibration_batches=1, calibration="percentile",
+                              percentile=percentile, repeats=1)  # fmt: skip
+    for index in (0, 1):
+        rd = tmp_path / f"round_{index:02d}"
+        rd.mkdir()
+        compress.make_round(config, args, index, 0.5, str(rd), [{"run": str(w)}], {},
+                            lambda *a: None)  # fmt: skip
+    assert [k["calibration"] for k in calls] == ["percentile"] * 2
+    assert [k.get("percentile") for k in calls] == [percentile] * 2
+
+
 def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     import argparse
 
@@ -795,8 +827,9 @@ def test_a_loop_from_before_the_calibration_flag_continues_with_max(tmp_path):
     old = {"step": 0.25, "epochs": 3.0, "criterion": "l1", "calibration_batches": 8}
     (tmp_path / compress.DIR / "settings.json").write_text(json.dumps(old))
     args = argparse.Namespace(
-        workdir=str(tmp_path), **old, calibration="max", seed=None, init="pruned", alpha=None
-    )  # a loop from before --init and --alpha: pruned, the run's alpha
+        workdir=str(tmp_path), **old, calibration="max", seed=None, init="pruned", alpha=None,
+        percentile=None,
+    )  # a loop from before --init, --alpha and --percentile: pruned, the run's alpha
     compress.check_settings(args)  # the calibration it was made with
     args.calibration = "mse"  # today's default
     with pytest.raises(ConfigError, match="--calibration=max"):
@@ -815,7 +848,7 @@ def test_a_scratch_loop_goes_on_whatever_ranking_it_was_saved_with(tmp_path):
              "calibration": "mse", "alpha": None}  # fmt: skip
     for init in ("scratch", "pruned"):
         args = argparse.Namespace(workdir=str(tmp_path), **{**saved, "criterion": "l1"},
-                                  seed=None, init=init)  # fmt: skip
+                                  seed=None, init=init, percentile=None)  # fmt: skip
         os.makedirs(compress.loop_root(args))
         path = os.path.join(compress.loop_root(args), "settings.json")
         with open(path, "w") as f:
@@ -834,6 +867,9 @@ def test_a_scratch_loop_goes_on_whatever_ranking_it_was_saved_with(tmp_path):
         (["--step", "1.5"], "--step=1.5 must be in (0, 1)"),
         (["--max-drop", "-1"], "--max-drop=-1.0 must be >= 0"),
         (["--alpha", "1.5"], "--alpha=1.5 must be in [0, 1]"),
+        (["--calibration", "percentile", "--percentile", "0"], "--percentile=0 is in (0, 100]"),
+        (["--percentile", "99.9"], "--percentile is not used with --calibration mse; pass "
+         "--calibration percentile with it, or drop it"),
         (["--epochs", "2"], "holds a loop with --epochs=4"),
         ([], "config.json: pass the --workdir of a training run"),
         ([], "no checkpoint"),
@@ -842,8 +878,8 @@ def test_a_scratch_loop_goes_on_whatever_ranking_it_was_saved_with(tmp_path):
          "--criterion is not used with --init scratch (its rounds start from random weights: "
          "only the pruned widths are kept); drop --criterion"),
     ],
-    ids=["budget", "step", "drop", "alpha", "other-loop", "not-a-run", "no-checkpoint",
-         "criterion-scratch"],
+    ids=["budget", "step", "drop", "alpha", "percentile", "percentile-moot", "other-loop",
+         "not-a-run", "no-checkpoint", "criterion-scratch"],
 )  # fmt: skip
 def test_bad_input_is_one_error_line(teacher, tmp_path, capsys, extra, message):
     from hybridpar.tools import compress

@@ -1,7 +1,7 @@
 """``python -m hybridpar.compress --config experiments/NAME.py --workdir W --budget-kb K
 [--budget-of weights|file] [--max-drop 1.0] [--step 0.25] [--epochs 3] [--criterion l1|bn]
-[--max-rounds 8] [--calibration max|percentile|mse] [--seed N] [--init pruned|scratch]
-[--alpha A]``.
+[--max-rounds 8] [--calibration max|percentile|mse] [--percentile P] [--seed N]
+[--init pruned|scratch] [--alpha A]``.
 
 The compress-and-retrain loop on the finished run in ``W`` (the teacher, read only: a run
 still training, or stopped before its end, is an ``error:``). Round 0 is the teacher itself
@@ -62,9 +62,10 @@ from hybridpar.runtime import trained
 DIR = "compress"
 # What makes the rounds' models: another value on an existing loop is an error. The budget
 # and the drop only say when to stop, so they may change.
-SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration", "init", "alpha")
-# what a loop's settings.json without the key was made with
-BEFORE = {"calibration": "max", "init": "pruned", "alpha": None}
+SETTINGS = ("step", "epochs", "criterion", "calibration_batches", "calibration", "percentile",
+            "init", "alpha")  # fmt: skip
+# what a loop's settings.json without the key was made with (percentile None: quantize's)
+BEFORE = {"calibration": "max", "init": "pruned", "alpha": None, "percentile": None}
 # Where a round's model starts: the previous round's pruned weights, or random weights in the
 # pruned shape (the teacher's recipe, curriculum included, stretched to --epochs).
 INITS = ("pruned", "scratch")
@@ -115,6 +116,11 @@ def check_args(args, config) -> None:
         cli.fail(f"--alpha={args.alpha:g} must be in [0, 1]: the teacher's share of the loss")
     if args.calibration_batches < 1:
         cli.fail(f"--calibration-batches={args.calibration_batches} must be >= 1, e.g. 8")
+    if args.percentile is not None and not 0 < args.percentile <= 100:
+        cli.fail(f"--percentile={args.percentile:g} is in (0, 100], e.g. 99.99")
+    if args.percentile is not None and args.calibration != "percentile":
+        cli.fail(f"--percentile is not used with --calibration {args.calibration}; pass "
+                 "--calibration percentile with it, or drop it")  # fmt: skip
     # a scratch round keeps only the pruned shape, which the ranking does not change
     if args.init == "scratch" and args.criterion is not None:
         cli.fail("--criterion is not used with --init scratch (its rounds start from random "
@@ -401,6 +407,8 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
     qkw = dict(calibration_batches=args.calibration_batches, calibration=args.calibration,
                repeats=args.repeats, latency_batches=(1,), overwrite=True,
                litert_calibrated=False)  # fmt: skip
+    if args.percentile is not None:  # else quantize's default
+        qkw["percentile"] = args.percentile
     if index == 0:  # the teacher itself, in int8
         with tune.quiet(rd):
             return quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw), w
@@ -629,6 +637,9 @@ def _main(argv) -> None:
     parser.add_argument("--calibration-batches", type=int, default=8)
     parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="mse",
                         help="activation ranges, as hybridpar.quantize's")  # fmt: skip
+    parser.add_argument("--percentile", type=cli.finite_float, default=None,
+                        help="for --calibration percentile: the percentile of |x| (default "
+                             "99.99, as hybridpar.quantize's)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5,
                         help="timed calls per latency figure (median)")  # fmt: skip
     args, config = cli.parse(parser, argv, from_run=True)
