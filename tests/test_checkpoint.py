@@ -274,6 +274,31 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
+def test_checkpoints_in_another_directory_are_an_error_not_a_fresh_start(
+    runs, tmp_path, monkeypatch
+):
+    """checkpoint.dir may change between commands of one run. One naming a directory
+    without the run's checkpoints trained again from step 0 beside them ("no checkpoint
+    in ...: training again"), and the evaluator recorded them as deleted: a relative dir
+    was the current directory's, so a resume started elsewhere did it. A relative dir is
+    now the workdir's, and a moved one an error naming where the checkpoints are."""
+    import re
+
+    w = runs["full"]
+    monkeypatch.chdir(tmp_path)
+    rel = tiny_digits(**{"checkpoint.dir": "ck"})
+    assert checkpoint.checkpoint_dir(rel, str(w)) == str(w / "ck")
+    elsewhere = tmp_path / "elsewhere"
+    where = re.escape(str(w / "checkpoints"))
+    with pytest.raises(ConfigError, match=f"saved its checkpoints in {where} .*"
+                       f"--config.checkpoint.dir={where} to go on"):  # fmt: skip
+        setup(tiny_digits(**{"checkpoint.dir": str(elsewhere)}), str(w), with_data=False)
+    assert not elsewhere.exists()  # nothing made
+    # the control: named where they are, the run is found (finished)
+    moved = tiny_digits(**{"checkpoint.dir": str(w / "checkpoints")})
+    assert setup(moved, str(w), with_data=False).finished
+
+
 def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_path):
     # the placement keys may change: the same (finished) run, not another config
     new = tiny_digits(mesh="data:8", eval_batch=40, **{"partitioning.preset": "fsdp"})

@@ -279,7 +279,8 @@ def base_config() -> ml_collections.ConfigDict:
     # Checkpoints (hybridpar/runtime/checkpoint.py): train state and loop state every every_steps
     # steps and/or every_minutes minutes (0: off), at the last step and on SIGTERM/SIGINT;
     # the newest max_to_keep kept (0: all). async: written in the background while training
-    # goes on (only the copy to host memory blocks). dir "": WORKDIR/checkpoints.
+    # goes on (only the copy to host memory blocks). dir "": WORKDIR/checkpoints; a relative
+    # dir is under WORKDIR.
     c.checkpoint = ml_collections.ConfigDict(
         {"every_steps": 0, "every_minutes": 10.0, "max_to_keep": 3, "async": True, "dir": ""}
     )

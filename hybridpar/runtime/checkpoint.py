@@ -30,7 +30,32 @@ ITEMS = ("state", "loop", "config")
 
 
 def checkpoint_dir(config, workdir: str) -> str:
-    return os.path.abspath(config.checkpoint.dir or os.path.join(workdir, "checkpoints"))
+    """``checkpoint.dir``, a relative one under ``workdir`` (not the current directory: a
+    resume, the evaluator or quantize started elsewhere must find the same checkpoints)."""
+    where = os.path.expanduser(config.checkpoint.dir or "checkpoints")
+    return os.path.abspath(os.path.join(workdir, where))
+
+
+def check_not_moved(workdir: str, directory: str) -> None:
+    """The run's records in ``workdir`` show checkpoints committed in another directory than
+    ``directory``, which holds none: an error, not a run trained again from step 0 beside
+    them (``checkpoint.dir`` may change between commands of one run)."""
+    from hybridpar.runtime import run_records
+
+    if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
+        return
+    recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
+    saved = [r for r in recs if r.event == "checkpoint" and r.path]
+    if not saved:
+        return
+    last = saved[-1]
+    where = os.path.dirname(os.path.normpath(last.path))
+    if where != os.path.normpath(directory):
+        raise WorkdirError(
+            f"this run saved its checkpoints in {where} (the last at step {last.step}), but "
+            f"checkpoint.dir now names {directory}, which holds none; pass "
+            f"--config.checkpoint.dir={where} to go on from them"
+        )
 
 
 def ensure_writable(path: str, what: str, fix: str) -> None:
