@@ -355,3 +355,124 @@ def test_plain_second_ticks_no_empty_panel_and_a_title_of_what_differs(tmp_path)
         run.eval, run.summary = [], None
     assert [a.get_ylabel() for a in report.figure(runs).axes] == ["learning rate",
                                                                    "image size (px)"]  # fmt: skip
+
+
+def test_background_compiles_count_only_the_wait_as_summary_json_does(tmp_path):
+    """A later stage compiled in the background overlaps training: the trainer counts only
+    how long its stage switch waited (``wait_s``), in compile time and in the time to a
+    target without compilation; the report counts the same."""
+    w = tmp_path / "a"
+    bg = {"program": "train", "batch": 64, "background": True}
+    write_jsonl(w / "metrics.jsonl", [
+        ev("compile", 0, 0.0, 7.157, program="train", batch=32, image_size=16, compile_s=3.667),
+        ev("compile", 0, 0.0, 7.158, program="eval", batch=128, image_size=32, compile_s=0.526),
+        stage(0, 0, 0.0, 7.194, 16, 32),
+        evaluation(44, 1.0, 12.535, 0.1, 0.5),
+        ev("compile", 44, 1.0, 13.394, image_size=24, compile_s=6.204, wait_s=0.856, **bg),
+        stage(1, 44, 1.0, 13.395, 24, 64),
+        ev("compile", 66, 2.0, 19.038, image_size=32, compile_s=5.628, wait_s=1.78, **bg),
+        stage(2, 66, 2.0, 19.039, 32, 64),
+        evaluation(88, 3.0, 22.397, 0.56, 0.94),
+    ])  # fmt: skip
+    # the trainer's own numbers for these records
+    (w / "summary.json").write_text(json.dumps({
+        "completed": True, "steps": 88, "wall_s": 22.6, "compile_s": 6.829, "target_top1": 0.4,
+        "time_to_target": {"top1": {"target": 0.4, "value": 0.56, "step": 88, "epoch": 3.0,
+                                    "wall_s": 22.397, "wall_s_without_compile": 15.568}},
+    }))  # fmt: skip
+    run = report.read_run(str(w))
+    assert report.time_to(run, "top1", 0.4) == pytest.approx(
+        {"wall_s": 22.397, "wall_s_without_compile": 15.568})
+    row = table_rows(report.report([str(w)], str(tmp_path / "r.png")))["a"]
+    assert row["compile s"] == "6.8"
+    assert row["time to target"] == "top1 0.4: 22.4s (15.6s w/o compile)"
+
+
+def warmup_run(w: Path, every: int = 1) -> None:
+    """Two stages of 8 and 4 steps an epoch (batch 8, then 16), a warmup and a momentum
+    ramp across the switch; a train line every ``every`` steps (and at each stage's end)
+    with the values the trainer logs: at step s, the schedules at step s - 1, which its
+    last update used."""
+    from hybridpar.config.curriculum import plan_stages, stages_from_config
+    from hybridpar.config.schema import base_config
+    from hybridpar.program.optim import make_momentum_schedule, make_schedule
+
+    c = base_config()
+    c.stages, c.num_epochs = "1:16-1,3:24-2", 3.0
+    c.optim.update(base_lr=0.4, warmup_epochs=1.5, momentum_start=0.5, momentum_ramp_epochs=2.0)
+    plan = plan_stages(stages_from_config(c, 8), lambda batch: 64 // batch, data_parallel=8)
+    lr, momentum = make_schedule(c.optim, plan), make_momentum_schedule(c.optim, plan)
+    w.mkdir(parents=True)
+    (w / "config.json").write_text(c.to_json())
+    recs = []
+    for p in plan.stages:
+        st = p.stage
+        recs.append(ev("stage", p.start_step, p.start_epoch, 1.0, stage=p.index,
+                       image_size=st.image_size, global_batch=st.global_batch, data_parallel=8))
+        recs += [ev("train", s, round(plan.epoch_at(s), 4), 1.0 + s, loss=1.0,
+                    lr=float(lr(s - 1)), momentum=float(momentum(s - 1)), stage=p.index,
+                    image_size=st.image_size, global_batch=st.global_batch)
+                 for s in range(p.start_step + 1, p.end_step + 1)
+                 if s % every == 0 or s == p.end_step]  # fmt: skip
+    write_jsonl(w / "metrics.jsonl", recs)
+
+
+def off_curve(curve, dots) -> float:
+    """The largest vertical distance of a dot from the curve (a polyline whose steps are
+    two points at one x)."""
+    (xs, ys), worst = curve, 0.0
+    for x, y in zip(*dots):
+        gaps = []
+        for x0, x1, y0, y1 in zip(xs, xs[1:], ys, ys[1:]):
+            if x0 == x1 == x:  # a step: anywhere between its two values
+                gaps.append(max(min(y0, y1) - y, y - max(y0, y1), 0.0))
+            elif x0 <= x <= x1 and x0 < x1:
+                gaps.append(abs(y0 + (y1 - y0) * (x - x0) / (x1 - x0) - y))
+        worst = max(worst, min(gaps))
+    return worst
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_logged_learning_rate_and_momentum_lie_on_the_schedule_curve(tmp_path, every):
+    """A line at step s logs the values step s - 1 ran with: drawn where that step began,
+    one step's epochs before the line's own epoch (a step's length from its stage, so with
+    a batch that changes per stage and with lines that are not every step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    warmup_run(tmp_path / "a", every)
+    fig = report.figure([("a", report.read_run(str(tmp_path / "a")))])
+    for name in ("learning rate", "momentum"):
+        ax = next(a for a in fig.axes if a.get_ylabel() == name)
+        curve = [(line.get_xdata(), line.get_ydata()) for line in ax.lines
+                 if line.get_label() == "a"]  # fmt: skip
+        dots = [(line.get_xdata(), line.get_ydata()) for line in ax.lines
+                if line.get_linestyle() == "None"]  # fmt: skip
+        assert len(dots) == 1 and len(dots[0][0]) >= 7, name
+        # a step's change in warmup is over 1/12 of the peak: a dot a step off is far off
+        assert off_curve(curve[0], dots[0]) <= 1e-3 * max(curve[0][1]), name
+
+
+def test_a_long_title_is_wrapped_to_the_figure_width(tmp_path):
+    """Many keys that differ, with long values and run names: the title's lines are broken
+    (nothing lost) so that each fits the figure's width as drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    names = ("a-run-with-a-rather-long-name", "b-run-with-a-rather-long-name")
+    for name in names:
+        config_run(tmp_path / name, "2:16-4,4:24-4")
+        c = json.loads((tmp_path / name / "config.json").read_text())
+        c |= {key: f"{key}-{name[0] * 30}" for key in ("init_from", "mesh", "note", "label")}
+        (tmp_path / name / "config.json").write_text(json.dumps(c))
+    runs = [(n, report.read_run(str(tmp_path / n))) for n in names]
+    schedules = [report.schedule(r) for _, r in runs]
+    whole = report.title(runs, schedules, report.drawn(schedules), True)
+    assert max(len(line) for line in whole.splitlines()) > 400  # far wider than the figure
+    fig = report.figure(runs)
+    fig.canvas.draw()
+    box, page = fig._suptitle.get_window_extent(), fig.bbox
+    assert page.x0 <= box.x0 and box.x1 <= page.x1, (box, page)  # its widest line fits
+    text = fig._suptitle.get_text()
+    assert text.replace("\n", " ") == whole.replace("\n", " ")  # only broken, nothing lost
+    assert len(text.splitlines()) > len(whole.splitlines())

@@ -80,6 +80,17 @@ class Compile(Record):
     background: bool | None = None
     wait_s: float | None = None  # a background compile: how long its stage switch waited
 
+    @property
+    def waited_s(self) -> float:
+        return waited_s(self.background, self.compile_s, self.wait_s)
+
+
+def waited_s(background: bool | None, compile_s: float, wait_s: float | None) -> float:
+    """A compilation's time on the training's critical path, as summary.json's ``compile_s``
+    counts it: a background one's wait at its stage switch (the rest overlapped training),
+    else the compile itself."""
+    return (wait_s or 0.0) if background else compile_s
+
 
 @dataclasses.dataclass(kw_only=True)
 class Stage(Record):

@@ -379,7 +379,8 @@ def record_compiles(run: Run, writer: MetricsWriter, loop: LoopState, written: i
     written now."""
     for rec in run.program.compiles[written:]:
         writer.write("compile", loop.step, run.plan.epoch_at(loop.step), **rec)
-        loop.compile_s += rec["wait_s"] if rec.get("background") else rec["compile_s"]
+        loop.compile_s += run_records.waited_s(rec.get("background"), rec["compile_s"],
+                                               rec.get("wait_s"))  # fmt: skip
         if rec.get("background"):
             log(f"{rec['program']} step for batch {rec['batch']} at {rec['image_size']} px: "
                 f"compiled in the background in {rec['compile_s']:.1f}s, waited "

@@ -9,12 +9,14 @@ length) and against epochs, one colour and marker per run, the evaluator's point
 each stage switch a dotted vertical line; where the time went, one stacked bar per run whose
 summary.json has a ``time_breakdown``; and the schedule against epochs (learning rate,
 momentum, global batch, image size) computed from the config, every step from epoch 0 and
-each stage's change a step, with the logged values as dots. Only panels some run has data
-for, rows filled (no empty slot). The title names the config keys that differ between runs
-and the schedule series a run holds fixed: once where every run holds the same value, per
-run where not. Prints a markdown table of the runs (name, epochs, steps, best top-1 and
+each stage's change a step, with the logged values as dots (at the epoch where the step that
+used each began). Only panels some run has data for, rows filled (no empty slot). The
+title, wrapped to the figure's width, names the config keys that differ between runs and
+the schedule series a run holds fixed: once where every run holds the same value, per run
+where not. Prints a markdown table of the runs (name, epochs, steps, best top-1 and
 top-5, time to target, wall, compile, images/s) and writes it beside the PNG (the same path
-with ``.md``). Time to target is the first eval at or over it
+with ``.md``); compile time, as summary.json counts it, is what the run waited for
+(``run_records.waited_s``). Time to target is the first eval at or over it
 among all the run's eval records, the evaluator's too, for summary.json's targets and for
 ``--target-top1`` / ``--target-top5`` alike.
 
@@ -25,6 +27,7 @@ missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
 from __future__ import annotations
 
 import os
+import re
 import statistics
 
 from hybridpar.config import cli
@@ -44,12 +47,13 @@ def names(workdirs: list[str]) -> list[str]:
 def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
     """The first eval (in wall time) with ``metric`` at or above ``target``, counted as
     summary.json's ``time_to_target`` is: ``wall_s`` from the start of the run, and
-    ``wall_s_without_compile`` less the compile records written before it."""
+    ``wall_s_without_compile`` less the compile time (``Compile.waited_s``) of the compile
+    records written before it."""
     hits = [e for e in run.eval if getattr(e, metric) >= target]
     if not hits:
         return None
     first = min(hits, key=lambda e: e.wall_s)
-    compile_s = sum(c.compile_s for c in run.compile if c.wall_s <= first.wall_s)
+    compile_s = sum(c.waited_s for c in run.compile if c.wall_s <= first.wall_s)
     return {"wall_s": first.wall_s, "wall_s_without_compile": first.wall_s - compile_s}
 
 
@@ -94,7 +98,7 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
         "best top5": max(top5, default=None),  # each its own best, as targets count them
         "time to target": targets(run, asked),
         "wall s": s.get("wall_s", max((r.wall_s for r in records), default=None)),
-        "compile s": sum(c.compile_s for c in run.compile) or s.get("compile_s"),
+        "compile s": sum(c.waited_s for c in run.compile) or s.get("compile_s"),
         "images/s": s.get("train_images_per_s") or (statistics.median(ips) if ips else None),
         "status": status,
     }
@@ -165,12 +169,29 @@ def logged_schedule(run: RunRecords, last: float) -> dict[str, tuple]:
     import numpy as np
 
     switch = [s.epoch for s in run.stage] + [last]
-    out = {"learning rate": ([t.epoch for t in run.train], [t.lr for t in run.train])}
-    with_m = [t for t in run.train if t.momentum is not None]  # older lines lack it
-    out["momentum"] = ([t.epoch for t in with_m], [t.momentum for t in with_m])
+    at = began(run)  # where each line's values were used
+    out = {"learning rate": (at, [t.lr for t in run.train])}
+    with_m = [(x, t.momentum) for t, x in zip(run.train, at) if t.momentum is not None]
+    out["momentum"] = ([x for x, _ in with_m], [m for _, m in with_m])  # older lines lack it
     for name, key in (("global batch", "global_batch"), ("image size (px)", "image_size")):
         ys = [getattr(s, key) for s in run.stage]
         out[name] = (np.repeat(switch, 2)[1:-1], np.repeat(ys, 2)) if ys else ([], [])
+    return out
+
+
+def began(run: RunRecords) -> list[float]:
+    """The epoch at which each train line's last step began: where the learning rate and
+    momentum it logs were used (a line at step ``s`` counts the steps done and logs the
+    schedule at step ``s - 1``, which its last update ran with). A step's length in epochs
+    is the same all through a stage: from the line and its stage's first line; without stage
+    lines (older runs), from the first train line at the same batch, or the run's start."""
+    first: dict = {}  # global batch: the first train line at it
+    out = []
+    for t in run.train:
+        starts = [s for s in run.stage if s.step < t.step]  # a line at a switch: the old stage
+        anchor = starts[-1] if starts else first.setdefault(t.global_batch, t)
+        step, epoch = (anchor.step, anchor.epoch) if anchor is not t else (0, 0.0)
+        out.append(t.epoch - (t.epoch - epoch) / (t.step - step) if t.step > step else t.epoch)
     return out
 
 
@@ -228,9 +249,10 @@ def figure(runs: list[tuple[str, RunRecords]]):
             ax.plot(xs, ys, line, color=color, linewidth=2.5 - 0.5 * (i % 3), label=name)
             field = LOGGED.get(key)
             if field and run.config:  # the config's curve, and the values the trainer logged
-                logged = [t for t in run.train if getattr(t, field) is not None]
-                ax.plot([t.epoch for t in logged], [getattr(t, field) for t in logged], marker,
-                        color=color, markersize=3)  # fmt: skip
+                logged = [(x, getattr(t, field)) for t, x in zip(run.train, began(run))
+                          if getattr(t, field) is not None]  # fmt: skip
+                ax.plot([x for x, _ in logged], [y for _, y in logged], marker, color=color,
+                        markersize=3)  # fmt: skip
         for s in run.stage[1:]:  # the switches (the first stage starts the run)
             if acc_t is not None:
                 acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
@@ -258,9 +280,38 @@ def figure(runs: list[tuple[str, RunRecords]]):
         if key in shown:
             ax.set_xlabel("epoch")
             ax.legend(fontsize=7)
-    fig.suptitle(title(runs, schedules, shown, with_eval), fontsize=10)
+    fig.suptitle(fit(fig, title(runs, schedules, shown, with_eval), 10), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def fit(fig, text: str, fontsize: float) -> str:
+    """``text`` with its lines wrapped to the figure's width as drawn (a centred line wider
+    than the figure loses both ends): broken after a "; ", else a ", ", else a space."""
+    renderer = fig.canvas.get_renderer()
+    width = 0.98 * fig.bbox.width
+
+    def fits(line: str) -> bool:
+        probe = fig.text(0, 0, line, fontsize=fontsize)
+        try:
+            return probe.get_window_extent(renderer).width <= width
+        finally:
+            probe.remove()
+
+    def wrap(line: str, seps: tuple) -> list[str]:
+        if not seps or fits(line):
+            return [line]
+        pieces = re.split(f"(?<={re.escape(seps[0])})", line) if seps[0] else list(line)
+        lines, current = [], ""
+        for piece in pieces:
+            if current and not fits((current + piece).rstrip()):
+                lines.append(current.rstrip())
+                current = ""
+            current += piece
+        lines.append(current.rstrip())
+        return [w for part in lines for w in wrap(part, seps[1:])]
+
+    return "\n".join(w for line in text.splitlines() for w in wrap(line, ("; ", ", ", " ", "")))
 
 
 def breakdown(run: RunRecords) -> dict:
