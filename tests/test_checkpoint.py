@@ -501,6 +501,11 @@ def test_a_stop_inside_the_second_stage_resumes_bitwise_equal_to_the_uninterrupt
     _, want, _ = latest_state(run, tmp_path / "full")
     _, got, _ = latest_state(run, cut)
     assert_bitwise_equal(want, got)
+    # the resume marks the second stage again, at its own step and that step's epoch (it
+    # said the stage's start epoch beside the resume's step)
+    marks = [(r["step"], r["epoch"]) for r in tail if r["event"] == "stage"]
+    assert marks == [(stop, pytest.approx(run.plan.epoch_at(stop), abs=1e-4))], marks
+    assert run.plan.epoch_at(stop) > second.start_epoch
 
 
 def test_a_disk_that_fills_during_a_save_is_one_error_line_and_no_traceback(tmp_path):

@@ -547,7 +547,8 @@ def run_stages(t: Training) -> str | None:
             with t.clock.within("compile_wait"):  # compiled ahead, or compiling still
                 train_step = program.train_step(st.global_batch, st.image_size)
             t.written = record_compiles(run, t.writer, loop, t.written)
-            t.writer.write("stage", loop.step, stage.start_epoch, stage=stage.index,
+            # (inside the stage on a resume: the step and its epoch, as every record has)
+            t.writer.write("stage", loop.step, plan.epoch_at(loop.step), stage=stage.index,
                            image_size=st.image_size, global_batch=st.global_batch,
                            min_scale=st.min_scale, steps=stage.num_steps,
                            data_parallel=plan.data_parallel)  # fmt: skip
