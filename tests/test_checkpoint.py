@@ -508,6 +508,20 @@ def test_a_stop_inside_the_second_stage_resumes_bitwise_equal_to_the_uninterrupt
     assert run.plan.epoch_at(stop) > second.start_epoch
 
 
+def test_a_start_stopped_before_its_first_step_is_followed_by_a_resume_line(tmp_path):
+    """A stop during compilation leaves the start's records (its data line) and no step.
+    The next start wrote its own data line with wall_s from 0 again and no resume line
+    between, so the records read as one segment whose clock went backwards."""
+    w = tmp_path / "w"
+    run = setup(tiny_digits(), str(w))
+    earlier = {"event": "data", "step": 0, "epoch": 0.0, "wall_s": 50.0, "name": "digits"}
+    (w / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")
+    assert trainer.train(run)["completed"]
+    events = [r["event"] for r in records(w)]
+    assert events[:3] == ["data", "resume", "data"], events[:4]
+    assert records(w, "resume")[0]["from_step"] == 0
+
+
 def test_a_disk_that_fills_during_a_save_is_one_error_line_and_no_traceback(tmp_path):
     """The first save's data file meets a file size limit (RLIMIT_FSIZE, with SIGXFSZ
     ignored: each write past it fails with EFBIG, as a full disk fails with ENOSPC, in

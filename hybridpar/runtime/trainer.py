@@ -485,6 +485,7 @@ def start(run: Run, hooks) -> Training:
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
     redo_until = furthest_step(run.workdir)
+    earlier = bool(run_records.read_records(f"{run.workdir}/metrics.jsonl")[0])
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -504,6 +505,10 @@ def start(run: Run, hooks) -> Training:
         log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
             "stopped were not saved (checkpoint.every_steps sets how often); training again "
             "from step 0")  # fmt: skip
+    elif earlier:  # a start stopped before its first step: its records end here too
+        writer.write("resume", 0, 0.0, from_step=0, data_epoch=0, data_step_in_epoch=0,
+                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+        log("starting again: the run's last start stopped before its first step")
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     with clock.within("compile"):
         mem = compile_all(run, loop.stage)
