@@ -192,6 +192,30 @@ def test_clipped_ranges_cut_the_error_of_rare_large_inputs():
     assert best < _quantization_error(x, min(top, 1.2 * mse), levels)
 
 
+@pytest.mark.parametrize("output", ["bfloat16", "float32"])
+def test_the_float_model_is_the_eval_steps(output):
+    """quantize's float model gives the eval step's logits: with precision.output=bfloat16
+    the eval step rounds them to bfloat16 (where ties appear) before its top-1, and the
+    float model did not, so its float top-1 differed from the trainer's and the
+    evaluator's on such a run."""
+    from hybridpar.program.precision import make_policy
+    from hybridpar.program.steps import DENSE, normalize
+
+    model = ResNetTiny(num_classes=10, num_filters=4)
+    params, stats = random_variables(model, 16)
+    variables = {"params": params, "batch_stats": stats}
+    policy = make_policy(output=output)
+    mean, std = (120.0, 110.0, 100.0), (60.0, 64.0, 70.0)
+    images = np.random.default_rng(3).integers(0, 256, (6, 16, 16, 3), np.uint8)
+    got = jax.jit(quantize.evaluated(model, variables, policy, mean, std))(images)
+    def eval_logits(images):  # as steps.make_eval_step computes them
+        x = normalize(images, mean, std, policy.compute_dtype)
+        labels = jnp.zeros(len(images), jnp.int32)
+        return DENSE.apply(model, variables, x, labels, train=False, policy=policy)[0]["logits"]
+
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(eval_logits)(images)))
+
+
 # ---- the command on a tiny trained run ---------------------------------------------------
 
 

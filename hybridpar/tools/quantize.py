@@ -190,6 +190,21 @@ def last_line(report: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in figures.items())
 
 
+def evaluated(model, variables, policy, mean, std):
+    """``images (uint8) -> float32 logits`` of the trained model as the trainer evaluates
+    it: the policy's compute dtype in, the logits in its output dtype (``precision.output``:
+    bfloat16 logits tie where float32 ones do not, and a tie breaks one way in both)."""
+    import numpy as np
+
+    from hybridpar.program.steps import logits_in, normalize
+
+    def apply(images):
+        x = normalize(images, mean, std, policy.compute_dtype)
+        return logits_in(policy, model.apply(variables, x, train=False)).astype(np.float32)
+
+    return apply
+
+
 def run(config, workdir: str, *, calibration_batches=8, calibration="mse", percentile=99.99,
         activations="int8", overwrite=False, repeats=5, latency_batches=LATENCY_BATCHES,
         devices=None, out=None, litert_calibrated=True) -> dict:  # fmt: skip
@@ -241,12 +256,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             outputs = int8.output_ranges(arch, q, map(to_float, images))
         calibrate_s = time.time() - t0
         variables = {"params": params, "batch_stats": stats}
-
-        @jax.jit
-        def float_model(images):  # the trained model as the trainer evaluates it
-            x = normalize(images, mean, std, r.program.policy.compute_dtype)
-            return model.apply(variables, x, train=False).astype(np.float32)
-
+        float_model = jax.jit(evaluated(model, variables, r.program.policy, mean, std))
         int8_model = jax.jit(int8.serving_fn(arch, q, mean, std, outputs))
 
         # ---- The eval split, float and int8 ----
