@@ -465,7 +465,8 @@ def test_a_scratch_round_starts_from_random_weights_with_the_teachers_curriculum
     monkeypatch.setattr(quantize, "run", lambda *a, **k: {"stand-in": True})
     args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
                               epochs=3.0, criterion="l1", seed=None, init=init, alpha=None,
-                              calibration_batches=1, calibration="max", repeats=1)  # fmt: skip
+                              calibration_batches=1, calibration="max", percentile=None,
+                              repeats=1)  # fmt: skip
     rows = [{"run": str(tmp_path / "round_01_run")}]
     rd = tmp_path / "round_02"
     rd.mkdir()
