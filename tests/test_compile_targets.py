@@ -299,6 +299,9 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
     (got, compiles), (want, _) = _losses(tmp_path / "loaded"), _losses(tmp_path / "own")
     assert len(got) == loaded.plan.total_steps and got == want
     assert len(compiles) == 3 and all(c["loaded_from"] == out for c in compiles)
+    # the same command once more: finished, nothing to load (the data unread, its plan was
+    # the nominal one, and the file was refused as another run's)
+    assert setup(config, str(tmp_path / "loaded"), compiled=out).finished
 
 
 @pytest.mark.parametrize(

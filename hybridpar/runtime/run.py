@@ -160,7 +160,7 @@ def _setup(
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     teacher = make_teacher(config, mesh) if for_training else None
     program = build_program(config, mesh, plan, teacher)
-    if compiled:
+    if compiled and finished is None:  # a finished run runs no step
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
 
