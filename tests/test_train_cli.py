@@ -346,7 +346,7 @@ def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops
 
 
 def test_the_training_loop_hands_a_handler_other_than_the_early_one_back_itself():
-    """Only ``EarlyStop`` is passed over: another tool's handler (compress's ``Stop``) gets
+    """Only ``EarlyStop`` is passed over: another tool's handler (``StopBetweenRuns``) gets
     the second signal itself, whatever attributes it has."""
     from hybridpar.runtime import signals
 

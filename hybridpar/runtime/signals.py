@@ -1,4 +1,5 @@
-"""SIGTERM and SIGINT in training: ``EarlyStop`` before the loop, ``Preemption`` in it.
+"""SIGTERM and SIGINT in training: ``EarlyStop`` before the loop, ``Preemption`` in it, and
+``StopBetweenRuns`` in the tools that run the trainer several times (compress, tune).
 
 The train command installs ``EarlyStop`` on its first line: before the first step there is
 nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
@@ -51,14 +52,37 @@ class EarlyStop:
         os._exit(0)
 
 
+class StopBetweenRuns:
+    """SIGTERM / SIGINT in a tool that runs the trainer several times (compress's rounds,
+    tune's trials), outside those runs: exit 0 at once, saying ``message``. What such a tool
+    writes lands whole, so the same command redoes only the unfinished part. The trainer's
+    own handler (a checkpoint at the next step) takes over while a run trains and hands this
+    one back after it (it is not an ``EarlyStop``, which the trainer passes over)."""
+
+    def __init__(self, message: str):
+        self.message = message
+        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __call__(self, signum, frame):
+        # the terminal's stdout: a run may be writing the trainer's lines to its log
+        print(f"{signal.Signals(signum).name}: {self.message}", file=sys.__stdout__,
+              flush=True)  # fmt: skip
+        os._exit(0)
+
+
 class Preemption:
     """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
     exits cleanly. A second signal of the same kind acts as it would have without us (so a
     second Ctrl-C stops at once): it goes to the handler from before, or where that was an
-    ``EarlyStop``, to the one the ``EarlyStop`` replaced. Any other handler (compress's
-    ``Stop``) is handed back itself. On several processes the signal handlers stay JAX's:
-    one process saving alone would wait forever for the others, so there every process
-    saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
+    ``EarlyStop``, to the one the ``EarlyStop`` replaced. Any other handler
+    (``StopBetweenRuns``) is handed back itself. On several processes the signal handlers
+    stay JAX's: one process saving alone would wait forever for the others, so there every
+    process saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
 
     SIGNALS = SIGNALS
 

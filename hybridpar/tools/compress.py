@@ -49,7 +49,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 
 import numpy as np
@@ -57,7 +56,7 @@ import numpy as np
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import pyplot
-from hybridpar.runtime import trained
+from hybridpar.runtime import signals, trained
 
 DIR = "compress"
 # What makes the rounds' models: another value on an existing loop is an error. The budget
@@ -69,30 +68,6 @@ BEFORE = {"calibration": "max", "init": "pruned", "alpha": None, "percentile": N
 # Where a round's model starts: the previous round's pruned weights, or random weights in the
 # pruned shape (the teacher's recipe, curriculum included, stretched to --epochs).
 INITS = ("pruned", "scratch")
-
-
-class Stop:
-    """SIGTERM / SIGINT outside a round's training (pruning, quantizing): exit 0 at once.
-    Every file a round writes lands whole (written beside, then renamed), so the same
-    command redoes only the unfinished part. The trainer's own handler (a checkpoint at the
-    next step) takes over while a round trains, and hands this one back after it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        # not a signals.EarlyStop: signals.Preemption hands this one back itself
-        self.previous = {s: signal.signal(s, self) for s in self.SIGNALS}
-
-    def restore(self) -> None:
-        for s, h in self.previous.items():
-            if signal.getsignal(s) is self:
-                signal.signal(s, h)
-
-    def __call__(self, signum, frame):
-        # the terminal's stdout: a round may be writing the trainer's lines to its log
-        print(f"{signal.Signals(signum).name}: stopped; the same command continues the loop",
-              file=sys.__stdout__, flush=True)  # fmt: skip
-        os._exit(0)
 
 
 def check_args(args, config) -> None:
@@ -591,7 +566,8 @@ def outcome(chosen: dict | None, args) -> str | None:
 
 
 def main(argv=None) -> None:
-    stop = Stop()  # from the first line: a stop before training exits 0
+    # from the first line: a stop outside a round's training exits 0 (pruning, quantizing)
+    stop = signals.StopBetweenRuns("stopped; the same command continues the loop")
     try:
         _main(argv)
     finally:

@@ -561,7 +561,8 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
 
 
 def overrides(params: dict) -> str:
-    return " ".join(f"--config.{k}={v:.3g}" if isinstance(v, float) else f"--config.{k}={v}"
+    """The trial's values as overrides, exactly (rounded, they trained another run)."""
+    return " ".join(f"--config.{k}={v!r}" if isinstance(v, float) else f"--config.{k}={v}"
                     for k, v in params.items())  # fmt: skip
 
 
@@ -614,8 +615,10 @@ def write_results(study, config, workdir: str) -> None:
         f.write(table)
     print(table, end="")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
-    if complete:
-        best = study.best_trial
+    best = study.best_trial if complete else None
+    if best is not None and math.isinf(best.value):  # time_to_target: none reached it
+        print(f"best: none, no trial reached target_top1={config.target_top1:g}")
+    elif best is not None:
         print(f"best: trial {best.number}, {name} {best.value:.4f}: {overrides(best.params)}")
     plot_search(study, os.path.join(workdir, "search.png"), name)
     print(f"wrote {workdir}/trials.md and {workdir}/search.png")
@@ -660,6 +663,17 @@ def plot_search(study, path: str, name: str) -> None:
 
 
 def main(argv=None) -> None:
+    from hybridpar.runtime.signals import StopBetweenRuns
+
+    # from the first line: a stop outside a trial's training exits 0 (its loop saves)
+    stop = StopBetweenRuns("stopped; the same command continues the study or the test")
+    try:
+        _main(argv)
+    finally:
+        stop.restore()
+
+
+def _main(argv) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.tune",
         (
