@@ -37,6 +37,7 @@ from hybridpar.simulate.workload import (
     Workload,
     read_comm_report,
     report_epochs,
+    report_eval,
     report_images_per_epoch,
     resnet50_workload,
     workload_from_report,
@@ -383,6 +384,18 @@ def _stages(args, report) -> tuple[list[Stage], str]:
     return [Stage(epochs, args.image_size, args.per_device_batch)], said
 
 
+def _evaluation(args, report) -> Evaluation | None:
+    """The evaluation passes --eval-every-epochs asks for: the comm report's own (its eval
+    split, image size and eval batch) where it has a config, else ImageNet's 50,000 images
+    at 224 px."""
+    if args.eval_every_epochs <= 0:
+        return None
+    own = report_eval(report, args.per_device_batch) if report is not None else None
+    if own is None:
+        return Evaluation(args.eval_every_epochs, per_device_batch=args.per_device_batch)
+    return Evaluation(args.eval_every_epochs, **own)
+
+
 def _images_per_epoch(args, report) -> tuple[int, str]:
     """Training images per epoch, and where that comes from: the flag, else the comm
     report's data set, else ImageNet's."""
@@ -593,8 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
             lambda v: v == 0 or v >= MIN_EVAL_EVERY,
         ),
         default=0.0,
-        help="an evaluation pass every E epochs on the clock (ImageNet's 50,000 images at "
-        "224 px; default 0: none)",
+        help="an evaluation pass every E epochs on the clock (the comm report's eval split, "
+        "else ImageNet's 50,000 images at 224 px; default 0: none)",
     )
     ap.add_argument(
         "--eval-overhead-s",
@@ -792,9 +805,7 @@ def _main(args) -> int:
         efficiency,
         images_per_epoch,
         args.eval_s_per_epoch,
-        Evaluation(args.eval_every_epochs, per_device_batch=args.per_device_batch)
-        if args.eval_every_epochs > 0
-        else None,
+        _evaluation(args, report),
     )
     eff = preset.efficiency if efficiency is None else efficiency
     title = (

@@ -18,6 +18,7 @@ IMAGENET_EVAL_IMAGES = 50_000
 # scikit-learn's digits: the train part of the fixed 80/20 split (hybridpar.input.arrays),
 # known without the data, as hybridpar.runtime.executables.data_size finds it
 DIGITS_TRAIN_IMAGES = 1_437
+DIGITS_EVAL_IMAGES = 360  # and its test part
 
 RESNET50_PARAMS = 25_557_032  # torchvision/Flax ResNet-50, 1,000 classes, incl. BN gamma/beta
 RESNET50_FWD_FLOPS_224 = 8.2e9  # 4.1 G multiply-adds forward at 224 px, 2 FLOPs each
@@ -323,6 +324,19 @@ def report_images_per_epoch(report: CommReport) -> tuple[int | None, str]:
     if name is None:
         return None, "its config names no data"
     return None, f"its data (data.name={name!r}) is read from files, whose size it does not hold"
+
+
+def report_eval(report: CommReport, per_device_batch: int) -> dict | None:
+    """``Evaluation``'s fields of the evaluation pass the run a comm report describes makes:
+    its eval split (digits' test part, else the config's ``data.eval_examples``) at its image
+    size, its eval batch per batch shard; None where the config does not say them."""
+    config = report.config
+    data = config.get("data") or {}
+    if not (data.get("eval_examples") and config.get("eval_batch") and config.get("global_batch")):
+        return None
+    images = DIGITS_EVAL_IMAGES if data.get("name") == "digits" else int(data["eval_examples"])
+    batch = max(config["eval_batch"] * per_device_batch // config["global_batch"], 1)
+    return dict(images=images, image_size=int(data["image_size"]), per_device_batch=batch)
 
 
 def report_epochs(report: CommReport) -> tuple[str | float | None, str]:

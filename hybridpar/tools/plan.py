@@ -421,12 +421,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     b = round(workload.reference_batch)
     step = sim.predict_step(workload, preset, devices, b, workload.reference_image_size, overlap)
     # the evaluation passes the config runs on the clock, at its eval batch per batch shard
-    evaluation = sim.Evaluation(
-        config.eval_every_epochs,
-        config.data.eval_examples,
-        config.data.image_size,
-        max(config.eval_batch * b // config.global_batch, 1),
-    )
+    evaluation = sim.Evaluation(config.eval_every_epochs, **sim.report_eval(report, b))
     train = sim.time_to_train(
         workload,
         preset,
