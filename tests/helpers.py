@@ -150,6 +150,16 @@ def cpu_env(devices: int = 8, xla_flags: str = "") -> dict:
 def signal_at(cmd, env, after_step, sig, log):
     """Runs ``cmd`` (a trainer logging its steps), sends ``sig`` once its output shows
     ``after_step``; ``(process, stdout)``, stderr in the file ``log``."""
+
+    def reached(line: str) -> bool:
+        return line.startswith("train step") and int(line.split()[2].split("/")[0]) >= after_step
+
+    return signal_on(cmd, env, reached, sig, log)
+
+
+def signal_on(cmd, env, when, sig, log):
+    """Runs ``cmd``, sends ``sig`` at the first line of its output for which ``when(line)``;
+    ``(process, stdout)``, stderr in the file ``log``."""
     with open(log, "w") as stderr:
         p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                              stderr=stderr, text=True)  # fmt: skip
@@ -157,10 +167,7 @@ def signal_at(cmd, env, after_step, sig, log):
         try:
             for line in p.stdout:
                 seen.append(line)
-                if (
-                    line.startswith("train step")
-                    and int(line.split()[2].split("/")[0]) >= after_step
-                ):
+                if when(line):
                     p.send_signal(sig)
                     break
             out, _ = p.communicate(timeout=300)

@@ -7,13 +7,11 @@ import json
 import math
 import os
 import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import DIGITS, TINY_DIGITS, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, signal_on, tiny_digits
 
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import validate
@@ -262,23 +260,12 @@ def test_no_best_when_no_trial_reached_the_target(tmp_path, capsys):
 def test_a_stop_outside_a_trials_training_exits_0_and_says_how_to_go_on(tmp_path):
     """SIGTERM while a trial is set up (before its loop's own handler) took the default
     action: exit 143, nothing said. Sent once the study line is out."""
-    root = Path(__file__).resolve().parents[1]
     cmd = [sys.executable, "-m", "hybridpar.tune", "search", "--config", DIGITS, "--workdir",
            str(tmp_path / "s"), "--trials", "2", "--budget-epochs", "0.5",
            *(f"--config.{k}={v}" for k, v in TINY_DIGITS.items())]  # fmt: skip
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    p = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        seen = []
-        for line in p.stdout:
-            seen.append(line)
-            if line.startswith("study "):
-                p.send_signal(signal.SIGTERM)
-                break
-        out, err = p.communicate(timeout=300)
-    finally:
-        p.kill()
-    out = "".join(seen) + out
+    p, out = signal_on(cmd, env, lambda line: line.startswith("study "), signal.SIGTERM,
+                       tmp_path / "err.log")  # fmt: skip
+    err = (tmp_path / "err.log").read_text()
     assert p.returncode == 0, (p.returncode, out[-2000:], err[-2000:])
     assert "SIGTERM" in out and "the same command continues the study" in out, out[-2000:]

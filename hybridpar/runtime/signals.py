@@ -68,6 +68,12 @@ class StopBetweenRuns:
             if signal.getsignal(s) is self:
                 signal.signal(s, h)
 
+    def __enter__(self) -> "StopBetweenRuns":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
     def __call__(self, signum, frame):
         # the terminal's stdout: a run may be writing the trainer's lines to its log
         print(f"{signal.Signals(signum).name}: {self.message}", file=sys.__stdout__,

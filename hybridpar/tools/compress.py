@@ -567,11 +567,8 @@ def outcome(chosen: dict | None, args) -> str | None:
 
 def main(argv=None) -> None:
     # from the first line: a stop outside a round's training exits 0 (pruning, quantizing)
-    stop = signals.StopBetweenRuns("stopped; the same command continues the loop")
-    try:
+    with signals.StopBetweenRuns("stopped; the same command continues the loop"):
         _main(argv)
-    finally:
-        stop.restore()
 
 
 def _main(argv) -> None:

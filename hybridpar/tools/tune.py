@@ -666,11 +666,8 @@ def main(argv=None) -> None:
     from hybridpar.runtime.signals import StopBetweenRuns
 
     # from the first line: a stop outside a trial's training exits 0 (its loop saves)
-    stop = StopBetweenRuns("stopped; the same command continues the study or the test")
-    try:
+    with StopBetweenRuns("stopped; the same command continues the study or the test"):
         _main(argv)
-    finally:
-        stop.restore()
 
 
 def _main(argv) -> None:
