@@ -121,8 +121,9 @@ def _setup(
         if os.path.isdir(workdir):
             finished = run_config.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)
-        checkpoint.check_dir(checkpoint.checkpoint_dir(config, workdir))
-        checkpoint.check_not_moved(workdir, checkpoint.checkpoint_dir(config, workdir))
+        ckpt = checkpoint.checkpoint_dir(config, workdir)
+        checkpoint.check_dir(ckpt)
+        checkpoint.check_not_moved(workdir, ckpt)
         with_data = with_data and finished is None  # nothing to train: no data to open
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:

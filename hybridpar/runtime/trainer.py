@@ -125,10 +125,9 @@ class Clock:
         return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
 
 
-def furthest_step(workdir: str) -> int:
+def furthest_step(recs) -> int:
     """The last step the run's records show done: a run resumed from an older checkpoint
     redoes the steps up to it."""
-    recs, _ = run_records.read_records(f"{workdir}/metrics.jsonl")
     return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
 
 
@@ -484,8 +483,8 @@ def start(run: Run, hooks) -> Training:
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
-    redo_until = furthest_step(run.workdir)
-    earlier = bool(run_records.read_records(f"{run.workdir}/metrics.jsonl")[0])
+    recorded, _ = run_records.read_records(f"{run.workdir}/metrics.jsonl")
+    redo_until = furthest_step(recorded)
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -493,21 +492,20 @@ def start(run: Run, hooks) -> Training:
     log(describe(plan))
     # wall_s goes on from where the checkpoint left it: this segment started that much earlier
     writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s)
-    if resumed is not None:
-        writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed,
+    # an earlier segment's records after the checkpoint (all of them, without one) are
+    # superseded from here: a start stopped before its first step leaves some too
+    if resumed is not None or recorded:
+        writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed or 0,
                      data_epoch=loop.epoch, data_step_in_epoch=loop.step_in_epoch,
                      directory=saver.directory, changed_keys=changed)  # fmt: skip
+    if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
-    elif redo_until:  # its records up to redo_until are superseded, as after a resume
-        writer.write("resume", 0, 0.0, from_step=0, data_epoch=0, data_step_in_epoch=0,
-                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+    elif redo_until:
         log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
             "stopped were not saved (checkpoint.every_steps sets how often); training again "
             "from step 0")  # fmt: skip
-    elif earlier:  # a start stopped before its first step: its records end here too
-        writer.write("resume", 0, 0.0, from_step=0, data_epoch=0, data_step_in_epoch=0,
-                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+    elif recorded:
         log("starting again: the run's last start stopped before its first step")
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     with clock.within("compile"):
