@@ -222,21 +222,19 @@ def native_log_held():
     output_format", "Created TensorFlow Lite XNNPACK delegate", a deprecation notice), several
     for every file made or run. They are shown only if the block raises, before the error."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved, failed = os.dup(2), True
     with tempfile.TemporaryFile() as held:
         os.dup2(held.fileno(), 2)
         try:
             yield
-        except BaseException:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            held.seek(0)
-            sys.stderr.write(held.read().decode(errors="replace"))
-            raise
+            failed = False
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
+            if failed:
+                held.seek(0)
+                sys.stderr.write(held.read().decode(errors="replace"))
 
 
 def _convert(tf, fn, image_shape, representative=None, small: bool = True) -> bytes:
