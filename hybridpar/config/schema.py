@@ -75,9 +75,10 @@ def base_config() -> ml_collections.ConfigDict:
     # Knowledge distillation (hybridpar/runtime/distill.py): with teacher_workdir set, the loss is
     # (1 - alpha) x cross-entropy + alpha x temperature^2 x KL(teacher || student) on logits
     # at that temperature; the teacher (the run's latest checkpoint and the config it holds)
-    # runs in the same step on the same mesh, in inference mode, without gradients. alpha 0.5:
-    # compress's students lost 0.07-0.35 points of CIFAR-10 top-1 with it, 1.17-1.32 with 0.9
-    # (bench/results/compress_cifar10/NOTES.md); runs saved before hold 0.9.
+    # runs in the same step on the same mesh, in inference mode, without gradients. alpha 0.5
+    # since 2026-12-06, where compress's students lost far less than with 0.9
+    # (bench/results/compress_cifar10/NOTES.md, compress_digits/NOTES.md); runs saved before
+    # hold 0.9.
     c.distill = ml_collections.ConfigDict(dict(teacher_workdir="", temperature=4.0, alpha=0.5))
     # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.
     c.precision = ml_collections.ConfigDict(
