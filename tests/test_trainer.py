@@ -391,8 +391,8 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_and_supersedes_it
     records and nothing to resume from): the same call trains from step 0 again, says so,
     and writes a ``resume`` record from step 0, so the run's records hold each step once, as
     in an uninterrupted run (the earlier lines gave a line of negative steps to the bench's
-    clock), and the redone steps count as ``redone``. Planted bug that fails it: no record
-    written on a restart from step 0."""
+    clock), and the redone steps count as ``redone``. Planted bugs that fail it: no record
+    written on a restart from step 0; the first start's compile records kept."""
     config = tiny_digits(**{"checkpoint.every_steps": 0})
     with pytest.raises(RuntimeError, match="crash at step 3"):
         trainer.train(setup(config, str(tmp_path)), hooks=[CrashAt(3)])
@@ -403,9 +403,14 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_and_supersedes_it
     assert "training again from step 0" in capsys.readouterr().out
     restarts = records(tmp_path, "resume")
     assert [(r["step"], r["from_step"]) for r in restarts] == [(0, 0)]
-    kept = [r.step for r in run_records.read_run(str(tmp_path)).train]
+    run = run_records.read_run(str(tmp_path))
+    kept = [r.step for r in run.train]
     assert kept == sorted(set(kept)) and kept[-1] == again["steps"]
     assert again["time_breakdown"].get("redone", 0) > 0
+    # the first start's compiles were never saved: the records count the restart's, as
+    # summary.json does (the report summed both)
+    assert len(records(tmp_path, "compile")) > len(run.compile) > 0
+    assert sum(c.waited_s for c in run.compile) == pytest.approx(again["compile_s"], abs=2e-3)
 
 
 def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_restart(

@@ -148,6 +148,7 @@ class Checkpoint(Record):
 class Resume(Record):
     event: str = "resume"
     from_step: int | None = None
+    from_wall_s: float | None = None  # the resumed checkpoint's wall_s (0.0: none)
     data_epoch: int | None = None
     data_step_in_epoch: int | None = None
     directory: str | None = None
@@ -260,6 +261,15 @@ def resumed_from(resume: Resume | dict) -> int:
     return r["step"] if r.get("from_step") is None else r["from_step"]
 
 
+def kept(c: Compile, resume: Resume, last: int) -> bool:
+    """Whether an earlier segment's compile still counts after ``resume``: the checkpoint
+    resumed from counted it in its ``compile_s`` (it was written before the save). Records
+    older than ``from_wall_s`` go by step."""
+    if resume.from_wall_s is None:
+        return c.step <= last
+    return c.wall_s <= resume.from_wall_s
+
+
 def read_run(workdir: str) -> RunRecords:
     """``W/metrics.jsonl``, ``W/evaluator/metrics.jsonl`` (if any), ``W/summary.json`` and
     ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError."""
@@ -280,6 +290,7 @@ def read_run(workdir: str) -> RunRecords:
         if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
             last = resumed_from(r)
             kinds["train"] = [t for t in kinds["train"] if t.step <= last]
+            kinds["compile"] = [c for c in kinds["compile"] if kept(c, r, last)]
             evals = {s: e for s, e in evals.items() if s <= last}
             stages = {i: s for i, s in stages.items() if s.step <= last}
         elif isinstance(r, Eval):

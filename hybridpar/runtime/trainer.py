@@ -496,8 +496,9 @@ def start(run: Run, hooks) -> Training:
     # superseded from here: a start stopped before its first step leaves some too
     if resumed is not None or recorded:
         writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed or 0,
-                     data_epoch=loop.epoch, data_step_in_epoch=loop.step_in_epoch,
-                     directory=saver.directory, changed_keys=changed)  # fmt: skip
+                     from_wall_s=round(loop.wall_s, 3), data_epoch=loop.epoch,
+                     data_step_in_epoch=loop.step_in_epoch, directory=saver.directory,
+                     changed_keys=changed)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
