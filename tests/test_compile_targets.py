@@ -328,6 +328,35 @@ def test_a_file_for_another_run_is_refused_or_recompiled(tmp_path, change, expec
     assert run.program.compiles == []  # nothing loaded: the steps will compile here
 
 
+def test_keys_only_the_host_reads_leave_a_compiled_file_valid(tmp_path):
+    """When to evaluate and stop, the tuner's settings, and a distillation loss without a
+    teacher change no program: a file compiled before such a default changed still loads.
+    The loss with a teacher does change the step, and so its hash. Planted bugs that fail
+    it: every key hashed; the distillation keys left out with a teacher too."""
+    from hybridpar.runtime import executables
+    from hybridpar.runtime.run import setup
+    from hybridpar.tools.compile import compile_programs
+
+    out = str(tmp_path / "programs.bin")
+    common = {"mesh": "data:4,model:2", "data.train_examples": DIGITS_TRAIN}
+    compile_programs(tiny_digits(**common), targets.parse("cpu:8"), out=out)
+    host_only = {
+        "tune.lr_max": 3.0,
+        "target_top1": 0.5,
+        "stop_at_target": True,
+        "eval_every_epochs": 0.5,
+        "distill.alpha": 0.7,
+        "distill.temperature": 2.0,
+    }
+    run = setup(tiny_digits(**common, **host_only), with_data=False, compiled=out)
+    assert run.program.compiles and all(c["loaded_from"] == out for c in run.program.compiles)
+
+    teacher = {**common, "distill.teacher_workdir": str(tmp_path / "teacher")}
+    hashes = {executables.config_hash(tiny_digits(**teacher, **{"distill.alpha": a}))
+              for a in (0.5, 0.7)}  # fmt: skip
+    assert len(hashes) == 2
+
+
 # What a file records, each compared on load: a field left out of the comparison would let
 # a program for another device, config or compiler run.
 HEADER_FIELDS = ("format", "platform", "device_kind", "devices", "mesh", "config_hash",

@@ -33,20 +33,39 @@ FORMAT = 1
 
 # data.train_examples reaches the programs only through the plan, which is compared itself:
 # a compile without the data may set it to the data's count and still fit the run's config.
-NOT_HASHED = (*run_config.FREE_KEYS, "data.train_examples")
+# The rest only the host reads (when to evaluate and stop, the tuner's settings), so a
+# default changed there leaves compiled files valid.
+NOT_HASHED = (
+    *run_config.FREE_KEYS,
+    "data.train_examples",
+    "tune.",
+    "target_top1",
+    "target_top5",
+    "stop_at_target",
+    "eval_every_epochs",
+    "compile_ahead",
+)
+# the distillation loss is in the train step only with a teacher
+DISTILL_LOSS = ("distill.alpha", "distill.temperature")
+
+
+def not_hashed(config) -> tuple[str, ...]:
+    """The keys (or prefixes ending in ".") no compiled program of ``config`` depends on."""
+    return NOT_HASHED if config.distill.teacher_workdir else (*NOT_HASHED, *DISTILL_LOSS)
 
 
 def config_hash(config) -> str:
-    """sha256 of the config's keys that can change a compiled program (``NOT_HASHED`` out)."""
+    """sha256 of the config's keys that can change a compiled program (``not_hashed`` out)."""
     flat = run_config.flatten(run_config.config_dict(config))
-    kept = {k: v for k, v in sorted(flat.items()) if not k.startswith(NOT_HASHED)}
+    free = not_hashed(config)
+    kept = {k: v for k, v in sorted(flat.items()) if not k.startswith(free)}
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def config_differences(saved: dict, config) -> list[tuple[str, object, object]]:
     """``(key, when compiled, now)`` for each key ``config_hash`` covers that differs from
     the config a file was compiled with, in the config's order."""
-    return run_config.differences(saved, run_config.config_dict(config), free=NOT_HASHED)
+    return run_config.differences(saved, run_config.config_dict(config), free=not_hashed(config))
 
 
 def data_size(config) -> int | None:
