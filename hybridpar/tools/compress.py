@@ -46,6 +46,7 @@ budget, 3 when the loop stopped without one (a line on stderr says why), 2 for b
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -443,12 +444,15 @@ def _run(config, args, root: str, log) -> dict | None:
     write_json(os.path.join(root, "settings.json"), {**settings_of(args), "teacher_step": step})
     rows, t0 = [], time.time()
     log("| " + " | ".join(HEADER) + " |")
-    for index in range(args.max_rounds + 1):
+    for index in itertools.count():
         rd = os.path.join(root, f"round_{index:02d}")
+        result = os.path.join(rd, "result.json")
+        # --max-rounds bounds the rounds made; one an earlier call made past it still counts
+        if index > args.max_rounds and not os.path.exists(result):
+            break
         os.makedirs(rd, exist_ok=True)
         clear_leftovers(rd)
         keep = 1.0 if index == 0 else keep_for(index, args.step, args.budget_kb, bytes_at)
-        result = os.path.join(rd, "result.json")
         if os.path.exists(result):
             with open(result) as f:
                 row = json.load(f)
@@ -603,7 +607,9 @@ def _main(argv) -> None:
                         help="distillation's weight on the teacher, in [0, 1] (default: the "
                              "run's distill.alpha: 0.5, or 0.9 in runs trained before "
                              "2026-12-06; 0: the labels alone)")  # fmt: skip
-    parser.add_argument("--max-rounds", type=int, default=8)
+    parser.add_argument("--max-rounds", type=int, default=8,
+                        help="the last round made (rounds past it that an earlier call made "
+                             "still count)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None,
                         help="the distillation runs' seed (default: the teacher's); the loop "
                              "of seed N lives in W/compress_seedN")  # fmt: skip
