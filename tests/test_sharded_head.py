@@ -17,12 +17,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import NO_LLVM_OPT
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar import ConfigError, make_mesh, shard_batch
@@ -358,3 +359,79 @@ def test_batches_must_split_over_all_devices():
     c.eval_batch = 12  # divides data:2, not the 8 devices the trunk is split over
     with pytest.raises(ConfigError, match="eval_batch=12 must be a multiple of 8.*eval_batch=8"):
         make_head(c, make_mesh(MESH))
+
+
+# ---- ShardedHead in a user's own code ---------------------------------------------------------
+
+
+def _user_mesh():
+    """A mesh of the user's own, without an fsdp axis (Auto axes: sharding propagated)."""
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def test_default_batch_axes_are_the_data_axes_the_mesh_has():
+    x, params, labels = _random_head()
+    head = ShardedHead(_user_mesh(), ("model",))
+    assert head.batch_axes == ("data",)
+    got = jax.jit(lambda *a: head(*a, label_smoothing=0.1)["loss"].mean())(x, params, labels)
+    np.testing.assert_allclose(got, _dense(x, params, labels, 0.1), **TOL)
+
+
+def test_a_string_class_axes_is_one_axis():
+    mesh = make_mesh(MESH)
+    head = ShardedHead(mesh, "model")
+    assert head.class_axes == ("model",) and head.num_shards == 4
+    assert head == ShardedHead(mesh, ("model",))
+    x, params, labels = _random_head()
+    got = jax.jit(lambda *a: head(*a)["loss"].mean())(x, params, labels)
+    np.testing.assert_allclose(got, _dense(x, params, labels, 0.0), **TOL)
+
+
+def test_axes_missing_from_the_mesh_are_config_errors_naming_the_mesh_axes():
+    with pytest.raises(ConfigError, match=r"class_axes=\('tensor',\).*\('data', 'model'\)"):
+        ShardedHead(_user_mesh(), ("tensor",))
+    with pytest.raises(ConfigError, match=r"batch_axes=\('data', 'fsdp'\): \('fsdp',\)"):
+        ShardedHead(_user_mesh(), ("model",), batch_axes=BATCH_AXES)
+
+
+def test_a_class_count_that_does_not_divide_the_shards_names_the_count_to_pad_to():
+    x, _, labels = _random_head()
+    params = {"kernel": np.zeros((E, 10), np.float32), "bias": np.zeros((10,), np.float32)}
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    with pytest.raises(ConfigError, match=r"10 classes over model:4 \(4 shards\).*num_classes=12"):
+        jax.jit(lambda *a: head(*a))(x, params, labels)
+
+
+class _Net(nn.Module):
+    """A user's model: features from return_features=True, its classifier named head_name."""
+
+    head_name: str = "head"
+    dropout: float = 0.0
+
+    @nn.compact
+    def __call__(self, x, train=False, return_features=False):
+        x = nn.Dropout(self.dropout, deterministic=not train)(nn.relu(nn.Dense(E)(x)))
+        return x if return_features else nn.Dense(C, name=self.head_name)(x)
+
+
+def test_apply_without_params_head_says_what_the_model_must_provide():
+    x, _, labels = _random_head()
+    model = _Net(head_name="classifier")
+    variables = model.init(jax.random.key(0), x)
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    with pytest.raises(ConfigError, match=r"params\['head'\].*'classifier'.*return_features"):
+        head.apply(model, variables, x, labels, train=False)
+
+
+def test_apply_passes_rngs_to_the_model():
+    x, _, labels = _random_head()
+    model = _Net(dropout=0.5)
+    variables = model.init(jax.random.key(0), x)
+    rngs = {"dropout": jax.random.key(1)}
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    out, _ = head.apply(model, variables, x, labels, train=True, rngs=rngs)
+    features = model.apply(variables, x, train=True, rngs=rngs, return_features=True)
+    want = _dense(features, variables["params"]["head"], labels, 0.0)
+    np.testing.assert_allclose(out["loss"].mean(), want, **TOL)
+    no_dropout = model.apply(variables, x, train=False, return_features=True)
+    assert _dense(no_dropout, variables["params"]["head"], labels, 0.0) != pytest.approx(want)

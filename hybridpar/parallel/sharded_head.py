@@ -61,7 +61,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices
+from hybridpar.config.errors import ConfigError
+from hybridpar.parallel.mesh import AXES, axes_with_devices, batch_axes
 from hybridpar.parallel.partitioning import Rules
 
 
@@ -134,15 +135,35 @@ class ShardedHead:
     """Applies the head ``params["head"]`` (``kernel (E, C)``, ``bias (C,)``) to features
     ``(B, E)`` and returns per-example loss (and top-k hits) without gathering the logits.
 
-    ``class_axes``: mesh axes the classes are split over. ``batch_axes``: mesh axes the
-    trunk's batch, and so the features, are split over (in ``AXES`` order). The features
-    are all-gathered over the batch axes that also split the classes (the innermost ones),
-    so that every device holding a block of classes sees every example of its batch slice.
+    ``class_axes``: mesh axes the classes are split over (one name or a tuple).
+    ``batch_axes``: mesh axes the trunk's batch, and so the features, are split over (in
+    ``AXES`` order); by default the data axes (``data``, ``fsdp``) that the mesh has. The
+    features are all-gathered over the batch axes that also split the classes (the innermost
+    ones), so that every device holding a block of classes sees every example of its batch
+    slice. The class count must be a multiple of ``num_shards``.
     """
 
     mesh: Mesh
     class_axes: tuple[str, ...]
-    batch_axes: tuple[str, ...] = BATCH_AXES
+    batch_axes: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        # "model" is one axis, not the axes "m", "o", ...; a list becomes a (hashable) tuple.
+        for name in ("class_axes", "batch_axes"):
+            axes = getattr(self, name)
+            if isinstance(axes, str):
+                object.__setattr__(self, name, (axes,))
+            elif axes is not None:
+                object.__setattr__(self, name, tuple(axes))
+        if self.batch_axes is None:  # a mesh of the user's own may lack fsdp (or data)
+            object.__setattr__(self, "batch_axes", batch_axes(self.mesh))
+        for name in ("class_axes", "batch_axes"):
+            missing = [a for a in getattr(self, name) if a not in self.mesh.axis_names]
+            if missing:
+                raise ConfigError(
+                    f"ShardedHead {name}={getattr(self, name)}: {tuple(missing)} not among the "
+                    f"mesh's axes {tuple(self.mesh.axis_names)}; name {name} from those"
+                )
 
     @property
     def num_shards(self) -> int:
@@ -162,20 +183,44 @@ class ShardedHead:
         return lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(self.batch_axes)))
 
     def apply(
-        self, model, variables, images, labels, *, train, label_smoothing=0.0, topk=(), policy=None
+        self,
+        model,
+        variables,
+        images,
+        labels,
+        *,
+        train,
+        label_smoothing=0.0,
+        topk=(),
+        policy=None,
+        rngs=None,
     ):
-        """As ``steps.DenseHead.apply``: the model's trunk (its features), then this head on
-        ``params["head"]``. ``policy`` is unused: the matmul runs in the features' dtype
-        and the softmax in float32."""
+        """Runs a Flax linen ``model``'s trunk, then this head: ``({"loss": (B,), "top{k}":
+        (B,) bool for k in topk}, new model variables)`` (``batch_stats`` when ``train``).
+
+        The model must return its features ``(B, E)`` from ``model.apply(variables, images,
+        train=..., return_features=True)``, and keep its classifier's parameters at
+        ``variables["params"]["head"]``: ``kernel (E, C)`` and ``bias (C,)``. ``rngs``: as
+        ``model.apply`` takes them, e.g. ``{"dropout": key}`` for a model with Dropout in
+        train mode. ``policy`` is unused: the matmul runs in the features' dtype and the
+        softmax in float32."""
         del policy
+        head = variables["params"].get("head")
+        if not (hasattr(head, "keys") and {"kernel", "bias"} <= set(head.keys())):
+            raise ConfigError(
+                "ShardedHead.apply needs the classifier's parameters at params['head'] (kernel "
+                f"(E, C), bias (C,)); the model's params have {sorted(variables['params'])}. "
+                "Name the model's final Dense 'head', and have model.apply(..., "
+                "return_features=True) return the features that feed it"
+            )
         x = images if self._inside_manual() else self.split_batch(images)
         if train:
             features, new_vars = model.apply(
-                variables, x, train=True, mutable=["batch_stats"], return_features=True
+                variables, x, train=True, mutable=["batch_stats"], return_features=True, rngs=rngs
             )
         else:
-            features, new_vars = model.apply(variables, x, train=False, return_features=True), {}
-        head = variables["params"]["head"]
+            features = model.apply(variables, x, train=False, return_features=True, rngs=rngs)
+            new_vars = {}
         classes = head["kernel"].shape[-1]
         ks = {k: min(k, classes) for k in topk}  # fewer classes than k: every class is a hit
         topk = tuple(sorted(set(ks.values())))
@@ -224,6 +269,14 @@ class ShardedHead:
         per_device = partial(self.local, label_smoothing=label_smoothing, topk=topk)
         if self._inside_manual():
             return per_device(features, kernel, bias, labels)
+        n, c = self.num_shards, kernel.shape[-1]
+        if c % n:  # each shard holds an equal block of classes
+            over = " x ".join(f"{a}:{self.mesh.shape[a]}" for a in self.class_axes)
+            raise ConfigError(
+                f"ShardedHead: {c} classes over {over} ({n} shards), and {c} is not a multiple "
+                f"of {n}: pad the head to num_classes={-(-c // n) * n} (classes no label uses), "
+                f"or split the classes over axes whose size divides {c}"
+            )
         keep = tuple(a for a in self.batch_axes if a not in self.gather_axes)
         batch, cls = P(self.batch_axes), self.class_axes
         return jax.shard_map(
