@@ -4,12 +4,15 @@ Everything works on shapes (ShapeDtypeStruct / jax.eval_shape) where it can, so 
 large is allocated and nothing is compiled.
 """
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from helpers import build, tiny_config
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -23,6 +26,7 @@ from hybridpar import (
     preset_rules,
     shard_batch,
 )
+from hybridpar.models import create_model
 
 F32 = jnp.float32
 
@@ -217,6 +221,23 @@ def test_rule_with_unknown_mesh_axis(mesh_dm):
     assert "tensor" in str(e.value)
 
 
+def test_spec_naming_an_axis_twice_is_config_error(mesh_dm):
+    with pytest.raises(
+        ConfigError, match=r"'w'.*\('model', 'model'\).*'model' more than once.*rule"
+    ):
+        infer_shardings({"w": sds(8, 4)}, [(r"w", ("model", "model"))], mesh_dm)
+    # the same through two logical names mapped to one axis
+    box = {"w": nn.LogicallyPartitioned(sds(8, 4), ("embed", "classes"))}
+    rules = Rules(logical=(("embed", "model"), ("classes", "model")))
+    with pytest.raises(ConfigError, match=r"'w'.*more than once.*logical axes"):
+        infer_shardings(box, rules, mesh_dm)
+
+
+def test_bare_string_spec_is_config_error(mesh_dm):
+    with pytest.raises(ConfigError, match=r"'b'.*spec 'model' is a string.*one entry per dim"):
+        infer_shardings({"b": sds(16)}, [(r"b$", "model")], mesh_dm)
+
+
 # ----------------------------------------------------------------------------- logical rules
 
 
@@ -293,6 +314,87 @@ def test_fsdp_stacks_on_the_dim_a_rule_split(mesh_dfm):
     assert s["w2"].spec == P(None, "model")
 
 
+# ----------------------------------------------------------------------------- warnings
+
+
+def test_kernel_split_on_both_channel_dims_warns(mesh_dfm):
+    tree = {"a": {"kernel": sds(1, 1, 16, 32)}, "b": {"kernel": sds(1, 1, 32, 64)}}
+    rules = Rules(
+        path=(
+            (r"a/kernel$", (None, None, None, "model")),
+            (r"b/kernel$", (None, None, "fsdp", "model")),
+        )
+    )
+    with pytest.warns(UserWarning) as record:
+        infer_shardings(tree, rules, mesh_dfm)
+    (w,) = record
+    msg = str(w.message)
+    assert "'b/kernel'" in msg and "'a/kernel'" not in msg
+    assert "strided" in msg and "('model', 'fsdp')" in msg
+    # one split channel dimension, or the second axis stacked on the same one: no warning
+    for spec in [(None, None, "fsdp", None), (None, None, None, ("model", "fsdp"))]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            infer_shardings(tree, Rules(path=((r"kernel$", spec),)), mesh_dfm)
+
+
+@pytest.mark.parametrize("model_name", ["resnet_tiny", "airbench"])
+def test_presets_never_split_a_kernel_on_both_channel_dims(model_name):
+    model = create_model(model_name, num_classes=16)
+    x = jnp.zeros((1, 32, 32, 3), F32)
+    tree = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))
+    for spec in ["data:8", "fsdp:8", "data:4,model:2", "data:2,fsdp:2,model:2"]:
+        mesh = make_mesh(spec)
+        for preset in ["data", "fsdp", "hybrid", "tensor", "auto"]:
+            for extra in [Rules(), Rules(fsdp_min_size=1024)]:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    rules = preset_rules(preset, mesh) + extra
+                    infer_shardings(tree, rules, mesh, unmatched="ignore")
+
+
+def test_rules_that_match_nothing_warn_naming_them(mesh_dm):
+    rules = Rules(
+        path=((r"kernal$", (None, "model")), (r"kernel$", ("data", None))),
+        logical=(("clases", "model"), ("classes", "model")),
+    )
+    with pytest.warns(UserWarning) as record:
+        s = infer_shardings(_dense_shapes(), rules, mesh_dm)
+    (w,) = record
+    msg = str(w.message)
+    assert "'kernal$' matches no array" in msg and "'params/kernel'" in msg
+    assert "'clases' on no array" in msg and "'kernel$'" not in msg
+    assert s["params"]["kernel"].spec == P("data", None)
+    # every rule matches, or the caller says some may not: silent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infer_shardings(_dense_shapes(), Rules(rules.path[1:], rules.logical[1:]), mesh_dm)
+        infer_shardings(_dense_shapes(), rules, mesh_dm, unmatched="ignore")
+
+
+def test_trainer_own_rule_that_matches_nothing_is_config_error():
+    config = tiny_config(mesh="data:4,model:2")
+    config.partitioning.rules = ((r"stage9_block0/conv1/kernel$", (None, None, None, "model")),)
+    with pytest.raises(ConfigError, match=r"partitioning.rules: path rule 'stage9.*'params/stage"):
+        build(config)
+
+
+def test_trainer_own_logical_name_on_no_array_warns():
+    config = tiny_config(mesh="data:4,model:2")
+    config.partitioning.logical_rules = (("clases", "model"),)
+    with pytest.warns(UserWarning, match=r"partitioning.logical_rules: .*'clases' on no array"):
+        build(config)
+
+
+def test_trainer_presets_that_match_nothing_stay_silent():
+    # airbench has no stage-3/4 convolutions for the hybrid preset's conv rule
+    config = tiny_config(mesh="data:4,model:2")
+    config.model.name = "airbench"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        build(config)
+
+
 # ----------------------------------------------------------------------------- pytrees
 
 
@@ -352,6 +454,54 @@ def test_nnx_state_respects_path_rules(mesh_dm):
     assert kernel.spec == P(None, "model")
 
 
+class _AnnotatedNet(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.fc = nnx.Linear(
+            64, 32, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs
+        )
+        self.head = nnx.Linear(
+            32, 16, kernel_init=nnx.with_partitioning(init, ("embed", "classes")), rngs=rngs
+        )
+
+
+def test_nnx_partitioning_annotations_are_used(mesh_dm, mesh_dfm):
+    with nnx.use_eager_sharding(False):  # annotate only; no mesh to place on at creation
+        state = nnx.state(nnx.eval_shape(lambda: _AnnotatedNet(nnx.Rngs(0))))
+    table = Rules(logical=(("classes", "model"), ("embed", None)))
+    s = infer_shardings(state, table, mesh_dm)
+    assert s["fc"]["kernel"].spec == P(None, "model")  # a mesh axis, as it is
+    assert s["head"]["kernel"].spec == P(None, "model")  # logical names, through the table
+    # path rules go first; the FSDP pass stacks on top
+    s = infer_shardings(state, Rules(path=((r"fc/kernel$", ("data", None)),)) + table, mesh_dm)
+    assert s["fc"]["kernel"].spec == P("data", None)
+    s = infer_shardings(state, table + Rules(fsdp_min_size=1), mesh_dfm)
+    assert s["fc"]["kernel"].spec == P(None, ("model", "fsdp"))
+    # a name that is neither a mesh axis nor in the table
+    with pytest.raises(ConfigError, match=r"'head/kernel'.*names 'embed'"):
+        infer_shardings(state, Rules(logical=(("classes", "model"),)), mesh_dm)
+
+
+def _partitioned_dense():
+    module = nn.Dense(
+        64, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(), (None, "model"))
+    )
+    return jax.eval_shape(module.init, jax.random.key(0), jnp.zeros((1, 64), F32))
+
+
+def test_partitioned_leaves_take_path_rules_first_and_fsdp_on_top(mesh_dm, mesh_dfm):
+    tree = _partitioned_dense()
+    assert isinstance(tree["params"]["kernel"], nn.Partitioned)
+    assert infer_shardings(tree, Rules(), mesh_dm)["params"]["kernel"].spec == P(None, "model")
+    rules = Rules(path=((r"kernel$", ("model", None)),))
+    assert infer_shardings(tree, rules, mesh_dm)["params"]["kernel"].spec == P("model", None)
+    s = infer_shardings(tree, Rules(fsdp_min_size=1024), mesh_dfm)
+    assert s["params"]["kernel"].spec == P(None, ("model", "fsdp"))
+    odd = {"w": nn.Partitioned(sds(8, 9), (None, "model"))}
+    with pytest.raises(ConfigError, match=r"'w' with shape \(8, 9\).*does not divide"):
+        infer_shardings(odd, Rules(), mesh_dm)
+
+
 # ----------------------------------------------------------------------------- presets
 
 
@@ -377,7 +527,8 @@ def test_auto_preset_on_fsdp_mesh_shards_over_fsdp(mesh_fsdp):
 
 
 def test_auto_preset_on_hybrid_mesh_puts_head_over_model(mesh_dm):
-    s = infer_shardings(_head_tree(), preset_rules("auto", mesh_dm), mesh_dm)
+    # unmatched="ignore": the tree has no stage-3/4 convolutions for the conv rule
+    s = infer_shardings(_head_tree(), preset_rules("auto", mesh_dm), mesh_dm, unmatched="ignore")
     assert s["params"]["head"]["kernel"].spec == P(None, "model")
     assert s["params"]["stem"]["kernel"].is_fully_replicated
 
@@ -389,7 +540,7 @@ def test_hybrid_preset_shards_stage3_convs(mesh_dm):
             "stage1_block0": {"conv2": {"kernel": sds(3, 3, 8, 8)}},
         }
     }
-    s = infer_shardings(tree, preset_rules("hybrid", mesh_dm), mesh_dm)
+    s = infer_shardings(tree, preset_rules("hybrid", mesh_dm), mesh_dm, unmatched="ignore")
     assert s["params"]["stage3_block0"]["conv2"]["kernel"].spec == P(None, None, None, "model")
     assert s["params"]["stage1_block0"]["conv2"]["kernel"].is_fully_replicated
 
@@ -410,8 +561,8 @@ def test_rules_add_keeps_priority_order(mesh_dm):
     assert (a + Rules()).fsdp_min_size == 100
     assert (Rules() + Rules()).fsdp_min_size is None
     tree = {"w": sds(8, 4)}
-    assert infer_shardings(tree, ab, mesh_dm)["w"].spec == P("data", None)
-    assert infer_shardings(tree, ba, mesh_dm)["w"].spec == P(None, "model")
+    assert infer_shardings(tree, ab, mesh_dm, unmatched="ignore")["w"].spec == P("data", None)
+    assert infer_shardings(tree, ba, mesh_dm, unmatched="ignore")["w"].spec == P(None, "model")
     box_tree = {"k": nn.LogicallyPartitioned(sds(16, 8), ("embed", "classes"))}
     assert infer_shardings(box_tree, Rules(logical=a.logical) + Rules(logical=b.logical), mesh_dm)[
         "k"
@@ -457,3 +608,17 @@ def test_rule_regex_that_does_not_compile_names_the_rule(mesh_dm, rules):
 def test_rule_that_is_not_a_pair_names_it(mesh_dm):
     with pytest.raises(ConfigError, match=r"rule 'w' is not a \(path_regex, spec\) pair"):
         infer_shardings({"w": sds(4, 4)}, Rules(path=("w",)), mesh_dm)
+
+
+def test_shard_batch_placed_array_that_does_not_divide(mesh_dm):
+    x = jax.device_put(np.zeros((12, 3), np.float32), NamedSharding(mesh_dm, P("data")))
+    with pytest.raises(ConfigError, match=r"'x' has leading size 12.*8 data-parallel shards"):
+        shard_batch({"x": x}, make_mesh("data:8"))
+
+
+def test_shard_batch_rejects_a_python_list(mesh_dm):
+    with pytest.raises(ConfigError, match=r"'label' is a Python list.*numpy array"):
+        shard_batch({"label": list(range(8))}, mesh_dm)
+    # a tuple of arrays is a batch, not a list of numbers
+    out = shard_batch((np.zeros((8, 2), np.float32), np.zeros(8, np.int32)), mesh_dm)
+    assert out[1].shape == (8,)

@@ -6,21 +6,27 @@ linen variables or NNX state, optax state, plain dicts):
 * ``Rules``: ordered ``(path_regex, spec)`` pairs (first match wins; a spec is a tuple with one
   entry per dimension: a mesh axis name, a tuple of names, or None), then a logical-axis table
   for leaves that carry logical names (``nn.with_logical_partitioning``, as t5x and MaxText
-  models do), then an optional FSDP pass that shards the largest free dimension of every
-  big-enough array over ``fsdp`` (big_vision's "fsdp" tactic).
+  models do; names from ``nn.with_partitioning`` and ``nnx.with_partitioning`` are mesh axes
+  or names in that table), then an optional FSDP pass that shards the largest free dimension
+  of every big-enough array over ``fsdp`` (big_vision's "fsdp" tactic).
 * ``infer_shardings(tree, rules, mesh)``: a tree of ``NamedSharding`` with the (unboxed)
   structure of ``tree``.
 * ``shard_batch(batch, mesh)``: host-local numpy batches -> global arrays split over the data axes.
 
 A rule that does not divide a dimension is an error naming the array path, its shape and the
 axis (the FSDP pass instead picks a dimension that divides, or leaves the array replicated).
+``infer_shardings`` warns about rules that match nothing (likely typos) and about conv kernels
+split on both channel dimensions (a layout XLA computes wrong gradients for).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
+import numbers
 import re
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -137,6 +143,11 @@ def _axes(entry) -> tuple[str, ...]:
 
 
 def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
+    if isinstance(spec, str):  # tuple("model") would be one entry per letter
+        raise ConfigError(
+            f"{where}: spec {spec!r} is a string ({why}); a spec is a tuple with one entry per "
+            f"dimension, e.g. ({spec!r},) or (None, {spec!r})"
+        )
     spec = tuple(spec)
     if len(spec) > len(shape):
         raise ConfigError(
@@ -159,6 +170,13 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
                 f"divide mesh axis {'x'.join(axes)!r} (size {n}) ({why}); change the rule or "
                 f"the mesh so the size divides"
             )
+    named = [a for e in spec for a in _axes(e)]
+    twice = sorted({a for a in named if named.count(a) > 1})
+    if twice:
+        raise ConfigError(
+            f"{where}: spec {spec} names mesh axis {twice[0]!r} more than once ({why}); a mesh "
+            "axis can split one dimension of an array only"
+        )
     return spec
 
 
@@ -190,59 +208,179 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
     return spec[:d] + ("fsdp",) + spec[d + 1 :]
 
 
-def infer_spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None) -> P:
-    """The ``PartitionSpec`` of one array (see module docstring for the order of rules)."""
+def _table(rules: Rules) -> dict:
+    table = {}
+    for name, axis in rules.logical:  # first entry for a name wins, like path rules
+        table.setdefault(name, axis)
+    return table
+
+
+def _annotation(leaf):
+    """The mesh-axis names an ``nn.Partitioned`` or an NNX Variable (``nnx.with_partitioning``)
+    carries, else None. Linen's logical boxes are handled apart: their names are logical only."""
+    if isinstance(leaf, LogicallyPartitioned):
+        return None
+    if isinstance(leaf, meta.Partitioned):
+        return tuple(leaf.names)
+    if isinstance(leaf, nnx.Variable):
+        names = leaf.get_metadata().get("out_sharding")
+        return None if names is None else tuple(names)
+    return None
+
+
+def _mesh_names(names, table: dict, mesh: Mesh, where: str) -> tuple:
+    """An annotation's names as mesh axes: a name in the logical table maps through it, a mesh
+    axis stays as it is."""
+    spec = []
+    for entry in names:
+        axes = []
+        for name in _axes(entry):
+            if name in table:
+                axes += _axes(table[name])
+            elif name in mesh.shape:
+                axes.append(name)
+            else:
+                raise ConfigError(
+                    f"{where}: its sharding annotation {tuple(names)} names {name!r}, which is "
+                    f"neither a mesh axis {tuple(mesh.axis_names)} nor a logical name of the "
+                    f"rules; add ({name!r}, None) to the logical rules to replicate that "
+                    f"dimension, or ({name!r}, 'model') to split it, or fix the annotation"
+                )
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return tuple(spec)
+
+
+def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_names=None):
     check_rule_patterns(rules.path)
+    where = f"array {path!r}"
     spec = None
     for pattern, rule_spec in rules.path:
         if re.search(pattern, path):
-            spec = _check(rule_spec, shape, mesh, f"array {path!r}", f"rule {pattern!r}")
+            spec = _check(rule_spec, shape, mesh, where, f"rule {pattern!r}")
             break
     if spec is None and logical_names is not None and rules.logical:
-        table = {}
-        for name, axis in rules.logical:  # first entry for a name wins, like path rules
-            table.setdefault(name, axis)
-        mapped = tuple(table.get(name) for name in logical_names)
+        mapped = tuple(_table(rules).get(name) for name in logical_names)
         spec = _check(
-            mapped, shape, mesh, f"array {path!r}", f"logical axes {tuple(logical_names)}"
+            mapped, shape, mesh, where, f"logical axes {tuple(logical_names)} and the logical rules"
         )
+    if spec is None and axis_names is not None:
+        mapped = _mesh_names(axis_names, _table(rules), mesh, where)
+        spec = _check(mapped, shape, mesh, where, f"its sharding annotation {axis_names}")
     if spec is None:
         spec = (None,) * len(shape)
     if rules.fsdp_min_size is not None:
         spec = _fsdp(spec, shape, mesh, rules.fsdp_min_size)
-    return P(*spec)
+    return spec
 
 
-def infer_shardings(tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh):
+def infer_spec(
+    path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_names=None
+) -> P:
+    """The ``PartitionSpec`` of one array: the first path rule that matches; else the array's
+    own names (``logical_names`` of a linen logical box map through the logical table;
+    ``axis_names`` of ``nn.Partitioned`` or ``nnx.with_partitioning`` are mesh axes or names
+    in that table); else replicated. The FSDP pass then stacks on top."""
+    return P(*_spec(path, shape, rules, mesh, logical_names, axis_names))
+
+
+def _splits_both_channels(spec: tuple, mesh: Mesh) -> bool:
+    """A 4-D (conv, HWIO) layout split on both input and output channels."""
+
+    def split(entry):
+        return math.prod(mesh.shape[a] for a in _axes(entry)) > 1
+
+    return len(spec) == 4 and split(spec[2]) and split(spec[3])
+
+
+def _listed(names: list, n: int = 4) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
+    """A message naming the path rules that match no array of ``tree`` and the logical names
+    of ``rules`` that no array carries; ``""`` when there are none."""
+    if not isinstance(rules, Rules):
+        rules = Rules(path=tuple(rules))
+    check_rule_patterns(rules.path)
+    paths, carried = [], set()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+        paths.append(path_str(path))
+        if isinstance(leaf, LogicallyPartitioned):
+            carried.update(a for e in leaf.names for a in _axes(e))
+        elif _annotation(leaf) is not None:
+            carried.update(a for e in _annotation(leaf) for a in _axes(e))
+    problems = []
+    for pattern in dict.fromkeys(pattern for pattern, _ in rules.path):
+        if not any(re.search(pattern, p) for p in paths):
+            close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0)
+            problems.append(
+                f"path rule {pattern!r} matches no array (closest paths: {_listed(close)}; paths "
+                "look like 'params/Dense_0/kernel', see hybridpar.parallel.partitioning.path_str "
+                "and sharding_table)"
+            )
+    names = list(dict.fromkeys(name for name, _ in rules.logical if name not in carried))
+    if names:
+        problems.append(
+            f"logical name(s) {_listed(names)} on no array (the arrays carry "
+            f"{_listed(sorted(carried), 8) or 'none'}; logical names come from "
+            "nn.with_logical_partitioning or nnx.with_partitioning)"
+        )
+    return "; ".join(problems)
+
+
+def infer_shardings(
+    tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh, unmatched: str = "warn"
+):
     """A tree of ``NamedSharding`` for ``tree``'s arrays (or ShapeDtypeStructs).
 
     ``tree`` may hold Flax boxed leaves (``LogicallyPartitioned``, ``Partitioned``): their
     names are used and the result has the unboxed structure. An NNX ``Variable`` gets one
-    sharding (a valid ``out_shardings`` prefix for its State); path rules and FSDP apply.
-    ``rules`` may be a ``Rules`` or a plain sequence of ``(path_regex, spec)`` pairs.
+    sharding (a valid ``out_shardings`` prefix for its State); its ``nnx.with_partitioning``
+    names are used as ``nn.Partitioned``'s are. Path rules go first for every leaf, and the
+    FSDP pass stacks on top. ``rules`` may be a ``Rules`` or a plain sequence of
+    ``(path_regex, spec)`` pairs.
+
+    ``unmatched="warn"`` warns about rules that match nothing (``unmatched_rules``); pass
+    ``"ignore"`` for a part of a tree (optimizer state, batch statistics) that some rules are
+    not meant for. A conv kernel split on both channel dimensions is always warned about.
     """
+    if unmatched not in ("warn", "ignore"):
+        raise ValueError(f"unmatched={unmatched!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
+    both_channels = []
 
     def one(path, leaf):
         p = path_str(path)
+        shape = np.shape(_unbox(leaf))
         if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
-            spec = infer_spec(p, np.shape(leaf.unbox()), rules, mesh, leaf.names)
-        elif isinstance(leaf, meta.Partitioned):  # mesh axes given directly by the model
-            spec = P(
-                *_check(
-                    leaf.names,
-                    np.shape(leaf.unbox()),
-                    mesh,
-                    f"array {p!r}",
-                    "its nn.Partitioned annotation",
-                )
-            )
+            spec = _spec(p, shape, rules, mesh, logical_names=leaf.names)
         else:
-            spec = infer_spec(p, np.shape(_unbox(leaf)), rules, mesh)
-        return NamedSharding(mesh, spec)
+            spec = _spec(p, shape, rules, mesh, axis_names=_annotation(leaf))
+        if _splits_both_channels(spec, mesh):
+            both_channels.append(p)
+        return NamedSharding(mesh, P(*spec))
 
-    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+    shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+    if both_channels:
+        # We cannot see a kernel's strides, so this is a warning, not an error.
+        warnings.warn(
+            f"{_listed(both_channels)}: a 4-D kernel split on both its input-channel and its "
+            "output-channel dimension; XLA's SPMD partitioner computes a wrong input gradient "
+            "for a strided convolution with such a kernel (tests/test_parity.py pins the bug). "
+            "Put the second axis on the output-channel dimension instead, e.g. "
+            "(None, None, None, ('model', 'fsdp')), as the FSDP pass does",
+            UserWarning,
+            stacklevel=2,
+        )
+    if unmatched == "warn":
+        message = unmatched_rules(tree, rules)
+        if message:
+            warnings.warn(
+                f"partitioning rules that match nothing: {message}", UserWarning, stacklevel=2
+            )
+    return shardings
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
@@ -266,6 +404,13 @@ def shard_batch(batch, mesh: Mesh):
     over the data axes of ``mesh`` as above, else moved there.
     """
     n_local = data_parallel_size(mesh) // jax.process_count()  # checks the mesh's axes first
+    # A list of numbers would be flattened into one scalar leaf per number.
+    for path, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_number_list)[0]:
+        if _is_number_list(x):
+            raise ConfigError(
+                f"batch leaf {path_str(path)!r} is a Python {type(x).__name__} of numbers; "
+                "pass a numpy array instead, e.g. np.asarray(labels)"
+            )
     placed = _placed(batch, mesh)
     if placed is not None:
         return placed
@@ -313,6 +458,15 @@ def _placed(batch, mesh: Mesh):
             "of a batch must hold the same examples, e.g. one label per image"
         )
 
+    n = data_parallel_size(mesh)
+    for name, size in lengths.items():
+        if size % n:
+            raise ConfigError(
+                f"batch array {name!r} has leading size {size}, which does not divide the {n} "
+                "data-parallel shards of the mesh; make the global batch a multiple of the data "
+                "axes (data x fsdp)"
+            )
+
     def one(x):
         target = batch_sharding(mesh, x.ndim)
         if x.sharding.is_equivalent_to(target, x.ndim):
@@ -320,6 +474,14 @@ def _placed(batch, mesh: Mesh):
         return jax.device_put(x, target)
 
     return jax.tree.map(one, batch)
+
+
+def _is_number_list(x) -> bool:
+    return (
+        isinstance(x, (list, tuple))
+        and len(x) > 0
+        and all(isinstance(e, numbers.Number) or _is_number_list(e) for e in x)
+    )
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

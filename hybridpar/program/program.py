@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -43,6 +44,19 @@ def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:
     if c.fsdp_min_size >= 0:
         rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
     return rules
+
+
+def check_own_rules(c, abstract) -> None:
+    """The config's own path rules that match no array are most likely typos: an error. Its
+    logical names that no array carries get a warning (a model may not carry every name)."""
+    message = partitioning.unmatched_rules(abstract, tuple(tuple(r) for r in c.rules))
+    if message:
+        raise ConfigError(f"partitioning.rules: {message}")
+    message = partitioning.unmatched_rules(
+        abstract, partitioning.Rules(logical=tuple(tuple(r) for r in c.logical_rules))
+    )
+    if message:
+        warnings.warn(f"partitioning.logical_rules: {message}", UserWarning, stacklevel=2)
 
 
 def check_batch_sizes(config, dp: int) -> None:
@@ -362,7 +376,9 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
     size = plan.stages[0].stage.image_size or config.data.image_size
     init = make_init_fn(model, tx, (1, size, size, config.data.channels), loss_scale)
     abstract = jax.eval_shape(init, jax.random.key(config.seed))
-    shardings = partitioning.infer_shardings(abstract, rules, mesh)
+    check_own_rules(config.partitioning, abstract)
+    # The presets' and the head's rules may match nothing on a small model (no stage 4).
+    shardings = partitioning.infer_shardings(abstract, rules, mesh, unmatched="ignore")
     return Program(
         config,
         mesh,
