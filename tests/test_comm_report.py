@@ -382,6 +382,9 @@ def test_cli_json_data_parallel_reports_the_gradient_all_reduce():
     assert rep["mesh"] == {"data": 8, "fsdp": 1, "model": 1}
     assert rep["devices"]["count"] == 8 and rep["devices"]["platform"] == "cpu"
     assert rep["config"]["mesh"] == "data:8"
+    # virtual devices stand for a pod's chips: conv_grad=auto compiles their kernel
+    # gradients, not XLA:CPU's im2col form (planted bug that fails it: the override removed)
+    assert rep["config"]["model"]["conv_grad"] == "xla"
     # XLA:CPU's schedule says nothing of an accelerator's: no exposed or hidden figures
     assert rep["bytes_exposed"] is None and rep["bytes_hidden_est"] is None
     for row in rep["collectives"]:
@@ -400,6 +403,7 @@ def test_cli_text_on_hybrid_mesh():
     out = r.stdout
     assert "mesh data=4, fsdp=1, model=2" in out and "all-reduce" in out
     assert "total per step:" in out and "FLOPs per step" in out and "per-device memory" in out
+    assert "kernel gradients as a GPU or TPU computes them (model.conv_grad=xla)" in out
 
 
 @pytest.mark.parametrize(

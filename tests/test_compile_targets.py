@@ -157,6 +157,19 @@ def test_the_tpu_compiler_reports_per_chip_memory_collectives_and_flops(v5e_8):
 
 
 @needs_libtpu
+def test_a_program_compiled_here_for_a_tpu_has_the_tpus_conv_gradients(v5e_8):
+    """``model.conv_grad=auto`` goes by the devices a program is for, not this process's CPU
+    backend: a TPU (or GPU) program compiled here computes kernel gradients as that chip's
+    compiler does, not in XLA:CPU's im2col form (which changed the memory and collectives
+    such a compile reports). Planted bug that fails it: the platform left out."""
+    from hybridpar.runtime.run import setup
+
+    tpu = setup(tiny_digits(mesh="data:8"), with_data=False, devices=v5e_8.devices())
+    cpu = setup(tiny_digits(mesh="data:8"), with_data=False)
+    assert (tpu.program.model.im2col_grad, cpu.program.model.im2col_grad) == (False, True)
+
+
+@needs_libtpu
 def test_a_tpu_compile_leaves_the_persistent_cache_alone(v5e_8):
     """JAX's persistent cache is on in this process (conftest, as a user's
     JAX_COMPILATION_CACHE_DIR would be), and a compile-only client cannot read back what it

@@ -363,7 +363,8 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
         bn_epsilon=m.bn_epsilon,
         small_stem=m.small_stem,
         pointwise_dot=m.pointwise_dot,
-        im2col_grad=use_im2col(m.conv_grad),
+        # the devices the program is for (a TPU or GPU compiled here), not this process's backend
+        im2col_grad=use_im2col(m.conv_grad, mesh.devices.flat[0].platform),
         dtype=policy.compute_dtype,
         param_dtype=policy.param_dtype,
         bn_groups=bn_groups_for(m.bn_sync, plan.data_parallel),

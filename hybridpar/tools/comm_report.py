@@ -581,8 +581,15 @@ def _flops(compiled) -> float | None:
 def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
     """Compiles the config's train step for the mesh and returns the report; ``target``: a
     ``hybridpar.tools.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
+    import copy
+
     from hybridpar.runtime.run import memory_line, setup
 
+    if virtual_devices is not None and config.model.conv_grad == "auto":
+        # virtual CPU devices stand for a pod's chips: their kernel gradients, not the im2col
+        # form auto picks on XLA:CPU (it changes the memory and the collectives reported)
+        config = copy.deepcopy(config)
+        config.model.conv_grad = "xla"
     devices = target.devices() if target is not None else None
     try:
         run = setup(config, with_data=False, devices=devices)  # the train CLI's own checks
@@ -644,7 +651,12 @@ def format_report(rep: CommReport, config_path: str) -> str:
             f"{rep.global_batch}; images {'x'.join(map(str, rep.image_shape))}"
         ),
         f"compiled the train step in {rep.compile_s:.1f}s"
-        + (f" with {' '.join(rep.xla_flags_applied)}" if rep.xla_flags_applied else ""),
+        + (f" with {' '.join(rep.xla_flags_applied)}" if rep.xla_flags_applied else "")
+        + (
+            "; kernel gradients as a GPU or TPU computes them (model.conv_grad=xla)"
+            if dev["virtual"] and rep.config["model"]["conv_grad"] == "xla"
+            else ""
+        ),
         "",
         "collectives in the optimized HLO (bytes per op from its result shape):",
         f"  {'kind':<20} {'count':>5} {'bytes/op':>12} {'total':>12}  {'async':<5}  groups",
