@@ -202,28 +202,34 @@ def _pipeline(c, pi, pc, shape) -> Data:
         "train_examples": train.num_examples,
         "eval_examples": test.num_examples,
         "num_classes": train.num_classes,
+        "classes": list(train.classes),  # the label -> name mapping, kept with the run
     }
-    info.update(split_counts({d.train_split: train, d.eval_split: test}))
+    entries = {}
+    for split, pipe in ((d.train_split, train), (d.eval_split, test)):
+        entries[split] = pipe.info if d.name == "images" else {"num_examples": pipe.num_examples}
+    info.update(split_counts(entries))
     return Data(
         train_batches, eval_batches, spe, test.num_examples, shape, info, train.steps_per_epoch
     )
 
 
-def split_counts(pipes: dict) -> dict:
-    """The ``data`` event's counts: per split (each split once, also when the eval split is
-    the train split), and ``skipped`` / ``converted`` / ``rotated`` totals over those."""
+def split_counts(entries: dict) -> dict:
+    """The ``data`` event's counts, on both paths: per split (each split once, also when the
+    eval split is the train split), from ``{split: its manifest entry}`` (or an on-device
+    cache's record, which has the same keys), and totals over those."""
     splits = {}
-    for name, pipe in pipes.items():
-        info = getattr(pipe, "info", {}) or {}
+    for name, e in entries.items():
         splits[name] = {
-            "examples": pipe.num_examples,
-            "skipped": pipe.skipped,
-            "converted": pipe.converted,
-            "rotated": pipe.rotated,
-            "empty_folders": list(info.get("empty_folders", [])),
-            "classes_without_examples": sorted(info.get("classes_without_examples", {})),
+            "examples": int(e.get("num_examples", 0)),
+            "skipped": len(e.get("skipped", [])),
+            "converted": len(e.get("converted", [])),
+            "rotated": int(e.get("rotated", 0)),
+            "ignored": len(e.get("ignored", [])),
+            "empty_folders": list(e.get("empty_folders", [])),
+            "classes_without_examples": sorted(e.get("classes_without_examples", {})),
         }
-    totals = {k: sum(s[k] for s in splits.values()) for k in ("skipped", "converted", "rotated")}
+    keys = ("skipped", "converted", "rotated", "ignored")
+    totals = {k: sum(s[k] for s in splits.values()) for k in keys}
     return totals | {"splits": splits}
 
 
@@ -254,8 +260,14 @@ def ensure_prepared(d) -> str:
         # Several processes of a run (one per GPU of a host) reach this at once: one
         # prepares, the others wait and then find it prepared (the check is under the lock
         # too), instead of all writing the same shards.
-        with prep.FolderLock(prepared):
-            return _check_prepared(d, prepared, sources, wanted)
+        new = not os.path.exists(prepared)
+        try:
+            with prep.FolderLock(prepared):
+                return _check_prepared(d, prepared, sources, wanted)
+        except ConfigError:
+            if new:  # a first use that failed (a wrong source): leave no empty cache behind
+                prep.remove_if_unused(prepared)
+            raise
     return _check_prepared(d, prepared, sources, wanted)
 
 
@@ -273,8 +285,8 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
     if sources:
         classes = prep.parse_classes(d.classes)
         stale = _stale(manifest, wanted, sources) if manifest else "not prepared yet"
-        if not stale and classes is not None and manifest.get("classes") != classes:
-            stale = "data.classes differs from the prepared class list"
+        if not stale:  # labels follow the class list: another list needs other labels
+            stale = prep.class_list_stale(manifest, classes, d.train_split)
         if stale:
             copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
             print(
@@ -303,14 +315,10 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
                         "to prepare it again (or run `python -m hybridpar.input.prepare`)"
                     )
     if manifest and sources:
-        have = sorted(manifest["splits"])
         for key, split in (("train_split", d.train_split), ("eval_split", d.eval_split)):
             if split not in manifest["splits"]:
-                raise DataError(
-                    f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has "
-                    f"{have}): set --config.data.{key} to one of those, or add a folder "
-                    f"{split}/CLASS/FILE to the source"
-                )
+                paths = [os.path.abspath(s) for s in sources]
+                raise prep.missing_split_error(key, split, paths, manifest["splits"])
     return prepared
 
 

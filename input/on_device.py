@@ -33,19 +33,20 @@ centre-cropped to it; CIFAR-10's 32x32 images are kept as they are.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
-import io
 import json
 import math
 import os
 import threading
+import warnings
 
 import numpy as np
 
 from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input import arrays
 
-CACHE_FORMAT = "hybridpar-on-device-v1"
+CACHE_FORMAT = "hybridpar-on-device-v2"  # v2: the counts of the data event, classes_from
 CPU_LIMIT_MB = 1024  # per device, where the backend reports no memory (CPU)
 _TAG_AUGMENT = 2  # folded into the seed's key first: independent of other uses of the seed
 _ATTEMPTS = 10  # random-resized-crop tries before the centre crop, as the host pipeline
@@ -458,7 +459,7 @@ def _images(c, size: int, mesh):
     """``(train, test, info)`` of an ``images`` set stored at ``size`` px, from the cache in
     PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
     from hybridpar.input import prepare as prep
-    from hybridpar.input.datasets import default_prepared_dir
+    from hybridpar.input.datasets import default_prepared_dir, split_counts
 
     d = c.data
     sources = [os.path.abspath(s.strip()) for s in d.source.split(",") if s.strip()]
@@ -469,14 +470,23 @@ def _images(c, size: int, mesh):
         )
     folder = os.path.join(d.prepared_dir or default_prepared_dir(sources), "on_device")
     splits = list(dict.fromkeys([d.train_split, d.eval_split]))
-    with prep.FolderLock(folder):
-        staging: list = []
-        try:
-            out = _load_or_decode(c, size, mesh, sources, folder, splits, staging)
-        finally:
-            for f in staging:
-                if os.path.exists(f):
-                    os.remove(f)
+    parent = os.path.dirname(folder)
+    new, new_parent = not os.path.exists(folder), not os.path.exists(parent)
+    try:
+        with prep.FolderLock(folder):
+            staging: list = []
+            try:
+                out = _load_or_decode(c, size, mesh, sources, folder, splits, staging)
+            finally:
+                for f in staging:
+                    if os.path.exists(f):
+                        os.remove(f)
+    except ConfigError:
+        if new:  # a first use that failed (a wrong source): leave no empty cache behind
+            prep.remove_if_unused(folder)
+        if new_parent and os.path.isdir(parent) and not os.listdir(parent):
+            os.rmdir(parent)
+        raise
     (train, tm), (test, em) = out[d.train_split], out[d.eval_split]
     if len(tm["classes"]) != d.num_classes:
         raise DataError(
@@ -488,8 +498,9 @@ def _images(c, size: int, mesh):
         "train_split": d.train_split,
         "eval_split": d.eval_split,
         "num_classes": len(tm["classes"]),
-        "skipped": len(tm["skipped"]) + (len(em["skipped"]) if em is not tm else 0),
+        "classes": list(tm["classes"]),  # the label -> name mapping, kept with the run
     }
+    info.update(split_counts({d.train_split: tm, d.eval_split: em}))
     return {size: train}, test, info
 
 
@@ -509,8 +520,10 @@ def _cached(folder: str, split: str, size: int, sources: list[str], classes) -> 
             meta = json.load(f)
     except (OSError, ValueError):
         return None, "not decoded yet"
-    if meta.get("format") != CACHE_FORMAT or not os.path.exists(arrays_path):
+    if not os.path.exists(arrays_path):
         return None, "not decoded yet"
+    if meta.get("format") != CACHE_FORMAT:
+        return None, f"it was decoded by an older hybridpar ({meta.get('format')})"
     if meta.get("source") not in sources:
         return None, f"it was decoded from {meta.get('source')!r}"
     try:
@@ -521,7 +534,7 @@ def _cached(folder: str, split: str, size: int, sources: list[str], classes) -> 
     if change:
         return None, f"the source changed since it was decoded: {change}"
     if classes is not None and meta["classes"] != list(classes):
-        return None, "the class list changed"
+        return None, prep.class_change(meta["classes"], list(classes))
     return meta, ""
 
 
@@ -529,13 +542,14 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
     from hybridpar.input import prepare as prep
 
     d = c.data
-    classes = prep.parse_classes(d.classes)
+    classes = given = prep.parse_classes(d.classes)
     if classes is None:  # the train split's class folders, from its cache if that is current
         meta, _ = _cached(folder, d.train_split, size, sources, None)
-        classes = meta["classes"] if meta else None
+        if meta and not prep.class_list_stale(meta, None, d.train_split):
+            classes = meta["classes"]
     state = {s: _cached(folder, s, size, sources, classes) for s in splits}
     listed = {}
-    if any(why for _, why in state.values()):
+    if classes is None or any(why for _, why in state.values()):
         os.makedirs(folder, exist_ok=True)
         for source in sources:
             for name, listing in prep.list_source(source, None, folder, staging).items():
@@ -547,10 +561,7 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
                 listed[name] = (source, listing)
         if classes is None:
             if d.train_split not in listed:
-                raise DataError(
-                    f"data.train_split={d.train_split!r} is not a split of {', '.join(sources)} "
-                    f"(it has {sorted(listed)}): set --config.data.train_split to one of those"
-                )
+                raise prep.missing_split_error("train_split", d.train_split, sources, listed)
             classes = list(listed[d.train_split][1]["class_dirs"])
             state = {s: _cached(folder, s, size, sources, classes) for s in splits}
     counts = {}
@@ -561,14 +572,18 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
             counts[split] = len(listed[split][1]["files"])
         else:
             key = "train_split" if split == d.train_split else "eval_split"
-            raise DataError(
-                f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has "
-                f"{sorted(listed)}): set --config.data.{key} to one of those"
-            )
+            raise prep.missing_split_error(key, split, sources, listed)
     per_image = size * size * 3 + 4
     need = sum(counts.values()) * per_image
     what = ", ".join(f"{n} {s} images" for s, n in counts.items()) + f" at {size}x{size}"
     check_fits(need, what, d.on_device_limit_mb, mesh.devices.flat[0])
+    train_why = state[d.train_split][1]
+    if train_why and not d.allow_empty_classes:  # before decoding: empty or missing folders
+        source, listing = listed[d.train_split]
+        files = collections.Counter(f[1] for f in listing["files"])
+        empty = prep.classes_without_examples(classes, listing["class_dirs"], files, files)
+        if empty:
+            raise prep.empty_classes_error(d.train_split, source, empty)
     out = {}
     for split, (meta, why) in state.items():
         arrays_path, meta_path = cache_paths(folder, split, size)
@@ -576,35 +591,32 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
             source, listing = listed[split]
             print(f"decoding split {split!r} of {source} with Pillow into {arrays_path} ({why}; "
                   "later runs reuse it)", flush=True)  # fmt: skip
-            meta = _decode_split(listing, classes, size, arrays_path, meta_path, source)
+            origin = None if given is not None else d.train_split
+            meta = _decode_split(listing, classes, origin, size, arrays_path, meta_path, source)
+            if meta["ignored"]:
+                print(prep.ignored_note(split, meta["ignored"], meta_path), flush=True)
+        # The same rule as prepare's: a train class without a usable example is an error.
+        empty = meta["classes_without_examples"]
+        if split == d.train_split and empty and not d.allow_empty_classes:
+            raise prep.empty_classes_error(split, meta["source"], empty)
         with np.load(arrays_path) as z:
             out[split] = ({"image": z["image"], "label": z["label"]}, meta)
     return out
 
 
 def decode_image(data: bytes, size: int):
-    """Encoded bytes -> uint8 (size, size, 3), or ``(None, why)`` where it does not decode:
-    upright by EXIF, transparency on white, resized (shorter side) and centre-cropped."""
-    from PIL import Image, ImageOps
+    """Encoded bytes -> ``(uint8 (size, size, 3), converted, None)`` or ``(None, None, why
+    skipped)``: prepare's ``decode`` (the same files kept, skipped and converted, for the same
+    reasons), then resized (shorter side) and centre-cropped. ``converted``: why the file was
+    not a clean JPEG (None: it was)."""
+    from PIL import Image
 
-    from hybridpar.input.prepare import MAX_PIXELS
+    from hybridpar.input.prepare import decode
 
-    try:
-        img = Image.open(io.BytesIO(data))
-        if img.width * img.height > MAX_PIXELS:
-            return None, f"over {MAX_PIXELS:,} pixels (decompression bomb guard)"
-        img.load()
-        img = ImageOps.exif_transpose(img)
-    except Exception as e:  # PIL raises many types for corrupt data
-        return None, f"undecodable ({type(e).__name__}: {str(e)[:200]})"
-    if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
-        rgba = img.convert("RGBA")
-        img = Image.new("RGB", img.size, (255, 255, 255))
-        img.paste(rgba, mask=rgba.getchannel("A"))
-    elif img.mode.startswith("I;16"):  # 16-bit grey: keep the high byte (convert would clip)
-        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L").convert("RGB")
-    else:
-        img = img.convert("RGB")
+    img, reason, skip = decode(data)
+    if img is None:
+        return None, None, skip
+    img = img.convert("RGB")  # a grey JPEG
     w, h = img.size
     if (w, h) != (size, size):
         scale = size / min(w, h)
@@ -612,10 +624,14 @@ def decode_image(data: bytes, size: int):
         img = img.resize((w, h), Image.Resampling.BILINEAR)
         left, top = (w - size) // 2, (h - size) // 2
         img = img.crop((left, top, left + size, top + size))
-    return np.asarray(img, np.uint8), None
+    return np.asarray(img, np.uint8), reason, None
 
 
-def _decode_split(listing, classes, size, arrays_path, meta_path, source) -> dict:
+def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, source) -> dict:
+    """Decodes a split into ``arrays_path`` and writes its record (``meta_path``): the keys
+    of a manifest's split entry that the data event counts (``datasets.split_counts``)."""
+    from PIL import Image
+
     from hybridpar.input import prepare as prep
 
     label = {name: i for i, name in enumerate(classes)}
@@ -631,7 +647,10 @@ def _decode_split(listing, classes, size, arrays_path, meta_path, source) -> dic
         handles, out = {}, []
         try:
             for _, _, file, offset, n in items:
-                out.append(decode_image(prep._read(handles, file, offset, n), size))
+                try:
+                    out.append(decode_image(prep._read(handles, file, offset, n), size))
+                except OSError as e:
+                    out.append((None, None, f"unreadable file ({e.strerror})"))
         finally:
             for f in handles.values():
                 f.close()
@@ -640,25 +659,42 @@ def _decode_split(listing, classes, size, arrays_path, meta_path, source) -> dic
     step = 512
     pieces = [files[i : i + step] for i in range(0, len(files), step)]
     workers = max(1, len(os.sched_getaffinity(0)))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:  # PIL decodes without the GIL
-        decoded = [r for part in pool.map(chunk, pieces) for r in part]
-    keep = [i for i, (img, _) in enumerate(decoded) if img is not None]
-    skipped = [{"name": files[i][0], "reason": decoded[i][1]} for i in range(len(files))
-               if decoded[i][0] is None]  # fmt: skip
+    # prepare's pixel limit (PIL's own is lower) and its silence on odd but readable files
+    pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, prep.MAX_PIXELS
+    try:
+        with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            warnings.simplefilter("ignore")
+            decoded = [r for part in pool.map(chunk, pieces) for r in part]  # without the GIL
+    finally:
+        Image.MAX_IMAGE_PIXELS = pil_limit
+    keep = [i for i, (img, _, _) in enumerate(decoded) if img is not None]
+    skipped = [{"name": f[0], "reason": r[2]} for f, r in zip(files, decoded) if r[0] is None]
+    converted = [{"name": f[0], "reason": r[1]} for f, r in zip(files, decoded) if r[1]]
     empty = np.zeros((0, size, size, 3), np.uint8)
     images = np.stack([decoded[i][0] for i in keep]) if keep else empty
     labels = np.asarray([label[files[i][1]] for i in keep], np.int32)
     tmp = arrays_path + ".tmp.npz"
     np.savez(tmp, image=images, label=labels)
     os.replace(tmp, arrays_path)
+    counts = collections.Counter(f[1] for f in files)
+    usable = collections.Counter(files[i][1] for i in keep)
     meta = {
         "format": CACHE_FORMAT,
         "source": source,
         "fingerprint": listing["fingerprint"],
         "classes": list(classes),
+        "classes_from": classes_from,
         "size": size,
+        "num_files": len(files),
         "num_examples": len(keep),
         "skipped": skipped,
+        "converted": converted,
+        "rotated": prep.count_rotated(converted),
+        "ignored": [{"name": n, "reason": why} for n, why in listing["ignored"]],
+        "empty_folders": [c for c in listing["class_dirs"] if not counts[c]],
+        "classes_without_examples": prep.classes_without_examples(
+            classes, listing["class_dirs"], counts, usable
+        ),
     }
     with open(meta_path + ".tmp", "w") as f:
         json.dump(meta, f)

@@ -61,10 +61,22 @@ def _hidden(name: str) -> bool:
     return name.startswith(".") or name == "__MACOSX"
 
 
-def _wanted(parts: list[str], depth: int) -> bool:
-    if len(parts) != depth or any(_hidden(p) for p in parts):
-        return False
-    return os.path.splitext(parts[-1])[1].lower() in IMAGE_EXTS
+# Files that are no images and need no mention (a README or a label file beside the images).
+JUNK_EXTS = {".txt", ".csv", ".json", ".xml", ".md", ".html", ".log", ".ini", ".db", ".yaml"}
+NESTED = "in a folder inside a class folder (only CLASS/FILE is read)"
+
+
+def _kind(parts: list[str], depth: int) -> str | None:
+    """None for an image file to read; '' for junk ignored silently; else why a file that
+    may be an image is ignored (listed in the manifest, counted in the data event)."""
+    if len(parts) < depth or any(_hidden(p) for p in parts):
+        return ""
+    ext = os.path.splitext(parts[-1])[1].lower()
+    if ext in JUNK_EXTS:
+        return ""
+    if len(parts) > depth:
+        return NESTED if ext in IMAGE_EXTS else ""
+    return None if ext in IMAGE_EXTS else f"not an image name ({ext or 'no extension'})"
 
 
 def _digest(lines) -> str:
@@ -88,7 +100,8 @@ def _tar_error(path: str, what: str) -> DataError:
 
 def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
     """Regular members as (parts, file, offset, size), read once here so workers can seek,
-    and the class folders seen (as parts). A truncated or corrupt archive is a DataError.
+    the class folders seen (as parts) and the members ignored (as (parts, why)). A truncated
+    or corrupt archive is a DataError.
 
     A compressed tar cannot be seeked cheaply, so it is streamed once into an uncompressed
     staging file in --out (removed at the end) and indexed there instead.
@@ -105,7 +118,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
                 "bzip2 or xz compressed one); pass a tar or a folder in the SPLIT/CLASS/FILE "
                 "layout"
             ) from None
-    entries, dirs, out_file, data_file = [], set(), None, path
+    entries, dirs, ignored, out_file, data_file = [], set(), [], None, path
     if compressed:
         data_file = os.path.join(staging_dir, f".staging-{len(staging)}-{os.path.basename(path)}")
         staging.append(data_file)
@@ -119,7 +132,12 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
                 parts = [p for p in posixpath.normpath(m.name).split("/") if p not in ("", ".")]
                 if m.isdir() and len(parts) == depth - 1 and not any(map(_hidden, parts)):
                     dirs.add(tuple(parts))
-                if not m.isreg() or not _wanted(parts, depth):
+                kind = _kind(parts, depth) if m.isreg() or m.issym() or m.islnk() else ""
+                if kind is None and not m.isreg():  # the folder path follows links; not here
+                    kind = f"{'symbolic' if m.issym() else 'hard'} link in a tar"
+                if kind:
+                    ignored.append((parts, kind))
+                if kind is not None:
                     continue
                 if out_file is None:
                     if m.offset_data + m.size > size:
@@ -151,17 +169,18 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
             raise _tar_error(
                 path, f"truncated {after} (no end-of-archive marker at byte {end_at:,})"
             )
-    return entries, dirs
+    return entries, dirs, ignored
 
 
 def _walk_split(root: str):
-    """One split folder: (files as (class, name, path, stat)), class folder names), sorted."""
+    """One split folder: files as (class, name, path, stat), class folder names, and the
+    files ignored as (name, why), sorted."""
     try:
         with os.scandir(root) as it:
             classes = sorted(e.name for e in it if not _hidden(e.name) and e.is_dir())
     except OSError as e:
         raise DataError(f"cannot read source folder {root!r} ({e.strerror or e})") from None
-    files = []
+    files, ignored = [], []
     for cls in classes:
         folder = os.path.join(root, cls)
         try:
@@ -169,16 +188,32 @@ def _walk_split(root: str):
         except OSError as e:
             raise DataError(f"cannot read class folder {folder!r} ({e.strerror or e})") from None
         for name in names:
-            if not _wanted([cls, name], 2):
+            kind = _kind([cls, name], 2)
+            if kind == "":
                 continue
             path = os.path.join(folder, name)
             try:
                 st = os.stat(path)
             except OSError as e:
                 raise DataError(f"cannot read {path!r} ({e.strerror or e})") from None
-            if stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
+                ignored += _nested(root, path)
+            elif stat.S_ISREG(st.st_mode) and kind is None:
                 files.append((cls, name, path, st))
-    return files, classes
+            elif stat.S_ISREG(st.st_mode):
+                ignored.append((f"{cls}/{name}", kind))
+    return files, classes, ignored
+
+
+def _nested(root: str, folder: str) -> list:
+    """The image files under a folder inside a class folder, as (name, why)."""
+    out = []
+    for top, dirs, names in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not _hidden(d))
+        for name in sorted(names):
+            if _kind(["class", "folder", name], 2) == NESTED:
+                out.append((os.path.relpath(os.path.join(top, name), root), NESTED))
+    return out
 
 
 def _folder_fingerprint(root: str, files) -> dict:
@@ -229,8 +264,10 @@ def describe_change(old: dict | None, new: dict) -> str:
 
 def list_source(source: str, split: str | None = None, staging_dir=None, staging=None):
     """``{split: listing}``, ``listing`` a dict of ``files`` (``[(name, class, file, offset,
-    size), ...]`` sorted by name), ``class_dirs`` (every class folder, empty ones too) and
-    ``fingerprint`` (what ``describe_change`` compares).
+    size), ...]`` sorted by name), ``class_dirs`` (every class folder, empty ones too),
+    ``ignored`` (``[(name, why), ...]``: files that may be images but are not read: in a
+    nested folder, of another extension, a link in a tar) and ``fingerprint`` (what
+    ``describe_change`` compares).
 
     ``name`` is the path relative to the split folder; ``size`` -1 means the whole file.
     With ``split``, the source itself is one split (CLASS/FILE). A compressed tar is
@@ -252,16 +289,17 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
             roots = {n: os.path.join(source, n) for n in names}
             roots = {n: r for n, r in roots.items() if os.path.isdir(r)}
         for name, root in roots.items():
-            files, classes = _walk_split(root)
+            files, classes, ignored = _walk_split(root)
             if files:
                 splits[name] = {
                     "files": [(f"{c}/{n}", c, p, 0, -1) for c, n, p, _ in files],
                     "class_dirs": classes,
+                    "ignored": ignored,
                     "fingerprint": _folder_fingerprint(root, files),
                 }
     else:
         staging_dir = staging_dir or tempfile.gettempdir()
-        entries, dirs = _list_tar(
+        entries, dirs, ignored = _list_tar(
             source, 2 if split else 3, staging_dir, [] if staging is None else staging
         )
         fingerprint = _tar_fingerprint(source)
@@ -270,6 +308,10 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
             parts = [split, *parts] if split else parts
             name = f"{parts[1]}/{parts[2]}"  # a name repeated in a tar: the later member wins
             by_split.setdefault(parts[0], {})[name] = (name, parts[1], file, offset, size)
+        skipped: dict[str, list] = {}
+        for parts, why in ignored:
+            parts = [split, *parts] if split else parts
+            skipped.setdefault(parts[0], []).append(("/".join(parts[1:]), why))
         class_dirs: dict[str, set] = {}
         for parts in dirs:
             parts = [split, *parts] if split else list(parts)
@@ -279,6 +321,7 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
             splits[name] = {
                 "files": [files[n] for n in sorted(files)],
                 "class_dirs": sorted(classes),
+                "ignored": sorted(skipped.get(name, [])),
                 "fingerprint": fingerprint,
             }
     if not splits:
@@ -305,9 +348,12 @@ def _jpeg(img, quality: int) -> bytes:
     return buf.getvalue()
 
 
-def _check(data: bytes):
-    """(image, full-copy bytes, reason): reason says why it was converted, or why skipped
-    when image is None. Reasons must not vary between runs (the manifest is compared)."""
+def decode(data: bytes):
+    """The one rule both paths keep or skip a file by (prepare here, ``data.on_device`` in
+    ``on_device.py``): ``(image, reason, None)``, the image upright and RGB (a clean RGB or
+    grey JPEG: PIL's own image, as it is) and ``reason`` why it had to be converted (None:
+    it did not); or ``(None, None, why skipped)``. Reasons must not vary between runs (the
+    manifest is compared)."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
@@ -328,28 +374,24 @@ def _check(data: bytes):
     # TF's decoders ignore EXIF orientation, so a photo taken sideways would train sideways:
     # turn the pixels upright here and store them without the tag.
     orientation = _orientation(img)
-    if img.format == "JPEG" and img.mode in ("RGB", "L") and orientation == 1:
-        # The training pipeline decodes with TF, which fails on a few files PIL accepts: ask it.
-        if _tf_decodes(data):
-            return img, data, None
-        reason = "JPEG that TF cannot decode"
-    elif img.format == "JPEG" and img.mode in ("RGB", "L"):
-        reason = None
-    else:
-        reason = f"{img.mode} JPEG" if img.format == "JPEG" else f"{img.format} content"
+    clean = img.format == "JPEG" and img.mode in ("RGB", "L")
+    if clean and orientation == 1:
+        return img, None, None
+    reasons = []
+    if not clean:
+        reasons.append(f"{img.mode} JPEG" if img.format == "JPEG" else f"{img.format} content")
     if orientation != 1:
         from PIL import ImageOps
 
         img = ImageOps.exif_transpose(img)
-        rotated = f"{ROTATED} {orientation} applied"
-        reason = f"{reason}; {rotated}" if reason else rotated
+        reasons.append(f"{ROTATED} {orientation} applied")
     if img.mode.startswith("I;16"):
         # 16-bit grey: PIL's convert clips the samples at 255 (a white image). Keep the high
         # byte, as PIL itself reads 16-bit RGB.
         import numpy as np
 
         img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8), "L")
-        reason = f"{reason}; 16-bit samples scaled to 8 bits"
+        reasons.append("16-bit samples scaled to 8 bits")
     elif img.mode in ("I", "F"):  # 32-bit samples: no range to scale from
         return None, None, f"{img.mode} mode: 32-bit samples; convert the file to 8 bits"
     if img.mode in ("RGBA", "LA", "PA") or "transparency" in img.info:
@@ -358,6 +400,19 @@ def _check(data: bytes):
         img.paste(rgba, mask=rgba.getchannel("A"))
     else:
         img = img.convert("RGB")
+    return img, "; ".join(reasons), None
+
+
+def _check(data: bytes):
+    """(image, full-copy bytes, reason): ``decode``'s rule, plus TF's: the training pipeline
+    decodes with TF, which fails on a few JPEGs PIL accepts (those are re-encoded)."""
+    img, reason, skip = decode(data)
+    if img is None:
+        return None, None, skip
+    if reason is None:
+        if _tf_decodes(data):
+            return img, data, None
+        img, reason = img.convert("RGB"), "JPEG that TF cannot decode"
     return img, _jpeg(img, FULL_QUALITY), reason
 
 
@@ -502,6 +557,7 @@ def _plan(out, split, source, listing, classes, copies, quality, eps, seed):
         tasks.append(task)
     plan = {"split": split, "source": source, "classes": classes, "config": config, "n": n}
     plan.update(fingerprint=listing["fingerprint"], class_dirs=listing["class_dirs"])
+    plan["ignored"] = [{"name": n, "reason": why} for n, why in listing["ignored"]]
     plan["file_counts"] = collections.Counter(f[1] for f in files)
     return plan | {"shards": shards, "tasks": tasks, "done": done}
 
@@ -522,7 +578,11 @@ def _changed(out: str, split: str, old: dict, config: dict) -> list[str]:
     ]
 
 
-def _class_change(old: list, new: list) -> str:
+def count_rotated(converted: list) -> int:
+    return sum(ROTATED in x["reason"] for x in converted)
+
+
+def class_change(old: list, new: list) -> str:
     if old == new:
         return ""
     added, removed = [c for c in new if c not in old], [c for c in old if c not in new]
@@ -539,18 +599,20 @@ def _usable(plan: dict) -> dict:
     return counts
 
 
-def _no_examples(plan: dict, counts: dict) -> dict:
-    """{class: why} for the classes of the list with no usable example in this split."""
+def classes_without_examples(classes, class_dirs, files: dict, usable: dict) -> dict:
+    """{class: why} for the classes of the list with no usable example in a split (both
+    paths report and check these): ``files`` and ``usable`` count each class's files and
+    the ones kept."""
     why = {}
-    for c in plan["classes"]:
-        if counts.get(c, 0) > 0:
+    for c in classes:
+        if usable.get(c, 0) > 0:
             continue
-        if c not in plan["class_dirs"]:
+        if c not in class_dirs:
             why[c] = "no folder"
-        elif not plan["file_counts"].get(c):
+        elif not files.get(c):
             why[c] = "empty folder"
         else:
-            why[c] = f"all {plan['file_counts'][c]} files skipped"
+            why[c] = f"all {files[c]} files skipped"
     return why
 
 
@@ -562,9 +624,12 @@ def _entry(plan: dict, copies, quality: int, serve_ratio: float) -> dict:
     entry["num_examples"] = sum(s["num_examples"] for s in sidecars)
     for key in ("skipped", "converted"):
         entry[key] = sorted((x for s in sidecars for x in s[key]), key=lambda x: x["name"])
-    entry["rotated"] = sum(ROTATED in x["reason"] for x in entry["converted"])
+    entry["rotated"] = count_rotated(entry["converted"])
+    entry["ignored"] = plan["ignored"]
     entry["empty_folders"] = [c for c in plan["class_dirs"] if not plan["file_counts"].get(c)]
-    entry["classes_without_examples"] = _no_examples(plan, _usable(plan))
+    entry["classes_without_examples"] = classes_without_examples(
+        plan["classes"], plan["class_dirs"], plan["file_counts"], _usable(plan)
+    )
     entry["copies"] = {}
     for c in copies:
         name = copy_name(c)
@@ -631,18 +696,50 @@ def parse_classes(text) -> list[str] | None:
 
 
 def _choose_classes(listed, manifest, train_split, classes, out):
-    """The dataset's one class list, and the message naming where it came from."""
+    """The dataset's one class list, the message naming where it came from, and the split
+    whose class folders it is (None: a given list)."""
     if classes is not None:
-        return list(classes), "the given class list"
+        return list(classes), "the given class list", None
     if train_split in listed:
-        return list(listed[train_split][1]["class_dirs"]), f"train split {train_split!r}"
+        origin = f"train split {train_split!r}"
+        return list(listed[train_split][1]["class_dirs"]), origin, train_split
     if manifest.get("classes"):
-        return list(manifest["classes"]), f"the class list already in {out!r}"
+        origin = f"the class list already in {out!r}"
+        return list(manifest["classes"]), origin, labels_from(manifest, train_split)
     raise DataError(
         f"no class list to label {_names(sorted(listed))} with: the sources hold no train "
         f"split {train_split!r} and {out!r} has none from an earlier run. Prepare the train "
         "split first or together with them, name the split that defines the classes "
         "(--train-split NAME, data.train_split), or list the classes (--classes, data.classes)"
+    )
+
+
+def labels_from(record: dict, train_split: str) -> str | None:
+    """The split whose class folders are the class list of a manifest or an on-device
+    cache's record; None: a given list. A manifest from before ``classes_from`` was
+    recorded: a list in folder order is taken for ``train_split``'s folders."""
+    if "classes_from" in record:
+        return record["classes_from"]
+    have = record.get("classes") or []
+    return train_split if have == sorted(have) else None
+
+
+def class_list_stale(record: dict, want: list | None, train_split: str) -> str:
+    """Why the labels of ``record`` (a manifest, or an on-device cache's record) do not serve
+    a run asking for the class list ``want`` (None: ``train_split``'s class folders); ''
+    when they do. Labels follow the list's order, so any other list is stale."""
+    have = record.get("classes") or []
+    if want is not None:
+        if have == want:
+            return ""
+        return f"data.classes differs: {class_change(have, want)}"
+    source = labels_from(record, train_split)
+    if source == train_split:
+        return ""
+    was = "a given class list" if source is None else f"the class folders of split {source!r}"
+    return (
+        f"its labels follow {was} ({_names(have)}) and data.classes is unset now, which means "
+        f"the class folders of train split {train_split!r}"
     )
 
 
@@ -659,14 +756,15 @@ def _check_splits(listed, classes, origin, train_split, allow_empty):
                 "the train split, or list every class (--classes, data.classes)"
             )
     if train_split in listed and not allow_empty:
-        files = collections.Counter(f[1] for f in listed[train_split][1]["files"])
-        dirs = set(listed[train_split][1]["class_dirs"])
-        empty = {c: "empty folder" if c in dirs else "no folder" for c in classes if not files[c]}
+        source, listing = listed[train_split]
+        files = collections.Counter(f[1] for f in listing["files"])
+        empty = classes_without_examples(classes, listing["class_dirs"], files, files)
         if empty:
-            raise _empty_error(train_split, listed[train_split][0], empty)
+            raise empty_classes_error(train_split, source, empty)
 
 
-def _empty_error(split, source, why: dict) -> DataError:
+def empty_classes_error(split, source, why: dict) -> DataError:
+    """The error of a train split with a class of the list that has no usable example."""
     listed = ", ".join(f"{c!r} ({w})" for c, w in list(why.items())[:10])
     more = f" and {len(why) - 10} more" if len(why) > 10 else ""
     return DataError(
@@ -674,6 +772,29 @@ def _empty_error(split, source, why: dict) -> DataError:
         "the model would keep a label it never sees. Add images, remove the class, or allow "
         "it (--allow-empty-classes, data.allow_empty_classes=True)"
     )
+
+
+def missing_split_error(key: str, split: str, sources: list, have: list) -> DataError:
+    """``data.KEY`` names a split that ``sources`` (split names ``have``) lack; a folder of
+    that name without an image file (empty class folders) is said to be empty."""
+    empty = [os.path.join(s, split) for s in sources if os.path.isdir(os.path.join(s, split))]
+    if empty:
+        return DataError(
+            f"data.{key}={split!r}: the folder {empty[0]!r} holds no image file in CLASS/FILE "
+            f"layout; add images to it, or set --config.data.{key} to one of {sorted(have)}"
+        )
+    return DataError(
+        f"data.{key}={split!r} is not a split of {', '.join(sources)} (it has {sorted(have)}): "
+        f"set --config.data.{key} to one of those, or add a folder {split}/CLASS/FILE to the "
+        "source"
+    )
+
+
+def ignored_note(split: str, ignored: list, where: str) -> str:
+    """One line on the files of a split that may be images but were not read."""
+    why = collections.Counter(x["reason"] for x in ignored)
+    kinds = "; ".join(f"{n} {r}" for r, n in sorted(why.items()))
+    return f"{split}: {len(ignored)} file(s) not read ({kinds}); listed in {where}"
 
 
 def _note(text: str) -> None:
@@ -751,8 +872,8 @@ def prepare(
                         f"{source!r}; prepare them into different --out folders"
                     )
                 listed[name] = (os.path.abspath(source), listing)
-        classes, origin = _choose_classes(listed, manifest, train_split, classes, out)
-        relabel = _class_change(manifest.get("classes") or classes, classes)
+        classes, origin, classes_from = _choose_classes(listed, manifest, train_split, classes, out)
+        relabel = class_change(manifest.get("classes") or classes, classes)
         left = sorted(set(manifest["splits"]) - set(listed))
         if relabel and left:
             raise DataError(
@@ -785,7 +906,7 @@ def prepare(
         if workers > 1 and pending > 1:  # spawn: workers must not inherit JAX/TF threads
             ctx = multiprocessing.get_context("spawn")
             pool = ctx.Pool(min(workers, pending), initializer=_init_worker)
-        manifest["classes"] = classes
+        manifest["classes"], manifest["classes_from"] = classes, classes_from
         for plan in plans:
             t0, processed = time.time(), sum(len(t["items"]) for t in plan["tasks"])
             skipped = sum(len(s["skipped"]) for s in plan["done"].values())
@@ -804,7 +925,7 @@ def prepare(
             entry = _entry(plan, copies, quality, serve_ratio)
             empty = entry["classes_without_examples"]
             if plan["split"] == train_split and empty and not allow_empty_classes:
-                raise _empty_error(plan["split"], plan["source"], empty)  # shards are kept
+                raise empty_classes_error(plan["split"], plan["source"], empty)  # shards are kept
             manifest["splits"][plan["split"]] = entry
             _write_json(path, manifest)  # after each split, so a later failure keeps this one
             if progress:
@@ -812,6 +933,8 @@ def prepare(
                 print(summary, file=sys.stderr)
             if entry["empty_folders"]:
                 _note(f"{plan['split']}: empty class folder(s) {_names(entry['empty_folders'])}")
+            if entry["ignored"]:
+                _note(ignored_note(plan["split"], entry["ignored"], path))
             if empty:
                 listed_empty = ", ".join(f"{c!r} ({w})" for c, w in list(empty.items())[:10])
                 _note(f"{plan['split']}: no usable example of class(es) {listed_empty}")
@@ -883,6 +1006,16 @@ class FolderLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+def remove_if_unused(folder: str) -> None:
+    """Removes ``folder`` where it holds nothing but the lock (a first use that failed)."""
+    try:
+        if os.listdir(folder) == [".prepare.lock"]:
+            os.remove(os.path.join(folder, ".prepare.lock"))
+            os.rmdir(folder)
+    except OSError:  # another process uses it now
+        pass
 
 
 def _parse_copies(text: str):

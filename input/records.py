@@ -16,18 +16,22 @@ serves the 128-px stages), which keeps random-resized crops from upsampling much
 Each record is a ``tf.train.Example`` with ``image`` (JPEG bytes, upright: EXIF orientation
 is applied when preparing), ``label`` (int64, index into the dataset's one class list),
 ``id`` (int64, the example's index in the split's sorted file list: unique, so tests can
-check every example is read once) and ``name`` (the file's path relative to the split folder).
+check every example is read once) and ``name`` (the file's path relative to the split folder,
+its bytes as on disk, which need not be UTF-8).
 
 The class list is one per dataset: the train split's class folders (or a list given when
 preparing), stored once at the top of the manifest (and repeated in each split entry); every
 other split maps its folders into it by name, so a validation folder lacking a class keeps
-the train split's labels. ``fingerprint`` records the source as it was prepared (a tar's size
-and modification time; a folder's file names, sizes and times, digested per class), so a
-changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``).
+the train split's labels. ``classes_from``: the split whose class folders the list is (null:
+a given list), so a run asking for another list prepares again. ``fingerprint`` records the
+source as it was prepared (a tar's size and modification time; a folder's file names, sizes
+and times, digested per class), so a changed source is noticed
+(``prepare.source_fingerprint`` / ``describe_change``). ``ignored``: files that may be images
+but are not read (in a folder inside a class folder, another extension, a link in a tar).
 
 ``manifest.json``::
 
-    {"format": "hybridpar-tfrecord-v2", "classes": ["airplane", ...],
+    {"format": "hybridpar-tfrecord-v2", "classes": ["airplane", ...], "classes_from": "train",
      "splits": {"train": {
         "source": "/data/train.tar", "classes": ["airplane", ...], "num_examples": 50000,
         "num_files": 50000,
@@ -36,6 +40,7 @@ changed source is noticed (``prepare.source_fingerprint`` / ``describe_change``)
         "skipped": [{"name": "cat/12.jpg", "reason": "truncated JPEG"}, ...],
         "converted": [{"name": "dog/3.jpg", "reason": "PNG content"}, ...],
         "rotated": 0, "empty_folders": [], "classes_without_examples": {},
+        "ignored": [{"name": "dog/sub/4.jpg", "reason": "in a folder inside ..."}, ...],
         "copies": {"full": {"max_side": null, "quality": null, "serves_up_to": null,
                             "encoding": "jpeg", "median_short_side": 375,
                             "shards": [{"file": "train/full/train-full-00000-of-00049.tfrecord",
@@ -88,7 +93,9 @@ def encode_example(image: bytes, label: int, example_id: int, name: str) -> byte
                 "image": f(bytes_list=tf.train.BytesList(value=[image])),
                 "label": f(int64_list=tf.train.Int64List(value=[label])),
                 "id": f(int64_list=tf.train.Int64List(value=[example_id])),
-                "name": f(bytes_list=tf.train.BytesList(value=[name.encode()])),
+                # a file name that is not UTF-8 keeps its own bytes (listing decodes names
+                # with surrogateescape)
+                "name": f(bytes_list=tf.train.BytesList(value=[os.fsencode(name)])),
             }
         )
     ).SerializeToString()

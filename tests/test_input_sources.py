@@ -1,5 +1,6 @@
 """Preparing sources a user would bring: labels across splits, changed sources, bad archives,
-EXIF orientation and the counts of the run's ``data`` event.
+EXIF orientation and the counts of the run's ``data`` event; the tf.data and on-device paths
+keep, skip, count and label the same files alike.
 
 Every source here is a few tiny synthetic JPEGs; prepare runs in this process (workers=1),
 and one test starts the training CLI to see a truncated tar end in an ``error:`` line.
@@ -287,6 +288,7 @@ def test_data_event_counts_are_per_split_and_exact(tmp_path):
             "skipped": 1,
             "converted": 0,
             "rotated": 0,
+            "ignored": 0,
             "empty_folders": [],
             "classes_without_examples": [],
         }
@@ -362,3 +364,131 @@ def test_evaluation_reads_the_eval_split_and_training_the_train_split(tmp_path):
     own = ImagePipeline(str(tmp_path / "out"), "val", process_index=0, process_count=1)
     (want,) = list(own.eval_batches(image_size=16, global_batch=4))
     assert means(batch["image"][real]) == means(want["image"][want["mask"] > 0])
+
+
+# ---- both paths (tf.data and data.on_device) keep, skip, count and label alike -----------------
+
+
+def _image_bytes(img, fmt):
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return buf.getvalue()
+
+
+def _make_data(src, prepared_dir, on_device, **data):
+    """``datasets.make_data`` of a tiny images run on 2 of the devices."""
+    import jax
+
+    from hybridpar import make_mesh
+
+    c = base_config()
+    c.mesh = "data:2"
+    c.data.update(name="images", source=str(src), prepared_dir=str(prepared_dir))
+    c.data.update(image_size=16, eval_split="val", on_device=on_device, **data)
+    c.global_batch = c.eval_batch = 2
+    return datasets.make_data(c, 0, 1, mesh=make_mesh("data:2", devices=jax.devices()[:2]))
+
+
+def _both_paths(tmp_path, src, **data):
+    """The ``data`` event's facts of the tf.data path and of the on-device one, read from
+    one source into one prepared folder."""
+    got = [_make_data(src, tmp_path / "out", on, **data).info for on in (False, True)]
+    return tuple(got)
+
+
+def test_both_paths_keep_skip_count_and_ignore_the_same_files(tmp_path):
+    """One decode rule (a 32-bit TIFF and an empty file skipped for the same reasons, a PNG
+    and an EXIF-rotated photo converted), one set of counts in the data event, one list of
+    files not read, and a file name that is not UTF-8 trains on both paths."""
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    src = _tree(
+        tmp_path / "src",
+        {
+            "train/ant/1.jpg": _jpeg(seed=1),
+            "train/ant/empty.jpg": b"",
+            "train/ant/f32.tif": _image_bytes(Image.new("F", (8, 8), 0.5), "TIFF"),
+            "train/ant/p.png": _image_bytes(Image.new("RGB", (20, 16), "red"), "PNG"),
+            "train/ant/sub/n.jpg": _jpeg(seed=2),  # a nested folder: not read, listed
+            "train/ant/x.heic": b"heic",  # an image under another extension: listed
+            "train/ant/notes.txt": b"junk",  # not an image: ignored silently
+            "train/bee/1.jpg": _jpeg(seed=3),
+            "train/bee/r.jpg": _jpeg(40, 20, seed=4, exif=exif.tobytes()),
+            "val/ant/1.jpg": _jpeg(seed=5),  # no bee folder in val
+        },
+    )
+    latin = os.path.join(os.fsencode(src / "train" / "bee"), b"caf\xe9.jpg")  # Latin-1 name
+    with open(latin, "wb") as f:
+        f.write(_jpeg(seed=6))
+    tf_info, od_info = _both_paths(tmp_path, src, num_classes=2)
+    keys = ("classes", "train_examples", "eval_examples", "skipped", "converted", "rotated")
+    keys += ("ignored", "splits")
+    assert {k: od_info.get(k) for k in keys} == {k: tf_info[k] for k in keys}
+    assert tf_info["classes"] == ["ant", "bee"] and tf_info["train_examples"] == 5
+    assert tf_info["splits"] == {
+        "train": {"examples": 5, "skipped": 2, "converted": 2, "rotated": 1, "ignored": 2,
+                  "empty_folders": [], "classes_without_examples": []},
+        "val": {"examples": 1, "skipped": 0, "converted": 0, "rotated": 0, "ignored": 0,
+                "empty_folders": [], "classes_without_examples": ["bee"]},
+    }  # fmt: skip
+    manifest = records.load_manifest(str(tmp_path / "out"))["splits"]["train"]
+    cached = json.loads((tmp_path / "out" / "on_device" / "train-16px.json").read_text())
+    for key in ("skipped", "converted", "ignored"):
+        assert cached[key] == manifest[key], key
+    assert [x["reason"] for x in manifest["skipped"]] == [
+        "empty file", "F mode: 32-bit samples; convert the file to 8 bits"]  # fmt: skip
+    assert manifest["ignored"] == [
+        {"name": "ant/sub/n.jpg", "reason": "in a folder inside a class folder (only "
+         "CLASS/FILE is read)"},
+        {"name": "ant/x.heic", "reason": "not an image name (.heic)"},
+    ]  # fmt: skip
+    import tensorflow as tf
+
+    pipe = ImagePipeline(str(tmp_path / "out"), "train", process_index=0, process_count=1)
+    names = [tf.io.parse_single_example(r, records.feature_spec())["name"].numpy()
+             for f in pipe.files("full") for r in tf.data.TFRecordDataset(f)]  # fmt: skip
+    assert b"bee/caf\xe9.jpg" in names  # the name's own bytes
+
+
+def test_a_class_list_dropped_or_changed_labels_both_paths_anew(tmp_path, capsys):
+    """The class list the config asks for is part of what prepared data and the on-device
+    cache serve: data.classes=dog,cat,airplane, then unset (the train split's folders:
+    airplane,cat,dog), then a superset, then unset again: each run labels by its own list,
+    says why it prepares or decodes again, and records the list in its data event."""
+    names = ("airplane", "cat", "dog")
+    files = {f"{s}/{c}/1.jpg": _jpeg(seed=i) for i, c in enumerate(names) for s in ("train", "val")}
+    src = _tree(tmp_path / "src", files)
+    for classes, why in [
+        ("dog,cat,airplane", "not prepared yet"),
+        ("", "data.classes is unset now"),
+        ("airplane,cat,dog,horse", "data.classes differs: the class list changed (added 'horse')"),
+        ("", "data.classes is unset now"),
+    ]:
+        n = len(classes.split(",")) if classes else 3
+        tf_info, od_info = _both_paths(
+            tmp_path, src, num_classes=n, classes=classes, allow_empty_classes=True
+        )
+        want = classes.split(",") if classes else list(names)
+        assert tf_info["classes"] == od_info["classes"] == want
+        out = capsys.readouterr().out
+        assert why in out.split("decoding split")[0], out  # the tf.data path's line
+        assert out.count("decoding split") == 2, out  # the on-device cache: both splits
+
+
+def test_an_empty_eval_folder_is_said_empty_and_a_wrong_source_leaves_no_cache(
+    tmp_path, monkeypatch
+):
+    src = _tree(
+        tmp_path / "src",
+        {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg(), "val/ant": None},
+    )
+    for on in (False, True):
+        with pytest.raises(ConfigError, match=r"data.eval_split='val': the folder '.*src/val' "
+                           r"holds no image file in CLASS/FILE layout; add images"):  # fmt: skip
+            _make_data(src, tmp_path / "out", on, num_classes=2)
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "data.tar").write_text("not a tar")
+    for on in (False, True):
+        with pytest.raises(ConfigError, match="neither a folder nor a tar"):
+            _make_data(tmp_path / "data.tar", "", on, num_classes=2)
+        assert not list((tmp_path / "cache").glob("*")), on  # no lock or empty folder left

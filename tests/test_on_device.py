@@ -13,7 +13,8 @@
   equal to the uninterrupted run; the CLI trains with TensorFlow blocked from importing.
 * images: decoded once with Pillow into a cache beside the prepared data, reused, decoded
   again (with a line saying why) when the source changes; CIFAR-10's test.tar where the
-  shared data is (and no TensorFlow in that process).
+  shared data is (and no TensorFlow in that process); a train class without a usable
+  example is refused as prepare refuses it (unless data.allow_empty_classes).
 * A set that does not fit is refused with one line naming its size, the limit and the fix.
 """
 
@@ -271,9 +272,7 @@ def images_config(tmp_path, source, **kw):
     return c
 
 
-def test_images_are_decoded_once_reused_and_decoded_again_when_the_source_changes(
-    tmp_path, capsys
-):
+def test_images_are_decoded_once_reused_and_decoded_again_when_the_source_changes(tmp_path, capsys):
     source = image_folder(tmp_path / "src")
     c = images_config(tmp_path, source)
     data = datasets.make_data(c, 0, 1)
@@ -299,6 +298,32 @@ def test_images_are_decoded_once_reused_and_decoded_again_when_the_source_change
     out = capsys.readouterr().out
     assert out.count("decoding split") == 1 and "'train'" in out and "files" in out, out
     assert changed.info["train_examples"] == 13 and changed.info["eval_examples"] == 12
+
+
+def test_a_train_class_without_examples_is_refused_on_device_as_when_prepared(tmp_path):
+    """The rule and the message of prepare (the tf.data path): an empty train class folder,
+    a class whose every file is skipped, or a listed class with no folder is an error unless
+    data.allow_empty_classes; then it trains, and the data event says which."""
+    source = image_folder(tmp_path / "src")
+    (source / "train" / "horse").mkdir()
+    message = (
+        r"train split 'train' of .* has no usable example of class\(es\) 'horse' "
+        r"\(empty folder\).*data.allow_empty_classes"
+    )
+    with pytest.raises(DataError, match=message):
+        datasets.make_data(images_config(tmp_path, source, num_classes=3), 0, 1)
+    (source / "train" / "horse" / "1.jpg").write_bytes(b"not an image")
+    with pytest.raises(DataError, match=r"'horse' \(all 1 files skipped\)"):
+        datasets.make_data(images_config(tmp_path, source, num_classes=3), 0, 1)
+    c = images_config(tmp_path, source, num_classes=4, classes="cat,dog,horse,yak")
+    with pytest.raises(DataError, match=r"class\(es\) 'yak' \(no folder\)"):  # before decoding
+        datasets.make_data(c, 0, 1)
+    c.data.allow_empty_classes = True
+    info = datasets.make_data(c, 0, 1).info
+    assert info["train_examples"] == 12 and info["classes"] == ["cat", "dog", "horse", "yak"]
+    train = info["splits"]["train"]
+    assert train["classes_without_examples"] == ["horse", "yak"] and train["skipped"] == 1
+    assert info["splits"]["test"]["classes_without_examples"] == ["horse", "yak"]
 
 
 def test_cifar10_test_tar_on_device_in_a_process_without_tensorflow(tmp_path):

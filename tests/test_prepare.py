@@ -387,6 +387,41 @@ def test_bad_sources_and_out_are_config_errors(tmp_path):
         prepare([empty], tmp_path / "file")
 
 
+def test_files_that_may_be_images_but_are_not_read_are_listed_with_why(tmp_path):
+    """A tar's links (the folder path follows symlinks), a file in a folder inside a class
+    folder, an image under another extension: listed; junk beside the images is not."""
+    from hybridpar.input.prepare import list_source
+
+    img = _jpeg(_image(8, 8))
+    src = tmp_path / "src"
+    for name, data in [("train/cat/1.jpg", img), ("train/cat/sub/2.jpg", img),
+                       ("train/cat/3.heic", b"heic"), ("train/cat/notes.txt", b"junk"),
+                       ("train/cat/.DS_Store", b"junk"), ("train/cat/noext", img)]:  # fmt: skip
+        _write(src / name, data)
+    tar = tmp_path / "links.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(src / "train", arcname="train")
+        for kind, name in ((tarfile.SYMTYPE, "train/cat/sym.jpg"),
+                           (tarfile.LNKTYPE, "train/cat/hard.jpg")):  # fmt: skip
+            link = tarfile.TarInfo(name)
+            link.type = kind
+            link.linkname = "1.jpg" if kind == tarfile.SYMTYPE else "train/cat/1.jpg"
+            t.addfile(link)
+    nested = "in a folder inside a class folder (only CLASS/FILE is read)"
+    want = [
+        ("cat/3.heic", "not an image name (.heic)"),
+        ("cat/noext", "not an image name (no extension)"),
+        ("cat/sub/2.jpg", nested),
+    ]
+    folder = list_source(str(src))["train"]
+    assert [f[0] for f in folder["files"]] == ["cat/1.jpg"] and folder["ignored"] == want
+    listed = list_source(str(tar))["train"]
+    assert [f[0] for f in listed["files"]] == ["cat/1.jpg"]
+    assert listed["ignored"] == sorted(
+        [*want, ("cat/hard.jpg", "hard link in a tar"), ("cat/sym.jpg", "symbolic link in a tar")]
+    )
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [(["--quality", "80"], "--quality"), (["--serve-ratio", "1.5", "--copies", "full"],

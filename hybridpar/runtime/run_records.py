@@ -64,7 +64,9 @@ class Data(Record):
     skipped: int | None = None
     converted: int | None = None
     rotated: int | None = None
+    ignored: int | None = None  # files that may be images but were not read (manifest lists them)
     splits: dict | None = None  # per split: examples, skipped, converted, rotated, ...
+    classes: list | None = None  # the class names in label order
 
 
 @dataclasses.dataclass(kw_only=True)
