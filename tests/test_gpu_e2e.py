@@ -131,6 +131,7 @@ def test_e2e_smoke_runs_every_section(tmp_path):
     out = tmp_path / "e2e.txt"
     drop = ("OUT", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")  # e2e measures compiles
     env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHON"] = sys.executable  # the suite's Python, whichever python3 is on PATH
     r = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "e2e.sh"), "--smoke", "--work",
          str(tmp_path / "work"), "--out", str(out)],
