@@ -112,6 +112,22 @@ def test_the_last_line_gives_the_largest_programs_figures():
     assert last["hidden_bytes_est"] == "64"
 
 
+@pytest.mark.parametrize("rate", [9.0, None])
+def test_the_roofline_note_comes_only_with_a_roofline_figure(rate):
+    from hybridpar.tools.compile import format_report
+
+    report = dict(
+        mesh={"data": 8}, target_description="t", wall_s=1.0, slices=1, axes_across_slices=[],
+        out=None, hbm_bytes_per_chip=None, target="cpu:8",
+        programs=[dict(_program("train", 32, 32, 200, 32e9, 320),
+                       roofline_images_per_s_per_chip=rate),
+                  dict(_program("eval", 64, 32, 150, 8e9, 80),
+                       roofline_images_per_s_per_chip=None)],
+    )  # fmt: skip
+    text = format_report(report, "c.py")
+    assert ("\nroofline: " in text) == (rate is not None)
+
+
 @pytest.fixture(scope="module")
 def v5e_8():
     target = targets.parse("tpu:v5e-8")
@@ -269,6 +285,19 @@ def test_compile_cli_bad_target_is_one_error_line():
     assert "Traceback" not in r.stderr
 
 
+def test_compile_cli_refuses_more_virtual_cpu_devices_than_it_can_start():
+    """cpu:N over the bound is refused before the config's batches are checked."""
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar.compile", "--config", DIGITS, "--target", "cpu:4097"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: --target cpu:4097: at most 4096 virtual CPU devices")
+    assert len(r.stderr.splitlines()) == 1
+
+
 # ---- serialized executables: compile once, load in the run --------------------------------
 
 DIGITS_TRAIN = 1437  # scikit-learn's digits: the 80% the digits job trains on
@@ -284,7 +313,7 @@ def _losses(workdir):
     ]
 
 
-def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
+def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path, capsys):
     """``compile --out`` (here for the 8 CPU devices) writes every program; a run given the
     file compiles nothing and trains step for step as a run that compiled them itself. The
     run that compiled them itself comes first, so the compile would find every program in
@@ -308,7 +337,10 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path):
 
     loaded = setup(config, str(tmp_path / "loaded"), compiled=out)
     assert len(loaded.program.compiles) == 3
+    capsys.readouterr()
     assert trainer.train(loaded)["completed"]
+    said = capsys.readouterr().out
+    assert f"loaded 3 programs from {out} in " in said and "compiled " not in said
     (got, compiles), (want, _) = _losses(tmp_path / "loaded"), _losses(tmp_path / "own")
     assert len(got) == loaded.plan.total_steps and got == want
     assert len(compiles) == 3 and all(c["loaded_from"] == out for c in compiles)

@@ -327,6 +327,24 @@ def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path
     assert json.loads((tmp_path / "summary.json").read_text())["completed"]
 
 
+def test_sigterm_after_a_completed_run_exits_0_quietly(tmp_path):
+    """The command's last lines and the interpreter's exit come after the run is done and
+    written: a SIGTERM there (sent here by the process itself, after the train command
+    returned, so it lands there every time) exits 0, not 143, and says nothing."""
+    argv = ["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
+            *config_args(TINY_DIGITS)]  # fmt: skip
+    code = (
+        "import os, signal, time; from hybridpar.tools import train; "
+        f"train.main({argv!r}); "
+        "os.kill(os.getpid(), signal.SIGTERM); time.sleep(60); print('not stopped')"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(8),
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert r.stdout.splitlines()[-1].startswith("done: ")  # nothing said after it
+    assert json.loads((tmp_path / "summary.json").read_text())["completed"]
+
+
 def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():
     """In-process: once the loop's handler is in, the first SIGTERM asks for a checkpoint
     and hands the signal back to the handler from before the CLI's, not to the CLI's."""

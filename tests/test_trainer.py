@@ -300,6 +300,20 @@ def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["preempted"] == "asked at step 3"
 
 
+@pytest.mark.parametrize("eval_every_epochs,early", [(0.25, False), (0.125, True)])
+def test_the_log_claims_a_stop_at_target_only_where_the_summary_does(
+    tmp_path, capsys, eval_every_epochs, early
+):
+    """Targets reached at the last step's evaluation end no run early: neither the log nor
+    the summary says a stop; reached at an earlier evaluation, both do."""
+    config = tiny_digits(stop_at_target=True, target_top1=0.001, target_top5=0.001,
+                         num_epochs=0.25, eval_every_epochs=eval_every_epochs)  # fmt: skip
+    summary = trainer.train(setup(config, str(tmp_path)))
+    assert summary["completed"] and summary["stopped_at_target"] is early
+    assert (summary["steps"] < summary["total_steps"]) is early
+    assert ("stopping there (stop_at_target)" in capsys.readouterr().out) is early
+
+
 def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path):
     config = tiny_digits(**{"max_nonfinite_steps": 3, "checkpoint.every_steps": 2})
     run = setup(config, str(tmp_path))

@@ -5,7 +5,9 @@ The train command installs ``EarlyStop`` on its first line: before the first ste
 nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
 over from it: a stop then saves a checkpoint at the next step boundary, and a second signal
 goes to the handler ``EarlyStop`` replaced (``EarlyStop.replaced``), as without either.
-Nothing here imports JAX at import time: the command installs ``EarlyStop`` before it.
+After a run that ended with its records written (``Preemption.ended``), ``EarlyStop`` is back
+and a signal exits 0 quietly (SIGTERM until the process ends). Nothing here imports JAX at
+import time: the command installs ``EarlyStop`` before it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class EarlyStop:
 
     def __init__(self):
         self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
+        self.run_ended = False  # set by ``Preemption.ended``: the run's records are written
 
     def replaced(self, signum: int):
         """The handler of ``signum`` from before this one: what a handler that takes over
@@ -38,11 +41,16 @@ class EarlyStop:
         return self._replaced[signum]
 
     def restore(self) -> None:
+        """The handlers from before this one; after an ended run SIGTERM stays with this one,
+        as the command returns into the interpreter's exit (JAX's and orbax's teardown), where
+        the default action would still end a done run with 143."""
         for s, h in self._replaced.items():
-            if signal.getsignal(s) is self:
+            if signal.getsignal(s) is self and not (self.run_ended and s == signal.SIGTERM):
                 signal.signal(s, h)
 
     def __call__(self, signum, frame):
+        if self.run_ended:  # its checkpoint and summary are written: nothing to stop or say
+            os._exit(0)
         msg = f"{signal.Signals(signum).name}: {STOPPED_EARLY}"
         try:
             print(msg, flush=True)
@@ -96,6 +104,7 @@ class Preemption:
         self.requested: str | None = None
         self.unsaid: str | None = None  # the handler's message, where it could not print
         self._previous = {}
+        self._early: EarlyStop | None = None  # the command's handler this one took over from
 
     def request(self, why: str = "requested") -> None:
         self.requested = self.requested or why
@@ -125,7 +134,7 @@ class Preemption:
             for s in self.SIGNALS:
                 previous = signal.signal(s, self._handler)
                 if isinstance(previous, EarlyStop):  # its job (before the loop) is over
-                    previous = previous.replaced(s)
+                    self._early, previous = previous, previous.replaced(s)
                 self._previous[s] = previous
         return self
 
@@ -133,3 +142,12 @@ class Preemption:
         for s, h in self._previous.items():
             signal.signal(s, h)
         self._previous = {}
+
+    def ended(self) -> None:
+        """The run ended with its checkpoint and summary written (completed, or stopped and
+        saved): a signal from here to the process's exit exits 0 quietly, by the command's
+        ``EarlyStop`` put back, not the default action's 143 (the run is done, not killed)."""
+        if self._early is not None:
+            self._early.run_ended = True
+            for s in self.SIGNALS:
+                signal.signal(s, self._early)

@@ -515,10 +515,18 @@ def start(run: Run, hooks) -> Training:
     written = record_compiles(run, writer, loop, 0)
     compile_s = loop.compile_s - before
     cached = sum(r["cache_hit"] for r in program.compiles)
+    # programs loaded from a --compiled file were not compiled by this start: said apart
+    loaded = [r["loaded_from"] for r in program.compiles if r.get("loaded_from")]
+    built = len(program.compiles) - len(loaded)
+    made = [f"loaded {len(loaded)} programs from {loaded[0]}"] if loaded else []
+    if built or not loaded:
+        made.append(
+            f"compiled {built} programs"
+            + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
+        )
     pending = program.compiling
     log(
-        f"compiled {len(program.compiles)} programs in {compile_s:.1f}s"
-        + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
+        f"{' and '.join(made)} in {compile_s:.1f}s"
         + (f", {pending} more compiling in the background" if pending else "")
         + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
         f"{len(plan.stages)} stage(s))"
@@ -576,7 +584,9 @@ def run_stages(t: Training) -> str | None:
                 loop.advance(stage)
                 for hook in t.hooks:
                     hook(loop, t.state, metrics, stage)
-                if targets_met(c, loop):  # saved by the checkpointer above
+                # saved by the checkpointer above; at the last step nothing is stopped early
+                # (the summary's stopped_at_target is false), so nothing is said
+                if targets_met(c, loop) and loop.step < plan.total_steps:
                     log(f"every target reached at step {loop.step}/{plan.total_steps}: "
                         "stopping there (stop_at_target)")  # fmt: skip
                     break
@@ -651,4 +661,6 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     t.writer.summary(summary)
     t.writer.close()
     release(run)
+    if not summary["error"]:  # a late signal (the command prints its last lines) exits 0
+        t.preemption.ended()
     return summary, save_error

@@ -348,10 +348,12 @@ def format_report(report: dict, config_path: str) -> str:
         lines.append(f"  writing the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
         lines.append(f"  (HBM per chip: {byte_size(report['hbm_bytes_per_chip'])})")
-    lines.append(
-        "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
-        "collectives, launch and input are not counted, so real steps are slower"
-    )
+    if any(r.get("roofline_images_per_s_per_chip") for r in report["programs"]):
+        # the table's roofline column, said only where it has a figure (none without chips')
+        lines.append(
+            "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
+            "collectives, launch and input are not counted, so real steps are slower"
+        )
     # every per-program figure is the largest program's, the one largest= names
     big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
     rates = [r["roofline_images_per_s_per_chip"] for r in report["programs"]
@@ -395,7 +397,10 @@ def main(argv=None) -> None:
 
     def run():
         if args.target:
-            target = targets.parse(args.target)
+            from hybridpar.tools import comm_report
+
+            # parsed, and a cpu:N over the virtual-device bound refused before anything starts
+            target = comm_report.target_of(args.target, None)
             targets.prepare(target, config.comm)
         else:  # this machine's own devices: no chip figures, so no capacity or roofline
             import jax
