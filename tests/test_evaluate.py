@@ -221,3 +221,11 @@ def test_a_plan_other_than_the_trainers_is_an_error():
     evaluator.check_position(train_plan, loop.step, loop.to_dict())
     with pytest.raises(ConfigError, match="with the trainer's data x fsdp size"):
         evaluator.check_position(other, loop.step, loop.to_dict())
+
+
+def test_the_docs_synopsis_shows_the_watch_only_flags_under_watch():
+    """--poll-s and --dead-after-s are refused without --watch: the synopsis nests them."""
+    import re
+
+    text = (ROOT / "docs" / "evaluation.md").read_text()
+    assert re.search(r"\[--watch \[--poll-s \d+\] \[--dead-after-s \d+\]\]", text)

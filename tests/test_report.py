@@ -170,6 +170,16 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     assert (tmp_path / "empty" / "metrics.jsonl").read_text() == "mine\n"
 
 
+def test_without_out_the_report_goes_in_the_first_workdir(tmp_path, monkeypatch, capsys):
+    curriculum_run(tmp_path / "a")
+    resumed_run(tmp_path / "b")
+    monkeypatch.chdir(tmp_path)  # not into the current directory
+    report.main([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert (tmp_path / "a" / "report.png").is_file() and (tmp_path / "a" / "report.md").is_file()
+    assert not (tmp_path / "report.png").exists()
+    assert f"wrote {tmp_path / 'a' / 'report.png'} and " in capsys.readouterr().out
+
+
 def test_without_matplotlib_the_error_names_the_install(tmp_path, capsys, monkeypatch):
     curriculum_run(tmp_path / "a")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError

@@ -3,7 +3,8 @@
 Compares training runs from their records (``run_records.read_run``): for each workdir
 ``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
 (``python -m hybridpar.evaluate``'s eval events, if any), ``W/summary.json`` and
-``W/config.json`` (if written). Writes one PNG (``--out``, default ``report.png``): top-1
+``W/config.json`` (if written). Writes one PNG (``--out``, default ``W/report.png`` in the
+first run's workdir): top-1
 and top-5 against wall time (a log axis in plain seconds where one run is over 4x another's
 length) and against epochs, one colour and marker per run, the evaluator's points hollow,
 each stage switch a dotted vertical line; where the time went, one stacked bar per run whose
@@ -458,7 +459,10 @@ def main(argv=None) -> None:
         takes_config=False,
     )
     parser.add_argument("workdirs", nargs="+", metavar="W", help="training runs' workdirs")
-    parser.add_argument("--out", default="report.png", help="the PNG (the table: same, .md)")
+    parser.add_argument(
+        "--out",
+        help="the PNG (the table: same, .md); default: report.png in the first workdir W",
+    )
     for metric in ("top1", "top5"):
         parser.add_argument(
             f"--target-{metric}",
@@ -472,6 +476,9 @@ def main(argv=None) -> None:
     for metric, target in asked.items():
         if target is not None and not 0 < target <= 1:
             cli.fail(f"--target-{metric}={target:g} is a fraction: use e.g. 0.93, not 93")
+    # beside the first run's records, not in the current directory (a checkout, or a
+    # report.png of the user's there)
+    args.out = args.out or os.path.join(args.workdirs[0], "report.png")
     if os.path.splitext(args.out)[1].lower() != ".png":  # else matplotlib fails after the reading
         cli.fail(f"--out {args.out}: the figure is a PNG; name it FILE.png (the table goes "
                  "beside it as FILE.md)")  # fmt: skip
