@@ -251,6 +251,27 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
     saver.close()
 
 
+def test_a_truncated_checkpoints_warning_is_one_short_line(runs, capsys):
+    """Data files cut short make orbax's read error end in TensorStore's whole spec; the
+    warning gives the error's type and first line, the checkpoint, and that it goes on."""
+    run, cut = runs["run"], runs["cut"]
+    bad = cut.parent / "truncated"
+    shutil.copytree(cut / "checkpoints", bad)
+    n = run.plan.total_steps
+    # the largest data file holds the arrays' chunks (the others: their metadata)
+    data = max((bad / str(n) / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    saver = checkpoint.Checkpoints(str(bad))
+    step, _, _, _ = saver.restore(run.program.abstract_state())
+    saver.close()
+    assert step == STOP
+    out = capsys.readouterr().out
+    [warning] = [x for x in out.splitlines() if x.startswith("warning: checkpoint")]
+    assert warning.startswith(f"warning: checkpoint {n} in {bad} does not read back (")
+    assert warning.endswith("); trying the one before it")
+    assert "TensorStore details" not in warning and "pybind" not in warning
+
+
 def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
         setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)

@@ -51,6 +51,14 @@ def test_auto_chooses_per_platform_and_mesh(platform, shape, dp, overrides, want
     assert why.startswith("auto: ") == ("comm.mode" not in overrides)
 
 
+def test_the_tpu_reason_holds_on_every_tpu():
+    """auto is xla on every TPU; only v5p's SparseCore offload hides XLA's all-reduces, so
+    the reason leads with what holds on every chip and gives the offload as v5p's."""
+    mode, why = choose_mode(_config(), "tpu", {"data": 8}, 8)
+    assert mode == "xla" and "on v5p the SparseCore offload" in why
+    assert why.index("overlap mode") < why.index("SparseCore")
+
+
 @pytest.mark.parametrize(
     "mode,compute,shape,reduce,want",
     [

@@ -41,6 +41,8 @@ def test_byte_size_takes_the_smallest_unit_that_reads_under_1024(n, text):
         (3599.9, "1.00 h"),
         (5400, "1.50 h"),
         (100 * 3600, "100.00 h"),
+        (999.99 * 3600, "999.99 h"),
+        (2.2e8, "61,111 h"),  # a run of num_epochs=1e9: whole hours, grouped
     ],
 )
 def test_duration_takes_the_smallest_unit_that_reads_under_60(s, text):

@@ -27,7 +27,10 @@ def byte_size(n: float) -> str:
 
 def duration(s: float) -> str:
     """Seconds as a person reads them: ``"42.0 s"``, ``"12.5 min"``, ``"3.20 h"`` (each unit
-    while it reads under 60 of it, as for bytes)."""
+    while it reads under 60 of it, as for bytes); from 1,000 h whole hours in groups of
+    three digits, ``"61,111 h"``, not ``"61111.11 h"``."""
+    if s >= 1000 * 3600:
+        return f"{s / 3600:,.0f} h"
     return _in_units(s, _TIME_UNITS, 60)
 
 

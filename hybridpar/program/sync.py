@@ -432,9 +432,10 @@ class GradientSync(Protocol):
 AUTO_BY_PLATFORM = {
     "gpu": ("overlap", "XLA:GPU runs the buckets beside the backward convolutions, est. 88% "
                        "of ResNet-50's bytes hidden against 0.2% under xla"),
-    "tpu": ("xla", "with the SparseCore offload (v5p) libtpu runs XLA's all-reduces beside "
-                   "the backward convolutions, est. 82% hidden; the overlap mode's buckets hid "
-                   "8%, for 1.6-1.9x the activation memory"),
+    # said so it is true on every TPU: the offload (and its hiding) is v5p's alone
+    "tpu": ("xla", "the overlap mode's buckets hid 8% of the gradient's bytes, for 1.6-1.9x "
+                   "the activation memory; on v5p the SparseCore offload runs XLA's all-reduces "
+                   "beside the backward convolutions, est. 82% hidden"),
     "cpu": ("xla", "XLA:CPU runs every collective synchronously: nothing to hide it behind"),
 }  # fmt: skip
 

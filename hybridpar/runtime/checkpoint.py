@@ -150,6 +150,15 @@ def quiet_background_failures() -> None:
     sys.unraisablehook = hook
 
 
+def read_error(e: Exception) -> str:
+    """A failed read in a warning: the exception's type and its message's first line, at most
+    200 characters. Orbax's read error goes on with TensorStore's whole spec (a pybind repr),
+    which says nothing to a user."""
+    lines = str(e).strip().splitlines()
+    text = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    return f"{type(e).__name__}: {text[:197] + '...' if len(text) > 200 else text}"
+
+
 class Checkpoints:
     """orbax's ``CheckpointManager`` over ``directory``, with the run's three items.
 
@@ -313,7 +322,7 @@ class Checkpoints:
                 if jax.process_index() == 0:
                     print(
                         f"warning: checkpoint {newest} in {self.directory} does not read back "
-                        f"({msg}); trying the one before it",
+                        f"({read_error(e)}); trying the one before it",
                         flush=True,
                     )
         if steps:
