@@ -450,6 +450,24 @@ def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_
     assert resumed["goodput"] == pytest.approx(parts["train"] / resumed["wall_s"], abs=1e-3)
 
 
+def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsys):
+    """Resumed after the data was prepared again with other examples (files added to an
+    images source): the plan follows the new size, so the epochs and the LR schedule
+    change mid-run. The log says so and the resume record keeps both sizes. Planted bug
+    that fails it: the comparison left out."""
+    config = tiny_digits(**{"checkpoint.every_steps": 4})
+    trainer.train(setup(config, str(tmp_path)), hooks=[StopAt(6)])
+    run = setup(config, str(tmp_path))
+    real = run.data.info["train_examples"]
+    run.data.info["train_examples"] = real + 10  # as a source prepared again with 10 more
+    capsys.readouterr()
+    assert trainer.train(run)["completed"]
+    [resume] = records(tmp_path, "resume")
+    assert resume["train_examples_changed"] == [real, real + 10]
+    out = capsys.readouterr().out
+    assert f"the training data changed since the run's last start ({real} -> {real + 10}" in out
+
+
 @pytest.mark.parametrize("warmup, warned", [(0.25, True), (0.4, True), (0.1, False)])
 def test_a_warmup_as_long_as_the_run_is_a_warning_at_set_up(tmp_path, capsys, warmup, warned):
     """A warmup of the whole run or longer (num_epochs=0.25): the LR only rises. A warning,

@@ -155,6 +155,9 @@ class Resume(Record):
     data_step_in_epoch: int | None = None
     directory: str | None = None
     changed_keys: list | None = None
+    # the training set's size at the segment before and now, where it changed (the data
+    # was prepared again): the plan, and so the epochs and the schedule, follow the new size
+    train_examples_changed: list | None = None
 
 
 EVENTS = {

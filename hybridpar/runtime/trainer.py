@@ -125,6 +125,16 @@ class Clock:
         return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
 
 
+def train_examples_change(recs, info: dict) -> list | None:
+    """``[before, now]``: the training examples of the last ``data`` record against the
+    data this start opened, where they differ."""
+    before = [r.train_examples for r in recs if r.event == "data" and r.train_examples]
+    now = info.get("train_examples")
+    if not before or not now or before[-1] == now:
+        return None
+    return [before[-1], now]
+
+
 def furthest_step(recs) -> int:
     """The last step the run's records show done: a run resumed from an older checkpoint
     redoes the steps up to it."""
@@ -485,6 +495,7 @@ def start(run: Run, hooks) -> Training:
     # was killed before its first checkpoint, which leaves records but nothing to resume).
     recorded, _ = run_records.read_records(f"{run.workdir}/metrics.jsonl")
     redo_until = furthest_step(recorded)
+    grown = train_examples_change(recorded, run.data.info) if resumed is not None else None
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -498,10 +509,16 @@ def start(run: Run, hooks) -> Training:
         writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed or 0,
                      from_wall_s=round(loop.wall_s, 3), data_epoch=loop.epoch,
                      data_step_in_epoch=loop.step_in_epoch, directory=saver.directory,
-                     changed_keys=changed)  # fmt: skip
+                     changed_keys=changed, train_examples_changed=grown)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
+    if grown:
+        log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
+            f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
+            f"({plan.num_epochs:g} epochs of the new data), so the epochs and the LR "
+            "schedule follow the new size; to train on the old data, restore it "
+            "and run the same command again")  # fmt: skip
     elif redo_until:
         log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
             "stopped were not saved (checkpoint.every_steps sets how often); training again "
