@@ -196,6 +196,10 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
         evaluator.run(tiny_digits(), str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"another config: seed was 0, now 1; pass the run's"):
         evaluator.run(tiny_digits(seed=1), str(watched["w"]))
+    # several keys: not one override to add, but the run's own config (planted bug that
+    # fails it: the one-key hint for any number of keys)
+    with pytest.raises(ConfigError, match=r"\(and 1 more\); leave out --config to read"):
+        evaluator.run(tiny_digits(seed=1, **{"model.num_filters": 16}), str(watched["w"]))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
         evaluator.run(tiny_digits(), str(tmp_path / "empty"))

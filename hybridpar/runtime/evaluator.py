@@ -66,10 +66,15 @@ def check_run_of(config, workdir: str) -> bool:
     diff = run_config.differences(saved, run_config.config_dict(config), free=PLACEMENT_KEYS)
     if diff:
         key, old, _ = diff[0]
+        # one key is likely an override left out; several, another experiment's --config
+        fix = (
+            f"pass the run's own config (--config.{key}={old})"
+            if len(diff) == 1
+            else "leave out --config to read the run's own from the workdir"
+        )
         raise ConfigError(
-            f"{run_config.another_config(workdir, diff)}; pass the run's own config "
-            f"(--config.{key}={old}); only {', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} "
-            "may differ"
+            f"{run_config.another_config(workdir, diff)}; {fix}; only "
+            f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may differ"
         )
     return True
 
