@@ -483,9 +483,7 @@ def _images(c, size: int, mesh):
                         os.remove(f)
     except ConfigError:
         if new:  # a first use that failed (a wrong source): leave no empty cache behind
-            prep.remove_if_unused(folder)
-        if new_parent and os.path.isdir(parent) and not os.listdir(parent):
-            os.rmdir(parent)
+            prep.remove_if_unused(folder, parent=new_parent)
         raise
     (train, tm), (test, em) = out[d.train_split], out[d.eval_split]
     if len(tm["classes"]) != d.num_classes:

@@ -1008,12 +1008,15 @@ class FolderLock:
         self.release()
 
 
-def remove_if_unused(folder: str) -> None:
-    """Removes ``folder`` where it holds nothing but the lock (a first use that failed)."""
+def remove_if_unused(folder: str, parent: bool = False) -> None:
+    """Removes ``folder`` where it holds nothing but the lock (a first use that failed),
+    and with ``parent`` its parent folder where that is left empty."""
     try:
         if os.listdir(folder) == [".prepare.lock"]:
             os.remove(os.path.join(folder, ".prepare.lock"))
             os.rmdir(folder)
+        if parent and not os.listdir(os.path.dirname(folder)):
+            os.rmdir(os.path.dirname(folder))
     except OSError:  # another process uses it now
         pass
 
