@@ -216,10 +216,11 @@ def _nested(root: str, folder: str) -> list:
     return out
 
 
-def _folder_fingerprint(root: str, files) -> dict:
+def _folder_fingerprint(root: str, files, class_dirs) -> dict:
     """Names, sizes and modification times of a split's files, with one digest per class so
-    that a change can be named (class added, files added, files changed)."""
-    per_class: dict[str, list] = {}
+    that a change can be named (class added, files added, files changed). Empty class
+    folders count: one added shifts the labels of the classes after it."""
+    per_class: dict[str, list] = {c: [] for c in class_dirs}
     for cls, name, _, st in files:
         per_class.setdefault(cls, []).append(f"{name}\t{st.st_size}\t{st.st_mtime_ns}")
     classes = {c: [len(v), _digest(v)] for c, v in sorted(per_class.items())}
@@ -231,7 +232,8 @@ def source_fingerprint(fingerprint: dict) -> dict:
     path = fingerprint["path"]
     if fingerprint["kind"] == "tar":
         return _tar_fingerprint(path)
-    return _folder_fingerprint(path, _walk_split(path)[0])
+    files, class_dirs, _ = _walk_split(path)
+    return _folder_fingerprint(path, files, class_dirs)
 
 
 def describe_change(old: dict | None, new: dict) -> str:
@@ -295,7 +297,7 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
                     "files": [(f"{c}/{n}", c, p, 0, -1) for c, n, p, _ in files],
                     "class_dirs": classes,
                     "ignored": ignored,
-                    "fingerprint": _folder_fingerprint(root, files),
+                    "fingerprint": _folder_fingerprint(root, files, classes),
                 }
     else:
         staging_dir = staging_dir or tempfile.gettempdir()

@@ -173,6 +173,19 @@ def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_sourc
     assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 3
 
 
+def test_an_empty_class_folder_added_makes_the_prepared_folder_out_of_date(tmp_path):
+    # An empty class folder takes a label and shifts every class after it.
+    src = _tree(tmp_path / "src", {"train/bee/1.jpg": _jpeg(), "train/cow/1.jpg": _jpeg(seed=1)})
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="train")
+    datasets.ensure_prepared(c.data)
+    _tree(src, {"train/ant": None})
+    c.data.source = ""
+    with pytest.raises(ConfigError, match=r"out of date: .*class 'ant' added \(0 files\)"):
+        datasets.ensure_prepared(c.data)
+
+
 def test_processes_preparing_at_once_prepare_once(tmp_path, monkeypatch, capsys):
     """The processes of a run (one per GPU of a host) reach the first-use prepare together:
     one prepares, the others wait for it (a file lock) and then reuse its copy."""
