@@ -435,3 +435,42 @@ def test_apply_passes_rngs_to_the_model():
     np.testing.assert_allclose(out["loss"].mean(), want, **TOL)
     no_dropout = model.apply(variables, x, train=False, return_features=True)
     assert _dense(no_dropout, variables["params"]["head"], labels, 0.0) != pytest.approx(want)
+
+
+def test_on_explicit_axes_unplaced_inputs_give_the_dense_loss_and_gradients():
+    # jax.make_mesh's default axes are Explicit: shard_map there takes only placed inputs.
+    x, params, labels = _random_head()
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    head = ShardedHead(mesh, ("model",))
+
+    def loss(x, params, labels):
+        return head(x, params, labels, label_smoothing=0.1)["loss"].mean()
+
+    got, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, params, labels)
+    want, want_grads = jax.value_and_grad(_dense, argnums=(0, 1))(x, params, labels, 0.1)
+    np.testing.assert_allclose(got, want, **TOL)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_a_batch_that_does_not_split_over_the_batch_axes_is_a_config_error():
+    x, params, labels = _random_head()
+    head = ShardedHead(_user_mesh(), ("model",), batch_axes=("data", "model"))
+    with pytest.raises(
+        ConfigError, match=r"batch of 12 features .* data:2 x model:4.*multiple of 8"
+    ):
+        jax.jit(lambda *a: head(*a))(x[:12], params, labels[:12])
+    with pytest.raises(ConfigError, match=r"8 features and 16 labels"):
+        jax.jit(lambda *a: head(*a))(x[:8], params, labels)
+
+
+def test_apply_on_explicit_axes_gives_the_dense_loss():
+    x, _, labels = _random_head()
+    model = _Net()
+    variables = model.init(jax.random.key(0), x)
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    head = ShardedHead(mesh, ("model",))
+    out, _ = jax.jit(lambda v, x, y: head.apply(model, v, x, y, train=False))(variables, x, labels)
+    features = model.apply(variables, x, return_features=True)
+    want = _dense(features, variables["params"]["head"], labels, 0.0)
+    np.testing.assert_allclose(out["loss"].mean(), want, **TOL)

@@ -58,7 +58,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
@@ -180,7 +180,10 @@ class ShardedHead:
     def split_batch(self, x):
         """``x`` (images) split over ``batch_axes`` for the trunk: where they are already
         split over fewer axes (the input's data x fsdp), each device just keeps its part."""
-        return lax.with_sharding_constraint(x, NamedSharding(self.mesh, P(self.batch_axes)))
+        where = NamedSharding(self.mesh, P(self.batch_axes))
+        if AxisType.Explicit in self.mesh.axis_types:  # a constraint names only Auto axes
+            return jax.reshard(x, where)
+        return lax.with_sharding_constraint(x, where)
 
     def apply(
         self,
@@ -277,14 +280,28 @@ class ShardedHead:
                 f"of {n}: pad the head to num_classes={-(-c // n) * n} (classes no label uses), "
                 f"or split the classes over axes whose size divides {c}"
             )
+        split = math.prod(self.mesh.shape[a] for a in self.batch_axes)
+        if features.shape[0] % split or labels.shape[0] != features.shape[0]:
+            over = " x ".join(f"{a}:{self.mesh.shape[a]}" for a in self.batch_axes)
+            raise ConfigError(
+                f"ShardedHead: a batch of {features.shape[0]} features and {labels.shape[0]} "
+                f"labels split over {over}; pass as many labels as features, in a batch "
+                f"that is a multiple of {split}"
+            )
         keep = tuple(a for a in self.batch_axes if a not in self.gather_axes)
         batch, cls = P(self.batch_axes), self.class_axes
-        return jax.shard_map(
-            per_device,
-            mesh=self.mesh,
-            in_specs=(batch, P(None, cls), P(cls), batch),
-            out_specs=P(keep or None),
-        )(features, kernel, bias, labels)
+        specs = (batch, P(None, cls), P(cls), batch)
+        args = (features, kernel, bias, labels)
+        if AxisType.Explicit in self.mesh.axis_types:
+            # On Explicit axes (jax.make_mesh's default) shard_map takes its inputs only as
+            # they are already placed, so place them as the head reads them.
+            args = tuple(
+                jax.reshard(a, NamedSharding(self.mesh, s))
+                for a, s in zip(args, specs, strict=True)
+            )
+        return jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=P(keep or None))(
+            *args
+        )
 
 
 __all__ = [
