@@ -52,6 +52,12 @@ import numpy as np
 
 from hybridpar.program import int8
 
+# TensorFlow's start-up banners (CPU features, oneDNN; TF 2.21 prints the latter before it
+# reads the log level) are noise around the tools' own lines; the converter runs no oneDNN
+# kernel, so turning them off changes no file.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
 QMAX = int8.QMAX
 
 
