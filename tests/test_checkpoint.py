@@ -239,16 +239,44 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
     out = capsys.readouterr().out
     assert f"warning: checkpoint {n} in {bad} does not read back" in out
     assert "trying the one before it" in out
+    # Set aside, not left as the latest step (the run would never save step n again) and
+    # not deleted: kept for a look.
+    assert f"moved checkpoint(s) {n} that do not read back to {bad}.unreadable/" in out
+    assert not (bad / str(n)).exists() and (Path(f"{bad}.unreadable") / str(n)).is_dir()
+    assert checkpoint.Checkpoints(str(bad), read_only=True).latest_step() == STOP
     # none reads back: an error, not a new run from step 0 beside the old checkpoints
     for f in (bad / str(STOP) / "state").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\0garbage")
+    shutil.copytree(Path(f"{bad}.unreadable") / str(n), bad / str(n))
     saver = checkpoint.Checkpoints(str(bad))
     with pytest.raises(
         ConfigError, match=rf"none of the 2 checkpoint\(s\) in .* \(steps {STOP}, {n}\)"
     ):
         saver.restore(run.program.abstract_state())
     saver.close()
+
+
+def test_a_checkpoint_holding_nan_does_not_read_back(runs, capsys):
+    """Corrupted bytes that still decompress gave a state the next steps diverged from, with
+    no warning: a restored state must be finite, as the trainer keeps it."""
+    run, cut = runs["run"], runs["cut"]
+    bad = cut.parent / "nan"
+    shutil.copytree(cut / "checkpoints", bad)
+    n = run.plan.total_steps
+    saver = checkpoint.Checkpoints(str(bad), async_save=False)
+    _, state, loop, config = saver.restore(run.program.abstract_state())
+    leaves, tree = jax.tree.flatten(state)
+    i = max(range(len(leaves)), key=lambda j: leaves[j].size)  # a kernel: a float array
+    leaves[i] = leaves[i].at[(0,) * leaves[i].ndim].set(float("nan"))
+    saver.save(n + 1, jax.tree.unflatten(tree, leaves), loop, config)
+    saver.finished(wait=True)
+    assert checkpoint.nonfinite_leaves(jax.tree.unflatten(tree, leaves)) != []
+    step, restored, _, _ = saver.restore(run.program.abstract_state())
+    saver.close()
+    assert step == n and checkpoint.nonfinite_leaves(restored) == []
+    out = capsys.readouterr().out
+    assert f"checkpoint {n + 1} in {bad} does not read back (ValueError: non-finite values" in out
 
 
 def test_a_truncated_checkpoints_warning_is_one_short_line(runs, capsys):
@@ -407,6 +435,7 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from the checkpoint at step {stop}" in r.stdout
+    assert "no checkpoint in" not in r.stdout  # that line is for a start with none to resume
     recs = records(w)
     assert recs[: len(seg1)] == seg1  # appended, not truncated
     seg2 = recs[len(seg1) :]

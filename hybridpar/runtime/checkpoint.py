@@ -159,6 +159,17 @@ def read_error(e: Exception) -> str:
     return f"{type(e).__name__}: {text[:197] + '...' if len(text) > 200 else text}"
 
 
+def nonfinite_leaves(tree) -> list[str]:
+    """The paths of the floating-point arrays in ``tree`` holding a NaN or an infinity. A
+    train state never does: the trainer skips a non-finite step's update."""
+    import jax.numpy as jnp
+
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    floats = [(p, x) for p, x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in floats])
+    return [jax.tree_util.keystr(p) for (p, _), ok in zip(floats, finite, strict=True) if not ok]
+
+
 class Checkpoints:
     """orbax's ``CheckpointManager`` over ``directory``, with the run's three items.
 
@@ -199,7 +210,7 @@ class Checkpoints:
                 )
             finally:
                 absl.setLevel(level)
-        self.ocp, self.directory = ocp, directory
+        self.ocp, self.directory, self.read_only = ocp, directory, read_only
         self._committed_at = None  # set by orbax's thread when an async save is final
         if read_only:
             options = ocp.CheckpointManagerOptions(
@@ -313,9 +324,9 @@ class Checkpoints:
         if step is not None:
             return self._read(step, abstract_state)
         steps, first = sorted(self.manager.all_steps(), reverse=True), None
-        for newest in steps:
+        for i, newest in enumerate(steps):
             try:
-                return self._read(newest, abstract_state)
+                got = self._read(newest, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
                 msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
                 first = first or msg
@@ -325,6 +336,9 @@ class Checkpoints:
                         f"({read_error(e)}); trying the one before it",
                         flush=True,
                     )
+                continue
+            self._set_aside(steps[:i])
+            return got
         if steps:
             raise WorkdirError(
                 f"none of the {len(steps)} checkpoint(s) in {self.directory} (steps "
@@ -334,6 +348,36 @@ class Checkpoints:
                 "away to start this one over"
             )
         return None
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Moves checkpoints that do not read back out of the way, into ``DIR.unreadable/``
+        (kept, not deleted): left in place, the newest of them stayed orbax's latest step, so
+        the run never saved that step again, and a completed run's last checkpoint was the
+        unreadable one. A reader beside the run (``read_only``) leaves them be."""
+        if not steps or self.read_only:
+            return
+        from jax.experimental import multihost_utils
+
+        several = jax.process_count() > 1
+        if several:  # every process has finished reading before one moves the folders
+            multihost_utils.sync_global_devices("hybridpar: set aside unreadable checkpoints")
+        aside = self.directory.rstrip(os.sep) + ".unreadable"
+        if jax.process_index() == 0:
+            os.makedirs(aside, exist_ok=True)
+            for step in steps:
+                target, n = os.path.join(aside, str(step)), 1
+                while os.path.exists(target):  # one set aside before at this step: keep both
+                    n += 1
+                    target = os.path.join(aside, f"{step}-{n}")
+                os.rename(os.path.join(self.directory, str(step)), target)
+            print(
+                f"moved checkpoint(s) {', '.join(map(str, sorted(steps)))} that do not read "
+                f"back to {aside}/; the run saves those steps again",
+                flush=True,
+            )
+        if several:
+            multihost_utils.sync_global_devices("hybridpar: unreadable checkpoints set aside")
+        self.manager.reload()
 
     def _read(self, step: int, abstract_state):
         args = self.ocp.args
@@ -345,6 +389,9 @@ class Checkpoints:
                 config=args.JsonRestore(),
             ),
         )
+        bad = nonfinite_leaves(out["state"])
+        if bad:  # corrupted bytes that still decompress: the step after would diverge
+            raise ValueError(f"non-finite values in {', '.join(bad[:3])}")
         return step, out["state"], dict(out["loop"]), dict(out["config"])
 
     def close(self) -> None:
