@@ -350,7 +350,10 @@ def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops
     and hands the signal back to the handler from before the CLI's, not to the CLI's."""
     from hybridpar.runtime import signals
 
-    before = signal.getsignal(signal.SIGTERM)
+    def before(signum, frame):  # a handler of the embedding program's (Python's own: below)
+        pass
+
+    outer = signal.signal(signal.SIGTERM, before)
     early = signals.EarlyStop()
     preemption = signals.Preemption().install()
     try:
@@ -360,7 +363,8 @@ def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops
     finally:
         preemption.uninstall()
         early.restore()
-    assert signal.getsignal(signal.SIGTERM) is before
+        assert signal.getsignal(signal.SIGTERM) is before
+        signal.signal(signal.SIGTERM, outer)
 
 
 def test_the_training_loop_hands_a_handler_other_than_the_early_one_back_itself():
@@ -384,6 +388,32 @@ def test_the_training_loop_hands_a_handler_other_than_the_early_one_back_itself(
     finally:
         preemption.uninstall()
         signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_in_one_line_without_a_traceback(sig):
+    """A second Ctrl-C went to Python's default handler: a KeyboardInterrupt raised inside
+    JAX, a traceback, and no word of what the same command does. The command's handlers
+    as the train CLI installs them, then a loop that never reaches a step boundary."""
+    script = (
+        "import os, signal, time\n"
+        "from hybridpar.runtime import signals\n"
+        "signals.EarlyStop()\n"
+        "p = signals.Preemption('/runs/x/checkpoints').install()\n"
+        f"os.kill(os.getpid(), {int(sig)})\n"
+        "assert p.requested\n"
+        f"os.kill(os.getpid(), {int(sig)})\n"
+        "time.sleep(30)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    name = signal.Signals(sig).name
+    assert r.returncode == 128 + sig, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert r.stdout.splitlines()[-1] == (
+        f"{name} again: stopped at once; the steps since the last checkpoint are not saved, "
+        "and the same command resumes from that checkpoint in /runs/x/checkpoints"
+    )
 
 
 def test_a_signal_inside_a_print_is_said_at_the_step_boundary(monkeypatch):

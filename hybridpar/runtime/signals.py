@@ -93,16 +93,19 @@ class Preemption:
     """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
     exits cleanly. A second signal of the same kind acts as it would have without us (so a
     second Ctrl-C stops at once): it goes to the handler from before, or where that was an
-    ``EarlyStop``, to the one the ``EarlyStop`` replaced. Any other handler
-    (``StopBetweenRuns``) is handed back itself. On several processes the signal handlers
-    stay JAX's: one process saving alone would wait forever for the others, so there every
-    process saves at JAX's preemption sync point (``CheckpointManager.reached_preemption``)."""
+    ``EarlyStop``, to the one the ``EarlyStop`` replaced; where that is Python's default, a
+    line says what is lost and how to resume, and the process exits 128 + the signal. Any
+    other handler (``StopBetweenRuns``) is handed back itself. On several processes the
+    signal handlers stay JAX's: one process saving alone would wait forever for the others,
+    so there every process saves at JAX's preemption sync point
+    (``CheckpointManager.reached_preemption``)."""
 
     SIGNALS = SIGNALS
 
-    def __init__(self):
+    def __init__(self, directory: str | None = None):
         self.requested: str | None = None
         self.unsaid: str | None = None  # the handler's message, where it could not print
+        self.directory = directory  # the run's checkpoints, named by a stop at once
         self._previous = {}
         self._early: EarlyStop | None = None  # the command's handler this one took over from
 
@@ -112,13 +115,30 @@ class Preemption:
     def _handler(self, signum, frame):
         name = signal.Signals(signum).name
         self.request(name)
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        if previous in (signal.SIG_DFL, signal.default_int_handler):
+            # Python's own would raise KeyboardInterrupt inside JAX (a traceback) or end the
+            # process unsaid: stop at once as they would, saying what the same command does
+            previous = self._stop_at_once
+        signal.signal(signum, previous)
         msg = (f"{name}: saving a checkpoint at the next step boundary, then stopping "
                f"(send {name} again to stop at once)")  # fmt: skip
         try:  # installed on one process only: it prints for the run
             print(msg, flush=True)
         except RuntimeError:  # the signal came inside a print to the same buffered stream,
             self.unsaid = msg  # which refuses a reentrant write: the loop says it (say_unsaid)
+
+    def _stop_at_once(self, signum, frame):
+        name = signal.Signals(signum).name
+        where = f" in {self.directory}" if self.directory else ""
+        msg = (f"{name} again: stopped at once; the steps since the last checkpoint are not "
+               f"saved, and the same command resumes from that checkpoint{where}")  # fmt: skip
+        try:
+            sys.stdout.flush()
+        except RuntimeError:  # inside a print to the same stream: its line may be cut
+            pass
+        os.write(1, f"{msg}\n".encode())
+        os._exit(128 + signum)  # the exit status the signal's default action gives
 
     def say_unsaid(self) -> None:
         """Prints the handler's message if the handler could not."""

@@ -519,11 +519,11 @@ def start(run: Run, hooks) -> Training:
             f"({plan.num_epochs:g} epochs of the new data), so the epochs and the LR "
             "schedule follow the new size; to train on the old data, restore it "
             "and run the same command again")  # fmt: skip
-    elif redo_until:
+    if resumed is None and redo_until:
         log(f"no checkpoint in {saver.directory}: the {redo_until} steps recorded before it "
             "stopped were not saved (checkpoint.every_steps sets how often); training again "
             "from step 0")  # fmt: skip
-    elif recorded:
+    elif resumed is None and recorded:
         log("starting again: the run's last start stopped before its first step")
     writer.write("data", loop.step, plan.epoch_at(loop.step), **run.data.info)
     with clock.within("compile"):
@@ -549,7 +549,7 @@ def start(run: Run, hooks) -> Training:
         f"{len(plan.stages)} stage(s))"
     )
     progress = Progress(run, writer)
-    preemption = signals.Preemption()
+    preemption = signals.Preemption(saver.directory)
     checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
     hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
     batches = global_batches(run, loop)
@@ -646,6 +646,7 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     summary = {
         "mesh": dict(run.mesh.shape),
         "steps": loop.step,
+        "epochs": round(plan.epoch_at(loop.step), 4),
         "total_steps": plan.total_steps,
         "completed": not failure
         and not preempted
