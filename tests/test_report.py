@@ -486,3 +486,13 @@ def test_a_long_title_is_wrapped_to_the_figure_width(tmp_path):
     text = fig._suptitle.get_text()
     assert text.replace("\n", " ") == whole.replace("\n", " ")  # only broken, nothing lost
     assert len(text.splitlines()) > len(whole.splitlines())
+
+
+def test_a_run_stopped_between_train_lines_shows_the_summarys_epoch(tmp_path):
+    # Its last train line was at step 20 (epoch 0.91); it stopped at step 23 (epoch 1.05).
+    w = tmp_path / "stopped"
+    write_jsonl(w / "metrics.jsonl", [train(s, s / 22, 1.0 + s, 0, 16, 32) for s in (10, 20)])
+    summary = {"steps": 23, "epochs": 1.0455, "completed": False, "error": "disk full"}
+    (w / "summary.json").write_text(json.dumps(summary))
+    got = report.row("stopped", report.read_run(str(w)), {})
+    assert (got["steps"], round(got["epochs"], 2), got["status"]) == (23, 1.05, "error")

@@ -295,6 +295,7 @@ def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
     stop, after = StopAt(3), StopAt(-1)
     summary = trainer.train(run, hooks=[stop, after])
     assert summary["preempted"] == "asked at step 3" and summary["steps"] == 3
+    assert summary["epochs"] == round(run.plan.epoch_at(3), 4) > 0  # report's epochs column
     assert not summary["completed"] and summary["error"] is None
     assert stop.seen == [1, 2, 3] and after.seen == [1, 2]
     assert json.loads((tmp_path / "summary.json").read_text())["preempted"] == "asked at step 3"

@@ -166,8 +166,7 @@ class Evaluator:
         except Exception as e:  # noqa: BLE001 - deleted under us, or it does not read back
             if step not in self.saver.committed_steps():
                 return self.skip(step, "deleted while it was being read")
-            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-            return self.skip(step, f"does not read back ({msg})")
+            return self.skip(step, f"does not read back ({checkpoint.read_error(e)})")
         check_position(self.run.plan, step, loop)
         read_s = time.time() - t0
         writer = Stamped(self.writer, wall_s=loop["wall_s"], source="evaluator")

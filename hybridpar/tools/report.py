@@ -93,7 +93,9 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
         status = "error" if s.get("error") else "stopped"
     return {
         "run": name,
-        "epochs": max((r.epoch for r in records), default=0.0),
+        # the summary's, where there is one: a run stopped between train lines went on
+        # past the last one
+        "epochs": s.get("epochs", max((r.epoch for r in records), default=0.0)),
         "steps": s.get("steps", max((r.step for r in records), default=0)),
         "best top1": max(top1, default=None),
         "best top5": max(top5, default=None),  # each its own best, as targets count them
