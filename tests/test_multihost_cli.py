@@ -174,6 +174,39 @@ def test_a_distributed_evaluator_reads_the_checkpoint_as_the_run_evaluated_it(ru
     assert not list((two / "evaluator").glob(".lock*"))  # both released
 
 
+@pytest.mark.parametrize("case", ["another_lr", "another_workdir"])
+def test_processes_of_one_run_with_another_config_or_workdir_stop_with_one_error_each(
+    tmp_path, case
+):
+    """Another LR in one process trained other losses in the same collectives, and two
+    workdirs hung in the first checkpoint: each process now stops at set-up, exit 2."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+                   JAX_PROCESS_ID=i)  # fmt: skip
+        w = tmp_path / (f"w{i}" if case == "another_workdir" else "w")
+        args = [*SHORT, "--workdir", str(w), "--config.distributed=True"]
+        if case == "another_lr" and i == 1:
+            args.append("--config.optim.base_lr=0.8")
+        procs.append(_start([*args, "--config.distributed_timeout_s=120"], env))
+    lines = []
+    for rc, _, stderr in _finish(procs, timeout=240):
+        errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
+        assert rc == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-3000:]
+        lines.append(errors[0])
+    if case == "another_lr":
+        assert lines[0].startswith("error: process(es) 1 run another config than process 0")
+        assert lines[1].startswith(
+            "error: process 1 runs another config than process 0: optim.base_lr is 0.8 "
+            "here, 0.4 in process 0"
+        )
+    else:
+        for line in lines:
+            assert "process(es) 1 do not see the files process 0 writes in --workdir=" in line
+    assert not list(tmp_path.rglob("metrics.jsonl"))  # stopped before the run's first record
+
+
 def _cli_error(tmp_path, **env) -> str:
     args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True"]
     [(rc, _, stderr)] = _finish(
@@ -203,6 +236,50 @@ def test_a_coordinator_that_does_not_answer_is_one_error_line(tmp_path):
     )
     assert f"nothing answered at the coordinator JAX_COORDINATOR_ADDRESS=127.0.0.1:{port}" in line
     assert "JAX_PROCESS_ID=0" in line and "distributed_timeout_s" in line
+
+
+def test_a_missing_third_process_is_what_process_1_names_after_process_0_gave_up(tmp_path):
+    """Process 1 once blamed process 0 ("nothing answered at the coordinator") when process
+    0 had answered and then left on its own, earlier timeout."""
+    port = free_port()
+    procs = []
+    for i, timeout_s in ((0, 5), (1, 15)):  # process 0 gives up (and goes) first
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=3,
+                   JAX_PROCESS_ID=i)  # fmt: skip
+        args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True"]
+        procs.append(_start([*args, f"--config.distributed_timeout_s={timeout_s}"], env))
+    for rc, _, stderr in _finish(procs, timeout=120):
+        assert rc == 2, stderr[-3000:]
+        assert f"error: not every process joined the coordinator at 127.0.0.1:{port}" in stderr
+        assert "all 3 processes (JAX_PROCESS_ID=0..2)" in stderr
+
+
+def test_a_process_killed_mid_run_leaves_its_peer_one_error_line_and_exit_1(tmp_path):
+    """The survivor of a kill -9 printed a traceback, hung in JAX's shutdown barrier, then
+    aborted (exit 134, 70 lines). Now: one line saying how to go on, exit 1 (a scheduler
+    restarts the run; 2 is for bad input), and the summary says what failed."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+                   JAX_PROCESS_ID=i)  # fmt: skip
+        args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True",
+                "--config.num_epochs=4", "--config.checkpoint.every_steps=2"]  # fmt: skip
+        procs.append(_start([*args, "--config.distributed_timeout_s=120"], env))
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("train step      3/"):
+                procs[1].kill()
+                break
+        [(rc, _, stderr)] = _finish(procs[:1], timeout=120)
+    finally:
+        _finish(procs)
+    errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
+    assert rc == 1 and "Traceback" not in stderr and len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith("error: a step across the run's 2 processes failed at step ")
+    assert "start every process again with the same command" in errors[0]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["error"] and not summary["completed"]
 
 
 @pytest.mark.parametrize(

@@ -39,10 +39,14 @@ CONFIG_HELP = (
 )
 
 
-def fail(message: str) -> None:
-    """One ``error:`` line and exit code 2: the contract for every bad input."""
-    print(f"error: {' '.join(str(message).split())}", file=sys.stderr)
-    sys.exit(2)
+def fail(message: str, code: int = 2, at_once: bool = False) -> None:
+    """One ``error:`` line and exit code 2: the contract for every bad input. ``at_once``:
+    without the interpreter's exit handlers (see ``errors.PeerLost``)."""
+    print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    if at_once:
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def finite_float(text: str) -> float:
@@ -287,4 +291,4 @@ def main(fn: Callable[[], object]) -> None:
     try:
         fn()
     except Error as e:
-        fail(str(e))
+        fail(str(e), getattr(e, "exit_code", 2), getattr(e, "exit_at_once", False))

@@ -8,6 +8,7 @@
       RunFailed              a run that started and failed
         NonFinite            it diverged: too many non-finite steps in a row
         SaveFailed           a checkpoint was not written
+        PeerLost             a collective across processes failed: a process stopped
       StopRequested          a stop asked for (a signal, a hook): the trainer ends cleanly
 
 ``ConfigError`` is also a ``ValueError``, and the base of every bad-input error, so
@@ -42,6 +43,16 @@ class NonFinite(RunFailed):
 
 class SaveFailed(RunFailed):
     """A checkpoint could not be written; the ones before it are left as they were."""
+
+
+class PeerLost(RunFailed):
+    """A collective across the run's processes failed mid-run: another process stopped (a
+    preempted node, a kill). Exit code 1, not 2 (nothing the user typed is wrong: a
+    scheduler should start the run again), and at once: JAX's shutdown barrier would wait
+    for the lost process and then abort with a C++ stack trace."""
+
+    exit_code = 1
+    exit_at_once = True
 
 
 class StopRequested(Error):

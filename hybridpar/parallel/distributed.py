@@ -115,8 +115,9 @@ def _answers(address: str) -> bool:
         return False
 
 
-def timeout_message(kw: dict, timeout_s: float) -> str:
-    """What the watchdog says when the processes did not all meet in time."""
+def timeout_message(kw: dict, timeout_s: float, reached: bool = False) -> str:
+    """What the watchdog says when the processes did not all meet in time. ``reached``: the
+    coordinator answered this process at some point (process 0 may have given up since)."""
     address, n = kw.get("coordinator_address"), kw.get("num_processes")
     more = f"or raise --config.distributed_timeout_s (now {timeout_s:g})"
     if address is None:
@@ -124,7 +125,7 @@ def timeout_message(kw: dict, timeout_s: float) -> str:
             f"jax.distributed.initialize did not finish within {timeout_s:g} s "
             f"(cluster detection, or the other processes did not start): {HOW}; {more}"
         )
-    if kw.get("process_id") != 0 and not _answers(address):
+    if kw.get("process_id") != 0 and not reached and not _answers(address):
         return (
             f"nothing answered at the coordinator JAX_COORDINATOR_ADDRESS={address} within "
             f"{timeout_s:g} s: start process 0 (JAX_PROCESS_ID=0) on that host, check the host "
@@ -137,11 +138,21 @@ def timeout_message(kw: dict, timeout_s: float) -> str:
     )
 
 
-def _give_up(kw: dict, timeout_s: float) -> None:
+def _give_up(kw: dict, timeout_s: float, reached: threading.Event) -> None:
     # The main thread is blocked inside JAX's C++ connect: no exception can reach it, so
     # the CLI's contract (one ``error:`` line, exit 2) is kept from here.
-    print(f"error: {timeout_message(kw, timeout_s)}", file=sys.stderr, flush=True)
+    message = timeout_message(kw, timeout_s, reached.is_set())
+    print(f"error: {message}", file=sys.stderr, flush=True)
     os._exit(2)
+
+
+def _watch_coordinator(address: str, reached: threading.Event, done: threading.Event) -> None:
+    """Sets ``reached`` once the coordinator answers: at the timeout, process 0 may have
+    given up on a missing third process and gone, and is then not the one to blame."""
+    while not done.is_set() and not _answers(address):
+        done.wait(1.0)
+    if not done.is_set():
+        reached.set()
 
 
 def initialize(config) -> None:
@@ -163,7 +174,11 @@ def initialize(config) -> None:
     if all(os.environ.get(v, "").strip() for v in VARIABLES):
         kw["cluster_detection_method"] = "deactivate"  # set by hand: exactly these, no guessing
     timeout_s = config.distributed_timeout_s
-    watchdog = threading.Timer(timeout_s, _give_up, (kw, timeout_s))
+    reached, done = threading.Event(), threading.Event()
+    if kw.get("process_id", 0) != 0 and "coordinator_address" in kw:
+        args = (kw["coordinator_address"], reached, done)
+        threading.Thread(target=_watch_coordinator, args=args, daemon=True).start()
+    watchdog = threading.Timer(timeout_s, _give_up, (kw, timeout_s, reached))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -182,3 +197,4 @@ def initialize(config) -> None:
         raise ConfigError(f"--config.distributed=True could not start ({msg}); {HOW}") from None
     finally:
         watchdog.cancel()
+        done.set()

@@ -128,6 +128,7 @@ def _setup(
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         distributed.initialize(config)
+        run_config.check_processes_agree(config, workdir)
     if for_training and finished is None:
         warn_schedule(config)
     lock = None

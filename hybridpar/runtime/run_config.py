@@ -211,3 +211,73 @@ def record_config(workdir: str, config, held: tuple[int, dict] | None = None) ->
     if jax.process_index() == 0 and (saved is None or saved != new):
         write_json(path, new)
     return changed
+
+
+# Keys each process of one run may set for itself: they change no collective and no file.
+PER_PROCESS_KEYS = ("log_every_s", "distributed_timeout_s", "compile_cache")
+SHARED_CHECK = ".hybridpar_shared_check"  # process 0's file every process must see
+
+
+def check_processes_agree(config, workdir: str | None) -> None:
+    """Every process of a multi-process run runs process 0's config in the folder process 0
+    writes. A process started with other overrides trained another computation in the same
+    collectives (another LR: wrong losses; another batch: a hang at the end), and a workdir
+    that is not one shared folder hung in the first checkpoint. One ``ConfigError`` in every
+    process instead: its own differences in the process that has them, which processes
+    differ in the others."""
+    if jax.process_count() == 1:
+        return
+    import secrets
+
+    import numpy as np
+    from jax.experimental import multihost_utils as mh
+
+    from hybridpar.config.errors import ConfigError
+
+    first, me = jax.process_index() == 0, jax.process_index()
+    text = np.frombuffer(json.dumps(config_dict(config)).encode(), np.uint8)
+    size = int(mh.broadcast_one_to_all(np.int32(text.size)))
+    theirs = mh.broadcast_one_to_all(text if first else np.zeros(size, np.uint8))
+    a, b = flatten(json.loads(bytes(np.asarray(theirs)))), flatten(config_dict(config))
+    diff = [
+        (k, a.get(k, "<missing>"), b.get(k, "<missing>"))
+        for k in list(a) + [k for k in b if k not in a]
+        if not k.startswith(PER_PROCESS_KEYS) and a.get(k, "<missing>") != b.get(k, "<missing>")
+    ]
+    sees = True
+    if workdir is not None:
+        path = os.path.join(workdir, SHARED_CHECK)
+        token = int(mh.broadcast_one_to_all(np.uint32(secrets.randbits(31) if first else 0)))
+        if first:
+            with open(path, "w") as f:
+                f.write(str(token))
+        mh.sync_global_devices("hybridpar: shared workdir check written")
+        if not first:
+            try:
+                with open(path) as f:
+                    sees = f.read() == str(token)
+            except OSError:
+                sees = False
+    rows = np.asarray(mh.process_allgather(np.array([bool(diff), sees], np.int32)))
+    if workdir is not None:
+        mh.sync_global_devices("hybridpar: shared workdir check read")
+        if first:
+            os.remove(os.path.join(workdir, SHARED_CHECK))
+    same = "start every process with the same command (the same --config and overrides)"
+    if diff:
+        key, there, here = diff[0]
+        more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
+        raise ConfigError(
+            f"process {me} runs another config than process 0: {key} is {here!r} here, "
+            f"{there!r} in process 0{more}; {same}"
+        )
+    if rows[:, 0].any():
+        others = ", ".join(str(i) for i in np.flatnonzero(rows[:, 0]))
+        raise ConfigError(f"process(es) {others} run another config than process 0; {same}")
+    if not rows[:, 1].all():
+        blind = ", ".join(str(i) for i in np.flatnonzero(rows[:, 1] == 0))
+        raise ConfigError(
+            f"process(es) {blind} do not see the files process 0 writes in --workdir="
+            f"{workdir}: every process must name the same folder, on a file system all hosts "
+            "share (the checkpoints are written by every process, into one folder)"
+        )

@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridpar.config import formatting
 from hybridpar.config.curriculum import PlannedStage, describe
-from hybridpar.config.errors import NonFinite, SaveFailed, StopRequested
+from hybridpar.config.errors import NonFinite, PeerLost, SaveFailed, StopRequested
 from hybridpar.parallel import partitioning
 from hybridpar.parallel.mesh import describe_mesh
 from hybridpar.program import compile_cache
@@ -466,6 +466,8 @@ def train(run: Run, hooks=()) -> dict:
         raise NonFinite(failure) from None
     except BaseException as e:  # recorded in the summary, then raised as it was
         end(t, failure=f"{type(e).__name__}: {e}")
+        if jax.process_count() > 1 and isinstance(e, jax.errors.JaxRuntimeError):
+            raise peer_lost(t, e) from None
         raise
     summary, save_error = end(t, preempted=preempted)
     if save_error:
@@ -611,6 +613,20 @@ def run_stages(t: Training) -> str | None:
     except StopRequested as e:  # a hook's request (Hook), a signal's by the checkpointer
         return str(e)
     return None
+
+
+def peer_lost(t: Training, e: Exception) -> PeerLost:
+    """A runtime error on several processes: a collective whose peer is gone (gloo's
+    "Connection closed by peer", a NCCL or ICI timeout), said in one line with the way on."""
+    first = " ".join(str(e).split())[:200]
+    last = t.saver.latest_step()
+    where = f"from step {last}" if last is not None else "from step 0 (no checkpoint yet)"
+    return PeerLost(
+        f"a step across the run's {jax.process_count()} processes failed at step "
+        f"{t.loop.step + 1} ({type(e).__name__}: {first}): another process has probably "
+        f"stopped; start every process again with the same command (and the same JAX_* "
+        f"variables) to resume {where}"
+    )
 
 
 def last_checkpoint_note(t: Training) -> str:
