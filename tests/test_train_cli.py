@@ -398,6 +398,8 @@ def test_a_second_signal_stops_at_once_in_one_line_without_a_traceback(sig):
     script = (
         "import os, signal, time\n"
         "from hybridpar.runtime import signals\n"
+        # as in a terminal: a background job of a script starts with SIGINT ignored
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "signals.EarlyStop()\n"
         "p = signals.Preemption('/runs/x/checkpoints').install()\n"
         f"os.kill(os.getpid(), {int(sig)})\n"
