@@ -1,6 +1,9 @@
 """The experiment configs: each loads and passes the config checks, and the benchmark
 recipes say what their write-ups say (stages, peak LR at the published batch, targets)."""
 
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -223,3 +226,46 @@ def test_cifar10_fast_edge_fits_the_compress_budget_from_the_start():
 
     edge, cpu = int8_kb("edge"), int8_kb("cpu")
     assert edge <= 100 and edge < cpu / 2, (edge, cpu)
+
+
+# ---- experiments/launch/gpu_nodes.sh, run by bash with stand-ins for python (the trainer) and
+# nvidia-smi on a PATH that holds only them and paste
+
+
+def _gpu_nodes(tmp_path, nvidia_smi: bool, *args, **more_env):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(exist_ok=True)
+    (bin_ / "python").write_text(
+        '#!/bin/bash\necho "$JAX_LOCAL_DEVICE_IDS" > "$LOG/ids"\necho "$@" > "$LOG/args"\n'
+    )
+    if nvidia_smi:
+        (bin_ / "nvidia-smi").write_text("#!/bin/bash\nprintf '0\\n1\\n'\n")
+    for f in bin_.iterdir():
+        f.chmod(0o755)
+    if not (bin_ / "paste").exists():
+        os.symlink(shutil.which("paste"), bin_ / "paste")
+    env = {"PATH": str(bin_), "LOG": str(tmp_path), "COORDINATOR": "10.0.0.1:1234",
+           "NUM_NODES": "2", **more_env}  # fmt: skip
+    cmd = [shutil.which("bash"), str(LAUNCH / "gpu_nodes.sh"), "1", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+def test_extra_arguments_reach_the_trainer_after_its_own(tmp_path):
+    """They were dropped: no --config override could be added."""
+    r = _gpu_nodes(tmp_path, True, "--config.num_epochs=40", "--config.global_batch=512")
+    assert r.returncode == 0, r.stderr
+    args = (tmp_path / "args").read_text().split()
+    assert args[-2:] == ["--config.num_epochs=40", "--config.global_batch=512"], args
+    assert "--config.distributed=True" in args
+    assert (tmp_path / "ids").read_text() == "0,1\n"
+
+
+def test_no_nvidia_smi_and_no_gpus_is_one_error_line(tmp_path):
+    """It printed "nvidia-smi: command not found" and went on with an empty
+    JAX_LOCAL_DEVICE_IDS (export's status hid the failure under set -e)."""
+    r = _gpu_nodes(tmp_path, False)
+    assert r.returncode == 2 and not (tmp_path / "args").exists(), r
+    assert r.stderr.startswith("error: nvidia-smi not found") and "set GPUS=" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr
+    assert _gpu_nodes(tmp_path, False, GPUS="2,3").returncode == 0  # GPUS set: no nvidia-smi needed
+    assert (tmp_path / "ids").read_text() == "2,3\n"

@@ -50,6 +50,14 @@ def test_suggestion_is_the_steepest_descent_before_the_loss_diverges():
         ("global_batch=32..4x", "not a number"),
         ("optim.schedule=0..1", "for other values list them"),
         ("optim.base_lr", "not KEY=RANGE"),
+        # set by every trial: the study would report values no trial trained with
+        ("num_epochs=1..3", "num_epochs is set in every trial by --budget-epochs"),
+        (
+            "eval_every_epochs=0.5|1",
+            "eval_every_epochs is set in every trial by tune.eval_every_epochs",
+        ),
+        # optuna kept the first range and warned
+        ("optim.base_lr=0.1..1,optim.base_lr=0.2..2", "optim.base_lr is given twice"),
     ],
 )
 def test_bad_space_is_one_error_line(tmp_path, capsys, space, message):
@@ -136,6 +144,52 @@ def test_batch_choices_that_do_not_split_are_one_error_before_any_trial(
     assert [p["key"] for p in tune.check(c, "search")] == ["global_batch", "eval_batch"]
 
 
+def test_stop_at_target_is_drawn_only_where_the_trials_do_not_set_it():
+    """objective=time_to_target sets stop_at_target in every trial; under top1 it is the
+    config's, so a space may draw it."""
+    space = {"tune.space": "stop_at_target=true|false", "target_top1": 0.9}
+    c = tiny_digits(**space, **{"tune.objective": "time_to_target"})
+    with pytest.raises(ConfigError, match="stop_at_target is set in every trial by "
+                                          "tune.objective=time_to_target"):  # fmt: skip
+        tune.parse_space(c)
+    assert tune.parse_space(tiny_digits(**space))[0]["choices"] == [True, False]
+
+
+def test_the_keys_tune_sets_are_the_ones_it_names():
+    """trial_keys and RANGE_TEST_KEYS list what trial_config and range_test_config set
+    (the space refuses the first; the range test's workdir check leaves out the second)."""
+    from hybridpar.runtime.run_config import config_dict, flatten
+
+    def changed(a, b):
+        a, b = flatten(config_dict(a)), flatten(config_dict(b))
+        return {k for k in a if a[k] != b[k]}
+
+    c = tiny_digits(**{"tune.objective": "time_to_target", "target_top1": 0.9,
+                       "num_epochs": 7.0, "eval_every_epochs": 3.0})  # fmt: skip
+    assert changed(tune.trial_config(c, {}, 2.0), c) == set(tune.trial_keys(c))
+    assert changed(tune.range_test_config(c), c) <= set(tune.RANGE_TEST_KEYS)
+
+
+def test_search_refuses_distributed_before_jax_starts(tmp_path, capsys):
+    """--config.distributed=True: tune search runs its trials in one process (each process
+    asked study.db for a trial of its own, and check_batches started JAX's backend before
+    the trial's jax.distributed.initialize, which then failed with a misleading error)."""
+    argv = ["search", "--config", DIGITS, "--workdir", str(tmp_path / "s"), "--trials", "2",
+            "--budget-epochs", "0.1", "--config.distributed=True",
+            "--config.tune.space=optim.base_lr=0.1..1",
+            *(f"--config.{k}={v}" for k, v in TINY_DIGITS.items())]  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        tune.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "error: tune search runs its trials one by one in this one process, so it does not "
+        "take --config.distributed=True"
+    ), err
+    assert "then train the best overrides multi-host" in err[0]
+    assert not (tmp_path / "s").exists()
+
+
 def test_space_kinds():
     c = tiny_digits(**{"tune.space": "optim.base_lr=log:0.01..1,global_batch=32|64,"
                                      "optim.warmup_epochs=0..2,seed=0..3"})  # fmt: skip
@@ -164,6 +218,12 @@ def test_lr_range_test(tmp_path, capsys):
     assert again["suggested_base_lr"] == result["suggested_base_lr"]
     assert open(os.path.join(wd, "metrics.jsonl")).read() == lines
     assert "holds a finished LR range test" in capsys.readouterr().out
+    # another test in the same workdir: named by the key the user set, not num_epochs (which
+    # range_test_config sets from it)
+    c.tune.lr_epochs = 1.0
+    with pytest.raises(ConfigError) as e:
+        tune.lr_range(c, wd)
+    assert "another config: tune.lr_epochs was 0.5, now 1.0; use a new --workdir" in str(e.value)
 
 
 def test_search_prunes_and_resumes(tmp_path, capsys):

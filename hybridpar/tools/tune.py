@@ -62,6 +62,7 @@ def parse_space(config) -> list[dict]:
     from hybridpar.config.schema import validate
 
     keys = set(cli.config_keys(config))
+    set_by_tune = trial_keys(config)
     params = []
     for item in [s.strip() for s in config.tune.space.split(",") if s.strip()]:
         key, eq, spec = (s.strip() for s in item.partition("="))
@@ -70,6 +71,13 @@ def parse_space(config) -> list[dict]:
                 f"tune.space: {item!r} is not KEY=RANGE; use KEY=LO..HI, KEY=log:LO..HI or "
                 f"KEY=A|B|C, e.g. --config.tune.space={SPACE_EXAMPLE!r}"
             )
+        if key in set_by_tune:  # the study would report values no trial trained with
+            raise ConfigError(
+                f"tune.space: {key} is set in every trial by {set_by_tune[key]}, so its "
+                f"drawn values would not be used; drop {item!r}"
+            )
+        if any(p["key"] == key for p in params):  # optuna would keep the first range
+            raise ConfigError(f"tune.space: {key} is given twice; give each key once")
         if (
             key not in keys
             or key.startswith("tune.")
@@ -195,6 +203,13 @@ def check(config, mode: str) -> list[dict] | None:
                 "set e.g. --config.tune.lr_min=1e-4 --config.tune.lr_max=10"
             )
         return None
+    if config.distributed:  # before check_batches: it starts JAX's backend
+        raise ConfigError(
+            "tune search runs its trials one by one in this one process, so it does not "
+            "take --config.distributed=True (each process would ask study.db for a trial of "
+            "its own); search on one host without it, then train the best overrides "
+            "multi-host with python -m hybridpar.train ... --config.distributed=True"
+        )
     if t.objective not in ("top1", "time_to_target"):
         raise ConfigError(
             f"tune.objective={t.objective!r} is not one of top1, time_to_target; use e.g. "
@@ -240,6 +255,14 @@ def run_trainer(config, workdir: str, hooks_for=lambda run: []) -> tuple[object,
 
 
 # ---- lr: the range test --------------------------------------------------------------------------
+
+
+# The keys range_test_config sets: the stored config of a test holds them as set from the
+# tune.lr_* keys, which it holds too. Left out when a test is compared with the one in its
+# workdir, so that the error names the key the user set (tune.lr_epochs, not num_epochs).
+RANGE_TEST_KEYS = ("optim.schedule", "optim.base_lr", "optim.warmup_start_factor",
+                   "optim.warmup_epochs", "optim.momentum_start", "num_epochs", "stages",
+                   "log_every_s", "eval_every_epochs", "stop_at_target")  # fmt: skip
 
 
 def range_test_config(config):
@@ -334,6 +357,7 @@ def lr_range(config, workdir: str) -> dict:
     c = range_test_config(config)
     saved = read_json(os.path.join(workdir, "config.json"))
     diff = differences(saved, config_dict(c)) if saved is not None else []
+    diff = [d for d in diff if d[0] not in RANGE_TEST_KEYS]
     if diff:
         raise ConfigError(f"{another_config(workdir, diff)}; use a new --workdir for this test")
     path = os.path.join(workdir, "lr_range.json")
@@ -433,7 +457,17 @@ class Prune:
             raise StopRequested(self.pruned)
 
 
+def trial_keys(config) -> dict:
+    """The keys ``trial_config`` sets in every trial -> what sets them: tune.space may not
+    draw them."""
+    keys = {"num_epochs": "--budget-epochs", "eval_every_epochs": "tune.eval_every_epochs"}
+    if config.tune.objective == "time_to_target":
+        keys["stop_at_target"] = "tune.objective=time_to_target"
+    return keys
+
+
 def trial_config(config, params: dict, budget: float):
+    # sets the keys of trial_keys: keep the two in step
     c = copy.deepcopy(config)
     for key, value in params.items():
         _set(c, key, value)
