@@ -225,7 +225,7 @@ def _fake_rounds(monkeypatch, drops=None):
                   "flops_per_image": 1, "latency_ms": {"int8_batch1_ms": 1.0},
                   "step": FAKE_STEP if index == 0 else 0,
                   "litert": {"file_bytes": file_bytes, "file_kb": round(file_bytes / 1000, 1),
-                             "latency_ms": 0.25}}  # fmt: skip
+                             "latency_ms": 0.25, "top1": top1 - 1 / 360}}  # fmt: skip
         return report, args.workdir if index == 0 else os.path.join(rd, "run")
 
     monkeypatch.setattr(compress, "teacher_size", _fake_size)
@@ -276,6 +276,27 @@ def test_the_loop_stops_at_the_round_that_meets_the_budget(tmp_path, monkeypatch
     assert len((w / "compress" / "rounds.md").read_text().splitlines()) == 2 + 3
 
 
+def test_a_loop_continued_with_another_budget(tmp_path, monkeypatch):
+    """A finished loop (round 2 fitted to 40 KB, at 0.628) continued with 35 KB: round 3
+    prunes from round 2's fraction, to the most that fits 35 KB (0.587), not from the step's
+    0.5625 (which fits it too, as 0.562). Then a larger budget, met by round 1: the rounds
+    past it stay in rounds.md, said to be an earlier call's."""
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "40")[0] == 0 and made[-1] == (2, 0.628), made
+    code, out, err = _main(w, "--budget-kb", "35")
+    assert code == 0 and made[-1] == (3, 0.587), (made, err)
+    assert _fake_bytes(0.587) <= 35_000 < _fake_bytes(0.588)
+    assert out[-1].startswith("kb_int8=35.0 "), out[-1]
+    code, out, err = _main(w, "--budget-kb", "60")
+    assert code == 0 and len(made) == 4 and out[-1].startswith("kb_int8=56.8 "), (out, err)
+    lines = (w / "compress" / "rounds.md").read_text().splitlines()
+    rounds = [x.split("|")[1].strip() for x in lines[2:] if x.startswith("| ")]
+    assert rounds == ["0", "1", "2", "3"], lines
+    assert lines[-1].startswith("Rounds 2, 3: made by an earlier call, past round 1"), lines
+    assert lines[-1] in out, out
+
+
 def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
     """``--budget-of file``: the rounds go on past the weights' 40 KB until the file fits,
     the last fitted to the file's bound; the rows and the last line say which budget."""
@@ -307,18 +328,28 @@ def test_the_rounds_table_has_each_files_size_and_latency(tmp_path, monkeypatch)
 
     w = _fake_teacher(tmp_path / "t")
     _fake_rounds(monkeypatch)
-    assert _main(w, "--budget-kb", "40")[0] == 0
+    code, out, _ = _main(w, "--budget-kb", "40")
+    assert code == 0
     lines = (w / "compress" / "rounds.md").read_text().splitlines()
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
     header, rows = cells[0], cells[2:]
     kb, ms = header.index("file KB"), header.index("file ms b1")
+    ours, file = header.index("top1 int8"), header.index("top1 file")
     assert len(rows) == 3 and all(len(r) == len(header) for r in rows), cells
     for i, r in enumerate(rows):
         row = json.loads((w / "compress" / f"round_0{i}" / "result.json").read_text())
         assert r[kb] == f"{row['file_kb']:.1f}" and r[ms] == "0.250", (r, row)
-    no_file = {**row, "file_kb": None, "file_bytes": None, "latency_ms": None}
+        # the file's own top-1 beside ours (the stand-in's file: one image under it)
+        assert r[ours] == "0.9000" and r[file] == "0.8972" == f"{row['top1_litert']:.4f}", r
+    assert " top1=0.9000 top1_litert=0.8972 " in out[-1], out[-1]
+    # the chosen model's line names its LiteRT file beside its StableHLO one
+    chosen = [x for x in out if x.startswith("smallest within")]
+    tflite = w / "compress" / "round_02" / "quantized" / "model.tflite"
+    assert len(chosen) == 1 and chosen[0].endswith(f", LiteRT file {tflite}"), chosen
+    no_file = {**row, "file_kb": None, "file_bytes": None, "latency_ms": None,
+               "top1_litert": None}  # fmt: skip
     r = compress.format_row(no_file)
-    assert r[kb] == r[ms] == "na", r
+    assert r[kb] == r[ms] == r[file] == "na", r
 
 
 def test_a_file_budget_under_the_files_overhead_is_an_error(tmp_path, monkeypatch):
@@ -328,7 +359,12 @@ def test_a_file_budget_under_the_files_overhead_is_an_error(tmp_path, monkeypatc
     assert code == 2 and made == [], (out, err)
     assert len(err) == 1 and err[0].startswith("error: --budget-kb 10 --budget-of file:"), err
     assert "10.5 KB" in err[0], err  # one channel per group: 500 bytes and the overhead
-    assert not (w / "compress" / "settings.json").exists()
+    assert not (w / "compress").exists()  # refused: no folder left, not even an empty one
+    # the weights too: under one channel per group's 500 bytes, refused before any round
+    code, out, err = _main(w, "--budget-kb", "0.4")
+    assert code == 2 and made == [], (out, err)
+    assert len(err) == 1 and err[0].startswith("error: --budget-kb 0.4 --budget-of weights:")
+    assert "weigh 0.5 KB" in err[0] and not (w / "compress").exists(), err
     assert _main(w, "--budget-kb", "10")[0] == 0  # a weights budget of 10 KB is reachable
 
 
@@ -368,7 +404,7 @@ def test_a_loop_of_another_teacher_step_is_not_reused(tmp_path, monkeypatch):
     assert code == 2 and len(made) == 3 and "at step 40" in err[0], err
 
 
-@pytest.mark.parametrize("state", ["training", "no-summary", "stopped"])
+@pytest.mark.parametrize("state", ["training", "no-summary", "stopped", "pruned", "pruned-old"])
 def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
     from hybridpar.runtime import workdir_lock
 
@@ -379,6 +415,11 @@ def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
         lock = workdir_lock.acquire(str(w))
     elif state == "no-summary":
         (w / "summary.json").unlink()
+    elif state.startswith("pruned"):  # as prune writes a run: a step-0 checkpoint, no records
+        (w / "summary.json").unlink()
+        (w / "checkpoints" / str(FAKE_STEP)).rename(w / "checkpoints" / "0")
+        if state == "pruned":
+            (w / prune.RECORD).write_text("{}")
     else:
         (w / "summary.json").write_text(json.dumps(
             {"completed": False, "steps": 12, "total_steps": FAKE_STEP}))  # fmt: skip
@@ -388,9 +429,12 @@ def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
         if lock is not None:
             lock.release()
     assert code == 2 and made == [], (out, err)
+    pruned = "is a pruned run (python -m hybridpar.prune's, at step 0, never trained)"
     message = {"training": "is still training", "no-summary": "has no summary.json",
-               "stopped": "stopped at step 12 of 40"}[state]  # fmt: skip
+               "stopped": "stopped at step 12 of 40", "pruned": pruned,
+               "pruned-old": pruned}[state]  # fmt: skip
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert ("resumes it" in err[0]) == (state in ("no-summary", "stopped")), err
     assert not (w / "compress").exists()
 
 
@@ -529,7 +573,14 @@ def teacher(tmp_path_factory):
 
 
 def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path):
-    t, _, _ = teacher
+    import shutil
+
+    # the teacher as a run stopped before its end (its summary says so): pruned with a
+    # warning that names the step read and the run's steps, recorded in pruned.json
+    t = tmp_path / "t"
+    shutil.copytree(teacher[0], t)
+    (t / "summary.json").write_text(json.dumps(
+        {"completed": False, "steps": 66, "total_steps": 132}))  # fmt: skip
     env = cpu_env(devices=1)
     p = tmp_path / "p"
     out = subprocess.run(
@@ -538,6 +589,14 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path):
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
+    warning = [x for x in out.stdout.splitlines() if x.startswith("warning:")]
+    assert warning == [
+        f"warning: the run in {str(t)!r} stopped at step 66 of 132: pruned its "
+        "checkpoint at step 66 of the run's 132 steps, not a finished model"
+    ], out
+    record = json.loads((p / prune.RECORD).read_text())
+    assert record["source"] == str(t) and record["source_step"] == 66, record
+    assert record["source_unfinished"]["why"] == "stopped at step 66 of 132", record
     widths = json.loads((p / "config.json").read_text())["model"]
     assert widths["stage_widths"] == [4, 8, 16, 32] and widths["stem_width"] == 4
     base = [sys.executable, "-m", "hybridpar.train", "--config", DIGITS,
@@ -567,6 +626,60 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path):
     )  # fmt: skip
     assert bad.returncode == 2, bad.stderr[-3000:]
     assert bad.stderr.strip().splitlines()[-1].startswith("error: init_from="), bad.stderr[-500:]
+
+
+def test_prune_help_says_fraction_is_the_share_removed(capsys):
+    with pytest.raises(SystemExit) as e:
+        prune.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "Remove --fraction of the channels" in out, out
+    assert "keeping --fraction" not in out, out
+
+
+def test_prune_out_inside_the_source_run_is_refused(tmp_path, capsys):
+    w = _fake_teacher(tmp_path / "t")
+    for out in (w / "pruned", w):
+        with pytest.raises(SystemExit) as e:
+            prune.main(["--workdir", str(w), "--out", str(out), "--fraction", "0.5"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: --out "), err
+        assert "is inside --workdir" in err[0] and not (w / "pruned").exists(), err
+
+
+def test_a_resumed_round_says_what_it_does(tmp_path, monkeypatch):
+    """A round an earlier call pruned (and distilled): its line says it resumes the
+    distillation, or only quantizes it, not that it prunes and distils. Through
+    ``make_round`` with its pruning, trainer and quantizing stood in for."""
+    import argparse
+
+    from hybridpar.tools import compress, quantize, tune
+
+    w = tmp_path / "t"
+    w.mkdir()
+    config = tiny_digits(**LONGER)
+    monkeypatch.setattr(prune, "prune_run", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "run_trainer", lambda c, d: (None, {}))
+    monkeypatch.setattr(quantize, "run", lambda *a, **k: {})
+    monkeypatch.setattr(compress, "round_config", lambda *a: config)
+    args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
+                              epochs=3.0, criterion="l1", seed=None, init="pruned", alpha=None,
+                              calibration_batches=1, calibration="max", percentile=None,
+                              repeats=1)  # fmt: skip
+    rd, lines = tmp_path / "round_01", []
+
+    def line():
+        compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
+                            lines.append)  # fmt: skip
+        return lines[-1]
+
+    rd.mkdir()
+    assert line().startswith("round 1: pruning to 0.500 of the teacher's channels, then 3 ")
+    (rd / "pruned").mkdir()
+    (rd / "run").mkdir()
+    assert line().startswith("round 1: resuming its distillation run (pruned to 0.500 "), lines
+    (rd / "run" / "summary.json").write_text(json.dumps({"completed": True}))
+    assert line() == ("round 1: its distillation run finished in an earlier call (pruned to "
+                      "0.500 of the teacher's channels); quantizing it"), lines  # fmt: skip
 
 
 # ---- distillation --------------------------------------------------------------------------

@@ -12,8 +12,14 @@
   holds what it ran with.
 * A workdir without a checkpoint, a checkpoint of another config and an existing
   ``quantized/`` without ``--overwrite`` are ``error:`` lines.
+* The report says how to feed the LiteRT file (its input and output as the file has them);
+  the StableHLO file is exported for CPU, GPU and TPU; a run still training is quantized
+  with a ``warning:`` line naming its step; a killed quantize's leftovers are cleared and
+  its old results never lost.
 """
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -230,10 +236,23 @@ def quantized(tmp_path_factory):
     assert run_config.config_dict(config) == run_config.config_dict(tiny_digits(**LONGER))
     args = quantize_args(str(w))
     quantize.check_args(args, config)
-    report = quantize.run(
-        config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
-    )
+    stale = w / f"quantized.tmp-{_dead_pid()}"  # a killed quantize's: cleared at the start
+    stale.mkdir()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report = quantize.run(
+            config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
+        )
+    print(out.getvalue())
+    (w.parent / "quantize.out").write_text(out.getvalue())  # its lines, for the tests
+    assert not stale.exists()
     return w, summary, report
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", ""])
+    p.wait()
+    return p.pid
 
 
 def quantize_args(workdir):
@@ -265,6 +284,10 @@ def test_int8_accuracy_and_size(quantized):
 
 def test_exported_model_equals_in_process(quantized):
     w, _, _ = quantized
+    # made on CPU for every platform JAX lowers here without its devices: a GPU or TPU
+    # host runs it too (without platforms=, the export is for this CPU alone)
+    with open(w / "quantized" / "model.jax_exported", "rb") as f:
+        assert jax.export.deserialize(bytearray(f.read())).platforms == ("cpu", "cuda", "tpu")
     c = tiny_digits(**LONGER)
     with np.load(w / "quantized" / "params.npz") as f:
         q = int8.unflat(f)
@@ -290,12 +313,140 @@ def test_exported_model_equals_in_process(quantized):
     # per-batch activation ranges would make them)
     np.testing.assert_allclose(np.asarray(served(images[:1])), got[:1], rtol=0, atol=tol)
     # the arithmetic is integer: every convolution and the head's product take int8
-    # operands and accumulate in int32, none is float
+    # operands and accumulate in int32, none is float (in each platform's lowering)
     with open(w / "quantized" / "model.jax_exported", "rb") as f:
         text = jax.export.deserialize(bytearray(f.read())).mlir_module()
     convs = re.findall(r"stablehlo\.(?:convolution|dot_general)\b.*", text)
-    assert len(convs) == len(int8.layer_paths(arch)), len(convs)
+    assert len(convs) == 3 * len(int8.layer_paths(arch)), len(convs)
     assert all(re.search(r"xi8>, tensor<[^>]*xi8>\) -> tensor<[^>]*xi32>", c) for c in convs), convs
+
+
+def test_the_report_says_how_to_feed_the_litert_file(quantized):
+    """``litert_input``: the file's input (NHWC uint8 pixels, batch 1) and output (float32
+    logits) as the interpreter reads them, a batch resized as it says runs, and the
+    lines: a progress line before the timing and the conversion, no warning."""
+    from ai_edge_litert.interpreter import Interpreter
+
+    w, _, report = quantized
+    spec = report["litert_input"]
+    it = Interpreter(model_path=str(w / "quantized" / "model.tflite"))
+    inp, out = it.get_input_details()[0], it.get_output_details()[0]
+    assert spec["layout"] == "NHWC" and spec["shape"] == [1, 16, 16, 1] == list(inp["shape"])
+    assert spec["dtype"] == "uint8" == np.dtype(inp["dtype"]).name
+    assert spec["output"] == {"shape": [1, 10], "dtype": "float32", "what": "logits"}
+    assert list(out["shape"]) == [1, 10] and np.dtype(out["dtype"]).name == "float32"
+    assert "0..255" in spec["pixels"] and "bilinear" in spec["pixels"], spec
+    assert "360 images" in spec["eval_split"], spec
+    images = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 1), np.uint8)
+    one = []
+    it.allocate_tensors()
+    for image in images:
+        it.set_tensor(inp["index"], image[None])
+        it.invoke()
+        one.append(it.get_tensor(out["index"])[0].copy())
+    it.resize_tensor_input(inp["index"], [3, 16, 16, 1])
+    it.allocate_tensors()
+    it.set_tensor(inp["index"], images)
+    it.invoke()
+    batch = it.get_tensor(out["index"])
+    assert batch.shape == (3, 10) and (batch.argmax(-1) == np.argmax(one, -1)).all()
+    lines = (w.parent / "quantize.out").read_text().splitlines()
+    timing = [i for i, x in enumerate(lines) if x.startswith("timing float and int8 at batch 1")]
+    table = [i for i, x in enumerate(lines) if x.startswith("float ")]
+    assert timing and table and timing[0] < table[0], lines
+    assert report["unfinished"] is None and not any(x.startswith("warning:") for x in lines)
+
+
+def _fake_run(path, summary=None, steps=("66",)):
+    path.mkdir()
+    for step in steps:
+        (path / "checkpoints" / step).mkdir(parents=True)
+    if summary is not None:
+        (path / "summary.json").write_text(json.dumps(summary))
+        (path / "metrics.jsonl").write_text("")
+    return path
+
+
+def test_an_unfinished_run_is_told_apart(tmp_path):
+    """``unfinished``: a run another process holds (still training), one without a
+    summary, one stopped early; not a finished one, nor a pruned one (step 0 by design)."""
+    from hybridpar.runtime import workdir_lock
+
+    done = {"completed": True, "steps": 66, "total_steps": 66}
+    assert quantize.unfinished(str(_fake_run(tmp_path / "done", done))) is None
+    stopped = _fake_run(tmp_path / "stopped", {"completed": False, "steps": 12, "total_steps": 66})
+    assert quantize.unfinished(str(stopped)) == {
+        "why": "stopped at step 12 of 66", "held": False, "total_steps": 66}  # fmt: skip
+    none = quantize.unfinished(str(_fake_run(tmp_path / "none")))
+    assert none == {"why": "has no summary.json (its training has not ended)", "held": False}
+    held = _fake_run(tmp_path / "held", done)
+    lock = workdir_lock.acquire(str(held))
+    try:
+        state = quantize.unfinished(str(held))
+    finally:
+        lock.release()
+    assert state["held"] and state["why"].startswith(f"is still training (pid {os.getpid()} ")
+    pruned = _fake_run(tmp_path / "pruned", steps=("0",))  # as prune writes one
+    (pruned / "pruned.json").write_text("{}")
+    assert quantize.unfinished(str(pruned)) is None
+    (pruned / "pruned.json").unlink()  # one pruned before pruned.json: a lone step 0
+    assert quantize.unfinished(str(pruned)) is None
+
+
+def test_a_run_still_training_is_quantized_with_a_warning(quantized, tmp_path, capsys):
+    """Another process holds the run's lock: the ``warning:`` line names the checkpoint's
+    step and the run's steps, and the report records it."""
+    from hybridpar.runtime import workdir_lock
+
+    w = tmp_path / "w"
+    shutil.copytree(quantized[0], w, ignore=shutil.ignore_patterns("quantized"))
+    lock = workdir_lock.acquire(str(w))
+    try:
+        report = quantize.run(trained.load_config(str(w)), str(w), calibration_batches=1,
+                              repeats=1, latency_batches=(1,), devices=jax.devices()[:1],
+                              litert_calibrated=False)  # fmt: skip
+    finally:
+        lock.release()
+    lines = capsys.readouterr().out.splitlines()
+    warnings = [x for x in lines if x.startswith("warning:")]
+    assert len(warnings) == 1, lines
+    assert f"is still training (pid {os.getpid()} " in warnings[0], warnings
+    assert "quantizing its checkpoint at step 66 of the run's 66 steps" in warnings[0], warnings
+    assert report["unfinished"]["held"] and report["unfinished"]["step"] == 66, report
+
+
+def test_a_killed_quantize_loses_no_results(tmp_path, monkeypatch):
+    """The old results are moved aside before the new ones move in: a kill between the two
+    leaves them (put back by the next start), and a dead process's half-written folder goes
+    while a live one's stays."""
+    out = tmp_path / "quantized"
+    out.mkdir()
+    (out / "report.json").write_text("old")
+    tmp = tmp_path / "quantized.tmp-1"
+    tmp.mkdir()
+    (tmp / "report.json").write_text("new")
+    rename = os.rename
+
+    def killed(src, dst):  # the kill comes as the new results move in
+        if str(src) == str(tmp):
+            raise KeyboardInterrupt
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        quantize.move_into_place(str(tmp), str(out))
+    monkeypatch.setattr(os, "rename", rename)
+    assert (out / "report.json").read_text() == "old"
+    quantize.move_into_place(str(tmp), str(out))
+    assert (out / "report.json").read_text() == "new" and os.listdir(tmp_path) == ["quantized"]
+    # what a kill -9 leaves: the old results aside (out gone), a dead one's tmp; a live one's
+    dead, live = _dead_pid(), os.getppid()
+    rename(out, tmp_path / f"quantized.old-{dead}")
+    for pid in (dead, live):
+        (tmp_path / f"quantized.tmp-{pid}").mkdir()
+    quantize.clear_stale(str(out))
+    assert sorted(os.listdir(tmp_path)) == ["quantized", f"quantized.tmp-{live}"]
+    assert (out / "report.json").read_text() == "new"
 
 
 @pytest.mark.parametrize("method", ["max", "percentile"])

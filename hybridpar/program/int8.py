@@ -578,13 +578,20 @@ def serving_fn(arch: Arch, q: dict, mean, std, ranges: dict | None = None):
     return serve
 
 
+# Where the exported file runs: JAX lowers for each without its devices, so a file made on a
+# CPU also runs on a GPU or TPU (without platforms=, only where it was made).
+PLATFORMS = ("cpu", "cuda", "tpu")
+
+
 def export(arch: Arch, q: dict, mean, std, image_shape, path: str,
-           ranges: dict | None = None) -> None:  # fmt: skip
+           ranges: dict | None = None, platforms=PLATFORMS) -> None:  # fmt: skip
     """The quantized network, its arrays included, as serialized StableHLO
-    (``jax.export``), for any batch size: ``load_exported(path)(images)``."""
+    (``jax.export``), for any batch size and each of ``platforms``:
+    ``load_exported(path)(images)``."""
     (b,) = jax.export.symbolic_shape("batch")
     spec = jax.ShapeDtypeStruct((b, *image_shape), jnp.uint8)
-    exported = jax.export.export(jax.jit(serving_fn(arch, q, mean, std, ranges)))(spec)
+    fn = jax.jit(serving_fn(arch, q, mean, std, ranges))
+    exported = jax.export.export(fn, platforms=platforms)(spec)
     with open(path, "wb") as f:
         f.write(exported.serialize())
 

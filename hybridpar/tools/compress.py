@@ -34,14 +34,17 @@ teacher's step; a loop of other settings or of another teacher step is an ``erro
 reused. One loop per loop folder at a time (its ``.lock``). A stopped loop (SIGTERM,
 Ctrl-C, kill) goes on from where it stopped with the same command. It prints a row per
 round (parameters, int8 KB, FLOPs per image, int8 top-1, its drop in points against the
-float teacher, int8 CPU latency at batch 1), writes the table to ``W/compress/rounds.md``
-and the size/accuracy front to ``W/compress/front.png``, and ends with the smallest model
-within the drop and the line ``kb_int8=... top1_drop=... top1=... params=... flops=...
-file_kb=... latency_ms=... budget_of=... teacher_step=...`` (file_kb and latency_ms: its
-LiteRT ``model.tflite``'s whole size and one-thread ms per image; budget_of: the size held
-to ``K``, also in each round's ``result.json``). Exit code 0 when that model is within the
-budget, 3 when the loop stopped without one (a line on stderr says why), 2 for bad input
-(a file budget under the smallest file the teacher prunes to among it).
+float teacher, the LiteRT file's top-1, int8 CPU latency at batch 1), writes the table to
+``W/compress/rounds.md`` (with the rounds an earlier call made past this call's stop, said
+so) and the size/accuracy front to ``W/compress/front.png``, and ends with the smallest
+model within the drop and the line ``kb_int8=... top1_drop=... top1=... top1_litert=...
+params=... flops=... file_kb=... latency_ms=... budget_of=... teacher_step=...`` (top1 and
+the drop: our int8 forward's, which the rule holds to ``--max-drop``; top1_litert, file_kb
+and latency_ms: its LiteRT ``model.tflite``'s top-1 in that runtime, whole size and
+one-thread ms per image; budget_of: the size held to ``K``, also in each round's
+``result.json``). Exit code 0 when that model is within the budget, 3 when the loop stopped
+without one (a line on stderr says why), 2 for bad input (a budget under the teacher pruned
+to one channel per group, of the file or of the weights; a pruned run as the teacher).
 """
 
 from __future__ import annotations
@@ -122,25 +125,25 @@ def check_args(args, config) -> None:
 def check_teacher(workdir: str) -> None:
     """The teacher is a finished run that no trainer holds: a checkpoint from the middle of
     a run would be every round's teacher, and the rounds' reference, while the run moves on."""
-    from hybridpar.runtime import run_records, workdir_lock
+    from hybridpar.tools import prune, quantize
 
-    if workdir_lock.held(workdir):
-        h = workdir_lock.holder(workdir_lock.path(workdir))
-        who = f" (pid {h.get('pid')} on host {h.get('host')})" if h else ""
+    state = quantize.unfinished(workdir)
+    if state is not None and state["held"]:
         raise ConfigError(
-            f"{workdir!r} is still training{who}: compress starts from a finished run; "
+            f"{workdir!r} {state['why']}: compress starts from a finished run; "
             "run this command again once its training has ended"
         )
-    summary = run_records.read_json(os.path.join(workdir, "summary.json"))
-    if not (summary or {}).get("completed"):
-        why = (
-            "has no summary.json (its training has not ended)"
-            if summary is None
-            else f"stopped at step {summary.get('steps')} of {summary.get('total_steps')}"
-        )
+    if prune.is_pruned(workdir):  # a step-0 model: no training to resume
         raise ConfigError(
-            f"the run in {workdir!r} {why}: compress starts from a finished run; finish "
-            "it first (the same python -m hybridpar.train command resumes it)"
+            f"{workdir!r} is a pruned run (python -m hybridpar.prune's, at step 0, never "
+            "trained): compress starts from a trained run; pass the --workdir of the run it "
+            "was pruned from, or train it first (python -m hybridpar.train with the width "
+            f"keys prune printed and --config.init_from={workdir}) and pass that run's --workdir"
+        )
+    if state is not None:
+        raise ConfigError(
+            f"the run in {workdir!r} {state['why']}: compress starts from a finished run; "
+            "finish it first (the same python -m hybridpar.train command resumes it)"
         )
 
 
@@ -241,18 +244,30 @@ def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | N
     return c
 
 
-def keep_for(index: int, step: float, budget_kb: float, bytes_at) -> float:
-    """Round ``index``'s fraction of the teacher's channels: ``(1 - step)^index``, unless
-    that model's size would be under the budget, then the largest fraction (to 0.001)
-    whose size fits it, so the last round spends the budget rather than undershooting.
-    ``bytes_at(keep)``: the budgeted bytes of the teacher pruned to ``keep`` (``teacher_size``:
-    the int8 weights, exact, or the file, an upper bound); they never shrink as ``keep``
-    grows, so a bisection finds the largest."""
-    keep = (1 - step) ** index
+def step_keep(index: int, step: float, previous: float | None = None) -> tuple[float, float]:
+    """``(keep, top)``: round ``index``'s fraction by the step, ``(1 - step)^index``, and
+    the previous round's, ``(1 - step)^(index - 1)``; where the previous round kept
+    another fraction (``previous``, its row's keep: it was fitted to a budget, and a later
+    call goes on with a smaller one), one step down from that one instead."""
+    keep, top = (1 - step) ** index, (1 - step) ** (index - 1)
+    if previous is not None and abs(previous - top) > 0.001:  # rows hold 4 decimals
+        keep, top = previous * (1 - step), previous
+    return keep, top
+
+
+def keep_for(index: int, step: float, budget_kb: float, bytes_at,
+             previous: float | None = None) -> float:  # fmt: skip
+    """Round ``index``'s fraction of the teacher's channels: ``step_keep``'s (one step down
+    from the previous round's), unless that model's size would be under the budget, then
+    the largest fraction (to 0.001) below the previous round's whose size fits it, so the
+    last round spends the budget rather than undershooting. ``bytes_at(keep)``: the
+    budgeted bytes of the teacher pruned to ``keep`` (``teacher_size``: the int8 weights,
+    exact, or the file, an upper bound); they never shrink as ``keep`` grows, so a
+    bisection finds the largest."""
+    keep, top = step_keep(index, step, previous)
     budget = budget_kb * 1000
     if bytes_at(keep) >= budget:
         return keep
-    top = (1 - step) ** (index - 1)
     # descending; each evaluated at the value the round then prunes to
     grid = [round(float(k), 3) for k in np.arange(top - 0.001, keep, -0.001)]
     grid = [k for k in grid if keep < k < top]
@@ -293,6 +308,9 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
         "bytes_int8": report["weight_bytes_int8"],  # what the budget is held to
         "flops": report["flops_per_image"],
         "top1": round(top1, 4),
+        # the LiteRT file's own top-1 (its runtime's; None where none was written): the
+        # drop and the stop rule are on ours, the int8 forward above
+        "top1_litert": _rounded(report.get("litert", {}).get("top1"), 4),
         "top1_float": round(report["eval"]["float"]["top1"], 4),
         "top1_drop": round(100 * (teacher_top1 - top1), 2),
         "ms_b1_int8": report["latency_ms"]["int8_batch1_ms"],
@@ -305,21 +323,47 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
 
 
 # "file KB" and "file ms b1": the round's LiteRT model.tflite, its whole size and one-thread
-# latency per image, as the loop's last line gives them (na where no file was written)
+# latency per image, as the loop's last line gives them (na where no file was written);
+# "top1 int8" is our int8 forward's (the drop's), "top1 file" the file's in its runtime
 HEADER = ("round", "keep", "params", "int8 KB", "file KB", "MFLOPs/img", "top1 int8",
-          "drop (pts)", "ms b1 int8", "file ms b1")  # fmt: skip
+          "top1 file", "drop (pts)", "ms b1 int8", "file ms b1")  # fmt: skip
 
 
 def format_row(r: dict) -> list[str]:
     return [str(r["round"]), f"{r['keep']:.3f}", str(r["params"]), f"{r['kb_int8']:.1f}",
             _figure(r.get("file_kb"), 1), f"{r['flops'] / 1e6:.2f}", f"{r['top1']:.4f}",
-            f"{r['top1_drop']:.2f}", f"{r['ms_b1_int8']:.3f}",
-            _figure(r.get("latency_ms"), 3)]  # fmt: skip
+            _figure(r.get("top1_litert"), 4), f"{r['top1_drop']:.2f}",
+            f"{r['ms_b1_int8']:.3f}", _figure(r.get("latency_ms"), 3)]  # fmt: skip
 
 
-def table(rows: list[dict]) -> list[str]:
+def table(rows: list[dict], later: list[dict] = ()) -> list[str]:
+    """rounds.md: ``rows`` (this call's loop) and ``later``, rounds an earlier call made
+    past where this one stopped (another budget or drop), with a line that says so."""
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    return lines + ["| " + " | ".join(format_row(r)) + " |" for r in rows]
+    lines += ["| " + " | ".join(format_row(r)) + " |" for r in [*rows, *later]]
+    if later:
+        lines += ["", past_line(rows, later)]
+    return lines
+
+
+def past_line(rows: list[dict], later: list[dict]) -> str:
+    which = ", ".join(str(r["round"]) for r in later)
+    return (
+        f"Rounds {which}: made by an earlier call, past round {rows[-1]['round']} where "
+        "this call's budget and drop stopped the loop; not candidates for its model."
+    )
+
+
+def rounds_after(root: str, index: int) -> list[dict]:
+    """The rows of the rounds from ``index`` on that an earlier call finished (their
+    ``result.json``), in order, up to the first missing."""
+    rows = []
+    for i in itertools.count(index):
+        try:
+            with open(os.path.join(root, f"round_{i:02d}", "result.json")) as f:
+                rows.append(json.load(f))
+        except FileNotFoundError:
+            return rows
 
 
 def best(rows: list[dict], max_drop: float, of: str = "weights") -> dict | None:
@@ -377,6 +421,7 @@ def lock_loop(root: str):
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):
     """Round ``index`` in ``rd``: ``(quantize's report, the run it quantized)``; raises
     ``KeyboardInterrupt`` when its training was stopped."""
+    from hybridpar.runtime import run_records
     from hybridpar.tools import prune, quantize, tune
 
     w = args.workdir
@@ -389,17 +434,27 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
         with tune.quiet(rd):
             return quantize.run(config, w, out=os.path.join(rd, "quantized"), **qkw), w
     fits = f" (the most that fits {args.budget_kb:g} KB of {args.budget_of})"
-    fits = "" if keep == (1 - args.step) ** index else fits
+    fits = "" if keep == step_keep(index, args.step, rows[-1].get("keep"))[0] else fits
     scratch = args.init == "scratch"
     how = "from random weights in the shape of" if scratch else "pruning to"
     alpha = config.distill.alpha if args.alpha is None else args.alpha
-    log(
-        f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
-        f"then {args.epochs:g} epochs of distillation at alpha {alpha:g} (log: "
-        f"{rd}/run/log.txt)"
-    )
-    previous = w if scratch else rows[-1]["run"]  # scratch: only the widths are used
     pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
+    # what this call does of the round: an earlier one may have pruned and distilled it
+    done = run_records.read_json(os.path.join(source, "summary.json")) or {}
+    if done.get("completed"):
+        log(f"round {index}: its distillation run finished in an earlier call (pruned to "
+            f"{keep:.3f} of the teacher's channels); quantizing it")  # fmt: skip
+    elif os.path.exists(source):
+        log(f"round {index}: resuming its distillation run (pruned to {keep:.3f} of the "
+            f"teacher's channels in an earlier call; {args.epochs:g} epochs in all at alpha "
+            f"{alpha:g}), then quantizing it (log: {rd}/run/log.txt)")  # fmt: skip
+    else:
+        log(
+            f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
+            f"then {args.epochs:g} epochs of distillation at alpha {alpha:g} (log: "
+            f"{rd}/run/log.txt)"
+        )
+    previous = w if scratch else rows[-1]["run"]  # scratch: only the widths are used
     if not os.path.exists(pruned):
         with tune.quiet(rd):
             prune.prune_run(previous, pruned, keep, criterion=args.criterion,
@@ -416,12 +471,15 @@ def run(config, args, log=print) -> dict | None:
     """The loop; returns the chosen row (None if no model is within the drop), or raises
     ``KeyboardInterrupt`` when a round's training was stopped (the same call resumes)."""
     root = loop_root(args)
+    made = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     lock = lock_loop(root)
     try:
         return _run(config, args, root, log)
     finally:
         lock.release()
+        if made and not os.listdir(root):  # refused before any round: no empty folder left
+            os.rmdir(root)
 
 
 def _run(config, args, root: str, log) -> dict | None:
@@ -441,6 +499,12 @@ def _run(config, args, root: str, log) -> dict | None:
             f"prunes to (one channel per group) may weigh {floor / 1000:.1f} KB, most of it "
             "the file's own structure; pass a larger --budget-kb, or --budget-of weights"
         )
+    if args.budget_of == "weights" and floor > 1000 * args.budget_kb:
+        raise ConfigError(
+            f"--budget-kb {args.budget_kb:g} --budget-of weights: the smallest int8 weights "
+            f"this teacher prunes to (one channel per group) weigh {floor / 1000:.1f} KB; "
+            "pass a --budget-kb of at least that"
+        )
     write_json(os.path.join(root, "settings.json"), {**settings_of(args), "teacher_step": step})
     rows, t0 = [], time.time()
     log("| " + " | ".join(HEADER) + " |")
@@ -452,7 +516,9 @@ def _run(config, args, root: str, log) -> dict | None:
             break
         os.makedirs(rd, exist_ok=True)
         clear_leftovers(rd)
-        keep = 1.0 if index == 0 else keep_for(index, args.step, args.budget_kb, bytes_at)
+        keep = 1.0
+        if index > 0:  # from the previous round's keep: it may have been fitted to a budget
+            keep = keep_for(index, args.step, args.budget_kb, bytes_at, rows[-1]["keep"])
         if os.path.exists(result):
             with open(result) as f:
                 row = json.load(f)
@@ -485,10 +551,14 @@ def _run(config, args, root: str, log) -> dict | None:
         if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb, args.budget_of):
             break
     teacher_top1 = rows[0]["teacher_top1"]
+    # the rounds an earlier call made past this call's stop stay on disk: shown, and said
+    later = rounds_after(root, len(rows))
     with open(os.path.join(root, "rounds.md"), "w") as f:
-        f.write("\n".join(table(rows)) + "\n")
-    plot(rows, teacher_top1, args.budget_kb, args.max_drop, os.path.join(root, "front.png"),
-         args.budget_of)  # fmt: skip
+        f.write("\n".join(table(rows, later)) + "\n")
+    if later:
+        log(past_line(rows, later))
+    plot([*rows, *later], teacher_top1, args.budget_kb, args.max_drop,
+         os.path.join(root, "front.png"), args.budget_of)  # fmt: skip
     chosen = best(rows, args.max_drop, args.budget_of)
     took = sum(r.get("seconds", 0) for r in rows)
     log(
@@ -503,14 +573,28 @@ def _run(config, args, root: str, log) -> dict | None:
     log(f"smallest within {args.max_drop:g} points: round {chosen['round']} "
         f"({chosen['kb_int8']:.1f} KB of int8 weights, file "
         f"{_figure(chosen.get('file_kb'), 1)} KB; budget {args.budget_kb:g} KB of "
-        f"{args.budget_of} {reached}); int8 model {chosen['exported']}")  # fmt: skip
+        f"{args.budget_of} {reached}); int8 model {chosen['exported']}"
+        f"{tflite_of(chosen)}")  # fmt: skip
     print(f"kb_int8={chosen['kb_int8']:.1f} top1_drop={chosen['top1_drop']:.2f} "
-          f"top1={chosen['top1']:.4f} params={chosen['params']} flops={chosen['flops']} "
+          f"top1={chosen['top1']:.4f} top1_litert={_figure(chosen.get('top1_litert'), 4)} "
+          f"params={chosen['params']} flops={chosen['flops']} "
           f"file_kb={_figure(chosen.get('file_kb'), 1)} "
           f"latency_ms={_figure(chosen.get('latency_ms'), 3)} budget_of={args.budget_of} "
           f"teacher_step={step}",
           flush=True)  # fmt: skip
     return chosen
+
+
+def tflite_of(row: dict) -> str:
+    """``, LiteRT file PATH`` of a row's model.tflite (beside its model.jax_exported), or
+    nothing where the round wrote none."""
+    if row.get("file_kb") is None:
+        return ""
+    return f", LiteRT file {os.path.join(os.path.dirname(row['exported']), 'model.tflite')}"
+
+
+def _rounded(value, digits: int):
+    return None if value is None else round(value, digits)
 
 
 def _figure(value, digits: int) -> str:

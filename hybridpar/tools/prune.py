@@ -14,14 +14,18 @@ BatchNorm after each (``bn``, network slimming's measure) or of the L1 norm of t
 filter (``l1``: ``|gamma| / sqrt(var + eps) * sum |W[..., c]|``, the output's scale).
 
 ``DIR`` is then a run of the smaller model at step 0: its ``config.json`` (the source run's
-config with the narrower widths) and a checkpoint (the surviving parameters and statistics,
-a fresh optimizer state), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR``
-read it as they read any run.
+config with the narrower widths), a checkpoint (the surviving parameters and statistics,
+a fresh optimizer state) and ``pruned.json`` (the source run and step, the fraction, the
+criterion), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR`` read it as
+they read any run. ``DIR`` inside ``W`` is an ``error:`` (``W`` is read only); a source run
+whose training has not finished (still training, stopped early) is pruned with a
+``warning:`` line naming its step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -32,6 +36,9 @@ from hybridpar.config.errors import ConfigError
 from hybridpar.runtime import trained
 
 CRITERIA = ("bn", "l1")
+# What a pruned run holds beside its config and checkpoint: where it was pruned from and how,
+# so that tools tell it from a run whose training has not ended
+RECORD = "pruned.json"
 
 
 @dataclasses.dataclass
@@ -233,9 +240,10 @@ def counts_for(gs: list[Group], widths: dict, keep_fraction: float) -> dict:
 # ---- Reading and writing runs ------------------------------------------------------------
 
 
-def write_run(config, params, stats, out: str, mesh) -> None:
+def write_run(config, params, stats, out: str, mesh, record: dict | None = None) -> None:
     """``out``: ``config.json`` and a step-0 checkpoint of ``params`` / ``stats`` (host
-    arrays) with a fresh optimizer state, written beside and moved into place."""
+    arrays) with a fresh optimizer state, and ``record`` as ``RECORD``, written beside and
+    moved into place."""
     import jax
 
     from hybridpar.program import program
@@ -254,6 +262,9 @@ def write_run(config, params, stats, out: str, mesh) -> None:
     try:
         os.makedirs(tmp)
         run_config.record_config(tmp, config)
+        if record is not None:
+            with open(os.path.join(tmp, RECORD), "w") as f:
+                json.dump(record, f, indent=1)
         saver = checkpoint.Checkpoints(os.path.join(tmp, "checkpoints"), async_save=False)
         try:
             saver.save(0, state, LoopState(seed=config.seed).to_dict(),
@@ -283,7 +294,9 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     import jax
 
     from hybridpar.parallel.mesh import make_mesh
+    from hybridpar.tools import quantize
 
+    state = quantize.unfinished(workdir)  # before reading: a trainer may write on
     mesh = mesh or make_mesh("data:-1")
     src = trained.TrainedRun(workdir, mesh)
     params, stats = src.host_variables()
@@ -292,9 +305,43 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     keep = keep_masks(gs, params, stats, counts, criterion, src.model.bn_epsilon)
     params, stats = apply(gs, params, stats, keep)
     widths = widths_of(src.model, params)
-    write_run(pruned_config(src.config, widths), params, stats, out, mesh)
+    record = {"source": os.path.abspath(workdir), "source_step": int(src.step),
+              "keep_fraction": keep_fraction, "criterion": criterion, "widths": widths,
+              "source_unfinished": state}  # fmt: skip
+    write_run(pruned_config(src.config, widths), params, stats, out, mesh, record)
     n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-    return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()}}
+    return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()},
+            "step": int(src.step), "unfinished": state}  # fmt: skip
+
+
+def is_pruned(workdir: str) -> bool:
+    """Whether ``workdir`` is a run ``prune`` wrote (a step-0 model, not a training run):
+    its ``RECORD``; one pruned before that record, a lone step-0 checkpoint without the
+    trainer's records (metrics.jsonl, summary.json)."""
+    if os.path.exists(os.path.join(workdir, RECORD)):
+        return True
+    ckpt = os.path.join(workdir, "checkpoints")
+    records = ("metrics.jsonl", "summary.json")  # what a trainer writes
+    trained = any(os.path.exists(os.path.join(workdir, n)) for n in records)
+    steps = [n for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+    return not trained and steps == ["0"]
+
+
+def inside(path: str, directory: str) -> bool:
+    """Whether ``path`` is ``directory`` or under it (links resolved)."""
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def total_steps(config) -> int | None:
+    """The run's total steps as its trainer plans them (from its data's nominal size), or
+    None where its config does not set up here (another mesh)."""
+    from hybridpar.runtime.run import setup
+
+    try:
+        return setup(config, None, with_data=False, for_training=False).plan.total_steps
+    except ConfigError:
+        return None
 
 
 def overrides(widths: dict) -> str:
@@ -306,8 +353,9 @@ def main(argv=None) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.prune",
         (
-            "Remove whole channels of a trained run's convolutions, keeping --fraction of them: "
-            "the smaller model as a new run at step 0, for train --config.init_from."
+            "Remove --fraction of the channels of a trained run's convolutions (whole channels, "
+            "the least important by --criterion, in every group): the smaller model as a new "
+            "run at step 0, for train --config.init_from."
         ),
         takes_config=False,
     )
@@ -327,12 +375,21 @@ def main(argv=None) -> None:
         cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")
     if not 0 <= args.fraction < 1:
         cli.fail(f"--fraction={args.fraction} must be in [0, 1), e.g. 0.5")
+    if inside(args.out, args.workdir):  # the source run is read only
+        cli.fail(f"--out {args.out} is inside --workdir {args.workdir} (the run pruned, read "
+                 "only): pass a directory outside it")  # fmt: skip
     if os.path.exists(args.out):
         cli.fail(f"--out {args.out} exists: pass a new directory, or move it away first")
 
     def go():
-        trained.load_config(args.workdir)  # a run's config.json, or the error that says so
+        from hybridpar.tools import quantize
+
+        config = trained.load_config(args.workdir)  # a run's config.json, or the error
         r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
+        state = r["unfinished"]  # (also in the pruned run's RECORD)
+        if state is not None:
+            total = state.get("total_steps") or total_steps(config)
+            quantize.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
         print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
               f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
 

@@ -14,8 +14,10 @@ repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-c
 steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
 serialized StableHLO, see ``hybridpar.program.int8.load_exported``), ``model.tflite`` (the
 same steps as a LiteRT full-integer int8 file, ``hybridpar.tools.edge``: its size, top-1,
-agreement with int8 and one-thread latency in the report) and ``report.json``. The last
-line printed is ``top1_drop=... top1_float=... top1_int8=... ...`` (the drop in points). The
+agreement with int8 and one-thread latency in the report; its input in ``litert_input``)
+and ``report.json``. The last line printed is ``top1_drop=... top1_float=... top1_int8=...
+...`` (the drop in points). A run whose training has not finished is quantized with a
+``warning:`` line (the report's ``unfinished``). The
 arithmetic is ``hybridpar/program/int8.py``. A bad workdir or config is one ``error:`` line (exit
 code 2).
 """
@@ -63,6 +65,7 @@ def check_args(args, config) -> None:
     why = "quantize reads a trained run's latest checkpoint"
     check_trained_run(config, args.workdir, "training", why)
     out = os.path.join(args.workdir, OUT)
+    clear_stale(out)  # a killed quantize's leftovers (its old results moved back, if that)
     if os.path.exists(out) and not args.overwrite:
         raise ConfigError(
             f"{out} exists (an earlier quantization): pass --overwrite to replace it, or move "
@@ -87,6 +90,119 @@ def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
             f"no checkpoint in {ckpt}: {needs}; train it first (python -m hybridpar.train with "
             "the same --config and --workdir)"
         )
+
+
+def unfinished(workdir: str) -> dict | None:
+    """Why the run in ``workdir`` is not a finished training run, or None: ``{"why": ...,
+    "held": ...}``, ``held`` whether a live process holds its lock (a trainer still
+    training), else its summary.json is missing (its training has not ended) or says it
+    stopped before its last step. A pruned run (``prune.is_pruned``: at step 0 by design)
+    is None. compress refuses such a teacher; quantize and prune warn."""
+    from hybridpar.runtime import run_records, workdir_lock
+    from hybridpar.tools import prune
+
+    if workdir_lock.held(workdir):
+        h = workdir_lock.holder(workdir_lock.path(workdir))
+        who = f" (pid {h.get('pid')} on host {h.get('host')} holds its lock)" if h else ""
+        return {"why": f"is still training{who}", "held": True}
+    if prune.is_pruned(workdir):
+        return None
+    summary = run_records.read_json(os.path.join(workdir, "summary.json"))
+    if summary is None:
+        return {"why": "has no summary.json (its training has not ended)", "held": False}
+    if not summary.get("completed"):
+        total = summary.get("total_steps")
+        return {"why": f"stopped at step {summary.get('steps')} of {total}", "held": False,
+                "total_steps": total}  # fmt: skip
+    return None
+
+
+def warn_unfinished(workdir: str, state: dict, step: int, total: int | None, what: str) -> None:
+    """The ``warning:`` line for an unfinished run (``unfinished``'s ``state``) whose
+    checkpoint at ``step`` of its ``total`` steps (None: unknown) a tool reads (``what``:
+    its verb)."""
+    of = f" of the run's {total} steps" if total else ""
+    print(f"warning: the run in {workdir!r} {state['why']}: {what} its checkpoint at step "
+          f"{step}{of}, not a finished model", flush=True)  # fmt: skip
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
+def clear_stale(out: str) -> None:
+    """What a killed quantize left beside ``out`` (``move_into_place``'s): its half-written
+    ``OUT.tmp-PID``, removed, and ``OUT.old-PID`` (the old results, moved aside just before
+    the kill), moved back where ``out`` is missing, else removed. Only those of a process
+    that is gone: a live one is still writing its own."""
+    parent, base = os.path.split(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        return
+    for name in sorted(os.listdir(parent)):
+        for kind in (".tmp-", ".old-"):
+            pid = name[len(base + kind) :] if name.startswith(base + kind) else ""
+            if not pid.isdigit() or alive(int(pid)):
+                continue
+            path = os.path.join(parent, name)
+            if kind == ".old-" and not os.path.exists(out):
+                os.rename(path, out)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def move_into_place(tmp: str, out: str) -> None:
+    """``tmp`` (complete) becomes ``out``; an existing ``out`` is moved aside first and only
+    then removed, so a kill at any moment leaves the old results or the new ones
+    (``clear_stale`` puts the old back after a kill between the two renames)."""
+    old = f"{out}.old-{os.getpid()}"
+    if os.path.exists(out):
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)
+    except BaseException:
+        if os.path.exists(old) and not os.path.exists(out):
+            os.rename(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def litert_input(config, classes: int) -> dict:
+    """How to feed ``model.tflite`` (the report's ``litert_input``): its input and output
+    tensors, what the pixels are, and the split the top-1 figures are measured on."""
+    d = config.data
+    size = f"{d.image_size}x{d.image_size}"
+    pixels = PIXELS.get(
+        d.name, f"the images of data.name={d.name!r} as its eval pipeline makes them, at {size}"
+    )
+    return {
+        "layout": "NHWC",
+        "shape": [1, d.image_size, d.image_size, d.channels],
+        "dtype": "uint8",
+        "pixels": f"raw pixels 0..255, not normalised (data.mean/std are inside the file): "
+        f"{pixels}",
+        "output": {"shape": [1, classes], "dtype": "float32", "what": "logits"},
+        "batch": "1; another with interpreter.resize_tensor_input(index, [n, H, W, C]) "
+        "then allocate_tensors()",
+        "eval_split": SPLITS.get(d.name, "the data set's eval split"),
+    }
+
+
+# What the pixels of the built-in data sets are (input/arrays.py) and the split top-1 is on
+PIXELS = {
+    "digits": "scikit-learn's 8x8 digits (0..16) times 255/16, resized bilinearly with "
+    "half-pixel centres (tf.image.resize's, no antialiasing), rounded and clipped to uint8 "
+    "(input/arrays.py load_digits); nearest-neighbour upsampling is another input",
+}
+SPLITS = {
+    "digits": "the test split of load_digits: 20% of the 1,797 images, class-stratified, "
+    "train_test_split(random_state=0), 360 images",
+}
 
 
 def median_ms(fn, x, repeats: int) -> float:
@@ -223,12 +339,18 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     from hybridpar.program.steps import normalize
     from hybridpar.runtime.run import log, setup
 
+    out = out or os.path.join(workdir, OUT)
+    clear_stale(out)
+    state = unfinished(workdir)
     r = setup(config, None, devices=devices, for_training=False)
     src = trained.TrainedRun(workdir, r.mesh, config=config, program=r.program)
     params, stats = src.host_variables()
     step, model, d = src.step, r.program.model, config.data
     mean, std = tuple(d.mean), tuple(d.std)
     log(f"read the checkpoint at step {step}")
+    if state is not None:
+        state = {**state, "step": int(step), "total_steps": int(r.plan.total_steps)}
+        warn_unfinished(workdir, state, step, r.plan.total_steps, "quantizing")
 
     # ---- Fold, calibrate, quantize (one device, plain jit: nothing here is sharded) ----
     device = r.mesh.devices.flat[0]
@@ -272,6 +394,9 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
 
         # ---- CPU latency, side by side ----
         shape = (d.image_size, d.image_size, d.channels)  # the eval size (a curriculum ends there)
+        batches = ", ".join(map(str, latency_batches))
+        log(f"timing float and int8 at batch {batches}, then writing the StableHLO and "
+            "LiteRT files (the conversion takes a while) ...")  # fmt: skip
         latency = {}
         t0 = time.time()
         for b in latency_batches:
@@ -285,7 +410,6 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         latency_s = time.time() - t0
 
     # ---- Files: written beside, then moved into place ----
-    out = out or os.path.join(workdir, OUT)
     tmp = f"{out}.tmp-{os.getpid()}"
     os.makedirs(tmp)
     try:
@@ -306,6 +430,8 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         report = {
             "workdir": os.path.abspath(workdir),
             "step": int(step),
+            # the run had not finished (still training, stopped early): None when it had
+            "unfinished": state,
             "weights": "int8",
             "activations": activations,
             "calibration_batches": used,
@@ -333,14 +459,16 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             "output_ranges": outputs,
             # the LiteRT int8 file: size, top-1 against int8, one-thread latency
             "litert": litert,
+            # how to feed model.tflite: its input and output, the pixels, the eval split
+            "litert_input": litert_input(config, int(config.data.num_classes)),
             "files": ["params.npz", "model.jax_exported", "report.json"]
             + ([] if "skipped" in litert else ["model.tflite"]),
         }
         with open(os.path.join(tmp, "report.json"), "w") as f:
             json.dump(report, f, indent=1)
-        if os.path.exists(out) and overwrite:
-            shutil.rmtree(out)
-        os.rename(tmp, out)
+        if os.path.exists(out) and not overwrite:
+            raise ConfigError(f"{out} appeared while quantizing: pass --overwrite to replace it")
+        move_into_place(tmp, out)
     except BaseException:  # nothing half-written left beside the results
         shutil.rmtree(tmp, ignore_errors=True)
         raise
