@@ -350,6 +350,9 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
 
 
 def lr_range(config, workdir: str) -> dict:
+    import jax
+    from jax.experimental import multihost_utils
+
     from hybridpar.program.optim import lr_batch_factor
     from hybridpar.runtime.run_config import another_config, config_dict, differences
     from hybridpar.runtime.run_records import read_json, read_run, write_json
@@ -368,6 +371,9 @@ def lr_range(config, workdir: str) -> dict:
         return result
     stop = StopOnDivergence()
     run_trainer(c, workdir, lambda run: [stop])
+    several = jax.process_count() > 1
+    if several:  # process 0 writes the records: every process reads them once it is done
+        multihost_utils.sync_global_devices("hybridpar: lr range test records written")
     factor = lr_batch_factor(c.optim, c.global_batch)
     records = [t for t in read_run(workdir).train if t.loss is not None]
     if len(records) < 5:
@@ -389,8 +395,11 @@ def lr_range(config, workdir: str) -> dict:
             f"too low; run it again in a new --workdir with a larger --config.tune.lr_max "
             f"(now {c.tune.lr_max:g}) or --config.tune.lr_epochs (now {c.tune.lr_epochs:g})"
         )
-    write_json(path, result, indent=1)
-    plot_lr_range(result, os.path.join(workdir, "lr_range.png"))
+    if jax.process_index() == 0:  # one writer of the shared workdir
+        write_json(path, result, indent=1)
+        plot_lr_range(result, os.path.join(workdir, "lr_range.png"))
+    if several:  # no process leaves before the files are whole (a rerun reads them)
+        multihost_utils.sync_global_devices("hybridpar: lr range test written")
     return result
 
 
