@@ -109,6 +109,24 @@ def test_a_bfloat16_reduction_the_cpu_widened_counts_as_bfloat16():
     assert sorted(r["bytes"] for r in rows) == [32, 64]
 
 
+ONE_DEVICE_HLO = """
+ENTRY %main (a: f32[16]) -> f32[16] {
+  %a = f32[16]{0} parameter(0)
+  %all-reduce.1 = f32[16]{0} all-reduce(f32[16]{0} %a), channel_id=1, replica_groups={{0}}, use_global_device_ids=true, to_apply=%add
+  ROOT %all-reduce.2 = f32[16]{0} all-reduce(f32[16]{0} %all-reduce.1), channel_id=2, replica_groups={{0},{1}}, use_global_device_ids=true, to_apply=%add
+}
+"""
+
+
+def test_a_collective_over_groups_of_one_device_moves_nothing():
+    # the bucketed mode's all-reduce on one device (replica_groups={{0}}): 0 bytes, in the
+    # table and in the overlap figures alike; the op itself is still listed
+    rows = parse_collectives(ONE_DEVICE_HLO)
+    assert [(r["count"], r["bytes"], r["group_size"]) for r in rows] == [(1, 0, 1), (1, 0, 1)]
+    assert [e["bytes"] for e in parse_overlap(ONE_DEVICE_HLO)] == [0, 0]
+    assert overlap_totals(parse_overlap(ONE_DEVICE_HLO))["bytes_exposed"] == 0
+
+
 # The TPU compiler's form (abridged): an FSDP weight's all-gather fused with the compute it
 # overlaps (async_collective_fusion) and cloned, with its channel id, into another fusion;
 # a second gather only in a plain fusion; and an all-to-all outside any fusion that shares
@@ -410,7 +428,13 @@ def test_cli_text_on_hybrid_mesh():
     "args,devices,expect",
     [
         (["--config.mesh_typo=data:8"], 8, "no config key 'mesh_typo'; did you mean 'mesh'"),
-        (["--config.mesh=data:8"], 4, "needs 8 devices but 4 are available"),
+        # one hint, this tool's own flag (not XLA_FLAGS as well)
+        (
+            ["--config.mesh=data:8"],
+            4,
+            "needs 8 devices but 4 are available; make the sizes multiply to 4 (e.g. "
+            "--config.mesh=data:-1), or compile for 8 virtual CPU devices with --devices 8",
+        ),
         # --devices beside a target is its count or refused, as plan refuses it
         (["--target", "gpu:h100-8"], 4, "--devices=4 but --target gpu:h100-8 has 8 devices"),
         (["--target", "tpu:v5e-8"], 4, "--devices=4 but --target tpu:v5e-8 has 8 devices"),
@@ -423,6 +447,7 @@ def test_cli_errors_are_one_line(args, devices, expect):
     assert "Traceback" not in r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expect in errors[0], r.stderr
+    assert errors[0].count("--devices") <= 1 and "XLA_FLAGS" not in errors[0]
 
 
 def test_xla_flags_per_platform():

@@ -217,6 +217,22 @@ def test_candidates_respect_the_rules():
     assert {c.overrides(8)["model.head"] for c in found} == {"dense", "sharded"}
 
 
+def test_one_data_parallel_device_is_offered_no_bucketed_or_overlap_mode():
+    """With one device there is no gradient to reduce: the bucketed and overlap modes are
+    ruled out, not compiled (their all-reduce over a group of one device moves nothing)."""
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    choices = {
+        "mesh": plan.mesh_factorisations(1),
+        "head": ["dense"],
+        "bn_sync": ["global"],
+        "comm": ["xla", "bucketed:4", "overlap:4"],
+        "per_device_batch": [32],
+        "compute": ["float32"],
+    }
+    found, product = plan.candidates(config, 1, choices)
+    assert product == 3 and [c.comm for c in found] == ["xla"]
+
+
 @pytest.mark.parametrize("platform, want", [("gpu", "overlap:4"), ("cpu", "xla")])
 def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
     """comm.mode=auto resolved per plan as the run would (sync.choose_mode): the overlap
@@ -240,7 +256,15 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
 @pytest.mark.parametrize(
     "extra, says",
     [
-        (["--meshes", "data:3"], "--meshes 'data:3'"),
+        # plan's own flags in the hint, not the train CLI's --config.mesh or XLA_FLAGS
+        (
+            ["--meshes", "data:3"],
+            "--meshes 'data:3': a mesh there needs 3 devices but --devices is 8; make its "
+            "sizes multiply to 8 (e.g. data:-1), or plan for 3 devices with --devices 3",
+        ),
+        # only the flag that is wrong is named
+        (["--devices", "0"], "error: --devices=0: must be >= 1"),
+        (["--jobs", "0"], "error: --jobs=0: must be >= 1"),
         (["--hardware", "nope"], "unknown preset 'nope'"),
         (["--comm", "bucketed"], "write auto, xla, bucketed:MB or overlap:MB"),
         (["--comm", "overlap"], "write auto, xla, bucketed:MB or overlap:MB"),
@@ -260,6 +284,7 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says
     assert code == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], stderr
+    assert "XLA_FLAGS" not in lines[0] and "--config.mesh" not in lines[0]
     assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached
 
 
@@ -290,6 +315,32 @@ def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
     assert p["predicted_floor_s"] > 0.99 * STEP_FLOOR_S  # the floor is what the step is
     assert p["predicted_exposed_comm_s"] < 1e-6
     assert "floor" in plan.legend(target, None, target.devices_count, None)
+
+
+def test_plans_tied_at_the_floor_rank_by_communication_then_memory():
+    """The probe's case: every plan held at the 1 ms floor, so the same time to train. The
+    plan that communicates least ranks first, not the one with the least memory, and the
+    tie is counted (the table says so)."""
+
+    def row(name, exposed, memory, step=0.001, floor=None):
+        busy = 0.0002 + exposed
+        return {
+            "plan": name,
+            "predicted_step_s": step,
+            "predicted_exposed_comm_s": exposed,
+            "predicted_floor_s": step - busy if floor is None else floor,
+            "predicted_time_to_train_s": 100 * step,
+            "memory_per_device_bytes": memory,
+        }
+
+    fsdp = row("fsdp:8", exposed=0.00081, memory=10)
+    data = row("data:8", exposed=0.000018, memory=13)
+    slow = row("model:8", exposed=0.0001, memory=5, step=0.002, floor=0.0)
+    fits = sorted([fsdp, slow, data], key=plan.rank_key)
+    assert [r["plan"] for r in fits] == ["data:8", "fsdp:8", "model:8"]
+    assert plan.floor_tie(fits) == 2
+    # not at the floor: no tie said, even at equal times
+    assert plan.floor_tie([dict(r, predicted_floor_s=0.0) for r in fits]) == 0
 
 
 def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
@@ -480,6 +531,25 @@ def test_good_flags_get_as_far_as_compiling(tmp_path, capsys, monkeypatch):
     from hybridpar.tools import comm_report
 
     comm_report.check_virtual_devices(4096, "--devices=4096")  # the bound itself passes
+
+
+def test_a_plan_the_rules_rule_out_is_cached_and_not_set_up_again(tmp_path, monkeypatch):
+    """data:2,model:4 with the dense head: its 10-class bias does not divide the model axis.
+    The set-up says so before compiling; the verdict is cached like a report, so a second
+    call neither compiles nor sets it up again."""
+    monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")  # the worker's 8 devices (XLA_FLAGS)
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    c = plan.Candidate((("data", 2), ("fsdp", 1), ("model", 4)), "dense", "global", "xla", 4,
+                       "float32")  # fmt: skip
+    said = []
+    first = plan.compile_plans(DIGITS, config, [], [c], 8, 1, tmp_path, said.append)
+    assert first[c].get("ruled_out"), first[c]
+    assert "does not divide mesh axis 'model'" in first[c]["error"]
+    assert any("compiling 1 plans" in s for s in said)
+    said.clear()
+    again = plan.compile_plans(DIGITS, config, [], [c], 8, 1, tmp_path, said.append)
+    assert again[c]["from_cache"] and again[c]["error"] == first[c]["error"]
+    assert not any("compiling" in s for s in said), said
 
 
 def test_a_damaged_cache_file_is_compiled_again_not_a_traceback(tmp_path):

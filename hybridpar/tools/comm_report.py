@@ -207,6 +207,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     Returns dicts with ``kind``, ``count``, ``bytes`` (per op), ``total_bytes``, ``groups``
     (replica groups as printed, shortened), ``group_size`` (devices taking part in each op;
     None where the text does not say: all devices, or a collective-permute) and ``async``.
+    A collective over groups of one device moves nothing: its bytes are 0.
     An async pair (``-start`` and ``-done``) counts once, as async, with the bytes of the
     ``-done`` result; a collective wrapped in an ``async-start`` computation counts as async.
     A reduction the CPU backend widened from bfloat16 to float32 counts as bfloat16.
@@ -253,7 +254,8 @@ def parse_collectives(hlo_text: str) -> list[dict]:
         else:
             m = _GROUPS.search(ins["attrs"])
             groups, size = _short_groups(m.group(1) if m else None)
-        key = (kind, shape_bytes(shape), groups, size, is_async)
+        # a group of one device (replica_groups={{0}}) moves nothing
+        key = (kind, 0 if size == 1 else shape_bytes(shape), groups, size, is_async)
         # channel ids repeat across the CPU backend's collectives: only clones in fusions
         channel = (
             _clone_key(ins["attrs"]) if ins["computation"] in fused_computations else None
@@ -469,10 +471,11 @@ def parse_overlap(hlo_text: str) -> list[dict]:
     for comp, seq, start, done, kind, nbytes, is_async, coll in events:
         between = [x for x in seq[start + 1 : done] if is_compute(x)]
         groups = _GROUPS.search(coll["attrs"])  # devices per group (None: not stated)
+        size = _short_groups(groups.group(1) if groups else None)[1]
         out.append(
             dict(
                 kind=kind,
-                bytes=nbytes,
+                bytes=0 if size == 1 else nbytes,  # a group of one device moves nothing
                 computation=comp,
                 start=seq[start]["name"],
                 done=seq[done]["name"],
@@ -480,7 +483,7 @@ def parse_overlap(hlo_text: str) -> list[dict]:
                 overlaps=dict(Counter(label(x) for x in between)),
                 flops=sum(flops(x) for x in between),
                 exposed=not between,
-                group_size=_short_groups(groups.group(1) if groups else None)[1],
+                group_size=size,
                 **{"async": is_async},
             )
         )
@@ -596,6 +599,11 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
     except ConfigError as e:
         if "devices" not in str(e):
             raise
+        wanted = re.search(r"needs (\d+) devices but .*?, or run on ", str(e))
+        if wanted:  # a mesh for another count: this tool's own flag is the one hint
+            n = wanted.group(1)
+            head = str(e)[: wanted.end() - len(", or run on ")]
+            raise ConfigError(f"{head}, or compile for {n} virtual CPU devices with --devices {n}")
         hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
         raise ConfigError(f"{e}{hint}") from None
     mesh, program, applied = run.mesh, run.program, run.xla_flags

@@ -8,12 +8,14 @@ Each candidate plan is the config with a few keys changed (``mesh``, ``model.hea
 ``hybridpar.tools.comm_report.report`` (nothing allocated), which gives its per-device memory,
 collectives and FLOPs; ``hybridpar.simulate`` turns those into a step time and a time to
 train on the hardware preset. Plans that need more than the memory limit are dropped; the
-rest are ranked by predicted time to train, then memory.
+rest are ranked by predicted time to train; plans that tie there (held at the per-step
+floor) by the step before the floor and exposed communication, then memory.
 
 The candidates are the product of the value lists below (``--meshes``, ``--heads``, ...),
 less the combinations the config rules out before compiling (a sharded head needs a
 ``model`` axis that divides the classes, partial-FC all devices; bucketed communication
-needs ``model`` = 1 and the dense head). The plans closest to the config (fewest keys
+needs ``model`` = 1 and the dense head; it and the overlap mode need more than one
+data-parallel device). The plans closest to the config (fewest keys
 changed) are compiled first, up to ``--max-plans``.
 
 The global batch stays the config's unless ``--per-device-batch`` lists others: the batch is
@@ -37,6 +39,7 @@ import json
 import math
 import multiprocessing
 import os
+import re
 import sys
 import tempfile
 import time
@@ -119,7 +122,10 @@ def mesh_factorisations(devices: int, max_model: int = 8) -> list[tuple]:
 
 def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
     """Why the config would reject `c` (None: it may compile)."""
-    model = dict(c.mesh)["model"]
+    shape = dict(c.mesh)
+    model = shape["model"]
+    if c.comm.startswith(("bucketed", "overlap")) and shape["data"] * shape["fsdp"] == 1:
+        return "bucketed and overlap communication need more than one data-parallel device"
     if c.head == "sharded" and (model == 1 or num_classes % model):
         return "the sharded head needs a model axis > 1 that divides the classes"
     if c.head == "partial_fc" and num_classes % devices:
@@ -195,6 +201,14 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
                 tuple(parse_mesh_spec(s, devices, platform).items()) for s in args.meshes.split()
             ]
         except ConfigError as e:
+            wanted = re.search(r"needs (\d+) devices but", str(e))
+            if wanted:  # the mesh error's hints name the train CLI's flags; these are plan's
+                cli.fail(
+                    f"--meshes {args.meshes!r}: a mesh there needs {wanted.group(1)} devices "
+                    f"but --devices is {devices}; make its sizes multiply to {devices} (e.g. "
+                    f"data:-1), or plan for {wanted.group(1)} devices with --devices "
+                    f"{wanted.group(1)}"
+                )
             cli.fail(f"--meshes {args.meshes!r}: {e}")
     comms = listed(args.comm)
     for c in comms or ():
@@ -283,7 +297,10 @@ def compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
             return report(config, target=target).to_dict()
         return report(config, virtual_devices=int(os.environ["HYBRIDPAR_PLAN_DEVICES"])).to_dict()
     except ConfigError as e:  # comm_report's hint about --devices means nothing here
-        return {"error": " ".join(str(e).split(" (comm_report: --devices")[0].split())}
+        # the config rules the plan out (its set-up's checks, e.g. a parameter the mesh
+        # axis does not divide): as fixed as a compiled report, so it is cached like one
+        message = " ".join(str(e).split(" (comm_report: --devices")[0].split())
+        return {"error": message, "ruled_out": True}
 
 
 def _source_hash() -> str:
@@ -392,7 +409,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
             )
             elapsed = time.perf_counter() - start
             log(f"plan: [{done}/{len(todo)}] {c.label()}: {what} ({elapsed:.0f} s)")
-            if path is not None and "error" not in rep:
+            if path is not None and ("error" not in rep or rep.get("ruled_out")):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_json(str(path), rep, indent=None)
             results[c] = dict(rep, from_cache=False)
@@ -436,6 +453,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         "predicted_images_per_s": step.images_per_s,
         "predicted_scaling_efficiency": step.efficiency,
         "predicted_exposed_comm_s": step.exposed_comm_s,
+        "predicted_floor_s": step.parts()["floor"],  # what the floor adds to the step
         "predicted_time_to_train_s": train.total_s,
         "predicted_eval_s": train.eval_s,
     }
@@ -558,7 +576,7 @@ def plan_rows(
             "from_cache": rep.get("from_cache", False),
         }
         if "error" in rep:
-            failed.append(dict(row, error=rep["error"]))
+            failed.append(dict(row, error=rep["error"], ruled_out=rep.get("ruled_out", False)))
             continue
         row.update(
             memory_per_device_bytes=rep["memory_per_device_bytes"],
@@ -573,9 +591,31 @@ def plan_rows(
         else:
             row.update(predict(config, rep, preset, devices, overlap))
         (fits if rep["memory_per_device_bytes"] <= limit_bytes else too_big).append(row)
-    fits.sort(key=lambda r: (r["predicted_time_to_train_s"], r["memory_per_device_bytes"]))
+    fits.sort(key=rank_key)
     too_big.sort(key=lambda r: r["memory_per_device_bytes"])
     return fits, too_big, failed
+
+
+def rank_key(row: dict) -> tuple:
+    """Plans rank by predicted time to train; plans that tie there (a small step held at the
+    per-step floor) by the step before the floor, then exposed communication, then memory:
+    on a faster device the floor lifts first from the plan that communicates least."""
+    busy = row["predicted_step_s"] - row["predicted_floor_s"]
+    return (
+        row["predicted_time_to_train_s"],
+        busy,
+        row["predicted_exposed_comm_s"],
+        row["memory_per_device_bytes"],
+    )
+
+
+def floor_tie(fits: list) -> int:
+    """How many of the ranked plans tie with the first at the per-step floor (0: no tie)."""
+    if not fits or fits[0]["predicted_floor_s"] <= 0:
+        return 0
+    first = fits[0]["predicted_time_to_train_s"]
+    tied = [r for r in fits if r["predicted_time_to_train_s"] == first]
+    return len(tied) if len(tied) > 1 else 0
 
 
 def format_table(fits, too_big, failed, limit_bytes) -> str:
@@ -592,7 +632,10 @@ def format_table(fits, too_big, failed, limit_bytes) -> str:
             f"{r['collective_bytes'] / MIB:,.1f} ({r['collective_ops']})",
             f"{r['predicted_images_per_s']:,.0f}", duration(r["predicted_time_to_train_s"]),
         ])  # fmt: skip
-    out = [table(rows, header), *(f"failed: {r['plan']}: {r['error']}" for r in failed)]
+    out = [table(rows, header)] + [
+        f"{'ruled out' if r.get('ruled_out') else 'failed'}: {r['plan']}: {r['error']}"
+        for r in failed
+    ]
     return "\n".join(out)
 
 
@@ -726,11 +769,14 @@ def main(argv=None) -> None:
     if args.devices is None:
         cli.fail("pass --devices N (virtual CPU devices) or --target tpu:CHIP-N")
     n = args.devices
-    if n < 1 or args.max_plans < 1 or args.jobs < 1 or args.calibrate_devices < 1:
-        cli.fail(
-            f"--devices={n}, --max-plans={args.max_plans}, --jobs={args.jobs}, "
-            f"--calibrate-devices={args.calibrate_devices}: each must be >= 1"
-        )
+    for flag, value in (
+        ("--devices", n),
+        ("--max-plans", args.max_plans),
+        ("--jobs", args.jobs),
+        ("--calibrate-devices", args.calibrate_devices),
+    ):
+        if value < 1:
+            cli.fail(f"{flag}={value}: must be >= 1")
     if target is None:  # compiled on N virtual CPU devices (a cpu:N target's checked above)
         check_virtual_devices(n, f"--devices={n}", gpu=False)
     # Every flag is checked before the first compile: a mistake is one line now, not a
@@ -804,7 +850,7 @@ def main(argv=None) -> None:
             if too_big:
                 s = too_big[0]
                 cli.fail(
-                    f"no plan fits in {limit_gib:g} GiB per device: the smallest, "
+                    f"no plan fits in {byte_size(limit)} per device: the smallest, "
                     f"{s['plan']}, needs {byte_size(s['memory_per_device_bytes'])}; raise "
                     "--memory-gib, add devices, or try other plans (--meshes, --heads, "
                     "--per-device-batch)"
@@ -814,6 +860,7 @@ def main(argv=None) -> None:
         best = fits[0]
         winning = " ".join(f"--config.{k}={v}" for k, v in best["overrides"].items())
         cached = sum(r["from_cache"] for r in fits + too_big + failed)
+        ruled = sum(r["ruled_out"] for r in failed)
         if args.json:
             print(json.dumps({
                 "devices": n, "hardware": preset.name, "memory_limit_bytes": limit,
@@ -823,18 +870,26 @@ def main(argv=None) -> None:
                 "overlap": args.overlap, "combinations": product, "valid": len(plans),
                 "compiled": len(kept), "from_cache": cached,
                 "cache_dir": str(cache_dir) if cache_dir else None,
-                "plans": fits, "too_big": too_big, "failed": failed, "winning_overrides": winning,
+                "tied_at_floor": floor_tie(fits), "plans": fits, "too_big": too_big,
+                "failed": failed, "winning_overrides": winning,
             }))  # fmt: skip
             return
         on = target.describe() if target else f"{preset.name} ({preset.description})"
         print(
-            f"plan: {config_path} on {n} devices, {on}, "
-            f"{limit_gib:g} GiB per device; {len(fits)} plans fit, {len(too_big)} do not"
-            + (f", {len(failed)} failed" if failed else "")
+            f"plan: {config_path} on {n} device{'s' if n > 1 else ''}, {on}, "
+            f"{byte_size(limit)} per device; {len(fits)} plans fit, {len(too_big)} do not"
+            + (f", {ruled} ruled out by the config when set up" if ruled else "")
+            + (f", {len(failed) - ruled} failed" if len(failed) > ruled else "")
             + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
         )
         print(format_table(fits, too_big, failed, limit))
         print(legend(target, hardware, n, args.calibrate_from))
+        tied = floor_tie(fits)
+        if tied:
+            print(
+                f"the top {tied} plans tie at the per-step floor: among them the ranking is by "
+                "the step before the floor (exposed communication), then memory"
+            )
         print(
             f"\nbest: {best['plan']}: {byte_size(best['memory_per_device_bytes'])}/device, "
             f"predicted {best['predicted_images_per_s']:,.0f} img/s, "
