@@ -128,6 +128,25 @@ def test_the_roofline_note_comes_only_with_a_roofline_figure(rate):
     assert ("\nroofline: " in text) == (rate is not None)
 
 
+def test_the_write_line_comes_after_the_whole_report_and_says_what_it_replaces():
+    """The line "writing the N programs to FILE" came before the HBM and roofline notes: the
+    report is whole first, then the write line, then the key=value line."""
+    from hybridpar.tools.compile import format_report
+
+    report = dict(
+        mesh={"data": 8}, target_description="t", wall_s=1.0, slices=1, axes_across_slices=[],
+        out="F", replacing=True, hbm_bytes_per_chip=2**34, target="tpu:v5e-8",
+        programs=[_program("train", 32, 32, 200, 32e9, 320),
+                  _program("eval", 64, 32, 150, 8e9, 80)],
+    )  # fmt: skip
+    lines = format_report(report, "c.py").splitlines()
+    assert lines[-2] == "writing the 2 programs to F (replacing the file there)"
+    assert lines[-3].startswith("roofline: ") and lines[-4].startswith("  (HBM per chip: ")
+    assert lines[-1].startswith("memory_per_chip_bytes=")
+    lines = format_report(dict(report, replacing=False), "c.py").splitlines()
+    assert lines[-2] == "writing the 2 programs to F"
+
+
 @pytest.fixture(scope="module")
 def v5e_8():
     target = targets.parse("tpu:v5e-8")
@@ -454,6 +473,49 @@ def test_out_is_checked_before_anything_compiles(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # no .tmp left
     with pytest.raises(AssertionError, match="before checking"):  # a good --out: set up
         tool.compile_programs(tiny_digits(), targets.parse("cpu:8"), out=str(tmp_path / "p"))
+
+
+def test_a_batch_over_one_epoch_is_refused_before_compiling():
+    """The trainer refuses a global batch over one epoch of the training split (digits'
+    1,437 images); compile planned from max(1437 // batch, 1) steps and compiled it
+    (global_batch=131072 for tpu:v5e-8: 70 s). Now the trainer's error, before any program
+    starts compiling."""
+    from hybridpar.tools.compile import compile_programs
+
+    said = []
+    with pytest.raises(ConfigError, match="stage 0's global batch of 1440 is more than one "
+                       "epoch of the training split: lower the batch"):  # fmt: skip
+        compile_programs(tiny_digits(global_batch=1440), targets.parse("cpu:8"), say=said.append)
+    assert said == []
+
+
+def test_compile_says_each_program_as_it_starts_and_keeps_an_existing_out(tmp_path):
+    """``compile`` printed nothing until every program was compiled (minutes for ResNet-50
+    on a TPU target): a line as each starts, on stderr under --json (stdout stays one JSON
+    object). An existing --out FILE was replaced silently: refused without --overwrite (as
+    quantize's), before compiling; with it, replaced, and the report says so."""
+    import json
+
+    from helpers import TINY_DIGITS, config_args, run_compile_tool
+
+    out = tmp_path / "programs.bin"
+    out.write_text("an earlier compile")
+    args = ["--config", DIGITS, *config_args({**TINY_DIGITS, "mesh": "data:8"}),
+            "--target", "cpu:8", "--json", "--out", str(out)]  # fmt: skip
+    r = run_compile_tool("hybridpar.compile", args)
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+    err = r.stderr.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --out {out} exists (written "), err
+    assert "pass --overwrite to replace it" in err[0]
+    assert out.read_text() == "an earlier compile"
+
+    r = run_compile_tool("hybridpar.compile", [*args, "--overwrite"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["out"] == str(out) and report["replacing"] is True
+    said = [line for line in r.stderr.splitlines() if line.startswith("compiling ")]
+    assert said == ["compiling train b32 16px (1/2) ...", "compiling eval b120 16px (2/2) ..."]
+    assert out.read_bytes() != b"an earlier compile"
 
 
 def test_a_failed_write_comes_after_the_report_and_leaves_nothing(tmp_path, monkeypatch):

@@ -504,6 +504,18 @@ def test_comm_report_groups_kinds_and_batch():
     assert s.global_batch == 32 * 16 and 0 < s.efficiency <= 1
 
 
+def test_a_comm_reports_workload_names_its_kinds_and_ops():
+    """Rows are per kind and size: one kind in seven rows of 19 ops is one kind (it said
+    "7 collective kinds")."""
+    rows = [_row("all-reduce", n, 128 * i, None, groups="{}") for i, n in
+            enumerate((1, 4, 2, 4, 6, 1, 1), 1)]  # fmt: skip
+    wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, {"data": 8})))
+    assert wl.name.startswith("comm_report (1 collective kind, 19 ops, mesh "), wl.name
+    rows.append(_row("all-gather", 2, 64, None, groups="{}"))
+    wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, {"data": 8})))
+    assert wl.name.startswith("comm_report (2 collective kinds, 21 ops, mesh "), wl.name
+
+
 def test_comm_report_tells_a_data_group_from_a_model_group_of_the_same_size():
     """data:8,model:8: both axes make groups of 8. The data groups (8 apart) grow with the
     devices and cross nodes; the model groups (contiguous) keep their size. Where the text
@@ -691,6 +703,17 @@ def test_parse_stages_moxing():
     for bad in ("20:128", "20-128:224", "20:128-224,10:224-224", "", "5:0-8"):
         with pytest.raises(ValueError):
             sim.parse_stages(bad)
+
+
+def test_a_time_to_train_under_a_second_is_in_milliseconds():
+    """A digits report on 64 devices trains in about 0.05 s: the table said "0.0 s"."""
+    row = {"devices": 64, "nodes": 8, "algorithms": "ring", "step_s": 1e-3, "compute_s": 1e-3}
+    row.update(exposed_comm_s=0.0, comm_s=0.0, images_per_s=1e5, efficiency=0.5)
+    cells = [
+        sim.format_rows([dict(row, time_to_train_s=s)]).splitlines()[-1].split("  ")[-1].strip()
+        for s in (0.0473, 0.9999, 1.0, 42.0)
+    ]
+    assert cells == ["47.3 ms", "999.9 ms", "1.0 s", "42.0 s"]
 
 
 def test_time_to_train_sums_stages_and_eval():
@@ -1173,6 +1196,20 @@ def test_parse_devices():
     assert sim.parse_devices("1,8..16,100") == [1, 8, 16, 100]
     with pytest.raises(ValueError):
         sim.parse_devices("0")
+
+
+@pytest.mark.parametrize("name", ["out.txt", "out", "out.png.bak"])
+def test_a_plot_name_without_a_plot_format_is_one_error_line_before_the_table(
+    tmp_path, capsys, name
+):
+    """matplotlib picks the format by the extension: "Format 'txt' is not supported" came
+    after the work, naming neither --png nor what it takes, and no table was printed."""
+    assert sim.main(["--devices", "8", "--png", str(tmp_path / name)]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --png "), err
+    assert ".png, .pdf, .svg" in lines[0] and out == ""
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_png_or_an_error_line_naming_the_install(tmp_path, capsys, monkeypatch):

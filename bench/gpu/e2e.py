@@ -378,11 +378,12 @@ def section_d(ctx) -> Section:
     out = ctx.work / "d_device.bin"
     cargs = digits_args(ctx.smoke)
     tries = [("python -m hybridpar.compile --out FILE (this machine's devices)",
-              [PY, "-m", "hybridpar.compile", *cargs, "--out", str(out), "--json"])]
+              [PY, "-m", "hybridpar.compile", *cargs, "--out", str(out), "--overwrite",
+               "--json"])]
     if name:
         tries.append((f"the compile tool, --target gpu:{name}-1 (described, CUDA 13 plugin)",
                       [PY, str(GPU_DIR / "compile_for.py"), "aot", *cargs, "--target",
-                       f"gpu:{name}-1", "--out", str(out), "--json"]))
+                       f"gpu:{name}-1", "--out", str(out), "--overwrite", "--json"]))
         tries.append(("the trainer's set-up on this GPU + executables.save (compile_for.py)",
                       [PY, str(GPU_DIR / "compile_for.py"), "device", *cargs, "--out",
                        str(out)]))  # fmt: skip
@@ -884,7 +885,7 @@ def prepare(args) -> int:
             binf = out / f"{name}.bin"
             cmd = [PY, "-m", "hybridpar.compile", *cargs, "--target", target, "--json"]
             if keep:
-                cmd += ["--out", str(binf)]
+                cmd += ["--out", str(binf), "--overwrite"]  # a prepare made again
             print(f"compiling {name} for {target} ...", flush=True)
             p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True)
             rep = None

@@ -46,6 +46,7 @@ from hybridpar.simulate.workload import (
 DEFAULT_DEVICES = [2**k for k in range(3, 13)]  # 8 .. 4096
 BEYOND = "beyond any published converged batch"
 VALIDATION_FAILED = 1  # exit status of --validate with a case outside the band (2: bad input)
+PLOT_FORMATS = (".png", ".pdf", ".svg")  # --png's, each a format matplotlib always writes
 
 
 DEVICES_FORM = "a comma list and/or doubling range of counts >= 1, e.g. 8,16,32 or 8..4096"
@@ -120,6 +121,13 @@ def simulate(
     return rows
 
 
+def train_time(s: float) -> str:
+    """``duration``, but under a second in milliseconds: a tiny run's time to train on many
+    devices is not "0.0 s"."""
+    ms = round(s * 1e3, 1)
+    return f"{ms:.1f} ms" if ms < 1000 else duration(s)
+
+
 def format_rows(rows: list[dict]) -> str:
     header = [
         "devices",
@@ -144,7 +152,7 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['comm_s'] * 1e3:.1f}",
             f"{r['images_per_s']:,.0f}",
             f"{r['efficiency']:.3f}",
-            BEYOND if r.get("beyond_converged_batch") else duration(r["time_to_train_s"]),
+            BEYOND if r.get("beyond_converged_batch") else train_time(r["time_to_train_s"]),
         ]
         for r in rows
     ]
@@ -628,7 +636,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="fixed evaluation cost added per epoch (seconds)",
     )
-    ap.add_argument("--png", default=None, help="also write a plot (needs matplotlib)")
+    ap.add_argument(
+        "--png", default=None, help="also write a plot: .png, .pdf or .svg (needs matplotlib)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(
         "--validate",
@@ -688,6 +698,10 @@ def check_args(args, defaults: dict) -> None:
         raise ValueError(f"--stages {args.stages!r}: end epochs go to {MAX_EPOCHS:g} at most")
     if args.png and not os.path.isdir(os.path.dirname(args.png) or "."):
         raise ValueError(f"--png {args.png!r}: no such directory; write it to an existing one")
+    if args.png and os.path.splitext(args.png)[1].lower() not in PLOT_FORMATS:
+        # matplotlib picks the format by the extension: refused here, before the table
+        raise ValueError(f"--png {args.png!r}: the plot's format is its extension, one of "
+                         f"{', '.join(PLOT_FORMATS)}; name it e.g. scaling.png")  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

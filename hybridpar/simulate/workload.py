@@ -288,8 +288,11 @@ def workload_from_report(report: CommReport) -> Workload:
         )
     b = report.global_batch / batch_devs
     platform = report.devices.get("platform")
+    kinds = len({c.kind for c in report.collectives})  # rows are per kind and size
+    ops = sum(c.count for c in report.collectives)
     return Workload(
-        name=f"comm_report ({len(colls)} collective kinds, mesh {report.mesh})",
+        name=f"comm_report ({kinds} collective kind{'s' * (kinds != 1)}, {ops} ops, "
+        f"mesh {report.mesh})",
         flops_per_image=float(report.flops) / b,
         reference_image_size=int(report.image_shape[0]),
         collectives=tuple(colls),

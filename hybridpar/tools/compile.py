@@ -24,6 +24,8 @@ line naming its need, the capacity and a plan that compiles. The last line is
 from __future__ import annotations
 
 import json
+import os
+import sys
 import time
 from collections import Counter
 
@@ -37,27 +39,36 @@ from hybridpar.tools import targets
 OVERLAP_LINES = 6  # per program in the text report, those moving the most bytes first
 
 
-def compile_programs(config, target: targets.Target, out: str | None = None, show=None) -> dict:
+def compile_programs(
+    config, target: targets.Target, out: str | None = None, show=None, say=None,
+    overwrite: bool = False,
+) -> dict:  # fmt: skip
     """Every stage's train step and the eval step compiled for ``target``; the report as
     a dict (``programs``, the ``largest`` by memory, the target and mesh). ``out``: a file
-    the executables are written to, for ``train --compiled`` (checked before compiling).
-    ``show``: called with the report before the file is written, so a failed write loses
-    no report."""
+    the executables are written to, for ``train --compiled`` (checked before compiling; one
+    there already is an error unless ``overwrite``). ``show``: called with the report before
+    the file is written, so a failed write loses no report. ``say``: called with a line as
+    each program starts compiling (a large model's take minutes each)."""
     from hybridpar.runtime import executables
 
+    say = say or (lambda line: None)
     if not out:
-        return _compile_programs(config, target, out, show)
+        return _compile_programs(config, target, out, show, say)
     executables.check_out(out)
+    if os.path.exists(out) and not overwrite:
+        written = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(out)))
+        raise ConfigError(f"--out {out} exists (written {written}): pass --overwrite to replace "
+                          "it, or move it away first")  # fmt: skip
     # An executable JAX loaded from its persistent cache serializes without its functions
     # (jax 0.10.2, XLA:CPU: "NOT_FOUND: Function wrapped_add not found" at the loading run's
     # first step), so a compile for --out never reads that cache.
     from hybridpar.program import compile_cache
 
     with compile_cache.bypassed():
-        return _compile_programs(config, target, out, show)
+        return _compile_programs(config, target, out, show, say)
 
 
-def _compile_programs(config, target, out, show) -> dict:
+def _compile_programs(config, target, out, show, say) -> dict:
     import copy
 
     from hybridpar.parallel.mesh import axes_across_slices
@@ -77,11 +88,16 @@ def _compile_programs(config, target, out, show) -> dict:
             msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
             raise ConfigError(f"{msg} ({target_hint(target, config.mesh)})") from None
         raise
+    if size is not None or config.data.name == "synthetic":  # sizes known without the data
+        check_epoch(run)
     program, c = run.program, config
     wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
     wanted.append(("eval", c.eval_batch, c.data.image_size))
+    wanted = list(dict.fromkeys(wanted))  # each (program, batch, size) once
+    replacing = bool(out) and os.path.exists(out)
     rows = []
-    for kind, batch, size in dict.fromkeys(wanted):  # each (program, batch, size) once
+    for i, (kind, batch, size) in enumerate(wanted, 1):
+        say(f"compiling {kind} b{batch} {size}px ({i}/{len(wanted)}) ...")
         compiled = _compile_or_explain(run, target, kind, batch, size)
         rec = program.compiles[-1]
         hlo = compiled.as_text()
@@ -120,6 +136,7 @@ def _compile_programs(config, target, out, show) -> dict:
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
     report = dict(
         out=out,
+        replacing=replacing,
         target=target.spec or f"cpu:{target.devices_count}",
         target_description=target.describe(),
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
@@ -139,6 +156,19 @@ def _compile_programs(config, target, out, show) -> dict:
     if out:
         executables.save(out, program, report["target"])
     return report
+
+
+def check_epoch(run) -> None:
+    """A stage whose global batch is more than one epoch of the training split is the
+    trainer's error (``plan_stages``, from the data's steps per epoch; synthetic data's
+    ``DataError`` at its first batch); the same error here, before minutes of compiling,
+    where the split's size is known without the data (digits' own, synthetic's
+    ``data.train_examples``). Elsewhere ``data.train_examples`` is only nominal: a folder
+    of images may hold far more than its default."""
+    from hybridpar.config.curriculum import plan_stages
+
+    n = run.config.data.train_examples
+    plan_stages([s.stage for s in run.plan.stages], lambda batch: n // batch)
 
 
 def target_hint(target: targets.Target, mesh: str) -> str:
@@ -344,8 +374,6 @@ def format_report(report: dict, config_path: str) -> str:
             lines.append(f"    {alike[text]} x {text}")
         if len(alike) > OVERLAP_LINES:
             lines.append(f"    ... {len(alike) - OVERLAP_LINES} more (--json lists every one)")
-    if report["out"]:  # printed before the file is written: a failed write is an error after
-        lines.append(f"  writing the {len(report['programs'])} programs to {report['out']}")
     if report["hbm_bytes_per_chip"]:
         lines.append(f"  (HBM per chip: {byte_size(report['hbm_bytes_per_chip'])})")
     if any(r.get("roofline_images_per_s_per_chip") for r in report["programs"]):
@@ -353,6 +381,11 @@ def format_report(report: dict, config_path: str) -> str:
         lines.append(
             "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
             "collectives, launch and input are not counted, so real steps are slower"
+        )
+    if report["out"]:  # printed before the file is written: a failed write is an error after
+        lines.append(
+            f"writing the {len(report['programs'])} programs to {report['out']}"
+            + (" (replacing the file there)" if report.get("replacing") else "")
         )
     # every per-program figure is the largest program's, the one largest= names
     big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
@@ -392,6 +425,7 @@ def main(argv=None) -> None:
         metavar="FILE",
         help="write the compiled programs here, for python -m hybridpar.train --compiled FILE",
     )
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
 
@@ -414,7 +448,10 @@ def main(argv=None) -> None:
             print(json.dumps(report) if args.json else format_report(report, args.config_path),
                   flush=True)  # fmt: skip
 
-        compile_programs(config, target, args.out, show=show)
+        def say(line):  # progress: on stderr under --json, so stdout is the one object
+            print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+        compile_programs(config, target, args.out, show=show, say=say, overwrite=args.overwrite)
 
     cli.main(run)
 
