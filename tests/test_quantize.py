@@ -373,24 +373,24 @@ def test_an_unfinished_run_is_told_apart(tmp_path):
     from hybridpar.runtime import workdir_lock
 
     done = {"completed": True, "steps": 66, "total_steps": 66}
-    assert quantize.unfinished(str(_fake_run(tmp_path / "done", done))) is None
+    assert trained.unfinished(str(_fake_run(tmp_path / "done", done))) is None
     stopped = _fake_run(tmp_path / "stopped", {"completed": False, "steps": 12, "total_steps": 66})
-    assert quantize.unfinished(str(stopped)) == {
+    assert trained.unfinished(str(stopped)) == {
         "why": "stopped at step 12 of 66", "held": False, "total_steps": 66}  # fmt: skip
-    none = quantize.unfinished(str(_fake_run(tmp_path / "none")))
+    none = trained.unfinished(str(_fake_run(tmp_path / "none")))
     assert none == {"why": "has no summary.json (its training has not ended)", "held": False}
     held = _fake_run(tmp_path / "held", done)
     lock = workdir_lock.acquire(str(held))
     try:
-        state = quantize.unfinished(str(held))
+        state = trained.unfinished(str(held))
     finally:
         lock.release()
     assert state["held"] and state["why"].startswith(f"is still training (pid {os.getpid()} ")
     pruned = _fake_run(tmp_path / "pruned", steps=("0",))  # as prune writes one
     (pruned / "pruned.json").write_text("{}")
-    assert quantize.unfinished(str(pruned)) is None
+    assert trained.unfinished(str(pruned)) is None
     (pruned / "pruned.json").unlink()  # one pruned before pruned.json: a lone step 0
-    assert quantize.unfinished(str(pruned)) is None
+    assert trained.unfinished(str(pruned)) is None
 
 
 def test_a_run_still_training_is_quantized_with_a_warning(quantized, tmp_path, capsys):

@@ -108,3 +108,56 @@ def start_from(path: str, state, prog):
                 f"this run the model keys of {path}/config.json (model.name, model.*_width*)"
             )
     return state.replace(params=src["params"], batch_stats=src["batch_stats"])
+
+
+# ---- Whether a run is a finished one: read by quantize, prune and compress ----------------
+
+# What a pruned run holds beside its config and checkpoint: where it was pruned from and how,
+# so that tools tell it from a run whose training has not ended
+PRUNED_RECORD = "pruned.json"
+
+
+def is_pruned(workdir: str) -> bool:
+    """Whether ``workdir`` is a run ``prune`` wrote (a step-0 model, not a training run):
+    its ``PRUNED_RECORD``; one pruned before that record, a lone step-0 checkpoint without the
+    trainer's records (metrics.jsonl, summary.json)."""
+    if os.path.exists(os.path.join(workdir, PRUNED_RECORD)):
+        return True
+    ckpt = os.path.join(workdir, "checkpoints")
+    records = ("metrics.jsonl", "summary.json")  # what a trainer writes
+    trainer = any(os.path.exists(os.path.join(workdir, n)) for n in records)
+    steps = [n for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+    return not trainer and steps == ["0"]
+
+
+def unfinished(workdir: str) -> dict | None:
+    """Why the run in ``workdir`` is not a finished training run, or None: ``{"why": ...,
+    "held": ...}``, ``held`` whether a live process holds its lock (a trainer still
+    training), else its summary.json is missing (its training has not ended) or says it
+    stopped before its last step. A pruned run (``is_pruned``: at step 0 by design)
+    is None. compress refuses such a teacher; quantize and prune warn."""
+    from hybridpar.runtime import run_records, workdir_lock
+
+    if workdir_lock.held(workdir):
+        h = workdir_lock.holder(workdir_lock.path(workdir))
+        who = f" (pid {h.get('pid')} on host {h.get('host')} holds its lock)" if h else ""
+        return {"why": f"is still training{who}", "held": True}
+    if is_pruned(workdir):
+        return None
+    summary = run_records.read_json(os.path.join(workdir, "summary.json"))
+    if summary is None:
+        return {"why": "has no summary.json (its training has not ended)", "held": False}
+    if not summary.get("completed"):
+        total = summary.get("total_steps")
+        return {"why": f"stopped at step {summary.get('steps')} of {total}", "held": False,
+                "total_steps": total}  # fmt: skip
+    return None
+
+
+def warn_unfinished(workdir: str, state: dict, step: int, total: int | None, what: str) -> None:
+    """The ``warning:`` line for an unfinished run (``unfinished``'s ``state``) whose
+    checkpoint at ``step`` of its ``total`` steps (None: unknown) a tool reads (``what``:
+    its verb)."""
+    of = f" of the run's {total} steps" if total else ""
+    print(f"warning: the run in {workdir!r} {state['why']}: {what} its checkpoint at step "
+          f"{step}{of}, not a finished model", flush=True)  # fmt: skip

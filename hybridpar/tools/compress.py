@@ -125,15 +125,13 @@ def check_args(args, config) -> None:
 def check_teacher(workdir: str) -> None:
     """The teacher is a finished run that no trainer holds: a checkpoint from the middle of
     a run would be every round's teacher, and the rounds' reference, while the run moves on."""
-    from hybridpar.tools import prune, quantize
-
-    state = quantize.unfinished(workdir)
+    state = trained.unfinished(workdir)
     if state is not None and state["held"]:
         raise ConfigError(
             f"{workdir!r} {state['why']}: compress starts from a finished run; "
             "run this command again once its training has ended"
         )
-    if prune.is_pruned(workdir):  # a step-0 model: no training to resume
+    if trained.is_pruned(workdir):  # a step-0 model: no training to resume
         raise ConfigError(
             f"{workdir!r} is a pruned run (python -m hybridpar.prune's, at step 0, never "
             "trained): compress starts from a trained run; pass the --workdir of the run it "

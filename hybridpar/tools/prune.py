@@ -36,9 +36,7 @@ from hybridpar.config.errors import ConfigError
 from hybridpar.runtime import trained
 
 CRITERIA = ("bn", "l1")
-# What a pruned run holds beside its config and checkpoint: where it was pruned from and how,
-# so that tools tell it from a run whose training has not ended
-RECORD = "pruned.json"
+RECORD = trained.PRUNED_RECORD  # where the pruned run came from, and how
 
 
 @dataclasses.dataclass
@@ -294,9 +292,7 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     import jax
 
     from hybridpar.parallel.mesh import make_mesh
-    from hybridpar.tools import quantize
-
-    state = quantize.unfinished(workdir)  # before reading: a trainer may write on
+    state = trained.unfinished(workdir)  # before reading: a trainer may write on
     mesh = mesh or make_mesh("data:-1")
     src = trained.TrainedRun(workdir, mesh)
     params, stats = src.host_variables()
@@ -312,19 +308,6 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
     return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()},
             "step": int(src.step), "unfinished": state}  # fmt: skip
-
-
-def is_pruned(workdir: str) -> bool:
-    """Whether ``workdir`` is a run ``prune`` wrote (a step-0 model, not a training run):
-    its ``RECORD``; one pruned before that record, a lone step-0 checkpoint without the
-    trainer's records (metrics.jsonl, summary.json)."""
-    if os.path.exists(os.path.join(workdir, RECORD)):
-        return True
-    ckpt = os.path.join(workdir, "checkpoints")
-    records = ("metrics.jsonl", "summary.json")  # what a trainer writes
-    trained = any(os.path.exists(os.path.join(workdir, n)) for n in records)
-    steps = [n for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
-    return not trained and steps == ["0"]
 
 
 def inside(path: str, directory: str) -> bool:
@@ -382,14 +365,12 @@ def main(argv=None) -> None:
         cli.fail(f"--out {args.out} exists: pass a new directory, or move it away first")
 
     def go():
-        from hybridpar.tools import quantize
-
         config = trained.load_config(args.workdir)  # a run's config.json, or the error
         r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
         state = r["unfinished"]  # (also in the pruned run's RECORD)
         if state is not None:
             total = state.get("total_steps") or total_steps(config)
-            quantize.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
+            trained.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
         print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
               f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
 

@@ -92,40 +92,6 @@ def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
         )
 
 
-def unfinished(workdir: str) -> dict | None:
-    """Why the run in ``workdir`` is not a finished training run, or None: ``{"why": ...,
-    "held": ...}``, ``held`` whether a live process holds its lock (a trainer still
-    training), else its summary.json is missing (its training has not ended) or says it
-    stopped before its last step. A pruned run (``prune.is_pruned``: at step 0 by design)
-    is None. compress refuses such a teacher; quantize and prune warn."""
-    from hybridpar.runtime import run_records, workdir_lock
-    from hybridpar.tools import prune
-
-    if workdir_lock.held(workdir):
-        h = workdir_lock.holder(workdir_lock.path(workdir))
-        who = f" (pid {h.get('pid')} on host {h.get('host')} holds its lock)" if h else ""
-        return {"why": f"is still training{who}", "held": True}
-    if prune.is_pruned(workdir):
-        return None
-    summary = run_records.read_json(os.path.join(workdir, "summary.json"))
-    if summary is None:
-        return {"why": "has no summary.json (its training has not ended)", "held": False}
-    if not summary.get("completed"):
-        total = summary.get("total_steps")
-        return {"why": f"stopped at step {summary.get('steps')} of {total}", "held": False,
-                "total_steps": total}  # fmt: skip
-    return None
-
-
-def warn_unfinished(workdir: str, state: dict, step: int, total: int | None, what: str) -> None:
-    """The ``warning:`` line for an unfinished run (``unfinished``'s ``state``) whose
-    checkpoint at ``step`` of its ``total`` steps (None: unknown) a tool reads (``what``:
-    its verb)."""
-    of = f" of the run's {total} steps" if total else ""
-    print(f"warning: the run in {workdir!r} {state['why']}: {what} its checkpoint at step "
-          f"{step}{of}, not a finished model", flush=True)  # fmt: skip
-
-
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -341,7 +307,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
 
     out = out or os.path.join(workdir, OUT)
     clear_stale(out)
-    state = unfinished(workdir)
+    state = trained.unfinished(workdir)
     r = setup(config, None, devices=devices, for_training=False)
     src = trained.TrainedRun(workdir, r.mesh, config=config, program=r.program)
     params, stats = src.host_variables()
@@ -350,7 +316,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     log(f"read the checkpoint at step {step}")
     if state is not None:
         state = {**state, "step": int(step), "total_steps": int(r.plan.total_steps)}
-        warn_unfinished(workdir, state, step, r.plan.total_steps, "quantizing")
+        trained.warn_unfinished(workdir, state, step, r.plan.total_steps, "quantizing")
 
     # ---- Fold, calibrate, quantize (one device, plain jit: nothing here is sharded) ----
     device = r.mesh.devices.flat[0]
