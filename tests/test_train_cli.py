@@ -414,7 +414,8 @@ def test_a_second_signal_stops_at_once_in_one_line_without_a_traceback(sig):
     assert "Traceback" not in r.stderr
     assert r.stdout.splitlines()[-1] == (
         f"{name} again: stopped at once; the steps since the last checkpoint are not saved, "
-        "and the same command resumes from that checkpoint in /runs/x/checkpoints"
+        "and the same command resumes from that checkpoint in /runs/x/checkpoints (from "
+        "step 0 if there is none yet)"
     )
 
 

@@ -132,7 +132,8 @@ class Preemption:
         name = signal.Signals(signum).name
         where = f" in {self.directory}" if self.directory else ""
         msg = (f"{name} again: stopped at once; the steps since the last checkpoint are not "
-               f"saved, and the same command resumes from that checkpoint{where}")  # fmt: skip
+               f"saved, and the same command resumes from that checkpoint{where} (from step "
+               "0 if there is none yet)")  # fmt: skip
         try:
             sys.stdout.flush()
         except RuntimeError:  # inside a print to the same stream: its line may be cut
