@@ -316,17 +316,6 @@ def inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def total_steps(config) -> int | None:
-    """The run's total steps as its trainer plans them (from its data's nominal size), or
-    None where its config does not set up here (another mesh)."""
-    from hybridpar.runtime.run import setup
-
-    try:
-        return setup(config, None, with_data=False, for_training=False).plan.total_steps
-    except ConfigError:
-        return None
-
-
 def overrides(widths: dict) -> str:
     """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
     return " ".join(f"--config.model.{k}='{v}'" for k, v in widths.items())
@@ -365,11 +354,12 @@ def main(argv=None) -> None:
         cli.fail(f"--out {args.out} exists: pass a new directory, or move it away first")
 
     def go():
-        config = trained.load_config(args.workdir)  # a run's config.json, or the error
+        trained.load_config(args.workdir)  # a run's config.json, or the error that says so
         r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
         state = r["unfinished"]  # (also in the pruned run's RECORD)
         if state is not None:
-            total = state.get("total_steps") or total_steps(config)
+            # the run's steps where its summary says (a whole set-up to learn them otherwise)
+            total = state.get("total_steps")
             trained.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
         print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
               f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
