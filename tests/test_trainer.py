@@ -446,6 +446,14 @@ def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_
     parts = resumed["time_breakdown"]
     assert sum(parts.values()) == pytest.approx(resumed["wall_s"], rel=0.02)
     assert parts.get("redone", 0) > 0
+    # the first start's time after the checkpoint at 4 (to its last record) counts too
+    [resume] = records(tmp_path, "resume")
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    before = [r for r in map(json.loads, lines) if r.get("wall_s") is not None]
+    last_before = before[before.index(resume) - 1]["wall_s"]
+    assert resume["lost_s"] == pytest.approx(last_before - resume["from_wall_s"], abs=2e-3)
+    assert resume["lost_s"] > 0 and parts["lost"] == pytest.approx(resume["lost_s"], abs=2e-3)
+    assert resume["wall_s"] >= last_before  # the clock never runs back
     assert parts["setup"] > saved["setup"]  # the restart's set-up on top of the first's
     assert parts["compile"] > saved["compile"]  # the restart compiled again
     assert resumed["goodput"] == pytest.approx(parts["train"] / resumed["wall_s"], abs=1e-3)

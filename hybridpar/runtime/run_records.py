@@ -38,6 +38,7 @@ TIME_PARTS = {
     "eval": "evaluations",
     "checkpoint": "the blocking part of checkpoint saves",
     "redone": "steps run again after a restart from an older checkpoint",
+    "lost": "what a stopped start ran after its last checkpoint (to its last record)",
 }
 
 
@@ -151,6 +152,9 @@ class Resume(Record):
     event: str = "resume"
     from_step: int | None = None
     from_wall_s: float | None = None  # the resumed checkpoint's wall_s (0.0: none)
+    # the last start's time after that checkpoint, to its last record: wall_s goes on from
+    # from_wall_s + lost_s
+    lost_s: float | None = None
     data_epoch: int | None = None
     data_step_in_epoch: int | None = None
     directory: str | None = None

@@ -141,6 +141,14 @@ def furthest_step(recs) -> int:
     return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
 
 
+def lost_after_checkpoint(recs, from_wall_s: float) -> float:
+    """Seconds the last earlier start ran after the checkpoint resumed from, as far as its
+    last record shows (time after that record, and between the starts, is unknown): thrown
+    away by the restart, but spent on the run, so its wall time counts them."""
+    last = next((r.wall_s for r in reversed(recs) if r.wall_s is not None), None)
+    return max(0.0, last - from_wall_s) if last is not None else 0.0
+
+
 # ---- Hooks: what happens after a step ---------------------------------------------------------
 
 
@@ -503,18 +511,25 @@ def start(run: Run, hooks) -> Training:
         + partitioning.sharding_table(program.shardings, program.abstract)
     )
     log(describe(plan))
-    # wall_s goes on from where the checkpoint left it: this segment started that much earlier
-    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s)
+    # wall_s goes on from where the checkpoint left it, plus what the last start spent after
+    # it: this segment started that much earlier
+    lost = lost_after_checkpoint(recorded, loop.wall_s)
+    if lost:
+        clock.add({"lost": lost})
+    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s - lost)
     # an earlier segment's records after the checkpoint (all of them, without one) are
     # superseded from here: a start stopped before its first step leaves some too
     if resumed is not None or recorded:
         writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed or 0,
-                     from_wall_s=round(loop.wall_s, 3), data_epoch=loop.epoch,
+                     from_wall_s=round(loop.wall_s, 3), lost_s=round(lost, 3) or None,
+                     data_epoch=loop.epoch,
                      data_step_in_epoch=loop.step_in_epoch, directory=saver.directory,
                      changed_keys=changed, train_examples_changed=grown)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
-            + (f" (config changed: {', '.join(changed)})" if changed else ""))  # fmt: skip
+            + (f" (config changed: {', '.join(changed)})" if changed else "")
+            + (f"; the {lost:.1f}s the last start ran after it count in the wall time"
+               if lost >= 0.1 else ""))  # fmt: skip
     if grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
