@@ -18,6 +18,7 @@ import re
 from collections import Counter
 from types import SimpleNamespace
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -572,3 +573,58 @@ def test_under_jit_a_cotangent_cast_lands_after_the_gradient_all_reduce(rounded)
     step = jax.jit(jax.grad(loss), in_shardings=shardings, out_shardings=shardings[0])
     rows = parse_collectives(step.lower(w, jnp.ones((64, 16))).compile().as_text())
     assert [(r["kind"], r["total_bytes"]) for r in rows] == [("all-reduce", 4 * (16 * 32 + 32 * 4))]
+
+
+# --- a user's own model (no BatchNorm sync fields) ---------------------------------------
+
+
+class _UserNet(nn.Module):
+    """A user's Flax model, without hybridpar.models' BatchNorm sync fields."""
+
+    batch_norm: bool = False
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        x = nn.Dense(16)(x.reshape(x.shape[0], -1))
+        if self.batch_norm:
+            x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(CLASSES)(nn.relu(x))
+
+
+def _user_state(model):
+    init = make_init_fn(model, optax.sgd(0.1), (1, SIZE, SIZE, 3), LossScale.create(False))
+    return init(jax.random.key(0))
+
+
+@pytest.mark.parametrize("bn_sync", ["global", "local"])
+def test_a_model_without_batchnorm_needs_no_sync_fields(bn_sync):
+    model = _UserNet()
+    state = _user_state(model)
+    batch = host_batches(steps=1)[0]
+    images = normalize(batch["image"], MEAN, STD, np.float32)
+
+    def loss_fn_for(model, stats, images, labels, scale):
+        return scaled_loss_fn(model, stats, images, labels, scale, 0.0)
+
+    want = jax.grad(loss_fn_for(model, {}, images, batch["label"], 1.0), has_aux=True)(
+        state.params
+    )[0]
+    sync = BucketedSync(make_mesh("data:8"), TINY_BUCKET_MB, bn_sync)
+    assert sync.local_model(model) is model
+    placed = shard_batch(batch, sync.mesh)
+    got = jax.jit(lambda s, x, y: sync.gradients(model, s, x, y, loss_fn_for)[0])(
+        state, normalize(placed["image"], MEAN, STD, np.float32), placed["label"]
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+def test_a_model_with_batchnorm_but_no_sync_fields_is_refused_where_it_needs_syncing():
+    model = _UserNet(batch_norm=True)
+    stats = _user_state(model).batch_stats
+    mesh = make_mesh("data:8")
+    with pytest.raises(ConfigError, match=r"bn_sync='global' over 8 devices.*_UserNet has "
+                       r"BatchNorm statistics.*model.bn_sync=local"):  # fmt: skip
+        BucketedSync(mesh, TINY_BUCKET_MB, "global").local_model(model, stats)
+    # each device's own statistics are what bn_sync=local asks for
+    assert BucketedSync(mesh, TINY_BUCKET_MB, "local").local_model(model, stats) is model

@@ -21,6 +21,7 @@ from hybridpar import (
     ConfigError,
     Rules,
     infer_shardings,
+    infer_spec,
     make_mesh,
     parse_mesh_spec,
     preset_rules,
@@ -172,6 +173,14 @@ def test_plain_sequence_of_pairs_is_accepted(mesh_dm):
     assert s["a"].mesh is mesh_dm
     assert s["a"].spec == P("data", None)
     assert s["b"].spec == P(None, "model")
+
+
+def test_infer_spec_takes_a_plain_sequence_of_pairs_as_infer_shardings_does(mesh_dm):
+    pairs = [(r"head/kernel$", (None, "model"))]
+    assert infer_spec("params/head/kernel", (64, 10), pairs, mesh_dm) == P(None, "model")
+    assert infer_spec("params/head/kernel", (64, 10), Rules(path=tuple(pairs)), mesh_dm) == P(
+        None, "model"
+    )
 
 
 def test_short_spec_pads_with_none(mesh_dm):
@@ -614,6 +623,11 @@ def test_shard_batch_placed_array_that_does_not_divide(mesh_dm):
     x = jax.device_put(np.zeros((12, 3), np.float32), NamedSharding(mesh_dm, P("data")))
     with pytest.raises(ConfigError, match=r"'x' has leading size 12.*8 data-parallel shards"):
         shard_batch({"x": x}, make_mesh("data:8"))
+
+
+def test_shard_batch_host_array_that_does_not_divide_names_its_size(mesh_dm):
+    with pytest.raises(ConfigError, match=r"'image' has leading size 30 on this host.*4 data"):
+        shard_batch({"image": np.zeros((30, 2), np.float32)}, mesh_dm)
 
 
 def test_shard_batch_rejects_a_python_list(mesh_dm):

@@ -474,3 +474,56 @@ def test_apply_on_explicit_axes_gives_the_dense_loss():
     features = model.apply(variables, x, return_features=True)
     want = _dense(features, variables["params"]["head"], labels, 0.0)
     np.testing.assert_allclose(out["loss"].mean(), want, **TOL)
+
+
+@pytest.mark.parametrize(
+    "mesh_spec, batch_axes, classes",
+    [
+        ("data:4,model:2", ("model", "data"), ("model",)),
+        ("data:2,fsdp:2,model:2", ("model", "data", "fsdp"), ("model", "fsdp")),
+    ],
+)
+def test_per_example_outputs_are_in_the_batch_order_whatever_the_batch_axes_order(
+    mesh_spec, batch_axes, classes
+):
+    # The gathered axes are not the innermost batch axes here: a gather group's examples are
+    # not one block of the batch, yet out[i] must be example i's, as on one device.
+    x, params, labels = _random_head(seed=2)
+    head = ShardedHead(make_mesh(mesh_spec), classes, batch_axes=batch_axes)
+
+    def loss(x, params):
+        out = head(x, params, labels, label_smoothing=0.1, topk=(1, 5))
+        return out["loss"].mean(), out
+
+    (_, got), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, params)
+    want = cross_entropy(x @ params["kernel"] + params["bias"], labels, 0.1)
+    np.testing.assert_allclose(got["loss"], want, **TOL)
+    for k in (1, 5):
+        want_hits = np.asarray(_dense_hits(x, params, labels, k))
+        np.testing.assert_array_equal(np.asarray(got[f"top{k}"]), want_hits, err_msg=f"top{k}")
+    assert 0 < int(np.sum(got["top5"])) < B  # hits and misses: the order shows
+    want_grads = jax.grad(_dense, argnums=(0, 1))(x, params, labels, 0.1)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bias": np.zeros((C + 4,), np.float32)}, r"bias \(52,\).*bias must be \(C,\) = \(48,\)"),
+        ({"kernel": np.zeros((E, C, 1), np.float32)}, r"kernel \(32, 48, 1\).*must be 2-D"),
+        ({"x": np.zeros((B, E + 1), np.float32)}, r"features \(16, 33\).*\(B, E\) = \(B, 32\)"),
+        ({"labels": np.zeros((B,), np.float32)}, r"labels \(16,\) float32.*integer class ids"),
+        ({"labels": np.zeros((B, C), np.int32)}, r"labels \(16, 48\) int32.*not one-hot"),
+    ],
+)
+def test_inputs_of_the_wrong_shape_or_type_name_what_was_passed_and_what_is_expected(
+    change, message
+):
+    x, params, labels = _random_head()
+    x = change.get("x", x)
+    labels = change.get("labels", labels)
+    params = {k: change.get(k, v) for k, v in params.items()}
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    with pytest.raises(ConfigError, match=message):
+        jax.jit(lambda *a: head(*a))(x, params, labels)

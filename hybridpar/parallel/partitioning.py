@@ -274,12 +274,20 @@ def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_n
 
 
 def infer_spec(
-    path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_names=None
+    path: str,
+    shape,
+    rules: Rules | Sequence[tuple[str, Spec]],
+    mesh: Mesh,
+    logical_names=None,
+    axis_names=None,
 ) -> P:
     """The ``PartitionSpec`` of one array: the first path rule that matches; else the array's
     own names (``logical_names`` of a linen logical box map through the logical table;
     ``axis_names`` of ``nn.Partitioned`` or ``nnx.with_partitioning`` are mesh axes or names
-    in that table); else replicated. The FSDP pass then stacks on top."""
+    in that table); else replicated. The FSDP pass then stacks on top. ``rules``: a
+    ``Rules``, or a plain sequence of ``(regex, spec)`` path rules (as ``infer_shardings``)."""
+    if not isinstance(rules, Rules):
+        rules = Rules(path=tuple(rules))
     return P(*_spec(path, shape, rules, mesh, logical_names, axis_names))
 
 
@@ -431,8 +439,9 @@ def shard_batch(batch, mesh: Mesh):
     def one(path, x):
         x = np.asarray(x)
         if x.ndim == 0 or x.shape[0] % max(n_local, 1):
+            size = f"leading size {x.shape[0]}" if x.ndim else "no leading size (a scalar)"
             raise ConfigError(
-                f"batch array {path_str(path)!r} has leading size {x.shape[:1]} on this host, "
+                f"batch array {path_str(path)!r} has {size} on this host, "
                 f"which does not divide the {max(n_local, 1)} data-parallel shards of this host; "
                 "make the per-host batch a multiple of the data axes (data x fsdp) per host"
             )

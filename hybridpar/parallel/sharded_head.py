@@ -136,11 +136,12 @@ class ShardedHead:
     ``(B, E)`` and returns per-example loss (and top-k hits) without gathering the logits.
 
     ``class_axes``: mesh axes the classes are split over (one name or a tuple).
-    ``batch_axes``: mesh axes the trunk's batch, and so the features, are split over (in
-    ``AXES`` order); by default the data axes (``data``, ``fsdp``) that the mesh has. The
-    features are all-gathered over the batch axes that also split the classes (the innermost
-    ones), so that every device holding a block of classes sees every example of its batch
-    slice. The class count must be a multiple of ``num_shards``.
+    ``batch_axes``: mesh axes the trunk's batch, and so the features, are split over, as
+    ``P(batch_axes)`` splits them (any order); by default the data axes (``data``, ``fsdp``)
+    that the mesh has. The features are all-gathered over the batch axes that also split the
+    classes, so that every device holding a block of classes sees every example of its batch
+    slice. The per-example outputs are in the order of the features. The class count must be
+    a multiple of ``num_shards``.
     """
 
     mesh: Mesh
@@ -264,6 +265,11 @@ class ShardedHead:
     def __call__(self, features, params, labels, *, label_smoothing: float = 0.0, topk=()):
         """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example.
 
+        ``features`` ``(B, E)``, ``params`` ``{"kernel": (E, C), "bias": (C,)}``, ``labels``
+        ``(B,)`` integer class ids. A label outside ``[0, C)`` is not checked (it cannot be
+        under jit): no class holds it, so its loss is the logsumexp of its logits (as if its
+        label's logit were 0) and its top-k hits are meaningless.
+
         The matmul runs in the features' dtype (the model's compute dtype, as its ``Dense``
         would), softmax and loss in float32. Inside a shard_map manual over every axis
         (``_inside_manual``) the arrays are this device's and so is the result (``local``).
@@ -272,6 +278,7 @@ class ShardedHead:
         per_device = partial(self.local, label_smoothing=label_smoothing, topk=topk)
         if self._inside_manual():
             return per_device(features, kernel, bias, labels)
+        _check_shapes(features, kernel, bias, labels)
         n, c = self.num_shards, kernel.shape[-1]
         if c % n:  # each shard holds an equal block of classes
             over = " x ".join(f"{a}:{self.mesh.shape[a]}" for a in self.class_axes)
@@ -288,7 +295,14 @@ class ShardedHead:
                 f"labels split over {over}; pass as many labels as features, in a batch "
                 f"that is a multiple of {split}"
             )
-        keep = tuple(a for a in self.batch_axes if a not in self.gather_axes)
+        gather = self.gather_axes
+        keep = tuple(a for a in self.batch_axes if a not in gather)
+        if self.batch_axes[len(self.batch_axes) - len(gather) :] == gather:
+            # The gathered axes are the innermost: a gather group's rows are one block of
+            # the batch, the block P(keep) gives the group.
+            body, out_spec = per_device, P(keep or None)
+        else:  # they are not one block: each device returns the rows it was given
+            body, out_spec = partial(self._own_rows, per_device), P(self.batch_axes)
         batch, cls = P(self.batch_axes), self.class_axes
         specs = (batch, P(None, cls), P(cls), batch)
         args = (features, kernel, bias, labels)
@@ -299,9 +313,34 @@ class ShardedHead:
                 jax.reshard(a, NamedSharding(self.mesh, s))
                 for a, s in zip(args, specs, strict=True)
             )
-        return jax.shard_map(per_device, mesh=self.mesh, in_specs=specs, out_specs=P(keep or None))(
-            *args
-        )
+        return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=out_spec)(*args)
+
+    def _own_rows(self, per_device, x, *args):
+        """``per_device``'s outputs for this device's own examples: ``local`` returns those of
+        its gather group, in the order of ``gather_axes``."""
+        out = per_device(x, *args)
+        n, i = x.shape[0], lax.axis_index(self.gather_axes)
+        return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * n, n), out)
+
+
+def _check_shapes(features, kernel, bias, labels):
+    """The head's inputs as ``__call__`` takes them, checked before ``shard_map`` (whose
+    errors would name per-shard shapes)."""
+    shapes = (
+        f"features {tuple(features.shape)}, kernel {tuple(kernel.shape)}, bias "
+        f"{tuple(bias.shape)}, labels {tuple(labels.shape)} {labels.dtype}"
+    )
+    problems = []
+    if kernel.ndim != 2:
+        problems.append("the kernel must be 2-D, (features E, classes C)")
+    elif tuple(bias.shape) != kernel.shape[-1:]:
+        problems.append(f"the bias must be (C,) = ({kernel.shape[-1]},), one value per class")
+    if kernel.ndim == 2 and (features.ndim != 2 or features.shape[-1] != kernel.shape[0]):
+        problems.append(f"the features must be (B, E) = (B, {kernel.shape[0]})")
+    if labels.ndim != 1 or not jnp.issubdtype(labels.dtype, jnp.integer):
+        problems.append("the labels must be integer class ids, (B,) (not one-hot or float)")
+    if problems:
+        raise ConfigError(f"ShardedHead: {shapes}: {'; '.join(problems)}")
 
 
 __all__ = [

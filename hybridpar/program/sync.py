@@ -97,16 +97,23 @@ def _check_mesh(mesh, dp: int | None = None, model_axis_ok: bool = False) -> int
     return dp or data_parallel_size(mesh)  # the run's plan's, where the caller has one
 
 
-def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES):
-    """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
+def bucketed_model(model, bn_sync: str, data_parallel_size: int, axes=BATCH_AXES, batch_stats=None):
+    """``model`` with its BatchNorm set up for a per-device step inside shard_map.
+
+    A model without ``hybridpar.models``' BatchNorm sync fields (``bn_axis_name``, ...) is
+    used as it is: right when it has no BatchNorm (``batch_stats``, the state's, empty; None:
+    not known), or when each device's own statistics are what ``bn_sync`` asks for."""
     kind, _ = parse_bn_sync(bn_sync)
     groups = bn_axis_index_groups_for(bn_sync, data_parallel_size)
     if not hasattr(model, "bn_axis_name"):
-        if kind == "global" and data_parallel_size == 1:
+        if kind == "local" or data_parallel_size == 1 or not jax.tree.leaves(batch_stats):
             return model
         raise ConfigError(
-            f"comm.mode=bucketed needs a model with BatchNorm sync fields (bn_axis_name, ...); "
-            f"{type(model).__name__} has none: use comm.mode=xla"
+            f"model.bn_sync={bn_sync!r} over {data_parallel_size} devices in the per-device "
+            f"step (comm.mode=bucketed or overlap): {type(model).__name__} has BatchNorm "
+            "statistics but not the BatchNorm sync fields (bn_axis_name, ...) of "
+            "hybridpar.models, so each device would normalise by its own examples only; use "
+            "comm.mode=xla, or model.bn_sync=local"
         )
     return model.clone(
         bn_groups=1,
@@ -181,10 +188,13 @@ class BucketedSync:
             params,
         )
 
-    def local_model(self, model):
-        """``model`` with its BatchNorm set up for a per-device step inside shard_map."""
-        if id(model) not in self._local:
-            self._local[id(model)] = bucketed_model(model, self.bn_sync, self.dp, self.axes)
+    def local_model(self, model, batch_stats=None):
+        """``model`` with its BatchNorm set up for a per-device step inside shard_map
+        (``bucketed_model``; ``batch_stats``: the state's)."""
+        if self._local.get(id(model), model) is model:  # a model used as it is: check again
+            self._local[id(model)] = bucketed_model(
+                model, self.bn_sync, self.dp, self.axes, batch_stats
+            )
         return self._local[id(model)]
 
     def plan_for(self, model, image_shape) -> list[list[Path]]:
@@ -196,7 +206,7 @@ class BucketedSync:
         return self._plans[key]
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
-        local, axes, dp = self.local_model(model), self.axes, self.dp
+        local, axes, dp = self.local_model(model, state.batch_stats), self.axes, self.dp
         param_dims, stats_dims = self.param_dims, self.stats_dims
 
         def per_device(params, batch_stats, scale, images, labels):
@@ -311,22 +321,22 @@ class OverlapSync(BucketedSync):
                                   f"BatchNorm statistics {path_str(kp)} are split as {spec}; "
                                   "only fsdp can split them")  # fmt: skip
 
-    def local_model(self, model):
+    def local_model(self, model, batch_stats=None):
         if self.head == "dense":
-            return super().local_model(model)
-        if id(model) not in self._local:
+            return super().local_model(model, batch_stats)
+        if self._local.get(id(model), model) is model:
             # The BatchNorm groups of the xla step (B / groups consecutive examples), each
             # now over n_all / groups devices of the batch split over every axis.
             groups = bn_groups_for(self.bn_sync, self.dp)
             per = self.n_all // groups
             sync = "global" if groups == 1 else "local" if per == 1 else f"group:{per}"
-            self._local[id(model)] = bucketed_model(model, sync, self.n_all, self.axes)
+            self._local[id(model)] = bucketed_model(model, sync, self.n_all, self.axes, batch_stats)
         return self._local[id(model)]
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
         if self.head != "dense":
             return self._head_gradients(model, state, images, labels, loss_fn_for)
-        local, axes, dp = self.local_model(model), self.axes, self.dp
+        local, axes, dp = self.local_model(model, state.batch_stats), self.axes, self.dp
         param_dims, stats_dims = self.param_dims, self.stats_dims
         concat = self.mesh.shape.get("model", 1) == 1  # see flat_pmean
 
@@ -350,7 +360,8 @@ class OverlapSync(BucketedSync):
         return self.per_device_map(per_device, state, images, labels)
 
     def _head_gradients(self, model, state: TrainState, images, labels, loss_fn_for):
-        local, axes, stats_dims = self.local_model(model), self.axes, self.stats_dims
+        local, axes = self.local_model(model, state.batch_stats), self.axes
+        stats_dims = self.stats_dims
 
         def per_device(params, batch_stats, scale, images, labels):
             plan = self.plan_for(model, images.shape[1:])
