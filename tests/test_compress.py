@@ -297,6 +297,26 @@ def test_a_loop_continued_with_another_budget(tmp_path, monkeypatch):
     assert lines[-1] in out, out
 
 
+def test_a_round_stopped_after_pruning_goes_on_at_its_pruned_fraction(tmp_path, monkeypatch):
+    """Round 2 pruned to 0.628 (fitted to 40 KB), then stopped while distilling; continued
+    with 35 KB, it goes on with the model it pruned, so its row says 0.628, not the 0.587
+    this budget would take, and the loop says so. Planted bug that fails it: the row records
+    the fraction planned now while the pruned folder holds the old one."""
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "40")[0] == 0 and made[-1] == (2, 0.628), made
+    rd = w / "compress" / "round_02"
+    (rd / "result.json").unlink()  # as a round stopped before its quantize
+    (rd / "pruned").mkdir()
+    (rd / "pruned" / "pruned.json").write_text(json.dumps({"keep_fraction": 0.628}))
+    code, out, err = _main(w, "--budget-kb", "35")
+    assert code == 0 and made[3:] == [(2, 0.628), (3, 0.587)], (made, err)
+    row = json.loads((rd / "result.json").read_text())
+    assert row["keep"] == 0.628
+    assert any(x.startswith("round 2: an earlier call pruned it to 0.628 of the teacher's "
+                            "channels (this call would take 0.587)") for x in out), out
+
+
 def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
     """``--budget-of file``: the rounds go on past the weights' 40 KB until the file fits,
     the last fitted to the file's bound; the rows and the last line say which budget."""

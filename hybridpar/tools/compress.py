@@ -416,6 +416,14 @@ def lock_loop(root: str):
     return workdir_lock.acquire(root, role="compress")
 
 
+def pruned_keep(rd: str) -> float | None:
+    """The fraction an earlier call pruned round folder ``rd`` to, where it did."""
+    from hybridpar.runtime import run_records, trained
+
+    record = run_records.read_json(os.path.join(rd, "pruned", trained.PRUNED_RECORD)) or {}
+    return record.get("keep_fraction")
+
+
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):
     """Round ``index`` in ``rd``: ``(quantize's report, the run it quantized)``; raises
     ``KeyboardInterrupt`` when its training was stopped."""
@@ -517,6 +525,12 @@ def _run(config, args, root: str, log) -> dict | None:
         keep = 1.0
         if index > 0:  # from the previous round's keep: it may have been fitted to a budget
             keep = keep_for(index, args.step, args.budget_kb, bytes_at, rows[-1]["keep"])
+        made = pruned_keep(rd) if not os.path.exists(result) else None
+        if made is not None and made != keep:  # a stopped round goes on as it was pruned
+            log(f"round {index}: an earlier call pruned it to {made:.3f} of the teacher's "
+                f"channels (this call would take {keep:.3f}); going on with it (delete {rd} "
+                "to prune it again)")  # fmt: skip
+            keep = made
         if os.path.exists(result):
             with open(result) as f:
                 row = json.load(f)
