@@ -164,8 +164,11 @@ def test_a_recipes_device_count_is_a_decimal_number(capsys):
         (("model.bn_momentum", "1.0"), "model.bn_momentum=1.0 is out of range"),
         (("data.std", "(0,)"), "data.std=(0,) must be 1 finite number(s), each > 0"),
         (("data.mean", "('a',)"), "data.mean=('a',) must be 1 finite number(s)"),
+        # one class trained to "top-1 1.0"; digits' top-5 target met at step 0 with 5 classes
+        (("data.num_classes", "1"), "data.num_classes=1 is out of range: it must be >= 2"),
+        (("data.num_classes", "5"), "target_top5=0.99 with data.num_classes=5: top-5 is 1.0"),
     ],
-    ids=["filters", "epsilon", "bn-momentum", "std", "mean"],
+    ids=["filters", "epsilon", "bn-momentum", "std", "mean", "one-class", "top5-of-5"],
 )
 def test_model_and_pixel_keys_out_of_their_meaning_are_refused_up_front(override, says):
     """Keys that failed only inside the model or the input (a division by zero in im2col, a

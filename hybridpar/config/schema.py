@@ -367,7 +367,7 @@ CHOICES = {
 # the high side); None: unbounded.
 RANGES = {
     "data.image_size": (1, None, True, True),
-    "data.num_classes": (1, None, True, True),
+    "data.num_classes": (2, None, True, True),  # one class: nothing to classify
     "global_batch": (1, None, True, True),
     "eval_batch": (1, None, True, True),
     "num_epochs": (0, None, False, True),
@@ -518,6 +518,12 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
     for key in ("target_top1", "target_top5"):
         if c[key] > 1:
             raise ConfigError(f"{key}={c[key]} is a fraction: use e.g. --config.{key}=0.93, not 93")
+    if c.target_top5 > 0 and c.data.num_classes <= 5:  # it would be "reached" at step 0
+        raise ConfigError(
+            f"target_top5={c.target_top5} with data.num_classes={c.data.num_classes}: top-5 is "
+            "1.0 by definition with 5 classes or fewer; set --config.target_top5=-1 (and a "
+            "--config.target_top1=... instead)"
+        )
     if c.data.on_device and c.data.name == "tfds":  # tfds reads through TensorFlow
         raise ConfigError(
             "data.on_device=True holds digits, synthetic or images sets, not data.name='tfds'; "
