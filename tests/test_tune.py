@@ -254,7 +254,7 @@ def test_search_prunes_and_resumes(tmp_path, capsys):
     tune.search(c, wd, 2, budget)  # finished: says so, runs nothing
     assert "has finished 2 trials" in capsys.readouterr().out
     assert len(tune.open_study(c, wd, budget).get_trials()) == 2
-    with pytest.raises(ConfigError, match="budget_epochs was 1.0, now 2.0"):
+    with pytest.raises(ConfigError, match="--budget-epochs was 1.0, now 2.0"):
         tune.open_study(c, wd, 2.0)
 
 

@@ -523,7 +523,7 @@ def open_study(config, workdir: str, budget: float):
     if saved is None:
         study.set_user_attr("search", this)
     else:
-        diff = [("budget_epochs", saved["budget_epochs"], budget)] * (
+        diff = [("--budget-epochs", saved["budget_epochs"], budget)] * (
             saved["budget_epochs"] != budget
         ) + differences(saved["config"], this["config"])
         if diff:
