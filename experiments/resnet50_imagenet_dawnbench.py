@@ -2,10 +2,12 @@
 43 epochs, 10:28 on 16 x 8 V100).
 
     python -m hybridpar.train --config experiments/resnet50_imagenet_dawnbench.py:/data/imagenet
-    ... resnet50_imagenet_dawnbench.py:/data/imagenet,8     # sized for 8 GPUs (or ,1 for one)
+    ... resnet50_imagenet_dawnbench.py:/data/imagenet,8     # on exactly 8 GPUs
 
 Arguments after ``:``: where ImageNet is (as ``resnet50_imagenet.py``; empty: synthetic
-images), then the GPU count the run is sized for (128, 8 or 1; default 128). The stages are
+images), then, optionally, the number of devices the run is meant for: it sets
+``mesh=data:N``, so a start on another count is an error instead of a run at another global
+batch and peak LR (without it, the data axis takes every device). The stages are
 MoXing's DAWNBench submission's (21 epochs at 128 px, 21 at 224 px, 2 at 288 px, at global
 batches of 28,672 and 16,384), in our notation: 128 px until epoch 21 (batch 224 per
 GPU, crops down to 8% of the image), 224 px until 42 (224 per GPU, 8.7%), 288 px until 44
@@ -35,9 +37,14 @@ PEAK_LR, PEAK_BATCH = 8.5, 128 * 224  # MoXing's LR at its 128-px global batch
 
 def get_config(args: str = ""):
     where, _, gpus = args.partition(",")
-    if gpus not in ("", "128", "8", "1"):
-        raise ConfigError(f"resnet50_imagenet_dawnbench.py:{args}: the GPU count is 128, 8 or 1")
+    if gpus and not (gpus.isascii() and gpus.isdigit() and int(gpus) > 0):
+        raise ConfigError(
+            f"resnet50_imagenet_dawnbench.py:{args}: {gpus!r} is not a device count; pass "
+            "WHERE,N with N the devices the run is meant for (e.g. ,8), or WHERE alone"
+        )
     c = load_config(str(Path(__file__).with_name("resnet50_imagenet.py")) + f":{where}")
+    if gpus:  # the batches are per device: the count sets the global batch and the LR
+        c.mesh = f"data:{int(gpus)}"
     c.stages = STAGES
     c.num_epochs = 44.0  # the stages' last end epoch (summary and plots)
     c.data.image_size = 224  # evaluation size

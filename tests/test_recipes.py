@@ -37,6 +37,21 @@ def test_dawnbench_is_moxings_schedule_on_any_gpu_count(gpus):
     assert _peak_lr(c, stages[0].global_batch) == pytest.approx(8.5 * gpus / 128)
     assert (c.optim.momentum_start, c.optim.momentum) == (0.98, 0.9)
     assert c.target_top5 == 0.93 and c.data.reduced_copies == "160"
+    # the count pins the mesh: on another count the global batch and the LR would differ
+    assert c.mesh == f"data:{gpus}"
+
+
+def test_dawnbench_without_a_count_takes_every_device_and_a_count_pins_it():
+    """Without ``,N`` the data axis takes every device; with it a start on another count is
+    the mesh's error, not a run at another global batch (the count was checked, then
+    ignored). Planted bug that fails it: the count not set as the mesh."""
+    from hybridpar import make_mesh
+
+    c = load_config(str(EXPERIMENTS / "resnet50_imagenet_dawnbench.py:"))
+    assert c.mesh == "data:-1" and make_mesh(c.mesh).shape["data"] == 8
+    assert make_mesh(load_config(str(EXPERIMENTS / "resnet50_imagenet_dawnbench.py:,8")).mesh)
+    with pytest.raises(ConfigError, match="8"):
+        make_mesh(load_config(str(EXPERIMENTS / "resnet50_imagenet_dawnbench.py:,64")).mesh)
 
 
 def test_mlperf_is_lars_with_polynomial_decay_to_75_9():
@@ -78,7 +93,7 @@ def test_cifar10_fast_says_its_global_batch_on_more_devices_or_keeps_it():
 @pytest.mark.parametrize(
     "spec,expect",
     [
-        ("resnet50_imagenet_dawnbench.py:,64", "the GPU count is 128, 8 or 1"),
+        ("resnet50_imagenet_dawnbench.py:,eight", "'eight' is not a device count"),
         ("resnet50_imagenet_mlperf.py:,big", "the global batch is a number"),
         ("resnet50_imagenet_ffcv.py:,17", "the epochs are one of"),
         ("cifar10_fast.py:gpu,3", "the device count must divide"),
