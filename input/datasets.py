@@ -40,6 +40,19 @@ class Data:
     steps_for: Callable[[int], int] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class EpochSteps:
+    """``Data.steps_for`` of a set read whole each epoch: global batch -> the full steps an
+    epoch of ``num_examples`` holds. The last partial batch is left out (fixed shapes); the
+    plan's description (``curriculum.describe``) says how many examples that leaves out."""
+
+    steps: Callable[[int], int]
+    num_examples: int
+
+    def __call__(self, global_batch: int) -> int:
+        return self.steps(global_batch)
+
+
 def make_data(c, pi: int, pc: int, mesh=None, stage_sizes: list[int] | None = None) -> Data:
     """``mesh``: the run's, where the on-device set is placed (None: ``c.mesh`` over every
     device); the host pipelines only slice by process. ``stage_sizes``: the image sizes of
@@ -67,7 +80,9 @@ def _in_memory(c, pi, pc, shape) -> Data:
             raise ConfigError("data.name=digits is grayscale: set data.channels=1")
         train, test = arrays.load_digits(d.image_size)
         spe = arrays.steps_per_epoch(train, c.global_batch)
-        steps_for = functools.partial(arrays.steps_per_epoch, train)
+        steps_for = EpochSteps(
+            functools.partial(arrays.steps_per_epoch, train), len(train["label"])
+        )
     else:  # a pool of random images stands in for an epoch of train_examples
         pool = min(d.train_examples, 4 * c.global_batch)
         train = arrays.synthetic(pool, d.image_size, d.num_classes, c.seed, d.channels)
@@ -143,6 +158,14 @@ def default_prepared_dir(sources: list[str]) -> str:
     return os.path.join(root, f"{names}-{key}")
 
 
+def data_paths(d) -> tuple[list[str], str]:
+    """The ``data`` section's sources and prepared folder (``~`` expanded; the default cache
+    where ``prepared_dir`` is unset; '' where neither is set): read here only."""
+    sources = [os.path.expanduser(s.strip()) for s in d.source.split(",") if s.strip()]
+    prepared = os.path.expanduser(d.prepared_dir) if d.prepared_dir else ""
+    return sources, prepared or (default_prepared_dir(sources) if sources else "")
+
+
 def _pipeline(c, pi, pc, shape) -> Data:
     from hybridpar.input.pipeline import ImagePipeline
 
@@ -208,9 +231,8 @@ def _pipeline(c, pi, pc, shape) -> Data:
     for split, pipe in ((d.train_split, train), (d.eval_split, test)):
         entries[split] = pipe.info if d.name == "images" else {"num_examples": pipe.num_examples}
     info.update(split_counts(entries))
-    return Data(
-        train_batches, eval_batches, spe, test.num_examples, shape, info, train.steps_per_epoch
-    )
+    steps_for = EpochSteps(train.steps_per_epoch, train.num_examples)
+    return Data(train_batches, eval_batches, spe, test.num_examples, shape, info, steps_for)
 
 
 def split_counts(entries: dict) -> dict:
@@ -239,8 +261,7 @@ def ensure_prepared(d) -> str:
     only ``prepared_dir``, a changed source is an error. Safe to call from several processes
     at once (one prepares, the others wait), and what ``make_data`` calls, so calling it
     first (say, once before a multi-host launch) prepares the data the run then reuses."""
-    sources = [s.strip() for s in d.source.split(",") if s.strip()]
-    prepared = d.prepared_dir or (default_prepared_dir(sources) if sources else "")
+    sources, prepared = data_paths(d)
     if not prepared:
         raise ConfigError(
             "data.name=images needs data.source (tars or folders in SPLIT/CLASS/FILE layout) "
@@ -257,6 +278,7 @@ def ensure_prepared(d) -> str:
     if sources:
         from hybridpar.input import prepare as prep
 
+        prep.check_out(prepared, sources, "data.prepared_dir")  # before its lock is made
         # Several processes of a run (one per GPU of a host) reach this at once: one
         # prepares, the others wait and then find it prepared (the check is under the lock
         # too), instead of all writing the same shards.
@@ -301,6 +323,8 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
                 train_split=d.train_split,
                 classes=classes,
                 allow_empty_classes=d.allow_empty_classes,
+                needed={"train_split": d.train_split, "eval_split": d.eval_split},
+                for_run=True,
             )
     elif manifest:
         for split in wanted:

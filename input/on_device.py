@@ -38,7 +38,9 @@ import concurrent.futures
 import json
 import math
 import os
+import sys
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -377,7 +379,7 @@ def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
     ``image_sizes(c, stage_sizes)``: the run's set-up passes its stages' sizes."""
     import jax
 
-    from hybridpar.input.datasets import Data
+    from hybridpar.input.datasets import Data, EpochSteps
     from hybridpar.parallel.mesh import make_mesh
 
     d = c.data
@@ -436,6 +438,8 @@ def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
         print(f"data on the devices: {_nbytes(train, test) / 2**20:.1f} MiB on each (train at "
               f"{stored}), batched and augmented there", flush=True)  # fmt: skip
     shape = (d.image_size, d.image_size, d.channels)
+    # digits and images: every example once an epoch (a synthetic epoch cycles its pool)
+    steps_for = ds.steps_for if d.name == "synthetic" else EpochSteps(ds.steps_for, ds.n_train)
     return Data(
         train_batches,
         lambda: ds.eval_batches(c.eval_batch),
@@ -443,7 +447,7 @@ def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
         ds.n_test,
         shape,
         info,
-        ds.steps_for,
+        steps_for,
     )
 
 
@@ -459,16 +463,18 @@ def _images(c, size: int, mesh):
     """``(train, test, info)`` of an ``images`` set stored at ``size`` px, from the cache in
     PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
     from hybridpar.input import prepare as prep
-    from hybridpar.input.datasets import default_prepared_dir, split_counts
+    from hybridpar.input.datasets import data_paths, split_counts
 
     d = c.data
-    sources = [os.path.abspath(s.strip()) for s in d.source.split(",") if s.strip()]
+    sources, prepared = data_paths(d)
+    sources = [os.path.abspath(s) for s in sources]
     if not sources:
         raise ConfigError(
             "data.on_device=True decodes an images set from its tars or folders: set "
             "data.source (data.prepared_dir alone holds TFRecords, read with TensorFlow)"
         )
-    folder = os.path.join(d.prepared_dir or default_prepared_dir(sources), "on_device")
+    prep.check_out(prepared, sources, "data.prepared_dir")  # before its lock is made
+    folder = os.path.join(prepared, "on_device")
     splits = list(dict.fromkeys([d.train_split, d.eval_split]))
     parent = os.path.dirname(folder)
     new, new_parent = not os.path.exists(folder), not os.path.exists(parent)
@@ -550,7 +556,7 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
     if classes is None or any(why for _, why in state.values()):
         os.makedirs(folder, exist_ok=True)
         for source in sources:
-            for name, listing in prep.list_source(source, None, folder, staging).items():
+            for name, listing in prep.list_source(source, None, folder, staging, True).items():
                 if name in listed:
                     raise DataError(
                         f"split {name!r} is in both {listed[name][0]!r} and {source!r}; "
@@ -559,7 +565,9 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
                 listed[name] = (source, listing)
         if classes is None:
             if d.train_split not in listed:
-                raise prep.missing_split_error("train_split", d.train_split, sources, listed)
+                raise prep.one_split_error(
+                    listed, d.train_split, prep.RUN_FIX
+                ) or prep.missing_split_error("train_split", d.train_split, sources, listed)
             classes = list(listed[d.train_split][1]["class_dirs"])
             state = {s: _cached(folder, s, size, sources, classes) for s in splits}
     counts = {}
@@ -570,7 +578,9 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
             counts[split] = len(listed[split][1]["files"])
         else:
             key = "train_split" if split == d.train_split else "eval_split"
-            raise prep.missing_split_error(key, split, sources, listed)
+            raise prep.one_split_error(listed, split, prep.RUN_FIX) or prep.missing_split_error(
+                key, split, sources, listed
+            )
     per_image = size * size * 3 + 4
     need = sum(counts.values()) * per_image
     what = ", ".join(f"{n} {s} images" for s, n in counts.items()) + f" at {size}x{size}"
@@ -590,9 +600,22 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
             print(f"decoding split {split!r} of {source} with Pillow into {arrays_path} ({why}; "
                   "later runs reuse it)", flush=True)  # fmt: skip
             origin = None if given is not None else d.train_split
-            meta = _decode_split(listing, classes, origin, size, arrays_path, meta_path, source)
+            t0 = time.time()
+            meta = _decode_split(listing, classes, origin, size, arrays_path, meta_path, source,
+                                 split)  # fmt: skip
+            print(_summary(split, meta, arrays_path, time.time() - t0), file=sys.stderr,
+                  flush=True)  # fmt: skip
+            if meta["empty_folders"]:
+                print(f"{split}: empty class folder(s) {prep._names(meta['empty_folders'])}",
+                      file=sys.stderr, flush=True)  # fmt: skip
             if meta["ignored"]:
                 print(prep.ignored_note(split, meta["ignored"], meta_path), flush=True)
+            if meta["classes_without_examples"]:
+                listed_empty = ", ".join(
+                    f"{k!r} ({w})" for k, w in list(meta["classes_without_examples"].items())[:10]
+                )
+                print(f"{split}: no usable example of class(es) {listed_empty}", file=sys.stderr,
+                      flush=True)  # fmt: skip
         # The same rule as prepare's: a train class without a usable example is an error.
         empty = meta["classes_without_examples"]
         if split == d.train_split and empty and not d.allow_empty_classes:
@@ -625,10 +648,24 @@ def decode_image(data: bytes, size: int):
     return np.asarray(img, np.uint8), reason, None
 
 
-def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, source) -> dict:
+def _summary(split: str, meta: dict, arrays_path: str, seconds: float) -> str:
+    """The line said after a split is decoded: prepare's summary (``prepare._summary``)."""
+    return (
+        f"{split}: {meta['num_examples']} examples from {meta['source']}; "
+        f"{len(meta['skipped'])} skipped, {len(meta['converted'])} converted "
+        f"({meta['rotated']} rotated upright by EXIF); "
+        f"{os.path.getsize(arrays_path) / 1e6:.1f} MB at {meta['size']}px; "
+        f"{seconds:.1f} s, {meta['num_files'] / max(seconds, 1e-9):.0f} images/s"
+    )
+
+
+def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, source,
+                  split="") -> dict:  # fmt: skip
     """Decodes a split into ``arrays_path`` and writes its record (``meta_path``): the keys
-    of a manifest's split entry that the data event counts (``datasets.split_counts``)."""
+    of a manifest's split entry that the data event counts (``datasets.split_counts``).
+    A progress bar on stderr, as prepare's."""
     from PIL import Image
+    from tqdm import tqdm
 
     from hybridpar.input import prepare as prep
 
@@ -654,17 +691,24 @@ def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, 
                 f.close()
         return out
 
-    step = 512
+    step = 256
     pieces = [files[i : i + step] for i in range(0, len(files), step)]
     workers = max(1, len(os.sched_getaffinity(0)))
+    bar = tqdm(total=len(files), unit="img", desc=split, file=sys.stderr)
     # prepare's pixel limit (PIL's own is lower) and its silence on odd but readable files
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, prep.MAX_PIXELS
+    decoded, skipped_so_far = [], 0
     try:
         with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
             warnings.simplefilter("ignore")
-            decoded = [r for part in pool.map(chunk, pieces) for r in part]  # without the GIL
+            for part in pool.map(chunk, pieces):  # in order; decoded without the GIL
+                decoded += part
+                skipped_so_far += sum(img is None for img, _, _ in part)
+                bar.set_postfix(skipped=skipped_so_far, refresh=False)
+                bar.update(len(part))
     finally:
         Image.MAX_IMAGE_PIXELS = pil_limit
+        bar.close()
     keep = [i for i, (img, _, _) in enumerate(decoded) if img is not None]
     skipped = [{"name": f[0], "reason": r[2]} for f, r in zip(files, decoded) if r[0] is None]
     converted = [{"name": f[0], "reason": r[1]} for f, r in zip(files, decoded) if r[1]]

@@ -21,6 +21,7 @@ import math
 import multiprocessing
 import os
 import posixpath
+import re
 import shutil
 import stat
 import statistics
@@ -52,6 +53,11 @@ LAYOUT = (
     "the SPLIT/CLASS/FILE layout (e.g. train/n01440764/n01440764_10026.JPEG), "
     "or CLASS/FILE with --split NAME"
 )
+# A run's config has no --split: its source is always the folder (or tar) above the splits.
+RUN_LAYOUT = "the SPLIT/CLASS/FILE layout (e.g. train/n01440764/n01440764_10026.JPEG)"
+# How to fix a source that is one split (CLASS/FILE): on prepare's command line, in a run.
+SPLIT_FIX = "use --split NAME (e.g. --split train)"
+RUN_FIX = "point data.source at the folder that holds train/ and val/"
 
 
 # ---- listing sources ------------------------------------------------------------------------
@@ -64,16 +70,19 @@ def _hidden(name: str) -> bool:
 # Files that are no images and need no mention (a README or a label file beside the images).
 JUNK_EXTS = {".txt", ".csv", ".json", ".xml", ".md", ".html", ".log", ".ini", ".db", ".yaml"}
 NESTED = "in a folder inside a class folder (only CLASS/FILE is read)"
+AT_ROOT = "directly in the split folder, not in a class folder"
 
 
 def _kind(parts: list[str], depth: int) -> str | None:
     """None for an image file to read; '' for junk ignored silently; else why a file that
     may be an image is ignored (listed in the manifest, counted in the data event)."""
-    if len(parts) < depth or any(_hidden(p) for p in parts):
+    if len(parts) < depth - 1 or any(_hidden(p) for p in parts):
         return ""
     ext = os.path.splitext(parts[-1])[1].lower()
     if ext in JUNK_EXTS:
         return ""
+    if len(parts) == depth - 1:  # beside the class folders: a CLASS/FILE source, often
+        return AT_ROOT if ext in IMAGE_EXTS else ""
     if len(parts) > depth:
         return NESTED if ext in IMAGE_EXTS else ""
     return None if ext in IMAGE_EXTS else f"not an image name ({ext or 'no extension'})"
@@ -177,10 +186,14 @@ def _walk_split(root: str):
     files ignored as (name, why), sorted."""
     try:
         with os.scandir(root) as it:
-            classes = sorted(e.name for e in it if not _hidden(e.name) and e.is_dir())
+            entries = [(e.name, e.is_dir()) for e in it if not _hidden(e.name)]
     except OSError as e:
         raise DataError(f"cannot read source folder {root!r} ({e.strerror or e})") from None
+    classes = sorted(name for name, is_dir in entries if is_dir)
     files, ignored = [], []
+    for name in sorted(name for name, is_dir in entries if not is_dir):
+        if _kind([name], 2) == AT_ROOT:
+            ignored.append((name, AT_ROOT))
     for cls in classes:
         folder = os.path.join(root, cls)
         try:
@@ -264,7 +277,9 @@ def describe_change(old: dict | None, new: dict) -> str:
     return f"{new['path']!r} changed ({shown})"
 
 
-def list_source(source: str, split: str | None = None, staging_dir=None, staging=None):
+def list_source(
+    source: str, split: str | None = None, staging_dir=None, staging=None, for_run=False
+):
     """``{split: listing}``, ``listing`` a dict of ``files`` (``[(name, class, file, offset,
     size), ...]`` sorted by name), ``class_dirs`` (every class folder, empty ones too),
     ``ignored`` (``[(name, why), ...]``: files that may be images but are not read: in a
@@ -275,6 +290,10 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
     With ``split``, the source itself is one split (CLASS/FILE). A compressed tar is
     unpacked into a staging file in ``staging_dir`` (default: the temp dir), whose path is
     appended to ``staging``: the caller removes it when done.
+
+    Image files directly in a split folder are ignored (``AT_ROOT``), and a split folder
+    without an image file is left out: each is said on stderr, with the fix for a source
+    that is itself one split (``for_run``: a run's config, else prepare's command line).
     """
     source = os.path.abspath(source)
     if not os.path.exists(source):
@@ -292,13 +311,13 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
             roots = {n: r for n, r in roots.items() if os.path.isdir(r)}
         for name, root in roots.items():
             files, classes, ignored = _walk_split(root)
-            if files:
-                splits[name] = {
-                    "files": [(f"{c}/{n}", c, p, 0, -1) for c, n, p, _ in files],
-                    "class_dirs": classes,
-                    "ignored": ignored,
-                    "fingerprint": _folder_fingerprint(root, files, classes),
-                }
+            splits[name] = {
+                "files": [(f"{c}/{n}", c, p, 0, -1) for c, n, p, _ in files],
+                "class_dirs": classes,
+                "ignored": ignored,
+                "fingerprint": _folder_fingerprint(root, files, classes),
+                "folder": root,
+            }
     else:
         staging_dir = staging_dir or tempfile.gettempdir()
         entries, dirs, ignored = _list_tar(
@@ -318,17 +337,52 @@ def list_source(source: str, split: str | None = None, staging_dir=None, staging
         for parts in dirs:
             parts = [split, *parts] if split else list(parts)
             class_dirs.setdefault(parts[0], set()).add(parts[1])
-        for name, files in by_split.items():
+        for name in sorted(set(by_split) | set(skipped)):
+            files = by_split.get(name, {})
             classes = class_dirs.get(name, set()) | {f[1] for f in files.values()}
             splits[name] = {
                 "files": [files[n] for n in sorted(files)],
                 "class_dirs": sorted(classes),
                 "ignored": sorted(skipped.get(name, [])),
                 "fingerprint": fingerprint,
+                "folder": f"{source}:{name}",
             }
-    if not splits:
-        raise DataError(f"no images found in {source!r}: expected {LAYOUT}")
-    return splits
+    return _layout_check(source, split, splits, for_run)
+
+
+def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
+    """``splits`` without the ones that hold no image file in CLASS/FILE layout, saying so
+    on stderr, and what images lie directly in a split folder; a DataError if none is left.
+    Where more images lie directly in split folders than in class folders, ``source`` is
+    taken for one split in CLASS/FILE layout, and the fix to that is said."""
+    at_root = {n: sum(why == AT_ROOT for _, why in s["ignored"]) for n, s in splits.items()}
+    in_classes = sum(len(s["files"]) for s in splits.values())
+    one_split = not split and sum(at_root.values()) > in_classes
+    fix = RUN_FIX if for_run else SPLIT_FIX
+    for name, listing in splits.items():
+        if at_root[name]:
+            why = f": is {source!r} itself one split? {fix}" if one_split else ""
+            _note(
+                f"{at_root[name]} image(s) directly in split folder {listing['folder']!r} are "
+                f"not under a class folder{why}"
+            )
+        if not listing["files"]:
+            _note(f"split folder {listing['folder']!r} holds no image file in a class folder: "
+                  "left out")  # fmt: skip
+    found = {n: {k: v for k, v in s.items() if k != "folder"} for n, s in splits.items()
+             if s["files"]}  # fmt: skip
+    if not found and one_split:
+        raise DataError(
+            f"no images found in {source!r} in {RUN_LAYOUT if for_run else LAYOUT}: its "
+            "folders hold images directly, so it looks like one split (CLASS/FILE); "
+            f"{fix}"
+        )
+    if not found:
+        layout = RUN_LAYOUT if for_run else LAYOUT
+        raise DataError(f"no images found in {source!r}: expected {layout}")
+    for listing in found.values():
+        listing["one_split"] = one_split
+    return found
 
 
 # ---- one shard (runs in a worker process) ---------------------------------------------------
@@ -697,7 +751,7 @@ def parse_classes(text) -> list[str] | None:
     return names
 
 
-def _choose_classes(listed, manifest, train_split, classes, out):
+def _choose_classes(listed, manifest, train_split, classes, out, fix=SPLIT_FIX):
     """The dataset's one class list, the message naming where it came from, and the split
     whose class folders it is (None: a given list)."""
     if classes is not None:
@@ -708,11 +762,26 @@ def _choose_classes(listed, manifest, train_split, classes, out):
     if manifest.get("classes"):
         origin = f"the class list already in {out!r}"
         return list(manifest["classes"]), origin, labels_from(manifest, train_split)
+    one_split = one_split_error(listed, train_split, fix)
+    if one_split:
+        raise one_split
     raise DataError(
         f"no class list to label {_names(sorted(listed))} with: the sources hold no train "
         f"split {train_split!r} and {out!r} has none from an earlier run. Prepare the train "
         "split first or together with them, name the split that defines the classes "
         "(--train-split NAME, data.train_split), or list the classes (--classes, data.classes)"
+    )
+
+
+def one_split_error(listed, split: str, fix: str) -> DataError | None:
+    """The error where ``split`` is missing because a source is itself one split (CLASS/FILE:
+    its folders hold images directly); None where no source looks so."""
+    one_split = sorted({src for src, listing in listed.values() if listing.get("one_split")})
+    if not one_split:
+        return None
+    return DataError(
+        f"no split {split!r} in {_names(one_split)}: its folders hold images directly, so it "
+        f"looks like one split in CLASS/FILE layout; {fix}"
     )
 
 
@@ -803,6 +872,53 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def check_out(out: str, sources, key: str = "--out") -> None:
+    """Refuses an output folder that is a source folder, lies inside one or holds one: its
+    shards would be listed as the source's images, and a split prepared again replaces its
+    shards there. A tar's folder may hold the output (the tar itself is never written)."""
+    where = os.path.realpath(out)
+    for s in sources:
+        src = os.path.realpath(s)
+        if not os.path.isdir(src):
+            continue
+        common = os.path.commonpath([where, src])
+        if common not in (where, src):
+            continue
+        how = "is" if where == src else "is inside" if common == src else "holds"
+        raise ConfigError(
+            f"{key} {out!r} {how} the source folder {s!r}: the prepared shards must not mix "
+            f"with your images; choose a folder outside it (e.g. {src.rstrip(os.sep)}-prepared)"
+        )
+
+
+# What prepare writes in a split's folder: shard files per copy and a sidecar per shard
+# (each also as FILE.tmp while written). Nothing else there is removed.
+def _written_by_prepare(split: str, rel: str) -> bool:
+    parts = rel.split(os.sep)
+    tag = r"\d{5}-of-\d{5}"
+    if len(parts) == 1:
+        return re.fullmatch(rf"{re.escape(split)}-{tag}\.json(\.tmp)?", parts[0]) is not None
+    if len(parts) == 2:
+        pattern = rf"{re.escape(split)}-{re.escape(parts[0])}-{tag}\.tfrecord(\.tmp)?"
+        return re.fullmatch(pattern, parts[1]) is not None
+    return False
+
+
+def _remove_split(out: str, split: str) -> None:
+    """Removes the shards and sidecars of a prepared split, and its folders where that
+    leaves them empty: never a file prepare did not write (a user's, or a source's)."""
+    root = os.path.join(out, split)
+    for top, dirs, names in os.walk(root, topdown=False):
+        for name in names:
+            path = os.path.join(top, name)
+            if _written_by_prepare(split, os.path.relpath(path, root)):
+                os.remove(path)
+        try:
+            os.rmdir(top)
+        except OSError:  # holds something else: kept
+            pass
+
+
 def prepare(
     sources,
     out,
@@ -817,6 +933,8 @@ def prepare(
     train_split="train",
     classes=None,
     allow_empty_classes=False,
+    needed=None,
+    for_run=False,
 ) -> dict:
     """Prepare every split found in ``sources`` into ``out``; returns the merged manifest.
 
@@ -830,6 +948,10 @@ def prepare(
     (or the list ``out`` already has). Every split maps its folders into it by name; a
     folder outside the list is an error, and so is a train class with no usable example
     unless ``allow_empty_classes``.
+
+    ``needed``: ``{config key: split}`` that must be in the sources (or already in ``out``),
+    checked before any work. ``for_run``: a run prepares (its errors name config keys, not
+    this command's options). ``out`` may not be, lie in, or hold a source folder.
     """
     from functools import partial
 
@@ -851,6 +973,7 @@ def prepare(
     for s in sources:
         if not os.path.exists(s):
             raise DataError(f"source {os.path.abspath(s)!r} does not exist")
+    check_out(out, sources, "data.prepared_dir" if for_run else "--out")
     out = os.path.abspath(out)
     try:
         os.makedirs(out, exist_ok=True)
@@ -867,14 +990,23 @@ def prepare(
         manifest = _existing_manifest(out)
         listed = {}
         for source in sources:
-            for name, listing in list_source(source, split, out, staging).items():
+            for name, listing in list_source(source, split, out, staging, for_run).items():
                 if name in listed:
                     raise DataError(
                         f"split {name!r} is in both {listed[name][0]!r} and "
                         f"{source!r}; prepare them into different --out folders"
                     )
                 listed[name] = (os.path.abspath(source), listing)
-        classes, origin, classes_from = _choose_classes(listed, manifest, train_split, classes, out)
+        fix = RUN_FIX if for_run else SPLIT_FIX
+        for key, name in (needed or {}).items():  # before any split is prepared
+            if name not in listed and name not in manifest["splits"]:
+                paths = [os.path.abspath(s) for s in sources]
+                raise one_split_error(listed, name, fix) or missing_split_error(
+                    key, name, paths, listed
+                )
+        classes, origin, classes_from = _choose_classes(
+            listed, manifest, train_split, classes, out, fix
+        )
         relabel = class_change(manifest.get("classes") or classes, classes)
         left = sorted(set(manifest["splits"]) - set(listed))
         if relabel and left:
@@ -900,7 +1032,7 @@ def prepare(
             why = old and (describe_change(old.get("fingerprint"), plan["fingerprint"]) or relabel)
             if why:
                 _note(f"split {name!r} in {out!r} is out of date: {why}; preparing it again")
-                shutil.rmtree(os.path.join(out, name))  # no shard of the old copy may remain
+                _remove_split(out, name)  # no shard of the old copy may remain
                 plan = _plan(*args)
             plans.append(plan)
 

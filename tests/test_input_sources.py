@@ -505,3 +505,82 @@ def test_an_empty_eval_folder_is_said_empty_and_a_wrong_source_leaves_no_cache(
         with pytest.raises(ConfigError, match="neither a folder nor a tar"):
             _make_data(tmp_path / "data.tar", "", on, num_classes=2)
         assert not list((tmp_path / "cache").glob("*")), on  # no lock or empty folder left
+
+
+# ---- a run's data paths: the source's own folder, one split as a source, ~, the plan --------
+
+
+def test_a_run_refuses_a_prepared_dir_in_its_source_before_writing_there(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg()})
+    before = sorted(p for p in src.rglob("*"))
+    for prepared in (src, src / "prep"):
+        c = base_config()
+        c.data.update(name="images", source=str(src), prepared_dir=str(prepared))
+        c.data.update(eval_split="val", num_classes=1)
+        with pytest.raises(ConfigError, match=r"data.prepared_dir '.*' is (inside )?the source"):
+            datasets.ensure_prepared(c.data)
+        c.data.on_device = True
+        with pytest.raises(ConfigError, match=r"data.prepared_dir '.*' is (inside )?the source"):
+            datasets.make_data(c, 0, 1)
+    assert sorted(p for p in src.rglob("*")) == before  # not even a lock file
+
+
+def test_split_folders_as_sources_say_to_point_at_the_folder_above_them(tmp_path, capsys):
+    """data.source=/x/train,/x/val: the training path has no --split to suggest."""
+    src = _tree(tmp_path / "x", {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg()})
+    for on_device in (False, True):
+        c = base_config()
+        c.data.update(name="images", source=f"{src / 'train'},{src / 'val'}")
+        c.data.update(prepared_dir=str(tmp_path / "prep"), eval_split="val", num_classes=1)
+        c.data.on_device = on_device
+        with pytest.raises(ConfigError) as e:
+            datasets.make_data(c, 0, 1)
+        msg = str(e.value)
+        assert "point data.source at the folder that holds train/ and val/" in msg, msg
+        assert "--split" not in msg
+        assert "--split" not in capsys.readouterr().err
+    # prepare's command line keeps its own fix
+    assert prepare_main([str(src / "train"), "--out", str(tmp_path / "o"), "--workers", "1"]) == 2
+    assert "use --split NAME" in capsys.readouterr().err
+
+
+def test_a_missing_eval_split_is_found_before_any_split_is_prepared(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="validation", num_classes=2)
+    with pytest.raises(ConfigError, match=r"data.eval_split='validation' is not a split"):
+        datasets.ensure_prepared(c.data)
+    assert not (tmp_path / "out" / "train").exists()
+    assert not (tmp_path / "out" / records.MANIFEST).exists()
+
+
+def test_a_source_and_prepared_dir_under_home_may_start_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    c = base_config()
+    c.data.update(name="images", source="~/src", prepared_dir="~/out", eval_split="train")
+    assert datasets.ensure_prepared(c.data) == str(tmp_path / "out")
+    assert (tmp_path / "out" / records.MANIFEST).exists()
+
+
+def test_the_plan_line_says_how_many_examples_an_epoch_leaves_out(tmp_path):
+    """Full batches only: 5 examples at batch 2 read 4 an epoch, and the plan says so."""
+    from hybridpar.config.curriculum import describe, plan_stages, stages_from_config
+
+    files = {f"train/{c}/{i}.jpg": _jpeg(seed=i) for c in ("ant", "bee") for i in range(3)}
+    files.pop("train/bee/2.jpg")
+    src = _tree(tmp_path / "src", files)
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="train", num_classes=2, image_size=16)
+    c.global_batch, c.eval_batch, c.num_epochs = 2, 2, 1
+    for on_device in (False, True):
+        c.data.on_device = on_device
+        data = datasets.make_data(c, 0, 1)
+        line = describe(plan_stages(stages_from_config(c, 1), data.steps_for))
+        assert "2 steps (2/epoch)" in line, line
+        assert "4 of 5 examples per epoch (full batches only): a different 1 left out" in line
+    c.global_batch = 5
+    line = describe(plan_stages(stages_from_config(c, 1), data.steps_for))
+    assert "examples per epoch" not in line, line  # every example read

@@ -376,3 +376,15 @@ def test_the_default_limit_on_cpu_is_the_documented_one():
     limit, why = on_device.device_limit(0.0, jax.devices()[0])
     assert limit == on_device.CPU_LIMIT_MB * 2**20 and "reports no memory" in why
     assert on_device.device_limit(64, jax.devices()[0]) == (64 * 2**20, "data.on_device_limit_mb")
+
+
+def test_decoding_shows_progress_and_says_what_it_skipped_and_converted(tmp_path, capsys):
+    """prepare's bar and summary line per split, on the on-device path too."""
+    source = image_folder(tmp_path / "src")
+    (source / "train" / "cat" / "broken.jpg").write_bytes(b"not an image")
+    datasets.make_data(images_config(tmp_path, source), 0, 1)
+    err = capsys.readouterr().err
+    assert "train: 12 examples from " in err and "test: 12 examples from " in err, err
+    assert "; 1 skipped, 6 converted (0 rotated upright by EXIF); " in err  # 6 PNGs
+    assert "; 0 skipped, 6 converted " in err
+    assert "13/13 [" in err and "12/12 [" in err  # the progress bars, done

@@ -504,3 +504,94 @@ def test_16_bit_pngs_are_scaled_to_8_bits(tmp_path):
         # JPEG at quality 95 on smooth ramps: a few levels off at most, none on average.
         assert np.abs(got - want).max() <= 8, name
         assert abs((got - want).mean()) < 1, name
+
+
+# ---- where prepare writes, and what it removes ------------------------------------------------
+
+
+def _files(folder):
+    return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("where", ["source", "inside", "holds"])
+def test_an_out_that_is_in_or_holds_a_source_folder_is_refused(tmp_path, capsys, where):
+    """Preparing into the source folder (twice, the second run finding its own shards as a
+    changed split) deleted every image of the user's train folder."""
+    from hybridpar.input.prepare import main
+
+    src = tmp_path / "ds"
+    for i in range(3):
+        _write(src / "train" / "cat" / f"{i}.jpg", _jpeg(_image(20, 16, seed=i)))
+        _write(src / "val" / "cat" / f"{i}.jpg", _jpeg(_image(20, 16, seed=i)))
+    before = _files(src)
+    args = {
+        "source": [str(src), "--out", str(src)],
+        "inside": [str(src), "--out", str(src / "prepared")],
+        "holds": [str(src / "train"), "--split", "train", "--out", str(src)],
+    }[where]
+    for _ in range(2):
+        assert main([*args, "--workers", "1", "--allow-empty-classes"]) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: --out "), lines
+        how = {"source": "is", "inside": "is inside", "holds": "holds"}[where]
+        assert f"{how} the source folder" in lines[0] and "outside it" in lines[0]
+    assert _files(src) == before and not (src / "prepared").exists()
+
+
+def test_preparing_a_split_again_removes_only_the_files_prepare_wrote(tmp_path, capsys):
+    src = tmp_path / "src"
+    for i in range(5):
+        _write(src / "train" / "cat" / f"{i}.jpg", _jpeg(_image(20, 16, seed=i)))
+    out = tmp_path / "out"
+    kw = {"workers": 1, "progress": False, "examples_per_shard": 2}
+    prepare([src], out, **kw)
+    first = _files(out / "train")
+    assert len([f for f in first if f.endswith(".tfrecord")]) == 3
+    _write(out / "train" / "mine.jpg", b"a file of the user's")
+    _write(out / "train" / "full" / "notes.txt", b"kept")
+    _write(out / "train" / "keep" / "x.jpg", b"kept too")
+    for i in range(5):  # 5 -> 1 file: 3 shards -> 1, so the old ones must go
+        if i:
+            (src / "train" / "cat" / f"{i}.jpg").unlink()
+    manifest = prepare([src], out, **kw)
+    assert "out of date" in capsys.readouterr().err
+    shards = [
+        s["file"].removeprefix("train/")
+        for s in manifest["splits"]["train"]["copies"]["full"]["shards"]
+    ]
+    assert _files(out / "train") == sorted(
+        ["mine.jpg", "full/notes.txt", "keep/x.jpg", "train-00000-of-00001.json", *shards]
+    )
+
+
+def test_images_directly_in_split_folders_are_ignored_counted_and_said(tmp_path, capsys):
+    """A CLASS/FILE folder passed as SPLIT/CLASS/FILE: the images of a class folder read as
+    a split's were dropped silently, and a folder without sub-folders vanished."""
+    src = tmp_path / "train"
+    for i in range(4):
+        _write(src / "cat" / f"{i}.jpg", _jpeg(_image(20, 16, seed=i)))
+        _write(src / "dog" / f"{i}.png", _jpeg(_image(20, 16, seed=i)))
+    _write(src / "cat" / "raw" / "x.jpg", _jpeg(_image(20, 16)))
+    _write(src / "cat" / "notes.txt", b"not counted")
+    out = tmp_path / "out"
+    kw = {"workers": 1, "progress": False}
+    entry = prepare([src], out, train_split="cat", **kw)["splits"]["cat"]
+    assert entry["num_examples"] == 1
+    assert [x["name"] for x in entry["ignored"]] == [f"{i}.jpg" for i in range(4)]
+    err = capsys.readouterr().err
+    assert (
+        f"4 image(s) directly in split folder {str(src / 'cat')!r} are not under a class "
+        f"folder: is {str(src)!r} itself one split? use --split NAME" in err
+    )
+    assert f"4 image(s) directly in split folder {str(src / 'dog')!r}" in err
+    assert f"split folder {str(src / 'dog')!r} holds no image file in a class folder" in err
+    # without --train-split: the fix is --split, not --train-split
+    with pytest.raises(ConfigError) as e:
+        prepare([src], tmp_path / "o2", **kw)
+    assert "use --split NAME" in str(e.value) and "--train-split" not in str(e.value)
+    (src / "cat" / "raw" / "x.jpg").unlink()
+    with pytest.raises(ConfigError, match=r"looks like one split .*use --split NAME"):
+        prepare([src], tmp_path / "o3", **kw)
+    # a real split (CLASS/FILE with --split) reads them all
+    entry = prepare([src], tmp_path / "o4", split="train", **kw)["splits"]["train"]
+    assert entry["num_examples"] == 8 and not entry["ignored"]

@@ -65,6 +65,9 @@ class PlannedStage:
     start_step: int  # global step at which the stage begins
     num_steps: int
     steps_per_epoch: int
+    # the examples an epoch reads from (None: unknown, or a nominal epoch): the full steps
+    # leave the last partial batch's out
+    num_examples: int | None = None
 
     @property
     def end_step(self) -> int:
@@ -236,6 +239,7 @@ def plan_stages(
     """Steps of each stage, given the data's full steps per epoch at a global batch; the
     plan also keeps the data-parallel size the stages were made for (``stages_from_config``)."""
     planned, step, start = [], 0, 0.0
+    num_examples = getattr(steps_per_epoch, "num_examples", None)  # input.datasets.EpochSteps
     for i, st in enumerate(stages):
         spe = steps_per_epoch(st.global_batch)
         if spe == 0:
@@ -244,7 +248,7 @@ def plan_stages(
                 "training split: lower the batch"
             )
         steps = max(int(round((st.end_epoch - start) * spe)), 1 if i == 0 else 0)
-        planned.append(PlannedStage(i, st, start, step, steps, spe))
+        planned.append(PlannedStage(i, st, start, step, steps, spe, num_examples))
         step, start = step + steps, st.end_epoch
     if step > MAX_STEPS:
         raise ConfigError(
@@ -282,8 +286,20 @@ def describe(plan: StagePlan) -> str:
             f"global batch {st.global_batch}, {s.num_steps} steps ({s.steps_per_epoch}/epoch)"
             f", min crop scale {st.min_scale:g}"
             + ("" if st.momentum is None else f", momentum {st.momentum:g}")
+            + _left_out(s.num_examples, s.steps_per_epoch * st.global_batch)
         )
     return "\n".join(lines)
+
+
+def _left_out(num_examples: int | None, read: int) -> str:
+    """'; 64 of 75 examples per epoch, ...' where an epoch's full batches leave examples
+    out ('' where they read all, or the count is unknown)."""
+    if not num_examples or read >= num_examples:
+        return ""
+    return (
+        f"; {read} of {num_examples} examples per epoch (full batches only): a different "
+        f"{num_examples - read} left out each epoch"
+    )
 
 
 __all__ = [
