@@ -11,7 +11,6 @@ same command reuses finished shards, and an interrupted run never leaves a half 
 
 from __future__ import annotations
 
-import argparse
 import collections
 import hashlib
 import io
@@ -1169,10 +1168,14 @@ def _parse_copies(text: str):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m hybridpar.input.prepare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = cli.ArgumentParser(
+        "python -m hybridpar.input.prepare",
+        (
+            "Prepare image folders or tar archives (SPLIT/CLASS/FILE) once into the sharded "
+            "format that data.prepared_dir reads. A rerun of the same command reuses the "
+            "finished shards, so an interrupted run resumes."
+        ),
+        takes_config=False,
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE", help="tar or folder: SPLIT/CLASS/FILE")
     p.add_argument("--out", required=True, help="output folder (shared by all splits)")

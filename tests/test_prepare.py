@@ -422,6 +422,24 @@ def test_files_that_may_be_images_but_are_not_read_are_listed_with_why(tmp_path)
     )
 
 
+@pytest.mark.parametrize("argv", [["--bogus"], ["src", "--out", "o", "--bogus"],
+                                  ["src", "--out", "o", "--workers", "two"]])  # fmt: skip
+def test_a_bad_flag_is_one_error_line_and_help_still_works(tmp_path, capsys, argv):
+    """Plain argparse printed its 11-line usage before the error, unlike every other tool."""
+    from hybridpar.input.prepare import main
+
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / a) if a in ("src", "o") else a for a in argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert "--help" in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m hybridpar.input.prepare")
+    assert "--examples-per-shard" in out and "--out OUT" in out
+
+
 @pytest.mark.parametrize(
     "extra, flag",
     [(["--quality", "80"], "--quality"), (["--serve-ratio", "1.5", "--copies", "full"],

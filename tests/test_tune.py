@@ -201,10 +201,23 @@ def test_space_kinds():
     assert by_key["seed"]["kind"] == "int"
 
 
-def test_lr_range_test(tmp_path, capsys):
+def test_lr_range_test(tmp_path, capsys, monkeypatch):
     c = tiny_digits("data:-1", **{"tune.lr_epochs": 0.5, "tune.lr_min": 1e-3})
     wd = str(tmp_path / "lr")
+    monkeypatch.setattr(tune, "PROGRESS_EVERY_S", 0.0)  # a progress line after every step
     result = tune.lr_range(c, wd)
+    # The trainer's lines go to log.txt: the terminal gets a line as the training starts,
+    # naming that file, and the progress lines (it was silent until the end).
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("LR range test: ") and out[0].endswith(
+        f" steps of optim.base_lr 0.001 -> 10, stopped once the loss diverges "
+        f"(progress: {wd}/log.txt)"
+    ), out[:3]
+    planned = int(out[0].split()[3])
+    assert planned >= result["steps"] and os.path.isfile(os.path.join(wd, "log.txt"))
+    progress = [x.split() for x in out[1:]]
+    assert len(progress) >= 5 and all(x[0] == "step" and x[2] == "epoch" for x in progress)
+    assert [x[1] for x in progress] == [f"{i}/{planned}" for i in range(1, len(progress) + 1)]
     lrs = np.array(result["base_lr"])
     assert result["steps"] >= 5 and len(result["loss"]) == result["steps"]
     ratios = lrs[1:] / lrs[:-1]  # exponential: one ratio from step to step
@@ -249,7 +262,14 @@ def test_search_prunes_and_resumes(tmp_path, capsys):
     assert 1 in trials[1].intermediate_values and 2 not in trials[1].intermediate_values
     with open(os.path.join(wd, "trials", "001", "summary.json")) as f:
         assert json.load(f)["preempted"].startswith("pruned at epoch 0.5")
-    assert "best: trial 0" in out and "--config.optim.base_lr=1.0 " in out + " "
+    best = [x for x in out.splitlines() if x.startswith("best:")]  # one per call
+    assert len(best) == 2 and all(x.startswith("best: trial 0, top1 ") and x.endswith(
+        ": --config.optim.base_lr=1.0") for x in best), best  # fmt: skip
+    # each trial says what it trains and where its trainer's lines go as it starts
+    for n, lr in ((0, "1.0"), (1, "0.0001")):
+        start = f"trial {n}: --config.optim.base_lr={lr} (progress: {wd}/trials/00{n}/log.txt)"
+        assert out.index(start + "\n") < out.index(f"trial {n:>3}  "), out
+        assert os.path.isfile(os.path.join(wd, "trials", f"00{n}", "log.txt"))
     assert os.path.isfile(os.path.join(wd, "search.png"))
     tune.search(c, wd, 2, budget)  # finished: says so, runs nothing
     assert "has finished 2 trials" in capsys.readouterr().out
@@ -315,6 +335,41 @@ def test_no_best_when_no_trial_reached_the_target(tmp_path, capsys):
     tune.write_results(study, c, str(tmp_path / "s"))
     best = [x for x in capsys.readouterr().out.splitlines() if x.startswith("best:")]
     assert best == ["best: none, no trial reached target_top1=0.99"], best
+
+
+def test_the_search_files_are_written_before_the_best_line(tmp_path, monkeypatch):
+    """A SIGTERM after the best: line left search.png unwritten and said the same command
+    continues a finished study. Both files are whole before the table prints, and a stop
+    from then on says the study is finished."""
+    import optuna
+    from optuna.distributions import FloatDistribution
+
+    c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2"})
+    study = optuna.create_study(direction="maximize")
+    for lr, top1 in ((0.1, 0.5), (0.5, 0.7)):
+        study.add_trial(optuna.trial.create_trial(
+            params={"optim.base_lr": lr}, value=top1,
+            distributions={"optim.base_lr": FloatDistribution(1e-4, 2, log=True)}))  # fmt: skip
+    wd = tmp_path / "s"
+    os.makedirs(wd)
+    stop = type("Stop", (), {"message": "stopped; the same command continues the study"})()
+    seen = []  # each printed piece, with the files there and the stop message at that time
+
+    class Terminal:
+        def write(self, text):
+            files = [n for n in ("trials.md", "search.png") if (wd / n).is_file()]
+            seen.append((text, files, stop.message))
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    tune.write_results(study, c, str(wd), stop)
+    monkeypatch.undo()
+    assert any(text.startswith("best: trial 1") for text, _, _ in seen), seen
+    for text, files, message in seen:
+        assert files == ["trials.md", "search.png"], (text, files)
+        assert "the study is finished" in message and "shows them again" in message, message
 
 
 def test_a_stop_outside_a_trials_training_exits_0_and_says_how_to_go_on(tmp_path):

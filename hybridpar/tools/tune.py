@@ -13,10 +13,12 @@ evaluation is below the median of the finished trials' at the same one. The obje
 ``tune.objective``: top-1 at the budget, or the wall time to ``target_top1``. Resumable: the
 study lives in ``DIR/study.db`` and each trial's run in ``DIR/trials/NNN``, so the same
 command continues it (a trial cut off by Ctrl-C or a kill resumes from its checkpoint); a
-larger ``--trials`` adds trials. It prints one line per trial and the best overrides, and
-writes ``DIR/trials.md`` and ``DIR/search.png``.
+larger ``--trials`` adds trials. It prints a line as each trial starts and one as it ends,
+writes ``DIR/trials.md`` and ``DIR/search.png``, then prints the table and the best overrides.
 
-The trials' and the range test's own trainer output goes to their ``log.txt``.
+The trials' and the range test's own trainer output goes to their ``log.txt`` (named in the
+line each prints as it starts); the terminal gets a short progress line every
+``PROGRESS_EVERY_S``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import copy
 import json
 import math
 import os
+import sys
 import time
 
 from hybridpar.config import cli
@@ -243,15 +246,42 @@ def quiet(workdir: str):
             yield
 
 
-def run_trainer(config, workdir: str, hooks_for=lambda run: []) -> tuple[object, dict]:
-    """Sets up and trains ``config`` in ``workdir``; ``hooks_for(run)``: the trainer's hooks
-    (``trainer.Hook``) for the run once set up (its plan known)."""
+PROGRESS_EVERY_S = 60.0  # a run's short progress line on the terminal, at most this often
+
+
+class ProgressLine:
+    """A short line on the terminal (the trainer's own lines go to log.txt) every
+    ``PROGRESS_EVERY_S``: on a real model a trial or a range test trains for hours."""
+
+    def __init__(self, out, plan):
+        self.out, self.plan, self.last = out, plan, time.time()
+
+    def __call__(self, loop, state, metrics, stage) -> None:
+        import jax
+
+        if time.time() - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = time.time()
+        loss = float(jax.device_get(metrics["loss"]))
+        print(f"  step {loop.step}/{self.plan.total_steps}  epoch "
+              f"{self.plan.epoch_at(loop.step):.2f}  loss {loss:.4f}", file=self.out,
+              flush=True)  # fmt: skip
+
+
+def run_trainer(config, workdir: str, hooks_for=lambda run: [], started=lambda run: None):
+    """Sets up and trains ``config`` in ``workdir``: ``(run, summary)``. ``started(run)``:
+    once set up (its plan known), before the training, its prints on the terminal;
+    ``hooks_for(run)``: the trainer's hooks (``trainer.Hook``) for the run."""
     from hybridpar.runtime import trainer
     from hybridpar.runtime.run import setup
 
+    terminal = sys.stdout
     with quiet(workdir):
         r = setup(config, workdir)
-        return r, trainer.train(r, hooks=hooks_for(r))
+    started(r)
+    hooks = [*hooks_for(r), ProgressLine(terminal, r.plan)]
+    with quiet(workdir):
+        return r, trainer.train(r, hooks=hooks)
 
 
 # ---- lr: the range test --------------------------------------------------------------------------
@@ -370,7 +400,14 @@ def lr_range(config, workdir: str) -> dict:
         print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
         return result
     stop = StopOnDivergence()
-    run_trainer(c, workdir, lambda run: [stop])
+
+    def started(run):
+        t = c.tune
+        print(f"LR range test: {run.plan.total_steps} steps of optim.base_lr {t.lr_min:g} -> "
+              f"{t.lr_max:g}, stopped once the loss diverges (progress: {workdir}/log.txt)",
+              flush=True)  # fmt: skip
+
+    run_trainer(c, workdir, lambda run: [stop], started)
     several = jax.process_count() > 1
     if several:  # process 0 writes the records: every process reads them once it is done
         multihost_utils.sync_global_devices("hybridpar: lr range test records written")
@@ -573,6 +610,8 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
                             run.plan.total_steps))  # fmt: skip
         return prunes
 
+    print(f"trial {trial.number}{f' (resumed {sub})' if again else ''}: {overrides(params)} "
+          f"(progress: {workdir}/{sub}/log.txt)", flush=True)  # fmt: skip
     start, note, value = time.time(), "", None
     try:
         _, summary = run_trainer(c, os.path.join(workdir, sub), hooks_for)
@@ -583,7 +622,7 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
         raise type(e)(f"trial {trial.number} ({overrides(params)}): {e}") from None
     seconds = time.time() - start
     trial.set_user_attr("seconds", round(seconds, 1))
-    head = f"trial {trial.number:>3}{f' (resumed {sub})' if again else ''}  {overrides(params)}"
+    head = f"trial {trial.number:>3}"  # its values are on its first line
     pruned = prunes[0].pruned if prunes else None
     if pruned:
         study.tell(trial, state=TrialState.PRUNED)
@@ -616,7 +655,8 @@ def finished(study) -> list:
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]  # fmt: skip
 
 
-def search(config, workdir: str, n_trials: int, budget: float) -> object:
+def search(config, workdir: str, n_trials: int, budget: float, stop=None) -> object:
+    """The study (``stop``: see ``write_results``)."""
     space = check(config, "search")
     study = open_study(config, workdir, budget)
     done = len(finished(study))
@@ -629,11 +669,14 @@ def search(config, workdir: str, n_trials: int, budget: float) -> object:
               f"each; {where}", flush=True)  # fmt: skip
     while len(finished(study)) < n_trials:
         print(run_trial(study, config, space, workdir, budget), flush=True)
-    write_results(study, config, workdir)
+    write_results(study, config, workdir, stop)
     return study
 
 
-def write_results(study, config, workdir: str) -> None:
+def write_results(study, config, workdir: str, stop=None) -> None:
+    """``DIR/trials.md`` and ``DIR/search.png``, then the table and the best trial on stdout.
+    ``stop``: the command's ``StopBetweenRuns``, told once the files are written that a stop
+    leaves nothing to continue."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -654,8 +697,13 @@ def write_results(study, config, workdir: str) -> None:
             f"| {t.number} | {state} | {value} | {' | '.join(cells)} | {seconds} | {note} |"
         )
     table = "\n".join(lines) + "\n"
+    # Both files first: a stop while the lines below print leaves nothing undone.
     with open(os.path.join(workdir, "trials.md"), "w") as f:
         f.write(table)
+    plot_search(study, os.path.join(workdir, "search.png"), name)
+    if stop is not None:
+        stop.message = (f"stopped; the study is finished, its results in {workdir}/trials.md "
+                        "and search.png; the same command shows them again")  # fmt: skip
     print(table, end="")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     best = study.best_trial if complete else None
@@ -663,7 +711,6 @@ def write_results(study, config, workdir: str) -> None:
         print(f"best: none, no trial reached target_top1={config.target_top1:g}")
     elif best is not None:
         print(f"best: trial {best.number}, {name} {best.value:.4f}: {overrides(best.params)}")
-    plot_search(study, os.path.join(workdir, "search.png"), name)
     print(f"wrote {workdir}/trials.md and {workdir}/search.png")
 
 
@@ -709,11 +756,11 @@ def main(argv=None) -> None:
     from hybridpar.runtime.signals import StopBetweenRuns
 
     # from the first line: a stop outside a trial's training exits 0 (its loop saves)
-    with StopBetweenRuns("stopped; the same command continues the study or the test"):
-        _main(argv)
+    with StopBetweenRuns("stopped; the same command continues the study or the test") as stop:
+        _main(argv, stop)
 
 
-def _main(argv) -> None:
+def _main(argv, stop) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.tune",
         (
@@ -755,7 +802,7 @@ def _main(argv) -> None:
             print_lr_range(lr_range(config, args.workdir), args.workdir)
             return
         try:
-            search(config, args.workdir, args.trials, args.budget_epochs)
+            search(config, args.workdir, args.trials, args.budget_epochs, stop)
         except KeyboardInterrupt as e:
             print(f"stopped: {e or 'interrupted'}; the same command continues the study")
 
