@@ -72,11 +72,20 @@ stall). Over the seeds: the median, min and max of each speedup, each seed's row
 ``--out``/curriculum_tta.json, and ``python -m hybridpar.report`` on each pair
 (seedS/report.png and .md).
 
-The last line starts with ``tta_speedup_80=`` (the median over the seeds of fixed's time to
-``--target`` over the curriculum's), then ``tta_speedup_80_min=``, ``tta_speedup_80_max=``
-and ``seeds=``, then the same on the steady clock (``tta_speedup_80_steady=`` ...) and on
-the priced clock (``tta_speedup_80_priced=`` ...), and ends with the calibrated step costs
-(``step_s_24x512=`` ...: image size x global batch). Data:
+The last line starts with the figure to read, ``tta_speedup_80_priced=`` (the median over
+the seeds of fixed's time to ``--target`` over the curriculum's, on the priced clock), then
+``tta_speedup_80_priced_min=``, ``tta_speedup_80_priced_max=`` and ``seeds=``, then the
+same on the steady clock (``tta_speedup_80_steady=`` ...) and on the wall clock
+(``tta_speedup_80_wall=`` ...), then each run's own median over the seeds
+(``curriculum_tta_s_median=``, ``fixed_tta_s_median=``: wall seconds to ``--target``, each
+over its own seeds, so their ratio is no speedup; the final top-1 the same way), and ends
+with the calibrated step costs (``step_s_24x512=`` ...: image size x global batch).
+
+A run that never reached a target (too few ``--epochs`` for it) gets a ``warning:`` line
+on stderr naming the target, the runs and their seeds, and what to change (more
+``--epochs``, or a lower ``--target``); its speedups there are 0, inf or nan. Exit code 0,
+or 3 where no run of any pair reached ``--target`` (every speedup to it nan; a line on
+stderr says so, after the last line), 2 for bad input. Data:
 the JPEG tars in ``$HYBRIDPAR_DATA`` (default ``../shared/data``),
 prepared on first use into ``~/.cache/hybridpar``. Three pairs of the cpu variant at its 8
 epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's stages scaled),
@@ -123,6 +132,9 @@ REUSED = "reused.json"  # in seedS/, with --fixed-from: where its fixed run's re
 # The calibration: each shape trained for --calibration-steps steps, in turn, this many times,
 # by two runs side by side (the second in the reverse order), in --out/calibration_SHAPES.
 CALIBRATION_ROUNDS = 3
+# The exit code where no pair's runs reached --target (as hybridpar.compress's for a budget
+# not reached): every speedup to it is nan.
+NOT_REACHED = 3
 RECORDS = ("config.json", "metrics.jsonl", "summary.json", "evaluator/metrics.jsonl")
 
 
@@ -513,6 +525,31 @@ def seconds(reached: dict | None) -> str:
             + (f"; priced {priced:.1f} s)" if priced is not None else ")"))  # fmt: skip
 
 
+def unreached(pairs: list[dict], targets: list[float], epochs: float,
+              recipe_epochs: float) -> list[str]:  # fmt: skip
+    """A ``warning:`` line per target some run did not reach (``targets[0]``: --target, then
+    the recipe's): which runs, in which seeds, their best final top-1, and what to change."""
+    lines = []
+    for i, t in enumerate(targets):
+        missed = {n: [p["seed"] for p in pairs if p[n]["tta"][f"{t:g}"] is None] for n in NAMES}
+        missed = {n: seeds for n, seeds in missed.items() if seeds}
+        if not missed:
+            continue
+        runs = " and ".join(f"{n} (seed{'s' if len(s) > 1 else ''} {', '.join(map(str, s))})"
+                            for n, s in missed.items())  # fmt: skip
+        finals = [p[n]["final_top1"] for p in pairs for n in missed if p["seed"] in missed[n]]
+        finals = [v for v in finals if not math.isnan(v)]
+        best = f", final top-1 at most {max(finals):.4f}" if finals else ""
+        what = "--target" if i == 0 else "the recipe's target"
+        longer = f"train longer (--epochs, now {epochs:g}; the recipe's {recipe_epochs:g})"
+        lines.append(
+            f"warning: top-1 {t:g} ({what}) never reached by {runs}{best}: the speedups to it "
+            f"there are nan (neither run), 0 or inf; "
+            + (f"{longer} or pass a lower --target" if i == 0 else longer)
+        )
+    return lines
+
+
 def key_of(target: float) -> str:
     return f"{round(target * 100):d}"
 
@@ -720,27 +757,30 @@ def main(argv=None) -> None:
         if pair["reused"]:
             print(f"  fixed: the records of {pair['reused']['fixed']} (--fixed-from; not side "
                   "by side: read the priced clock)")  # fmt: skip
-        print("  speedup " + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items())
+        print("  speedup on the priced clock "
+              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in priced.items())
               + "; on the steady clock "
               + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in steady.items())
-              + "; on the priced clock "
-              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in priced.items()))  # fmt: skip
+              + "; on the wall clock "
+              + ", ".join(f"to {k}: {v[i]:.3f}" for k, v in per_seed.items()))  # fmt: skip
         for s in pair["curriculum"]["stalls"]:
             note = f" ({', '.join(s['between'])} in between)" if s["between"] else ""
             print(f"  stage switch after step {s['at_step']}: {s['gap_s']:.3f} s between "
                   f"steps, {s['after_switch_s']:.3f} s from the switch to the next step, "
                   f"median step {s['median_step_s']} s{note}")  # fmt: skip
     fields = []
-    # the wall clock's, then the steady clock's (training_clock says what it is)
-    for speedups, suffix, where in ((per_seed, "", f"over {len(seeds)} seeds"),
+    # the priced clock's first: the figure to read (the module's docstring says why), then the
+    # steady clock's and the wall clock's
+    for speedups, suffix, where in ((priced, "_priced", "on the priced clock"),
                                     (steady, "_steady", "on the steady clock"),
-                                    (priced, "_priced", "on the priced clock")):  # fmt: skip
+                                    (per_seed, "_wall", "on the wall clock")):  # fmt: skip
         for t in targets:
             med, lo, hi = spread(speedups[f"{t:g}"])
             k = f"tta_speedup_{key_of(t)}{suffix}"
             fields.append(f"{k}={med:.3f} {k}_min={lo:.3f} {k}_max={hi:.3f}")
-            print(f"speedup to {t:g} {where}: median {med:.3f}, min {lo:.3f}, max {hi:.3f}")
-            if t == targets[0] and not suffix:
+            print(f"speedup to {t:g} {where} over {len(seeds)} seeds: median {med:.3f}, "
+                  f"min {lo:.3f}, max {hi:.3f}")  # fmt: skip
+            if t == targets[0] and suffix == "_priced":
                 fields.append(f"seeds={len(seeds)}")
 
     def median_of(name, get):
@@ -758,10 +798,12 @@ def main(argv=None) -> None:
 
     print(
         *fields,
-        f"curriculum_tta_s={median_of('curriculum', tta_s):.1f}",
-        f"fixed_tta_s={median_of('fixed', tta_s):.1f}",
-        f"curriculum_final_top1={median_of('curriculum', lambda r: r['final_top1']):.4f}",
-        f"fixed_final_top1={median_of('fixed', lambda r: r['final_top1']):.4f}",
+        # each run's median over the seeds on its own: not a pair, so no ratio of them is a
+        # speedup (the tta_speedup_ keys are)
+        f"curriculum_tta_s_median={median_of('curriculum', tta_s):.1f}",
+        f"fixed_tta_s_median={median_of('fixed', tta_s):.1f}",
+        f"curriculum_final_top1_median={median_of('curriculum', lambda r: r['final_top1']):.4f}",
+        f"fixed_final_top1_median={median_of('fixed', lambda r: r['final_top1']):.4f}",
         f"switch_gap_s={median_of('curriculum', first_stall('gap_s')):.3f}",
         f"median_step_s={median_of('curriculum', first_stall('median_step_s')):.3f}",
         f"checkpoint_every_epochs={every_epochs:.3f} variant={args.variant} epochs={epochs:g}",
@@ -769,6 +811,15 @@ def main(argv=None) -> None:
         *([f"fixed_reused={sum(bool(p['reused']) for p in pairs)}"] if fixed_from else []),
         *(f"step_s_{k[0]}x{k[1]}={v:.6g}" for k, v in sorted(costs.items())),
     )
+    for line in unreached(pairs, targets, epochs, recipe_epochs):
+        print(line, file=sys.stderr, flush=True)
+    if all(math.isnan(v) for v in per_seed[f"{targets[0]:g}"]):  # no pair has a speedup
+        print(
+            f"target not reached: no run of the {len(seeds)} pair(s) reached top-1 "
+            f"{targets[0]:g} (--target); every speedup to it is nan",
+            file=sys.stderr,
+        )
+        sys.exit(NOT_REACHED)
 
 
 if __name__ == "__main__":

@@ -6,22 +6,38 @@ number of arrays, when the step itself computes next to nothing.
 
 428 arrays: ResNet-50's 161 parameters, their 161 momentum buffers and 106 BatchNorm
 statistics. Prints each repeat's microseconds per step, then ``floor_us=`` (the fastest).
+A count under 1: one ``error:`` line, exit code 2. Measured figures:
+``bench/results/step_floor/NOTES.md``.
 """
 
 import argparse
 import os
 import time
 
+from hybridpar.config import cli  # JAX-free: a bad flag is refused before JAX loads
+
+
+def positive_int(text: str) -> int:
+    """``type=`` of the counts: a whole number >= 1 (0 steps or repeats time nothing)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+p = cli.ArgumentParser("python bench/step_floor.py", __doc__.splitlines()[0], takes_config=False)
+p.add_argument("--arrays", type=positive_int, default=161 + 161 + 106)
+p.add_argument("--steps", type=positive_int, default=200, help="steps per repeat")
+p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats (the fastest)")
+args = p.parse_args()
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
-p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-p.add_argument("--arrays", type=int, default=161 + 161 + 106)
-p.add_argument("--steps", type=int, default=200)
-p.add_argument("--repeats", type=int, default=5)
-args = p.parse_args()
 
 state = [jnp.zeros((4,), jnp.float32) for _ in range(args.arrays)]
 batch = jnp.zeros((8, 4), jnp.float32)

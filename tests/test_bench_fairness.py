@@ -437,6 +437,52 @@ def test_curriculum_tta_speedups_per_seed_and_their_spread():
     assert all(math.isnan(v) for v in tta.spread([math.nan]))
 
 
+def test_curriculum_tta_warns_of_each_target_a_run_never_reached():
+    """One warning: line per target some run missed, naming the runs and their seeds and
+    what to change; none for a target every run reached. Planted bugs that fail it: no
+    warning, or a run that reached it named."""
+
+    def row(reached_80, reached_85, top1):
+        return {
+            "tta": {
+                "0.8": {"s": 1.0} if reached_80 else None,
+                "0.85": {"s": 2.0} if reached_85 else None,
+            },
+            "final_top1": top1,
+        }
+
+    pairs = [
+        {"seed": 0, "curriculum": row(True, False, 0.84), "fixed": row(True, True, 0.86)},
+        {"seed": 1, "curriculum": row(True, False, 0.83), "fixed": row(True, False, 0.82)},
+    ]
+    (line,) = tta.unreached(pairs, [0.8, 0.85], 8.0, 8.0)
+    assert line.startswith("warning: top-1 0.85 (the recipe's target) never reached by "
+                           "curriculum (seeds 0, 1) and fixed (seed 1), final top-1 at most "
+                           "0.8400")  # fmt: skip
+    assert "train longer (--epochs, now 8" in line
+    for p in pairs:
+        p["curriculum"]["tta"]["0.8"] = None
+    first = tta.unreached(pairs, [0.8, 0.85], 0.2, 8.0)[0]
+    assert first.startswith("warning: top-1 0.8 (--target) never reached by curriculum "
+                            "(seeds 0, 1),")  # fmt: skip
+    assert "(--epochs, now 0.2; the recipe's 8) or pass a lower --target" in first
+    for p in pairs:
+        for n in tta.NAMES:
+            p[n]["tta"] = {"0.8": {"s": 1.0}, "0.85": {"s": 2.0}}
+    assert tta.unreached(pairs, [0.8, 0.85], 8.0, 8.0) == []
+
+
+def test_step_floor_refuses_counts_under_one_with_one_error_line():
+    """--steps 0 and --repeats 0 time nothing: one error: line and exit code 2, not a
+    ZeroDivisionError or min() of nothing. Planted bug that fails it: type=int."""
+    for flag in ("--steps", "--repeats", "--arrays"):
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "step_floor.py"), flag, "0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.startswith(f"error: argument {flag}: '0' must be 1 or more"), r.stderr
+        assert len(r.stderr.splitlines()) == 1 and "floor_us" not in r.stdout
+
+
 def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeypatch, capsys):
     """One evaluator per run: the bench's own waits for one that holds the run's records."""
     from hybridpar.runtime import workdir_lock
@@ -521,7 +567,8 @@ def test_curriculum_tta_plumbing(tmp_path):
     it reuses the finished pairs, unless their settings differ. Planted bugs that fail it:
     the seed not passed to the runs, the evaluator not run, the last line's median from the
     first seed only, a finished pair reused whatever its commands, the commands recorded with
-    --out's absolute path. A pair stopped while training resumes its unfinished run."""
+    --out's absolute path, the wall clock's speedup first on the last line, exit code 0 where
+    no run reached --target. A pair stopped while training resumes its unfinished run."""
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
@@ -607,11 +654,16 @@ def test_curriculum_tta_plumbing(tmp_path):
     # curriculum seed 0 against seed 1, fixed seed 0 against seed 1
     assert first_losses[0] != first_losses[2] and first_losses[1] != first_losses[3]
     fields = dict(kv.split("=") for kv in last.split())
-    assert last.startswith("tta_speedup_1=") and fields["seeds"] == "2"
-    assert float(fields["tta_speedup_1"]) == pytest.approx(sum(speedups) / 2, abs=2e-3)
-    assert float(fields["tta_speedup_1_min"]) == pytest.approx(min(speedups), abs=1e-3)
-    assert float(fields["tta_speedup_1_max"]) == pytest.approx(max(speedups), abs=1e-3)
-    assert fields["tta_speedup_85"] == "nan"  # random labels: never reached
+    # the priced clock's first: the figure to read
+    assert last.startswith("tta_speedup_1_priced=") and fields["seeds"] == "2"
+    assert float(fields["tta_speedup_1_wall"]) == pytest.approx(sum(speedups) / 2, abs=2e-3)
+    assert float(fields["tta_speedup_1_wall_min"]) == pytest.approx(min(speedups), abs=1e-3)
+    assert float(fields["tta_speedup_1_wall_max"]) == pytest.approx(max(speedups), abs=1e-3)
+    assert fields["tta_speedup_85_wall"] == "nan"  # random labels: never reached
+    assert "warning: top-1 0.85 (the recipe's target) never reached by curriculum (seeds 0, 1)" \
+        in r.stderr  # fmt: skip
+    # each run's median over the seeds on its own, said so
+    assert {"curriculum_tta_s_median", "fixed_tta_s_median"} <= set(fields)
     assert float(fields["tta_speedup_1_steady_min"]) <= float(fields["tta_speedup_1_steady"])
     # The calibration: two runs, the shapes in turn for the steps asked (the second in the
     # reverse order), made once. The priced clock at the first checkpoint (step 1) is one
@@ -644,3 +696,19 @@ def test_curriculum_tta_plumbing(tmp_path):
     refused = bench(*other, "--fixed-set", "data.translate=1")
     assert refused.returncode == 2 and "holds no finished pair whose fixed run" in refused.stderr
     assert "calibration" not in refused.stdout
+    # Where no run reached --target (the same pairs with every evaluation at 0 top-1): a
+    # warning that says so and what to change, and exit code 3, not 0 with nan everywhere.
+    missed = tmp_path / "missed"
+    shutil.copytree(out, missed, ignore=shutil.ignore_patterns("checkpoints"))
+    for f in missed.glob("seed*/*/**/metrics.jsonl"):
+        lines = [json.loads(line) for line in f.read_text().splitlines()]
+        f.write_text("".join(json.dumps({**r, "top1": 0.0} if r["event"] == "eval" else r)
+                             + "\n" for r in lines))  # fmt: skip
+    r = bench(*[str(missed) if a == str(out) else a for a in argv])
+    assert r.returncode == tta.NOT_REACHED == 3, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "hybridpar.train" not in r.stdout
+    assert r.stdout.strip().splitlines()[-1].startswith("tta_speedup_1_priced=nan ")
+    assert (
+        "warning: top-1 0.01 (--target) never reached by curriculum (seeds 0, 1) and "
+        "fixed (seeds 0, 1)"
+    ) in r.stderr and "or pass a lower --target" in r.stderr

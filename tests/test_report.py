@@ -496,3 +496,21 @@ def test_a_run_stopped_between_train_lines_shows_the_summarys_epoch(tmp_path):
     (w / "summary.json").write_text(json.dumps(summary))
     got = report.row("stopped", report.read_run(str(w)), {})
     assert (got["steps"], round(got["epochs"], 2), got["status"]) == (23, 1.05, "error")
+
+
+def test_a_batch_that_differs_between_runs_is_named_once_in_the_title(tmp_path):
+    """Two runs without stages at global batch 64 and 32: the config key ``global_batch``
+    and the schedule's global batch are the same figure, listed once (the schedule's).
+    Planted bug that fails it: the config keys listed whatever the schedule lists."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    for name, per_device in (("digits", 8), ("digits_b", 4)):
+        config_run(tmp_path / name, f"4:24-{per_device}")
+        c = json.loads((tmp_path / name / "config.json").read_text())
+        c["stages"], c["global_batch"], c["data"]["image_size"] = "", per_device * 8, 24
+        (tmp_path / name / "config.json").write_text(json.dumps(c))
+    runs = [(n, report.read_run(str(tmp_path / n))) for n in ("digits", "digits_b")]
+    title = report.figure(runs)._suptitle.get_text().replace("\n", " ")
+    assert "global batch (digits 64, digits_b 32)" in title
+    assert "global_batch" not in title and title.count("64") == 1, title

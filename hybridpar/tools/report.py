@@ -14,8 +14,9 @@ each stage's change a step, with the logged values as dots (at the epoch where t
 used each began). Only panels some run has data for, rows filled (no empty slot). The
 title, wrapped to the figure's width, names the config keys that differ between runs and
 the schedule series a run holds fixed: once where every run holds the same value, per run
-where not. Prints a markdown table of the runs (name, epochs, steps, best top-1 and
-top-5, time to target, wall, compile, images/s) and writes it beside the PNG (the same path
+where not (and then not its config key as well: ``global_batch`` is the global batch).
+Prints a markdown table of the runs (name, epochs, steps, best top-1 and top-5, time to
+target, wall, compile, images/s) and writes it beside the PNG (the same path
 with ``.md``); compile time, as summary.json counts it, is what the run waited for
 (``run_records.waited_s``). Time to target is the first eval at or over it
 among all the run's eval records, the evaluator's too, for summary.json's targets and for
@@ -126,6 +127,9 @@ MARKERS = "os^vD<>ph*"  # one per run, so runs stay apart where their lines over
 LINES = ("-", "--", "-.", ":")
 SCHEDULE = ("learning rate", "momentum", "global batch", "image size (px)")
 LOGGED = {"learning rate": "lr", "momentum": "momentum"}  # train lines' fields
+# The config key behind a schedule series (where the run has no stages; with stages, the
+# series is what it trained at): listed per run, the series says it, the key need not.
+CONFIG_KEY = {"global batch": "global_batch", "image size (px)": "data.image_size"}
 
 
 def schedule(run: RunRecords) -> dict[str, tuple]:
@@ -365,8 +369,7 @@ def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
                      "hollow the evaluator's"
                      + ("; dotted lines: stage switches" if any(len(r.stage) > 1 for _, r in runs)
                         else ""))  # fmt: skip
-    differ = differing_keys(runs)
-    fixed, per_run = [], []
+    fixed, per_run, said = [], [], set()
     for k in SCHEDULE:
         if k in shown:
             continue
@@ -375,6 +378,9 @@ def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
             fixed.append(f"{k} {next(iter(values.values())):g}")
         elif values:
             per_run.append(f"{k} (" + ", ".join(f"{n} {v:g}" for n, v in values.items()) + ")")
+            said.add(CONFIG_KEY.get(k))
+    # a config key whose schedule series is already listed per run is not listed again
+    differ = differing_keys(runs, skip=said)
     if differ or per_run:
         lines.append("runs differ in: " + "; ".join(differ + per_run))
     if fixed:
@@ -382,13 +388,14 @@ def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
     return "\n".join(lines)
 
 
-def differing_keys(runs, most: int = 4) -> list[str]:
+def differing_keys(runs, most: int = 4, skip=()) -> list[str]:
     """``key (run value, run value)`` for the config.json keys whose values differ between
-    runs (a run without config.json takes no part), the first ``most`` of them."""
+    runs (a run without config.json takes no part), the first ``most`` of them, leaving out
+    the keys in ``skip``."""
     flat = {n: flatten(r.config) for n, r in runs if r.config}
     if len(flat) < 2:
         return []
-    keys = sorted({k for c in flat.values() for k in c})
+    keys = sorted({k for c in flat.values() for k in c} - set(skip))
     differ = [k for k in keys if len({repr(c.get(k)) for c in flat.values()}) > 1]
 
     def short(v):
