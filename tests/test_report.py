@@ -170,6 +170,17 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     assert (tmp_path / "empty" / "metrics.jsonl").read_text() == "mine\n"
 
 
+def test_an_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
+    """A run read where its report cannot be written (a read-only copy; here a folder that
+    is a file): one error line naming the path and --out, not a traceback. Planted bug that
+    fails it: the writes left unguarded."""
+    curriculum_run(tmp_path / "a")
+    (tmp_path / "file").write_text("mine\n")
+    line = error_line(capsys, [str(tmp_path / "a"), "--out", str(tmp_path / "file" / "r.png")])
+    assert "cannot write" in line and "--out" in line, line
+    assert (tmp_path / "file").read_text() == "mine\n"
+
+
 def test_without_out_the_report_goes_in_the_first_workdir(tmp_path, monkeypatch, capsys):
     curriculum_run(tmp_path / "a")
     resumed_run(tmp_path / "b")

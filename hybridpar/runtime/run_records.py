@@ -284,14 +284,14 @@ def read_run(workdir: str) -> RunRecords:
     ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError."""
     if not os.path.isdir(workdir):
         raise ConfigError(
-            f"no workdir {workdir!r}: pass the --workdir of a training run "
-            "(python -m hybridpar.train --workdir W)"
+            f"no workdir {workdir!r}: pass the workdir of a training run (the --workdir "
+            "given to python -m hybridpar.train)"
         )
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise ConfigError(
-            f"{workdir!r} has no metrics.jsonl: pass the --workdir of a training run (the "
-            "trainer writes W/metrics.jsonl once its set-up is done)"
+            f"{workdir!r} has no metrics.jsonl: pass the workdir of a training run (the "
+            "trainer writes WORKDIR/metrics.jsonl once its set-up is done)"
         )
     kinds: dict[str, list[Any]] = {"train": [], "compile": [], "checkpoint": []}
     evals, stages = {}, {}

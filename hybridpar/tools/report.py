@@ -33,6 +33,7 @@ import re
 import statistics
 
 from hybridpar.config import cli
+from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import pyplot
 from hybridpar.runtime.run_records import TIME_PARTS, RunRecords, read_run
 
@@ -449,12 +450,18 @@ def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
     """Reads the runs, writes ``out`` (PNG) and its ``.md`` table; returns the table.
     ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``."""
     runs = list(zip(names(workdirs), [read_run(w) for w in workdirs]))
-    if os.path.dirname(out):
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-    plot(runs, out)
     table = markdown([row(name, run, asked or {}) for name, run in runs])
-    with open(os.path.splitext(out)[0] + ".md", "w") as f:
-        f.write(table)
+    try:  # a finished run is often read from a read-only copy
+        if os.path.dirname(out):
+            os.makedirs(os.path.dirname(out), exist_ok=True)
+        plot(runs, out)
+        with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            f.write(table)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot write {e.filename or out!r} ({e.strerror or e}): pass --out "
+            "FOLDER/report.png in a folder you can write"
+        ) from None
     return table
 
 
