@@ -303,6 +303,11 @@ def test_a_truncated_checkpoints_warning_is_one_short_line(runs, capsys):
 def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_errors(runs, tmp_path):
     with pytest.raises(ConfigError, match=r"holds a run of another config: seed was 0, now 1"):
         setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)
+    # the error names every key that may change without the flag (it left out the free ones)
+    free = (r"only log_every_s, checkpoint\.\*, .*compile_cache, mesh, partitioning\.\*, "
+            r".*data\.threads may change without it")
+    with pytest.raises(ConfigError, match=free):
+        setup(tiny_digits(seed=1), str(runs["full"]), with_data=False)
     # keys that change no number may differ; an explicit override lets the others
     assert setup(tiny_digits(log_every_s=9.0), str(runs["full"]), with_data=False).finished
     # a key added since the run began (absent from its config.json) is no difference while
@@ -321,6 +326,10 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     with pytest.raises(ConfigError, match="checkpoint directory .* is not writable"):
         setup(tiny_digits(**{"checkpoint.dir": str(blocker / "sub")}), str(tmp_path / "w"))
     assert not (tmp_path / "w" / "metrics.jsonl").exists()
+    # a workdir that is a file: said so (it was "not writable (File exists)")
+    with pytest.raises(ConfigError, match=r"workdir '.*file' is a file, not a folder; pass"):
+        setup(tiny_digits(), str(blocker), with_data=False)
+    assert blocker.read_text() == "x"
 
 
 def test_checkpoints_in_another_directory_are_an_error_not_a_fresh_start(
@@ -346,6 +355,45 @@ def test_checkpoints_in_another_directory_are_an_error_not_a_fresh_start(
     # the control: named where they are, the run is found (finished)
     moved = tiny_digits(**{"checkpoint.dir": str(w / "checkpoints")})
     assert setup(moved, str(w), with_data=False).finished
+    # with config.json edited, the moved checkpoints are still what is said: the config
+    # was compared with config.json first (no checkpoint there to compare with)
+    text = (w / "config.json").read_text()
+    edited = json.loads(text)
+    edited["optim"]["base_lr"] = 0.9
+    (w / "config.json").write_text(json.dumps(edited))
+    try:
+        with pytest.raises(ConfigError, match=f"saved its checkpoints in {where} "):
+            setup(tiny_digits(**{"checkpoint.dir": str(elsewhere)}), str(w), with_data=False)
+    finally:
+        (w / "config.json").write_text(text)
+
+
+def test_a_copied_workdir_is_never_sent_to_write_into_the_original(runs, tmp_path):
+    """The records name absolute paths: in a copy (cp -r d1 d1f) they name the original's
+    checkpoints, and the error told the copy to pass --config.checkpoint.dir=.../d1/
+    checkpoints, so it trained on in the original run's folder. Planted bug that fails it:
+    the advice built from the records' path alone."""
+    import re
+
+    full = runs["full"]
+    copy = tmp_path / "d1f"
+    shutil.copytree(full, copy)
+    # its own copy of the checkpoints, with another checkpoint.dir: the copy's folder
+    other = tiny_digits(**{"checkpoint.dir": str(tmp_path / "elsewhere")})
+    own = (r"this workdir holds its own copy of that folder: pass "
+           r"--config.checkpoint.dir=checkpoints \(under --workdir\)")
+    with pytest.raises(ConfigError, match=own):
+        setup(other, str(copy), with_data=False)
+    # none copied: the original's folder is named as another run's, with the way on
+    shutil.rmtree(copy / "checkpoints")
+    (copy / "checkpoints").mkdir()
+    with pytest.raises(ConfigError) as e:
+        setup(tiny_digits(), str(copy), with_data=False)
+    said = str(e.value)
+    original = re.escape(str(full / "checkpoints"))
+    assert re.search(f"that folder is another run's, in {re.escape(str(full))} ", said), said
+    assert re.search(f"cp -r {original}/. {re.escape(str(copy / 'checkpoints'))}/", said)
+    assert not re.search(f"pass --config.checkpoint.dir={original}", said)
 
 
 def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_path):
@@ -522,6 +570,48 @@ def test_the_run_s_config_is_its_checkpoint_s_not_a_hand_edited_config_json(
     resumed = trainer.train(dataclasses.replace(again(run, w), config=edited))  # allowed
     assert resumed["resumed_from"] == STOP
     assert [r["changed_keys"] for r in records(w, "resume")] == [["optim.base_lr"]]
+
+
+def test_a_changed_start_stopped_before_its_first_step_leaves_config_json_as_it_was(
+    runs, tmp_path, capsys, monkeypatch
+):
+    """Resumed with --allow-config-change (optim.base_lr 0.4 -> 0.8) and stopped in its
+    set-up, a start wrote config.json with 0.8, which no checkpoint holds: the next plain
+    command warned that config.json disagrees with the checkpoint. config.json changes at
+    the changed start's first checkpoint now. And a stop in that set-up said "nothing to
+    save; the same command starts the run", where it resumes from the checkpoint. Planted
+    bugs that fail it: record_config writing at once; no note_resume in set-up."""
+    from hybridpar.runtime import signals
+
+    run = runs["run"]
+    w = tmp_path / "w"
+    trainer.train(again(run, w), hooks=[SigtermAt(STOP)])  # stopped with a checkpoint
+    changed = tiny_digits(**{"optim.base_lr": 0.8})
+    early = signals.EarlyStop()  # as the train command installs it
+    try:
+        setup(changed, str(w), with_data=False, allow_config_change=True).lock.release()
+        assert early.resumes == (STOP, str(w / "checkpoints"))
+    finally:
+        early.restore()
+
+    def stopped(*args):
+        raise RuntimeError("stopped while compiling")
+
+    monkeypatch.setattr(trainer, "compile_all", stopped)
+    with pytest.raises(RuntimeError, match="stopped while compiling"):
+        trainer.train(dataclasses.replace(again(run, w), config=changed))
+    monkeypatch.undo()
+    assert json.loads((w / "config.json").read_text())["optim"]["base_lr"] == 0.4
+    # the changed start that saves: config.json names the change from that checkpoint on
+    capsys.readouterr()
+    out = trainer.train(dataclasses.replace(again(run, w), config=changed),
+                        hooks=[SigtermAt(STOP + 1)])  # fmt: skip
+    assert out["latest_checkpoint"] == STOP + 1
+    assert json.loads((w / "config.json").read_text())["optim"]["base_lr"] == 0.8
+    # a resumed start says how many steps are left, not only the run's total
+    n, said = run.plan.total_steps, capsys.readouterr().out
+    assert f"training {n} steps in all (" in said
+    assert f"), {n - STOP} to go from step {STOP}\n" in said
 
 
 def test_a_stop_inside_the_second_stage_resumes_bitwise_equal_to_the_uninterrupted_run(

@@ -168,6 +168,9 @@ def test_missing_config_and_unwritable_workdir(tmp_path):
     r = _run(["--config", DIGITS, "--workdir", str(blocker / "sub")])
     assert r.returncode == 2 and "is not writable" in r.stderr
     assert "Traceback" not in r.stderr
+    r = _run(["--config", DIGITS, "--workdir", str(blocker)])  # was "(File exists)"
+    assert r.returncode == 2 and f"workdir '{blocker}' is a file, not a folder" in r.stderr
+    assert "Traceback" not in r.stderr and blocker.read_text() == "x"
 
 
 @pytest.mark.parametrize("kind", ["ConfigError", "DataError", "WorkdirError", "NonFinite",
@@ -417,6 +420,64 @@ def test_a_second_signal_stops_at_once_in_one_line_without_a_traceback(sig):
         "and the same command resumes from that checkpoint in /runs/x/checkpoints (from "
         "step 0 if there is none yet)"
     )
+
+
+@pytest.mark.parametrize("before", ["default_int_handler", "SIG_IGN"])
+def test_two_signals_while_the_main_thread_waits_in_native_code_stop_at_once(before):
+    """Python runs a handler only once the main thread is back in Python: two Ctrl-C during
+    a slow step (the main thread waiting in XLA) ran it once, and the run went on to save at
+    the next step and exit 0. Here the main thread waits in C (a key derivation that takes
+    minutes and never looks at signals, as a step in XLA), while another thread sends the
+    signals; each arrival counts, the first says its line then, the second stops at once.
+    SIGINT ignored before (a background job of a script) is no reason to ignore the second."""
+    script = (
+        "import hashlib, os, signal, threading, time\n"
+        "from hybridpar.runtime import signals\n"
+        f"signal.signal(signal.SIGINT, signal.{before})\n"
+        "signals.EarlyStop()\n"
+        "signals.Preemption('/runs/x/checkpoints').install()\n"
+        "def send():\n"
+        "    time.sleep(1)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
+        "    os._exit(3)  # not stopped: the second signal was lost\n"
+        "threading.Thread(target=send, daemon=True).start()\n"
+        "hashlib.pbkdf2_hmac('sha256', b'x', b'y', 2**31 - 1)\n"
+        "print('returned')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 128 + signal.SIGINT, (r.returncode, r.stdout, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert r.stdout.splitlines() == [
+        "SIGINT: saving a checkpoint at the next step boundary, then stopping (send SIGINT "
+        "again to stop at once)",
+        "SIGINT again: stopped at once; the steps since the last checkpoint are not saved, "
+        "and the same command resumes from that checkpoint in /runs/x/checkpoints (from "
+        "step 0 if there is none yet)",
+    ]
+
+
+def test_a_stop_in_the_set_up_of_a_resumed_run_names_its_checkpoint():
+    """Ctrl-C in the set-up of a resumed run said "nothing to save; the same command starts
+    the run": it resumes from its checkpoint (set-up notes it: test_checkpoint.py)."""
+    script = (
+        "import os, signal, time\n"
+        "from hybridpar.runtime import signals\n"
+        "signals.EarlyStop()\n"
+        "signals.note_resume(3, '/runs/x/checkpoints')\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.splitlines() == [
+        "SIGINT: stopped before this start's first step: nothing new to save; the same "
+        "command resumes from the checkpoint at step 3 in /runs/x/checkpoints"
+    ]
 
 
 def test_a_signal_inside_a_print_is_said_at_the_step_boundary(monkeypatch):

@@ -39,10 +39,12 @@ def checkpoint_dir(config, workdir: str) -> str:
 def check_not_moved(workdir: str, directory: str) -> None:
     """The run's records in ``workdir`` show checkpoints committed in another directory than
     ``directory``, which holds none: an error, not a run trained again from step 0 beside
-    them (``checkpoint.dir`` may change between commands of one run)."""
+    them (``checkpoint.dir`` may change between commands of one run). The records name
+    absolute paths: in a copy of a workdir they name the original's folder, so the advice
+    is the copy's own folder where it has one, and never the original's unsaid."""
     from hybridpar.runtime import run_records
 
-    if os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory)):
+    if _holds_steps(directory):
         return
     recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
     saved = [r for r in recs if r.event == "checkpoint" and r.path]
@@ -50,16 +52,66 @@ def check_not_moved(workdir: str, directory: str) -> None:
         return
     last = saved[-1]
     where = os.path.dirname(os.path.normpath(last.path))
-    if where != os.path.normpath(directory):
+    if where == os.path.normpath(directory):
+        return
+    head = (
+        f"this run saved its checkpoints in {where} (the last at step {last.step}), but "
+        f"checkpoint.dir now names {directory}, which holds none"
+    )
+    here = _copied_here(workdir, where)
+    if here is not None and not _same(os.path.join(workdir, here), where):
+        # a copy of the workdir, its checkpoints copied with it
         raise WorkdirError(
-            f"this run saved its checkpoints in {where} (the last at step {last.step}), but "
-            f"checkpoint.dir now names {directory}, which holds none; pass "
-            f"--config.checkpoint.dir={where} to go on from them"
+            f"{head}; this workdir holds its own copy of that folder: pass "
+            f"--config.checkpoint.dir={here} (under --workdir) to go on from them"
         )
+    owner = _run_folder(where)
+    if owner is not None and not _same(owner, workdir):  # another run's: this is a copy
+        raise WorkdirError(
+            f"{head}; that folder is another run's, in {owner} (this workdir looks like a "
+            f"copy of it): copy its checkpoints here (cp -r {where}/. {directory}/) to go on "
+            "from them in this workdir, or use a new --workdir to start again; "
+            f"--config.checkpoint.dir={where} would write into that other run's folder"
+        )
+    raise WorkdirError(f"{head}; pass --config.checkpoint.dir={where} to go on from them")
+
+
+def _holds_steps(directory: str) -> bool:
+    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
+
+
+def _copied_here(workdir: str, where: str) -> str | None:
+    """The path under ``workdir`` of the same last parts as ``where`` (``checkpoints``,
+    ``a/checkpoints``, ...) that holds checkpoints, or None."""
+    parts = os.path.normpath(where).strip(os.sep).split(os.sep)
+    for n in range(1, len(parts)):
+        tail = os.path.join(*parts[-n:])
+        if _holds_steps(os.path.join(workdir, tail)):
+            return tail
+    return None
+
+
+def _run_folder(where: str) -> str | None:
+    """The nearest folder above ``where`` holding a run's records (``metrics.jsonl``)."""
+    path = os.path.normpath(where)
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        if os.path.isfile(os.path.join(path, "metrics.jsonl")):
+            return path
+    return None
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def ensure_writable(path: str, what: str, fix: str) -> None:
     """``path`` exists and this process can write there, or one error naming ``fix``."""
+    if os.path.exists(path) and not os.path.isdir(path):  # makedirs would say "File exists"
+        raise WorkdirError(f"{what} {path!r} is a file, not a folder; {fix}")
     try:
         os.makedirs(path, exist_ok=True)
         # Named by host and pid, not jax.process_index(): that would start the backend

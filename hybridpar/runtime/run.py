@@ -37,7 +37,7 @@ from hybridpar.program.program import (
     memory_of,
     nominal_steps,
 )
-from hybridpar.runtime import checkpoint, executables, run_config, workdir_lock
+from hybridpar.runtime import checkpoint, executables, run_config, signals, workdir_lock
 from hybridpar.runtime.distill import make_teacher
 from hybridpar.runtime.metrics import MetricsWriter
 
@@ -118,13 +118,17 @@ def _setup(
     start = time.time()
     finished = None
     if workdir is not None:
+        ckpt = checkpoint.checkpoint_dir(config, workdir)
         if os.path.isdir(workdir):
+            # moved checkpoints first: without them check_run would compare with config.json
+            checkpoint.check_not_moved(workdir, ckpt)
             finished = run_config.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)
-        ckpt = checkpoint.checkpoint_dir(config, workdir)
         checkpoint.check_dir(ckpt)
-        checkpoint.check_not_moved(workdir, ckpt)
         with_data = with_data and finished is None  # nothing to train: no data to open
+        held = run_config.held_config(ckpt) if finished is None else None
+        if held is not None:  # a stop in set-up says the run resumes there, not from 0
+            signals.note_resume(held[0], ckpt)
     flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
     if config.distributed:
         distributed.initialize(config)

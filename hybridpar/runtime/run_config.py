@@ -42,6 +42,11 @@ PLACEMENT_KEYS = (
 )
 
 
+def key_names(keys) -> list[str]:
+    """``keys`` as a person writes them: a prefix (``"comm."``) as ``comm.*``."""
+    return [k + "*" if k.endswith(".") else k for k in keys]
+
+
 def config_dict(config) -> dict:
     """The config as plain JSON values (tuples become lists), as ``config.json`` holds it."""
     return json.loads(config.to_json())
@@ -137,7 +142,7 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
             raise WorkdirError(
                 f"{another_config(workdir, diff)}; use a new --workdir, or pass "
                 "--allow-config-change to continue that run with this config (only "
-                f"{', '.join(k.rstrip('.') for k in PLACEMENT_KEYS)} may change without it)"
+                f"{', '.join(key_names(FREE_KEYS + PLACEMENT_KEYS))} may change without it)"
             )
     summary = read_json(os.path.join(workdir, "summary.json"))
     if summary is not None and saved is None:  # a run writes config.json long before it
@@ -187,30 +192,43 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
 
 
 def record_config(workdir: str, config, held: tuple[int, dict] | None = None) -> list[str]:
-    """Writes ``config.json`` (process 0, atomically) unless it already holds this config;
-    returns the keys that differ (allowed by the caller) from the config of the checkpoint
-    resumed, ``held`` as ``(step, config)``, or without one from the ``config.json`` it
-    replaces. A ``config.json`` that says otherwise than ``held`` is named in a warning."""
+    """Writes ``config.json`` (``write_config``); returns the keys that differ (allowed by
+    the caller) from the config of the checkpoint resumed, ``held`` as ``(step, config)``,
+    or without one from the ``config.json`` it replaces. A ``config.json`` that says
+    otherwise than ``held`` is named in a warning. Resumed with a changed config, the file
+    is left as it is for the caller to write at its first checkpoint (``write_config``): a
+    start stopped before one leaves the run's checkpoints without the change, and so
+    ``config.json``."""
     path = os.path.join(workdir, "config.json")
     new = config_dict(config)
     saved = read_json(path)
+    base = held[1] if held is not None else saved
+    changed = [] if base is None else [k for k, _, _ in differences(base, new)]
+    later = held is not None and bool(changed)
     if held is not None and saved is not None and jax.process_index() == 0:
         edited = differences(held[1], saved, free=PLACEMENT_KEYS)
         if edited:
             key, ckpt, file = edited[0]
             more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""
+            when = " from this start's first checkpoint on" if later else " now"
             print(
                 f"warning: {path} says {key}={file!r}{more}, but the checkpoint of step "
                 f"{held[0]} this run resumes from holds {key}={ckpt!r}: the checkpoint's "
-                "config is the run's (compared with this command's); config.json now holds "
-                "this command's config",
+                "config is the run's (compared with this command's); config.json holds "
+                f"this command's config{when}",
                 flush=True,
             )
-    base = held[1] if held is not None else saved
-    changed = [] if base is None else [k for k, _, _ in differences(base, new)]
-    if jax.process_index() == 0 and (saved is None or saved != new):
-        write_json(path, new)
+    if not later:
+        write_config(workdir, config)
     return changed
+
+
+def write_config(workdir: str, config) -> None:
+    """``config.json`` (process 0, atomically), unless it already holds ``config``."""
+    path = os.path.join(workdir, "config.json")
+    new = config_dict(config)
+    if jax.process_index() == 0 and read_json(path) != new:
+        write_json(path, new)
 
 
 # Keys each process of one run may set for itself: they change no collective and no file.

@@ -19,6 +19,20 @@ import threading
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
+# the same, where the run has a checkpoint (a resumed run's set-up): the command resumes there
+STOPPED_EARLY_RESUMED = (
+    "stopped before this start's first step: nothing new to save; the same command resumes "
+    "from the checkpoint at step {step} in {directory}"
+)
+
+
+def note_resume(step: int, directory: str) -> None:
+    """The checkpoint the run resumes from (set-up on a resumed run): a stop before the first
+    step names it (``EarlyStop``), not a start from scratch."""
+    for s in SIGNALS:
+        handler = signal.getsignal(s)
+        if isinstance(handler, EarlyStop):
+            handler.resumes = (step, directory)
 
 
 class EarlyStop:
@@ -34,6 +48,7 @@ class EarlyStop:
     def __init__(self):
         self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
         self.run_ended = False  # set by ``Preemption.ended``: the run's records are written
+        self.resumes: tuple[int, str] | None = None  # (step, directory): ``note_resume``
 
     def replaced(self, signum: int):
         """The handler of ``signum`` from before this one: what a handler that takes over
@@ -51,7 +66,10 @@ class EarlyStop:
     def __call__(self, signum, frame):
         if self.run_ended:  # its checkpoint and summary are written: nothing to stop or say
             os._exit(0)
-        msg = f"{signal.Signals(signum).name}: {STOPPED_EARLY}"
+        said = STOPPED_EARLY
+        if self.resumes is not None:
+            said = STOPPED_EARLY_RESUMED.format(step=self.resumes[0], directory=self.resumes[1])
+        msg = f"{signal.Signals(signum).name}: {said}"
         try:
             print(msg, flush=True)
         except RuntimeError:  # inside a print to the same stream (see Preemption._handler)
@@ -98,7 +116,14 @@ class Preemption:
     other handler (``StopBetweenRuns``) is handed back itself. On several processes the
     signal handlers stay JAX's: one process saving alone would wait forever for the others,
     so there every process saves at JAX's preemption sync point
-    (``CheckpointManager.reached_preemption``)."""
+    (``CheckpointManager.reached_preemption``).
+
+    Python runs a handler only when the main thread is back in Python: during a step it
+    waits in XLA, and two signals that arrive there run the handler once (the second one was
+    lost, and the first said nothing until the step ended). So each arrival is also counted
+    as it comes, by a thread that reads the interpreter's wakeup fd (one byte per arrival,
+    written by its C-level handler): the first says its line at once, the second stops at
+    once where the handler it goes to would (``_stop_at_once``, ``StopBetweenRuns``)."""
 
     SIGNALS = SIGNALS
 
@@ -108,19 +133,30 @@ class Preemption:
         self.directory = directory  # the run's checkpoints, named by a stop at once
         self._previous = {}
         self._early: EarlyStop | None = None  # the command's handler this one took over from
+        self._said: dict = {}  # signal -> who claimed its first line (the handler or the thread)
+        self._stopping = threading.Lock()  # one stop at once, by the handler or the thread
+        self._wakeup: tuple[int, int] | None = None  # (our fd, the wakeup fd from before)
 
     def request(self, why: str = "requested") -> None:
         self.requested = self.requested or why
 
-    def _handler(self, signum, frame):
-        name = signal.Signals(signum).name
-        self.request(name)
-        previous = self._previous.get(signum, signal.SIG_DFL)
-        if previous in (signal.SIG_DFL, signal.default_int_handler):
+    def _second(self, signum: int, previous: dict | None = None):
+        """The handler a second ``signum`` goes to (``previous``: the handlers from before
+        us, default ours)."""
+        handler = (self._previous if previous is None else previous).get(signum)
+        if handler in (None, signal.SIG_DFL, signal.SIG_IGN, signal.default_int_handler):
             # Python's own would raise KeyboardInterrupt inside JAX (a traceback) or end the
-            # process unsaid: stop at once as they would, saying what the same command does
-            previous = self._stop_at_once
-        signal.signal(signum, previous)
+            # process unsaid: stop at once as they would, saying what the same command does.
+            # Ignored before us (SIGINT in a script's background job): sent twice on purpose
+            return self._stop_at_once
+        return handler
+
+    def _first_line(self, signum: int, who: str) -> None:
+        """The first signal's line, once: by whichever of the handler and the thread comes
+        first."""
+        if self._said.setdefault(signum, who) != who:
+            return
+        name = signal.Signals(signum).name
         msg = (f"{name}: saving a checkpoint at the next step boundary, then stopping "
                f"(send {name} again to stop at once)")  # fmt: skip
         try:  # installed on one process only: it prints for the run
@@ -128,18 +164,67 @@ class Preemption:
         except RuntimeError:  # the signal came inside a print to the same buffered stream,
             self.unsaid = msg  # which refuses a reentrant write: the loop says it (say_unsaid)
 
+    def _handler(self, signum, frame):
+        self.request(signal.Signals(signum).name)
+        signal.signal(signum, self._second(signum))
+        self._first_line(signum, "handler")
+
     def _stop_at_once(self, signum, frame):
+        if not self._stopping.acquire(blocking=False):  # the handler and the thread both:
+            return  # the other one is exiting
         name = signal.Signals(signum).name
         where = f" in {self.directory}" if self.directory else ""
         msg = (f"{name} again: stopped at once; the steps since the last checkpoint are not "
                f"saved, and the same command resumes from that checkpoint{where} (from step "
                "0 if there is none yet)")  # fmt: skip
-        try:
-            sys.stdout.flush()
-        except RuntimeError:  # inside a print to the same stream: its line may be cut
-            pass
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (RuntimeError, ValueError):  # inside a print to the same stream (its
+                pass  # line may be cut), or closed
         os.write(1, f"{msg}\n".encode())
         os._exit(128 + signum)  # the exit status the signal's default action gives
+
+    def _watch(self, fd: int) -> None:
+        """The thread: counts each arrival of our signals on the wakeup fd until
+        ``uninstall`` closes its other end."""
+        previous = self._previous  # uninstall replaces it: a late byte still reads ours
+        arrivals = dict.fromkeys(previous, 0)
+        while True:
+            try:
+                data = os.read(fd, 64)
+            except OSError:
+                data = b""
+            if not data:
+                os.close(fd)
+                return
+            for signum in data:
+                if signum not in arrivals:  # another signal with a Python handler
+                    continue
+                arrivals[signum] += 1
+                if arrivals[signum] == 1:
+                    self.request(signal.Signals(signum).name)
+                    self._first_line(signum, "thread")
+                    continue
+                second = self._second(signum, previous)
+                # only the handlers that stop at once and may run in any thread; any other
+                # (an embedding program's, Python's own) runs when the main thread is back
+                if second == self._stop_at_once or isinstance(second, StopBetweenRuns):
+                    second(signum, None)
+
+    def _count_arrivals(self) -> None:
+        """The wakeup fd on a pipe that ``_watch`` reads (main thread only)."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)  # the C handler must never block
+        try:
+            before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread after all
+            os.close(read)
+            os.close(write)
+            return
+        self._wakeup = (write, before)
+        threading.Thread(target=self._watch, args=(read,), name="hybridpar-signals",
+                         daemon=True).start()  # fmt: skip
 
     def say_unsaid(self) -> None:
         """Prints the handler's message if the handler could not."""
@@ -157,12 +242,18 @@ class Preemption:
                 if isinstance(previous, EarlyStop):  # its job (before the loop) is over
                     self._early, previous = previous, previous.replaced(s)
                 self._previous[s] = previous
+            self._count_arrivals()
         return self
 
     def uninstall(self) -> None:
         for s, h in self._previous.items():
-            signal.signal(s, h)
+            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: not set from Python
         self._previous = {}
+        if self._wakeup is not None:
+            write, before = self._wakeup
+            self._wakeup = None
+            signal.set_wakeup_fd(before)
+            os.close(write)  # the thread reads the end and stops
 
     def ended(self) -> None:
         """The run ended with its checkpoint and summary written (completed, or stopped and

@@ -302,6 +302,7 @@ class Checkpointer:
         self.every_s = run.config.checkpoint.every_minutes * 60
         self.last_save = time.time()
         self.config = run_config.config_dict(run.config)
+        self.config_written = False  # config.json, at this start's first save (record_config)
         self.finished = False
 
     def due(self, loop: LoopState) -> bool:
@@ -327,6 +328,9 @@ class Checkpointer:
         if self.saver.latest_step() == loop.step:
             return
         self.progress.flush(loop, stage)  # so the saved loop state counts every step's time
+        if not self.config_written:  # a changed config on a resume: from its first checkpoint
+            run_config.write_config(self.run.workdir, self.run.config)
+            self.config_written = True
         with self.clock.within("checkpoint"):
             loop.wall_s, loop.time_parts = self.writer.wall_s(), self.clock.totals()
             self.saver.save(loop.step, state, loop.to_dict(), self.config)
@@ -500,6 +504,8 @@ def start(run: Run, hooks) -> Training:
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held)
     changed = run_config.record_config(run.workdir, c, held)
+    if resumed is not None:  # the checkpoint read (an unreadable newer one was skipped)
+        signals.note_resume(resumed, saver.directory)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
@@ -559,11 +565,14 @@ def start(run: Run, hooks) -> Training:
             + (f" ({cached} loaded from {compile_cache.active()})" if cached else "")
         )
     pending = program.compiling
+    left = max(plan.total_steps - loop.step, 0)  # a resumed run's
     log(
         f"{' and '.join(made)} in {compile_s:.1f}s"
         + (f", {pending} more compiling in the background" if pending else "")
-        + f"; training {plan.total_steps} steps ({plan.num_epochs:g} epochs, "
-        f"{len(plan.stages)} stage(s))"
+        + f"; training {plan.total_steps} steps"
+        + (" in all" if loop.step else "")
+        + f" ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
+        + (f", {left} to go from step {loop.step}" if loop.step else "")
     )
     progress = Progress(run, writer)
     preemption = signals.Preemption(saver.directory)
