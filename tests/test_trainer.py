@@ -5,6 +5,9 @@
 * Two stages of different image size and batch run in one process: each stage's step is
   compiled once, before the first step, and the learning rate (per unit of the batch
   scaling) is continuous at the switch.
+* A run resumed at a stage boundary starts in the next stage, step for step the same run.
+* Too many skipped steps in a row: the error names only a checkpoint saved before the loss
+  grew, and tells a float16 loss scale still backing off from a diverged run.
 * Config errors (unknown names, out-of-range values, bad stages) are one ``error:`` line,
   exit 2, before the workdir or any data is touched.
 * ``import hybridpar`` (and its command-line parser) does not start JAX.
@@ -13,6 +16,7 @@
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -288,6 +292,18 @@ class StopAt:
             raise StopRequested(f"asked at step {self.k}")
 
 
+class SigtermAt:
+    """A hook that sends this process SIGTERM after step ``k``: the trainer saves a
+    checkpoint at that step and stops, as for a real preemption."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
     """The run ends there, not failed: the summary says why and where, the hooks after the
     stopping one (here a second probe, then the checkpointer) do not see that step."""
@@ -315,7 +331,13 @@ def test_the_log_claims_a_stop_at_target_only_where_the_summary_does(
     assert ("stopping there (stop_at_target)" in capsys.readouterr().out) is early
 
 
-def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path):
+def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp_path, capsys):
+    """Steps 3 and 6..8 poisoned: each skipped and counted (the progress line and the
+    summary say how many), the third in a row stops the run. The error names step 4's
+    checkpoint, not step 6's (saved with the parameters that gave step 6 its non-finite
+    loss), and its advice works: with step 6's moved away the run resumes from step 4, and
+    the summary counts the first start's skipped step too. Planted bugs that fail it: no
+    ``skipped N`` on the progress line; the earlier segment's skips left out of the total."""
     config = tiny_digits(**{"max_nonfinite_steps": 3, "checkpoint.every_steps": 2})
     run = setup(config, str(tmp_path))
     compiled = run.program.train_step(config.global_batch, config.data.image_size)
@@ -325,9 +347,13 @@ def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp
     with pytest.raises(NonFinite) as e:
         trainer.train(run, hooks=[params])
     msg = str(e.value)
+    where = tmp_path / "checkpoints"
     assert "3 steps in a row (6..8) had a non-finite loss or gradient" in msg
     assert "the parameters are those after step 5" in msg
-    assert f"the last checkpoint, step 6 in {tmp_path / 'checkpoints'}, is intact" in msg
+    assert f"the checkpoint of step 6 in {where} was saved after the loss was last sane" in msg
+    assert f"move it out of {where} and resume from step 4's with the changed config" in msg
+    progress = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train step")]
+    assert [x.endswith("skipped 1") for x in progress] == [s in (3, 6, 7) for s in range(1, 8)]
 
     def same(a, b):
         return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
@@ -350,6 +376,67 @@ def test_a_nonfinite_step_is_skipped_and_counted_and_k_in_a_row_stop_the_run(tmp
     saver.close()
     assert step == 6 and loop["step"] == 6
     assert same(jax.device_get((state.params, state.batch_stats)), params.after[5])
+    assert summary["skipped_steps"] == 4 and loop["skipped_steps"] == 2  # 3 and 6
+
+    # the advice: step 6's checkpoint moved away, the same run resumes from step 4's
+    (where / "6").rename(tmp_path / "diverged-6")
+    resumed = trainer.train(setup(config, str(tmp_path)))
+    assert resumed["completed"] and resumed["resumed_from"] == 4
+    assert resumed["skipped_steps"] == 1  # step 3's, from the first start
+
+
+def test_a_diverged_run_names_no_checkpoint_saved_after_its_loss_grew(tmp_path):
+    """An LR of 1e8: the loss is huge from step 2 and non-finite soon after, while
+    checkpoints go on being saved every 3 steps. They hold the diverged weights, so the
+    error must not offer one to resume from: it says they may hold diverged weights and to
+    start again in a new workdir. Planted bug that fails it: every checkpoint on disk taken
+    as saved before the loss grew (the error's old "the last checkpoint ... is intact")."""
+    config = tiny_digits(**{"optim.base_lr": 1e8, "optim.warmup_epochs": 0,
+                            "checkpoint.every_steps": 3, "max_nonfinite_steps": 5})  # fmt: skip
+    with pytest.raises(NonFinite) as e:
+        trainer.train(setup(config, str(tmp_path)))
+    msg = str(e.value)
+    train = records(tmp_path, "train")
+    assert train[0]["loss"] < 10 and train[1]["loss"] > 1e3  # the loss grew at step 2
+    saved = [r["step"] for r in records(tmp_path, "checkpoint")]
+    assert saved and min(saved) >= 3
+    steps = ", ".join(map(str, saved))
+    assert f"the checkpoints in {tmp_path / 'checkpoints'} (steps {steps}) were saved" in msg
+    assert "may hold diverged weights: start again with the changed config in a new" in msg
+    assert "resume from" not in msg and "The run diverged" in msg
+
+
+def test_the_losses_of_an_earlier_segment_say_where_they_were_last_sane():
+    """A resumed run takes up watching its loss from the records up to its checkpoint: the
+    first logged loss, and the last line at most 10x it (a line of skipped steps only, with
+    no loss, is not sane; lines after the checkpoint were superseded). Planted bug that
+    fails it: the lines after the checkpoint read too."""
+
+    def line(step, loss):
+        return run_records.make("train", step=step, epoch=0.1, wall_s=1.0, loss=loss, lr=0.1)
+
+    recs = [line(1, 2.0), line(2, 1.5), line(3, 30.0), line(4, None), line(5, 1.8), line(6, 2.1)]
+    assert trainer.sane_losses(recs, 5) == (2.0, 5)
+    assert trainer.sane_losses(recs, 4) == (2.0, 2)
+    assert trainer.sane_losses(recs, None) == (None, 0)  # a new run: nothing before it
+
+
+def test_float16_still_backing_off_its_loss_scale_says_so_not_that_the_run_diverged(
+    tmp_path,
+):
+    """float16 with a loss scale of 1e30: every step's gradients overflow and the scale
+    halves at each, still far above 1 when max_nonfinite_steps stops the run. The error
+    says that and how to fix it, not that the run diverged (nor to use loss scaling, which
+    it does). Planted bug that fails it: the float16 case not told apart."""
+    config = tiny_digits(**{"precision.compute": "float16", "precision.loss_scale_initial": 1e30,
+                            "max_nonfinite_steps": 5})  # fmt: skip
+    with pytest.raises(NonFinite) as e:
+        trainer.train(setup(config, str(tmp_path)))
+    msg = str(e.value)
+    assert "5 steps in a row (1..5)" in msg
+    assert f"loss scale was still backing off (1e+30 at step 1, {1e30 / 16:g} at step 5" in msg
+    assert "lower precision.loss_scale_initial (now 1e+30; e.g. 2**15) or raise" in msg
+    assert "diverged" not in msg and "instead of pure low precision" not in msg
 
 
 def _with_train_batches(run, train_batches):
@@ -502,3 +589,40 @@ def test_the_step_is_called_under_a_transfer_guard(tmp_path, monkeypatch):
     run = setup(tiny_digits("data:8"), str(tmp_path))
     with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
         trainer.train(run)
+
+
+def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(tmp_path, capsys):
+    """Stopped at the first stage's last step, with its checkpoint there, then resumed: the
+    resumed start compiles and marks only the second stage (not the finished one, for none
+    of its steps), its memory line names only the programs that run, and the losses are
+    those of the same run uninterrupted, step for step. Planted bug that fails it: the
+    resumed start begins from the checkpoint's ``LoopState.stage`` (the finished stage)."""
+    overrides = dict(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
+    run = setup(tiny_digits(**overrides), str(tmp_path / "whole"))
+    whole = trainer.train(run)
+    assert whole["completed"]
+    s0, s1 = run.plan.stages
+    config = tiny_digits(**overrides)
+    workdir = tmp_path / "split"
+    stopped = trainer.train(setup(config, str(workdir)), hooks=[SigtermAt(s0.end_step)])
+    assert stopped["latest_checkpoint"] == stopped["steps"] == s0.end_step
+    capsys.readouterr()
+    resumed = trainer.train(setup(config, str(workdir)))
+    assert resumed["completed"] and resumed["resumed_from"] == s0.end_step
+    out = capsys.readouterr().out
+
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(x) for x in lines]
+    after = recs[next(i for i, r in enumerate(recs) if r["event"] == "resume") :]
+    compiled = [(r["program"], r["batch"], r["image_size"]) for r in after
+                if r["event"] == "compile"]  # fmt: skip
+    assert sorted(compiled) == [("eval", 120, 16), ("train", 64, 24)]
+    assert [r["stage"] for r in after if r["event"] == "stage"] == [1]
+    preflight = next(x for x in out.splitlines() if x.startswith("per-device memory"))
+    assert "batch 32" not in preflight and "largest of 2 programs" in preflight
+    assert [p["name"] for p in resumed["memory_by_program"] if "batch 32" in p["name"]] == []
+
+    want = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    got = {r.step: r.loss for r in run_records.read_run(str(workdir)).train}
+    assert got == want and len(got) == s1.end_step
+    assert resumed["final_eval"]["loss"] == whole["final_eval"]["loss"]

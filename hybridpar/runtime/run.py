@@ -303,6 +303,7 @@ class LoopState:
     compile_s: float = 0.0  # compilation time of every segment so far
     train_time_s: float = 0.0  # time in steps, evaluation excluded (for images/s)
     train_images: int = 0
+    skipped_steps: int = 0  # steps with a non-finite loss or gradient, which changed nothing
     wall_s: float = 0.0  # the run's wall time at the last checkpoint (continued on resume)
     time_parts: dict = dataclasses.field(default_factory=dict)  # trainer.Clock's, at wall_s
 

@@ -141,6 +141,26 @@ def furthest_step(recs) -> int:
     return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
 
 
+# A loss more than this many times the run's first is taken as the run diverging: the
+# checkpoints saved after the last loss below it may hold diverged weights.
+LOSS_GROWTH = 10
+
+
+def sane_losses(train, resumed: int | None) -> tuple[float | None, int]:
+    """``(the run's first logged loss, the last step at most ``resumed`` whose logged loss
+    was finite and at most LOSS_GROWTH times it)`` from an earlier segment's train records
+    (``RunRecords.train``): where ``Progress`` takes up watching the losses. A line's loss
+    is the mean over its interval, so this is as fine as the lines were."""
+    first, last = None, 0
+    for r in train:
+        if resumed is None or r.step > resumed or r.loss is None or not math.isfinite(r.loss):
+            continue
+        first = r.loss if first is None else first
+        if r.loss <= LOSS_GROWTH * first:
+            last = r.step
+    return first, last
+
+
 def lost_after_checkpoint(recs, from_wall_s: float) -> float:
     """Seconds the last earlier start ran after the checkpoint resumed from, as far as its
     last record shows (time after that record, and between the starts, is unknown): thrown
@@ -169,14 +189,24 @@ class Progress:
 
     Also counts the steps the train step skipped (non-finite loss or gradient): after
     ``max_nonfinite_steps`` in a row it raises ``NonFinite``. It looks at least every that
-    many steps, so a diverged run stops within twice the limit whatever ``log_every_s``."""
+    many steps, so a diverged run stops within twice the limit whatever ``log_every_s``.
+    And it watches every step's loss for the last one still sane (``last_sane``), so the
+    error can tell the checkpoints saved before the loss grew from those that may hold
+    diverged weights (``last_checkpoint_note``)."""
 
-    def __init__(self, run: Run, writer: MetricsWriter):
+    def __init__(self, run: Run, writer: MetricsWriter, first_loss=None, last_sane=0):
         self.run, self.writer = run, writer
         self.pending, self.t0, self.step0 = [], time.time(), 0
         self.limit = run.config.max_nonfinite_steps
         self.counted = 0  # how many of `pending` count_skips has seen
         self.bad_in_a_row = 0
+        self.unlogged = 0  # skipped steps count_skips has seen and no line has logged yet
+        self.first_scale = 0.0  # the loss scale at the first step of the skipped run
+        # the run's first loss, and the last step whose loss was finite and at most
+        # LOSS_GROWTH times it (earlier segments' from their records: ``sane_losses``)
+        self.first_loss, self.last_sane = first_loss, last_sane
+        # set with NonFinite: the checkpoints from this step on may hold diverged weights
+        self.suspect_from = 0
 
     def restart(self, loop: LoopState) -> None:
         """Time from now on counts as training (after set-up, compilation or evaluation)."""
@@ -190,21 +220,61 @@ class Progress:
             self.flush(loop, stage)
 
     def count_skips(self) -> None:
-        """Counts the skipped steps in a row among the pending steps not yet seen."""
+        """Counts the skipped steps in a row among the pending steps not yet seen, and
+        watches their losses."""
         new = self.pending[self.counted :]
-        for i, ok in enumerate(jax.device_get([m["grads_finite"] for m in new])):
+        seen = jax.device_get([(m["grads_finite"], m["loss"], m["loss_scale"]) for m in new])
+        for i, (ok, loss, scale) in enumerate(seen):
+            step = self.step0 + self.counted + i + 1
+            self.watch_loss(step, float(loss))
             self.bad_in_a_row = 0 if ok else self.bad_in_a_row + 1
+            self.unlogged += not ok
+            if self.bad_in_a_row == 1:
+                self.first_scale = float(scale)
             if self.bad_in_a_row >= self.limit:
-                last = self.step0 + self.counted + i + 1
-                first = last - self.bad_in_a_row + 1
-                raise NonFinite(
-                    f"{self.bad_in_a_row} steps in a row ({first}..{last}) had a non-finite "
-                    f"loss or gradient (max_nonfinite_steps={self.limit}); each was skipped, "
-                    f"so the parameters are those after step {first - 1}. The run diverged: "
-                    "lower optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16 "
-                    "/ float16 with loss scaling instead of pure low precision"
-                )
+                raise NonFinite(self.too_many(step, float(scale)))
         self.counted = len(self.pending)
+
+    def watch_loss(self, step: int, loss: float) -> None:
+        if not math.isfinite(loss):
+            return
+        if self.first_loss is None:
+            self.first_loss = loss
+        if loss <= LOSS_GROWTH * self.first_loss:
+            self.last_sane = step
+
+    def too_many(self, last: int, scale: float) -> str:
+        """The error for ``max_nonfinite_steps`` skipped steps in a row ending at ``last``
+        (``scale``: the loss scale that step used); sets ``suspect_from``."""
+        c, n = self.run.config, self.bad_in_a_row
+        first = last - n + 1
+        head = (
+            f"{n} steps in a row ({first}..{last}) had a non-finite loss or gradient "
+            f"(max_nonfinite_steps={self.limit}); each was skipped, so the parameters are "
+            f"those after step {first - 1}. "
+        )
+        # float16's loss scale halves at each skipped step: still above 1 and falling, it
+        # has not backed off far enough yet (the gradients overflow, the weights are fine)
+        backing_off = c.precision.compute == "float16" and self.first_scale > scale > 1
+        # A step's loss is computed with the parameters after the step before it: the last
+        # sane loss vouches for the checkpoints before its step. Outside a loss-scale
+        # backoff, the first of the skipped steps in a row says the same of its own step.
+        self.suspect_from = self.last_sane if backing_off else min(self.last_sane, first - 1)
+        if backing_off:
+            return head + (
+                f"The float16 loss scale was still backing off ({self.first_scale:g} at step "
+                f"{first}, {scale:g} at step {last}, halved at each skipped step): lower "
+                f"precision.loss_scale_initial (now {c.precision.loss_scale_initial:g}; "
+                "e.g. 2**15) or raise max_nonfinite_steps"
+            )
+        low = (
+            "compute in bfloat16 (float16's loss scale is down to 1)"
+            if c.precision.compute == "float16"
+            else "use bfloat16 / float16 with loss scaling instead of pure low precision"
+        )
+        return head + (
+            "The run diverged: lower optim.base_lr, add warmup (optim.warmup_epochs), or " + low
+        )
 
     def flush(self, loop: LoopState, stage: PlannedStage) -> None:
         if not self.pending:
@@ -214,6 +284,9 @@ class Progress:
         now = time.time()
         good = [f["loss"] for f in fetched if bool(f["grads_finite"])]
         loss = float(np.mean(good)) if good else float("nan")  # of the steps applied
+        skipped = sum(not bool(f["grads_finite"]) for f in fetched)
+        loop.skipped_steps += skipped  # what count_skips saw of these, now logged
+        self.unlogged = 0
         steps, dt = loop.step - self.step0, now - self.t0
         batch = stage.stage.global_batch
         loop.train_time_s += dt
@@ -231,13 +304,14 @@ class Progress:
             image_size=stage.stage.image_size,
             global_batch=batch,
             stage=stage.index,
-            skipped_steps=sum(not bool(f["grads_finite"]) for f in fetched),
+            skipped_steps=skipped,
             loss_scale=float(fetched[-1]["loss_scale"]),
         )
         eta = formatting.duration((total - loop.step) * dt / steps)
         log(
             f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
             f"{steps * batch / dt:8.1f} img/s  ETA {eta}"
+            + (f"  skipped {skipped}" if skipped else "")
         )
         self.pending, self.counted = [], 0
         self.restart(loop)
@@ -433,6 +507,17 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     return state, LoopState.from_dict(loop), step, config
 
 
+def enter_next_stage(plan, loop: LoopState) -> None:
+    """Moves ``loop`` to the stage that runs its next step, and to that stage's data
+    position where it begins there. A checkpoint saved at a stage's last step holds the
+    finished stage (``LoopState.stage`` changes only when the loop enters the next one):
+    resumed from it, the run would compile that stage's step and mark it again for none
+    of its steps. Inside a stage (and at step 0) nothing changes."""
+    stage = plan.stages[plan.stage_index_at(loop.step)]
+    loop.stage = stage.index
+    loop.enter(stage)
+
+
 def release(run: Run) -> None:
     """The workdir's lock, for the next trainer (also released by the OS if we die)."""
     if run.lock is not None:
@@ -501,6 +586,7 @@ def start(run: Run, hooks) -> Training:
         async_save=c.checkpoint["async"],
     )
     state, loop, resumed, held = restore_or_init(run, saver)
+    enter_next_stage(plan, loop)
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held)
     changed = run_config.record_config(run.workdir, c, held)
@@ -574,7 +660,8 @@ def start(run: Run, hooks) -> Training:
         + f" ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
         + (f", {left} to go from step {loop.step}" if loop.step else "")
     )
-    progress = Progress(run, writer)
+    earlier = run_records.read_run(run.workdir).train if recorded else []
+    progress = Progress(run, writer, *sane_losses(earlier, resumed))
     preemption = signals.Preemption(saver.directory)
     checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
     hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
@@ -654,15 +741,36 @@ def peer_lost(t: Training, e: Exception) -> PeerLost:
 
 
 def last_checkpoint_note(t: Training) -> str:
-    """For a diverged run: the checkpoint to resume from, and the failed save if any."""
+    """For a diverged run: the checkpoint to resume from, if one was saved before its loss
+    grew (``Progress.suspect_from``), and the failed save if any. The later checkpoints
+    may hold the diverged weights: resuming takes the newest, so they must go first."""
     error = t.checkpointer.finish()
-    last = t.saver.latest_step()
-    return (
-        f"; the last checkpoint, step {last} in {t.saver.directory}, is intact: resume from "
-        "it with the changed config and --allow-config-change"
-        if last is not None
-        else "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
-    ) + (f" ({error})" if error else "")
+    where, steps = t.saver.directory, t.saver.committed_steps()
+    good = [s for s in steps if s < t.progress.suspect_from]
+    later = ", ".join(str(s) for s in steps if s >= t.progress.suspect_from)
+    if not steps:
+        note = "; no checkpoint was saved before it (checkpoint.every_steps sets how often)"
+    elif not good:
+        note = (
+            f"; the checkpoints in {where} (steps {later}) were saved after the loss was last "
+            "sane and may hold diverged weights: start again with the changed config in a "
+            "new --workdir"
+        )
+    elif not later:
+        note = (
+            f"; the last checkpoint, step {good[-1]} in {where}, was saved before the loss "
+            "grew: resume from it with the changed config and --allow-config-change"
+        )
+    else:
+        several = "," in later
+        note = (
+            f"; the checkpoint{'s' if several else ''} of step{'s' if several else ''} "
+            f"{later} in {where} {'were' if several else 'was'} saved after the loss was last "
+            f"sane and may hold diverged weights: move {'them' if several else 'it'} out of "
+            f"{where} and resume from step {good[-1]}'s with the changed config and "
+            "--allow-config-change"
+        )
+    return note + (f" ({error})" if error else "")
 
 
 def part_order(part: str) -> int:
@@ -708,6 +816,9 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
         "target_top1": c.target_top1 if c.target_top1 > 0 else None,
         "target_top5": c.target_top5 if c.target_top5 > 0 else None,
         "time_to_target": loop.time_to_target,
+        # the earlier segments' up to the checkpoint resumed from (the loop state counts
+        # them), and this start's, the ones that stopped it included
+        "skipped_steps": loop.skipped_steps + t.progress.unlogged,
         "memory_per_device_bytes": t.memory,  # the largest program's, named in "program"
         "memory_by_program": [
             {"name": program_name(r), "bytes": r.get("memory_per_device_bytes") or {}}
