@@ -291,3 +291,26 @@ def test_frozen_parameters_get_no_update_not_even_weight_decay(momentum_start):
     # the same config without the freeze moves the kernel: the mask is what stops it
     free = _one_update(optim_cfg(**{**cfg.to_dict(), "frozen": ""}), params, grads)
     assert np.all(np.asarray(free["conv"]["kernel"]) != 0)
+
+
+def test_a_frozen_regex_that_matches_no_parameter_is_a_config_error_naming_real_paths():
+    """``stem/kernel`` for ``stem_conv/kernel`` would freeze nothing, silently: the state's
+    init refuses it, naming the regex and the closest real paths."""
+    cfg = optim_cfg(warmup_epochs=0.0, frozen="dense/kernal")
+    tx, _ = make_optimizer(cfg, single_stage_plan(10, 100, 256))
+    with pytest.raises(
+        ConfigError, match="optim.frozen='dense/kernal' matches no parameter path"
+    ) as e:
+        tx.init(small_params())
+    assert "the closest of the model's 5: dense/kernel" in str(e.value)
+    ok, _ = make_optimizer(optim_cfg(warmup_epochs=0.0, frozen="dense/kernel"),
+                           single_stage_plan(10, 100, 256))  # fmt: skip
+    ok.init(small_params())  # a regex that matches is fine
+
+
+def test_a_frozen_regex_matching_nothing_stops_the_program_build():
+    """Through the program (the model's real, boxed parameters): the error at build time."""
+    from helpers import build, tiny_config
+
+    with pytest.raises(ConfigError, match="the closest of the model's [0-9]+: stem_conv/kernel"):
+        build(tiny_config(**{"optim.frozen": "stem/kernel"}))

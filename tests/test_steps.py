@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 from helpers import batches as helpers_batches
-from helpers import hand_built, random_state, run
+from helpers import build, hand_built, place, random_state, run, tiny_config
 
 from hybridpar import make_mesh, preset_rules, shard_batch
 from hybridpar.input.arrays import eval_batches
@@ -224,3 +224,68 @@ def test_a_nonfinite_step_changes_nothing_but_the_step_counter(precision):
         not np.array_equal(a, b)
         for a, b in zip(jax.tree.leaves(changed), jax.tree.leaves(before.params))
     )
+
+
+def _is_count(path) -> bool:
+    """An optax step counter: a ``count`` field (its schedules read them)."""
+    return isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "count"
+
+
+def optax_counts(opt_state) -> list[int]:
+    leaves = jax.tree_util.tree_flatten_with_path(opt_state)[0]
+    return [int(x) for p, x in leaves if _is_count(p)]
+
+
+@pytest.mark.parametrize("momentum", ["constant", "ramp"])
+@pytest.mark.parametrize("name", ["sgd", "lars"])
+def test_after_skipped_steps_the_update_applies_the_schedule_at_the_state_step(name, momentum):
+    """The learning rate and momentum are functions of the step: after two skipped steps,
+    step 3 applies ``schedule(3)``, not the values of step 1 (optax's own counter stops on a
+    skip), and reports them. Reference: the state before the skips moved to step 3 with
+    optax's counters set to 3, then the same batch: the parameters must agree bitwise."""
+    overrides = {"optim.name": name, "optim.schedule": "cosine", "optim.warmup_epochs": 0.5}
+    if momentum == "ramp":  # 0.5 -> 0.9 over steps 0..5: a scheduled (injected) momentum
+        overrides.update({"optim.momentum_start": 0.5, "optim.momentum_ramp_epochs": 0.5})
+    program = build(tiny_config(**overrides), steps_per_epoch=10, total_steps=20)
+    step, mesh = program.train_jit, program.mesh
+    # the learning rate rises over the warmup: steps 1 and 3 differ
+    assert float(program.schedule(1)) < float(program.schedule(3))
+
+    def batch(seed, nan=False):  # float32 images throughout: one compilation
+        b = helpers_batches(steps=1, seed=seed)[0]
+        image = np.full(b["image"].shape, np.nan if nan else 0, np.float32) + b["image"]
+        return shard_batch(dict(b, image=image), mesh)
+
+    state = place(random_state(program), program.shardings)
+    state, _ = step(state, batch(0))
+    after_first = jax.device_get(state)
+    for seed in (1, 2):
+        state, metrics = step(state, batch(seed, nan=True))
+        assert not bool(metrics["grads_finite"])
+    assert int(state.step) == 3
+    state, metrics = step(state, batch(3))
+    assert bool(metrics["grads_finite"])
+
+    def counts_at(opt_state, n):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: np.int32(n) if _is_count(p) else x, opt_state
+        )
+
+    moved = after_first.replace(step=np.int32(3), opt_state=counts_at(after_first.opt_state, 3))
+    ref, _ = step(place(moved, program.shardings), batch(3))
+    for a, b in zip(
+        jax.tree.leaves(jax.device_get(state.params)),
+        jax.tree.leaves(jax.device_get(ref.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+    # and what the step reports is what it applied
+    assert float(metrics["lr"]) == pytest.approx(float(program.schedule(3)), rel=1e-6)
+    hyperparams = optax.tree_utils.tree_get(state.opt_state, "hyperparams")
+    if momentum == "ramp":
+        assert float(metrics["momentum"]) == pytest.approx(0.5 + 0.4 * 3 / 5, rel=1e-6)
+        applied = float(hyperparams["learning_rate"])
+        assert applied == pytest.approx(float(program.schedule(3)), rel=1e-6)
+    else:
+        assert hyperparams is None  # the constant optimizer, optax's own
+    assert set(optax_counts(state.opt_state)) == {4}  # a checkpoint's counters agree

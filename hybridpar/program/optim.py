@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 
 import jax
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridpar.config.curriculum import StagePlan
+from hybridpar.config.errors import ConfigError
 from hybridpar.config.schedules import (
     lr_batch_factor,  # noqa: F401 (tune.py imports it from here)
     lr_factor,
@@ -122,14 +124,42 @@ def make_optimizer(cfg, plan: StagePlan):
     return (keep_state_dtypes(tx) if scheduled else tx), schedule
 
 
+def at_step(opt_state, step):
+    """``opt_state`` with optax's step counters (every ``count`` field: the schedules' and
+    ``inject_hyperparams``') set to ``step``, the train state's. The train step sets them
+    after each update, skipped or not: optax's own count stops on a skipped step (which
+    keeps the old optimizer state), and its schedules would fall behind the step for good."""
+
+    def one(path, x):
+        named_count = path and isinstance(path[-1], jax.tree_util.GetAttrKey)
+        return step.astype(x.dtype) if named_count and path[-1].name == "count" else x
+
+    return jax.tree_util.tree_map_with_path(one, opt_state)
+
+
+def param_name(path) -> str:
+    """A parameter's path as ``optim.frozen`` matches it: "block1/conv1/kernel". Dict keys
+    only: flax's boxes (``init`` sees them) add attribute keys."""
+    return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
 def frozen_mask(pattern: str):
-    """``params -> tree of bool``: True where the path ("block1/conv1/kernel") matches."""
+    """``params -> tree of bool``: True where the path ("block1/conv1/kernel") matches. A
+    pattern that matches no parameter is a ``ConfigError`` (when the state is built): it
+    would freeze nothing, silently (a misspelt path, say)."""
     regex = re.compile(pattern)
 
-    def name(path):  # dict keys only: flax's boxes (init sees them) add attribute keys
-        return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
-
     def mask(params):
-        return jax.tree_util.tree_map_with_path(lambda p, _: bool(regex.search(name(p))), params)
+        names = [param_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        if names and not any(regex.search(n) for n in names):
+            closest = difflib.get_close_matches(pattern, sorted(set(names)), n=3, cutoff=0.0)
+            raise ConfigError(
+                f"optim.frozen={pattern!r} matches no parameter path, so it would freeze "
+                f"nothing; the closest of the model's {len(names)}: {', '.join(closest)}; set "
+                "--config.optim.frozen to a regex that matches the paths to freeze"
+            )
+        return jax.tree_util.tree_map_with_path(
+            lambda p, _: bool(regex.search(param_name(p))), params
+        )
 
     return mask

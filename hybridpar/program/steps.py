@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from hybridpar.parallel.partitioning import Rules, batch_sharding, replicated
+from hybridpar.program.optim import at_step
 from hybridpar.program.precision import Policy, all_finite
 from hybridpar.program.state import TrainState
 from hybridpar.program.sync import XlaSync
@@ -148,13 +149,19 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
         step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
     )
     # A skipped step changes nothing (parameters, optimizer state, BatchNorm statistics)
-    # but the step counter and the loss scale.
+    # but the step counter and the loss scale. optax's counters, which its schedules read,
+    # are the step's, skipped or not: the learning rate and momentum stay functions of the
+    # step, never behind it by the steps skipped so far.
     finite = all_finite(grads) & jnp.isfinite(loss)
     new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
-    new = new.replace(step=state.step + 1, loss_scale=state.loss_scale.update(finite))
+    new = new.replace(
+        step=state.step + 1,
+        opt_state=at_step(new.opt_state, state.step + 1),
+        loss_scale=state.loss_scale.update(finite),
+    )
     metrics = {
         "loss": loss,
-        "lr": schedule(state.step),
+        "lr": schedule(state.step),  # what this update applied: its counters are the step
         "grads_finite": finite,
         "loss_scale": state.loss_scale.scale,
     }
