@@ -10,7 +10,13 @@ import pytest
 from hybridpar.config.curriculum import single_stage_plan
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import base_config, validate
-from hybridpar.program.optim import decay_mask, make_optimizer, make_schedule, peak_lr
+from hybridpar.program.optim import (
+    decay_mask,
+    describe_frozen,
+    make_optimizer,
+    make_schedule,
+    peak_lr,
+)
 from hybridpar.program.precision import DTYPES, LossScale, Policy, all_finite, make_policy
 
 
@@ -306,6 +312,16 @@ def test_a_frozen_regex_that_matches_no_parameter_is_a_config_error_naming_real_
     ok, _ = make_optimizer(optim_cfg(warmup_epochs=0.0, frozen="dense/kernel"),
                            single_stage_plan(10, 100, 256))  # fmt: skip
     ok.init(small_params())  # a regex that matches is fine
+
+
+def test_the_frozen_line_names_what_it_freezes_and_its_share():
+    """Set-up says what ``optim.frozen`` froze: the arrays and their share of the values,
+    counted on the shapes (what the trainer passes) as on the arrays."""
+    params = small_params()
+    line = describe_frozen("kernel$", params)
+    assert line == ("optim.frozen='kernel$': 2 of 5 parameter arrays get no update "
+                    "(conv/kernel, dense/kernel), 84 of 95 values")  # fmt: skip
+    assert describe_frozen("kernel$", jax.eval_shape(lambda: params)) == line
 
 
 def test_a_frozen_regex_matching_nothing_stops_the_program_build():

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import difflib
+import math
 import re
 
 import jax
@@ -141,6 +142,21 @@ def param_name(path) -> str:
     """A parameter's path as ``optim.frozen`` matches it: "block1/conv1/kernel". Dict keys
     only: flax's boxes (``init`` sees them) add attribute keys."""
     return "/".join(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def describe_frozen(pattern: str, params) -> str:
+    """The set-up line of ``optim.frozen``: which parameters it freezes and how much of the
+    model that is (``params``: arrays or their shapes)."""
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    regex = re.compile(pattern)
+    hit = [(param_name(p), x) for p, x in leaves if regex.search(param_name(p))]
+    size = sum(math.prod(x.shape) for _, x in leaves)
+    frozen = sum(math.prod(x.shape) for _, x in hit)
+    names = ", ".join(n for n, _ in hit[:4]) + (", ..." if len(hit) > 4 else "")
+    return (
+        f"optim.frozen={pattern!r}: {len(hit)} of {len(leaves)} parameter arrays get no "
+        f"update ({names}), {frozen:,} of {size:,} values"
+    )
 
 
 def frozen_mask(pattern: str):

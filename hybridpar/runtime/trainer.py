@@ -30,7 +30,7 @@ from hybridpar.config.curriculum import PlannedStage, describe
 from hybridpar.config.errors import NonFinite, PeerLost, SaveFailed, StopRequested
 from hybridpar.parallel import partitioning
 from hybridpar.parallel.mesh import describe_mesh
-from hybridpar.program import compile_cache
+from hybridpar.program import compile_cache, optim
 from hybridpar.program.state import init_sharded
 from hybridpar.runtime import checkpoint, run_config, run_records, signals
 from hybridpar.runtime.metrics import MetricsWriter
@@ -580,6 +580,8 @@ def start(run: Run, hooks) -> Training:
     clock = Clock(run.start_time)  # set-up began in setup()
     log(describe_mesh(run.mesh))
     log(program.sync.choice)
+    if c.optim.frozen:
+        log(optim.describe_frozen(c.optim.frozen, program.abstract.params))
     saver = checkpoint.Checkpoints(
         checkpoint.checkpoint_dir(c, run.workdir),
         max_to_keep=c.checkpoint.max_to_keep,
