@@ -623,7 +623,7 @@ def start(run: Run, hooks) -> Training:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else "")
             + (f"; the {lost:.1f}s the last start ran after it count in the wall time"
-               if lost >= 0.1 else ""))  # fmt: skip
+               if lost >= 1 else ""))  # fmt: skip
     if grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
