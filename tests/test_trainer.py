@@ -416,9 +416,9 @@ def test_the_losses_of_an_earlier_segment_say_where_they_were_last_sane():
         return run_records.make("train", step=step, epoch=0.1, wall_s=1.0, loss=loss, lr=0.1)
 
     recs = [line(1, 2.0), line(2, 1.5), line(3, 30.0), line(4, None), line(5, 1.8), line(6, 2.1)]
-    assert trainer.sane_losses(recs, 5) == (2.0, 5)
-    assert trainer.sane_losses(recs, 4) == (2.0, 2)
-    assert trainer.sane_losses(recs, None) == (None, 0)  # a new run: nothing before it
+    assert trainer.sane_losses(recs, 5) == trainer.SaneLoss(2.0, 5)
+    assert trainer.sane_losses(recs, 4) == trainer.SaneLoss(2.0, 2)
+    assert trainer.sane_losses(recs, None) == trainer.SaneLoss(None, 0)  # a new run
 
 
 def test_float16_still_backing_off_its_loss_scale_says_so_not_that_the_run_diverged(

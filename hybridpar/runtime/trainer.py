@@ -146,19 +146,32 @@ def furthest_step(recs) -> int:
 LOSS_GROWTH = 10
 
 
-def sane_losses(train, resumed: int | None) -> tuple[float | None, int]:
-    """``(the run's first logged loss, the last step at most ``resumed`` whose logged loss
-    was finite and at most LOSS_GROWTH times it)`` from an earlier segment's train records
-    (``RunRecords.train``): where ``Progress`` takes up watching the losses. A line's loss
+@dataclasses.dataclass
+class SaneLoss:
+    """The run's first finite loss, and the last step whose loss was finite and at most
+    LOSS_GROWTH times it: the checkpoints saved before that step hold sane weights."""
+
+    first: float | None = None
+    last: int = 0
+
+    def see(self, step: int, loss: float | None) -> None:
+        if loss is None or not math.isfinite(loss):
+            return
+        if self.first is None:
+            self.first = loss
+        if loss <= LOSS_GROWTH * self.first:
+            self.last = step
+
+
+def sane_losses(train, resumed: int | None) -> SaneLoss:
+    """``SaneLoss`` of an earlier segment's train records (``RunRecords.train``) up to the
+    checkpoint ``resumed``: where ``Progress`` takes up watching the losses. A line's loss
     is the mean over its interval, so this is as fine as the lines were."""
-    first, last = None, 0
+    sane = SaneLoss()
     for r in train:
-        if resumed is None or r.step > resumed or r.loss is None or not math.isfinite(r.loss):
-            continue
-        first = r.loss if first is None else first
-        if r.loss <= LOSS_GROWTH * first:
-            last = r.step
-    return first, last
+        if resumed is not None and r.step <= resumed:
+            sane.see(r.step, r.loss)
+    return sane
 
 
 def lost_after_checkpoint(recs, from_wall_s: float) -> float:
@@ -190,11 +203,11 @@ class Progress:
     Also counts the steps the train step skipped (non-finite loss or gradient): after
     ``max_nonfinite_steps`` in a row it raises ``NonFinite``. It looks at least every that
     many steps, so a diverged run stops within twice the limit whatever ``log_every_s``.
-    And it watches every step's loss for the last one still sane (``last_sane``), so the
+    And it watches every step's loss for the last one still sane (``SaneLoss``), so the
     error can tell the checkpoints saved before the loss grew from those that may hold
     diverged weights (``last_checkpoint_note``)."""
 
-    def __init__(self, run: Run, writer: MetricsWriter, first_loss=None, last_sane=0):
+    def __init__(self, run: Run, writer: MetricsWriter, sane: SaneLoss | None = None):
         self.run, self.writer = run, writer
         self.pending, self.t0, self.step0 = [], time.time(), 0
         self.limit = run.config.max_nonfinite_steps
@@ -202,9 +215,8 @@ class Progress:
         self.bad_in_a_row = 0
         self.unlogged = 0  # skipped steps count_skips has seen and no line has logged yet
         self.first_scale = 0.0  # the loss scale at the first step of the skipped run
-        # the run's first loss, and the last step whose loss was finite and at most
-        # LOSS_GROWTH times it (earlier segments' from their records: ``sane_losses``)
-        self.first_loss, self.last_sane = first_loss, last_sane
+        # earlier segments' from their records (``sane_losses``), then every step's
+        self.sane = sane or SaneLoss()
         # set with NonFinite: the checkpoints from this step on may hold diverged weights
         self.suspect_from = 0
 
@@ -226,7 +238,7 @@ class Progress:
         seen = jax.device_get([(m["grads_finite"], m["loss"], m["loss_scale"]) for m in new])
         for i, (ok, loss, scale) in enumerate(seen):
             step = self.step0 + self.counted + i + 1
-            self.watch_loss(step, float(loss))
+            self.sane.see(step, float(loss))
             self.bad_in_a_row = 0 if ok else self.bad_in_a_row + 1
             self.unlogged += not ok
             if self.bad_in_a_row == 1:
@@ -234,14 +246,6 @@ class Progress:
             if self.bad_in_a_row >= self.limit:
                 raise NonFinite(self.too_many(step, float(scale)))
         self.counted = len(self.pending)
-
-    def watch_loss(self, step: int, loss: float) -> None:
-        if not math.isfinite(loss):
-            return
-        if self.first_loss is None:
-            self.first_loss = loss
-        if loss <= LOSS_GROWTH * self.first_loss:
-            self.last_sane = step
 
     def too_many(self, last: int, scale: float) -> str:
         """The error for ``max_nonfinite_steps`` skipped steps in a row ending at ``last``
@@ -259,7 +263,7 @@ class Progress:
         # A step's loss is computed with the parameters after the step before it: the last
         # sane loss vouches for the checkpoints before its step. Outside a loss-scale
         # backoff, the first of the skipped steps in a row says the same of its own step.
-        self.suspect_from = self.last_sane if backing_off else min(self.last_sane, first - 1)
+        self.suspect_from = self.sane.last if backing_off else min(self.sane.last, first - 1)
         if backing_off:
             return head + (
                 f"The float16 loss scale was still backing off ({self.first_scale:g} at step "
@@ -663,7 +667,7 @@ def start(run: Run, hooks) -> Training:
         + (f", {left} to go from step {loop.step}" if loop.step else "")
     )
     earlier = run_records.read_run(run.workdir).train if recorded else []
-    progress = Progress(run, writer, *sane_losses(earlier, resumed))
+    progress = Progress(run, writer, sane_losses(earlier, resumed))
     preemption = signals.Preemption(saver.directory)
     checkpointer = Checkpointer(run, writer, progress, clock, saver, preemption)
     hooks: list[Hook] = [progress, Evaluate(run, writer, progress, clock), *hooks, checkpointer]
