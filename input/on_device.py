@@ -605,17 +605,9 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
                                  split)  # fmt: skip
             print(_summary(split, meta, arrays_path, time.time() - t0), file=sys.stderr,
                   flush=True)  # fmt: skip
-            if meta["empty_folders"]:
-                print(f"{split}: empty class folder(s) {prep._names(meta['empty_folders'])}",
-                      file=sys.stderr, flush=True)  # fmt: skip
             if meta["ignored"]:
                 print(prep.ignored_note(split, meta["ignored"], meta_path), flush=True)
-            if meta["classes_without_examples"]:
-                listed_empty = ", ".join(
-                    f"{k!r} ({w})" for k, w in list(meta["classes_without_examples"].items())[:10]
-                )
-                print(f"{split}: no usable example of class(es) {listed_empty}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+            prep.class_notes(split, meta["empty_folders"], meta["classes_without_examples"])
         # The same rule as prepare's: a train class without a usable example is an error.
         empty = meta["classes_without_examples"]
         if split == d.train_split and empty and not d.allow_empty_classes:

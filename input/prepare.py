@@ -720,6 +720,16 @@ def _summary(out: str, entry: dict, plan: dict, processed: int, seconds: float) 
     )
 
 
+def class_notes(split: str, empty_folders, without_examples: dict) -> None:
+    """The lines said of a split's class folders that gave no example (prepared here, or
+    decoded for the device): the empty ones, and those whose files were all skipped."""
+    if empty_folders:
+        _note(f"{split}: empty class folder(s) {_names(empty_folders)}")
+    if without_examples:
+        listed = ", ".join(f"{c!r} ({w})" for c, w in list(without_examples.items())[:10])
+        _note(f"{split}: no usable example of class(es) {listed}")
+
+
 def _names(items, limit=10) -> str:
     items = list(items)
     text = ", ".join(map(repr, items[:limit]))
@@ -1064,13 +1074,9 @@ def prepare(
             if progress:
                 summary = _summary(out, entry, plan, processed, time.time() - t0)
                 print(summary, file=sys.stderr)
-            if entry["empty_folders"]:
-                _note(f"{plan['split']}: empty class folder(s) {_names(entry['empty_folders'])}")
             if entry["ignored"]:
                 _note(ignored_note(plan["split"], entry["ignored"], path))
-            if empty:
-                listed_empty = ", ".join(f"{c!r} ({w})" for c, w in list(empty.items())[:10])
-                _note(f"{plan['split']}: no usable example of class(es) {listed_empty}")
+            class_notes(plan["split"], entry["empty_folders"], empty)
     finally:
         if pool is not None:
             pool.terminate()
