@@ -257,12 +257,10 @@ class ProgressLine:
         self.out, self.plan, self.last = out, plan, time.time()
 
     def __call__(self, loop, state, metrics, stage) -> None:
-        import jax
-
-        if time.time() - self.last < PROGRESS_EVERY_S:
+        if time.time() - self.last < PROGRESS_EVERY_S:  # every step: nothing else until then
             return
         self.last = time.time()
-        loss = float(jax.device_get(metrics["loss"]))
+        loss = float(metrics["loss"])  # waits for this step, once a minute
         print(f"  step {loop.step}/{self.plan.total_steps}  epoch "
               f"{self.plan.epoch_at(loop.step):.2f}  loss {loss:.4f}", file=self.out,
               flush=True)  # fmt: skip
