@@ -289,3 +289,32 @@ def test_after_skipped_steps_the_update_applies_the_schedule_at_the_state_step(n
     else:
         assert hyperparams is None  # the constant optimizer, optax's own
     assert set(optax_counts(state.opt_state)) == {4}  # a checkpoint's counters agree
+
+
+def test_a_state_whose_counters_lag_its_step_updates_at_the_step():
+    """A checkpoint written before the counters followed the step holds, after skipped
+    steps, optax counts behind ``state.step``: its first resumed update must still apply the
+    schedule at the step. Reference: the same state with the counts set to the step."""
+    overrides = {"optim.name": "sgd", "optim.schedule": "cosine", "optim.warmup_epochs": 0.5}
+    program = build(tiny_config(**overrides), steps_per_epoch=10, total_steps=20)
+    step, mesh = program.train_jit, program.mesh
+    assert float(program.schedule(1)) < float(program.schedule(3))
+    b = shard_batch(helpers_batches(steps=1, seed=0)[0], mesh)
+    state = jax.device_get(random_state(program))
+
+    def counts_at(opt_state, n):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: np.int32(n) if _is_count(p) else x, opt_state
+        )
+
+    lagging = state.replace(step=np.int32(3), opt_state=counts_at(state.opt_state, 1))
+    at_three = state.replace(step=np.int32(3), opt_state=counts_at(state.opt_state, 3))
+    got, _ = step(place(lagging, program.shardings), b)
+    ref, _ = step(place(at_three, program.shardings), b)
+    assert optax_counts(jax.device_get(got.opt_state)) == [4] * len(optax_counts(ref.opt_state))
+    for a, r in zip(
+        jax.tree.leaves(jax.device_get(got.params)),
+        jax.tree.leaves(jax.device_get(ref.params)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, r)

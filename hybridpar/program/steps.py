@@ -143,7 +143,10 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
     not poison the parameters; the trainer counts skips and stops after too many in a
     row). For float16 a skip also halves the loss scale. Returns ``(new_state, metrics)``."""
     grads = state.loss_scale.unscale(scaled_grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    # The counters are set on the way in too: a checkpoint written before they followed
+    # the step holds counts behind it after skips, and its first resumed update would
+    # apply the schedule at the old count (a no-op otherwise: they already equal the step).
+    updates, opt_state = tx.update(grads, at_step(state.opt_state, state.step), state.params)
     params = optax.apply_updates(state.params, updates)
     new = state.replace(
         step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state
