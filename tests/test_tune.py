@@ -384,3 +384,21 @@ def test_a_stop_outside_a_trials_training_exits_0_and_says_how_to_go_on(tmp_path
     err = (tmp_path / "err.log").read_text()
     assert p.returncode == 0, (p.returncode, out[-2000:], err[-2000:])
     assert "SIGTERM" in out and "the same command continues the study" in out, out[-2000:]
+
+
+def test_a_trials_warning_lines_reach_the_terminal_and_every_line_its_log(tmp_path, capsys):
+    """The trainer's lines of a trial go to its log.txt; its ``warning:`` lines (written in
+    pieces, as print does) also reach the terminal, naming the log."""
+    wd = str(tmp_path / "trial")
+    with tune.quiet(wd):
+        print("mesh: data=8")
+        sys.stdout.write("warning: 3 images ")
+        sys.stdout.write("dropped\nplan: 10 steps\n")
+        print("warning: on stderr", file=sys.stderr)
+    log = os.path.join(wd, "log.txt")
+    with open(log) as f:
+        assert f.read() == (
+            "mesh: data=8\nwarning: 3 images dropped\nplan: 10 steps\nwarning: on stderr\n"
+        )
+    shown = capsys.readouterr().out.splitlines()
+    assert shown == [f"warning: 3 images dropped ({log})", f"warning: on stderr ({log})"]

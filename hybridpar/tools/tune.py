@@ -237,12 +237,36 @@ def check(config, mode: str) -> list[dict] | None:
 # ---- Running the trainer quietly -----------------------------------------------------------------
 
 
+class WarningsToo:
+    """``log`` (a file) gets every line; ``terminal`` also gets the ``warning:`` lines, each
+    naming the log it comes from: a trial's set-up warnings (data dropped, a key that does
+    nothing) must not hide in a file nobody opens until the search is over."""
+
+    def __init__(self, log, terminal, name: str):
+        self.log, self.terminal, self.name, self.part = log, terminal, name, ""
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        self.part += text
+        *lines, self.part = self.part.split("\n")
+        for line in lines:
+            if line.startswith("warning:"):
+                print(f"{line} ({self.name})", file=self.terminal, flush=True)
+        return len(text)
+
+    def flush(self) -> None:
+        self.log.flush()
+
+
 @contextlib.contextmanager
 def quiet(workdir: str):
-    """The trainer's own lines (mesh, placement, progress) into ``workdir/log.txt``."""
+    """The trainer's own lines (mesh, placement, progress) into ``workdir/log.txt``; its
+    ``warning:`` lines on the terminal too."""
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "log.txt"), "a") as f:
-        with contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+    path = os.path.join(workdir, "log.txt")
+    with open(path, "a") as f:
+        out = WarningsToo(f, sys.stdout, path)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
             yield
 
 
