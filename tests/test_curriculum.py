@@ -102,3 +102,69 @@ def test_stretched_stages_keep_the_curriculum_and_end_at_the_epochs(text, epochs
     assert [n[0] / o[0] for n, o in zip(new, old)] == pytest.approx(
         [epochs / old[-1][0]] * len(old)
     )
+
+
+def two_stage_plan(batches=(64, 32), ends=(2.0, 3.0)):
+    """Digits' 1,408 full-batch examples an epoch: 22 steps at 64, 44 at 32."""
+    stages = [curriculum.Stage(end, 16, b, 0.08) for end, b in zip(ends, batches)]
+    return curriculum.plan_stages(stages, lambda b: 1408 // b)
+
+
+def test_samples_before_counts_each_stage_batch_for_its_steps():
+    plan = two_stage_plan()
+    assert [s.num_steps for s in plan.stages] == [44, 44]
+    assert plan.samples_before(0) == 0
+    assert plan.samples_before(44) == 44 * 64
+    assert plan.samples_before(50) == 44 * 64 + 6 * 32
+    assert plan.samples_before(10**6) == 44 * 64 + 44 * 32
+
+
+def test_a_resume_must_not_replan_the_steps_a_checkpoint_trained(tmp_path):
+    """A checkpoint at step 44 that trained 2 epochs at batch 64: a config whose plan puts
+    another number of examples before step 44 (batch 32 from the start) would train epochs
+    again, and one that ends before step 44 has nothing to train: both refused. A batch
+    changed from the checkpoint's epoch on (a later stage), a longer run, and data that
+    changed size (its own warning) go on."""
+    from hybridpar.config.errors import WorkdirError
+    from hybridpar.runtime.run import LoopState
+
+    loop = LoopState(step=44, epoch=2, samples_seen=44 * 64)
+    where = str(tmp_path)
+    trainer.check_resumed_plan(two_stage_plan(), loop, 44, None, where)
+    trainer.check_resumed_plan(two_stage_plan((64, 64), (2.0, 5.0)), loop, 44, None, where)
+    with pytest.raises(WorkdirError, match=r"trained 2,816 examples .*puts 1,408 \(epoch 1\)"):
+        trainer.check_resumed_plan(two_stage_plan((32, 32)), loop, 44, None, where)
+    with pytest.raises(WorkdirError, match="past this config's last step, 22 "):
+        trainer.check_resumed_plan(two_stage_plan((64, 64), (0.5, 1.0)), loop, 44, None, where)
+    trainer.check_resumed_plan(two_stage_plan((32, 32)), loop, 44, [1437, 2875], where)
+
+
+def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what():
+    """``lr_change``: a finished 3-epoch cosine run resumed with num_epochs=5 restarts at a
+    higher LR (the decay had reached 0): both values; the same schedule: None."""
+    import types
+
+    from hybridpar.config.schema import base_config
+    from hybridpar.program import optim
+    from hybridpar.runtime.run import LoopState
+    from hybridpar.runtime.run_config import config_dict
+
+    def config(epochs):
+        c = base_config()
+        c.num_epochs, c.global_batch, c.optim.warmup_epochs = epochs, 64, 0.0
+        return c
+
+    def run_of(c):
+        plan = curriculum.plan_stages(curriculum.stages_from_config(c, 8), lambda b: 1408 // b,
+                                      data_parallel=8)  # fmt: skip
+        return types.SimpleNamespace(
+            plan=plan,
+            data=types.SimpleNamespace(steps_for=lambda b: 1408 // b),
+            program=types.SimpleNamespace(schedule=optim.make_schedule(c.optim, plan)),
+        )
+
+    held, loop = config_dict(config(3.0)), LoopState(step=66, epoch=3, samples_seen=66 * 64)
+    before, now = trainer.lr_change(run_of(config(5.0)), held, loop, 66)
+    assert before == pytest.approx(0.0, abs=1e-9)  # the 3-epoch cosine's end
+    assert now == pytest.approx(float(run_of(config(5.0)).program.schedule(66))) and now > 1e-3
+    assert trainer.lr_change(run_of(config(3.0)), held, loop, 66) is None

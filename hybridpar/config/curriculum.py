@@ -213,6 +213,14 @@ class StagePlan:
 
         return jnp.searchsorted(jnp.asarray(bounds, jnp.int32), step, side="right")
 
+    def samples_before(self, step: int) -> int:
+        """Examples the plan trains in its first ``step`` steps (each stage's batch times
+        its steps among them): a resumed checkpoint's ``samples_seen`` must equal it."""
+        return sum(
+            s.stage.global_batch * min(max(step - s.start_step, 0), s.num_steps)
+            for s in self.stages
+        )
+
     def batch_at(self, step):
         """The global batch of the stage that runs ``step`` (traced or not)."""
         batches = [s.stage.global_batch for s in self.stages]

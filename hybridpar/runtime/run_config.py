@@ -170,16 +170,14 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
     if last is None or last.stage >= len(stages):
         return  # another number of stages: a change check_run has refused or allowed
     new = stages[last.stage].global_batch
-    fix = (
-        f"use a mesh with {last.data_parallel or 'its'} data-parallel devices (data x "
-        "fsdp), or pass --allow-config-change to train on with the new batches"
-    )
+    fix = f"use a mesh with {last.data_parallel or 'its'} data-parallel devices (data x fsdp)"
     if new != last.global_batch:
         raise WorkdirError(
             f"workdir {workdir!r} holds a run that trained stage {last.stage} at global "
             f"batch {last.global_batch}; on mesh {config.mesh!r} ({data_parallel} "
             f"data-parallel devices) config.stages gives it {new}, as its batches are per "
-            f"data-parallel device: {fix}"
+            f"data-parallel device: {fix}, or scale the stages' per-device batches to keep "
+            "the global ones (with --allow-config-change)"
         )
     old = last.data_parallel
     if config.model.bn_sync != "global" and old is not None and old != data_parallel:
@@ -187,7 +185,8 @@ def check_batches(workdir: str, config, stages: list, data_parallel: int) -> Non
             f"workdir {workdir!r} holds a run trained on {old} data-parallel devices with "
             f"model.bn_sync={config.model.bn_sync!r} (BatchNorm statistics over each device's "
             f"or group's examples); mesh {config.mesh!r} has {data_parallel}, which changes "
-            f"those statistics: {fix}"
+            f"those statistics: {fix}, or pass --allow-config-change to train on with "
+            "the new statistics"
         )
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from hybridpar.config import formatting
 from hybridpar.config.curriculum import PlannedStage, describe
-from hybridpar.config.errors import NonFinite, PeerLost, SaveFailed, StopRequested
+from hybridpar.config.errors import NonFinite, PeerLost, SaveFailed, StopRequested, WorkdirError
 from hybridpar.parallel import partitioning
 from hybridpar.parallel.mesh import describe_mesh
 from hybridpar.program import compile_cache, optim
@@ -511,6 +511,55 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     return state, LoopState.from_dict(loop), step, config
 
 
+def check_resumed_plan(plan, loop: LoopState, step: int, grown, directory: str) -> None:
+    """The steps a resumed checkpoint trained stay as they were: this config's plan must
+    end after them, and (the data unchanged: that has its own warning) put as many
+    examples before them as the checkpoint has seen. A batch changed on a resume
+    (``--allow-config-change``) would replan them: step N at another batch is another
+    epoch, so the run would train epochs over again and its LR schedule jump back."""
+    if step > plan.total_steps:
+        raise WorkdirError(
+            f"the checkpoint at step {step} in {directory} is past this config's last step, "
+            f"{plan.total_steps} (epoch {plan.num_epochs:g}): the run has trained further "
+            "than it asks for; pass a later --config.num_epochs (or stages' end epoch), or "
+            "use a new --workdir"
+        )
+    seen, planned = loop.samples_seen, plan.samples_before(step)
+    if grown or not seen or seen == planned:
+        return
+    at = plan.stages[plan.stage_index_at(max(step - 1, 0))]
+    per_epoch = at.steps_per_epoch * at.stage.global_batch
+    raise WorkdirError(
+        f"the checkpoint at step {step} in {directory} has trained {seen:,} examples "
+        f"(about {seen / per_epoch:.3g} epochs), but this config's plan puts {planned:,} "
+        f"(epoch {plan.epoch_at(step):.3g}) before that step: a changed batch (global_batch, "
+        "the stages' batches, or a mesh that scales them) cannot apply to the steps "
+        "already trained, or the run would train epochs again; keep the batch up to the "
+        "checkpoint's epoch and change it in a later stage (--config.stages=END_EPOCH:"
+        "SIZE-BATCH_PER_DEVICE,...), or use a new --workdir"
+    )
+
+
+def lr_change(run: Run, held: dict | None, loop: LoopState, step: int):
+    """``(checkpoint's LR, this config's LR)`` at ``step`` where they differ by more than
+    1%: a longer ``num_epochs`` on a finished run restarts the decay from a higher LR, say.
+    None where they agree, or where the checkpoint's plan cannot be made again here."""
+    from hybridpar.config.curriculum import plan_stages, stages_from_config
+    from hybridpar.config.schema import from_saved
+
+    dp = run.plan.data_parallel
+    try:
+        old = from_saved(held or {}, "the checkpoint's config")
+        old_plan = plan_stages(stages_from_config(old, dp), run.data.steps_for, data_parallel=dp)
+    except Exception:  # noqa: BLE001 - only a warning: a config this version reads otherwise
+        return None
+    if old_plan.samples_before(step) != loop.samples_seen or step > old_plan.total_steps:
+        return None  # its batches were not these (another mesh's per-device stages)
+    before = float(optim.make_schedule(old.optim, old_plan)(step))
+    now = float(run.program.schedule(step))
+    return (before, now) if abs(now - before) > 0.01 * max(abs(before), abs(now)) else None
+
+
 def enter_next_stage(plan, loop: LoopState) -> None:
     """Moves ``loop`` to the stage that runs its next step, and to that stage's data
     position where it begins there. A checkpoint saved at a stage's last step holds the
@@ -591,19 +640,21 @@ def start(run: Run, hooks) -> Training:
         max_to_keep=c.checkpoint.max_to_keep,
         async_save=c.checkpoint["async"],
     )
-    state, loop, resumed, held = restore_or_init(run, saver)
-    enter_next_stage(plan, loop)
-    # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
-    held = None if resumed is None else (resumed, held)
-    changed = run_config.record_config(run.workdir, c, held)
-    if resumed is not None:  # the checkpoint read (an unreadable newer one was skipped)
-        signals.note_resume(resumed, saver.directory)
-    clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
+    state, loop, resumed, held_config = restore_or_init(run, saver)
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
     recorded, _ = run_records.read_records(f"{run.workdir}/metrics.jsonl")
     redo_until = furthest_step(recorded)
     grown = train_examples_change(recorded, run.data.info) if resumed is not None else None
+    if resumed is not None:  # before anything is written or compiled
+        check_resumed_plan(plan, loop, resumed, grown, saver.directory)
+    enter_next_stage(plan, loop)
+    # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
+    held = None if resumed is None else (resumed, held_config)
+    changed = run_config.record_config(run.workdir, c, held)
+    if resumed is not None:  # the checkpoint read (an unreadable newer one was skipped)
+        signals.note_resume(resumed, saver.directory)
+    clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
     log(
         "parameter and optimizer-state placement:\n"
         + partitioning.sharding_table(program.shardings, program.abstract)
@@ -628,6 +679,11 @@ def start(run: Run, hooks) -> Training:
             + (f" (config changed: {', '.join(changed)})" if changed else "")
             + (f"; the {lost:.1f}s the last start ran after it count in the wall time"
                if lost >= 1 else ""))  # fmt: skip
+    moved = lr_change(run, held_config, loop, resumed) if changed else None
+    if moved:
+        log(f"warning: the learning rate at step {resumed} is {moved[1]:.4g} under this "
+            f"config, {moved[0]:.4g} under the checkpoint's ({', '.join(changed)} changed "
+            f"its schedule): the run goes on at {moved[1]:.4g}")  # fmt: skip
     if grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
