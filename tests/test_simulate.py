@@ -310,9 +310,9 @@ def test_a_tiny_net_is_bounded_by_the_per_step_floor(name, devices):
     parts = s.parts()
     assert sum(parts.values()) == pytest.approx(s.step_s, rel=1e-12)
     assert parts["floor"] >= 0.5 * sim.STEP_FLOOR_S
-    # an epoch of ImageNet cannot go faster than its steps at the floor
+    # an epoch of ImageNet cannot go faster than its full steps at the floor
     tt = sim.time_to_train(toy, preset, devices, [sim.Stage(1, 32, 8)])
-    assert tt.total_s >= sim.IMAGENET_TRAIN_IMAGES / (devices * 8) * sim.STEP_FLOOR_S
+    assert tt.total_s >= sim.IMAGENET_TRAIN_IMAGES // (devices * 8) * sim.STEP_FLOOR_S
     assert tt.parts()["floor"] > 0
 
 
@@ -638,7 +638,8 @@ def test_a_comm_report_is_priced_on_its_own_data_and_epochs(tmp_path, capsys):
     assert (out["images_per_epoch"], out["stages"]) == (1437, "15:16-8")
     assert "digits" in out["images_per_epoch_from"] and "num_epochs" in out["stages_from"]
     step_s = out["rows"][0]["step_s"]
-    assert out["rows"][0]["time_to_train_s"] == pytest.approx(15 * 1437 / 64 * step_s)
+    # whole steps of full batches: 1,437 // 64 = 22 a epoch
+    assert out["rows"][0]["time_to_train_s"] == pytest.approx(15 * 22 * step_s)
     # the same as saying so with the flags, which say so in their turn
     said = _simulated(capsys, path, "--images-per-epoch", "1437", "--epochs", "15")
     assert said["rows"] == out["rows"]
@@ -720,19 +721,79 @@ def test_time_to_train_sums_stages_and_eval():
     preset = sim.get_preset("v100-25gbe")
     wl = sim.resnet50_workload("fp16")
     stages = sim.parse_stages("20:128-224,38:224-224,40:288-128")
-    tt = sim.time_to_train(wl, preset, 128, stages, images_per_epoch=1000, eval_s_per_epoch=2)
+    n = 100_000
+    tt = sim.time_to_train(wl, preset, 128, stages, images_per_epoch=n, eval_s_per_epoch=2)
+    # 128 x 224 = 28,672 a step: 3 full steps an epoch; 128 x 128 = 16,384: 6
+    steps = [20 * 3, 18 * 3, 2 * 6]
     by_hand = 0.0
-    start = 0.0
-    for st in stages:
+    for st, k in zip(stages, steps):
         s = sim.predict_step(wl, preset, 128, st.per_device_batch, st.image_size, 0.8)
-        by_hand += (st.end_epoch - start) * 1000 / s.images_per_s
-        start = st.end_epoch
+        by_hand += k * s.step_s
     assert tt.train_s == pytest.approx(by_hand, rel=1e-12)
     assert tt.eval_s == 80.0 and tt.total_s == pytest.approx(by_hand + 80.0)
-    # one device, no communication: epochs * images * seconds per image
+    # one device, no communication: epochs * full steps * seconds per image * batch
     one = sim.time_to_train(wl, preset, 1, [sim.Stage(2, 224, 256)], images_per_epoch=1000)
     per_image = 3 * 8.2e9 / (preset.peak_flops * preset.efficiency)
-    assert one.total_s == pytest.approx(2 * 1000 * per_image, rel=1e-12)
+    assert one.total_s == pytest.approx(2 * 3 * 256 * per_image, rel=1e-12)
+    # another trainer's run (the published ones): epochs * images * seconds per image
+    frac = sim.time_to_train(
+        wl, preset, 1, [sim.Stage(2, 224, 256)], images_per_epoch=1000, whole_steps=False
+    )
+    assert frac.total_s == pytest.approx(2 * 1000 * per_image, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "stages, devices, images",
+    [
+        ("1:224-256", 1, 1000),  # 3 full steps of 256, the last 232 images left out
+        ("0.01:16-8", 8, 1437),  # under half a step: the first stage still takes one
+        ("2.5:16-8,3:32-4,4.3:16-16", 8, 1437),  # part-way through an epoch, rounded
+        ("35:224-256", 64, 1_281_167),
+    ],
+)
+def test_stage_steps_are_the_trainers_plan(stages, devices, images):
+    """Each stage's steps are the trainer's plan (config.curriculum.plan_stages): whole
+    steps of full batches; the time to train is those steps, not epochs x images / rate (a
+    run of 1,000 images at a global batch of 2,048 was 41.7 ms, under its 85 ms step)."""
+    from hybridpar.config import curriculum
+
+    ours = sim.parse_stages(stages)
+    planned = curriculum.plan_stages(
+        [curriculum.Stage(s.end_epoch, s.image_size, s.per_device_batch * devices, 0.08)
+         for s in ours],
+        lambda batch: images // batch,
+    )  # fmt: skip
+    want = [p.num_steps for p in planned.stages]
+    assert sim.stage_steps(ours, devices, images) == want
+    wl, preset = sim.resnet50_workload(), sim.get_preset("h100")
+    tt = sim.time_to_train(wl, preset, devices, ours, images_per_epoch=images)
+    assert [secs / step.step_s for _, step, secs in tt.stages] == pytest.approx(want)
+
+
+def test_a_global_batch_over_one_epoch_is_refused_or_marked(capsys):
+    """The trainer takes no step where a global batch is more than one epoch: one device
+    count is one error line naming the batch, the epoch and the fix; in a table the row
+    says "not trainable" and has no time (null in --json)."""
+    argv = ["--preset", "h100", "--images-per-epoch", "1000", "--epochs", "1"]
+    assert sim.main([*argv, "--devices", "8"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "2,048" in lines[0] and "1,000 images" in lines[0]
+    assert "--per-device-batch" in lines[0] and "--devices" in lines[0]
+    assert sim.main([*argv, "--devices", "2,8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln.split()[0]: ln for ln in lines if ln[:8].strip().isdigit()}
+    assert rows["8"].endswith(f"{sim.NOT_TRAINABLE} (batch 2,048)")
+    assert rows["2"].endswith("85.3 ms")  # 1,000 // 512: one full step
+    assert sim.main([*argv, "--devices", "2,8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["over_one_epoch"] for r in got] == [None, 2048]
+    assert got[1]["time_to_train_s"] is None and got[0]["time_to_train_s"] > 0
+    with pytest.raises(ValueError, match="more than one epoch"):
+        sim.time_to_train(
+            sim.resnet50_workload(), sim.get_preset("h100"), 8, [sim.Stage(1, 224, 256)], 1000
+        )
 
 
 def _docs_validation_table(cells_per_row: int = 8) -> list[list[str]]:
@@ -1152,7 +1213,7 @@ def test_a_change_of_image_size_costs_the_preset_s_change_cost():
     pre = dataclasses.replace(sim.get_preset("v100"), size_change_s=10.0)
     wl = sim.resnet50_workload("fp16")
     stages = sim.parse_stages("2:128-64,3:128-128,4:224-64,5:288-64")  # 2 size changes
-    tt = sim.time_to_train(wl, pre, 8, stages, images_per_epoch=1000)
+    tt = sim.time_to_train(wl, pre, 8, stages, images_per_epoch=10_000)
     assert tt.size_change_s == 20.0 and tt.parts()["size change"] == 20.0
     assert tt.total_s == pytest.approx(tt.train_s + 20.0)
     assert sum(tt.parts().values()) == pytest.approx(tt.total_s)
@@ -1224,6 +1285,49 @@ def test_png_or_an_error_line_naming_the_install(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.startswith("error:") and 'pip install -e ".[plot]"' in err, err
     assert not gone.exists()
+
+
+def test_a_plot_is_not_written_over_a_file_without_overwrite(tmp_path, capsys):
+    """--png replaced a file there without asking; now it is one error line before any
+    work, the file untouched, and --overwrite replaces it and says so."""
+    keep = tmp_path / "keep.png"
+    keep.write_text("precious\n")
+    argv = ["--preset", "h100", "--devices", "8,64", "--png", str(keep)]
+    assert sim.main(argv) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith(f"error: --png {keep} exists")
+    assert "--overwrite" in lines[0] and keep.read_text() == "precious\n"
+    assert sim.main(["--devices", "8", "--overwrite"]) == 2  # nothing for it to replace
+    assert "--overwrite needs --png" in capsys.readouterr().err
+    pytest.importorskip("matplotlib")
+    assert sim.main([*argv, "--overwrite"]) == 0
+    said = capsys.readouterr().out.splitlines()[-1]
+    assert said == f"wrote {keep} (replaced the file there, --overwrite)"
+    assert keep.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_docs_preset_efficiencies_are_what_list_presets_prints(capsys):
+    """docs/scaling.md section 2 gave 0.400 for every TPU preset where --list-presets
+    prints 0.403-0.410 (the per-parameter work taken out of the reference step)."""
+    with open(os.path.join(REPO, "docs", "scaling.md")) as f:
+        rows = re.finditer(r"^\| `([\w.-]+)` .*→ ([\d.]+) \|$", f.read(), re.M)
+    doc = {m[1]: m[2] for m in rows}
+    assert sim.main(["--list-presets"]) == 0
+    printed = {ln.split()[0]: ln.split()[3] for ln in capsys.readouterr().out.splitlines()[2:]}
+    listed = {k: printed[k] for k in doc}
+    assert len(doc) >= 10 and doc == listed
+
+
+def test_per_device_means_per_batch_shard_device_in_help_and_legend(capsys):
+    """/device is the global batch over the batch-shard devices (data x fsdp), as in
+    config.stages; the help and the table's legend say so in those words."""
+    words = "global batch / (data x fsdp) devices"
+    with pytest.raises(SystemExit):
+        sim.main(["--help"])
+    assert words in " ".join(capsys.readouterr().out.split())
+    assert sim.main(["--devices", "8"]) == 0
+    assert words in capsys.readouterr().out.splitlines()[-1]
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from hybridpar.config import cli
@@ -26,6 +27,7 @@ from hybridpar.simulate.step import (
     exposed_source,
     format_stages,
     get_preset,
+    over_one_epoch,
     parse_stages,
     predict_step,
     time_to_train,
@@ -45,10 +47,14 @@ from hybridpar.simulate.workload import (
 
 DEFAULT_DEVICES = [2**k for k in range(3, 13)]  # 8 .. 4096
 BEYOND = "beyond any published converged batch"
+NOT_TRAINABLE = "not trainable"
 VALIDATION_FAILED = 1  # exit status of --validate with a case outside the band (2: bad input)
 PLOT_FORMATS = (".png", ".pdf", ".svg")  # --png's, each a format matplotlib always writes
 
 
+# what "per device" means in the batch flags, the title's "/device" and the legend, as in
+# config.stages: the global batch over the batch-shard devices (data x fsdp)
+PER_DEVICE = "images per batch-shard device, the global batch / (data x fsdp) devices"
 DEVICES_FORM = "a comma list and/or doubling range of counts >= 1, e.g. 8,16,32 or 8..4096"
 
 
@@ -91,12 +97,20 @@ def simulate(
 ) -> list[dict]:
     """One row per device count: the step at (per_device_batch, image_size) and the time to
     train through `stages`. Device counts that the model-parallel size does not divide are
-    skipped."""
+    skipped. A count where a stage's global batch is more than one epoch gets no time to
+    train (the trainer takes no step there): `over_one_epoch` is that batch, the times None."""
     rows = []
     for p in devices:
         if p % workload.model_parallel:
             continue
         step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
+        row = dataclasses.asdict(step)
+        row["over_one_epoch"] = over_one_epoch(stages, p, images_per_epoch, workload.model_parallel)
+        if row["over_one_epoch"] is not None:
+            row.update(time_to_train_s=None, eval_s=None, stage_s=None, stage_efficiency=None)
+            row["beyond_converged_batch"] = False
+            rows.append(row)
+            continue
         tt = time_to_train(
             workload,
             preset,
@@ -108,7 +122,6 @@ def simulate(
             eval_s_per_epoch,
             evaluation,
         )
-        row = dataclasses.asdict(step)
         row["time_to_train_s"] = tt.total_s
         row["eval_s"] = tt.eval_s
         row["stage_s"] = [secs for _, _, secs in tt.stages]
@@ -128,7 +141,7 @@ def train_time(s: float) -> str:
     return f"{ms:.1f} ms" if ms < 1000 else duration(s)
 
 
-def format_rows(rows: list[dict]) -> str:
+def format_rows(rows: list[dict], images_per_epoch: int | None = None) -> str:
     header = [
         "devices",
         "nodes",
@@ -152,17 +165,33 @@ def format_rows(rows: list[dict]) -> str:
             f"{r['comm_s'] * 1e3:.1f}",
             f"{r['images_per_s']:,.0f}",
             f"{r['efficiency']:.3f}",
-            BEYOND if r.get("beyond_converged_batch") else train_time(r["time_to_train_s"]),
+            time_cell(r),
         ]
         for r in rows
     ]
     out = table(body, header)
+    if any(r.get("over_one_epoch") for r in rows):
+        epoch = f"{images_per_epoch:,} images" if images_per_epoch else "its images"
+        out += (
+            f"\n{NOT_TRAINABLE}: a stage's global batch is more than one epoch ({epoch}); the "
+            "trainer runs full batches only, so it takes no step: fewer devices or a smaller "
+            "per-device batch"
+        )
     if any(r.get("beyond_converged_batch") for r in rows):
         out += (
             f"\n{BEYOND}: a global batch over {MAX_CONVERGED_BATCH:,}, the largest published "
             "to reach ResNet-50's target on ImageNet; its epochs to the target are unknown"
         )
     return out
+
+
+def time_cell(r: dict) -> str:
+    """The time-to-train column of one row: a time, or why there is none."""
+    if r.get("over_one_epoch"):
+        return f"{NOT_TRAINABLE} (batch {r['over_one_epoch']:,})"
+    if r.get("beyond_converged_batch"):
+        return BEYOND
+    return train_time(r["time_to_train_s"])
 
 
 def legend(workload: Workload, preset: Preset, efficiency: float | None) -> str:
@@ -175,7 +204,8 @@ def legend(workload: Workload, preset: Preset, efficiency: float | None) -> str:
     rate = "set by --calibrate/--efficiency" if efficiency is not None else preset.reference_note
     return (
         f"every column modelled: {work}; the device's rate {rate}; links from public figures; "
-        f"per-step floor {preset.step_floor_s * 1e3:g} ms (ASSUMPTION unless set)"
+        f"per-step floor {preset.step_floor_s * 1e3:g} ms (ASSUMPTION unless set); "
+        f"/device: {PER_DEVICE}"
     )
 
 
@@ -502,8 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-device-batch",
         type=count("a whole number of images per device", "256"),
         default=None,
-        help="images per device (per batch shard) per step (default 256, or the comm "
-        "report's own batch)",
+        help="images per device per step, that is per batch-shard device: the global batch / "
+        "(data x fsdp) devices, as in config.stages (default 256, or the comm report's own "
+        "batch)",
     )
     ap.add_argument(
         "--image-size",
@@ -637,8 +668,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fixed evaluation cost added per epoch (seconds)",
     )
     ap.add_argument(
-        "--png", default=None, help="also write a plot: .png, .pdf or .svg (needs matplotlib)"
+        "--png",
+        default=None,
+        help="also write a plot: .png, .pdf or .svg (needs matplotlib); a file there already "
+        "is refused unless --overwrite",
     )
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --png FILE")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument(
         "--validate",
@@ -698,6 +733,12 @@ def check_args(args, defaults: dict) -> None:
         raise ValueError(f"--stages {args.stages!r}: end epochs go to {MAX_EPOCHS:g} at most")
     if args.png and not os.path.isdir(os.path.dirname(args.png) or "."):
         raise ValueError(f"--png {args.png!r}: no such directory; write it to an existing one")
+    if args.overwrite and not args.png:
+        raise ValueError("--overwrite needs --png, the file it lets replace; drop --overwrite")
+    if args.png and os.path.exists(args.png) and not args.overwrite:
+        written = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(args.png)))
+        raise ValueError(f"--png {args.png} exists (written {written}): pass --overwrite to "
+                         "replace it, or name another file")  # fmt: skip
     if args.png and os.path.splitext(args.png)[1].lower() not in PLOT_FORMATS:
         # matplotlib picks the format by the extension: refused here, before the table
         raise ValueError(f"--png {args.png!r}: the plot's format is its extension, one of "
@@ -821,12 +862,22 @@ def _main(args) -> int:
         args.eval_s_per_epoch,
         _evaluation(args, report),
     )
+    if all(r["over_one_epoch"] for r in rows):  # nothing to show but refusals
+        r = rows[0]
+        raise ValueError(
+            f"a global batch of {r['over_one_epoch']:,} ({r['over_one_epoch'] * m // r['devices']}"
+            f"/device x {r['devices'] // m} batch-shard devices) is more than one epoch of "
+            f"{images_per_epoch:,} images ({images_from}): the trainer runs full batches only, "
+            "so it takes no step; lower --per-device-batch (or the stages' batches) or "
+            "--devices, or raise --images-per-epoch"
+        )
     eff = preset.efficiency if efficiency is None else efficiency
     title = (
         f"{preset.name}: {workload.name}; {args.per_device_batch}/device at "
         f"{args.image_size} px; {exposed_from(workload, args.overlap)}; efficiency "
         f"{eff:.3f} of {preset.peak_flops / TFLOPS:g} TFLOP/s"
     )
+    replaced = bool(args.png) and os.path.exists(args.png)  # only with --overwrite
     if args.png:  # no matplotlib: an error line (ConfigError) before anything is printed
         write_png(rows, args.png, title)
     if args.json:
@@ -855,6 +906,7 @@ def _main(args) -> int:
                     "images_per_epoch_from": images_from,
                     "eval_s_per_epoch": args.eval_s_per_epoch,
                     "png": args.png,
+                    "png_replaced": replaced,
                     "rows": rows,
                 }
             )
@@ -866,8 +918,8 @@ def _main(args) -> int:
         f"{images_per_epoch:,} images/epoch ({images_from})"
         + (f", eval {args.eval_s_per_epoch:g} s/epoch" if args.eval_s_per_epoch else "")
     )
-    print(format_rows(rows))
+    print(format_rows(rows, images_per_epoch))
     print(legend(workload, preset, efficiency))
     if args.png:
-        print(f"wrote {args.png}")
+        print(f"wrote {args.png}" + (" (replaced the file there, --overwrite)" if replaced else ""))
     return 0

@@ -11,7 +11,8 @@ efficiency on p devices; the calibrated presets; curriculum stages and time to t
                 says what its schedule hides: comm * (1 - hidden share), overlap unused
     input     = images per device per step / (input images/s per core * cores per device)
     step      = max(compute + param + exposed, input, per-step floor)
-    run       = start-up + steps * step + evaluation passes + changes of image size
+    run       = start-up + steps * step + evaluation passes + changes of image size,
+                steps: each stage's whole steps of full batches, as the trainer plans them
 """
 
 from __future__ import annotations
@@ -366,6 +367,47 @@ def beyond_converged_batch(stages: Sequence[Stage], devices: int, model_parallel
     return any(st.per_device_batch * replicas > MAX_CONVERGED_BATCH for st in stages)
 
 
+def stage_global_batch(stage: Stage, devices: int, model_parallel: int = 1) -> int:
+    """A stage's global batch on `devices`: its batch per batch-shard device times the
+    batch-shard devices (data x fsdp: the devices over the model-parallel size)."""
+    return devices // model_parallel * stage.per_device_batch
+
+
+def over_one_epoch(
+    stages: Sequence[Stage], devices: int, images_per_epoch: int, model_parallel: int = 1
+) -> int | None:
+    """The first stage's global batch on `devices` that is more than one epoch's images,
+    else None: the trainer runs full batches only, so such a stage has no step to take
+    (`config.curriculum.plan_stages` refuses it)."""
+    for st in stages:
+        batch = stage_global_batch(st, devices, model_parallel)
+        if batch > images_per_epoch:
+            return batch
+    return None
+
+
+def stage_steps(
+    stages: Sequence[Stage], devices: int, images_per_epoch: int, model_parallel: int = 1
+) -> list[int]:
+    """Each stage's steps as the trainer plans them (`config.curriculum.plan_stages`): an
+    epoch is its full batches, images per epoch // global batch (the last partial batch is
+    left out), and a stage runs round((end - start epoch) * that) of them, the first stage
+    at least one. A ValueError where a global batch is more than one epoch."""
+    batch = over_one_epoch(stages, devices, images_per_epoch, model_parallel)
+    if batch is not None:
+        raise ValueError(
+            f"a global batch of {batch:,} on {devices} devices is more than one epoch of "
+            f"{images_per_epoch:,} images: the trainer runs full batches only, so it takes no "
+            "step; lower the per-device batch or the devices (or train on more images)"
+        )
+    out, start = [], 0.0
+    for i, st in enumerate(stages):
+        per_epoch = images_per_epoch // stage_global_batch(st, devices, model_parallel)
+        out.append(max(int(round((st.end_epoch - start) * per_epoch)), 1 if i == 0 else 0))
+        start = st.end_epoch
+    return out
+
+
 @dataclass(frozen=True)
 class TrainPrediction:
     devices: int
@@ -429,18 +471,28 @@ def time_to_train(
     efficiency: float | None = None,
     eval_s_per_epoch: float = 0.0,
     evaluation: Evaluation | None = None,
+    whole_steps: bool = True,
 ) -> TrainPrediction:
-    """Sum over stages of (end - start epochs) * images per epoch / images/s at that stage,
-    plus `eval_s_per_epoch` for every epoch trained, the passes of `evaluation`, the
-    preset's start-up (`startup_seconds`) and its cost per change of image size."""
+    """Sum over stages of the stage's steps (`stage_steps`: whole steps of full batches, as
+    the trainer plans them) * the step at that stage, plus `eval_s_per_epoch` for every
+    epoch trained, the passes of `evaluation`, the preset's start-up (`startup_seconds`)
+    and its cost per change of image size. A ValueError where a global batch is more than
+    one epoch. `whole_steps=False`: (end - start epochs) * images per epoch / images/s, for
+    another trainer that does not count its steps this way (the published runs of
+    `validation`)."""
+    m = workload.model_parallel
+    steps = stage_steps(stages, devices, images_per_epoch, m) if whole_steps else None
     start = 0.0
     parts = []
     train_s = 0.0
-    for st in stages:
+    for i, st in enumerate(stages):
         step = predict_step(
             workload, preset, devices, st.per_device_batch, st.image_size, overlap, efficiency
         )
-        secs = (st.end_epoch - start) * images_per_epoch / step.images_per_s
+        if steps is not None:
+            secs = steps[i] * step.step_s
+        else:
+            secs = (st.end_epoch - start) * images_per_epoch / step.images_per_s
         parts.append((st, step, secs))
         train_s += secs
         start = st.end_epoch

@@ -813,8 +813,12 @@ def run_mlperf_case(case: MLPerfRun, overlap: float = 0.8, preset: Preset | None
     ev = Evaluation(case.eval_every_epochs, image_size=224, per_device_batch=b)
 
     def predict(ov):
+        # epochs x images / rate, not hybridpar's full batches: these trainers count their
+        # own steps (v0.6's TPU runs train 157 steps a block where full batches give 156)
         stages = [Stage(case.epochs, 224, b)]
-        return time_to_train(workload, preset, case.chips, stages, overlap=ov, evaluation=ev)
+        return time_to_train(
+            workload, preset, case.chips, stages, overlap=ov, evaluation=ev, whole_steps=False
+        )
 
     tt, tt0 = predict(overlap), predict(0.0)
     step = tt.stages[-1][1]
@@ -890,7 +894,13 @@ def _validation_prediction(case: ValidationCase, overlap: float, bucket_mb) -> d
         parts = hi.parts()  # one step on case.devices
     else:
         tt = time_to_train(
-            workload, preset, case.devices, stages, overlap=overlap, evaluation=case.evaluation
+            workload,
+            preset,
+            case.devices,
+            stages,
+            overlap=overlap,
+            evaluation=case.evaluation,
+            whole_steps=False,  # another trainer's run: epochs x images / rate
         )
         predicted = tt.total_s
         detail = tt.stages[-1][1]
