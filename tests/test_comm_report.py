@@ -439,6 +439,8 @@ def test_cli_text_on_hybrid_mesh():
         (["--target", "gpu:h100-8"], 4, "--devices=4 but --target gpu:h100-8 has 8 devices"),
         (["--target", "tpu:v5e-8"], 4, "--devices=4 but --target tpu:v5e-8 has 8 devices"),
         (["--target", "cpu:8"], 4, "--devices=4 but --target cpu:8 has 8 devices"),
+        # a batch over digits' 1,437-image epoch is the run's error at its start
+        (["--config.global_batch=4096"], 8, "more than one epoch of the training split"),
     ],
 )
 def test_cli_errors_are_one_line(args, devices, expect):
@@ -448,6 +450,28 @@ def test_cli_errors_are_one_line(args, devices, expect):
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expect in errors[0], r.stderr
     assert errors[0].count("--devices") <= 1 and "XLA_FLAGS" not in errors[0]
+
+
+def test_a_run_with_stages_reports_each_stages_train_step():
+    """With stages the run compiles one train step per stage (its batch per data-parallel
+    device x 8, its size) and never global_batch's: each is compiled and listed, the
+    figures are the stage needing the most memory (stage 1: 16 px at 64), the JSON says
+    which, and a line on stderr says as each starts compiling (planted: the step of
+    config.global_batch at data.image_size compiled alone; the progress line dropped)."""
+    r = _report(["--config.model.num_filters=8", "--config.data.image_size=16",
+                 "--config.global_batch=32", "--config.stages=1:8-4,2:16-8",
+                 "--config.num_epochs=2", "--json"])  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    programs = rep["stage_programs"]
+    assert [(p["stages"], p["global_batch"], p["image_size"]) for p in programs] == [
+        ([0], 32, 8), ([1], 64, 16)]  # fmt: skip
+    assert rep["stage"] == 1 and rep["global_batch"] == 64 and rep["image_shape"] == [16, 16, 1]
+    assert rep["memory_per_device_bytes"] == programs[1]["memory_per_device_bytes"]
+    assert programs[1]["memory_per_device_bytes"] > programs[0]["memory_per_device_bytes"]
+    assert rep["flops"] == programs[1]["flops"] and rep["total_bytes"] == programs[1]["total_bytes"]
+    assert "compiling train b32 8px (1/2) ..." in r.stderr
+    assert "compiling train b64 16px (2/2) ..." in r.stderr
 
 
 def test_xla_flags_per_platform():
@@ -598,7 +622,7 @@ def _report_refusing_to_compile(args, monkeypatch, capsys) -> tuple[int, str, st
     ``_Compiled``: (exit code, stdout, stderr). The variables it sets are put back."""
     from hybridpar.tools import comm_report
 
-    def compiled(config, virtual_devices=None, target=None):
+    def compiled(config, virtual_devices=None, target=None, say=None):
         raise _Compiled(virtual_devices)
 
     monkeypatch.setattr(comm_report, "report", compiled)

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from helpers import DIGITS, config_args, run_compile_tool
+from helpers import DIGITS, ROOT, config_args, run_compile_tool
 
 from hybridpar.config import cli
 from hybridpar.config.formatting import GIB, byte_size
@@ -213,8 +213,8 @@ def test_candidates_respect_the_rules():
         assert c.comm != "bucketed:32" or (model == 1 and c.head == "dense")
     # the overlap mode runs on model axes and with the sharded head
     assert any(c.comm == "overlap:4" and c.head == "sharded" for c in found)
-    assert found[0].overrides(8)["mesh"] == "data:8"  # the config's own plan first
-    assert {c.overrides(8)["model.head"] for c in found} == {"dense", "sharded"}
+    assert found[0].overrides()["mesh"] == "data:8"  # the config's own plan first
+    assert {c.overrides()["model.head"] for c in found} == {"dense", "sharded"}
 
 
 def test_one_data_parallel_device_is_offered_no_bucketed_or_overlap_mode():
@@ -250,7 +250,7 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
     found, _ = plan.candidates(config, 8, choices, platform)
     assert [c.comm for c in found if c.mesh_spec == "data:8"][0] == want
     assert [c.comm for c in found if c.mesh_spec == "data:4,model:2"] == ["xla"]  # once
-    assert found[0].overrides(8)["comm.mode"] == want.split(":")[0]
+    assert found[0].overrides()["comm.mode"] == want.split(":")[0]
 
 
 @pytest.mark.parametrize(
@@ -299,7 +299,7 @@ def _tiny_on_a_pod():
         num_epochs=1,
         data=SimpleNamespace(name="images", train_examples=1_281_167),
     )
-    rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3}
+    rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3, "global_batch": 4096 * 8}
     return config, rep, targets.parse("tpu:v5p-8192")
 
 
@@ -309,7 +309,7 @@ def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
     from hybridpar.simulate.hardware import STEP_FLOOR_S
 
     config, rep, target = _tiny_on_a_pod()
-    p = plan.predict_on_target(config, rep, target, target.devices_count, 0.8)
+    p = plan.predict_on_target(config, rep, target, target.devices_count, 0.8, 1_281_167)
     assert STEP_FLOOR_S > 0 and p["predicted_step_s"] >= STEP_FLOOR_S
     assert p["predicted_images_per_s"] / target.devices_count <= 8 / STEP_FLOOR_S
     assert p["predicted_floor_s"] > 0.99 * STEP_FLOOR_S  # the floor is what the step is
@@ -351,11 +351,11 @@ def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
     (1 - overlap) x comm)."""
     config, _, target = _tiny_on_a_pod()
     total = 1e9  # collective bytes: seconds on the links against a small roofline
-    rep = {"flops": 1e10, "bytes_accessed": 1e6, "total_bytes": total}
+    rep = {"flops": 1e10, "bytes_accessed": 1e6, "total_bytes": total, "global_batch": 8}
     comm = total / target.chip.ici_bytes_per_s
 
     def exposed(overlap, **figures):
-        p = plan.predict_on_target(config, dict(rep, **figures), target, 8, overlap)
+        p = plan.predict_on_target(config, dict(rep, **figures), target, 8, overlap, 1_281_167)
         return p["predicted_exposed_comm_s"], p["exposed_from"]
 
     assert exposed(0.0, bytes_hidden_est=total) == (0.0, "compiler schedule")
@@ -414,9 +414,120 @@ def test_time_to_train_counts_a_built_in_sets_own_epoch():
 
     config = load_config(DIGITS)
     assert config.data.train_examples != 1437
-    assert plan.train_examples_of(config) == 1437
+    assert plan.images_per_epoch_of(config) == 1437
     config.data.name = "synthetic"
-    assert plan.train_examples_of(config) == config.data.train_examples
+    assert plan.images_per_epoch_of(config) == config.data.train_examples
+
+
+def test_data_read_from_files_needs_images_per_epoch():
+    """cifar10_fast's images are read from files: its nominal data.train_examples (4,096)
+    made the time to train ~12x short. Without --images-per-epoch it is an error, as
+    simulate --comm-report's; with it, that count (planted: the nominal count returned)."""
+    from hybridpar.config.errors import ConfigError
+    from hybridpar.config.schema import load_config
+
+    config = load_config(str(ROOT / "experiments" / "cifar10_fast.py"))
+    assert config.data.name == "images"
+    with pytest.raises(ConfigError, match="read from files.*pass --images-per-epoch N"):
+        plan.images_per_epoch_of(config)
+    assert plan.images_per_epoch_of(config, 50_000) == 50_000
+    with pytest.raises(ConfigError, match="--images-per-epoch=0 must be >= 1"):
+        plan.images_per_epoch_of(config, 0)
+
+
+def test_a_per_device_batch_is_per_data_parallel_device():
+    """As config.stages counts it: a plan's batch per data-parallel device (data x fsdp),
+    so 8 on data:4,model:2 is a global batch of 32, not 8 x 8 devices; without
+    --per-device-batch every mesh keeps the config's global batch (32), each at its own
+    batch per data-parallel device (planted: global = batch x devices)."""
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    hybrid = (("data", 4), ("fsdp", 1), ("model", 2))
+    choices = {"mesh": [(("data", 8), ("fsdp", 1), ("model", 1)), hybrid],
+               "head": ["dense"], "bn_sync": ["global"], "comm": ["xla"],
+               "per_device_batch": [8], "compute": ["float32"]}  # fmt: skip
+    found, _ = plan.candidates(config, 8, choices)
+    assert {c.mesh_spec: c.overrides()["global_batch"] for c in found} == {
+        "data:8": "64", "data:4,model:2": "32"}  # fmt: skip
+    found, _ = plan.candidates(config, 8, dict(choices, per_device_batch=[None]))
+    assert {c.mesh_spec: (c.per_device_batch, c.overrides()["global_batch"]) for c in found} == {
+        "data:8": (4, "32"), "data:4,model:2": (8, "32")}  # fmt: skip
+    assert found[0].mesh_spec == "data:8"  # the config's own plan first: no batch change
+    table = plan.format_table([], [], [], 0)
+    assert "batch/dp-dev" in table and "batch/dev " not in table
+
+
+def test_a_config_with_stages_plans_its_stages_batches():
+    """With stages the run takes each stage's batch per data-parallel device and never
+    global_batch: a plan overrides no global_batch (planted: the override kept), and
+    --per-device-batch is refused (below, with the other flags)."""
+    config = cli.load(DIGITS, [*((k, str(v)) for k, v in TINY.items()),
+                               ("stages", "1:8-4,2:16-8"), ("num_epochs", "2")])  # fmt: skip
+    choices = {"mesh": [(("data", 8), ("fsdp", 1), ("model", 1))], "head": ["dense"],
+               "bn_sync": ["global"], "comm": ["xla"], "per_device_batch": [None],
+               "compute": ["float32"]}  # fmt: skip
+    found, _ = plan.candidates(config, 8, choices)
+    assert len(found) == 1 and found[0].per_device_batch is None
+    assert "global_batch" not in found[0].overrides() and found[0].label().endswith("b=stages")
+
+
+def test_a_stages_plan_checks_the_largest_stages_memory(tmp_path, monkeypatch):
+    """The plan's memory is its largest stage's train step (stage 1 here: 16 px at 8 a
+    device, twice stage 0's batch at twice its size), the figure the limit is held to;
+    compiled in one worker (planted: comm_report compiling config.global_batch's step)."""
+    monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")
+    overrides = [*((k, str(v)) for k, v in TINY.items()), ("stages", "1:8-4,2:16-8"),
+                 ("num_epochs", "2")]  # fmt: skip
+    config = cli.load(DIGITS, overrides)
+    c = plan.Candidate((("data", 8), ("fsdp", 1), ("model", 1)), "dense", "global", "xla",
+                       None, "float32")  # fmt: skip
+    rep = plan.compile_plans(DIGITS, config, overrides, [c], 8, 1, tmp_path, lambda s: None)[c]
+    assert "error" not in rep, rep
+    programs = rep["stage_programs"]
+    assert [(p["global_batch"], p["image_size"]) for p in programs] == [(32, 8), (64, 16)]
+    assert rep["stage"] == 1 and rep["global_batch"] == 64
+    big = max(p["memory_per_device_bytes"] for p in programs)
+    assert rep["memory_per_device_bytes"] == big > programs[0]["memory_per_device_bytes"]
+    fits, too_big, _ = plan.plan_rows(config, {c: rep}, 8, _preset(), big - 1, 0.8, 1437)
+    assert not fits and too_big[0]["memory_stage"] == 1  # held to the largest stage's need
+
+
+def _preset():
+    from hybridpar import simulate
+
+    return simulate.get_preset("h100")
+
+
+def test_a_batch_over_an_epoch_is_ruled_out_with_the_reason(tmp_path, monkeypatch):
+    """512 a device on data:8 is a global batch of 4,096, more than digits' 1,437-image
+    epoch: the plan is ruled out, saying so, not ranked first at 0 s to train (planted:
+    comm_report without the epoch check)."""
+    monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")
+    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
+    c = plan.Candidate((("data", 8), ("fsdp", 1), ("model", 1)), "dense", "global", "xla", 512,
+                       "float32")  # fmt: skip
+    results = plan.compile_plans(DIGITS, config, [], [c], 8, 1, None, lambda s: None)
+    assert results[c].get("ruled_out"), results[c]
+    assert "more than one epoch" in results[c]["error"]
+    fits, too_big, failed = plan.plan_rows(config, results, 8, _preset(), 2**40, 0.8, 1437)
+    assert not fits and not too_big and failed[0]["ruled_out"]
+    assert "ruled out: " in plan.format_table(fits, too_big, failed, 2**40)
+
+
+def test_a_target_plans_json_records_what_its_estimate_used():
+    """For a TPU target the estimate is the chip's roofline and the compiler's schedule: the
+    JSON records no preset (h100), efficiency, calibration or overlap it did not use, and
+    the overlap only where a report had no schedule figures (planted: the preset's)."""
+    from hybridpar.tools import targets
+
+    target, preset = targets.parse("tpu:v5e-8"), _preset()
+    used = plan.estimate_used(target, preset, 0.8, [{"exposed_from": "compiler schedule"}], 8)
+    unused = ("hardware", "efficiency", "step_overhead_s", "calibration", "overlap")
+    assert {k: used[k] for k in unused} == dict.fromkeys(unused)
+    assert "TPU compiler" in used["estimate"]
+    assumed = [{"exposed_from": "assumed overlap 0.8"}]
+    assert plan.estimate_used(target, preset, 0.8, assumed, 8)["overlap"] == 0.8
+    on_cpu = plan.estimate_used(None, preset, 0.8, [], 8)
+    assert on_cpu["hardware"] == "h100" and on_cpu["overlap"] == 0.8
 
 
 def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():
@@ -493,6 +604,13 @@ _TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s"
         (["--comm", "xla,bucketed:-4"], ["--comm 'bucketed:-4'", "--comm xla,overlap:4"]),
         (["--devices", "100000"], ["--devices=100000", "at most 4096", "--target tpu:"]),
         (["--devices", "4097"], ["--devices=4097", "at most 4096", "--target tpu:"]),
+        # with stages a run never uses global_batch: a batch plan would change nothing
+        (["--config.stages=1:8-4,2:16-8", "--config.num_epochs=2", "--per-device-batch", "4,8"],
+         ["--per-device-batch", "stages", "--config.stages"]),  # fmt: skip
+        (["--images-per-epoch", "0"], ["--images-per-epoch=0", ">= 1"]),
+        # every plan's set-up would refuse it: one line, not a worker per plan first
+        (["--config.partitioning.rules=((r'head/kernel$', (None, 'bogus')),)"],
+         ["names mesh axis 'bogus'", "('data', 'fsdp', 'model')"]),  # fmt: skip
     ],
 )
 def test_bad_flags_are_refused_before_anything_compiles(tmp_path, capsys, monkeypatch, extra, says):

@@ -76,11 +76,22 @@ class CommReport:
     # (comm_report.hidden_estimate at the target chip's figures).
     bytes_exposed: int | None = None
     bytes_hidden_est: int | None = None
+    # A run compiles one train step per curriculum stage: every figure above is stage
+    # `stage`'s (the one needing the most memory per device; global_batch and image_shape
+    # are its own), and `stage_programs` has each distinct step's figures, one dict each
+    # ("stages": the indices that run it, "global_batch", "image_size",
+    # "memory_per_device_bytes", "total_bytes", "total_ops", "flops", "compile_s").
+    # Absent from reports written before them.
+    stage: int | None = None
+    stage_programs: list[dict] | None = None
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         del d["memory_text"]
         d["collectives"] = [c.to_dict() for c in self.collectives]
+        for key in ("stage", "stage_programs"):  # a report read from before them: as it was
+            if d[key] is None:
+                del d[key]
         return d
 
     def to_json(self) -> str:
@@ -121,7 +132,9 @@ class CommReport:
 
 
 _REPORT_KEYS = {f.name for f in dataclasses.fields(CommReport)} - {"memory_text"}
-_OPTIONAL_KEYS = {"bytes_accessed", "bytes_exposed", "bytes_hidden_est"}
+_OPTIONAL_KEYS = {
+    "bytes_accessed", "bytes_exposed", "bytes_hidden_est", "stage", "stage_programs",
+}  # fmt: skip
 _ROW_KEYS = {f.name for f in dataclasses.fields(CollectiveRow)} - {"is_async"} | {"async"}
 
 

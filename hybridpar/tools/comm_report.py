@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import sys
 from collections import Counter
 
 from hybridpar.config import cli
@@ -581,13 +582,22 @@ def _flops(compiled) -> float | None:
     return cost_of(compiled)["flops"]
 
 
-def report(config, virtual_devices: int | None = None, target=None) -> CommReport:
-    """Compiles the config's train step for the mesh and returns the report; ``target``: a
-    ``hybridpar.tools.targets.Target`` whose devices (a TPU topology's) the mesh is laid on."""
+def report(config, virtual_devices: int | None = None, target=None, say=None) -> CommReport:
+    """Compiles the config's train steps for the mesh and returns the report; ``target``: a
+    ``hybridpar.tools.targets.Target`` whose devices (a TPU topology's) the mesh is laid on;
+    ``say``: called with a line as each program starts compiling.
+
+    A run with ``config.stages`` compiles one train step per stage (its batch and image
+    size; ``config.global_batch`` is not used): each is compiled here, as the compile tool
+    does (``compile.programs_of``), and the report's figures are those of the one needing
+    the most memory per device, the one a memory limit must hold; ``stage_programs`` gives
+    every stage's, and ``stage`` says which stage the figures are from."""
     import copy
 
     from hybridpar.runtime.run import memory_line, setup
+    from hybridpar.tools.compile import check_epoch, programs_of
 
+    say = say or (lambda line: None)
     if virtual_devices is not None and config.model.conv_grad == "auto":
         # virtual CPU devices stand for a pod's chips: their kernel gradients, not the im2col
         # form auto picks on XLA:CPU (it changes the memory and the collectives reported)
@@ -606,31 +616,46 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
             raise ConfigError(f"{head}, or compile for {n} virtual CPU devices with --devices {n}")
         hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
         raise ConfigError(f"{e}{hint}") from None
+    check_epoch(run)  # a batch over an epoch is the run's error at its start: said now
     mesh, program, applied = run.mesh, run.program, run.xla_flags
     if target is not None:
         program.compiler_options = target.compiler_options()
-    d = config.data
-    image_shape = (d.image_size, d.image_size, d.channels)
-    compiled = program.train_step(config.global_batch, d.image_size)
-    compile_s = program.compiles[-1]["compile_s"]
-
+    steps = [(b, size) for kind, b, size in programs_of(run) if kind == "train"]
+    rows = []
+    for i, (batch, size) in enumerate(steps, 1):
+        say(f"compiling train b{batch} {size}px ({i}/{len(steps)}) ...")
+        compiled = program.train_step(batch, size)
+        collectives = parse_collectives(compiled.as_text())
+        mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
+        rows.append(dict(
+            stages=[s.index for s in run.plan.stages
+                    if (s.stage.global_batch, s.stage.image_size) == (batch, size)],
+            global_batch=batch, image_size=size,
+            memory_per_device_bytes=mem.get("total"),
+            total_bytes=sum(r["total_bytes"] for r in collectives),
+            total_ops=sum(r["count"] for r in collectives),
+            flops=_flops(compiled),
+            compile_s=round(program.compiles[-1]["compile_s"], 3),
+            figures=(compiled, collectives, mem_text, mem),
+        ))  # fmt: skip
+    big = max(rows, key=lambda r: r["memory_per_device_bytes"] or 0)  # the first of a tie
+    compiled, collectives, mem_text, mem = big["figures"]
     hlo = compiled.as_text()
-    collectives = parse_collectives(hlo)
     by_kind: dict = {}
     for r in collectives:
         k = by_kind.setdefault(r["kind"], {"count": 0, "bytes": 0})
         k["count"] += r["count"]
         k["bytes"] += r["total_bytes"]
-    mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
     dev = run.mesh.devices.flat[0]
+    d = config.data
     return CommReport(
         collectives=tuple(CollectiveRow.from_dict(r) for r in collectives),
         by_kind=by_kind,
-        total_bytes=sum(r["total_bytes"] for r in collectives),
-        total_ops=sum(r["count"] for r in collectives),
-        flops=_flops(compiled),
+        total_bytes=big["total_bytes"],
+        total_ops=big["total_ops"],
+        flops=big["flops"],
         bytes_accessed=cost_of(compiled)["bytes_accessed"],
-        memory_per_device_bytes=mem.get("total"),
+        memory_per_device_bytes=big["memory_per_device_bytes"],
         memory=mem,
         memory_text=mem_text,
         mesh=dict(mesh.shape),
@@ -641,10 +666,12 @@ def report(config, virtual_devices: int | None = None, target=None) -> CommRepor
             "virtual": virtual_devices is not None,
         },
         xla_flags_applied=applied,
-        global_batch=config.global_batch,
-        image_shape=list(image_shape),
-        compile_s=round(compile_s, 3),
+        global_batch=big["global_batch"],
+        image_shape=[big["image_size"], big["image_size"], d.channels],
+        compile_s=round(sum(r["compile_s"] for r in rows), 3),
         config=json.loads(config.to_json()),
+        stage=big["stages"][0],
+        stage_programs=[{k: v for k, v in r.items() if k != "figures"} for r in rows],
         **schedule_figures(hlo, target),
     )
 
@@ -658,7 +685,25 @@ def format_report(rep: CommReport, config_path: str) -> str:
             f"{' (virtual)' if dev['virtual'] else ''}; mesh {mesh}; global batch "
             f"{rep.global_batch}; images {'x'.join(map(str, rep.image_shape))}"
         ),
-        f"compiled the train step in {rep.compile_s:.1f}s"
+    ]
+    programs = rep.stage_programs or []
+    if len(programs) > 1 or rep.config.get("stages"):
+        lines.append(
+            "the run's train steps, one per stage: "
+            + "; ".join(
+                f"stage {','.join(map(str, p['stages']))} batch {p['global_batch']} "
+                f"{p['image_size']} px: {byte_size(p['memory_per_device_bytes'] or 0)}/device, "
+                f"{p['total_ops']} collective ops {byte_size(p['total_bytes'])}"
+                for p in programs
+            )
+        )
+        lines.append(
+            f"the figures below are stage {rep.stage}'s (batch {rep.global_batch}), the one "
+            "needing the most memory per device"
+        )
+    lines += [
+        f"compiled {len(programs) if len(programs) > 1 else 'the'} train step"
+        f"{'s' if len(programs) > 1 else ''} in {rep.compile_s:.1f}s"
         + (f" with {' '.join(rep.xla_flags_applied)}" if rep.xla_flags_applied else "")
         + (
             "; kernel gradients as a GPU or TPU computes them (model.conv_grad=xla)"
@@ -779,8 +824,11 @@ def main(argv=None) -> None:
     if args.devices is not None:
         use_virtual_cpu_devices(args.devices)
 
+    def say(line):  # progress: on stderr under --json, so stdout is the one object
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
     def run():
-        rep = report(config, args.devices, target)
+        rep = report(config, args.devices, target, say)
         if args.json:
             print(rep.to_json())
         else:

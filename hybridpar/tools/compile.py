@@ -88,12 +88,9 @@ def _compile_programs(config, target, out, show, say) -> dict:
             msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
             raise ConfigError(f"{msg} ({target_hint(target, config.mesh)})") from None
         raise
-    if size is not None or config.data.name == "synthetic":  # sizes known without the data
-        check_epoch(run)
-    program, c = run.program, config
-    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
-    wanted.append(("eval", c.eval_batch, c.data.image_size))
-    wanted = list(dict.fromkeys(wanted))  # each (program, batch, size) once
+    check_epoch(run)
+    program = run.program
+    wanted = programs_of(run)
     replacing = bool(out) and os.path.exists(out)
     rows = []
     for i, (kind, batch, size) in enumerate(wanted, 1):
@@ -158,16 +155,29 @@ def _compile_programs(config, target, out, show, say) -> dict:
     return report
 
 
+def programs_of(run) -> list[tuple[str, int, int]]:
+    """``(program, global batch, image size)`` of every program a run compiles: each
+    stage's train step, then the eval step; each once."""
+    c = run.config
+    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
+    wanted.append(("eval", c.eval_batch, c.data.image_size))
+    return list(dict.fromkeys(wanted))
+
+
 def check_epoch(run) -> None:
     """A stage whose global batch is more than one epoch of the training split is the
     trainer's error (``plan_stages``, from the data's steps per epoch; synthetic data's
     ``DataError`` at its first batch); the same error here, before minutes of compiling,
     where the split's size is known without the data (digits' own, synthetic's
     ``data.train_examples``). Elsewhere ``data.train_examples`` is only nominal: a folder
-    of images may hold far more than its default."""
+    of images may hold far more than its default, so nothing is checked."""
     from hybridpar.config.curriculum import plan_stages
+    from hybridpar.runtime.executables import data_size
 
-    n = run.config.data.train_examples
+    n = data_size(run.config)
+    if n is None and run.config.data.name != "synthetic":
+        return
+    n = n or run.config.data.train_examples
     plan_stages([s.stage for s in run.plan.stages], lambda batch: n // batch)
 
 

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 from hybridpar.config import cli
+from hybridpar.config.curriculum import parse_stages
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import GIB, MIB, byte_size, duration, table
 from hybridpar.config.schema import HEADS
@@ -77,14 +78,21 @@ class Candidate:
     head: str
     bn_sync: str
     comm: str  # "auto", "xla", "bucketed:MB" or "overlap:MB"
-    per_device_batch: int  # global batch / devices
+    # images per data-parallel device (data x fsdp: the batch shards), as config.stages
+    # counts them; None: the config's stages set the batches (no global_batch override)
+    per_device_batch: int | None
     compute: str  # precision.compute
 
     @property
     def mesh_spec(self) -> str:
         return ",".join(f"{a}:{n}" for a, n in self.mesh if n > 1) or "data:1"
 
-    def overrides(self, devices: int) -> dict[str, str]:
+    @property
+    def data_parallel(self) -> int:
+        shape = dict(self.mesh)
+        return shape["data"] * shape["fsdp"]
+
+    def overrides(self) -> dict[str, str]:
         """The ``--config.KEY=VALUE`` pairs that make the config this plan."""
         mode, _, mb = self.comm.partition(":")
         out = {
@@ -92,17 +100,17 @@ class Candidate:
             "model.head": self.head,
             "model.bn_sync": self.bn_sync,
             "comm.mode": mode,
-            "global_batch": str(self.per_device_batch * devices),
             "precision.compute": self.compute,
         }
+        if self.per_device_batch is not None:
+            out["global_batch"] = str(self.per_device_batch * self.data_parallel)
         if mb:
             out["comm.bucket_mb"] = mb
         return out
 
     def label(self) -> str:
-        return (
-            f"{self.mesh_spec} {self.head} bn={self.bn_sync} {self.comm} b={self.per_device_batch}"
-        )
+        b = "stages" if self.per_device_batch is None else self.per_device_batch
+        return f"{self.mesh_spec} {self.head} bn={self.bn_sync} {self.comm} b={b}"
 
 
 def mesh_factorisations(devices: int, max_model: int = 8) -> list[tuple]:
@@ -155,11 +163,20 @@ def _resolved(c: Candidate, config, platform: str) -> Candidate:
     return dataclasses.replace(c, comm=comm)
 
 
+def _config_batch(c: Candidate, config) -> Candidate:
+    """A plan at the config's own global batch (``per_device_batch`` None) as that batch
+    over its data-parallel devices; with stages it stays None (the stages set the batches)."""
+    if c.per_device_batch is not None or config.stages:
+        return c
+    return dataclasses.replace(c, per_device_batch=config.global_batch // c.data_parallel)
+
+
 def candidates(
     config, devices: int, choices: dict, platform: str = "cpu"
 ) -> tuple[list[Candidate], int]:
     """The valid plans of the product of `choices`, closest to the config first, and how
-    many the product had. ``platform``: the devices' (a mesh error's hint depends on it)."""
+    many the product had. ``platform``: the devices' (a mesh error's hint depends on it).
+    A ``per_device_batch`` of None is the config's own global batch on every mesh."""
     from hybridpar.parallel.mesh import parse_mesh_spec
 
     base = Candidate(
@@ -167,21 +184,24 @@ def candidates(
         head=config.model.head,
         bn_sync=config.model.bn_sync,
         comm=_comm_of(config),
-        per_device_batch=config.global_batch // devices,
+        per_device_batch=None,
         compute=config.precision.compute,
     )
-    base = _resolved(base, config, platform)
+    base = _config_batch(_resolved(base, config, platform), config)
     axes = [f.name for f in dataclasses.fields(Candidate)]
     grid = list(itertools.product(*(choices[a] for a in axes)))
     out = []
     for values in grid:
-        c = _resolved(Candidate(*values), config, platform)
+        c = _config_batch(_resolved(Candidate(*values), config, platform), config)
         if _rule_out(c, devices, config.data.num_classes) is None:
             out.append(c)
     out = list(dict.fromkeys(out))  # auto may resolve to a plan listed already
 
+    def value(c, a):  # a batch is the global batch it makes: the same on every mesh
+        return c.overrides().get("global_batch") if a == "per_device_batch" else getattr(c, a)
+
     def distance(c):
-        return sum(getattr(c, a) != getattr(base, a) for a in axes)
+        return sum(value(c, a) != value(base, a) for a in axes)
 
     out.sort(key=distance)  # stable: within a distance, the order of the value lists
     return out, len(grid)
@@ -226,16 +246,23 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
                 cli.fail(f"--comm {c!r}: the bucket size MB after {mode}: is a positive "
                          "number of MiB, e.g. --comm xla,overlap:4")  # fmt: skip
     batches = listed(args.per_device_batch)
-    if config.global_batch % devices and not batches:
+    if batches and config.stages:
+        cli.fail(
+            f"--per-device-batch: the config's stages ({config.stages!r}) set each stage's "
+            "batch per data-parallel device and a run with stages does not use global_batch; "
+            "plan other batches by changing the stages (--config.stages=...), or drop "
+            "--per-device-batch"
+        )
+    if config.global_batch % devices and not batches and not config.stages:
         cli.fail(
             f"global_batch={config.global_batch} does not divide over {devices} devices; set "
             f"--config.global_batch to a multiple of {devices} or pass --per-device-batch"
         )
     try:
-        batch = [int(b) for b in batches] if batches else [config.global_batch // devices]
+        batch = [int(b) for b in batches] if batches else [None]  # None: the config's
     except ValueError:
         cli.fail(f"--per-device-batch {args.per_device_batch!r}: comma-separated integers")
-    if min(batch) < 1:
+    if batches and min(batch) < 1:
         cli.fail(f"--per-device-batch {args.per_device_batch!r}: batches are >= 1")
     base_comm = _comm_of(config)
     # auto is xla or overlap by the target's platform and each plan's mesh
@@ -255,6 +282,21 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
         "per_device_batch": batch,
         "compute": listed(args.precision) or [config.precision.compute],
     }
+
+
+def check_rule_axes(config) -> None:
+    """Every mesh axis a partitioning path rule names is one of the mesh's (``mesh.AXES``,
+    the same on every plan; a rule must match an array, so each one's spec is applied): an
+    error shared by every plan is one line before any worker starts, in the words of the
+    set-up's own check. (A logical rule's axis matters only where a model names it.)"""
+    from hybridpar.parallel.mesh import AXES
+
+    for pattern, spec in config.partitioning.rules:
+        for entry in spec if isinstance(spec, (tuple, list)) else (spec,):
+            for a in entry if isinstance(entry, (tuple, list)) else (entry,):
+                if a is not None and a not in AXES:
+                    cli.fail(f"partitioning rule ({pattern!r}, {spec}): spec {spec} names mesh "
+                             f"axis {a!r}, not one of {AXES}")  # fmt: skip
 
 
 def _check_values(config, choices: dict, validate) -> None:
@@ -370,7 +412,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     results, todo = {}, []
     for c in plans:
         plan_config = copy.deepcopy(config)
-        cli.apply_overrides(plan_config, list(c.overrides(devices).items()))
+        cli.apply_overrides(plan_config, list(c.overrides().items()))
         path = cache_dir / f"{cache_key(plan_config, devices, source)}.json" if cache_dir else None
         cached = cached_report(path, log) if path is not None and path.exists() else None
         if cached is not None:
@@ -392,7 +434,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     ) as pool:
         futures = {
             pool.submit(
-                compile_one, config_path, base_overrides + list(c.overrides(devices).items())
+                compile_one, config_path, base_overrides + list(c.overrides().items())
             ): (c, path)
             for c, path in todo
         }
@@ -429,8 +471,11 @@ def stages_of(config, per_batch_shard: int):
     return [sim.Stage(config.num_epochs, config.data.image_size, per_batch_shard)]
 
 
-def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
-    """Step and time to train of one compiled plan on `preset`."""
+def predict(
+    config, rep: dict, preset, devices: int, overlap: float, images_per_epoch: int
+) -> dict:
+    """Step and time to train of one compiled plan on `preset`; an epoch of
+    `images_per_epoch` images (``images_per_epoch_of``)."""
     from hybridpar import simulate as sim
 
     report = CommReport.from_dict({k: v for k, v in rep.items() if k != "from_cache"})
@@ -444,7 +489,7 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
         preset,
         devices,
         stages_of(config, b),
-        train_examples_of(config),
+        images_per_epoch,
         overlap,
         evaluation=evaluation,
     )
@@ -459,15 +504,33 @@ def predict(config, rep: dict, preset, devices: int, overlap: float) -> dict:
     }
 
 
-def train_examples_of(config) -> int:
-    """An epoch's images: a built-in set's own size where known (digits' split), else the
-    config's nominal ``data.train_examples``."""
+def images_per_epoch_of(config, flag: int | None = None) -> int:
+    """An epoch's images: ``--images-per-epoch`` where given, else a built-in set's own size
+    (digits' split) or synthetic data's ``data.train_examples``. Data read from files has
+    the size of its files, which a compile without the data never sees (its
+    ``data.train_examples`` is only nominal): a ``ConfigError``, as ``simulate
+    --comm-report`` refuses it, not a time to train off by the files' size."""
     from hybridpar.runtime.executables import data_size
 
-    return data_size(config) or config.data.train_examples
+    if flag is not None:
+        if flag < 1:
+            raise ConfigError(f"--images-per-epoch={flag} must be >= 1")
+        return flag
+    size = data_size(config)
+    if size is not None:
+        return size
+    if config.data.name == "synthetic":
+        return config.data.train_examples
+    raise ConfigError(
+        f"the time to train needs the images in an epoch, and the config's data "
+        f"(data.name={config.data.name!r}) is read from files, whose size a compile does not "
+        "see; pass --images-per-epoch N (e.g. 50000 for CIFAR-10's train split)"
+    )
 
 
-def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -> dict:
+def predict_on_target(
+    config, rep: dict, target, devices: int, overlap: float, images_per_epoch: int
+) -> dict:
     """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
     compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
     bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
@@ -489,7 +552,7 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
         exposed = max(comm - overlap * compute, (1 - overlap) * comm)
     exposed_from = exposed_source(share, overlap)
     step = max(compute + exposed, STEP_FLOOR_S)
-    images = config.global_batch / step
+    images = rep["global_batch"] / step  # the compiled step's (a stage's, with stages)
     return {
         "predicted_step_s": step,
         "predicted_images_per_s": images,
@@ -497,7 +560,7 @@ def predict_on_target(config, rep: dict, target, devices: int, overlap: float) -
         "predicted_exposed_comm_s": exposed,
         "exposed_from": exposed_from,
         "predicted_floor_s": step - compute - exposed,  # what the floor adds to the step
-        "predicted_time_to_train_s": config.num_epochs * train_examples_of(config) / images,
+        "predicted_time_to_train_s": config.num_epochs * images_per_epoch / images,
         "predicted_eval_s": None,
         "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives "
         f"less those hidden ({exposed_from}), at least the per-step floor",
@@ -563,15 +626,18 @@ def usable_cache_dir(args) -> Path | None:
 
 
 def plan_rows(
-    config, results: dict, devices: int, preset, limit_bytes: int, overlap: float, target=None
-):
+    config, results: dict, devices: int, preset, limit_bytes: int, overlap: float,
+    images_per_epoch: int, target=None,
+):  # fmt: skip
     """(ranked plans that fit, plans that do not fit, plans that failed), each a dict.
-    ``target``: a TPU target, whose estimate (``predict_on_target``) replaces the preset's."""
+    ``target``: a TPU target, whose estimate (``predict_on_target``) replaces the preset's.
+    ``images_per_epoch``: ``images_per_epoch_of``'s. With stages, a plan's memory is its
+    largest stage's (``memory_stage``), what the run must hold."""
     fits, too_big, failed = [], [], []
     for c, rep in results.items():
         row = {
             "plan": c.label(),
-            "overrides": c.overrides(devices),
+            "overrides": c.overrides(),
             "per_device_batch": c.per_device_batch,
             "from_cache": rep.get("from_cache", False),
         }
@@ -585,11 +651,12 @@ def plan_rows(
             flops_per_device=rep["flops"],
             compile_s=rep["compile_s"],
             compiled_for=f"{rep['devices']['platform']} ({rep['devices']['kind']})",
+            memory_stage=rep.get("stage"),
         )
         if target is not None:
-            row.update(predict_on_target(config, rep, target, devices, overlap))
+            row.update(predict_on_target(config, rep, target, devices, overlap, images_per_epoch))
         else:
-            row.update(predict(config, rep, preset, devices, overlap))
+            row.update(predict(config, rep, preset, devices, overlap, images_per_epoch))
         (fits if rep["memory_per_device_bytes"] <= limit_bytes else too_big).append(row)
     fits.sort(key=rank_key)
     too_big.sort(key=lambda r: r["memory_per_device_bytes"])
@@ -618,16 +685,19 @@ def floor_tie(fits: list) -> int:
     return len(tied) if len(tied) > 1 else 0
 
 
-def format_table(fits, too_big, failed, limit_bytes) -> str:
-    header = ["rank", "mesh", "head", "bn_sync", "comm", "batch/dev", "compute", "memory/dev",
-              "collectives MiB (ops)", "img/s", "time to train"]  # fmt: skip
+def format_table(fits, too_big, failed, limit_bytes, stage_batches: str = "") -> str:
+    """The ranked table; ``stage_batches``: the stages' batches per data-parallel device
+    (e.g. ``1024,512``), shown for plans whose stages set the batch."""
+    header = ["rank", "mesh", "head", "bn_sync", "comm", "batch/dp-dev", "compute",
+              "memory/dev", "collectives MiB (ops)", "img/s", "time to train"]  # fmt: skip
     rows = []
     for rank, r in enumerate(fits + too_big, 1):
         o = r["overrides"]
         comm = o["comm.mode"] + (f":{o['comm.bucket_mb']}" if "comm.bucket_mb" in o else "")
+        batch = r["per_device_batch"]
         rows.append([
             str(rank) if r in fits else "-", o["mesh"], o["model.head"], o["model.bn_sync"],
-            comm, str(r["per_device_batch"]), o["precision.compute"],
+            comm, stage_batches if batch is None else str(batch), o["precision.compute"],
             byte_size(r["memory_per_device_bytes"]) + ("" if r in fits else " (too big)"),
             f"{r['collective_bytes'] / MIB:,.1f} ({r['collective_ops']})",
             f"{r['predicted_images_per_s']:,.0f}", duration(r["predicted_time_to_train_s"]),
@@ -658,6 +728,22 @@ def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
         f"(python -m hybridpar.simulate, {preset.name}): img/s and time to train, from the "
         f"compiled FLOPs and collectives, the device's rate {rate}, {floor}"
     )
+
+
+def estimate_used(target, hardware, overlap: float, rows: list, devices: int) -> dict:
+    """The JSON's record of what the estimate used: the scaling model's preset (its name,
+    efficiency, per-step overhead and calibration) and ``--overlap``; for a TPU target none
+    of the preset's (the chip's roofline and the compiler's schedule replace it), the
+    overlap only where a plan's report had no schedule figures (``exposed_from``), and the
+    estimate in words."""
+    if target is None:
+        return {"hardware": hardware.name, "efficiency": hardware.efficiency,
+                "step_overhead_s": hardware.step_overhead_s,
+                "calibration": hardware.reference_note, "overlap": overlap}  # fmt: skip
+    assumed = any(r.get("exposed_from", "").startswith("assumed") for r in rows)
+    return {"hardware": None, "efficiency": None, "step_overhead_s": None, "calibration": None,
+            "overlap": overlap if assumed else None,
+            "estimate": legend(target, None, devices, None)}  # fmt: skip
 
 
 # ---- The command line ------------------------------------------------------------------------
@@ -704,7 +790,16 @@ def build_parser() -> cli.ArgumentParser:
         "comm.bucket_mb)",
     )
     p.add_argument(
-        "--per-device-batch", help="global batch / devices to try (default: the config's)"
+        "--per-device-batch",
+        help="batches per data-parallel device (data x fsdp, as config.stages counts them) to "
+        "try; the global batch is this times the mesh's data x fsdp (default: the config's "
+        "global batch on every mesh; refused for a config with stages)",
+    )
+    p.add_argument(
+        "--images-per-epoch",
+        type=int,
+        help="training images per epoch, for the time to train (default: digits' split, or "
+        "synthetic data's data.train_examples; data read from files needs it)",
     )
     p.add_argument("--precision", help="precision.compute values to try (default: the config's)")
     p.add_argument(
@@ -824,6 +919,8 @@ def main(argv=None) -> None:
         from hybridpar.config.schema import validate
 
         validate(config)  # every value checked before a device or a worker starts
+        check_rule_axes(config)  # as every plan's set-up would, once, not once per worker
+        images_per_epoch = images_per_epoch_of(config, args.images_per_epoch)
         platform = target.platform if target is not None else "cpu"
         choices = _choices(config, n, args, platform)
         _check_values(config, choices, validate)
@@ -845,7 +942,9 @@ def main(argv=None) -> None:
         hardware = preset
         if args.calibrate_from:
             hardware = _calibrated(preset, results, kept, points, args.calibrate_from)
-        fits, too_big, failed = plan_rows(config, results, n, hardware, limit, args.overlap, target)
+        fits, too_big, failed = plan_rows(
+            config, results, n, hardware, limit, args.overlap, images_per_epoch, target
+        )
         if not fits:
             if too_big:
                 s = too_big[0]
@@ -863,11 +962,11 @@ def main(argv=None) -> None:
         ruled = sum(r["ruled_out"] for r in failed)
         if args.json:
             print(json.dumps({
-                "devices": n, "hardware": preset.name, "memory_limit_bytes": limit,
+                "devices": n, "memory_limit_bytes": limit,
                 "target": target.spec if target else None,
-                "efficiency": hardware.efficiency, "step_overhead_s": hardware.step_overhead_s,
-                "calibration": hardware.reference_note,
-                "overlap": args.overlap, "combinations": product, "valid": len(plans),
+                **estimate_used(target, hardware, args.overlap, fits + too_big, n),
+                "images_per_epoch": images_per_epoch,
+                "combinations": product, "valid": len(plans),
                 "compiled": len(kept), "from_cache": cached,
                 "cache_dir": str(cache_dir) if cache_dir else None,
                 "tied_at_floor": floor_tie(fits), "plans": fits, "too_big": too_big,
@@ -882,8 +981,19 @@ def main(argv=None) -> None:
             + (f", {len(failed) - ruled} failed" if len(failed) > ruled else "")
             + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
         )
-        print(format_table(fits, too_big, failed, limit))
+        stages = parse_stages(config.stages) if config.stages else []
+        stage_batches = ",".join(str(b) for _, _, b, _ in stages)
+        print(format_table(fits, too_big, failed, limit, stage_batches))
         print(legend(target, hardware, n, args.calibrate_from))
+        print(
+            f"batch/dp-dev: images per data-parallel device (data x fsdp), as config.stages "
+            f"counts them; an epoch is {images_per_epoch:,} images"
+            + (
+                "; with stages, memory/dev and collectives are the train step of the stage "
+                "needing the most memory"
+                if config.stages else ""
+            )
+        )
         tied = floor_tie(fits)
         if tied:
             print(
