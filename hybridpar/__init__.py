@@ -6,6 +6,11 @@ The partitioning API for your own training code:
     shardings = hybridpar.infer_shardings(params, rules, mesh)
     batch = hybridpar.shard_batch(host_local_numpy_batch, mesh)
 
+A trained run in your own code (docs/evaluation.md):
+
+    run = hybridpar.TrainedRun("runs/digits", hybridpar.make_mesh("data:-1"))
+    logits = run.logits(uint8_images)  # normalised as in training; run.model, run.variables()
+
 The names below are imported on first use (PEP 562), so ``import hybridpar`` does not start
 JAX: a tool can still set device counts and XLA flags before the backend starts, and the
 JAX-free parts (``hybridpar.simulate``, the config schema) stay JAX-free.
@@ -38,6 +43,7 @@ _EXPORTS = {
     "ShardedHead": "hybridpar.parallel.sharded_head",
     "sharded_cross_entropy": "hybridpar.parallel.sharded_head",
     "sharded_topk_hits": "hybridpar.parallel.sharded_head",
+    "TrainedRun": "hybridpar.runtime.trained",
 }
 
 __all__ = ["ConfigError", *sorted(_EXPORTS)]

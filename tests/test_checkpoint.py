@@ -5,6 +5,9 @@
   the resumed segment logs steps k+1.. with the uninterrupted run's very losses. Negative
   control: the same resume with the data position moved by one step ends elsewhere.
 * A corrupted latest checkpoint falls back to the one before it, with a warning.
+* A step deleted while a reader reads or lists it (a trainer's retention) is read again
+  from the newest on disk, not called unreadable; none reading back is one error
+  without TensorStore's spec.
 * A workdir of another config is one error naming the key; an unwritable checkpoint
   directory is an error before training.
 * Through the CLI on data:8: kill -9 mid-run resumes from the last complete checkpoint and
@@ -695,3 +698,103 @@ def test_a_read_only_reader_logs_no_warning(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     checkpoint.Checkpoints(str(tmp_path), read_only=True).close()
     assert not [r for r in caplog.records if "read only" in r.getMessage()], caplog.text
+
+
+def tiny_saves(directory, steps):
+    """A tree of 4096 floats (chunks in data files, not inline in orbax's index) saved at
+    each of ``steps`` in ``directory``; ``(saver, tree, abstract)``, the saver still open (a
+    trainer's)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    tree = {"w": jax.device_put(np.arange(4096.0, dtype=np.float32), sharding)}
+    saver = checkpoint.Checkpoints(str(directory), async_save=False, max_to_keep=0)
+    for step in steps:
+        saver.save(step, tree, {"step": step}, {})
+    saver.finished(wait=True)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree
+    )
+    return saver, tree, abstract
+
+
+def test_a_checkpoint_deleted_while_it_is_read_is_not_unreadable(tmp_path, monkeypatch, capsys):
+    """A reader beside a trainer whose retention deletes the step it reads (a new one saved
+    first, or not): the newest on disk is read again, with no warning, no "config changed"
+    error, and nothing moved aside (read-only or not)."""
+    for read_only in (True, False):
+        d = tmp_path / f"read_only_{read_only}"
+        trainer_saver, tree, abstract = tiny_saves(d, [1])
+        reader = checkpoint.Checkpoints(str(d), read_only=read_only)
+        real, reads = reader.manager.restore, []
+
+        def overtaken(step, *args, **kwargs):
+            reads.append(step)
+            if len(reads) == 1:  # the trainer saves step 2, then deletes step 1
+                trainer_saver.save(2, tree, {"step": 2}, {})
+                trainer_saver.finished(wait=True)
+                shutil.rmtree(d / "1")
+            if len(reads) == 2:  # step 2 deleted with nothing newer: the one before is gone
+                shutil.copytree(d / "2", d / "3")
+                shutil.rmtree(d / "2")
+            return real(step, *args, **kwargs)
+
+        monkeypatch.setattr(reader.manager, "restore", overtaken)
+        step, _, loop, _ = reader.restore(abstract)
+        reader.close()
+        trainer_saver.close()
+        assert (step, loop["step"], reads) == (3, 2, [1, 2, 3])
+        assert "does not read back" not in capsys.readouterr().out
+        assert not Path(f"{d}.unreadable").exists() and sorted(os.listdir(d)) == ["3"]
+
+
+def test_a_listing_that_meets_a_deleted_step_is_read_again(tmp_path, monkeypatch):
+    """orbax's listing reads each step's metadata: a step deleted meanwhile is a
+    FileNotFoundError, raised to the reader as a traceback; it lists again."""
+    import orbax.checkpoint as ocp
+
+    saver, _, abstract = tiny_saves(tmp_path / "c", [1])
+    saver.close()
+    real, fails = ocp.CheckpointManager, {"made": 1, "reload": 2}
+
+    def gone():
+        return FileNotFoundError(2, "No such file or directory", str(tmp_path / "c" / "0"))
+
+    def flaky(*args, **kwargs):
+        if fails["made"]:  # the listing as the manager is made
+            fails["made"] -= 1
+            raise gone()
+        manager = real(*args, **kwargs)
+        reload = manager.reload
+
+        def flaky_reload():
+            if fails["reload"]:
+                fails["reload"] -= 1
+                raise gone()
+            reload()
+
+        manager.reload = flaky_reload
+        return manager
+
+    monkeypatch.setattr(ocp, "CheckpointManager", flaky)
+    reader = checkpoint.Checkpoints(str(tmp_path / "c"), read_only=True)
+    assert reader.committed_steps() == [1]  # the evaluator's listing
+    fails["reload"] = 1
+    step, _, _, _ = reader.restore(abstract)
+    assert step == 1 and fails == {"made": 0, "reload": 0}
+    reader.close()
+
+
+def test_none_reading_back_is_one_error_without_tensorstore_s_spec(tmp_path):
+    """The error's text is the warning's (``read_error``): type and first line, not
+    TensorStore's whole spec as a pybind repr."""
+    saver, _, abstract = tiny_saves(tmp_path / "c", [1])
+    saver.close()
+    # the largest data file holds the array's chunks (the others: its metadata)
+    data = max((tmp_path / "c" / "1" / "state").rglob("d/*"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    reader = checkpoint.Checkpoints(str(tmp_path / "c"), read_only=True)
+    with pytest.raises(ConfigError, match=r"none of the 1 checkpoint\(s\) .* \(steps 1\)") as e:
+        reader.restore(abstract)
+    reader.close()
+    assert "pybind" not in str(e.value) and "TensorStore details" not in str(e.value)
+    assert len(str(e.value)) < 800

@@ -121,6 +121,28 @@ def test_a_second_call_evaluates_nothing_new(watched, capsys):
     assert "evaluated 0 checkpoint(s)" in capsys.readouterr().out
 
 
+def test_a_trained_run_s_logits_give_the_evaluator_s_top1_and_loss(watched):
+    """``hybridpar.TrainedRun``, as docs/evaluation.md shows it: the latest checkpoint's
+    logits of the test split (normalised inside, as the eval step does) give the evaluator's
+    top-1 and loss on that checkpoint; any number of images (padded over the devices)."""
+    import numpy as np
+
+    import hybridpar
+    from hybridpar.input.arrays import load_digits
+    from hybridpar.program.steps import cross_entropy
+
+    w, events = watched["w"], watched["out"]["events"]
+    run = hybridpar.TrainedRun(str(w), hybridpar.make_mesh("data:-1"))
+    _, test = load_digits(run.config.data.image_size)
+    logits = run.logits(test["image"])
+    assert run.step == STEPS[-1] and events[-1]["step"] == STEPS[-1]
+    assert logits.shape == (360, 10) and logits.dtype == np.float32
+    assert (logits.argmax(-1) == test["label"]).mean() == events[-1]["top1"]
+    loss = np.mean(cross_entropy(logits, test["label"], run.config.label_smoothing))
+    assert abs(loss - events[-1]["loss"]) < 1e-5 * events[-1]["loss"]
+    np.testing.assert_allclose(run.logits(test["image"][:13]), logits[:13], rtol=1e-5, atol=1e-5)
+
+
 def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted_one(
     watched, tmp_path
 ):

@@ -154,3 +154,13 @@ def test_the_package_privates_are_read_from_the_source():
     privates = package_privates()
     assert {"_check_prepared", "_records", "_MAX_CYCLE", "_caches"} <= privates
     assert all(_private(n) for n in privates)
+
+
+def test_every_exported_name_resolves_and_a_trained_run_is_one():
+    """``hybridpar``'s names, imported on first use, each name something; ``TrainedRun``
+    among them (docs/evaluation.md shows it)."""
+    import hybridpar
+    from hybridpar.runtime.trained import TrainedRun
+
+    assert all(getattr(hybridpar, name) is not None for name in hybridpar.__all__)
+    assert "TrainedRun" in hybridpar.__all__ and hybridpar.TrainedRun is TrainedRun

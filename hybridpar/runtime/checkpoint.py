@@ -172,10 +172,34 @@ def _closed_loop(unraisable) -> bool:
     )
 
 
+def _orbax_read_left(unraisable) -> bool:
+    """An orbax read coroutine gathered with one that failed first (a step the trainer's
+    retention deleted while a reader read it), closed unawaited, raising its own error as
+    it closes: reported as unraisable, with TensorStore's whole spec. The read's failure
+    reaches its caller through the coroutine that failed first."""
+    code = getattr(unraisable.object, "cr_code", None)
+    return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def _tensorstore_read_left(record: logging.LogRecord) -> bool:
+    """asyncio's report of a TensorStore read that failed beside one that failed first (a
+    step deleted under a reader): orbax raised the first, so the others' errors were never
+    retrieved. Raised in C++ (no Python frame), with TensorStore's status code first."""
+    e = record.exc_info[1] if record.exc_info else None
+    return (
+        str(record.msg).startswith("Future exception was never retrieved")
+        and e is not None
+        and e.__traceback__ is None
+        and re.match(r"[A-Z_]+: ", str(e)) is not None
+    )
+
+
 def _read_only_notice(record: logging.LogRecord) -> bool:
     """orbax's warning that a manager opened read-only is read-only: what we asked for, and
-    a reader's user would take it for a permission problem."""
-    return record.msg == "Given directory is read only=%s"
+    a reader's user would take it for a permission problem; and its warning, as it lists the
+    steps, that a step has no metadata file: one the trainer's retention is deleting (orbax
+    writes that file with every step)."""
+    return record.msg in ("Given directory is read only=%s", "Metadata file does not exist: %s")
 
 
 def quiet_background_failures() -> None:
@@ -184,19 +208,22 @@ def quiet_background_failures() -> None:
     retrieved" for each write gathered with the failed one, and tensorstore's callbacks into
     the event loop orbax closed on the first error: dozens of tracebacks. ``Checkpoints``
     reports the failure once, as ``SaveFailed`` (the CLI's one ``error:`` line), so these
-    are dropped, and so is orbax's notice that a reader's manager is read-only; other records
-    and hooks are left as they were."""
+    are dropped. So are the left-overs of a read that failed, a step deleted under a reader
+    (``_orbax_read_left``, ``_tensorstore_read_left``): the reader reports the failure, or
+    reads the step after it; and orbax's notices to a reader (``_read_only_notice``). Other
+    records and hooks are left as they were."""
     global _quiet
     if _quiet:
         return
     _quiet = True
-    keep = lambda record: not (_from_orbax(record) or _read_only_notice(record))  # noqa: E731
+    drop = (_from_orbax, _read_only_notice, _tensorstore_read_left)
+    keep = lambda record: not any(f(record) for f in drop)  # noqa: E731
     logging.getLogger("absl").addFilter(keep)  # orbax logs through absl
     logging.getLogger("asyncio").addFilter(keep)  # the loops' default exception handler
     previous = sys.unraisablehook
 
     def hook(unraisable):
-        if not _closed_loop(unraisable):
+        if not (_closed_loop(unraisable) or _orbax_read_left(unraisable)):
             previous(unraisable)
 
     sys.unraisablehook = hook
@@ -220,6 +247,25 @@ def nonfinite_leaves(tree) -> list[str]:
     floats = [(p, x) for p, x in leaves if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
     finite = jax.jit(lambda xs: [jnp.isfinite(x).all() for x in xs])([x for _, x in floats])
     return [jax.tree_util.keystr(p) for (p, _), ok in zip(floats, finite, strict=True) if not ok]
+
+
+# Reads of a listing or a checkpoint that a running trainer's retention overtook, retried
+# before giving up (each retry reads the newest step again)
+_RETRIES = 20
+
+
+def _listing(list_steps):
+    """``list_steps()``, again when it fails with FileNotFoundError: orbax's listing reads
+    each step folder's metadata, and a step the trainer's retention deletes meanwhile fails
+    it. A reader beside a running trainer meets that often; the next listing does not hold
+    the deleted step."""
+    for attempt in range(_RETRIES):
+        try:
+            return list_steps()
+        except FileNotFoundError:
+            if attempt == _RETRIES - 1:
+                raise
+            time.sleep(0.05)
 
 
 class Checkpoints:
@@ -285,7 +331,9 @@ class Checkpoints:
                     else None
                 ),
             )
-        self.manager = ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+        self.manager = _listing(
+            lambda: ocp.CheckpointManager(directory, item_names=ITEMS, options=options)
+        )
         self._pending = None  # (step, start time, blocking seconds) of the save in flight
         self._done: list[dict] = []
 
@@ -298,8 +346,16 @@ class Checkpoints:
     def committed_steps(self) -> list[int]:
         """The steps on disk now, oldest first (read again: another process may have saved
         or deleted some). orbax lists only committed steps, never a save in flight."""
-        self.manager.reload()
-        return sorted(self.manager.all_steps())
+        return sorted(self._steps_now())
+
+    def _steps_now(self) -> list[int]:
+        """The committed steps on disk now, newest first (the manager reloaded)."""
+
+        def listed():
+            self.manager.reload()
+            return sorted(self.manager.all_steps(), reverse=True)
+
+        return _listing(listed)
 
     def save(self, step: int, state, loop: dict, config: dict) -> float:
         """Saves at ``step``; returns the seconds it blocked the loop."""
@@ -372,16 +428,38 @@ class Checkpoints:
         short, corrupted) is skipped with a warning, the one before it used. If none reads
         back, that is an error, not a new run from step 0 beside them: every checkpoint
         failing alike means the state no longer fits them (another optimizer, say). With
-        ``step``: that checkpoint, or orbax's error if it does not read back."""
+        ``step``: that checkpoint, or orbax's error if it does not read back.
+
+        A reader beside a running trainer (the evaluator, ``TrainedRun``) sees steps come and
+        go: the trainer's retention deletes the oldest after each save. A read that fails
+        while the listing changed (the step deleted, or a newer one committed) says nothing
+        about that step: the newest is read again, from a new listing, up to ``_RETRIES``
+        times. Only a step that fails with the listing as it was is unreadable."""
         if step is not None:
             return self._read(step, abstract_state)
-        steps, first = sorted(self.manager.all_steps(), reverse=True), None
-        for i, newest in enumerate(steps):
+        steps, unreadable, first, overtaken = self._steps_now(), [], None, 0
+        while True:
+            left = [s for s in steps if s not in unreadable]
+            if not left:
+                break
+            newest = left[0]
             try:
                 got = self._read(newest, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure to read means: try the older
-                msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
-                first = first or msg
+                now = self._steps_now()
+                if now != steps:  # deleted under us, or a newer one came: read the newest
+                    overtaken += 1
+                    if overtaken > _RETRIES:
+                        raise WorkdirError(
+                            f"the checkpoints in {self.directory} were deleted while being "
+                            f"read, {overtaken} times over: the run's trainer deletes them as "
+                            "fast as it saves them; try again, or keep more (the trainer's "
+                            "--config.checkpoint.max_to_keep)"
+                        ) from None
+                    steps = now
+                    continue
+                unreadable.append(newest)
+                first = first or read_error(e)
                 if jax.process_index() == 0:
                     print(
                         f"warning: checkpoint {newest} in {self.directory} does not read back "
@@ -389,15 +467,15 @@ class Checkpoints:
                         flush=True,
                     )
                 continue
-            self._set_aside(steps[:i])
+            self._set_aside(unreadable)
             return got
-        if steps:
+        if unreadable:
             raise WorkdirError(
-                f"none of the {len(steps)} checkpoint(s) in {self.directory} (steps "
-                f"{', '.join(map(str, sorted(steps)))}) reads back into this run's train state "
-                f"(newest: {first}); if the config changed what the state holds (optimizer, "
-                "model, momentum schedule), start a new --workdir, or move the checkpoints "
-                "away to start this one over"
+                f"none of the {len(unreadable)} checkpoint(s) in {self.directory} (steps "
+                f"{', '.join(map(str, sorted(unreadable)))}) reads back into this run's train "
+                f"state (newest: {first}); if the config changed what the state holds "
+                "(optimizer, model, momentum schedule), start a new --workdir, or move the "
+                "checkpoints away to start this one over"
             )
         return None
 

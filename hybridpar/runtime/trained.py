@@ -10,12 +10,17 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax.core import meta
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import from_saved, validate
+from hybridpar.parallel.mesh import data_parallel_size
+from hybridpar.parallel.partitioning import batch_sharding, replicated
 from hybridpar.program.program import build_program
+from hybridpar.program.steps import FlipAveraged, logits_in, normalize
 from hybridpar.runtime import checkpoint, run_config
 
 
@@ -50,7 +55,9 @@ def load_config(workdir: str, overrides=()):
 class TrainedRun:
     """The run in ``workdir`` read back on ``mesh``: ``config`` (its latest checkpoint's,
     ``load_config``'s, unless given), ``program`` and ``model``, and its variables (the
-    latest checkpoint's parameters and BatchNorm statistics, at ``step``) read on first use.
+    latest checkpoint's parameters and BatchNorm statistics, at ``step``) read on first use;
+    ``logits(images)``, the model's output as the eval step computes it. It only reads
+    (safe beside the run's trainer still saving and deleting checkpoints).
     ``partitioning``: another config's placement section, so the variables sit where that
     run's would (a teacher or ``init_from`` placed like its student). ``program``: one
     already built of ``config`` on ``mesh`` (``run.setup``'s), else one is built."""
@@ -70,6 +77,7 @@ class TrainedRun:
         self.abstract = {"params": a.params, "batch_stats": a.batch_stats}
         self.step = None  # the checkpoint's, once read
         self._variables = None
+        self._logits_fn = None  # compiled on the first call of logits
 
     def variables(self) -> dict:
         """``{"params", "batch_stats"}`` of the latest checkpoint, in ``shardings`` (the
@@ -86,6 +94,35 @@ class TrainedRun:
             self.step, state = int(restored[0]), restored[1]
             self._variables = {"params": state.params, "batch_stats": state.batch_stats}
         return self._variables
+
+    def logits(self, images) -> np.ndarray:
+        """The model's logits, float32 ``(N, classes)`` on the host, for ``images``: uint8 or
+        float pixels in 0..255, ``(N, H, W, C)`` at the run's image size
+        (``config.data.image_size``), any N. As the eval step computes them: normalised with
+        ``config.data.mean``/``std`` (the model takes normalised pixels), in the compute
+        dtype, inference mode, averaged with the mirror images where the run evaluates with
+        ``eval_flip``. Split over the mesh's data-parallel devices, padded to a multiple of
+        their count. One process: ``load_config`` turns ``distributed`` off."""
+        images, size, c = np.asarray(images), self.config.data.image_size, self.program.channels
+        if images.ndim != 4 or images.shape[-1] != c:
+            raise ConfigError(f"logits takes images (N, {size}, {size}, {c}), got {images.shape}")
+        n, ways = len(images), data_parallel_size(self.program.mesh)
+        padded = np.concatenate([images, np.zeros((-n % ways, *images.shape[1:]), images.dtype)])
+        if self._logits_fn is None:
+            model = FlipAveraged(self.model) if self.config.eval_flip else self.model
+            d, policy = self.config.data, self.program.policy
+
+            def fn(variables, x):
+                x = normalize(x, tuple(d.mean), tuple(d.std), policy.compute_dtype)
+                return logits_in(policy, model.apply(variables, x, train=False)).astype(jnp.float32)
+
+            mesh = self.program.mesh
+            self._logits_fn = jax.jit(
+                fn,
+                in_shardings=(self.shardings, batch_sharding(mesh, 4)),
+                out_shardings=replicated(mesh),
+            )
+        return np.asarray(self._logits_fn(self.variables(), padded))[:n]
 
     def host_variables(self) -> tuple:
         """``(params, batch_stats)`` unboxed, as host arrays: what the compression tools
