@@ -1,6 +1,7 @@
 """``config.cli.parse``: what a tool needs of its command line, read once (the tools pass
 their ``argv``, None from the console, straight through)."""
 
+import os
 import sys
 
 import pytest
@@ -192,3 +193,71 @@ def test_logical_rules_that_are_not_pairs_are_refused_with_the_config(rules):
     # the control: a name to an axis, to several, or to none
     ok = "(('embed', 'fsdp'), ('mlp', ('data', 'model')), ('vocab', None))"
     validate(cli.load(DIGITS, [("partitioning.logical_rules", ok)]))
+
+
+def test_ctrl_c_in_a_tool_is_one_line_and_exit_130(capsys):
+    """A Ctrl-C that reaches ``cli.main`` (quantize, prune: no signal handling of their own)
+    is one line, with what the tool says it left, and the shell's 130, not a traceback.
+    Planted bug that fails it: ``main`` without its ``except KeyboardInterrupt``."""
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    assert _exit_code(cli.main, stopped, stopped="nothing written") == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["stopped (Ctrl-C): nothing written"], err
+    assert _exit_code(cli.main, stopped) == 130  # a tool that says nothing of what it left
+    assert capsys.readouterr().err == "stopped (Ctrl-C)\n"
+
+
+def _exit_code(fn, *args, **kw):
+    """``fn``'s exit code, or ``"KeyboardInterrupt"`` where it let one through (which
+    pytest would otherwise take for the user's, and stop the whole run). ``os._exit`` (a
+    stop's exit, without the exit handlers) is stood in for by a ``SystemExit``."""
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    real, os._exit = os._exit, exit_now
+    try:
+        fn(*args, **kw)
+    except SystemExit as e:
+        return e.code
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt"
+    finally:
+        os._exit = real
+    return 0
+
+
+@pytest.mark.parametrize("written", [False, True], ids=["while-working", "after-writing"])
+@pytest.mark.parametrize("tool", ["quantize", "prune"])
+def test_ctrl_c_in_quantize_and_prune_says_what_was_written(tmp_path, monkeypatch, capsys,
+                                                            tool, written):  # fmt: skip
+    """Both write their files beside the output and move them in whole, so a Ctrl-C while
+    they work leaves nothing, and the line says so; one after the move (their last lines)
+    says the output was written. Their work is stood in for by a stop, before or after
+    its output appears."""
+    import importlib
+
+    from hybridpar.runtime import trained
+
+    module = importlib.import_module(f"hybridpar.tools.{tool}")
+    w, pruned = tmp_path / "w", tmp_path / "p"
+    out = pruned if tool == "prune" else w / "quantized"
+
+    def stopped(*a, **k):
+        if written:
+            out.mkdir(parents=True)
+            (out / "report.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trained, "load_config", lambda *a: None)
+    monkeypatch.setattr(module, "check_args", lambda *a: None, raising=False)  # quantize's
+    monkeypatch.setattr(module, "prune_run" if tool == "prune" else "run", stopped)
+    argv = ["--workdir", str(w)]
+    argv += ["--out", str(pruned), "--fraction", "0.5"] if tool == "prune" else []
+    assert _exit_code(module.main, argv) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    said = f"{out} was written whole before the stop" if written else "nothing written"
+    assert err == [f"stopped (Ctrl-C): {said}"], err

@@ -477,6 +477,23 @@ def test_each_calibration_quantizes_the_run(quantized, tmp_path, method):
     assert float(q["stage1_block0/conv1"]["x_step"]) == pytest.approx(r["clip"] / 255, rel=1e-6)
 
 
+def test_weight_only_says_it_calibrates_nothing_and_writes_no_litert_file(quantized, tmp_path):
+    """``--activations none``: no line of a calibration it does not do, nor of a LiteRT file
+    it does not write. Planted bug that fails it: the lines of int8 activations
+    (``calibrated (mse) on 0 batches``, ``writing the StableHLO and LiteRT files``)."""
+    w, _, _ = quantized
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report = quantize.run(trained.load_config(str(w)), str(w), activations="none",
+                              repeats=1, latency_batches=(1,), devices=jax.devices()[:1],
+                              out=str(tmp_path / "q"), litert_calibrated=False)  # fmt: skip
+    lines = out.getvalue()
+    assert report["activations"] == "none" and "model.tflite" not in report["files"]
+    assert "calibrated (" not in lines and "LiteRT files" not in lines, lines
+    assert "weight-only int8 (float activations, no calibration)" in lines, lines
+    assert "then writing the StableHLO file ..." in lines, lines
+
+
 def test_existing_output_needs_overwrite(quantized):
     w, _, _ = quantized
     with pytest.raises(ConfigError, match="--overwrite"):

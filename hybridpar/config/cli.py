@@ -283,8 +283,15 @@ def cpu_when_no_accelerator() -> None:
             sys.modules["jax"].config.update("jax_platforms", "cpu")
 
 
-def main(fn: Callable[[], object]) -> None:
-    """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line."""
+STOPPED = 130  # 128 + SIGINT: a shell's exit status for a command stopped by Ctrl-C
+
+
+def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> None:
+    """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line. A
+    Ctrl-C that reaches here (a tool without its own signal handling: the trainer, compress
+    and tune have theirs) is one line, ``stopped (Ctrl-C)`` and ``stopped`` (what the tool
+    left, where it knows: the tools differ; a function, asked then), and exit code 130, not
+    a traceback."""
     # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     cpu_when_no_accelerator()
@@ -292,3 +299,10 @@ def main(fn: Callable[[], object]) -> None:
         fn()
     except Error as e:
         fail(str(e), getattr(e, "exit_code", 2), getattr(e, "exit_at_once", False))
+    except KeyboardInterrupt:
+        said = stopped() if callable(stopped) else stopped
+        print("stopped (Ctrl-C)" + (f": {said}" if said else ""), file=sys.stderr, flush=True)
+        # without the exit handlers: stopped mid-computation, XLA's threads made the
+        # interpreter's shutdown crash now and then (exit 139 after this line)
+        sys.stdout.flush()
+        os._exit(STOPPED)

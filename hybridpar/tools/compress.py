@@ -44,7 +44,9 @@ and latency_ms: its LiteRT ``model.tflite``'s top-1 in that runtime, whole size 
 one-thread ms per image; budget_of: the size held to ``K``, also in each round's
 ``result.json``). Exit code 0 when that model is within the budget, 3 when the loop stopped
 without one (a line on stderr says why), 2 for bad input (a budget under the teacher pruned
-to one channel per group, of the file or of the weights; a pruned run as the teacher).
+to one channel per group, of the file or of the weights; one over it pruned as far as
+``--step`` goes by ``--max-rounds`` from where the loop starts; a pruned run as the
+teacher).
 """
 
 from __future__ import annotations
@@ -279,6 +281,86 @@ def keep_for(index: int, step: float, budget_kb: float, bytes_at,
     return grid[lo] if lo < len(grid) else keep
 
 
+def lowest_keep(index: int, keep: float, step: float, max_rounds: int) -> float:
+    """The fraction round ``max_rounds`` prunes to when every round from ``index`` (which
+    kept ``keep``) on takes ``step_keep``'s, one step down: the least the loop may reach
+    (``keep_for`` only ever keeps more, to land on a budget). ``keep`` as a row holds it."""
+    for i in range(index + 1, max_rounds + 1):
+        keep = round(step_keep(i, step, keep)[0], 4)
+    return keep
+
+
+def loop_start(root: str, args) -> tuple[int, float] | None:
+    """``(index, keep)``: the round this call's new rounds go on from, as ``_run`` reads the
+    loop folder ``root``: round 0 (the teacher, 1.0) for a new loop, the last round an
+    earlier call finished (its row's keep: it may have been fitted to another budget), or
+    the round it pruned and stopped (its pruned fraction). None where the rounds on disk
+    already end the loop (one meets the budget or is past the drop, or ``--max-rounds``)."""
+    rows = rounds_after(root, 0)
+    for row in rows:
+        if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb, args.budget_of):
+            return None
+    if len(rows) > args.max_rounds:
+        return None
+    made = pruned_keep(os.path.join(root, f"round_{len(rows):02d}")) if rows else None
+    if made is not None:
+        return len(rows), made
+    return (len(rows) - 1, rows[-1]["keep"]) if rows else (0, 1.0)
+
+
+def check_reachable(root: str, args, bytes_at) -> None:
+    """The ``ConfigError`` of a budget the loop cannot reach with ``--step`` and
+    ``--max-rounds`` from where it starts (``loop_start``): the model pruned the most it may
+    be is over it (``bytes_at``: ``teacher_size``'s). Said before any round, with the fewest
+    ``--max-rounds`` (and, for a new loop, the least ``--step``) that reach it."""
+    start = loop_start(root, args)
+    if start is None:
+        return
+    budget = 1000 * args.budget_kb
+    least = lowest_keep(*start, args.step, args.max_rounds)
+    if bytes_at(least) <= budget:
+        return
+    # the rounds the step needs: the keeps fall round after round, the bytes with them
+    index, keep, keeps = *start, []
+    while keep > 1e-4 and len(keeps) < 10_000:
+        index += 1
+        keep = round(step_keep(index, args.step, keep)[0], 4)
+        keeps.append((index, keep))
+    rounds = bisect_first(keeps, lambda ik: bytes_at(ik[1]) <= budget)
+    fixes = [] if rounds is None else [f"--max-rounds {rounds[0]}"]
+    new = not os.path.exists(os.path.join(root, "settings.json"))  # else --step is set
+    steps = [s / 100 for s in range(1, 100)]
+    step = bisect_first(steps, lambda s: bytes_at(lowest_keep(0, 1.0, s, args.max_rounds))
+                        <= budget) if new else None  # fmt: skip
+    if step is not None:
+        fixes.append(f"--step {step:g}")
+    size = {"weights": "whose int8 weights weigh", "file": "whose file may weigh"}
+    where = (f"--step {args.step:g} and --max-rounds {args.max_rounds} prune to at most "
+             f"{least:.3f} of the teacher's channels")  # fmt: skip
+    if start != (0, 1.0):
+        where = (f"this loop goes on from round {start[0]} at {start[1]:.3f} of the teacher's "
+                 f"channels, and --step {args.step:g} up to --max-rounds {args.max_rounds} "
+                 f"prunes to at most {least:.3f}")  # fmt: skip
+    raise ConfigError(
+        f"--budget-kb {args.budget_kb:g} --budget-of {args.budget_of}: {where}, "
+        f"{size[args.budget_of]} {bytes_at(least) / 1000:.1f} KB; pass "
+        + "".join(f"{f} (or more), or " for f in fixes) + "a larger --budget-kb"
+    )
+
+
+def bisect_first(items: list, ok):
+    """The first of ``items`` that is ``ok``, where every one after an ``ok`` one is too;
+    None if none is."""
+    lo, hi = 0, len(items)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if ok(items[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return items[lo] if lo < len(items) else None
+
+
 BUDGETS = ("weights", "file")  # what --budget-kb bounds
 
 
@@ -424,6 +506,15 @@ def pruned_keep(rd: str) -> float | None:
     return record.get("keep_fraction")
 
 
+def committed(config, run: str) -> bool:
+    """Whether the trainer run in ``run`` has a committed checkpoint (a step's folder, not
+    orbax's temporary one), so that the trainer resumes it rather than starting at step 0."""
+    from hybridpar.runtime import checkpoint
+
+    ckpt = checkpoint.checkpoint_dir(config, run)
+    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+
+
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):
     """Round ``index`` in ``rd``: ``(quantize's report, the run it quantized)``; raises
     ``KeyboardInterrupt`` when its training was stopped."""
@@ -450,10 +541,15 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
     if done.get("completed"):
         log(f"round {index}: its distillation run finished in an earlier call (pruned to "
             f"{keep:.3f} of the teacher's channels); quantizing it")  # fmt: skip
-    elif os.path.exists(source):
+    elif committed(config, source):
         log(f"round {index}: resuming its distillation run (pruned to {keep:.3f} of the "
             f"teacher's channels in an earlier call; {args.epochs:g} epochs in all at alpha "
             f"{alpha:g}), then quantizing it (log: {rd}/run/log.txt)")  # fmt: skip
+    elif os.path.exists(pruned):  # stopped before its run's first checkpoint: from step 0
+        log(f"round {index}: distilling from step 0 the model an earlier call "
+            f"{'shaped' if scratch else 'pruned'} to {keep:.3f} of the teacher's channels "
+            f"({args.epochs:g} epochs at alpha {alpha:g}; its run had no checkpoint yet), "
+            f"then quantizing it (log: {rd}/run/log.txt)")  # fmt: skip
     else:
         log(
             f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
@@ -511,6 +607,7 @@ def _run(config, args, root: str, log) -> dict | None:
             f"this teacher prunes to (one channel per group) weigh {floor / 1000:.1f} KB; "
             "pass a --budget-kb of at least that"
         )
+    check_reachable(root, args, bytes_at)  # before any round trains
     write_json(os.path.join(root, "settings.json"), {**settings_of(args), "teacher_step": step})
     rows, t0 = [], time.time()
     log("| " + " | ".join(HEADER) + " |")
@@ -567,7 +664,9 @@ def _run(config, args, root: str, log) -> dict | None:
     later = rounds_after(root, len(rows))
     with open(os.path.join(root, "rounds.md"), "w") as f:
         f.write("\n".join(table(rows, later)) + "\n")
-    if later:
+    if later:  # their rows as rounds.md has them, then the line that says whose they are
+        for row in later:
+            log("| " + " | ".join(format_row(row)) + " |")
         log(past_line(rows, later))
     plot([*rows, *later], teacher_top1, args.budget_kb, args.max_drop,
          os.path.join(root, "front.png"), args.budget_of)  # fmt: skip

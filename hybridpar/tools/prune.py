@@ -255,7 +255,7 @@ def write_run(config, params, stats, out: str, mesh, record: dict | None = None)
         params=jax.device_put(params, prog.shardings.params),
         batch_stats=jax.device_put(stats, prog.shardings.batch_stats),
     )
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = os.path.abspath(f"{out}.tmp-{os.getpid()}")  # orbax takes absolute paths only
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
@@ -364,7 +364,12 @@ def main(argv=None) -> None:
         print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
               f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
 
-    cli.main(go)
+    def stopped() -> str:  # prune_run writes beside --out and renames it in whole, last
+        if os.path.exists(args.out):
+            return f"{args.out} was written whole before the stop"
+        return "nothing written"
+
+    cli.main(go, stopped)
 
 
 if __name__ == "__main__":

@@ -355,14 +355,20 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             if e["examples"] != r.data.num_eval:
                 raise AssertionError(f"{name}: {e['examples']} examples, not {r.data.num_eval}")
         eval_s = time.time() - t0
-        log(f"calibrated ({calibration}) on {used} batches in "
-                    f"{calibrate_s:.1f}s; float and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
+        if activations == "int8":
+            log(f"calibrated ({calibration}) on {used} batches in {calibrate_s:.1f}s; float "
+                f"and int8 evaluated in {eval_s:.1f}s")  # fmt: skip
+        else:  # weight-only: the activations stay float, there is nothing to calibrate
+            log(f"weight-only int8 (float activations, no calibration); float and int8 "
+                f"evaluated in {eval_s:.1f}s")  # fmt: skip
 
         # ---- CPU latency, side by side ----
         shape = (d.image_size, d.image_size, d.channels)  # the eval size (a curriculum ends there)
         batches = ", ".join(map(str, latency_batches))
-        log(f"timing float and int8 at batch {batches}, then writing the StableHLO and "
-            "LiteRT files (the conversion takes a while) ...")  # fmt: skip
+        # a full-integer LiteRT file needs int8 activations: weight-only writes none
+        files = ("the StableHLO and LiteRT files (the conversion takes a while)"
+                 if activations == "int8" else "the StableHLO file")  # fmt: skip
+        log(f"timing float and int8 at batch {batches}, then writing {files} ...")
         latency = {}
         t0 = time.time()
         for b in latency_batches:
@@ -505,7 +511,27 @@ def main(argv=None) -> None:
             repeats=args.repeats,
         )
 
-    cli.main(go)
+    # run() writes its files beside W/quantized and moves them in whole, just before its
+    # report lines: a stop before that leaves nothing new (an earlier W/quantized/ as it was)
+    report = os.path.join(args.workdir, OUT, "report.json")
+    before = file_identity(report)
+
+    def stopped() -> str:
+        if file_identity(report) != before:
+            return f"{os.path.dirname(report)} was written whole before the stop"
+        return "nothing written"
+
+    cli.main(go, stopped)
+
+
+def file_identity(path: str) -> tuple[int, int] | None:
+    """``path``'s inode and modification time (None where it is missing): another once a
+    quantize has moved its new folder in."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
 
 
 if __name__ == "__main__":
