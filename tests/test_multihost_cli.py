@@ -15,6 +15,7 @@ coordinator that does not answer; each one ``error:`` line, exit 2, no traceback
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -24,8 +25,11 @@ import numpy as np
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, free_port
 
+from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import base_config
 from hybridpar.parallel import distributed
+from hybridpar.runtime import run_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -174,22 +178,35 @@ def test_a_distributed_evaluator_reads_the_checkpoint_as_the_run_evaluated_it(ru
     assert not list((two / "evaluator").glob(".lock*"))  # both released
 
 
-@pytest.mark.parametrize("case", ["another_lr", "another_workdir"])
+@pytest.mark.parametrize("case", ["another_lr", "another_workdir", "another_count",
+                                  "allow_on_one"])  # fmt: skip
 def test_processes_of_one_run_with_another_config_or_workdir_stop_with_one_error_each(
     tmp_path, case
 ):
-    """Another LR in one process trained other losses in the same collectives, and two
-    workdirs hung in the first checkpoint: each process now stops at set-up, exit 2."""
+    """Another LR in one process trained other losses in the same collectives, two
+    workdirs hung in the first checkpoint, and a process told JAX_NUM_PROCESSES=3 of a run
+    of 2 trained on unnoticed, and --allow-config-change on one process let it train on a
+    changed config the others refused: each process now stops at set-up, exit 2. The LR case on a
+    workdir that holds the run's config.json, as a resume finds it: process 1 refused the
+    workdir alone, at once, and process 0 waited out distributed_timeout_s to blame joining."""
+    if case == "another_lr":
+        path, overrides, _ = cli.split_config_args([*SHORT, "--config.distributed=True"])
+        (tmp_path / "w").mkdir()
+        saved = run_config.config_dict(cli.load(path, overrides))
+        (tmp_path / "w" / "config.json").write_text(json.dumps(saved))
     port = free_port()
     procs = []
     for i in range(2):
-        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+        count = 3 if case == "another_count" and i == 1 else 2
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=count,
                    JAX_PROCESS_ID=i)  # fmt: skip
         w = tmp_path / (f"w{i}" if case == "another_workdir" else "w")
         args = [*SHORT, "--workdir", str(w), "--config.distributed=True"]
         if case == "another_lr" and i == 1:
             args.append("--config.optim.base_lr=0.8")
-        procs.append(_start([*args, "--config.distributed_timeout_s=120"], env))
+        if case == "allow_on_one" and i == 0:
+            args.append("--allow-config-change")
+        procs.append(_start([*args, "--config.distributed_timeout_s=60"], env))
     lines = []
     for rc, _, stderr in _finish(procs, timeout=240):
         errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
@@ -201,9 +218,19 @@ def test_processes_of_one_run_with_another_config_or_workdir_stop_with_one_error
             "error: process 1 runs another config than process 0: optim.base_lr is 0.8 "
             "here, 0.4 in process 0"
         )
-    else:
+    elif case == "another_workdir":
         for line in lines:
             assert "process(es) 1 do not see the files process 0 writes in --workdir=" in line
+    elif case == "allow_on_one":
+        for line in lines:
+            assert line.startswith("error: --allow-config-change is passed to process(es) 0 "
+                                   "but not to every other process: pass it on every process")
+    else:
+        for line in lines:
+            assert line.startswith(
+                "error: 2 processes joined the run, but JAX_NUM_PROCESSES=3 in process 1: set "
+                "JAX_NUM_PROCESSES=2 in every process"
+            )
     assert not list(tmp_path.rglob("metrics.jsonl"))  # stopped before the run's first record
 
 
@@ -254,32 +281,71 @@ def test_a_missing_third_process_is_what_process_1_names_after_process_0_gave_up
         assert "all 3 processes (JAX_PROCESS_ID=0..2)" in stderr
 
 
-def test_a_process_killed_mid_run_leaves_its_peer_one_error_line_and_exit_1(tmp_path):
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_process_killed_mid_run_leaves_its_peer_one_error_line_and_exit_1(tmp_path, killed):
     """The survivor of a kill -9 printed a traceback, hung in JAX's shutdown barrier, then
-    aborted (exit 134, 70 lines). Now: one line saying how to go on, exit 1 (a scheduler
-    restarts the run; 2 is for bad input), and the summary says what failed."""
+    aborted (exit 134, 70 lines); or, the step's collective never failing, sat until JAX's
+    heartbeat timeout (100 s) and aborted from C++ with a stack trace. Now: one line saying
+    how to go on, the last, exit 1 (a scheduler restarts the run; 2 is for bad input). A
+    killed process 0 takes the coordinator with it: process 1 is aborted by JAX at once,
+    which the command's supervising parent turns into that line. A 5 s heartbeat keeps the
+    wait for a silent process 1 short."""
     port = free_port()
     procs = []
+    trace_dir = tmp_path / "tmp"  # where JAX's stack trace goes (TMPDIR), not the machine's /tmp
+    trace_dir.mkdir()
     for i in range(2):
         env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
-                   JAX_PROCESS_ID=i)  # fmt: skip
+                   JAX_PROCESS_ID=i, TMPDIR=trace_dir)  # fmt: skip
         args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True",
-                "--config.num_epochs=4", "--config.checkpoint.every_steps=2"]  # fmt: skip
+                "--config.num_epochs=4", "--config.checkpoint.every_steps=2",
+                "--config.distributed_heartbeat_s=5"]  # fmt: skip
         procs.append(_start([*args, "--config.distributed_timeout_s=120"], env))
+    survivor = procs[1 - killed]
     try:
         for line in procs[0].stdout:
             if line.startswith("train step      3/"):
-                procs[1].kill()
+                procs[killed].kill()  # the command: its trainer dies with it
                 break
-        [(rc, _, stderr)] = _finish(procs[:1], timeout=120)
+        [(rc, _, stderr)] = _finish([survivor], timeout=120)
     finally:
         _finish(procs)
     errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
     assert rc == 1 and "Traceback" not in stderr and len(errors) == 1, stderr[-3000:]
-    assert errors[0].startswith("error: a step across the run's 2 processes failed at step ")
+    assert stderr.strip().splitlines()[-1] == errors[0]
+    assert "Check failure stack trace" not in stderr and "    @ " not in stderr
     assert "start every process again with the same command" in errors[0]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["error"] and not summary["completed"]
+    if errors[0].startswith("error: a step across the run's 2 processes failed at step "):
+        assert killed == 1  # the trainer's own line (a collective that failed in Python)
+        summary = json.loads((tmp_path / "summary.json").read_text())
+        assert summary["error"] and not summary["completed"]
+    else:  # JAX's abort, as the supervising parent says it
+        assert errors[0].startswith(f"error: process {killed} of the run ")
+        assert re.search(r"resume from step \d+", errors[0]), errors[0]
+        assert f"(JAX's stack trace: {trace_dir}/hybridpar-jax-abort-" in errors[0]
+
+
+def test_two_processes_with_one_process_id_are_named(tmp_path):
+    """A second JAX_PROCESS_ID=1 made JAX abort process 0 and the first process 1 from C++
+    (exit 134, "different incarnation"); now they say which id is taken twice, exit 2, and
+    the one that never joined says joining failed."""
+    port = free_port()
+    procs = []
+    for i in (0, 1, 1):  # TMPDIR: where JAX's stack traces go, not the machine's /tmp
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+                   JAX_PROCESS_ID=i, TMPDIR=tmp_path)  # fmt: skip
+        args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True"]
+        procs.append(_start([*args, "--config.distributed_timeout_s=12"], env))
+    lines = []
+    for rc, _, stderr in _finish(procs, timeout=120):
+        errors = [x for x in stderr.splitlines() if x.startswith("error: ")]
+        assert rc == 2 and len(errors) == 1, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1] == errors[0]
+        assert "Check failure stack trace" not in stderr and "Traceback" not in stderr
+        lines.append(errors[0])
+    twice = [x for x in lines if x.startswith("error: two processes use JAX_PROCESS_ID=1?")]
+    assert len(twice) >= 2, lines  # process 0 and one of the two
+    assert lines[0] in twice
 
 
 @pytest.mark.parametrize(
@@ -323,3 +389,114 @@ def test_a_taken_coordinator_port_is_named():
         port = s.getsockname()[1]
         with pytest.raises(ConfigError, match=f"port {port} of JAX_COORDINATOR_ADDRESS"):
             distributed.check_port_free(f"127.0.0.1:{port}", environ={})
+
+
+def test_the_heartbeat_timeout_is_passed_to_jax(monkeypatch):
+    """``distributed_heartbeat_s`` is JAX's heartbeat timeout: how long a process of a run
+    hangs on a silent peer before JAX stops it (JAX's default, 100 s, was all there was)."""
+    seen = {}
+    monkeypatch.setattr("jax.distributed.is_initialized", lambda: False)
+    monkeypatch.setattr("jax.distributed.initialize", lambda **kw: seen.update(kw))
+    for var, value in (("JAX_COORDINATOR_ADDRESS", f"127.0.0.1:{free_port()}"),
+                       ("JAX_NUM_PROCESSES", "2"), ("JAX_PROCESS_ID", "1"),
+                       ("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")):  # fmt: skip
+        monkeypatch.setenv(var, value)
+    config = base_config()
+    config.distributed_heartbeat_s = 7.0
+    distributed.initialize(config)
+    assert seen["heartbeat_timeout_seconds"] == 7 and seen["process_id"] == 1
+
+
+# A stand-in for the trainer under the supervising parent: what JAX's C++ abort writes
+# (the text of a real one, shortened), then SIGABRT; or a plain exit; or it counts signals.
+FAKE_TRAINER = r"""
+import os, select, signal, sys, time
+mode = sys.argv[1]
+print("a line on stdout", flush=True)
+print("a line on stderr", file=sys.stderr, flush=True)
+if mode == "abort":
+    sys.stderr.write(
+        "F1206 18:23:29.603992 22261 client.h:80] Terminating process because the JAX "
+        "distributed service detected fatal errors. This most likely indicates that another "
+        "task died. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped "
+        "sending heartbeats):\n1\nThe tasks have crashed.\n\nRPC: /xla.coordination."
+        "CoordinationService/PollForError\n*** Check failure stack trace: ***\n"
+        "    @     0x7f12d3240634  absl::log_internal::LogMessage::SendToLog()\n"
+    )
+    sys.stderr.flush()
+    os.abort()
+if mode == "signals":  # each arrival counted, as the trainer counts them (signals.py)
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, lambda n, f: None)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)  # one byte per arrival
+    same = os.getpgrp() == os.getpgid(os.getppid())  # in the group a terminal signals?
+    print(f"ready; in the parent's process group: {same}", file=sys.stderr, flush=True)
+    got, end = b"", time.time() + 20
+    while time.time() < end and len(got) < 2:
+        if select.select([read], [], [], 0.1)[0]:
+            got += os.read(read, 64)
+    if select.select([read], [], [], 0.5)[0]:  # a second copy of a signal would come in this
+        got += os.read(read, 64)
+    print("got " + " ".join(sorted(signal.Signals(n).name for n in got)), file=sys.stderr,
+          flush=True)
+sys.exit(3)
+"""
+
+
+def _supervised(tmp_path, mode: str) -> subprocess.Popen:
+    """``supervise.run`` (the train command's parent) over ``FAKE_TRAINER`` in a session of
+    its own, as a terminal's foreground job: a signal to its group is a Ctrl-C."""
+    fake = tmp_path / "fake_trainer.py"
+    fake.write_text(FAKE_TRAINER)
+    code = (
+        "import sys; from hybridpar.runtime import supervise; "
+        f"sys.exit(supervise.run([sys.executable, {str(fake)!r}, {mode!r}], "
+        f"checkpoints={str(tmp_path / 'checkpoints')!r}))"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))  # the stack trace's file goes there
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def test_jax_abort_under_the_train_command_is_one_error_line(tmp_path):
+    for step in ("2", "4", "6.orbax-checkpoint-tmp-17"):  # 6: still being written
+        (tmp_path / "checkpoints" / step).mkdir(parents=True)
+    [(rc, stdout, stderr)] = _finish([_supervised(tmp_path, "abort")], timeout=60)
+    assert rc == 1 and stdout == "a line on stdout\n", stderr
+    lines = stderr.splitlines()
+    assert lines[0] == "a line on stderr" and "Terminating process" in stderr  # passed on
+    assert "Check failure stack trace" not in stderr and "    @ " not in stderr
+    assert lines[-1].startswith(
+        "error: process 1 of the run stopped (JAX's distributed service heard no heartbeat "
+        "from it within distributed_heartbeat_s), so JAX stopped this process too; the "
+        f"checkpoints up to step 4 in {tmp_path / 'checkpoints'} are intact: start every "
+        "process again with the same command (and the same JAX_* variables) to resume from "
+        "step 4 (JAX's stack trace: "
+    ), lines[-1]
+    trace = Path(lines[-1].rpartition("JAX's stack trace: ")[2].rstrip(")"))
+    assert trace.parent == tmp_path and "LogMessage::SendToLog" in trace.read_text()
+
+
+def test_a_plain_exit_under_the_train_command_is_the_trainers(tmp_path):
+    [(rc, stdout, stderr)] = _finish([_supervised(tmp_path, "exit")], timeout=60)
+    assert (rc, stdout, stderr) == (3, "a line on stdout\n", "a line on stderr\n")
+
+
+def test_the_train_command_hands_each_signal_to_the_trainer_once(tmp_path):
+    """A terminal's Ctrl-C reaches the whole foreground group: a trainer in it would get it
+    twice (once from the terminal, once passed on; or once, where the two arrive together),
+    and a second signal stops it at once without a checkpoint. So the trainer runs in a
+    group of its own and gets each signal from the parent, which neither dies of one nor
+    prints a traceback."""
+    p = _supervised(tmp_path, "signals")
+    try:
+        assert p.stderr.readline() == "a line on stderr\n"
+        assert p.stderr.readline() == "ready; in the parent's process group: False\n"
+        os.killpg(p.pid, signal.SIGINT)  # the terminal's Ctrl-C
+        os.kill(p.pid, signal.SIGTERM)  # a scheduler's stop, to the command
+    finally:
+        [(rc, _, stderr)] = _finish([p], timeout=60)
+    assert rc == 3 and stderr == "got SIGINT SIGTERM\n", stderr

@@ -277,6 +277,9 @@ def base_config() -> ml_collections.ConfigDict:
     c.distributed = False
     # How long the processes wait for each other to join before the run stops with an error.
     c.distributed_timeout_s = 300.0
+    # How long JAX's distributed service waits for a silent process's heartbeat before it
+    # stops the run (each other process: one error line, exit 1). Each process may set its own.
+    c.distributed_heartbeat_s = 100.0
     # Checkpoints (hybridpar/runtime/checkpoint.py): train state and loop state every every_steps
     # steps and/or every_minutes minutes (0: off), at the last step and on SIGTERM/SIGINT;
     # the newest max_to_keep kept (0: all). async: written in the background while training
@@ -396,6 +399,7 @@ RANGES = {
     "log_every_s": (0, None, True, True),
     "max_nonfinite_steps": (1, None, True, True),
     "distributed_timeout_s": (0, None, False, True),
+    "distributed_heartbeat_s": (1, None, True, True),
     "precision.loss_scale_initial": (0, None, False, True),
     "precision.loss_scale_period": (1, None, True, True),
 }

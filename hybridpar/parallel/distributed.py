@@ -23,6 +23,12 @@ process (a C++ fatal log, exit 134) when the processes do not all meet within it
 which no ``except`` can catch, so a watchdog gives up first: after
 ``distributed_timeout_s`` it prints one ``error:`` line saying what did not answer and
 exits with code 2, as the CLI does for a ``ConfigError``.
+
+Once joined, a process that goes silent for ``distributed_heartbeat_s`` (JAX's
+``heartbeat_timeout_seconds``) makes JAX abort every other process from C++ as well; the
+train command's supervising parent (``hybridpar/runtime/supervise.py``) turns that into one
+``error:`` line. Then ``run_config.check_processes_agree`` checks that every process runs
+one config, sees one workdir and counts the same processes.
 """
 
 from __future__ import annotations
@@ -132,6 +138,7 @@ def timeout_message(kw: dict, timeout_s: float, reached: bool = False) -> str:
             f"name, port and firewall, {more}"
         )
     count = f"all {n} processes (JAX_PROCESS_ID=0..{n - 1})" if n else "every process"
+    count += ", each with its own id,"  # two with one id: the second never joins
     return (
         f"not every process joined the coordinator at {address} within {timeout_s:g} s: "
         f"start {count} with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, {more}"
@@ -182,7 +189,11 @@ def initialize(config) -> None:
     watchdog.daemon = True
     watchdog.start()
     try:
-        jax.distributed.initialize(**kw, initialization_timeout=int(timeout_s) + GRACE_S)
+        jax.distributed.initialize(
+            **kw,
+            initialization_timeout=int(timeout_s) + GRACE_S,
+            heartbeat_timeout_seconds=max(1, round(config.distributed_heartbeat_s)),
+        )
     except ValueError as e:  # what neither the variables nor a detected cluster gave
         missing = [v for v in VARIABLES if not os.environ.get(v, "").strip()]
         if "defined" in str(e) and missing:

@@ -108,8 +108,8 @@ def _setup(
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
-    value stops before data or devices are touched. ``devices``: the mesh's devices (default:
-    all).
+    value stops before data or devices are touched (in a distributed run, after the processes
+    joined and compared their configs). ``devices``: the mesh's devices (default: all).
     ``allow_config_change``: resume a workdir's run with a config that differs from its own.
     ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
     of compiling; one that does not fit the run is an error, or with ``recompile`` a warning.
@@ -117,6 +117,15 @@ def _setup(
     ``init_from`` and distillation teacher need not be there any more."""
     start = time.time()
     finished = None
+    if config.distributed:
+        # Joined first and the configs compared, before the workdir's checks: a process
+        # with other overrides stopped alone in check_run, and the others waited for it
+        # until distributed_timeout_s, then blamed joining. Now every process names the key.
+        flags = comm.apply(config.comm)  # XLA's collective flags: before the backend starts
+        distributed.initialize(config)
+        if workdir is not None:
+            check_workdir(workdir)  # the folder process 0 writes its check file into
+        run_config.check_processes_agree(config, workdir, allow_config_change)
     if workdir is not None:
         ckpt = checkpoint.checkpoint_dir(config, workdir)
         if os.path.isdir(workdir):
@@ -129,10 +138,8 @@ def _setup(
         held = run_config.held_config(ckpt) if finished is None else None
         if held is not None:  # a stop in set-up says the run resumes there, not from 0
             signals.note_resume(held[0], ckpt)
-    flags = comm.apply(config.comm)  # XLA's collective flags must be set before the backend starts
-    if config.distributed:
-        distributed.initialize(config)
-        run_config.check_processes_agree(config, workdir)
+    if not config.distributed:
+        flags = comm.apply(config.comm)  # XLA's collective flags: before the backend starts
     if for_training and finished is None:
         warn_schedule(config)
     lock = None

@@ -25,6 +25,7 @@ FREE_KEYS = (
     "log_every_s",
     "checkpoint.",
     "distributed_timeout_s",
+    "distributed_heartbeat_s",
     "compile_cache",
 )
 # Keys that only place the computation or move data: a run resumes with other values (a
@@ -141,7 +142,8 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
         if diff:
             raise WorkdirError(
                 f"{another_config(workdir, diff)}; use a new --workdir, or pass "
-                "--allow-config-change to continue that run with this config (only "
+                f"--allow-config-change{' on every process' if config.distributed else ''} "
+                "to continue that run with this config (only "
                 f"{', '.join(key_names(FREE_KEYS + PLACEMENT_KEYS))} may change without it)"
             )
     summary = read_json(os.path.join(workdir, "summary.json"))
@@ -231,17 +233,21 @@ def write_config(workdir: str, config) -> None:
 
 
 # Keys each process of one run may set for itself: they change no collective and no file.
-PER_PROCESS_KEYS = ("log_every_s", "distributed_timeout_s", "compile_cache")
+PER_PROCESS_KEYS = ("log_every_s", "distributed_timeout_s", "distributed_heartbeat_s",
+                    "compile_cache")  # fmt: skip
 SHARED_CHECK = ".hybridpar_shared_check"  # process 0's file every process must see
 
 
-def check_processes_agree(config, workdir: str | None) -> None:
-    """Every process of a multi-process run runs process 0's config in the folder process 0
-    writes. A process started with other overrides trained another computation in the same
-    collectives (another LR: wrong losses; another batch: a hang at the end), and a workdir
-    that is not one shared folder hung in the first checkpoint. One ``ConfigError`` in every
-    process instead: its own differences in the process that has them, which processes
-    differ in the others."""
+def check_processes_agree(config, workdir: str | None, allow_config_change: bool = False) -> None:
+    """Every process of a multi-process run counts the processes that joined
+    (``JAX_NUM_PROCESSES``, where set), runs process 0's config with the same
+    ``--allow-config-change``, in the folder process 0 writes. A process started with another
+    count trained on unnoticed; one with other overrides trained another computation in the
+    same collectives (another LR: wrong losses; another batch: a hang at the end), or, on a
+    resume, stopped alone at the workdir's config while the others waited; a workdir that is
+    not one shared folder hung in the first checkpoint. One ``ConfigError`` in every process
+    instead: its own differences in the process that has them, which processes differ in
+    the others."""
     if jax.process_count() == 1:
         return
     import secrets
@@ -275,11 +281,28 @@ def check_processes_agree(config, workdir: str | None) -> None:
                     sees = f.read() == str(token)
             except OSError:
                 sees = False
-    rows = np.asarray(mh.process_allgather(np.array([bool(diff), sees], np.int32)))
+    counted = os.environ.get("JAX_NUM_PROCESSES", "").strip()  # distributed.from_env checked it
+    counted = int(counted) if counted.isdigit() else 0  # 0: unset (a detected cluster's)
+    mine = [bool(diff), sees, counted, allow_config_change]
+    rows = np.asarray(mh.process_allgather(np.array(mine, np.int32)))
     if workdir is not None:
         mh.sync_global_devices("hybridpar: shared workdir check read")
         if first:
             os.remove(os.path.join(workdir, SHARED_CHECK))
+    n = jax.process_count()
+    wrong = np.flatnonzero((rows[:, 2] != 0) & (rows[:, 2] != n))
+    if wrong.size:
+        said = ", ".join(f"JAX_NUM_PROCESSES={rows[i, 2]} in process {i}" for i in wrong)
+        raise ConfigError(
+            f"{n} processes joined the run, but {said}: set JAX_NUM_PROCESSES={n} in every "
+            f"process (or start all the processes it names)"
+        )
+    if rows[:, 3].min() != rows[:, 3].max():
+        given = ", ".join(str(i) for i in np.flatnonzero(rows[:, 3]))
+        raise ConfigError(
+            f"--allow-config-change is passed to process(es) {given} but not to every other "
+            "process: pass it on every process or on none (the same command everywhere)"
+        )
     same = "start every process with the same command (the same --config and overrides)"
     if diff:
         key, there, here = diff[0]

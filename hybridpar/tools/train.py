@@ -8,15 +8,27 @@ A workdir is a run: the same command again resumes it from its latest checkpoint
 SIGTERM, SIGINT, a crash or kill -9), or says it has finished (exit 0). A config that differs
 from the run's own is an error naming the first differing key; ``--allow-config-change``
 continues the run with the new config.
+
+With ``--config.distributed=True`` the command runs the trainer as its child, with the same
+arguments (``hybridpar/runtime/supervise.py``): where JAX aborts a process because another
+one of the run stopped, that is one ``error:`` line saying how to resume, not a C++ abort.
 """
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
 from hybridpar.config import cli
+from hybridpar.runtime import supervise
 from hybridpar.runtime.signals import EarlyStop
+
+
+def checkpoints_of(config, workdir: str) -> str:
+    """``checkpoint.checkpoint_dir`` without importing JAX (the supervising parent has none)."""
+    return os.path.abspath(os.path.join(workdir, os.path.expanduser(config.checkpoint.dir or
+                                                                    "checkpoints")))  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -57,6 +69,9 @@ def _main(argv, early: EarlyStop) -> None:
                  "pass --compiled FILE with it, or drop it")  # fmt: skip
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
+        if not supervise.is_child():  # the trainer runs as our child: see runtime/supervise.py
+            sys.exit(supervise.run([sys.executable, "-m", "hybridpar.train", *args.argv],
+                                   checkpoints=checkpoints_of(config, args.workdir)))  # fmt: skip
 
     # These import jax: after the command line is known to be good.
     from hybridpar.runtime import trainer

@@ -1,0 +1,172 @@
+"""The parent of a distributed training process: it turns JAX's C++ abort into one line.
+
+    code = supervise.run(command, checkpoints="WORKDIR/checkpoints")   # the child's argv
+
+When a process of a multi-process run dies, JAX's distributed client in each other
+process learns it from the coordinator (a task that stopped sending heartbeats within
+``distributed_heartbeat_s``, a coordinator that is gone, a process id that connected twice)
+and aborts that process from C++: a fatal log line, ~20 lines of stack trace, exit 134. No
+Python ``except`` runs there. So ``python -m hybridpar.train ... --config.distributed=True``
+runs the trainer as a child with the same arguments, and this parent:
+
+- passes the child's stdout through untouched (inherited) and its stderr line by line;
+- passes SIGTERM, SIGINT and SIGHUP on to the child, once each: the child runs in its own
+  process group, so a terminal's Ctrl-C reaches only this parent, which hands it on, and
+  the child never sees one signal twice (a second would mean "stop at once");
+- exits with the child's exit code (128 + N for a child killed by signal N, as a shell
+  says it), except where the child died of a signal after JAX's fatal text: then the
+  stack trace is held back (written to a file in the temporary folder, which the line
+  names) and the last line is one ``error:`` naming what JAX saw and how to resume, exit 1
+  (2 for two processes started with one ``JAX_PROCESS_ID``, a mistake in the command).
+
+The child dies with this parent (``PR_SET_PDEATHSIG``, Linux): a ``kill -9`` of the
+command stops the trainer too, as it did before there was a parent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+
+CHILD = "HYBRIDPAR_SUPERVISED"  # set in the child's environment: it trains, not supervises
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FATAL = "JAX distributed service detected fatal errors"
+TRACE = "*** Check failure stack trace"
+
+
+def is_child(environ=os.environ) -> bool:
+    return environ.get(CHILD) == "1"
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the parent dies (Linux; elsewhere skipped)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def last_checkpoint(directory: str) -> int | None:
+    """The newest committed checkpoint step in ``directory`` (orbax renames a step's folder
+    to its number only once it is complete), or None. Files only: this parent has no JAX."""
+    try:
+        steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
+    except OSError:
+        return None
+    return max(steps, default=None)
+
+
+def what_failed(text: str) -> tuple[str, int]:
+    """``(what happened, exit code)`` from the child's stderr after JAX's fatal line."""
+    twice = re.search(r"\b(\d+) unexpectedly tried to connect", text)
+    if twice:
+        i = twice.group(1)
+        return (
+            f"two processes use JAX_PROCESS_ID={i}? JAX's coordinator saw process {i} "
+            f"connect twice: give each process its own JAX_PROCESS_ID, 0..JAX_NUM_PROCESSES-1, "
+            f"and start every process again",
+            2,
+        )
+    # one task a line, as "1" or "/job:jax_worker/replica:0/task:1"
+    unhealthy = re.search(r"tasks are unhealthy[^\n]*\n(.*?)\n\s*The tasks", text, re.S)
+    block = unhealthy.group(1) if unhealthy else ""
+    ids = re.findall(r"task:(\d+)" if "task:" in block else r"\d+", block)
+    ids = ids or re.findall(r"Task (\d+) heartbeat timeout", text)
+    if ids:
+        ids = sorted(set(ids), key=int)
+        who = f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
+        return (
+            f"{who} of the run stopped (JAX's distributed service heard no heartbeat from "
+            f"{'them' if len(ids) > 1 else 'it'} within distributed_heartbeat_s)",
+            1,
+        )
+    if "leader task" in text or "Failed to send RPC to coordination service" in text:
+        return "process 0 of the run (the coordinator) stopped or cannot be reached", 1
+    return "a process of the run stopped (JAX's distributed service reported fatal errors)", 1
+
+
+def error_line(text: str, checkpoints: str | None, trace_file: str | None) -> tuple[str, int]:
+    what, code = what_failed(text)
+    trace = f" (JAX's stack trace: {trace_file})" if trace_file else ""
+    if code == 2:
+        return what + trace, code
+    step = last_checkpoint(checkpoints) if checkpoints else None
+    if step is None:
+        kept, where = "no checkpoint was saved yet", "from step 0"
+    else:
+        kept, where = f"the checkpoints up to step {step} in {checkpoints} are intact", (
+            f"from step {step}"
+        )
+    line = (
+        f"{what}, so JAX stopped this process too; {kept}: start every process again with the "
+        f"same command (and the same JAX_* variables) to resume {where}{trace}"
+    )
+    return line, code
+
+
+def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
+    """Runs ``command`` as the child and returns the exit code this process should end with
+    (see the module's docstring). ``checkpoints``: the run's checkpoint folder, named in the
+    error line."""
+    env = dict(os.environ if env is None else env, **{CHILD: "1"})
+    children, early = [], []  # the child, once started; the signals that came before
+
+    def forward(signum, frame):
+        try:
+            children[0].send_signal(signum)
+        except IndexError:  # not started yet: sent as soon as it is
+            early.append(signum)
+        except ProcessLookupError:  # it has just ended
+            pass
+
+    # an ignored signal (nohup's SIGHUP, SIGINT in a script's background job) stays ignored,
+    # here and in the child, which inherits that
+    before = {s: signal.getsignal(s) for s in FORWARDED}
+    for s, h in before.items():
+        if h != signal.SIG_IGN:
+            signal.signal(s, forward)
+    out = sys.stderr.buffer
+    fatal, held = [], []  # the text from JAX's fatal line on; the stack trace after it
+    sys.stdout.flush()  # what this process said comes before the child's lines
+    try:
+        child = subprocess.Popen(
+            command,
+            env=env,
+            stderr=subprocess.PIPE,
+            process_group=0,  # the terminal's signals reach only us: we pass each on once
+            preexec_fn=_die_with_parent,
+        )
+        children.append(child)
+        for signum in early:
+            child.send_signal(signum)
+        for raw in child.stderr:
+            line = raw.decode(errors="replace")
+            if FATAL in line or fatal:
+                fatal.append(line)
+            if fatal and (held or line.startswith(TRACE)):
+                held.append(raw)
+                continue
+            out.write(raw)
+            out.flush()
+        code = child.wait()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    if code >= 0 or not fatal:
+        out.write(b"".join(held))  # not JAX's abort after all: nothing is hidden
+        out.flush()
+        return code if code >= 0 else 128 - code  # a signal: the shell's 128 + N
+    trace_file = None
+    if held:
+        fd, trace_file = tempfile.mkstemp(prefix="hybridpar-jax-abort-", suffix=".txt")
+        with os.fdopen(fd, "wb") as f:
+            f.writelines(held)
+    line, exit_code = error_line("".join(fatal), checkpoints, trace_file)
+    print(f"error: {' '.join(line.split())}", file=sys.stderr, flush=True)
+    return exit_code
