@@ -339,3 +339,26 @@ def start_position(stage: PlannedStage) -> tuple[int, int]:
     """``(epoch, step in that epoch)`` where ``stage`` begins."""
     epoch = math.floor(stage.start_epoch + 1e-9)
     return epoch, int(round((stage.start_epoch - epoch) * stage.steps_per_epoch))
+
+
+def programs_of(run) -> list[tuple[str, int, int]]:
+    """``(program, global batch, image size)`` of every program a run compiles: each
+    stage's train step, then the eval step; each once (the compile tool's and comm_report's)."""
+    c = run.config
+    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
+    wanted.append(("eval", c.eval_batch, c.data.image_size))
+    return list(dict.fromkeys(wanted))
+
+
+def check_epoch(run) -> None:
+    """A stage whose global batch is more than one epoch of the training split is the
+    trainer's error (``plan_stages``, from the data's steps per epoch; synthetic data's
+    ``DataError`` at its first batch); the same error here, before minutes of compiling,
+    where the split's size is known without the data (digits' own, synthetic's
+    ``data.train_examples``). Elsewhere ``data.train_examples`` is only nominal: a folder
+    of images may hold far more than its default, so nothing is checked."""
+    n = executables.data_size(run.config)
+    if n is None and run.config.data.name != "synthetic":
+        return
+    n = n or run.config.data.train_examples
+    plan_stages([s.stage for s in run.plan.stages], lambda batch: n // batch)

@@ -589,13 +589,12 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
 
     A run with ``config.stages`` compiles one train step per stage (its batch and image
     size; ``config.global_batch`` is not used): each is compiled here, as the compile tool
-    does (``compile.programs_of``), and the report's figures are those of the one needing
+    does (``run.programs_of``), and the report's figures are those of the one needing
     the most memory per device, the one a memory limit must hold; ``stage_programs`` gives
     every stage's, and ``stage`` says which stage the figures are from."""
     import copy
 
-    from hybridpar.runtime.run import memory_line, setup
-    from hybridpar.tools.compile import check_epoch, programs_of
+    from hybridpar.runtime.run import check_epoch, memory_line, programs_of, setup
 
     say = say or (lambda line: None)
     if virtual_devices is not None and config.model.conv_grad == "auto":

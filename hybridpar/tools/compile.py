@@ -73,6 +73,7 @@ def _compile_programs(config, target, out, show, say) -> dict:
 
     from hybridpar.parallel.mesh import axes_across_slices
     from hybridpar.runtime import executables
+    from hybridpar.runtime.run import check_epoch, programs_of
     from hybridpar.tools import comm_report
 
     t0 = time.time()
@@ -153,32 +154,6 @@ def _compile_programs(config, target, out, show, say) -> dict:
     if out:
         executables.save(out, program, report["target"])
     return report
-
-
-def programs_of(run) -> list[tuple[str, int, int]]:
-    """``(program, global batch, image size)`` of every program a run compiles: each
-    stage's train step, then the eval step; each once."""
-    c = run.config
-    wanted = [("train", s.stage.global_batch, s.stage.image_size) for s in run.plan.stages]
-    wanted.append(("eval", c.eval_batch, c.data.image_size))
-    return list(dict.fromkeys(wanted))
-
-
-def check_epoch(run) -> None:
-    """A stage whose global batch is more than one epoch of the training split is the
-    trainer's error (``plan_stages``, from the data's steps per epoch; synthetic data's
-    ``DataError`` at its first batch); the same error here, before minutes of compiling,
-    where the split's size is known without the data (digits' own, synthetic's
-    ``data.train_examples``). Elsewhere ``data.train_examples`` is only nominal: a folder
-    of images may hold far more than its default, so nothing is checked."""
-    from hybridpar.config.curriculum import plan_stages
-    from hybridpar.runtime.executables import data_size
-
-    n = data_size(run.config)
-    if n is None and run.config.data.name != "synthetic":
-        return
-    n = n or run.config.data.train_examples
-    plan_stages([s.stage for s in run.plan.stages], lambda batch: n // batch)
 
 
 def target_hint(target: targets.Target, mesh: str) -> str:
