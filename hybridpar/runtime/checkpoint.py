@@ -25,15 +25,9 @@ import time
 import jax
 
 from hybridpar.config.errors import SaveFailed, WorkdirError
+from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, committed_steps  # noqa: F401 (read from here too)
 
 ITEMS = ("state", "loop", "config")
-
-
-def checkpoint_dir(config, workdir: str) -> str:
-    """``checkpoint.dir``, a relative one under ``workdir`` (not the current directory: a
-    resume, the evaluator or quantize started elsewhere must find the same checkpoints)."""
-    where = os.path.expanduser(config.checkpoint.dir or "checkpoints")
-    return os.path.abspath(os.path.join(workdir, where))
 
 
 def check_not_moved(workdir: str, directory: str) -> None:
@@ -44,7 +38,7 @@ def check_not_moved(workdir: str, directory: str) -> None:
     is the copy's own folder where it has one, and never the original's unsaid."""
     from hybridpar.runtime import run_records
 
-    if _holds_steps(directory):
+    if committed_steps(directory):
         return
     recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
     saved = [r for r in recs if r.event == "checkpoint" and r.path]
@@ -76,17 +70,13 @@ def check_not_moved(workdir: str, directory: str) -> None:
     raise WorkdirError(f"{head}; pass --config.checkpoint.dir={where} to go on from them")
 
 
-def _holds_steps(directory: str) -> bool:
-    return os.path.isdir(directory) and any(n.isdigit() for n in os.listdir(directory))
-
-
 def _copied_here(workdir: str, where: str) -> str | None:
     """The path under ``workdir`` of the same last parts as ``where`` (``checkpoints``,
     ``a/checkpoints``, ...) that holds checkpoints, or None."""
     parts = os.path.normpath(where).strip(os.sep).split(os.sep)
     for n in range(1, len(parts)):
         tail = os.path.join(*parts[-n:])
-        if _holds_steps(os.path.join(workdir, tail)):
+        if committed_steps(os.path.join(workdir, tail)):
             return tail
     return None
 

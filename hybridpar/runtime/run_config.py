@@ -15,7 +15,7 @@ import os
 import jax
 
 from hybridpar.config.errors import WorkdirError
-from hybridpar.runtime.checkpoint import checkpoint_dir
+from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, committed_steps
 from hybridpar.runtime.run_records import read_json, read_records, write_json
 
 # Keys that may change between the segments of one run: they change neither the numbers
@@ -100,11 +100,7 @@ def held_config(directory: str) -> tuple[int, dict] | None:
     """``(step, config)`` of the newest checkpoint in ``directory`` whose config reads back,
     or None. Read as a file (orbax's JSON item), without JAX: ``check_run`` comes before
     the backend may start. Only committed steps are named by their number alone."""
-    try:
-        steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)
-    except OSError:
-        return None
-    for step in steps:
+    for step in reversed(committed_steps(directory)):
         try:
             with open(os.path.join(directory, str(step), "config", "metadata")) as f:
                 saved = json.load(f)

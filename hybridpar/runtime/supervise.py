@@ -32,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 
+from hybridpar.runtime.checkpoint_dirs import committed_steps
+
 CHILD = "HYBRIDPAR_SUPERVISED"  # set in the child's environment: it trains, not supervises
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FATAL = "JAX distributed service detected fatal errors"
@@ -50,16 +52,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def last_checkpoint(directory: str) -> int | None:
-    """The newest committed checkpoint step in ``directory`` (orbax renames a step's folder
-    to its number only once it is complete), or None. Files only: this parent has no JAX."""
-    try:
-        steps = [int(n) for n in os.listdir(directory) if n.isdigit()]
-    except OSError:
-        return None
-    return max(steps, default=None)
 
 
 def what_failed(text: str) -> tuple[str, int]:
@@ -96,7 +88,7 @@ def error_line(text: str, checkpoints: str | None, trace_file: str | None) -> tu
     trace = f" (JAX's stack trace: {trace_file})" if trace_file else ""
     if code == 2:
         return what + trace, code
-    step = last_checkpoint(checkpoints) if checkpoints else None
+    step = max(committed_steps(checkpoints), default=None) if checkpoints else None
     if step is None:
         kept, where = "no checkpoint was saved yet", "from step 0"
     else:

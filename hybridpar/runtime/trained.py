@@ -21,7 +21,7 @@ from hybridpar.parallel.mesh import data_parallel_size
 from hybridpar.parallel.partitioning import batch_sharding, replicated
 from hybridpar.program.program import build_program
 from hybridpar.program.steps import FlipAveraged, logits_in, normalize
-from hybridpar.runtime import checkpoint, run_config
+from hybridpar.runtime import checkpoint, checkpoint_dirs, run_config
 
 
 def load_config(workdir: str, overrides=()):
@@ -163,8 +163,7 @@ def is_pruned(workdir: str) -> bool:
     ckpt = os.path.join(workdir, "checkpoints")
     records = ("metrics.jsonl", "summary.json")  # what a trainer writes
     trainer = any(os.path.exists(os.path.join(workdir, n)) for n in records)
-    steps = [n for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
-    return not trainer and steps == ["0"]
+    return not trainer and checkpoint_dirs.committed_steps(ckpt) == [0]
 
 
 def unfinished(workdir: str) -> dict | None:

@@ -150,10 +150,9 @@ def check_teacher(workdir: str) -> None:
 def teacher_step(config, workdir: str) -> int:
     """The step of the teacher's latest checkpoint (the one quantize and the distillation
     read): with the settings, what the rounds are made from."""
-    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime import checkpoint_dirs
 
-    ckpt = checkpoint.checkpoint_dir(config, workdir)
-    return max(int(n) for n in os.listdir(ckpt) if n.isdigit())
+    return max(checkpoint_dirs.committed_steps(checkpoint_dirs.checkpoint_dir(config, workdir)))
 
 
 def settings_of(args) -> dict:
@@ -509,10 +508,9 @@ def pruned_keep(rd: str) -> float | None:
 def committed(config, run: str) -> bool:
     """Whether the trainer run in ``run`` has a committed checkpoint (a step's folder, not
     orbax's temporary one), so that the trainer resumes it rather than starting at step 0."""
-    from hybridpar.runtime import checkpoint
+    from hybridpar.runtime import checkpoint_dirs
 
-    ckpt = checkpoint.checkpoint_dir(config, run)
-    return os.path.isdir(ckpt) and any(n.isdigit() for n in os.listdir(ckpt))
+    return bool(checkpoint_dirs.committed_steps(checkpoint_dirs.checkpoint_dir(config, run)))
 
 
 def make_round(config, args, index: int, keep: float, rd: str, rows: list, reference, log):

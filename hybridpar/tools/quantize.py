@@ -85,7 +85,7 @@ def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
             "(python -m hybridpar.train writes it there)"
         )
     ckpt = checkpoint.checkpoint_dir(config, workdir)
-    if not os.path.isdir(ckpt) or not any(n.isdigit() for n in os.listdir(ckpt)):
+    if not checkpoint.committed_steps(ckpt):
         raise ConfigError(
             f"no checkpoint in {ckpt}: {needs}; train it first (python -m hybridpar.train with "
             "the same --config and --workdir)"

@@ -16,19 +16,12 @@ one of the run stopped, that is one ``error:`` line saying how to resume, not a 
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 
 from hybridpar.config import cli
-from hybridpar.runtime import supervise
+from hybridpar.runtime import checkpoint_dirs, supervise
 from hybridpar.runtime.signals import EarlyStop
-
-
-def checkpoints_of(config, workdir: str) -> str:
-    """``checkpoint.checkpoint_dir`` without importing JAX (the supervising parent has none)."""
-    return os.path.abspath(os.path.join(workdir, os.path.expanduser(config.checkpoint.dir or
-                                                                    "checkpoints")))  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -70,8 +63,8 @@ def _main(argv, early: EarlyStop) -> None:
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
         if not supervise.is_child():  # the trainer runs as our child: see runtime/supervise.py
-            sys.exit(supervise.run([sys.executable, "-m", "hybridpar.train", *args.argv],
-                                   checkpoints=checkpoints_of(config, args.workdir)))  # fmt: skip
+            ckpt = checkpoint_dirs.checkpoint_dir(config, args.workdir)
+            sys.exit(supervise.run([sys.executable, "-m", "hybridpar.train", *args.argv], ckpt))
 
     # These import jax: after the command line is known to be good.
     from hybridpar.runtime import trainer
