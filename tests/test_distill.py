@@ -17,7 +17,7 @@ from hybridpar.config.errors import ConfigError
 from hybridpar.parallel.mesh import make_mesh
 from hybridpar.program import program
 from hybridpar.program.state import init_sharded
-from hybridpar.runtime import distill, trained
+from hybridpar.runtime import distill, run, trained
 from hybridpar.tools import prune
 
 CHECKPOINT_LR, EDITED_LR = 0.1, 0.7
@@ -87,6 +87,24 @@ def test_the_teacher_prune_and_init_from_read_the_same_run(written, tmp_path):
     fresh = init_sharded(student.init, student.shardings, jax.random.key(0))
     started = trained.start_from(str(w), fresh, student)
     assert _same(_host({"params": started.params, "batch_stats": started.batch_stats}), want)
+
+
+def test_init_from_is_read_in_set_up_and_other_shapes_leave_no_directory(written, tmp_path):
+    """A new run's ``init_from`` is checked in set-up, before any weight is read: one of
+    other widths is an error there, and the workdir it would have made is not left behind
+    (the check in the trainer's start left an empty ``checkpoints/``)."""
+    w, _ = written
+    one = jax.devices()[:1]
+    other = tiny_digits(mesh="data:1", **{"model.num_filters": 16, "init_from": str(w)})
+    with pytest.raises(ConfigError, match="holds a model of other shapes"):
+        run.setup(other, str(tmp_path / "wider"), devices=one)
+    assert not (tmp_path / "wider").exists()
+    same = tiny_digits(mesh="data:1", init_from=str(w))
+    r = run.setup(same, str(tmp_path / "same"), devices=one)
+    try:
+        assert isinstance(r.init_from, trained.TrainedRun) and r.init_from.step is None
+    finally:
+        r.lock.release()
 
 
 def test_a_teacher_of_other_normalisation_or_classes_is_refused(written):

@@ -62,6 +62,7 @@ class Run:
     xla_flags: list  # the comm section's flags this process set (yours in XLA_FLAGS win)
     finished: dict | None = None  # the summary of the workdir's run, if it completed
     lock: workdir_lock.Lock | None = None  # the workdir's, held until train() ends
+    init_from: object | None = None  # trained.init_source: the run a new state starts from
 
 
 def check_workdir(workdir: str) -> None:
@@ -173,9 +174,16 @@ def _setup(
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     teacher = make_teacher(config, mesh) if for_training else None
     program = build_program(config, mesh, plan, teacher)
+    source = None  # checked here, before anything is written, where a new state needs it
+    if for_training and finished is None and config.init_from and workdir is not None:
+        if not checkpoint.committed_steps(checkpoint.checkpoint_dir(config, workdir)):
+            from hybridpar.runtime.trained import init_source
+
+            source = init_source(config.init_from, program)
     if compiled and finished is None:  # a finished run runs no step
         executables.load(compiled, program, recompile)
-    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock)
+    return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock,
+               source)  # fmt: skip
 
 
 def open_data(config, mesh, stages: list[Stage]):

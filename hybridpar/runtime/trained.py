@@ -131,20 +131,28 @@ class TrainedRun:
         return jax.device_get(meta.unbox(v["params"])), jax.device_get(meta.unbox(v["batch_stats"]))
 
 
-def start_from(path: str, state, prog):
-    """``state`` (a new run's, at step 0) with the parameters and BatchNorm statistics of
-    the run in ``path`` (``init_from``), read into this run's shardings; its shapes must be
-    this model's."""
-    src = TrainedRun(path, prog.mesh, prog.config.partitioning).variables()
+def init_source(path: str, prog) -> TrainedRun:
+    """The run in ``path`` (``init_from``), placed like ``prog``'s state; its shapes must be
+    ``prog``'s model's, checked before any weight is read (the trainer asks in set-up, so a
+    mismatch leaves no directory behind)."""
+    src, a = TrainedRun(path, prog.mesh, prog.config.partitioning), prog.abstract_state()
     for name in ("params", "batch_stats"):
-        a, b = getattr(state, name), src[name]
-        shapes = jax.tree.map(lambda x: x.shape, a), jax.tree.map(lambda x: x.shape, b)
-        if jax.tree.structure(a) != jax.tree.structure(b) or shapes[0] != shapes[1]:
+        ours, theirs = getattr(a, name), src.abstract[name]
+        shapes = jax.tree.map(lambda x: x.shape, ours), jax.tree.map(lambda x: x.shape, theirs)
+        if jax.tree.structure(ours) != jax.tree.structure(theirs) or shapes[0] != shapes[1]:
             raise ConfigError(
                 f"init_from={path!r} holds a model of other shapes than this config's: give "
                 f"this run the model keys of {path}/config.json (model.name, model.*_width*)"
             )
-    return state.replace(params=src["params"], batch_stats=src["batch_stats"])
+    return src
+
+
+def start_from(source, state, prog):
+    """``state`` (a new run's, at step 0) with the parameters and BatchNorm statistics of
+    ``source``: an ``init_source`` or the path of a run, read into this run's shardings."""
+    src = source if isinstance(source, TrainedRun) else init_source(source, prog)
+    v = src.variables()
+    return state.replace(params=v["params"], batch_stats=v["batch_stats"])
 
 
 # ---- Whether a run is a finished one: read by quantize, prune and compress ----------------

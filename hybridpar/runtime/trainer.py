@@ -499,7 +499,7 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
         if run.config.init_from:  # a trained or pruned run's weights, e.g. hybridpar.prune's
             from hybridpar.runtime.trained import start_from
 
-            state = start_from(run.config.init_from, state, program)
+            state = start_from(run.init_from or run.config.init_from, state, program)
         elif hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
             st = run.plan.stages[0].stage
             batches = run.data.train_batches(
