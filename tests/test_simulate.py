@@ -672,7 +672,8 @@ def test_a_comm_reports_evaluation_is_its_own_eval_split(tmp_path, capsys):
     """--eval-every-epochs with a comm report prices the report's evaluation: digits' 360
     test images at its image size and eval batch per shard. It priced ImageNet's 50,000 at
     224 px (3.9 s against plan's 0.04 s for digits on 8 devices); a report whose config does
-    not say them still gets ImageNet's."""
+    not say them still gets ImageNet's. With stages, the shards are the compiled stage's
+    batch's, not the config's unused global_batch's (which gave a quarter of the batch)."""
     rows = [_row("all-reduce", 4, 100, None, groups="{}")]
     run = {"data": {"name": "digits", "train_examples": 4096, "eval_examples": 1024,
                     "image_size": 16}, "num_epochs": 3.0, "eval_batch": 120}  # fmt: skip
@@ -682,6 +683,9 @@ def test_a_comm_reports_evaluation_is_its_own_eval_split(tmp_path, capsys):
     path.write_text(json.dumps(report))
     assert sim.report_eval(CommReport.from_dict(report), 8) == {
         "images": 360, "image_size": 16, "per_device_batch": 15}  # fmt: skip
+    # with stages the config's global_batch is not the run's: the compiled stage's batch is
+    staged = {**report, "config": {**report["config"], "global_batch": 256, "stages": "3:16-64"}}
+    assert sim.report_eval(CommReport.from_dict(staged), 8)["per_device_batch"] == 15
     own = _simulated(capsys, path, "--eval-every-epochs", "1")["rows"][0]["eval_s"]
     del report["config"]["eval_batch"]  # unsaid: ImageNet's evaluation
     path.write_text(json.dumps(report))

@@ -332,13 +332,15 @@ def report_images_per_epoch(report: CommReport) -> tuple[int | None, str]:
 def report_eval(report: CommReport, per_device_batch: int) -> dict | None:
     """``Evaluation``'s fields of the evaluation pass the run a comm report describes makes:
     its eval split (digits' test part, else the config's ``data.eval_examples``) at its image
-    size, its eval batch per batch shard; None where the config does not say them."""
+    size, its eval batch per batch shard; None where the config does not say them. The
+    shards: those of the compiled step's batch (``report.global_batch``, a stage's in a run
+    with stages, whose config's ``global_batch`` is not used) at ``per_device_batch``."""
     config = report.config
     data = config.get("data") or {}
-    if not (data.get("eval_examples") and config.get("eval_batch") and config.get("global_batch")):
+    if not (data.get("eval_examples") and config.get("eval_batch") and report.global_batch):
         return None
     images = DIGITS_EVAL_IMAGES if data.get("name") == "digits" else int(data["eval_examples"])
-    batch = max(config["eval_batch"] * per_device_batch // config["global_batch"], 1)
+    batch = max(config["eval_batch"] * per_device_batch // report.global_batch, 1)
     return dict(images=images, image_size=int(data["image_size"]), per_device_batch=batch)
 
 
