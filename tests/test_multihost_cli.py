@@ -409,6 +409,18 @@ def test_the_heartbeat_timeout_is_passed_to_jax(monkeypatch):
     assert seen["heartbeat_timeout_seconds"] == 7 and seen["process_id"] == 1
 
 
+def test_a_resume_may_change_how_long_processes_wait_for_each_other():
+    """The join and heartbeat timeouts change no number and nothing a checkpoint holds: a
+    run stopped because a slow peer timed out resumes with longer ones, without
+    --allow-config-change. Another key still differs."""
+    saved = run_config.config_dict(base_config())
+    new = base_config()
+    new.distributed_timeout_s, new.distributed_heartbeat_s = 900, 300.0
+    assert run_config.differences(saved, run_config.config_dict(new)) == []
+    new.seed += 1
+    assert [d[0] for d in run_config.differences(saved, run_config.config_dict(new))] == ["seed"]
+
+
 # A stand-in for the trainer under the supervising parent: what JAX's C++ abort writes
 # (the text of a real one, shortened), then SIGABRT; or a plain exit; or it counts signals.
 FAKE_TRAINER = r"""
