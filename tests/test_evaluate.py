@@ -255,3 +255,47 @@ def test_the_docs_synopsis_shows_the_watch_only_flags_under_watch():
 
     text = (ROOT / "docs" / "evaluation.md").read_text()
     assert re.search(r"\[--watch \[--poll-s \d+\] \[--dead-after-s \d+\]\]", text)
+
+
+def test_a_readers_left_over_tensorstore_reports_are_dropped_and_others_kept():
+    """Reading beside a trainer that deletes a step, the failed reads' siblings leave
+    asyncio's "never retrieved" report of a TensorStore error (raised in C++: no Python
+    traceback, a status code first) and orbax's read-only notices; the reader reports the
+    failure itself (or reads the step again), so these are dropped. The same report of a
+    Python exception, and other records, still reach the user."""
+    import logging
+
+    from hybridpar.runtime import checkpoint
+
+    checkpoint.quiet_background_failures()
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    def python_error():
+        try:
+            raise ValueError("NOT_FOUND: raised in Python")
+        except ValueError as e:
+            return e
+
+    handler = Keep()
+    loggers = [logging.getLogger("asyncio"), logging.getLogger("absl")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        cpp = RuntimeError('NOT_FOUND: Error opening "zarr" driver: no such file')
+        never = "Future exception was never retrieved"
+        loggers[0].error(never, exc_info=(RuntimeError, cpp, None))
+        loggers[1].warning("Given directory is read only=%s", "/w/checkpoints")
+        loggers[1].warning("Metadata file does not exist: %s", "/w/checkpoints/4")
+        assert seen == []
+        loggers[0].error(never, exc_info=(ValueError, e := python_error(), e.__traceback__))
+        loggers[0].error("Task was destroyed but it is pending!")
+        loggers[1].warning("Given directory is missing=%s", "/w")
+        kept = [never, "Task was destroyed but it is pending!", "Given directory is missing=/w"]
+        assert seen == kept
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
