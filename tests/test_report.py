@@ -312,8 +312,8 @@ def test_the_time_breakdown_is_one_stacked_bar_per_run(tmp_path):
 
 def test_time_to_target_is_one_rule_from_every_eval_with_or_without_the_flag(tmp_path):
     """summary.json times its target from the trainer's evals only; the evaluator reached
-    it first. The table gives the evaluator's time whether the target is summary.json's or
-    asked for."""
+    it first. The table gives the evaluator's time whether the target is summary.json's,
+    config.json's (no summary yet: it showed "-") or asked for."""
     w = tmp_path / "a"
     write_jsonl(w / "metrics.jsonl", [
         ev("compile", 0, 0.0, 3.0, program="train", batch=32, image_size=16, compile_s=2.0),
@@ -332,6 +332,10 @@ def test_time_to_target_is_one_rule_from_every_eval_with_or_without_the_flag(tmp
     want = "top5 0.99: 117.8s (115.8s w/o compile)"
     assert table_rows(report.report([str(w)], out))["a"]["time to target"] == want
     assert table_rows(report.report([str(w)], out, {"top5": 0.99}))["a"]["time to target"] == want
+    # still training (or killed): no summary.json, the target from config.json
+    (w / "summary.json").unlink()
+    (w / "config.json").write_text(json.dumps({"target_top1": 0.0, "target_top5": 0.99}))
+    assert table_rows(report.report([str(w)], out))["a"]["time to target"] == want
 
 
 def test_plain_second_ticks_no_empty_panel_and_a_title_of_what_differs(tmp_path):

@@ -62,9 +62,10 @@ def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
 
 def targets(run: RunRecords, asked: dict) -> str:
     """``top1 0.8: 22.0s (19.0s w/o compile)`` for each target, the ``asked`` ones or else
-    summary.json's ``target_top1`` / ``target_top5``: timed by one rule either way, from all
+    the run's ``target_top1`` / ``target_top5`` (summary.json's; config.json's while there
+    is no summary: a run still training, or killed): timed by one rule either way, from all
     the run's eval records (the evaluator's too, which summary.json's time never counts)."""
-    s = run.summary or {}
+    s = run.summary or run.config or {}
     cells = []
     for metric in ("top1", "top5"):
         target = asked.get(metric) or s.get(f"target_{metric}")
@@ -83,7 +84,7 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
     """The table's values for one run: from the records, and from summary.json for what only
     it knows (wall and images/s over every resumed segment, whether the run completed).
     ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets."""
-    s = run.summary or {}
+    s = run.summary or run.config or {}
     records = run.train + run.eval
     top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
     ips = [t.images_per_s for t in run.train if t.images_per_s]
