@@ -17,7 +17,14 @@ from hybridpar.program.optim import (
     make_schedule,
     peak_lr,
 )
-from hybridpar.program.precision import DTYPES, LossScale, Policy, all_finite, make_policy
+from hybridpar.program.precision import (
+    DTYPES,
+    MAX_LOSS_SCALE,
+    LossScale,
+    Policy,
+    all_finite,
+    make_policy,
+)
 
 
 def optim_cfg(**overrides):
@@ -253,6 +260,49 @@ def test_loss_scale_update_under_jit():
     assert float(ls.scale) == 4.0
     ls = step(ls, jnp.asarray(False))
     assert float(ls.scale) == 2.0
+
+
+def test_loss_scale_at_the_cap_stays_there_after_good_steps():
+    ls = LossScale.create(dynamic=True, initial=MAX_LOSS_SCALE, period=1)
+    step = jax.jit(lambda s, f: s.update(f))
+    for _ in range(3):
+        ls = step(ls, jnp.asarray(True))
+        assert float(ls.scale) == MAX_LOSS_SCALE
+        assert int(ls.good_steps) == 0  # each step is a growth step, capped
+
+
+@pytest.mark.parametrize("factor", [2.0, 3.0, 1e30])  # 1e30: the product overflows float32
+def test_loss_scale_near_the_cap_never_reaches_inf(factor):
+    ls = LossScale.create(dynamic=True, initial=MAX_LOSS_SCALE / 4, period=2, factor=factor)
+    step = jax.jit(lambda s, f: s.update(f))
+    for _ in range(20):
+        ls = step(ls, jnp.asarray(True))
+        assert np.isfinite(float(ls.scale)) and float(ls.scale) <= MAX_LOSS_SCALE
+    assert float(ls.scale) == MAX_LOSS_SCALE
+
+
+def test_loss_scale_halves_from_the_cap_and_unscales_there():
+    ls = LossScale.create(dynamic=True, initial=MAX_LOSS_SCALE)
+    g = {"w": jnp.asarray([1.5 * MAX_LOSS_SCALE, -MAX_LOSS_SCALE], jnp.float32)}
+    np.testing.assert_array_equal(ls.unscale(g)["w"], [1.5, -1.0])  # 1/scale not flushed
+    ls = ls.update(jnp.asarray(False))
+    assert float(ls.scale) == MAX_LOSS_SCALE / 2
+    ls = ls.update(jnp.asarray(False))
+    assert float(ls.scale) == MAX_LOSS_SCALE / 4
+
+
+@pytest.mark.parametrize("initial", [2.0**127, float(np.finfo(np.float32).max), 1e39, np.inf])
+def test_loss_scale_create_never_makes_inf(initial):
+    ls = LossScale.create(dynamic=True, initial=initial)
+    assert float(ls.scale) == MAX_LOSS_SCALE
+
+
+def test_an_inf_loss_scale_comes_back_to_the_cap():
+    """A scale that reached inf before the cap existed (an older checkpoint) is finite again
+    after one update, skipped step or not."""
+    for finite in (False, True):
+        ls = LossScale.create(dynamic=True).replace(scale=jnp.asarray(np.inf, jnp.float32))
+        assert float(ls.update(jnp.asarray(finite)).scale) == MAX_LOSS_SCALE
 
 
 def test_static_loss_scale_is_identity():

@@ -4,7 +4,8 @@ The step is manual over every mesh axis: the trunk data parallel over all device
 gradient buckets averaged over all of them from the backward pass, a trunk weight split
 over ``model`` or ``fsdp`` gathered in the forward rule and reduce-scattered in the backward
 rule, the head's kernel reduced only over the axes it is replicated on (none for
-partial_fc). Numerics: three steps equal one device running the dense head (the same
+partial_fc; a ``model`` axis of one device, which the sharded head names, stays one of
+the step's axes). Numerics: three steps equal one device running the dense head (the same
 BatchNorm groups) within the parity check's measured float32 spread
 (``helpers.assert_parity``); the loss and the eval step's top-k sums equal the xla mode's.
 Negative controls: the same check rejects the partial-FC kernel's gradient averaged over
@@ -92,6 +93,8 @@ CASES = [
     ("data:8", "partial_fc", "local", 8),
     ("data:2,fsdp:2,model:2", "partial_fc", "group:2", 4),
     ("data:2,fsdp:2,model:2", "sharded", "local", 4),
+    # the classes over a model axis of one device: still one of the step's manual axes
+    ("data:8", "sharded", "group:2", 8),
 ]
 
 
@@ -155,10 +158,10 @@ def test_rejects_a_trunk_bucket_summed_not_averaged(monkeypatch):
                                         for p in bucket))  # fmt: skip
 
 
-def test_loss_and_topk_equal_the_xla_modes():
+@pytest.mark.parametrize("mesh,head,bn_sync,dp", [CASES[2], CASES[4]])
+def test_loss_and_topk_equal_the_xla_modes(mesh, head, bn_sync, dp):
     """The same program under comm.mode=xla and overlap, from the same start: the losses
     of three steps and the eval step's sums on the trained states agree."""
-    mesh, head, bn_sync, dp = CASES[2]
     start = _one_device(bn_sync, dp).start
     xla = build(_config(mesh, head, bn_sync, **{"comm.mode": "xla"}))
     ours = _overlap_program(mesh, head, bn_sync)

@@ -4,8 +4,8 @@ The policy says which dtype parameters are stored in, which the model computes i
 its logits come out in. BatchNorm statistics (Flax reduces them in float32), softmax and the
 loss are always float32. float16 needs dynamic loss scaling: gradients are computed for
 ``loss * scale``; a step whose gradients are not finite is skipped and halves the scale, and
-``period`` finite steps in a row double it (as in Micikevicius et al. 2018 and NVIDIA Apex).
-bfloat16 has float32's exponent range and needs no scaling.
+``period`` finite steps in a row double it (as in Micikevicius et al. 2018 and NVIDIA Apex),
+up to ``MAX_LOSS_SCALE``. bfloat16 has float32's exponent range and needs no scaling.
 """
 
 from __future__ import annotations
@@ -19,6 +19,14 @@ from flax import struct
 from hybridpar.config.errors import ConfigError
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# The largest loss scale: the scale is a float32, and doubling without a cap reaches inf
+# after enough finite steps (a model whose gradients stay small, or zero), where halving
+# never brings it back and every step is skipped. 2**126 is the largest power of two whose
+# reciprocal is a normal float32: ``unscale`` multiplies by 1 / scale, and XLA flushes
+# subnormals to zero (1 / 2**127 becomes 0 on XLA:CPU, zeroing every gradient), and a power
+# of two keeps that multiplication exact.
+MAX_LOSS_SCALE = 2.0**126
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +58,9 @@ def make_policy(
 
 
 class LossScale(struct.PyTreeNode):
-    """Dynamic loss scale. With ``dynamic=False`` it is a constant 1 and never skips."""
+    """Dynamic loss scale. With ``dynamic=False`` it is a constant 1 and never skips. The
+    scale stays within ``MAX_LOSS_SCALE``: ``create`` lowers a larger ``initial`` to it,
+    and ``update`` never grows past it."""
 
     scale: jax.Array
     good_steps: jax.Array
@@ -63,7 +73,8 @@ class LossScale(struct.PyTreeNode):
         cls, dynamic: bool, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0
     ):
         return cls(
-            scale=jnp.asarray(initial if dynamic else 1.0, jnp.float32),
+            # min first, in Python: a larger initial would round to inf as a float32
+            scale=jnp.asarray(min(initial, MAX_LOSS_SCALE) if dynamic else 1.0, jnp.float32),
             good_steps=jnp.zeros((), jnp.int32),
             period=period,
             factor=factor,
@@ -75,7 +86,9 @@ class LossScale(struct.PyTreeNode):
         return jax.tree.map(lambda g: (g.astype(jnp.float32) * inv).astype(g.dtype), grads)
 
     def update(self, finite: jax.Array) -> "LossScale":
-        """Halve on a non-finite step; double after ``period`` finite steps in a row."""
+        """Halve on a non-finite step; double after ``period`` finite steps in a row, up to
+        ``MAX_LOSS_SCALE`` (a scale already above it, e.g. an inf restored from an older
+        checkpoint, comes back to it)."""
         if not self.dynamic:
             return self
         grow = finite & (self.good_steps + 1 >= self.period)
@@ -84,6 +97,7 @@ class LossScale(struct.PyTreeNode):
             jnp.where(grow, self.scale * self.factor, self.scale),
             jnp.maximum(self.scale / self.factor, 1.0),
         )
+        scale = jnp.minimum(scale, MAX_LOSS_SCALE)
         good = jnp.where(finite & ~grow, self.good_steps + 1, 0)
         return self.replace(scale=scale, good_steps=good)
 

@@ -66,9 +66,16 @@ def _head_layout(kind: str, mesh, param_specs):
     for use; the head's own stay split over its classes, its gradient summed over the axes
     it is replicated on (none for partial_fc), blocks stacked on the classes over another
     axis (FSDP's pass) gathered back to the head's. ``n``: the devices one head's batch
-    slice is split over, the mean's divisor (each device's loss is its group's)."""
+    slice is split over, the mean's divisor (each device's loss is its group's).
+
+    The head's class axes are kept even where they have one device (``sharded`` on a mesh
+    whose ``model`` is 1): the step is manual over every axis, so the head's kernel arrives
+    varying over ``model`` all the same, and so do the gradients flowing back from it;
+    each backward rule must reduce over that axis to return its parameter's own type."""
+    cls = class_axes(kind, mesh)
     axes = axes_with_devices(mesh, AXES) or BATCH_AXES
-    classes = tuple(a for a in class_axes(kind, mesh) if a in axes)
+    axes = tuple(a for a in AXES if a in axes or a in cls)
+    classes = tuple(a for a in cls if a in axes)
     splits, sums = {}, {}
     for kp, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
         path = tuple(path_str(kp).split("/"))
