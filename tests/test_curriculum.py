@@ -5,14 +5,22 @@
   read the plan.
 * The plan's figures (data-parallel size, mesh axes, each stage's batches, steps per epoch
   and steps) are those the config, mesh and data give, on data:4,model:2 and on data:8.
+* A stage that would train no step, and a crop scale on data that is never cropped, are
+  refused up front, in one error line.
 """
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
-from helpers import tiny_digits
+from helpers import DIGITS, ROOT, tiny_digits
 
 from hybridpar.config import curriculum
+from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import validate
 from hybridpar.runtime import run as run_module
 from hybridpar.runtime import trainer
 from hybridpar.runtime.run import setup
@@ -168,3 +176,88 @@ def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what():
     assert before == pytest.approx(0.0, abs=1e-9)  # the 3-epoch cosine's end
     assert now == pytest.approx(float(run_of(config(5.0)).program.schedule(66))) and now > 1e-3
     assert trainer.lr_change(run_of(config(3.0)), held, loop, 66) is None
+
+
+def _stage(end, batch):
+    return curriculum.Stage(end, 16, batch, 1.0)
+
+
+@pytest.mark.parametrize(
+    "ends, batch, examples, where",
+    [
+        ((1.0, 1.001, 3.0), 16, 1437, "stage 1 (epochs 1-1.001, 89 steps an epoch at global "
+         "batch 16)"),
+        ((0.5, 0.505, 0.7), 64, 1437, "stage 1 (epochs 0.5-0.505, 22 steps an epoch at "
+         "global batch 64)"),
+        ((40.0, 40.00005), 256, 1_281_167, "stage 1 (epochs 40-40.00005, 5004 steps an epoch"),
+    ],
+    ids=["digits-probe", "half-step-short", "imagenet-last"],
+)  # fmt: skip
+def test_a_later_stage_that_rounds_to_no_step_is_refused_with_the_end_that_gives_it_one(
+    ends, batch, examples, where
+):
+    """A stage whose epochs round to 0 steps would compile its step for nothing, never
+    train at its size and shift every epoch after it (the probe: a last stage-0 step at
+    epoch 1.001, a 3-epoch run summed as 3.001): refused, naming the stage, its epochs, its
+    steps per epoch and the first end epoch that gives it a step, which then does."""
+
+    def steps(global_batch):  # the data's full steps an epoch
+        return examples // global_batch
+
+    planned = curriculum.plan_stages([_stage(end, batch) for end in ends], steps)
+    with pytest.raises(ConfigError) as e:
+        curriculum.check_every_stage_trains(planned)
+    msg = str(e.value)
+    assert msg.startswith(where) and "rounds to 0 steps" in msg and "or drop it" in msg, msg
+    end = float(re.search(r"end it at epoch ([0-9.]+) or later", msg)[1])
+    fixed = [ends[0], end, *ends[2:]]
+    plan = curriculum.plan_stages([_stage(x, batch) for x in fixed], steps)
+    curriculum.check_every_stage_trains(plan)
+    assert plan.stages[1].num_steps == 1
+    # the first stage still takes at least one step: a very short run trains
+    assert curriculum.plan_stages([_stage(1e-6, batch)], steps).stages[0].num_steps == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        ({"stages": "0.1:16-8@0.5,0.2:24-4"}, "stage 0 ('0.1:16-8@0.5') has a minimum crop "
+         "scale of 0.5, but data.name='digits' is never cropped"),
+        ({"stages": "0.1:16-8,0.2:24-4@0.35~0.9"}, "stage 1 ('0.2:24-4@0.35~0.9') has a "
+         "minimum crop scale of 0.35"),
+        ({"data.min_scale": 0.5}, "data.min_scale=0.5: data.name='digits' is never cropped"),
+    ],
+    ids=["stage", "later-stage", "data.min_scale"],
+)  # fmt: skip
+def test_a_crop_scale_on_digits_which_are_never_cropped_is_refused(overrides, expect):
+    """Digits are only resized, never cropped: a crop scale there would be in the plan line
+    and the stage records and do nothing. Refused like data.translate where it cannot
+    apply; a scale of 1 (the whole image), the inherited default and synthetic data (the
+    stand-in of a recipe's real data: the ImageNet recipes plan on it) pass."""
+    epochs = {"num_epochs": 0.2} if "stages" in overrides else {}
+    with pytest.raises(ConfigError, match=re.escape(expect)):
+        validate(tiny_digits(**overrides, **epochs))
+    validate(tiny_digits(stages="0.1:16-8@1,0.2:24-4", num_epochs=0.2))
+    validate(tiny_digits(**{"data.min_scale": 1.0}))
+    validate(tiny_digits())  # data.min_scale's default, which every config inherits
+    validate(tiny_digits(**{"data.name": "synthetic"}, **overrides, **epochs))
+
+
+def test_the_train_cli_refuses_a_stage_of_no_step_of_its_data_in_one_line(tmp_path):
+    """Checked on the plan of the run's own data (1,437 digits), in set-up: one error line,
+    no workdir left. (The compile tools plan on a config's nominal data.train_examples, on
+    which a short stage may round to nothing that has steps on the real data: not there.)"""
+    args = ["--config.stages=1:16-32~0.8,1.001:24-16,3:32-8", "--config.num_epochs=3"]
+    expect = ("error: stage 1 (epochs 1-1.001, 11 steps an epoch at global batch 128) rounds "
+              "to 0 steps: end it at epoch 1.1 or later")  # fmt: skip
+    workdir = tmp_path / "w"
+    r = subprocess.run(
+        [sys.executable, "-m", "hybridpar.train", "--config", DIGITS, "--workdir", str(workdir),
+         *args],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(expect), r.stderr
+    assert not workdir.exists()

@@ -380,3 +380,15 @@ def test_a_frozen_regex_matching_nothing_stops_the_program_build():
 
     with pytest.raises(ConfigError, match="the closest of the model's [0-9]+: stem_conv/kernel"):
         build(tiny_config(**{"optim.frozen": "stem/kernel"}))
+
+
+@pytest.mark.parametrize("initial", [0.5, 2.0**127, 1e39])
+def test_a_loss_scale_initial_outside_1_to_the_cap_is_a_config_error(initial):
+    """Below 1 the scale rose on an overflow (it halves down to 1); above MAX_LOSS_SCALE it
+    was lowered to the cap without a word (1e39 was float32's inf before the cap)."""
+    c = base_config()
+    c.precision.compute, c.precision.loss_scale_initial = "float16", initial
+    with pytest.raises(ConfigError, match="precision.loss_scale_initial=.* must be >= 1 and <="):
+        validate(c, sources=False)
+    c.precision.loss_scale_initial = MAX_LOSS_SCALE
+    validate(c, sources=False)

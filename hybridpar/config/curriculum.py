@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Callable
 
@@ -245,7 +246,9 @@ def plan_stages(
     data_parallel: int | None = None,
 ) -> StagePlan:
     """Steps of each stage, given the data's full steps per epoch at a global batch; the
-    plan also keeps the data-parallel size the stages were made for (``stages_from_config``)."""
+    plan also keeps the data-parallel size the stages were made for (``stages_from_config``).
+    A stage runs its epochs x steps per epoch, rounded; the first at least one step (a
+    very short run still trains), a later one maybe none (``check_every_stage_trains``)."""
     planned, step, start = [], 0, 0.0
     num_examples = getattr(steps_per_epoch, "num_examples", None)  # input.datasets.EpochSteps
     for i, st in enumerate(stages):
@@ -265,6 +268,39 @@ def plan_stages(
             f"{duration(step / 100)}; lower --config.num_epochs (or the stages' end epochs)"
         )
     return StagePlan(tuple(planned), data_parallel)
+
+
+def check_every_stage_trains(plan: StagePlan) -> None:
+    """A stage that rounds to no step would compile its step for nothing, never train at its
+    size and shift every epoch after it: an error naming the end epoch that gives it one.
+    For a plan of the run's own data (the trainer's set-up): on a config's nominal
+    ``data.train_examples`` (the compile tools') a short stage may have steps on the real
+    data that it has none on the nominal."""
+    for ps in plan.stages:
+        if ps.num_steps == 0:
+            st, spe = ps.stage, ps.steps_per_epoch
+            raise ConfigError(
+                f"stage {ps.index} (epochs {ps.start_epoch:.12g}-{st.end_epoch:.12g}, {spe} "
+                f"steps an epoch at global batch {st.global_batch}) rounds to 0 steps: end it "
+                f"at epoch {_one_step_end(ps.start_epoch, spe):.12g} or later to give it a "
+                "step, or drop it"
+            )
+
+
+def _one_step_end(start: float, steps_per_epoch: int) -> float:
+    """The shortest decimal end epoch after ``start`` from which ``plan_stages`` gives a
+    stage one step: just past half a step's epochs (the steps are rounded), rounded up at
+    the first decimal digit that gives one step, so the number said is one that works."""
+    def steps(end):
+        return int(round((end - start) * steps_per_epoch))
+
+    half = start + 0.5 / steps_per_epoch
+    for digits in range(13):
+        unit = 10.0**-digits
+        for end in (math.ceil(half / unit) * unit, (math.ceil(half / unit) + 1) * unit):
+            if steps(end) == 1:
+                return round(end, digits)
+    return start + 1 / steps_per_epoch
 
 
 def single_stage_plan(steps_per_epoch: int, total_steps: int, global_batch: int) -> StagePlan:

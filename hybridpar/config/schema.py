@@ -400,7 +400,9 @@ RANGES = {
     "max_nonfinite_steps": (1, None, True, True),
     "distributed_timeout_s": (0, None, False, True),
     "distributed_heartbeat_s": (1, None, True, True),
-    "precision.loss_scale_initial": (0, None, False, True),
+    # below 1 the scale would rise on an overflow (it halves down to 1); above 2**126
+    # (program.precision.MAX_LOSS_SCALE) its reciprocal flushes to zero, and float32 ends
+    "precision.loss_scale_initial": (1, 2.0**126, True, True),
     "precision.loss_scale_period": (1, None, True, True),
 }
 
@@ -540,6 +542,17 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             f"tf.data pipeline (data.name 'images' or 'tfds', not {c.data.name!r}) or "
             "data.on_device=True; set --config.data.translate=0"
         )
+    # Digits are only resized (on the device also translated), never cropped: a crop scale
+    # there would be said in the plan and the records and do nothing. The default every
+    # config inherits passes, and synthetic data keeps its scales: it stands in for the
+    # real data of a recipe (the ImageNet ones plan and compile on it).
+    scale = c.data.min_scale
+    if c.data.name == "digits" and scale < 1 and scale != base_config().data.min_scale:
+        raise ConfigError(
+            f"data.min_scale={scale!r}: data.name='digits' is never cropped (its images are "
+            "only resized), so a minimum crop scale does nothing; drop --config.data.min_scale "
+            "(or set it to 1), or use data.name=images for random-resized crops"
+        )
     if o.schedule == "exponential" and (o.warmup_epochs > 0 or o.warmup_start_factor <= 0):
         raise ConfigError(
             "optim.schedule='exponential' rises from optim.warmup_start_factor x the LR to the "
@@ -577,7 +590,18 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
         from hybridpar.config.curriculum import parse_stages
 
         # syntax, increasing epochs, scales and momenta in range; batches need the mesh
-        last = parse_stages(c.stages)[-1][0]
+        stages = parse_stages(c.stages)
+        last = stages[-1][0]
+        if c.data.name == "digits":  # never cropped, as data.min_scale above
+            parts = [p.strip() for p in c.stages.split(",") if p.strip()]
+            for i, (part, (_, _, _, crop)) in enumerate(zip(parts, stages)):
+                if crop is not None and crop < 1:
+                    raise ConfigError(
+                        f"stages={c.stages!r}: stage {i} ({part!r}) has a minimum crop scale "
+                        f"of {crop:g}, but data.name='digits' is never cropped (its images "
+                        "are only resized), so it does nothing; drop the @SCALE from the "
+                        "stage, or use data.name=images for random-resized crops"
+                    )
         # The run ends where its last stage does; a num_epochs that says otherwise would be
         # ignored without a word (schedules, summary and plots read the stages).
         if abs(c.num_epochs - last) > 1e-9 * max(1.0, last):

@@ -23,6 +23,7 @@ from hybridpar.config.curriculum import (
     PlannedStage,
     Stage,
     StagePlan,
+    check_every_stage_trains,
     plan_stages,
     stages_from_config,
 )
@@ -170,6 +171,8 @@ def _setup(
         data = open_data(config, mesh, stages)
         steps_for = data.steps_for
     plan = plan_stages(stages, steps_for, data_parallel=dp)
+    if data is not None:
+        check_every_stage_trains(plan)
 
     # ---- Model, optimizer, precision and shardings (nothing allocated yet) ----
     teacher = make_teacher(config, mesh) if for_training else None
