@@ -6,6 +6,8 @@
   compiled once, before the first step, and the learning rate (per unit of the batch
   scaling) is continuous at the switch.
 * A run resumed at a stage boundary starts in the next stage, step for step the same run.
+* A stop while a stage switch waits for its step's background compile saves at the
+  boundary at once, and resumes to the same run.
 * Too many skipped steps in a row: the error names only a checkpoint saved before the loss
   grew, and tells a float16 loss scale still backing off from a diverged run.
 * Config errors (unknown names, out-of-range values, bad stages) are one ``error:`` line,
@@ -19,6 +21,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,8 +115,10 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
 def test_each_stage_reads_its_own_size_batch_and_crop_scale(tmp_path):
     """``host_batches`` opens each stage's input with the stage's image size, global batch
     and minimum crop scale (``@SCALE`` in the stage string), from the stage's first data
-    position: recorded at the data's door, over a run resumed inside the first stage."""
-    config = tiny_digits(stages="0.3:16-8@0.35,0.6:24-16@0.7", num_epochs=0.6)
+    position: recorded at the data's door, over a run resumed inside the first stage.
+    (Synthetic data, digits' size: digits are never cropped, so they refuse a crop scale.)"""
+    config = tiny_digits(stages="0.3:16-8@0.35,0.6:24-16@0.7", num_epochs=0.6,
+                         **{"data.name": "synthetic", "data.train_examples": 1437})  # fmt: skip
     run = setup(config, str(tmp_path), with_data=True)
     opened, real = [], run.data.train_batches
 
@@ -589,6 +594,67 @@ def test_the_step_is_called_under_a_transfer_guard(tmp_path, monkeypatch):
     run = setup(tiny_digits("data:8"), str(tmp_path))
     with pytest.raises(Exception, match="Disallowed host-to-device transfer"):
         trainer.train(run)
+
+
+class StageDone:
+    """A hook that sets ``done`` after step ``k``, a stage's last."""
+
+    def __init__(self, k):
+        self.k, self.done = k, threading.Event()
+
+    def __call__(self, loop, state, metrics, stage):
+        if loop.step == self.k:
+            self.done.set()
+
+
+def test_a_stop_while_the_next_stage_compiles_saves_at_the_boundary_at_once(tmp_path):
+    """compile_ahead=background, the second stage's compile held until released: a SIGTERM
+    that comes while the stage switch waits for it saves the checkpoint at the boundary and
+    stops there, without waiting for the compile or running a step of the next stage; the
+    same config resumes from it to the losses of the run never stopped. Planted bug that
+    fails it: the switch waits for the compile without looking at the stop (released after
+    ``hold_s`` so that it fails, not hangs: it then stops a step into the next stage)."""
+    overrides = dict(stages="0.3:16-8,0.6:24-16", num_epochs=0.6, compile_ahead="background")
+    run = setup(tiny_digits(**overrides), str(tmp_path / "whole"))
+    assert trainer.train(run)["completed"]
+    s0, s1 = run.plan.stages
+
+    workdir = tmp_path / "split"
+    run = setup(tiny_digits(**overrides), str(workdir))
+    stage_done, release, hold_s = StageDone(s0.end_step), threading.Event(), 30
+    lower_train = run.program.lower_train
+    held_out = []  # the hold ran out and the compile went on
+
+    def held(batch, size):  # the background thread's compile of the second stage's step
+        if size == s1.stage.image_size:
+            # the signal after the first stage's last step, and late enough for the hooks
+            # after StageDone (the checkpointer) to be done: it comes while the switch waits
+            if stage_done.done.wait(hold_s):
+                time.sleep(2)
+                os.kill(os.getpid(), signal.SIGTERM)
+            if release.wait(hold_s):  # the run is over: nothing to compile
+                raise RuntimeError("the test abandoned this compile")
+            held_out.append(size)
+        return lower_train(batch, size)
+
+    run.program.lower_train = held
+    try:
+        stopped = trainer.train(run, hooks=[stage_done])
+    finally:
+        release.set()
+    assert held_out == []  # it stopped while the compile was still held
+    assert stopped["preempted"] == "SIGTERM" and not stopped["completed"]
+    assert stopped["steps"] == stopped["latest_checkpoint"] == s0.end_step
+    assert max(r["step"] for r in records(workdir, "train")) == s0.end_step
+    assert [r["stage"] for r in records(workdir, "stage")] == [0]
+    # the loop state a stop at that step saves: still in the finished stage
+    assert saved_loop(workdir, s0.end_step)["stage"] == 0
+
+    resumed = trainer.train(setup(tiny_digits(**overrides), str(workdir)))
+    assert resumed["completed"] and resumed["resumed_from"] == s0.end_step
+    want = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    got = {r.step: r.loss for r in run_records.read_run(str(workdir)).train}
+    assert got == want and len(got) == s1.end_step
 
 
 def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(tmp_path, capsys):

@@ -233,8 +233,18 @@ class Program:
         """How many programs are queued or compiling in the background."""
         return len(self._pending)
 
+    def wait_compiled(self, timeout: float, kind: str, batch: int,
+                      image_size: int | None = None) -> bool:  # fmt: skip
+        """Waits up to ``timeout`` seconds for this step's background compile; False while
+        it still runs. True where none is pending: ``train_step``/``eval_step`` then wait
+        for no background compile (they compile on the call where nothing compiled it)."""
+        future = self._pending.get((kind, batch, image_size or self.image_shape[0]))
+        return future is None or future in concurrent.futures.wait([future], timeout).done
+
     def stop_background(self) -> None:
-        """Drops the background compilations not yet started (a stopping run needs none)."""
+        """Drops the background compilations not yet started (a stopping run needs none).
+        One already compiling runs on: the interpreter's exit waits for it (the executor's
+        thread is joined there), but nothing in the run does."""
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
             self._compiler, self._pending = None, {}

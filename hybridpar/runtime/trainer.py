@@ -440,6 +440,7 @@ class Checkpointer:
 # ---- The run -------------------------------------------------------------------------------------
 
 MAX_STEPS_IN_FLIGHT = 2  # dispatched ahead of the device (see run_stages)
+STOP_POLL_S = 0.2  # how often a wait for a compiling step looks for a requested stop
 
 
 def compile_all(run: Run, first_stage: int) -> dict:
@@ -733,11 +734,24 @@ def start(run: Run, hooks) -> Training:
                     preemption, hooks, batches, written, clock, redo_until)  # fmt: skip
 
 
+def compiled_step(t: Training, stage: PlannedStage):
+    """``stage``'s train step, waiting for its background compile if it still runs. A stop
+    requested meanwhile (a signal: ``Preemption.requested``) saves a checkpoint at this step,
+    the stage boundary, and stops the run there (the checkpointer's ``StopRequested``), at
+    once, not after the compile (minutes on an accelerator) and a step more. On several
+    processes no signal sets the flag: they stop at the next step's sync point, as before."""
+    program, st = t.run.program, stage.stage
+    while not program.wait_compiled(STOP_POLL_S, "train", st.global_batch, st.image_size):
+        if t.preemption.requested is not None:
+            t.checkpointer(t.loop, t.state, None, stage)  # saves, then raises StopRequested
+    return program.train_step(st.global_batch, st.image_size)
+
+
 def run_stages(t: Training) -> str | None:
     """The loop: each stage's steps, each step followed by the hooks, until the last step,
     the targets (``stop_at_target``) or a requested stop; returns the stop's reason."""
     run, loop = t.run, t.loop
-    c, program, plan = run.config, run.program, run.plan
+    c, plan = run.config, run.plan
     # Steps dispatched but not yet computed. JAX dispatch returns at once, so without a bound
     # the loop would run up to max_nonfinite_steps steps ahead of the device, and a SIGTERM's
     # save would wait for all of them. Two in flight keep the device busy.
@@ -746,10 +760,12 @@ def run_stages(t: Training) -> str | None:
         for stage in plan.stages[loop.stage :]:
             if targets_met(c, loop):
                 break
-            loop.enter(stage)
             st = stage.stage
+            # before entering the stage: a stop while it compiles saves the loop as the last
+            # step left it, the checkpoint a stop at that step would have written
             with t.clock.within("compile_wait"):  # compiled ahead, or compiling still
-                train_step = program.train_step(st.global_batch, st.image_size)
+                train_step = compiled_step(t, stage)
+            loop.enter(stage)
             t.written = record_compiles(run, t.writer, loop, t.written)
             # (inside the stage on a resume: the step and its epoch, as every record has)
             t.writer.write("stage", loop.step, plan.epoch_at(loop.step), stage=stage.index,
