@@ -176,6 +176,10 @@ def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what():
     assert before == pytest.approx(0.0, abs=1e-9)  # the 3-epoch cosine's end
     assert now == pytest.approx(float(run_of(config(5.0)).program.schedule(66))) and now > 1e-3
     assert trainer.lr_change(run_of(config(3.0)), held, loop, 66) is None
+    # the warning names the keys that moved it, not every changed one
+    warning = trainer.lr_change_warning((0.0, 0.05), 66, ["mesh", "num_epochs", "eval_batch"])
+    assert "(mesh, num_epochs changed its schedule)" in warning
+    assert "(seed changed its schedule)" in trainer.lr_change_warning((0.0, 0.05), 66, ["seed"])
 
 
 def _stage(end, batch):

@@ -392,3 +392,34 @@ def test_a_loss_scale_initial_outside_1_to_the_cap_is_a_config_error(initial):
         validate(c, sources=False)
     c.precision.loss_scale_initial = MAX_LOSS_SCALE
     validate(c, sources=False)
+
+
+def test_a_resume_into_float16_starts_the_loss_scale_at_its_initial_value():
+    """A float32 (or bfloat16) run's checkpoint holds a loss scale of 1, its constant; resumed
+    in float16 (--allow-config-change) it went on at 1 and would grow only after
+    loss_scale_period finite steps. It starts at loss_scale_initial, with no good steps;
+    a float16 checkpoint's own scale is kept, and so is any in another compute."""
+    from flax import struct
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from hybridpar.runtime.trainer import fresh_loss_scale
+
+    class State(struct.PyTreeNode):
+        loss_scale: LossScale
+
+    c = base_config()
+    c.precision.compute, c.precision.loss_scale_initial = "float16", 1024.0
+    # as restored: replicated over the mesh, where the train step takes it (a new array on
+    # one device was a disallowed transfer at the first step)
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("data",)), PartitionSpec())
+    restored = jax.device_put(
+        LossScale(jnp.asarray(1.0), jnp.asarray(7, jnp.int32), period=2000), everywhere
+    )
+    state = State(restored)
+    fresh = fresh_loss_scale(c, state, {"precision": {"compute": "float32"}}).loss_scale
+    assert (float(fresh.scale), int(fresh.good_steps), fresh.period) == (1024.0, 0, 2000)
+    assert fresh.scale.sharding == fresh.good_steps.sharding == everywhere
+    for held in ({"precision": {"compute": "float16"}}, None):
+        assert fresh_loss_scale(c, state, held) is state
+    c.precision.compute = "bfloat16"
+    assert fresh_loss_scale(c, state, {"precision": {"compute": "float32"}}) is state

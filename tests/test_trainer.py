@@ -440,8 +440,32 @@ def test_float16_still_backing_off_its_loss_scale_says_so_not_that_the_run_diver
     msg = str(e.value)
     assert "5 steps in a row (1..5)" in msg
     assert f"loss scale was still backing off (1e+30 at step 1, {1e30 / 16:g} at step 5" in msg
-    assert "lower precision.loss_scale_initial (now 1e+30; e.g. 2**15) or raise" in msg
+    assert "lower precision.loss_scale_initial (now 1e+30; e.g. 32768) or raise" in msg
     assert "diverged" not in msg and "instead of pure low precision" not in msg
+
+
+def test_float16_skipping_steps_whose_losses_grew_is_told_the_run_diverged():
+    """The scale still backing off, but the skipped steps' losses have grown past 10x the
+    first (a far too high LR): the weights diverged, so the error says so, not to lower the
+    scale (to the value it already had) or to allow more skipped steps. With sane losses
+    it backs off, suggesting a scale below the one reached."""
+    from types import SimpleNamespace
+
+    config = tiny_digits(**{"precision.compute": "float16", "max_nonfinite_steps": 3})
+
+    def stop(losses):
+        p = trainer.Progress(SimpleNamespace(config=config), writer=None)
+        p.pending = [dict(grads_finite=True, loss=2.3, loss_scale=32768.0)]
+        p.pending += [dict(grads_finite=False, loss=x, loss_scale=32768.0 / 2**i)
+                      for i, x in enumerate(losses)]  # fmt: skip
+        with pytest.raises(NonFinite) as e:
+            p.count_skips()
+        return str(e.value)
+
+    diverged = stop([33547.0, 1e9, 2e12])
+    assert "The run diverged" in diverged and "backing off" not in diverged
+    backing = stop([2.3, 2.2, 2.4])
+    assert "still backing off" in backing and "(now 32768; e.g. 4096)" in backing
 
 
 def _with_train_batches(run, train_batches):

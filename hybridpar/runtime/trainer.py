@@ -23,6 +23,7 @@ import time
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from hybridpar.config import formatting
@@ -258,18 +259,25 @@ class Progress:
             f"those after step {first - 1}. "
         )
         # float16's loss scale halves at each skipped step: still above 1 and falling, it
-        # has not backed off far enough yet (the gradients overflow, the weights are fine)
-        backing_off = c.precision.compute == "float16" and self.first_scale > scale > 1
+        # has not backed off far enough yet (the gradients overflow, the weights are fine),
+        # unless the skipped steps' losses say otherwise (grown past LOSS_GROWTH x the
+        # first: the weights diverged, and more skipped steps would not help)
+        backing_off = (
+            c.precision.compute == "float16" and self.first_scale > scale > 1
+            and self.sane.last >= last
+        )  # fmt: skip
         # A step's loss is computed with the parameters after the step before it: the last
         # sane loss vouches for the checkpoints before its step. Outside a loss-scale
         # backoff, the first of the skipped steps in a row says the same of its own step.
         self.suspect_from = self.sane.last if backing_off else min(self.sane.last, first - 1)
-        if backing_off:
+        if backing_off:  # the default where it is lower, else below the scale reached
+            initial = c.precision.loss_scale_initial
+            suggest = 2.0**15 if initial > 2.0**15 else scale / 2
             return head + (
                 f"The float16 loss scale was still backing off ({self.first_scale:g} at step "
                 f"{first}, {scale:g} at step {last}, halved at each skipped step): lower "
                 f"precision.loss_scale_initial (now {c.precision.loss_scale_initial:g}; "
-                "e.g. 2**15) or raise max_nonfinite_steps"
+                f"e.g. {suggest:g}) or raise max_nonfinite_steps"
             )
         low = (
             "compute in bfloat16 (float16's loss scale is down to 1)"
@@ -512,6 +520,26 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     return state, LoopState.from_dict(loop), step, config
 
 
+def fresh_loss_scale(config, state, held: dict | None):
+    """``state`` resumed from a checkpoint of a run that did not compute in float16, whose
+    loss scale is its constant 1: in float16 (``--allow-config-change``) the scale starts at
+    ``precision.loss_scale_initial``, as a new float16 run's does, not at 1, where it would
+    wait ``loss_scale_period`` finite steps to grow while small gradients underflow."""
+    p = config.precision
+    was = ((held or {}).get("precision") or {}).get("compute")
+    if p.compute != "float16" or was in (None, "float16"):
+        return state
+    log(f"the checkpoint's run computed in {was}: float16's loss scale starts at "
+        f"{p.loss_scale_initial:g} (precision.loss_scale_initial)")  # fmt: skip
+    def reset(ls):
+        scale = jnp.full_like(ls.scale, p.loss_scale_initial)
+        return ls.replace(scale=scale, good_steps=jnp.zeros_like(ls.good_steps))
+
+    # jitted into the restored arrays' own shardings: the step takes them as they were
+    places = jax.tree.map(lambda x: x.sharding, state.loss_scale)
+    return state.replace(loss_scale=jax.jit(reset, out_shardings=places)(state.loss_scale))
+
+
 def check_resumed_plan(plan, loop: LoopState, step: int, grown, directory: str) -> None:
     """The steps a resumed checkpoint trained stay as they were: this config's plan must
     end after them, and (the data unchanged: that has its own warning) put as many
@@ -559,6 +587,22 @@ def lr_change(run: Run, held: dict | None, loop: LoopState, step: int):
     before = float(optim.make_schedule(old.optim, old_plan)(step))
     now = float(run.program.schedule(step))
     return (before, now) if abs(now - before) > 0.01 * max(abs(before), abs(now)) else None
+
+
+# The keys an LR schedule reads: the optimizer's, the run's length and its batches (with
+# stages given per device, the mesh sets the global batch)
+SCHEDULE_KEYS = ("optim.", "num_epochs", "stages", "global_batch", "mesh")
+
+
+def lr_change_warning(moved: tuple[float, float], step: int, changed: list[str]) -> str:
+    """``lr_change``'s warning, naming the changed keys the schedule reads (all of them
+    where none is one of those: something else moved it)."""
+    named = [k for k in changed if k.startswith(SCHEDULE_KEYS)] or changed
+    return (
+        f"warning: the learning rate at step {step} is {moved[1]:.4g} under this config, "
+        f"{moved[0]:.4g} under the checkpoint's ({', '.join(named)} changed its schedule): "
+        f"the run goes on at {moved[1]:.4g}"
+    )
 
 
 def enter_next_stage(plan, loop: LoopState) -> None:
@@ -642,6 +686,8 @@ def start(run: Run, hooks) -> Training:
         async_save=c.checkpoint["async"],
     )
     state, loop, resumed, held_config = restore_or_init(run, saver)
+    if resumed is not None:
+        state = fresh_loss_scale(c, state, held_config)
     # Steps an earlier segment recorded: redone from the checkpoint (or from step 0 when it
     # was killed before its first checkpoint, which leaves records but nothing to resume).
     recorded, _ = run_records.read_records(f"{run.workdir}/metrics.jsonl")
@@ -682,9 +728,7 @@ def start(run: Run, hooks) -> Training:
                if lost >= 1 else ""))  # fmt: skip
     moved = lr_change(run, held_config, loop, resumed) if changed else None
     if moved:
-        log(f"warning: the learning rate at step {resumed} is {moved[1]:.4g} under this "
-            f"config, {moved[0]:.4g} under the checkpoint's ({', '.join(changed)} changed "
-            f"its schedule): the run goes on at {moved[1]:.4g}")  # fmt: skip
+        log(lr_change_warning(moved, resumed, changed))
     if grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
