@@ -716,3 +716,16 @@ def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(tmp_path, ca
     got = {r.step: r.loss for r in run_records.read_run(str(workdir)).train}
     assert got == want and len(got) == s1.end_step
     assert resumed["final_eval"]["loss"] == whole["final_eval"]["loss"]
+
+
+def test_a_run_on_synthetic_data_says_so_and_that_its_target_cannot_be_reached():
+    """The ImageNet recipes without a data path train on synthetic images, and their plan
+    reads like the real run's: the run says what it trains on, and with a target (93%
+    top-5 for DAWNBench) warns that random labels never reach it."""
+    c = tiny_digits(**{"data.name": "synthetic", "data.train_examples": 512,
+                       "target_top1": -1.0, "target_top5": -1.0})  # fmt: skip
+    assert trainer.synthetic_note(c).startswith("data: synthetic data (data.name=synthetic)")
+    c.target_top1, c.target_top5 = -1.0, 0.93
+    note = trainer.synthetic_note(c)
+    assert note.startswith("warning: synthetic") and "target_top5=0.93 cannot be reached" in note
+    assert "target_top1" not in note and "512 an epoch" in note

@@ -520,6 +520,20 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     return state, LoopState.from_dict(loop), step, config
 
 
+def synthetic_note(config) -> str:
+    """The line a run on synthetic data says: the ImageNet recipes fall back to it where no
+    data path is given, and their plan then reads like the real run's. With a target, a
+    warning: random labels never reach it."""
+    c = config
+    targets = [f"{k}={c[k]:g}" for k in ("target_top1", "target_top5") if c[k] > 0]
+    what = (f"synthetic data (data.name=synthetic): random images and labels, "
+            f"{c.data.train_examples} an epoch, for timing")  # fmt: skip
+    if not targets:
+        return f"data: {what}"
+    return (f"warning: {what}; {' and '.join(targets)} cannot be reached: give the recipe "
+            "its data's path (see the experiment file's docstring) to train for it")  # fmt: skip
+
+
 def fresh_loss_scale(config, state, held: dict | None):
     """``state`` resumed from a checkpoint of a run that did not compute in float16, whose
     loss scale is its constant 1: in float16 (``--allow-config-change``) the scale starts at
@@ -707,6 +721,8 @@ def start(run: Run, hooks) -> Training:
         + partitioning.sharding_table(program.shardings, program.abstract)
     )
     log(describe(plan))
+    if c.data.name == "synthetic":
+        log(synthetic_note(c))
     # wall_s goes on from where the checkpoint left it, plus what the last start spent after
     # it: this segment started that much earlier
     lost = lost_after_checkpoint(recorded, loop.wall_s)
