@@ -442,7 +442,12 @@ def _env():
     return cpu_env(8)
 
 
-def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
+def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path, capsys):
+    """The trainer's runs are processes of their own (killed, stopped); the evaluator and
+    the two calls that change nothing run their CLIs' ``main`` in this process, whose 8
+    devices are the run's mesh: three Python and JAX starts fewer."""
+    from hybridpar.tools import evaluate, train
+
     w = tmp_path / "w"
     # kill -9 after step 7: what is left is the periodic checkpoints (every 2 steps; the
     # one of step 4 is complete, since the save of step 6 waited for it) and the lines
@@ -455,11 +460,12 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
     assert [r["step"] for r in killed] == list(range(1, len(killed) + 1))
     # An evaluator watching the killed run (its config from config.json) evaluates what is
     # there, then stops with an error: no trainer holds the lock, no checkpoint comes.
-    ev = [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(w), "--watch",
-          "--poll-s=0.2", "--dead-after-s=1"]  # fmt: skip
-    r = subprocess.run(ev, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
-    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--workdir", str(w), "--watch", "--poll-s=0.2", "--dead-after-s=1"])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert e.value.code == 2 and "Traceback" not in err, err[-2000:]
     assert len(errors) == 1 and "ended before its last step (44)" in errors[0], errors
     on_disk = sorted(int(p.name) for p in (w / "checkpoints").iterdir() if p.name.isdigit())
     assert [e["step"] for e in records(w / "evaluator", "eval")] == on_disk != []
@@ -497,16 +503,17 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path):
     s2 = json.loads((w / "summary.json").read_text())
     assert s2["completed"] and s2["resumed_from"] == stop and s2["final_eval"]["examples"] == 360
 
-    r = subprocess.run(_cmd(w), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                       timeout=600)  # fmt: skip
-    assert r.returncode == 0 and "holds a run that completed" in r.stdout, r.stderr[-2000:]
+    capsys.readouterr()
+    train.main(_cmd(w)[3:])  # the same command's arguments, after "python -m hybridpar.train"
+    assert "holds a run that completed" in capsys.readouterr().out
     assert records(w) == recs  # nothing trained, nothing written
 
     # a key that changes the math (here the batch) still needs --allow-config-change
-    r = subprocess.run(_cmd(w, "--config.global_batch=64"), cwd=ROOT, env=_env(),
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
-    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:
+        train.main(_cmd(w, "--config.global_batch=64")[3:])
+    err = capsys.readouterr().err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert e.value.code == 2 and "Traceback" not in err, err[-2000:]
     assert len(errors) == 1 and "global_batch was 32, now 64" in errors[0]
     assert "--allow-config-change" in errors[0]
 

@@ -463,11 +463,17 @@ def test_both_paths_keep_skip_count_and_ignore_the_same_files(tmp_path):
     assert b"bee/caf\xe9.jpg" in names  # the name's own bytes
 
 
-def test_a_class_list_dropped_or_changed_labels_both_paths_anew(tmp_path, capsys):
+def test_a_class_list_dropped_or_changed_labels_both_paths_anew(tmp_path, capsys, monkeypatch):
     """The class list the config asks for is part of what prepared data and the on-device
     cache serve: data.classes=dog,cat,airplane, then unset (the train split's folders:
     airplane,cat,dog), then a superset, then unset again: each run labels by its own list,
     says why it prepares or decodes again, and records the list in its data event."""
+    from hybridpar.input import prepare as prep
+
+    # Each of the four prepares in this process: a pool would start (and import TensorFlow
+    # in) a worker process per core every time, most of this test's time for 6 images.
+    real = prep.prepare
+    monkeypatch.setattr(prep, "prepare", lambda *a, **kw: real(*a, **{**kw, "workers": 1}))
     names = ("airplane", "cat", "dog")
     files = {f"{s}/{c}/1.jpg": _jpeg(seed=i) for i, c in enumerate(names) for s in ("train", "val")}
     src = _tree(tmp_path / "src", files)
