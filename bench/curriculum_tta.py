@@ -112,6 +112,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -222,16 +223,47 @@ def wait_for_evaluators(workdirs: list[Path]) -> None:
             time.sleep(5)
 
 
+# The runs in progress, each in its own session (a terminal's Ctrl-C reaches the bench
+# alone): a SIGINT or SIGTERM to the bench is passed to them once each, so they save and
+# stop, and the bench waits for them, instead of leaving them training without it.
+CHILDREN: list = []
+STOPPED: list = []  # the signal's name, once one came
+
+
+def pass_on(signum, frame) -> None:
+    name = signal.Signals(signum).name
+    live = [p for p in CHILDREN if p.poll() is None]
+    print(f"== {name}: passed to the {len(live)} run(s) in progress, which save a checkpoint "
+          "and stop; the same command goes on from there", flush=True)  # fmt: skip
+    STOPPED.append(name)
+    for p in live:
+        p.send_signal(signum)
+
+
+def check_stopped() -> None:
+    """After the runs a signal stopped: one line and exit 0, as the trainer stops."""
+    if STOPPED:
+        print(f"stopped ({STOPPED[0]}): the runs saved checkpoints; run the same command to go "
+              "on", flush=True)  # fmt: skip
+        sys.exit(0)
+
+
 def start(name: str, cmd: list[str], log: Path, cores=None):
     """Starts ``cmd`` (on ``cores`` only, its output appended to ``log``, when given)."""
+    check_stopped()
     if cores is None:
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
-        return subprocess.Popen(cmd, cwd=ROOT)
-    print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[1:])}", flush=True)
-    with open(log, "a") as f:  # the child holds its own copy; a resume goes on in the same log
-        # XLA's and tf.data's thread pools size themselves by the affinity set.
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True)
+    else:
+        print(f"== {name} on cores {sorted(cores)} (output in {log}): {' '.join(cmd[1:])}",
+              flush=True)  # fmt: skip
+        with open(log, "a") as f:  # the child holds its own copy; a resume goes on in the log
+            # XLA's and tf.data's thread pools size themselves by the affinity set.
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True,
+                                    preexec_fn=lambda: os.sched_setaffinity(0, cores))  # fmt: skip
+    CHILDREN.append(proc)
+    return proc
 
 
 def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
@@ -240,6 +272,7 @@ def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
     if halves is None:
         for name, cmd, log in jobs:
             code = start(name, cmd, log).wait()
+            check_stopped()
             if code != 0:
                 fail(f"{name} failed (exit {code}); see {log.parent}")
         return
@@ -248,6 +281,10 @@ def run_both(jobs: list[tuple[str, list[str], Path]], halves) -> None:
     ]
     for name, proc, log in procs:
         code = proc.wait()
+        if STOPPED:
+            for _, other, _ in procs:
+                other.wait()
+            check_stopped()
         if code != 0:
             for _, other, _ in procs:  # stopped, not left running without the bench
                 other.terminate()
@@ -281,9 +318,14 @@ def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
         ])  # fmt: skip
     commands = portable({n: cmd[1:] for n, cmd in cmds.items()}, out)
     done = d / STARTED
-    made = done.exists() and json.loads(done.read_text()) == commands
+    if done.exists() and costs_of(json.loads(done.read_text())) != costs_of(commands):
+        fail(f"{d} holds a calibration made with other settings (its {STARTED} lists its "
+             "commands): pass the settings it was made with, or move it away to calibrate "
+             "again")  # fmt: skip
+    made = done.exists()
     if not made:
-        if d.exists():  # stopped, or made with other settings: minutes to make again
+        if d.exists():  # stopped before it finished: minutes to make again
+            print(f"== {d} holds an unfinished calibration: made again", flush=True)
             shutil.rmtree(d)
         d.mkdir(parents=True)
         print(f"== calibration of {', '.join(specs)}: {args.calibration_steps} steps each, in "
@@ -294,6 +336,16 @@ def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
         (d / "costs.json").write_text(json.dumps({f"{k[0]}x{k[1]}": v for k, v in costs.items()}))
         done.write_text(json.dumps(commands, indent=2))
     return costs
+
+
+# Flags of a calibration's commands that change no step's cost: another --target or
+# checkpoint interval reuses it (its runs save no checkpoint and stop at their last step).
+NO_COST = ("--config.checkpoint.every_steps=", "--config.target_top1=")
+
+
+def costs_of(commands: dict) -> dict:
+    """The calibration's ``commands`` less the flags that change no step's cost."""
+    return {n: [a for a in cmd if not a.startswith(NO_COST)] for n, cmd in commands.items()}
 
 
 def copy_records(src: Path, dst: Path) -> None:
@@ -310,16 +362,21 @@ def prepare(args) -> dict:
     ``data_parallel`` size (the checkpoint interval's steps come from them)."""
     code = (
         "import json, sys; from hybridpar.config import cli; from hybridpar.input.datasets import "
-        "make_data; from hybridpar.parallel.mesh import make_mesh, data_parallel_size; "
-        "c = cli.load(sys.argv[1], [tuple(kv.split('=', 1)) for kv in sys.argv[2:]]); "
-        "d = make_data(c, 0, 1); print(json.dumps({'train_examples': d.steps_for(1), "
-        "'data_parallel': data_parallel_size(make_mesh(c.mesh))}))"
+        "make_data; from hybridpar.parallel.mesh import make_mesh, data_parallel_size\n"
+        "def made():\n"
+        "    c = cli.load(sys.argv[1], [tuple(kv.split('=', 1)) for kv in sys.argv[2:]])\n"
+        "    d = make_data(c, 0, 1)\n"
+        "    print(json.dumps({'train_examples': d.steps_for(1), "
+        "'data_parallel': data_parallel_size(make_mesh(c.mesh))}))\n"
+        "cli.main(made)"  # a data error: its one line
     )
     config = str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}")
     r = subprocess.run([sys.executable, "-c", code, config, *args.set], cwd=ROOT,
-                       stdout=subprocess.PIPE, text=True)  # fmt: skip
-    if r.returncode != 0:
-        fail(f"preparing the data failed (exit {r.returncode})")
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    if r.returncode != 0:  # the data's own error line (cli.main), else the end of its output
+        said = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+        why = said[-1][len("error: "):] if said else r.stderr.strip()[-2000:]
+        fail(f"preparing the data failed (exit {r.returncode}): {why}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -391,16 +448,21 @@ def training_clock(recs: list[dict], costs: dict | None = None) -> dict[int, tup
     at: the time before the first step (set-up, compilation) plus the time in steps as the
     trainer counts it, each train line's steps x batch / images per second, which leaves out
     evaluation and checkpoint saves (the trainer's clock restarts after each). Compilation:
-    as the trainer counts it (a background compile, its wait). The steady clock counts each
+    the compiles before the first step, as the trainer counts them (a background one, its
+    wait). The steady clock counts each
     step at the median step time of its shape (image size, batch) over the run instead: what
     a machine with nothing else on it would have taken (the module's docstring says why).
     The priced clock counts each step at ``costs[shape]`` (``step_costs``: the calibration's
     median, measured with the shapes alternating) and nothing else: no set-up, no
     compilation, no load at all."""
-    compile_s = sum(r["wait_s"] if r.get("background") else r["compile_s"]
-                    for r in recs if r["event"] == "compile")  # fmt: skip
     lines = train_lines(recs)
-    first = next(r for r in recs if r["event"] == "train")
+    at = next(i for i, r in enumerate(recs) if r["event"] == "train")
+    first = recs[at]
+    # The time before the first step holds these (a start killed before it too: the
+    # trainer counts it as lost); a resumed start's set-up and compiles are not on the
+    # clock, nor a stage switch's wait (the train lines' times leave them out).
+    compile_s = sum(r["wait_s"] if r.get("background") else r["compile_s"]
+                    for r in recs[:at] if r["event"] == "compile")  # fmt: skip
     start_s = first["wall_s"] - lines[0][2]  # the run's start to its first step
     per_step: dict[tuple, list[float]] = {}
     for _, steps, dt, shape in lines:
@@ -561,6 +623,8 @@ def main(argv=None) -> None:
     )
 
     cpu_when_no_accelerator()  # for the processes it starts: no libtpu warnings on a CPU
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, pass_on)
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--variant", default="cpu", choices=("cpu", "gpu"))

@@ -30,9 +30,11 @@ on the recipe shrunk to seconds.
 import functools
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -366,15 +368,19 @@ def test_curriculum_tta_clocks_keep_the_second_run_of_steps_redone_after_a_resum
     """A run stopped after step 4 and resumed from its checkpoint at step 2 runs steps 3
     and 4 again: their second run replaces the first, on every clock (as
     ``run_records.read_run`` keeps them). Planted bug that fails it: the resume record
-    ignored (steps 3-4 counted twice, a line of -1 steps)."""
+    ignored (steps 3-4 counted twice, a line of -1 steps); the resumed start's compile taken
+    off the clock without compile (which holds only the first start's set-up)."""
     run = [{"event": "compile", "step": 0, "compile_s": 4.0, "program": "train"}]
     run += [_train(s, 5.0 + s, images_per_s=100.0) for s in range(1, 5)]  # 1 s each
     run += [{"event": "resume", "step": 2, "from_step": 2}]
+    # the resumed start compiles again: not on the clock, so not taken off it either
+    run += [{"event": "compile", "step": 2, "compile_s": 3.0, "program": "train"}]
     run += [_train(s, 10.0 + 2 * s, images_per_s=50.0) for s in (3, 4)]  # 2 s each, again
     assert [line[:2] for line in tta.train_lines(run)] == [(1, 1), (2, 1), (3, 1), (4, 1)]
     clock = tta.training_clock(run, {(32, 100): 0.5})
     assert sorted(clock) == [1, 2, 3, 4]
     assert clock[4][0] == 5.0 + 1 + 1 + 2 + 2 and clock[4][3] == 2.0
+    assert clock[4][1] == clock[4][0] - 4.0  # the first start's compile only
     # killed before its first checkpoint: started again, the trainer's record is from step 0
     restart = run[:4] + [{"event": "resume", "step": 0, "from_step": 0}] + run[1:5]
     assert [line[:2] for line in tta.train_lines(restart)] == [(1, 1), (2, 1), (3, 1), (4, 1)]
@@ -568,7 +574,13 @@ def test_curriculum_tta_plumbing(tmp_path):
     the seed not passed to the runs, the evaluator not run, the last line's median from the
     first seed only, a finished pair reused whatever its commands, the commands recorded with
     --out's absolute path, the wall clock's speedup first on the last line, exit code 0 where
-    no run reached --target. A pair stopped while training resumes its unfinished run."""
+    no run reached --target. A pair stopped while training resumes its unfinished run.
+
+    Each call starts Python and JAX processes (a data check per call, two per run), so the
+    checks share calls: "called again" is the call on the records moved to another --out
+    (the same reuse, with no checkpoint to lean on), one call resumes a pair stopped in its
+    evaluation (seed 0) and one stopped while training (seed 1), and the --fixed-from call
+    gets a copy of the first call's calibration (the same shapes, so it is reused)."""
     out = tmp_path / "tta"
     sets = {"model.num_filters": 8, "data.name": "synthetic", "data.train_examples": 256,
             "data.eval_examples": 128, "eval_batch": 128, "data.translate": 0}  # fmt: skip
@@ -591,12 +603,10 @@ def test_curriculum_tta_plumbing(tmp_path):
     r = bench(*argv)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
-    # Called again, it reuses the finished pairs (nothing trains) and says the same; with
-    # other settings it refuses them.
-    again = bench(*argv)
-    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == last
-    assert "hybridpar.train" not in again.stdout
-    # Its records alone, moved to another --out, are the same finished pairs.
+    rows = json.loads((out / "curriculum_tta.json").read_text())
+    # Called again, it reuses the finished pairs (nothing trains, nothing is evaluated) and
+    # says the same, from their records alone moved to another --out; with other settings it
+    # refuses them.
     moved = tmp_path / "moved"
     shutil.copytree(out, moved, ignore=shutil.ignore_patterns("checkpoints"))
     elsewhere = bench(*[str(moved) if a == str(out) else a for a in argv])
@@ -608,15 +618,17 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert (
         other.returncode == 2 and "seed0 holds a pair trained with other settings" in other.stderr
     )
-    # A pair trained but stopped in its evaluation goes on at the evaluation; one stopped
-    # while training resumes the run that did not complete, from its latest checkpoint.
+    # A calibration made with other settings is kept, not made again over (its costs price
+    # every pair): refused, naming how to calibrate again.
+    recal = bench(*argv, "--calibration-steps", "3")
+    assert recal.returncode == 2 and "holds a calibration made with other settings" in recal.stderr
+    assert (out / "calibration_12-64@0.5_16-64" / "costs.json").exists()
+    # A pair trained but stopped in its evaluation (seed 0) goes on at the evaluation; one
+    # stopped while training (seed 1) resumes the run that did not complete, from its latest
+    # checkpoint.
     for name in tta.NAMES:
-        shutil.rmtree(out / "seed1" / name / "evaluator")
-    (out / "seed1" / tta.PAIR).unlink()
-    resumed = bench(*argv)
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "hybridpar.train" not in resumed.stdout and "hybridpar.evaluate" in resumed.stdout
-    assert resumed.stdout.strip().splitlines()[-1] == last
+        shutil.rmtree(out / "seed0" / name / "evaluator")
+    (out / "seed0" / tta.PAIR).unlink()
     fixed1 = out / "seed1" / "fixed"
     summary = fixed1 / "summary.json"
     summary.write_text(summary.read_text().replace('"completed": true', '"completed": false'))
@@ -626,6 +638,13 @@ def test_curriculum_tta_plumbing(tmp_path):
     (out / "seed1" / tta.PAIR).unlink()
     stopped = bench(*argv)
     assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+    assert f"trained in {out / 'seed0'}; evaluating its checkpoints" in stopped.stdout
+    assert "seed 0 fixed on cores" not in stopped.stdout
+    assert "seed 0 curriculum on cores" not in stopped.stdout
+    assert "seed 0 fixed evaluator" in stopped.stdout
+    assert "seed 0 curriculum evaluator" in stopped.stdout
+    # the evaluation gone on gives seed 0 the rows it had
+    assert json.loads((out / "curriculum_tta.json").read_text())[0] == rows[0]
     assert "resuming fixed in" in stopped.stdout and "seed 1 fixed on cores" in stopped.stdout
     assert "seed 1 curriculum on cores" not in stopped.stdout  # it completed: not run again
     recs = tta.records(fixed1 / "metrics.jsonl")
@@ -677,12 +696,18 @@ def test_curriculum_tta_plumbing(tmp_path):
     )
     # Another curriculum against those fixed runs (--fixed-from): only the curriculum
     # trains; the fixed rows are the records of the first call's; the priced clock as above.
+    # Its shapes are the first call's in the same order, so that call's calibration, copied
+    # to its --out, is reused (not made again: two runs saved).
     lever = tmp_path / "lever"
-    lever_argv = [str(lever) if a == str(out) else "1" if a == "2" else a for a in argv]
-    lever_argv += ["--curriculum-set", "stages=0.5:12-64,1:16-64", "--fixed-from", str(out)]
+    shutil.copytree(calibration, lever / calibration.name)
+    lever_argv = [str(lever) if a == str(out) else a for a in argv]
+    lever_argv[lever_argv.index("--seeds") + 1] = "1"  # --calibration-steps as before
+    lever_argv += ["--curriculum-set", "stages=0.25:12-64@0.5,0.5:16-64,0.75:12-64@0.5,1:16-64",
+                   "--fixed-from", str(out)]  # fmt: skip
     r = bench(*lever_argv)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "seed 0 curriculum on" in r.stdout and "seed 0 fixed" not in r.stdout
+    assert "== calibration of" not in r.stdout  # the copy was reused
     for f in ("metrics.jsonl", "evaluator/metrics.jsonl"):
         mine, theirs = (o / "seed0" / "fixed" / f for o in (lever, out))
         assert mine.read_text() == theirs.read_text()
@@ -712,3 +737,43 @@ def test_curriculum_tta_plumbing(tmp_path):
         "warning: top-1 0.01 (--target) never reached by curriculum (seeds 0, 1) and "
         "fixed (seeds 0, 1)"
     ) in r.stderr and "or pass a lower --target" in r.stderr
+
+
+# (the bench's own process never imports JAX, this test's has: its fork warns)
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")
+def test_curriculum_tta_passes_a_signal_to_its_runs_and_stops_after_them(tmp_path):
+    """A SIGTERM or SIGINT to the bench goes to the runs in progress once each (in their own
+    sessions, so a terminal's Ctrl-C reaches the bench alone): they save and stop, and the
+    bench says so and exits 0, instead of leaving them training without it."""
+    import signal
+
+    code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
+            "print('ready', flush=True); time.sleep(60); sys.exit(1)")  # fmt: skip
+    log = tmp_path / "run.log"
+    try:
+        proc = tta.start("run", [sys.executable, "-c", code], log, cores={0})
+        while "ready" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None
+        assert os.getsid(proc.pid) == proc.pid  # its own session
+        tta.pass_on(signal.SIGTERM, None)
+        assert proc.wait(timeout=30) == 0  # it got the signal, and stopped as asked
+        with pytest.raises(SystemExit) as e:
+            tta.check_stopped()
+        assert e.value.code == 0
+    finally:
+        for p in tta.CHILDREN:
+            p.kill()
+        tta.CHILDREN.clear()
+        tta.STOPPED.clear()
+
+
+def test_curriculum_tta_data_that_fails_to_prepare_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """The data's own error, one line (it was the preparing process's whole traceback)."""
+    monkeypatch.setenv("HYBRIDPAR_DATA", str(tmp_path))  # no CIFAR-10 tars there
+    args = types.SimpleNamespace(variant="cpu", set=[])
+    with pytest.raises(SystemExit) as e:
+        tta.prepare(args)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [err.strip()] and err.startswith(
+        "error: preparing the data failed (exit 2): data.source "), err
