@@ -423,3 +423,13 @@ def test_a_resume_into_float16_starts_the_loss_scale_at_its_initial_value():
         assert fresh_loss_scale(c, state, held) is state
     c.precision.compute = "bfloat16"
     assert fresh_loss_scale(c, state, {"precision": {"compute": "float32"}}) is state
+
+
+@pytest.mark.parametrize("short, dtype", [("fp16", "float16"), ("bf16", "bfloat16"),
+                                          ("FP32", "float32")])  # fmt: skip
+def test_a_dtypes_short_name_is_refused_naming_that_dtype(short, dtype):
+    """fp16 is nearer float32 than float16 by spelling: the advice named float32."""
+    c = base_config()
+    c.precision.compute = short
+    with pytest.raises(ConfigError, match=f"use e.g. --config.precision.compute={dtype}$"):
+        validate(c, sources=False)

@@ -426,10 +426,17 @@ def config_value(c, key: str):
     return _get(c, key)
 
 
+# The short names other tools use for the dtypes: spelling alone puts fp16 nearer float32
+DTYPE_SHORT = {"fp16": "float16", "half": "float16", "f16": "float16", "bf16": "bfloat16",
+               "fp32": "float32", "f32": "float32", "float": "float32"}  # fmt: skip
+
+
 def _choice_error(key: str, value, valid) -> ConfigError:
     import difflib
 
-    close = difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
+    short = DTYPE_SHORT.get(str(value).lower())
+    close = [short] if short in valid else []
+    close = close or difflib.get_close_matches(str(value), [str(v) for v in valid], n=1)
     fix = f"--config.{key}={close[0]}" if close else f"--config.{key}={valid[0]}"
     return ConfigError(
         f"{key}={value!r} is not one of {', '.join(map(str, valid))}; use e.g. {fix}"
