@@ -44,9 +44,16 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
     without the interpreter's exit handlers (see ``errors.PeerLost``)."""
     print(f"error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
     if at_once:
-        sys.stdout.flush()
-        os._exit(code)
+        exit_now(code)
     sys.exit(code)
+
+
+def exit_now(code: int) -> None:
+    """Exits with ``code`` without the interpreter's exit handlers (which would join XLA's
+    or a compile's threads), after what was printed is out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def finite_float(text: str) -> float:
@@ -304,5 +311,4 @@ def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> Non
         print("stopped (Ctrl-C)" + (f": {said}" if said else ""), file=sys.stderr, flush=True)
         # without the exit handlers: stopped mid-computation, XLA's threads made the
         # interpreter's shutdown crash now and then (exit 139 after this line)
-        sys.stdout.flush()
-        os._exit(STOPPED)
+        exit_now(STOPPED)

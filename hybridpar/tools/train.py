@@ -16,7 +16,6 @@ one of the run stopped, that is one ``error:`` line saying how to resume, not a 
 
 from __future__ import annotations
 
-import os
 import shlex
 import sys
 
@@ -86,9 +85,7 @@ def _main(argv, early: EarlyStop) -> None:
                 # Saved and recorded: nothing is left to wait for but a stage's compile that
                 # may still run in the background, which the interpreter's exit would join
                 # (minutes on an accelerator; a second Ctrl-C there aborts from C++).
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
+                cli.exit_now(0)
             return
         if r.finished is not None:  # train() said the workdir's run is done; nothing new
             return
