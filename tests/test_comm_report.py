@@ -441,6 +441,9 @@ def test_cli_text_on_hybrid_mesh():
         (["--target", "cpu:8"], 4, "--devices=4 but --target cpu:8 has 8 devices"),
         # a batch over digits' 1,437-image epoch is the run's error at its start
         (["--config.global_batch=4096"], 8, "more than one epoch of the training split"),
+        # and so is a stage that rounds to no step of digits' epoch (the trainer refuses it)
+        (["--config.stages=1:16-4,1.001:16-2,2:16-4", "--config.num_epochs=2"], 8,
+         "stage 1 (epochs 1-1.001, 89 steps an epoch at global batch 16) rounds to 0 steps"),
     ],
 )
 def test_cli_errors_are_one_line(args, devices, expect):

@@ -179,7 +179,7 @@ def _setup(
     program = build_program(config, mesh, plan, teacher)
     source = None  # checked here, before anything is written, where a new state needs it
     if for_training and finished is None and config.init_from and workdir is not None:
-        if not checkpoint.committed_steps(checkpoint.checkpoint_dir(config, workdir)):
+        if not checkpoint.committed_steps(ckpt):
             from hybridpar.runtime.trained import init_source
 
             source = init_source(config.init_from, program)
@@ -362,8 +362,9 @@ def programs_of(run) -> list[tuple[str, int, int]]:
 
 
 def check_epoch(run) -> None:
-    """A stage whose global batch is more than one epoch of the training split is the
-    trainer's error (``plan_stages``, from the data's steps per epoch; synthetic data's
+    """A stage whose global batch is more than one epoch of the training split, or that
+    rounds to no step, is the trainer's error (``plan_stages`` and
+    ``check_every_stage_trains``, from the data's steps per epoch; synthetic data's
     ``DataError`` at its first batch); the same error here, before minutes of compiling,
     where the split's size is known without the data (digits' own, synthetic's
     ``data.train_examples``). Elsewhere ``data.train_examples`` is only nominal: a folder
@@ -372,4 +373,4 @@ def check_epoch(run) -> None:
     if n is None and run.config.data.name != "synthetic":
         return
     n = n or run.config.data.train_examples
-    plan_stages([s.stage for s in run.plan.stages], lambda batch: n // batch)
+    check_every_stage_trains(plan_stages([s.stage for s in run.plan.stages], lambda b: n // b))
