@@ -428,7 +428,13 @@ import os, select, signal, sys, time
 mode = sys.argv[1]
 print("a line on stdout", flush=True)
 print("a line on stderr", file=sys.stderr, flush=True)
-if mode == "abort":
+if mode == "raise":  # a plain Python failure: its traceback, exit 1
+    sys.stderr.write("Traceback (most recent call last):\nValueError: plain\n")
+    sys.exit(1)
+if mode == "raise_then_abort":  # a collective failed in Python as the peer went
+    sys.stderr.write("Traceback (most recent call last):\n  File \"x.py\"\n"
+                     "jax.errors.JaxRuntimeError: Gloo AllGather failed\n")
+if mode in ("abort", "raise_then_abort"):
     sys.stderr.write(
         "F1206 18:23:29.603992 22261 client.h:80] Terminating process because the JAX "
         "distributed service detected fatal errors. This most likely indicates that another "
@@ -492,6 +498,21 @@ def test_jax_abort_under_the_train_command_is_one_error_line(tmp_path):
     ), lines[-1]
     trace = Path(lines[-1].rpartition("JAX's stack trace: ")[2].rstrip(")"))
     assert trace.parent == tmp_path and "LogMessage::SendToLog" in trace.read_text()
+
+
+def test_a_python_traceback_before_jax_abort_goes_to_the_trace_file(tmp_path):
+    """A peer gone in the middle of a collective can raise in Python just before JAX's C++
+    abort: that traceback is held with JAX's stack trace, in the file, not shown; a plain
+    failure's traceback (no abort after it) is still shown: nothing hidden."""
+    [(rc, _, stderr)] = _finish([_supervised(tmp_path, "raise_then_abort")], timeout=60)
+    assert rc == 1 and "Traceback" not in stderr and "Terminating process" not in stderr
+    lines = stderr.splitlines()
+    assert lines[0] == "a line on stderr" and lines[-1].startswith("error: process 1 of the run")
+    trace = Path(lines[-1].rpartition("JAX's stack trace: ")[2].rstrip(")"))
+    assert "Gloo AllGather failed" in trace.read_text()
+    [(rc, _, stderr)] = _finish([_supervised(tmp_path, "raise")], timeout=60)
+    assert (rc, stderr) == (1, "a line on stderr\nTraceback (most recent call last):\n"
+                               "ValueError: plain\n")  # fmt: skip
 
 
 def test_a_plain_exit_under_the_train_command_is_the_trainers(tmp_path):

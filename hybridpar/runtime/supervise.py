@@ -38,6 +38,7 @@ CHILD = "HYBRIDPAR_SUPERVISED"  # set in the child's environment: it trains, not
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FATAL = "JAX distributed service detected fatal errors"
 TRACE = "*** Check failure stack trace"
+PY_TRACE = "Traceback (most recent call last):"
 
 
 def is_child(environ=os.environ) -> bool:
@@ -124,7 +125,8 @@ def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
         if h != signal.SIG_IGN:
             signal.signal(s, forward)
     out = sys.stderr.buffer
-    fatal, held = [], []  # the text from JAX's fatal line on; the stack trace after it
+    fatal, held = [], []  # the text from JAX's fatal line on; the traces held back
+    holding = False
     sys.stdout.flush()  # what this process said comes before the child's lines
     try:
         child = subprocess.Popen(
@@ -141,7 +143,12 @@ def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
             line = raw.decode(errors="replace")
             if FATAL in line or fatal:
                 fatal.append(line)
-            if fatal and (held or line.startswith(TRACE)):
+            # JAX's stack trace after its fatal line, and a Python traceback (a collective
+            # that failed as a peer went, raised just before JAX's abort): held until the
+            # child's end says whether JAX aborted it (then they go to a file), else shown
+            if line.startswith(PY_TRACE) or (fatal and line.startswith(TRACE)):
+                holding = True
+            if holding:
                 held.append(raw)
                 continue
             out.write(raw)
