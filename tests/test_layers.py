@@ -11,6 +11,7 @@
 """
 
 import ast
+import functools
 import subprocess
 import sys
 import tomllib
@@ -89,7 +90,8 @@ def _file(module: str) -> Path | None:
     return None
 
 
-def _imports(module: str) -> set[str]:
+@functools.cache  # the cycle check asks for each module's imports many times
+def _imports(module: str) -> frozenset[str]:
     """The hybridpar modules ``module``'s source imports, anywhere in the file."""
     path = _file(module)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
@@ -106,7 +108,7 @@ def _imports(module: str) -> set[str]:
             out |= names
             if any(_file(n) is None for n in names):  # a name of the module itself
                 out.add(base)
-    return {m for m in out if _file(m) is not None}
+    return frozenset(m for m in out if _file(m) is not None)
 
 
 def _reach(start: str) -> dict[str, str]:
