@@ -20,6 +20,7 @@ from helpers import DIGITS, ROOT, tiny_digits
 
 from hybridpar.config import curriculum
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import byte_size
 from hybridpar.config.schema import validate
 from hybridpar.runtime import run as run_module
 from hybridpar.runtime import trainer
@@ -265,3 +266,32 @@ def test_the_train_cli_refuses_a_stage_of_no_step_of_its_data_in_one_line(tmp_pa
     errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
     assert len(errors) == 1 and errors[0].startswith(expect), r.stderr
     assert not workdir.exists()
+
+
+def test_a_stage_that_needs_more_memory_than_a_device_has_is_refused_before_the_first_step(
+    tmp_path, monkeypatch
+):
+    """A stage whose compiled train step needs more memory per device than the device has
+    (JAX's ``bytes_limit``; faked here at 256 MiB, XLA:CPU reports none) is one error naming
+    the stage, its size and batch, both figures and the fix, when the stages are compiled
+    ahead (``compile_ahead=before``): no step trained, not an out-of-memory error when the
+    stage is reached. The first stage and the eval step (a few MiB) fit the limit, so the
+    check is on each program's own figure. Planted bug that fails it: no check after a
+    compile (the run trains)."""
+    from hybridpar.program import program as program_module
+    from hybridpar.runtime import run_records
+
+    config = tiny_digits(stages="0.1:16-8,0.2:256-8", num_epochs=0.2, compile_ahead="before")
+    workdir = tmp_path / "w"
+    run = setup(config, str(workdir))
+    assert program_module.device_memory_limit(run.mesh.devices) is None  # CPU: none, no check
+    monkeypatch.setattr(program_module, "device_memory_limit", lambda devices: 2**28)
+    with pytest.raises(ConfigError) as e:
+        trainer.train(run)
+    msg = str(e.value)
+    assert re.match(r"stage 1 \(epochs 0.1-0.2, 256 px, global batch 32, 8 a device\) "
+                    r"needs [\d.]+ MiB per device", msg), msg  # fmt: skip
+    assert f"a device here has {byte_size(2**28)}" in msg and "--config.stages" in msg, msg
+    records, _ = run_records.read_records(str(workdir / "metrics.jsonl"))
+    events = [r.event for r in records]
+    assert "data" in events and "train" not in events, events  # refused before the first step

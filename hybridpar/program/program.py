@@ -20,6 +20,7 @@ import numpy as np
 
 from hybridpar.config.curriculum import StagePlan, plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.formatting import byte_size
 from hybridpar.models import create_model
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.models.im2col import use_im2col
@@ -264,6 +265,7 @@ class Program:
         (kind, batch, image size): that step then compiles nothing."""
         self._compiled[key] = compiled
         kind, batch, size = key
+        check_fits(self, kind, batch, size, memory_of(compiled))
         self.compiles.append({
             "program": kind,
             "batch": batch,
@@ -280,6 +282,8 @@ class Program:
         no_cache = compile_cache.compile_only(self.mesh.devices)
         with compile_cache.bypassed() if no_cache else contextlib.nullcontext():
             compiled = lower(batch, size).compile(self.compiler_options or None)
+        memory = memory_of(compiled)
+        check_fits(self, kind, batch, size, memory)  # here, not at its first step (or OOM)
         record = {
             "program": kind,
             "batch": batch,
@@ -287,7 +291,7 @@ class Program:
             "compile_s": round(time.time() - t0, 3),
             # loaded from the persistent cache (compile_cache) instead of compiled
             "cache_hit": compile_cache.hits() > hits,
-            "memory_per_device_bytes": memory_of(compiled),
+            "memory_per_device_bytes": memory,
         }
         return compiled, record
 
@@ -329,6 +333,59 @@ def memory_of(compiled) -> dict:
     if peak > out["total"]:
         out["peak"] = out["total"] = peak
     return out
+
+
+def device_memory_limit(devices) -> int | None:
+    """The most memory a program may use on one of ``devices`` (a mesh's), in bytes: the
+    smallest ``bytes_limit`` JAX's allocator reports among this process's devices; None
+    where none is reported (XLA:CPU) or the devices are only compiled for (their compiler,
+    or ``hybridpar.compile``'s check, says what fits there)."""
+    if compile_cache.compile_only(devices):
+        return None
+    limits = []
+    for d in devices.flat:
+        if d.process_index != jax.process_index():  # another process's: no stats here
+            continue
+        try:
+            stats = d.memory_stats()
+        except (RuntimeError, NotImplementedError):  # a backend without allocator stats
+            stats = None
+        if stats and stats.get("bytes_limit"):
+            limits.append(int(stats["bytes_limit"]))
+    return min(limits) if limits else None
+
+
+def check_fits(program: Program, kind: str, batch: int, size: int, memory: dict) -> None:
+    """A compiled step that needs more memory per device (``memory_of``'s total) than a
+    device has (``device_memory_limit``) is refused, naming the stage it runs: compiled
+    ahead (``compile_ahead``), that is before the first step, not an out-of-memory error
+    hours in, when the stage is reached."""
+    need = memory.get("total", 0)
+    limit = device_memory_limit(program.mesh.devices)
+    if limit is None or need <= limit:
+        return
+    c = program.config
+    if kind == "eval":
+        what = f"the eval step (eval_batch={batch}, {size} px)"
+        fix = "lower --config.eval_batch"
+    else:
+        stages = [s for s in program.plan.stages
+                  if (s.stage.global_batch, s.stage.image_size or c.data.image_size)
+                  == (batch, size)]  # fmt: skip
+        s = stages[0] if stages else None
+        if s is None:  # a batch a tool tries that no stage runs
+            what = f"the train step (global batch {batch}, {size} px)"
+        else:
+            per = s.stage.per_device_batch
+            what = (f"stage {s.index} (epochs {s.start_epoch:g}-{s.stage.end_epoch:g}, {size} "
+                    f"px, global batch {batch}" + (f", {per} a device" if per else "") + ")")
+        fix = ("lower that stage's image size or batch in --config.stages" if c.stages
+               else "lower --config.global_batch or --config.data.image_size")  # fmt: skip
+    raise ConfigError(
+        f"{what} needs {byte_size(need)} per device (XLA's count of its arguments, outputs "
+        f"and temporaries) but a device here has {byte_size(limit)} (JAX's bytes_limit): "
+        f"{fix}, or shard the state over more devices (e.g. --config.mesh=fsdp:-1)"
+    )
 
 
 def widths(m) -> dict:
