@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from hybridpar import simulate as sim
+from hybridpar.config.errors import ConfigError
 from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -798,6 +799,48 @@ def test_a_global_batch_over_one_epoch_is_refused_or_marked(capsys):
         sim.time_to_train(
             sim.resnet50_workload(), sim.get_preset("h100"), 8, [sim.Stage(1, 224, 256)], 1000
         )
+
+
+def test_a_stage_that_rounds_to_no_step_is_refused_as_the_trainer_refuses_it(capsys):
+    """A stage whose epochs round to 0 steps at a device count's global batch is the
+    trainer's error (config.curriculum.check_every_stage_trains), not a priced stage of no
+    time: the same message from stage_steps; in a table that count's row says "not
+    trainable (0 steps)" with no time (the trainer's error under it); one count alone is one
+    error line. 10,000 images: 312 steps an epoch on 2 devices (0.01 epochs: 3 steps), 9 on
+    64 (0.09: none)."""
+    from hybridpar.config import curriculum
+
+    text = "1:224-16,1.01:224-16,2:224-16"
+    stages = sim.parse_stages(text)
+    plan = curriculum.plan_stages(
+        [curriculum.Stage(s.end_epoch, s.image_size, s.per_device_batch * 64, 1.0)
+         for s in stages],
+        lambda batch: 10_000 // batch,
+    )  # fmt: skip
+    with pytest.raises(ConfigError) as trainers:
+        curriculum.check_every_stage_trains(plan)
+    with pytest.raises(ValueError) as ours:
+        sim.stage_steps(stages, 64, 10_000)
+    assert str(ours.value) == str(trainers.value)
+    assert str(ours.value).startswith("stage 1 (epochs 1-1.01, 9 steps an epoch at global "
+                                      "batch 1024) rounds to 0 steps")  # fmt: skip
+    assert sim.stage_steps(stages, 2, 10_000)[1] == 3
+    argv = ["--preset", "h100", "--images-per-epoch", "10000", "--stages", text]
+    assert sim.main([*argv, "--devices", "64"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and len(lines) == 1, err
+    assert lines[0] == f"error: on 64 devices, {trainers.value}", lines[0]
+    assert sim.main([*argv, "--devices", "2,64"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {ln.split()[0]: ln for ln in lines if ln[:8].strip().isdigit()}
+    assert rows["64"].endswith(f"{sim.NOT_TRAINABLE} (0 steps)")
+    assert not rows["2"].endswith(")")  # a time
+    assert f"on 64 devices, {trainers.value}" in "\n".join(lines)
+    assert sim.main([*argv, "--devices", "2,64", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["no_step"] for r in got] == [None, str(trainers.value)]
+    assert got[1]["time_to_train_s"] is None and got[0]["time_to_train_s"] > 0
 
 
 def _docs_validation_table(cells_per_row: int = 8) -> list[list[str]]:

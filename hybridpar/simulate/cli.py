@@ -27,6 +27,7 @@ from hybridpar.simulate.step import (
     exposed_source,
     format_stages,
     get_preset,
+    no_step_stage,
     over_one_epoch,
     parse_stages,
     predict_step,
@@ -98,7 +99,9 @@ def simulate(
     """One row per device count: the step at (per_device_batch, image_size) and the time to
     train through `stages`. Device counts that the model-parallel size does not divide are
     skipped. A count where a stage's global batch is more than one epoch gets no time to
-    train (the trainer takes no step there): `over_one_epoch` is that batch, the times None."""
+    train (the trainer takes no step there): `over_one_epoch` is that batch, the times None;
+    so does one where a stage rounds to no step (the trainer refuses it): `no_step` is the
+    trainer's error (`no_step_stage`)."""
     rows = []
     for p in devices:
         if p % workload.model_parallel:
@@ -106,7 +109,8 @@ def simulate(
         step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
         row = dataclasses.asdict(step)
         row["over_one_epoch"] = over_one_epoch(stages, p, images_per_epoch, workload.model_parallel)
-        if row["over_one_epoch"] is not None:
+        row["no_step"] = no_step_stage(stages, p, images_per_epoch, workload.model_parallel)
+        if row["over_one_epoch"] is not None or row["no_step"] is not None:
             row.update(time_to_train_s=None, eval_s=None, stage_s=None, stage_efficiency=None)
             row["beyond_converged_batch"] = False
             rows.append(row)
@@ -177,6 +181,9 @@ def format_rows(rows: list[dict], images_per_epoch: int | None = None) -> str:
             "trainer runs full batches only, so it takes no step: fewer devices or a smaller "
             "per-device batch"
         )
+    short = next((r for r in rows if r.get("no_step")), None)
+    if short is not None:  # the trainer's own error, at the first count that has it
+        out += f"\n{NOT_TRAINABLE} (0 steps): on {short['devices']} devices, {short['no_step']}"
     if any(r.get("beyond_converged_batch") for r in rows):
         out += (
             f"\n{BEYOND}: a global batch over {MAX_CONVERGED_BATCH:,}, the largest published "
@@ -189,6 +196,8 @@ def time_cell(r: dict) -> str:
     """The time-to-train column of one row: a time, or why there is none."""
     if r.get("over_one_epoch"):
         return f"{NOT_TRAINABLE} (batch {r['over_one_epoch']:,})"
+    if r.get("no_step"):
+        return f"{NOT_TRAINABLE} (0 steps)"
     if r.get("beyond_converged_batch"):
         return BEYOND
     return train_time(r["time_to_train_s"])
@@ -862,8 +871,10 @@ def _main(args) -> int:
         args.eval_s_per_epoch,
         _evaluation(args, report),
     )
-    if all(r["over_one_epoch"] for r in rows):  # nothing to show but refusals
+    if all(r["over_one_epoch"] or r["no_step"] for r in rows):  # nothing but refusals
         r = rows[0]
+        if r["no_step"]:
+            raise ValueError(f"on {r['devices']} devices, {r['no_step']}")
         raise ValueError(
             f"a global batch of {r['over_one_epoch']:,} ({r['over_one_epoch'] * m // r['devices']}"
             f"/device x {r['devices'] // m} batch-shard devices) is more than one epoch of "

@@ -23,6 +23,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hybridpar.config import curriculum
+from hybridpar.config.errors import ConfigError
 from hybridpar.simulate.compiled import interpolate
 from hybridpar.simulate.cost import Topology, best_algorithm
 from hybridpar.simulate.hardware import ALIASES, UNCALIBRATED_PRESETS, Preset
@@ -386,13 +388,44 @@ def over_one_epoch(
     return None
 
 
+def trainer_plan(
+    stages: Sequence[Stage], devices: int, images_per_epoch: int, model_parallel: int = 1
+) -> curriculum.StagePlan:
+    """`stages` on `devices` as the trainer plans them (`config.curriculum.plan_stages`),
+    an epoch being `images_per_epoch` images: its full batches, the last partial one left
+    out. A ValueError (`ConfigError`) where a global batch is more than one epoch."""
+    planned = [
+        curriculum.Stage(st.end_epoch, st.image_size,
+                         stage_global_batch(st, devices, model_parallel), 1.0)
+        for st in stages
+    ]  # fmt: skip
+    return curriculum.plan_stages(planned, lambda batch: images_per_epoch // batch)
+
+
+def no_step_stage(
+    stages: Sequence[Stage], devices: int, images_per_epoch: int, model_parallel: int = 1
+) -> str | None:
+    """The trainer's refusal of a stage that rounds to no step on `devices`
+    (`config.curriculum.check_every_stage_trains`), else None; None too where a global
+    batch is more than one epoch (`over_one_epoch` says that)."""
+    if over_one_epoch(stages, devices, images_per_epoch, model_parallel) is not None:
+        return None
+    try:
+        curriculum.check_every_stage_trains(
+            trainer_plan(stages, devices, images_per_epoch, model_parallel)
+        )
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def stage_steps(
     stages: Sequence[Stage], devices: int, images_per_epoch: int, model_parallel: int = 1
 ) -> list[int]:
-    """Each stage's steps as the trainer plans them (`config.curriculum.plan_stages`): an
-    epoch is its full batches, images per epoch // global batch (the last partial batch is
-    left out), and a stage runs round((end - start epoch) * that) of them, the first stage
-    at least one. A ValueError where a global batch is more than one epoch."""
+    """Each stage's steps as the trainer plans them (`trainer_plan`): round((end - start
+    epoch) * full steps an epoch), the first stage at least one. A ValueError where a
+    global batch is more than one epoch, or where a stage rounds to no step (the trainer
+    refuses both)."""
     batch = over_one_epoch(stages, devices, images_per_epoch, model_parallel)
     if batch is not None:
         raise ValueError(
@@ -400,12 +433,9 @@ def stage_steps(
             f"{images_per_epoch:,} images: the trainer runs full batches only, so it takes no "
             "step; lower the per-device batch or the devices (or train on more images)"
         )
-    out, start = [], 0.0
-    for i, st in enumerate(stages):
-        per_epoch = images_per_epoch // stage_global_batch(st, devices, model_parallel)
-        out.append(max(int(round((st.end_epoch - start) * per_epoch)), 1 if i == 0 else 0))
-        start = st.end_epoch
-    return out
+    plan = trainer_plan(stages, devices, images_per_epoch, model_parallel)
+    curriculum.check_every_stage_trains(plan)
+    return [s.num_steps for s in plan.stages]
 
 
 @dataclass(frozen=True)
@@ -477,9 +507,9 @@ def time_to_train(
     the trainer plans them) * the step at that stage, plus `eval_s_per_epoch` for every
     epoch trained, the passes of `evaluation`, the preset's start-up (`startup_seconds`)
     and its cost per change of image size. A ValueError where a global batch is more than
-    one epoch. `whole_steps=False`: (end - start epochs) * images per epoch / images/s, for
-    another trainer that does not count its steps this way (the published runs of
-    `validation`)."""
+    one epoch or a stage rounds to no step. `whole_steps=False`: (end - start epochs) *
+    images per epoch / images/s, for another trainer that does not count its steps this way
+    (the published runs of `validation`)."""
     m = workload.model_parallel
     steps = stage_steps(stages, devices, images_per_epoch, m) if whole_steps else None
     start = 0.0
