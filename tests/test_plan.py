@@ -489,6 +489,14 @@ def test_a_stages_plan_checks_the_largest_stages_memory(tmp_path, monkeypatch):
     assert rep["memory_per_device_bytes"] == big > programs[0]["memory_per_device_bytes"]
     fits, too_big, _ = plan.plan_rows(config, {c: rep}, 8, _preset(), big - 1, 0.8, 1437)
     assert not fits and too_big[0]["memory_stage"] == 1  # held to the largest stage's need
+    # a stage that rounds to no step on 1,437 images (0.01 epochs of 22 steps at 64): the
+    # trainer refuses it, so the plan is ruled out with the trainer's error, not ranked
+    short = cli.load(DIGITS, [*overrides[:-2], ("stages", "1:8-4,1.01:16-8"),
+                              ("num_epochs", "1.01")])  # fmt: skip
+    fits, too_big, failed = plan.plan_rows(short, {c: rep}, 8, _preset(), 2**40, 0.8, 1437)
+    assert not fits and not too_big and failed[0]["ruled_out"], failed
+    assert "stage 1 (epochs 1-1.01, 22 steps an epoch at global batch 64) rounds to 0 steps" in (
+        failed[0]["error"])  # fmt: skip
 
 
 def _preset():
@@ -611,6 +619,9 @@ _TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s"
         # every plan's set-up would refuse it: one line, not a worker per plan first
         (["--config.partitioning.rules=((r'head/kernel$', (None, 'bogus')),)"],
          ["names mesh axis 'bogus'", "('data', 'fsdp', 'model')"]),  # fmt: skip
+        # a logical rule's axis likewise (every plan's set-up refused it, one by one)
+        (["--config.partitioning.logical_rules=(('classes', 'bogus'),)"],
+         ["partitioning.logical_rules", "names mesh axis 'bogus'", "('data', 'fsdp', 'model')"]),
     ],
 )
 def test_bad_flags_are_refused_before_anything_compiles(tmp_path, capsys, monkeypatch, extra, says):
@@ -651,21 +662,34 @@ def test_good_flags_get_as_far_as_compiling(tmp_path, capsys, monkeypatch):
     comm_report.check_virtual_devices(4096, "--devices=4096")  # the bound itself passes
 
 
-def test_a_plan_the_rules_rule_out_is_cached_and_not_set_up_again(tmp_path, monkeypatch):
-    """data:2,model:4 with the dense head: its 10-class bias does not divide the model axis.
-    The set-up says so before compiling; the verdict is cached like a report, so a second
-    call neither compiles nor sets it up again."""
+# (extra overrides, the plan's mesh, its rejected axis): the preset's logical rule for the
+# classes on model:4; the config's own logical rule, the same way (its own path rules too)
+RULED_OUT = [
+    ({}, (("data", 2), ("fsdp", 1), ("model", 4)), "model"),
+    ({"partitioning.preset": "data", "partitioning.logical_rules": "(('classes', 'fsdp'),)"},
+     (("data", 2), ("fsdp", 4), ("model", 1)), "fsdp"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("extra, mesh, axis", RULED_OUT, ids=["preset", "logical_rules"])
+def test_a_plan_the_rules_rule_out_is_cached_and_not_set_up_again(
+    tmp_path, monkeypatch, extra, mesh, axis
+):
+    """data:2,model:4 with the dense head: its 10-class bias does not divide the model axis
+    (the hybrid preset's logical rule puts the classes there; a config's own logical rule
+    on fsdp:4 likewise). The set-up says so before compiling; the verdict is cached like a
+    report, so a second call neither compiles nor sets it up again."""
     monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")  # the worker's 8 devices (XLA_FLAGS)
-    config = cli.load(DIGITS, [(k, str(v)) for k, v in TINY.items()])
-    c = plan.Candidate((("data", 2), ("fsdp", 1), ("model", 4)), "dense", "global", "xla", 4,
-                       "float32")  # fmt: skip
+    overrides = [(k, str(v)) for k, v in {**TINY, **extra}.items()]  # the worker's too
+    config = cli.load(DIGITS, overrides)
+    c = plan.Candidate(mesh, "dense", "global", "xla", 4, "float32")
     said = []
-    first = plan.compile_plans(DIGITS, config, [], [c], 8, 1, tmp_path, said.append)
+    first = plan.compile_plans(DIGITS, config, overrides, [c], 8, 1, tmp_path, said.append)
     assert first[c].get("ruled_out"), first[c]
-    assert "does not divide mesh axis 'model'" in first[c]["error"]
+    assert f"does not divide mesh axis '{axis}'" in first[c]["error"]
     assert any("compiling 1 plans" in s for s in said)
     said.clear()
-    again = plan.compile_plans(DIGITS, config, [], [c], 8, 1, tmp_path, said.append)
+    again = plan.compile_plans(DIGITS, config, overrides, [c], 8, 1, tmp_path, said.append)
     assert again[c]["from_cache"] and again[c]["error"] == first[c]["error"]
     assert not any("compiling" in s for s in said), said
 

@@ -285,18 +285,30 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
 
 
 def check_rule_axes(config) -> None:
-    """Every mesh axis a partitioning path rule names is one of the mesh's (``mesh.AXES``,
-    the same on every plan; a rule must match an array, so each one's spec is applied): an
-    error shared by every plan is one line before any worker starts, in the words of the
-    set-up's own check. (A logical rule's axis matters only where a model names it.)"""
+    """Every mesh axis a partitioning rule names is one of the mesh's (``mesh.AXES``, the
+    same on every plan): an error shared by every plan is one line before any worker
+    starts, in the words of the set-up's own check, not the same verdict from every plan's
+    set-up after it. A path rule must match an array, so each one's spec is applied; a
+    logical rule applies where a model carries its name, and one whose name no array
+    carries does nothing (the set-up's warning): its axis is checked too, a typo either way."""
     from hybridpar.parallel.mesh import AXES
 
-    for pattern, spec in config.partitioning.rules:
+    def named(spec):
         for entry in spec if isinstance(spec, (tuple, list)) else (spec,):
-            for a in entry if isinstance(entry, (tuple, list)) else (entry,):
-                if a is not None and a not in AXES:
-                    cli.fail(f"partitioning rule ({pattern!r}, {spec}): spec {spec} names mesh "
-                             f"axis {a!r}, not one of {AXES}")  # fmt: skip
+            yield from entry if isinstance(entry, (tuple, list)) else (entry,)
+
+    for pattern, spec in config.partitioning.rules:
+        for a in named(spec):
+            if a is not None and a not in AXES:
+                cli.fail(f"partitioning rule ({pattern!r}, {spec}): spec {spec} names mesh "
+                         f"axis {a!r}, not one of {AXES}")  # fmt: skip
+    for name, axis in config.partitioning.logical_rules:
+        for a in named(axis):
+            if a is not None and a not in AXES:
+                cli.fail(f"partitioning.logical_rules entry ({name!r}, {axis!r}) names mesh "
+                         f"axis {a!r}, not one of {AXES}: map {name!r} to one of them, or to "
+                         "None to replicate it (or drop the entry if no array carries the "
+                         "name)")  # fmt: skip
 
 
 def _check_values(config, choices: dict, validate) -> None:
@@ -653,10 +665,16 @@ def plan_rows(
             compiled_for=f"{rep['devices']['platform']} ({rep['devices']['kind']})",
             memory_stage=rep.get("stage"),
         )
-        if target is not None:
-            row.update(predict_on_target(config, rep, target, devices, overlap, images_per_epoch))
-        else:
-            row.update(predict(config, rep, preset, devices, overlap, images_per_epoch))
+        try:
+            if target is not None:
+                row.update(predict_on_target(config, rep, target, devices, overlap,
+                                             images_per_epoch))  # fmt: skip
+            else:
+                row.update(predict(config, rep, preset, devices, overlap, images_per_epoch))
+        except ConfigError as e:  # the trainer's refusal at this plan's batches (a stage of
+            # no step, simulate.time_to_train): ruled out, as by the set-up's own checks
+            failed.append(dict(row, error=str(e), ruled_out=True))
+            continue
         (fits if rep["memory_per_device_bytes"] <= limit_bytes else too_big).append(row)
     fits.sort(key=rank_key)
     too_big.sort(key=lambda r: r["memory_per_device_bytes"])
