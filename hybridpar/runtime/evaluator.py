@@ -169,7 +169,8 @@ class Evaluator:
             return self.skip(step, f"does not read back ({checkpoint.read_error(e)})")
         check_position(self.run.plan, step, loop)
         read_s = time.time() - t0
-        writer = Stamped(self.writer, wall_s=loop["wall_s"], source="evaluator")
+        # to the millisecond, as MetricsWriter rounds its own clock's
+        writer = Stamped(self.writer, wall_s=round(loop["wall_s"], 3), source="evaluator")
         self.written.append(eval_pass(self.run, state, step, writer))
         self.done.add(step)
         log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
