@@ -39,7 +39,12 @@ earlier). Also on the steady clock: each step counted at its shape's median step
 (``training_clock``), what the run would have taken with nothing else on the machine; on a
 shared machine the two runs of a pair are at different epochs when something else loads
 it, so that load need not cost them alike before their targets. The data is prepared
-before any run starts, so no clock includes that.
+before any run starts, so no clock includes that; what the bench needs of it (the
+training set's size and the data-parallel size: the checkpoint interval) is recorded in
+--out/data.json, and a call with nothing left to train or evaluate reads it from there,
+not the data. Each run's summary.json gets the bench's time to each target beside the
+trainer's (``bench_time_to_target``): the trainer's ``time_to_target`` counts its own
+evaluations only, here the last step's alone.
 
 The priced clock holds where neither holds: load that changes between the stages of one
 run (a 32-px stage trained beside other work, its 24-px stage on a quiet machine) moves
@@ -130,6 +135,7 @@ OWN_KEYS = ("seed", "stop_at_target")
 PAIR = "pair.json"  # in seedS/, once its pair is trained and evaluated: the runs' commands
 STARTED = "commands.json"  # in seedS/, from the pair's start: the same commands
 REUSED = "reused.json"  # in seedS/, with --fixed-from: where its fixed run's records came from
+DATA = "data.json"  # in --out: what ``prepare`` returned, and the settings it was made with
 # The calibration: each shape trained for --calibration-steps steps, in turn, this many times,
 # by two runs side by side (the second in the reverse order), in --out/calibration_SHAPES.
 CALIBRATION_ROUNDS = 3
@@ -298,12 +304,17 @@ def stage_specs(overrides: list[str]) -> list[str]:
     return [part.split(":", 1)[1] for part in stages.split(",") if part.strip()]
 
 
+def calibration_dir(specs: list[str]) -> str:
+    """The calibration's folder in --out, one per set of shapes."""
+    return "calibration_" + "_".join(specs)
+
+
 def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
     """The priced clock's cost of a step of each of ``specs`` (``step_costs``), from two runs
     that alternate them (``alternating_stages``), side by side as the pairs train, the
     second in the reverse order; made once per --out and set of shapes, reused after (its
     commands.json, written when both finished, holds the commands)."""
-    d = out / ("calibration_" + "_".join(specs))
+    d = out / calibration_dir(specs)
     orders = {"a": specs, "b": specs[::-1]}
     cmds = {}
     for name, order in orders.items():
@@ -378,6 +389,28 @@ def prepare(args) -> dict:
         why = said[-1][len("error: "):] if said else r.stderr.strip()[-2000:]
         fail(f"preparing the data failed (exit {r.returncode}): {why}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def data_facts(out: Path, args, needed: bool) -> dict:
+    """``prepare``'s facts (the training set's size, the mesh's data-parallel size), from
+    --out/data.json where an earlier call recorded them with these settings and nothing
+    left to run reads the data (``needed`` False: every pair and the calibration finished,
+    so their records are all this call reads); else prepared (a JAX start) and recorded.
+    A copied --out of finished pairs is reported again without the data."""
+    path = out / DATA
+    settings = {"variant": args.variant, "set": list(args.set)}
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):  # none yet, or cut short: prepared again below
+        recorded = {}
+    if not needed and recorded.get("settings") == settings and "facts" in recorded:
+        print(f"== data: not read (nothing left to train or evaluate); its sizes from {path}",
+              flush=True)  # fmt: skip
+        return recorded["facts"]
+    print("== data: preparing (or checking) the data every run reads", flush=True)
+    facts = prepare(args)
+    run_records.write_json(str(path), {"settings": settings, "facts": facts})
+    return facts
 
 
 def records(path: Path) -> list[dict]:
@@ -546,6 +579,34 @@ def summarize(name: str, workdir: Path, targets: list[float], costs: dict | None
         "compile_s": summary["compile_s"],
         "stalls": stalls(recs),
     }
+
+
+def note_time_to_target(workdir: Path, row: dict, every_steps: int) -> None:
+    """Writes the bench's time to each target (``summarize``'s ``row``) into the run's
+    summary.json, beside the trainer's ``time_to_target``, which counts the trainer's own
+    evaluations only: the bench's runs evaluate at their last step alone
+    (``eval_every_epochs=0``), so that figure is the run's end however early the target
+    came. A reader of the run's records then sees both, and which is which. Kept until
+    the trainer writes the summary again (a later start of the run)."""
+    path = workdir / "summary.json"
+    summary = run_records.read_json(str(path))
+    own = [r["step"] for r in records(workdir / "metrics.jsonl") if r["event"] == "eval"]
+    keys = ("s", "without_compile_s", "steady_s", "step", "epoch", "top1")
+    summary["bench_time_to_target"] = {
+        "note": (
+            f"the trainer's time_to_target counts its own evaluations only (at steps "
+            f"{', '.join(map(str, own)) or 'none'}); these are bench/curriculum_tta.py's: "
+            f"the first of every checkpoint (each {every_steps} steps, evaluated by python "
+            "-m hybridpar.evaluate) at or over each top-1 target, in training seconds from "
+            "the run's start (set-up and compilation in, checkpoint saves and evaluation "
+            "out; steady_s: each step at its shape's median)"
+        ),
+        "trainer_eval_steps": own,
+        "evaluations": row["evaluations"],
+        "every_steps": every_steps,
+        "top1": {t: reached and {k: reached[k] for k in keys} for t, reached in row["tta"].items()},
+    }
+    run_records.write_json(str(path), summary)
 
 
 def speedup(fixed: dict | None, curriculum: dict | None, clock: str = "s") -> float:
@@ -717,13 +778,6 @@ def main(argv=None) -> None:
         "fixed": [*common, f"--config.stages={epochs:g}:{size}-{batch}",
                   *(f"--config.{kv}" for kv in args.fixed_set)],
     }  # fmt: skip
-    data = prepare(args)  # once, before any clock starts: no run pays for it
-    # One interval in steps for both runs, at most --checkpoint-every-epochs at either's
-    # largest batch (the fixed run's is the last stage's).
-    largest = max(b for _, _, b, _ in parsed) * data["data_parallel"]
-    args.every_steps = max(1, int(args.checkpoint_every_epochs * data["train_examples"] / largest))
-    every_epochs = args.every_steps * largest / data["train_examples"]
-
     cores = sorted(os.sched_getaffinity(0))
     side_by_side = not args.one_after_other and len(cores) >= 2
     half = len(cores) // 2  # equal halves: an odd core out stays idle
@@ -731,6 +785,17 @@ def main(argv=None) -> None:
     specs = list(
         dict.fromkeys(stage_specs(overrides["curriculum"]) + stage_specs(overrides["fixed"]))
     )
+    # Once, before any clock starts: no run pays for it; not at all where every pair and
+    # the calibration finished (their records are all that is read).
+    needed = not (out / calibration_dir(specs) / STARTED).exists() or any(
+        not (out / f"seed{seed}" / PAIR).exists() for seed in seeds
+    )
+    data = data_facts(out, args, needed)
+    # One interval in steps for both runs, at most --checkpoint-every-epochs at either's
+    # largest batch (the fixed run's is the last stage's).
+    largest = max(b for _, _, b, _ in parsed) * data["data_parallel"]
+    args.every_steps = max(1, int(args.checkpoint_every_epochs * data["train_examples"] / largest))
+    every_epochs = args.every_steps * largest / data["train_examples"]
     # Each pair's commands, checked against what an earlier call recorded, before anything runs.
     planned = []
     for seed in seeds:
@@ -786,6 +851,8 @@ def main(argv=None) -> None:
                 run_both([(f"seed {seed} {n}", cmds[n], d / f"{n}.log") for n in to_train], own)
             # After both trained: evaluation never shares a core with training.
             evaluate_runs(d, names, halves, args.evaluate_from_epoch, targets)
+            for n in names:  # the bench's time where a reader of the run looks
+                note_time_to_target(d / n, summarize(n, d / n, targets, None), args.every_steps)
             subprocess.run([sys.executable, "-m", "hybridpar.report", *(str(d / n) for n in NAMES),
                             "--out", str(d / "report.png"), f"--target-top1={args.target}"],
                            cwd=ROOT, check=False)  # fmt: skip

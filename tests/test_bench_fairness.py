@@ -564,6 +564,68 @@ def test_curriculum_tta_records_a_source_in_the_checkout_by_its_repository_path(
     assert tta.in_checkout(tmp_path / "fixed") == str(tmp_path / "fixed")
 
 
+def test_curriculum_tta_records_the_data_facts_and_reads_the_data_only_when_needed(
+    tmp_path, monkeypatch, capsys
+):
+    """``prepare`` (a JAX start) runs on a first call and wherever something left to run
+    reads the data; a call with nothing left to run (every pair and the calibration
+    finished, e.g. a copied --out) takes the facts recorded in --out/data.json, unless they
+    were made with other settings or the file does not read. Planted bugs that fail it:
+    prepare on every call, the recorded facts taken whatever their settings."""
+    calls = []
+
+    def prepare(args):
+        calls.append(list(args.set))
+        return {"train_examples": 1000 + len(calls), "data_parallel": 2}
+
+    monkeypatch.setattr(tta, "prepare", prepare)
+    args = types.SimpleNamespace(variant="cpu", set=["model.num_filters=8"])
+    first = tta.data_facts(tmp_path, args, needed=False)  # nothing recorded yet
+    assert first == {"train_examples": 1001, "data_parallel": 2} and len(calls) == 1
+    assert "preparing" in capsys.readouterr().out
+    assert tta.data_facts(tmp_path, args, needed=False) == first and len(calls) == 1
+    assert "not read (nothing left to train or evaluate)" in capsys.readouterr().out
+    # something left to run reads the data: prepared again, and recorded
+    assert tta.data_facts(tmp_path, args, needed=True)["train_examples"] == 1002
+    assert tta.data_facts(tmp_path, args, needed=False)["train_examples"] == 1002
+    # other settings: the recorded facts are not theirs
+    other = types.SimpleNamespace(variant="cpu", set=["model.num_filters=16"])
+    assert tta.data_facts(tmp_path, other, needed=False)["train_examples"] == 1003
+    (tmp_path / tta.DATA).write_text('{"settings"')  # cut short
+    assert tta.data_facts(tmp_path, other, needed=False)["train_examples"] == 1004
+    assert len(calls) == 4
+
+
+def test_curriculum_tta_writes_its_time_to_target_into_the_runs_summary(tmp_path):
+    """The trainer's ``time_to_target`` in a bench run's summary.json counts its own
+    evaluation at the last step alone (eval_every_epochs=0); the bench writes its own time
+    (the first evaluated checkpoint at or over each target) beside it, with the trainer's
+    evaluation steps and how many checkpoints were evaluated, and leaves the trainer's as it
+    is. Planted bugs that fail it: the trainer's evaluations alone (the evaluator's left
+    out), the trainer's figure overwritten."""
+    w = tmp_path / "curriculum"
+    run = [{"event": "compile", "step": 0, "compile_s": 2.0, "program": "train"}]
+    run += [_train(s, 5.0 + 2 * s) for s in range(1, 5)]  # 2 s a step, the first from 5 s
+    run += [_eval(4, 0.85, wall_s=20.0)]  # the trainer's, at its last step
+    top1 = {1: 0.3, 2: 0.81, 3: 0.7, 4: 0.85}  # the bench's evaluator, every checkpoint
+    evaluator = [_eval(s, t, wall_s=5.0 + 2 * s) for s, t in top1.items()]
+    for path, recs in ((w / "metrics.jsonl", run), (w / "evaluator" / "metrics.jsonl", evaluator)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    trainer = {"top1": {"target": 0.8, "value": 0.85, "step": 4, "wall_s": 20.0}}
+    (w / "summary.json").write_text(json.dumps({"wall_s": 21.0, "compile_s": 2.0,
+                                                "time_to_target": trainer}))  # fmt: skip
+    tta.note_time_to_target(w, tta.summarize("curriculum", w, [0.8, 0.9], None), 1)
+    summary = json.loads((w / "summary.json").read_text())
+    assert summary["time_to_target"] == trainer
+    bench = summary["bench_time_to_target"]
+    assert bench["trainer_eval_steps"] == [4] and bench["evaluations"] == 4
+    assert bench["every_steps"] == 1 and "its own evaluations only" in bench["note"]
+    reached = {"s": 9.0, "without_compile_s": 7.0, "steady_s": 9.0, "step": 2, "epoch": 0.5,
+               "top1": 0.81}  # fmt: skip
+    assert bench["top1"] == {"0.8": reached, "0.9": None}
+
+
 def test_curriculum_tta_plumbing(tmp_path):
     """The whole bench, shrunk (a tiny airbench on 256 synthetic images, one epoch, 12 then
     16 px at batch 64, two seeds): each pair trains with its seed (both arms; the two seeds
@@ -574,9 +636,12 @@ def test_curriculum_tta_plumbing(tmp_path):
     the seed not passed to the runs, the evaluator not run, the last line's median from the
     first seed only, a finished pair reused whatever its commands, the commands recorded with
     --out's absolute path, the wall clock's speedup first on the last line, exit code 0 where
-    no run reached --target. A pair stopped while training resumes its unfinished run.
+    no run reached --target, the data prepared on a call with nothing left to run, the
+    bench's time to target not written into the runs' summary.json. A pair stopped while
+    training resumes its unfinished run.
 
-    Each call starts Python and JAX processes (a data check per call, two per run), so the
+    Each call starts Python and JAX processes (a data check where something is left to run,
+    two per run), so the
     checks share calls: "called again" is the call on the records moved to another --out
     (the same reuse, with no checkpoint to lean on), one call resumes a pair stopped in its
     evaluation (seed 0) and one stopped while training (seed 1), and the --fixed-from call
@@ -613,6 +678,8 @@ def test_curriculum_tta_plumbing(tmp_path):
     assert elsewhere.returncode == 0, elsewhere.stdout[-3000:] + elsewhere.stderr[-3000:]
     assert "hybridpar.train" not in elsewhere.stdout
     assert "hybridpar.evaluate --workdir" not in elsewhere.stdout
+    # nor is the data read: the facts the first call recorded in --out
+    assert "== data: preparing" in r.stdout and "== data: preparing" not in elsewhere.stdout
     assert elsewhere.stdout.strip().splitlines()[-1] == last
     other = bench(*argv, "--checkpoint-every-epochs", "0.5")
     assert (
@@ -663,6 +730,9 @@ def test_curriculum_tta_plumbing(tmp_path):
         for name in tta.NAMES:
             workdir = out / f"seed{seed}" / name
             assert json.loads((workdir / "config.json").read_text())["seed"] == seed
+            # the bench's own time to target where a reader of the run looks
+            noted = json.loads((workdir / "summary.json").read_text())["bench_time_to_target"]
+            assert noted["top1"]["0.01"]["step"] == rows[seed][name]["tta"]["0.01"]["step"]
             recs = tta.records(workdir / "metrics.jsonl")
             evaluated = tta.records(workdir / "evaluator" / "metrics.jsonl")
             assert [r["step"] for r in evaluated if r["event"] == "eval"] == [1, 2, 3, 4]
@@ -731,7 +801,7 @@ def test_curriculum_tta_plumbing(tmp_path):
                              + "\n" for r in lines))  # fmt: skip
     r = bench(*[str(missed) if a == str(out) else a for a in argv])
     assert r.returncode == tta.NOT_REACHED == 3, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "hybridpar.train" not in r.stdout
+    assert "hybridpar.train" not in r.stdout and "== data: preparing" not in r.stdout
     assert r.stdout.strip().splitlines()[-1].startswith("tta_speedup_1_priced=nan ")
     assert (
         "warning: top-1 0.01 (--target) never reached by curriculum (seeds 0, 1) and "
