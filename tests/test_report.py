@@ -84,11 +84,25 @@ def resumed_run(w: Path) -> None:
     ])  # fmt: skip
 
 
+def tables(text: str) -> list[list[dict]]:
+    """Each markdown table in ``text``, as its rows (dicts by the header's cells)."""
+    out, lines = [], text.splitlines() + [""]
+    block: list[str] = []
+    for x in lines:
+        if x.startswith("|"):
+            block.append(x)
+            continue
+        if block:
+            header = [c.strip() for c in block[0].strip("|").split("|")]
+            out.append([dict(zip(header, (c.strip() for c in y.strip("|").split("|"))))
+                        for y in block[2:]])  # fmt: skip
+            block = []
+    return out
+
+
 def table_rows(text: str) -> dict[str, dict]:
-    lines = [x for x in text.splitlines() if x.startswith("|")]
-    header = [c.strip() for c in lines[0].strip("|").split("|")]
-    rows = [dict(zip(header, (c.strip() for c in x.strip("|").split("|")))) for x in lines[2:]]
-    return {r["run"]: r for r in rows}
+    """The runs' table (the first), by run."""
+    return {r["run"]: r for r in tables(text)[0]}
 
 
 def test_report_writes_a_png_and_a_table_of_the_runs_without_importing_jax(tmp_path):
@@ -529,3 +543,70 @@ def test_a_batch_that_differs_between_runs_is_named_once_in_the_title(tmp_path):
     title = report.figure(runs)._suptitle.get_text().replace("\n", " ")
     assert "global batch (digits 64, digits_b 32)" in title
     assert "global_batch" not in title and title.count("64") == 1, title
+
+
+def test_each_stage_has_its_steps_time_and_images_per_second(tmp_path, capsys):
+    """A table per stage (printed and in the .md) beside the run's one images/s: each train
+    line's steps (since the line before it) x batch / images/s, summed per stage, images
+    over those seconds; after a resume, the steps' second run. Stage 0: 4 steps at batch
+    32 in 0.2 + 0.1 s; stage 1: 4 steps at batch 64 in 1 + 0.5 + 1 s (killed after step 8,
+    resumed from step 5). Planted bugs that fail it: one step per line, the mean of the
+    lines' images/s, the lines a resume superseded kept, one row for the run."""
+
+    def line(step, stage, size, batch, ips):
+        return ev("train", step, step / 4, 10.0 + step, loss=1.0, lr=0.1, images_per_s=ips,
+                  image_size=size, global_batch=batch, stage=stage)  # fmt: skip
+
+    w = tmp_path / "run"
+    write_jsonl(w / "metrics.jsonl", [
+        stage(0, 0, 0.0, 5.0, 16, 32),
+        line(2, 0, 16, 32, 320.0),  # 2 steps: 0.2 s
+        line(4, 0, 16, 32, 640.0),  # 2 steps: 0.1 s
+        stage(1, 4, 1.0, 15.0, 24, 64),
+        line(5, 1, 24, 64, 64.0),  # 1 step: 1 s
+        line(8, 1, 24, 64, 8.0),  # killed after it: superseded
+        ev("resume", 5, 1.25, 20.0, from_step=5),
+        stage(1, 5, 1.25, 21.0, 24, 64),
+        line(7, 1, 24, 64, 256.0),  # 2 steps: 0.5 s
+        line(8, 1, 24, 64, 64.0),  # 1 step: 1 s
+    ])  # fmt: skip
+    report.main([str(w), "--out", str(tmp_path / "r.png")])
+    printed = capsys.readouterr().out
+    assert tables((tmp_path / "r.md").read_text()) == tables(printed)
+    runs, stages = tables(printed)
+    assert [(r["run"], r["steps"]) for r in runs] == [("run", "8")]
+    keys = ("stage", "image size", "global batch", "steps", "train s", "images/s")
+    assert [tuple(r[k] for k in keys) for r in stages] == [("0", "16", "32", "4", "0.3", "426.7"),
+                                                           ("1", "24", "64", "4", "2.5", "102.4")]
+    assert "per stage (train steps only" in printed
+
+
+@pytest.mark.parametrize("name", ["summary.json", "config.json"])
+def test_a_json_record_that_does_not_read_is_one_error_line_that_fits_a_reader(
+    tmp_path, capsys, name
+):
+    """A summary.json or config.json cut short: one error: line, exit code 2, that says what
+    report (which only reads) can do, not the trainer's "move it away to start over"; moved
+    aside as it says, the run is reported from what is left: with no summary.json, the
+    status says so and config.json's -1 (no target) is no target. Planted bugs that fail
+    it: report reading with the trainer's wording (read_run's default); the status from
+    config.json as if it were the summary ("stopped"); a target of -1 timed."""
+    curriculum_run(tmp_path / "a")
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"target_top1": 0.75,
+                                                            "target_top5": -1.0}))  # fmt: skip
+    (tmp_path / "a" / name).write_text('{"steps": 2')
+    out = str(tmp_path / "r.png")
+    line = error_line(capsys, [str(tmp_path / "a"), "--out", out])
+    assert line.startswith(f"error: cannot read {str(tmp_path / 'a' / name)!r}"), line
+    assert "start over" not in line and "report only reads a run" in line, line
+    assert f"move it aside (e.g. to {name}.bad)" in line, line
+    (tmp_path / "a" / name).rename(tmp_path / "a" / f"{name}.bad")
+    report.main([str(tmp_path / "a"), "--out", out])
+    row = table_rows(capsys.readouterr().out)["a"]
+    assert row["best top1"] == "0.8000"
+    if name == "summary.json":  # config.json's targets, and nothing of the run's end
+        assert row["status"] == "running or killed (no summary.json)"
+        assert row["time to target"] == "top1 0.75: 22.0s (19.0s w/o compile)"
+    else:
+        assert row["status"] == "completed"
+        assert row["time to target"].endswith("; top5 0.99: not reached")

@@ -102,3 +102,18 @@ def test_the_atomic_write_leaves_the_old_file_whole_when_it_fails(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
     rr.write_json(path, {"steps": 3})
     assert rr.read_json(path) == {"steps": 3} and rr.read_json(path + ".no") is None
+
+
+def test_a_json_record_that_does_not_read_says_its_readers_fix(tmp_path):
+    """summary.json cut short: the trainer's advice by default (it would overwrite the
+    run), a reader's own where it passes one (NAME: the file's name), through read_run too.
+    Planted bug that fails it: read_run not passing its ``unreadable`` on."""
+    from hybridpar.config.errors import WorkdirError
+
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / "summary.json").write_text('{"steps": 1')
+    path = str(tmp_path / "summary.json")
+    with pytest.raises(WorkdirError, match="; move it away to start over$"):
+        rr.read_json(path)
+    with pytest.raises(WorkdirError, match=r"; set summary\.json\.bad aside$"):
+        rr.read_run(str(tmp_path), unreadable="set NAME.bad aside")

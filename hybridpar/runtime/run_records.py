@@ -224,15 +224,22 @@ def read_records(path: str, offset: int = 0) -> tuple[list[Record], int]:
     return records, offset + end
 
 
-def read_json(path: str):
-    """``path``'s JSON, or None if there is no such file."""
+# What to do about a JSON record that does not read, as the trainer sees it; a tool that
+# only reads runs says its own (``read_run``'s ``unreadable``).
+START_OVER = "move it away to start over"
+
+
+def read_json(path: str, unreadable: str = START_OVER):
+    """``path``'s JSON, or None if there is no such file; one that does not read is a
+    WorkdirError that says ``unreadable`` (NAME in it: the file's name)."""
     try:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise WorkdirError(f"cannot read {path!r} ({e}); move it away to start over") from None
+        fix = unreadable.replace("NAME", os.path.basename(path))
+        raise WorkdirError(f"cannot read {path!r} ({e}); {fix}") from None
 
 
 def write_json(path: str, value, indent: int | None = 2) -> None:
@@ -279,9 +286,11 @@ def kept(c: Compile, resume: Resume, last: int) -> bool:
     return c.wall_s <= resume.from_wall_s
 
 
-def read_run(workdir: str) -> RunRecords:
+def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
     """``W/metrics.jsonl``, ``W/evaluator/metrics.jsonl`` (if any), ``W/summary.json`` and
-    ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError."""
+    ``W/config.json`` (if written). A missing workdir or metrics.jsonl is a ConfigError; a
+    summary.json or config.json that does not read, a WorkdirError saying ``unreadable``
+    (``read_json``)."""
     if not os.path.isdir(workdir):
         raise ConfigError(
             f"no workdir {workdir!r}: pass the workdir of a training run (the --workdir "
@@ -317,8 +326,8 @@ def read_run(workdir: str) -> RunRecords:
         stage=[stages[i] for i in sorted(stages)],
         compile=kinds["compile"],
         checkpoint=kinds["checkpoint"],
-        summary=read_json(os.path.join(workdir, "summary.json")),
-        config=read_json(os.path.join(workdir, "config.json")),
+        summary=read_json(os.path.join(workdir, "summary.json"), unreadable),
+        config=read_json(os.path.join(workdir, "config.json"), unreadable),
     )
 
 

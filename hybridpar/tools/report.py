@@ -16,14 +16,18 @@ title, wrapped to the figure's width, names the config keys that differ between 
 the schedule series a run holds fixed: once where every run holds the same value, per run
 where not (and then not its config key as well: ``global_batch`` is the global batch).
 Prints a markdown table of the runs (name, epochs, steps, best top-1 and top-5, time to
-target, wall, compile, images/s) and writes it beside the PNG (the same path
+target, wall, compile, images/s), then one of their stages (image size, global batch,
+steps, the seconds in those steps and images/s: a curriculum's stages differ in both, so
+the run-wide images/s hides the switch), and writes them beside the PNG (the same path
 with ``.md``); compile time, as summary.json counts it, is what the run waited for
 (``run_records.waited_s``). Time to target is the first eval at or over it
 among all the run's eval records, the evaluator's too, for summary.json's targets and for
 ``--target-top1`` / ``--target-top5`` alike.
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
-missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2).
+missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2), and so is a
+``summary.json`` or ``config.json`` that does not read (report leaves it as it is; moved
+aside, the run reads from its ``metrics.jsonl`` alone).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ from hybridpar.runtime.run_records import TIME_PARTS, RunRecords, read_run
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
            "compile s", "images/s", "status")  # fmt: skip
+# The table per stage: a curriculum's stages differ in image size and batch, so the run's
+# one images/s hides the switch.
+STAGE_COLUMNS = ("run", "stage", "image size", "global batch", "steps", "train s", "images/s")
+STAGES_NOTE = "per stage (train steps only: each train line's steps x batch / images/s):"
 
 
 def names(workdirs: list[str]) -> list[str]:
@@ -69,7 +77,7 @@ def targets(run: RunRecords, asked: dict) -> str:
     cells = []
     for metric in ("top1", "top5"):
         target = asked.get(metric) or s.get(f"target_{metric}")
-        if not target:
+        if not target or target <= 0:  # config.json's -1: no target
             continue
         hit = time_to(run, metric, target)
         if hit is None:
@@ -88,7 +96,7 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
     records = run.train + run.eval
     top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
     ips = [t.images_per_s for t in run.train if t.images_per_s]
-    if not s:
+    if not run.summary:  # config.json's values stand in, but it says nothing of the end
         status = "running or killed (no summary.json)"
     elif s.get("completed"):
         status = "completed"
@@ -110,7 +118,31 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
     }
 
 
-def markdown(rows: list[dict]) -> str:
+def stage_rows(name: str, run: RunRecords) -> list[dict]:
+    """One row per stage the run trained: its steps, their seconds as the trainer counts
+    them (each train line's steps x batch / images per second: no evaluation, save or
+    compile) and their images per second. A line's steps are those since the line before
+    it: the trainer logs at every stage's end and every save, so no line spans two stages,
+    and a resume goes on from a logged step (``read_run`` keeps the steps' second run)."""
+    by_stage: dict = {}
+    last = 0
+    for t in run.train:
+        key = (t.stage, t.image_size, t.global_batch)
+        steps, last = t.step - last, t.step
+        r = by_stage.setdefault(key, {"run": name, "stage": t.stage, "image size": t.image_size,
+                                      "global batch": t.global_batch, "steps": 0,
+                                      "train s": 0.0, "images": 0})  # fmt: skip
+        r["steps"] += steps
+        if t.images_per_s and t.global_batch:  # an older line without them: no time
+            r["train s"] += steps * t.global_batch / t.images_per_s
+            r["images"] += steps * t.global_batch
+    rows = list(by_stage.values())
+    for r in rows:
+        r["images/s"] = r.pop("images") / r["train s"] if r["train s"] else None
+    return rows
+
+
+def markdown(rows: list[dict], columns=COLUMNS) -> str:
     def cell(key, v):
         if v is None:
             return "-"
@@ -120,8 +152,8 @@ def markdown(rows: list[dict]) -> str:
             return f"{round(v, 2):g}"
         return f"{v:.1f}" if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(k, r[k]) for k in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(k, r[k]) for k in columns) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -447,11 +479,27 @@ def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
     ax.margins(x=0.15)
 
 
+# What report can do about a summary.json or config.json that does not read (cut short,
+# overwritten): it only reads, so it leaves the file as it is.
+UNREADABLE = (
+    "report only reads a run and leaves the file as it is: move it aside (e.g. to "
+    "NAME.bad) and report reads the run from its metrics.jsonl alone"
+)
+
+
+def read(workdir: str) -> RunRecords:
+    """``read_run``, with report's own advice for a JSON record that does not read."""
+    return read_run(workdir, unreadable=UNREADABLE)
+
+
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
     """Reads the runs, writes ``out`` (PNG) and its ``.md`` table; returns the table.
     ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``."""
-    runs = list(zip(names(workdirs), [read_run(w) for w in workdirs]))
+    runs = list(zip(names(workdirs), [read(w) for w in workdirs]))
     table = markdown([row(name, run, asked or {}) for name, run in runs])
+    stages = [r for name, run in runs for r in stage_rows(name, run)]
+    if stages:
+        table += "\n" + STAGES_NOTE + "\n\n" + markdown(stages, STAGE_COLUMNS)
     try:  # a finished run is often read from a read-only copy
         if os.path.dirname(out):
             os.makedirs(os.path.dirname(out), exist_ok=True)
