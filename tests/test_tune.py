@@ -293,6 +293,47 @@ def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
     assert trials[1].user_attrs["workdir"] == "trials/000"
 
 
+def test_a_resumed_trials_run_folder_is_named_in_the_best_line_and_trials_md(tmp_path, capsys):
+    """A trial that resumes a killed one has a number of its own (1) but runs on in the
+    killed one's folder (trials/000): the best: line named only its number, and trials/001
+    does not exist. The best: line and trials.md name the folder. Planted bugs that fail it:
+    the best: line without the folder; trials.md without its run column."""
+    c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2"})
+    wd, budget = str(tmp_path / "search"), 0.25
+    trial = tune.open_study(c, wd, budget).ask()
+    trial.set_user_attr("workdir", "trials/000")
+    trial.suggest_float("optim.base_lr", 1e-4, 2, log=True)  # killed here: still RUNNING
+    tune.search(c, wd, 1, budget)  # trial 1 resumes trial 0's run
+    out = capsys.readouterr().out
+    assert "trial 1 (resumed trials/000): " in out, out
+    best = [x for x in out.splitlines() if x.startswith("best:")]
+    assert len(best) == 1 and best[0].startswith(
+        f"best: trial 1, top1 {tune.open_study(c, wd, budget).best_value:.4f} "
+        f"(run {wd}/trials/000): --config.optim.base_lr="
+    ), best
+    assert sorted(os.listdir(os.path.join(wd, "trials"))) == ["000"]
+    with open(os.path.join(wd, "trials.md")) as f:
+        rows = [[cell.strip() for cell in x.strip("|\n").split("|")] for x in f][2:]
+    assert [row[:3] for row in rows] == [["0", "trials/000", "fail"],
+                                         ["1", "trials/000", "complete"]], rows  # fmt: skip
+
+
+def test_the_suggestion_is_before_the_minimum_when_the_loss_drops_into_it():
+    """The smoothed loss falls fastest at 0.1 and is lowest near 1.1, where one low loss
+    (noise) makes it drop into its minimum. The slope over the curve cut at the minimum
+    took a one-sided difference there, the steepest, and suggested the minimum itself (a
+    probe's digits test: lowest at 1.6, falling fastest at 1.6). Planted bug that fails it:
+    that slope again."""
+    lrs = list(np.geomspace(1e-4, 10, 100))
+    loss = [2 - math.tanh(2 * math.log10(lr / 0.1)) + (3 * math.log10(lr) ** 2 if lr > 1 else 0)
+            for lr in lrs]  # fmt: skip
+    loss[86] -= 2.0  # six points past the lowest: the smoothing window's reach
+    s = tune.suggest(lrs, loss)
+    assert 1 < s["min_loss_base_lr"] < 1.2, s["min_loss_base_lr"]
+    assert s["steepest_base_lr"] < s["min_loss_base_lr"]
+    assert s["suggested_base_lr"] == pytest.approx(0.1, rel=0.15)
+
+
 def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys):
     """An LR range test whose LR never gets large enough for the loss to diverge (here up to
     0.01 over a quarter epoch) cannot tell where the LR becomes too large: a warning line

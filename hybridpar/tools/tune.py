@@ -7,14 +7,16 @@ once the loss diverges. It writes ``DIR/lr_range.png`` (loss against LR) and
 ``DIR/lr_range.json`` and prints the suggested peak LR as an override.
 
 ``search --trials N --budget-epochs E``: a study over short runs of the trainer (each
-``E`` epochs, its schedule fitted to them) that draws the keys of ``tune.space`` with
-optuna's TPE sampler and stops a trial early (median pruning) when its top-1 at an
-evaluation is below the median of the finished trials' at the same one. The objective is
-``tune.objective``: top-1 at the budget, or the wall time to ``target_top1``. Resumable: the
-study lives in ``DIR/study.db`` and each trial's run in ``DIR/trials/NNN``, so the same
-command continues it (a trial cut off by Ctrl-C or a kill resumes from its checkpoint); a
-larger ``--trials`` adds trials. It prints a line as each trial starts and one as it ends,
-writes ``DIR/trials.md`` and ``DIR/search.png``, then prints the table and the best overrides.
+``E`` epochs, its LR decaying to their end; a warmup stays as drawn) that draws the keys of
+``tune.space`` with optuna's TPE sampler and stops a trial early (median pruning) when its
+top-1 at an evaluation is below the median of the finished trials' at the same one. The
+objective is ``tune.objective``: top-1 at the budget, or the wall time to ``target_top1``.
+Resumable: the study lives in ``DIR/study.db`` and each trial's run in ``DIR/trials/NNN``,
+so the same command continues it (a trial cut off by Ctrl-C or a kill is queued again as a
+new trial, which resumes in its folder from its checkpoint: ``trials.md`` and the best line
+name each trial's folder); a larger ``--trials`` adds trials. It prints a line as each trial
+starts and one as it ends, writes ``DIR/trials.md`` and ``DIR/search.png``, then prints the
+table and the best overrides.
 
 The trials' and the range test's own trainer output goes to their ``log.txt`` (named in the
 line each prints as it starts); the terminal gets a short progress line every
@@ -388,8 +390,13 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
     end = next((i for i in range(len(smoothed))
                 if diverged(smoothed[0], lowest[i], smoothed[i])), len(smoothed))  # fmt: skip
     i = int(np.argmin(smoothed[:end]))
-    slope = np.gradient(smoothed[: i + 1], np.log(base_lrs[: i + 1])) if i > 1 else [0.0]
-    j = int(np.argmin(slope))
+    # The slope over the whole curve, so each point's is a centred difference: over the curve
+    # cut at the minimum, the minimum's own was a one-sided one into it, often the steepest.
+    # The steepest is then taken among the points before the minimum.
+    j = 0  # lowest at the first LR: the loss never fell
+    if i > 0:
+        slope = np.gradient(smoothed, np.log(base_lrs))
+        j = int(np.argmin(slope[:i]))
     return {
         "smoothed": smoothed,
         "diverged_base_lr": base_lrs[end] if end < len(smoothed) else None,
@@ -704,8 +711,10 @@ def write_results(study, config, workdir: str, stop=None) -> None:
     trials = study.get_trials(deepcopy=False)
     keys = [p["key"] for p in parse_space(config)]
     name = config.tune.objective
-    lines = ["| trial | state | " + name + " | " + " | ".join(keys) + " | seconds | note |",
-             "|" + "---|" * (len(keys) + 5)]  # fmt: skip
+    # A trial that resumes a stopped one has a number of its own but runs on in the stopped
+    # one's folder: the run column names each trial's folder.
+    lines = ["| trial | run | state | " + name + " | " + " | ".join(keys) + " | seconds | note |",
+             "|" + "---|" * (len(keys) + 6)]  # fmt: skip
     for t in trials:
         value = "-" if t.value is None else f"{t.value:.4f}"
         if t.state == TrialState.PRUNED and t.intermediate_values:
@@ -715,8 +724,10 @@ def write_results(study, config, workdir: str, stop=None) -> None:
                  else str(t.params.get(k, "-")) for k in keys]  # fmt: skip
         seconds, note = t.user_attrs.get("seconds", "-"), t.user_attrs.get("note", "")
         state = t.state.name.lower()
+        run = t.user_attrs.get("workdir", "-")
         lines.append(
-            f"| {t.number} | {state} | {value} | {' | '.join(cells)} | {seconds} | {note} |"
+            f"| {t.number} | {run} | {state} | {value} | {' | '.join(cells)} | {seconds} | "
+            f"{note} |"
         )
     table = "\n".join(lines) + "\n"
     # Both files first: a stop while the lines below print leaves nothing undone.
@@ -732,7 +743,10 @@ def write_results(study, config, workdir: str, stop=None) -> None:
     if best is not None and math.isinf(best.value):  # time_to_target: none reached it
         print(f"best: none, no trial reached target_top1={config.target_top1:g}")
     elif best is not None:
-        print(f"best: trial {best.number}, {name} {best.value:.4f}: {overrides(best.params)}")
+        run = best.user_attrs.get("workdir")
+        where = f" (run {os.path.join(workdir, run)})" if run else ""
+        print(f"best: trial {best.number}, {name} {best.value:.4f}{where}: "
+              f"{overrides(best.params)}")  # fmt: skip
     print(f"wrote {workdir}/trials.md and {workdir}/search.png")
 
 
