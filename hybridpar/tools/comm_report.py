@@ -21,6 +21,7 @@ GPU or TPU moves (``comm.reduce_dtype=bfloat16`` halves the gradients' bytes her
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -827,11 +828,14 @@ def main(argv=None) -> None:
         print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
     def run():
-        rep = report(config, args.devices, target, say)
-        if args.json:
-            print(rep.to_json())
-        else:
-            print(format_report(rep, args.config_path))
+        if not args.json:
+            print(format_report(report(config, args.devices, target, say), args.config_path))
+            return
+        # the run's set-up prints its warnings on stdout, as the trainer's log does: here
+        # they go to stderr, so stdout is the one object
+        with contextlib.redirect_stdout(sys.stderr):
+            rep = report(config, args.devices, target, say)
+        print(rep.to_json())
 
     cli.main(run)
 

@@ -23,6 +23,7 @@ line naming its need, the capacity and a plan that compiles. The last line is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -429,14 +430,21 @@ def main(argv=None) -> None:
             comm.apply(config.comm)  # the run's XLA flags, before the backend starts
             target = targets.Target(jax.default_backend(), jax.device_count())
 
+        stdout = sys.stdout  # the report's, whatever prints elsewhere meanwhile
+
         def show(report):  # before --out is written: a failed write keeps the report
             print(json.dumps(report) if args.json else format_report(report, args.config_path),
-                  flush=True)  # fmt: skip
+                  file=stdout, flush=True)  # fmt: skip
 
         def say(line):  # progress: on stderr under --json, so stdout is the one object
             print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-        compile_programs(config, target, args.out, show=show, say=say, overwrite=args.overwrite)
+        # the run's set-up prints its warnings on stdout, as the trainer's log does: under
+        # --json they go to stderr, so stdout is the one object
+        quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+        with quiet:
+            compile_programs(config, target, args.out, show=show, say=say,
+                             overwrite=args.overwrite)  # fmt: skip
 
     cli.main(run)
 
