@@ -134,8 +134,9 @@ def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
     model = shape["model"]
     if c.comm.startswith(("bucketed", "overlap")) and shape["data"] * shape["fsdp"] == 1:
         return "bucketed and overlap communication need more than one data-parallel device"
-    if c.head == "sharded" and (model == 1 or num_classes % model):
-        return "the sharded head needs a model axis > 1 that divides the classes"
+    # a model axis of one device holds every class: the sharded head trains there too
+    if c.head == "sharded" and num_classes % model:
+        return "the sharded head needs a model axis that divides the classes"
     if c.head == "partial_fc" and num_classes % devices:
         return "partial_fc needs the classes to divide over all devices"
     if c.comm.startswith("bucketed") and (model > 1 or c.head != "dense"):
@@ -357,6 +358,13 @@ def compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
         return {"error": message, "ruled_out": True}
 
 
+def stdout_to_stderr() -> None:
+    """A worker's initializer: what a plan's set-up prints (the trainer's warnings go to
+    stdout) goes to stderr with the progress lines, as the worker shares plan's stdout,
+    which holds the report alone (``--json``: one object)."""
+    sys.stdout = sys.stderr
+
+
 def _source_hash() -> str:
     """The source of the code that builds the compiled step (hybridpar and its models; not
     the input pipeline, which a compile without data never runs, nor the scaling model and
@@ -442,7 +450,7 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     # for a target, a fresh worker per plan: each plan's comm flags are set before its JAX
     fresh = 1 if os.environ.get("HYBRIDPAR_PLAN_TARGET") else None
     with concurrent.futures.ProcessPoolExecutor(
-        jobs, mp_context=context, max_tasks_per_child=fresh
+        jobs, mp_context=context, initializer=stdout_to_stderr, max_tasks_per_child=fresh
     ) as pool:
         futures = {
             pool.submit(
