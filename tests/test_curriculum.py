@@ -248,6 +248,26 @@ def test_a_crop_scale_on_digits_which_are_never_cropped_is_refused(overrides, ex
     validate(tiny_digits(**{"data.name": "synthetic"}, **overrides, **epochs))
 
 
+@pytest.mark.parametrize(
+    "name, cropped", [("digits", False), ("synthetic", False), ("images", True), ("tfds", True)]
+)
+def test_the_plan_line_names_a_crop_scale_only_where_the_input_crops(name, cropped):
+    """Digits and synthetic data are only resized (on the host and on the devices): the
+    plan's line names no crop scale for them, where it would do nothing; image files are
+    cropped, at each stage's scale. The stage keeps its scale either way (the records')."""
+    for overrides in ({}, {"stages": "0.1:16-8,0.2:24-4@0.5", "num_epochs": 0.2}):
+        config = tiny_digits(**overrides)
+        config.data.name = name  # only the stages are made: no data is read
+        stages = curriculum.stages_from_config(config, 4)
+        text = curriculum.describe(curriculum.plan_stages(stages, lambda b: 1437 // b))
+        lines = [line for line in text.splitlines() if line.startswith("stage ")]
+        assert len(lines) == len(stages)
+        assert all(("min crop scale" in line) == cropped for line in lines), text
+        assert stages[0].min_scale == config.data.min_scale
+    if cropped:
+        assert "min crop scale 0.5" in lines[1]
+
+
 def test_the_train_cli_refuses_a_stage_of_no_step_of_its_data_in_one_line(tmp_path):
     """Checked on the plan of the run's own data (1,437 digits), in set-up: one error line,
     no workdir left. (The compile tools plan on a config's nominal data.train_examples, on

@@ -56,6 +56,9 @@ class Stage:
     min_scale: float
     momentum: float | None = None  # None: the run's momentum (optim.momentum or its ramp)
     per_device_batch: int | None = None  # config.stages' batch; None: global_batch's stage
+    # whether the input crops at min_scale: image files do; digits and synthetic data are
+    # only resized, so the plan's line does not name a scale that does nothing
+    cropped: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +149,12 @@ def stretch_stages(text: str, epochs: float) -> str:
 def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
     """The run's stages; with ``config.stages`` empty, the one stage the flat keys give."""
     d = config.data
+    cropped = d.name in ("images", "tfds")  # the input pipelines that read min_scale
     if not config.stages:
-        return [Stage(float(config.num_epochs), d.image_size, config.global_batch, d.min_scale)]
+        return [
+            Stage(float(config.num_epochs), d.image_size, config.global_batch, d.min_scale,
+                  cropped=cropped)  # fmt: skip
+        ]
     return [
         Stage(
             end,
@@ -156,6 +163,7 @@ def stages_from_config(config, data_parallel_size: int) -> list[Stage]:
             d.min_scale if scale is None else scale,
             momentum,
             per_device,
+            cropped,
         )
         for end, size, per_device, scale, momentum in read_stages(config.stages)
     ]
@@ -328,7 +336,7 @@ def describe(plan: StagePlan) -> str:
         lines.append(
             f"stage {s.index}: epochs {s.start_epoch:g}-{st.end_epoch:g}, {st.image_size} px, "
             f"global batch {st.global_batch}, {s.num_steps} steps ({s.steps_per_epoch}/epoch)"
-            f", min crop scale {st.min_scale:g}"
+            + (f", min crop scale {st.min_scale:g}" if st.cropped else "")
             + ("" if st.momentum is None else f", momentum {st.momentum:g}")
             + _left_out(s.num_examples, s.steps_per_epoch * st.global_batch)
         )
