@@ -318,3 +318,27 @@ def test_a_state_whose_counters_lag_its_step_updates_at_the_step():
         strict=True,
     ):
         np.testing.assert_array_equal(a, r)
+
+
+def test_a_float16_step_reports_its_loss_and_the_scale_it_leaves_in_effect():
+    """A float16 step whose scaled gradients overflow is skipped, but its loss (unscaled)
+    is the true one, finite; it reports the scale it used and the halved one the next step
+    uses. A finite step at the end of its period reports the doubled one. Planted bug that
+    fails it: ``next_loss_scale`` the scale the step used."""
+    policy = make_policy("float16")
+    for initial, finite, factor in ((2.0**126, False, 0.5), (1.0, True, 2.0)):
+        scale = LossScale.create(dynamic=True, initial=initial, period=1)
+        mesh, model, tx, state, shardings = _setup("data:8", policy, scale)
+        step = jit_train_step(
+            make_train_step(model, tx, policy, lambda s: 0.05, mean=MEAN, std=STD),
+            shardings,
+            mesh,
+            {"image": 4, "label": 1},
+        )
+        state, metrics = step(state, shard_batch(_batch(16), mesh))
+        assert bool(metrics["grads_finite"]) is finite
+        loss = float(metrics["loss"])
+        assert 0 < loss < 10  # about ln 10 at the start; scaled, it would be ~2**126
+        assert float(metrics["loss_scale"]) == initial
+        assert float(metrics["next_loss_scale"]) == initial * factor
+        assert float(state.loss_scale.scale) == initial * factor

@@ -166,7 +166,8 @@ def apply_gradients(state: TrainState, scaled_grads, loss, batch_stats, tx, sche
         "loss": loss,
         "lr": schedule(state.step),  # what this update applied: its counters are the step
         "grads_finite": finite,
-        "loss_scale": state.loss_scale.scale,
+        "loss_scale": state.loss_scale.scale,  # the one this step's gradients were scaled by
+        "next_loss_scale": new.loss_scale.scale,  # after this step's halving or doubling
     }
     # A momentum schedule (optax.inject_hyperparams) keeps this step's momentum in the
     # optimizer state: report it. A constant momentum is not in the state (the trainer

@@ -109,7 +109,7 @@ class Stage(Record):
 @dataclasses.dataclass(kw_only=True)
 class Train(Record):
     event: str = "train"
-    loss: float | None  # None: every step since the last line was skipped (non-finite)
+    loss: float | None  # None: a step since the last line had a non-finite loss
     lr: float
     momentum: float | None = None
     images_per_s: float | None = None

@@ -199,7 +199,10 @@ class Hook(Protocol):
 
 class Progress:
     """Train lines in metrics.jsonl and on stdout every ``log_every_s`` seconds (and before
-    each eval). Fetching the metrics waits for the steps, so images/s is honest.
+    each eval). Fetching the metrics waits for the steps, so images/s is honest. A line's
+    loss is the mean of its steps' losses, skipped ones included (None where one was not
+    finite), ``skipped_steps`` counts its skipped steps and ``loss_scale`` is the scale
+    in effect after them.
 
     Also counts the steps the train step skipped (non-finite loss or gradient): after
     ``max_nonfinite_steps`` in a row it raises ``NonFinite``. It looks at least every that
@@ -294,8 +297,12 @@ class Progress:
         self.count_skips()
         fetched = jax.device_get(self.pending)
         now = time.time()
-        good = [f["loss"] for f in fetched if bool(f["grads_finite"])]
-        loss = float(np.mean(good)) if good else float("nan")  # of the steps applied
+        # Every step's loss, the skipped steps' too: a float16 step skipped because its
+        # scaled gradients overflowed computed a true loss. nan (null in the record) only
+        # where a step's loss itself was not finite, so a skipped line with a loss is an
+        # overflow, and one without a loss a bad batch or a diverged run.
+        losses = [float(f["loss"]) for f in fetched]
+        loss = float(np.mean(losses)) if all(map(math.isfinite, losses)) else math.nan
         skipped = sum(not bool(f["grads_finite"]) for f in fetched)
         loop.skipped_steps += skipped  # what count_skips saw of these, now logged
         self.unlogged = 0
@@ -309,7 +316,7 @@ class Progress:
             "train",
             loop.step,
             epoch,
-            loss=loss if good else None,  # JSON has no NaN
+            loss=loss if math.isfinite(loss) else None,  # JSON has no NaN
             lr=float(fetched[-1]["lr"]),
             momentum=float(fetched[-1].get("momentum", self.run.config.optim.momentum)),
             images_per_s=round(steps * batch / dt, 2),
@@ -317,7 +324,9 @@ class Progress:
             global_batch=batch,
             stage=stage.index,
             skipped_steps=skipped,
-            loss_scale=float(fetched[-1]["loss_scale"]),
+            # the scale in effect now, which the next step uses and a checkpoint of this
+            # step holds, not the one the last step used (a skip halved it since)
+            loss_scale=float(fetched[-1]["next_loss_scale"]),
         )
         eta = formatting.duration((total - loop.step) * dt / steps)
         log(
