@@ -1,11 +1,16 @@
 """The compiler workarounds ``comm.apply`` adds for the installed jaxlib, and how a user's
-own flag wins over them."""
+own flag wins over them; the comm settings a config may not leave unread, and the words
+of the gradient sync's refusals."""
 
 import os
 from importlib import metadata
 
-from hybridpar.config.schema import base_config
+import pytest
+
+from hybridpar import ConfigError, make_mesh
+from hybridpar.config.schema import base_config, unused_settings
 from hybridpar.parallel import comm
+from hybridpar.program.sync import make_sync
 
 TRITON_OFF = "--xla_gpu_enable_triton_gemm=false"
 
@@ -119,3 +124,56 @@ def test_sparsecore_offload_on_the_chips_it_was_measured_on(monkeypatch):
     monkeypatch.setenv("TPU_ACCELERATOR_TYPE", "v5p-128")
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "")
     assert set(offload) <= set(comm.apply(base_config().comm, "tpu"))
+
+
+def test_settings_nothing_reads_are_named_with_the_fix():
+    """comm.mode=xla never buckets, and only float16 scales its loss: a comm.bucket_mb or a
+    loss_scale_* set there did nothing without a word. auto may resolve to the overlap mode
+    (on GPUs), so it keeps its buckets; the defaults inherited say nothing. Planted bug that
+    fails it: no check (nothing named)."""
+    c = base_config()
+    assert unused_settings(c) == []
+    c.comm.mode, c.comm.bucket_mb = "xla", 8.0
+    c.precision.loss_scale_initial = 1024.0
+    said = unused_settings(c)
+    assert len(said) == 2, said
+    assert said[0].startswith("comm.bucket_mb=8.0 does nothing: comm.mode='xla' never buckets")
+    assert said[0].endswith("drop --config.comm.bucket_mb, or use --config.comm.mode=bucketed "
+                            "or overlap")  # fmt: skip
+    assert said[1].startswith("precision.loss_scale_initial=1024.0 does nothing: only float16")
+    for mode in ("auto", "bucketed", "overlap"):
+        c.comm.mode = mode
+        assert not any(x.startswith("comm.bucket_mb") for x in unused_settings(c))
+    c.precision.compute = "float16"
+    assert unused_settings(c) == []
+
+
+def test_set_up_warns_of_a_setting_nothing_reads(tmp_path, capsys):
+    """The run's set-up prints each of ``unused_settings`` as a warning line (not an error:
+    plan's and tune's variants of a config leave a user's setting unread in some of them).
+    Planted bug that fails it: set-up not calling it."""
+    from helpers import tiny_digits
+
+    from hybridpar.runtime.run import setup
+
+    setup(tiny_digits(**{"comm.mode": "xla", "comm.bucket_mb": 8.0}), str(tmp_path),
+          with_data=False)  # fmt: skip
+    out = capsys.readouterr().out
+    assert "warning: comm.bucket_mb=8.0 does nothing: comm.mode='xla' never buckets" in out, out
+
+
+def test_the_xla_sync_refusal_names_the_mode_set_and_what_auto_resolved_to():
+    """comm.reduce_dtype=bfloat16 on a mesh with a model axis: under comm.mode=auto (the
+    default) the error said "under comm.mode=xla", a mode the user never set. Planted bug
+    that fails it: the old fixed words."""
+    c = base_config()
+    c.comm.reduce_dtype = "bfloat16"
+    mesh = make_mesh("data:4,model:2")
+    with pytest.raises(ConfigError, match=r"^comm.reduce_dtype='bfloat16' under comm.mode=auto "
+                       r"\(resolved to xla: a model axis, .*\) needs a mesh over data only "
+                       r"\(this one has model=2\)"):  # fmt: skip
+        make_sync(c, mesh, None)
+    c.comm.mode = "xla"
+    with pytest.raises(ConfigError, match=r"^comm.reduce_dtype='bfloat16' under comm.mode=xla "
+                       r"needs a mesh over data only"):  # fmt: skip
+        make_sync(c, mesh, None)

@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.config.curriculum import single_stage_plan
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.schema import base_config, validate
+from hybridpar.config.schema import base_config, unused_settings, validate
 from hybridpar.program.optim import (
     decay_mask,
     describe_frozen,
@@ -433,3 +433,95 @@ def test_a_dtypes_short_name_is_refused_naming_that_dtype(short, dtype):
     c.precision.compute = short
     with pytest.raises(ConfigError, match=f"use e.g. --config.precision.compute={dtype}$"):
         validate(c, sources=False)
+
+
+@pytest.mark.parametrize("key, value", [("loss_scale_initial", 1024.0), ("loss_scale_period", 500)])
+def test_a_loss_scale_setting_without_float16_compute_is_named_with_the_fix(key, value):
+    """Only float16 scales its loss: set under float32 or bfloat16 compute, these did
+    nothing without a word (set-up now warns, ``unused_settings``). The defaults inherited
+    say nothing. Planted bug that fails it: the check left out."""
+    c = base_config()
+    c.precision[key] = value
+    for compute in ("float32", "bfloat16"):
+        c.precision.compute = compute
+        assert unused_settings(c) == [
+            f"precision.{key}={value!r} does nothing: only float16 compute scales its loss "
+            f"(precision.compute={compute!r}); drop --config.precision.{key}, or set "
+            "--config.precision.compute=float16"
+        ]
+    c.precision.compute = "float16"
+    assert unused_settings(c) == []
+    inherited = base_config()
+    inherited.precision.compute = "bfloat16"
+    assert unused_settings(inherited) == []
+
+
+def _flushed(pending, capsys):
+    """The train record and progress line ``trainer.Progress.flush`` makes of the step
+    metrics ``pending`` (plain values, as the step's come back from the device)."""
+    import time
+    from types import SimpleNamespace
+
+    from hybridpar.runtime.run import LoopState
+    from hybridpar.runtime.trainer import Progress
+
+    records = []
+
+    class Writer:
+        def write(self, event, step, epoch, **values):
+            records.append(values)
+
+    plan = SimpleNamespace(total_steps=10, epoch_at=lambda step: step / 10)
+    progress = Progress(SimpleNamespace(config=base_config(), plan=plan), Writer())
+    progress.pending, progress.t0 = pending, time.time() - 1.0
+    stage = SimpleNamespace(index=0, stage=SimpleNamespace(global_batch=32, image_size=16))
+    capsys.readouterr()
+    progress.flush(LoopState(step=len(pending)), stage)
+    return records[0], capsys.readouterr().out
+
+
+def _step(loss, finite, scale, next_scale):
+    return dict(loss=loss, grads_finite=finite, loss_scale=scale, next_loss_scale=next_scale,
+                lr=0.1)  # fmt: skip
+
+
+def test_a_line_of_overflowed_float16_steps_logs_their_loss_and_the_scale_now_in_effect(capsys):
+    """A float16 step skipped because its scaled gradients overflowed computed a true
+    (finite) loss: the line's loss counts it, with the skip, so an overflow does not read
+    as a divergence, where the loss itself is not finite (null, ``nan``). ``loss_scale`` is
+    the scale after the line's steps. Planted bugs that fail it: the loss of the applied
+    steps only (the old rule: null for a line of skipped steps); the scale the last step
+    used."""
+    applied, overflow = _step(2.0, True, 1024.0, 1024.0), _step(4.0, False, 1024.0, 512.0)
+    rec, line = _flushed([applied, overflow], capsys)
+    assert (rec["loss"], rec["skipped_steps"], rec["loss_scale"]) == (3.0, 1, 512.0)
+    assert "loss 3.0000" in line and line.rstrip().endswith("skipped 1")
+    rec, line = _flushed([overflow], capsys)
+    assert (rec["loss"], rec["skipped_steps"], rec["loss_scale"]) == (4.0, 1, 512.0)
+    rec, line = _flushed([applied, _step(float("nan"), False, 1024.0, 512.0)], capsys)
+    assert (rec["loss"], rec["skipped_steps"]) == (None, 1)
+    assert "loss nan" in line
+    rec, line = _flushed([applied], capsys)
+    assert (rec["loss"], rec["skipped_steps"]) == (2.0, 0) and "skipped" not in line
+
+
+def test_a_float16_run_records_an_overflow_as_a_skip_with_its_loss(tmp_path):
+    """A whole (tiny) float16 run from a loss scale of 1e30: every step overflows and is
+    skipped. Its train records keep each step's finite loss, count the skip, and give the
+    scale the next step runs at, halved at each line; the summary counts them all. Planted
+    bugs that fail it: the line's loss of the applied steps only; the step's
+    ``next_loss_scale`` the scale it used."""
+    from helpers import tiny_digits
+
+    from hybridpar.runtime import run_records, trainer
+    from hybridpar.runtime.run import setup
+
+    config = tiny_digits(**{"precision.compute": "float16",
+                            "precision.loss_scale_initial": 1e30, "num_epochs": 0.1})  # fmt: skip
+    summary = trainer.train(setup(config, str(tmp_path)))
+    lines = run_records.read_run(str(tmp_path)).train
+    assert [t.step for t in lines] == list(range(1, summary["steps"] + 1))
+    for t in lines:
+        assert t.loss is not None and 0 < t.loss < 10 and t.skipped_steps == 1
+        assert t.loss_scale == pytest.approx(1e30 / 2**t.step, rel=1e-6)
+    assert summary["skipped_steps"] == len(lines)

@@ -80,7 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
     # (bench/results/compress_cifar10/NOTES.md, compress_digits/NOTES.md); runs saved before
     # hold 0.9.
     c.distill = ml_collections.ConfigDict(dict(teacher_workdir="", temperature=4.0, alpha=0.5))
-    # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling.
+    # Parameter / compute / logits dtypes. float16 compute turns on dynamic loss scaling
+    # (its initial scale, and the finite steps in a row that double it; set without float16
+    # compute, nothing reads them: set-up warns, unused_settings).
     c.precision = ml_collections.ConfigDict(
         dict(
             params="float32",
@@ -213,14 +215,16 @@ def base_config() -> ml_collections.ConfigDict:
             # overlap on GPU data-parallel meshes, xla elsewhere; the run's log says which).
             # "xla": XLA inserts and combines the collectives itself (under the flags below);
             # "bucketed": the data-parallel step reduces the gradients itself, in buckets of
-            # at most bucket_mb MiB in reverse layer order, one psum per bucket (with fsdp > 1:
-            # one all-gather of the parameters and one reduce-scatter per bucket).
+            # at most bucket_mb MiB in reverse layer order (a gradient larger than that is a
+            # bucket of its own), one psum per bucket (with fsdp > 1: one all-gather of the
+            # parameters and one reduce-scatter per bucket).
             # "overlap": the same buckets, each reduced from inside the backward pass as soon
             # as its layers' gradients exist (any mesh: fsdp gathers in the forward pass and
             # reduce-scatters in the backward pass, bucket by bucket; a model axis is XLA's).
             mode="auto",
             # 4 MiB: on the GPU compiler ResNet-50's bfloat16 buckets of 4 MiB hid the most
             # (88%; 2 and 1 MiB less); larger ones leave the last layers' bucket exposed.
+            # Only the bucketed and overlap modes read it (under "xla" set-up warns).
             bucket_mb=4.0,
             # The dtype the gradients are summed in across devices (every mode; under xla,
             # data-parallel meshes only):
@@ -616,6 +620,31 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
                 f"num_epochs={c.num_epochs:g} but stages={c.stages!r} end at epoch {last:g}: "
                 f"set --config.num_epochs={last:g}, or change the last stage's end epoch"
             )
+
+
+def unused_settings(c) -> list[str]:
+    """What ``c`` sets that nothing reads, where it differs from ``base_config()``'s default
+    (a recipe that inherits the default says nothing): one sentence each, for set-up's
+    warnings. Warned, not refused: the tools that make variants of a config (plan's modes
+    and dtypes, tune's trials) leave a user's setting unread in some of them, and runs
+    saved before ``comm.bucket_mb``'s default became 4 hold 32 under ``xla``.
+    ``comm.mode=auto`` may resolve to a bucketing mode (program/sync.py choose_mode), so
+    only an explicit ``xla`` makes ``bucket_mb`` moot."""
+    default, out = base_config(), []
+    if c.comm.mode == "xla" and c.comm.bucket_mb != default.comm.bucket_mb:
+        out.append(
+            f"comm.bucket_mb={c.comm.bucket_mb!r} does nothing: comm.mode='xla' never buckets "
+            "(XLA places and combines the gradients' all-reduces itself); drop "
+            "--config.comm.bucket_mb, or use --config.comm.mode=bucketed or overlap"
+        )
+    for key in ("loss_scale_initial", "loss_scale_period"):
+        if c.precision.compute != "float16" and c.precision[key] != default.precision[key]:
+            out.append(
+                f"precision.{key}={c.precision[key]!r} does nothing: only float16 compute "
+                f"scales its loss (precision.compute={c.precision.compute!r}); drop "
+                f"--config.precision.{key}, or set --config.precision.compute=float16"
+            )
+    return out
 
 
 def _check_widths(c) -> None:

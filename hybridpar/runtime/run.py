@@ -27,7 +27,7 @@ from hybridpar.config.curriculum import (
     plan_stages,
     stages_from_config,
 )
-from hybridpar.config.schema import validate
+from hybridpar.config.schema import unused_settings, validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.program import compile_cache
@@ -144,6 +144,8 @@ def _setup(
         flags = comm.apply(config.comm)  # XLA's collective flags: before the backend starts
     if for_training and finished is None:
         warn_schedule(config)
+        for unused in unused_settings(config):  # not an error: see its docstring
+            log(f"warning: {unused}")
     lock = None
     if workdir is not None:  # one trainer per workdir; each process its own lock file
         lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
