@@ -167,6 +167,24 @@ def test_bucket_plan_big_tensor_alone_and_forward_order():
         bucket_plan(params, 0)
 
 
+def test_a_bucket_of_several_gradients_never_passes_bucket_mb_a_larger_one_is_alone():
+    """The contract the docs give: a bucket holds at most ``bucket_mb`` MiB, filled up to
+    the limit itself, except a gradient larger than that, alone in its bucket. Planted bug
+    that fails it: the bucket closed after the gradient that takes it over the limit (each
+    bucket then over it by one array)."""
+    quarter = 2**18 // 4  # float32 elements in a quarter MiB
+
+    def params(*quarters):  # forward order: l0 first
+        return {f"l{i}": {"kernel": jax.ShapeDtypeStruct((n * quarter,), jnp.float32)}
+                for i, n in enumerate(quarters)}  # fmt: skip
+
+    plan = bucket_plan(params(4, 4, 4, 12, 20, 4), 2)  # MiB: 1, 1, 1, 3, 5, 1
+    assert plan == [[("l5", "kernel")], [("l4", "kernel")], [("l3", "kernel")],
+                    [("l2", "kernel"), ("l1", "kernel")], [("l0", "kernel")]]  # fmt: skip
+    plan = bucket_plan(params(1, 2, 3, 2), 1)  # MiB: 0.25, 0.5, 0.75, 0.5
+    assert plan == [[("l3", "kernel")], [("l2", "kernel")], [("l1", "kernel"), ("l0", "kernel")]]
+
+
 def test_rejects_model_parallel_meshes_and_params_split_over_data():
     config = tiny_config("data:8", **{"comm.mode": "bucketed", "comm.bucket_mb": 32})
     with pytest.raises(ConfigError, match="comm.mode=xla"):

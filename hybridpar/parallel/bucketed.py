@@ -4,7 +4,8 @@ Under ``jax.jit`` XLA inserts one all-reduce per gradient (and per BatchNorm sta
 whether it fuses them is up to the backend (the CPU backend keeps ~100 separate ops for a
 ResNet-50). Here the step runs under ``jax.shard_map`` instead: each device computes the
 loss and gradients of its own slice of the batch, then the gradients are flattened into
-buckets of at most ``bucket_mb`` MiB and each bucket is reduced with ONE ``psum`` over the
+buckets of at most ``bucket_mb`` MiB (a gradient larger than that is a bucket of its own:
+the only bucket over the size) and each bucket is reduced with ONE ``psum`` over the
 data axes. Buckets are filled in reverse layer order (the last layers' gradients come out of
 the backward pass first), so a backend with asynchronous collectives and a latency-hiding
 scheduler can reduce the first buckets while the backward pass goes on, as Horovod, PyTorch
@@ -102,8 +103,10 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
     ``params`` is a nested dict in forward order (as ``model.init`` creates it, or
     ``forward_params``); its leaves are arrays, ShapeDtypeStructs or Flax axis boxes. Leaves
     are taken in REVERSE order and packed greedily: a bucket closes when the next gradient
-    would take it over ``bucket_mb`` MiB or has another dtype; a gradient larger than
-    ``bucket_mb`` gets a bucket of its own. Every parameter is in exactly one bucket.
+    would take it over ``bucket_mb`` MiB or has another dtype, so a bucket of several
+    gradients holds at most ``bucket_mb`` MiB; a gradient larger than ``bucket_mb`` gets a
+    bucket of its own. Every parameter is in exactly one bucket. Sizes are the parameters'
+    own (a reduction in a narrower ``reduce_dtype`` moves fewer bytes).
     """
     if not bucket_mb > 0:
         raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")

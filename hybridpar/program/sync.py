@@ -405,7 +405,10 @@ class XlaSync:
     in one bucket).
     """
 
-    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global"):
+    def __init__(self, mesh=None, reduce_dtype: str = "float32", bn_sync: str = "global",
+                 mode: str = "comm.mode=xla"):  # fmt: skip
+        """``mode``: how the config came to this sync, for its errors (``make_sync``'s:
+        ``comm.mode=auto`` says so, and why it resolved to xla)."""
         self.mesh, self.bn_sync = mesh, bn_sync
         self.reduce_dtype = None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype)
         others = {a: n for a, n in (mesh.shape.items() if mesh else ()) if a != "data" and n > 1}
@@ -413,10 +416,13 @@ class XlaSync:
             # Data parallel only: FSDP's split parameters would be gathered whole per device,
             # and with a model axis left to XLA inside shard_map the TPU compiler moved several
             # times the bytes, while XLA:CPU could not widen the bfloat16 psum.
+            fix = ("--config.comm.mode=overlap (on CPU with --config.model.head=sharded; the "
+                   "bucketed mode is data and fsdp only)" if "model" in others else
+                   "--config.comm.mode=bucketed (data and fsdp)")  # fmt: skip
             raise ConfigError(
-                f"comm.reduce_dtype={reduce_dtype!r} under comm.mode=xla needs a mesh over "
+                f"comm.reduce_dtype={reduce_dtype!r} under {mode} needs a mesh over "
                 f"data only (this one has {', '.join(f'{a}={n}' for a, n in others.items())}); "
-                "use --config.comm.mode=bucketed (data and fsdp) or comm.reduce_dtype=float32"
+                f"use {fix} or --config.comm.reduce_dtype=float32"
             )
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
@@ -511,7 +517,11 @@ def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> Grad
         sync = OverlapSync(mesh, c.bucket_mb, config.model.bn_sync, shardings, reduce_dtype,
                            data_parallel, gather, config.model.head)  # fmt: skip
     else:
-        sync = XlaSync(mesh, reduce_dtype, config.model.bn_sync)
+        # for its errors: the mode the config set, and what auto resolved to and why
+        said = f"comm.mode={c.mode}"
+        if c.mode != mode:
+            said += f" (resolved to xla: {why.removeprefix('auto: ')})"
+        sync = XlaSync(mesh, reduce_dtype, config.model.bn_sync, said)
     how = f", {c.bucket_mb:g} MiB buckets" if mode != "xla" else ""
     how += f" summed in {reduce_dtype}" if mode != "xla" or reduce_dtype != "float32" else ""
     sync.choice = f"gradient sync: {mode}{how} ({why})"
