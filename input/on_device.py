@@ -585,13 +585,11 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
     need = sum(counts.values()) * per_image
     what = ", ".join(f"{n} {s} images" for s, n in counts.items()) + f" at {size}x{size}"
     check_fits(need, what, d.on_device_limit_mb, mesh.devices.flat[0])
-    train_why = state[d.train_split][1]
-    if train_why and not d.allow_empty_classes:  # before decoding: empty or missing folders
-        source, listing = listed[d.train_split]
-        files = collections.Counter(f[1] for f in listing["files"])
-        empty = prep.classes_without_examples(classes, listing["class_dirs"], files, files)
-        if empty:
-            raise prep.empty_classes_error(d.train_split, source, empty)
+    # prepare's checks, before any split is decoded: a class folder the list lacks (in any
+    # split to decode), and a train class with no file (empty or missing folders).
+    origin = prep.GIVEN if given is not None else f"train split {d.train_split!r}"
+    to_decode = {s: listed[s] for s, (_, why) in state.items() if why}
+    prep._check_splits(to_decode, classes, origin, d.train_split, d.allow_empty_classes)
     out = {}
     for split, (meta, why) in state.items():
         arrays_path, meta_path = cache_paths(folder, split, size)
@@ -634,6 +632,8 @@ def decode_image(data: bytes, size: int):
     if (w, h) != (size, size):
         scale = size / min(w, h)
         w, h = max(size, round(w * scale)), max(size, round(h * scale))
+        # Pillow's bilinear filter antialiases a shrink and tf.data's resize does not: the two
+        # paths' pixels differ (docs/data.md), only their accuracy should agree.
         img = img.resize((w, h), Image.Resampling.BILINEAR)
         left, top = (w - size) // 2, (h - size) // 2
         img = img.crop((left, top, left + size, top + size))
@@ -677,7 +677,7 @@ def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, 
                 try:
                     out.append(decode_image(prep._read(handles, file, offset, n), size))
                 except OSError as e:
-                    out.append((None, None, f"unreadable file ({e.strerror})"))
+                    out.append((None, None, prep.read_error(file, e)))
         finally:
             for f in handles.values():
                 f.close()

@@ -106,6 +106,16 @@ def _tar_error(path: str, what: str) -> DataError:
     )
 
 
+def _link_error(path: str, m, what: str) -> DataError:
+    # tarfile cannot follow a link to a folder: its images would be lost and labels shift.
+    link = "symbolic" if m.issym() else "hard"
+    return DataError(
+        f"tar archive {path!r} holds a {link} link {m.name!r} -> {m.linkname!r} where a "
+        f"{what} folder belongs, and links inside a tar are not followed; extract the tar and "
+        "pass the folder, or make the tar again with `tar -h` (--dereference)"
+    )
+
+
 def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
     """Regular members as (parts, file, offset, size), read once here so workers can seek,
     the class folders seen (as parts) and the members ignored (as (parts, why)). A truncated
@@ -140,6 +150,9 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
                 parts = [p for p in posixpath.normpath(m.name).split("/") if p not in ("", ".")]
                 if m.isdir() and len(parts) == depth - 1 and not any(map(_hidden, parts)):
                     dirs.add(tuple(parts))
+                if (m.issym() or m.islnk()) and 0 < len(parts) < depth:
+                    if not any(map(_hidden, parts)):
+                        raise _link_error(path, m, "class" if len(parts) == depth - 1 else "split")
                 kind = _kind(parts, depth) if m.isreg() or m.issym() or m.islnk() else ""
                 if kind is None and not m.isreg():  # the folder path follows links; not here
                     kind = f"{'symbolic' if m.issym() else 'hard'} link in a tar"
@@ -207,12 +220,15 @@ def _walk_split(root: str):
             try:
                 st = os.stat(path)
             except OSError as e:
-                raise DataError(f"cannot read {path!r} ({e.strerror or e})") from None
+                if not (isinstance(e, FileNotFoundError) and os.path.islink(path)):
+                    raise DataError(f"cannot read {path!r} ({e.strerror or e})") from None
+                st = os.lstat(path)  # a broken link: listed, then skipped as such when read
+            file_like = stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)
             if stat.S_ISDIR(st.st_mode):
                 ignored += _nested(root, path)
-            elif stat.S_ISREG(st.st_mode) and kind is None:
+            elif file_like and kind is None:
                 files.append((cls, name, path, st))
-            elif stat.S_ISREG(st.st_mode):
+            elif file_like:
                 ignored.append((f"{cls}/{name}", kind))
     return files, classes, ignored
 
@@ -397,6 +413,13 @@ def _read(handles: dict, file: str, offset: int, size: int) -> bytes:
     return handles[file].read(size)
 
 
+def read_error(file: str, e: OSError) -> str:
+    """Why a listed file could not be read (both paths skip it with this reason)."""
+    if os.path.islink(file) and not os.path.exists(file):
+        return "broken symbolic link"
+    return f"unreadable file ({e.strerror or e})"
+
+
 def _jpeg(img, quality: int) -> bytes:
     buf = io.BytesIO()
     img.save(buf, "JPEG", quality=quality)
@@ -423,7 +446,7 @@ def decode(data: bytes):
     except Image.DecompressionBombError:
         return None, None, f"over {MAX_PIXELS:,} pixels (decompression bomb guard)"
     except Exception as e:  # PIL raises many types for corrupt data
-        if "truncated" in str(e):
+        if "truncated" in str(e).lower():  # PIL says "Truncated File Read" and "truncated"
             return None, None, "truncated image"
         return None, None, f"undecodable ({type(e).__name__}: {str(e)[:200]})"
     # TF's decoders ignore EXIF orientation, so a photo taken sideways would train sideways:
@@ -531,7 +554,7 @@ def _write_shard(task: dict):
                 try:
                     img, full, reason = _check(_read(handles, file, offset, size))
                 except OSError as e:
-                    img, full, reason = None, None, f"unreadable file ({e.strerror})"
+                    img, full, reason = None, None, read_error(file, e)
                 if img is None:
                     skipped.append({"name": name, "reason": reason})
                     continue
@@ -745,7 +768,7 @@ def parse_classes(text) -> list[str] | None:
         names = [str(c).strip() for c in text]
     elif os.path.isfile(text):
         try:
-            with open(text) as f:
+            with open(text, encoding="utf-8-sig") as f:  # a BOM (Excel, Notepad) is no name
                 names = [line.strip() for line in f if line.strip()]
         except OSError as e:
             raise DataError(f"cannot read the class list {text!r} ({e.strerror})") from None
@@ -760,11 +783,14 @@ def parse_classes(text) -> list[str] | None:
     return names
 
 
+GIVEN = "the given class list"
+
+
 def _choose_classes(listed, manifest, train_split, classes, out, fix=SPLIT_FIX):
     """The dataset's one class list, the message naming where it came from, and the split
     whose class folders it is (None: a given list)."""
     if classes is not None:
-        return list(classes), "the given class list", None
+        return list(classes), GIVEN, None
     if train_split in listed:
         origin = f"train split {train_split!r}"
         return list(listed[train_split][1]["class_dirs"]), origin, train_split
@@ -827,13 +853,17 @@ def _check_splits(listed, classes, origin, train_split, allow_empty):
     """Errors before any work: a class that the class list lacks; a train class without
     files (unless allowed)."""
     known = set(classes)
+    if origin == GIVEN:
+        fix = "or add them to the class list (--classes, data.classes)"
+    else:
+        fix = (f"add them to train split {train_split!r}, or list every class (--classes, "
+               "data.classes)")  # fmt: skip
     for name, (source, listing) in sorted(listed.items()):
         extra = sorted({f[1] for f in listing["files"]} - known)
         if extra:
             raise DataError(
                 f"split {name!r} of {source!r} has class folder(s) {_names(extra)} that "
-                f"{origin} lacks, so they have no label; remove or rename them, add them to "
-                "the train split, or list every class (--classes, data.classes)"
+                f"{origin} lacks, so they have no label; remove or rename them, {fix}"
             )
     if train_split in listed and not allow_empty:
         source, listing = listed[train_split]
@@ -984,6 +1014,10 @@ def prepare(
             raise DataError(f"source {os.path.abspath(s)!r} does not exist")
     check_out(out, sources, "data.prepared_dir" if for_run else "--out")
     out = os.path.abspath(out)
+    made = out  # the topmost folder this call makes (None: out was there)
+    while not os.path.exists(os.path.dirname(made)):
+        made = os.path.dirname(made)
+    made = None if os.path.exists(out) else made
     try:
         os.makedirs(out, exist_ok=True)
         tempfile.TemporaryFile(dir=out).close()
@@ -1077,6 +1111,11 @@ def prepare(
             if entry["ignored"]:
                 _note(ignored_note(plan["split"], entry["ignored"], path))
             class_notes(plan["split"], entry["empty_folders"], empty)
+    except BaseException:
+        failed = True
+        raise
+    else:
+        failed = False
     finally:
         if pool is not None:
             pool.terminate()
@@ -1085,7 +1124,22 @@ def prepare(
             if os.path.exists(f):
                 os.remove(f)
         lock.release()
+        if failed and made:  # a first run that failed: leave no empty folder it made
+            _remove_made(out, made)
     return manifest
+
+
+def _remove_made(out: str, made: str) -> None:
+    """Removes ``out`` where it holds nothing but the lock, and the empty folders above it
+    up to ``made`` (the topmost one prepare made): never a folder that was there before."""
+    remove_if_unused(out)
+    folder = out
+    while folder != made and not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+        try:
+            os.rmdir(folder)
+        except OSError:  # holds something: kept
+            return
 
 
 def _existing_manifest(out: str) -> dict:

@@ -590,3 +590,85 @@ def test_the_plan_line_says_how_many_examples_an_epoch_leaves_out(tmp_path):
     c.global_batch = 5
     line = describe(plan_stages(stages_from_config(c, 1), data.steps_for))
     assert "examples per epoch" not in line, line  # every example read
+
+
+# ---- links, class lists and leftovers a user's folders bring ----------------------------------
+
+
+def _tar_of(path, src, *names):
+    """A plain tar of ``names`` under ``src``, links stored as links (as `tar cf` does)."""
+    with tarfile.open(path, "w") as t:
+        for name in names:
+            t.add(src / name, arcname=name)
+    return path
+
+
+@pytest.mark.parametrize("where", ["train/fish", "val"])
+def test_a_linked_class_or_split_folder_in_a_tar_is_one_error_naming_it(tmp_path, capsys, where):
+    """tarfile cannot follow a link: the folder's images would be dropped and the labels
+    shift. One error line names the link and the fix; nothing is left in --out."""
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg(seed=1),
+                                   "elsewhere/x/1.jpg": _jpeg(seed=2)})  # fmt: skip
+    (src / where).parent.mkdir(parents=True, exist_ok=True)
+    (src / where).symlink_to(src / "elsewhere" / ("x" if "/" in where else ""))
+    tar = _tar_of(tmp_path / "ds.tar", src, "train", *(["val"] if where == "val" else []))
+    out = tmp_path / "made" / "out"
+    assert prepare_main([str(tar), "--out", str(out), "--workers", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert f"symbolic link '{where}'" in lines[0] and "tar -h" in lines[0]
+    assert not (tmp_path / "made").exists()  # prepare made it, and removes it again
+
+
+def test_a_hard_link_member_at_class_depth_is_refused_too(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg()})
+    tar = _tar_of(tmp_path / "ds.tar", src, "train")
+    with tarfile.open(tar, "a") as t:
+        link = tarfile.TarInfo("train/bee")
+        link.type, link.linkname = tarfile.LNKTYPE, "train/ant"
+        t.addfile(link)
+    (tmp_path / "out").mkdir()  # the user's folder: kept after the error
+    with pytest.raises(ConfigError, match=r"hard link 'train/bee'.*--dereference"):
+        prepare([tar], tmp_path / "out", **ONE)
+    assert (tmp_path / "out").is_dir()
+
+
+def test_a_broken_symbolic_link_is_skipped_and_listed_on_both_paths(tmp_path):
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg(seed=1),
+                                   "val/ant/1.jpg": _jpeg(seed=2)})  # fmt: skip
+    (src / "train" / "ant" / "dead.jpg").symlink_to(tmp_path / "gone.jpg")
+    tf_info, od_info = _both_paths(tmp_path, src, num_classes=2)
+    for info in (tf_info, od_info):
+        assert info["train_examples"] == 2 and info["splits"]["train"]["skipped"] == 1
+    manifest = records.load_manifest(str(tmp_path / "out"))["splits"]["train"]
+    cached = json.loads((tmp_path / "out" / "on_device" / "train-16px.json").read_text())
+    dead = [{"name": "ant/dead.jpg", "reason": "broken symbolic link"}]
+    assert manifest["skipped"] == cached["skipped"] == dead
+
+
+def test_a_val_class_missing_from_train_is_refused_on_device_before_any_decode(tmp_path):
+    """prepare's check and message, before a split is decoded (not after train's decode)."""
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg(seed=1),
+                                   "val/yak/1.jpg": _jpeg(seed=2)})  # fmt: skip
+    for on in (False, True):
+        with pytest.raises(ConfigError, match=r"split 'val' .*'yak' that train split 'train'"):
+            _make_data(src, tmp_path / "out", on, num_classes=1)
+    assert not list((tmp_path / "out").glob("on_device/*.npz"))  # nothing decoded
+
+
+def test_a_class_list_file_with_a_bom_and_the_fix_of_a_folder_it_lacks(tmp_path):
+    """A list saved by Excel or Notepad starts with a UTF-8 BOM; a folder the list lacks
+    is fixed in the list (or, without one, in the split that defines the classes)."""
+    (tmp_path / "classes.txt").write_text("ant\nbee\n", encoding="utf-8-sig")
+    src = _tree(tmp_path / "src", {"trn/ant/1.jpg": _jpeg(), "trn/bee/1.jpg": _jpeg(seed=1),
+                                   "val/yak/1.jpg": _jpeg(seed=2)})  # fmt: skip
+    classes = str(tmp_path / "classes.txt")
+    with pytest.raises(ConfigError) as e:
+        prepare([src], tmp_path / "out", classes=classes, **ONE)
+    assert "'yak' that the given class list lacks" in str(e.value)  # 'ant' is known
+    assert "add them to the class list" in str(e.value) and "train split" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"'yak' .*add them to train split 'trn'"):
+        prepare([src], tmp_path / "out", train_split="trn", **ONE)
+    (src / "val" / "yak").rename(src / "val" / "bee")
+    manifest = prepare([src], tmp_path / "out", classes=classes, **ONE)
+    assert manifest["classes"] == ["ant", "bee"]

@@ -613,3 +613,13 @@ def test_images_directly_in_split_folders_are_ignored_counted_and_said(tmp_path,
     # a real split (CLASS/FILE with --split) reads them all
     entry = prepare([src], tmp_path / "o4", split="train", **kw)["splits"]["train"]
     assert entry["num_examples"] == 8 and not entry["ignored"]
+
+
+def test_a_jpeg_cut_anywhere_is_skipped_as_a_truncated_image():
+    """PIL says "Truncated File Read" for a JPEG cut in its first blocks, "image file is
+    truncated" for one cut later: both are a truncated image, not undecodable."""
+    from hybridpar.input.prepare import decode
+
+    data = _jpeg(_image(200, 200, seed=2), quality=90)
+    for cut in (300, len(data) * 6 // 10):
+        assert decode(data[:cut])[2] == "truncated image", cut
