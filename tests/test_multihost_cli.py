@@ -213,7 +213,8 @@ def test_processes_of_one_run_with_another_config_or_workdir_stop_with_one_error
         assert rc == 2 and "Traceback" not in stderr and len(errors) == 1, stderr[-3000:]
         lines.append(errors[0])
     if case == "another_lr":
-        assert lines[0].startswith("error: process(es) 1 run another config than process 0")
+        assert lines[0].startswith("error: process(es) 1 run another config than process 0 "
+                                   "(process 1: optim.base_lr (here 0.4))")  # fmt: skip
         assert lines[1].startswith(
             "error: process 1 runs another config than process 0: optim.base_lr is 0.8 "
             "here, 0.4 in process 0"

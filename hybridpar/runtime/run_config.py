@@ -279,7 +279,11 @@ def check_processes_agree(config, workdir: str | None, allow_config_change: bool
                 sees = False
     counted = os.environ.get("JAX_NUM_PROCESSES", "").strip()  # distributed.from_env checked it
     counted = int(counted) if counted.isdigit() else 0  # 0: unset (a detected cluster's)
-    mine = [bool(diff), sees, counted, allow_config_change]
+    # Which key differs first, as an index into process 0's keys (-1: none, -2: a key
+    # process 0 lacks), so that process 0's error can name it too.
+    keys = list(a)
+    first_key = -1 if not diff else keys.index(diff[0][0]) if diff[0][0] in a else -2
+    mine = [bool(diff), sees, counted, allow_config_change, first_key]
     rows = np.asarray(mh.process_allgather(np.array(mine, np.int32)))
     if workdir is not None:
         mh.sync_global_devices("hybridpar: shared workdir check read")
@@ -308,8 +312,16 @@ def check_processes_agree(config, workdir: str | None, allow_config_change: bool
             f"{there!r} in process 0{more}; {same}"
         )
     if rows[:, 0].any():
-        others = ", ".join(str(i) for i in np.flatnonzero(rows[:, 0]))
-        raise ConfigError(f"process(es) {others} run another config than process 0; {same}")
+        others = np.flatnonzero(rows[:, 0])
+        said = []
+        for i in others:
+            k = int(rows[i, 4])
+            said.append(f"process {i}: {keys[k]} (here {a[keys[k]]!r})" if k >= 0 else
+                        f"process {i}: a key this config lacks")
+        raise ConfigError(
+            f"process(es) {', '.join(str(i) for i in others)} run another config than process "
+            f"0 ({'; '.join(said)}); {same}"
+        )
     if not rows[:, 1].all():
         blind = ", ".join(str(i) for i in np.flatnonzero(rows[:, 1] == 0))
         raise ConfigError(
