@@ -610,3 +610,71 @@ def test_a_json_record_that_does_not_read_is_one_error_line_that_fits_a_reader(
     else:
         assert row["status"] == "completed"
         assert row["time to target"].endswith("; top5 0.99: not reached")
+
+
+def resumed_longer_run(w: Path, changed: list[str]) -> None:
+    """Trained 3 epochs of 10 steps with num_epochs=3, then resumed at step 30 with
+    num_epochs=4 and ``changed`` as the resume's changed keys: config.json holds the new
+    config, the first start's train lines the old schedule's values (logged as the trainer
+    logs them: at step s, the learning rate step s - 1 ran with)."""
+    from hybridpar.config.curriculum import plan_stages, stages_from_config
+    from hybridpar.config.schema import base_config
+    from hybridpar.program.optim import make_schedule
+
+    def lr_of(num_epochs):
+        c = base_config()
+        c.global_batch, c.num_epochs = 64, num_epochs
+        c.optim.update(base_lr=0.4, warmup_epochs=1.0)
+        plan = plan_stages(stages_from_config(c, 8), lambda batch: 640 // batch, data_parallel=8)
+        return c, make_schedule(c.optim, plan)
+
+    (_, old), (new_config, new) = lr_of(3.0), lr_of(4.0)
+    w.mkdir(parents=True)
+    (w / "config.json").write_text(new_config.to_json())
+
+    def line(s, lr):
+        return ev("train", s, s / 10, 1.0 + s, loss=1.0, lr=float(lr(s - 1)), momentum=0.9,
+                  image_size=16, global_batch=64, stage=0)  # fmt: skip
+
+    write_jsonl(w / "metrics.jsonl", [
+        ev("stage", 0, 0.0, 1.0, stage=0, image_size=16, global_batch=64, data_parallel=8),
+        *[line(s, old) for s in range(1, 31)],
+        ev("resume", 30, 3.0, 40.0, from_step=30, from_wall_s=31.0, changed_keys=changed),
+        ev("stage", 30, 3.0, 41.0, stage=0, image_size=16, global_batch=64, data_parallel=8),
+        *[line(s, new) for s in range(31, 41)],
+    ])  # fmt: skip
+
+
+def test_a_resume_that_changed_the_schedule_draws_the_config_curve_from_there_on(tmp_path):
+    """Resumed with num_epochs 3 -> 4, config.json's schedule is the second start's only:
+    the curve starts at the resume (a vertical line there names the changed key), the
+    second start's dots lie on it, and the first start's are dots alone (the 3-epoch decay
+    put them far under the 4-epoch curve). A resume that changed no schedule key keeps the
+    curve from epoch 0. Planted bug that fails it: read() without the resume's change (the
+    curve from epoch 0 out of the new config)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    resumed_longer_run(tmp_path / "a", ["num_epochs", "optim.weight_decay"])
+    run = report.read(str(tmp_path / "a"))
+    ax = next(a for a in report.figure([("a", run)]).axes if a.get_ylabel() == "learning rate")
+    (curve,) = [(line.get_xdata(), line.get_ydata()) for line in ax.lines
+                if line.get_label() == "a"]  # fmt: skip
+    (dots,) = [(line.get_xdata(), line.get_ydata()) for line in ax.lines
+               if line.get_linestyle() == "None"]  # fmt: skip
+    assert min(curve[0]) == pytest.approx(3.0) and max(curve[0]) == pytest.approx(4.0)
+    after = [(x, y) for x, y in zip(*dots) if x >= 3.0]
+    assert len(after) == 10 and off_curve(curve, list(zip(*after))) <= 1e-3 * max(curve[1])
+    (marks,) = [line for line in ax.lines if "resumed with" in str(line.get_label())]
+    assert list(marks.get_xdata()) == [3.0, 3.0]
+    assert "num_epochs, optim.weight_decay changed" in marks.get_label()
+    # the global batch from the stage lines before the resume, the config's after
+    batch = report.schedule(run)["global batch"]
+    assert batch[0][0] == 0.0 and batch[0][-1] == pytest.approx(4.0) and set(batch[1]) == {64}
+
+    resumed_longer_run(tmp_path / "b", ["eval_every_epochs"])  # not a schedule key
+    fig = report.figure([("b", report.read(str(tmp_path / "b")))])
+    ax = next(a for a in fig.axes if a.get_ylabel() == "learning rate")
+    (curve,) = [line.get_xdata() for line in ax.lines if line.get_label() == "b"]
+    assert min(curve) == 0.0
+    assert not [line for line in ax.lines if "resumed with" in str(line.get_label())]

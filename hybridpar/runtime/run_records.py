@@ -224,6 +224,12 @@ def read_records(path: str, offset: int = 0) -> tuple[list[Record], int]:
     return records, offset + end
 
 
+# The config keys an LR schedule reads: the optimizer's, the run's length and its batches
+# (with stages given per device, the mesh sets the global batch). A resume's changed_keys
+# among them moved the schedule (the trainer's warning, report's LR panel).
+SCHEDULE_KEYS = ("optim.", "num_epochs", "stages", "global_batch", "mesh")
+
+
 # What to do about a JSON record that does not read, as the trainer sees it; a tool that
 # only reads runs says its own (``read_run``'s ``unreadable``).
 START_OVER = "move it away to start over"

@@ -612,15 +612,10 @@ def lr_change(run: Run, held: dict | None, loop: LoopState, step: int):
     return (before, now) if abs(now - before) > 0.01 * max(abs(before), abs(now)) else None
 
 
-# The keys an LR schedule reads: the optimizer's, the run's length and its batches (with
-# stages given per device, the mesh sets the global batch)
-SCHEDULE_KEYS = ("optim.", "num_epochs", "stages", "global_batch", "mesh")
-
-
 def lr_change_warning(moved: tuple[float, float], step: int, changed: list[str]) -> str:
     """``lr_change``'s warning, naming the changed keys the schedule reads (all of them
     where none is one of those: something else moved it)."""
-    named = [k for k in changed if k.startswith(SCHEDULE_KEYS)] or changed
+    named = [k for k in changed if k.startswith(run_records.SCHEDULE_KEYS)] or changed
     return (
         f"warning: the learning rate at step {step} is {moved[1]:.4g} under this config, "
         f"{moved[0]:.4g} under the checkpoint's ({', '.join(named)} changed its schedule): "

@@ -4,25 +4,25 @@ Compares training runs from their records (``run_records.read_run``): for each w
 ``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
 (``python -m hybridpar.evaluate``'s eval events, if any), ``W/summary.json`` and
 ``W/config.json`` (if written). Writes one PNG (``--out``, default ``W/report.png`` in the
-first run's workdir): top-1
-and top-5 against wall time (a log axis in plain seconds where one run is over 4x another's
-length) and against epochs, one colour and marker per run, the evaluator's points hollow,
-each stage switch a dotted vertical line; where the time went, one stacked bar per run whose
-summary.json has a ``time_breakdown``; and the schedule against epochs (learning rate,
-momentum, global batch, image size) computed from the config, every step from epoch 0 and
-each stage's change a step, with the logged values as dots (at the epoch where the step that
-used each began). Only panels some run has data for, rows filled (no empty slot). The
-title, wrapped to the figure's width, names the config keys that differ between runs and
-the schedule series a run holds fixed: once where every run holds the same value, per run
-where not (and then not its config key as well: ``global_batch`` is the global batch).
-Prints a markdown table of the runs (name, epochs, steps, best top-1 and top-5, time to
-target, wall, compile, images/s), then one of their stages (image size, global batch,
-steps, the seconds in those steps and images/s: a curriculum's stages differ in both, so
-the run-wide images/s hides the switch), and writes them beside the PNG (the same path
-with ``.md``); compile time, as summary.json counts it, is what the run waited for
-(``run_records.waited_s``). Time to target is the first eval at or over it
-among all the run's eval records, the evaluator's too, for summary.json's targets and for
-``--target-top1`` / ``--target-top5`` alike.
+first run's workdir): top-1 and top-5 against wall time (a log axis in plain seconds where
+one run is over 4x another's length) and against epochs, one colour and marker per run, the
+evaluator's points hollow, each stage switch a dotted vertical line; where the time went,
+one stacked bar per run whose summary.json has a ``time_breakdown``; and the schedule
+against epochs (learning rate, momentum, global batch, image size) computed from the config,
+every step from epoch 0 and each stage's change a step, with the logged values as dots (at
+the epoch where the step that used each began); a run resumed with a changed schedule key,
+from that resume on (a dash-dot line there: config.json holds only the last start's config).
+Only panels some run has data for, rows filled (no empty slot). The title, wrapped to the
+figure's width, names the config keys that differ between runs and the schedule series a run
+holds fixed: once where every run holds the same value, per run where not (and then not its
+config key as well: ``global_batch`` is the global batch). Prints a markdown table of the
+runs (name, epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s),
+then one of their stages (image size, global batch, steps, the seconds in those steps and
+images/s: a curriculum's stages differ in both, so the run-wide images/s hides the switch),
+and writes them beside the PNG (the same path with ``.md``); compile time, as summary.json
+counts it, is what the run waited for (``run_records.waited_s``). Time to target is the
+first eval at or over it among all the run's eval records, the evaluator's too, for
+summary.json's targets and for ``--target-top1`` / ``--target-top5`` alike.
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
 missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2), and so is a
@@ -32,6 +32,7 @@ aside, the run reads from its ``metrics.jsonl`` alone).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import statistics
@@ -39,7 +40,15 @@ import statistics
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import pyplot
-from hybridpar.runtime.run_records import TIME_PARTS, RunRecords, read_run
+from hybridpar.runtime.run_records import (
+    SCHEDULE_KEYS,
+    TIME_PARTS,
+    Resume,
+    RunRecords,
+    read_records,
+    read_run,
+    resumed_from,
+)
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
            "compile s", "images/s", "status")  # fmt: skip
@@ -166,21 +175,66 @@ LOGGED = {"learning rate": "lr", "momentum": "momentum"}  # train lines' fields
 CONFIG_KEY = {"global batch": "global_batch", "image size (px)": "data.image_size"}
 
 
+# The config keys a schedule series reads (the learning rate's, and the image size): a
+# resume that changed one leaves config.json without the earlier starts'.
+SERIES_KEYS = SCHEDULE_KEYS + ("data.image_size",)
+
+
+@dataclasses.dataclass
+class Run(RunRecords):
+    """A run's records, and the last resume that changed a key its schedule reads:
+    ``(step, epoch, keys)``, or None."""
+
+    schedule_change: tuple | None = None
+
+
+def schedule_change(path: str) -> tuple | None:
+    """``(step, epoch, keys)`` of the last resume in ``path`` (a metrics.jsonl) whose
+    ``changed_keys`` hold a schedule key, among those a later resume from an earlier step
+    did not supersede; None where there is none."""
+    changes = []
+    for r in read_records(path)[0]:
+        if isinstance(r, Resume):
+            changes = [c for c in changes if c[0] <= resumed_from(r)]
+            keys = [k for k in r.changed_keys or () if k.startswith(SERIES_KEYS)]
+            if keys:
+                changes.append((r.step, r.epoch, keys))
+    return changes[-1] if changes else None
+
+
 def schedule(run: RunRecords) -> dict[str, tuple]:
     """``{name in SCHEDULE: (epochs, values)}`` to the run's last epoch: from its config.json
     where it has one (every step's value from epoch 0, each stage's change a step), else as
-    its train and stage lines sampled it."""
+    its train and stage lines sampled it. Resumed with a changed schedule, config.json holds
+    only the last start's config, and the earlier starts' is in no record: the config's
+    values from that resume on; before it the stage lines' batch and image size, and for
+    the learning rate and momentum nothing (the figure's dots are the logged values: a
+    line between them would draw a warmup or a decay the lines do not show)."""
+    import numpy as np
+
     last = max((r.epoch for r in run.train + run.eval), default=0.0)
     dp = run.stage[0].data_parallel if run.stage else None
+    change = getattr(run, "schedule_change", None)  # read_run's records know of no resume
     if run.config and run.stage and (dp or not run.config.get("stages")):
         try:
-            return config_schedule(run.config, dp or 1, last)
+            computed = config_schedule(run.config, dp or 1, last, change[1] if change else 0.0)
         except (AttributeError, KeyError):  # a config.json of a version without some key
-            pass
+            return logged_schedule(run, last)
+        if not change:
+            return computed
+        step, epoch, _ = change
+        before = dataclasses.replace(run, train=[t for t in run.train if t.step <= step],
+                                     stage=[s for s in run.stage if s.step < step])  # fmt: skip
+        logged = logged_schedule(before, epoch) | {k: ([], []) for k in LOGGED}
+        return {k: tuple(np.concatenate([np.asarray(a, float), b])
+                         for a, b in zip(logged[k], computed[k]))
+                for k in SCHEDULE}  # fmt: skip
     return logged_schedule(run, last)
 
 
-def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, tuple]:
+def config_schedule(config: dict, data_parallel: int, last: float,
+                    since: float = 0.0) -> dict[str, tuple]:  # fmt: skip
+    """The schedule ``config`` gives from epoch ``since`` to ``last``."""
     import numpy as np
     from ml_collections import ConfigDict
 
@@ -193,7 +247,10 @@ def config_schedule(config: dict, data_parallel: int, last: float) -> dict[str, 
     for st in stages:
         if start > last:
             break
-        end = min(st.end_epoch, last)
+        start, end = max(start, since), min(st.end_epoch, last)
+        if start > end:  # a stage over before ``since``
+            start = st.end_epoch
+            continue
         kinks = [k for k in (o.warmup_epochs, o.momentum_ramp_epochs) if start < k < end]
         e = np.union1d(np.linspace(start, end, 200), kinks)  # the warmup's peak drawn
         lr = peak_lr(o, st.global_batch) * lr_factor(o, e, stages[-1].end_epoch)
@@ -294,6 +351,11 @@ def figure(runs: list[tuple[str, RunRecords]]):
                           if getattr(t, field) is not None]  # fmt: skip
                 ax.plot([x for x, _ in logged], [y for _, y in logged], marker, color=color,
                         markersize=3)  # fmt: skip
+        change = getattr(run, "schedule_change", None)
+        for key in shown if change and run.config else ():  # where config.json's curve starts
+            axes[key].axvline(change[1], color=color, linestyle="-.", alpha=0.7,
+                              label=f"{name}: resumed with {', '.join(change[2])} changed; "
+                              "config.json's schedule from here")  # fmt: skip
         for s in run.stage[1:]:  # the switches (the first stage starts the run)
             if acc_t is not None:
                 acc_t.axvline(s.wall_s, color=color, linestyle=":", alpha=0.7)
@@ -487,9 +549,12 @@ UNREADABLE = (
 )
 
 
-def read(workdir: str) -> RunRecords:
-    """``read_run``, with report's own advice for a JSON record that does not read."""
-    return read_run(workdir, unreadable=UNREADABLE)
+def read(workdir: str) -> Run:
+    """``read_run``, with report's own advice for a JSON record that does not read, and the
+    run's last schedule change on a resume."""
+    run = read_run(workdir, unreadable=UNREADABLE)
+    change = schedule_change(os.path.join(workdir, "metrics.jsonl"))
+    return Run(**vars(run), schedule_change=change)
 
 
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
