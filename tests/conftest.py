@@ -53,38 +53,24 @@ def cifar10_test_prepared(tmp_path_factory):
 # Files that take minutes, first: on 2 xdist workers (--dist loadfile: a file's tests on one
 # worker), a long file collected last would run alone at the end while the other worker
 # idles. Only the order changes (a stable sort); a name missing here just runs in its turn.
-# Longest first, by the slowest tests of a full run.
 SLOW_FIRST = (
-    "test_train_cli.py",
-    "test_bench_fairness.py",
-    "test_compress.py",
-    "test_trainer.py",
-    "test_compile_targets.py",
-    "test_multihost_cli.py",
     "test_bucketed.py",
-    "test_checkpoint.py",
-    "test_plan.py",
+    "test_train_cli.py",
     "test_comm_report.py",
-    "test_curriculum.py",
     "test_sharded_head.py",
+    "test_plan.py",
+    "test_trainer.py",
     "test_parity.py",
-    "test_gpu_e2e.py",
+    "test_checkpoint.py",
+    "test_multihost_cli.py",
     "test_momentum.py",
+    "test_bench_fairness.py",
     "test_bn_sync.py",
     "test_airbench.py",
     "test_quantize.py",
-    "test_edge.py",
 )
-
-
-def pytest_configure(config):
-    # pytest-xdist (3.6 on) orders the files by their count of tests unless told not to,
-    # which undid SLOW_FIRST and put the few-test, long files last
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
-
