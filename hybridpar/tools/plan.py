@@ -134,9 +134,10 @@ def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
     model = shape["model"]
     if c.comm.startswith(("bucketed", "overlap")) and shape["data"] * shape["fsdp"] == 1:
         return "bucketed and overlap communication need more than one data-parallel device"
-    # a model axis of one device holds every class: the sharded head trains there too
-    if c.head == "sharded" and num_classes % model:
-        return "the sharded head needs a model axis that divides the classes"
+    # on a one-device model axis the sharded head trains, but does the dense head's work:
+    # not a plan of its own (the dense one is)
+    if c.head == "sharded" and (model == 1 or num_classes % model):
+        return "the sharded head needs a model axis > 1 that divides the classes"
     if c.head == "partial_fc" and num_classes % devices:
         return "partial_fc needs the classes to divide over all devices"
     if c.comm.startswith("bucketed") and (model > 1 or c.head != "dense"):
