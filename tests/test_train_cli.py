@@ -140,7 +140,7 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
         ),
         (
             ["--config.mesh=data:4,model:2", "--config.comm.reduce_dtype=bfloat16"],
-            "comm.reduce_dtype='bfloat16' under comm.mode=xla needs a mesh over data only",
+            "comm.reduce_dtype='bfloat16' under comm.mode=auto (resolved to xla: a model axis",
         ),
         # a flag another makes moot is refused, not silently unused; before the config is
         # checked (the mesh here would be the next error, and the run's start without it)
