@@ -274,6 +274,8 @@ class RunRecords:
     checkpoint: list[Checkpoint]
     summary: dict | None
     config: dict | None
+    # the resumes that stand (one from an earlier step drops those after it), in order
+    resume: list[Resume] = dataclasses.field(default_factory=list)
 
 
 def resumed_from(resume: Resume | dict) -> int:
@@ -309,10 +311,11 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
             "trainer writes WORKDIR/metrics.jsonl once its set-up is done)"
         )
     kinds: dict[str, list[Any]] = {"train": [], "compile": [], "checkpoint": []}
-    evals, stages = {}, {}
+    evals, stages, resumes = {}, {}, []
     for r in read_records(path)[0]:
         if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
             last = resumed_from(r)
+            resumes = [x for x in resumes if x.step <= last] + [r]
             kinds["train"] = [t for t in kinds["train"] if t.step <= last]
             kinds["compile"] = [c for c in kinds["compile"] if kept(c, r, last)]
             evals = {s: e for s, e in evals.items() if s <= last}
@@ -334,6 +337,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         checkpoint=kinds["checkpoint"],
         summary=read_json(os.path.join(workdir, "summary.json"), unreadable),
         config=read_json(os.path.join(workdir, "config.json"), unreadable),
+        resume=resumes,
     )
 
 

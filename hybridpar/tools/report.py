@@ -43,11 +43,8 @@ from hybridpar.config.formatting import pyplot
 from hybridpar.runtime.run_records import (
     SCHEDULE_KEYS,
     TIME_PARTS,
-    Resume,
     RunRecords,
-    read_records,
     read_run,
-    resumed_from,
 )
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
@@ -180,26 +177,14 @@ CONFIG_KEY = {"global batch": "global_batch", "image size (px)": "data.image_siz
 SERIES_KEYS = SCHEDULE_KEYS + ("data.image_size",)
 
 
-@dataclasses.dataclass
-class Run(RunRecords):
-    """A run's records, and the last resume that changed a key its schedule reads:
-    ``(step, epoch, keys)``, or None."""
-
-    schedule_change: tuple | None = None
-
-
-def schedule_change(path: str) -> tuple | None:
-    """``(step, epoch, keys)`` of the last resume in ``path`` (a metrics.jsonl) whose
-    ``changed_keys`` hold a schedule key, among those a later resume from an earlier step
-    did not supersede; None where there is none."""
-    changes = []
-    for r in read_records(path)[0]:
-        if isinstance(r, Resume):
-            changes = [c for c in changes if c[0] <= resumed_from(r)]
-            keys = [k for k in r.changed_keys or () if k.startswith(SERIES_KEYS)]
-            if keys:
-                changes.append((r.step, r.epoch, keys))
-    return changes[-1] if changes else None
+def schedule_change(run: RunRecords) -> tuple | None:
+    """``(step, epoch, keys)`` of the run's last standing resume whose ``changed_keys``
+    hold a schedule key; None where there is none."""
+    for r in reversed(run.resume):
+        keys = [k for k in r.changed_keys or () if k.startswith(SERIES_KEYS)]
+        if keys:
+            return r.step, r.epoch, keys
+    return None
 
 
 def schedule(run: RunRecords) -> dict[str, tuple]:
@@ -214,7 +199,7 @@ def schedule(run: RunRecords) -> dict[str, tuple]:
 
     last = max((r.epoch for r in run.train + run.eval), default=0.0)
     dp = run.stage[0].data_parallel if run.stage else None
-    change = getattr(run, "schedule_change", None)  # read_run's records know of no resume
+    change = schedule_change(run)
     if run.config and run.stage and (dp or not run.config.get("stages")):
         try:
             computed = config_schedule(run.config, dp or 1, last, change[1] if change else 0.0)
@@ -351,7 +336,7 @@ def figure(runs: list[tuple[str, RunRecords]]):
                           if getattr(t, field) is not None]  # fmt: skip
                 ax.plot([x for x, _ in logged], [y for _, y in logged], marker, color=color,
                         markersize=3)  # fmt: skip
-        change = getattr(run, "schedule_change", None)
+        change = schedule_change(run)
         for key in shown if change and run.config else ():  # where config.json's curve starts
             axes[key].axvline(change[1], color=color, linestyle="-.", alpha=0.7,
                               label=f"{name}: resumed with {', '.join(change[2])} changed; "
@@ -549,12 +534,9 @@ UNREADABLE = (
 )
 
 
-def read(workdir: str) -> Run:
-    """``read_run``, with report's own advice for a JSON record that does not read, and the
-    run's last schedule change on a resume."""
-    run = read_run(workdir, unreadable=UNREADABLE)
-    change = schedule_change(os.path.join(workdir, "metrics.jsonl"))
-    return Run(**vars(run), schedule_change=change)
+def read(workdir: str) -> RunRecords:
+    """``read_run``, with report's own advice for a JSON record that does not read."""
+    return read_run(workdir, unreadable=UNREADABLE)
 
 
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
