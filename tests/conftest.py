@@ -48,29 +48,3 @@ def cifar10_test_prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("cifar10_test_prepared")
     manifest = prepare([tar], out, workers=2, progress=False, train_split="test")
     return tar, out, manifest
-
-
-# Files that take minutes, first: on 2 xdist workers (--dist loadfile: a file's tests on one
-# worker), a long file collected last would run alone at the end while the other worker
-# idles. Only the order changes (a stable sort); a name missing here just runs in its turn.
-SLOW_FIRST = (
-    "test_bucketed.py",
-    "test_train_cli.py",
-    "test_comm_report.py",
-    "test_sharded_head.py",
-    "test_plan.py",
-    "test_trainer.py",
-    "test_parity.py",
-    "test_checkpoint.py",
-    "test_multihost_cli.py",
-    "test_momentum.py",
-    "test_bench_fairness.py",
-    "test_bn_sync.py",
-    "test_airbench.py",
-    "test_quantize.py",
-)
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))
