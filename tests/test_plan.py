@@ -204,8 +204,12 @@ def test_candidates_respect_the_rules():
         "per_device_batch": [4],
         "compute": ["float32"],
     }
-    found, product = plan.candidates(config, 8, choices)
+    found, product, ruled = plan.candidates(config, 8, choices)
     assert product == 10 * 3 * 3
+    # every combination is a plan or ruled out with its reason, counted (plan's stderr line)
+    assert len(found) + sum(ruled.values()) == product
+    assert ruled["partial_fc needs the classes to divide over all devices"] > 0
+    assert ruled["bucketed communication needs model=1 and the dense head"] > 0
     for c in found:
         model = dict(c.mesh)["model"]
         assert c.head != "sharded" or (model > 1 and 10 % model == 0)
@@ -229,8 +233,10 @@ def test_one_data_parallel_device_is_offered_no_bucketed_or_overlap_mode():
         "per_device_batch": [32],
         "compute": ["float32"],
     }
-    found, product = plan.candidates(config, 1, choices)
+    found, product, ruled = plan.candidates(config, 1, choices)
     assert product == 3 and [c.comm for c in found] == ["xla"]
+    assert ruled == {"bucketed and overlap communication need more than one data-parallel "
+                     "device": 2}  # fmt: skip
 
 
 @pytest.mark.parametrize("platform, want", [("gpu", "overlap:4"), ("cpu", "xla")])
@@ -247,9 +253,10 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
         "per_device_batch": [4],
         "compute": ["float32"],
     }  # fmt: skip
-    found, _ = plan.candidates(config, 8, choices, platform)
+    found, _, ruled = plan.candidates(config, 8, choices, platform)
     assert [c.comm for c in found if c.mesh_spec == "data:8"][0] == want
     assert [c.comm for c in found if c.mesh_spec == "data:4,model:2"] == ["xla"]  # once
+    assert ruled["the same plan as another"] == (2 if want == "xla" else 1)
     assert found[0].overrides()["comm.mode"] == want.split(":")[0]
 
 
@@ -445,10 +452,10 @@ def test_a_per_device_batch_is_per_data_parallel_device():
     choices = {"mesh": [(("data", 8), ("fsdp", 1), ("model", 1)), hybrid],
                "head": ["dense"], "bn_sync": ["global"], "comm": ["xla"],
                "per_device_batch": [8], "compute": ["float32"]}  # fmt: skip
-    found, _ = plan.candidates(config, 8, choices)
+    found, _, _ = plan.candidates(config, 8, choices)
     assert {c.mesh_spec: c.overrides()["global_batch"] for c in found} == {
         "data:8": "64", "data:4,model:2": "32"}  # fmt: skip
-    found, _ = plan.candidates(config, 8, dict(choices, per_device_batch=[None]))
+    found, _, _ = plan.candidates(config, 8, dict(choices, per_device_batch=[None]))
     assert {c.mesh_spec: (c.per_device_batch, c.overrides()["global_batch"]) for c in found} == {
         "data:8": (4, "32"), "data:4,model:2": (8, "32")}  # fmt: skip
     assert found[0].mesh_spec == "data:8"  # the config's own plan first: no batch change
@@ -465,7 +472,7 @@ def test_a_config_with_stages_plans_its_stages_batches():
     choices = {"mesh": [(("data", 8), ("fsdp", 1), ("model", 1))], "head": ["dense"],
                "bn_sync": ["global"], "comm": ["xla"], "per_device_batch": [None],
                "compute": ["float32"]}  # fmt: skip
-    found, _ = plan.candidates(config, 8, choices)
+    found, _, _ = plan.candidates(config, 8, choices)
     assert len(found) == 1 and found[0].per_device_batch is None
     assert "global_batch" not in found[0].overrides() and found[0].label().endswith("b=stages")
 

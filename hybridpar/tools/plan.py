@@ -43,6 +43,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from hybridpar.config import cli
@@ -175,10 +176,12 @@ def _config_batch(c: Candidate, config) -> Candidate:
 
 def candidates(
     config, devices: int, choices: dict, platform: str = "cpu"
-) -> tuple[list[Candidate], int]:
-    """The valid plans of the product of `choices`, closest to the config first, and how
-    many the product had. ``platform``: the devices' (a mesh error's hint depends on it).
-    A ``per_device_batch`` of None is the config's own global batch on every mesh."""
+) -> tuple[list[Candidate], int, Counter]:
+    """The valid plans of the product of `choices`, closest to the config first; how many
+    the product had; and how many of it were ruled out, by reason (``_rule_out``'s words;
+    "the same plan as another" where ``auto`` or the config's batch made a plan listed
+    already). ``platform``: the devices' (a mesh error's hint depends on it). A
+    ``per_device_batch`` of None is the config's own global batch on every mesh."""
     from hybridpar.parallel.mesh import parse_mesh_spec
 
     base = Candidate(
@@ -192,12 +195,17 @@ def candidates(
     base = _config_batch(_resolved(base, config, platform), config)
     axes = [f.name for f in dataclasses.fields(Candidate)]
     grid = list(itertools.product(*(choices[a] for a in axes)))
-    out = []
+    out, seen, ruled = [], set(), Counter()
     for values in grid:
         c = _config_batch(_resolved(Candidate(*values), config, platform), config)
-        if _rule_out(c, devices, config.data.num_classes) is None:
+        reason = _rule_out(c, devices, config.data.num_classes)
+        if reason is not None:
+            ruled[reason] += 1
+        elif c in seen:  # auto may resolve to a plan listed already
+            ruled["the same plan as another"] += 1
+        else:
+            seen.add(c)
             out.append(c)
-    out = list(dict.fromkeys(out))  # auto may resolve to a plan listed already
 
     def value(c, a):  # a batch is the global batch it makes: the same on every mesh
         return c.overrides().get("global_batch") if a == "per_device_batch" else getattr(c, a)
@@ -206,7 +214,12 @@ def candidates(
         return sum(value(c, a) != value(base, a) for a in axes)
 
     out.sort(key=distance)  # stable: within a distance, the order of the value lists
-    return out, len(grid)
+    return out, len(grid), ruled
+
+
+def ruled_out_words(ruled: Counter) -> str:
+    """``ruled``'s counts and reasons, most first: "4 (the sharded head needs ...), 2 (...)"."""
+    return ", ".join(f"{n} ({reason})" for reason, n in ruled.most_common())
 
 
 def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
@@ -951,16 +964,19 @@ def main(argv=None) -> None:
         platform = target.platform if target is not None else "cpu"
         choices = _choices(config, n, args, platform)
         _check_values(config, choices, validate)
-        plans, product = candidates(config, n, choices, platform)
+        plans, product, excluded = candidates(config, n, choices, platform)
         if not plans:
             cli.fail(
                 f"no candidate plan is valid for {n} devices with these choices ({product} "
-                "combinations); widen --meshes/--heads/--comm"
+                f"combinations, ruled out: {ruled_out_words(excluded)}); widen "
+                "--meshes/--heads/--comm"
             )
         kept = plans[: args.max_plans]
         log(
-            f"plan: {product} combinations, {len(plans)} valid; the {len(kept)} closest to the "
-            f"config are planned (--max-plans {args.max_plans})"
+            f"plan: {product} combinations, {len(plans)} valid"
+            + (f" (ruled out: {ruled_out_words(excluded)})" if excluded else "")
+            + f"; the {len(kept)} closest to the config are planned (--max-plans "
+            f"{args.max_plans})"
         )
         results = compile_plans(
             config_path, config, base_overrides, kept, n, args.jobs, cache_dir, log
@@ -994,6 +1010,7 @@ def main(argv=None) -> None:
                 **estimate_used(target, hardware, args.overlap, fits + too_big, n),
                 "images_per_epoch": images_per_epoch,
                 "combinations": product, "valid": len(plans),
+                "ruled_out_by_reason": dict(excluded.most_common()),
                 "compiled": len(kept), "from_cache": cached,
                 "cache_dir": str(cache_dir) if cache_dir else None,
                 "tied_at_floor": floor_tie(fits), "plans": fits, "too_big": too_big,
