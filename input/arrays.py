@@ -9,6 +9,8 @@ and step always give the same batch.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Iterator
 
 import numpy as np
@@ -34,23 +36,41 @@ def resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
     return rows[:, :, x0] * (1 - fx) + rows[:, :, x1] * fx
 
 
-def load_digits(image_size: int, test_fraction: float = 0.2, split_seed: int = 0):
+# The digits split: scikit-learn 1.9's train_test_split(test_size=0.2, random_state=0,
+# stratify=labels) over the 1,797 examples, its index order kept (the train order is the
+# permutation a seed's shuffles start from). Saved, not recomputed: importing scikit-learn to
+# split costs every run a second, and a frozen split cannot move under an upgrade.
+DIGITS_SPLIT = Path(__file__).with_name("digits_split.npz")
+
+
+def digits_file() -> Path:
+    """scikit-learn's bundled digits file, found without importing scikit-learn."""
+    spec = importlib.util.find_spec("sklearn")
+    where = spec and spec.submodule_search_locations
+    path = where and Path(where[0]) / "datasets" / "data" / "digits.csv.gz"
+    if not path or not path.is_file():
+        raise DataError(
+            "data.name=digits reads scikit-learn's bundled digits (datasets/data/digits.csv.gz), "
+            f"not found{f' at {path}' if path else ''}: pip install scikit-learn"
+        )
+    return path
+
+
+def load_digits(image_size: int):
     """scikit-learn's 1,797 handwritten 8x8 digits (shipped with the package), upsampled.
 
     Returns ``(train, test)`` dicts with ``image`` uint8 (N, S, S, 1) in 0..255 and ``label``.
-    The split is a fixed seeded, class-stratified permutation, so runs are comparable.
+    The split is a fixed seeded, class-stratified permutation (``DIGITS_SPLIT``), so runs
+    are comparable.
     """
-    from sklearn.datasets import load_digits as sk_digits
-    from sklearn.model_selection import train_test_split
-
-    d = sk_digits()
-    images = resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), image_size)
+    raw = np.loadtxt(digits_file(), delimiter=",")  # 64 pixels in 0..16, then the label
+    images = resize_bilinear(raw[:, :-1].reshape(-1, 8, 8).astype(np.float32) * (255.0 / 16.0),
+                             image_size)  # fmt: skip
     images = np.clip(np.round(images), 0, 255).astype(np.uint8)[..., None]
-    labels = d.target.astype(np.int32)
-    tr_x, te_x, tr_y, te_y = train_test_split(
-        images, labels, test_size=test_fraction, random_state=split_seed, stratify=labels
-    )
-    return {"image": tr_x, "label": tr_y}, {"image": te_x, "label": te_y}
+    labels = raw[:, -1].astype(np.int32)
+    with np.load(DIGITS_SPLIT) as split:
+        parts = [{"image": images[split[k]], "label": labels[split[k]]} for k in ("train", "test")]
+    return parts[0], parts[1]
 
 
 def synthetic(num: int, image_size: int, num_classes: int, seed: int = 0, channels: int = 3):

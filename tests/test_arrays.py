@@ -44,6 +44,32 @@ def test_load_digits_same_split_twice(digits):
         np.testing.assert_array_equal(a["label"], b["label"])
 
 
+def test_load_digits_is_scikit_learns_images_and_split(digits):
+    """The frozen split is the one scikit-learn's stratified train_test_split makes (seed 0,
+    a fifth for test, its order kept), over scikit-learn's own images, read without
+    importing scikit-learn in the run's process."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_digits
+    from sklearn.model_selection import train_test_split
+
+    from hybridpar.input.arrays import resize_bilinear
+
+    d = sk_digits()
+    images = resize_bilinear(d.images.astype(np.float32) * (255.0 / 16.0), 32)
+    images = np.clip(np.round(images), 0, 255).astype(np.uint8)[..., None]
+    want = train_test_split(images, d.target.astype(np.int32), test_size=0.2, random_state=0,
+                            stratify=d.target)  # fmt: skip
+    train, test = digits
+    for got, expected in zip((train["image"], test["image"], train["label"], test["label"]), want):
+        np.testing.assert_array_equal(got, expected)
+        assert got.dtype == expected.dtype
+    code = ("import sys; from hybridpar.input.arrays import load_digits; load_digits(8); "
+            "sys.exit('sklearn' in sys.modules)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
 def test_load_digits_other_size():
     train, _ = load_digits(8)
     assert train["image"].shape == (1437, 8, 8, 1)
