@@ -46,7 +46,8 @@ from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
 from hybridpar.config.schema import validate
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.parallel.bucketed import bucket_plan, forward_params
+from hybridpar.parallel.bucketed import bucket_plan, forward_params, reduce_in_buckets
+from hybridpar.parallel.overlap import reduce_in_backward, reduce_in_backward_manual
 from hybridpar.parallel.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.program.precision import LossScale, Policy
 from hybridpar.program.state import abstract_like, make_init_fn
@@ -165,6 +166,36 @@ def test_bucket_plan_big_tensor_alone_and_forward_order():
     assert all(len(b) == 1 for b in plan if any(_nbytes(_get(params, p)) > 0.1 * 2**20 for p in b))
     with pytest.raises(ConfigError, match="bucket_mb"):
         bucket_plan(params, 0)
+
+
+class _NoTrainMLP(nn.Module):
+    """A user's model: no ``train`` argument, layers named against alphabetical order."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(4, name="zz_first")(x))
+        return nn.Dense(2, name="aa_last")(nn.relu(nn.Dense(4, name="mid")(x)))
+
+
+def test_forward_params_passes_only_the_callers_arguments_and_keeps_forward_order():
+    model = _NoTrainMLP()
+    params = forward_params(model, (1, 3))  # no train argument added for the model
+    assert list(params) == ["zz_first", "mid", "aa_last"]
+    # jit/eval_shape sort dict keys: a plan from their params would go alphabetically.
+    traced = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 3))))["params"]
+    assert list(traced) == ["aa_last", "mid", "zz_first"]
+    assert bucket_plan(params, 1)[0][0] == ("aa_last", "bias")  # last layer first
+
+
+@pytest.mark.parametrize(
+    "reduce", [reduce_in_buckets, reduce_in_backward, reduce_in_backward_manual]
+)
+def test_a_plan_that_does_not_cover_the_tree_names_the_paths(reduce):
+    tree = {"a": {"kernel": np.zeros(2)}, "b": {"kernel": np.zeros(2)}}
+    plan = [[("a", "kernel"), ("c", "kernel")]]  # made from another tree
+    expect = r"missing from the plan: 'b/kernel'; in the plan but not the \w+: 'c/kernel'"
+    with pytest.raises(ConfigError, match=expect):
+        reduce(tree, plan, ("data",), 1)
 
 
 def test_a_bucket_of_several_gradients_never_passes_bucket_mb_a_larger_one_is_alone():

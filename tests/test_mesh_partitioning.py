@@ -152,6 +152,22 @@ def test_make_mesh_wrong_size_is_config_error():
         make_mesh("data:8", devices=jax.devices()[:4])
 
 
+@pytest.mark.parametrize(
+    "call, needle",
+    [
+        (lambda: make_mesh(""), "mesh spec '' is empty"),
+        (lambda: make_mesh({}), "mesh spec '' is empty"),
+        (lambda: make_mesh(8), r"make_mesh\(8\): the spec must be a string .* not int"),
+        (lambda: make_mesh("data:-1", devices=[]), "the device list is empty"),
+        (lambda: Rules(fsdp_min_size="1024"), r"fsdp_min_size='1024'.*an int >= 0"),
+        (lambda: Rules(fsdp_min_size=-5), r"fsdp_min_size=-5.*an int >= 0"),
+    ],
+)
+def test_bad_library_arguments_are_config_errors(call, needle):
+    with pytest.raises(ConfigError, match=needle):
+        call()
+
+
 # ----------------------------------------------------------------------------- path rules
 
 

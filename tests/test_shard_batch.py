@@ -47,6 +47,16 @@ def test_nested_leaves_are_named_by_path(mesh):
         shard_batch(batch, mesh)
 
 
+def test_on_one_process_check_hosts_and_mixed_leaves_change_nothing(mesh):
+    """check_hosts compares hosts only where there are several; one process may mix a
+    global leaf with a host-local one (their lengths agree there)."""
+    batch = {"image": np.zeros((16, 2), np.float32), "label": np.arange(16, dtype=np.int32)}
+    out = shard_batch(batch, mesh, check_hosts=True)
+    mixed = shard_batch({"image": out["image"], "label": batch["label"]}, mesh)
+    assert mixed["image"].shape == (16, 2) and mixed["label"].shape == (16,)
+    np.testing.assert_array_equal(np.asarray(mixed["label"]), batch["label"])
+
+
 # --- a user's own mesh, made with jax.make_mesh ---------------------------------------------
 
 

@@ -423,6 +423,23 @@ def test_apply_without_params_head_says_what_the_model_must_provide():
         head.apply(model, variables, x, labels, train=False)
 
 
+class _NoFeatures(nn.Module):
+    """A model whose __call__ has no return_features: the head cannot get its features."""
+
+    @nn.compact
+    def __call__(self, x, train=False):
+        return nn.Dense(C, name="head")(nn.relu(nn.Dense(E)(x)))
+
+
+def test_apply_on_a_model_without_return_features_names_the_model_and_what_it_needs():
+    x, _, labels = _random_head()
+    model = _NoFeatures()
+    variables = model.init(jax.random.key(0), x)
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    with pytest.raises(ConfigError, match=r"_NoFeatures.__call__ takes no return_features"):
+        head.apply(model, variables, x, labels, train=False)
+
+
 def test_apply_passes_rngs_to_the_model():
     x, _, labels = _random_head()
     model = _Net(dropout=0.5)

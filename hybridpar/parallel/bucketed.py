@@ -36,6 +36,7 @@ gradient sync that wraps a train step with them, ``BucketedSync``, is ``hybridpa
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping
 
 import jax
@@ -71,13 +72,15 @@ def forward_params(model, input_shape, **apply_kwargs):
 
     That is the forward (layer) order for linen modules. ``jax.eval_shape`` alone would not
     do: its output is rebuilt by ``tree_unflatten``, which sorts dict keys, so the order is
-    read inside the traced function.
+    read inside the traced function; so is ``jax.jit(model.init)``'s, which is why a plan
+    from jitted parameters buckets in alphabetical order. ``apply_kwargs`` go to
+    ``model.init`` as they are, e.g. ``train=False`` for a model that takes it.
     """
     seen = []
 
     def init():
         variables = model.init(
-            jax.random.key(0), jnp.zeros(input_shape, jnp.float32), train=False, **apply_kwargs
+            jax.random.key(0), jnp.zeros(input_shape, jnp.float32), **apply_kwargs
         )
         seen.append(
             [
@@ -327,9 +330,7 @@ def reduce_in_buckets(
         n = _axes_size(axes)
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
-    planned = [p for bucket in plan for p in bucket]
-    if sorted(map(str, planned)) != sorted(map(str, by_path)):
-        raise ValueError("the bucket plan does not cover the gradients exactly once each")
+    check_plan_covers(plan, by_path, "gradients")
     reduced = {}
     for bucket in plan:
         dims = [shard_dims.get(p) for p in bucket]
@@ -337,6 +338,35 @@ def reduce_in_buckets(
                                    reduce_dtype)  # fmt: skip
         reduced.update(zip(bucket, out))
     return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
+
+
+def check_plan_covers(plan, paths, what: str) -> None:
+    """ConfigError unless ``plan`` holds each of ``paths`` exactly once (``what``: the tree's
+    name in the message), naming up to 3 missing, extra and repeated paths."""
+    planned = [tuple(p) for bucket in plan for p in bucket]
+    have, counts = {tuple(p) for p in paths}, Counter(planned)
+    missing = [p for p in paths if tuple(p) not in counts]
+    extra = [p for p in counts if p not in have]
+    twice = [p for p, n in counts.items() if n > 1]
+    if not (missing or extra or twice):
+        return
+
+    def listed(ps):
+        shown = ", ".join(repr("/".join(map(str, p))) for p in ps[:3])
+        return shown + (f" and {len(ps) - 3} more" if len(ps) > 3 else "")
+
+    problems = []
+    if missing:
+        problems.append(f"missing from the plan: {listed(missing)}")
+    if extra:
+        problems.append(f"in the plan but not the {what}: {listed(extra)}")
+    if twice:
+        problems.append(f"in the plan more than once: {listed(twice)}")
+    raise ConfigError(
+        f"the bucket plan does not cover the {what} exactly once each ({'; '.join(problems)}); "
+        "make the plan from the same tree, e.g. bucket_plan(variables['params'], ...) for the "
+        "gradients of the params"
+    )
 
 
 def is_spec(x) -> bool:
@@ -375,6 +405,7 @@ def active_axes(mesh) -> tuple[str, ...]:
 __all__ = [
     "active_axes",
     "bucket_plan",
+    "check_plan_covers",
     "flat_pmean",
     "forward_params",
     "fsdp_dims",

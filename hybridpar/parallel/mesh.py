@@ -95,10 +95,23 @@ def make_mesh(spec: str | dict[str, int], devices: Sequence[jax.Device] | None =
     partitioner propagates shardings through the model (we constrain only inputs, parameters
     and outputs).
     """
+    if not isinstance(spec, (str, dict)):
+        raise ConfigError(
+            f"make_mesh({spec!r}): the spec must be a string such as 'data:4,model:2' "
+            "('data:-1': all devices) or a dict such as {'data': 4, 'model': 2}, "
+            f"not {type(spec).__name__}"
+        )
     devices = list(jax.devices() if devices is None else devices)
+    if not devices:
+        raise ConfigError(f"make_mesh({spec!r}, devices=[]): the device list is empty")
     if isinstance(spec, dict):
         spec = ",".join(f"{k}:{v}" for k, v in spec.items())
-    sizes = parse_mesh_spec(spec, len(devices), devices[0].platform if devices else "cpu")
+    if not spec.strip():
+        raise ConfigError(
+            f"mesh spec {spec!r} is empty; write it like 'data:4,model:2' "
+            "('data:-1': all devices on the data axis)"
+        )
+    sizes = parse_mesh_spec(spec, len(devices), devices[0].platform)
     shape = tuple(sizes[a] for a in AXES)
     if jax.process_count() > 1 and sizes["model"] > 1 and jax.local_device_count() % sizes["model"]:
         raise ConfigError(

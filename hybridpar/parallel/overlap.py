@@ -38,6 +38,7 @@ from hybridpar.parallel.bucketed import (
     Path,
     _path_of,
     _zero_from,
+    check_plan_covers,
     flat_gather,
     reduce_bucket,
     scatter_flat,
@@ -102,9 +103,7 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     """
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    planned = [p for bucket in plan for p in bucket]
-    if sorted(map(str, planned)) != sorted(map(str, by_path)):
-        raise ValueError("the bucket plan does not cover the parameters exactly once each")
+    check_plan_covers(plan, by_path, "parameters")
     out = dict(by_path)
     # Per-device over ``axes`` from the start, so that its type is the same before and after
     # a bucket whose gathered parameters it follows (custom_vjp checks the cotangent's type).
@@ -199,9 +198,7 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
     """
     splits, sums = splits or {}, sums or {}
     by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
-    planned = [p for bucket in plan for p in bucket]
-    if sorted(map(str, planned)) != sorted(map(str, by_path)):
-        raise ValueError("the bucket plan does not cover the parameters exactly once each")
+    check_plan_covers(plan, by_path, "parameters")
     out = dict(by_path)
     axes = tuple(axes)
     token = to_varying(jnp.zeros((), jnp.float32), axes)

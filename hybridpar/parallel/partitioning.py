@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import numbers
 import re
@@ -52,6 +53,14 @@ class Rules:
     path: Sequence[tuple[str, Spec]] = ()  # (regex searched in "a/b/c" paths, spec)
     logical: Sequence[tuple[str, Any]] = ()  # (logical axis name, mesh axis / tuple / None)
     fsdp_min_size: int | None = None  # None: no FSDP pass; else shard arrays this large
+
+    def __post_init__(self):
+        m = self.fsdp_min_size
+        if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0):
+            raise ConfigError(
+                f"Rules(fsdp_min_size={m!r}): give an element count (an int >= 0, e.g. 1024), "
+                "or None for no FSDP pass"
+            )
 
     def __add__(self, other: "Rules") -> "Rules":
         """Concatenates: ``self``'s rules take priority over ``other``'s."""
@@ -398,11 +407,16 @@ def batch_sharding(mesh: Mesh, ndim: int = 1) -> NamedSharding:
     return NamedSharding(mesh, P(batch_axes(mesh) or None, *([None] * (ndim - 1))))
 
 
-def shard_batch(batch, mesh: Mesh):
+def shard_batch(batch, mesh: Mesh, *, check_hosts: bool = False):
     """Host-local numpy arrays -> global ``jax.Array``s split over the data axes.
 
-    Each process passes its own slice of the global batch (all processes the same size);
-    the global batch is the concatenation in process order. Works on any pytree of arrays,
+    Each process passes its own slice of the global batch; the global batch is the
+    concatenation in process order. Every host's batch must be the same size (drop or pad
+    an uneven last batch): each host builds the global shape from its own, and hosts that
+    disagree abort or hang in the first collective. ``check_hosts=True`` (on several
+    processes) compares every leaf's shape and dtype across the hosts first and raises
+    ``ConfigError`` naming the leaf and each process's shape; it costs a host sync per
+    call, so pass it while developing, not in a training loop. Works on any pytree of arrays,
     all of whose leaves must hold the same number of examples (leading dimension): an image
     batch and a label batch of different lengths would otherwise pair the wrong examples, or
     train on padding, without an error.
@@ -412,6 +426,10 @@ def shard_batch(batch, mesh: Mesh):
     over the data axes of ``mesh`` as above, else moved there.
     """
     n_local = data_parallel_size(mesh) // jax.process_count()  # checks the mesh's axes first
+    if check_hosts and jax.process_count() > 1:
+        # Before any error of one host's own: a host that raised would leave the others
+        # waiting in this collective.
+        _check_same_on_hosts(batch)
     # A list of numbers would be flattened into one scalar leaf per number.
     for path, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_number_list)[0]:
         if _is_number_list(x):
@@ -423,6 +441,15 @@ def shard_batch(batch, mesh: Mesh):
     if placed is not None:
         return placed
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    is_global = {path_str(p): _is_global(x) for p, x in leaves}
+    if jax.process_count() > 1 and len(set(is_global.values())) > 1:
+        # A global leaf has the global length, a host-local one this host's: never equal.
+        raise ConfigError(
+            "batch mixes global jax.Arrays (leaves "
+            f"{_listed([n for n, g in is_global.items() if g])}) with host-local arrays "
+            f"({_listed([n for n, g in is_global.items() if not g])}); pass all leaves the "
+            "same way: all host-local (numpy), or all global arrays from shard_batch"
+        )
     lengths = {}
     for path, x in leaves:
         shape = np.shape(x)
@@ -450,6 +477,52 @@ def shard_batch(batch, mesh: Mesh):
         return jax.make_array_from_process_local_data(sharding, x, global_shape)
 
     return jax.tree_util.tree_map_with_path(one, batch)
+
+
+def _is_global(x) -> bool:
+    return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
+
+
+def _check_same_on_hosts(batch) -> None:
+    """Raises ConfigError where the processes' batches differ in a leaf's shape or dtype.
+
+    Every process must call this at the same point: it gathers each host's description
+    (two small all-gathers, a host sync)."""
+    from jax.experimental import multihost_utils
+
+    mine = []
+    for p, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_number_list)[0]:
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        mine.append([path_str(p), list(np.shape(x)), str(dtype)])
+    data = np.frombuffer(json.dumps(mine).encode(), np.uint8)
+    # The descriptions' lengths differ between hosts: gather them first, then pad to the longest.
+    lengths = multihost_utils.process_allgather(np.int32(data.size))
+    padded = np.zeros(int(np.max(lengths)), np.uint8)
+    padded[: data.size] = data
+    gathered = multihost_utils.process_allgather(padded)
+    hosts = [
+        {name: (tuple(shape), dtype) for name, shape, dtype in json.loads(bytes(row[:n]))}
+        for row, n in zip(np.asarray(gathered), np.asarray(lengths))
+    ]
+    names = list(dict.fromkeys(name for host in hosts for name in host))
+    differ = [name for name in names if len({host.get(name) for host in hosts}) > 1]
+    if differ:
+
+        def seen(host, name):
+            if name not in host:
+                return "no such leaf"
+            shape, dtype = host[name]
+            return f"{shape} {dtype}"
+
+        lines = "; ".join(
+            f"{name!r}: "
+            + ", ".join(f"process {i} {seen(host, name)}" for i, host in enumerate(hosts))
+            for name in differ[:3]
+        )
+        raise ConfigError(
+            f"batch leaves differ between processes ({lines}); every host's batch must be "
+            "the same size and dtype: drop or pad the uneven last batch"
+        )
 
 
 def _placed(batch, mesh: Mesh):

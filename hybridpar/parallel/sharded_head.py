@@ -52,6 +52,7 @@ communicated, instead of leaving XLA free to gather a 1M-wide tensor.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from functools import partial
 
@@ -217,6 +218,14 @@ class ShardedHead:
                 "Name the model's final Dense 'head', and have model.apply(..., "
                 "return_features=True) return the features that feed it"
             )
+        lacking = [k for k in ("train", "return_features") if not _call_takes(model, k)]
+        if lacking:
+            raise ConfigError(
+                f"ShardedHead.apply: {type(model).__name__}.__call__ takes no "
+                f"{' or '.join(lacking)} argument; the head needs a model whose "
+                "__call__(x, train=..., return_features=False) returns the features (B, E) "
+                "that feed its final Dense 'head' when return_features=True"
+            )
         x = images if self._inside_manual() else self.split_batch(images)
         if train:
             features, new_vars = model.apply(
@@ -321,6 +330,15 @@ class ShardedHead:
         out = per_device(x, *args)
         n, i = x.shape[0], lax.axis_index(self.gather_axes)
         return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * n, n), out)
+
+
+def _call_takes(model, name: str) -> bool:
+    """Whether ``model.__call__`` accepts the keyword ``name`` (True where it cannot tell)."""
+    try:
+        params = inspect.signature(model.__call__).parameters
+    except (TypeError, ValueError):
+        return True
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def _check_shapes(features, kernel, bias, labels):

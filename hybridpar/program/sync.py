@@ -209,7 +209,9 @@ class BucketedSync:
         key = (id(model), tuple(image_shape))
         if key not in self._plans:
             local = self.local_model(model)
-            self._plans[key] = bucket_plan(forward_params(local, (1, *key[1])), self.bucket_mb)
+            self._plans[key] = bucket_plan(
+                forward_params(local, (1, *key[1]), train=False), self.bucket_mb
+            )
         return self._plans[key]
 
     def gradients(self, model, state: TrainState, images, labels, loss_fn_for):
