@@ -656,10 +656,22 @@ def test_curriculum_tta_plumbing(tmp_path):
         "import sys; sys.path.insert(0, sys.argv[1]); import cifar10_fast; "
         "cifar10_fast.VARIANTS['cpu'] = (8, 1.0, '0.5:12-64@0.5,1:16-64', 0.85); "
         f"sys.argv = sys.argv[2:]; sys.path.insert(0, {str(ROOT / 'bench')!r}); "
-        "import curriculum_tta; curriculum_tta.main()"
+        "import curriculum_tta\n"
+        # Each train run gets a compile cache per role (the runs go two at a time, and two
+        # processes must not share one), so seed 1's pair, the resumed run and every
+        # evaluator (which reads its run's config) load the programs seed 0's pair compiled.
+        # Added as the run starts: the commands the bench records and compares are its own.
+        "start = curriculum_tta.start\n"
+        "def cached(name, cmd, log, cores=None):\n"
+        "    role = next((k for k in ('curriculum', 'fixed') if k in name), name.split()[-1])\n"
+        f"    at = '--config.compile_cache=' + {str(tmp_path / 'xla')!r} + '/' + role\n"
+        "    return start(name, cmd + [at] * ('hybridpar.train' in cmd), log, cores)\n"
+        "curriculum_tta.start = cached\n"
+        "curriculum_tta.main()"
     )
     env = cpu_env(1, NO_LLVM_OPT_FLAG)
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # one per process: the runs go two at a time
+    # not the suite's cache: each run has its own above
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
 
     def bench(*args):
         cmd = [sys.executable, "-c", code, str(ROOT / "experiments"), "bench", *args]

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, compile_tiny, tiny_digits
+from helpers import DIGITS, NO_LLVM_OPT, compile_tiny, tiny_digits
 
 from hybridpar.config.cli import ACCELERATOR_FILES
 from hybridpar.config.errors import ConfigError
@@ -327,7 +327,9 @@ def _losses(workdir):
     ]
 
 
-def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path, capsys):
+def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(
+    tmp_path, capsys, monkeypatch
+):
     """``compile --out`` (here for the 8 CPU devices) writes every program; a run given the
     file compiles nothing and trains step for step as a run that compiled them itself. The
     run that compiled them itself comes first, so the compile would find every program in
@@ -335,13 +337,28 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(tmp_path, c
     without its functions, and the loading run failed at its first step."""
     import jax
 
+    assert jax.config.jax_compilation_cache_dir  # conftest's: the case needs a cache
+    # Both compiles (the run's, the compile tool's) without LLVM's optimisations
+    # (helpers.NO_LLVM_OPT, a third of each compile): the same options, so the same programs
+    # and the same steps; and every program written to the cache however quick its
+    # compile, so the compile tool surely finds each there.
+    monkeypatch.setattr(targets.Target, "compiler_options", lambda self: dict(NO_LLVM_OPT))
+    min_s = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        _run_then_load(tmp_path, capsys)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
+
+
+def _run_then_load(tmp_path, capsys):
     from hybridpar.runtime import trainer
     from hybridpar.runtime.run import setup
     from hybridpar.tools.compile import compile_programs
 
-    assert jax.config.jax_compilation_cache_dir  # conftest's: the case needs a cache
     config = tiny_digits(mesh="data:4,model:2", stages="0.15:16-8,0.3:24-8", num_epochs=0.3)
     own = setup(config, str(tmp_path / "own"))
+    own.program.compiler_options = NO_LLVM_OPT
     assert trainer.train(own)["completed"]
     out = str(tmp_path / "programs.bin")
     # without the data the plan (and so the LR schedule in the steps) comes from the data's
@@ -581,18 +598,31 @@ def test_compile_cli_writes_tpu_programs_that_a_cpu_run_refuses(tmp_path):
 
 
 @needs_libtpu
-def test_plan_for_a_tpu_target_ranks_plans_compiled_by_the_tpu_compiler(tmp_path):
+def test_plan_for_a_tpu_target_ranks_plans_compiled_by_the_tpu_compiler(
+    tmp_path, monkeypatch, capsys
+):
     import json
 
     from helpers import TINY_DIGITS, config_args
 
+    from hybridpar.tools import plan
+
     args = ["--config", DIGITS, *config_args(TINY_DIGITS), "--target", "tpu:v5e-8"]
     args += ["--meshes", "data:8 fsdp:8", "--heads", "dense", "--bn-sync", "global"]
     args += ["--comm", "xla", "--cache-dir", str(tmp_path), "--json"]
-    r = subprocess.run([sys.executable, "-m", "hybridpar.plan", *args], cwd=ROOT,
-                       capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
+    # The CLI in this process: for a target every plan compiles in a fresh worker process
+    # of its own, so this one compiles nothing. The variables it sets are put back.
+    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES", "HYBRIDPAR_PLAN_TARGET"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    capsys.readouterr()
+    try:
+        plan.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    said = capsys.readouterr()
+    assert code == 0, said.err[-2000:]
+    out = json.loads(said.out.strip().splitlines()[-1])
     assert out["target"] == "tpu:v5e-8" and out["memory_limit_bytes"] == 16 * 2**30
     plans = out["plans"]
     assert {p["overrides"]["mesh"] for p in plans} == {"data:8", "fsdp:8"}
