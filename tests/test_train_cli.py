@@ -1,4 +1,5 @@
-"""The CLI end to end, in subprocesses, as a user runs it.
+"""The CLI end to end, as a user runs it: in subprocesses where a run needs a signal, a fresh
+JAX or its own compiler flags; elsewhere its ``main`` in this process (``_main_here``).
 
 The digits run is the spine's acceptance check: the default main job reaches >= 97% test
 top-1 on the hybrid 8-device mesh, stopping there as a time-to-accuracy run does (about a
@@ -33,6 +34,23 @@ def _run(args, devices=8, timeout=600, xla_flags=""):
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+def _main_here(args, capfd):
+    """``python -m hybridpar.train ARGS`` run by its ``main`` in this process, whose 8 devices
+    are the run's: ``(exit code, stdout, stderr)``, 0 where ``main`` returned. For runs that
+    need no signal, no fresh JAX and no compiler flags of their own: a Python and JAX start
+    (about 3.5 s) fewer each. capfd: what C++ writes to the file descriptors counts too."""
+    from hybridpar.tools import train
+
+    capfd.readouterr()
+    try:
+        train.main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 def _records(workdir):
@@ -148,29 +166,31 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
          "the --compiled file does not fit the run; pass --compiled FILE with it, or drop it"),
     ],
 )
-def test_bad_input_stops_with_a_short_error(tmp_path, args, expect):
+def test_bad_input_stops_with_a_short_error(tmp_path, args, expect, capfd):
     w = tmp_path / "w"
-    r = _run(["--config", DIGITS, "--workdir", str(w), *args])
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert expect in r.stderr
-    assert "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("error: ")
+    code, _, err = _main_here(["--config", DIGITS, "--workdir", str(w), *args], capfd)
+    assert code == 2, (code, err[-2000:])
+    assert expect in err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("error: ")
     # nothing written: the same command, corrected, starts a new run there
     assert not w.exists(), sorted(p.name for p in w.iterdir())
 
 
-def test_missing_config_and_unwritable_workdir(tmp_path):
-    r = _run(["--config", str(tmp_path / "nope.py"), "--workdir", str(tmp_path)])
-    assert r.returncode == 2 and "could not load the config file" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_missing_config_and_unwritable_workdir(tmp_path, capfd):
+    code, _, err = _main_here(["--config", str(tmp_path / "nope.py"), "--workdir",
+                               str(tmp_path)], capfd)  # fmt: skip
+    assert code == 2 and "could not load the config file" in err
+    assert "Traceback" not in err
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    r = _run(["--config", DIGITS, "--workdir", str(blocker / "sub")])
-    assert r.returncode == 2 and "is not writable" in r.stderr
-    assert "Traceback" not in r.stderr
-    r = _run(["--config", DIGITS, "--workdir", str(blocker)])  # was "(File exists)"
-    assert r.returncode == 2 and f"workdir '{blocker}' is a file, not a folder" in r.stderr
-    assert "Traceback" not in r.stderr and blocker.read_text() == "x"
+    code, _, err = _main_here(["--config", DIGITS, "--workdir", str(blocker / "sub")], capfd)
+    assert code == 2 and "is not writable" in err
+    assert "Traceback" not in err
+    code, _, err = _main_here(["--config", DIGITS, "--workdir", str(blocker)], capfd)
+    # was "(File exists)"
+    assert code == 2 and f"workdir '{blocker}' is a file, not a folder" in err
+    assert "Traceback" not in err and blocker.read_text() == "x"
 
 
 @pytest.mark.parametrize("kind", ["ConfigError", "DataError", "WorkdirError", "NonFinite",
@@ -282,26 +302,31 @@ def test_cifar10_trains_from_the_tar_through_the_pipeline(tmp_path, cifar10_test
     assert 0.115 <= evals[-1]["top1"] <= 1.0, evals[-1]
 
 
-def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_path):
+def test_bucketed_mode_with_local_bn_trains_and_refuses_model_parallelism(tmp_path, capfd):
     common = ["--config", DIGITS, "--config.comm.mode=bucketed", "--config.model.bn_sync=local"]
     r = _run([*common, "--workdir", str(tmp_path / "a"), "--config.mesh=data:8",
               *config_args(TINY_DIGITS)], xla_flags=NO_LLVM_OPT_FLAG)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["completed"]
-    r = _run([*common, "--workdir", str(tmp_path / "b"), "--config.mesh=data:4,model:2"])
-    assert r.returncode == 2 and "comm.mode=xla" in r.stderr and "Traceback" not in r.stderr
+    # the refusal (in set-up) needs no process of its own
+    code, _, err = _main_here([*common, "--workdir", str(tmp_path / "b"),
+                               "--config.mesh=data:4,model:2"], capfd)  # fmt: skip
+    assert code == 2 and "comm.mode=xla" in err and "Traceback" not in err
 
 
-def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path):
-    """A stop during set-up or compilation (as preemption often comes) used to exit 143 by
-    the default action. The signal is sent when the run prints its mesh, in set-up before
-    anything is compiled: a fixed delay would land in the first steps on a fast machine."""
-    cmd = ["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
-           *config_args(TINY_DIGITS)]  # fmt: skip
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")  # fmt: skip
-    p = subprocess.Popen([sys.executable, "-m", "hybridpar.train", *cmd], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+@pytest.fixture(scope="module")
+def stopped_then_completed(tmp_path_factory):
+    """One tiny run's workdir and two starts of the same command, each a process of its own
+    (each gets a signal): the first sent SIGTERM when it prints its mesh, in set-up before
+    anything is compiled (a fixed delay would land in the first steps on a fast machine);
+    the second run to the end, then sent SIGTERM by itself after ``main`` returned. The two
+    SIGTERM tests below read it: one tiny run for both, not one each."""
+    w = tmp_path_factory.mktemp("sigterm")
+    argv = ["--config", DIGITS, "--workdir", str(w), "--config.mesh=data:8",
+            *config_args(TINY_DIGITS)]  # fmt: skip
+    p = subprocess.Popen([sys.executable, "-m", "hybridpar.train", *argv], cwd=ROOT,
+                         env=cpu_env(8), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)  # fmt: skip
     try:
         seen = []
         for line in p.stdout:
@@ -312,40 +337,50 @@ def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(tmp_path
         out, err = p.communicate(timeout=300)
     finally:
         p.kill()
-    out = "".join(seen) + out
-    assert p.returncode == 0, (p.returncode, err[-3000:])
-    assert (
-        "SIGTERM: stopped before the first step: nothing to save; the same command starts "
-        "the run" in out
-    )
-    assert "train step" not in out and "Traceback" not in err
-    assert not (tmp_path / "summary.json").exists()
-    assert not list((tmp_path / "checkpoints").glob("*"))
-    # The same command starts the run from step 0 and completes it.
-    r = _run(cmd, xla_flags=NO_LLVM_OPT_FLAG)
-    assert r.returncode == 0, r.stderr[-3000:]
-    records = _records(tmp_path)
-    assert "resume" not in {rec["event"] for rec in records}
-    assert [rec["step"] for rec in records if rec["event"] == "train"][:2] == [1, 2]
-    assert json.loads((tmp_path / "summary.json").read_text())["completed"]
-
-
-def test_sigterm_after_a_completed_run_exits_0_quietly(tmp_path):
-    """The command's last lines and the interpreter's exit come after the run is done and
-    written: a SIGTERM there (sent here by the process itself, after the train command
-    returned, so it lands there every time) exits 0, not 143, and says nothing."""
-    argv = ["--config", DIGITS, "--workdir", str(tmp_path), "--config.mesh=data:8",
-            *config_args(TINY_DIGITS)]  # fmt: skip
+    stopped = dict(rc=p.returncode, out="".join(seen) + out, err=err,
+                   summary=(w / "summary.json").exists(),
+                   checkpoints=list((w / "checkpoints").glob("*")))  # fmt: skip
+    # The same command again (its main, then a SIGTERM sent by the process itself, after
+    # the train command returned, so it lands there every time).
     code = (
         "import os, signal, time; from hybridpar.tools import train; "
         f"train.main({argv!r}); "
         "os.kill(os.getpid(), signal.SIGTERM); time.sleep(60); print('not stopped')"
     )
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(8),
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    completed = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
+                               env=cpu_env(8, NO_LLVM_OPT_FLAG), capture_output=True,
+                               text=True, timeout=300)  # fmt: skip
+    return w, stopped, completed
+
+
+def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(
+    stopped_then_completed,
+):
+    """A stop during set-up or compilation (as preemption often comes) used to exit 143 by
+    the default action."""
+    w, stopped, completed = stopped_then_completed
+    assert stopped["rc"] == 0, (stopped["rc"], stopped["err"][-3000:])
+    assert (
+        "SIGTERM: stopped before the first step: nothing to save; the same command starts "
+        "the run" in stopped["out"]
+    )
+    assert "train step" not in stopped["out"] and "Traceback" not in stopped["err"]
+    assert not stopped["summary"] and not stopped["checkpoints"]
+    # The same command starts the run from step 0 and completes it.
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    records = _records(w)
+    assert "resume" not in {rec["event"] for rec in records}
+    assert [rec["step"] for rec in records if rec["event"] == "train"][:2] == [1, 2]
+    assert json.loads((w / "summary.json").read_text())["completed"]
+
+
+def test_sigterm_after_a_completed_run_exits_0_quietly(stopped_then_completed):
+    """The command's last lines and the interpreter's exit come after the run is done and
+    written: a SIGTERM there exits 0, not 143, and says nothing."""
+    w, _, r = stopped_then_completed
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     assert r.stdout.splitlines()[-1].startswith("done: ")  # nothing said after it
-    assert json.loads((tmp_path / "summary.json").read_text())["completed"]
+    assert json.loads((w / "summary.json").read_text())["completed"]
 
 
 def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():

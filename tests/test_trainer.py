@@ -15,7 +15,9 @@
 * ``import hybridpar`` (and its command-line parser) does not start JAX.
 """
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -28,7 +30,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import DIGITS, CrashAt, saved_loop, tiny_digits
+from helpers import DIGITS, NO_LLVM_OPT_FLAG, CrashAt, saved_loop, tiny_digits
 
 from hybridpar import shard_batch
 from hybridpar.config.errors import ConfigError, NonFinite, StopRequested
@@ -43,6 +45,23 @@ ROOT = Path(__file__).resolve().parents[1]
 def records(workdir, event):
     lines = (Path(workdir) / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+# Two stages of different image size and batch (data:4 x model:2: per-device batches 8 then
+# 16 are global 32 then 64), every stage compiled before the first step.
+TWO_STAGES = dict(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
+
+
+@pytest.fixture(scope="module")
+def two_stages(tmp_path_factory):
+    """One uninterrupted run of TWO_STAGES (compile_ahead=before), read by the tests that
+    check it and by those that compare another run with it (background compile, stopped and
+    resumed): one run for all of them. ``(run, summary, workdir, stdout)``."""
+    workdir = tmp_path_factory.mktemp("two_stages")
+    run = setup(tiny_digits(**TWO_STAGES, compile_ahead="before"), str(workdir))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        summary = trainer.train(run)
+    return run, summary, workdir, out.getvalue()
 
 
 def test_one_stage_run_logs_the_losses_of_the_same_steps_built_by_hand(tmp_path):
@@ -67,25 +86,23 @@ def test_one_stage_run_logs_the_losses_of_the_same_steps_built_by_hand(tmp_path)
 
 
 def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_continuous(
-    tmp_path, capsys
+    two_stages,
 ):
-    # data:4 x model:2: per-device batches 8 then 16 are global 32 then 64.
-    config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
-    run = setup(config, str(tmp_path))
+    run, summary, workdir, out = two_stages
+    config = run.config
     s0, s1 = run.plan.stages
     assert (s0.stage.global_batch, s1.stage.global_batch) == (32, 64)
-    summary = trainer.train(run)
     assert summary["completed"] and summary["steps"] == s1.end_step
 
     # Each program compiled once, all of them before the first step.
-    compiles = records(tmp_path, "compile")
+    compiles = records(workdir, "compile")
     keys = [(c["program"], c["batch"], c["image_size"]) for c in compiles]
     assert sorted(keys) == sorted([("train", 32, 16), ("train", 64, 24), ("eval", 120, 16)])
     assert len(run.program.compiles) == 3  # no compilation after the loop began
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
     events = [json.loads(x)["event"] for x in lines]
     assert max(i for i, e in enumerate(events) if e == "compile") < events.index("train")
-    stages = records(tmp_path, "stage")
+    stages = records(workdir, "stage")
     assert [(s["image_size"], s["global_batch"]) for s in stages] == [(16, 32), (24, 64)]
 
     # Memory before step 1 is every program's, the largest named: here the second stage's
@@ -93,7 +110,6 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     # the first step alone would show. Each compile line carries its own program's.
     mem = {(c["program"], c["batch"]): c["memory_per_device_bytes"]["total"] for c in compiles}
     assert mem[("train", 64)] > mem[("train", 32)] > 0 and len(set(mem.values())) == 3
-    out = capsys.readouterr().out
     preflight = next(x for x in out.splitlines() if x.startswith("per-device memory"))
     assert "largest of 3 programs: train step (batch 64, 24 px)" in preflight
     assert f"{mem[('train', 64)] / 2**20:.1f} MiB" in preflight
@@ -101,7 +117,7 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     assert summary["memory_per_device_bytes"]["total"] == mem[("train", 64)]
     assert len(summary["memory_by_program"]) == 3
 
-    train = {r["step"]: r for r in records(tmp_path, "train")}
+    train = {r["step"]: r for r in records(workdir, "train")}
     assert {train[s0.end_step]["image_size"], train[s0.end_step + 1]["image_size"]} == {16, 24}
     # lr per unit of batch scaling, at each step: continuous across the switch, i.e. the
     # jump there is no larger than the per-step change on either side of it.
@@ -140,16 +156,17 @@ def test_each_stage_reads_its_own_size_batch_and_crop_scale(tmp_path):
     assert opened == want
 
 
-def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path):
+def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path, two_stages):
     """compile_ahead=background: the second stage's step compiles in a thread while the
-    first trains; the run is step for step the one that compiles everything first, and
-    metrics.jsonl records the background compile and the wait for it at the switch."""
-    losses = {}
-    for mode in ("before", "background"):
-        config = tiny_digits(stages="0.3:16-8,0.6:24-16", num_epochs=0.6, compile_ahead=mode)
-        run = setup(config, str(tmp_path / mode))
-        assert trainer.train(run)["completed"]
-        losses[mode] = [r["loss"] for r in records(tmp_path / mode, "train")]
+    first trains; the run is step for step the one that compiles everything first (the
+    shared ``two_stages`` run), and metrics.jsonl records the background compile and the
+    wait for it at the switch."""
+    _, _, before, _ = two_stages
+    run = setup(tiny_digits(**TWO_STAGES, compile_ahead="background"),
+                str(tmp_path / "background"))  # fmt: skip
+    assert trainer.train(run)["completed"]
+    losses = {mode: [r["loss"] for r in records(w, "train")]
+              for mode, w in (("before", before), ("background", tmp_path / "background"))}
     np.testing.assert_allclose(losses["background"], losses["before"], rtol=1e-6)
 
     compiles = records(tmp_path / "background", "compile")
@@ -162,17 +179,6 @@ def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path):
     first_train = events.index(("train", None))
     assert events.index(("compile", True)) > first_train
     assert all(i < first_train for i, e in enumerate(events) if e == ("compile", None))
-
-
-def _cli(args, env=None):
-    return subprocess.run(
-        [sys.executable, "-m", "hybridpar.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-        env=env,
-    )
 
 
 @pytest.mark.parametrize(
@@ -193,14 +199,21 @@ def _cli(args, env=None):
         ("optim.frozen=(", "optim.frozen='(' is not a regex"),
     ],
 )
-def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect):
+def test_bad_config_values_stop_before_anything_is_touched(tmp_path, override, expect, capfd):
+    """The train command's ``main`` in this process (a refusal needs no fresh JAX: a
+    Python and JAX start fewer each); capfd: what C++ writes counts too."""
+    from hybridpar.tools import train
+
     workdir = tmp_path / "w"
     overrides = [f"--config.{x}" for x in override.split()]
-    r = _cli(["--config", DIGITS, "--workdir", str(workdir), *overrides])
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert "Traceback" not in r.stderr
-    errors = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
-    assert len(errors) == 1 and expect in errors[0], r.stderr
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", DIGITS, "--workdir", str(workdir), *overrides])
+    err = capfd.readouterr().err
+    assert e.value.code == 2, err[-2000:]
+    assert "Traceback" not in err
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert len(errors) == 1 and expect in errors[0], err
     assert not workdir.exists()  # not even the workdir: nothing was touched
 
 
@@ -233,7 +246,8 @@ def test_import_hybridpar_and_its_parser_do_not_start_jax():
 def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
     """As on the GPU machine, which has neither: the bench must run the first time. The
     tiny ResNet in place of ResNet-50 (a --set override, as a user would pass one) keeps
-    the compile short; the imports and the code path are the same."""
+    the compile short; the imports and the code path are the same. One device, as there;
+    compiled without LLVM's optimisations (a third of the compile; nothing timed here)."""
     blocker = (
         "import runpy, sys; "
         "[sys.modules.__setitem__(m, None) for m in "
@@ -242,7 +256,7 @@ def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
         "'model.name=resnet_tiny']; "
         "runpy.run_path('bench/gpu/resnet50_gpu.py', run_name='__main__')"
     )
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=NO_LLVM_OPT_FLAG, JAX_PLATFORMS="cpu")
     r = subprocess.run(
         [sys.executable, "-c", blocker],
         capture_output=True,
@@ -631,16 +645,20 @@ class StageDone:
             self.done.set()
 
 
-def test_a_stop_while_the_next_stage_compiles_saves_at_the_boundary_at_once(tmp_path):
+def test_a_stop_while_the_next_stage_compiles_saves_at_the_boundary_at_once(
+    tmp_path, two_stages
+):
     """compile_ahead=background, the second stage's compile held until released: a SIGTERM
     that comes while the stage switch waits for it saves the checkpoint at the boundary and
     stops there, without waiting for the compile or running a step of the next stage; the
     same config resumes from it to the losses of the run never stopped. Planted bug that
     fails it: the switch waits for the compile without looking at the stop (released after
-    ``hold_s`` so that it fails, not hangs: it then stops a step into the next stage)."""
-    overrides = dict(stages="0.3:16-8,0.6:24-16", num_epochs=0.6, compile_ahead="background")
-    run = setup(tiny_digits(**overrides), str(tmp_path / "whole"))
-    assert trainer.train(run)["completed"]
+    ``hold_s`` so that it fails, not hangs: it then stops a step into the next stage).
+    The run never stopped is the shared ``two_stages`` (compiled before: the same steps as
+    in the background, test_later_stages_compiled_in_the_background_train_the_same_steps)."""
+    overrides = dict(**TWO_STAGES, compile_ahead="background")
+    run, whole, whole_dir, _ = two_stages
+    assert whole["completed"]
     s0, s1 = run.plan.stages
 
     workdir = tmp_path / "split"
@@ -676,23 +694,24 @@ def test_a_stop_while_the_next_stage_compiles_saves_at_the_boundary_at_once(tmp_
 
     resumed = trainer.train(setup(tiny_digits(**overrides), str(workdir)))
     assert resumed["completed"] and resumed["resumed_from"] == s0.end_step
-    want = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    want = {r["step"]: r["loss"] for r in records(whole_dir, "train")}
     got = {r.step: r.loss for r in run_records.read_run(str(workdir)).train}
     assert got == want and len(got) == s1.end_step
 
 
-def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(tmp_path, capsys):
+def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(
+    tmp_path, capsys, two_stages
+):
     """Stopped at the first stage's last step, with its checkpoint there, then resumed: the
     resumed start compiles and marks only the second stage (not the finished one, for none
     of its steps), its memory line names only the programs that run, and the losses are
     those of the same run uninterrupted, step for step. Planted bug that fails it: the
-    resumed start begins from the checkpoint's ``LoopState.stage`` (the finished stage)."""
-    overrides = dict(stages="0.3:16-8,0.6:24-16", num_epochs=0.6)
-    run = setup(tiny_digits(**overrides), str(tmp_path / "whole"))
-    whole = trainer.train(run)
+    resumed start begins from the checkpoint's ``LoopState.stage`` (the finished stage).
+    The run uninterrupted is the shared ``two_stages``."""
+    run, whole, whole_dir, _ = two_stages
     assert whole["completed"]
     s0, s1 = run.plan.stages
-    config = tiny_digits(**overrides)
+    config = tiny_digits(**TWO_STAGES)
     workdir = tmp_path / "split"
     stopped = trainer.train(setup(config, str(workdir)), hooks=[SigtermAt(s0.end_step)])
     assert stopped["latest_checkpoint"] == stopped["steps"] == s0.end_step
@@ -712,7 +731,7 @@ def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(tmp_path, ca
     assert "batch 32" not in preflight and "largest of 2 programs" in preflight
     assert [p["name"] for p in resumed["memory_by_program"] if "batch 32" in p["name"]] == []
 
-    want = {r["step"]: r["loss"] for r in records(tmp_path / "whole", "train")}
+    want = {r["step"]: r["loss"] for r in records(whole_dir, "train")}
     got = {r.step: r.loss for r in run_records.read_run(str(workdir)).train}
     assert got == want and len(got) == s1.end_step
     assert resumed["final_eval"]["loss"] == whole["final_eval"]["loss"]
