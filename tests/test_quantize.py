@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +41,6 @@ from hybridpar.runtime import run, run_config, trained, trainer
 from hybridpar.runtime.run import setup
 from hybridpar.tools import quantize
 
-ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
 # The tiny run, long enough (66 steps) to be well above chance: an accuracy check on an
 # untrained net would pass whatever int8 did to it.
@@ -503,23 +501,22 @@ def test_existing_output_needs_overwrite(quantized):
     quantize.check_args(args, tiny_digits(**LONGER))  # no error: asked to replace it
 
 
-def _cli(*args, config=("--config", DIGITS)):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run(
-        [sys.executable, "-m", "hybridpar.quantize", *config, *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=120,
-    )
+def _cli(capsys, *args, config=("--config", DIGITS)):
+    """The command's exit code and stderr, called in this process: each error here comes
+    before any device is used, so a fresh JAX in a subprocess (~4 s each) would add
+    nothing."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        quantize.main([*config, *args])
+    return e.value.code, capsys.readouterr().err
 
 
 def _assert_error(p, *words):
-    assert p.returncode == 2, p.stderr
-    assert "Traceback" not in p.stderr, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error:"), p.stderr
+    code, err = p
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
     for word in words:
         assert word in lines[0], lines[0]
 
@@ -552,12 +549,13 @@ def test_a_flag_another_makes_moot_is_one_error_line(tmp_path, capsys, extra, sa
     assert not w.exists()
 
 
-def test_missing_checkpoint_is_an_error(quantized, tmp_path):
+def test_missing_checkpoint_is_an_error(quantized, tmp_path, capsys):
     w, _, _ = quantized
     empty = tmp_path / "no_ckpt"
     empty.mkdir()
     shutil.copy(w / "config.json", empty / "config.json")
     p = _cli(
+        capsys,
         "--workdir",
         str(empty),
         *config_args({**TINY_DIGITS, **LONGER}),
@@ -566,22 +564,23 @@ def test_missing_checkpoint_is_an_error(quantized, tmp_path):
     _assert_error(p, "no checkpoint")
 
 
-def test_checkpoint_of_another_config_is_an_error(quantized):
+def test_checkpoint_of_another_config_is_an_error(quantized, capsys):
     w, _, _ = quantized
     tiny = {**TINY_DIGITS, **LONGER, "model.num_filters": 16}
-    p = _cli("--workdir", str(w), *config_args(tiny), "--config.mesh=data:4,model:2")
+    p = _cli(capsys, "--workdir", str(w), *config_args(tiny), "--config.mesh=data:4,model:2")
     _assert_error(p, "another config", "num_filters")
 
 
-def test_cli_without_config_takes_the_runs_config_json(quantized):
+def test_cli_without_config_takes_the_runs_config_json(quantized, capsys):
     w, _, _ = quantized
     # the run's config read back and matched: it stops only at the existing output
-    _assert_error(_cli("--workdir", str(w), config=()), "exists", "--overwrite")
+    _assert_error(_cli(capsys, "--workdir", str(w), config=()), "exists", "--overwrite")
     # overrides apply on top of it, and still have to agree with the run
-    p = _cli("--workdir", str(w), "--config.model.num_filters=16", config=())
+    p = _cli(capsys, "--workdir", str(w), "--config.model.num_filters=16", config=())
     _assert_error(p, "another config", "num_filters was 8, now 16")
-    _assert_error(_cli("--workdir", str(w / "nope"), config=()), "config.json")
-    _assert_error(_cli("--workdir", str(w), "--percentile", "0", config=()), "--percentile=0")
+    _assert_error(_cli(capsys, "--workdir", str(w / "nope"), config=()), "config.json")
+    _assert_error(_cli(capsys, "--workdir", str(w), "--percentile", "0", config=()),
+                  "--percentile=0")
 
 
 # ---- the airbench net --------------------------------------------------------------------
@@ -624,9 +623,10 @@ def test_airbench_run_quantizes(tmp_path):
     one = jax.devices()[:1]
     config = tiny_digits(**{**LONGER, "model.name": "airbench", "optim.frozen": "whiten/kernel"})
     summary = trainer.train(run.setup(config, str(w), devices=one))
-    report = quantize.run(
-        config, str(w), calibration_batches=4, repeats=1, latency_batches=(1,), devices=one
-    )
+    # without the converter's own calibration (a second LiteRT conversion): nothing here
+    # reads it; test_int8_accuracy_and_size checks it
+    report = quantize.run(config, str(w), calibration_batches=4, repeats=1,
+                          latency_batches=(1,), devices=one, litert_calibrated=False)  # fmt: skip
     ev = report["eval"]
     assert ev["float"]["top1"] > 0.3, summary["final_eval"]  # well above chance (0.1)
     assert report["top1_agreement"] >= 0.95 and report["logit_error"] < 0.1, report

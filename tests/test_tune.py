@@ -19,6 +19,23 @@ from hybridpar.program.optim import lr_factor
 from hybridpar.tools import tune
 
 
+@pytest.fixture
+def one_device(monkeypatch):
+    """tune's trials and range tests set up on this process's first device alone (mesh
+    data:-1 is then data:1): what these tests check is the same on any mesh, and an 8-device
+    train step compiles several times longer (each trial's LR is another program)."""
+    import jax
+
+    from hybridpar.runtime import run
+
+    setup = run.setup
+
+    def on_one(config, workdir, **kw):
+        return setup(config, workdir, **{"devices": jax.devices()[:1], **kw})
+
+    monkeypatch.setattr(run, "setup", on_one)
+
+
 def test_exponential_schedule_rises_geometrically_to_the_peak():
     c = tiny_digits(**{"optim.schedule": "exponential", "optim.warmup_epochs": 0.0,
                        "optim.warmup_start_factor": 1e-3})  # fmt: skip
@@ -201,7 +218,7 @@ def test_space_kinds():
     assert by_key["seed"]["kind"] == "int"
 
 
-def test_lr_range_test(tmp_path, capsys, monkeypatch):
+def test_lr_range_test(tmp_path, capsys, monkeypatch, one_device):
     c = tiny_digits("data:-1", **{"tune.lr_epochs": 0.5, "tune.lr_min": 1e-3})
     wd = str(tmp_path / "lr")
     monkeypatch.setattr(tune, "PROGRESS_EVERY_S", 0.0)  # a progress line after every step
@@ -239,7 +256,7 @@ def test_lr_range_test(tmp_path, capsys, monkeypatch):
     assert "another config: tune.lr_epochs was 0.5, now 1.0; use a new --workdir" in str(e.value)
 
 
-def test_search_prunes_and_resumes(tmp_path, capsys):
+def test_search_prunes_and_resumes(tmp_path, capsys, one_device):
     from optuna.trial import TrialState
 
     c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2",
@@ -293,7 +310,9 @@ def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
     assert trials[1].user_attrs["workdir"] == "trials/000"
 
 
-def test_a_resumed_trials_run_folder_is_named_in_the_best_line_and_trials_md(tmp_path, capsys):
+def test_a_resumed_trials_run_folder_is_named_in_the_best_line_and_trials_md(
+    tmp_path, capsys, one_device
+):
     """A trial that resumes a killed one has a number of its own (1) but runs on in the
     killed one's folder (trials/000): the best: line named only its number, and trials/001
     does not exist. The best: line and trials.md name the folder. Planted bugs that fail it:
@@ -334,7 +353,7 @@ def test_the_suggestion_is_before_the_minimum_when_the_loss_drops_into_it():
     assert s["suggested_base_lr"] == pytest.approx(0.1, rel=0.15)
 
 
-def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys):
+def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys, one_device):
     """An LR range test whose LR never gets large enough for the loss to diverge (here up to
     0.01 over a quarter epoch) cannot tell where the LR becomes too large: a warning line
     says so and what to raise, also when shown again. Planted bug that fails it: no check."""
