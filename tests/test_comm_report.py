@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import pytest
-from helpers import run_compile_tool
+from helpers import main_here, run_compile_tool
 
 from hybridpar.config.schema import base_config, load_config
 from hybridpar.models import create_model
@@ -635,16 +635,7 @@ def _report_here(argv, monkeypatch, capsys) -> tuple[int, str, str]:
     variables it sets are put back."""
     from hybridpar.tools import comm_report
 
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    capsys.readouterr()
-    try:
-        comm_report.main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return main_here(comm_report.main, argv, capsys, monkeypatch, ("XLA_FLAGS", "JAX_PLATFORMS"))
 
 
 def _report_refusing_to_compile(args, monkeypatch, capsys) -> tuple[int, str, str]:

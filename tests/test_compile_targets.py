@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, NO_LLVM_OPT, compile_tiny, tiny_digits
+from helpers import DIGITS, NO_LLVM_OPT, compile_tiny, main_here, tiny_digits
 
 from hybridpar.config.cli import ACCELERATOR_FILES
 from hybridpar.config.errors import ConfigError
@@ -612,17 +612,10 @@ def test_plan_for_a_tpu_target_ranks_plans_compiled_by_the_tpu_compiler(
     args += ["--comm", "xla", "--cache-dir", str(tmp_path), "--json"]
     # The CLI in this process: for a target every plan compiles in a fresh worker process
     # of its own, so this one compiles nothing. The variables it sets are put back.
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES", "HYBRIDPAR_PLAN_TARGET"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    capsys.readouterr()
-    try:
-        plan.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    said = capsys.readouterr()
-    assert code == 0, said.err[-2000:]
-    out = json.loads(said.out.strip().splitlines()[-1])
+    env = ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES", "HYBRIDPAR_PLAN_TARGET")
+    code, said, err = main_here(plan.main, args, capsys, monkeypatch, env)
+    assert code == 0, err[-2000:]
+    out = json.loads(said.strip().splitlines()[-1])
     assert out["target"] == "tpu:v5e-8" and out["memory_limit_bytes"] == 16 * 2**30
     plans = out["plans"]
     assert {p["overrides"]["mesh"] for p in plans} == {"data:8", "fsdp:8"}

@@ -9,7 +9,7 @@ import json
 import os
 
 import pytest
-from helpers import DIGITS, ROOT, config_args, run_compile_tool
+from helpers import DIGITS, ROOT, config_args, main_here, run_compile_tool
 
 from hybridpar.config import cli
 from hybridpar.config.formatting import GIB, byte_size
@@ -581,16 +581,8 @@ def _plan_refusing_to_compile(args, monkeypatch, capsys) -> tuple[int, str, str]
 
     for module, name in ((plan, "compile_plans"), (plan, "compile_one"), (comm_report, "report")):
         monkeypatch.setattr(module, name, compiled)
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    capsys.readouterr()
-    try:
-        plan.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    env = ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES")
+    return main_here(plan.main, args, capsys, monkeypatch, env)
 
 
 def _metrics_file(path, lines) -> str:

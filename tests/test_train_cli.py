@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args, cpu_env, signal_at
+from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args, cpu_env, main_here, signal_at
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -37,20 +37,11 @@ def _run(args, devices=8, timeout=600, xla_flags=""):
 
 
 def _main_here(args, capfd):
-    """``python -m hybridpar.train ARGS`` run by its ``main`` in this process, whose 8 devices
-    are the run's: ``(exit code, stdout, stderr)``, 0 where ``main`` returned. For runs that
-    need no signal, no fresh JAX and no compiler flags of their own: a Python and JAX start
-    (about 3.5 s) fewer each. capfd: what C++ writes to the file descriptors counts too."""
+    """``python -m hybridpar.train ARGS`` by its ``main`` in this process, whose 8 devices are
+    the run's (``helpers.main_here``)."""
     from hybridpar.tools import train
 
-    capfd.readouterr()
-    try:
-        train.main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capfd.readouterr()
-    return code, out, err
+    return main_here(train.main, args, capfd)
 
 
 def _records(workdir):
