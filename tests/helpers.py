@@ -143,7 +143,7 @@ def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProc
 
 def main_here(main, argv, capture, monkeypatch=None, put_back=()) -> tuple[int, str, str]:
     """A tool's ``main(argv)`` in this process, as ``python -m`` would run it where the run
-    needs no signal, fresh JAX or compiler flags of its own (a Python and JAX start, ~3.5 s,
+    needs no signal, fresh JAX or compiler flags of its own (a Python and JAX start
     fewer): ``(exit code, stdout, stderr)``, 0 where ``main`` returned. ``capture``: pytest's
     capsys, or capfd where what C++ writes counts; ``put_back``: environment variables the
     tool sets, restored after the test (``monkeypatch``)."""

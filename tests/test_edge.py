@@ -54,7 +54,8 @@ def _variables(model):
     """Random ones for the ResNets; the airbench net's own init (random BatchNorm statistics
     wash its input out: its logits barely depend on it, and no check could see a bug),
     compiled without LLVM's optimisations as ``init_sharded`` compiles the trainer's: with
-    them XLA:CPU spends ~20 s on its random initialisers (~1 s without), as long op by op."""
+    them XLA:CPU spends an order of magnitude longer on its random initialisers, as long as
+    running them op by op."""
     if not isinstance(model, AirbenchNet):
         return random_variables(model, SIZE)
     x = jnp.zeros((1, SIZE, SIZE, 3), jnp.float32)

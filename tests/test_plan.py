@@ -54,6 +54,10 @@ def test_ranks_at_least_six_plans_best_first(first):
     plans = out["plans"]
     assert len(plans) >= 6 and out["compiled"] == 6 and not out["failed"]
     assert "compiling 6 plans" in stderr and stderr.count("plan: [") == 6  # progress lines
+    # every combination not planned is counted under its reason, on stderr and in the JSON
+    ruled = out["ruled_out_by_reason"]
+    assert ruled and sum(ruled.values()) == out["combinations"] - out["valid"]
+    assert all(f"{n} ({reason})" in stderr for reason, n in ruled.items())
     times = [p["predicted_time_to_train_s"] for p in plans]
     assert times == sorted(times)
     labels = {p["plan"] for p in plans}

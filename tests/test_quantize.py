@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import DIGITS, TINY_DIGITS, config_args, random_variables, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, main_here, random_variables, tiny_digits
 
 from hybridpar.config.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
@@ -503,12 +503,9 @@ def test_existing_output_needs_overwrite(quantized):
 
 def _cli(capsys, *args, config=("--config", DIGITS)):
     """The command's exit code and stderr, called in this process: each error here comes
-    before any device is used, so a fresh JAX in a subprocess (~4 s each) would add
-    nothing."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        quantize.main([*config, *args])
-    return e.value.code, capsys.readouterr().err
+    before any device is used, so a fresh JAX in a subprocess would add nothing."""
+    code, _, err = main_here(quantize.main, [*config, *args], capsys)
+    return code, err
 
 
 def _assert_error(p, *words):

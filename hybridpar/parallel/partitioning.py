@@ -529,9 +529,7 @@ def _placed(batch, mesh: Mesh):
     """``batch`` on ``mesh``'s batch sharding when all its leaves are global arrays on a mesh
     (untouched where they are there already); None for host-local data."""
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    if not leaves or not all(
-        isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding) for _, x in leaves
-    ):
+    if not leaves or not all(_is_global(x) for _, x in leaves):
         return None
     lengths = {path_str(p): (x.shape[:1] or (None,))[0] for p, x in leaves}
     if len(set(lengths.values())) > 1 or None in lengths.values():
