@@ -589,7 +589,7 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
     # split to decode), and a train class with no file (empty or missing folders).
     origin = prep.GIVEN if given is not None else f"train split {d.train_split!r}"
     to_decode = {s: listed[s] for s, (_, why) in state.items() if why}
-    prep._check_splits(to_decode, classes, origin, d.train_split, d.allow_empty_classes)
+    prep.check_splits(to_decode, classes, origin, d.train_split, d.allow_empty_classes)
     out = {}
     for split, (meta, why) in state.items():
         arrays_path, meta_path = cache_paths(folder, split, size)

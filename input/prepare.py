@@ -849,7 +849,7 @@ def class_list_stale(record: dict, want: list | None, train_split: str) -> str:
     )
 
 
-def _check_splits(listed, classes, origin, train_split, allow_empty):
+def check_splits(listed, classes, origin, train_split, allow_empty):
     """Errors before any work: a class that the class list lacks; a train class without
     files (unless allowed)."""
     known = set(classes)
@@ -1058,7 +1058,7 @@ def prepare(
                 "old labels: prepare all splits together (every source in one command), or "
                 "into a new --out"
             )
-        _check_splits(listed, classes, origin, train_split, allow_empty_classes)
+        check_splits(listed, classes, origin, train_split, allow_empty_classes)
         plans = []
         for name in sorted(listed):
             args = (out, name, *listed[name], classes, copies, quality, examples_per_shard, seed)
