@@ -316,7 +316,13 @@ def test_fsdp_shards_largest_divisible_dim(mesh_fsdp):
         "odd": sds(9, 15),  # big enough, nothing divides: replicated
         "vec": sds(64),
     }
-    s = infer_shardings(tree, Rules(fsdp_min_size=64), mesh_fsdp)
+    with pytest.warns(UserWarning) as record:
+        s = infer_shardings(tree, Rules(fsdp_min_size=64), mesh_fsdp)
+    # the one array big enough that stays whole is named, with what it costs each device
+    (w,) = record
+    msg = str(w.message)
+    assert msg.startswith("'odd': 1 array of at least fsdp_min_size=64 elements (0.5 KiB)")
+    assert "fsdp=8 divides none" in msg
     assert s["big"].spec == P(None, "fsdp")
     assert s["mixed"].spec == P("fsdp", None)
     assert s["small"].spec == P(None, None)
@@ -331,12 +337,34 @@ def test_fsdp_disabled_without_min_size(mesh_fsdp):
 
 def test_fsdp_stacks_on_the_dim_a_rule_split(mesh_dfm):
     rules = Rules(path=((r"w", (None, "model")),), fsdp_min_size=1)
-    s = infer_shardings({"w": sds(8, 64), "w2": sds(8, 2)}, rules, mesh_dfm)
+    with pytest.warns(UserWarning, match=r"^'w2': 1 array .* \(0\.1 KiB\)"):
+        s = infer_shardings({"w": sds(8, 64), "w2": sds(8, 2)}, rules, mesh_dfm)
     # dim 1 is split over model; fsdp goes on the same dim, so gathering over fsdp yields
     # the model-parallel layout (and avoids an XLA conv-gradient bug, see partitioning._fsdp)
     assert s["w"].spec == P(None, ("model", "fsdp"))
     # when model x fsdp does not divide that dim, the array stays replicated over fsdp
     assert s["w2"].spec == P(None, "model")
+
+
+def test_fsdp_warning_sums_what_stays_whole_and_spares_what_it_split(mesh_fsdp):
+    tree = {"a": sds(999, 1025), "b": sds(1023, 1025), "c": sds(1024, 1024), "s": sds()}
+    with pytest.warns(UserWarning) as record:
+        s = infer_shardings(tree, Rules(fsdp_min_size=1), mesh_fsdp)
+    (w,) = record
+    # a and b: 2,072,550 float32 values, 7.9 MiB; c split; a scalar never splits
+    assert str(w.message).startswith(
+        "'a', 'b': 2 arrays of at least fsdp_min_size=1 elements (7.9 MiB)"
+    )
+    assert s["c"].spec == P(None, "fsdp")
+
+
+def test_rules_add_a_plain_sequence_of_pairs_on_either_side(mesh_dm):
+    rules = Rules(path=((r"w", ("data",)),), fsdp_min_size=4)
+    pairs = [(r"w", (None, "model"))]
+    assert (rules + pairs).path == ((r"w", ("data",)), (r"w", (None, "model")))
+    assert (pairs + rules).path == ((r"w", (None, "model")), (r"w", ("data",)))
+    assert (pairs + rules).fsdp_min_size == 4
+    assert infer_shardings({"w": sds(4, 6)}, pairs + rules, mesh_dm)["w"].spec == P(None, "model")
 
 
 # ----------------------------------------------------------------------------- warnings

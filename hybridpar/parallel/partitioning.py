@@ -15,8 +15,9 @@ linen variables or NNX state, optax state, plain dicts):
 
 A rule that does not divide a dimension is an error naming the array path, its shape and the
 axis (the FSDP pass instead picks a dimension that divides, or leaves the array replicated).
-``infer_shardings`` warns about rules that match nothing (likely typos) and about conv kernels
-split on both channel dimensions (a layout XLA computes wrong gradients for).
+``infer_shardings`` warns about rules that match nothing (likely typos), about conv kernels
+split on both channel dimensions (a layout XLA computes wrong gradients for) and about arrays
+the FSDP pass was for but could not split (each device then holds them whole).
 """
 
 from __future__ import annotations
@@ -62,14 +63,21 @@ class Rules:
                 "or None for no FSDP pass"
             )
 
-    def __add__(self, other: "Rules") -> "Rules":
-        """Concatenates: ``self``'s rules take priority over ``other``'s."""
+    def __add__(self, other: "Rules | Sequence[tuple[str, Spec]]") -> "Rules":
+        """Concatenates: ``self``'s rules take priority over ``other``'s. ``other`` may be a
+        plain sequence of ``(path_regex, spec)`` pairs, as ``infer_shardings`` takes."""
+        if not isinstance(other, Rules):
+            other = Rules(path=tuple(other))
         mins = [m for m in (self.fsdp_min_size, other.fsdp_min_size) if m is not None]
         return Rules(
             tuple(self.path) + tuple(other.path),
             tuple(self.logical) + tuple(other.logical),
             min(mins) if mins else None,
         )
+
+    def __radd__(self, other: Sequence[tuple[str, Spec]]) -> "Rules":
+        """``[(path_regex, spec), ...] + rules``: the pairs take priority."""
+        return Rules(path=tuple(other)) + self
 
 
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
@@ -215,6 +223,15 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
         return spec
     d = max(free, key=lambda i: (shape[i], i))
     return spec[:d] + ("fsdp",) + spec[d + 1 :]
+
+
+def _left_whole_by_fsdp(spec: tuple, shape, mesh: Mesh, rules: Rules) -> bool:
+    """An array the FSDP pass was meant for (big enough, an fsdp axis) that no rule and no
+    dimension of its own let it split over ``fsdp``."""
+    m = rules.fsdp_min_size
+    if m is None or mesh.shape.get("fsdp", 1) == 1 or not shape or math.prod(shape) < m:
+        return False
+    return "fsdp" not in {a for e in spec for a in _axes(e)}
 
 
 def _table(rules: Rules) -> dict:
@@ -366,7 +383,7 @@ def infer_shardings(
         raise ValueError(f"unmatched={unmatched!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
-    both_channels = []
+    both_channels, whole = [], []
 
     def one(path, leaf):
         p = path_str(path)
@@ -377,6 +394,10 @@ def infer_shardings(
             spec = _spec(p, shape, rules, mesh, axis_names=_annotation(leaf))
         if _splits_both_channels(spec, mesh):
             both_channels.append(p)
+        if _left_whole_by_fsdp(spec, shape, mesh, rules):
+            v = _unbox(leaf)
+            itemsize = np.dtype(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype).itemsize
+            whole.append((p, math.prod(shape) * itemsize))
         return NamedSharding(mesh, P(*spec))
 
     shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
@@ -388,6 +409,21 @@ def infer_shardings(
             "for a strided convolution with such a kernel (tests/test_parity.py pins the bug). "
             "Put the second axis on the output-channel dimension instead, e.g. "
             "(None, None, None, ('model', 'fsdp')), as the FSDP pass does",
+            UserWarning,
+            stacklevel=2,
+        )
+    if whole:
+        # Not an error: the run is still correct, only each device holds these in full.
+        n, size = mesh.shape["fsdp"], sum(b for _, b in whole)
+        size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+        arrays = "1 array" if len(whole) == 1 else f"{len(whole)} arrays"
+        warnings.warn(
+            f"{_listed([p for p, _ in whole])}: {arrays} of at least "
+            f"fsdp_min_size={rules.fsdp_min_size} elements ({size}) stay whole on "
+            f"every device of the fsdp axis, as fsdp={n} divides none of their dimensions "
+            "(for an array the rules split, its split dimension must divide by its axes times "
+            "fsdp). Use an fsdp size that divides them, or raise fsdp_min_size above their "
+            "sizes to leave them whole without this warning",
             UserWarning,
             stacklevel=2,
         )
