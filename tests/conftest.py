@@ -1,13 +1,16 @@
-"""Every test process sees 8 virtual CPU devices (set before JAX initialises)."""
+"""Every test process sees 8 virtual CPU devices and the suite's XLA flags (xla_flags.py), set
+before JAX initialises."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from xla_flags import cpu_flags
+
+# (xdist's workers inherit the flags the controller set: each is added once)
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in cpu_flags(8).split() if f not in _flags])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # libtpu (the tpu-aot extra the suite installs) compiles for TPU topologies here: no cloud
 # metadata server to ask, and no machine-wide lock, since several test processes load it.

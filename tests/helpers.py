@@ -42,6 +42,7 @@ import numpy as np
 import optax
 import pytest
 from flax.core import meta
+from xla_flags import cpu_flags
 
 from hybridpar import make_mesh, shard_batch
 from hybridpar.config.curriculum import single_stage_plan
@@ -161,8 +162,7 @@ def main_here(main, argv, capture, monkeypatch=None, put_back=()) -> tuple[int, 
 
 def cpu_env(devices: int = 8, xla_flags: str = "") -> dict:
     """This environment with ``devices`` virtual CPU devices, for a CLI subprocess."""
-    flags = f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip()
-    return dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    return dict(os.environ, XLA_FLAGS=cpu_flags(devices, xla_flags), JAX_PLATFORMS="cpu")
 
 
 def signal_at(cmd, env, after_step, sig, log):

@@ -12,7 +12,9 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+from xla_flags import cpu_flags  # noqa: E402
+
+os.environ["XLA_FLAGS"] = cpu_flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

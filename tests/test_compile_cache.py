@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from helpers import DIGITS, NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args
+from xla_flags import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
@@ -28,7 +29,7 @@ TINY = {
 # a third of each of the first run's 5 compiles: the init, 3 train steps, the eval step) are
 # skipped, as the compile-only tests skip them. Both runs pass the same flags, which are part
 # of the cache key.
-XLA_FLAGS = f"--xla_force_host_platform_device_count=8 {NO_LLVM_OPT_FLAG}"
+XLA_FLAGS = cpu_flags(8, NO_LLVM_OPT_FLAG)
 
 
 def _train(workdir, cache):

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, saved_loop, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, cpu_env, saved_loop, tiny_digits
 
 from hybridpar.config.curriculum import plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError, WorkdirError
@@ -155,8 +155,7 @@ def test_cli_restart_on_another_mesh_goes_on_from_its_record_and_skips_a_deleted
     tiny_args = config_args(TINY_DIGITS)
     cmd = [sys.executable, "-m", "hybridpar.evaluate", "--config", DIGITS, "--workdir", str(w),
            "--watch", "--poll-s=0.1", *tiny_args, "--config.mesh=data:4"]  # fmt: skip
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+    r = subprocess.run(cmd, cwd=ROOT, env=cpu_env(4), capture_output=True,
                        text=True, timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert "checkpoint 6: skipped, deleted before it was evaluated" in r.stdout

@@ -10,6 +10,7 @@ import tarfile
 
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, ROOT, require_shared_data
+from xla_flags import FAST_CPU_COMPILE
 
 sys.path.insert(0, str(ROOT / "bench" / "gpu"))
 import e2e  # noqa: E402
@@ -134,7 +135,7 @@ def test_e2e_smoke_runs_every_section(tmp_path):
     # Every process of the smoke compiles without LLVM's optimisations (a third of a CPU
     # compile, most of the smoke's time): a smoke's figures say nothing about speed, and
     # every run, compile and cached program in it gets the same flag.
-    env["XLA_FLAGS"] = NO_LLVM_OPT_FLAG
+    env["XLA_FLAGS"] = f"{NO_LLVM_OPT_FLAG} {FAST_CPU_COMPILE}"
     env["PYTHON"] = sys.executable  # the suite's Python, whichever python3 is on PATH
     r = subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu" / "e2e.sh"), "--smoke", "--work",

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import cpu_env
 from PIL import Image
 
 from hybridpar.config.errors import ConfigError
@@ -268,7 +269,7 @@ def test_truncated_tar_is_one_error_line_in_prepare_and_in_train(tmp_path, capsy
         text=True,
         cwd=ROOT,
         timeout=300,
-        env=dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu"),
+        env=cpu_env(1),
         check=False,
     )
     assert r.returncode == 2, r.stderr[-2000:]

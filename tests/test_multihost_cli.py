@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, free_port
+from xla_flags import cpu_flags
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
@@ -58,8 +59,7 @@ def _env(devices: int, **extra) -> dict:
     # Every process compiles without LLVM's optimisations (a third of each compile; the three
     # start at once on 2 cores): the runs are compared with each other, not timed, and the
     # level changes no collective.
-    flags = f"--xla_force_host_platform_device_count={devices} {NO_LLVM_OPT_FLAG}"
-    env.update(XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=cpu_flags(devices, NO_LLVM_OPT_FLAG), JAX_PLATFORMS="cpu")
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -165,6 +165,16 @@ def test_cache_key_follows_config_devices_source_and_compiler_flags(monkeypatch)
     monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_jf_crs_combiner_threshold_count=1")
     assert key != plan.cache_key(config, 8, "src")
     monkeypatch.delenv("LIBTPU_INIT_ARGS")
+    # XLA_FLAGS as a set: a flag passed twice (a shell that added it again) is the same
+    # compile; one more flag is another
+    flags = os.environ.get("XLA_FLAGS", "")
+    with_flag = plan.cache_key(config, 8, "src")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_enable_fast_math=false {flags}")
+    assert plan.cache_key(config, 8, "src") != with_flag
+    with_flag = plan.cache_key(config, 8, "src")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_cpu_enable_fast_math=false {flags} "
+                                    "--xla_cpu_enable_fast_math=false")  # fmt: skip
+    assert plan.cache_key(config, 8, "src") == with_flag
     config.model.bn_sync = "local"
     assert key != plan.cache_key(config, 8, "src")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, TINY_DIGITS, config_args, cpu_env, main_here, signal_at
+from xla_flags import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -23,7 +24,7 @@ DIGITS = str(ROOT / "experiments" / "digits.py")
 def _run(args, devices=8, timeout=600, xla_flags=""):
     env = dict(
         os.environ,
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {xla_flags}".strip(),
+        XLA_FLAGS=cpu_flags(devices, xla_flags),
         JAX_PLATFORMS="cpu",
     )
     return subprocess.run(

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 import pytest
 from helpers import DIGITS, NO_LLVM_OPT_FLAG, CrashAt, saved_loop, tiny_digits
+from xla_flags import FAST_CPU_COMPILE
 
 from hybridpar import shard_batch
 from hybridpar.config.errors import ConfigError, NonFinite, StopRequested
@@ -256,7 +257,7 @@ def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
         "'model.name=resnet_tiny']; "
         "runpy.run_path('bench/gpu/resnet50_gpu.py', run_name='__main__')"
     )
-    env = dict(os.environ, XLA_FLAGS=NO_LLVM_OPT_FLAG, JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"{NO_LLVM_OPT_FLAG} {FAST_CPU_COMPILE}", JAX_PLATFORMS="cpu")
     r = subprocess.run(
         [sys.executable, "-c", blocker],
         capture_output=True,
