@@ -432,8 +432,9 @@ def test_cli_text_on_hybrid_mesh():
         (
             ["--config.mesh=data:8"],
             4,
-            "needs 8 devices but 4 are available; make the sizes multiply to 4 (e.g. "
-            "--config.mesh=data:-1), or compile for 8 virtual CPU devices with --devices 8",
+            "needs 8 devices but 4 are available; make the sizes multiply to 4 (e.g. 'data:-1', "
+            "on the command line --config.mesh=data:-1), or compile for 8 virtual CPU devices "
+            "with --devices 8",
         ),
         # --devices beside a target is its count or refused, as plan refuses it
         (["--target", "gpu:h100-8"], 4, "--devices=4 but --target gpu:h100-8 has 8 devices"),

@@ -72,7 +72,8 @@ def test_parse_mesh_spec_wrong_product_names_device_count_and_flag():
     msg = str(e.value)
     assert "8" in msg and "16" in msg
     assert "xla_force_host_platform_device_count" in msg
-    assert "data:-1" in msg  # the other fix: let one axis fill the devices
+    # the other fix, let one axis fill the devices: as a spec, then as the CLI's flag
+    assert "e.g. 'data:-1', on the command line --config.mesh=data:-1" in msg
     # virtual devices are the CPU's remedy only: not suggested for a TPU's or GPU's count
     with pytest.raises(ConfigError) as e:
         parse_mesh_spec("data:4,model:4", 8, platform="tpu")

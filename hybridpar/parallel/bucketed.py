@@ -112,7 +112,10 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
     own (a reduction in a narrower ``reduce_dtype`` moves fewer bytes).
     """
     if not bucket_mb > 0:
-        raise ConfigError(f"comm.bucket_mb={bucket_mb!r}: the bucket size must be > 0 MiB")
+        raise ConfigError(
+            f"bucket_mb={bucket_mb!r} (comm.bucket_mb in a config): the bucket size must be "
+            "> 0 MiB, e.g. 4"
+        )
     limit = bucket_mb * 2**20
     plan: list[list[Path]] = []
     cur: list[Path] = []

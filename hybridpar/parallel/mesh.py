@@ -82,7 +82,8 @@ def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[
         )
         raise ConfigError(
             f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
-            f"make the sizes multiply to {num_devices} (e.g. --config.mesh=data:-1), or run on "
+            f"make the sizes multiply to {num_devices} (e.g. 'data:-1', on the command line "
+            f"--config.mesh=data:-1), or run on "
             f"{total} devices{where}"
         )
     return {axis: sizes.get(axis, 1) for axis in AXES}
