@@ -12,7 +12,7 @@ import json
 import os
 import sys
 
-from xla_flags import cpu_flags  # noqa: E402
+from xla_flags import cpu_flags
 
 os.environ["XLA_FLAGS"] = cpu_flags(4)
 os.environ["JAX_PLATFORMS"] = "cpu"

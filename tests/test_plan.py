@@ -28,16 +28,9 @@ def _plan(args, cache_dir, timeout=600):
 def _plan_here(args, cache_dir, capsys, monkeypatch) -> tuple[int, str, str]:
     """The CLI in this process, for calls that compile nothing (from the cache, or an error
     before compiling): (exit code, stdout, stderr). The variables it sets are put back."""
-    for name in ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))
-    capsys.readouterr()
-    try:
-        plan.main([*args, "--cache-dir", str(cache_dir)])
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    env = ("XLA_FLAGS", "JAX_PLATFORMS", "HYBRIDPAR_PLAN_DEVICES")
+    argv = [*args, "--cache-dir", str(cache_dir)]
+    return main_here(plan.main, argv, capsys, monkeypatch, env)
 
 
 @pytest.fixture(scope="module")

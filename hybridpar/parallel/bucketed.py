@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
 from hybridpar.parallel.mesh import BATCH_AXES, axes_with_devices
-from hybridpar.parallel.partitioning import path_str
+from hybridpar.parallel.partitioning import _listed, path_str
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -355,8 +355,7 @@ def check_plan_covers(plan, paths, what: str) -> None:
         return
 
     def listed(ps):
-        shown = ", ".join(repr("/".join(map(str, p))) for p in ps[:3])
-        return shown + (f" and {len(ps) - 3} more" if len(ps) > 3 else "")
+        return _listed(["/".join(map(str, p)) for p in ps], 3)
 
     problems = []
     if missing:

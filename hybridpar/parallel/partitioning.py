@@ -395,9 +395,7 @@ def infer_shardings(
         if _splits_both_channels(spec, mesh):
             both_channels.append(p)
         if _left_whole_by_fsdp(spec, shape, mesh, rules):
-            v = _unbox(leaf)
-            itemsize = np.dtype(v.dtype if hasattr(v, "dtype") else np.asarray(v).dtype).itemsize
-            whole.append((p, math.prod(shape) * itemsize))
+            whole.append((p, math.prod(shape) * _dtype(_unbox(leaf)).itemsize))
         return NamedSharding(mesh, P(*spec))
 
     shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
@@ -477,8 +475,9 @@ def shard_batch(batch, mesh: Mesh, *, check_hosts: bool = False):
     if placed is not None:
         return placed
     leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
-    is_global = {path_str(p): _is_global(x) for p, x in leaves}
-    if jax.process_count() > 1 and len(set(is_global.values())) > 1:
+    # (on one process a global leaf's length is this host's: mixing is harmless there)
+    is_global = {path_str(p): _is_global(x) for p, x in leaves} if jax.process_count() > 1 else {}
+    if len(set(is_global.values())) > 1:
         # A global leaf has the global length, a host-local one this host's: never equal.
         raise ConfigError(
             "batch mixes global jax.Arrays (leaves "
@@ -515,6 +514,11 @@ def shard_batch(batch, mesh: Mesh, *, check_hosts: bool = False):
     return jax.tree_util.tree_map_with_path(one, batch)
 
 
+def _dtype(x) -> np.dtype:
+    """An array's (or ShapeDtypeStruct's) dtype; a Python number's as numpy would make it."""
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
 def _is_global(x) -> bool:
     return isinstance(x, jax.Array) and isinstance(x.sharding, NamedSharding)
 
@@ -528,8 +532,7 @@ def _check_same_on_hosts(batch) -> None:
 
     mine = []
     for p, x in jax.tree_util.tree_flatten_with_path(batch, is_leaf=_is_number_list)[0]:
-        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
-        mine.append([path_str(p), list(np.shape(x)), str(dtype)])
+        mine.append([path_str(p), list(np.shape(x)), str(_dtype(x))])
     data = np.frombuffer(json.dumps(mine).encode(), np.uint8)
     # The descriptions' lengths differ between hosts: gather them first, then pad to the longest.
     lengths = multihost_utils.process_allgather(np.int32(data.size))
