@@ -126,7 +126,7 @@ def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProc
     """``python -m MODULE ARGS`` in a subprocess: a fresh JAX, so the tool sets its own
     virtual device count (``--devices``); this process's XLA_FLAGS and JAX_PLATFORMS are not
     passed on. Compile-only, as the planner compiles: memory and collectives are fixed
-    before LLVM, whose optimisations this skips (a third of a ResNet-50 compile)."""
+    before LLVM, whose optimisations this skips (a large part of a ResNet-50 compile)."""
     from hybridpar.tools.plan import ANALYSIS_XLA_FLAGS
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -402,7 +402,7 @@ def run(step, program, start, host_batches) -> Run:
 
 
 # Compiler options for a test's own compiles of steps it compares but does not time: LLVM's
-# optimisations are about a third of a tiny ResNet step's compile and change
+# optimisations are a large part of a tiny ResNet step's compile and change
 # no HLO, so no sharding or collective; its results differ from the optimised program's by
 # float32 rounding (1-2 ulp after 3 steps), which a parity check measures in its reference
 # anyway. Compile both sides of a comparison with the same options.

@@ -313,7 +313,7 @@ def _resnet50_hlo(mesh="data:8"):
         "image": jax.ShapeDtypeStruct((16, *image), np.uint8, sharding=batch_sharding(mesh, 4)),
         "label": jax.ShapeDtypeStruct((16,), np.int32, sharding=batch_sharding(mesh, 1)),
     }
-    # Only the HLO is read: LLVM's optimisations (a third of the compile) change none of it.
+    # Only the HLO is read: LLVM's optimisations (a large part of the compile) change none of it.
     lowered = step.lower(abstract_like(abstract, shardings), batch)
     hlo = lowered.compile(NO_LLVM_OPT).as_text()
     return hlo, abstract

@@ -25,8 +25,8 @@ TINY = {
 }
 
 
-# What is cached, not how fast the programs run, is under test: LLVM's optimisations (about
-# a third of each of the first run's 5 compiles: the init, 3 train steps, the eval step) are
+# What is cached, not how fast the programs run, is under test: LLVM's optimisations (a
+# large part of each of the first run's 5 compiles: the init, 3 train steps, the eval step) are
 # skipped, as the compile-only tests skip them. Both runs pass the same flags, which are part
 # of the cache key.
 XLA_FLAGS = cpu_flags(8, NO_LLVM_OPT_FLAG)

@@ -339,7 +339,7 @@ def test_a_run_loads_its_compiled_programs_and_trains_the_same_steps(
 
     assert jax.config.jax_compilation_cache_dir  # conftest's: the case needs a cache
     # Both compiles (the run's, the compile tool's) without LLVM's optimisations
-    # (helpers.NO_LLVM_OPT, a third of each compile): the same options, so the same programs
+    # (helpers.NO_LLVM_OPT, a large part of each compile): the same options, so the same programs
     # and the same steps; and every program written to the cache however quick its
     # compile, so the compile tool surely finds each there.
     monkeypatch.setattr(targets.Target, "compiler_options", lambda self: dict(NO_LLVM_OPT))

@@ -48,7 +48,7 @@ from hybridpar.tools import prune
 ROOT = Path(__file__).resolve().parents[1]
 EPS32 = float(np.finfo(np.float32).eps)
 # The tools' processes (prune, train, compress, evaluate, quantize): one device, and no
-# LLVM optimisations (a third of each compile; neither speed nor accuracy is held here).
+# LLVM optimisations (a large part of each compile; neither speed nor accuracy is held here).
 CLI_ENV = cpu_env(devices=1, xla_flags=NO_LLVM_OPT_FLAG)
 LONGER = {"num_epochs": 1.5, "log_every_s": 5.0, "mesh": "data:1"}  # as test_quantize's run
 

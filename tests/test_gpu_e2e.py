@@ -132,8 +132,8 @@ def test_e2e_smoke_runs_every_section(tmp_path):
     out = tmp_path / "e2e.txt"
     drop = ("OUT", "XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")  # e2e measures compiles
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    # Every process of the smoke compiles without LLVM's optimisations (a third of a CPU
-    # compile, most of the smoke's time): a smoke's figures say nothing about speed, and
+    # Every process of the smoke compiles without LLVM's optimisations (a large part of a
+    # CPU compile, most of the smoke's time): a smoke's figures say nothing about speed, and
     # every run, compile and cached program in it gets the same flag.
     env["XLA_FLAGS"] = f"{NO_LLVM_OPT_FLAG} {FAST_CPU_COMPILE}"
     env["PYTHON"] = sys.executable  # the suite's Python, whichever python3 is on PATH

@@ -56,7 +56,7 @@ RTOL = 1e-5
 
 def _env(devices: int, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(CLUSTER_ENV)}
-    # Every process compiles without LLVM's optimisations (a third of each compile; the three
+    # Every process compiles without LLVM's optimisations (a large part of each compile; the three
     # start at once on 2 cores): the runs are compared with each other, not timed, and the
     # level changes no collective.
     env.update(XLA_FLAGS=cpu_flags(devices, NO_LLVM_OPT_FLAG), JAX_PLATFORMS="cpu")

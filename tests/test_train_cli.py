@@ -245,7 +245,7 @@ def test_resnet50_recipe_runs_on_the_hybrid_mesh(tmp_path):
             "--config.data.eval_examples=16",
             "--config.num_epochs=1",
         ],
-        # 2 steps: the compile is the test's time, and LLVM's optimisations a third of it
+        # 2 steps: the compile is the test's time, and LLVM's optimisations a large part of it
         # (skipped here, as in the other runs that are neither timed nor held to an accuracy)
         xla_flags=NO_LLVM_OPT_FLAG,
     )

@@ -248,7 +248,7 @@ def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
     """As on the GPU machine, which has neither: the bench must run the first time. The
     tiny ResNet in place of ResNet-50 (a --set override, as a user would pass one) keeps
     the compile short; the imports and the code path are the same. One device, as there;
-    compiled without LLVM's optimisations (a third of the compile; nothing timed here)."""
+    compiled without LLVM's optimisations (a large part of the compile; nothing timed here)."""
     blocker = (
         "import runpy, sys; "
         "[sys.modules.__setitem__(m, None) for m in "
