@@ -127,7 +127,7 @@ def run_compile_tool(module: str, args, timeout=300) -> subprocess.CompletedProc
     virtual device count (``--devices``); this process's XLA_FLAGS and JAX_PLATFORMS are not
     passed on. Compile-only, as the planner compiles: memory and collectives are fixed
     before LLVM, whose optimisations this skips (a large part of a ResNet-50 compile)."""
-    from hybridpar.tools.plan import ANALYSIS_XLA_FLAGS
+    from hybridpar.tools.comm_report import ANALYSIS_XLA_FLAGS
 
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["XLA_FLAGS"] = " ".join(ANALYSIS_XLA_FLAGS)

@@ -16,6 +16,7 @@ from hybridpar.config.schema import base_config, load_config
 from hybridpar.models import create_model
 from hybridpar.parallel import comm
 from hybridpar.tools.comm_report import (
+    ANALYSIS_XLA_FLAGS,
     describe_overlap,
     hidden_estimate,
     overlap_totals,
@@ -23,6 +24,7 @@ from hybridpar.tools.comm_report import (
     parse_overlap,
     schedule_figures,
     shape_bytes,
+    with_analysis_flags,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,6 +109,65 @@ def test_a_bfloat16_reduction_the_cpu_widened_counts_as_bfloat16():
     # *_promoted): 16 bfloat16 values are 32 bytes; a float32 all-reduce stays 64.
     rows = parse_collectives(PROMOTED_HLO)
     assert sorted(r["bytes"] for r in rows) == [32, 64]
+
+
+# The same with AllReducePromotion off (comm_report's ANALYSIS_XLA_FLAGS): float
+# normalization widened the operands and results of the bfloat16 reduction but left its
+# computation bfloat16; the float32 loss's all-reduce is a separate op.
+NORMALIZED_HLO = """
+%add.53.clone (x.107: bf16[], y.107: bf16[]) -> bf16[] {
+  %x.107 = bf16[] parameter(0)
+  %y.107 = bf16[] parameter(1)
+  ROOT %add.54 = bf16[] add(%x.107, %y.107)
+}
+
+%region_1.2 (a.1: f32[], b.1: f32[]) -> f32[] {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %add.3 = f32[] add(%a.1, %b.1)
+}
+
+ENTRY %main (a: f32[16], k: f32[3,3,4,8], l: f32[]) -> (f32[16], f32[3,3,4,8], f32[]) {
+  %a = f32[16]{0} parameter(0)
+  %k = f32[3,3,4,8]{3,2,1,0} parameter(1)
+  %l = f32[] parameter(2)
+  %grads = (f32[16]{0}, f32[3,3,4,8]{3,2,1,0}) all-reduce(%a, %k), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%add.53.clone
+  %loss = f32[] all-reduce(%l), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, to_apply=%region_1.2
+  %g0 = f32[16]{0} get-tuple-element(%grads), index=0
+  %g1 = f32[3,3,4,8]{3,2,1,0} get-tuple-element(%grads), index=1
+  ROOT %out = (f32[16]{0}, f32[3,3,4,8]{3,2,1,0}, f32[]) tuple(%g0, %g1, %loss)
+}
+"""  # noqa: E501
+
+
+def test_a_bfloat16_reduction_float_normalization_widened_counts_as_bfloat16():
+    # (16 + 288) values at bfloat16's 2 bytes, read from the reduction computation's type;
+    # the float32 loss at 4
+    rows = parse_collectives(NORMALIZED_HLO)
+    assert sorted(r["bytes"] for r in rows) == [4, 608]
+    assert sorted(e["bytes"] for e in parse_overlap(NORMALIZED_HLO)) == [4, 608]
+
+
+@pytest.mark.parametrize(
+    "given, expect",
+    [
+        ("", ANALYSIS_XLA_FLAGS),
+        # a flag the user set keeps its value; a list of disabled passes gains ours, once
+        (
+            "--xla_backend_optimization_level=2 --xla_disable_hlo_passes=foo",
+            ("--xla_backend_optimization_level=2",
+             "--xla_disable_hlo_passes=foo,all-reduce-promotion",
+             "--xla_cpu_use_fusion_emitters=false"),
+        ),
+        (
+            "--xla_disable_hlo_passes=all-reduce-promotion,foo",
+            ("--xla_disable_hlo_passes=all-reduce-promotion,foo",
+             "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"),
+        ),
+    ],
+)  # fmt: skip
+def test_analysis_flags_keep_the_users(given, expect):
+    assert sorted(with_analysis_flags(given).split()) == sorted(expect)
 
 
 ONE_DEVICE_HLO = """
@@ -413,6 +474,22 @@ def test_cli_json_data_parallel_reports_the_gradient_all_reduce():
     assert all_reduce >= _float32_grad_bytes(load_config(DIGITS)) > 0
     assert rep["total_bytes"] >= all_reduce
     assert rep["flops"] > 0 and rep["memory_per_device_bytes"] > 0
+
+
+def test_local_batchnorm_bfloat16_gradients_count_at_bfloat16s_width():
+    """bfloat16 compute, local BatchNorm, XLA's own reduction: XLA all-reduces the kernels'
+    bfloat16 gradients, 2 bytes a parameter, as the GPU and TPU compilers do (ResNet-50's:
+    bench/results/model_parallel/bn_sync_reduce_dtype.txt). XLA:CPU widens them to float32,
+    and with its AllReducePromotion on, its combiner merged them with the float32 loss into
+    one op counted at 4 bytes a parameter (the planted bug: that pass left on)."""
+    args = ["--config.mesh=data:8", "--config.model.bn_sync=local", "--config.comm.mode=xla",
+            "--config.precision.compute=bfloat16", "--json"]  # fmt: skip
+    r = _report(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    reduced = sum(c["total_bytes"] for c in rep["collectives"] if c["kind"] == "all-reduce")
+    params = _float32_grad_bytes(load_config(DIGITS)) // 4
+    assert 2 * params <= reduced < 2.1 * params, rep["collectives"]
 
 
 def test_cli_text_on_hybrid_mesh():

@@ -35,7 +35,7 @@ from hybridpar.program.heads import make_head
 from hybridpar.program.program import build_program
 from hybridpar.program.state import init_sharded
 from hybridpar.program.steps import DENSE, cross_entropy, normalize
-from hybridpar.tools.plan import ANALYSIS_XLA_FLAGS
+from hybridpar.tools.comm_report import ANALYSIS_XLA_FLAGS
 
 ROOT = Path(__file__).resolve().parents[1]
 MESH = "data:2,model:4"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import sys
 from collections import Counter
@@ -75,9 +76,61 @@ def _clone_key(attrs: str) -> str | None:
     m = _CHAIN.search(attrs) or _CHANNEL.search(attrs)
     return m.group(0) if m else None
 
-# XLA's CPU pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names
-# the widened reduction computation ``<name>_promoted``.
+# XLA:CPU has no bfloat16 reduction and carries one in float32 in either of two ways. Its
+# pass AllReducePromotion (bfloat16 to float32, the only pair it promotes) names the widened
+# reduction computation ``<name>_promoted``; with that pass off (``ANALYSIS_XLA_FLAGS``),
+# float normalization widens the operands and result but keeps the reduction computation's
+# own bfloat16 type: ``%add.1.clone (x: bf16[], y: bf16[]) -> bf16[] {``.
 _PROMOTED = re.compile(r"to_apply=%?[\w.\-]+_promoted\b")
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+_REDUCER = re.compile(r"^\s*%?([\w.\-]+)\s*\(.*\)\s*->\s*(bf16|f16)\[\]\s*\{\s*$", re.M)
+# XLA:CPU flags for compile-only analysis (comm_report --devices, plan): nothing compiled
+# with them runs. Memory and collectives come from buffer assignment and the HLO passes,
+# before LLVM: skipping LLVM's optimisations and using the older (LLVM IR) fusion emitters
+# take a large part of the compile time away (a ResNet-50's memory moves by a few bytes, its
+# collectives not at all). Without AllReducePromotion, XLA's all-reduce combiner no longer
+# merges widened bfloat16 reductions with float32 ones into one op whose computation is a
+# float32 one, which hides how many of its bytes the program asked for at bfloat16's width
+# (a ResNet-50's local-BatchNorm gradients counted at float32's); float normalization widens
+# them instead and keeps each reduction computation's own type (read by ``_payload_shape``).
+ANALYSIS_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_disable_hlo_passes=all-reduce-promotion",
+)
+
+
+def with_analysis_flags(xla_flags: str) -> str:
+    """An ``XLA_FLAGS`` value with ``ANALYSIS_XLA_FLAGS`` added: a flag already set keeps its
+    value, except a list of disabled passes, which gains ours."""
+    flags = xla_flags.split()
+    for flag in ANALYSIS_XLA_FLAGS:
+        name, value = flag.split("=", 1)
+        mine = [i for i, f in enumerate(flags) if f.split("=", 1)[0] == name]
+        if not mine:
+            flags.append(flag)
+        elif name == "--xla_disable_hlo_passes":
+            i = mine[-1]  # XLA reads the last
+            if value not in flags[i].split("=", 1)[-1].split(","):
+                flags[i] += f",{value}"
+    return " ".join(flags)
+
+
+def _narrow_reducers(hlo_text: str) -> dict:
+    """Computation name -> its 16-bit float result type, for every scalar reduction
+    computation of that type."""
+    return dict(_REDUCER.findall(hlo_text))
+
+
+def _payload_shape(ins: dict, shape: str, narrow: dict) -> str:
+    """``shape`` at the width the program asked its reduction in: float32 where XLA:CPU
+    widened a bfloat16 (or float16) all-reduce or reduce-scatter reads as that type."""
+    if _PROMOTED.search(ins["attrs"]):
+        return re.sub(r"\bf32\[", "bf16[", shape)
+    m = _TO_APPLY.search(ins["attrs"])
+    if m and m.group(1) in narrow:
+        return re.sub(r"\bf32\[", f"{narrow[m.group(1)]}[", shape)
+    return shape
 
 
 def _split_balanced(text: str) -> tuple[str, str]:
@@ -220,6 +273,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     one (counted once, async if any copy is), and one inside such a fusion counts as async.
     """
     instrs = _instructions(hlo_text)
+    narrow = _narrow_reducers(hlo_text)
     done_shape = {}
     async_computations, fused_computations = set(), set()
     for ins in instrs:
@@ -248,8 +302,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
             )
         else:
             continue
-        if _PROMOTED.search(ins["attrs"]):
-            shape = re.sub(r"\bf32\[", "bf16[", shape)
+        shape = _payload_shape(ins, shape, narrow)
         if kind == "collective-permute":
             m = _PAIRS.search(ins["attrs"])
             groups, size = _short_groups(m.group(1) if m else None, pairs=True)
@@ -290,7 +343,6 @@ _NO_COMPUTE = {
     "copy-done", "async-start", "async-update", "async-done", "after-all", "partition-id",
     "replica-id", "opt-barrier",
 }  # fmt: skip
-_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _DIM_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
 _LHS_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -420,10 +472,10 @@ def parse_overlap(hlo_text: str) -> list[dict]:
             return _op_flops(ins, shapes[ins["computation"]])
         return sum(flops(i) for c in _CALLS.findall(ins["attrs"]) for i in comps.get(c, []))
 
+    narrow = _narrow_reducers(hlo_text)
+
     def payload(ins: dict, shape: str) -> int:
-        if _PROMOTED.search(ins["attrs"]):
-            shape = re.sub(r"\bf32\[", "bf16[", shape)
-        return shape_bytes(shape)
+        return shape_bytes(_payload_shape(ins, shape, narrow))
 
     events = []
     for comp, seq in comps.items():
@@ -763,11 +815,13 @@ def check_virtual_devices(n: int, flag: str, gpu: bool = True) -> None:
 
 
 def use_virtual_cpu_devices(n: int) -> None:
-    """N virtual CPU devices for this process; must run before JAX's backend starts."""
+    """N virtual CPU devices for this process, compiled for only (``ANALYSIS_XLA_FLAGS``);
+    must run before JAX's backend starts."""
     from hybridpar.tools import targets
 
     check_virtual_devices(n, f"--devices={n}")
     targets.prepare(targets.Target("cpu", n))
+    os.environ["XLA_FLAGS"] = with_analysis_flags(os.environ["XLA_FLAGS"])
 
 
 def target_of(spec: str | None, devices: int | None, gpu: bool = True):

@@ -62,12 +62,6 @@ from hybridpar.tools.comm_report import (
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
 BN_SYNCS = ("global", "local")
-# XLA:CPU flags for compile-only analysis: memory and collectives come from buffer
-# assignment and the HLO passes, before LLVM; skipping LLVM's optimisations takes a large
-# part of the compile time away and changes neither. The older (LLVM IR) fusion emitters
-# take another part away; with them a ResNet-50's memory moves by a few bytes and its
-# collectives not at all.
-ANALYSIS_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
 
 # ---- Candidates -------------------------------------------------------------------------------
@@ -942,12 +936,7 @@ def main(argv=None) -> None:
             cli.fail(str(e))
         os.environ["HYBRIDPAR_PLAN_TARGET"] = target.spec
     else:
-        use_virtual_cpu_devices(n)
-        flags = os.environ["XLA_FLAGS"].split()
-        os.environ["XLA_FLAGS"] = " ".join(
-            flags
-            + [f for f in ANALYSIS_XLA_FLAGS if f.split("=")[0] not in os.environ["XLA_FLAGS"]]
-        )
+        use_virtual_cpu_devices(n)  # with comm_report's ANALYSIS_XLA_FLAGS
         os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
     os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
     cache_dir = usable_cache_dir(args)
