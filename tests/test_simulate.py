@@ -1148,8 +1148,11 @@ def test_no_time_to_train_beyond_any_published_converged_batch(capsys):
     lines = capsys.readouterr().out.splitlines()
     row = {ln.split()[0]: ln for ln in lines if ln.strip()[:1].isdigit()}
     assert row["4096"].endswith(sim.BEYOND) and not row["256"].endswith(sim.BEYOND)
-    assert sim.main(["--preset", "h100", "--devices", "4096", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["rows"][0]["beyond_converged_batch"] is True
+    assert sim.main(["--preset", "h100", "--devices", "256,4096", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert rows[1]["beyond_converged_batch"] is True and rows[0]["time_to_train_s"] > 0
+    # --json gave 4096 a time the table withholds; now its times are null, as the docs say
+    assert rows[1]["time_to_train_s"] is None and rows[1]["stage_s"] is None
 
 
 def test_startup_is_a_fixed_part_and_each_hosts_first_epoch():
@@ -1302,8 +1305,11 @@ def test_parse_devices():
     assert sim.parse_devices("8,16,32") == [8, 16, 32]
     assert sim.parse_devices("8..64") == [8, 16, 32, 64]
     assert sim.parse_devices("1,8..16,100") == [1, 8, 16, 100]
+    assert sim.parse_devices("3..24") == [3, 6, 12, 24]
     with pytest.raises(ValueError):
         sim.parse_devices("0")
+    with pytest.raises(ValueError, match="e.g. 8..64 or 8..128"):  # it stopped at 64 unsaid
+        sim.parse_devices("8..100")
 
 
 @pytest.mark.parametrize("name", ["out.txt", "out", "out.png.bak"])
@@ -1354,6 +1360,34 @@ def test_a_plot_is_not_written_over_a_file_without_overwrite(tmp_path, capsys):
     assert keep.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_plot_that_cannot_be_written_is_one_error_line_naming_png(tmp_path, capsys, monkeypatch):
+    """A failed write was a bare errno line ("error: [Errno 2] No such file or directory")
+    after the work; now it names --png, says why in words and the fix, before the work."""
+
+    def full(*args):  # a write that fails after the check: the disk filled up meanwhile
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hybridpar.simulate.cli.write_png", full)
+    fix = "cannot write there (No such file or directory); name a file in a folder that exists"
+    assert sim.main(["--devices", "8", "--png", "/proc/a.png"]) == 2  # said before the work
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"error: --png /proc/a.png: {fix} and that you can write\n"
+    png = tmp_path / "s.png"
+    assert sim.main(["--devices", "8", "--png", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --png {png}: cannot write there (No space left on device);")
+    assert list(tmp_path.iterdir()) == []  # the check's own file is gone
+
+
+def test_every_flag_has_help(capsys):
+    """--list-presets had no line of its own in --help."""
+    for action in sim.build_parser()._actions:
+        assert action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        sim.main(["--help"])
+    assert re.search(r"--list-presets\s+print the hardware presets", capsys.readouterr().out)
+
+
 def test_the_docs_preset_efficiencies_are_what_list_presets_prints(capsys):
     """docs/scaling.md section 2 gave 0.400 for every TPU preset where --list-presets
     prints 0.403-0.410 (the per-parameter work taken out of the reference step)."""
@@ -1390,7 +1424,7 @@ def test_cli_json_subprocess():
             "--preset",
             "v100",
             "--devices",
-            "8,128,1024",
+            "8,128,256",
             "--image-size",
             "128",
             "--stages",
@@ -1409,8 +1443,8 @@ def test_cli_json_subprocess():
     assert out["preset"]["name"] == "v100-25gbe"
     assert out["stages"] == "20:128-224,38:224-224,40:288-128"
     rows = out["rows"]
-    assert [r["devices"] for r in rows] == [8, 128, 1024]
-    assert [r["nodes"] for r in rows] == [1, 16, 128]
+    assert [r["devices"] for r in rows] == [8, 128, 256]
+    assert [r["nodes"] for r in rows] == [1, 16, 32]
     for r in rows:
         assert 0 < r["efficiency"] <= 1 and r["time_to_train_s"] > 0
         assert r["step_s"] == pytest.approx(r["compute_s"] + r["exposed_comm_s"])
@@ -1464,6 +1498,9 @@ def _exit_status(argv) -> int:
         (["--eval-overhead-s", "2"], "--eval-overhead-s", "--eval-every-epochs 1"),
         (["--devices", "abc"], "--devices", "e.g. 8,16,32"),
         (["--devices", "8..."], "--devices", "e.g. 8,16,32"),
+        (["--devices", "8..100"], "--devices", "e.g. 8..64 or 8..128"),
+        (["--comm-report", "MISSING"], "--comm-report", "cannot read it"),
+        (["--devices", "8", "--png", "DIR"], "--png", "is a folder: name a file in it"),
         (["--input-per-core", "abc@x", "--cores-per-device", "4"], "--input-per-core", "400@128"),
         (["--calibrate", "1e9"], "--calibrate", "measured rate"),  # 2e4 times the peak
         (["--step-overhead-s", "0.084"], "--step-overhead-s", "e.g. 0.004"),  # ditto
@@ -1475,6 +1512,9 @@ def _exit_status(argv) -> int:
         (["--comm-report", "REPORT", "--bucket-mb", "0"], "--bucket-mb", "drop"),
         (["--stages", "20:128-224", "--epochs", "5"], "--epochs", "drop --epochs"),
         (["--validate", "--preset", "v100"], "--preset", "drop it"),
+        (["--validate", "--preset", "h100"], "--preset", "drop it"),  # the default, but given
+        (["--list-presets", "--preset", "h100"], "--preset", "drop it"),
+        (["--list-presets", "--overlap", "0.8"], "--overlap", "drop it"),
         (["--list-presets", "--validate", "--devices", "8"], "--devices, --validate", "them"),
     ],
 )
@@ -1486,7 +1526,8 @@ def test_cli_bad_input_is_one_error_line_naming_the_flag(tmp_path, capsys, argv,
     metrics.write_text("\n".join(json.dumps(line) for _ in range(3)) + "\n")
     report = tmp_path / "r.json"  # model-parallel 2: odd device counts cannot run it
     report.write_text(json.dumps(_report_dict([_row("all-reduce", 1, 4, None)], HYBRID)))
-    paths = {"METRICS": str(metrics), "REPORT": str(report)}
+    paths = {"METRICS": str(metrics), "REPORT": str(report), "DIR": str(tmp_path)}
+    paths["MISSING"] = str(tmp_path / "missing.json")
     assert _exit_status([paths.get(a, a) for a in argv]) == 2
     out, err = capsys.readouterr()
     lines = err.splitlines()

@@ -78,6 +78,11 @@ def parse_devices(text: str) -> list[int]:
         while v <= hi:
             out.append(v)
             v *= 2
+        if out[-1] != hi:  # 8..100 ran 8..64 unsaid: a doubling range ends on a doubling
+            raise ValueError(
+                f"{part!r} does not end on a doubling of {lo}: write e.g. {lo}..{out[-1]} or "
+                f"{lo}..{out[-1] * 2}, or a comma list such as {lo},{hi}"
+            )
     if not out:
         raise ValueError(f"no device counts given: write {DEVICES_FORM}")
     return out
@@ -101,7 +106,8 @@ def simulate(
     skipped. A count where a stage's global batch is more than one epoch gets no time to
     train (the trainer takes no step there): `over_one_epoch` is that batch, the times None;
     so does one where a stage rounds to no step (the trainer refuses it): `no_step` is the
-    trainer's error (`no_step_stage`)."""
+    trainer's error (`no_step_stage`). One past the largest global batch published to reach
+    ImageNet's target (`beyond_converged_batch`) has unknown epochs, so its times are None."""
     rows = []
     for p in devices:
         if p % workload.model_parallel:
@@ -134,6 +140,8 @@ def simulate(
         row["beyond_converged_batch"] = images_per_epoch == IMAGENET_TRAIN_IMAGES and (
             beyond_converged_batch(stages, p, workload.model_parallel)
         )
+        if row["beyond_converged_batch"]:  # the epochs are unknown, so are the times
+            row.update(time_to_train_s=None, eval_s=None, stage_s=None)
         rows.append(row)
     return rows
 
@@ -527,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--devices",
         default=None,
-        help="comma list and/or doubling range, e.g. 8,16,32 or 8..4096 (default 8..4096)",
+        help="comma list and/or doubling range, e.g. 8,16,32 or 8..4096 (default 8..4096); "
+        "8..64 is 8,16,32,64: a range's end is its start doubled",
     )
     ap.add_argument(
         "--comm-report",
@@ -691,13 +700,19 @@ def build_parser() -> argparse.ArgumentParser:
         f"{VALIDATION_FAILED} when any held-out case is outside {PASS_BAND:.0%}% (0 when all "
         "pass; rows calibrated on their own publication are shown, not counted)",
     )
-    ap.add_argument("--list-presets", action="store_true")
+    ap.add_argument(
+        "--list-presets",
+        action="store_true",
+        help="print the hardware presets (peak FLOP/s, dtype, calibrated efficiency, reference "
+        "rate, links) and exit; with --json, all of their data",
+    )
     return ap
 
 
-def check_args(args, defaults: dict) -> None:
+def check_args(args, given: set[str]) -> None:
     """Every flag's value that argparse's types cannot check alone, before any work: a
-    ValueError naming the flag and what it takes. ``defaults``: the parser's, by dest."""
+    ValueError naming the flag and what it takes. ``given``: the dests of the flags on the
+    command line (`parse_args`)."""
     # flags that only change what another flag turns on: alone they would do nothing
     for flag, other, example in (
         ("--cores-per-device", "--input-per-core", "400@128"),
@@ -712,10 +727,10 @@ def check_args(args, defaults: dict) -> None:
         ("--list-presets", args.list_presets, {"list_presets", "json"}),
         ("--validate", args.validate, {"validate", "json", "overlap"}),
     ):
-        given = [k for k, v in vars(args).items() if k not in uses and v != defaults[k]]
-        if on and given:
-            names = ", ".join("--" + k.replace("_", "-") for k in given)
-            raise ValueError(f"{flag} takes no {names}; drop {'it' if len(given) == 1 else 'them'}")
+        moot = [k for k in vars(args) if k in given and k not in uses]
+        if on and moot:
+            names = ", ".join("--" + k.replace("_", "-") for k in moot)
+            raise ValueError(f"{flag} takes no {names}; drop {'it' if len(moot) == 1 else 'them'}")
     report, stages = args.comm_report and "--comm-report", args.stages and "--stages"
     for flag, value, other, why in (
         ("--grad-dtype", args.grad_dtype, report, "its compiled collectives have their dtype"),
@@ -740,6 +755,9 @@ def check_args(args, defaults: dict) -> None:
                 raise ValueError(f"{flag}: {e}") from None
     if args.stages is not None and parse_stages(args.stages)[-1].end_epoch > MAX_EPOCHS:
         raise ValueError(f"--stages {args.stages!r}: end epochs go to {MAX_EPOCHS:g} at most")
+    if args.png and os.path.isdir(args.png):
+        raise ValueError(f"--png {args.png} is a folder: name a file in it, e.g. "
+                         f"{os.path.join(args.png, 'scaling.png')}")  # fmt: skip
     if args.png and not os.path.isdir(os.path.dirname(args.png) or "."):
         raise ValueError(f"--png {args.png!r}: no such directory; write it to an existing one")
     if args.overwrite and not args.png:
@@ -752,13 +770,50 @@ def check_args(args, defaults: dict) -> None:
         # matplotlib picks the format by the extension: refused here, before the table
         raise ValueError(f"--png {args.png!r}: the plot's format is its extension, one of "
                          f"{', '.join(PLOT_FORMATS)}; name it e.g. scaling.png")  # fmt: skip
+    if args.png:
+        check_png(args.png)
+
+
+def check_png(path: str) -> None:
+    """--png's file can be written (a file of this process's own name beside it created and
+    removed), or one error: checked before the work, not after it."""
+    probe = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(probe, "xb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(cannot_write(path, e)) from None
+
+
+def cannot_write(path: str, e: OSError) -> str:
+    """The error of a --png that cannot be written, in words, with the fix."""
+    return (
+        f"--png {path}: cannot write there ({e.strerror or e}); name a file in a folder that "
+        "exists and that you can write"
+    )
+
+
+UNSET = object()  # a flag's default while parse_args tells the given flags from the others
+
+
+def parse_args(ap: argparse.ArgumentParser, argv: Sequence[str] | None):
+    """``ap``'s arguments, and the dests of the flags on the command line whatever their
+    value: `--validate --preset h100` gives --preset though h100 is its default."""
+    defaults = vars(ap.parse_args([]))
+    ap.set_defaults(**dict.fromkeys(defaults, UNSET))
+    args = ap.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v is not UNSET}
+    for k, v in defaults.items():
+        if k not in given:
+            setattr(args, k, v)
+    return args, given
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = build_parser()
-    args = ap.parse_args(argv)
+    args, given = parse_args(build_parser(), argv)
     try:
-        check_args(args, {k: ap.get_default(k) for k in vars(args)})
+        check_args(args, given)
         return _main(args)
     except (ValueError, TypeError, KeyError, OSError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
@@ -819,7 +874,12 @@ def _main(args) -> int:
         try:
             report = read_comm_report(args.comm_report)
             workload = workload_from_report(report)
-        except (ValueError, OSError) as e:
+        except OSError as e:
+            raise ValueError(
+                f"--comm-report {args.comm_report}: cannot read it ({e.strerror or e}); name "
+                "the file `python -m hybridpar.comm_report --config ... --json > FILE` wrote"
+            ) from None
+        except ValueError as e:
             raise ValueError(f"--comm-report: {e}") from None
         # by default simulate the step the report was compiled for
         if args.per_device_batch is None:
@@ -890,7 +950,10 @@ def _main(args) -> int:
     )
     replaced = bool(args.png) and os.path.exists(args.png)  # only with --overwrite
     if args.png:  # no matplotlib: an error line (ConfigError) before anything is printed
-        write_png(rows, args.png, title)
+        try:
+            write_png(rows, args.png, title)
+        except OSError as e:  # checked before the work, but a disk can still fill
+            raise ValueError(cannot_write(args.png, e)) from None
     if args.json:
         print(
             json.dumps(
