@@ -312,6 +312,31 @@ def test_compile_cli_bad_target_is_one_error_line(target, expect):
     assert len(r.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "extra, expect",
+    [
+        # as simulate's --overwrite without --png: was a whole compile that wrote nothing
+        (["--overwrite"], "error: --overwrite needs --out, the file it lets replace"),
+        # an empty name was taken for no --out: compiled, then wrote nothing
+        (["--out", ""], "error: --out '' names no file: pass the file"),
+        (["--out", "", "--overwrite"], "error: --out '' names no file: pass the file"),
+    ],
+)
+def test_compile_cli_flags_that_would_do_nothing_are_one_error_line(
+    monkeypatch, capsys, extra, expect
+):
+    from hybridpar.tools import compile as tool
+
+    def never(*a, **k):
+        raise AssertionError("compiled before refusing the flags")
+
+    monkeypatch.setattr(tool, "compile_programs", never)
+    args = ["--config", DIGITS, "--target", "cpu:8", *extra]
+    code, out, err = main_here(tool.main, args, capsys)
+    assert code == 2 and out == "" and err.startswith(expect), err
+    assert len(err.splitlines()) == 1
+
+
 # ---- serialized executables: compile once, load in the run --------------------------------
 
 DIGITS_TRAIN = 1437  # scikit-learn's digits: the 80% the digits job trains on
@@ -365,6 +390,10 @@ def _run_then_load(tmp_path, capsys):
     # size: digits' is known, so the same config compiles a file that fits, with no flag
     report = compile_programs(config, targets.parse("cpu:8"), out=out)
     assert len(report["programs"]) == 3  # both stages' train steps and the eval step
+    # the CPU run's own form, which comm_report --devices does not compile: said
+    assert report["kernel_gradients"].startswith(
+        "kernel gradients in the im2col form (model.conv_grad=auto on XLA:CPU)"
+    )
 
     loaded = setup(config, str(tmp_path / "loaded"), compiled=out)
     assert len(loaded.program.compiles) == 3

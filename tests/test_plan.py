@@ -46,6 +46,7 @@ def test_ranks_at_least_six_plans_best_first(first):
     out, stderr, _ = first
     plans = out["plans"]
     assert len(plans) >= 6 and out["compiled"] == 6 and not out["failed"]
+    assert out["planned"] == 6 and out["from_cache"] == 0
     assert "compiling 6 plans" in stderr and stderr.count("plan: [") == 6  # progress lines
     # every combination not planned is counted under its reason, on stderr and in the JSON
     ruled = out["ruled_out_by_reason"]
@@ -80,7 +81,8 @@ def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
     )
     assert code == 0, stderr[-3000:]
     limited = json.loads(stdout.strip().splitlines()[-1])
-    assert limited["from_cache"] == 6
+    # nothing compiled this call (it said "compiled": 6 beside "from_cache": 6)
+    assert (limited["planned"], limited["compiled"], limited["from_cache"]) == (6, 0, 6)
     assert limited["plans"] and limited["too_big"]
     assert all(p["memory_per_device_bytes"] <= limit for p in limited["plans"])
     assert all(p["memory_per_device_bytes"] > limit for p in limited["too_big"])
@@ -89,6 +91,16 @@ def test_the_pick_under_a_limit_compiles_and_fits(first, capsys, monkeypatch):
     rep = report(config)  # this process's 8 devices
     assert rep.memory_per_device_bytes == best["memory_per_device_bytes"] <= limit
     assert rep.total_bytes == best["collective_bytes"]
+
+
+def test_one_plan_is_said_in_the_singular(first, capsys, monkeypatch):
+    """One plan from the cache: "1 plan fits, 0 do not", not "1 plans fit"."""
+    _, _, cache = first
+    code, stdout, stderr = _plan_here([*ARGS, "--max-plans", "1"], cache, capsys, monkeypatch)
+    assert code == 0, stderr[-3000:]
+    assert "; 1 plan fits, 0 do not; 1 of 1 from the cache" in stdout
+    assert "the 1 closest to the config is planned" in stderr
+    assert "1 of 1 plan from the cache" in stderr
 
 
 def test_a_limit_below_every_plan_is_one_error_naming_the_smallest(first, capsys, monkeypatch):
@@ -291,15 +303,17 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
         (["--calibrate-devices", "8"], "pass --calibrate-from RUN/metrics.jsonl with it"),
         (["--target", "tpu:v5e-8", "--hardware", "a100"], "--hardware is not used with --target"),
         (["--target", "tpu:v5e-8", "--calibrate-from", "m.jsonl"], "--calibrate-from is not used"),
+        # given, even at the default's value: the TPU compiler's schedule replaces it
+        (["--target", "tpu:v5e-8", "--overlap", "0.8"], "--overlap is not used with --target"),
     ],
 )
 def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says):
-    code, stdout, stderr = _plan_here([*ARGS, *extra], tmp_path, capsys, monkeypatch)
+    code, stdout, stderr = _plan_here([*ARGS, *extra], tmp_path / "cache", capsys, monkeypatch)
     assert code == 2 and stdout == ""
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], stderr
     assert "XLA_FLAGS" not in lines[0] and "--config.mesh" not in lines[0]
-    assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached
+    assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached, no cache dir made
 
 
 def _tiny_on_a_pod():
@@ -468,6 +482,10 @@ def test_a_per_device_batch_is_per_data_parallel_device():
     assert found[0].mesh_spec == "data:8"  # the config's own plan first: no batch change
     table = plan.format_table([], [], [], 0)
     assert "batch/dp-dev" in table and "batch/dev " not in table
+    # --help says images, as the docs do (it said "batches per data-parallel device")
+    assert "--per-device-batch PER_DEVICE_BATCH images per data-parallel device" in " ".join(
+        plan.build_parser().format_help().split()
+    )
 
 
 def test_a_config_with_stages_plans_its_stages_batches():
@@ -622,6 +640,16 @@ _TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s"
         (["--config.stages=1:8-4,2:16-8", "--config.num_epochs=2", "--per-device-batch", "4,8"],
          ["--per-device-batch", "stages", "--config.stages"]),  # fmt: skip
         (["--images-per-epoch", "0"], ["--images-per-epoch=0", ">= 1"]),
+        # a list given empty: was every factorisation (22 plans compiled), every head, ...
+        (["--meshes", ""], ["--meshes '': no meshes given", "e.g. --meshes 'data:-1 fsdp:-1'"]),
+        (["--heads", ""], ["--heads '': no values given", "e.g. --heads dense,sharded"]),
+        (["--comm", ","], ["--comm ',': no values given", "e.g. --comm xla,overlap:4"]),
+        # --no-cache keeps nothing: a --cache-dir beside it was silently unused
+        (["--no-cache"], ["--cache-dir", "is not used with --no-cache"]),
+        (["--cache-dir", ""], ["--cache-dir '' names no directory"]),
+        # one combination, said in the singular
+        (["--meshes", "data:8", "--heads", "sharded", "--bn-sync", "global", "--comm", "xla"],
+         ["(1 combination, ruled out: 1 (the sharded head"]),  # fmt: skip
         # every plan's set-up would refuse it: one line, not a worker per plan first
         (["--config.partitioning.rules=((r'head/kernel$', (None, 'bogus')),)"],
          ["names mesh axis 'bogus'", "('data', 'fsdp', 'model')"]),  # fmt: skip
@@ -648,7 +676,7 @@ def test_bad_flags_are_refused_before_anything_compiles(tmp_path, capsys, monkey
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), stderr  # no "plan:" line first
     assert all(s in lines[0] for s in says), lines[0]
-    assert not cache.exists() or not list(cache.iterdir())  # nothing cached
+    assert not cache.exists()  # not even made (it was, before the config's checks)
 
 
 def test_good_flags_get_as_far_as_compiling(tmp_path, capsys, monkeypatch):
@@ -693,7 +721,7 @@ def test_a_plan_the_rules_rule_out_is_cached_and_not_set_up_again(
     first = plan.compile_plans(DIGITS, config, overrides, [c], 8, 1, tmp_path, said.append)
     assert first[c].get("ruled_out"), first[c]
     assert f"does not divide mesh axis '{axis}'" in first[c]["error"]
-    assert any("compiling 1 plans" in s for s in said)
+    assert any("compiling 1 plan for" in s for s in said)  # (it said "1 plans")
     said.clear()
     again = plan.compile_plans(DIGITS, config, overrides, [c], 8, 1, tmp_path, said.append)
     assert again[c]["from_cache"] and again[c]["error"] == first[c]["error"]

@@ -141,6 +141,7 @@ def _compile_programs(config, target, out, show, say) -> dict:
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
         mesh=dict(run.mesh.shape),
         gradient_sync=program.sync.choice,
+        kernel_gradients=kernel_gradients(config, run.mesh.devices.flat[0].platform),
         slices=target.slices,
         axes_across_slices=list(axes_across_slices(run.mesh)),
         # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
@@ -155,6 +156,22 @@ def _compile_programs(config, target, out, show, say) -> dict:
     if out:
         executables.save(out, program, report["target"])
     return report
+
+
+def kernel_gradients(config, platform: str) -> str:
+    """Which form of the convolutions' kernel gradients the programs compute, where it is
+    not the GPU's and TPU's: comm_report on virtual CPU devices compiles theirs, so its
+    memory and traffic differ from these programs' (a run on the CPU computes this form)."""
+    from hybridpar.models.im2col import use_im2col
+
+    if not use_im2col(config.model.conv_grad, platform):
+        return ""
+    why = "auto on XLA:CPU" if config.model.conv_grad == "auto" else "im2col"
+    return (
+        f"kernel gradients in the im2col form (model.conv_grad={why}), as a run on these "
+        "CPU devices computes them; comm_report --devices and a GPU or TPU use XLA's own "
+        "(--config.model.conv_grad=xla compiles that)"
+    )
 
 
 def target_hint(target: targets.Target, mesh: str) -> str:
@@ -326,6 +343,7 @@ def format_report(report: dict, config_path: str) -> str:
             else ""
         ),
         report.get("gradient_sync", ""),  # (reports saved before it have none)
+        *([report["kernel_gradients"]] if report.get("kernel_gradients") else []),
         "",
         f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
         f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'exposed':>10} {'compile':>8} "
@@ -414,6 +432,12 @@ def main(argv=None) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args, config = cli.parse(parser, argv)
+    # before anything compiles (seconds to minutes): a flag that would do nothing is refused
+    if args.out == "":
+        cli.fail("--out '' names no file: pass the file to write the compiled programs to, "
+                 "e.g. --out programs.bin, or drop --out")  # fmt: skip
+    if args.overwrite and args.out is None:
+        cli.fail("--overwrite needs --out, the file it lets replace; drop --overwrite")
 
     def run():
         if args.target:

@@ -62,6 +62,7 @@ from hybridpar.tools.comm_report import (
 # Nothing above imports JAX: the virtual device count is set before the backend starts.
 
 BN_SYNCS = ("global", "local")
+DEFAULT_OVERLAP = 0.8  # --overlap's
 
 
 # ---- Candidates -------------------------------------------------------------------------------
@@ -213,6 +214,11 @@ def candidates(
     return out, len(grid), ruled
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one: "1 plan", "6 plans"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def ruled_out_words(ruled: Counter) -> str:
     """``ruled``'s counts and reasons, most first: "4 (the sharded head needs ...), 2 (...)"."""
     return ", ".join(f"{n} ({reason})" for reason, n in ruled.most_common())
@@ -222,10 +228,22 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
     """The value list of each axis: the flags', else the defaults around the config's."""
     from hybridpar.parallel.mesh import parse_mesh_spec
 
-    def listed(text):
-        return [v.strip() for v in text.split(",") if v.strip()] if text else None
+    def listed(flag, text, example):
+        """The flag's comma-separated values; None where it is not given. Given but empty
+        (``--heads ""``) is refused: the default in its place would not be what was asked."""
+        if text is None:
+            return None
+        values = [v.strip() for v in text.split(",") if v.strip()]
+        if not values:
+            cli.fail(f"{flag} {text!r}: no values given; list them comma-separated, e.g. "
+                     f"{flag} {example}, or drop {flag} for the default")  # fmt: skip
+        return values
 
     mesh = None
+    if args.meshes is not None and not args.meshes.split():
+        cli.fail(f"--meshes {args.meshes!r}: no meshes given; list them space-separated, "
+                 "e.g. --meshes 'data:-1 fsdp:-1', or drop --meshes for every "
+                 "factorisation")  # fmt: skip
     if args.meshes:  # space-separated: a mesh spec has commas of its own
         try:
             mesh = [
@@ -241,7 +259,7 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
                     f"{wanted.group(1)}"
                 )
             cli.fail(f"--meshes {args.meshes!r}: {e}")
-    comms = listed(args.comm)
+    comms = listed("--comm", args.comm, "xla,overlap:4")
     for c in comms or ():
         mode, _, mb = c.partition(":")
         if mode not in ("auto", "xla", "bucketed", "overlap") or (
@@ -256,7 +274,7 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
             if not (math.isfinite(size) and size > 0):
                 cli.fail(f"--comm {c!r}: the bucket size MB after {mode}: is a positive "
                          "number of MiB, e.g. --comm xla,overlap:4")  # fmt: skip
-    batches = listed(args.per_device_batch)
+    batches = listed("--per-device-batch", args.per_device_batch, "4,8")
     if batches and config.stages:
         cli.fail(
             f"--per-device-batch: the config's stages ({config.stages!r}) set each stage's "
@@ -285,13 +303,16 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
     def first(value, values):
         return [value] + [v for v in values if v != value]
 
+    heads = listed("--heads", args.heads, "dense,sharded")
+    bn_syncs = listed("--bn-sync", args.bn_sync, "global,local")
+    computes = listed("--precision", args.precision, "float32,bfloat16")
     return {
         "mesh": mesh or mesh_factorisations(devices),
-        "head": listed(args.heads) or first(config.model.head, HEADS),
-        "bn_sync": listed(args.bn_sync) or first(config.model.bn_sync, BN_SYNCS),
+        "head": heads or first(config.model.head, HEADS),
+        "bn_sync": bn_syncs or first(config.model.bn_sync, BN_SYNCS),
         "comm": comms or default_comm,
         "per_device_batch": batch,
-        "compute": listed(args.precision) or [config.precision.compute],
+        "compute": computes or [config.precision.compute],
     }
 
 
@@ -449,11 +470,11 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
         else:
             todo.append((c, path))
     if results:
-        log(f"plan: {len(results)} of {len(plans)} plans from the cache in {cache_dir}")
+        log(f"plan: {len(results)} of {counted(len(plans), 'plan')} from the cache in {cache_dir}")
     if not todo:
         return results
     where = os.environ.get("HYBRIDPAR_PLAN_TARGET") or f"{devices} virtual CPU devices"
-    log(f"plan: compiling {len(todo)} plans for {where}, {jobs} at a time")
+    log(f"plan: compiling {counted(len(todo), 'plan')} for {where}, {jobs} at a time")
     start = time.perf_counter()
     context = multiprocessing.get_context("spawn")  # a fresh JAX per worker, never forked
     # for a target, a fresh worker per plan: each plan's comm flags are set before its JAX
@@ -635,9 +656,10 @@ def _calibrated(preset, results: dict, plans: list, points: list, metrics_path: 
 
 
 def usable_cache_dir(args) -> Path | None:
-    """``--cache-dir`` (or the default) made and written to once, before anything compiles:
-    a file in its place or a read-only one is one error line, not a traceback after every
-    plan compiled. None with ``--no-cache``."""
+    """``--cache-dir`` (or the default) made and written to once, after the other input
+    checks (a refused call leaves no directory) and before anything compiles: a file in its
+    place or a read-only one is one error line, not a traceback after every plan compiled.
+    None with ``--no-cache``."""
     if args.no_cache:
         return None
     path = Path(args.cache_dir or default_cache_dir()).expanduser()
@@ -826,7 +848,7 @@ def build_parser() -> cli.ArgumentParser:
     )
     p.add_argument(
         "--per-device-batch",
-        help="batches per data-parallel device (data x fsdp, as config.stages counts them) to "
+        help="images per data-parallel device (data x fsdp, as config.stages counts them) to "
         "try; the global batch is this times the mesh's data x fsdp (default: the config's "
         "global batch on every mesh; refused for a config with stages)",
     )
@@ -849,9 +871,9 @@ def build_parser() -> cli.ArgumentParser:
     p.add_argument(
         "--overlap",
         type=cli.finite_float,
-        default=0.8,
         help="scaling model's overlap of communication with the backward pass, in [0, 1] "
-        "(default 0.8; with --target, the compiler's schedule says what is hidden instead)",
+        f"(default {DEFAULT_OVERLAP:g}; not used with --target tpu:..., whose compiler's "
+        "schedule says what is hidden)",
     )
     p.add_argument(
         "--calibrate-from",
@@ -879,12 +901,21 @@ def main(argv=None) -> None:
     if args.calibrate_devices is not None and not args.calibrate_from:
         cli.fail("--calibrate-devices says how many devices the --calibrate-from run had; "
                  "pass --calibrate-from RUN/metrics.jsonl with it, or drop it")  # fmt: skip
+    if args.cache_dir == "":  # else the default, silently
+        cli.fail("--cache-dir '' names no directory: pass one, e.g. --cache-dir "
+                 "/tmp/hybridpar-plan, or drop --cache-dir for the default")  # fmt: skip
+    if args.no_cache and args.cache_dir is not None:
+        cli.fail(f"--cache-dir {args.cache_dir} is not used with --no-cache, which keeps "
+                 "nothing; drop one of them")  # fmt: skip
     tpu = target is not None and target.platform == "tpu"
-    for flag, value in (("--hardware", args.hardware), ("--calibrate-from", args.calibrate_from)):
+    # the scaling model's settings: None where not given (their defaults are set below)
+    for flag, value in (("--hardware", args.hardware), ("--calibrate-from", args.calibrate_from),
+                        ("--overlap", args.overlap)):  # fmt: skip
         if tpu and value is not None:
             cli.fail(f"{flag} is not used with --target {args.target} (the TPU compiler's "
                      "figures for the chip replace the scaling model); drop it")  # fmt: skip
     args.hardware = args.hardware or "h100"
+    args.overlap = DEFAULT_OVERLAP if args.overlap is None else args.overlap
     args.calibrate_devices = 1 if args.calibrate_devices is None else args.calibrate_devices
     if target is not None:
         args.devices = target.devices_count
@@ -939,7 +970,6 @@ def main(argv=None) -> None:
         use_virtual_cpu_devices(n)  # with comm_report's ANALYSIS_XLA_FLAGS
         os.environ.pop("HYBRIDPAR_PLAN_TARGET", None)
     os.environ["HYBRIDPAR_PLAN_DEVICES"] = str(n)
-    cache_dir = usable_cache_dir(args)
     config_path, base_overrides = args.config_path, args.config_overrides
 
     def log(message):  # progress on stderr, so --json's stdout stays one object
@@ -957,16 +987,17 @@ def main(argv=None) -> None:
         plans, product, excluded = candidates(config, n, choices, platform)
         if not plans:
             cli.fail(
-                f"no candidate plan is valid for {n} devices with these choices ({product} "
-                f"combinations, ruled out: {ruled_out_words(excluded)}); widen "
-                "--meshes/--heads/--comm"
+                f"no candidate plan is valid for {n} devices with these choices "
+                f"({counted(product, 'combination')}, ruled out: {ruled_out_words(excluded)}); "
+                "widen --meshes/--heads/--comm"
             )
+        cache_dir = usable_cache_dir(args)  # made only once every input is checked
         kept = plans[: args.max_plans]
         log(
-            f"plan: {product} combinations, {len(plans)} valid"
+            f"plan: {counted(product, 'combination')}, {len(plans)} valid"
             + (f" (ruled out: {ruled_out_words(excluded)})" if excluded else "")
-            + f"; the {len(kept)} closest to the config are planned (--max-plans "
-            f"{args.max_plans})"
+            + f"; the {len(kept)} closest to the config {'is' if len(kept) == 1 else 'are'} "
+            f"planned (--max-plans {args.max_plans})"
         )
         results = compile_plans(
             config_path, config, base_overrides, kept, n, args.jobs, cache_dir, log
@@ -1001,7 +1032,8 @@ def main(argv=None) -> None:
                 "images_per_epoch": images_per_epoch,
                 "combinations": product, "valid": len(plans),
                 "ruled_out_by_reason": dict(excluded.most_common()),
-                "compiled": len(kept), "from_cache": cached,
+                # planned = compiled this call (or ruled out by its set-up) + from the cache
+                "planned": len(kept), "compiled": len(kept) - cached, "from_cache": cached,
                 "cache_dir": str(cache_dir) if cache_dir else None,
                 "tied_at_floor": floor_tie(fits), "plans": fits, "too_big": too_big,
                 "failed": failed, "winning_overrides": winning,
@@ -1010,7 +1042,9 @@ def main(argv=None) -> None:
         on = target.describe() if target else f"{preset.name} ({preset.description})"
         print(
             f"plan: {config_path} on {n} device{'s' if n > 1 else ''}, {on}, "
-            f"{byte_size(limit)} per device; {len(fits)} plans fit, {len(too_big)} do not"
+            f"{byte_size(limit)} per device; {counted(len(fits), 'plan')} "
+            f"{'fits' if len(fits) == 1 else 'fit'}, {len(too_big)} "
+            f"{'does' if len(too_big) == 1 else 'do'} not"
             + (f", {ruled} ruled out by the config when set up" if ruled else "")
             + (f", {len(failed) - ruled} failed" if len(failed) > ruled else "")
             + (f"; {cached} of {len(kept)} from the cache ({cache_dir})" if cached else "")
