@@ -146,6 +146,41 @@ def test_settings_nothing_reads_are_named_with_the_fix():
         assert not any(x.startswith("comm.bucket_mb") for x in unused_settings(c))
     c.precision.compute = "float16"
     assert unused_settings(c) == []
+    # with stages, each stage's batch is its own: a global_batch was dropped unsaid
+    c.stages, c.global_batch = "2:32-64", 128
+    (said,) = unused_settings(c)
+    assert said.startswith("global_batch=128 does nothing: config.stages ('2:32-64') sets")
+
+
+@pytest.mark.parametrize(
+    "mesh, overrides, says",
+    [
+        ("data:8", {"model.head": "sharded"}, "model.head='sharded' splits the classes over "
+         "the model axis, which has one device on mesh data:8,fsdp:1,model:1: it does the "
+         "dense head's work"),
+        ("data:8", {"partitioning.preset": "hybrid"}, "partitioning.preset='hybrid' splits "
+         "parameters over the model axis, which has one device"),
+        ("data:4,model:2", {"partitioning.preset": "fsdp"}, "partitioning.preset='fsdp' "
+         "splits parameters over the fsdp axis, which has one device"),
+        ("data:1", {"comm.mode": "overlap"}, "comm.mode='overlap' reduces gradients across "
+         "data-parallel devices, and mesh data:1,fsdp:1,model:1 has one"),
+        ("data:4,model:2", {"model.head": "sharded", "partitioning.preset": "hybrid"}, None),
+    ],
+)  # fmt: skip
+def test_set_up_warns_of_what_the_mesh_leaves_nothing_to_do(mesh, overrides, says, capsys):
+    """A sharded head, a preset or a reduction mode whose axis has one device: the run trains
+    as the default would, which was not said. Planted bug that fails it: no warning."""
+    import jax
+    from helpers import tiny_digits
+
+    from hybridpar.runtime.run import setup
+
+    config = tiny_digits(mesh, **overrides)
+    n = 1 if mesh == "data:1" else 8
+    setup(config, with_data=False, devices=jax.devices()[:n])
+    warned = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert warned == ([] if says is None else [warned[0]]), warned
+    assert says is None or says in warned[0]
 
 
 def test_set_up_warns_of_a_setting_nothing_reads(tmp_path, capsys):

@@ -141,6 +141,12 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
             "divide mesh axis 'data' (size 8)",
         ),
         (["--config.partitioning.preset=hybrd"], "partitioning.preset='hybrd' is not one of"),
+        # pointed at other data than the run would read: digits would train unsaid
+        (["--config.data.source=/x/train.tar"], "data.source='/x/train.tar' is read only with "
+         "data.name='images', and data.name='digits' would train on other data"),
+        (["--config.data.tfds_name=mnist"], "data.tfds_name='mnist' is read only with"),
+        # labels 5-9 would have no logit, and the loss would look fine
+        (["--config.data.num_classes=5"], "data.num_classes=5 but digits has 10 classes"),
         (["--config.num_epochs=nan"], "num_epochs=nan is not a finite number"),
         (["--config.num_epochs=1e9"], "would take 22,000,000,000 steps to epoch 1e+09"),
         (["--config.optim.base_lr=inf"], "optim.base_lr=inf is not a finite number"),
@@ -183,6 +189,27 @@ def test_missing_config_and_unwritable_workdir(tmp_path, capfd):
     # was "(File exists)"
     assert code == 2 and f"workdir '{blocker}' is a file, not a folder" in err
     assert "Traceback" not in err and blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize(
+    "config, expect",
+    [
+        # a second file would have replaced the first without a word (here one that does
+        # not exist, so that the planted bug fails fast)
+        ([DIGITS, "--config", str(ROOT / "experiments" / "nope.py")], "--config given twice"),
+        ([DIGITS + ":foo"], "get_config() takes no argument, so ':foo' cannot be passed"),
+        (["NO_GET_CONFIG"], "defines no get_config()"),
+    ],
+)  # fmt: skip
+def test_a_config_file_the_tool_cannot_use_is_one_line(tmp_path, config, expect, capfd):
+    if config == ["NO_GET_CONFIG"]:
+        (tmp_path / "c.py").write_text("CONFIG = 1\n")
+        config = [str(tmp_path / "c.py")]
+    w = tmp_path / "w"
+    code, _, err = _main_here(["--config", *config, "--workdir", str(w)], capfd)
+    assert code == 2 and expect in err, err[-2000:]
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("error: ")
+    assert not w.exists()
 
 
 @pytest.mark.parametrize("kind", ["ConfigError", "DataError", "WorkdirError", "NonFinite",

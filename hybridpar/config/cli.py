@@ -102,6 +102,11 @@ def split_config_args(argv: Sequence[str]) -> tuple[str | None, list[tuple[str, 
                     fail(f"{a} needs a value")
                 value, i = args[i + 1], i + 1
             if name == "--config":
+                if path is not None and value != path:  # a second file would win unsaid
+                    fail(
+                        f"--config given twice ({path} and {value}): pass one config file, "
+                        "and change its keys with --config.KEY=VALUE"
+                    )
                 path = value
             else:
                 overrides.append((name[len("--config.") :], value))

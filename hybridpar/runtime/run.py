@@ -159,6 +159,9 @@ def _setup(
 
     # ---- Mesh and placement rules ----
     mesh = make_mesh(config.mesh, devices=devices)
+    if for_training and finished is None:
+        for moot in moot_on_mesh(config, mesh):
+            log(f"warning: {moot}")
     # The config read once into the plan's figures: everything after reads them from the
     # plan (run.plan, program.plan), never from config.stages or the mesh again.
     dp = data_parallel_size(mesh)
@@ -189,6 +192,34 @@ def _setup(
         executables.load(compiled, program, recompile)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock,
                source)  # fmt: skip
+
+
+def moot_on_mesh(config, mesh) -> list[str]:
+    """What ``config`` asks for that ``mesh`` leaves with nothing to do: one sentence each,
+    for set-up's warnings (a run there trains, as the default would)."""
+    sizes = dict(mesh.shape)
+    where = ",".join(f"{a}:{n}" for a, n in sizes.items())
+    out = []
+    if config.model.head == "sharded" and sizes.get("model", 1) == 1:
+        out.append(
+            f"model.head='sharded' splits the classes over the model axis, which has one "
+            f"device on mesh {where}: it does the dense head's work; add a model axis, e.g. "
+            "--config.mesh=data:-1,model:2, or use --config.model.head=dense"
+        )
+    axis = {"hybrid": "model", "tensor": "model", "fsdp": "fsdp"}.get(config.partitioning.preset)
+    if axis and sizes.get(axis, 1) == 1:
+        out.append(
+            f"partitioning.preset={config.partitioning.preset!r} splits parameters over the "
+            f"{axis} axis, which has one device on mesh {where}: it places them as 'data' "
+            f"does; add a {axis} axis, e.g. --config.mesh=data:-1,{axis}:2, or drop "
+            "--config.partitioning.preset"
+        )
+    if config.comm.mode in ("bucketed", "overlap") and data_parallel_size(mesh) == 1:
+        out.append(
+            f"comm.mode={config.comm.mode!r} reduces gradients across data-parallel devices, "
+            f"and mesh {where} has one: there is nothing to reduce; drop --config.comm.mode"
+        )
+    return out
 
 
 def open_data(config, mesh, stages: list[Stage]):
