@@ -537,13 +537,16 @@ def test_a_run_killed_before_its_first_checkpoint_starts_again_and_supersedes_it
     records and nothing to resume from): the same call trains from step 0 again, says so,
     and writes a ``resume`` record from step 0, so the run's records hold each step once, as
     in an uninterrupted run (the earlier lines gave a line of negative steps to the bench's
-    clock), and the redone steps count as ``redone``. Planted bugs that fail it: no record
-    written on a restart from step 0; the first start's compile records kept."""
+    clock), and the redone steps count as ``redone``. The restart changes a key that needs
+    no --allow-config-change (eval_batch). Planted bugs that fail it: no record written on a
+    restart from step 0; the first start's compile records kept; the changed key's LR check
+    reading the checkpoint that is not there (a TypeError)."""
     config = tiny_digits(**{"checkpoint.every_steps": 0})
     with pytest.raises(RuntimeError, match="crash at step 3"):
         trainer.train(setup(config, str(tmp_path)), hooks=[CrashAt(3)])
     (tmp_path / "summary.json").unlink(missing_ok=True)
     assert [r["step"] for r in records(tmp_path, "train")][-1] == 3
+    config.eval_batch //= 2
     again = trainer.train(setup(config, str(tmp_path)))
     assert again["completed"] and again["resumed_from"] is None
     assert "training again from step 0" in capsys.readouterr().out
