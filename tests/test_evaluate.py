@@ -15,7 +15,8 @@
   negative on the command line, it is an error.
 * A second evaluator on a run another one holds is refused before it writes anything, and
   through the command line that is one ``error:`` line naming the holder.
-* No workdir, a run of another config, no checkpoints without ``--watch``, and a mesh whose
+* No workdir, a workdir that is a file (with ``--watch`` too, at once), a run of another
+  config, no checkpoints without ``--watch`` (writing nothing), and a mesh whose
   data-parallel size gives a curriculum other steps than the trainer's are errors.
 """
 
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, cpu_env, saved_loop, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, config_args, cpu_env, main_here, saved_loop, tiny_digits
 
 from hybridpar.config.curriculum import plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError, WorkdirError
@@ -184,6 +185,8 @@ def test_from_epoch_leaves_the_earlier_checkpoints_for_a_later_call(watched, tmp
     assert sorted(steps) == STEPS
     with pytest.raises(ConfigError, match="after the run's last epoch"):
         evaluator.run(tiny_digits(**RUN), str(w), from_epoch=epoch[11] + 1)
+    # a call that fails leaves the earlier calls' records as they were
+    assert sorted(r["step"] for r in records(w / "evaluator" / "metrics.jsonl")) == STEPS
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--workdir", str(w), "--from-epoch=-1"])
     err = capsys.readouterr().err
@@ -226,11 +229,32 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
         evaluator.run(tiny_digits(), str(tmp_path / "empty"))
+    # bad input writes nothing: no evaluator/ with an empty record and TensorBoard file
+    # (planted bug that fails it: the MetricsWriter made before the checks)
+    assert os.listdir(tmp_path / "empty") == []
+    (tmp_path / "started").mkdir()  # a run that has written its config.json only
+    shutil.copy(watched["w"] / "config.json", tmp_path / "started")
+    with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
+        evaluator.run(tiny_digits(**RUN), str(tmp_path / "started"))
+    assert os.listdir(tmp_path / "started") == ["config.json"]
     # and through the command line: one error: line, exit code 2
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--config", DIGITS, "--workdir", str(tmp_path / "missing")])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: no workdir") and err.count("\n") == 1
+
+
+# --watch: a bug that waits stops after 30s, not 300
+@pytest.mark.parametrize("watch", [[], ["--watch", "--dead-after-s=30"]])
+def test_a_workdir_that_is_a_file_is_refused_at_once_in_the_trainers_words(tmp_path, capsys, watch):
+    """Not "no workdir", and with --watch not a wait for a run that cannot start there
+    (planted bugs that fail it: no check_folder; check_folder only after wait_for_run)."""
+    f = tmp_path / "afile"
+    f.write_text("mine\n")
+    code, _, err = main_here(evaluate.main, ["--workdir", str(f), *watch], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: workdir {str(f)!r} is a file, not a folder; pass the --workdir")
+    assert f.read_text() == "mine\n" and os.listdir(tmp_path) == ["afile"]
 
 
 def test_a_plan_other_than_the_trainers_is_an_error():

@@ -175,6 +175,10 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     assert "no workdir" in error_line(capsys, [str(tmp_path / "nope"), "--out", out])
     (tmp_path / "empty").mkdir()
     assert "has no metrics.jsonl" in error_line(capsys, [str(tmp_path / "empty"), "--out", out])
+    # a file: in the trainer's words, not "no workdir" (planted bug: read_run's check alone)
+    (tmp_path / "afile").write_text("mine\n")
+    line = error_line(capsys, [str(tmp_path / "afile"), "--out", out])
+    assert f"workdir {str(tmp_path / 'afile')!r} is a file, not a folder; pass the" in line
     assert "is a fraction" in error_line(capsys, [str(tmp_path), "--target-top5", "80"])
     assert not os.path.exists(out)
     # an --out matplotlib cannot write: refused before anything is read

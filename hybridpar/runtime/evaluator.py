@@ -49,17 +49,23 @@ SKIPPED = "eval_skipped"
 # With --watch: how long a run may bring no new checkpoint with no trainer alive on it
 # before the evaluator stops (a preempted run is usually resumed within minutes).
 DEAD_AFTER_S = 300.0
+WORKDIR_FIX = "pass the --workdir of a training run (the one given to python -m hybridpar.train)"
+
+
+def check_folder(workdir: str) -> None:
+    """A workdir that is a file is an error at once: with ``--watch`` too, as it never
+    becomes a run (the trainer refuses it in the same words)."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise WorkdirError(f"workdir {workdir!r} is a file, not a folder; {WORKDIR_FIX}")
 
 
 def check_run_of(config, workdir: str) -> bool:
     """Raises unless ``workdir`` exists and, once its trainer has written ``config.json``,
     holds a run of ``config`` (placement keys aside). False while there is no
     ``config.json`` yet (the trainer writes it after its set-up, before any checkpoint)."""
+    check_folder(workdir)
     if not os.path.isdir(workdir):
-        raise WorkdirError(
-            f"no workdir {workdir!r}: pass the --workdir of a training run (the one given to "
-            "python -m hybridpar.train), or start that run first"
-        )
+        raise WorkdirError(f"no workdir {workdir!r}: {WORKDIR_FIX}, or start that run first")
     saved = read_json(os.path.join(workdir, "config.json"))
     if saved is None:
         return False
@@ -98,7 +104,7 @@ class Stamped:
     """A writer for ``run.eval_pass``: every event it writes gets ``stamp``'s fields, so
     ``wall_s`` is the trainer's wall time at the checkpoint's step, not the evaluator's."""
 
-    def __init__(self, writer: MetricsWriter, **stamp):
+    def __init__(self, writer, **stamp):  # a MetricsWriter, or Evaluator (which makes one)
         self.writer, self.stamp = writer, stamp
 
     def write(self, event: str, step: int, epoch: float, **values) -> dict:
@@ -123,7 +129,7 @@ class Evaluator:
         self.saver = checkpoint.Checkpoints(
             checkpoint.checkpoint_dir(run.config, workdir), read_only=True
         )
-        self.writer = MetricsWriter(self.out)
+        self.writer = None  # made by the first record: a call that stops on an error writes none
         self.written: list[dict] = []  # this call's events
         self.known: set[int] = set()  # steps committed at some point (listed, or in W's events)
         self._offset = 0  # how far W/metrics.jsonl has been read
@@ -154,8 +160,8 @@ class Evaluator:
         self.done.add(step)
         log(f"checkpoint {step}: skipped, {why}")
         # wall_s: the trainer's time at a checkpoint that is gone is not known
-        rec = self.writer.write(SKIPPED, step, self.run.plan.epoch_at(step), wall_s=None,
-                                source="evaluator", reason=why)  # fmt: skip
+        rec = self.write(SKIPPED, step, self.run.plan.epoch_at(step), wall_s=None,
+                         source="evaluator", reason=why)  # fmt: skip
         self.written.append(rec)
 
     def evaluate(self, step: int) -> None:
@@ -170,11 +176,16 @@ class Evaluator:
         check_position(self.run.plan, step, loop)
         read_s = time.time() - t0
         # to the millisecond, as MetricsWriter rounds its own clock's
-        writer = Stamped(self.writer, wall_s=round(loop["wall_s"], 3), source="evaluator")
+        writer = Stamped(self, wall_s=round(loop["wall_s"], 3), source="evaluator")
         self.written.append(eval_pass(self.run, state, step, writer))
         self.done.add(step)
         log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
                     f"{read_s:.1f}s, evaluated in {time.time() - t0 - read_s:.1f}s")  # fmt: skip
+
+    def write(self, event: str, step: int, epoch: float, **values) -> dict:
+        if self.writer is None:
+            self.writer = MetricsWriter(self.out)
+        return self.writer.write(event, step, epoch, **values)
 
     def completed(self) -> bool:
         summary = read_json(os.path.join(self.workdir, "summary.json"))
@@ -234,7 +245,8 @@ class Evaluator:
         return self.written
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
         self.saver.close()
 
 
@@ -291,6 +303,7 @@ def run(
     ``from_epoch`` on; returns the events written (``eval`` and ``eval_skipped``). With
     ``watch`` it may start before the run and stops with an error once the run has ended
     unfinished (``Liveness``)."""
+    check_folder(workdir)  # before any wait: a file never becomes a run
     liveness = Liveness(workdir, dead_after_s)
     wait_for_run(workdir, watch, poll_s, liveness)
     if config is None:
@@ -303,6 +316,7 @@ def run(
     # One evaluator per run, as one trainer: two would append the same records. Taken
     # before the set-up, so a second one stops at once, not after compiling.
     out = os.path.join(workdir, "evaluator")
+    made = not os.path.exists(out)
     checkpoint.ensure_writable(
         out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
     )
@@ -331,3 +345,8 @@ def run(
     finally:
         if lock is not None:
             lock.release()
+        if made:  # a call that stopped before its first record leaves no empty folder
+            try:
+                os.rmdir(out)  # only while empty: never an earlier call's records
+            except OSError:
+                pass

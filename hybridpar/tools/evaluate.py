@@ -12,7 +12,7 @@ config is the run's own (its latest checkpoint's, or ``--config`` naming the sam
 ``--config.mesh=...`` (and the other placement keys) may fit it to the devices here. With
 ``--watch`` it may start before the trainer, and stops with an error once the run has ended
 unfinished (``--dead-after-s``). Records go to ``W/evaluator/metrics.jsonl``. A bad workdir
-or config is one ``error:`` line that names the fix (exit code 2).
+or config is one ``error:`` line that names the fix (exit code 2), with nothing written.
 """
 
 from __future__ import annotations

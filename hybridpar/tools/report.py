@@ -536,6 +536,11 @@ UNREADABLE = (
 
 def read(workdir: str) -> RunRecords:
     """``read_run``, with report's own advice for a JSON record that does not read."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):  # as the trainer words it
+        raise ConfigError(
+            f"workdir {workdir!r} is a file, not a folder; pass the workdir of a training run "
+            "(the --workdir given to python -m hybridpar.train)"
+        )
     return read_run(workdir, unreadable=UNREADABLE)
 
 
