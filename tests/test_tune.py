@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import DIGITS, TINY_DIGITS, signal_on, tiny_digits
+from helpers import DIGITS, TINY_DIGITS, main_here, signal_on, tiny_digits
 
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import validate
@@ -357,8 +357,7 @@ def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys, one_
     """An LR range test whose LR never gets large enough for the loss to diverge (here up to
     0.01 over a quarter epoch) cannot tell where the LR becomes too large: a warning line
     says so and what to raise, also when shown again. Planted bug that fails it: no check."""
-    args = ["lr", "--config", DIGITS, "--workdir", str(tmp_path / "lr"),
-            *(f"--config.{k}={v}" for k, v in TINY_DIGITS.items()),
+    args = ["lr", "--config", DIGITS, "--workdir", str(tmp_path / "lr"), *TINY_LR,
             "--config.tune.lr_epochs=0.25", "--config.tune.lr_min=1e-4",
             "--config.tune.lr_max=0.01"]  # fmt: skip
     for _ in range(2):  # run, then shown again from lr_range.json
@@ -367,6 +366,139 @@ def test_a_range_test_too_short_to_see_divergence_says_so(tmp_path, capsys, one_
         warning = [x for x in out.splitlines() if x.startswith("warning: ")]
         assert len(warning) == 1 and "the loss did not diverge up to optim.base_lr=" in warning[0]
         assert "--config.tune.lr_max (now 0.01) or --config.tune.lr_epochs (now 0.25)" in warning[0]
+
+
+# TINY_DIGITS as overrides for tune lr: without the keys the range test sets (a warning each)
+TINY_LR = [f"--config.{k}={v}" for k, v in TINY_DIGITS.items() if k not in tune.RANGE_TEST_KEYS]
+
+
+def test_a_stopped_range_test_says_so_writes_nothing_and_resumes(
+    tmp_path, capsys, monkeypatch, one_device
+):
+    """Ctrl-C at step 3: the test ended as if done, suggesting an LR from its first steps
+    (1000x too low), and wrote lr_range.json, so the same command showed it as finished.
+    Now it says it stopped and how to resume, suggests and writes nothing, and the same
+    command resumes it from its checkpoint. Overrides of keys the test sets are a warning
+    each (they were silently unused; stages with num_epochs was an error), and the resume
+    without them is the same test. Shown again, the files are named, not "wrote". Planted
+    bugs that fail it: no check of the stop; no warnings; the user's config validated; the
+    "wrote" line when shown again."""
+    wd = str(tmp_path / "lr")
+    args = ["lr", "--config", DIGITS, "--workdir", wd, *TINY_LR, "--config.tune.lr_epochs=0.25"]
+    sent = []
+
+    class SignalAtStep3(tune.StopOnDivergence):  # Ctrl-C, as the loop sees it, at step 3
+        def __call__(self, loop, *rest):
+            if loop.step == 3 and not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGINT))
+            super().__call__(loop, *rest)
+
+    monkeypatch.setattr(tune, "StopOnDivergence", SignalAtStep3)
+    code, out, err = main_here(tune.main, [*args, "--config.num_epochs=7",
+                                           "--config.stages=1:32-64"], capsys)  # fmt: skip
+    lines = out.splitlines()
+    assert code == 0 and sent, (code, out, err)
+    assert [x for x in lines if x.startswith("warning:")] == [
+        "warning: --config.num_epochs=7 is not used: tune lr sets num_epochs=0.25 (from "
+        "tune.lr_epochs)",
+        "warning: --config.stages=1:32-64 is not used: tune lr sets stages='' (one stage)",
+    ], out
+    stopped = lines.index(
+        "LR range test stopped (SIGINT) at step 3/11 with a checkpoint, "
+        "before it could suggest an LR; resume it with the same command:"
+    )
+    assert lines[stopped + 1].endswith(
+        f"-m hybridpar.tune lr {' '.join(args[1:])} --config.num_epochs=7 --config.stages=1:32-64"
+    ), out
+    assert "suggested" not in out and "wrote" not in out, out
+    assert not [n for n in os.listdir(wd) if n.startswith("lr_range")]
+    code, out, err = main_here(tune.main, args, capsys)  # resumed, without the overrides
+    assert code == 0 and "suggested peak LR" in out and f"wrote {wd}/lr_range.png" in out, err
+    with open(os.path.join(wd, "log.txt")) as f:
+        assert "resumed from the checkpoint at step 3" in f.read()
+    with open(os.path.join(wd, "lr_range.json")) as f:
+        result = json.load(f)
+    assert result["steps"] == len(result["base_lr"]) > 3
+    code, out, _ = main_here(tune.main, args, capsys)  # done: shown again
+    assert code == 0 and "wrote" not in out, out
+    assert f"its plot and numbers: {wd}/lr_range.png and {wd}/lr_range.json" in out, out
+
+
+def test_a_resumed_range_test_stops_at_the_step_a_whole_one_would():
+    """The divergence check of a resumed test goes on from the steps before it (it started
+    afresh, from a loss already low, and stopped later or never). Planted bug that fails
+    it: ``earlier`` not read."""
+    losses = [2.3, 2.2, 2.0, 1.7, 1.5, 1.6, 1.9, 2.2, 2.5, 3.0, 4.0]
+    loop = type("Loop", (), {})()
+
+    def stop_step(stop, steps):
+        for loop.step in steps:
+            try:
+                stop(loop, None, {"loss": np.float32(losses[loop.step - 1])}, None)
+            except tune.StopRequested:
+                return loop.step
+        return None
+
+    whole = stop_step(tune.StopOnDivergence(), range(1, 12))
+    resumed = tune.StopOnDivergence([(s, losses[s - 1]) for s in range(1, 7)])  # stopped at 6
+    assert whole is not None and stop_step(resumed, range(6, 12)) == whole
+
+
+def test_tune_refuses_another_tools_workdir_before_writing(tmp_path, capsys):
+    """tune lr on a training run's workdir named --allow-config-change, which tune does not
+    take; tune search started a study inside a finished training run, and lr ran in a
+    study's folder. Each is one error naming what the workdir holds, nothing written. A
+    range test stopped before its lr_range.json is told by its config. Planted bug that
+    fails it: no check_kind."""
+    from hybridpar.runtime.run_config import config_dict
+
+    c = tiny_digits("data:-1")
+    held = {
+        "train": {"config.json": config_dict(c), "summary.json": {"completed": True}},
+        "lr": {"config.json": config_dict(tune.range_test_config(c))},  # stopped: no result
+        "lr_done": {"lr_range.json": {"steps": 5}},
+        "search": {"study.db": ""},
+    }
+    search = ["search", "--trials", "1", "--budget-epochs", "1"]
+    for kind, mode, says in [
+        ("train", ["lr"], "a training run, not an LR range test: tune lr does not run in it; "
+                          "use a new --workdir for the test"),
+        ("train", search, "a training run, not a search study"),
+        ("lr", search, "an LR range test, not a search study: tune search does not run in it; "
+                       "use a new --workdir for the search"),
+        ("lr_done", search, "an LR range test, not a search study"),
+        ("search", ["lr"], "a search study, not an LR range test"),
+    ]:  # fmt: skip
+        wd = tmp_path / kind
+        wd.mkdir(exist_ok=True)
+        for name, content in held[kind].items():
+            (wd / name).write_text(json.dumps(content) if content != "" else "")
+        before = sorted(os.listdir(wd))
+        code, _, err = main_here(tune.main, [*mode, "--config", DIGITS, "--workdir", str(wd)],
+                                 capsys)  # fmt: skip
+        assert code == 2 and err.startswith(f"error: workdir {str(wd)!r} holds {says}"), err
+        assert err.count("\n") == 1 and "allow-config-change" not in err, err
+        assert sorted(os.listdir(wd)) == before, kind
+
+
+def test_a_search_warns_of_the_keys_every_trial_sets_and_is_not_keyed_on_them(tmp_path):
+    """--config.num_epochs=5 in a search: every trial ran --budget-epochs, nothing said, and
+    the study was keyed on it (the same command without it was refused). Planted bugs that
+    fail it: no warning; num_epochs compared."""
+    c = tiny_digits("data:-1", num_epochs=5.0, eval_every_epochs=1.0,
+                    **{"tune.space": "optim.base_lr=log:1e-4..2"})  # fmt: skip
+    overrides = [("num_epochs", "5"), ("eval_every_epochs", "1")]  # the second as tune's: used
+    assert tune.unused_overrides("search", c, overrides, 1.0) == [
+        "warning: --config.num_epochs=5 is not used: every trial of tune search sets "
+        "num_epochs=1.0 (from --budget-epochs)"
+    ]
+    wd = str(tmp_path / "s")
+    tune.open_study(c, wd, 1.0)
+    c.num_epochs = 15.0
+    tune.open_study(c, wd, 1.0)  # the same study
+    c.optim.momentum = 0.5
+    with pytest.raises(ConfigError, match="holds a search of another config: optim.momentum"):
+        tune.open_study(c, wd, 1.0)
 
 
 def test_best_overrides_are_the_trials_values_exactly():

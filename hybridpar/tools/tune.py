@@ -4,7 +4,8 @@
 whose ``optim.base_lr`` rises geometrically from ``tune.lr_min`` to ``tune.lr_max`` over
 ``tune.lr_epochs`` (``optim.schedule=exponential``, a train line after every step), stopped
 once the loss diverges. It writes ``DIR/lr_range.png`` (loss against LR) and
-``DIR/lr_range.json`` and prints the suggested peak LR as an override.
+``DIR/lr_range.json`` and prints the suggested peak LR as an override. A test stopped by a
+signal says so and writes neither (its curve is cut short); the same command resumes it.
 
 ``search --trials N --budget-epochs E``: a study over short runs of the trainer (each
 ``E`` epochs, its LR decaying to their end; a warmup stays as drawn) that draws the keys of
@@ -20,7 +21,9 @@ table and the best overrides.
 
 The trials' and the range test's own trainer output goes to their ``log.txt`` (named in the
 line each prints as it starts); the terminal gets a short progress line every
-``PROGRESS_EVERY_S``.
+``PROGRESS_EVERY_S``. A ``--config.KEY=VALUE`` of a key the mode sets itself (the range
+test's ``RANGE_TEST_KEYS``, every trial's ``trial_keys``) is a ``warning:`` line, and the
+workdir must be new or hold this mode's test or study (``check_kind``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import copy
 import json
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -311,12 +315,22 @@ def run_trainer(config, workdir: str, hooks_for=lambda run: [], started=lambda r
 # ---- lr: the range test --------------------------------------------------------------------------
 
 
-# The keys range_test_config sets: the stored config of a test holds them as set from the
-# tune.lr_* keys, which it holds too. Left out when a test is compared with the one in its
-# workdir, so that the error names the key the user set (tune.lr_epochs, not num_epochs).
-RANGE_TEST_KEYS = ("optim.schedule", "optim.base_lr", "optim.warmup_start_factor",
-                   "optim.warmup_epochs", "optim.momentum_start", "num_epochs", "stages",
-                   "log_every_s", "eval_every_epochs", "stop_at_target")  # fmt: skip
+# The keys range_test_config sets -> why (the warning for an override of one names it). The
+# stored config of a test holds them as set from the tune.lr_* keys, which it holds too. Left
+# out when a test is compared with the one in its workdir, so that the error names the key
+# the user set (tune.lr_epochs, not num_epochs), and an override of one does not count.
+RANGE_TEST_KEYS = {
+    "optim.schedule": "the LR rises geometrically from tune.lr_min to tune.lr_max",
+    "optim.base_lr": "from tune.lr_max, the LR the rise ends at",
+    "optim.warmup_start_factor": "from tune.lr_min / tune.lr_max",
+    "optim.warmup_epochs": "no warmup before the rise",
+    "optim.momentum_start": "a constant momentum",
+    "num_epochs": "from tune.lr_epochs",
+    "stages": "one stage",
+    "log_every_s": "a train line after every step",
+    "eval_every_epochs": "no evaluation until the last step",
+    "stop_at_target": "the test runs until the loss diverges",
+}
 
 
 def range_test_config(config):
@@ -350,21 +364,30 @@ def diverged(first: float, lowest: float, now: float) -> bool:
 
 class StopOnDivergence:
     """Stops the range test once the loss diverged (``diverged``, on a bias-corrected
-    running mean): the larger LRs say nothing more and cost time."""
+    running mean): the larger LRs say nothing more and cost time. ``earlier``: ``(step,
+    loss)`` of a stopped test's steps; resumed, the mean goes on from those before the step
+    it resumes at, as in a test that was never stopped."""
 
-    def __init__(self):
+    def __init__(self, earlier=()):
         self.mean, self.first, self.lowest, self.n, self.stopped = 0.0, None, math.inf, 0, None
+        self.earlier = list(earlier)
 
-    def __call__(self, loop, state, metrics, stage) -> None:
-        import jax
-
-        loss = float(jax.device_get(metrics["loss"]))
+    def see(self, loss: float) -> bool:
         self.n += 1
         self.mean = 0.8 * self.mean + 0.2 * loss
         now = self.mean / (1 - 0.8**self.n)
         self.first = now if self.first is None else self.first
         self.lowest = min(self.lowest, now)
-        if diverged(self.first, self.lowest, now):
+        return diverged(self.first, self.lowest, now)
+
+    def __call__(self, loop, state, metrics, stage) -> None:
+        import jax
+
+        for step, loss in self.earlier:  # the first step of this start: loop.step
+            if step < loop.step:
+                self.see(math.nan if loss is None else loss)
+        self.earlier = []
+        if self.see(float(jax.device_get(metrics["loss"]))):
             self.stopped = f"the loss diverged at step {loop.step}"
             raise StopRequested(self.stopped)
 
@@ -421,14 +444,19 @@ def lr_range(config, workdir: str) -> dict:
     diff = differences(saved, config_dict(c)) if saved is not None else []
     diff = [d for d in diff if d[0] not in RANGE_TEST_KEYS]
     if diff:
-        raise ConfigError(f"{another_config(workdir, diff)}; use a new --workdir for this test")
+        where = another_config(workdir, diff).replace("a run", "an LR range test")
+        raise ConfigError(f"{where}; use a new --workdir for this test")
     path = os.path.join(workdir, "lr_range.json")
     if os.path.isfile(path):  # done before: the same command shows it again
         with open(path) as f:
             result = json.load(f)
         print(f"{workdir} holds a finished LR range test (pass a new --workdir to run another)")
         return result
-    stop = StopOnDivergence()
+    # a stopped test resumes: its steps so far go into the divergence check as they were
+    earlier = []
+    if os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
+        earlier = [(t.step, t.loss) for t in read_run(workdir).train]
+    stop = StopOnDivergence(earlier)
 
     def started(run):
         t = c.tune
@@ -436,7 +464,13 @@ def lr_range(config, workdir: str) -> dict:
               f"{t.lr_max:g}, stopped once the loss diverges (progress: {workdir}/log.txt)",
               flush=True)  # fmt: skip
 
-    run_trainer(c, workdir, lambda run: [stop], started)
+    _, summary = run_trainer(c, workdir, lambda run: [stop], started)
+    if summary.get("preempted") and stop.stopped is None:  # a signal's stop, not the loss's
+        # its curve is cut short: a suggestion from it would be far too low
+        raise KeyboardInterrupt(
+            f"LR range test stopped ({summary['preempted']}) at step {summary['steps']}/"
+            f"{summary['total_steps']} with a checkpoint, before it could suggest an LR"
+        )
     several = jax.process_count() > 1
     if several:  # process 0 writes the records: every process reads them once it is done
         multihost_utils.sync_global_devices("hybridpar: lr range test records written")
@@ -488,7 +522,8 @@ def plot_lr_range(result: dict, path: str) -> None:
     plt.close(fig)
 
 
-def print_lr_range(result: dict, workdir: str) -> None:
+def print_lr_range(result: dict, workdir: str, shown_again: bool = False) -> None:
+    """``shown_again``: the files are an earlier call's (``lr_range`` wrote nothing)."""
     lrs = result["base_lr"]
     print(
         f"lr range test: {result['steps']} steps, optim.base_lr {lrs[0]:.3g} -> {lrs[-1]:.3g}"
@@ -499,7 +534,8 @@ def print_lr_range(result: dict, workdir: str) -> None:
         f"{result['min_loss_base_lr']:.3g}, falling fastest at {result['steepest_base_lr']:.3g}"
         f"\nsuggested peak LR (the steepest descent): {result['override']}"
     )
-    print(f"wrote {workdir}/lr_range.png and {workdir}/lr_range.json")
+    files = f"{workdir}/lr_range.png and {workdir}/lr_range.json"
+    print(f"its plot and numbers: {files}" if shown_again else f"wrote {files}")
     if result.get("warning"):
         print(f"warning: {result['warning']}")
 
@@ -589,9 +625,12 @@ def open_study(config, workdir: str, budget: float):
     if saved is None:
         study.set_user_attr("search", this)
     else:
+        # the keys every trial sets: the study is keyed on what sets them (--budget-epochs, tune.*)
+        same = [d for d in differences(saved["config"], this["config"])
+                if d[0] not in trial_keys(config)]  # fmt: skip
         diff = [("--budget-epochs", saved["budget_epochs"], budget)] * (
             saved["budget_epochs"] != budget
-        ) + differences(saved["config"], this["config"])
+        ) + same
         if diff:
             raise ConfigError(
                 f"{another_config(workdir, diff).replace('a run', 'a search')}; use a new "
@@ -788,6 +827,71 @@ def plot_search(study, path: str, name: str) -> None:
 # ---- Command line --------------------------------------------------------------------------------
 
 
+KINDS = {"train": "a training run", "lr": "an LR range test", "search": "a search study"}
+
+
+def is_range_test(saved: dict) -> bool:
+    """``saved`` (a run's config, as config.json holds it) is an LR range test's: the keys
+    ``range_test_config`` sets hold what it sets from the config's own tune keys."""
+    import ml_collections
+
+    from hybridpar.runtime.run_config import config_dict, flatten
+
+    try:
+        made = flatten(config_dict(range_test_config(ml_collections.ConfigDict(saved))))
+    except (AttributeError, KeyError, TypeError, ValueError, ZeroDivisionError):
+        return False  # not a config with a tune section: not a test's
+    held = flatten(saved)
+    return all(held.get(k, "<missing>") == made.get(k) for k in RANGE_TEST_KEYS)
+
+
+def held_kind(workdir: str, config) -> str | None:
+    """What ``workdir`` holds, as a key of ``KINDS``, or None where it holds none of them."""
+    from hybridpar.runtime.run_config import of_workdir
+
+    if not os.path.isdir(workdir):
+        return None
+    if os.path.exists(os.path.join(workdir, "study.db")):
+        return "search"
+    if os.path.isfile(os.path.join(workdir, "lr_range.json")):
+        return "lr"
+    saved = of_workdir(workdir, config)
+    if saved is not None:
+        return "lr" if is_range_test(saved) else "train"
+    ran = any(os.path.exists(os.path.join(workdir, n)) for n in ("summary.json", "metrics.jsonl"))
+    return "train" if ran else None
+
+
+def check_kind(mode: str, config, workdir: str) -> None:
+    """``workdir`` is new or holds this mode's test or study: tune would otherwise write its
+    own run or study into another tool's (a study inside a finished training run)."""
+    held = held_kind(workdir, config)
+    if held not in (None, mode):
+        what = "the test" if mode == "lr" else "the search"
+        raise ConfigError(
+            f"workdir {workdir!r} holds {KINDS[held]}, not {KINDS[mode]}: tune {mode} does "
+            f"not run in it; use a new --workdir for {what}"
+        )
+
+
+def unused_overrides(mode: str, config, overrides, budget=None) -> list[str]:
+    """A ``warning:`` line for each ``--config.KEY=VALUE`` the mode sets otherwise (the range
+    test's keys, every trial's): tune runs with its own value, so the user's does nothing."""
+    if mode == "lr":
+        used, why = range_test_config(config), RANGE_TEST_KEYS
+        where = "tune lr sets"
+    else:
+        used, why = trial_config(config, {}, budget), trial_keys(config)
+        why = {k: f"from {v}" for k, v in why.items()}
+        where = "every trial of tune search sets"
+    lines = []
+    for key, raw in dict(overrides).items():  # the last of a key given twice is the one set
+        if key in why and config_value(used, key) != config_value(config, key):
+            lines.append(f"warning: --config.{key}={raw} is not used: {where} "
+                         f"{key}={config_value(used, key)!r} ({why[key]})")  # fmt: skip
+    return lines
+
+
 def main(argv=None) -> None:
     from hybridpar.runtime.signals import StopBetweenRuns
 
@@ -829,13 +933,28 @@ def _main(argv, stop) -> None:
         from hybridpar.config.schema import validate
 
         pyplot()  # the PNGs it ends with need matplotlib: say so now, not after the training
-        validate(config)
-        check(config, args.mode)
+        if args.mode == "lr":  # the test's config: not the keys it sets as the user set them
+            check(config, "lr")
+            validate(range_test_config(config))
+        else:
+            validate(config)
+            check(config, "search")
         from hybridpar.runtime.run import check_workdir
 
+        check_kind(args.mode, config, args.workdir)  # before anything is written there
         check_workdir(args.workdir)
+        for line in unused_overrides(args.mode, config, args.config_overrides,
+                                     args.budget_epochs):  # fmt: skip
+            print(line, flush=True)
         if args.mode == "lr":
-            print_lr_range(lr_range(config, args.workdir), args.workdir)
+            shown_again = os.path.isfile(os.path.join(args.workdir, "lr_range.json"))
+            try:
+                result = lr_range(config, args.workdir)
+            except KeyboardInterrupt as e:
+                again = shlex.join([sys.executable, "-m", "hybridpar.tune", *args.argv])
+                print(f"{e}; resume it with the same command:\n  {again}")
+                return
+            print_lr_range(result, args.workdir, shown_again)
             return
         try:
             search(config, args.workdir, args.trials, args.budget_epochs, stop)
