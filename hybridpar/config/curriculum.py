@@ -262,9 +262,11 @@ def plan_stages(
     for i, st in enumerate(stages):
         spe = steps_per_epoch(st.global_batch)
         if spe == 0:
+            size = f" ({num_examples:,} examples)" if num_examples else ""
             raise ConfigError(
                 f"stage {i}'s global batch of {st.global_batch} is more than one epoch of the "
-                "training split: lower the batch"
+                f"training split{size}: lower the batch (--config.global_batch, or the "
+                "stage's batch per data-parallel device in --config.stages)"
             )
         steps = max(int(round((st.end_epoch - start) * spe)), 1 if i == 0 else 0)
         planned.append(PlannedStage(i, st, start, step, steps, spe, num_examples))
