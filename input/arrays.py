@@ -41,6 +41,7 @@ def resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
 # permutation a seed's shuffles start from). Saved, not recomputed: importing scikit-learn to
 # split costs every run a second, and a frozen split cannot move under an upgrade.
 DIGITS_SPLIT = Path(__file__).with_name("digits_split.npz")
+DIGITS_CLASSES = 10  # the digits 0-9
 
 
 def digits_file() -> Path:

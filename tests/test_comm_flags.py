@@ -150,6 +150,19 @@ def test_settings_nothing_reads_are_named_with_the_fix():
     c.stages, c.global_batch = "2:32-64", 128
     (said,) = unused_settings(c)
     assert said.startswith("global_batch=128 does nothing: config.stages ('2:32-64') sets")
+    c.stages, c.global_batch = "", base_config().global_batch
+    # pointed at data the run does not read (digits trained on while data.source named a
+    # tar); a recipe's smoke test on synthetic data does that on purpose: said, not refused
+    c.data.name, c.data.source, c.data.tfds_name = "digits", "/x/train.tar", "mnist"
+    said = unused_settings(c)
+    assert said == [
+        "data.source='/x/train.tar' does nothing: it is read only with data.name='images', "
+        "and this run trains on data.name='digits'; set --config.data.name=images to train "
+        "on it, or drop data.source",
+        "data.tfds_name='mnist' does nothing: it is read only with data.name='tfds', and "
+        "this run trains on data.name='digits'; set --config.data.name=tfds to train on it, "
+        "or drop data.tfds_name",
+    ], said
 
 
 @pytest.mark.parametrize(
