@@ -638,6 +638,20 @@ def unused_settings(c) -> list[str]:
             "(XLA places and combines the gradients' all-reduces itself); drop "
             "--config.comm.bucket_mb, or use --config.comm.mode=bucketed or overlap"
         )
+    if c.stages and c.global_batch != default.global_batch:
+        out.append(
+            f"global_batch={c.global_batch!r} does nothing: config.stages ({c.stages!r}) sets "
+            "each stage's batch per data-parallel device; drop --config.global_batch, or "
+            "change the batches in --config.stages"
+        )
+    for name, keys in DATA_KEYS_OF.items():
+        for key in keys:
+            if c.data[key] and c.data.name != name:
+                out.append(
+                    f"data.{key}={c.data[key]!r} does nothing: it is read only with "
+                    f"data.name={name!r}, and this run trains on data.name={c.data.name!r}; "
+                    f"set --config.data.name={name} to train on it, or drop data.{key}"
+                )
     for key in ("loss_scale_initial", "loss_scale_period"):
         if c.precision.compute != "float16" and c.precision[key] != default.precision[key]:
             out.append(
@@ -646,6 +660,15 @@ def unused_settings(c) -> list[str]:
                 f"--config.precision.{key}, or set --config.precision.compute=float16"
             )
     return out
+
+
+# The data keys only one data.name reads: set under another, the run trains on that name's
+# data, not on what the key points at (a recipe's smoke test on synthetic data does that on
+# purpose, so it is said, not refused).
+DATA_KEYS_OF = {
+    "images": ("source", "prepared_dir", "reduced_copies", "classes"),
+    "tfds": ("tfds_name", "tfds_data_dir", "tfds_manual_dir"),
+}
 
 
 def _check_widths(c) -> None:
@@ -699,14 +722,15 @@ def load_config(path: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     get_config = getattr(module, "get_config", None)
-    if False:
+    if not callable(get_config):
         raise ConfigError(
             f"{file} defines no get_config(): a config file returns its config from "
             "get_config(), as experiments/digits.py does"
         )
-    takes = [p for p in inspect.signature(get_config).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]  # fmt: skip
-    if False:  # ":ARGS" goes to get_config, which takes none
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                  inspect.Parameter.VAR_POSITIONAL)  # fmt: skip
+    takes = [p for p in inspect.signature(get_config).parameters.values() if p.kind in positional]
+    if arg and not takes:  # ":ARGS" goes to get_config, which takes none
         raise ConfigError(
             f"{path!r}: {file}'s get_config() takes no argument, so ':{arg}' cannot be "
             f"passed to it; drop ':{arg}' (configs that take one, e.g. "
