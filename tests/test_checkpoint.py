@@ -626,61 +626,6 @@ def test_a_changed_start_stopped_before_its_first_step_leaves_config_json_as_it_
     assert f"), {n - STOP} to go from step {STOP}\n" in said
 
 
-def test_a_second_sigterm_while_the_stops_checkpoint_is_written_stops_at_once(
-    runs, tmp_path, monkeypatch
-):
-    """SIGTERM, then SIGTERM again while the stop's checkpoint was written (the wait for it
-    after the loop): the handlers were handed back before that wait, so the second one met
-    the default action: exit 143 without the "again: stopped at once" line, the checkpoint
-    cut. Ours stay until the records are written, then go straight to the command's
-    ``EarlyStop``. Here the wait notes the handler it meets (a real SIGTERM to the default
-    action would end pytest). Planted bug that fails it: uninstall before the wait."""
-    from hybridpar.runtime import signals
-
-    met = []
-    finish = trainer.Checkpointer.finish
-
-    def waits(self):
-        met.append(signal.getsignal(signal.SIGTERM) == self.preemption._stop_at_once)
-        return finish(self)
-
-    monkeypatch.setattr(trainer.Checkpointer, "finish", waits)
-    before = signal.getsignal(signal.SIGTERM)
-    early = signals.EarlyStop()  # as the train command installs it
-    try:
-        stopped = trainer.train(again(runs["run"], tmp_path / "w"), hooks=[SigtermAt(STOP)])
-        assert stopped["preempted"] == "SIGTERM" and stopped["latest_checkpoint"] == STOP
-        assert met == [True]
-        assert signal.getsignal(signal.SIGTERM) is early and early.run_ended
-    finally:
-        early.restore()
-        signal.signal(signal.SIGTERM, before)
-
-
-def test_a_first_sigterm_in_the_wait_for_the_last_save_goes_on_once_the_records_are_written(
-    runs, tmp_path, monkeypatch
-):
-    """A SIGTERM after the loop (the wait for the last save) stops nothing there: the
-    handler from before ours (a tool's ``StopBetweenRuns``, here a stand-in) gets it once
-    the run's save and summary are written, not in the middle of the save, and not never.
-    Planted bug that fails it: uninstall without ``late``."""
-    w = tmp_path / "w"
-    got = []  # whether the summary was written when the handler ran
-    finish = trainer.Checkpointer.finish
-
-    def waits(self):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return finish(self)
-
-    monkeypatch.setattr(trainer.Checkpointer, "finish", waits)
-    before = signal.signal(signal.SIGTERM, lambda *_: got.append((w / "summary.json").exists()))
-    try:
-        assert trainer.train(again(runs["run"], w))["completed"]
-        assert got == [True]
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
 def test_a_stop_inside_the_second_stage_resumes_bitwise_equal_to_the_uninterrupted_run(
     tmp_path,
 ):

@@ -5,8 +5,8 @@ The train command installs ``EarlyStop`` on its first line: before the first ste
 nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
 over from it: a stop then saves a checkpoint at the next step boundary, and a second signal
 goes to the handler ``EarlyStop`` replaced (``EarlyStop.replaced``), as without either.
-After a run that ended with its records written (``Preemption.uninstall``), ``EarlyStop`` is
-back and a signal exits 0 quietly (SIGTERM until the process ends). Nothing here imports JAX at
+After a run that ended with its records written (``Preemption.ended``), ``EarlyStop`` is back
+and a signal exits 0 quietly (SIGTERM until the process ends). Nothing here imports JAX at
 import time: the command installs ``EarlyStop`` before it.
 """
 
@@ -47,7 +47,7 @@ class EarlyStop:
 
     def __init__(self):
         self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
-        self.run_ended = False  # set by ``Preemption.uninstall``: the run's records are written
+        self.run_ended = False  # set by ``Preemption.ended``: the run's records are written
         self.resumes: tuple[int, str] | None = None  # (step, directory): ``note_resume``
 
     def replaced(self, signum: int):
@@ -245,27 +245,21 @@ class Preemption:
             self._count_arrivals()
         return self
 
-    def uninstall(self, ended: bool = False, late: bool = False) -> None:
-        """Hands the signals back once the run's records are written (``trainer.end``): not
-        before the wait for the last save, where the default action ended a stop's save
-        silently (a second SIGTERM then: exit 143, no line, the checkpoint cut). After a run
-        that ended with them written (``ended``: completed, or stopped and saved) they go
-        straight to the command's ``EarlyStop``: a signal from there to the process's exit
-        exits 0 quietly, not by the default action's 143 (the run is done, not killed); else
-        to the handlers from before us. ``late``: a signal requested now came after the loop
-        (it stopped nothing), so it goes to that handler now (``StopBetweenRuns``: the tool
-        stops)."""
-        if self._wakeup is not None:  # first: the thread stops nothing from here on
+    def uninstall(self) -> None:
+        for s, h in self._previous.items():
+            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: not set from Python
+        self._previous = {}
+        if self._wakeup is not None:
             write, before = self._wakeup
             self._wakeup = None
             signal.set_wakeup_fd(before)
             os.close(write)  # the thread reads the end and stops
-        early = self._early if ended else None
-        if early is not None:
-            early.run_ended = True
-        for s, h in self._previous.items():
-            h = h if early is None else early
-            signal.signal(s, signal.SIG_DFL if h is None else h)  # None: not set from Python
-        self._previous = {}
-        if late and self.requested in signal.Signals.__members__:
-            signal.raise_signal(signal.Signals[self.requested])
+
+    def ended(self) -> None:
+        """The run ended with its checkpoint and summary written (completed, or stopped and
+        saved): a signal from here to the process's exit exits 0 quietly, by the command's
+        ``EarlyStop`` put back, not the default action's 143 (the run is done, not killed)."""
+        if self._early is not None:
+            self._early.run_ended = True
+            for s in self.SIGNALS:
+                signal.signal(s, self._early)

@@ -925,26 +925,11 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     """Stops the input and background threads, waits for the save in flight (committed
     before we may exit), writes the summary and releases the workdir, whether the loop
     ended, stopped or failed. Returns ``(summary, the failed save's error or None)``."""
-    t.batches.close()  # stops the prefetch thread
-    t.run.program.stop_background()
-    # the signals stay ours until the records are written: a second one in the wait for a
-    # stop's save stops at once, saying so; a first one from here stopped nothing (late)
-    asked = t.preemption.requested
-    try:
-        summary, save_error = write_records(t, failure, preempted)
-    except BaseException:  # as a failure anywhere else: the handlers from before, at once
-        t.preemption.uninstall()
-        raise
-    # after an ended run, a signal (the command prints its last lines) exits 0
-    t.preemption.uninstall(ended=not summary["error"], late=asked is None)
-    return summary, save_error
-
-
-def write_records(t: Training, failure: str | None, preempted: str | None):
-    """``end``'s work once the threads are stopped: the save in flight waited for, the
-    summary written, the workdir released."""
     run, loop, saver = t.run, t.loop, t.saver
     c, program, plan = run.config, run.program, run.plan
+    t.batches.close()  # stops the prefetch thread
+    program.stop_background()
+    t.preemption.uninstall()
     t.clock.to("checkpoint")  # the save in flight
     save_error = t.checkpointer.finish()
     failure = failure or save_error
@@ -988,4 +973,6 @@ def write_records(t: Training, failure: str | None, preempted: str | None):
     t.writer.summary(summary)
     t.writer.close()
     release(run)
+    if not summary["error"]:  # a late signal (the command prints its last lines) exits 0
+        t.preemption.ended()
     return summary, save_error
