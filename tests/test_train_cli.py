@@ -400,6 +400,41 @@ def test_sigterm_after_a_completed_run_exits_0_quietly(stopped_then_completed):
     assert json.loads((w / "summary.json").read_text())["completed"]
 
 
+def test_signals_in_the_last_saves_wait_are_the_loops(tmp_path):
+    """The loop's handlers went before the wait for the last save: a signal there met the
+    default action (killed, 143, unsaid, the save half-written). Two SIGTERMs while the
+    completed run's last save is waited for: the first says the run is ending, the second
+    stops at once in its line."""
+    argv = ["--config", DIGITS, "--workdir", str(tmp_path / "w"), "--config.mesh=data:8",
+            *config_args(TINY_DIGITS)]  # fmt: skip
+    code = (
+        "import os, signal, time\n"
+        "from hybridpar.runtime import trainer\n"
+        "from hybridpar.tools import train\n"
+        "finish = trainer.Checkpointer.finish\n"
+        "def signalled(self):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.5)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(30)\n"
+        "    return finish(self)\n"
+        "trainer.Checkpointer.finish = signalled\n"
+        f"train.main({argv!r})\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(8, NO_LLVM_OPT_FLAG),
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-2:] == [
+        "SIGTERM: the run is ending; finishing its last save and records, then stopping "
+        "(send SIGTERM again to stop at once)",
+        "SIGTERM again: stopped at once; the steps since the last checkpoint are not saved, "
+        f"and the same command resumes from that checkpoint in {tmp_path / 'w' / 'checkpoints'} "
+        "(from step 0 if there is none yet)",
+    ]
+
+
 def test_the_training_loop_takes_over_the_early_handler_so_a_second_signal_stops_at_once():
     """In-process: once the loop's handler is in, the first SIGTERM asks for a checkpoint
     and hands the signal back to the handler from before the CLI's, not to the CLI's."""

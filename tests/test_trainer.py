@@ -580,17 +580,41 @@ def test_a_run_resumed_from_an_older_checkpoint_counts_the_redone_steps_and_the_
     parts = resumed["time_breakdown"]
     assert sum(parts.values()) == pytest.approx(resumed["wall_s"], rel=0.02)
     assert parts.get("redone", 0) > 0
-    # the first start's time after the checkpoint at 4 (to its last record) counts too
+    # the first start's time after the checkpoint at 4 (to its last record) counts too: the
+    # save's blocking part as checkpoint time (the snapshot could not hold it), the rest lost
     [resume] = records(tmp_path, "resume")
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     before = [r for r in map(json.loads, lines) if r.get("wall_s") is not None]
     last_before = before[before.index(resume) - 1]["wall_s"]
-    assert resume["lost_s"] == pytest.approx(last_before - resume["from_wall_s"], abs=2e-3)
+    after = resume["lost_s"] + (resume["saving_s"] or 0)
+    assert after == pytest.approx(last_before - resume["from_wall_s"], abs=2e-3)
+    [saved_4] = [r for r in records(tmp_path, "checkpoint") if r["step"] == 4]
+    assert resume["saving_s"] == pytest.approx(saved_4["blocking_s"], abs=2e-3)
     assert resume["lost_s"] > 0 and parts["lost"] == pytest.approx(resume["lost_s"], abs=2e-3)
     assert resume["wall_s"] >= last_before  # the clock never runs back
     assert parts["setup"] > saved["setup"]  # the restart's set-up on top of the first's
     assert parts["compile"] > saved["compile"]  # the restart compiled again
     assert resumed["goodput"] == pytest.approx(parts["train"] / resumed["wall_s"], abs=1e-3)
+
+
+def test_a_completed_run_extended_counts_its_last_save_as_checkpoint_time_not_lost(tmp_path):
+    """A completed run extended (num_epochs raised, --allow-config-change): the time after
+    its last checkpoint's snapshot is that checkpoint's own save, which the run waited for,
+    not time a restart threw away; it was reported as ``lost``. Planted bug that fails it:
+    every second after the snapshot counted as lost."""
+    config = tiny_digits()
+    assert trainer.train(setup(config, str(tmp_path)))["completed"]
+    [last] = records(tmp_path, "checkpoint")[-1:]
+    config.num_epochs *= 2
+    extended = trainer.train(setup(config, str(tmp_path), allow_config_change=True))
+    assert extended["completed"] and extended["resumed_from"] == last["step"]
+    [resume] = records(tmp_path, "resume")
+    after = (resume["lost_s"] or 0) + resume["saving_s"]
+    assert after == pytest.approx(last["wall_s"] - resume["from_wall_s"], abs=2e-3)
+    assert resume["saving_s"] == pytest.approx(last["total_s"], abs=2e-3)
+    parts = extended["time_breakdown"]
+    assert parts.get("lost", 0) == pytest.approx(resume["lost_s"] or 0, abs=2e-3)
+    assert sum(parts.values()) == pytest.approx(extended["wall_s"], rel=0.02)
 
 
 def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsys):

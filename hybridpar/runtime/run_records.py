@@ -36,7 +36,7 @@ TIME_PARTS = {
     "train": "train steps (goodput: this over the wall time)",
     "input_wait": "steps waiting for their next batch",
     "eval": "evaluations",
-    "checkpoint": "the blocking part of checkpoint saves",
+    "checkpoint": "checkpoint saves' blocking parts, and the wait for the last one",
     "redone": "steps run again after a restart from an older checkpoint",
     "lost": "what a stopped start ran after its last checkpoint (to its last record)",
 }
@@ -152,8 +152,10 @@ class Resume(Record):
     event: str = "resume"
     from_step: int | None = None
     from_wall_s: float | None = None  # the resumed checkpoint's wall_s (0.0: none)
-    # the last start's time after that checkpoint, to its last record: wall_s goes on from
-    # from_wall_s + lost_s
+    # the last start's time after that checkpoint's snapshot, to its last record: the
+    # checkpoint's own save (counted as checkpoint time), then the rest (lost); wall_s goes
+    # on from from_wall_s + saving_s + lost_s
+    saving_s: float | None = None
     lost_s: float | None = None
     data_epoch: int | None = None
     data_step_in_epoch: int | None = None

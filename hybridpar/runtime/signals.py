@@ -5,8 +5,10 @@ The train command installs ``EarlyStop`` on its first line: before the first ste
 nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
 over from it: a stop then saves a checkpoint at the next step boundary, and a second signal
 goes to the handler ``EarlyStop`` replaced (``EarlyStop.replaced``), as without either.
-After a run that ended with its records written (``Preemption.ended``), ``EarlyStop`` is back
-and a signal exits 0 quietly (SIGTERM until the process ends). Nothing here imports JAX at
+The loop's handlers stay through the last save's wait and the records (a second signal there
+still stops at once); after a run that ended with its records written
+(``Preemption.uninstall(ended=True)``), ``EarlyStop`` is back and a signal exits 0 quietly
+(SIGTERM until the process ends). Nothing here imports JAX at
 import time: the command installs ``EarlyStop`` before it.
 """
 
@@ -47,7 +49,7 @@ class EarlyStop:
 
     def __init__(self):
         self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
-        self.run_ended = False  # set by ``Preemption.ended``: the run's records are written
+        self.run_ended = False  # the run's records are written: ``Preemption.uninstall``
         self.resumes: tuple[int, str] | None = None  # (step, directory): ``note_resume``
 
     def replaced(self, signum: int):
@@ -136,6 +138,7 @@ class Preemption:
         self._said: dict = {}  # signal -> who claimed its first line (the handler or the thread)
         self._stopping = threading.Lock()  # one stop at once, by the handler or the thread
         self._wakeup: tuple[int, int] | None = None  # (our fd, the wakeup fd from before)
+        self.loop_over = False  # set by ``ending``: no step boundary is left to save at
 
     def request(self, why: str = "requested") -> None:
         self.requested = self.requested or why
@@ -157,8 +160,12 @@ class Preemption:
         if self._said.setdefault(signum, who) != who:
             return
         name = signal.Signals(signum).name
-        msg = (f"{name}: saving a checkpoint at the next step boundary, then stopping "
-               f"(send {name} again to stop at once)")  # fmt: skip
+        if self.loop_over:
+            msg = (f"{name}: the run is ending; finishing its last save and records, then "
+                   f"stopping (send {name} again to stop at once)")  # fmt: skip
+        else:
+            msg = (f"{name}: saving a checkpoint at the next step boundary, then stopping "
+                   f"(send {name} again to stop at once)")  # fmt: skip
         try:  # installed on one process only: it prints for the run
             print(msg, flush=True)
         except RuntimeError:  # the signal came inside a print to the same buffered stream,
@@ -241,12 +248,28 @@ class Preemption:
                 previous = signal.signal(s, self._handler)
                 if isinstance(previous, EarlyStop):  # its job (before the loop) is over
                     self._early, previous = previous, previous.replaced(s)
+                while isinstance(previous, EarlyStop) and previous.run_ended:
+                    previous = previous.replaced(s)  # an earlier run's in this process
                 self._previous[s] = previous
             self._count_arrivals()
         return self
 
-    def uninstall(self) -> None:
+    def ending(self) -> None:
+        """The loop is over: what is left is the last save's wait and the records, kept
+        under these handlers (``uninstall`` comes after them), so a second signal there
+        still stops at once and says so; a first one says the run is ending."""
+        self.loop_over = True
+
+    def uninstall(self, ended: bool = False) -> None:
+        """Hands the signals back: to the handlers from before, or where the run ``ended``
+        with its checkpoint and summary written (completed, or stopped and saved), to the
+        command's ``EarlyStop`` marked so: a signal from there to the process's exit exits
+        0 quietly, not by the default action's 143 (the run is done, not killed)."""
+        early = self._early if ended else None
+        if early is not None:
+            early.run_ended = True
         for s, h in self._previous.items():
+            h = early or h
             signal.signal(s, signal.SIG_DFL if h is None else h)  # None: not set from Python
         self._previous = {}
         if self._wakeup is not None:
@@ -254,12 +277,3 @@ class Preemption:
             self._wakeup = None
             signal.set_wakeup_fd(before)
             os.close(write)  # the thread reads the end and stops
-
-    def ended(self) -> None:
-        """The run ended with its checkpoint and summary written (completed, or stopped and
-        saved): a signal from here to the process's exit exits 0 quietly, by the command's
-        ``EarlyStop`` put back, not the default action's 143 (the run is done, not killed)."""
-        if self._early is not None:
-            self._early.run_ended = True
-            for s in self.SIGNALS:
-                signal.signal(s, self._early)

@@ -175,12 +175,24 @@ def sane_losses(train, resumed: int | None) -> SaneLoss:
     return sane
 
 
-def lost_after_checkpoint(recs, from_wall_s: float) -> float:
-    """Seconds the last earlier start ran after the checkpoint resumed from, as far as its
-    last record shows (time after that record, and between the starts, is unknown): thrown
-    away by the restart, but spent on the run, so its wall time counts them."""
+def after_checkpoint(recs, from_wall_s: float, step: int | None) -> tuple[float, float]:
+    """``(saving, lost)``: seconds the last earlier start ran after the snapshot of the
+    checkpoint resumed from (at ``step``), as far as its last record shows (time after that
+    record, and between the starts, is unknown): spent on the run, so its wall time counts
+    them. ``saving``: that checkpoint's own save, which its snapshot could not hold (the
+    whole save where the start ended there, waiting for it; else its blocking part);
+    ``lost``: the rest, thrown away by the restart."""
     last = next((r.wall_s for r in reversed(recs) if r.wall_s is not None), None)
-    return max(0.0, last - from_wall_s) if last is not None else 0.0
+    if last is None:
+        return 0.0, 0.0
+    after = max(0.0, last - from_wall_s)
+    saved = [r for r in recs if r.event == "checkpoint" and r.step == step]
+    if not saved:
+        return 0.0, after
+    went_on = any(r.event == "train" and r.step > step for r in recs)
+    saving = (saved[-1].blocking_s if went_on else saved[-1].total_s) or 0.0
+    saving = min(saving, after)
+    return saving, after - saving
 
 
 # ---- Hooks: what happens after a step ---------------------------------------------------------
@@ -729,15 +741,15 @@ def start(run: Run, hooks) -> Training:
         log(synthetic_note(c))
     # wall_s goes on from where the checkpoint left it, plus what the last start spent after
     # it: this segment started that much earlier
-    lost = lost_after_checkpoint(recorded, loop.wall_s)
-    if lost:
-        clock.add({"lost": lost})
-    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s - lost)
+    saving, lost = after_checkpoint(recorded, loop.wall_s, resumed)
+    clock.add({k: v for k, v in (("checkpoint", saving), ("lost", lost)) if v})
+    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s - saving - lost)
     # an earlier segment's records after the checkpoint (all of them, without one) are
     # superseded from here: a start stopped before its first step leaves some too
     if resumed is not None or recorded:
         writer.write("resume", loop.step, plan.epoch_at(loop.step), from_step=resumed or 0,
-                     from_wall_s=round(loop.wall_s, 3), lost_s=round(lost, 3) or None,
+                     from_wall_s=round(loop.wall_s, 3), saving_s=round(saving, 3) or None,
+                     lost_s=round(lost, 3) or None,
                      data_epoch=loop.epoch,
                      data_step_in_epoch=loop.step_in_epoch, directory=saver.directory,
                      changed_keys=changed, train_examples_changed=grown)  # fmt: skip
@@ -929,7 +941,7 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     c, program, plan = run.config, run.program, run.plan
     t.batches.close()  # stops the prefetch thread
     program.stop_background()
-    t.preemption.uninstall()
+    t.preemption.ending()  # its handlers stay until the records are written (below)
     t.clock.to("checkpoint")  # the save in flight
     save_error = t.checkpointer.finish()
     failure = failure or save_error
@@ -973,6 +985,8 @@ def end(t: Training, failure: str | None = None, preempted: str | None = None):
     t.writer.summary(summary)
     t.writer.close()
     release(run)
-    if not summary["error"]:  # a late signal (the command prints its last lines) exits 0
-        t.preemption.ended()
+    # only now: a second signal in the save's wait above stops at once and says so, where
+    # the handlers from before ended the process unsaid (143) with the save half-written;
+    # after a run whose records are written, a late signal exits 0 (the command's last lines)
+    t.preemption.uninstall(ended=not summary["error"])
     return summary, save_error
