@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from hybridpar.models import create_model
 from hybridpar.parallel import comm
 from hybridpar.tools.comm_report import (
     ANALYSIS_XLA_FLAGS,
+    describe_groups,
     describe_overlap,
     hidden_estimate,
     overlap_totals,
@@ -92,6 +94,95 @@ def test_parse_collectives_on_hand_written_hlo():
     # Nothing else: no -done, get-tuple-element or add counted.
     assert sum(r["count"] for r in rows) == 6
     assert {r["kind"] for r in rows} == {"all-reduce", "all-gather", "reduce-scatter"}
+
+
+# XLA's forms of replica groups on data:1,fsdp:4,model:2 (device order row-major, model
+# fastest), as the CPU compiler printed them for digits' step, and what the table says
+HYBRID_MESH = {"data": 1, "fsdp": 4, "model": 2}
+GROUP_FORMS = [
+    ("[4,2]<=[8]", "over model: 4 groups of 2"),
+    ("[2,4]<=[4,2]T(1,0)", "over fsdp: 2 groups of 4"),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_0'}", "over fsdp: 2 groups of 4"),
+    ("mesh['axis_0'=4,'axis_1'=2] {'axis_1'}", "over model: 4 groups of 2"),
+    (
+        "mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_0'}",
+        "over model: 4 groups of 2",
+    ),
+    (
+        "mesh['axis_0'=1,'axis_1'=8], device_ids=([4,2]T(1,0)) {'axis_1'}",
+        "over fsdp,model: 1 group of 8",
+    ),
+    ("{{0,2,4,6},{1,3,5,7}}", "over fsdp: 2 groups of 4"),
+    ("{}", "over fsdp,model: 1 group of 8"),
+    # not along whole axes (half of fsdp, all of model): the groups, in the same words
+    ("{{0,1,2,3},{4,5,6,7}}", "2 groups of 4: {0,1,2,3},..."),
+    ("[2,4]<=[8]", "2 groups of 4: {0,1,2,3},..."),
+]
+
+
+def _all_reduces(forms) -> str:
+    """An HLO module of one 64-byte all-reduce per replica-group form."""
+    body = "\n".join(
+        f"  %ar.{i} = f32[16]{{0}} all-reduce(f32[16]{{0}} %a), channel_id={i}, "
+        f"replica_groups={groups}, use_global_device_ids=true, to_apply=%add"
+        for i, groups in enumerate(forms)
+    )
+    return f"""
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(f32[] %x, f32[] %y)
+}}
+
+ENTRY %main (a: f32[16]) -> f32[16] {{
+  %a = f32[16]{{0}} parameter(0)
+{body}
+  ROOT %out = f32[16]{{0}} copy(%a)
+}}
+"""
+
+
+@pytest.mark.parametrize("groups, says", GROUP_FORMS, ids=[g for g, _ in GROUP_FORMS])
+def test_every_groups_form_is_said_as_the_mesh_axes_it_spans(groups, says):
+    """XLA prints replica groups as a list, as iota ``[a,b]<=[n]`` (maybe transposed), or on a
+    mesh of its own; each reads as the run's mesh axes its groups span. The JSON keeps
+    the text as printed (``simulate``'s ``group_stride`` reads it)."""
+    (row,) = parse_collectives(_all_reduces([groups]))
+    assert describe_groups(row["groups"], HYBRID_MESH) == says
+    if groups == "{}":  # a list of every device, too long to print whole
+        assert describe_groups("1x16 {{0,1,2,...,15}}", {"data": 16}) == "over data: 1 group of 16"
+    # on another mesh its groups span that mesh's axes: the report's mesh is the key
+    if says == "over fsdp: 2 groups of 4":
+        assert describe_groups(row["groups"], {"data": 2, "fsdp": 2, "model": 2}) == (
+            "over data,fsdp: 2 groups of 4")  # fmt: skip
+
+
+def test_the_table_says_every_rows_groups_in_one_form():
+    """The text table had ``mesh[4,2] over axis 0`` in some rows and XLA's ``[4,2]<=[8]`` in
+    others; now every row reads as mesh axes, and rows that then read alike are one row
+    (planted: the groups text as printed)."""
+    from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport
+    from hybridpar.tools.comm_report import format_report
+
+    rows = parse_collectives(_all_reduces([g for g, _ in GROUP_FORMS]))
+    assert len(rows) == 10  # one row per form in the JSON, as printed
+    rep = CommReport(
+        collectives=tuple(CollectiveRow.from_dict(r) for r in rows), by_kind={},
+        total_bytes=64 * 10, total_ops=10, flops=None, memory_per_device_bytes=None,
+        memory={}, mesh=HYBRID_MESH, xla_flags_applied=[], global_batch=8,
+        devices={"count": 8, "platform": "cpu", "kind": "cpu", "virtual": False},
+        image_shape=[8, 8, 1], compile_s=1.0, config={},
+    )  # fmt: skip
+    text = format_report(rep, "c.py")
+    table = [re.match(r"\s+all-reduce\s+(\d+)\s.*\sno\s+(.*)$", line).groups()
+             for line in text.splitlines() if "all-reduce" in line]  # fmt: skip
+    assert sorted(table) == [
+        ("2", "2 groups of 4: {0,1,2,3},..."),
+        ("2", "over fsdp,model: 1 group of 8"),
+        ("3", "over fsdp: 2 groups of 4"),
+        ("3", "over model: 4 groups of 2"),
+    ]
+    assert "<=" not in text and "mesh[" not in text
 
 
 PROMOTED_HLO = """

@@ -128,6 +128,22 @@ def test_the_roofline_note_comes_only_with_a_roofline_figure(rate):
     assert ("\nroofline: " in text) == (rate is not None)
 
 
+@pytest.mark.parametrize("kind", ["train", "eval"])
+def test_every_programs_row_has_a_roofline_rate_where_it_has_a_step(kind):
+    """The eval step's batch is its images a step, as the train step's: its row has the
+    roofline images/s per chip beside its roofline step, not null and "-" in the table
+    (planted: the rate for train rows only). A hand-written record, nothing compiled."""
+    from hybridpar.tools.compile import program_row
+
+    rec = {"compile_s": 1.0, "memory_per_device_bytes": {"total": 100, "temp": 0}}
+    cost = {"flops": 197e9, "bytes_accessed": 1.0}  # 1 ms at v5e's bfloat16 peak
+    row = program_row(kind, 128, 32, rec, "HloModule m", cost, targets.parse("tpu:v5e-8"))
+    assert row["roofline_step_s"] == pytest.approx(1e-3)
+    assert row["roofline_images_per_s_per_chip"] == 16000.0  # 128 / 8 chips / 1 ms
+    cpu = program_row(kind, 128, 32, rec, "HloModule m", cost, targets.parse("cpu:8"))
+    assert cpu["roofline_step_s"] is None and cpu["roofline_images_per_s_per_chip"] is None
+
+
 def test_the_write_line_comes_after_the_whole_report_and_says_what_it_replaces():
     """The line "writing the N programs to FILE" came before the HBM and roofline notes: the
     report is whole first, then the write line, then the key=value line."""

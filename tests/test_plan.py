@@ -739,3 +739,73 @@ def test_a_damaged_cache_file_is_compiled_again_not_a_traceback(tmp_path):
     assert len(said) == 3 and all("compiling that plan again" in s for s in said)
     path.write_text(json.dumps({"total_bytes": 5}))
     assert plan.cached_report(path, said.append) == {"total_bytes": 5} and len(said) == 3
+
+
+def test_a_plans_warnings_are_one_line_each_in_plans_voice(tmp_path, monkeypatch):
+    """A worker's Python warnings (the set-up's fsdp warning) come back with its report,
+    each once and on one line, and plan says each once per mesh as ``warning: MESH: ...``,
+    from the cache too: not Python's ``file.py:449: UserWarning`` and source line among the
+    progress lines (planted: compile_one without catching them)."""
+    import warnings
+
+    from hybridpar.tools import comm_report
+
+    class Report:
+        def to_dict(self):
+            return {"total_bytes": 5}
+
+    def report(config, **kwargs):  # a stand-in: the compile's warnings, twice, no compile
+        for _ in range(2):
+            warnings.warn("2 arrays stay whole\n  on every device", UserWarning, stacklevel=1)
+        return Report()
+
+    monkeypatch.setattr(comm_report, "report", report)
+    monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")
+    rep = plan.compile_one(DIGITS, [("mesh", "fsdp:4,model:2")])
+    assert rep == {"total_bytes": 5, "warnings": ["2 arrays stay whole on every device"]}
+    # two plans on the mesh, both from the cache: said once, and not left in the results
+    config = cli.load(DIGITS, [])
+    plans = [plan.Candidate((("data", 1), ("fsdp", 4), ("model", 2)), head, "global", "xla",
+                            16, "float32") for head in ("dense", "sharded")]  # fmt: skip
+    for c in plans:
+        plan_config = cli.load(DIGITS, list(c.overrides().items()))
+        key = plan.cache_key(plan_config, 8, plan._source_hash())
+        (tmp_path / f"{key}.json").write_text(json.dumps(rep))
+    said = []
+    results = plan.compile_plans(DIGITS, config, [], plans, 8, 1, tmp_path, said.append)
+    assert [s for s in said if s.startswith("warning")] == [
+        "warning: fsdp:4,model:2: 2 arrays stay whole on every device"
+    ]
+    assert all(r == {"total_bytes": 5, "from_cache": True} for r in results.values()), results
+
+
+# plan's main up to its compiles in a fresh Python, as `python -m hybridpar.plan` starts:
+# what the workers would inherit (JAX sets the level to 1 when it starts, unless set)
+_LOG_LEVEL_AT_COMPILE = f"""
+import os, sys
+from hybridpar.tools import plan
+def compile_plans(*args, **kwargs):
+    print(os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+    sys.exit(0)
+plan.compile_plans = compile_plans
+plan.main({[*ARGS, "--no-cache"]!r})
+"""
+
+
+@pytest.mark.parametrize("user, want", [(None, "2"), ("0", "0")], ids=["default", "user's"])
+def test_xlas_cpp_warnings_stay_off_the_terminal_unless_asked(user, want):
+    """The workers compile with XLA's C++ log level at 2 (errors only; the SPMD
+    partitioner's warning line per compile is noise among plan's progress lines), set
+    before JAX starts so they inherit it, unless the user set TF_CPP_MIN_LOG_LEVEL
+    (planted: JAX's default of 1, which lets the warnings through). A Python of its own:
+    in this one JAX has started."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    if user is not None:
+        env["TF_CPP_MIN_LOG_LEVEL"] = user
+    r = subprocess.run([sys.executable, "-c", _LOG_LEVEL_AT_COMPILE], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == [want], r.stdout

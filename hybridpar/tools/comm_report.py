@@ -217,6 +217,101 @@ def _short_groups(text: str | None, pairs: bool = False) -> tuple[str, int | Non
     return f"{len(groups)}x{size} {{{{{first}}}{more}}}", size
 
 
+_MESH_FORM = re.compile(r"^mesh\[([\d,]+)\](?: ids (.+))? over axis ([\d,]+)$")
+_IOTA_FORM = re.compile(r"^\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?$")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def _iota(dims: list[int], perm: list[int] | None):
+    """XLA's iota device list ``[dims]T(perm)``: iota reshaped to `dims`, transposed."""
+    import numpy as np
+
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    return ids.transpose(perm) if perm else ids
+
+
+def group_sets(groups: str, devices: int) -> list[list[int]] | None:
+    """The device ids of every replica group a collective row's ``groups`` text names (ids
+    as the HLO numbers them: positions in the mesh's device order), or None where the
+    text does not list them all (a shortened list, a permute's pairs)."""
+    import numpy as np
+
+    if groups.startswith("{} "):
+        return [list(range(devices))]
+    m = _IOTA_FORM.match(groups)
+    if m:  # [groups,size]<=[dims]T(perm): the iota list cut into rows of the group size
+        ids = _iota(_ints(m.group(2)), _ints(m.group(3)) if m.group(3) else None)
+        return ids.reshape(_ints(m.group(1))[0], -1).tolist()
+    m = _MESH_FORM.match(groups)
+    if m:  # the devices laid out on XLA's mesh, each group along the axes it is over
+        sizes, ids_text, over = _ints(m.group(1)), m.group(2), _ints(m.group(3))
+        iota = ids_text and re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", ids_text)
+        if iota:
+            ids = _iota(_ints(iota.group(1)), _ints(iota.group(2)) if iota.group(2) else None)
+        elif ids_text:
+            if not re.fullmatch(r"[\d, ]+", ids_text):
+                return None
+            ids = np.array(_ints(ids_text.replace(" ", "")))
+        else:
+            ids = np.arange(math.prod(sizes))
+        if ids.size != math.prod(sizes):
+            return None
+        rest = [i for i in range(len(sizes)) if i not in over]
+        ids = ids.reshape(sizes).transpose(rest + over)
+        return ids.reshape(-1, math.prod(sizes[i] for i in over)).tolist()
+    if groups.startswith("{{") and "..." not in groups:  # listed in full
+        return [_ints(g) for g in re.findall(r"\{([\d,]+)\}", groups)] or None
+    return None
+
+
+def mesh_axes_of(sets: list[list[int]], mesh: dict[str, int]) -> tuple[str, ...] | None:
+    """The axes of `mesh` (outermost first; device order row-major, the last axis fastest)
+    whose devices make up each of the groups `sets`, or None where the groups are not
+    along whole axes (BatchNorm's ``group:N`` within one, or another mesh)."""
+    import numpy as np
+
+    sizes = list(mesh.values())
+    n = math.prod(sizes)
+    if n != sum(len(g) for g in sets) or any(not 0 <= i < n for g in sets for i in g):
+        return None  # not this mesh's devices
+    coords = np.array(np.unravel_index(sets[0], sizes)).T  # the first group's positions
+    axes = [i for i, n in enumerate(sizes) if n > 1 and len(set(coords[:, i])) > 1]
+    rest = [i for i in range(len(sizes)) if i not in axes]
+    want = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + axes)
+    want = {frozenset(g) for g in want.reshape(-1, math.prod(sizes[i] for i in axes)).tolist()}
+    if {frozenset(g) for g in sets} != want:
+        return None
+    return tuple(a for i, a in enumerate(mesh) if i in axes)
+
+
+def describe_groups(groups: str, mesh: dict[str, int]) -> str:
+    """A row's ``groups`` text (``parse_collectives``: XLA's listed, iota or mesh form) for
+    the report's table in one form: the axes of the run's `mesh` each group spans, e.g.
+    ``over fsdp: 2 groups of 4``; where they span no whole axes, the groups and the first
+    of them, e.g. ``4 groups of 2: {0,1},...``. A permute's pairs, or no text, as they are."""
+    devices = math.prod(mesh.values())
+    sets = group_sets(groups, devices)
+    m = re.match(r"(\d+)x(\d+) \{\{([^{}]*)\}", groups)  # _short_groups' shortened list
+    if sets is None and m and (int(m.group(1)), int(m.group(2))) == (1, devices):
+        sets = [list(range(devices))]  # one group of every device, whatever its order
+    if sets is None:
+        if not m:
+            return groups
+        n, size, first = int(m.group(1)), int(m.group(2)), m.group(3)
+    else:
+        n, size = len(sets), len(sets[0])
+        ids = [str(i) for i in sets[0]]
+        first = ",".join(ids) if len(ids) <= 4 else ",".join(ids[:3]) + ",...," + ids[-1]
+        axes = mesh_axes_of(sets, mesh)
+        if axes is not None:
+            count = f"{n} group{'s' if n != 1 else ''} of {size}"
+            return f"over {','.join(axes)}: {count}" if axes else count
+    return f"{n} group{'s' if n != 1 else ''} of {size}: {{{first}}}{',...' if n > 1 else ''}"
+
+
 def _instructions(hlo_text: str) -> list[dict]:
     out, computation = [], None
     for line in hlo_text.splitlines():
@@ -766,10 +861,17 @@ def format_report(rep: CommReport, config_path: str) -> str:
         "collectives in the optimized HLO (bytes per op from its result shape):",
         f"  {'kind':<20} {'count':>5} {'bytes/op':>12} {'total':>12}  {'async':<5}  groups",
     ]
+    # the groups in one form (describe_groups): XLA writes the same groups in several (mesh,
+    # iota), which the JSON keeps as printed; rows that then read alike are one row
+    shown: Counter = Counter()
     for r in rep.collectives:
+        shown[(r.kind, r.bytes, describe_groups(r.groups, rep.mesh), r.is_async)] += r.count
+    for (kind, nbytes, groups, is_async), n in sorted(
+        shown.items(), key=lambda kv: (KINDS.index(kv[0][0]), -kv[0][1] * kv[1], *kv[0][2:])
+    ):
         lines.append(
-            f"  {r.kind:<20} {r.count:>5} {byte_size(r.bytes):>12} {byte_size(r.total_bytes):>12}"
-            f"  {'yes' if r.is_async else 'no':<5}  {r.groups}"
+            f"  {kind:<20} {n:>5} {byte_size(nbytes):>12} {byte_size(n * nbytes):>12}"
+            f"  {'yes' if is_async else 'no':<5}  {groups}"
         )
     if not rep.collectives:
         lines.append("  (none)")

@@ -69,6 +69,41 @@ def compile_programs(
         return _compile_programs(config, target, out, show, say)
 
 
+def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dict,
+                target: targets.Target) -> dict:  # fmt: skip
+    """One program's row of the report from its compile record (``program.compiles``), its
+    compiled HLO text and its cost (``comm_report.cost_of``)."""
+    from hybridpar.tools import comm_report
+
+    collectives = comm_report.parse_collectives(hlo)
+    overlap = [dict(e, text=comm_report.describe_overlap(e))
+               for e in comm_report.parse_overlap(hlo)]  # fmt: skip
+    if target.chip is not None:  # hidden or only overlapped: compute vs link time
+        for e in overlap:
+            e.update(_hidden(e, target))
+    step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
+    # the eval step's too: its batch is the images a step, as the train step's
+    per_chip = batch / target.devices_count
+    return dict(
+        program=kind,
+        batch=batch,
+        image_size=size,
+        compile_s=rec["compile_s"],
+        memory=rec["memory_per_device_bytes"],
+        **cost,
+        collective_ops=sum(r["count"] for r in collectives),
+        collective_bytes=sum(r["total_bytes"] for r in collectives),
+        async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
+        **comm_report.overlap_totals(overlap),
+        bytes_hidden_est=(sum(e["bytes_hidden"] for e in overlap)
+                          if target.chip is not None else None),  # fmt: skip
+        collectives=collectives,
+        overlap=overlap,
+        roofline_step_s=step_s,
+        roofline_images_per_s_per_chip=round(per_chip / step_s, 1) if step_s else None,
+    )
+
+
 def _compile_programs(config, target, out, show, say) -> dict:
     import copy
 
@@ -99,39 +134,8 @@ def _compile_programs(config, target, out, show, say) -> dict:
         say(f"compiling {kind} b{batch} {size}px ({i}/{len(wanted)}) ...")
         compiled = _compile_or_explain(run, target, kind, batch, size)
         rec = program.compiles[-1]
-        hlo = compiled.as_text()
-        collectives = comm_report.parse_collectives(hlo)
-        overlap = [dict(e, text=comm_report.describe_overlap(e))
-                   for e in comm_report.parse_overlap(hlo)]  # fmt: skip
-        if target.chip is not None:  # hidden or only overlapped: compute vs link time
-            for e in overlap:
-                e.update(_hidden(e, target))
         cost = comm_report.cost_of(compiled)
-        mem = rec["memory_per_device_bytes"]
-        step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
-        per_chip = batch / target.devices_count
-        rows.append(
-            dict(
-                program=kind,
-                batch=batch,
-                image_size=size,
-                compile_s=rec["compile_s"],
-                memory=mem,
-                **cost,
-                collective_ops=sum(r["count"] for r in collectives),
-                collective_bytes=sum(r["total_bytes"] for r in collectives),
-                async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
-                **comm_report.overlap_totals(overlap),
-                bytes_hidden_est=(sum(e["bytes_hidden"] for e in overlap)
-                                  if target.chip is not None else None),  # fmt: skip
-                collectives=collectives,
-                overlap=overlap,
-                roofline_step_s=step_s,
-                roofline_images_per_s_per_chip=(
-                    round(per_chip / step_s, 1) if step_s and kind == "train" else None
-                ),
-            )
-        )
+        rows.append(program_row(kind, batch, size, rec, compiled.as_text(), cost, target))
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
     report = dict(
         out=out,

@@ -43,6 +43,7 @@ import re
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -364,10 +365,21 @@ def _check_values(config, choices: dict, validate) -> None:
 
 
 def compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
-    """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it.
-    For a target, a fresh process per plan (``compile_all``): this plan's own ``comm`` flags
-    go into the compiler's environment before JAX starts here, as its run would get them
-    (an overlap plan's asynchronous all-reduces, an xla plan's none)."""
+    """Worker: the plan's comm_report as a dict, or {"error": ...} if the config rejects it,
+    with ``warnings``: the Python warnings its set-up and compile raised, each once and on
+    one line, for plan to say in its own voice (``warning_lines``) rather than as Python's
+    file:line and source dump among the progress lines."""
+    with warnings.catch_warnings(record=True) as caught:
+        rep = _compile_one(config_path, overrides)
+    said = [" ".join(str(w.message).split()) for w in caught]
+    return dict(rep, warnings=list(dict.fromkeys(said))) if said else rep
+
+
+def _compile_one(config_path: str, overrides: list[tuple[str, str]]) -> dict:
+    """``compile_one``'s report. For a target, a fresh process per plan (``compile_all``):
+    this plan's own ``comm`` flags go into the compiler's environment before JAX starts
+    here, as its run would get them (an overlap plan's asynchronous all-reduces, an xla
+    plan's none)."""
     from hybridpar.parallel import comm
     from hybridpar.tools import targets
 
@@ -394,6 +406,17 @@ def stdout_to_stderr() -> None:
     stdout) goes to stderr with the progress lines, as the worker shares plan's stdout,
     which holds the report alone (``--json``: one object)."""
     sys.stdout = sys.stderr
+
+
+def warning_lines(c: Candidate, rep: dict, seen: set) -> list[str]:
+    """A ``warning:`` line for each of a plan's warnings (``compile_one``) not yet said for
+    its mesh (the plans on one mesh share their set-up's); ``rep`` loses its ``warnings``."""
+    lines = []
+    for message in rep.pop("warnings", []):
+        if (c.mesh_spec, message) not in seen:
+            seen.add((c.mesh_spec, message))
+            lines.append(f"warning: {c.mesh_spec}: {message}")
+    return lines
 
 
 def _source_hash() -> str:
@@ -459,18 +482,21 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
     """{plan: report dict (or {"error"})}, each from the cache or compiled in `jobs`
     processes; a report carries ``from_cache``."""
     source = _source_hash()
-    results, todo = {}, []
+    results, todo, seen, warned = {}, [], set(), []
     for c in plans:
         plan_config = copy.deepcopy(config)
         cli.apply_overrides(plan_config, list(c.overrides().items()))
         path = cache_dir / f"{cache_key(plan_config, devices, source)}.json" if cache_dir else None
         cached = cached_report(path, log) if path is not None and path.exists() else None
         if cached is not None:
+            warned += warning_lines(c, cached, seen)  # said again: the plan's as compiled
             results[c] = dict(cached, from_cache=True)
         else:
             todo.append((c, path))
     if results:
         log(f"plan: {len(results)} of {counted(len(plans), 'plan')} from the cache in {cache_dir}")
+        for line in warned:
+            log(line)
     if not todo:
         return results
     where = os.environ.get("HYBRIDPAR_PLAN_TARGET") or f"{devices} virtual CPU devices"
@@ -494,6 +520,8 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
                 rep = fut.result()
             except Exception as e:  # a worker that died (host memory): that plan fails
                 rep = {"error": f"the compile failed: {type(e).__name__}: {e}"}
+            said = rep.get("warnings", [])  # kept in the cache with the report
+            lines = warning_lines(c, rep, seen)
             what = rep.get("error") or (
                 f"{byte_size(rep['memory_per_device_bytes'])}/device, "
                 f"{byte_size(rep['total_bytes'])} collectives, "
@@ -501,9 +529,11 @@ def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cac
             )
             elapsed = time.perf_counter() - start
             log(f"plan: [{done}/{len(todo)}] {c.label()}: {what} ({elapsed:.0f} s)")
+            for line in lines:
+                log(line)
             if path is not None and ("error" not in rep or rep.get("ruled_out")):
                 path.parent.mkdir(parents=True, exist_ok=True)
-                write_json(str(path), rep, indent=None)
+                write_json(str(path), dict(rep, warnings=said) if said else rep, indent=None)
             results[c] = dict(rep, from_cache=False)
     return results
 
@@ -893,6 +923,10 @@ def build_parser() -> cli.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    # XLA's C++ warnings (the SPMD partitioner's, one per compile) kept off the terminal
+    # among the progress lines unless the user set the level; its errors still come
+    # through. Set before JAX starts (its own default is 1), the workers inherit it.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from hybridpar import simulate as sim
 
     args, config = cli.parse(build_parser(), argv)
