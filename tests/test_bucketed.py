@@ -46,7 +46,13 @@ from hybridpar import ConfigError, make_mesh, preset_rules, shard_batch
 from hybridpar.config.schema import validate
 from hybridpar.models import ResNet50, ResNetTiny
 from hybridpar.models.batchnorm import bn_groups_for
-from hybridpar.parallel.bucketed import bucket_plan, forward_params, reduce_in_buckets
+from hybridpar.parallel.bucketed import (
+    active_axes,
+    bucket_plan,
+    forward_params,
+    reduce_in_buckets,
+    to_varying,
+)
 from hybridpar.parallel.overlap import reduce_in_backward, reduce_in_backward_manual
 from hybridpar.parallel.partitioning import batch_sharding, infer_shardings, path_str
 from hybridpar.program.precision import LossScale, Policy
@@ -197,6 +203,58 @@ def test_a_plan_that_does_not_cover_the_tree_names_the_paths(reduce):
     expect = r"missing from the plan: 'b/kernel'; in the plan but not the \w+: 'c/kernel'"
     with pytest.raises(ConfigError, match=expect):
         reduce(tree, plan, ("data",), 1)
+
+
+def _mlp_grads(axes, varying=True, check_vma=True):
+    """The docs' snippet (docs/communication.md) on data:8 with a user's own MLP: the
+    bucketed mean of the per-device gradients, and the same gradient on one device."""
+    model, mesh = _NoTrainMLP(), make_mesh("data:8")
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16)
+    params = model.init(jax.random.key(0), x[:1])["params"]
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    plan = bucket_plan(forward_params(model, (1, 3)), 1e-4)  # several buckets
+
+    def per_device(params, x, y):
+        if varying:
+            params = jax.tree.map(lambda p: to_varying(p, axes), params)
+        return reduce_in_buckets(jax.grad(loss_fn)(params, x, y), plan, axes)
+
+    step = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
+                         out_specs=P(), check_vma=check_vma)  # fmt: skip
+    return jax.jit(step)(params, x, y), jax.grad(loss_fn)(params, x, y)
+
+
+@pytest.mark.parametrize(
+    "axes, varying, check_vma",
+    [
+        (("data",), True, True),
+        ("data", True, True),  # one axis name, not the axes "d", "a", "t", "a"
+        (("data",), False, False),  # no type checks: jax.grad summed nothing, nothing to refuse
+    ],
+)
+def test_reduce_in_buckets_of_a_users_mlp_equals_one_device(axes, varying, check_vma):
+    got, want = _mlp_grads(axes, varying, check_vma)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+def test_reduce_in_buckets_refuses_gradients_jax_already_summed():
+    # Without to_varying, jax.grad sums each replicated parameter's gradient over data
+    # itself; a second psum would make them 8 times too large.
+    with pytest.raises(ConfigError, match=r"not varying over \('data',\).*to_varying"):
+        _mlp_grads(("data",), varying=False)
+
+
+def test_active_axes_names_only_the_axes_the_mesh_has():
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
+    assert active_axes(one) == ("data",)  # not fsdp, which shard_map would refuse
+    assert active_axes(make_mesh("data:1", devices=jax.devices()[:1])) == ("data", "fsdp")
+    assert active_axes(make_mesh("data:4,model:2")) == ("data",)
 
 
 def test_a_bucket_of_several_gradients_never_passes_bucket_mb_a_larger_one_is_alone():

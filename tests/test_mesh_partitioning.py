@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar import (
     AXES,
+    FSDP,
     ConfigError,
     Rules,
     infer_shardings,
@@ -179,7 +180,8 @@ def test_first_matching_rule_wins(mesh_dm):
     assert s["enc"]["kernel"].spec == P("data", None)
     assert s["dec"]["kernel"].spec == P(None, "model")
     # The same rules in the other order: the broad rule now shadows the specific one.
-    s2 = infer_shardings(tree, Rules(path=tuple(reversed(rules.path))), mesh_dm)
+    with pytest.warns(UserWarning, match=r"'enc/kernel\$' matches 'enc/kernel' but places none"):
+        s2 = infer_shardings(tree, Rules(path=tuple(reversed(rules.path))), mesh_dm)
     assert s2["enc"]["kernel"].spec == P(None, "model")
 
 
@@ -231,14 +233,14 @@ def test_non_dividing_rule_names_path_shape_and_axis(mesh_dm):
     msg = str(e.value)
     assert "layer/w" in msg
     assert "(6, 3)" in msg
-    assert "'data'" in msg
+    assert "mesh axis 'data' (size 4)" in msg
 
 
 def test_non_dividing_tuple_entry_names_both_axes(mesh_dfm):
     with pytest.raises(ConfigError) as e:
         infer_shardings({"w": sds(10, 3)}, [(r"w", (("data", "fsdp"),))], mesh_dfm)
     msg = str(e.value)  # 10 rows over data x fsdp = 4 shards
-    assert "data" in msg and "fsdp" in msg and "(10, 3)" in msg
+    assert "mesh axes ('data', 'fsdp') (size 4)" in msg and "(10, 3)" in msg
 
 
 def test_rule_with_unknown_mesh_axis(mesh_dm):
@@ -359,13 +361,35 @@ def test_fsdp_warning_sums_what_stays_whole_and_spares_what_it_split(mesh_fsdp):
     assert s["c"].spec == P(None, "fsdp")
 
 
+def test_fsdp_pass_on_a_mesh_without_fsdp_devices_warns_once():
+    tree = {"w": sds(64, 32), "v": sds(32, 64), "b": sds(32)}  # two arrays of >= 1024
+    own = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    for mesh, why in [(make_mesh("data:8"), "has one device"), (own, "is missing")]:
+        with pytest.warns(UserWarning) as record:
+            s = infer_shardings(tree, FSDP, mesh)
+        (w,) = record
+        assert str(w.message).startswith(
+            "'v', 'w': 2 arrays of at least fsdp_min_size=1024 elements stay whole on every "
+            f"device, as the FSDP pass (hybridpar.FSDP's) splits over the fsdp axis, which {why} "
+            "on mesh data=8"
+        )
+        assert all(x.is_fully_replicated for x in jax.tree.leaves(s))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        infer_shardings(tree, FSDP, make_mesh("data:4,fsdp:2"))  # splits them
+        infer_shardings({"b": sds(32)}, FSDP, make_mesh("data:8"))  # nothing to split
+        # rules meant for any mesh (the trainer's, which warns about a moot preset itself)
+        infer_shardings(tree, FSDP, make_mesh("data:8"), unmatched="ignore")
+
+
 def test_rules_add_a_plain_sequence_of_pairs_on_either_side(mesh_dm):
     rules = Rules(path=((r"w", ("data",)),), fsdp_min_size=4)
     pairs = [(r"w", (None, "model"))]
     assert (rules + pairs).path == ((r"w", ("data",)), (r"w", (None, "model")))
     assert (pairs + rules).path == ((r"w", (None, "model")), (r"w", ("data",)))
     assert (pairs + rules).fsdp_min_size == 4
-    assert infer_shardings({"w": sds(4, 6)}, pairs + rules, mesh_dm)["w"].spec == P(None, "model")
+    placed = infer_shardings({"w": sds(4, 6)}, pairs + rules, mesh_dm, unmatched="ignore")
+    assert placed["w"].spec == P(None, "model")  # (the rule after it places nothing)
 
 
 # ----------------------------------------------------------------------------- warnings
@@ -426,10 +450,38 @@ def test_rules_that_match_nothing_warn_naming_them(mesh_dm):
         infer_shardings(_dense_shapes(), rules, mesh_dm, unmatched="ignore")
 
 
-def test_trainer_own_rule_that_matches_nothing_is_config_error():
+def test_a_rule_earlier_rules_take_every_array_from_warns_naming_them(mesh_dm):
+    tree = {"params": {"fc1": {"kernel": sds(8, 4)}, "head": {"kernel": sds(4, 2)}}}
+    rules = [(r"kernel$", (None, None)), (r"head/kernel$", (None, "model"))]
+    with pytest.warns(UserWarning) as record:
+        s = infer_shardings(tree, rules, mesh_dm)
+    (w,) = record
+    assert str(w.message) == (
+        "partitioning rules that place nothing: path rule 'head/kernel$' matches "
+        "'params/head/kernel' but places none of them: the earlier rule(s) 'kernel$' match "
+        "them first (the first match wins); put it before them, or drop it"
+    )
+    assert s["params"]["head"]["kernel"].spec == P(None, None)
+    # the specific rule first: each rule places some array, silent
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = infer_shardings(tree, rules[::-1], mesh_dm)
+    assert s["params"]["head"]["kernel"].spec == P(None, "model")
+
+
+@pytest.mark.parametrize(
+    "rules, expect",
+    [
+        (((r"stage9_block0/conv1/kernel$", (None, None, None, "model")),),
+         r"path rule 'stage9.*'params/stage"),
+        (((r"conv1/kernel$", (None,) * 4), (r"stage1_block0/conv1/kernel$", (None,) * 4)),
+         r"path rule 'stage1_block0/conv1/kernel\$' matches .* the earlier rule\(s\) 'conv1"),
+    ],
+)  # fmt: skip
+def test_trainer_own_rule_that_places_nothing_is_config_error(rules, expect):
     config = tiny_config(mesh="data:4,model:2")
-    config.partitioning.rules = ((r"stage9_block0/conv1/kernel$", (None, None, None, "model")),)
-    with pytest.raises(ConfigError, match=r"partitioning.rules: path rule 'stage9.*'params/stage"):
+    config.partitioning.rules = rules
+    with pytest.raises(ConfigError, match=r"partitioning.rules: " + expect):
         build(config)
 
 
@@ -440,10 +492,14 @@ def test_trainer_own_logical_name_on_no_array_warns():
         build(config)
 
 
-def test_trainer_presets_that_match_nothing_stay_silent():
-    # airbench has no stage-3/4 convolutions for the hybrid preset's conv rule
-    config = tiny_config(mesh="data:4,model:2")
+@pytest.mark.parametrize("mesh, preset", [("data:4,model:2", "auto"), ("data:8", "fsdp")])
+def test_trainer_presets_that_match_nothing_stay_silent(mesh, preset):
+    # airbench has no stage-3/4 convolutions for the hybrid preset's conv rule; fsdp on a
+    # mesh without fsdp devices splits nothing, which the trainer warns about itself
+    # (runtime.run.moot_on_mesh), so infer_shardings must not warn a second time
+    config = tiny_config(mesh=mesh)
     config.model.name = "airbench"
+    config.partitioning.preset = preset
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         build(config)

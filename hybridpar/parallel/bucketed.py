@@ -47,7 +47,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.parallel.mesh import BATCH_AXES, axes_with_devices
+from hybridpar.parallel.mesh import BATCH_AXES, axes_with_devices, batch_axes
 from hybridpar.parallel.partitioning import _listed, path_str
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
@@ -137,16 +137,52 @@ def _path_of(keypath) -> Path:
     return tuple(path_str(keypath).split("/"))
 
 
+def _axis_tuple(axes) -> tuple:
+    """One mesh axis name or several as a tuple ("data" is one axis, not "d", "a", ...)."""
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes ``x`` varies over inside shard_map (its type's, per JAX version)."""
+    aval = jax.typeof(x)
+    return aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
+
+
 def to_varying(x, axes):
-    """Marks ``x`` as per-device (varying over ``axes``) for shard_map's type system.
+    """Marks ``x`` as per-device (varying over ``axes``: one axis name or a tuple) for
+    shard_map's type system.
 
     Without it, ``jax.grad`` with respect to a replicated (invariant) parameter makes JAX
-    insert a ``psum`` per parameter itself, which is what bucketing avoids.
+    insert a ``psum`` per parameter itself: its gradient comes out already summed over
+    ``axes`` (``reduce_in_buckets`` refuses such gradients).
     """
-    aval = jax.typeof(x)
-    vma = aval.manual_axis_type.varying if hasattr(aval, "manual_axis_type") else aval.vma
-    missing = tuple(a for a in axes if a not in vma)
+    missing = tuple(a for a in _axis_tuple(axes) if a not in _varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def check_not_summed(grads_by_path: Mapping, axes) -> None:
+    """ConfigError if some gradients are already summed over ``axes`` (of > 1 device).
+
+    Under shard_map's type checks (``check_vma=True``, the default) the gradient of a
+    parameter that is invariant over an axis comes out invariant: JAX has summed it over
+    that axis already (the transpose of the implicit broadcast is a psum), and summing it
+    again would make it that many times too large. With ``check_vma=False`` nothing is
+    typed varying and ``jax.grad`` sums nothing, so there is nothing to check.
+    """
+    split = tuple(a for a in _axis_tuple(axes) if lax.axis_size(a) > 1)
+    summed = [p for p, g in grads_by_path.items() if set(split) - _varying(g)]
+    if not summed:
+        return
+    # An invariant scalar cast to varying stays untyped when type checks are off.
+    if not set(split) <= _varying(to_varying(jnp.zeros((), jnp.float32), split)):
+        return
+    raise ConfigError(
+        f"gradients {_listed(['/'.join(map(str, p)) for p in summed], 3)} are not varying over "
+        f"{split}: the parameters were replicated (invariant) when jax.grad took them, so JAX "
+        "has already summed these gradients over the devices, and reduce_in_buckets would sum "
+        "them again; make the parameters varying before taking the gradient: "
+        "params = jax.tree.map(lambda p: to_varying(p, axes), params)"
+    )
 
 
 def _zero_from(x):
@@ -322,18 +358,23 @@ def reduce_in_buckets(
     """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
 
     Call inside ``jax.shard_map``; ``grads`` has any dict structure holding the plan's
-    paths. The buckets are reduced in plan order, each after the previous one (and after
-    ``after``, if given), so they stay separate collectives. ``shard_dims`` (FSDP) maps a
-    path to the dimension its parameter is split along over ``fsdp``: those gradients are
-    reduce-scattered (one ``psum_scatter`` per bucket) and come back as this device's shard.
-    ``reduce_dtype``: the dtype each bucket is summed in (None: the gradients' own); the
-    means come back in the gradients' dtypes.
+    paths. ``axes``: one mesh axis name or a tuple of them. The gradients must be each
+    device's own, taken with respect to parameters made varying over ``axes``
+    (``to_varying``): a gradient JAX has already summed is a ConfigError. The buckets are
+    reduced in plan order, each after the previous one (and after ``after``, if given), so
+    they stay separate collectives. ``shard_dims`` (FSDP) maps a path to the dimension its
+    parameter is split along over ``fsdp``: those gradients are reduce-scattered (one
+    ``psum_scatter`` per bucket) and come back as this device's shard. ``reduce_dtype``: the
+    dtype each bucket is summed in (None: the gradients' own); the means come back in the
+    gradients' dtypes.
     """
+    axes = _axis_tuple(axes)
     if n is None:
         n = _axes_size(axes)
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     check_plan_covers(plan, by_path, "gradients")
+    check_not_summed(by_path, axes)
     reduced = {}
     for bucket in plan:
         dims = [shard_dims.get(p) for p in bucket]
@@ -399,14 +440,17 @@ def fsdp_dims(specs) -> dict[Path, int]:
 def active_axes(mesh) -> tuple[str, ...]:
     """The data-parallel axes of ``mesh`` with more than one device.
 
-    The step names only these (see ``mesh.axes_with_devices``); all of them on one device.
+    The step names only these (see ``mesh.axes_with_devices``); on one device, all those
+    the mesh has (shard_map refuses an axis it lacks, such as ``fsdp`` on a user's own
+    ``jax.make_mesh((1,), ("data",))``).
     """
-    return axes_with_devices(mesh, BATCH_AXES) or BATCH_AXES
+    return axes_with_devices(mesh, BATCH_AXES) or batch_axes(mesh)
 
 
 __all__ = [
     "active_axes",
     "bucket_plan",
+    "check_not_summed",
     "check_plan_covers",
     "flat_pmean",
     "forward_params",

@@ -15,9 +15,11 @@ linen variables or NNX state, optax state, plain dicts):
 
 A rule that does not divide a dimension is an error naming the array path, its shape and the
 axis (the FSDP pass instead picks a dimension that divides, or leaves the array replicated).
-``infer_shardings`` warns about rules that match nothing (likely typos), about conv kernels
-split on both channel dimensions (a layout XLA computes wrong gradients for) and about arrays
-the FSDP pass was for but could not split (each device then holds them whole).
+``infer_shardings`` warns about rules that place nothing (they match no array, likely a typo,
+or earlier rules place all they match), about conv kernels split on both channel dimensions (a
+layout XLA computes wrong gradients for) and about arrays the FSDP pass was for but could not
+split (each device then holds them whole), a mesh without an ``fsdp`` axis of several devices
+included.
 """
 
 from __future__ import annotations
@@ -159,6 +161,11 @@ def _axes(entry) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
+def _axes_named(axes: tuple) -> str:
+    """``axis 'model'``, or ``axes ('data', 'model')`` for a dimension split over several."""
+    return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
+
+
 def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
     if isinstance(spec, str):  # tuple("model") would be one entry per letter
         raise ConfigError(
@@ -184,7 +191,7 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
         if size % n:
             raise ConfigError(
                 f"{where} with shape {tuple(shape)}: dimension {dim} (size {size}) does not "
-                f"divide mesh axis {'x'.join(axes)!r} (size {n}) ({why}); change the rule or "
+                f"divide mesh {_axes_named(axes)} (size {n}) ({why}); change the rule or "
                 f"the mesh so the size divides"
             )
     named = [a for e in spec for a in _axes(e)]
@@ -332,8 +339,9 @@ def _listed(names: list, n: int = 4) -> str:
 
 
 def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
-    """A message naming the path rules that match no array of ``tree`` and the logical names
-    of ``rules`` that no array carries; ``""`` when there are none."""
+    """A message naming the path rules that match no array of ``tree``, those whose arrays
+    earlier rules all place first (naming those rules), and the logical names of ``rules``
+    that no array carries; ``""`` when there are none."""
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
     check_rule_patterns(rules.path)
@@ -345,13 +353,31 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
         elif _annotation(leaf) is not None:
             carried.update(a for e in _annotation(leaf) for a in _axes(e))
     problems = []
-    for pattern in dict.fromkeys(pattern for pattern, _ in rules.path):
-        if not any(re.search(pattern, p) for p in paths):
+    patterns = [pattern for pattern, _ in rules.path]
+    # The rule that places each path: the first that matches it.
+    first = {p: next((q for q in patterns if re.search(q, p)), None) for p in paths}
+    for i, pattern in enumerate(patterns):
+        matched = [p for p in paths if re.search(pattern, p)]
+        if not matched:
+            if pattern in patterns[:i]:
+                continue  # named once, as the rule that matches nothing
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0)
             problems.append(
                 f"path rule {pattern!r} matches no array (closest paths: {_listed(close)}; paths "
                 "look like 'params/Dense_0/kernel', see hybridpar.parallel.partitioning.path_str "
                 "and sharding_table)"
+            )
+        elif pattern in patterns[:i]:
+            problems.append(
+                f"path rule {pattern!r} is given more than once; the first places all it "
+                "matches (the first match wins), so drop the others"
+            )
+        elif all(first[p] != pattern for p in matched):
+            earlier = list(dict.fromkeys(first[p] for p in matched))
+            problems.append(
+                f"path rule {pattern!r} matches {_listed(matched, 3)} but places none of them: "
+                f"the earlier rule(s) {_listed(earlier, 3)} match them first (the first match "
+                "wins); put it before them, or drop it"
             )
     names = list(dict.fromkeys(name for name, _ in rules.logical if name not in carried))
     if names:
@@ -375,19 +401,25 @@ def infer_shardings(
     FSDP pass stacks on top. ``rules`` may be a ``Rules`` or a plain sequence of
     ``(path_regex, spec)`` pairs.
 
-    ``unmatched="warn"`` warns about rules that match nothing (``unmatched_rules``); pass
+    ``unmatched="warn"`` warns about rules that place nothing (``unmatched_rules``: they
+    match no array, or earlier rules place all they match) and about an FSDP pass on a mesh
+    whose ``fsdp`` axis is missing or has one device (it splits nothing there); pass
     ``"ignore"`` for a part of a tree (optimizer state, batch statistics) that some rules are
-    not meant for. A conv kernel split on both channel dimensions is always warned about.
+    not meant for, or for rules applied on any mesh (the trainer's presets, which it warns
+    about itself). A conv kernel split on both channel dimensions, and arrays an ``fsdp``
+    axis of several devices divides in no dimension, are always warned about.
     """
     if unmatched not in ("warn", "ignore"):
         raise ValueError(f"unmatched={unmatched!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
-    both_channels, whole = [], []
+    both_channels, whole, big = [], [], []
 
     def one(path, leaf):
         p = path_str(path)
         shape = np.shape(_unbox(leaf))
+        if rules.fsdp_min_size is not None and shape and math.prod(shape) >= rules.fsdp_min_size:
+            big.append(p)  # an array the FSDP pass is for
         if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
             spec = _spec(p, shape, rules, mesh, logical_names=leaf.names)
         else:
@@ -399,6 +431,20 @@ def infer_shardings(
         return NamedSharding(mesh, P(*spec))
 
     shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+    if unmatched == "warn" and mesh.shape.get("fsdp", 1) == 1 and big:
+        # Not an error: the run is still correct, as with DATA_PARALLEL.
+        axis = "has one device" if "fsdp" in mesh.shape else "is missing"
+        axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
+        arrays = "1 array" if len(big) == 1 else f"{len(big)} arrays"
+        warnings.warn(
+            f"{_listed(big)}: {arrays} of at least fsdp_min_size={rules.fsdp_min_size} "
+            "elements stay whole on every device, as the FSDP pass (hybridpar.FSDP's) splits "
+            f"over the fsdp axis, which {axis} on mesh {axes}. Use a mesh with an fsdp axis, "
+            "e.g. make_mesh('data:2,fsdp:4'), or fsdp_min_size=None (as "
+            "hybridpar.DATA_PARALLEL) to leave them whole without this warning",
+            UserWarning,
+            stacklevel=2,
+        )
     if both_channels:
         # We cannot see a kernel's strides, so this is a warning, not an error.
         warnings.warn(
@@ -429,7 +475,7 @@ def infer_shardings(
         message = unmatched_rules(tree, rules)
         if message:
             warnings.warn(
-                f"partitioning rules that match nothing: {message}", UserWarning, stacklevel=2
+                f"partitioning rules that place nothing: {message}", UserWarning, stacklevel=2
             )
     return shardings
 
