@@ -769,7 +769,7 @@ def test_a_plans_warnings_are_one_line_each_in_plans_voice(tmp_path, monkeypatch
                             16, "float32") for head in ("dense", "sharded")]  # fmt: skip
     for c in plans:
         plan_config = cli.load(DIGITS, list(c.overrides().items()))
-        key = plan.cache_key(plan_config, 8, plan._source_hash())
+        key = plan.cache_key(plan_config, 8, plan.source_hash())
         (tmp_path / f"{key}.json").write_text(json.dumps(rep))
     said = []
     results = plan.compile_plans(DIGITS, config, [], plans, 8, 1, tmp_path, said.append)

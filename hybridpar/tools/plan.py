@@ -419,7 +419,7 @@ def warning_lines(c: Candidate, rep: dict, seen: set) -> list[str]:
     return lines
 
 
-def _source_hash() -> str:
+def source_hash() -> str:
     """The source of the code that builds the compiled step (hybridpar and its models; not
     the input pipeline, which a compile without data never runs, nor the scaling model and
     this planner, which only read the result): a change to it invalidates the cache."""
@@ -481,7 +481,7 @@ def default_cache_dir() -> Path:
 def compile_plans(config_path, config, base_overrides, plans, devices, jobs, cache_dir, log):
     """{plan: report dict (or {"error"})}, each from the cache or compiled in `jobs`
     processes; a report carries ``from_cache``."""
-    source = _source_hash()
+    source = source_hash()
     results, todo, seen, warned = {}, [], set(), []
     for c in plans:
         plan_config = copy.deepcopy(config)
