@@ -185,6 +185,25 @@ def centre_weights(size: int, out: int, ratio: float) -> np.ndarray:
     return w
 
 
+def _auto(mesh):
+    """``mesh`` with every axis Auto, the mesh of a pre-step's sharding constraints: they name
+    only Auto axes, and ``_jit`` runs a pre-step with the axes of ``mesh`` made Auto."""
+    from jax.sharding import AxisType
+
+    return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _jit(make, mesh, out):
+    """``make`` jitted, its outputs placed as ``out`` on ``mesh``; on a mesh with Explicit
+    axes (``jax.make_mesh``'s default) run with them made Auto (``_auto``)."""
+    import jax
+    from jax.sharding import AxisType
+
+    if AxisType.Explicit in mesh.axis_types:
+        make = jax.sharding.auto_axes(make, out_sharding=out)
+    return jax.jit(make, out_shardings=out)
+
+
 def augment_key(seed: int, epoch, step):
     import jax
 
@@ -195,11 +214,55 @@ def augment_key(seed: int, epoch, step):
 # ---- The data set on the mesh ---------------------------------------------------------------
 
 
+SETS_FORM = ("train {size: {'image': uint8 (N, size, size, C), 'label': int (N,)}}, one set per "
+             "stored image size (e.g. {16: train}), and test one such set")  # fmt: skip
+
+
+def _check_sets(train, test) -> None:
+    """``DeviceSet``'s ``train`` and ``test`` in its form (``SETS_FORM``), one label per
+    image: of mismatched lengths, only the shorter's examples would be batched."""
+
+    def is_set(t) -> bool:
+        return hasattr(t, "keys") and {"image", "label"} <= set(t.keys())
+
+    def given(t) -> str:
+        keys = f" with keys {sorted(map(str, t.keys()))}" if hasattr(t, "keys") else ""
+        return f"{type(t).__name__}{keys}"
+
+    sized = hasattr(train, "items") and len(train) > 0
+    if not sized or not all(isinstance(s, (int, np.integer)) and is_set(t)
+                            for s, t in train.items()):  # fmt: skip
+        raise TypeError(f"DeviceSet takes {SETS_FORM}; got train as a {given(train)}")
+    if not is_set(test):
+        raise TypeError(f"DeviceSet takes {SETS_FORM}; got test as a {given(test)}")
+    sets = {f"train set at {s} px": t for s, t in train.items()} | {"test set": test}
+    for name, t in sets.items():
+        if np.ndim(t["image"]) != 4:
+            raise DataError(
+                f"DeviceSet: the {name} has images of shape {np.shape(t['image'])}; pass them "
+                "as (N, size, size, C), e.g. images[..., None] for grayscale"
+            )
+        images, labels = len(t["image"]), len(t["label"])
+        if images != labels:
+            raise DataError(
+                f"DeviceSet: the {name} has {images} images and {labels} labels; pass one "
+                "label per image"
+            )
+    counts = {s: len(t["label"]) for s, t in train.items()}
+    if len(set(counts.values())) > 1:
+        raise DataError(
+            f"DeviceSet: the train sets hold different numbers of examples ({counts}, by "
+            "size); store the same examples at each size"
+        )
+
+
 class DeviceSet:
     """Train sets (one per stored size) and the eval set, replicated on every device of
-    ``mesh``, and the pre-steps that batch them. ``train``: {size: {"image", "label"}}
-    (uint8 NHWC, int32); ``nominal``: examples in an epoch (the synthetic pool is cycled to
-    make one, as on the host); ``crop``/``flip``/``translate``: the train augmentation."""
+    ``mesh`` (Auto or Explicit axes), and the pre-steps that batch them. ``train``: {size:
+    {"image", "label"}} (uint8 NHWC, int32), ``test`` one such set, one label per image (else
+    ``_check_sets`` refuses them); ``nominal``: examples in an epoch (the synthetic pool is
+    cycled to make one, as on the host); ``crop``/``flip``/``translate``: the train
+    augmentation."""
 
     def __init__(self, mesh, seed: int, train: dict, test: dict, *, nominal: int | None = None,
                  cycled: bool = False, crop: bool = False, flip: bool = False, translate: int = 0,
@@ -208,6 +271,7 @@ class DeviceSet:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
+        _check_sets(train, test)
         self.mesh, self.seed = mesh, int(seed)
         self.crop, self.flip, self.translate = crop, flip, int(translate)
         self.cycled = cycled
@@ -232,6 +296,18 @@ class DeviceSet:
         self._lock = threading.Lock()
         self._fns: dict = {}
         self._orders: dict = {}
+
+    def _check_batch(self, global_batch: int, what: str) -> None:
+        """As ``shard_batch``: a batch splits evenly over the data-parallel devices."""
+        from hybridpar.parallel.mesh import data_parallel_size
+
+        ways = data_parallel_size(self.mesh)
+        if global_batch % ways:
+            raise ConfigError(
+                f"a global {what} batch of {global_batch} does not divide over the {ways} "
+                f"data-parallel devices of the mesh (data x fsdp); use a multiple of {ways}, "
+                f"e.g. {max(ways, global_batch // ways * ways)}"
+            )
 
     # ---- train ----
 
@@ -268,23 +344,24 @@ class DeviceSet:
 
     def train_fn(self, global_batch: int, size: int, min_scale: float):
         """The jitted ``(images, labels, order, epoch, step) -> batch`` of one stage."""
+        self._check_batch(global_batch, "train")
         key = ("train", global_batch, size, float(min_scale))
         with self._lock:
             if key in self._fns:
                 return self._fns[key]
-        import jax
         from jax import lax
 
         from hybridpar.parallel.partitioning import batch_sharding
 
         mesh, b, stored = self.mesh, global_batch, self.stored(size)
+        inner = _auto(mesh)
         scale = float(min_scale) if self.crop else 1.0
         plain = scale >= 1.0 and size == stored and not (self.flip or self.translate)
         seed, flip, translate = self.seed, self.flip, self.translate
 
         def make(images, labels, order, epoch, step):
             idx = lax.dynamic_slice_in_dim(order, step * b, b)
-            idx = lax.with_sharding_constraint(idx, batch_sharding(mesh, 1))
+            idx = lax.with_sharding_constraint(idx, batch_sharding(inner, 1))
             x, y = images[idx], labels[idx]
             if not plain:
                 key = augment_key(seed, epoch, step)
@@ -293,7 +370,7 @@ class DeviceSet:
             return {"image": x, "label": y}
 
         out = {"image": batch_sharding(mesh, 4), "label": batch_sharding(mesh, 1)}
-        fn = jax.jit(make, out_shardings=out)
+        fn = _jit(make, mesh, out)
         with self._lock:
             self._fns[key] = fn
         return fn
@@ -321,17 +398,18 @@ class DeviceSet:
     # ---- eval ----
 
     def eval_fn(self, global_batch: int):
+        self._check_batch(global_batch, "eval")
         key = ("eval", global_batch)
         with self._lock:
             if key in self._fns:
                 return self._fns[key]
-        import jax
         import jax.numpy as jnp
         from jax import lax
 
         from hybridpar.parallel.partitioning import batch_sharding
 
         mesh, b, n = self.mesh, global_batch, self.n_test
+        inner = _auto(mesh)
         size, out, ratio = self.test_size, self.eval_size, self.eval_crop_ratio
         w = None
         if out != size or int(round(ratio * size)) < size:
@@ -340,7 +418,7 @@ class DeviceSet:
         def make(images, labels, start):
             idx = start + jnp.arange(b, dtype=jnp.int32)
             mask = idx < n
-            idx = lax.with_sharding_constraint(jnp.where(mask, idx, 0), batch_sharding(mesh, 1))
+            idx = lax.with_sharding_constraint(jnp.where(mask, idx, 0), batch_sharding(inner, 1))
             x, y = images[idx], labels[idx]
             if w is not None:
                 ww = jnp.broadcast_to(jnp.asarray(w), (b, *w.shape))
@@ -349,7 +427,7 @@ class DeviceSet:
 
         out_sh = {"image": batch_sharding(mesh, 4), "label": batch_sharding(mesh, 1),
                   "mask": batch_sharding(mesh, 1)}  # fmt: skip
-        fn = jax.jit(make, out_shardings=out_sh)
+        fn = _jit(make, mesh, out_sh)
         with self._lock:
             self._fns[key] = fn
         return fn

@@ -123,3 +123,47 @@ def test_a_teacher_that_is_not_a_trained_run_is_refused(written, tmp_path):
     teacher = distill.Teacher(_student(tmp_path), _mesh())  # the checkpoint: on first use
     with pytest.raises(ConfigError, match=f"no checkpoint in {tmp_path}"):
         teacher.variables()
+
+
+def test_trained_run_in_a_script_takes_a_mesh_spec_and_its_errors_name_its_arguments(
+    written, tmp_path
+):
+    """``TrainedRun`` called from a script: a mesh spec as ``make_mesh`` takes it; its errors
+    name its arguments (``partitioning=``), where the tools' name their flags (the teacher's,
+    above and here). Nothing is compiled: every refusal comes before."""
+    w, _ = written
+    run = trained.TrainedRun(str(w), "data:-1")
+    assert run.program.mesh.shape["data"] == 8
+    with pytest.raises(TypeError, match="a jax.sharding.Mesh or a mesh spec such as 'data:-1'"):
+        trained.TrainedRun(str(w), 8)
+    with pytest.raises(ConfigError, match="config.json: give TrainedRun the workdir of a training"):
+        trained.TrainedRun(str(tmp_path), "data:-1")
+    # the digits head's 10 classes on model:4: the mesh, or partitioning=
+    with pytest.raises(ConfigError, match=r"mesh axis 'model' .*\(TrainedRun: pass a mesh on which "
+                       r"it divides, or partitioning=, .*with preset='data'\)"):  # fmt: skip
+        trained.TrainedRun(str(w), "data:2,model:4")
+    placement = trained.load_config(str(w)).partitioning
+    placement.preset = "data"
+    trained.TrainedRun(str(w), "data:2,model:4", partitioning=placement)
+    with pytest.raises(ConfigError, match="mesh axis 'model'") as e:
+        distill.Teacher(_student(w), make_mesh("data:2,model:4"))
+    assert "TrainedRun" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((3, 8, 8, 1), r"got \(3, 8, 8, 1\); resize them to 16x16 first"),  # 4.7% top-1
+        ((3, 32, 32, 1), r"got \(3, 32, 32, 1\); resize them to 16x16 first"),
+        ((3, 16, 16), r"got \(3, 16, 16\)$"),
+    ],
+)
+def test_trained_run_logits_refuse_images_of_another_size(written, shape, match):
+    """Refused before anything is compiled or read: a convolutional model takes any size,
+    and gave logits of no use (at 8 px, 4.7% top-1 for 74% at the run's 16 px)."""
+    w, _ = written
+    run = trained.TrainedRun(str(w), _mesh())
+    with pytest.raises(ConfigError, match=r"logits takes images \(N, 16, 16, 1\) \(the run's data"
+                       rf".image_size and channels\), {match}"):  # fmt: skip
+        run.logits(np.zeros(shape, np.uint8))
+    assert run.step is None

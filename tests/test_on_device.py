@@ -179,6 +179,46 @@ def test_shard_batch_passes_a_batch_on_the_mesh_through_and_moves_one_from_anoth
         assert moved[k].sharding.mesh == other
 
 
+def test_a_jax_make_mesh_of_explicit_axes_gives_the_same_batches():
+    """``jax.make_mesh``'s default axes are Explicit, where a sharding constraint is refused:
+    a script's mesh gets the batches ``make_mesh``'s gives, placed on its own mesh."""
+    want = augmenting(mesh_of("data:8"))
+    explicit = jax.make_mesh((4, 2), ("data", "model"))
+    got = augmenting(explicit)
+    seen = [stream(ds, 0, 0, 1, size=12, scale=0.35) + [host(b) for b in ds.eval_batches(40)]
+            for ds in (want, got)]  # fmt: skip
+    for a, b in zip(*seen, strict=True):
+        for k in a:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert next(got.eval_batches(40))["image"].sharding.mesh == explicit
+
+
+SHORT_LABELS = {**indexed(), "label": np.arange(100)}
+NO_CHANNEL = {**indexed(), "image": indexed()["image"][..., 0]}
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        ({"train": indexed()}, TypeError, r"train \{size: .*got train as a dict with keys \['im"),
+        ({"train": {16: SHORT_LABELS}}, DataError, "at 16 px has 256 images and 100 labels; pass"),
+        ({"test": SHORT_LABELS}, DataError, "the test set has 256 images and 100 labels"),
+        ({"train": {16: NO_CHANNEL}}, DataError, r"shape \(256, 16, 16\); pass them as \(N, s"),
+        ({"batch": 30}, ConfigError, "train batch of 30 does not divide over the 8 .*, e.g. 24"),
+        ({"eval_batch": 30}, ConfigError, "a global eval batch of 30 does not divide over the 8"),
+    ],
+)
+def test_a_set_or_batch_in_the_wrong_form_is_refused_in_one_line(change, error, match):
+    """Sets as a script may pass them: one clear error, not numpy's or JAX's, before any
+    batch is made (of 256 images and 100 labels, only 100 examples were used)."""
+    args = {"train": {16: indexed()}, "test": indexed(60), **change}
+    with pytest.raises(error, match=match):
+        ds = on_device.DeviceSet(mesh_of("data:8"), 3, args["train"], args["test"])
+        if "batch" in change:
+            next(ds.train_batches(0, 0, 1, change["batch"], 16, 1.0))
+        next(ds.eval_batches(change.get("eval_batch", 40)))
+
+
 # ---- digits through the trainer ---------------------------------------------------------------
 
 

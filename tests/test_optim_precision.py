@@ -215,15 +215,30 @@ def test_needs_loss_scale_follows_compute_dtype_only():
     assert not make_policy(compute="bfloat16", params="float16").needs_loss_scale
 
 
-@pytest.mark.parametrize("kw", [dict(compute="fp16"), dict(params="float64"), dict(output="half")])
+@pytest.mark.parametrize(
+    "kw", [dict(compute="fp8"), dict(params="float64"), dict(output="BF16"), dict(compute=np.int32)]
+)
 def test_make_policy_unknown_dtype(kw):
     with pytest.raises(ConfigError) as e:
         make_policy(**kw)
     msg = str(e.value)
     bad = next(iter(kw.values()))
-    assert bad in msg
+    assert f"make_policy {next(iter(kw))}={bad!r} is not a dtype we support" in msg
     for name in DTYPES:
         assert name in msg
+
+
+@pytest.mark.parametrize(
+    "compute, want",
+    [(jnp.bfloat16, "bfloat16"), (np.dtype("float16"), "float16"), (jnp.float32, "float32"),
+     ("bf16", "bfloat16"), ("fp16", "float16"), ("half", "float16"), ("fp32", "float32")],
+)  # fmt: skip
+def test_make_policy_takes_dtypes_and_the_short_names_the_config_suggests(compute, want):
+    """A script's ``make_policy(compute=jnp.bfloat16)`` or ``"bf16"``: the short names are
+    those the config's error maps to its own (``schema.DTYPE_SHORT``), which it still
+    refuses."""
+    p = make_policy(compute=compute, params=compute, output=compute)
+    assert p.compute_dtype is p.param_dtype is p.output_dtype is DTYPES[want]
 
 
 def test_loss_scale_halves_on_overflow_and_never_below_one():
@@ -295,6 +310,23 @@ def test_loss_scale_halves_from_the_cap_and_unscales_there():
 def test_loss_scale_create_never_makes_inf(initial):
     ls = LossScale.create(dynamic=True, initial=initial)
     assert float(ls.scale) == MAX_LOSS_SCALE
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(initial=np.nan), "initial=nan must be a number >= 1"),  # every step was skipped
+        (dict(initial=0.0), "initial=0.0 must be a number >= 1"),
+        (dict(initial=-4.0), "initial=-4.0 must be a number >= 1"),
+        (dict(period=0), "period=0 must be an int >= 1"),
+        (dict(period=2.5), "period=2.5 must be an int >= 1"),
+        (dict(factor=0.5), "factor=0.5 must be a finite number > 1"),  # an overflow grew it
+        (dict(factor=1.0), "factor=1.0 must be a finite number > 1"),  # it never changed
+    ],
+)
+def test_a_loss_scale_that_cannot_work_is_refused_in_create(kw, match):
+    with pytest.raises(ConfigError, match=f"LossScale {match}, e.g. "):
+        LossScale.create(dynamic=True, **kw)
 
 
 def test_an_inf_loss_scale_comes_back_to_the_cap():

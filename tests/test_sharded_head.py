@@ -454,6 +454,33 @@ def test_apply_passes_rngs_to_the_model():
     assert _dense(no_dropout, variables["params"]["head"], labels, 0.0) != pytest.approx(want)
 
 
+def test_one_k_is_a_topk_of_one():
+    """``topk=5`` is ``topk=(5,)`` (an int was iterated: TypeError); traced, not compiled."""
+    x, params, labels = _random_head()
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    out = jax.eval_shape(lambda *a: head(*a, topk=5), x, params, labels)
+    assert sorted(out) == ["loss", "top5"] and out["top5"].shape == (B,)
+    model = _Net()
+    variables = jax.eval_shape(model.init, jax.random.key(0), x)
+    out, _ = jax.eval_shape(
+        lambda v: head.apply(model, v, x, labels, train=False, topk=5), variables
+    )
+    assert sorted(out) == ["loss", "top5"]
+
+
+@pytest.mark.parametrize("name", ["sharded_cross_entropy", "sharded_topk_hits"])
+def test_the_per_device_functions_outside_shard_map_say_where_they_run(name):
+    """Called on whole logits, outside a shard_map over the class axis: one error naming the
+    axis and ShardedHead, not JAX's unbound-axis NameError from deep in a psum."""
+    import hybridpar
+
+    x, params, labels = _random_head()
+    logits = x @ params["kernel"] + params["bias"]
+    with pytest.raises(ConfigError, match=rf"{name} runs inside a jax.shard_map over the axis "
+                       r"'model'.*ShardedHead\(mesh, 'model'\)"):  # fmt: skip
+        getattr(hybridpar, name)(logits, labels, 1 if "topk" in name else 0.0, "model")
+
+
 def test_on_explicit_axes_unplaced_inputs_give_the_dense_loss_and_gradients():
     # jax.make_mesh's default axes are Explicit: shard_map there takes only placed inputs.
     x, params, labels = _random_head()

@@ -84,8 +84,25 @@ def _my_label_logit(z, labels, axis):
     return jnp.where(mine, picked[:, 0], 0.0)
 
 
+def _check_inside(axis, name: str) -> None:
+    """``axis`` is bound: ``name`` runs inside a ``jax.shard_map`` over it (JAX's own error
+    is an unbound-axis NameError deep in the collectives)."""
+    for a in axis if isinstance(axis, tuple) else (axis,):
+        try:
+            lax.axis_size(a)
+        except NameError:
+            raise ConfigError(
+                f"{name} runs inside a jax.shard_map over the axis {a!r} that splits the "
+                f"classes, on each device's block of logits; here {a!r} is not bound. Call it "
+                f"in a shard_map over {a!r}, or use ShardedHead(mesh, {a!r})(features, params, "
+                "labels), which runs it there on whole arrays"
+            ) from None
+
+
 def sharded_cross_entropy(logits, labels, label_smoothing: float, axis):
-    """Per-example softmax cross-entropy of class-sharded logits; call inside ``jax.shard_map``.
+    """Per-example softmax cross-entropy of class-sharded logits. It runs inside a
+    ``jax.shard_map`` over ``axis`` (``model`` for ``model.head=sharded``), on each device's
+    block of classes; outside one, ``ShardedHead`` runs it there.
 
     ``logits``: ``(B, C_local)``, this device's block of classes (block ``axis_index(axis)``
     of the ``C = C_local * axis_size`` classes); ``labels``: ``(B,)`` global class ids, the
@@ -93,6 +110,7 @@ def sharded_cross_entropy(logits, labels, label_smoothing: float, axis):
     are split over. Returns ``(B,)`` float32, equal on every device of ``axis``; equal to
     ``steps.cross_entropy`` of the whole logits.
     """
+    _check_inside(axis, "sharded_cross_entropy")
     z = logits.astype(jnp.float32)
     num_classes = z.shape[-1] * _axis_size(axis)
     # The max only keeps exp() in range; logsumexp does not depend on it, so no gradient.
@@ -119,7 +137,9 @@ def label_rank(logits, labels, axis):
 
 def sharded_topk_hits(logits, labels, k: int, axis):
     """Whether each label is among the top ``k`` classes of class-sharded logits, without
-    gathering them; inside ``jax.shard_map``. ``(B,)`` bool."""
+    gathering them, ``(B,)`` bool. As ``sharded_cross_entropy``, it runs inside a
+    ``jax.shard_map`` over ``axis`` (``model`` for ``model.head=sharded``)."""
+    _check_inside(axis, "sharded_topk_hits")
     return label_rank(logits, labels, axis) < k
 
 
@@ -235,7 +255,7 @@ class ShardedHead:
             features = model.apply(variables, x, train=False, return_features=True, rngs=rngs)
             new_vars = {}
         classes = head["kernel"].shape[-1]
-        ks = {k: min(k, classes) for k in topk}  # fewer classes than k: every class is a hit
+        ks = {k: min(k, classes) for k in _ks(topk)}  # fewer classes than k: every class is a hit
         topk = tuple(sorted(set(ks.values())))
         out = self(features, head, labels, label_smoothing=label_smoothing, topk=topk)
         hits = {f"top{k}": out[f"top{v}"] for k, v in ks.items()}
@@ -272,7 +292,8 @@ class ShardedHead:
         return out
 
     def __call__(self, features, params, labels, *, label_smoothing: float = 0.0, topk=()):
-        """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example.
+        """``{"loss": (B,), "top{k}": (B,) bool for k in topk}``, per example (``topk``: a
+        tuple of ks, or one k).
 
         ``features`` ``(B, E)``, ``params`` ``{"kernel": (E, C), "bias": (C,)}``, ``labels``
         ``(B,)`` integer class ids. A label outside ``[0, C)`` is not checked (it cannot be
@@ -284,6 +305,7 @@ class ShardedHead:
         (``_inside_manual``) the arrays are this device's and so is the result (``local``).
         """
         kernel, bias = params["kernel"], params["bias"]
+        topk = _ks(topk)
         per_device = partial(self.local, label_smoothing=label_smoothing, topk=topk)
         if self._inside_manual():
             return per_device(features, kernel, bias, labels)
@@ -330,6 +352,11 @@ class ShardedHead:
         out = per_device(x, *args)
         n, i = x.shape[0], lax.axis_index(self.gather_axes)
         return jax.tree.map(lambda v: lax.dynamic_slice_in_dim(v, i * n, n), out)
+
+
+def _ks(topk) -> tuple:
+    """``topk`` as a tuple of ks: one int is one k (``topk=5`` as ``topk=(5,)``)."""
+    return (topk,) if isinstance(topk, int) else tuple(topk)
 
 
 def _call_takes(model, name: str) -> bool:

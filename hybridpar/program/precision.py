@@ -11,12 +11,16 @@ up to ``MAX_LOSS_SCALE``. bfloat16 has float32's exponent range and needs no sca
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import DTYPE_SHORT
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -40,20 +44,33 @@ class Policy:
         return jnp.dtype(self.compute_dtype) == jnp.float16
 
 
-def _dtype(name: str, what: str):
+def _dtype(value, what: str):
+    """The dtype of a name in ``DTYPES``, a short name the config's errors suggest it for
+    (``DTYPE_SHORT``: "bf16", "fp16"), or a dtype (``jnp.bfloat16``, ``np.dtype("float16")``)."""
+    name = value if isinstance(value, str) else None
+    if name is None:
+        try:
+            name = np.dtype(value).name
+        except (TypeError, ValueError):  # not a dtype at all
+            pass
+    name = DTYPE_SHORT.get(name, name)
     if name not in DTYPES:
-        raise ConfigError(f"{what}={name!r} is not a dtype we support; use one of {sorted(DTYPES)}")
+        raise ConfigError(
+            f"make_policy {what}={value!r} is not a dtype we support; use one of "
+            f"{', '.join(sorted(DTYPES))} (a name, as precision.{what} takes, or a jnp dtype)"
+        )
     return DTYPES[name]
 
 
 def make_policy(
     compute: str = "float32", params: str = "float32", output: str = "float32"
 ) -> Policy:
-    """Policy from dtype names (config: precision.compute / .params / .output)."""
+    """Policy from dtypes, each a name (config: precision.compute / .params / .output), a
+    short one ("bf16", "fp16") or a dtype (``jnp.bfloat16``)."""
     return Policy(
-        param_dtype=_dtype(params, "precision.params"),
-        compute_dtype=_dtype(compute, "precision.compute"),
-        output_dtype=_dtype(output, "precision.output"),
+        param_dtype=_dtype(params, "params"),
+        compute_dtype=_dtype(compute, "compute"),
+        output_dtype=_dtype(output, "output"),
     )
 
 
@@ -72,6 +89,24 @@ class LossScale(struct.PyTreeNode):
     def create(
         cls, dynamic: bool, initial: float = 2.0**15, period: int = 2000, factor: float = 2.0
     ):
+        """``initial`` >= 1 (a larger one than ``MAX_LOSS_SCALE`` is lowered to it),
+        ``period`` an int >= 1, ``factor`` > 1, as the config checks its
+        ``precision.loss_scale_initial`` and ``.loss_scale_period``."""
+        if not initial >= 1:  # "not >=": nan fails it too
+            raise ConfigError(
+                f"LossScale initial={initial!r} must be a number >= 1, e.g. 2.0**15: an overflow "
+                "divides the scale down to 1, not below, so a smaller one would grow on it"
+            )
+        if not (isinstance(period, numbers.Integral) and period >= 1):
+            raise ConfigError(
+                f"LossScale period={period!r} must be an int >= 1, e.g. 2000: the finite steps "
+                "in a row after which the scale grows"
+            )
+        if not math.inf > factor > 1:
+            raise ConfigError(
+                f"LossScale factor={factor!r} must be a finite number > 1, e.g. 2.0: the scale "
+                "grows by it, and an overflow divides the scale by it"
+            )
         return cls(
             # min first, in Python: a larger initial would round to inf as a float32
             scale=jnp.asarray(min(initial, MAX_LOSS_SCALE) if dynamic else 1.0, jnp.float32),

@@ -13,35 +13,41 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax.core import meta
+from jax.sharding import Mesh
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import from_saved, validate
-from hybridpar.parallel.mesh import data_parallel_size
+from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.parallel.partitioning import batch_sharding, replicated
 from hybridpar.program.program import build_program
 from hybridpar.program.steps import FlipAveraged, logits_in, normalize
 from hybridpar.runtime import checkpoint, checkpoint_dirs, run_config
 
 
-def load_config(workdir: str, overrides=()):
+def load_config(workdir: str, overrides=(), caller: str | None = None):
     """The config of the run in ``workdir``, its latest checkpoint's (else its
     ``config.json``'s), with ``overrides`` applied: what the tools that read a run use
     without ``--config``. They run in one process, so ``distributed`` is off unless an
-    override sets it."""
+    override sets it. ``caller``: the library call that reads the run (``TrainedRun``),
+    whose arguments the errors name in place of the tools' flags."""
     path = os.path.join(workdir, "config.json")
+    made = "python -m hybridpar.train writes its config there when it starts"
+    if caller:  # a library call: its arguments, not the tools' flags
+        missing = unread = (
+            f"give {caller} the workdir of a training run ({made}), or its config as config= "
+            "(e.g. hybridpar.config.schema.load_config('experiments/NAME.py'))"
+        )
+    else:
+        missing = f"pass the --workdir of a training run ({made}), or --config experiments/NAME.py"
+        unread = "pass --config experiments/NAME.py"
     try:
         with open(path) as f:
             saved = json.load(f)
     except FileNotFoundError:
-        raise ConfigError(
-            f"no {path}: pass the --workdir of a training run (python -m hybridpar.train "
-            "writes its config there when it starts), or --config experiments/NAME.py"
-        ) from None
+        raise ConfigError(f"no {path}: {missing}") from None
     except (OSError, ValueError) as e:
-        raise ConfigError(
-            f"cannot read {path!r} ({e}): pass --config experiments/NAME.py"
-        ) from None
+        raise ConfigError(f"cannot read {path!r} ({e}): {unread}") from None
     config = from_saved(saved, path)
     # the run's truth is its latest checkpoint's config (config.json may be edited by hand)
     held = run_config.of_workdir(workdir, config)
@@ -60,17 +66,37 @@ class TrainedRun:
     (safe beside the run's trainer still saving and deleting checkpoints).
     ``partitioning``: another config's placement section, so the variables sit where that
     run's would (a teacher or ``init_from`` placed like its student). ``program``: one
-    already built of ``config`` on ``mesh`` (``run.setup``'s), else one is built."""
+    already built of ``config`` on ``mesh`` (``run.setup``'s), else one is built. ``mesh``:
+    a ``jax.sharding.Mesh`` or a spec ``make_mesh`` takes (``"data:-1"``)."""
 
     def __init__(self, workdir: str, mesh, partitioning=None, config=None, program=None):
-        config = load_config(workdir) if config is None else config
+        if isinstance(mesh, str):
+            mesh = make_mesh(mesh)
+        elif not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"TrainedRun takes a jax.sharding.Mesh or a mesh spec such as 'data:-1' as its "
+                f"mesh, got {type(mesh).__name__}"
+            )
+        # a call of the library's own (the teacher, init_from) gives the config it read
+        caller = "TrainedRun" if config is None else None
+        config = load_config(workdir, caller=caller) if config is None else config
         if partitioning is not None:
             with config.unlocked():
                 config.partitioning = partitioning
         # the program relies on a checked config: the schema is where names are checked
         validate(config, sources=False)
         self.workdir, self.config = workdir, config
-        self.program = program or build_program(config, mesh)
+        try:
+            self.program = program or build_program(config, mesh)
+        except ConfigError as e:
+            if caller is None:
+                raise
+            # the config's placement on this mesh: the call's mesh and partitioning=
+            raise ConfigError(
+                f"{e} (TrainedRun: pass a mesh on which it divides, or partitioning=, a "
+                "placement section such as hybridpar.runtime.trained.load_config(workdir)"
+                ".partitioning with preset='data')"
+            ) from None
         self.model = self.program.model
         s, a = self.program.shardings, self.program.abstract_state()
         self.shardings = {"params": s.params, "batch_stats": s.batch_stats}
@@ -98,14 +124,20 @@ class TrainedRun:
     def logits(self, images) -> np.ndarray:
         """The model's logits, float32 ``(N, classes)`` on the host, for ``images``: uint8 or
         float pixels in 0..255, ``(N, H, W, C)`` at the run's image size
-        (``config.data.image_size``), any N. As the eval step computes them: normalised with
-        ``config.data.mean``/``std`` (the model takes normalised pixels), in the compute
-        dtype, inference mode, averaged with the mirror images where the run evaluates with
-        ``eval_flip``. Split over the mesh's data-parallel devices, padded to a multiple of
-        their count. One process: ``load_config`` turns ``distributed`` off."""
+        (``config.data.image_size``; another is refused, not resized), any N. As the eval
+        step computes them: normalised with ``config.data.mean``/``std`` (the model takes
+        normalised pixels), in the compute dtype, inference mode, averaged with the mirror
+        images where the run evaluates with ``eval_flip``. Split over the mesh's data-parallel
+        devices, padded to a multiple of their count. One process: ``load_config`` turns
+        ``distributed`` off."""
         images, size, c = np.asarray(images), self.config.data.image_size, self.program.channels
-        if images.ndim != 4 or images.shape[-1] != c:
-            raise ConfigError(f"logits takes images (N, {size}, {size}, {c}), got {images.shape}")
+        if images.shape[1:] != (size, size, c):  # another size would give wrong logits
+            other_size = images.ndim == 4 and images.shape[-1] == c
+            raise ConfigError(
+                f"logits takes images (N, {size}, {size}, {c}) (the run's data.image_size and "
+                f"channels), got {images.shape}"
+                + (f"; resize them to {size}x{size} first" if other_size else "")
+            )
         n, ways = len(images), data_parallel_size(self.program.mesh)
         padded = np.concatenate([images, np.zeros((-n % ways, *images.shape[1:]), images.dtype)])
         if self._logits_fn is None:
@@ -135,7 +167,9 @@ def init_source(path: str, prog) -> TrainedRun:
     """The run in ``path`` (``init_from``), placed like ``prog``'s state; its shapes must be
     ``prog``'s model's, checked before any weight is read (the trainer asks in set-up, so a
     mismatch leaves no directory behind)."""
-    src, a = TrainedRun(path, prog.mesh, prog.config.partitioning), prog.abstract_state()
+    # its config given: the errors name the config's keys, not TrainedRun's arguments
+    src = TrainedRun(path, prog.mesh, prog.config.partitioning, config=load_config(path))
+    a = prog.abstract_state()
     for name in ("params", "batch_stats"):
         ours, theirs = getattr(a, name), src.abstract[name]
         shapes = jax.tree.map(lambda x: x.shape, ours), jax.tree.map(lambda x: x.shape, theirs)
