@@ -724,7 +724,9 @@ def teacher_size(workdir: str, of: str = "weights"):
     from hybridpar.program import int8
     from hybridpar.tools import prune
 
-    src = trained.TrainedRun(workdir, make_mesh("data:-1", devices=jax.devices()[:1]))
+    mesh = make_mesh("data:-1", devices=jax.devices()[:1])
+    # the config read here: a missing one is said in the CLI's words, not the library's
+    src = trained.TrainedRun(workdir, mesh, config=trained.load_config(workdir))
     params, stats = src.host_variables()
     gs = prune.groups(src.model, params)
     reference = prune.group_widths(gs, params)
