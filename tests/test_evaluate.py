@@ -244,6 +244,41 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
     assert e.value.code == 2 and err.startswith("error: no workdir") and err.count("\n") == 1
 
 
+def test_the_empty_folder_goes_while_locked_and_one_removed_before_the_lock_is_made_again(
+    tmp_path, monkeypatch
+):
+    """A call that stops before its first record removed its evaluator/ after releasing the
+    lock: a second evaluator that had found the folder, about to lock it, lost it (and a
+    folder removed before its lock was a FileNotFoundError). Now the folder goes while the
+    lock is held, and one gone before the lock is made again. Planted bugs that fail it: the
+    old order (rmdir after release); no lock_records."""
+    from hybridpar.runtime.run_config import config_dict
+
+    w = tmp_path / "started"  # a run that has written its config.json only
+    w.mkdir()
+    (w / "config.json").write_text(json.dumps(config_dict(tiny_digits(**RUN))))
+    out = w / "evaluator"
+    at_release, release = [], workdir_lock.Lock.release
+
+    def recorded(lock):
+        if lock.fd is not None:
+            at_release.append(out.exists())
+        release(lock)
+
+    acquire, removed = workdir_lock.acquire, []
+
+    def gone_first(path, *args, **kwargs):  # the evaluator before it removed the folder
+        if not removed:
+            removed.append(os.rmdir(path))
+        return acquire(path, *args, **kwargs)
+
+    monkeypatch.setattr(workdir_lock.Lock, "release", recorded)
+    monkeypatch.setattr(workdir_lock, "acquire", gone_first)
+    with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
+        evaluator.run(tiny_digits(**RUN), str(w))
+    assert at_release == [False] and os.listdir(w) == ["config.json"]
+
+
 # --watch: a bug that waits stops after 30s, not 300
 @pytest.mark.parametrize("watch", [[], ["--watch", "--dead-after-s=30"]])
 def test_a_workdir_that_is_a_file_is_refused_at_once_in_the_trainers_words(tmp_path, capsys, watch):

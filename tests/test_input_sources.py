@@ -673,3 +673,36 @@ def test_a_class_list_file_with_a_bom_and_the_fix_of_a_folder_it_lacks(tmp_path)
     (src / "val" / "yak").rename(src / "val" / "bee")
     manifest = prepare([src], tmp_path / "out", classes=classes, **ONE)
     assert manifest["classes"] == ["ant", "bee"]
+
+
+@pytest.mark.parametrize(
+    "name, train, test, warned",
+    [
+        ("images", "test", "test", True),
+        ("images", "train", "test", False),
+        ("tfds", "train", "train[:10%]", True),  # the whole split holds the slice
+        ("tfds", "train[:50%]", "train[40%:]", True),
+        ("tfds", "train[:90%]", "train[90%:]", False),  # the usual held-out slice
+        ("tfds", "train[:900]", "train[900:]", False),
+        ("tfds", "train+validation", "validation", True),
+        ("tfds", "train[:900]", "train[50%:]", False),  # another unit: not told
+    ],
+)
+def test_set_up_warns_when_the_eval_split_holds_training_images(name, train, test, warned, capsys):
+    """cifar10_fast with --config.data.train_split=test trained on the test images and
+    reported its top-1 as the test accuracy, without a word. Set-up now says so in a warning
+    line, where the splits' names tell that they share images (tfds' slices too). Planted
+    bug that fails it: set-up not calling warn_splits."""
+    import jax
+    from helpers import tiny_digits
+
+    from hybridpar.runtime.run import setup
+
+    config = tiny_digits("data:1", **{"data.name": name, "data.train_split": train,
+                                      "data.eval_split": test})  # fmt: skip
+    setup(config, with_data=False, devices=jax.devices()[:1])
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert said == ([f"warning: data.train_split={train!r} and data.eval_split={test!r} share "
+                     "images: the evaluation sees training images, so its top-1 is not a "
+                     "held-out accuracy; set --config.data.eval_split to a split the run does "
+                     "not train on"] if warned else []), said  # fmt: skip

@@ -615,3 +615,30 @@ def test_a_folder_with_a_summary_but_no_run_is_refused_and_kept(tmp_path):
     (w / "config.json").write_text("[1, 2]")  # JSON, but no config (was an AttributeError)
     with pytest.raises(WorkdirError, match="config.json holds a list, not a run's config"):
         run_config.check_run(str(w), cli.load(DIGITS))
+
+
+@pytest.mark.parametrize(
+    "files, says",
+    [
+        ({"study.db": "", "trials.md": "| trial |\n", "trials/000/log.txt": ""},
+         "holds a search study (tune search's study.db), not a training run: train does not "
+         "run in it; use a new --workdir (each trial's own run is in trials/NNN there)"),
+        ({"lr_range.json": "{}", "metrics.jsonl": ""},
+         "holds an LR range test (tune lr's lr_range.json), not a training run"),
+    ],
+)  # fmt: skip
+def test_a_tune_study_or_range_test_folder_is_refused_and_kept(tmp_path, files, says, capfd):
+    """train in a tune search's folder trained beside its study.db (it has no config.json,
+    so nothing refused it); in a range test's it was refused only when the config differed.
+    One error naming what the folder holds, nothing written. Planted bug that fails it: no
+    check_not_tune in set-up."""
+    w = tmp_path / "tuned"
+    for rel, text in files.items():
+        (w / rel).parent.mkdir(parents=True, exist_ok=True)
+        (w / rel).write_text(text)
+    before = sorted(str(p.relative_to(w)) for p in w.rglob("*"))
+    code, _, err = _main_here(["--config", DIGITS, "--workdir", str(w),
+                               *config_args(TINY_DIGITS)], capfd)  # fmt: skip
+    assert code == 2 and err.startswith(f"error: workdir {str(w)!r} {says}"), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert sorted(str(p.relative_to(w)) for p in w.rglob("*")) == before

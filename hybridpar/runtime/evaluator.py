@@ -317,17 +317,14 @@ def run(
     # before the set-up, so a second one stops at once, not after compiling.
     out = os.path.join(workdir, "evaluator")
     made = not os.path.exists(out)
-    checkpoint.ensure_writable(
-        out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
-    )
     # A distributed evaluator's processes lock a file each (.lock, .lock.N), once the
     # runtime has said which process this is (as the trainer's do).
-    lock = None if config.distributed else workdir_lock.acquire(out, role="evaluator")
+    lock = None if config.distributed else lock_records(out)
     try:
         # workdir None: none of the trainer's workdir checks and writes (we only read there)
         r = setup(config, None, devices=devices, for_training=False)
         if lock is None:
-            lock = workdir_lock.acquire(out, jax.process_index(), role="evaluator")
+            lock = lock_records(out, jax.process_index())
         if from_epoch > r.plan.num_epochs:
             raise ConfigError(
                 f"--from-epoch={from_epoch:g} is after the run's last epoch "
@@ -343,10 +340,34 @@ def run(
         finally:
             evaluator.close()
     finally:
+        if made:  # a call that stopped before its first record leaves no empty folder
+            remove_if_empty(out, lock)
         if lock is not None:
             lock.release()
-        if made:  # a call that stopped before its first record leaves no empty folder
-            try:
-                os.rmdir(out)  # only while empty: never an earlier call's records
-            except OSError:
-                pass
+
+
+def lock_records(out: str, process: int = 0) -> workdir_lock.Lock:
+    """The evaluator's lock in ``out``, the folder made where missing. An evaluator that
+    ends as this one starts may remove the folder, empty, between the two
+    (``remove_if_empty``): then it is made again."""
+    while True:
+        checkpoint.ensure_writable(
+            out, "evaluator directory", "the evaluator keeps its records in WORKDIR/evaluator"
+        )
+        try:
+            return workdir_lock.acquire(out, process, role="evaluator")
+        except FileNotFoundError:  # removed by the evaluator before this one
+            continue
+
+
+def remove_if_empty(out: str, lock) -> None:
+    """Removes ``out`` if it holds nothing but ``lock``'s file, while the lock is still
+    held: removed after the release, it could be the folder a second evaluator had just
+    found and was about to lock. One that waits for the lock meanwhile finds the folder
+    gone and makes it again (``lock_records``)."""
+    try:
+        if lock is not None:
+            os.remove(lock.path)  # as lock.release() would, but still locked
+        os.rmdir(out)  # only while empty: never an earlier call's records
+    except OSError:
+        pass

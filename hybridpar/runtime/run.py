@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 
 import jax
@@ -131,6 +132,7 @@ def _setup(
     if workdir is not None:
         ckpt = checkpoint.checkpoint_dir(config, workdir)
         if os.path.isdir(workdir):
+            run_config.check_not_tune(workdir)  # tune's folder: no run of ours in it
             # moved checkpoints first: without them check_run would compare with config.json
             checkpoint.check_not_moved(workdir, ckpt)
             finished = run_config.check_run(workdir, config, allow_config_change)
@@ -146,6 +148,7 @@ def _setup(
         warn_schedule(config)
         for unused in unused_settings(config):  # not an error: see its docstring
             log(f"warning: {unused}")
+        warn_splits(config)
     lock = None
     if workdir is not None:  # one trainer per workdir; each process its own lock file
         lock = workdir_lock.acquire(workdir, jax.process_index() if config.distributed else 0)
@@ -243,6 +246,61 @@ def warn_schedule(config) -> None:
             f"only at its last step and never decays; set e.g. "
             f"--config.optim.warmup_epochs={epochs / 10:.3g} (or more num_epochs)"
         )
+
+
+def warn_splits(config) -> None:
+    """An evaluation on images the run trains on reports a top-1 that is no held-out
+    accuracy (a copied recipe with ``data.train_split=test`` did, without a word). A
+    warning, not an error: a memorisation check may do it on purpose."""
+    d = config.data
+    if d.name in ("images", "tfds") and splits_overlap(d.train_split, d.eval_split):
+        log(
+            f"warning: data.train_split={d.train_split!r} and data.eval_split="
+            f"{d.eval_split!r} share images: the evaluation sees training images, so its "
+            "top-1 is not a held-out accuracy; set --config.data.eval_split to a split the "
+            "run does not train on"
+        )
+
+
+def splits_overlap(a: str, b: str) -> bool:
+    """Whether splits ``a`` and ``b`` share examples, as far as their names tell: the same
+    name, or in tfds' syntax (``train``, ``train[:90%]``, ``train[100:200]``, ``a+b``) one
+    split whole in one and any part of it in the other, or slices of one split in the same
+    unit that intersect. Slices that cannot be compared so (negative, mixed units) count as
+    apart."""
+    if a.strip() == b.strip():
+        return True
+    return any(_parts_overlap(p, q) for p in _split_parts(a) for q in _split_parts(b))
+
+
+def _split_parts(split: str) -> list[tuple[str, str | None]]:
+    """``(name, slice text or None)`` of each ``+``-joined part of a split that reads so."""
+    parts = [re.fullmatch(r"\s*([^\[\]]+?)\s*(?:\[([^\]]*)\])?\s*", p) for p in split.split("+")]
+    return [m.groups() for m in parts if m]
+
+
+def _parts_overlap(p: tuple, q: tuple) -> bool:
+    if p[0] != q[0]:
+        return False
+    if p[1] is None or q[1] is None:  # one of them is the whole split
+        return True
+    a, b = _interval(p[1]), _interval(q[1])
+    if a is None or b is None or (None not in (a[2], b[2]) and a[2] != b[2]):
+        return False  # not comparable from the strings
+    return max(a[0], b[0]) < min(a[1], b[1])
+
+
+def _interval(text: str) -> tuple | None:
+    """A slice ``LO:HI`` (``%`` on either: percent) as ``(lo, hi, unit)``, the unit ``"%"``,
+    ``""`` (examples) or None (neither end given); None where it reads otherwise."""
+    m = re.fullmatch(r"\s*(\d*)\s*(%?)\s*:\s*(\d*)\s*(%?)\s*", text)
+    if m is None:
+        return None
+    lo, lo_unit, hi, hi_unit = m.groups()
+    units = {u for n, u in ((lo, lo_unit), (hi, hi_unit)) if n}
+    if len(units) > 1:
+        return None
+    return int(lo or 0), int(hi) if hi else math.inf, units.pop() if units else None
 
 
 def _missing(path: str) -> list[str]:

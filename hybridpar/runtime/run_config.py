@@ -128,6 +128,40 @@ def of_workdir(workdir: str, config) -> dict | None:
     return saved
 
 
+# What a workdir may hold, as tune names it: a run of the trainer, or tune's own study or
+# range test (hybridpar/tools/tune.py). ``tune_files`` tells the last two by their files.
+KINDS = {"train": "a training run", "lr": "an LR range test", "search": "a search study"}
+
+
+def tune_files(workdir: str) -> str | None:
+    """``"search"`` where ``workdir`` holds a tune search's study (``study.db``), ``"lr"``
+    where it holds a finished LR range test's result (``lr_range.json``), else None (a
+    range test stopped before its result is a run, told by its config: tune's
+    ``held_kind``)."""
+    if os.path.exists(os.path.join(workdir, "study.db")):
+        return "search"
+    if os.path.isfile(os.path.join(workdir, "lr_range.json")):
+        return "lr"
+    return None
+
+
+def check_not_tune(workdir: str) -> None:
+    """A tune study's or finished range test's folder is not a run to train in: training
+    there put a run's files beside the study's (its folder has no config.json, so nothing
+    else refused it)."""
+    held = tune_files(workdir)
+    if held is None:
+        return
+    what, hint = {
+        "search": ("tune search's study.db", "each trial's own run is in trials/NNN there"),
+        "lr": ("tune lr's lr_range.json", "the same tune lr command shows its result again"),
+    }[held]
+    raise WorkdirError(
+        f"workdir {workdir!r} holds {KINDS[held]} ({what}), not a training run: train does "
+        f"not run in it; use a new --workdir ({hint})"
+    )
+
+
 def check_run(workdir: str, config, allow_config_change: bool = False) -> dict | None:
     """What ``workdir`` holds: raises if it is a run of another config (``of_workdir``,
     unless allowed); returns its summary if that run completed, else None (a new run or one

@@ -827,9 +827,6 @@ def plot_search(study, path: str, name: str) -> None:
 # ---- Command line --------------------------------------------------------------------------------
 
 
-KINDS = {"train": "a training run", "lr": "an LR range test", "search": "a search study"}
-
-
 def is_range_test(saved: dict) -> bool:
     """``saved`` (a run's config, as config.json holds it) is an LR range test's: the keys
     ``range_test_config`` sets hold what it sets from the config's own tune keys."""
@@ -846,15 +843,15 @@ def is_range_test(saved: dict) -> bool:
 
 
 def held_kind(workdir: str, config) -> str | None:
-    """What ``workdir`` holds, as a key of ``KINDS``, or None where it holds none of them."""
-    from hybridpar.runtime.run_config import of_workdir
+    """What ``workdir`` holds, as a key of ``run_config.KINDS``, or None where it holds none
+    of them."""
+    from hybridpar.runtime.run_config import of_workdir, tune_files
 
     if not os.path.isdir(workdir):
         return None
-    if os.path.exists(os.path.join(workdir, "study.db")):
-        return "search"
-    if os.path.isfile(os.path.join(workdir, "lr_range.json")):
-        return "lr"
+    held = tune_files(workdir)  # tune's own files, which the trainer refuses too
+    if held is not None:
+        return held
     saved = of_workdir(workdir, config)
     if saved is not None:
         return "lr" if is_range_test(saved) else "train"
@@ -865,6 +862,8 @@ def held_kind(workdir: str, config) -> str | None:
 def check_kind(mode: str, config, workdir: str) -> None:
     """``workdir`` is new or holds this mode's test or study: tune would otherwise write its
     own run or study into another tool's (a study inside a finished training run)."""
+    from hybridpar.runtime.run_config import KINDS
+
     held = held_kind(workdir, config)
     if held not in (None, mode):
         what = "the test" if mode == "lr" else "the search"
