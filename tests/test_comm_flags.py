@@ -177,12 +177,16 @@ def test_settings_nothing_reads_are_named_with_the_fix():
          "splits parameters over the fsdp axis, which has one device"),
         ("data:1", {"comm.mode": "overlap"}, "comm.mode='overlap' reduces gradients across "
          "data-parallel devices, and mesh data:1,fsdp:1,model:1 has one"),
+        ("data:8", {"partitioning.fsdp_min_size": 1024}, "partitioning.fsdp_min_size=1024 "
+         "splits large arrays over the fsdp axis, which has one device"),
+        ("data:4,fsdp:2", {"partitioning.fsdp_min_size": 1024}, None),
         ("data:4,model:2", {"model.head": "sharded", "partitioning.preset": "hybrid"}, None),
     ],
 )  # fmt: skip
 def test_set_up_warns_of_what_the_mesh_leaves_nothing_to_do(mesh, overrides, says, capsys):
-    """A sharded head, a preset or a reduction mode whose axis has one device: the run trains
-    as the default would, which was not said. Planted bug that fails it: no warning."""
+    """A sharded head, a preset, an FSDP pass or a reduction mode whose axis has one device:
+    the run trains as the default would, which was not said. Planted bug that fails it: no
+    warning."""
     import jax
     from helpers import tiny_digits
 

@@ -217,6 +217,13 @@ def moot_on_mesh(config, mesh) -> list[str]:
             f"does; add a {axis} axis, e.g. --config.mesh=data:-1,{axis}:2, or drop "
             "--config.partitioning.preset"
         )
+    if config.partitioning.fsdp_min_size >= 0 and sizes.get("fsdp", 1) == 1 and axis != "fsdp":
+        out.append(
+            f"partitioning.fsdp_min_size={config.partitioning.fsdp_min_size} splits large "
+            f"arrays over the fsdp axis, which has one device on mesh {where}: nothing is "
+            "split; add an fsdp axis, e.g. --config.mesh=data:-1,fsdp:2, or drop "
+            "--config.partitioning.fsdp_min_size"
+        )
     if config.comm.mode in ("bucketed", "overlap") and data_parallel_size(mesh) == 1:
         out.append(
             f"comm.mode={config.comm.mode!r} reduces gradients across data-parallel devices, "
