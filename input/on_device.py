@@ -190,6 +190,8 @@ def _auto(mesh):
     only Auto axes, and ``_jit`` runs a pre-step with the axes of ``mesh`` made Auto."""
     from jax.sharding import AxisType
 
+    if AxisType.Explicit not in mesh.axis_types:  # the trainer's meshes: used as they are
+        return mesh
     return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
