@@ -12,13 +12,17 @@ read back from the runs' own records (``metrics.jsonl``, ``summary.json``):
     compile, time to target. Logged every step (``log_every_s`` changes no program), so that
     (d) can compare losses step by step.
 (b) CIFAR-10: ``experiments/cifar10_fast.py``'s ``gpu`` variant with
-    ``data.on_device=True`` to 94% test top-1 (``stop_at_target``), timed as DAWNBench
-    times (the eval that reached it, from the start of the run: set-up, compilation and
-    evaluation included), without compilation, and as airbench times (its train steps and
-    one evaluation). Beside it, airbench's own ``airbench94.py`` (PyTorch; a peer carried
-    in the ignored bench/gpu/peers/) on the same pixels: the tars decoded here with Pillow,
-    checked against hybridpar's own on-device cache of them. The tars travel as one pack of
-    their unchanged JPEG bytes (bench/gpu/pack_cifar.py), rebuilt there byte for byte.
+    ``data.on_device=True``, its fixed schedule, ``--cifar-runs`` times (seeds 0.., the
+    later runs loading the first one's programs from a compile cache): the first eval at 94%
+    test top-1 timed as DAWNBench times (from the start of the run: set-up, compilation and
+    evaluation included) and without compilation; the final top-1 and the schedule's time on
+    airbench's clock (its train steps and one evaluation). Beside it, as many runs of
+    airbench's own ``airbench94.py`` (PyTorch; a peer carried in the ignored
+    bench/gpu/peers/) on the same pixels: the tars decoded here with Pillow, checked against
+    hybridpar's own on-device cache of them. The two sides' medians are compared over the
+    same number of runs (fewer than asked where the budget cut one side short: the table and
+    the result line say so). The tars travel as one pack of their unchanged JPEG bytes
+    (bench/gpu/pack_cifar.py), rebuilt there byte for byte.
 (c) ResNet-50: the DAWNBench recipe's three stages (128 px batch 224, 224 px 224, 288 px
     128; ``resnet50_imagenet_dawnbench.py:,1``) on synthetic data through the trainer, the
     first stage long enough for the later stages to compile in the background
@@ -34,8 +38,14 @@ Each section is guarded (a failure is its error and the tail of its log, the oth
 and every run has a time cap from ``--budget-s`` (a run that reaches it gets SIGTERM, which
 the trainer answers with a checkpoint and its records; what it reached is reported). The
 result file is written again after each section (a kill leaves the sections done), ends
-with one key=value line, ratios first, and with ``--copy-to`` (e2e.sh passes ``$OUT``) is
-copied there with the runs' records and logs.
+with one key=value line, ratios first (``failed=`` and ``skipped=`` name the sections that
+failed or lacked an input), and with ``--copy-to`` (e2e.sh passes ``$OUT``) is copied
+there with the runs' records and logs. Exit status: 0 where every section asked for ran
+whole, 1 where one failed or lacked an input (the file still holds what ran), 2 for a
+refusal before anything ran: an unknown section, an existing ``--out`` (``--overwrite``),
+a ``--work`` folder holding files this script did not make (it clears only folders it made
+and marked, and by default makes a new one in /tmp), or, without ``--smoke``, a machine
+whose JAX backend is not a GPU.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import datetime
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -53,6 +64,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -77,11 +89,14 @@ def digits_args(smoke: bool) -> list[str]:
     return args
 
 
-def cifar_args(smoke: bool, prepared: Path) -> list[str]:
+def cifar_args(smoke: bool, prepared: Path, seed: int, cache: Path) -> list[str]:
+    # the fixed schedule, as airbench94 runs its own: the first eval at the target is read
+    # from the records, and the final top-1 is the schedule's
     args = [
         "--config", str(EXP / "cifar10_fast.py") + ":gpu",
         "--config.data.on_device=True",
-        "--config.stop_at_target=True",
+        f"--config.seed={seed}",
+        f"--config.compile_cache={cache}",
         f"--config.data.prepared_dir={prepared}",
         "--config.log_every_s=1",
     ]  # fmt: skip
@@ -147,8 +162,9 @@ class Budget:
 
 
 class Proc:
-    def __init__(self, name, rc, wall_s, timed_out, log):
+    def __init__(self, name, rc, wall_s, timed_out, log, cap=0.0):
         self.name, self.rc, self.wall_s, self.timed_out, self.log = name, rc, wall_s, timed_out, log
+        self.cap = cap
 
     def tail(self, n: int = 12) -> list[str]:
         try:
@@ -158,10 +174,13 @@ class Proc:
         return [ln[:300] for ln in lines if ln.strip()][-n:]
 
     def error_line(self) -> str:
+        if self.timed_out:  # the cap is why it stopped, whatever it said on its way out
+            return (f"hit its time cap of {self.cap:.0f}s (its share of --budget-s; "
+                    "what it reached is above)")  # fmt: skip
         for ln in reversed(self.tail(60)):
             if ln.startswith("error:") or "Error" in ln.split(":")[0]:
                 return ln
-        return f"exit status {self.rc}" + (" (time cap)" if self.timed_out else "")
+        return f"exit status {self.rc}"
 
 
 def run(name: str, argv: list[str], work: Path, timeout: float, env: dict | None = None) -> Proc:
@@ -176,6 +195,10 @@ def run(name: str, argv: list[str], work: Path, timeout: float, env: dict | None
     # written by `compile --out` fails to run when loaded. Only the step bench gets one.
     full = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     full.update(env or {})
+    if timeout < 1:  # the budget has nothing left for it: starting it would only kill it
+        log.write_text(f"$ {' '.join(argv)}\nnot started: no time left under --budget-s\n")
+        print(f"[{time.strftime('%H:%M:%S')}] {name}: not started, no time left", flush=True)
+        return Proc(name, None, 0.0, True, log, timeout)
     print(f"[{time.strftime('%H:%M:%S')}] {name}: up to {timeout:.0f}s", flush=True)
     t0 = time.time()
     with open(log, "w") as f:
@@ -197,7 +220,7 @@ def run(name: str, argv: list[str], work: Path, timeout: float, env: dict | None
     wall = time.time() - t0
     print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {rc} after {wall:.1f}s"
           + (" (time cap)" if timed_out else ""), flush=True)  # fmt: skip
-    return Proc(name, rc, wall, timed_out, log)
+    return Proc(name, rc, wall, timed_out, log, timeout)
 
 
 def train(name: str, args: list[str], work: Path, timeout: float, env=None) -> tuple[Proc, dict]:
@@ -258,9 +281,15 @@ class Section:
         self.figs: dict[str, object] = {}
         self.ratios: dict[str, float] = {}
         self.error: str | None = None
+        self.missing: str | None = None  # skipped for want of an input: the run is incomplete
 
     def say(self, text: str = "") -> None:
         self.lines.append(text)
+
+    def skip(self, text: str) -> None:
+        """An input this section needs is not here: ``text`` says which and how to get it."""
+        self.missing = self.missing or text
+        self.say(f"SKIPPED: {text}")
 
     def fail(self, text: str, proc: Proc | None = None) -> None:
         self.error = self.error or text
@@ -305,12 +334,15 @@ def section_a(ctx) -> Section:
                   digits_wall_s=summ["wall_s"], digits_compile_s=summ["compile_s"],
                   digits_to_target_s=(tt or {}).get("wall_s", "none"),
                   digits_process_s=round(p.wall_s, 1))  # fmt: skip
-    if p.rc != 0:
+    if p.rc != 0 or p.timed_out:
         s.fail(p.error_line(), p)
     return s
 
 
 # ---- (d) a compiled program ---------------------------------------------------------------
+
+
+PREPARED_GPUS = ("h100", "h200")  # --prepare compiles the digits job for these
 
 
 def gpu_name(kind: str) -> str | None:
@@ -355,8 +387,13 @@ def section_d(ctx) -> Section:
               f"{ctx.device.get('kind')} ({ctx.device.get('platform')}), not an H100/H200/A100")
         s.figs["loaded_here"] = "skipped"
     elif not here.is_file():
-        s.say(f"compiled here for a GPU: skipped, no {here.relative_to(ROOT)} (bash "
-              "bench/gpu/e2e.sh --prepare writes it where the gpu-aot extra is installed)")
+        why = (f"no {here.relative_to(ROOT)}: bash bench/gpu/e2e.sh --prepare writes it "
+               "where jax's CUDA plugin is installed (the gpu-aot extra, or --gpu-aot-path "
+               "DIR)")  # fmt: skip
+        if name in PREPARED_GPUS and not ctx.smoke:  # prepare makes it: its absence is a gap
+            s.skip(f"compiled here for a GPU: {why}")
+        else:
+            s.say(f"compiled here for a GPU: skipped, {why}")
         s.figs["loaded_here"] = "skipped"
     else:
         p, rec = train("d_here", digits_args(ctx.smoke) + ["--compiled", str(here)], ctx.work,
@@ -453,10 +490,11 @@ def cifar_data(ctx, s: Section) -> Path | None:
     device), or a subset packed and rebuilt here (the smoke), or the shared tars."""
     dest = ctx.work / "data" / "cifar10-jpeg"
     pack_dir = ctx.pack_dir
+    src = pack_cifar.default_src()
+    tars_fix = "set HYBRIDPAR_DATA to the folder holding cifar10-jpeg/train.tar and test.tar"
     if ctx.smoke:
-        src = pack_cifar.default_src()
         if not (src / "test.tar").is_file():
-            s.say(f"skipped: no CIFAR-10 tars in {src} (set HYBRIDPAR_DATA)")
+            s.skip(f"no CIFAR-10 tars in {src}: {tars_fix}")
             return None
         pack_dir = ctx.work / "pack"
         idx = pack_cifar.pack(src, pack_dir, per_class=ctx.per_class)
@@ -468,11 +506,11 @@ def cifar_data(ctx, s: Section) -> Path | None:
         s.say(f"data: {pack_dir}'s pack unpacked in {time.time() - t0:.1f}s: "
               + "; ".join(f"{k}: {v}" for k, v in checked.items()))
         return dest
-    src = pack_cifar.default_src()
     if (src / "train.tar").is_file():
         s.say(f"data: the tars in {src} (no pack in {pack_dir})")
         return src
-    s.say(f"skipped: no pack in {pack_dir} and no tars in {src}")
+    s.skip(f"no CIFAR-10 pack in {pack_dir} and no tars in {src}: run bash bench/gpu/e2e.sh "
+           f"--prepare where the tars are and carry bench/gpu/data, or {tars_fix}")  # fmt: skip
     return None
 
 
@@ -527,56 +565,133 @@ def same_pixels(decoded: dict, prepared: Path) -> str:
     return f"yes: all {n} images and labels equal hybridpar's on-device cache"
 
 
+def cifar_run(seed: int, p: Proc, rec: dict) -> dict:
+    """One of our CIFAR-10 runs as (b) compares it: the fixed schedule's final top-1 and its
+    time on airbench's clock (train steps and one eval, what airbench94's own clock holds),
+    and its first eval at the target, on DAWNBench's clock (from the start) and without
+    compilation. ``complete``: it trained its whole schedule."""
+    summ = rec["summary"] or {}
+    evals = events(rec, "eval")
+    tb = summ.get("time_breakdown") or {}
+    n_eval = max(1, len(evals))
+    return dict(
+        seed=seed, evals=evals, tb=tb, process_s=p.wall_s,
+        complete=bool(summ.get("completed")) and p.rc == 0 and not p.timed_out,
+        final_top1=(summ.get("final_eval") or {}).get("top1"),
+        train_s=tb.get("train", 0) + tb.get("input_wait", 0) + tb.get("eval", 0) / n_eval,
+        to_target=(summ.get("time_to_target") or {}).get("top1"),
+        compile_s=summ.get("compile_s"), wall_s=summ.get("wall_s"),
+        steps=summ.get("steps"), total_steps=summ.get("total_steps"),
+        img_s=summ.get("train_images_per_s"),
+    )  # fmt: skip
+
+
+def median_time(values) -> float | str:
+    """The median of times where ``None`` (never reached) counts as longer than any."""
+    m = statistics.median(math.inf if v is None else v for v in values)
+    return "none" if m == math.inf else round(m, 2)
+
+
+def compare_cifar(ours: list[dict], theirs: list[dict], want: int):
+    """(b)'s verdict, like with like: each side's fixed schedule over the same number of
+    runs, the medians of its time on airbench's clock and of its final top-1 (airbench94's
+    TTA top-1). ``ours``: cifar_run's (the complete ones count); ``theirs``: airbench_peer.py's
+    runs. Returns ``(lines, figures, ratios)``."""
+    mine = [r for r in ours if r["complete"]]
+    n = min(len(mine), len(theirs))
+    if n == 0:
+        return [f"no comparison: {len(mine)} complete run(s) of ours, {len(theirs)} of "
+                "airbench94's"], {"compared_runs": 0}, {}  # fmt: skip
+    t_ours = statistics.median(r["train_s"] for r in mine[:n])
+    a_ours = statistics.median(r["final_top1"] for r in mine[:n])
+    t_ab = statistics.median(r["total_time_seconds"] for r in theirs[:n])
+    a_ab = statistics.median(r["tta_val_acc"] for r in theirs[:n])
+    lines = [f"{'fixed schedules, medians':<28} {'runs':>4} {'clock s':>8} {'final top-1':>11}",
+             f"{'hybridpar (seeds 0..)':<28} {n:>4} {t_ours:>8.2f} {a_ours:>11.4f}",
+             f"{'airbench94':<28} {n:>4} {t_ab:>8.2f} {a_ab:>11.4f}"]  # fmt: skip
+    if n < want:
+        lines.append(f"ONLY {n} run(s) a side of the {want} asked (--cifar-runs): {len(mine)} "
+                     f"of ours and {len(theirs)} of airbench94's finished within the budget; "
+                     f"medians over the first {n} of each")  # fmt: skip
+    lines.append(f"hybridpar / airbench94 on airbench's clock: {t_ours / t_ab:.2f}x the time, "
+                 f"final top-1 {a_ours:.4f} against {a_ab:.4f} ({n} run(s) a side)")  # fmt: skip
+    return lines, {"compared_runs": n}, {"ratio_c10_train_vs_airbench": round(t_ours / t_ab, 3)}
+
+
 def section_b(ctx) -> Section:
     s = Section("b", f"(b) CIFAR-10 to {CIFAR_TARGET:.0%}: cifar10_fast.py:gpu on device-resident "
-                "data, beside airbench94 (PyTorch) on the same pixels")
+                "data, beside airbench94 (PyTorch) on the same pixels, the same number of "
+                "runs a side")  # fmt: skip
     data = cifar_data(ctx, s)
     if data is None:
         s.figs["c10"] = "skipped"
         return s
     prepared = ctx.work / "prepared_c10"
+    cache = ctx.work / "cc_cifar"  # the later runs load the first one's programs
     env = {"HYBRIDPAR_DATA": str(data.parent)}
-    # leaves a minute for airbench and two for (c)
-    p, rec = train("b_cifar", cifar_args(ctx.smoke, prepared), ctx.work,
-                   ctx.budget.cap(210, 190), env)  # fmt: skip
-    summ = rec["summary"]
     s.say("python -m hybridpar.train --config experiments/cifar10_fast.py:gpu "
-          "--config.data.on_device=True --config.stop_at_target=True"
-          + (" (+ smoke: 8 filters, 2 epochs of a subset)" if ctx.smoke else ""))
-    hyb_train_s = None
-    if summ is None:
-        s.fail(p.error_line(), p)
-    else:
-        evals = events(rec, "eval")
-        s.say(f"{'epoch':>6} {'top-1':>7} {'wall s':>7}")
-        for e in evals:
-            s.say(f"{e['epoch']:>6.2f} {e['top1']:>7.4f} {e['wall_s']:>7.1f}")
-        tb = summ.get("time_breakdown", {})
-        tt = (summ.get("time_to_target") or {}).get("top1")
-        n_eval = max(1, len(evals))
-        hyb_train_s = tb.get("train", 0) + tb.get("input_wait", 0) + tb.get("eval", 0) / n_eval
-        best = max((e["top1"] for e in evals), default=float("nan"))
-        s.say("where the time went: " + ", ".join(f"{k} {v:.1f}s" for k, v in tb.items() if v)
-              + f"; process {p.wall_s:.1f}s")  # fmt: skip
-        if tt:
-            s.say(f"reached {CIFAR_TARGET:.0%} at epoch {tt['epoch']:.2f}: DAWNBench's clock "
-                  f"(from the start, compilation and evals included) {tt['wall_s']:.1f}s; "
-                  f"without compilation {tt['wall_s_without_compile']:.1f}s; airbench's "
-                  f"(train steps + one eval) {hyb_train_s:.1f}s")
-            s.figs.update(c10_tta_dawnbench_s=tt["wall_s"],
-                          c10_tta_no_compile_s=tt["wall_s_without_compile"],
-                          c10_tta_train_s=round(hyb_train_s, 2), c10_epoch=tt["epoch"])
+          "--config.data.on_device=True --config.seed=I --config.compile_cache=DIR"
+          + (" (+ smoke: 8 filters, 2 epochs of a subset)" if ctx.smoke else "")
+          + f": the fixed schedule, seeds 0..{ctx.cifar_runs - 1}, one compile cache")  # fmt: skip
+    ours, estimate = [], 0.0
+    for i in range(ctx.cifar_runs):
+        cap = ctx.budget.cap(210, 190)  # leaves a minute for airbench and two for (c)
+        if i and cap < estimate:
+            s.say(f"hybridpar: stopped after {i} run(s): the next (about {estimate:.0f}s) "
+                  f"does not fit the {cap:.0f}s the budget leaves it")  # fmt: skip
+            break
+        p, rec = train(f"b_cifar{i}", cifar_args(ctx.smoke, prepared, i, cache), ctx.work,
+                       cap, env)  # fmt: skip
+        if rec["summary"] is None or (p.rc != 0 and not p.timed_out):
+            s.fail(f"seed {i}: {p.error_line()}", p)
+            break
+        r = cifar_run(i, p, rec)
+        ours.append(r)
+        if not r["complete"]:
+            s.say(f"seed {i}: {p.error_line()} after {r['steps']}/{r['total_steps']} steps")
+            break
+        # the next loads the compiled programs: about this run less its compilation
+        estimate = p.wall_s - (r["compile_s"] or 0) + 15 if i == 0 else p.wall_s
+    if ours:
+        s.say(f"{'seed':>4} {'final top-1':>11} {'first eval>=' + format(CIFAR_TARGET, '.0%'):>15} "
+              f"{'from start s':>12} {'w/o compile':>11} {'clock s':>8} {'compile s':>9} "
+              f"{'process s':>9}")  # fmt: skip
+        for r in ours:
+            tt = r["to_target"]
+            s.say(f"{r['seed']:>4} {fmt(r['final_top1']) if r['complete'] else 'stopped':>11} "
+                  f"{'epoch ' + format(tt['epoch'], '.2f') if tt else 'not reached':>15} "
+                  f"{fmt(tt['wall_s']) if tt else '-':>12} "
+                  f"{fmt(tt['wall_s_without_compile']) if tt else '-':>11} "
+                  f"{r['train_s']:>8.2f} {fmt(r['compile_s']):>9} "
+                  f"{r['process_s']:>9.1f}")  # fmt: skip
+        s.say("(final top-1: the last eval of the fixed schedule, flip TTA; first eval at the "
+              "target: DAWNBench's clock from the start, compilation and evals included, then "
+              "without compilation; clock: airbench's, the schedule's train steps and one eval; "
+              "seeds after 0 load seed 0's programs from the compile cache)")  # fmt: skip
+        for r in ours:
+            s.say(f"seed {r['seed']} evals (epoch top-1): "
+                  + ", ".join(f"{e['epoch']:.2f} {e['top1']:.4f}" for e in r["evals"]))  # fmt: skip
+        s.say("seed 0, where the time went: "
+              + ", ".join(f"{k} {v:.1f}s" for k, v in ours[0]["tb"].items() if v))  # fmt: skip
+        done = [r for r in ours if r["complete"]]
+        first = ours[0]["to_target"]
+        s.figs.update(
+            c10_runs=len(done),
+            c10_reached=f"{sum(bool(r['to_target']) for r in done)}/{len(done)}",
+            c10_tta_dawnbench_s=first["wall_s"] if first else "none",  # seed 0: compiles
+            c10_compile_s=ours[0]["compile_s"], c10_setup_s=ours[0]["tb"].get("setup"),
+            c10_img_s=ours[0]["img_s"],
+        )  # fmt: skip
+        if done:
+            s.figs.update(
+                c10_tta_no_compile_s=median_time(
+                    (r["to_target"] or {}).get("wall_s_without_compile") for r in done
+                ),
+                c10_train_s=round(statistics.median(r["train_s"] for r in done), 2),
+                c10_top1_final=round(statistics.median(r["final_top1"] for r in done), 4),
+            )
         else:
-            why = " (time cap)" if p.timed_out else ""
-            s.say(f"NOT reached {CIFAR_TARGET:.0%}{why}: best top-1 {best:.4f} after "
-                  f"{summ.get('steps')}/{summ.get('total_steps')} steps, {summ['wall_s']:.1f}s; "
-                  f"train steps {hyb_train_s:.1f}s")
-            s.figs.update(c10_tta_dawnbench_s="none", c10_train_s=round(hyb_train_s, 2))
-            hyb_train_s = None
-        s.figs.update(c10_top1_best=round(best, 4), c10_compile_s=summ["compile_s"],
-                      c10_setup_s=tb.get("setup"), c10_img_s=summ.get("train_images_per_s"))
-        if p.rc != 0 and not p.timed_out:
-            s.fail(p.error_line(), p)
+            s.fail(f"no run of ours trained its whole schedule: {p.error_line()}")
     # airbench94 on the same pixels
     t0 = time.time()
     decoded = decode_tars(data)
@@ -586,14 +701,18 @@ def section_b(ctx) -> Section:
     peer = ctx.peers / "airbench94.py"
     import importlib.util
 
+    def without(why: str) -> Section:  # a gap on a GPU; expected in a smoke (no CUDA there)
+        if ctx.smoke:
+            s.say(f"airbench94: skipped, {why}")
+        else:
+            s.skip(f"airbench94: {why}")
+        s.figs["airbench"] = "skipped"
+        return s
+
     if importlib.util.find_spec("torch") is None:
-        s.say("airbench94: skipped, torch is not installed here")
-        s.figs["airbench"] = "skipped"
-        return s
+        return without("torch is not installed here")
     if not peer.is_file():
-        s.say(f"airbench94: skipped, no {peer} (bash bench/gpu/e2e.sh --prepare says how)")
-        s.figs["airbench"] = "skipped"
-        return s
+        return without(f"no {peer} (bash bench/gpu/e2e.sh --prepare says where it comes from)")
     import numpy as np
 
     npz = ctx.work / "cifar10_uint8.npz"
@@ -602,7 +721,7 @@ def section_b(ctx) -> Section:
     cap = ctx.budget.cap(120, 130)
     p = run("b_airbench", [PY, str(GPU_DIR / "airbench_peer.py"), "--peer", str(peer),
                            "--npz", str(npz), "--work", str(ctx.work / "airbench"),
-                           "--runs", str(ctx.airbench_runs), "--budget-s", str(cap - 10),
+                           "--runs", str(ctx.cifar_runs), "--budget-s", str(cap - 10),
                            "--json", str(out)], ctx.work, cap)  # fmt: skip
     try:
         ab = json.loads(out.read_text())
@@ -613,22 +732,19 @@ def section_b(ctx) -> Section:
     s.say(f"airbench94 (legacy/airbench94.py, torch {ab.get('torch')}, {ab.get('device', '-')}): "
           f"warmup run {ab.get('warmup_wall_s', '-')}s (random labels, cuDNN autotuning); "
           + (ab.get("note") or f"{len(runs)} timed runs"))
-    if runs:
-        s.say(f"{'run':>4} {'TTA top-1':>9} {'its clock s':>11} {'wall s':>7}")
-        for i, r in enumerate(runs):
-            s.say(f"{i:>4} {r['tta_val_acc']:>9.4f} {r['total_time_seconds']:>11.2f} "
-                  f"{r['wall_s']:>7.1f}")  # fmt: skip
-        t_ab = statistics.median(r["total_time_seconds"] for r in runs)
-        acc = statistics.mean(r["tta_val_acc"] for r in runs)
-        s.figs.update(airbench_s=round(t_ab, 3), airbench_top1=round(acc, 4),
-                      airbench_runs=len(runs))  # fmt: skip
-        if hyb_train_s:
-            s.ratios["ratio_c10_train_vs_airbench"] = round(hyb_train_s / t_ab, 3)
-            s.ratios["ratio_c10_dawnbench_vs_airbench"] = round(
-                s.figs["c10_tta_dawnbench_s"] / t_ab, 3)  # fmt: skip
-            s.say(f"hybridpar / airbench94 to {CIFAR_TARGET:.0%}: "
-                  f"{hyb_train_s / t_ab:.2f}x on airbench's clock, "
-                  f"{s.figs['c10_tta_dawnbench_s'] / t_ab:.2f}x with hybridpar on DAWNBench's")
+    if not runs:
+        return without(ab.get("note") or "no timed run")
+    s.say(f"{'run':>4} {'TTA top-1':>9} {'its clock s':>11} {'wall s':>7}")
+    for i, r in enumerate(runs):
+        s.say(f"{i:>4} {r['tta_val_acc']:>9.4f} {r['total_time_seconds']:>11.2f} "
+              f"{r['wall_s']:>7.1f}")  # fmt: skip
+    s.figs.update(airbench_s=round(statistics.median(r["total_time_seconds"] for r in runs), 3),
+                  airbench_top1=round(statistics.median(r["tta_val_acc"] for r in runs), 4),
+                  airbench_runs=len(runs))  # fmt: skip
+    lines, figs, ratios = compare_cifar(ours, runs, ctx.cifar_runs)
+    s.lines += lines
+    s.figs.update(figs)
+    s.ratios.update(ratios)
     return s
 
 
@@ -696,7 +812,7 @@ def section_c(ctx) -> Section:
         s.fail(p.error_line(), p)
         return s
     per = stage_rates(rec)
-    if p.rc != 0:
+    if p.rc != 0 or p.timed_out:
         s.fail(p.error_line(), p)
     # the step bench: the same recipe and overrides, the trainer's compile cache
     sizes = ",".join(str(r["size"]) for r in per)
@@ -805,6 +921,9 @@ def probe(work: Path) -> dict:
 PROBE_FN = probe  # a test replaces it (no JAX process)
 
 
+MARKER = ".hybridpar-e2e"  # in each scratch folder this script makes: only those are cleared
+
+
 class Context:
     def __init__(self, args):
         self.smoke = args.smoke
@@ -813,21 +932,26 @@ class Context:
         self.pack_dir = Path(args.pack).resolve()
         self.peers = Path(args.peers).resolve()
         self.per_class = args.per_class
-        self.airbench_runs = args.airbench_runs
+        self.cifar_runs = args.cifar_runs
         self.runs: dict = {}
         self.device: dict = {}
 
 
+def gaps(sections: list[Section]) -> tuple[list[str], list[str]]:
+    """The sections that failed, and those skipped (in part) for want of an input."""
+    return [s.key for s in sections if s.error], [s.key for s in sections if s.missing]
+
+
 def write_result(path: Path, header: list[str], sections: list[Section], ctx, done: bool):
-    ratios, figs, failed = {}, {}, []
+    ratios, figs = {}, {}
     for s in sections:
         ratios.update(s.ratios)
         figs.update(s.figs)
-        if s.error:
-            failed.append(s.key)
+    failed, skipped = gaps(sections)
     dev = ctx.device
     figs.update(device=(dev.get("kind") or "?").replace(" ", "_"), jax=dev.get("jax"),
                 smoke=int(ctx.smoke), failed=",".join(failed) or "none",
+                skipped=",".join(skipped) or "none",
                 wall_s=round(ctx.budget.elapsed(), 1))  # fmt: skip
     if not done:
         figs["incomplete"] = 1
@@ -857,14 +981,39 @@ def copy_out(dest: Path, result: Path, work: Path) -> None:
 # ---- --prepare: what the device call carries ------------------------------------------------
 
 
+def gpu_aot_missing(env: dict) -> str | None:
+    """Why --prepare cannot compile for a GPU here (None: it can): XLA's GPU compiler comes
+    with jax's CUDA plugin (the gpu-aot extra), looked for as ``env`` would import it."""
+    find = ("import importlib.util as u, sys; sys.exit(not any(u.find_spec(m) for m in "
+            "('jax_cuda12_plugin', 'jax_cuda13_plugin')))")  # fmt: skip
+    if subprocess.run([PY, "-c", find], env=env, cwd="/").returncode == 0:
+        return None
+    import importlib.metadata as md
+
+    v = md.version("jax")
+    return (f"compiling for gpu:{PREPARED_GPUS[0]}-1 and gpu:{PREPARED_GPUS[1]}-1 needs jax's "
+            "CUDA plugin, not installed here: pip install -e \".[gpu-aot]\", or pip install "
+            f"--no-deps --target DIR jax-cuda12-plugin=={v} jax-cuda12-pjrt=={v} and "
+            "--gpu-aot-path DIR; without the files (d) skips loading a program compiled "
+            "here")  # fmt: skip
+
+
 def prepare(args) -> int:
     """Here, before a device call: the CIFAR-10 pack, the compiled digits files (and the
-    compile tool's ResNet-50 memory report) for gpu:h100-1 and gpu:h200-1, and the sizes."""
+    compile tool's ResNet-50 memory report) for gpu:h100-1 and gpu:h200-1 where jax's CUDA
+    plugin is installed, and the sizes. Exit 1 where a part failed or the call would lack
+    bench/gpu/wheels or go over its size."""
+    rc = 0
     out = GPU_DIR / "compiled"
-    out.mkdir(exist_ok=True)
     if not (Path(args.pack) / pack_cifar.INDEX).is_file():
         print("packing CIFAR-10 ...", flush=True)
-        pack_cifar.main(["pack", "--out", args.pack])
+        src = pack_cifar.default_src()
+        try:
+            idx = pack_cifar.pack(src, Path(args.pack))
+            print(f"  {idx['pack_bytes'] / 2**20:.2f} MiB from {src} into {args.pack}")
+        except (pack_cifar.PackError, OSError) as e:
+            print(f"  failed: {e} (set HYBRIDPAR_DATA to the folder holding cifar10-jpeg/)")
+            rc = 1
     peer = Path(args.peers) / "airbench94.py"
     if not peer.is_file():
         print(f"note: no {peer}: copy legacy/airbench94.py of github.com/KellerJordan/"
@@ -872,10 +1021,14 @@ def prepare(args) -> int:
     env = dict(os.environ)
     if args.gpu_aot_path:  # the CUDA plugin in a folder of its own, off the shared venv
         env["PYTHONPATH"] = args.gpu_aot_path + os.pathsep + env.get("PYTHONPATH", "")
-    work = Path(args.work).resolve()
-    work.mkdir(parents=True, exist_ok=True)
-    rc = 0
-    for gpu in ("h100", "h200"):
+    work = Path(args.work or tempfile.mkdtemp(prefix="hybridpar-e2e-prepare-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)  # only the compiles' working folder: kept as is
+    aot_missing = gpu_aot_missing(env)
+    if aot_missing:
+        print(f"compiled files: skipped: {aot_missing}")
+    else:
+        out.mkdir(exist_ok=True)
+    for gpu in PREPARED_GPUS if aot_missing is None else ():
         target = f"gpu:{gpu}-1"
         jobs = [(f"digits_{gpu}", digits_args(False), True),
                 (f"resnet_{gpu}", ["--config", RESNET_CONFIG,
@@ -908,6 +1061,11 @@ def prepare(args) -> int:
             print(f"  largest {rep.get('largest')}: "
                   f"{compiled_total(rep) / 2**20:.1f} MiB per GPU" + (f"; {binf}" if keep else ""))
     total, lines = pack_cifar.sizes()
+    wheels = "bench/gpu/wheels"
+    if not (ROOT / wheels).is_dir():  # the device call cannot install hybridpar without it
+        fix = "MISSING: run bash bench/gpu/wheels.sh where pip reaches PyPI"
+        lines = [ln.replace("(absent)", fix) if ln.startswith(wheels) else ln for ln in lines]
+        rc = 1
     print("\n".join(lines))
     return rc if total <= pack_cifar.LIMIT else 1
 
@@ -917,28 +1075,84 @@ def prepare(args) -> int:
 SECTIONS = {"a": section_a, "b": section_b, "c": section_c, "d": section_d}
 
 
+def refuse(text: str) -> int:
+    print(f"error: {text}", file=sys.stderr)
+    return 2
+
+
+def work_refusal(work: Path) -> str | None:
+    """Why ``--work`` cannot be the scratch folder (None: it can). The run clears its
+    scratch folder: one that holds files and no MARKER is not ours to clear."""
+    if work.exists() and not work.is_dir():
+        return f"--work {work} is a file: give a folder, or leave --work out (a new one in /tmp)"
+    if work.is_dir() and any(work.iterdir()) and not (work / MARKER).is_file():
+        return (f"--work {work} holds files and is not a scratch folder of this script (no "
+                f"{MARKER} in it), and a run clears its scratch folder: give a new or empty "
+                "folder, e.g. --work /tmp/my-e2e, or leave --work out (a new one in "
+                "/tmp)")  # fmt: skip
+    return None
+
+
+def make_work(work: Path | None, smoke: bool) -> Path:
+    """The scratch folder, marked as ours: a new one in /tmp (``work`` None: two runs at once
+    never share one), or ``work`` emptied (work_refusal found it empty, absent or ours)."""
+    if work is None:
+        work = Path(tempfile.mkdtemp(prefix="hybridpar-e2e-smoke-" if smoke else "hybridpar-e2e-"))
+    elif (work / MARKER).is_file():
+        shutil.rmtree(work)  # an earlier run's scratch folder
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("a scratch folder of bench/gpu/e2e.py: a run with --work here "
+                               "clears it\n")  # fmt: skip
+    return work.resolve()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, a few steps")
     p.add_argument("--prepare", action="store_true", help="here: pack, compile, sizes")
     p.add_argument("--sections", default="a,d,b,c", help="which, in this order")
     p.add_argument("--budget-s", type=float, default=None, help="480 (GPU), 240 (--smoke)")
-    p.add_argument("--work", default=None, help="scratch folder (default /tmp/hybridpar-e2e)")
-    p.add_argument("--out", default=None, help="result file (default bench/results/gpu/e2e_...)")
+    p.add_argument("--work", default=None,
+                   help="scratch folder, cleared (default: a new one in /tmp); one that holds "
+                        "files this script did not make is refused")  # fmt: skip
+    p.add_argument("--out", default=None,
+                   help="result file (default bench/results/gpu/e2e_GPU_DATE_TIME.txt; with "
+                        "--smoke, in the scratch folder); an existing one needs "
+                        "--overwrite")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--copy-to", default=os.environ.get("OUT") or None,
                    help="also copy the result and records here (default $OUT)")
     p.add_argument("--pack", default=str(GPU_DIR / "data"))
     p.add_argument("--peers", default=str(GPU_DIR / "peers"))
     p.add_argument("--per-class", type=int, default=20, help="--smoke: CIFAR images per class")
-    p.add_argument("--airbench-runs", type=int, default=3)
+    p.add_argument("--cifar-runs", type=int, default=None,
+                   help="(b): runs a side, ours (seeds 0..) and airbench94's, medians "
+                        "compared (default 3; 2 with --smoke)")  # fmt: skip
     p.add_argument("--jobs", type=int, default=None,
                    help="sections at once: 1 on a GPU (timings), 3 with --smoke ((d) after (a))")
     p.add_argument("--gpu-aot-path", default=os.environ.get("HYBRIDPAR_GPU_AOT_PATH", ""),
                    help="--prepare: a folder holding jax's CUDA plugin (pip install --target)")
     args = p.parse_args(argv)
-    args.work = args.work or ("/tmp/hybridpar-e2e" + ("-smoke" if args.smoke else ""))
     if args.prepare:
         return prepare(args)
+    # every refusal before anything is written or run
+    funcs = SECTIONS
+    keys = [k.strip() for k in args.sections.split(",") if k.strip()]
+    bad = [k for k in keys if k not in funcs]
+    if bad or not keys:
+        return refuse(f"--sections {args.sections!r}: unknown {','.join(bad) or 'empty'}; "
+                      "give some of a, b, c, d, e.g. --sections a,d")  # fmt: skip
+    if args.cifar_runs is None:
+        args.cifar_runs = 2 if args.smoke else 3
+    if args.cifar_runs < 1:
+        return refuse(f"--cifar-runs {args.cifar_runs}: give 1 or more, e.g. --cifar-runs 3")
+    if args.out and Path(args.out).exists() and not args.overwrite:
+        return refuse(f"--out {args.out} exists: give a new file, or add --overwrite to "
+                      "replace it")  # fmt: skip
+    work = Path(args.work).resolve() if args.work else None
+    why = work_refusal(work) if work else None
+    if why:
+        return refuse(why)
     if args.budget_s is None:
         args.budget_s = 240.0 if args.smoke else 480.0
     if args.smoke:  # one device, as the GPU machine has (the test suite asks for 8 CPUs)
@@ -946,19 +1160,36 @@ def main(argv=None) -> int:
                  if not f.startswith("--xla_force_host_platform_device_count")]  # fmt: skip
         os.environ["XLA_FLAGS"] = " ".join(flags)
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    existed = work is not None and work.is_dir()
+    args.work = str(make_work(work, args.smoke))
     ctx = Context(args)
-    if ctx.work.exists():
-        shutil.rmtree(ctx.work)
-    ctx.work.mkdir(parents=True)
+    print(f"scratch folder: {ctx.work}", flush=True)
     ctx.device = PROBE_FN(ctx.work)
     dev = ctx.device
     name = gpu_name(dev.get("kind", "")) or dev.get("platform", "dev")
-    day = datetime.date.today().isoformat()
-    # a smoke's figures are not results: its file stays in the scratch folder
+    now = datetime.datetime.now(datetime.timezone.utc)
+    # a smoke's figures are not results: its file stays in the scratch folder. The time in
+    # the name (and a number where even that is taken): a second try of the same call, on a
+    # machine that kept the first's file, writes a file of its own
     folder = ctx.work if args.smoke else ROOT / "bench" / "results" / "gpu"
-    out = Path(args.out) if args.out else folder / (
-        f"e2e_{name}_{day}" + ("_smoke" if args.smoke else "") + ".txt")
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    stem = f"e2e_{name}_{now:%Y-%m-%d_%H%M%S}" + ("_smoke" if args.smoke else "")
+    out = Path(args.out) if args.out else folder / f"{stem}.txt"
+    n = 1
+    while not args.out and out.exists():
+        n += 1
+        out = folder / f"{stem}_{n}.txt"
+    if not args.smoke and dev.get("platform") != "gpu":
+        why = (f"JAX's default backend here is {dev.get('platform')} ({dev.get('kind')}), "
+               "not a GPU, and this call measures one: bash bench/gpu/e2e.sh --smoke checks "
+               "the script on CPU with tiny shapes")  # fmt: skip
+        if dev.get("platform") == "?":
+            said = Proc("probe", None, 0, False, ctx.work / "logs" / "probe.log").tail(1)
+            why = f"JAX did not start here: {said[0] if said else 'no output'}"
+        shutil.rmtree(ctx.work)  # what this run wrote; a folder given that was there stays
+        if existed:
+            ctx.work.mkdir()
+        return refuse(why)
+    stamp = now.strftime("%Y-%m-%d %H:%M UTC")
     header = [
         f"# bash bench/gpu/e2e.sh{' --smoke' if args.smoke else ''}, {stamp}: "
         f"{dev.get('count')} x {dev.get('kind')} ({dev.get('platform')}); jax {dev.get('jax')} "
@@ -970,18 +1201,13 @@ def main(argv=None) -> int:
     if args.smoke:
         header.append("# SMOKE: CPU, tiny shapes, a few steps: these figures say the script "
                       "works, nothing about speed or accuracy")
-    funcs = SECTIONS
-    keys = [k.strip() for k in args.sections.split(",") if k.strip()]
-    bad = [k for k in keys if k not in funcs]
-    if bad:
-        p.error(f"--sections: unknown {','.join(bad)}; a, b, c, d")
     done: dict[str, Section] = {}
     lock = __import__("threading").Lock()
 
     def one(key: str) -> None:
         if ctx.budget.left() < 20:
-            s = Section(key, f"({key}) skipped: the budget of {args.budget_s:g}s is spent")
-            s.error = "budget"
+            s = Section(key, f"({key}) not run")
+            s.fail(f"the budget of {args.budget_s:g}s (--budget-s) is spent")
         else:
             try:
                 s = funcs[key](ctx)
@@ -1012,7 +1238,13 @@ def main(argv=None) -> int:
         copy_out(Path(args.copy_to), out, ctx.work)
     print(out.read_text())
     print(f"result: {out}")
-    return 0
+    # the file holds what ran; the exit status says whether all that was asked for did
+    for s in sections:
+        if s.error:
+            print(f"({s.key}) failed: {s.error}")
+        if s.missing:
+            print(f"({s.key}) skipped: {s.missing}")
+    return 1 if any(gaps(sections)) else 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 # The trainer on one GPU, end to end, in one device call: the README's
 # digits job, CIFAR-10 to 94% on device-resident data beside airbench94, the DAWNBench
 # ResNet-50 stages against the step bench, and a program compiled ahead and loaded. Writes
-# bench/results/gpu/e2e_<gpu>_<date>.txt (tables, then one key=value line, ratios first);
-# with $OUT set (the device machine), copies it there with the runs' records and logs.
+# bench/results/gpu/e2e_<gpu>_<date>_<time>.txt (tables, then one key=value line, ratios
+# first); with $OUT set (the device machine), copies it there with the runs' records and logs.
+# Exit 1 where a section failed or lacked an input (the file keeps what ran), 2 on a refusal.
 #
 #   bash bench/gpu/e2e.sh --prepare   # here first: CIFAR-10 pack, compiled files, sizes
 #   bash bench/gpu/e2e.sh             # the GPU machine: about 8 minutes on one H100
