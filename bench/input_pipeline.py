@@ -29,11 +29,12 @@ copy per core vs PIL per core at 128 px (target >= 2) and vs the bare decoder at
 Then, for the full copy alone, where its time goes: the seconds from opening its input to
 the first batch, and the rate after it (``full_steady_per_core_vs_bare_224``). The trainer
 opens one input per curriculum stage (and the next while the one before is read).
+
+A count under 1 or missing data: one ``error:`` line, exit code 2, before the data is prepared.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import multiprocessing as mp
 import os
@@ -45,6 +46,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from hybridpar.config import cli
+from hybridpar.simulate.cli import count
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("HYBRIDPAR_DATA", ROOT.parent / "shared" / "data"))
@@ -172,15 +176,18 @@ def time_open(pipe, size, epochs, batch=BATCH):
     return statistics.median(opens), statistics.median(rates)
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--images", type=int, default=2000, help="images per measurement")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--workers", type=int, default=os.cpu_count(), help="cores to use")
-    args = p.parse_args()
+def main(argv=None):
+    p = cli.ArgumentParser("python bench/input_pipeline.py", __doc__.splitlines()[0],
+                           takes_config=False)  # fmt: skip
+    p.add_argument("--images", type=count("a number of images", "2000"), default=2000,
+                   help="images per measurement")  # fmt: skip
+    p.add_argument("--repeats", type=count("a number of repeats", "3"), default=3)
+    p.add_argument("--workers", type=count("a number of cores", "2"), default=os.cpu_count(),
+                   help="cores to use")  # fmt: skip
+    args = p.parse_args(argv)
     tar = DATA / "imagenet-sample" / "train.tar"
-    if not tar.is_file():
-        raise SystemExit(f"error: {tar} not found; set HYBRIDPAR_DATA to the shared data folder")
+    if not tar.is_file():  # before the minutes of preparing it
+        cli.fail(f"{tar} not found; set HYBRIDPAR_DATA to the shared data folder")
 
     from hybridpar.input.pipeline import ImagePipeline
     from hybridpar.input.prepare import prepare

@@ -57,6 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hybridpar.config import cli
+from hybridpar.simulate.cli import count
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import flax_reference
@@ -155,7 +158,6 @@ class TorchMatmul:
 def hybridpar_program(dtype: str, size: int, batch: int, overrides=(), config_file=None):
     """``(config, mesh, program)``: the recipe with ``precision.compute=dtype`` at ``size``,
     through the train CLI's own override parser and set-up (no data)."""
-    from hybridpar.config import cli
     from hybridpar.runtime.run import setup
 
     cfg = cli.load(str(config_file or ROOT / "experiments" / "resnet50_imagenet.py"))
@@ -387,15 +389,37 @@ def time_interleaved(cands, setup_s, peak_fns, peak_samples, args) -> dict:
     return {id(c): args.batch / statistics.median(times[id(c)]) for c in cands}
 
 
+IMPLS = ("hybridpar", "flax", "torch")
+
+
+def counts(meaning: str, example: str):
+    """``type=`` of a comma-separated list of whole numbers >= 1 (``count`` for each)."""
+    one = count(meaning, example)
+
+    def parse(text: str) -> list[int]:
+        values = [one(t.strip()) for t in text.split(",") if t.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r} names none; e.g. {example}")
+        return values
+
+    return parse
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="128,224", help="image sizes (px), comma-separated")
-    p.add_argument("--batch", type=int, default=16, help="global batch of every candidate")
+    p = cli.ArgumentParser("python bench/resnet50_step.py", __doc__.splitlines()[0],
+                           takes_config=False)  # fmt: skip
+    p.add_argument("--sizes", type=counts("an image side in px", "128,224"), default="128,224",
+                   help="image sizes (px), comma-separated")  # fmt: skip
+    p.add_argument("--batch", type=count("a global batch", "16"), default=16,
+                   help="global batch of every candidate")  # fmt: skip
     p.add_argument("--dtypes", default="float32,bfloat16", help="compute dtypes")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (median over them)")
-    p.add_argument("--steps", type=int, default=1, help="train steps per candidate per round")
+    p.add_argument("--repeats", type=count("a number of rounds", "5"), default=5,
+                   help="timed rounds (median over them)")  # fmt: skip
+    p.add_argument("--steps", type=count("a number of steps", "1"), default=1,
+                   help="train steps per candidate per round")  # fmt: skip
     p.add_argument("--warmup", type=int, default=1, help="untimed steps after the first")
-    p.add_argument("--impls", default="hybridpar,flax,torch", help="candidates to run")
+    p.add_argument("--impls", default="hybridpar,flax,torch",
+                   help=f"candidates to run, comma-separated, of {','.join(IMPLS)}")  # fmt: skip
     p.add_argument(
         "--set",
         action="append",
@@ -410,15 +434,24 @@ def parse_args(argv=None):
         metavar="NAME:KEY=VALUE[,KEY=VALUE]",
         help="an extra hybridpar candidate with these overrides; repeatable",
     )
-    p.add_argument("--matmul-n", type=int, default=2048, help="matrix size for the peak")
+    p.add_argument("--matmul-n", type=count("a matrix side", "2048"), default=2048,
+                   help="matrix size for the peak")  # fmt: skip
     p.add_argument(
         "--torch-threads",
+        type=counts("a number of threads", "1,2"),
         default=",".join(sorted({"1", str(os.cpu_count())})),
         help="PyTorch thread counts, one row each; ratios use the fastest. On a shared "
         "machine OpenMP's spinning barriers can stall all-core runs when another job takes "
         "a core, so one thread is measured too",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warmup < 0:
+        cli.fail(f"--warmup {args.warmup} must be >= 0 (0: none after the first), e.g. --warmup 1")
+    unknown = [i for i in args.impls.split(",") if i.strip() and i.strip() not in IMPLS]
+    if unknown:  # an unknown name would be skipped unsaid
+        cli.fail(f"--impls: {','.join(unknown)} is not one of {','.join(IMPLS)}; "
+                 "e.g. --impls hybridpar,flax")  # fmt: skip
+    return args
 
 
 def _pairs(text: str):
@@ -426,14 +459,16 @@ def _pairs(text: str):
     for kv in filter(None, (s.strip() for s in text.split(","))):
         k, sep, v = kv.partition("=")
         if not sep:
-            raise SystemExit(f"error: {kv!r} is not KEY=VALUE")
+            cli.fail(
+                f"--set/--variant: {kv!r} is not KEY=VALUE; e.g. --set precision.params=bfloat16"
+            )
         out.append((k.strip(), v.strip()))
     return out
 
 
 def main(argv=None):
     args = parse_args(argv)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes
     dtypes = [d.strip() for d in args.dtypes.split(",")]
     impls = [s.strip() for s in args.impls.split(",")]
     base = _pairs(",".join(args.set))
@@ -445,11 +480,14 @@ def main(argv=None):
     notes = []
     if "torch" in impls and torch is None:
         notes.append("PyTorch rows skipped: torch is not installed (pip install -e '.[bench]')")
-    torch_threads = sorted({int(t) for t in args.torch_threads.split(",")})
+    torch_threads = sorted(set(args.torch_threads))
     if use_torch:
         torch.set_num_threads(max(torch_threads))
     if "flax" in impls and not variants:
-        raise SystemExit("error: the flax candidate takes its recipe from hybridpar's config")
+        cli.fail(
+            "--impls flax takes its recipe from hybridpar's config: add hybridpar or a "
+            "--variant, e.g. --impls hybridpar,flax"
+        )
 
     # Matmul peaks, timed in every round with the steps, under the same load.
     peaks_fns = {("jax", d): JaxMatmul(d, args.matmul_n) for d in dtypes}
@@ -572,6 +610,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from hybridpar.config import cli
-
     cli.main(main)  # a bad --set is one error: line

@@ -1,6 +1,9 @@
 """The per-step floor of the scaling model (``hybridpar.simulate.hardware.STEP_FLOOR_S``): how
 long the host takes to dispatch one jitted train step over a train state of ResNet-50's
-number of arrays, when the step itself computes next to nothing.
+number of arrays, when the step itself computes next to nothing. The floor wanted is an
+accelerator host's: the step runs on the machine's accelerator where it has one, else on the
+CPU (``cli.cpu_when_no_accelerator``); ``JAX_PLATFORMS`` picks another. The last line names
+the device it ran on.
 
     python bench/step_floor.py [--arrays 428] [--steps 200] [--repeats 5]
 
@@ -11,7 +14,6 @@ A count under 1: one ``error:`` line, exit code 2. Measured figures:
 """
 
 import argparse
-import os
 import time
 
 from hybridpar.config import cli  # JAX-free: a bad flag is refused before JAX loads
@@ -28,13 +30,21 @@ def positive_int(text: str) -> int:
     return value
 
 
-p = cli.ArgumentParser("python bench/step_floor.py", __doc__.splitlines()[0], takes_config=False)
-p.add_argument("--arrays", type=positive_int, default=161 + 161 + 106)
+SUMMARY = (
+    "The scaling model's per-step floor: how long the host takes to dispatch one jitted train "
+    "step over ResNet-50's number of arrays when the step computes next to nothing. Runs on "
+    "the machine's accelerator, or the CPU where it has none (JAX_PLATFORMS picks another)."
+)
+p = cli.ArgumentParser("python bench/step_floor.py", SUMMARY, takes_config=False)
+p.add_argument("--arrays", type=positive_int, default=161 + 161 + 106,
+               help="arrays in the train state (ResNet-50's: 428)")  # fmt: skip
 p.add_argument("--steps", type=positive_int, default=200, help="steps per repeat")
 p.add_argument("--repeats", type=positive_int, default=5, help="timed repeats (the fastest)")
 args = p.parse_args()
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The accelerator where there is one (a GPU or TPU host's floor is the one wanted); the CPU,
+# without libtpu's warnings, where there is none.
+cli.cpu_when_no_accelerator()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import types
@@ -42,7 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import NO_LLVM_OPT, NO_LLVM_OPT_FLAG, ROOT, bench_module, build, cpu_env, random_like
+from helpers import (
+    NO_LLVM_OPT,
+    NO_LLVM_OPT_FLAG,
+    ROOT,
+    bench_module,
+    build,
+    cpu_env,
+    main_here,
+    random_like,
+)
 
 from hybridpar import shard_batch
 from hybridpar.config.schema import load_config
@@ -487,6 +497,104 @@ def test_step_floor_refuses_counts_under_one_with_one_error_line():
         assert r.returncode == 2, r.stderr
         assert r.stderr.startswith(f"error: argument {flag}: '0' must be 1 or more"), r.stderr
         assert len(r.stderr.splitlines()) == 1 and "floor_us" not in r.stdout
+
+
+# (bench, argv, the error line's start): each refused before anything is compiled or prepared.
+# Planted bugs that fail them: type=int on a count; mesh_overhead without check_mesh;
+# input_pipeline's missing data raised as SystemExit(message) (exit code 1).
+RESNET = ["--impls", "hybridpar", "--dtypes", "float32", "--sizes", "32", "--batch", "8",
+          "--matmul-n", "64"]  # fmt: skip
+BAD_BENCH_FLAGS = [
+    ("mesh_overhead", ["--repeats", "0"],
+     "argument --repeats: '0' is not a number of timed blocks >= 1; e.g. 7"),
+    ("mesh_overhead", ["--mesh", "data:3"],
+     "--mesh data:3: mesh spec 'data:3' needs 3 devices but 8 are available; give axes whose "
+     "sizes multiply to the 8 devices here, e.g. --mesh data:4,model:2"),
+    ("mesh_overhead", ["--batch", "6"],
+     "--batch 6 does not split over the 4 data-parallel devices of --mesh data:4,model:2; use "
+     "a multiple of 4, e.g. --batch 4"),
+    ("input_pipeline", ["--images", "0"], "argument --images: '0' is not a number of images >= 1"),
+    ("input_pipeline", ["--workers", "0"], "argument --workers: '0' is not a number of cores >= 1"),
+    ("input_pipeline", ["--repeats", "0"], "argument --repeats: '0' is not a number of repeats"),
+    ("input_pipeline", [], "{data}/imagenet-sample/train.tar not found; set HYBRIDPAR_DATA"),
+    ("resnet50_step", [*RESNET, "--batch", "0"], "argument --batch: '0' is not a global batch"),
+    ("resnet50_step", [*RESNET, "--sizes", "32,0"], "argument --sizes: '0' is not an image side"),
+    ("resnet50_step", [*RESNET, "--sizes", "32,x"], "argument --sizes: 'x' is not an image side"),
+    ("resnet50_step", [*RESNET, "--repeats", "0"], "argument --repeats: '0' is not a number of"),
+    ("resnet50_step", [*RESNET, "--steps", "0"], "argument --steps: '0' is not a number of steps"),
+    ("resnet50_step", [*RESNET, "--matmul-n", "0"], "argument --matmul-n: '0' is not a matrix"),
+    ("resnet50_step", [*RESNET, "--warmup", "-1"], "--warmup -1 must be >= 0"),
+    ("resnet50_step", [*RESNET, "--impls", "hybridpar,flaxx"], "--impls: flaxx is not one of"),
+    ("resnet50_step", [*RESNET, "--set", "foo"], "--set/--variant: 'foo' is not KEY=VALUE"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "bench,argv,says",
+    BAD_BENCH_FLAGS,
+    ids=[f"{b}:{' '.join(a[-2:]) or 'no-data'}" for b, a, _ in BAD_BENCH_FLAGS],
+)
+def test_benches_refuse_bad_flags_with_one_error_line(
+    bench, argv, says, tmp_path, monkeypatch, capsys
+):
+    """A count of 0 (StatisticsError, ZeroDivisionError, a pool of no processes), a mesh or
+    batch that does not fit (a ConfigError traceback naming the trainer's --config flags) and
+    missing data (exit code 1) were found after seconds to minutes of work: each is one
+    error: line naming the flag, exit code 2, and nothing printed, before that work."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # resnet50_step adds bench/ to it
+    module = bench_module(bench)
+    monkeypatch.setattr(module, "DATA", tmp_path, raising=False)  # input_pipeline's data: none
+    code, out, err = main_here(module.main, argv, capsys, monkeypatch,
+                               ("XLA_FLAGS", "JAX_PLATFORMS"))  # fmt: skip
+    assert code == 2 and out == "", (out, err)
+    assert err.startswith("error: " + says.format(data=tmp_path)), err
+    assert len(err.splitlines()) == 1, err
+
+
+def _summary(out: str) -> str:
+    """--help's line under the usage (usage, blank line, the summary)."""
+    return out.split("\n\n")[1]
+
+
+@pytest.mark.parametrize("bench", ["mesh_overhead", "curriculum_tta", "step_floor"])
+def test_bench_help_says_what_it_does_in_whole_sentences(bench, monkeypatch, capsys):
+    """--help's description was the docstring's first line, cut mid-sentence ("...: how",
+    "... (8 virtual"). Planted bug that fails it: description=__doc__.splitlines()[0]."""
+    if bench == "step_floor":  # a script with no main(): JAX-free up to its flags
+        r = subprocess.run([sys.executable, str(ROOT / "bench" / "step_floor.py"), "--help"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)  # fmt: skip
+        code, out = r.returncode, r.stdout
+    else:
+        module = bench_module(bench)
+        monkeypatch.setattr(signal, "signal", lambda *a: None)  # curriculum_tta's handlers
+        code, out, _ = main_here(module.main, ["--help"], capsys)
+    summary = _summary(out)
+    assert code == 0 and "``" not in summary, out
+    assert len(summary.split()) >= 12 and summary.rstrip().endswith("."), summary
+    if bench == "step_floor":  # it runs on the host's accelerator, and says so
+        assert "accelerator" in summary and "JAX_PLATFORMS" in summary, summary
+
+
+@pytest.mark.parametrize("accelerator", [True, False], ids=["accelerator", "none"])
+def test_step_floor_defaults_to_the_cpu_only_where_there_is_no_accelerator(
+    accelerator, tmp_path, monkeypatch, capsys
+):
+    """The floor wanted is a GPU or TPU host's: there the bench leaves JAX_PLATFORMS unset
+    (JAX takes the accelerator), and sets it to cpu only where there is none. Planted bug that
+    fails it: os.environ.setdefault("JAX_PLATFORMS", "cpu") (a GPU host timed its CPU)."""
+    import runpy
+
+    from hybridpar.config import cli
+
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    # an accelerator's device file: one that exists (this folder), or none
+    monkeypatch.setattr(cli, "ACCELERATOR_FILES", (str(tmp_path),) if accelerator else ())
+    monkeypatch.setattr(sys, "argv", ["step_floor.py", "--arrays", "2", "--steps", "2",
+                                      "--repeats", "1"])  # fmt: skip
+    runpy.run_path(str(ROOT / "bench" / "step_floor.py"), run_name="__main__")
+    assert os.environ.get("JAX_PLATFORMS") == (None if accelerator else "cpu")
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("floor_us=") and last.endswith("device=cpu"), last  # JAX's, here
 
 
 def test_curriculum_tta_waits_for_an_evaluator_started_by_hand(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@
 
 import contextlib
 import dataclasses
+import glob
 import io
 import json
 import os
@@ -269,6 +270,45 @@ def test_gpu_bench_smoke_runs_without_tensorflow_or_ml_collections():
     assert r.returncode == 0, r.stderr[-3000:]
     last = r.stdout.strip().splitlines()[-1]
     assert "hybridpar_ips_32=" in last and "device=cpu" in last
+
+
+@pytest.mark.parametrize(
+    "args,jax_platforms,says",
+    [
+        (["--smoke"], None, "cpu"),  # no accelerator here: the CPU, without libtpu's E0000 lines
+        (["--quick"], None, "unset"),  # never the real run
+        (["--smoke"], "cuda", "cuda"),  # the user's choice wins
+    ],
+    ids=["smoke", "real", "smoke-set"],
+)
+def test_gpu_run_sh_smoke_runs_on_the_cpu_where_there_is_no_accelerator(
+    args, jax_platforms, says, tmp_path
+):
+    """bench/gpu/run.sh --smoke printed libtpu's E0000 lines on a CPU machine: JAX started every
+    installed plugin first. It now sets JAX_PLATFORMS=cpu for the smoke alone, as hybridpar's
+    tools do, where there is no GPU or TPU. A stand-in Python (no compile) shows what the
+    bench would be started with. Planted bug that fails it: no JAX_PLATFORMS in run.sh."""
+    from hybridpar.config import cli
+
+    if any(map(glob.glob, cli.ACCELERATOR_FILES)):
+        pytest.skip("an accelerator here: the smoke runs on it")
+    fake = tmp_path / "python"
+    fake.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in -) cat >/dev/null ;; -c) exit 1 ;; '  # the package check; no torch
+        '*) echo "JAX_PLATFORMS=${JAX_PLATFORMS-unset} $*" ;; esac\n'
+    )
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["PYTHON"] = str(fake)
+    if jax_platforms:
+        env["JAX_PLATFORMS"] = jax_platforms
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run.sh"), *args], env=env,
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == (
+        f"JAX_PLATFORMS={says} -u bench/gpu/resnet50_gpu.py --no-torch {' '.join(args)}"
+    ), r.stdout
 
 
 class Poisoned:

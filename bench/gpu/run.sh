@@ -7,7 +7,7 @@
 #
 #   bench/gpu/run.sh            # full: 5 rounds x 20 steps per candidate
 #   bench/gpu/run.sh --quick    # under 5 minutes on an H200
-#   bench/gpu/run.sh --smoke    # 32 px, batch 2, 1 step: checks it runs (CPU too)
+#   bench/gpu/run.sh --smoke    # 32 px, batch 2, 1 step: checks it runs (on the CPU if no GPU)
 #
 # Extra arguments go to bench/gpu/resnet50_gpu.py (--sizes, --batch, --set KEY=VALUE, ...).
 # Ends with one key=value line: ratio_vs_torch_128=... (hybridpar / PyTorch images/s).
@@ -20,6 +20,21 @@ PY="${PYTHON:-python3}"
 case " ${XLA_FLAGS:-} " in
   *xla_gpu_enable_triton_gemm*) ;;
   *) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_triton_gemm=false" ;;
+esac
+# The smoke on a machine with no accelerator runs on JAX's CPU backend, as hybridpar's own
+# tools choose it (cli.cpu_when_no_accelerator): else JAX first starts every installed plugin
+# (libtpu, CUDA), which print warnings and E0000 lines. Never the real run, nor where
+# JAX_PLATFORMS is set, nor on a GPU or TPU host (there the smoke checks that device).
+case " $* " in
+  *" --smoke "*)
+    accelerator=""
+    for f in /dev/nvidia[0-9]* /dev/accel[0-9]* /dev/vfio/[0-9]* /dev/kfd; do
+      [ -e "$f" ] && accelerator="$f"
+    done
+    if [ -z "${JAX_PLATFORMS+set}" ] && [ -z "$accelerator" ]; then
+      export JAX_PLATFORMS=cpu
+    fi
+    ;;
 esac
 "$PY" - <<'PYCHECK'
 import importlib.util, sys
