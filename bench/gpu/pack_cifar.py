@@ -5,7 +5,7 @@
     python bench/gpu/pack_cifar.py sizes  [--carry PATH ...]
 
 The lent GPU machine takes at most 64 MiB of files with a command, and the tars
-(train.tar 77 MB, test.tar 15 MB) are mostly tar headers and padding around 52.7 MiB of
+(train.tar 77 MB, test.tar 15 MB) are mostly tar headers and padding around some 53 MiB of
 JPEG bytes. ``pack`` writes each regular member's bytes unchanged, one after another, into
 ``cifar10.pack`` and what a tar needs besides (names, offsets, sizes, modes, times, a
 per-file hash, each source tar's sha256) into ``cifar10.index.json.gz``. ``unpack`` writes
