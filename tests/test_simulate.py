@@ -622,6 +622,35 @@ def test_comm_report_cli_simulates_the_compiled_step(tmp_path, capsys):
     assert "analytic ResNet-50 (counted, not compiled)" in legend and "ASSUMPTION" in legend
 
 
+@pytest.mark.parametrize(
+    "platform, kind, preset, says",
+    [
+        ("tpu", "TPU v5 lite", None, "--preset tpu-v5e"),
+        ("tpu", "TPU v5 lite", "tpu-v5e", None),
+        ("gpu", "NVIDIA H200", "tpu-v4", "--preset h200"),
+        ("gpu", "NVIDIA A100-SXM4-40GB", "a100-40gb", None),
+        ("cpu", "cpu", "tpu-v4", None),  # virtual CPU devices name no chip
+    ],
+)  # fmt: skip
+def test_a_report_of_one_chip_modelled_on_another_is_a_warning(
+    tmp_path, capsys, platform, kind, preset, says
+):
+    """A report compiled for a TPU target was modelled on the default h100 preset, said only
+    by the table's header. Planted bug that fails it: no check."""
+    rep = _report_dict([_row("all-reduce", 4, 100, None, groups="{}")], {"data": 8}, 64, (64,))
+    rep["devices"].update(platform=platform, kind=kind, virtual=False)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rep) + "\n")
+    flags = [] if preset is None else ["--preset", preset]
+    assert sim.main(["--comm-report", str(path), "--devices", "8", *flags]) == 0
+    warned = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning:")]
+    if says is None:
+        assert not warned
+    else:
+        assert len(warned) == 1 and f"was compiled for {kind}" in warned[0]
+        assert warned[0].endswith(f"pass {says} to model the chips it was compiled for")
+
+
 def _simulated(capsys, path, *flags) -> dict:
     assert sim.main(["--comm-report", str(path), "--devices", "8", "--json", *flags]) == 0
     return json.loads(capsys.readouterr().out)

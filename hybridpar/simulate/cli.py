@@ -522,6 +522,33 @@ def input_per_core(text: str) -> tuple[float, int]:
     return value
 
 
+# The preset of the chip a comm report's target names (its devices' kind, as the compiler
+# gives it: "TPU v5 lite", "NVIDIA H200"); more specific names first.
+CHIP_PRESETS = (
+    ("v6 lite", "tpu-v6e"), ("v6e", "tpu-v6e"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e"),
+    ("v5p", "tpu-v5p"), ("v5", "tpu-v5p"), ("v4", "tpu-v4"), ("v3", "tpu-v3"),
+    ("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v100", "v100"), ("p100", "p100"),
+)  # fmt: skip
+
+
+def warn_other_chip(devices: dict, preset: str, path: str) -> None:
+    """A report compiled for one accelerator (``--target``) modelled on another's figures
+    (``--preset``, h100 by default) was said only by the table's header. Virtual CPU
+    devices' reports name no chip: any preset models them."""
+    if devices.get("platform") not in ("tpu", "gpu", "cuda"):
+        return
+    kind = str(devices.get("kind", "")).lower()
+    chip = next((p for k, p in CHIP_PRESETS if k in kind), None)
+    # a chip's presets share its name's start (a100, a100-40gb; v100-25gbe, v100-100gbe)
+    if chip is None or preset == chip or preset.startswith(chip + "-"):
+        return
+    fits = [p for p in PRESETS if p == chip or p.startswith(chip + "-")]
+    print(f"warning: --comm-report {path} was compiled for {devices.get('kind')} and is "
+          f"modelled on --preset {preset}'s chips and links; pass --preset "
+          f"{' or '.join(fits)} to model the chips it was compiled for",
+          file=sys.stderr)  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = cli.ArgumentParser(
         "python -m hybridpar.simulate",
@@ -874,6 +901,7 @@ def _main(args) -> int:
         try:
             report = read_comm_report(args.comm_report)
             workload = workload_from_report(report)
+            warn_other_chip(report.devices, preset.name, args.comm_report)
         except OSError as e:
             raise ValueError(
                 f"--comm-report {args.comm_report}: cannot read it ({e.strerror or e}); name "
