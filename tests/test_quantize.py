@@ -15,7 +15,9 @@
 * The report says how to feed the LiteRT file (its input and output as the file has them);
   the StableHLO file is exported for CPU, GPU and TPU; a run still training is quantized
   with a ``warning:`` line naming its step; a killed quantize's leftovers are cleared and
-  its old results never lost.
+  its old results never lost; Ctrl-C while it writes (even inside a gc callback) stops it
+  with its line and 130, the old results kept; a signal during the move waits for its end;
+  Ctrl-C while prune writes leaves no run.
 """
 
 import contextlib
@@ -24,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -37,7 +40,7 @@ from helpers import DIGITS, TINY_DIGITS, config_args, main_here, random_variable
 from hybridpar.config.errors import ConfigError
 from hybridpar.models.resnet import ResNet50, ResNetTiny
 from hybridpar.program import int8
-from hybridpar.runtime import run, run_config, trained, trainer
+from hybridpar.runtime import run, run_config, signals, trained, trainer
 from hybridpar.runtime.run import setup
 from hybridpar.tools import quantize
 
@@ -445,6 +448,123 @@ def test_a_killed_quantize_loses_no_results(tmp_path, monkeypatch):
     quantize.clear_stale(str(out))
     assert sorted(os.listdir(tmp_path)) == ["quantized", f"quantized.tmp-{live}"]
     assert (out / "report.json").read_text() == "new"
+
+
+class _Exited(SystemExit):
+    """What the fake ``os._exit`` raises (main_here reads its code)."""
+
+
+def _fake_exit(monkeypatch, where):
+    """``os._exit`` recording ``(code, the files in where)`` and raising ``_Exited``: where it
+    is called inside a gc callback the exception is dropped, so the step that sent the
+    signal raises it again (``_signal_in_gc``) as the real one would never return."""
+    exits = []
+
+    def fake(code):
+        exits.append((code, sorted(os.listdir(where))))
+        raise _Exited(code)
+
+    monkeypatch.setattr(os, "_exit", fake)
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: None)  # the dropped exception
+    return exits
+
+
+def _signal_in_gc(sig, exits):
+    """``sig`` sent inside a gc callback, as to the user's quantize (JAX's
+    ``_xla_gc_callback``): a KeyboardInterrupt raised there is dropped."""
+    import gc
+
+    def callback(phase, info):
+        if phase == "start":
+            gc.callbacks.remove(callback)
+            signal.raise_signal(sig)  # its Python handler runs here, in the callback
+
+    gc.callbacks.append(callback)
+    gc.collect()
+    if exits:
+        raise _Exited(exits[0][0])
+
+
+def _files(d):
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir())}
+
+
+def test_ctrl_c_while_writing_keeps_the_old_results(quantized, tmp_path, monkeypatch, capsys):
+    """The user's stop: Ctrl-C in the middle of writing the new files, landing inside a gc
+    callback, stops the command at once: ``stopped (Ctrl-C): nothing written``, exit 130, the
+    half-written folder gone and the old results as they were. Planted bug that fails it:
+    Python's default handler (its KeyboardInterrupt is dropped there, and the command went
+    on to replace them and exit 0)."""
+    w = tmp_path / "w"
+    shutil.copytree(quantized[0], w)
+    old = _files(w / "quantized")
+    exits = _fake_exit(monkeypatch, w)
+    export, handlers = int8.export, []
+
+    def export_then_stop(*a, **k):  # the second of the files written
+        export(*a, **k)
+        handlers.extend(map(signal.getsignal, (signal.SIGINT, signal.SIGTERM)))
+        _signal_in_gc(signal.SIGINT, exits)
+
+    monkeypatch.setattr(int8, "export", export_then_stop)
+    args = ["--workdir", str(w), "--overwrite", "--calibration", "max",
+            "--calibration-batches", "1", "--repeats", "1", "--config.mesh=data:-1"]  # fmt: skip
+    code, _, err = main_here(quantize.main, args, capsys)
+    assert code == 130 and err.splitlines()[-1] == "stopped (Ctrl-C): nothing written", err
+    assert exits == [(130, sorted(os.listdir(w)))] and "quantized" in exits[0][1], exits
+    assert not any(".tmp-" in f for f in exits[0][1]), exits  # removed before the exit
+    assert _files(w / "quantized") == old
+    assert isinstance(handlers[0], signals.StopWriting) and handlers[1] is handlers[0]  # SIGTERM's
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_during_the_move_waits_for_its_end(tmp_path, monkeypatch, capsys, sig):
+    """A signal between the two renames (the old results moved aside, the new not yet in)
+    is acted on after the move: the new results in place, nothing beside them, and the line
+    says so; exit 128 + the signal. Planted bug that fails it: the move not waited for (the
+    stop leaves no ``quantized/``)."""
+    out, tmp = tmp_path / "quantized", tmp_path / "quantized.tmp-1"
+    for d, text in ((out, "old"), (tmp, "new")):
+        d.mkdir()
+        (d / "report.json").write_text(text)
+    exits = _fake_exit(monkeypatch, tmp_path)
+    rename = os.rename
+
+    def stop_between(src, dst):
+        if str(src) == str(tmp):
+            signal.raise_signal(sig)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", stop_between)
+    said = lambda: (out / "report.json").read_text() if out.exists() else "none"  # noqa: E731
+    with signals.StopWriting(str(tmp), said), pytest.raises(_Exited):
+        quantize.move_into_place(str(tmp), str(out))
+    name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert capsys.readouterr().err == f"stopped ({name}): new\n"
+    assert exits == [(128 + sig, ["quantized"])] and _files(out) == {"report.json": b"new"}
+
+
+def test_ctrl_c_while_pruning_writes_nothing(quantized, tmp_path, monkeypatch, capsys):
+    """``prune``'s run, stopped by Ctrl-C inside a gc callback while it is written: one
+    line, exit 130, no ``--out`` and no half-written folder. Planted bug that fails it:
+    Python's default handler (the pruned run written anyway, exit 0)."""
+    from hybridpar.tools import prune
+
+    out = tmp_path / "p"
+    exits = _fake_exit(monkeypatch, tmp_path)
+    record = run_config.record_config
+
+    def record_then_stop(*a, **k):  # the first file of the pruned run
+        record(*a, **k)
+        _signal_in_gc(signal.SIGINT, exits)
+
+    monkeypatch.setattr(run_config, "record_config", record_then_stop)
+    code, _, err = main_here(prune.main, ["--workdir", str(quantized[0]), "--out", str(out),
+                                          "--fraction", "0.5"], capsys)  # fmt: skip
+    assert code == 130 and err.splitlines()[-1] == "stopped (Ctrl-C): nothing written", err
+    assert exits == [(130, [])], exits
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @pytest.mark.parametrize("method", ["max", "percentile"])

@@ -1,5 +1,7 @@
 """SIGTERM and SIGINT in training: ``EarlyStop`` before the loop, ``Preemption`` in it, and
-``StopBetweenRuns`` in the tools that run the trainer several times (compress, tune).
+``StopBetweenRuns`` in the tools that run the trainer several times (compress, tune);
+``StopWriting`` in the tools that write their output beside and move it in whole (quantize,
+prune).
 
 The train command installs ``EarlyStop`` on its first line: before the first step there is
 nothing to save, so a stop exits 0 at once. The loop installs ``Preemption``, which takes
@@ -14,10 +16,13 @@ import time: the command installs ``EarlyStop`` before it.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import sys
 import threading
+from typing import Callable
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
@@ -107,6 +112,72 @@ class StopBetweenRuns:
         print(f"{signal.Signals(signum).name}: {self.message}", file=sys.__stdout__,
               flush=True)  # fmt: skip
         os._exit(0)
+
+
+class StopWriting:
+    """SIGTERM / SIGINT in a tool that writes its output into ``temp`` and then moves it into
+    place (quantize, prune): ``temp`` removed, one line, ``stopped (Ctrl-C): `` (or
+    ``stopped (SIGTERM): ``) and ``said()`` (what the output is now), and exit 128 + the
+    signal, at once. Not by KeyboardInterrupt, Python's default: one raised inside JAX or a
+    gc callback is dropped ("Exception ignored"), and the tool went on to replace the output
+    it was stopped to keep. A signal inside ``whole()`` (the move) waits for its end."""
+
+    def __init__(self, temp: str, said: Callable[[], str]):
+        self.temp = temp
+        self.said = said
+        self.moving = False  # inside ``whole()``
+        self.pending: int | None = None  # a signal that came there
+        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __enter__(self) -> "StopWriting":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+    def __call__(self, signum, frame):
+        if self.moving:
+            self.pending = self.pending or signum
+        else:
+            self.stop(signum)
+
+    def stop(self, signum: int) -> None:
+        shutil.rmtree(self.temp, ignore_errors=True)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        said = self.said()
+        msg = f"stopped ({name})" + (f": {said}" if said else "")
+        try:
+            print(msg, file=sys.stderr, flush=True)
+        except RuntimeError:  # inside a print to the same stream (see Preemption._handler)
+            os.write(2, f"{msg}\n".encode())
+        try:
+            sys.stdout.flush()
+        except (RuntimeError, ValueError):  # inside a print to it, or closed
+            pass
+        os._exit(128 + signum)  # the exit status the signal's default action gives
+
+
+@contextlib.contextmanager
+def whole():
+    """A block (the moves that put a tool's output in place) that a ``StopWriting`` lets end
+    before it acts on a signal that came in it: the output is then the old one or the new
+    one, never neither, and the stop's line says which."""
+    handler = signal.getsignal(signal.SIGINT)
+    if not isinstance(handler, StopWriting):  # another tool's (compress's rounds), or none
+        yield
+        return
+    handler.moving = True
+    try:
+        yield
+    finally:
+        handler.moving = False
+        if handler.pending is not None:
+            handler.stop(handler.pending)
 
 
 class Preemption:

@@ -33,7 +33,7 @@ import numpy as np
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.runtime import trained
+from hybridpar.runtime import signals, trained
 
 CRITERIA = ("bn", "l1")
 RECORD = trained.PRUNED_RECORD  # where the pruned run came from, and how
@@ -255,7 +255,7 @@ def write_run(config, params, stats, out: str, mesh, record: dict | None = None)
         params=jax.device_put(params, prog.shardings.params),
         batch_stats=jax.device_put(stats, prog.shardings.batch_stats),
     )
-    tmp = os.path.abspath(f"{out}.tmp-{os.getpid()}")  # orbax takes absolute paths only
+    tmp = temp_of(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
@@ -270,10 +270,16 @@ def write_run(config, params, stats, out: str, mesh, record: dict | None = None)
             saver.finished(wait=True)
         finally:
             saver.close()
-        os.rename(tmp, out)
+        with signals.whole():  # the command's SIGINT / SIGTERM says what the rename left
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temp_of(out: str) -> str:
+    """Where ``write_run`` writes the run before it renames it to ``out``."""
+    return os.path.abspath(f"{out}.tmp-{os.getpid()}")  # orbax takes absolute paths only
 
 
 def pruned_config(config, widths: dict):
@@ -369,7 +375,10 @@ def main(argv=None) -> None:
             return f"{args.out} was written whole before the stop"
         return "nothing written"
 
-    cli.main(go, stopped)
+    # SIGINT / SIGTERM: stop at once, the half-written run removed (a KeyboardInterrupt
+    # inside JAX or a gc callback was dropped, and the run written anyway)
+    with signals.StopWriting(temp_of(args.out), stopped):
+        cli.main(go, stopped)
 
 
 if __name__ == "__main__":

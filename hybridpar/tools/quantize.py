@@ -31,7 +31,7 @@ import time
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.runtime import trained
+from hybridpar.runtime import signals, trained
 
 OUT = "quantized"
 CALIBRATIONS = ("max", "percentile", "mse")  # hybridpar.program.int8's (which imports JAX)
@@ -125,17 +125,24 @@ def clear_stale(out: str) -> None:
 def move_into_place(tmp: str, out: str) -> None:
     """``tmp`` (complete) becomes ``out``; an existing ``out`` is moved aside first and only
     then removed, so a kill at any moment leaves the old results or the new ones
-    (``clear_stale`` puts the old back after a kill between the two renames)."""
+    (``clear_stale`` puts the old back after a kill between the two renames). The command's
+    SIGINT / SIGTERM waits for the end of the move."""
     old = f"{out}.old-{os.getpid()}"
-    if os.path.exists(out):
-        os.rename(out, old)
-    try:
-        os.rename(tmp, out)
-    except BaseException:
-        if os.path.exists(old) and not os.path.exists(out):
-            os.rename(old, out)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    with signals.whole():
+        if os.path.exists(out):
+            os.rename(out, old)
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if os.path.exists(old) and not os.path.exists(out):
+                os.rename(old, out)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def temp_of(out: str) -> str:
+    """Where ``run`` writes the files before it moves them to ``out``."""
+    return f"{out}.tmp-{os.getpid()}"
 
 
 def litert_input(config, classes: int) -> dict:
@@ -382,7 +389,7 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         latency_s = time.time() - t0
 
     # ---- Files: written beside, then moved into place ----
-    tmp = f"{out}.tmp-{os.getpid()}"
+    tmp = temp_of(out)
     os.makedirs(tmp)
     try:
         np.savez(os.path.join(tmp, "params.npz"), **int8.flat(q))
@@ -521,7 +528,10 @@ def main(argv=None) -> None:
             return f"{os.path.dirname(report)} was written whole before the stop"
         return "nothing written"
 
-    cli.main(go, stopped)
+    # SIGINT / SIGTERM: stop at once, the half-written folder removed (a KeyboardInterrupt
+    # inside JAX or a gc callback was dropped, and the old results replaced)
+    with signals.StopWriting(temp_of(os.path.join(args.workdir, OUT)), stopped):
+        cli.main(go, stopped)
 
 
 def file_identity(path: str) -> tuple[int, int] | None:
