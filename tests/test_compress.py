@@ -222,7 +222,8 @@ def _fake_rounds(monkeypatch, drops=None):
     def make_round(config, args, index, keep, rd, rows, reference, log):
         made.append((index, keep))
         top1 = 0.9 - (drops or {}).get(index, 0.0) / 100
-        ev = {"float": {"top1": 0.9 if index == 0 else top1}, "int8": {"top1": top1}}
+        ev = {"float": {"top1": 0.9 if index == 0 else top1},
+              "int8": {"top1": top1, "examples": 360}}  # fmt: skip
         file_bytes = _fake_bytes(keep) + FAKE_OVERHEAD
         report = {"eval": ev, "params": int(1000 * keep), "weight_bytes_int8": _fake_bytes(keep),
                   "flops_per_image": 1, "latency_ms": {"int8_batch1_ms": 1.0},
@@ -338,7 +339,8 @@ def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
     file_at = _fake_size(w, "file")[1]
     assert file_at(keep) <= 40_000 < file_at(round(keep + 0.001, 3)), keep
     assert out[-1].startswith("kb_int8=30.0 ") and " file_kb=40.0 " in out[-1], out[-1]
-    assert out[-1].endswith(f" budget_of=file teacher_step={FAKE_STEP}"), out[-1]
+    assert out[-1].endswith(f" budget_kb=40 budget_of=file teacher_step={FAKE_STEP}"), out[-1]
+    assert not any("over 40 KB: --budget-of file" in x for x in out), out  # the file fits
     row = json.loads((w / "compress" / "round_03" / "result.json").read_text())
     assert row["budget_of"] == "file" and row["budget_kb"] == 40.0
     assert row["file_bytes"] == row["planned_bytes"] == file_at(keep)
@@ -347,6 +349,14 @@ def test_a_file_budget_bounds_the_file(tmp_path, monkeypatch):
     code, out, _ = _main(tmp_path / "t", "--budget-kb", "40")
     assert code == 0 and made == [] and out[-1].endswith(" budget_of=weights teacher_step=40")
     assert out[-1].startswith("kb_int8=32.1 ") and " file_kb=42.1 " in out[-1], out[-1]
+    # the weights met the budget, the file a device stores did not: the result says so,
+    # the file's KB beside the budget's (planted bug that fails it: "reached" alone)
+    assert " budget_kb=40 budget_of=weights " in out[-1], out[-1]
+    chosen = [x for x in out if x.startswith("smallest within")]
+    assert (
+        "budget 40 KB of weights reached; its model.tflite, the file a device stores, is "
+        "42.1 KB, over 40 KB: --budget-of file bounds the file); "
+    ) in chosen[0], chosen
 
 
 def test_the_rounds_table_has_each_files_size_and_latency(tmp_path, monkeypatch):
@@ -405,6 +415,131 @@ def test_a_budget_not_reached_exits_3(tmp_path, monkeypatch):
     assert "budget 40 KB of weights NOT reached" in "\n".join(out), out
     assert out[-1].startswith("kb_int8=56.8 "), out  # round 1: the smallest within the drop
     assert len(err) == 1 and err[0].startswith("budget not reached: ") and "56.8 KB" in err[0]
+
+
+def test_the_advice_of_exit_3_works_on_the_loop(tmp_path, monkeypatch):
+    """The line before exit 3 says why the loop stopped and names what changes that on this
+    loop, and each thing it names does. The drop stopped it: --max-drop, a loop folder of
+    its own for another --step or --epochs (the loop's settings: on it they are an error),
+    a budget the chosen round meets; never --max-rounds. The rounds ran out: --max-rounds.
+    Planted bug that fails it: one advice for every stop ("a larger --epochs, a smaller
+    --step ... or more --max-rounds")."""
+    w = _fake_teacher(tmp_path / "t")
+    made = _fake_rounds(monkeypatch, drops={2: 3.0})
+    code, _, err = _main(w, "--budget-kb", "40")
+    assert code == 3 and len(err) == 1, err
+    loop = w / "compress"
+    assert err[0] == (
+        "budget not reached: the smallest int8 model within 1 points is 56.8 KB of weights "
+        "(round 1), over --budget-kb 40 (round 2 lost 3.00 points, over --max-drop 1, which "
+        "ends the loop); pass --max-drop 3 (or more) to accept it and go on from it; for "
+        "other rounds (another --step or --epochs: this loop's are --step 0.25 --epochs 3) "
+        f"move {loop} away, or pass another --seed (a loop folder of its own); or pass "
+        "--budget-kb 56.8 (or more) to take round 1"
+    ), err
+    # what it does not name does nothing here: more rounds, the same drop, the same stop
+    assert _main(w, "--budget-kb", "40", "--max-rounds", "9")[2] == err
+    assert _main(w, "--budget-kb", "40", "--epochs", "6")[0] == 2  # the loop's setting
+    # what it names: each ends the loop at the budget, or runs another loop
+    assert _main(w, "--budget-kb", "56.8")[0] == 0
+    assert _main(w, "--budget-kb", "40", "--max-drop", "3")[0] == 0 and len(made) == 3
+    code, _, err2 = _main(w, "--budget-kb", "40", "--seed", "8", "--epochs", "6")
+    assert code == 3 and len(made) == 6 and (w / "compress_seed8").is_dir(), err2
+    # the rounds ran out (round 1 fitted to 60 KB; --max-rounds 1 at 40 KB stops there)
+    w = _fake_teacher(tmp_path / "t2")
+    made = _fake_rounds(monkeypatch)
+    assert _main(w, "--budget-kb", "60")[0] == 0 and len(made) == 2
+    code, _, err = _main(w, "--budget-kb", "40", "--max-rounds", "1")
+    assert code == 3 and err == [
+        "budget not reached: the smallest int8 model within 1 points is 59.9 KB of weights "
+        "(round 1), over --budget-kb 40 (round 1 was the last that --max-rounds 1 allows); "
+        "pass --max-rounds 2 (or more) to go on from it; or pass --budget-kb 60 (or more) "
+        "to take round 1"
+    ], err
+    assert _main(w, "--budget-kb", "40", "--max-rounds", "2")[0] == 0 and len(made) == 3
+    # round 0, the teacher in int8, past the drop: --max-drop, or another --calibration
+    w = _fake_teacher(tmp_path / "t3")
+    made = _fake_rounds(monkeypatch, drops={0: 2.0})
+    code, _, err = _main(w, "--budget-kb", "40")
+    assert code == 3 and made == [(0, 1.0)], (made, err)
+    assert err == [
+        "budget not reached: no int8 model within 1 points (round 0 lost 2.00 points, over "
+        "--max-drop 1, which ends the loop); pass --max-drop 2 (or more), or another "
+        f"--calibration with {w / 'compress'} moved away (or another --seed)"
+    ], err
+    assert _main(w, "--budget-kb", "40", "--max-drop", "2")[0] == 0
+
+
+def test_the_result_says_which_images_chose_and_measured_it(tmp_path, monkeypatch):
+    """The drop that chose the round and the top-1 reported are on the same eval images
+    (the test split): the result says so, with their count and top-1's binomial standard
+    error in points (0.9 over 360 images: 1.58), also for a row from before the key (its
+    quantize report's count). Planted bug that fails it: the line without them."""
+    from hybridpar.tools import compress
+
+    w = _fake_teacher(tmp_path / "t")
+    _fake_rounds(monkeypatch)
+    code, out, _ = _main(w, "--budget-kb", "40")
+    assert code == 0
+    assert out[-1].startswith("kb_int8=39.9 top1_drop=0.00 top1_se=1.58 top1=0.9000 "), out[-1]
+    assert " eval_images=360 chosen_on=test measured_on=test budget_kb=40 " in out[-1], out[-1]
+    chosen = [x for x in out if x.startswith("smallest within")]
+    assert chosen[0].startswith(
+        "smallest within 1 points on the test split's 360 images, which chose it and "
+        "measured it (one image 0.28 points, top-1's standard error 1.58 points): round 2 "
+    ), chosen
+    rd = tmp_path / "old" / "quantized"
+    rd.mkdir(parents=True)
+    (rd / "report.json").write_text(json.dumps({"eval": {"int8": {"examples": 100}}}))
+    old = {"top1": 0.5, "exported": str(rd / "model.jax_exported")}
+    assert compress.eval_images(old) == 100 and compress.top1_se(old) == 5.0
+    assert compress.top1_se({**old, "exported": str(tmp_path / "none" / "m")}) is None
+
+
+def test_a_round_an_earlier_call_stopped_counts_both_calls_time(tmp_path, monkeypatch):
+    """Round 1's distillation ran 50 s in a call that was stopped (its run's records); the
+    call that finishes it counts them in the round's seconds and the loop's total. Planted
+    bug that fails it: this call's time alone."""
+    w = _fake_teacher(tmp_path / "t")
+    _fake_rounds(monkeypatch)
+    run = w / "compress" / "round_01" / "run"
+    run.mkdir(parents=True)
+    lines = [{"event": "data", "step": 0, "epoch": 0.0, "wall_s": 3.0},
+             {"event": "train", "step": 5, "epoch": 0.2, "wall_s": 50.0, "loss": 1.0}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    code, out, _ = _main(w, "--budget-kb", "60")
+    assert code == 0, out
+    rows = [json.loads((w / "compress" / f"round_0{i}" / "result.json").read_text())
+            for i in (0, 1)]  # fmt: skip
+    assert rows[0]["seconds"] < 50 <= rows[1]["seconds"] < 60, rows
+    assert any(" rounds took 50s in all, every call's " in x for x in out), out
+
+
+def test_the_loop_runs_without_matplotlib(tmp_path, monkeypatch):
+    """No matplotlib: the rounds, the table and the result as with it; a warning line says
+    the front was not drawn and how to get it, and an earlier call's front.png, of other
+    rows, is removed. Planted bug that fails it: matplotlib required before any round."""
+    from hybridpar.tools import compress
+
+    w = _fake_teacher(tmp_path / "t")
+    real_plot = compress.plot
+    made = _fake_rounds(monkeypatch)
+    drawn = []
+    monkeypatch.setattr(compress, "plot", lambda *a: drawn.append(a[4]))
+    code, out, _ = _main(w, "--budget-kb", "60")
+    assert code == 0 and drawn == [str(w / "compress" / "front.png")], out
+    (w / "compress" / "front.png").write_bytes(b"an earlier front")
+    monkeypatch.setattr(compress, "plot", real_plot)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib fails
+    code, out2, err = _main(w, "--budget-kb", "40")
+    assert code == 0 and len(made) == 3 and out2[-1].startswith("kb_int8=39.9 "), (out2, err)
+    warning = [x for x in out2 if x.startswith("warning:")]
+    assert warning == [
+        f"warning: {w / 'compress'}/front.png not drawn (drawing a PNG needs matplotlib: pip "
+        'install -e ".[plot]"); the rounds and the result are complete without it'
+    ], out2
+    assert not (w / "compress" / "front.png").exists()
+    assert (w / "compress" / "rounds.md").read_text().count("\n| ") == 3
 
 
 def test_a_budget_the_rounds_cannot_reach_is_refused_before_any_round(tmp_path, monkeypatch):
@@ -962,6 +1097,15 @@ def test_loop_resumes_a_round_stopped_by_sigterm(file_budget_loop, tmp_path, cap
     metrics = t / "compress" / "round_01" / "run" / "metrics.jsonl"
     events = [json.loads(x)["event"] for x in metrics.read_text().splitlines()]
     assert "resume" in events, events  # the round's run went on from its checkpoint
+    # the round's seconds count both calls' training: at least its run's wall time, which
+    # goes on over the starts (the stopped one's part of it, from_wall_s, in it); a sanity
+    # check on real records (test_a_round_an_earlier_call_stopped_counts_both_calls_time
+    # holds the sum itself: here this call's quantize alone may outlast the first call)
+    first_s = next(json.loads(x)["from_wall_s"] for x in metrics.read_text().splitlines()
+                   if json.loads(x)["event"] == "resume")  # fmt: skip
+    row = json.loads((t / "compress" / "round_01" / "result.json").read_text())
+    run_s = json.loads((t / "compress" / "round_01" / "run" / "summary.json").read_text())
+    assert row["seconds"] >= run_s["wall_s"] > first_s > 0, (row, run_s["wall_s"], first_s)
     last = again.stdout.strip().splitlines()[-1]
     assert last.startswith("kb_int8=") and " top1_drop=" in last and " flops=" in last, last
     rows = [json.loads((t / "compress" / f"round_0{i}" / "result.json").read_text())

@@ -36,23 +36,29 @@ Ctrl-C, kill) goes on from where it stopped with the same command. It prints a r
 round (parameters, int8 KB, FLOPs per image, int8 top-1, its drop in points against the
 float teacher, the LiteRT file's top-1, int8 CPU latency at batch 1), writes the table to
 ``W/compress/rounds.md`` (with the rounds an earlier call made past this call's stop, said
-so) and the size/accuracy front to ``W/compress/front.png``, and ends with the smallest
-model within the drop and the line ``kb_int8=... top1_drop=... top1=... top1_litert=...
-params=... flops=... file_kb=... latency_ms=... budget_of=... teacher_step=...`` (top1 and
-the drop: our int8 forward's, which the rule holds to ``--max-drop``; top1_litert, file_kb
-and latency_ms: its LiteRT ``model.tflite``'s top-1 in that runtime, whole size and
+so) and the size/accuracy front to ``W/compress/front.png`` (without matplotlib, a
+``warning:`` line instead: the rounds and the result do not need it), and ends with the
+smallest model within the drop and the line ``kb_int8=... top1_drop=... top1_se=...
+top1=... top1_litert=... params=... flops=... file_kb=... latency_ms=... eval_images=N
+chosen_on=S measured_on=S budget_kb=K budget_of=... teacher_step=...`` (top1 and the drop:
+our int8 forward's, which the rule holds to ``--max-drop``; top1_se: that top-1's binomial
+standard error in points over the ``N`` images of the eval split ``S``, which both chose
+the round, the stop rule and the smallest within the drop, and measured it; top1_litert,
+file_kb and latency_ms: its LiteRT ``model.tflite``'s top-1 in that runtime, whole size and
 one-thread ms per image; budget_of: the size held to ``K``, also in each round's
-``result.json``). Exit code 0 when that model is within the budget, 3 when the loop stopped
-without one (a line on stderr says why), 2 for bad input (a budget under the teacher pruned
-to one channel per group, of the file or of the weights; one over it pruned as far as
-``--step`` goes by ``--max-rounds`` from where the loop starts; a pruned run as the
-teacher).
+``result.json``; where the weights meet ``K`` and the file does not, the line before says
+so). Exit code 0 when that model is within the budget, 3 when the loop stopped without one
+(a line on stderr says why, and what changes that on this loop), 2 for bad input (a budget
+under the teacher pruned to one channel per group, of the file or of the weights; one over
+it pruned as far as ``--step`` goes by ``--max-rounds`` from where the loop starts; a
+pruned run as the teacher).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import shutil
 import sys
@@ -392,6 +398,7 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
         "top1_litert": _rounded(report.get("litert", {}).get("top1"), 4),
         "top1_float": round(report["eval"]["float"]["top1"], 4),
         "top1_drop": round(100 * (teacher_top1 - top1), 2),
+        "eval_images": report["eval"]["int8"].get("examples"),  # the drop's images
         "ms_b1_int8": report["latency_ms"]["int8_batch1_ms"],
         # the LiteRT file's size and one-thread latency (None where none was written)
         "file_kb": report.get("litert", {}).get("file_kb"),
@@ -567,9 +574,10 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
         return quantize.run(c, source, out=os.path.join(rd, "quantized"), **qkw), source
 
 
-def run(config, args, log=print) -> dict | None:
-    """The loop; returns the chosen row (None if no model is within the drop), or raises
-    ``KeyboardInterrupt`` when a round's training was stopped (the same call resumes)."""
+def run(config, args, log=print) -> tuple[dict | None, list[dict]]:
+    """The loop; returns the chosen row (None if no model is within the drop) and this
+    call's rows (the last: where it stopped), or raises ``KeyboardInterrupt`` when a round's
+    training was stopped (the same call resumes)."""
     root = loop_root(args)
     made = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
@@ -582,7 +590,7 @@ def run(config, args, log=print) -> dict | None:
             os.rmdir(root)
 
 
-def _run(config, args, root: str, log) -> dict | None:
+def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
     import time
 
     w = args.workdir
@@ -635,7 +643,8 @@ def _run(config, args, root: str, log) -> dict | None:
                     f"{step}: move {root} away (or delete it) to start another loop"
                 )
         else:
-            start = time.time()
+            # an earlier call stopped in this round: its distillation time counts too
+            start, earlier = time.time(), recorded_seconds(rd)
             report, source = make_round(config, args, index, keep, rd, rows, reference, log)
             if index == 0 and report["step"] != step:  # trained on since the check
                 raise ConfigError(
@@ -651,7 +660,7 @@ def _run(config, args, root: str, log) -> dict | None:
             row.update(budget_of=args.budget_of, budget_kb=args.budget_kb,
                        planned_bytes=int(bytes_at(keep)))  # fmt: skip
             row.update(teacher_top1=teacher_top1, teacher_step=step, run=source,
-                       seconds=round(time.time() - start, 1))  # fmt: skip
+                       seconds=round(time.time() - start + earlier, 1))  # fmt: skip
             write_json(result, row)
         rows.append(row)
         log("| " + " | ".join(format_row(row)) + " |")
@@ -666,32 +675,98 @@ def _run(config, args, root: str, log) -> dict | None:
         for row in later:
             log("| " + " | ".join(format_row(row)) + " |")
         log(past_line(rows, later))
-    plot([*rows, *later], teacher_top1, args.budget_kb, args.max_drop,
-         os.path.join(root, "front.png"), args.budget_of)  # fmt: skip
+    front = os.path.join(root, "front.png")
+    try:
+        plot([*rows, *later], teacher_top1, args.budget_kb, args.max_drop, front,
+             args.budget_of)  # fmt: skip
+    except ConfigError as e:  # no matplotlib: the rounds and the result do not need it
+        if os.path.exists(front):  # an earlier call's, of other rows
+            os.remove(front)
+        log(f"warning: {root}/front.png not drawn ({e}); the rounds and the result are "
+            "complete without it")  # fmt: skip
+        front = "not drawn"
     chosen = best(rows, args.max_drop, args.budget_of)
     took = sum(r.get("seconds", 0) for r in rows)
     log(
         f"teacher: step {step}, float top-1 {teacher_top1:.4f}; rounds took {took:.0f}s in "
-        f"all ({time.time() - t0:.0f}s this time); table {root}/rounds.md, front "
-        f"{root}/front.png"
+        f"all, every call's ({time.time() - t0:.0f}s this time); table {root}/rounds.md, "
+        f"front {front}"
     )
+    split = eval_split(config)
     if chosen is None:
-        log(f"no int8 model within {args.max_drop:g} points of the teacher")
-        return None
+        log(f"no int8 model within {args.max_drop:g} points of the teacher on the {split} "
+            "images")  # fmt: skip
+        return None, rows
+    n, se = eval_images(chosen), top1_se(chosen)
+    images = f"the {split} split's {n if n else 'na'} images"
+    one = f"one image {100 / n:.2f} points, " if n else ""
     reached = "reached" if fits(chosen, args.budget_kb, args.budget_of) else "NOT reached"
-    log(f"smallest within {args.max_drop:g} points: round {chosen['round']} "
+    log(f"smallest within {args.max_drop:g} points on {images}, which chose it and measured "
+        f"it ({one}top-1's standard error {_figure(se, 2)} points): round {chosen['round']} "
         f"({chosen['kb_int8']:.1f} KB of int8 weights, file "
         f"{_figure(chosen.get('file_kb'), 1)} KB; budget {args.budget_kb:g} KB of "
-        f"{args.budget_of} {reached}); int8 model {chosen['exported']}"
-        f"{tflite_of(chosen)}")  # fmt: skip
+        f"{args.budget_of} {reached}{file_over(chosen, args)}); int8 model "
+        f"{chosen['exported']}{tflite_of(chosen)}")  # fmt: skip
     print(f"kb_int8={chosen['kb_int8']:.1f} top1_drop={chosen['top1_drop']:.2f} "
+          f"top1_se={_figure(se, 2)} "
           f"top1={chosen['top1']:.4f} top1_litert={_figure(chosen.get('top1_litert'), 4)} "
           f"params={chosen['params']} flops={chosen['flops']} "
           f"file_kb={_figure(chosen.get('file_kb'), 1)} "
-          f"latency_ms={_figure(chosen.get('latency_ms'), 3)} budget_of={args.budget_of} "
-          f"teacher_step={step}",
+          f"latency_ms={_figure(chosen.get('latency_ms'), 3)} eval_images={n or 'na'} "
+          f"chosen_on={split} measured_on={split} budget_kb={args.budget_kb:g} "
+          f"budget_of={args.budget_of} teacher_step={step}",
           flush=True)  # fmt: skip
-    return chosen
+    return chosen, rows
+
+
+def eval_split(config) -> str:
+    """The split every round is evaluated on (quantize's: the run's eval split): it both
+    chooses the round (the drop, ``--max-drop``, ``best``) and gives its figures."""
+    d = config.data
+    return d.eval_split if d.name in ("images", "tfds") else "test"
+
+
+def eval_images(row: dict) -> int | None:
+    """The images a row's top-1 is over: its ``eval_images``, else (a row from before
+    the key) its round's quantize report's, else None."""
+    if row.get("eval_images"):
+        return row["eval_images"]
+    report = os.path.join(os.path.dirname(row["exported"]), "report.json")
+    try:
+        with open(report) as f:
+            return int(json.load(f)["eval"]["int8"]["examples"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def top1_se(row: dict) -> float | None:
+    """The binomial standard error of a row's int8 top-1, in points: sqrt(p(1-p)/n) over
+    its ``n`` images, the scale of the noise in its drop (None where n is unknown)."""
+    n, p = eval_images(row), row["top1"]
+    return None if not n else 100 * (p * (1 - p) / n) ** 0.5
+
+
+def file_over(row: dict, args) -> str:
+    """Where a weights budget is met by a model whose LiteRT file (what a device stores)
+    is over it: a clause that says so, and how to bound the file."""
+    if args.budget_of != "weights" or row.get("file_kb") is None:
+        return ""
+    if not fits(row, args.budget_kb, "weights"):
+        return ""
+    if bytes_of(row, "file") <= 1000 * args.budget_kb:
+        return ""
+    return (f"; its model.tflite, the file a device stores, is {row['file_kb']:.1f} KB, "
+            f"over {args.budget_kb:g} KB: --budget-of file bounds the file")  # fmt: skip
+
+
+def recorded_seconds(rd: str) -> float:
+    """The seconds an earlier, stopped call spent distilling round folder ``rd``: its
+    run's last record's ``wall_s`` (the trainer's wall time, which goes on over its starts),
+    0 where it has none."""
+    from hybridpar.runtime import run_records
+
+    records = run_records.read_records(os.path.join(rd, "run", "metrics.jsonl"))[0]
+    return next((r.wall_s for r in reversed(records) if r.wall_s is not None), 0.0)
 
 
 def tflite_of(row: dict) -> str:
@@ -749,18 +824,37 @@ def teacher_size(workdir: str, of: str = "weights"):
 NOT_REACHED = 3  # the exit code of a loop that ends without a model within the budget
 
 
-def outcome(chosen: dict | None, args) -> str | None:
-    """Why the loop ended without its goal (the line before exit code 3), or None."""
+def outcome(chosen: dict | None, rows: list[dict], args) -> str | None:
+    """Why the loop ended without its goal (the line before exit code 3), or None, with
+    what changes that on this loop: ``rows`` are this call's, the last where it stopped.
+    The drop stopped it: a larger --max-drop, or a loop folder of its own for other rounds
+    (--step and --epochs are the loop's settings); the rounds ran out: more --max-rounds
+    (no round failed the drop). Either way, a budget the chosen model meets."""
     if chosen is not None and fits(chosen, args.budget_kb, args.budget_of):
         return None
-    how = "pass a larger --max-drop or --epochs, a smaller --step, or a larger --budget-kb"
+    last, root = rows[-1], loop_root(args)
+    if last["top1_drop"] > args.max_drop:
+        why = (f"round {last['round']} lost {last['top1_drop']:.2f} points, over --max-drop "
+               f"{args.max_drop:g}, which ends the loop")  # fmt: skip
+        how = (f"pass --max-drop {last['top1_drop']:g} (or more) to accept it and go on from "
+               f"it; for other rounds (another --step or --epochs: this loop's are --step "
+               f"{args.step:g} --epochs {args.epochs:g}) move {root} away, or pass another "
+               "--seed (a loop folder of its own)")  # fmt: skip
+        if last["round"] == 0:  # the teacher itself in int8: no step or epochs made it
+            how = (f"pass --max-drop {last['top1_drop']:g} (or more), or another "
+                   f"--calibration with {root} moved away (or another --seed)")  # fmt: skip
+    else:
+        why = f"round {last['round']} was the last that --max-rounds {args.max_rounds} allows"
+        how = f"pass --max-rounds {last['round'] + 1} (or more) to go on from it"
     if chosen is None:
-        return f"budget not reached: no int8 model within {args.max_drop:g} points; {how}"
+        return f"budget not reached: no int8 model within {args.max_drop:g} points ({why}); {how}"
     size = bytes_of(chosen, args.budget_of) / 1000
+    need = math.ceil(bytes_of(chosen, args.budget_of) / 100) / 10  # KB, up to a tenth
     return (
         f"budget not reached: the smallest int8 model within {args.max_drop:g} points is "
         f"{size:.1f} KB of {args.budget_of} (round {chosen['round']}), over --budget-kb "
-        f"{args.budget_kb:g}; {how}, or more --max-rounds"
+        f"{args.budget_kb:g} ({why}); {how}; or pass --budget-kb {need:g} (or more) to take "
+        f"round {chosen['round']}"
     )
 
 
@@ -821,15 +915,14 @@ def _main(argv) -> None:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
 
     def go():
-        pyplot()  # the front's PNG needs matplotlib: say so now, not after the rounds
         c = config or trained.load_config(args.workdir, args.config_overrides)
         check_args(args, c)
         try:
-            chosen = run(c, args)
+            chosen, rows = run(c, args)
         except KeyboardInterrupt as e:
             print(f"stopped: {e}; the same command continues the loop", flush=True)
             return
-        why = outcome(chosen, args)
+        why = outcome(chosen, rows, args)
         if why:
             print(why, file=sys.stderr, flush=True)
             sys.exit(NOT_REACHED)
