@@ -35,7 +35,7 @@ from helpers import DIGITS, NO_LLVM_OPT_FLAG, CrashAt, saved_loop, tiny_digits
 from xla_flags import FAST_CPU_COMPILE
 
 from hybridpar import shard_batch
-from hybridpar.config.errors import ConfigError, NonFinite, StopRequested
+from hybridpar.config.errors import ConfigError, NonFinite, StopRequested, WorkdirError
 from hybridpar.program.optim import lr_batch_factor
 from hybridpar.program.state import init_sharded
 from hybridpar.runtime import checkpoint, run_records, trainer
@@ -673,6 +673,28 @@ def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsy
     assert resume["train_examples_changed"] == [real, real + 10]
     out = capsys.readouterr().out
     assert f"the training data changed since the run's last start ({real} -> {real + 10}" in out
+
+
+def test_a_resume_on_other_classes_is_refused_before_anything_is_written(tmp_path):
+    """Class folders renamed between starts (bird -> zbird): prepare saw it and prepared the
+    data again, and the resumed run trained on with label 1 now 'cat', where the checkpoint
+    had learned 'bird' (only the example count was compared). Planted bug that fails it: no
+    check."""
+    config = tiny_digits(**{"checkpoint.every_steps": 4})
+    names = ["airplane", "bird", "cat"] + [f"c{i}" for i in range(3, 10)]
+    run = setup(config, str(tmp_path))
+    run.data.info["classes"] = names  # as an images source records them
+    trainer.train(run, hooks=[StopAt(6)])
+    before = (tmp_path / "metrics.jsonl").read_text()
+    run = setup(config, str(tmp_path))
+    run.data.info["classes"] = ["airplane", "cat", "zbird"] + names[3:]
+    with pytest.raises(WorkdirError) as e:
+        trainer.train(run)
+    assert str(e.value).startswith(
+        "the classes changed since the run's last start (label 1: 'bird' -> 'cat'; label 2: "
+        "'cat' -> 'zbird'): the checkpoint at step 4 in "
+    ), e.value
+    assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
 @pytest.mark.parametrize("warmup, warned", [(0.25, True), (0.4, True), (0.1, False)])

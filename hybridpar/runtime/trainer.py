@@ -136,6 +136,28 @@ def train_examples_change(recs, info: dict) -> list | None:
     return [before[-1], now]
 
 
+def check_same_classes(recs, info: dict, step: int, directory: str) -> None:
+    """The class names, in label order, of the last ``data`` record (the run's last start)
+    against the data this start opened: a class folder renamed, added or removed between
+    starts moves labels (label 1 was 'bird', now 'cat'), and the checkpoint's head would
+    train on the new meaning of its old outputs, with no word (the example count alone
+    was compared)."""
+    before = [r.classes for r in recs if r.event == "data" and r.classes]
+    now = info.get("classes")
+    if not before or not now or list(before[-1]) == list(now):
+        return
+    old = list(before[-1])
+    moved = [f"label {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(old, now)) if a != b]
+    if len(old) != len(now):
+        moved.append(f"{len(old)} -> {len(now)} classes")
+    raise WorkdirError(
+        f"the classes changed since the run's last start ({'; '.join(moved[:3])}"
+        f"{'; ...' if len(moved) > 3 else ''}): the checkpoint at step {step} in {directory} "
+        "learned the old labels; restore the class folders as they were, or train the new "
+        "classes in a new --workdir"
+    )
+
+
 def furthest_step(recs) -> int:
     """The last step the run's records show done: a run resumed from an older checkpoint
     redoes the steps up to it."""
@@ -724,6 +746,7 @@ def start(run: Run, hooks) -> Training:
     redo_until = furthest_step(recorded)
     grown = train_examples_change(recorded, run.data.info) if resumed is not None else None
     if resumed is not None:  # before anything is written or compiled
+        check_same_classes(recorded, run.data.info, resumed, saver.directory)
         check_resumed_plan(plan, loop, resumed, grown, saver.directory)
     enter_next_stage(plan, loop)
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
