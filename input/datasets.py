@@ -165,7 +165,18 @@ def default_prepared_dir(sources: list[str]) -> str:
 
 def data_paths(d) -> tuple[list[str], str]:
     """The ``data`` section's sources and prepared folder (``~`` expanded; the default cache
-    where ``prepared_dir`` is unset; '' where neither is set): read here only."""
+    where ``prepared_dir`` is unset; '' where neither is set): read here only. An empty
+    split name is refused here, on both paths: it would name the source's own folder."""
+    if not d.train_split.strip():
+        raise ConfigError("data.train_split is empty: set --config.data.train_split=train "
+                          "(the split folder to train on)")  # fmt: skip
+    if not d.eval_split.strip():  # the trainer evaluates after the last step in any case
+        raise ConfigError(
+            "data.eval_split is empty, but a run needs an eval split (it evaluates after its "
+            "last step, also with eval_every_epochs=0); with only train/, move some images "
+            "of each class to val/CLASS/ beside train/ (or into another folder's val/CLASS/, "
+            "added as --config.data.source=PATH,OTHER) and set --config.data.eval_split=val"
+        )
     sources = [os.path.expanduser(s.strip()) for s in d.source.split(",") if s.strip()]
     prepared = os.path.expanduser(d.prepared_dir) if d.prepared_dir else ""
     return sources, prepared or (default_prepared_dir(sources) if sources else "")
@@ -236,6 +247,10 @@ def _pipeline(c, pi, pc, shape) -> Data:
     for split, pipe in ((d.train_split, train), (d.eval_split, test)):
         entries[split] = pipe.info if d.name == "images" else {"num_examples": pipe.num_examples}
     info.update(split_counts(entries))
+    if d.name == "images":
+        info["train_fingerprint"] = files_digest(train.info)
+        if pi == 0:
+            print(classes_line(train.classes), flush=True)
     steps_for = EpochSteps(train.steps_per_epoch, train.num_examples)
     return Data(train_batches, eval_batches, spe, test.num_examples, shape, info, steps_for)
 
@@ -260,6 +275,26 @@ def split_counts(entries: dict) -> dict:
     return totals | {"splits": splits}
 
 
+def classes_line(classes) -> str:
+    """Which class folder became which label, said at set-up (else only in the records)."""
+    shown = ", ".join(f"{i} {c}" for i, c in enumerate(classes[:10]))
+    more = f", ... ({len(classes)} classes)" if len(classes) > 10 else ""
+    return f"classes (label order): {shown}{more}"
+
+
+def files_digest(entry: dict) -> str | None:
+    """A short digest of the files a split was read from (a manifest entry's or an on-device
+    cache record's ``fingerprint``: names, sizes and times; a tar's size and time), so that
+    a resume can tell other files of the same count; not the path, which a move changes.
+    None without a fingerprint."""
+    from hybridpar.input import prepare as prep
+
+    fp = entry.get("fingerprint")
+    if not fp:
+        return None
+    return prep._digest([prep._canon({k: v for k, v in fp.items() if k != "path"})])
+
+
 def ensure_prepared(d) -> str:
     """The prepared directory of the ``data`` config section ``d`` (``data.name=images``),
     preparing the sources first if they are not yet, or again if they changed since; with
@@ -275,10 +310,17 @@ def ensure_prepared(d) -> str:
     wanted = [d.train_split] + ([d.eval_split] if d.eval_split != d.train_split else [])
     for s in sources:  # before a lock or a folder is made for them in the cache
         if not os.path.exists(s):
+            # a config file's default source stays set beside a prepared_dir given alone
+            alone = (
+                f", or --config.data.source= (empty) to train from data.prepared_dir="
+                f"{d.prepared_dir!r} alone"
+                if d.prepared_dir
+                else ""
+            )
             raise DataError(
                 f"data.source {os.path.abspath(s)!r} does not exist; set --config.data.source="
                 "PATH[,PATH] to your tars or folders (the experiments' defaults are under "
-                "$HYBRIDPAR_DATA)"
+                f"$HYBRIDPAR_DATA){alone}"
             )
     if sources:
         from hybridpar.input import prepare as prep
@@ -302,7 +344,7 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
     from hybridpar.input import prepare as prep
     from hybridpar.input import records
 
-    manifest = None
+    manifest, stale = None, ""
     if os.path.isfile(os.path.join(prepared, records.MANIFEST)):
         try:
             manifest = records.load_manifest(prepared)
@@ -316,6 +358,8 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
             stale = prep.class_list_stale(manifest, classes, d.train_split)
         if stale:
             copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
+            if " is out of date: " in stale:  # prepare says what changed, split by split
+                stale = "its source changed"
             print(
                 f"preparing {', '.join(sources)} into {prepared} ({stale}; later runs reuse it)",
                 flush=True,
@@ -348,6 +392,10 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
             if split not in manifest["splits"]:
                 paths = [os.path.abspath(s) for s in sources]
                 raise prep.missing_split_error(key, split, paths, manifest["splits"])
+    if manifest and not (sources and stale):  # reused as it was: say which copy
+        have = manifest["splits"]
+        counts = ", ".join(f"{s} {have[s]['num_examples']:,}" for s in wanted if s in have)
+        print(f"reusing the prepared copy in {prepared} ({counts} examples)", flush=True)
     return prepared
 
 

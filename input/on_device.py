@@ -548,7 +548,7 @@ def _images(c, size: int, mesh):
     """``(train, test, info)`` of an ``images`` set stored at ``size`` px, from the cache in
     PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
     from hybridpar.input import prepare as prep
-    from hybridpar.input.datasets import data_paths, split_counts
+    from hybridpar.input.datasets import classes_line, data_paths, files_digest, split_counts
 
     d = c.data
     sources, prepared = data_paths(d)
@@ -590,6 +590,8 @@ def _images(c, size: int, mesh):
         "classes": list(tm["classes"]),  # the label -> name mapping, kept with the run
     }
     info.update(split_counts({d.train_split: tm, d.eval_split: em}))
+    info["train_fingerprint"] = files_digest(tm)
+    print(classes_line(tm["classes"]), flush=True)
     return {size: train}, test, info
 
 

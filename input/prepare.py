@@ -374,9 +374,19 @@ def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
     in_classes = sum(len(s["files"]) for s in splits.values())
     one_split = not split and sum(at_root.values()) > in_classes
     fix = RUN_FIX if for_run else SPLIT_FIX
+    found = {n: {k: v for k, v in s.items() if k != "folder"} for n, s in splits.items()
+             if s["files"]}  # fmt: skip
+    if not found and one_split:  # the error says it all: no note per folder before it
+        raise DataError(
+            f"no images found in {source!r} in {RUN_LAYOUT if for_run else LAYOUT}: its "
+            "folders hold images directly, so it looks like one split (CLASS/FILE); "
+            f"{fix}"
+        )
+    hint = one_split  # the fix once, on the first note, not on every folder's
     for name, listing in splits.items():
         if at_root[name]:
-            why = f": is {source!r} itself one split? {fix}" if one_split else ""
+            why = f": is {source!r} itself one split? {fix}" if hint else ""
+            hint = False
             _note(
                 f"{at_root[name]} image(s) directly in split folder {listing['folder']!r} are "
                 f"not under a class folder{why}"
@@ -384,14 +394,6 @@ def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
         if not listing["files"]:
             _note(f"split folder {listing['folder']!r} holds no image file in a class folder: "
                   "left out")  # fmt: skip
-    found = {n: {k: v for k, v in s.items() if k != "folder"} for n, s in splits.items()
-             if s["files"]}  # fmt: skip
-    if not found and one_split:
-        raise DataError(
-            f"no images found in {source!r} in {RUN_LAYOUT if for_run else LAYOUT}: its "
-            "folders hold images directly, so it looks like one split (CLASS/FILE); "
-            f"{fix}"
-        )
     if not found:
         layout = RUN_LAYOUT if for_run else LAYOUT
         raise DataError(f"no images found in {source!r}: expected {layout}")
@@ -851,7 +853,9 @@ def class_list_stale(record: dict, want: list | None, train_split: str) -> str:
 
 def check_splits(listed, classes, origin, train_split, allow_empty):
     """Errors before any work: a class that the class list lacks; a train class without
-    files (unless allowed)."""
+    files (unless allowed). All of them, in one error: fixing one at a time and running
+    again to find the next costs a listing each time."""
+    problems = []
     known = set(classes)
     if origin == GIVEN:
         fix = "or add them to the class list (--classes, data.classes)"
@@ -861,7 +865,7 @@ def check_splits(listed, classes, origin, train_split, allow_empty):
     for name, (source, listing) in sorted(listed.items()):
         extra = sorted({f[1] for f in listing["files"]} - known)
         if extra:
-            raise DataError(
+            problems.append(
                 f"split {name!r} of {source!r} has class folder(s) {_names(extra)} that "
                 f"{origin} lacks, so they have no label; remove or rename them, {fix}"
             )
@@ -870,7 +874,12 @@ def check_splits(listed, classes, origin, train_split, allow_empty):
         files = collections.Counter(f[1] for f in listing["files"])
         empty = classes_without_examples(classes, listing["class_dirs"], files, files)
         if empty:
-            raise empty_classes_error(train_split, source, empty)
+            problems.append(str(empty_classes_error(train_split, source, empty)))
+    if len(problems) == 1:
+        raise DataError(problems[0])
+    if problems:
+        listed_ = " ".join(f"({i}) {p.rstrip('.')}." for i, p in enumerate(problems, 1))
+        raise DataError(f"{len(problems)} problems in the sources: {listed_}")
 
 
 def empty_classes_error(split, source, why: dict) -> DataError:

@@ -124,10 +124,28 @@ def test_train_class_without_usable_examples_is_an_error_unless_allowed(tmp_path
         prepare([src], tmp_path / "o2", **ONE)
 
 
+def test_every_layout_problem_found_before_reading_is_in_one_error_line(tmp_path, capsys):
+    """A val class the train split lacks and an empty train class: prepare said only the
+    first, and the second after that was fixed. Planted bug that fails it: the first
+    problem raised alone."""
+    src = _tree(
+        tmp_path / "src",
+        {"train/ant/1.jpg": _jpeg(), "train/cow": None, "val/yak/1.jpg": _jpeg()},
+    )
+    assert prepare_main([str(src), "--out", str(tmp_path / "o"), "--workers", "1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: 2 problems in the sources: (1) "), lines
+    assert "'yak'" in lines[0] and "(2) train split 'train'" in lines[0]
+    assert "'cow' (empty folder)" in lines[0]
+
+
 # ---- item 2: a changed source is prepared again, or refused -----------------------------------
 
 
 def test_changed_folder_is_prepared_again_saying_what_changed(tmp_path, capsys):
+    """A run that prepares a changed split again says what changed once (it was said twice:
+    in the run's "preparing" line and prepare's own). Planted bug that fails it: the run's
+    line repeats the reason."""
     src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
     out = tmp_path / "out"
     prepare([src], out, **ONE)
@@ -140,15 +158,35 @@ def test_changed_folder_is_prepared_again_saying_what_changed(tmp_path, capsys):
     assert "class 'bee': 1 -> 2 files" in err and "class 'cow' added (1 files)" in err
     assert manifest["classes"] == ["ant", "bee", "cow"]
     assert _labels(out, "train") == {"ant/1.jpg": 0, "bee/1.jpg": 1, "bee/2.jpg": 1, "cow/1.jpg": 2}
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "o2"))
+    c.data.eval_split = "train"
+    datasets.ensure_prepared(c.data)
+    _tree(src, {"train/ant/2.jpg": _jpeg(seed=9)})
+    capsys.readouterr()
+    datasets.ensure_prepared(c.data)
+    said = capsys.readouterr()
+    assert said.out.count("class 'ant': 1 -> 2 files") + said.err.count("'ant': 1 -> 2") == 1
+    assert "(its source changed; later runs reuse it)" in said.out, said
 
 
 def test_a_missing_source_is_one_error_and_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    """With data.prepared_dir set, the error also says how to train from it alone (a config
+    file's default source was left set). Planted bug that fails it: that clause left out."""
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
     c = base_config()
     c.data.update(name="images", source=str(tmp_path / "nowhere" / "train.tar"))
     with pytest.raises(ConfigError, match=r"data.source '.*nowhere/train.tar' does not exist; set"):
         datasets.ensure_prepared(c.data)
     assert not (tmp_path / "cache").exists()  # no lock or empty folder left for it
+    # a config file's default source beside a prepared_dir given alone: the way out is said
+    c.data.prepared_dir = str(tmp_path / "prepared")
+    with pytest.raises(ConfigError) as e:
+        datasets.ensure_prepared(c.data)
+    assert str(e.value).endswith(
+        f"or --config.data.source= (empty) to train from data.prepared_dir="
+        f"{str(tmp_path / 'prepared')!r} alone"
+    ), e.value
 
 
 def test_changed_tar_is_refused_with_only_prepared_dir_and_reprepared_with_source(tmp_path):
@@ -316,6 +354,23 @@ def test_data_event_counts_are_per_split_and_exact(tmp_path):
     json.dumps(info)  # the data event is one JSON line
 
 
+def test_set_up_says_the_label_of_each_class_and_which_prepared_copy_it_reuses(tmp_path, capsys):
+    """Which folder became which label was only in metrics.jsonl and manifest.json, and a
+    reused prepared copy was not named. Planted bug that fails it: neither line said."""
+    names = [f"c{i:02d}" for i in range(12)]
+    src = _tree(tmp_path / "src", {f"{s}/{c}/1.jpg": _jpeg() for s in ("train", "val")
+                                   for c in names})  # fmt: skip
+    _make_data(src, tmp_path / "out", False, num_classes=12)
+    out = capsys.readouterr().out
+    assert "classes (label order): 0 c00, 1 c01, 2 c02" in out
+    assert "9 c09, ... (12 classes)" in out and "c10" not in out
+    assert "reusing" not in out  # prepared just now
+    _make_data(src, tmp_path / "out", False, num_classes=12)
+    out = capsys.readouterr().out
+    assert f"reusing the prepared copy in {tmp_path / 'out'} (train 12, val 12 examples)" in out
+    assert datasets.classes_line(["ant", "bee"]) == "classes (label order): 0 ant, 1 bee"
+
+
 def test_missing_eval_split_says_to_set_eval_split_or_add_the_folder(tmp_path):
     src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
     c = base_config()
@@ -381,6 +436,28 @@ def test_evaluation_reads_the_eval_split_and_training_the_train_split(tmp_path):
 
 
 # ---- both paths (tf.data and data.on_device) keep, skip, count and label alike -----------------
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_an_empty_eval_split_says_one_is_needed_and_how_to_make_it(tmp_path, on_device):
+    """A set with only train/ and --config.data.eval_split= (the trainer evaluates after
+    the last step in any case): the empty name was taken for the source's own folder
+    ("the folder '.../src/' holds no image file"). Planted bug that fails it: no check of
+    the empty name."""
+    import jax
+
+    from hybridpar import make_mesh
+
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "train/bee/1.jpg": _jpeg()})
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(eval_split="", on_device=on_device, num_classes=2, image_size=16)
+    with pytest.raises(ConfigError) as e:
+        datasets.make_data(c, 0, 1, mesh=make_mesh("data:1", devices=jax.devices()[:1]))
+    msg = str(e.value)
+    assert msg.startswith("data.eval_split is empty, but a run needs an eval split"), msg
+    assert "val/CLASS/" in msg and "--config.data.eval_split=val" in msg
+    assert not (tmp_path / "out").exists()  # refused before anything is prepared
 
 
 def _image_bytes(img, fmt):
@@ -462,6 +539,26 @@ def test_both_paths_keep_skip_count_and_ignore_the_same_files(tmp_path):
     names = [tf.io.parse_single_example(r, records.feature_spec())["name"].numpy()
              for f in pipe.files("full") for r in tf.data.TFRecordDataset(f)]  # fmt: skip
     assert b"bee/caf\xe9.jpg" in names  # the name's own bytes
+
+
+def test_both_paths_record_a_digest_of_the_train_files_that_a_swap_changes(tmp_path):
+    """Images swapped between starts (the same count, other files): the trainer compared
+    only counts and resumed with no word. Both paths record one digest of the train files
+    (the trainer compares it), which a swap changes and a moved source keeps. Planted bug
+    that fails it: no digest recorded."""
+    files = {"train/ant/1.jpg": _jpeg(seed=1), "train/bee/1.jpg": _jpeg(seed=2)}
+    src = _tree(tmp_path / "src", files | {"val/ant/1.jpg": _jpeg(seed=3)})
+    tf_info, od_info = _both_paths(tmp_path, src, num_classes=2)
+    assert tf_info["train_fingerprint"] and od_info["train_fingerprint"] == tf_info[
+        "train_fingerprint"]  # fmt: skip
+    os.rename(src, tmp_path / "moved")  # the same files elsewhere: the same digest
+    moved = _make_data(tmp_path / "moved", tmp_path / "out2", False, num_classes=2).info
+    assert moved["train_fingerprint"] == tf_info["train_fingerprint"]
+    (tmp_path / "moved" / "train" / "bee" / "1.jpg").write_bytes(_jpeg(30, 20, seed=4))
+    for on in (False, True):
+        info = _make_data(tmp_path / "moved", tmp_path / "out2", on, num_classes=2).info
+        assert info["train_examples"] == 2
+        assert info["train_fingerprint"] not in (None, tf_info["train_fingerprint"])
 
 
 def test_a_class_list_dropped_or_changed_labels_both_paths_anew(tmp_path, capsys, monkeypatch):

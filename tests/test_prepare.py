@@ -584,7 +584,9 @@ def test_preparing_a_split_again_removes_only_the_files_prepare_wrote(tmp_path, 
 
 def test_images_directly_in_split_folders_are_ignored_counted_and_said(tmp_path, capsys):
     """A CLASS/FILE folder passed as SPLIT/CLASS/FILE: the images of a class folder read as
-    a split's were dropped silently, and a folder without sub-folders vanished."""
+    a split's were dropped silently, and a folder without sub-folders vanished. The --split
+    hint is said once (a note per folder repeated it, and the error after them). Planted bug
+    that fails it: the hint on every folder's note."""
     src = tmp_path / "train"
     for i in range(4):
         _write(src / "cat" / f"{i}.jpg", _jpeg(_image(20, 16, seed=i)))
@@ -603,13 +605,21 @@ def test_images_directly_in_split_folders_are_ignored_counted_and_said(tmp_path,
     )
     assert f"4 image(s) directly in split folder {str(src / 'dog')!r}" in err
     assert f"split folder {str(src / 'dog')!r} holds no image file in a class folder" in err
+    assert err.count("itself one split?") == 1  # the fix once, not once per folder
     # without --train-split: the fix is --split, not --train-split
     with pytest.raises(ConfigError) as e:
         prepare([src], tmp_path / "o2", **kw)
     assert "use --split NAME" in str(e.value) and "--train-split" not in str(e.value)
     (src / "cat" / "raw" / "x.jpg").unlink()
-    with pytest.raises(ConfigError, match=r"looks like one split .*use --split NAME"):
-        prepare([src], tmp_path / "o3", **kw)
+    tar = tmp_path / "flat.tar"  # the same CLASS/FILE layout in a tar: the error alone
+    with tarfile.open(tar, "w") as t:
+        for cls in ("cat", "dog"):
+            t.add(src / cls, arcname=cls)
+    for source in (src, tar):
+        capsys.readouterr()
+        with pytest.raises(ConfigError, match=r"looks like one split .*use --split NAME"):
+            prepare([source], tmp_path / "o3", **kw)
+        assert capsys.readouterr().err == ""  # the --split hint was said 3 times before it
     # a real split (CLASS/FILE with --split) reads them all
     entry = prepare([src], tmp_path / "o4", split="train", **kw)["splits"]["train"]
     assert entry["num_examples"] == 8 and not entry["ignored"]

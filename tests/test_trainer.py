@@ -657,22 +657,43 @@ def test_a_completed_run_extended_counts_its_last_save_as_checkpoint_time_not_lo
     assert sum(parts.values()) == pytest.approx(extended["wall_s"], rel=0.02)
 
 
-def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsys):
+@pytest.mark.parametrize("more, said", [(10, "{n} -> {m}"), (0, "other files, the same {n}")])
+def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsys, more, said):
     """Resumed after the data was prepared again with other examples (files added to an
     images source): the plan follows the new size, so the epochs and the LR schedule
-    change mid-run. The log says so and the resume record keeps both sizes. Planted bug
-    that fails it: the comparison left out."""
+    change mid-run. The log says so and the resume record keeps both sizes. The same
+    count of other files (images swapped between starts) is said too: only the counts
+    were compared. Planted bugs that fail it: the comparison left out; only counts
+    compared."""
     config = tiny_digits(**{"checkpoint.every_steps": 4})
-    trainer.train(setup(config, str(tmp_path)), hooks=[StopAt(6)])
+    run = setup(config, str(tmp_path))
+    run.data.info["train_fingerprint"] = "0123456789abcdef"  # as an images source records it
+    trainer.train(run, hooks=[StopAt(6)])
     run = setup(config, str(tmp_path))
     real = run.data.info["train_examples"]
-    run.data.info["train_examples"] = real + 10  # as a source prepared again with 10 more
+    run.data.info["train_examples"] = real + more  # as a source prepared again
+    run.data.info["train_fingerprint"] = "fedcba9876543210"
     capsys.readouterr()
     assert trainer.train(run)["completed"]
     [resume] = records(tmp_path, "resume")
-    assert resume["train_examples_changed"] == [real, real + 10]
+    assert resume["train_examples_changed"] == [real, real + more]
     out = capsys.readouterr().out
-    assert f"the training data changed since the run's last start ({real} -> {real + 10}" in out
+    said = said.format(n=real, m=real + more)
+    assert f"the training data changed since the run's last start ({said}" in out
+
+
+def test_a_train_fingerprint_compares_only_where_both_starts_have_one():
+    """A ``data`` record from before ``train_fingerprint`` (or a source without one, as
+    digits) compares as unknown: no warning for the same count. Planted bug that fails
+    it: a missing digest taken as a change."""
+    from hybridpar.runtime.run_records import Data
+
+    def change(before, now):
+        recs = [Data(step=0, epoch=0.0, wall_s=0.0, train_examples=50, train_fingerprint=before)]
+        return trainer.train_examples_change(recs, {"train_examples": 50, "train_fingerprint": now})
+
+    assert change(None, "a") is None and change("a", None) is None and change("a", "a") is None
+    assert change("a", "b") == [50, 50]
 
 
 def test_a_resume_on_other_classes_is_refused_before_anything_is_written(tmp_path):

@@ -68,6 +68,9 @@ class Data(Record):
     ignored: int | None = None  # files that may be images but were not read (manifest lists them)
     splits: dict | None = None  # per split: examples, skipped, converted, rotated, ...
     classes: list | None = None  # the class names in label order
+    # a digest of the train split's files (datasets.files_digest): other files of the same
+    # count between starts differ here (None: not known, as in records before it)
+    train_fingerprint: str | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

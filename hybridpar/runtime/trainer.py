@@ -128,12 +128,19 @@ class Clock:
 
 def train_examples_change(recs, info: dict) -> list | None:
     """``[before, now]``: the training examples of the last ``data`` record against the
-    data this start opened, where they differ."""
-    before = [r.train_examples for r in recs if r.event == "data" and r.train_examples]
+    data this start opened, where they differ, or where the count is the same but the
+    files are others (the train split's ``train_fingerprint`` differs; a record without
+    one compares as unknown)."""
+    last = [r for r in recs if r.event == "data" and r.train_examples]
     now = info.get("train_examples")
-    if not before or not now or before[-1] == now:
+    if not last or not now:
         return None
-    return [before[-1], now]
+    before, digest = last[-1].train_examples, last[-1].train_fingerprint
+    if before != now:
+        return [before, now]
+    if digest and info.get("train_fingerprint") and digest != info["train_fingerprint"]:
+        return [before, now]
+    return None
 
 
 def check_same_classes(recs, info: dict, step: int, directory: str) -> None:
@@ -747,7 +754,8 @@ def start(run: Run, hooks) -> Training:
     grown = train_examples_change(recorded, run.data.info) if resumed is not None else None
     if resumed is not None:  # before anything is written or compiled
         check_same_classes(recorded, run.data.info, resumed, saver.directory)
-        check_resumed_plan(plan, loop, resumed, grown, saver.directory)
+        resized = grown if grown and grown[0] != grown[1] else None  # (not files swapped)
+        check_resumed_plan(plan, loop, resumed, resized, saver.directory)
     enter_next_stage(plan, loop)
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held_config)
@@ -785,7 +793,12 @@ def start(run: Run, hooks) -> Training:
     moved = lr_change(run, held_config, loop, resumed) if changed and resumed is not None else None
     if moved:
         log(lr_change_warning(moved, resumed, changed))
-    if grown:
+    if grown and grown[0] == grown[1]:  # other files of the same count: the plan stands
+        log(f"warning: the training data changed since the run's last start (other files, "
+            f"the same {grown[0]} examples): from step {resumed} the run trains on the new "
+            "files; to train on the old data, restore it and run the same command "
+            "again")  # fmt: skip
+    elif grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
             f"({plan.num_epochs:g} epochs of the new data), so the epochs and the LR "
