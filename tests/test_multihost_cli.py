@@ -328,6 +328,43 @@ def test_a_process_killed_mid_run_leaves_its_peer_one_error_line_and_exit_1(tmp_
         assert f"(JAX's stack trace: {trace_dir}/hybridpar-jax-abort-" in errors[0]
 
 
+def test_ctrl_c_in_one_process_saves_every_process_at_the_next_step(tmp_path):
+    """Ctrl-C (SIGINT to process 0's command, as a terminal sends it) stopped process 0 at
+    once, exit 130, no checkpoint, and JAX then aborted process 1. Now it takes SIGTERM's
+    path: its first line as on one process, every process saves at JAX's preemption sync
+    point and exits 0, and the same command resumes there."""
+    port = free_port()
+    procs = []
+    for i in range(2):
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
+                   JAX_PROCESS_ID=i)  # fmt: skip
+        args = [*SHORT, "--workdir", str(tmp_path), "--config.distributed=True",
+                "--config.num_epochs=4", "--config.distributed_timeout_s=120"]  # fmt: skip
+        procs.append(_start(args, env))
+    try:
+        said = []
+        for line in procs[0].stdout:
+            said.append(line)
+            if line.startswith("train step      3/"):
+                procs[0].send_signal(signal.SIGINT)  # the command hands it to its trainer
+                break
+        results = _finish(procs, timeout=120)
+    finally:
+        _finish(procs)
+    for rc, _, stderr in results:
+        assert rc == 0 and "error: " not in stderr and "Traceback" not in stderr, stderr[-3000:]
+    stdout = "".join(said) + results[0][1]
+    assert ("SIGINT: saving a checkpoint at the next step boundary, then stopping (send "
+            "SIGINT again to stop at once)") in stdout  # fmt: skip
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["preempted"] and not summary["completed"]
+    step = summary["steps"]
+    assert 3 <= step < summary["total_steps"], summary
+    saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert max(saved) == step  # both processes' shards, or the save would not have committed
+    assert f"at step {step}/" in stdout and "with a checkpoint; resume with the same" in stdout
+
+
 def test_two_processes_with_one_process_id_are_named(tmp_path):
     """A second JAX_PROCESS_ID=1 made JAX abort process 0 and the first process 1 from C++
     (exit 134, "different incarnation"); now they say which id is taken twice, exit 2, and
@@ -420,6 +457,87 @@ def test_a_resume_may_change_how_long_processes_wait_for_each_other():
     assert run_config.differences(saved, run_config.config_dict(new)) == []
     new.seed += 1
     assert [d[0] for d in run_config.differences(saved, run_config.config_dict(new))] == ["seed"]
+
+
+def _as_process_1_of_2(monkeypatch, devices=(4, 4), process_0_config=None):
+    """``check_processes_agree`` seen from process 1 of 2 with ``devices`` devices each,
+    without a second process: JAX's collectives answer as process 0 would, with
+    ``process_0_config`` (its ``config_dict``), and every process agreeing."""
+    import jax
+    from jax.experimental import multihost_utils as mh
+
+    fake = [type("Device", (), {"process_index": i})() for i, n in enumerate(devices)
+            for _ in range(n)]  # fmt: skip
+    text = np.frombuffer(json.dumps(process_0_config or {}).encode(), np.uint8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    monkeypatch.setattr(jax, "devices", lambda: fake)
+
+    def as_jax(answer):
+        def collective(x):
+            np.empty(len(fake)).reshape(2, devices[1])  # as JAX's: processes x local devices
+            return answer(x)
+
+        return collective
+
+    size_or_text = as_jax(lambda x: np.int32(text.size) if np.ndim(x) == 0 else text)
+    monkeypatch.setattr(mh, "broadcast_one_to_all", size_or_text)
+    monkeypatch.setattr(mh, "process_allgather", as_jax(lambda x: np.stack([x, x])))
+
+
+def test_processes_with_unequal_device_counts_are_one_error_naming_the_counts(monkeypatch):
+    """4 devices in process 0 and 2 in process 1 were a 26-line traceback ending in JAX's
+    ``cannot reshape array of size 6 into shape (2,4)`` (its broadcast needs equal
+    counts); now every process says the counts before any collective."""
+    _as_process_1_of_2(monkeypatch, devices=(4, 2))
+    with pytest.raises(ConfigError) as e:
+        run_config.check_processes_agree(base_config(), None)
+    assert str(e.value).startswith(
+        "the processes of the run drive different numbers of devices (4 in process 0, 2 in "
+        "process 1): give every process the same number"
+    )
+    assert "JAX_LOCAL_DEVICE_IDS" in str(e.value) and "CUDA_VISIBLE_DEVICES" in str(e.value)
+
+
+def test_every_process_must_set_the_one_heartbeat_timeout(monkeypatch):
+    """Only process 0's ``distributed_heartbeat_s`` timed out a silent process (process 1's
+    10 s: the abort came after process 0's default 100 s): a value only some processes set
+    is refused as another config, like any key the processes must share."""
+    _as_process_1_of_2(monkeypatch, process_0_config=run_config.config_dict(base_config()))
+    config = base_config()
+    config.distributed_heartbeat_s = 10.0
+    with pytest.raises(ConfigError, match=re.escape(
+            "process 1 runs another config than process 0: distributed_heartbeat_s is 10.0 "
+            "here, 100.0 in process 0")):  # fmt: skip
+        run_config.check_processes_agree(config, None)
+    config.distributed_heartbeat_s, config.log_every_s = 100.0, 7.0  # still each its own
+    run_config.check_processes_agree(config, None)
+
+
+def test_jax_variables_without_distributed_are_one_error_before_anything_is_written(
+    tmp_path, monkeypatch, capfd
+):
+    """JAX_NUM_PROCESSES=2 and the coordinator's variables set, --config.distributed=True
+    forgotten: process 0 trained alone on all the data, exit 0, and process 1 was kept out
+    only by the workdir lock (per host on some shared file systems)."""
+    from helpers import main_here
+
+    from hybridpar.tools import train
+
+    for var, value in (("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1234"),
+                       ("JAX_NUM_PROCESSES", "2"), ("JAX_PROCESS_ID", "1")):  # fmt: skip
+        monkeypatch.setenv(var, value)
+    w = tmp_path / "w"
+    code, _, err = main_here(train.main, [*SHORT, "--workdir", str(w)], capfd)
+    assert code == 2 and err.strip().splitlines() == [
+        "error: JAX_COORDINATOR_ADDRESS=127.0.0.1:1234, JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=1 "
+        "are set but --config.distributed is off: this process would train alone, on all the "
+        "data; pass --config.distributed=True on every process, or unset them to train in "
+        "one process"
+    ], err
+    assert not w.exists()
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "1")  # one process: nothing forgotten
+    assert distributed.forgotten(os.environ) is None
 
 
 # A stand-in for the trainer under the supervising parent: what JAX's C++ abort writes

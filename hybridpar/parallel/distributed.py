@@ -25,7 +25,8 @@ which no ``except`` can catch, so a watchdog gives up first: after
 exits with code 2, as the CLI does for a ``ConfigError``.
 
 Once joined, a process that goes silent for ``distributed_heartbeat_s`` (JAX's
-``heartbeat_timeout_seconds``) makes JAX abort every other process from C++ as well; the
+``heartbeat_timeout_seconds``; process 0's value decides, so every process must set the
+same one) makes JAX abort every other process from C++ as well; the
 train command's supervising parent (``hybridpar/runtime/supervise.py``) turns that into one
 ``error:`` line. Then ``run_config.check_processes_agree`` checks that every process runs
 one config, sees one workdir and counts the same processes.
@@ -88,6 +89,23 @@ def from_env(environ) -> dict:
             )
         kw["local_device_ids"] = [int(p) for p in parts]
     return kw
+
+
+def forgotten(environ) -> str | None:
+    """With ``--config.distributed`` off: what is wrong where the variables describe several
+    processes (``None``: nothing). Such a process trained alone on all the data, and its
+    peers in the same workdir were kept out only by the workdir lock, which is per host on
+    some shared file systems. Pure: no JAX."""
+    raw = environ.get("JAX_NUM_PROCESSES", "").strip()
+    if not raw.isdigit() or int(raw) < 2:
+        return None
+    named = [v for v in VARIABLES if environ.get(v, "").strip()]
+    return (
+        f"{', '.join(f'{v}={environ[v].strip()}' for v in named)} "
+        f"{'is' if len(named) == 1 else 'are'} set but --config.distributed is off: this "
+        "process would train alone, on all the data; pass --config.distributed=True on every "
+        "process, or unset them to train in one process"
+    )
 
 
 def check_port_free(address: str, environ=os.environ) -> None:

@@ -9,6 +9,7 @@ completed means there is nothing left to do. ``record_config`` writes ``config.j
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
@@ -263,8 +264,9 @@ def write_config(workdir: str, config) -> None:
 
 
 # Keys each process of one run may set for itself: they change no collective and no file.
-PER_PROCESS_KEYS = ("log_every_s", "distributed_timeout_s", "distributed_heartbeat_s",
-                    "compile_cache")  # fmt: skip
+# Not distributed_heartbeat_s: the coordinator's (process 0's) value is how long a silent
+# process lives on, so process 1's own shortened nothing there; one value for the run.
+PER_PROCESS_KEYS = ("log_every_s", "distributed_timeout_s", "compile_cache")
 SHARED_CHECK = ".hybridpar_shared_check"  # process 0's file every process must see
 
 
@@ -287,6 +289,17 @@ def check_processes_agree(config, workdir: str | None, allow_config_change: bool
 
     from hybridpar.config.errors import ConfigError
 
+    # Before the first collective: JAX's (broadcast, allgather) reshape the devices into
+    # processes x local devices, a bare ValueError where the counts differ. Every process
+    # knows every device's process, so each says this with no collective.
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        said = ", ".join(f"{counts[i]} in process {i}" for i in sorted(counts))
+        raise ConfigError(
+            f"the processes of the run drive different numbers of devices ({said}): give "
+            "every process the same number (as many on every host; pick them with "
+            "JAX_LOCAL_DEVICE_IDS=0,1,... or CUDA_VISIBLE_DEVICES)"
+        )
     first, me = jax.process_index() == 0, jax.process_index()
     text = np.frombuffer(json.dumps(config_dict(config)).encode(), np.uint8)
     size = int(mh.broadcast_one_to_all(np.int32(text.size)))

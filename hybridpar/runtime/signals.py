@@ -189,7 +189,8 @@ class Preemption:
     other handler (``StopBetweenRuns``) is handed back itself. On several processes the
     signal handlers stay JAX's: one process saving alone would wait forever for the others,
     so there every process saves at JAX's preemption sync point
-    (``CheckpointManager.reached_preemption``).
+    (``CheckpointManager.reached_preemption``), and SIGINT takes SIGTERM's path there
+    (``SigintAsSigterm``).
 
     Python runs a handler only when the main thread is back in Python: during a step it
     waits in XLA, and two signals that arrive there run the handler once (the second one was
@@ -348,3 +349,41 @@ class Preemption:
             self._wakeup = None
             signal.set_wakeup_fd(before)
             os.close(write)  # the thread reads the end and stops
+
+
+class SigintAsSigterm(Preemption):
+    """Ctrl-C in a process of a multi-process run (the trainer under ``--config.distributed``,
+    from its start): SIGTERM's path. JAX's preemption notifier (a C-level SIGTERM handler that
+    ``jax.distributed.initialize`` installs) catches SIGTERM, and every process saves at the
+    preemption sync point (``CheckpointManager.reached_preemption``); a SIGINT raised
+    KeyboardInterrupt instead, and this process stopped unsaved while its peers failed in
+    their next collective. So a first SIGINT says the single-process line and sends this
+    process SIGTERM; a second stops at once, as on one process (both counted as they come,
+    as ``Preemption`` counts them). Before every process joined the runtime there is
+    nothing to save and no notifier: ``early`` (the command's ``EarlyStop``) exits 0 at once."""
+
+    SIGNALS = (signal.SIGINT,)
+
+    def __init__(self, directory: str | None, early: EarlyStop):
+        super().__init__(directory)
+        self._before_join = early
+        self._sent = threading.Lock()  # SIGTERM sent once, by the handler or the thread
+
+    def install(self) -> "SigintAsSigterm":
+        previous = signal.signal(signal.SIGINT, self._handler)
+        if isinstance(previous, EarlyStop):
+            previous = previous.replaced(signal.SIGINT)
+        self._previous[signal.SIGINT] = previous
+        self._count_arrivals()
+        return self
+
+    def _first_line(self, signum: int, who: str) -> None:
+        # the notifier comes with JAX's preemption sync manager, once every process joined
+        state = getattr(sys.modules.get("jax._src.distributed"), "global_state", None)
+        if getattr(state, "preemption_sync_manager", None) is None:
+            if self._stopping.acquire(blocking=False):  # else the other one is exiting
+                self._before_join(signum, None)  # exits
+            return
+        super()._first_line(signum, who)
+        if self._sent.acquire(blocking=False):
+            os.kill(os.getpid(), signal.SIGTERM)  # to JAX's notifier: the sync point saves

@@ -16,11 +16,13 @@ one of the run stopped, that is one ``error:`` line saying how to resume, not a 
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
 from hybridpar.config import cli
-from hybridpar.runtime import checkpoint_dirs, supervise
+from hybridpar.parallel import distributed
+from hybridpar.runtime import checkpoint_dirs, signals, supervise
 from hybridpar.runtime.signals import EarlyStop
 
 
@@ -60,11 +62,15 @@ def _main(argv, early: EarlyStop) -> None:
     if args.recompile and not args.compiled:  # else silently a plain run that compiles
         cli.fail("--recompile says what to do when the --compiled file does not fit the run; "
                  "pass --compiled FILE with it, or drop it")  # fmt: skip
+    if not config.distributed and distributed.forgotten(os.environ):
+        cli.fail(distributed.forgotten(os.environ))
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
+        ckpt = checkpoint_dirs.checkpoint_dir(config, args.workdir)
         if not supervise.is_child():  # the trainer runs as our child: see runtime/supervise.py
-            ckpt = checkpoint_dirs.checkpoint_dir(config, args.workdir)
             sys.exit(supervise.run([sys.executable, "-m", "hybridpar.train", *args.argv], ckpt))
+        # Ctrl-C as SIGTERM, which JAX's notifier catches: else it stopped this process alone
+        signals.SigintAsSigterm(ckpt, early).install()
 
     # These import jax: after the command line is known to be good.
     from hybridpar.runtime import trainer
