@@ -520,6 +520,20 @@ def test_cli_kill9_and_sigterm_resume_with_the_same_command(tmp_path, capsys):
     assert "--allow-config-change" in errors[0]
 
 
+@pytest.mark.parametrize(
+    "error, says",
+    [
+        ("OSError: [Errno 28] No space left on device", "free space or fix the directory"),
+        ("RuntimeError: Gloo AllGather failed: Connection closed by peer [127.0.0.1]:4321",
+         "another process of the run has probably stopped"),
+    ],
+)  # fmt: skip
+def test_a_failed_saves_advice_follows_its_error(error, says):
+    """A save of a 2-process run whose peer was stopped said 'free space or fix the
+    directory': nothing was wrong with the disk. Planted bug that fails it: one advice."""
+    assert checkpoint.save_failure_advice(error).startswith(says)
+
+
 def test_a_failed_save_is_an_error_naming_the_last_good_checkpoint(tmp_path):
     """A save that fails while it writes (here a loop state JSON cannot hold; a full disk
     fails the same way), synchronous or in the background: one error naming the step and

@@ -258,6 +258,18 @@ def _listing(list_steps):
             time.sleep(0.05)
 
 
+# A save of several processes fails in its collectives where a peer is gone: no disk to fix.
+PEER_GONE = re.compile(r"Gloo|Connection (closed|reset) by peer|NCCL|heartbeat", re.IGNORECASE)
+
+
+def save_failure_advice(msg: str) -> str:
+    """What to do about a failed save, by its error: a lost peer, or the directory."""
+    if PEER_GONE.search(msg):
+        return ("another process of the run has probably stopped (the save's collective "
+                "lost its peer); start every process again with the same command")  # fmt: skip
+    return "free space or fix the directory, then run the same command"
+
+
 class Checkpoints:
     """orbax's ``CheckpointManager`` over ``directory``, with the run's three items.
 
@@ -403,7 +415,7 @@ class Checkpoints:
         msg = msg if len(msg) <= 300 else msg[:297] + "..."
         return SaveFailed(
             f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
-            "left as it was; free space or fix the directory, then run the same command"
+            f"left as it was; {save_failure_advice(msg)}"
         )
 
     def finished(self, wait: bool = False) -> list[dict]:
