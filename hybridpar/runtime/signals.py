@@ -85,7 +85,26 @@ class EarlyStop:
         os._exit(0)
 
 
-class StopBetweenRuns:
+class ToolHandler:
+    """A tool's handler of SIGTERM and SIGINT, installed when made, handed back by
+    ``restore`` (or at the end of a ``with`` block) if still installed."""
+
+    def __init__(self):
+        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
+
+    def restore(self) -> None:
+        for s, h in self.previous.items():
+            if signal.getsignal(s) is self:
+                signal.signal(s, h)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
+
+class StopBetweenRuns(ToolHandler):
     """SIGTERM / SIGINT in a tool that runs the trainer several times (compress's rounds,
     tune's trials), outside those runs: exit 0 at once, saying ``message``. What such a tool
     writes lands whole, so the same command redoes only the unfinished part. The trainer's
@@ -94,18 +113,7 @@ class StopBetweenRuns:
 
     def __init__(self, message: str):
         self.message = message
-        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
-
-    def restore(self) -> None:
-        for s, h in self.previous.items():
-            if signal.getsignal(s) is self:
-                signal.signal(s, h)
-
-    def __enter__(self) -> "StopBetweenRuns":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
+        super().__init__()
 
     def __call__(self, signum, frame):
         # the terminal's stdout: a run may be writing the trainer's lines to its log
@@ -114,7 +122,7 @@ class StopBetweenRuns:
         os._exit(0)
 
 
-class StopWriting:
+class StopWriting(ToolHandler):
     """SIGTERM / SIGINT in a tool that writes its output into ``temp`` and then moves it into
     place (quantize, prune): ``temp`` removed, one line, ``stopped (Ctrl-C): `` (or
     ``stopped (SIGTERM): ``) and ``said()`` (what the output is now), and exit 128 + the
@@ -127,18 +135,7 @@ class StopWriting:
         self.said = said
         self.moving = False  # inside ``whole()``
         self.pending: int | None = None  # a signal that came there
-        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
-
-    def restore(self) -> None:
-        for s, h in self.previous.items():
-            if signal.getsignal(s) is self:
-                signal.signal(s, h)
-
-    def __enter__(self) -> "StopWriting":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.restore()
+        super().__init__()
 
     def __call__(self, signum, frame):
         if self.moving:
