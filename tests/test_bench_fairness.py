@@ -940,6 +940,7 @@ def test_curriculum_tta_passes_a_signal_to_its_runs_and_stops_after_them(tmp_pat
     code = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0)); "
             "print('ready', flush=True); time.sleep(60); sys.exit(1)")  # fmt: skip
     log = tmp_path / "run.log"
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         proc = tta.start("run", [sys.executable, "-c", code], log, cores={0})
         while "ready" not in (log.read_text() if log.exists() else ""):
@@ -955,6 +956,8 @@ def test_curriculum_tta_passes_a_signal_to_its_runs_and_stops_after_them(tmp_pat
             p.kill()
         tta.CHILDREN.clear()
         tta.STOPPED.clear()
+        for s, h in handlers.items():  # tta.start's pass_on: not for the tests after it
+            signal.signal(s, h)
 
 
 def test_curriculum_tta_data_that_fails_to_prepare_is_one_error_line(tmp_path, monkeypatch, capsys):

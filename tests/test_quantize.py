@@ -495,6 +495,7 @@ def test_ctrl_c_while_writing_keeps_the_old_results(quantized, tmp_path, monkeyp
     half-written folder gone and the old results as they were. Planted bug that fails it:
     Python's default handler (its KeyboardInterrupt is dropped there, and the command went
     on to replace them and exit 0)."""
+    before = signal.getsignal(signal.SIGINT)  # (another test in this worker may have set it)
     w = tmp_path / "w"
     shutil.copytree(quantized[0], w)
     old = _files(w / "quantized")
@@ -515,7 +516,7 @@ def test_ctrl_c_while_writing_keeps_the_old_results(quantized, tmp_path, monkeyp
     assert not any(".tmp-" in f for f in exits[0][1]), exits  # removed before the exit
     assert _files(w / "quantized") == old
     assert isinstance(handlers[0], signals.StopWriting) and handlers[1] is handlers[0]  # SIGTERM's
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handed back
+    assert signal.getsignal(signal.SIGINT) is before  # handed back
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -551,6 +552,7 @@ def test_ctrl_c_while_pruning_writes_nothing(quantized, tmp_path, monkeypatch, c
     Python's default handler (the pruned run written anyway, exit 0)."""
     from hybridpar.tools import prune
 
+    before = signal.getsignal(signal.SIGINT)
     out = tmp_path / "p"
     exits = _fake_exit(monkeypatch, tmp_path)
     record = run_config.record_config
@@ -564,7 +566,7 @@ def test_ctrl_c_while_pruning_writes_nothing(quantized, tmp_path, monkeypatch, c
                                           "--fraction", "0.5"], capsys)  # fmt: skip
     assert code == 130 and err.splitlines()[-1] == "stopped (Ctrl-C): nothing written", err
     assert exits == [(130, [])], exits
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 @pytest.mark.parametrize("method", ["max", "percentile"])
