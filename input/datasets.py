@@ -358,8 +358,6 @@ def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> 
             stale = prep.class_list_stale(manifest, classes, d.train_split)
         if stale:
             copies = (None,) + tuple(int(x) for x in str(d.reduced_copies).split(",") if x.strip())
-            if " is out of date: " in stale:  # prepare says what changed, split by split
-                stale = "its source changed"
             print(
                 f"preparing {', '.join(sources)} into {prepared} ({stale}; later runs reuse it)",
                 flush=True,
@@ -418,6 +416,6 @@ def _stale(manifest: dict, splits: list[str], sources: list[str]) -> str:
             change = prep.describe_change(fp, prep.source_fingerprint(fp))
         except ConfigError as e:
             return f"its source cannot be checked ({e})"
-        if change:
-            return f"split {split!r} is out of date: {change}"
+        if change:  # prepare says what changed, split by split
+            return "its source changed"
     return ""
