@@ -412,10 +412,11 @@ class Checkpoints:
         # tensorstore puts the OS's reason (a full disk) at the end of a long message
         code = re.search(r"os_error_code='(\d+)'", msg)
         msg = (f"{os.strerror(int(code[1]))}: " if code else "") + msg
+        advice = save_failure_advice(msg)  # from the whole message: its cause may come late
         msg = msg if len(msg) <= 300 else msg[:297] + "..."
         return SaveFailed(
             f"checkpoint {step} could not be written to {self.directory} ({msg}); {last}, "
-            f"left as it was; {save_failure_advice(msg)}"
+            f"left as it was; {advice}"
         )
 
     def finished(self, wait: bool = False) -> list[dict]:

@@ -367,10 +367,8 @@ class SigintAsSigterm(Preemption):
         self._sent = threading.Lock()  # SIGTERM sent once, by the handler or the thread
 
     def install(self) -> "SigintAsSigterm":
-        previous = signal.signal(signal.SIGINT, self._handler)
-        if isinstance(previous, EarlyStop):
-            previous = previous.replaced(signal.SIGINT)
-        self._previous[signal.SIGINT] = previous
+        # (the command handed SIGINT back from its EarlyStop first: early.restore())
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
         self._count_arrivals()
         return self
 

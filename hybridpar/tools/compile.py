@@ -137,6 +137,7 @@ def _compile_programs(config, target, out, show, say) -> dict:
         cost = comm_report.cost_of(compiled)
         rows.append(program_row(kind, batch, size, rec, compiled.as_text(), cost, target))
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
+    device = run.mesh.devices.flat[0]
     report = dict(
         out=out,
         replacing=replacing,
@@ -145,12 +146,12 @@ def _compile_programs(config, target, out, show, say) -> dict:
         hbm_bytes_per_chip=target.chip.hbm_bytes if target.chip else None,
         mesh=dict(run.mesh.shape),
         gradient_sync=program.sync.choice,
-        kernel_gradients=kernel_gradients(config, run.mesh.devices.flat[0].platform),
+        kernel_gradients=kernel_gradients(config, device.platform),
         slices=target.slices,
         axes_across_slices=list(axes_across_slices(run.mesh)),
         # what the mesh was laid on, as the compiler saw it (a TPU target's: "tpu")
-        device_platform=run.mesh.devices.flat[0].platform,
-        device_kind=run.mesh.devices.flat[0].device_kind,
+        device_platform=device.platform,
+        device_kind=device.device_kind,
         programs=rows,
         largest=f"{largest['program']} (batch {largest['batch']}, {largest['image_size']} px)",
         wall_s=round(time.time() - t0, 3),

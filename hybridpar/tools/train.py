@@ -62,8 +62,9 @@ def _main(argv, early: EarlyStop) -> None:
     if args.recompile and not args.compiled:  # else silently a plain run that compiles
         cli.fail("--recompile says what to do when the --compiled file does not fit the run; "
                  "pass --compiled FILE with it, or drop it")  # fmt: skip
-    if not config.distributed and distributed.forgotten(os.environ):
-        cli.fail(distributed.forgotten(os.environ))
+    forgotten = None if config.distributed else distributed.forgotten(os.environ)
+    if forgotten:
+        cli.fail(forgotten)
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
         early.restore()
         ckpt = checkpoint_dirs.checkpoint_dir(config, args.workdir)
