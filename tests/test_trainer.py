@@ -676,7 +676,9 @@ def test_a_resume_on_changed_data_says_so_and_records_both_sizes(tmp_path, capsy
     capsys.readouterr()
     assert trainer.train(run)["completed"]
     [resume] = records(tmp_path, "resume")
-    assert resume["train_examples_changed"] == [real, real + more]
+    counts = [real, real + more] if more else None  # the same count: other files only
+    assert resume.get("train_examples_changed") == counts
+    assert resume.get("train_files_changed") == (None if more else True)
     out = capsys.readouterr().out
     said = said.format(n=real, m=real + more)
     assert f"the training data changed since the run's last start ({said}" in out
@@ -689,11 +691,21 @@ def test_a_train_fingerprint_compares_only_where_both_starts_have_one():
     from hybridpar.runtime.run_records import Data
 
     def change(before, now):
-        recs = [Data(step=0, epoch=0.0, wall_s=0.0, train_examples=50, train_fingerprint=before)]
-        return trainer.train_examples_change(recs, {"train_examples": 50, "train_fingerprint": now})
+        last = Data(step=0, epoch=0.0, wall_s=0.0, train_examples=50, train_fingerprint=before)
+        return trainer.train_files_changed(last, {"train_examples": 50, "train_fingerprint": now})
 
-    assert change(None, "a") is None and change("a", None) is None and change("a", "a") is None
-    assert change("a", "b") == [50, 50]
+    assert not change(None, "a") and not change("a", None) and not change("a", "a")
+    assert change("a", "b") is True
+
+
+def test_a_class_added_or_removed_names_the_counts():
+    """check_same_classes on a class list of another length (a folder added): the labels
+    that moved and both counts. Planted bug that fails it: only renames compared."""
+    from hybridpar.runtime.run_records import Data
+
+    last = Data(step=0, epoch=0.0, wall_s=0.0, classes=["ant", "bee"])
+    with pytest.raises(WorkdirError, match=r"\(2 -> 3 classes\): the checkpoint at step 4"):
+        trainer.check_same_classes(last, {"classes": ["ant", "bee", "cat"]}, 4, "/d")
 
 
 def test_a_resume_on_other_classes_is_refused_before_anything_is_written(tmp_path):

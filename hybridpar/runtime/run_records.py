@@ -167,6 +167,9 @@ class Resume(Record):
     # the training set's size at the segment before and now, where it changed (the data
     # was prepared again): the plan, and so the epochs and the schedule, follow the new size
     train_examples_changed: list | None = None
+    # the same count of other training files (their digest, the data record's
+    # train_fingerprint, differs): the plan stands
+    train_files_changed: bool | None = None
 
 
 EVENTS = {

@@ -126,34 +126,35 @@ class Clock:
         return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
 
 
-def train_examples_change(recs, info: dict) -> list | None:
-    """``[before, now]``: the training examples of the last ``data`` record against the
-    data this start opened, where they differ, or where the count is the same but the
-    files are others (the train split's ``train_fingerprint`` differs; a record without
-    one compares as unknown)."""
-    last = [r for r in recs if r.event == "data" and r.train_examples]
-    now = info.get("train_examples")
-    if not last or not now:
-        return None
-    before, digest = last[-1].train_examples, last[-1].train_fingerprint
-    if before != now:
-        return [before, now]
-    if digest and info.get("train_fingerprint") and digest != info["train_fingerprint"]:
-        return [before, now]
-    return None
+def last_data(recs):
+    """The run's last start's ``data`` record (the data it trained on), or None."""
+    return next((r for r in reversed(recs) if r.event == "data"), None)
 
 
-def check_same_classes(recs, info: dict, step: int, directory: str) -> None:
+def train_examples_change(last, info: dict) -> list | None:
+    """``[before, now]``: the training examples of the last start's ``data`` record
+    against the data this start opened, where they differ."""
+    before, now = last and last.train_examples, info.get("train_examples")
+    return [before, now] if before and now and before != now else None
+
+
+def train_files_changed(last, info: dict) -> bool:
+    """The same count of other training files (images swapped between starts): the train
+    split's ``train_fingerprint`` differs (a record without one compares as unknown)."""
+    before, now = last and last.train_fingerprint, info.get("train_fingerprint")
+    return bool(before and now and before != now)
+
+
+def check_same_classes(last, info: dict, step: int, directory: str) -> None:
     """The class names, in label order, of the last ``data`` record (the run's last start)
     against the data this start opened: a class folder renamed, added or removed between
     starts moves labels (label 1 was 'bird', now 'cat'), and the checkpoint's head would
     train on the new meaning of its old outputs, with no word (the example count alone
     was compared)."""
-    before = [r.classes for r in recs if r.event == "data" and r.classes]
-    now = info.get("classes")
-    if not before or not now or list(before[-1]) == list(now):
+    before, now = last and last.classes, info.get("classes")
+    if not before or not now or list(before) == list(now):
         return
-    old = list(before[-1])
+    old = list(before)
     moved = [f"label {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(old, now)) if a != b]
     if len(old) != len(now):
         moved.append(f"{len(old)} -> {len(now)} classes")
@@ -751,11 +752,12 @@ def start(run: Run, hooks) -> Training:
     # was killed before its first checkpoint, which leaves records but nothing to resume).
     recorded, _ = run_records.read_records(f"{run.workdir}/metrics.jsonl")
     redo_until = furthest_step(recorded)
-    grown = train_examples_change(recorded, run.data.info) if resumed is not None else None
+    last = last_data(recorded) if resumed is not None else None
+    grown = train_examples_change(last, run.data.info)
+    swapped = not grown and train_files_changed(last, run.data.info)
     if resumed is not None:  # before anything is written or compiled
-        check_same_classes(recorded, run.data.info, resumed, saver.directory)
-        resized = grown if grown and grown[0] != grown[1] else None  # (not files swapped)
-        check_resumed_plan(plan, loop, resumed, resized, saver.directory)
+        check_same_classes(last, run.data.info, resumed, saver.directory)
+        check_resumed_plan(plan, loop, resumed, grown, saver.directory)
     enter_next_stage(plan, loop)
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held_config)
@@ -783,7 +785,8 @@ def start(run: Run, hooks) -> Training:
                      lost_s=round(lost, 3) or None,
                      data_epoch=loop.epoch,
                      data_step_in_epoch=loop.step_in_epoch, directory=saver.directory,
-                     changed_keys=changed, train_examples_changed=grown)  # fmt: skip
+                     changed_keys=changed, train_examples_changed=grown,
+                     train_files_changed=swapped or None)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
             + (f" (config changed: {', '.join(changed)})" if changed else "")
@@ -793,12 +796,12 @@ def start(run: Run, hooks) -> Training:
     moved = lr_change(run, held_config, loop, resumed) if changed and resumed is not None else None
     if moved:
         log(lr_change_warning(moved, resumed, changed))
-    if grown and grown[0] == grown[1]:  # other files of the same count: the plan stands
+    if swapped:  # other files of the same count: the plan stands
         log(f"warning: the training data changed since the run's last start (other files, "
-            f"the same {grown[0]} examples): from step {resumed} the run trains on the new "
-            "files; to train on the old data, restore it and run the same command "
-            "again")  # fmt: skip
-    elif grown:
+            f"the same {run.data.info['train_examples']} examples): from step {resumed} the "
+            "run trains on the new files; to train on the old data, restore it and run the "
+            "same command again")  # fmt: skip
+    if grown:
         log(f"warning: the training data changed since the run's last start ({grown[0]} -> "
             f"{grown[1]} examples): from step {resumed} the plan has {plan.total_steps} steps "
             f"({plan.num_epochs:g} epochs of the new data), so the epochs and the LR "
