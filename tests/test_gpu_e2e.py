@@ -338,7 +338,7 @@ def test_prepare_without_the_cuda_plugin_skips_its_compiles_and_says_how(
 
 
 def test_e2e_smoke_runs_every_section(tmp_path):
-    """The whole script on CPU (about a minute on 2 cores): the train CLI for digits,
+    """The whole script on CPU: the train CLI for digits,
     CIFAR-10 on device-resident data from a packed and unpacked subset (two seeds), the
     ResNet stages against the step bench, the compile tool's file loaded; no section may
     fail or lack an input."""
