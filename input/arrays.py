@@ -57,6 +57,18 @@ def digits_file() -> Path:
     return path
 
 
+def check_digits_config(d) -> None:
+    """The ``data`` section asks for what digits is: grayscale, 10 classes (host and
+    on-device paths alike)."""
+    if d.channels != 1:
+        raise ConfigError("data.name=digits is grayscale: set data.channels=1")
+    if d.num_classes != DIGITS_CLASSES:  # else labels past the logits train unsaid
+        raise ConfigError(
+            f"data.num_classes={d.num_classes} but digits has {DIGITS_CLASSES} classes "
+            f"(0-9): set --config.data.num_classes={DIGITS_CLASSES}"
+        )
+
+
 def load_digits(image_size: int):
     """scikit-learn's 1,797 handwritten 8x8 digits (shipped with the package), upsampled.
 

@@ -76,13 +76,7 @@ def make_data(c, pi: int, pc: int, mesh=None, stage_sizes: list[int] | None = No
 def _in_memory(c, pi, pc, shape) -> Data:
     d = c.data
     if d.name == "digits":
-        if d.channels != 1:
-            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
-        if d.num_classes != arrays.DIGITS_CLASSES:  # else labels past the logits train unsaid
-            raise ConfigError(
-                f"data.num_classes={d.num_classes} but digits has {arrays.DIGITS_CLASSES} classes "
-                f"(0-9): set --config.data.num_classes={arrays.DIGITS_CLASSES}"
-            )
+        arrays.check_digits_config(d)
         train, test = arrays.load_digits(d.image_size)
         spe = arrays.steps_per_epoch(train, c.global_batch)
         steps_for = EpochSteps(

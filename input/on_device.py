@@ -468,13 +468,7 @@ def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
     kw: dict = {"translate": d.translate}
     info: dict = {"source": d.name}
     if d.name == "digits":
-        if d.channels != 1:
-            raise ConfigError("data.name=digits is grayscale: set data.channels=1")
-        if d.num_classes != arrays.DIGITS_CLASSES:  # else labels past the logits train unsaid
-            raise ConfigError(
-                f"data.num_classes={d.num_classes} but digits has {arrays.DIGITS_CLASSES} classes "
-                f"(0-9): set --config.data.num_classes={arrays.DIGITS_CLASSES}"
-            )
+        arrays.check_digits_config(d)
         train = {s: arrays.load_digits(s)[0] for s in sizes}
         test = arrays.load_digits(d.image_size)[1]
         kw.update(cycled=True)  # the host path's seeds, so the same batches
