@@ -185,6 +185,21 @@ def test_the_table_says_every_rows_groups_in_one_form():
     assert "<=" not in text and "mesh[" not in text
 
 
+def test_a_long_listed_group_is_read_whole_not_from_its_shortened_text():
+    """On data:2,fsdp:16 XLA lists the fsdp groups in full, {{0,...,15},{16,...,31}}, longer
+    than the JSON's groups text keeps: the table read the shortened text and said
+    ``2 groups of 16: {0,1,2,...,15},...`` beside ``over fsdp: 2 groups of 16`` in the iota
+    form's rows (planted: ``over`` left out, or read from the shortened text)."""
+    mesh = {"data": 2, "fsdp": 16, "model": 1}
+    listed = "{" + ",".join("{" + ",".join(map(str, range(g, g + 16))) + "}" for g in (0, 16)) + "}"
+    (row,) = parse_collectives(_all_reduces([listed]), mesh)
+    assert "..." in row["groups"]  # the text is shortened past decoding ...
+    assert row["over"] == "over fsdp: 2 groups of 16"  # ... the groups were read whole
+    (iota,) = parse_collectives(_all_reduces(["[2,16]<=[32]"]), mesh)
+    assert iota["over"] == row["over"]
+    assert "over" not in parse_collectives(_all_reduces([listed]))[0]  # no mesh: not said
+
+
 PROMOTED_HLO = """
 ENTRY %main (a: f32[16]) -> f32[16] {
   %a = f32[16]{0} parameter(0)

@@ -3,6 +3,7 @@ they load matplotlib. One rule for each, so a size or a time reads the same in e
 No JAX.
 
     byte_size(3 * 2**20)            # "3.0 MiB"
+    counted(6, "plan")              # "6 plans" ("1 plan")
     duration(5400)                  # "1.50 h"
     print(table(rows, header))      # right-aligned columns under a dashed rule
     plt = pyplot()                  # matplotlib's pyplot on the Agg backend, or a ConfigError
@@ -23,6 +24,11 @@ def byte_size(n: float) -> str:
     ``"9.0 KiB"``, ``"12.5 MiB"``, ``"1.50 GiB"`` (two decimals in GiB, where a tenth is a
     lot). A figure that rounds up to 1024 of a unit is written in the next one."""
     return _in_units(n, _BYTE_UNITS, 1024)
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun, plural unless one: "1 plan", "6 plans"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def duration(s: float) -> str:

@@ -22,6 +22,8 @@ class CollectiveRow:
     bytes: of one op's result shape (for a reduce-scatter, one shard), not wire traffic.
     groups: the replica groups as printed, shortened; group_size: devices per op, None where
       the HLO does not say (all devices, or the source-target pairs of a permute).
+    over: the groups as the mesh axes they span, e.g. ``over fsdp: 2 groups of 16``, read
+      from the groups in full (None in reports written before it).
     """
 
     kind: str
@@ -31,10 +33,13 @@ class CollectiveRow:
     groups: str
     group_size: int | None
     is_async: bool  # "async" in the JSON: a Python keyword
+    over: str | None = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["async"] = d.pop("is_async")
+        if d["over"] is None:  # a row read from before it: as it was
+            del d["over"]
         return d
 
     @classmethod
@@ -156,7 +161,7 @@ def _problem(d) -> str | None:
     if not isinstance(d["collectives"], list):
         return "`collectives` is not a list"
     for i, row in enumerate(d["collectives"]):
-        if (bad := _keys(row, _ROW_KEYS)) is not None:
+        if (bad := _keys(row, _ROW_KEYS, {"over"})) is not None:
             return f"collectives[{i}]: {bad}"
     if not isinstance(d["devices"], dict) or "count" not in d["devices"]:
         return "`devices` has no count"

@@ -31,7 +31,7 @@ from collections import Counter
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.formatting import byte_size
+from hybridpar.config.formatting import byte_size, counted
 from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport
 
 # Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
@@ -287,13 +287,15 @@ def mesh_axes_of(sets: list[list[int]], mesh: dict[str, int]) -> tuple[str, ...]
     return tuple(a for i, a in enumerate(mesh) if i in axes)
 
 
-def describe_groups(groups: str, mesh: dict[str, int]) -> str:
+def describe_groups(groups: str, mesh: dict[str, int], sets: list | None = None) -> str:
     """A row's ``groups`` text (``parse_collectives``: XLA's listed, iota or mesh form) for
     the report's table in one form: the axes of the run's `mesh` each group spans, e.g.
     ``over fsdp: 2 groups of 4``; where they span no whole axes, the groups and the first
-    of them, e.g. ``4 groups of 2: {0,1},...``. A permute's pairs, or no text, as they are."""
+    of them, e.g. ``4 groups of 2: {0,1},...``. A permute's pairs, or no text, as they are.
+    `sets`: the groups' device ids where the caller has them whole (a long list's text is
+    shortened past decoding)."""
     devices = math.prod(mesh.values())
-    sets = group_sets(groups, devices)
+    sets = sets or group_sets(groups, devices)
     m = re.match(r"(\d+)x(\d+) \{\{([^{}]*)\}", groups)  # _short_groups' shortened list
     if sets is None and m and (int(m.group(1)), int(m.group(2))) == (1, devices):
         sets = [list(range(devices))]  # one group of every device, whatever its order
@@ -307,9 +309,9 @@ def describe_groups(groups: str, mesh: dict[str, int]) -> str:
         first = ",".join(ids) if len(ids) <= 4 else ",".join(ids[:3]) + ",...," + ids[-1]
         axes = mesh_axes_of(sets, mesh)
         if axes is not None:
-            count = f"{n} group{'s' if n != 1 else ''} of {size}"
+            count = f"{counted(n, 'group')} of {size}"
             return f"over {','.join(axes)}: {count}" if axes else count
-    return f"{n} group{'s' if n != 1 else ''} of {size}: {{{first}}}{',...' if n > 1 else ''}"
+    return f"{counted(n, 'group')} of {size}: {{{first}}}{',...' if n > 1 else ''}"
 
 
 def _instructions(hlo_text: str) -> list[dict]:
@@ -351,12 +353,14 @@ def _offloaded(ins: dict) -> bool:
     return ins["opcode"] == "call-start" and "async_execution_thread" in ins["attrs"]
 
 
-def parse_collectives(hlo_text: str) -> list[dict]:
+def parse_collectives(hlo_text: str, mesh: dict[str, int] | None = None) -> list[dict]:
     """Every collective of an HLO module's text, grouped by (kind, bytes, groups, async).
 
     Returns dicts with ``kind``, ``count``, ``bytes`` (per op), ``total_bytes``, ``groups``
     (replica groups as printed, shortened), ``group_size`` (devices taking part in each op;
-    None where the text does not say: all devices, or a collective-permute) and ``async``.
+    None where the text does not say: all devices, or a collective-permute) and ``async``;
+    given the program's `mesh` (axis -> size, in the device order), also ``over``: the
+    groups in one form (``describe_groups``), read from the groups as printed in full.
     A collective over groups of one device moves nothing: its bytes are 0.
     An async pair (``-start`` and ``-done``) counts once, as async, with the bytes of the
     ``-done`` result; a collective wrapped in an ``async-start`` computation counts as async.
@@ -381,6 +385,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
         if ins["opcode"] == "fusion":
             fused_computations.update(_CALLS.findall(ins["attrs"]))
     counts: Counter = Counter()
+    over: dict = {}  # groups text -> describe_groups of the full groups it shortens
     seen: dict = {}  # channel_id -> the key it was counted under
     for ins in instrs:
         opcode, is_async = ins["opcode"], False
@@ -404,6 +409,10 @@ def parse_collectives(hlo_text: str) -> list[dict]:
         else:
             m = _GROUPS.search(ins["attrs"])
             groups, size = _short_groups(m.group(1) if m else None)
+            if mesh is not None and groups not in over:
+                text = m.group(1) if m else ""
+                listed = re.findall(r"\{([\d,]+)\}", text) if text.startswith("{{") else []
+                over[groups] = describe_groups(groups, mesh, [_ints(g) for g in listed] or None)
         # a group of one device (replica_groups={{0}}) moves nothing
         key = (kind, 0 if size == 1 else shape_bytes(shape), groups, size, is_async)
         # channel ids repeat across the CPU backend's collectives: only clones in fusions
@@ -423,6 +432,7 @@ def parse_collectives(hlo_text: str) -> list[dict]:
     counts = +counts  # drop the zero counts a move to async left
     rows = [
         dict(kind=k, count=n, bytes=b, total_bytes=n * b, groups=g, group_size=gs, **{"async": a})
+        | ({"over": over.get(g, describe_groups(g, mesh))} if mesh is not None else {})
         for (k, b, g, gs, a), n in counts.items()
     ]
     rows.sort(key=lambda r: (KINDS.index(r["kind"]), -r["total_bytes"], r["groups"], r["async"]))
@@ -772,7 +782,7 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
     for i, (batch, size) in enumerate(steps, 1):
         say(f"compiling train b{batch} {size}px ({i}/{len(steps)}) ...")
         compiled = program.train_step(batch, size)
-        collectives = parse_collectives(compiled.as_text())
+        collectives = parse_collectives(compiled.as_text(), dict(mesh.shape))
         mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
         rows.append(dict(
             stages=[s.index for s in run.plan.stages
@@ -865,7 +875,8 @@ def format_report(rep: CommReport, config_path: str) -> str:
     # iota), which the JSON keeps as printed; rows that then read alike are one row
     shown: Counter = Counter()
     for r in rep.collectives:
-        shown[(r.kind, r.bytes, describe_groups(r.groups, rep.mesh), r.is_async)] += r.count
+        said = r.over or describe_groups(r.groups, rep.mesh)  # a report before `over`: its text
+        shown[(r.kind, r.bytes, said, r.is_async)] += r.count
     for (kind, nbytes, groups, is_async), n in sorted(
         shown.items(), key=lambda kv: (KINDS.index(kv[0][0]), -kv[0][1] * kv[1], *kv[0][2:])
     ):
@@ -876,7 +887,7 @@ def format_report(rep: CommReport, config_path: str) -> str:
     if not rep.collectives:
         lines.append("  (none)")
     kinds = ", ".join(
-        f"{k} {v['count']} ops {byte_size(v['bytes'])}" for k, v in rep.by_kind.items()
+        f"{k} {counted(v['count'], 'op')} {byte_size(v['bytes'])}" for k, v in rep.by_kind.items()
     )
     lines += [
         "",

@@ -50,7 +50,7 @@ from pathlib import Path
 from hybridpar.config import cli
 from hybridpar.config.curriculum import parse_stages
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.formatting import GIB, MIB, byte_size, duration, table
+from hybridpar.config.formatting import GIB, MIB, byte_size, counted, duration, table
 from hybridpar.config.schema import HEADS
 from hybridpar.runtime.comm_report_schema import CommReport, hidden_share
 from hybridpar.runtime.run_records import write_json
@@ -213,11 +213,6 @@ def candidates(
 
     out.sort(key=distance)  # stable: within a distance, the order of the value lists
     return out, len(grid), ruled
-
-
-def counted(n: int, noun: str) -> str:
-    """``n`` and the noun, plural unless one: "1 plan", "6 plans"."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def ruled_out_words(ruled: Counter) -> str:
