@@ -301,9 +301,9 @@ STOPPED = 130  # 128 + SIGINT: a shell's exit status for a command stopped by Ct
 def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> None:
     """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line. A
     Ctrl-C that reaches here (a tool without its own signal handling: the trainer, compress,
-    tune, quantize and prune have theirs) is one line, ``stopped (Ctrl-C)`` and ``stopped`` (what the tool
-    left, where it knows: the tools differ; a function, asked then), and exit code 130, not
-    a traceback."""
+    tune, quantize and prune have theirs) is one line, ``stopped (Ctrl-C)`` and ``stopped``
+    (what the tool left, where it knows: the tools differ; a function, asked then), and exit
+    code 130, not a traceback."""
     # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     cpu_when_no_accelerator()
