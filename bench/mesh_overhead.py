@@ -44,7 +44,7 @@ def parse_args(argv=None):
 def check_mesh(args, devices: int, platform: str) -> None:
     """``--mesh`` must fit the devices and ``--batch`` split over its data-parallel devices:
     one ``error:`` line naming the flag now, not a traceback after the first compile."""
-    from hybridpar.parallel.mesh import parse_mesh_spec
+    from hybridpar.parallel.mesh import check_divides, parse_mesh_spec
 
     example = "data:4,model:2" if devices == DEVICES else "data:-1"
     try:
@@ -53,11 +53,10 @@ def check_mesh(args, devices: int, platform: str) -> None:
         # the first clause says what is wrong; the rest names the trainer's flags, not ours
         cli.fail(f"--mesh {args.mesh}: {str(e).split(';')[0]}; give axes whose sizes multiply "
                  f"to the {devices} devices here, e.g. --mesh {example}")  # fmt: skip
-    dp = sizes["data"] * sizes["fsdp"]
-    if args.batch % dp:
-        cli.fail(f"--batch {args.batch} does not split over the {dp} data-parallel devices of "
-                 f"--mesh {args.mesh}; use a multiple of {dp}, e.g. "
-                 f"--batch {max(dp, args.batch // dp * dp)}")  # fmt: skip
+    try:
+        check_divides(args.batch, sizes["data"] * sizes["fsdp"], "--batch ", f"--mesh {args.mesh}")
+    except ConfigError as e:
+        cli.fail(str(e))
 
 
 def digits_program(args, mesh: str, devices=None):

@@ -301,15 +301,10 @@ class DeviceSet:
 
     def _check_batch(self, global_batch: int, what: str) -> None:
         """As ``shard_batch``: a batch splits evenly over the data-parallel devices."""
-        from hybridpar.parallel.mesh import data_parallel_size
+        from hybridpar.parallel.mesh import check_divides, data_parallel_size
 
         ways = data_parallel_size(self.mesh)
-        if global_batch % ways:
-            raise ConfigError(
-                f"a global {what} batch of {global_batch} does not divide over the {ways} "
-                f"data-parallel devices of the mesh (data x fsdp); use a multiple of {ways}, "
-                f"e.g. {max(ways, global_batch // ways * ways)}"
-            )
+        check_divides(global_batch, ways, f"a global {what} batch of ", "the mesh")
 
     # ---- train ----
 

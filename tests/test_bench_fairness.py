@@ -511,8 +511,8 @@ BAD_BENCH_FLAGS = [
      "--mesh data:3: mesh spec 'data:3' needs 3 devices but 8 are available; give axes whose "
      "sizes multiply to the 8 devices here, e.g. --mesh data:4,model:2"),
     ("mesh_overhead", ["--batch", "6"],
-     "--batch 6 does not split over the 4 data-parallel devices of --mesh data:4,model:2; use "
-     "a multiple of 4, e.g. --batch 4"),
+     "--batch 6 does not divide over the 4 data-parallel devices of --mesh data:4,model:2 "
+     "(data x fsdp); use a multiple of 4, e.g. --batch 4"),
     ("input_pipeline", ["--images", "0"], "argument --images: '0' is not a number of images >= 1"),
     ("input_pipeline", ["--workers", "0"], "argument --workers: '0' is not a number of cores >= 1"),
     ("input_pipeline", ["--repeats", "0"], "argument --repeats: '0' is not a number of repeats"),

@@ -204,7 +204,7 @@ NO_CHANNEL = {**indexed(), "image": indexed()["image"][..., 0]}
         ({"train": {16: SHORT_LABELS}}, DataError, "at 16 px has 256 images and 100 labels; pass"),
         ({"test": SHORT_LABELS}, DataError, "the test set has 256 images and 100 labels"),
         ({"train": {16: NO_CHANNEL}}, DataError, r"shape \(256, 16, 16\); pass them as \(N, s"),
-        ({"batch": 30}, ConfigError, "train batch of 30 does not divide over the 8 .*, e.g. 24"),
+        ({"batch": 30}, ConfigError, "train batch of 30 does not divide over the 8 .*e.g. a .* 24"),
         ({"eval_batch": 30}, ConfigError, "a global eval batch of 30 does not divide over the 8"),
     ],
 )

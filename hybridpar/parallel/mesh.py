@@ -207,6 +207,18 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def check_divides(batch: int, ways: int, setting: str, where: str) -> None:
+    """A batch must split evenly over the ``ways`` data-parallel devices (data x fsdp) of
+    the mesh ``where`` names: else one ConfigError with the nearest multiple, as the user
+    sets it (``setting`` + the number: ``"--config.global_batch="``, ``"--batch "``)."""
+    if batch % ways:
+        raise ConfigError(
+            f"{setting}{batch} does not divide over the {ways} data-parallel devices of "
+            f"{where} (data x fsdp); use a multiple of {ways}, e.g. "
+            f"{setting}{max(ways, batch // ways * ways)}"
+        )
+
+
 def data_parallel_size(mesh: Mesh | str) -> int:
     """How many ways the batch is split: the product of the data-parallel axes, of a mesh
     or of the spec that names one (``"data:4,model:2"``; only a spec with -1 needs the

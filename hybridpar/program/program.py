@@ -25,7 +25,7 @@ from hybridpar.models import create_model
 from hybridpar.models.batchnorm import bn_groups_for
 from hybridpar.models.im2col import use_im2col
 from hybridpar.parallel import partitioning
-from hybridpar.parallel.mesh import data_parallel_size
+from hybridpar.parallel.mesh import check_divides, data_parallel_size
 from hybridpar.program import compile_cache
 from hybridpar.program.heads import Head, make_head
 from hybridpar.program.optim import make_optimizer
@@ -65,12 +65,7 @@ def check_batch_sizes(config, dp: int) -> None:
     the config's mesh; a curriculum's batches are per device, so they always do."""
     names = ("eval_batch",) if config.stages else ("global_batch", "eval_batch")
     for name in names:
-        if config[name] % dp:
-            raise ConfigError(
-                f"{name}={config[name]} does not divide over the {dp} data-parallel devices of "
-                f"mesh {config.mesh!r} (data x fsdp); use a multiple of {dp}, e.g. "
-                f"--config.{name}={max(dp, config[name] // dp * dp)}"
-            )
+        check_divides(config[name], dp, f"--config.{name}=", f"mesh {config.mesh!r}")
 
 
 @dataclasses.dataclass
