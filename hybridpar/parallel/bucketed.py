@@ -47,7 +47,13 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.parallel.mesh import BATCH_AXES, axes_with_devices, batch_axes
+from hybridpar.parallel.mesh import (
+    BATCH_AXES,
+    axes_size,
+    axes_with_devices,
+    axis_names,
+    batch_axes,
+)
 from hybridpar.parallel.partitioning import _listed, path_str
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
@@ -137,11 +143,6 @@ def _path_of(keypath) -> Path:
     return tuple(path_str(keypath).split("/"))
 
 
-def _axis_tuple(axes) -> tuple:
-    """One mesh axis name or several as a tuple ("data" is one axis, not "d", "a", ...)."""
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
 def _varying(x) -> frozenset:
     """The mesh axes ``x`` varies over inside shard_map (its type's, per JAX version)."""
     aval = jax.typeof(x)
@@ -156,7 +157,7 @@ def to_varying(x, axes):
     insert a ``psum`` per parameter itself: its gradient comes out already summed over
     ``axes`` (``reduce_in_buckets`` refuses such gradients).
     """
-    missing = tuple(a for a in _axis_tuple(axes) if a not in _varying(x))
+    missing = tuple(a for a in axis_names(axes) if a not in _varying(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
@@ -169,7 +170,7 @@ def check_not_summed(grads_by_path: Mapping, axes) -> None:
     again would make it that many times too large. With ``check_vma=False`` nothing is
     typed varying and ``jax.grad`` sums nothing, so there is nothing to check.
     """
-    split = tuple(a for a in _axis_tuple(axes) if lax.axis_size(a) > 1)
+    split = tuple(a for a in axis_names(axes) if lax.axis_size(a) > 1)
     summed = [p for p, g in grads_by_path.items() if set(split) - _varying(g)]
     if not summed:
         return
@@ -244,16 +245,11 @@ def _with_dim(shape, dim: int, size: int) -> tuple:
     return tuple(size if i == dim else s for i, s in enumerate(shape))
 
 
-def _axes_size(axes) -> int:
-    """The devices over ``axes`` (one mesh axis or a tuple of them), inside shard_map."""
-    return math.prod(lax.axis_size(a) for a in ((axes,) if isinstance(axes, str) else axes))
-
-
 def scatter_flat(leaves, dims, axes, after=None):
     """ONE ``psum_scatter`` over ``axes`` of the leaves' concatenation, laid out so that
     block i of every leaf (along ``dims``) lands on device i: their sums, this device's
     blocks of them, as ``(1, total / k)`` (``unscatter`` splits it), after ``after``."""
-    k, dtype = _axes_size(axes), jnp.result_type(*leaves)
+    k, dtype = axes_size(axes), jnp.result_type(*leaves)
     flat = jnp.concatenate([_as_rows(x, d, k).astype(dtype) for x, d in zip(leaves, dims)], 1)
     if after is not None:
         flat = flat + _zero_from(after).astype(flat.dtype)
@@ -262,7 +258,7 @@ def scatter_flat(leaves, dims, axes, after=None):
 
 def unscatter(flat, leaves, dims, axes) -> list:
     """``scatter_flat``'s result as this device's blocks of ``leaves`` (in ``flat``'s dtype)."""
-    k, out, offset = _axes_size(axes), [], 0
+    k, out, offset = axes_size(axes), [], 0
     for x, d in zip(leaves, dims):
         size = x.size // k
         out.append(_from_rows(flat[:, offset : offset + size],
@@ -291,7 +287,7 @@ def flat_gather(shards, dims, after=None, axes="fsdp"):
     gathered as one; ``dims``: the dimension each is split along) with ONE ``all_gather``
     of their concatenation, after ``after`` if given (see ``flat_pmean``). Returns the
     arrays and the gathered concatenation (an ``after`` for the next gather)."""
-    k = _axes_size(axes)
+    k = axes_size(axes)
     dtype = jnp.result_type(*shards)
     flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
     if after is not None:
@@ -368,9 +364,9 @@ def reduce_in_buckets(
     dtype each bucket is summed in (None: the gradients' own); the means come back in the
     gradients' dtypes.
     """
-    axes = _axis_tuple(axes)
+    axes = axis_names(axes)
     if n is None:
-        n = _axes_size(axes)
+        n = axes_size(axes)
     shard_dims = shard_dims or {}
     by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
     check_plan_covers(plan, by_path, "gradients")

@@ -207,6 +207,21 @@ def batch_axes(mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in BATCH_AXES if a in mesh.axis_names)
 
 
+def axis_names(entry) -> tuple[str, ...]:
+    """A spec entry's mesh axes as a tuple: None names none, a string one ("data" is one
+    axis, not "d", "a", ...), a tuple or list several."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def axes_size(axes) -> int:
+    """The devices over ``axes`` (one mesh axis or several), inside a shard_map over them."""
+    from jax import lax
+
+    return math.prod(lax.axis_size(a) for a in axis_names(axes))
+
+
 def check_divides(batch: int, ways: int, setting: str, where: str) -> None:
     """A batch must split evenly over the ``ways`` data-parallel devices (data x fsdp) of
     the mesh ``where`` names: else one ConfigError with the nearest multiple, as the user

@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.parsing import check_rule_patterns
-from hybridpar.parallel.mesh import batch_axes, data_parallel_size
+from hybridpar.parallel.mesh import axis_names, batch_axes, data_parallel_size
 
 # One entry per dimension: None, an axis name, or a tuple of axis names.
 Spec = tuple[Any, ...]
@@ -155,12 +155,6 @@ def _unbox(x):
     return x.unbox() if isinstance(x, meta.AxisMetadata) else x
 
 
-def _axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
 def _axes_named(axes: tuple) -> str:
     """``axis 'model'``, or ``axes ('data', 'model')`` for a dimension split over several."""
     return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
@@ -180,7 +174,7 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
         )
     spec = spec + (None,) * (len(shape) - len(spec))
     for dim, (entry, size) in enumerate(zip(spec, shape)):
-        axes = _axes(entry)
+        axes = axis_names(entry)
         for a in axes:
             if a not in mesh.shape:
                 raise ConfigError(
@@ -194,7 +188,7 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
                 f"divide mesh {_axes_named(axes)} (size {n}) ({why}); change the rule or "
                 f"the mesh so the size divides"
             )
-    named = [a for e in spec for a in _axes(e)]
+    named = [a for e in spec for a in axis_names(e)]
     twice = sorted({a for a in named if named.count(a) > 1})
     if twice:
         raise ConfigError(
@@ -215,13 +209,13 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
     that bug. Other arrays get ``fsdp`` on their largest dimension that it divides.
     """
     n = mesh.shape.get("fsdp", 1)
-    used = {a for e in spec for a in _axes(e)}
+    used = {a for e in spec for a in axis_names(e)}
     if n == 1 or "fsdp" in used or math.prod(shape) < min_size:
         return spec
     sharded = [d for d in range(len(shape)) if spec[d] is not None]
     if sharded:
         d = sharded[-1]
-        axes = _axes(spec[d]) + ("fsdp",)
+        axes = axis_names(spec[d]) + ("fsdp",)
         if shape[d] % math.prod(mesh.shape[a] for a in axes):
             return spec
         return spec[:d] + (axes,) + spec[d + 1 :]
@@ -238,7 +232,7 @@ def _left_whole_by_fsdp(spec: tuple, shape, mesh: Mesh, rules: Rules) -> bool:
     m = rules.fsdp_min_size
     if m is None or mesh.shape.get("fsdp", 1) == 1 or not shape or math.prod(shape) < m:
         return False
-    return "fsdp" not in {a for e in spec for a in _axes(e)}
+    return "fsdp" not in {a for e in spec for a in axis_names(e)}
 
 
 def _table(rules: Rules) -> dict:
@@ -267,9 +261,9 @@ def _mesh_names(names, table: dict, mesh: Mesh, where: str) -> tuple:
     spec = []
     for entry in names:
         axes = []
-        for name in _axes(entry):
+        for name in axis_names(entry):
             if name in table:
-                axes += _axes(table[name])
+                axes += axis_names(table[name])
             elif name in mesh.shape:
                 axes.append(name)
             else:
@@ -328,7 +322,7 @@ def _splits_both_channels(spec: tuple, mesh: Mesh) -> bool:
     """A 4-D (conv, HWIO) layout split on both input and output channels."""
 
     def split(entry):
-        return math.prod(mesh.shape[a] for a in _axes(entry)) > 1
+        return math.prod(mesh.shape[a] for a in axis_names(entry)) > 1
 
     return len(spec) == 4 and split(spec[2]) and split(spec[3])
 
@@ -349,9 +343,9 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
         paths.append(path_str(path))
         if isinstance(leaf, LogicallyPartitioned):
-            carried.update(a for e in leaf.names for a in _axes(e))
+            carried.update(a for e in leaf.names for a in axis_names(e))
         elif _annotation(leaf) is not None:
-            carried.update(a for e in _annotation(leaf) for a in _axes(e))
+            carried.update(a for e in _annotation(leaf) for a in axis_names(e))
     problems = []
     patterns = [pattern for pattern, _ in rules.path]
     # The rule that places each path: the first that matches it.
@@ -673,7 +667,7 @@ def sharding_table(shardings, tree, max_rows: int = 24) -> str:
         key = (group, str(s.spec))
         nbytes = math.prod(np.shape(leaf)) * np.dtype(leaf.dtype).itemsize
         per_dev = (
-            nbytes // math.prod(s.mesh.shape[a] for e in s.spec for a in _axes(e))
+            nbytes // math.prod(s.mesh.shape[a] for e in s.spec for a in axis_names(e))
             if s.spec
             else nbytes
         )

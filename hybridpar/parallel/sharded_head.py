@@ -63,12 +63,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.parallel.mesh import AXES, axes_with_devices, batch_axes
+from hybridpar.parallel.mesh import AXES, axes_size, axes_with_devices, axis_names, batch_axes
 from hybridpar.parallel.partitioning import Rules
-
-
-def _axis_size(axis) -> int:
-    return math.prod(lax.axis_size(a) for a in (axis if isinstance(axis, tuple) else (axis,)))
 
 
 def _shard_offset(logits, axis):
@@ -87,7 +83,7 @@ def _my_label_logit(z, labels, axis):
 def _check_inside(axis, name: str) -> None:
     """``axis`` is bound: ``name`` runs inside a ``jax.shard_map`` over it (JAX's own error
     is an unbound-axis NameError deep in the collectives)."""
-    for a in axis if isinstance(axis, tuple) else (axis,):
+    for a in axis_names(axis):
         try:
             lax.axis_size(a)
         except NameError:
@@ -112,7 +108,7 @@ def sharded_cross_entropy(logits, labels, label_smoothing: float, axis):
     """
     _check_inside(axis, "sharded_cross_entropy")
     z = logits.astype(jnp.float32)
-    num_classes = z.shape[-1] * _axis_size(axis)
+    num_classes = z.shape[-1] * axes_size(axis)
     # The max only keeps exp() in range; logsumexp does not depend on it, so no gradient.
     m = lax.pmax(jnp.max(lax.stop_gradient(z), axis=-1), axis)
     parts = [jnp.sum(jnp.exp(z - m[:, None]), axis=-1), _my_label_logit(z, labels, axis)]
@@ -172,11 +168,8 @@ class ShardedHead:
     def __post_init__(self):
         # "model" is one axis, not the axes "m", "o", ...; a list becomes a (hashable) tuple.
         for name in ("class_axes", "batch_axes"):
-            axes = getattr(self, name)
-            if isinstance(axes, str):
-                object.__setattr__(self, name, (axes,))
-            elif axes is not None:
-                object.__setattr__(self, name, tuple(axes))
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, axis_names(getattr(self, name)))
         if self.batch_axes is None:  # a mesh of the user's own may lack fsdp (or data)
             object.__setattr__(self, "batch_axes", batch_axes(self.mesh))
         for name in ("class_axes", "batch_axes"):

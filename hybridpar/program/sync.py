@@ -36,16 +36,17 @@ from hybridpar.parallel.bucketed import (
     to_varying,
 )
 from hybridpar.parallel.comm import platform_name
-from hybridpar.parallel.mesh import AXES, BATCH_AXES, axes_with_devices, data_parallel_size
+from hybridpar.parallel.mesh import (
+    AXES,
+    BATCH_AXES,
+    axes_with_devices,
+    axis_names,
+    data_parallel_size,
+)
 from hybridpar.parallel.overlap import reduce_in_backward, reduce_in_backward_manual
 from hybridpar.parallel.partitioning import path_str
 from hybridpar.parallel.sharded_head import class_axes
 from hybridpar.program.state import TrainState
-
-
-def _entry_axes(entry) -> tuple[str, ...]:
-    """The mesh axes one entry of a PartitionSpec names."""
-    return () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
 
 
 def _without_model(spec):
@@ -53,7 +54,7 @@ def _without_model(spec):
     names only those (the arrays keep their model-axis split, which the compiler handles)."""
 
     def drop(entry):
-        kept = tuple(a for a in _entry_axes(entry) if a != "model")
+        kept = tuple(a for a in axis_names(entry) if a != "model")
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return P(*(drop(e) for e in spec))
@@ -79,7 +80,7 @@ def _head_layout(kind: str, mesh, param_specs):
     splits, sums = {}, {}
     for kp, spec in jax.tree_util.tree_flatten_with_path(param_specs, is_leaf=is_spec)[0]:
         path = tuple(path_str(kp).split("/"))
-        blocks = [(tuple(a for a in _entry_axes(e) if a in axes), d)
+        blocks = [(tuple(a for a in axis_names(e) if a in axes), d)
                   for d, e in enumerate(spec)]  # fmt: skip
         if path[0] == "head":
             owned = tuple(a for b, _ in blocks for a in b if a in classes)
@@ -325,7 +326,7 @@ class OverlapSync(BucketedSync):
         self.n_all = math.prod(mesh.shape[a] for a in self.axes)
         self.stats_dims = fsdp_dims(self.stats_specs) if mesh.shape.get("fsdp", 1) > 1 else {}
         for kp, spec in jax.tree_util.tree_flatten_with_path(self.stats_specs, is_leaf=is_spec)[0]:
-            if any(a != "fsdp" for e in spec for a in _entry_axes(e) if mesh.shape[a] > 1):
+            if any(a != "fsdp" for e in spec for a in axis_names(e) if mesh.shape[a] > 1):
                 raise ConfigError(f"model.head={self.head!r} with comm.mode=overlap: the "
                                   f"BatchNorm statistics {path_str(kp)} are split as {spec}; "
                                   "only fsdp can split them")  # fmt: skip
