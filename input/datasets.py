@@ -286,7 +286,7 @@ def files_digest(entry: dict) -> str | None:
     fp = entry.get("fingerprint")
     if not fp:
         return None
-    return prep._digest([prep._canon({k: v for k, v in fp.items() if k != "path"})])
+    return prep.fingerprint_digest({k: v for k, v in fp.items() if k != "path"})
 
 
 def ensure_prepared(d) -> str:

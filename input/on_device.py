@@ -751,7 +751,7 @@ def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, 
         try:
             for _, _, file, offset, n in items:
                 try:
-                    out.append(decode_image(prep._read(handles, file, offset, n), size))
+                    out.append(decode_image(prep.read_listed(handles, file, offset, n), size))
                 except OSError as e:
                     out.append((None, None, prep.read_error(file, e)))
         finally:

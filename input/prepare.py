@@ -405,7 +405,9 @@ def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
 # ---- one shard (runs in a worker process) ---------------------------------------------------
 
 
-def _read(handles: dict, file: str, offset: int, size: int) -> bytes:
+def read_listed(handles: dict, file: str, offset: int, size: int) -> bytes:
+    """The bytes of one listed image: a file whole (``size`` < 0), or a tar member's at
+    ``offset``, through ``handles`` (one open handle per archive, kept by the caller)."""
     if size < 0:
         with open(file, "rb") as f:
             return f.read()
@@ -554,7 +556,7 @@ def _write_shard(task: dict):
             warnings.simplefilter("ignore")  # PIL warns about odd but readable files (EXIF, ...)
             for ex_id, name, label, file, offset, size in task["items"]:
                 try:
-                    img, full, reason = _check(_read(handles, file, offset, size))
+                    img, full, reason = _check(read_listed(handles, file, offset, size))
                 except OSError as e:
                     img, full, reason = None, None, read_error(file, e)
                 if img is None:
@@ -616,7 +618,7 @@ def _plan(out, split, source, listing, classes, copies, quality, eps, seed):
     config = {"source": source, "copies": names, "quality": quality if has_reduced else None}
     config.update(examples_per_shard=eps, seed=seed, num_files=n)
     # Labels index the dataset's class list, and the bytes come from the source as it is now.
-    config.update(classes=_digest(classes), fingerprint=_digest([_canon(listing["fingerprint"])]))
+    config.update(classes=_digest(classes), fingerprint=fingerprint_digest(listing["fingerprint"]))
     order = np.random.default_rng(seed).permutation(n)  # shards mix classes
     num_shards = math.ceil(n / eps)
     shards, tasks, done = [], [], {}
@@ -644,6 +646,12 @@ def _plan(out, split, source, listing, classes, copies, quality, eps, seed):
 
 def _canon(obj) -> str:
     return json.dumps(obj, sort_keys=True)
+
+
+def fingerprint_digest(fingerprint: dict) -> str:
+    """A short digest of a listing's ``fingerprint`` (names, sizes and times of the files; a
+    tar's size and time): equal for the same files, whatever order the dict was built in."""
+    return _digest([_canon(fingerprint)])
 
 
 def _changed(out: str, split: str, old: dict, config: dict) -> list[str]:
