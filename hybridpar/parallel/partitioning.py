@@ -384,7 +384,11 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
 
 
 def infer_shardings(
-    tree, rules: Rules | Sequence[tuple[str, Spec]], mesh: Mesh, unmatched: str = "warn"
+    tree,
+    rules: Rules | Sequence[tuple[str, Spec]],
+    mesh: Mesh,
+    unmatched: str = "warn",
+    moot_fsdp: str = "warn",
 ):
     """A tree of ``NamedSharding`` for ``tree``'s arrays (or ShapeDtypeStructs).
 
@@ -396,15 +400,17 @@ def infer_shardings(
     ``(path_regex, spec)`` pairs.
 
     ``unmatched="warn"`` warns about rules that place nothing (``unmatched_rules``: they
-    match no array, or earlier rules place all they match) and about an FSDP pass on a mesh
-    whose ``fsdp`` axis is missing or has one device (it splits nothing there); pass
-    ``"ignore"`` for a part of a tree (optimizer state, batch statistics) that some rules are
-    not meant for, or for rules applied on any mesh (the trainer's presets, which it warns
-    about itself). A conv kernel split on both channel dimensions, and arrays an ``fsdp``
-    axis of several devices divides in no dimension, are always warned about.
+    match no array, or earlier rules place all they match); pass ``"ignore"`` for a part of
+    a tree (optimizer state, batch statistics) that some rules are not meant for.
+    ``moot_fsdp="warn"`` warns about an FSDP pass on a mesh whose ``fsdp`` axis is missing or
+    has one device (it splits nothing there); pass ``"ignore"`` for rules applied on any mesh
+    (the trainer's presets, which it warns about itself). A conv kernel split on both channel
+    dimensions, and arrays an ``fsdp`` axis of several devices divides in no dimension, are
+    always warned about.
     """
-    if unmatched not in ("warn", "ignore"):
-        raise ValueError(f"unmatched={unmatched!r}; use 'warn' or 'ignore'")
+    for name, value in (("unmatched", unmatched), ("moot_fsdp", moot_fsdp)):
+        if value not in ("warn", "ignore"):
+            raise ValueError(f"{name}={value!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
         rules = Rules(path=tuple(rules))
     both_channels, whole, big = [], [], []
@@ -425,7 +431,7 @@ def infer_shardings(
         return NamedSharding(mesh, P(*spec))
 
     shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
-    if unmatched == "warn" and mesh.shape.get("fsdp", 1) == 1 and big:
+    if moot_fsdp == "warn" and mesh.shape.get("fsdp", 1) == 1 and big:
         # Not an error: the run is still correct, as with DATA_PARALLEL.
         axis = "has one device" if "fsdp" in mesh.shape else "is missing"
         axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())

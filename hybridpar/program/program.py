@@ -440,8 +440,11 @@ def build_program(config, mesh, plan: StagePlan | None = None, teacher=None) -> 
     init = make_init_fn(model, tx, (1, size, size, config.data.channels), loss_scale)
     abstract = jax.eval_shape(init, jax.random.key(config.seed))
     check_own_rules(config.partitioning, abstract)
-    # The presets' and the head's rules may match nothing on a small model (no stage 4).
-    shardings = partitioning.infer_shardings(abstract, rules, mesh, unmatched="ignore")
+    # The presets' and the head's rules may match nothing on a small model (no stage 4), and
+    # a moot FSDP pass is said at set-up (run.moot_on_mesh), in the config's words.
+    shardings = partitioning.infer_shardings(
+        abstract, rules, mesh, unmatched="ignore", moot_fsdp="ignore"
+    )
     return Program(
         config,
         mesh,
