@@ -175,6 +175,8 @@ def test_settings_nothing_reads_are_named_with_the_fix():
          "parameters over the model axis, which has one device"),
         ("data:4,model:2", {"partitioning.preset": "fsdp"}, "partitioning.preset='fsdp' "
          "splits parameters over the fsdp axis, which has one device"),
+        ("data:4,fsdp:2", {"partitioning.preset": "tensor"}, "partitioning.preset='tensor' "
+         "splits parameters over the model axis, which has one device"),
         ("data:1", {"comm.mode": "overlap"}, "comm.mode='overlap' reduces gradients across "
          "data-parallel devices, and mesh data:1,fsdp:1,model:1 has one"),
         ("data:8", {"partitioning.fsdp_min_size": 1024}, "partitioning.fsdp_min_size=1024 "

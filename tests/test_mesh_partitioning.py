@@ -385,6 +385,17 @@ def test_fsdp_pass_on_a_mesh_without_fsdp_devices_warns_once():
         infer_shardings(tree, FSDP, make_mesh("data:8"), unmatched="ignore")
 
 
+def test_rules_say_the_axes_they_split_over():
+    """Set-up's moot-preset warning reads a preset's axes from its rules (planted: the
+    FSDP pass or the logical rules left out)."""
+    from hybridpar.parallel.partitioning import HYBRID, TENSOR
+
+    assert (Rules().axes(), FSDP.axes()) == ((), ("fsdp",))
+    assert HYBRID.axes() == TENSOR.axes() == ("model",)
+    assert Rules(logical=(("classes", ("data", "model")),)).axes() == ("data", "model")
+    assert (HYBRID + FSDP).axes() == ("model", "fsdp")
+
+
 def test_rules_add_a_plain_sequence_of_pairs_on_either_side(mesh_dm):
     rules = Rules(path=((r"w", ("data",)),), fsdp_min_size=4)
     pairs = [(r"w", (None, "model"))]

@@ -81,6 +81,14 @@ class Rules:
         """``[(path_regex, spec), ...] + rules``: the pairs take priority."""
         return Rules(path=tuple(other)) + self
 
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes these rules split arrays over (in their order, each once): those
+        their specs name, and ``fsdp`` for an FSDP pass."""
+        named = [a for _, spec in self.path for e in spec for a in axis_names(e)]
+        named += [a for _, entry in self.logical for a in axis_names(entry)]
+        named += ["fsdp"] * (self.fsdp_min_size is not None)
+        return tuple(dict.fromkeys(named))
+
 
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
 # and the logical axes the models annotate.

@@ -31,6 +31,7 @@ from hybridpar.config.curriculum import (
 from hybridpar.config.schema import unused_settings, validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
+from hybridpar.parallel.partitioning import PRESETS
 from hybridpar.program import compile_cache
 from hybridpar.program.program import (
     Program,
@@ -209,8 +210,9 @@ def moot_on_mesh(config, mesh) -> list[str]:
             f"device on mesh {where}: it does the dense head's work; add a model axis, e.g. "
             "--config.mesh=data:-1,model:2, or use --config.model.head=dense"
         )
-    axis = {"hybrid": "model", "tensor": "model", "fsdp": "fsdp"}.get(config.partitioning.preset)
-    if axis and sizes.get(axis, 1) == 1:
+    preset = PRESETS.get(config.partitioning.preset)  # "auto" follows the mesh: never moot
+    axis = next((a for a in preset.axes() if sizes.get(a, 1) == 1), None) if preset else None
+    if axis:
         out.append(
             f"partitioning.preset={config.partitioning.preset!r} splits parameters over the "
             f"{axis} axis, which has one device on mesh {where}: it places them as 'data' "
