@@ -492,8 +492,9 @@ def test_the_result_says_which_images_chose_and_measured_it(tmp_path, monkeypatc
     rd.mkdir(parents=True)
     (rd / "report.json").write_text(json.dumps({"eval": {"int8": {"examples": 100}}}))
     old = {"top1": 0.5, "exported": str(rd / "model.jax_exported")}
-    assert compress.eval_images(old) == 100 and compress.top1_se(old) == 5.0
-    assert compress.top1_se({**old, "exported": str(tmp_path / "none" / "m")}) is None
+    assert compress.eval_images(old) == 100 and compress.top1_se(old["top1"], 100) == 5.0
+    assert compress.eval_images({**old, "exported": str(tmp_path / "none" / "m")}) is None
+    assert compress.top1_se(old["top1"], None) is None
 
 
 def test_a_round_an_earlier_call_stopped_counts_both_calls_time(tmp_path, monkeypatch):

@@ -623,6 +623,12 @@ def validate(c: ml_collections.ConfigDict, sources: bool = True) -> None:
             )
 
 
+def eval_split_of(data) -> str:
+    """The split a run evaluates on (``config.data``): ``eval_split`` where the data source
+    has splits to choose from (``images``, ``tfds``); the built-in sets' test split."""
+    return data.eval_split if data.name in ("images", "tfds") else "test"
+
+
 def unused_settings(c) -> list[str]:
     """What ``c`` sets that nothing reads, where it differs from ``base_config()``'s default
     (a recipe that inherits the default says nothing): one sentence each, for set-up's

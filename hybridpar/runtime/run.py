@@ -28,7 +28,7 @@ from hybridpar.config.curriculum import (
     plan_stages,
     stages_from_config,
 )
-from hybridpar.config.schema import unused_settings, validate
+from hybridpar.config.schema import eval_split_of, unused_settings, validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.parallel.partitioning import PRESETS
@@ -390,7 +390,7 @@ def eval_pass(run: Run, state, step: int, writer: MetricsWriter) -> dict:
         "eval",
         step,
         epoch,
-        split=c.data.eval_split if c.data.name in ("images", "tfds") else "test",
+        split=eval_split_of(c.data),
         loss=float(sums["loss_sum"]) / n,
         top1=float(sums["top1_sum"]) / n,
         top5=float(sums["top5_sum"]) / n,

@@ -68,6 +68,7 @@ import numpy as np
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import pyplot
+from hybridpar.config.schema import eval_split_of
 from hybridpar.runtime import signals, trained
 
 DIR = "compress"
@@ -692,12 +693,15 @@ def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
         f"all, every call's ({time.time() - t0:.0f}s this time); table {root}/rounds.md, "
         f"front {front}"
     )
-    split = eval_split(config)
+    # every round is evaluated on the run's eval split (quantize's): it both chooses the
+    # round (the drop, --max-drop, best) and gives its figures
+    split = eval_split_of(config.data)
     if chosen is None:
         log(f"no int8 model within {args.max_drop:g} points of the teacher on the {split} "
             "images")  # fmt: skip
         return None, rows
-    n, se = eval_images(chosen), top1_se(chosen)
+    n = eval_images(chosen)
+    se = top1_se(chosen["top1"], n)
     images = f"the {split} split's {n if n else 'na'} images"
     one = f"one image {100 / n:.2f} points, " if n else ""
     reached = "reached" if fits(chosen, args.budget_kb, args.budget_of) else "NOT reached"
@@ -719,13 +723,6 @@ def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
     return chosen, rows
 
 
-def eval_split(config) -> str:
-    """The split every round is evaluated on (quantize's: the run's eval split): it both
-    chooses the round (the drop, ``--max-drop``, ``best``) and gives its figures."""
-    d = config.data
-    return d.eval_split if d.name in ("images", "tfds") else "test"
-
-
 def eval_images(row: dict) -> int | None:
     """The images a row's top-1 is over: its ``eval_images``, else (a row from before
     the key) its round's quantize report's, else None."""
@@ -739,11 +736,10 @@ def eval_images(row: dict) -> int | None:
         return None
 
 
-def top1_se(row: dict) -> float | None:
-    """The binomial standard error of a row's int8 top-1, in points: sqrt(p(1-p)/n) over
-    its ``n`` images, the scale of the noise in its drop (None where n is unknown)."""
-    n, p = eval_images(row), row["top1"]
-    return None if not n else 100 * (p * (1 - p) / n) ** 0.5
+def top1_se(top1: float, n: int | None) -> float | None:
+    """The binomial standard error of a top-1 over ``n`` images (``eval_images``), in
+    points: sqrt(p(1-p)/n), the scale of the noise in a drop (None where n is unknown)."""
+    return None if not n else 100 * (top1 * (1 - top1) / n) ** 0.5
 
 
 def file_over(row: dict, args) -> str:
