@@ -186,6 +186,11 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     mine = str(tmp_path / "empty" / "metrics.jsonl")
     assert "the figure is a PNG" in error_line(capsys, [str(tmp_path / "empty"), "--out", mine])
     assert (tmp_path / "empty" / "metrics.jsonl").read_text() == "mine\n"
+    # one run twice (two identical rows), by the same path or another (planted bug: no check)
+    a, again = str(tmp_path / "empty"), str(tmp_path / "empty" / ".." / "empty")
+    assert f"{a} is given twice: name each" in error_line(capsys, [a, a, "--out", out])
+    assert f"{again} is given twice (as {a})" in error_line(capsys, [a, again, "--out", out])
+    assert not os.path.exists(out)
 
 
 def test_an_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
@@ -197,6 +202,39 @@ def test_an_out_that_cannot_be_written_is_one_error_line(tmp_path, capsys):
     line = error_line(capsys, [str(tmp_path / "a"), "--out", str(tmp_path / "file" / "r.png")])
     assert "cannot write" in line and "--out" in line, line
     assert (tmp_path / "file").read_text() == "mine\n"
+
+
+def test_a_file_report_did_not_write_is_replaced_only_with_overwrite(tmp_path, capsys):
+    """``--out README.png`` beside the user's README.md (or over a PNG of theirs with no
+    report .md beside it): one error line, nothing written; report's own earlier output
+    (its .md starts with its line, or, written before that line, with the table's header)
+    is replaced without a flag; ``--overwrite`` replaces the user's. Planted bugs that fail
+    it: no check (the .md replaced); the check by the PNG alone."""
+    curriculum_run(tmp_path / "a")
+    a = str(tmp_path / "a")
+    (tmp_path / "proj").mkdir()
+    readme, png = tmp_path / "proj" / "README.md", tmp_path / "proj" / "README.png"
+    readme.write_text("# My project\n")
+    line = error_line(capsys, [a, "--out", str(png)])
+    assert line.startswith(f"error: {readme} exists (written "), line
+    assert f"pass --overwrite to replace {readme}, or name another --out" in line, line
+    assert readme.read_text() == "# My project\n" and not png.exists()
+    (tmp_path / "fig.png").write_bytes(b"mine")  # a PNG with no report .md beside it
+    fig = str(tmp_path / "fig.png")
+    assert "pass --overwrite to replace" in error_line(capsys, [a, "--out", fig])
+    assert (tmp_path / "fig.png").read_bytes() == b"mine" and not (tmp_path / "fig.md").exists()
+    # report's own output, twice over, by default and with --out: no flag needed
+    for argv in ([a], [a], [a, "--out", str(tmp_path / "r.png")]) * 2:
+        report.main(argv)
+        assert "replaced the files there" not in capsys.readouterr().out
+    assert (tmp_path / "r.md").read_text().startswith(report.MARK + "\n")
+    older = tmp_path / "old.md"  # written before the mark line: the table first
+    older.write_text(report.markdown([]) + "| a | 1 |\n")
+    report.main([a, "--out", str(tmp_path / "old.png")])
+    assert older.read_text().startswith(report.MARK)
+    report.main([a, "--out", str(png), "--overwrite"])
+    assert "(replaced the files there, --overwrite)" in capsys.readouterr().out
+    assert readme.read_text().startswith(report.MARK) and png.is_file()
 
 
 def test_without_out_the_report_goes_in_the_first_workdir(tmp_path, monkeypatch, capsys):
@@ -232,6 +270,77 @@ def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
     # and a file that ends cleanly gets no blank line
     MetricsWriter(str(tmp_path), start_time=0.0).close()
     assert path.read_text().endswith('"lr": 0.1}\n')
+
+
+def cut(w: Path, how: str) -> None:
+    """``w``'s metrics.jsonl damaged as a user's copy may be: emptied, cut short mid-line,
+    or with a line that is not a record in the middle."""
+    path = w / "metrics.jsonl"
+    text = path.read_text()
+    if how == "empty":
+        path.write_text("")
+    elif how == "cut short":
+        path.write_text(text[: len(text) // 2])  # as head -c does: mid-line
+    else:
+        lines = text.splitlines(keepends=True)
+        path.write_text("".join(lines[:5]) + "not a record {{\n" + "".join(lines[5:]))
+
+
+@pytest.mark.parametrize("how, lost", [
+    ("empty", "it has no records of steps but the run at step 20 (summary.json)"),
+    ("cut short", "its records end at step 10 but the run at step 20 (summary.json)"),
+    ("garbage", "1 line did not read"),
+])  # fmt: skip
+def test_missing_records_are_a_warning_and_no_figure_is_made_of_them(tmp_path, capsys, how, lost):
+    """An emptied or truncated metrics.jsonl of a completed run, or a line in it that does
+    not read: one warning line naming the file and what is missing, and the figures the
+    lost records would change are '-' (no stage table), not sums of what is left; the
+    compile time is summary.json's. Planted bugs that fail it: no warning (read_run's count
+    left at 0); the bests, time to target or stages made of the records that read."""
+    curriculum_run(tmp_path / "a")
+    cut(tmp_path / "a", how)
+    report.main([str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
+    printed = capsys.readouterr()
+    warnings = [x for x in printed.err.splitlines() if x.startswith("warning: ")]
+    path = tmp_path / "a" / "metrics.jsonl"
+    assert warnings == [f"warning: {path}: {lost}: records are missing, so the run's best "
+                        "top1/top5, time to target and stages are left out ('-') and its "
+                        "compile s is summary.json's (if any)"]  # fmt: skip
+    assert len(tables(printed.out)) == 1  # no stage table
+    row = tables(printed.out)[0][0]
+    cells = [row[k] for k in ("best top1", "best top5", "time to target", "compile s", "steps")]
+    assert cells == ["-", "-", "-", "3.0", "20"]
+
+
+def test_a_killed_starts_cut_line_before_its_resume_is_no_loss(tmp_path, capsys):
+    """The line a kill cut short, ended by the next start's writer, is followed by that
+    start's resume record: what it held ran again. No warning, every figure."""
+    resumed_run(tmp_path / "b")
+    path = tmp_path / "b" / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    at = next(i for i, x in enumerate(lines) if '"resume"' in x)
+    path.write_text("".join(lines[:at]) + '{"event": "train", "st\n' + "".join(lines[at:]))
+    assert report.read_run(str(tmp_path / "b")).unread == 0
+    report.main([str(tmp_path / "b"), "--out", str(tmp_path / "r.png")])
+    printed = capsys.readouterr()
+    assert "warning" not in printed.err
+    row = tables(printed.out)[0][0]
+    assert (row["best top1"], row["compile s"]) == ("0.6500", "3.0")
+    assert len(tables(printed.out)) == 2  # and its stages
+
+
+def test_no_compile_records_is_no_time_without_compile(tmp_path):
+    """A run whose compile records are gone while summary.json counts compile time: the
+    compile column is summary.json's and the time to target without it is '-', not the
+    wall time less nothing. Planted bug that fails it: time_to subtracting the records'
+    compile time (none) while the column shows summary.json's."""
+    curriculum_run(tmp_path / "a")
+    path = tmp_path / "a" / "metrics.jsonl"
+    path.write_text("".join(x for x in path.read_text().splitlines(keepends=True)
+                            if '"compile"' not in x))  # fmt: skip
+    row = table_rows(report.report([str(tmp_path / "a")], str(tmp_path / "r.png")))["a"]
+    assert row["compile s"] == "3.0"
+    assert row["time to target"] == "top1 0.75: 22.0s (- w/o compile); top5 0.99: not reached"
 
 
 def config_run(w: Path, stages: str, **optim) -> None:

@@ -66,6 +66,22 @@ def test_a_line_cut_short_by_a_kill_is_skipped_and_the_rest_read(tmp_path):
     assert rr.read_records(str(tmp_path / "none.jsonl")) == ([], 0)
 
 
+def test_a_reader_that_asks_is_told_which_lines_did_not_read(tmp_path):
+    """``unread`` gets, per whole line left out (blank ones aside), the index of the record
+    after it; read_run counts them (``RunRecords.unread``) but for a killed start's cut line
+    that its resume record follows. Without ``unread`` the records are the same. Planted
+    bugs that fail it: read_run counting the killed start's line; blank lines counted."""
+    line = rr.to_line(rr.make("train", **COMMON, **SAMPLES["train"]))
+    resume = rr.to_line(rr.make("resume", **COMMON, from_step=33))
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("not json\n" + line + "\n" + '{"event": "tr\n' + resume + line + "[1]\n")
+    unread: list = []
+    read, _ = rr.read_records(str(path), unread=unread)
+    assert unread == [0, 1, 3] and read == rr.read_records(str(path))[0]
+    assert [r.event for r in read] == ["train", "resume", "train"]
+    assert rr.read_run(str(tmp_path)).unread == 2  # the line before the resume: a kill's
+
+
 def test_a_file_of_another_version_reads_and_keeps_what_it_carries(tmp_path):
     """Lines as today's trainer wrote them, an older train line without momentum, one with a
     field this version does not know and an event it does not know."""

@@ -210,10 +210,14 @@ def from_dict(d: dict) -> Record:
     return cls(**known, extra={k: v for k, v in d.items() if k not in names})
 
 
-def read_records(path: str, offset: int = 0) -> tuple[list[Record], int]:
+def read_records(
+    path: str, offset: int = 0, unread: list | None = None
+) -> tuple[list[Record], int]:
     """The records of ``path`` from byte ``offset`` on, and the offset after the last whole
     line: a line cut short (its writer killed, or still writing) is left out, and so is a
-    line that is not a JSON object. A missing file has none."""
+    line that is not a JSON object. A missing file has none. ``unread``: a list that gets,
+    for each whole line left out (blank ones aside), the index in the records of the record
+    after it (a reader that must know what it did not get: report)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -226,9 +230,11 @@ def read_records(path: str, offset: int = 0) -> tuple[list[Record], int]:
         try:
             d = json.loads(line)
         except ValueError:
-            continue
+            d = None
         if isinstance(d, dict):
             records.append(from_dict(d))
+        elif unread is not None and line.strip():
+            unread.append(len(records))
     return records, offset + end
 
 
@@ -284,6 +290,9 @@ class RunRecords:
     config: dict | None
     # the resumes that stand (one from an earlier step drops those after it), in order
     resume: list[Resume] = dataclasses.field(default_factory=list)
+    # metrics.jsonl's whole lines that did not read, but for a killed start's cut last line
+    # (the next start ended it, and its resume record follows): records lost
+    unread: int = 0
 
 
 def resumed_from(resume: Resume | dict) -> int:
@@ -320,7 +329,10 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         )
     kinds: dict[str, list[Any]] = {"train": [], "compile": [], "checkpoint": []}
     evals, stages, resumes = {}, {}, []
-    for r in read_records(path)[0]:
+    bad: list[int] = []
+    records = read_records(path, unread=bad)[0]
+    lost = [i for i in bad if not (i < len(records) and isinstance(records[i], Resume))]
+    for r in records:
         if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
             last = resumed_from(r)
             resumes = [x for x in resumes if x.step <= last] + [r]
@@ -346,6 +358,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         summary=read_json(os.path.join(workdir, "summary.json"), unreadable),
         config=read_json(os.path.join(workdir, "config.json"), unreadable),
         resume=resumes,
+        unread=len(lost),
     )
 
 

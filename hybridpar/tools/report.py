@@ -1,4 +1,5 @@
-"""``python -m hybridpar.report W [W2 ...] [--out PATH] [--target-top1 X] [--target-top5 X]``.
+"""``python -m hybridpar.report W [W2 ...] [--out PATH] [--overwrite] [--target-top1 X]
+[--target-top5 X]``.
 
 Compares training runs from their records (``run_records.read_run``): for each workdir
 ``W``, ``W/metrics.jsonl`` (the trainer's events), ``W/evaluator/metrics.jsonl``
@@ -19,10 +20,22 @@ config key as well: ``global_batch`` is the global batch). Prints a markdown tab
 runs (name, epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s),
 then one of their stages (image size, global batch, steps, the seconds in those steps and
 images/s: a curriculum's stages differ in both, so the run-wide images/s hides the switch),
-and writes them beside the PNG (the same path with ``.md``); compile time, as summary.json
-counts it, is what the run waited for (``run_records.waited_s``). Time to target is the
-first eval at or over it among all the run's eval records, the evaluator's too, for
-summary.json's targets and for ``--target-top1`` / ``--target-top5`` alike.
+and writes them beside the PNG (the same path with ``.md``, its first line report's
+``MARK``); compile time, as summary.json counts it, is what the run waited for
+(``run_records.waited_s``). Time to target is the first eval at or over it among all the
+run's eval records, the evaluator's too, for summary.json's targets and for
+``--target-top1`` / ``--target-top5`` alike; without the run's compile records (while
+summary.json counts compile time) its time without compilation is ``-``.
+
+Report replaces only what it wrote: a FILE.md at ``--out`` whose first line is not report's
+(nor, from before that line, the table's header), or a FILE.png with no such .md beside it,
+is one ``error:`` line, nothing written, unless ``--overwrite``; its own earlier output is
+replaced without a flag. Records known missing from a ``metrics.jsonl`` (lines that do not
+read, but for a killed start's cut last line, which its resume follows; a completed run's
+records ending before its last step: a file cut short or copied in part) are one
+``warning:`` line per run, and the figures they would change are ``-``: best top-1/top-5,
+time to target, compile time (summary.json's instead) and the run's stages. One workdir
+given twice is an ``error:`` line.
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
 missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2), and so is a
@@ -36,6 +49,8 @@ import dataclasses
 import os
 import re
 import statistics
+import sys
+import time
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
@@ -65,11 +80,14 @@ def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
     """The first eval (in wall time) with ``metric`` at or above ``target``, counted as
     summary.json's ``time_to_target`` is: ``wall_s`` from the start of the run, and
     ``wall_s_without_compile`` less the compile time (``Compile.waited_s``) of the compile
-    records written before it."""
+    records written before it; None where the run has no compile records but summary.json
+    counts compile time (the records that would say when it was spent are missing)."""
     hits = [e for e in run.eval if getattr(e, metric) >= target]
     if not hits:
         return None
     first = min(hits, key=lambda e: e.wall_s)
+    if not run.compile and (run.summary or {}).get("compile_s"):
+        return {"wall_s": first.wall_s, "wall_s_without_compile": None}
     compile_s = sum(c.waited_s for c in run.compile if c.wall_s <= first.wall_s)
     return {"wall_s": first.wall_s, "wall_s_without_compile": first.wall_s - compile_s}
 
@@ -89,19 +107,26 @@ def targets(run: RunRecords, asked: dict) -> str:
         if hit is None:
             cells.append(f"{metric} {target:g}: not reached")
             continue
+        without = hit["wall_s_without_compile"]
         cells.append(f"{metric} {target:g}: {hit['wall_s']:.1f}s "
-                     f"({hit['wall_s_without_compile']:.1f}s w/o compile)")  # fmt: skip
+                     f"({'-' if without is None else f'{without:.1f}s'} w/o compile)")  # fmt: skip
     return "; ".join(cells) or "-"
 
 
 def row(name: str, run: RunRecords, asked: dict) -> dict:
     """The table's values for one run: from the records, and from summary.json for what only
     it knows (wall and images/s over every resumed segment, whether the run completed).
-    ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets."""
+    ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets.
+    Where records are missing (``missing``), what they would change is None: the bests and
+    the time to target (a lost eval), and compile time but for summary.json's."""
     s = run.summary or run.config or {}
+    whole = not missing(run)
     records = run.train + run.eval
     top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
     ips = [t.images_per_s for t in run.train if t.images_per_s]
+    # one source for the compile time and the time to target without it: the records, or
+    # where there are none (or some are lost), summary.json's total (and no time without it)
+    compile_s = sum(c.waited_s for c in run.compile) if run.compile and whole else None
     if not run.summary:  # config.json's values stand in, but it says nothing of the end
         status = "running or killed (no summary.json)"
     elif s.get("completed"):
@@ -114,14 +139,30 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
         # past the last one
         "epochs": s.get("epochs", max((r.epoch for r in records), default=0.0)),
         "steps": s.get("steps", max((r.step for r in records), default=0)),
-        "best top1": max(top1, default=None),
-        "best top5": max(top5, default=None),  # each its own best, as targets count them
-        "time to target": targets(run, asked),
+        "best top1": max(top1, default=None) if whole else None,
+        "best top5": max(top5, default=None) if whole else None,  # each its own best
+        "time to target": targets(run, asked) if whole else None,
         "wall s": s.get("wall_s", max((r.wall_s for r in records), default=None)),
-        "compile s": sum(c.waited_s for c in run.compile) or s.get("compile_s"),
+        "compile s": compile_s if compile_s is not None else (run.summary or {}).get("compile_s"),
         "images/s": s.get("train_images_per_s") or (statistics.median(ips) if ips else None),
         "status": status,
     }
+
+
+def missing(run: RunRecords) -> str:
+    """What of the run's metrics.jsonl is known lost, in words ('' where nothing is): lines
+    that did not read (``RunRecords.unread``: not a killed start's cut last line), and a
+    completed run's records ending before its last step (the trainer evaluates and saves
+    there: the file was cut short, or copied in part)."""
+    lost = []
+    if run.unread:
+        lost.append(f"{run.unread} line{'s' * (run.unread > 1)} did not read")
+    trainer = run.train + run.checkpoint + [e for e in run.eval if e.source is None]
+    s, last = run.summary or {}, max((r.step for r in trainer), default=0)
+    if s.get("completed") and isinstance(s.get("steps"), int) and last < s["steps"]:
+        lost.append((f"its records end at step {last}" if last else "it has no records of steps")
+                    + f" but the run at step {s['steps']} (summary.json)")  # fmt: skip
+    return " and ".join(lost)
 
 
 def stage_rows(name: str, run: RunRecords) -> list[dict]:
@@ -129,7 +170,10 @@ def stage_rows(name: str, run: RunRecords) -> list[dict]:
     them (each train line's steps x batch / images per second: no evaluation, save or
     compile) and their images per second. A line's steps are those since the line before
     it: the trainer logs at every stage's end and every save, so no line spans two stages,
-    and a resume goes on from a logged step (``read_run`` keeps the steps' second run)."""
+    and a resume goes on from a logged step (``read_run`` keeps the steps' second run).
+    None where records are missing (``missing``): their sums would be short."""
+    if missing(run):
+        return []
     by_stage: dict = {}
     last = 0
     for t in run.train:
@@ -544,10 +588,40 @@ def read(workdir: str) -> RunRecords:
     return read_run(workdir, unreadable=UNREADABLE)
 
 
+# The .md's first line: report replaces a FILE.md that starts with it (or, written before
+# it, with the table's header) and the FILE.png beside one; any other file is the user's.
+MARK = "<!-- written by python -m hybridpar.report, which replaces it when run again -->"
+OURS = (MARK, markdown([]).splitlines()[0])
+
+
+def theirs(out: str) -> list[str]:
+    """The files at ``out`` and its ``.md`` that report would replace and did not write:
+    any there, unless the .md's first line is report's (``OURS``)."""
+    md = os.path.splitext(out)[0] + ".md"
+    try:
+        with open(md, errors="replace") as f:
+            if f.readline().rstrip("\n") in OURS:
+                return []
+    except OSError:  # none there (or not a file: the write says so)
+        pass
+    return [p for p in (md, out) if os.path.exists(p)]
+
+
+def warn_missing(workdir: str, run: RunRecords) -> None:
+    lost = missing(run)
+    if lost:
+        print(f"warning: {os.path.join(workdir, 'metrics.jsonl')}: {lost}: records are "
+              "missing, so the run's best top1/top5, time to target and stages are left out "
+              "('-') and its compile s is summary.json's (if any)", file=sys.stderr)  # fmt: skip
+
+
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
     """Reads the runs, writes ``out`` (PNG) and its ``.md`` table; returns the table.
-    ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``."""
+    ``asked``: targets in place of summary.json's, e.g. ``{"top1": 0.8}``. A run whose
+    records are missing (``missing``) is one ``warning:`` line."""
     runs = list(zip(names(workdirs), [read(w) for w in workdirs]))
+    for w, (_, run) in zip(workdirs, runs):
+        warn_missing(w, run)
     table = markdown([row(name, run, asked or {}) for name, run in runs])
     stages = [r for name, run in runs for r in stage_rows(name, run)]
     if stages:
@@ -557,7 +631,7 @@ def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
             os.makedirs(os.path.dirname(out), exist_ok=True)
         plot(runs, out)
         with open(os.path.splitext(out)[0] + ".md", "w") as f:
-            f.write(table)
+            f.write(MARK + "\n\n" + table)
     except OSError as e:
         raise ConfigError(
             f"cannot write {e.filename or out!r} ({e.strerror or e}): pass --out "
@@ -578,7 +652,13 @@ def main(argv=None) -> None:
     parser.add_argument("workdirs", nargs="+", metavar="W", help="training runs' workdirs")
     parser.add_argument(
         "--out",
-        help="the PNG (the table: same, .md); default: report.png in the first workdir W",
+        help="the PNG (the table: same, .md); default: report.png in the first workdir W. "
+        "report replaces the two only where it wrote them (the .md's first line says so)",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a --out FILE.png or FILE.md that report did not write",
     )
     for metric in ("top1", "top5"):
         parser.add_argument(
@@ -593,17 +673,31 @@ def main(argv=None) -> None:
     for metric, target in asked.items():
         if target is not None and not 0 < target <= 1:
             cli.fail(f"--target-{metric}={target:g} is a fraction: use e.g. 0.93, not 93")
+    seen: dict = {}
+    for w in args.workdirs:  # one run twice: two identical rows
+        if os.path.realpath(w) in seen:
+            same = seen[os.path.realpath(w)]
+            cli.fail(f"{w} is given twice" + (f" (as {same})" if same != w else "")
+                     + ": name each run's workdir once")  # fmt: skip
+        seen[os.path.realpath(w)] = w
     # beside the first run's records, not in the current directory (a checkout, or a
     # report.png of the user's there)
     args.out = args.out or os.path.join(args.workdirs[0], "report.png")
     if os.path.splitext(args.out)[1].lower() != ".png":  # else matplotlib fails after the reading
         cli.fail(f"--out {args.out}: the figure is a PNG; name it FILE.png (the table goes "
                  "beside it as FILE.md)")  # fmt: skip
+    replaced = theirs(args.out)
+    if replaced and not args.overwrite:  # the user's files: nothing is read or written
+        written = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(replaced[0])))
+        cli.fail(f"{replaced[0]} exists (written {written}) and report did not write it (its "
+                 "FILE.md starts with report's own line): pass --overwrite to replace "
+                 f"{' and '.join(replaced)}, or name another --out FILE.png")  # fmt: skip
 
     def run():
         table = report(args.workdirs, args.out, {k: v for k, v in asked.items() if v})
         print(table, end="")
-        print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md")
+        print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.md"
+              + (" (replaced the files there, --overwrite)" if replaced else ""))  # fmt: skip
 
     cli.main(run)
 
