@@ -261,3 +261,27 @@ def test_ctrl_c_in_quantize_and_prune_says_what_was_written(tmp_path, monkeypatc
     err = capsys.readouterr().err.strip().splitlines()
     said = f"{out} was written whole before the stop" if written else "nothing written"
     assert err == [f"stopped (Ctrl-C): {said}"], err
+
+
+def test_a_closed_stdout_ends_a_tool_quietly(tmp_path):
+    """``python -m hybridpar.report RUN | head -3`` (and the evaluator's) was a
+    BrokenPipeError traceback: now no word on stderr and exit code 1, Python's own for it
+    (the signal module's note on SIGPIPE). Planted bug that fails it: no ``except
+    BrokenPipeError`` in ``cli.main``."""
+    import subprocess
+
+    code = "from hybridpar.config import cli\ncli.main(lambda: [print(i) for i in range(10**6)])\n"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert p.stdout.readline() == "0\n"
+    p.stdout.close()  # as head does after its lines
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 1 and err == "", err
+
+
+def test_run_as_its_console_script_the_usage_names_that_script(monkeypatch, capsys):
+    """``hybridpar-evaluate --help`` showed ``usage: python -m hybridpar.evaluate``."""
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/hybridpar-evaluate", "--help"])
+    assert _parser().format_usage().startswith("usage: hybridpar-evaluate ")
+    monkeypatch.setattr(sys, "argv", ["/src/hybridpar/evaluate.py", "--help"])  # python -m
+    assert _parser().format_usage().startswith("usage: python -m hybridpar.example ")

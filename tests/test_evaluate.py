@@ -23,6 +23,7 @@
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +31,16 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import DIGITS, TINY_DIGITS, config_args, cpu_env, main_here, saved_loop, tiny_digits
+from helpers import (
+    DIGITS,
+    TINY_DIGITS,
+    config_args,
+    cpu_env,
+    main_here,
+    saved_loop,
+    signal_on,
+    tiny_digits,
+)
 
 from hybridpar.config.curriculum import plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError, WorkdirError
@@ -226,8 +236,8 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
     # fails it: the one-key hint for any number of keys)
     with pytest.raises(ConfigError, match=r"\(and 1 more\); leave out --config to read"):
         evaluator.run(tiny_digits(seed=1, **{"model.num_filters": 16}), str(watched["w"]))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
+    (tmp_path / "empty").mkdir()  # not a run (yet): said plainly, before any set-up
+    with pytest.raises(WorkdirError, match="holds no training run .*, or --watch to wait"):
         evaluator.run(tiny_digits(), str(tmp_path / "empty"))
     # bad input writes nothing: no evaluator/ with an empty record and TensorBoard file
     # (planted bug that fails it: the MetricsWriter made before the checks)
@@ -359,3 +369,171 @@ def test_a_readers_left_over_tensorstore_reports_are_dropped_and_others_kept():
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+
+
+def copy_of(watched, tmp_path, evaluated=None):
+    """A copy of the watched run, its evaluator's record cut to the steps ``evaluated``
+    (None: all four)."""
+    w = tmp_path / "w"
+    shutil.copytree(watched["w"], w)
+    record = w / "evaluator" / "metrics.jsonl"
+    if evaluated is not None:
+        kept = [x for x in record.read_text().splitlines() if json.loads(x)["step"] in evaluated]
+        record.write_text("".join(x + "\n" for x in kept))
+    return w
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_signal_stops_it_with_one_line_its_records_whole_and_the_lock_gone(
+    watched, tmp_path, sig
+):
+    """Ctrl-C returned normally (exit 0, at times a crash in the interpreter's exit) and
+    SIGTERM killed it unsaid (143, its lock file left). Both are one ``stopped`` line, exit
+    128 + the signal, the records whole. Sent while --watch waits on a run whose trainer is
+    gone (checkpoint 11 not there yet), at its line saying so. Planted bugs that fail it:
+    run's old ``except KeyboardInterrupt: return``; no ``Stop``; no "no trainer" line."""
+    w = copy_of(watched, tmp_path, evaluated=[3])
+    shutil.rmtree(w / "checkpoints" / "11")
+    (w / "summary.json").unlink()
+    trainer_record = w / "metrics.jsonl"
+    lines = trainer_record.read_text().splitlines()
+    kept = [x for x in lines if not x.startswith('{"event": "checkpoint", "step": 11,')]
+    assert len(kept) == len(lines) - 1
+    trainer_record.write_text("".join(x + "\n" for x in kept))
+    cmd = [sys.executable, "-m", "hybridpar.evaluate", "--workdir", str(w), "--watch",
+           "--poll-s=0.1", "--dead-after-s=120"]  # fmt: skip
+    p, out = signal_on(cmd, cpu_env(8), lambda line: line.startswith("no trainer is writing"),
+                       sig, tmp_path / "err.txt")  # fmt: skip
+    err = (tmp_path / "err.txt").read_text()
+    name = "Ctrl-C" if sig == signal.SIGINT else "SIGTERM"
+    assert p.returncode == 128 + sig, (p.returncode, out[-2000:], err[-2000:])
+    assert "giving up in 12" in out  # 120s, less what has passed
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"stopped ({name}): the same command goes on with the next checkpoint not evaluated yet"
+    )
+    events = records(w / "evaluator" / "metrics.jsonl")
+    assert [(e["event"], e["step"]) for e in events] == [("eval", 3), ("eval", 6), ("eval", 9)]
+    assert sorted(os.listdir(w / "evaluator")) == ["metrics.jsonl", "tb"]  # no .lock left
+
+
+def test_ctrl_c_while_it_imports_is_the_one_stopped_line(tmp_path):
+    """A Ctrl-C in the first seconds (JAX's imports) was a 25-line traceback. Sent as the
+    evaluator's module is about to import. Planted bug that fails it: ``Stop`` installed
+    after the import."""
+    code = (
+        "import os, signal, sys\n"
+        "from hybridpar.tools import evaluate\n"
+        "class CtrlC:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'hybridpar.runtime.evaluator':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "sys.meta_path.insert(0, CtrlC())\n"
+        f"evaluate.main(['--workdir', {str(tmp_path)!r}])\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(1),
+                       capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    assert r.returncode == 130, r.stderr[-3000:]
+    assert r.stderr == (
+        "stopped (Ctrl-C): the same command goes on with the next checkpoint not evaluated yet\n"
+    )
+
+
+def test_a_closed_stdout_loses_no_record(watched, tmp_path, monkeypatch):
+    """``| head``: the print that meets the closed pipe comes after the record is written,
+    and the records and lock are closed on the way out (cli.main then exits 1 quietly:
+    test_cli). Planted bug that fails it: eval_pass printing before it writes."""
+    from hybridpar.runtime import run as run_module
+
+    w = copy_of(watched, tmp_path, evaluated=[3, 6, 9])
+    printed = run_module.log
+
+    def closed_at_eval(msg):
+        if msg.startswith("eval "):
+            raise BrokenPipeError(32, "Broken pipe")
+        printed(msg)
+
+    monkeypatch.setattr(run_module, "log", closed_at_eval)
+    with pytest.raises(BrokenPipeError):
+        evaluator.run(tiny_digits(**RUN), str(w))
+    assert [r["step"] for r in records(w / "evaluator" / "metrics.jsonl")] == STEPS
+    assert not (w / "evaluator" / ".lock").exists()
+
+
+def test_watch_follows_a_run_resumed_with_more_epochs(watched, tmp_path, capsys):
+    """A run extended with --allow-config-change: its newest checkpoint holds the new
+    config, and summary.json is still the first finish's (``completed``), older than the
+    trainer's start (its ``resume`` line). --watch stopped at the old last step; now it
+    follows the new plan (22 steps), and with no trainer on it, says so and stops with the
+    error of a run ended unfinished. Planted bugs that fail it: the plan read once at
+    set-up; a summary believed whatever start wrote it."""
+    w = copy_of(watched, tmp_path)
+    held = w / "checkpoints" / "11" / "config" / "metadata"
+    config = json.loads(held.read_text())
+    config["num_epochs"] = 0.5
+    held.write_text(json.dumps(config))
+    resume = {"event": "resume", "step": 11, "epoch": 0.25, "wall_s": 99.0, "from_step": 11,
+              "changed_keys": ["num_epochs"]}  # fmt: skip
+    with open(w / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(resume) + "\n")
+    with pytest.raises(ConfigError, match=r"ended before its last step \(22\)"):
+        evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.1, dead_after_s=0.5)
+    out = capsys.readouterr().out
+    assert "its last step is now 22" in out and "watching" in out
+    assert "no trainer is writing" in out
+
+
+def test_watch_does_not_stop_while_a_trainer_is_on_the_run(watched, tmp_path, monkeypatch):
+    """Its last step done, a run with a trainer on it may still go on (a resume with more
+    epochs, before its first checkpoint): --watch waits for the trainer to go. Planted bug
+    that fails it: the stop without asking."""
+    w = copy_of(watched, tmp_path)
+    asked = []
+
+    def trainer(self):  # a trainer for the first three looks
+        asked.append(1)
+        return len(asked) <= 3
+
+    monkeypatch.setattr(evaluator.Liveness, "trainer", trainer)
+    assert evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.05) == []
+    assert len(asked) >= 4
+
+
+def test_a_skipped_checkpoint_saved_again_is_evaluated(watched, tmp_path, capsys, monkeypatch):
+    """A step skipped as unreadable, which the trainer moved aside and saved again, was
+    never evaluated (a skip counted as done). Now a skip counts while its step is not on
+    disk. Also: a large eval split says how far it is (here every batch). Planted bugs that
+    fail it: skips counted as done; no progress lines."""
+    w = copy_of(watched, tmp_path, evaluated=[3, 6, 11])
+    skip = {"event": "eval_skipped", "step": 9, "epoch": 0.2, "wall_s": None,
+            "source": "evaluator", "reason": "does not read back (cut short)"}  # fmt: skip
+    with open(w / "evaluator" / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(skip) + "\n")
+    monkeypatch.setattr(evaluator, "PROGRESS_S", 0.0)
+    assert [r["step"] for r in evaluator.run(tiny_digits(**RUN), str(w))] == [9]
+    assert "checkpoint 9: 3/3 eval batches read" in capsys.readouterr().out
+
+
+def test_summary_json_is_read_with_watch_only_and_in_the_evaluators_words(watched, tmp_path):
+    """A summary.json that does not read stopped the evaluator without --watch too, with
+    the trainer's "move it away to start over". Planted bug that fails it: summary.json
+    read on every call, with the trainer's advice."""
+    w = copy_of(watched, tmp_path, evaluated=[3, 6, 9])
+    (w / "summary.json").write_text('{"completed": tr')
+    assert [r["step"] for r in evaluator.run(tiny_digits(**RUN), str(w))] == [11]
+    with pytest.raises(WorkdirError, match="leave out --watch to evaluate the checkpoints") as e:
+        evaluator.run(tiny_digits(**RUN), str(w), watch=True, poll_s=0.1)
+    assert "start over" not in str(e.value)
+
+
+def test_a_tune_search_folder_is_not_a_run_and_names_its_trials(tmp_path, capsys):
+    """Its error led to the next (no config.json: pass --config; no checkpoints: pass
+    --watch; a wait of 300s), after the set-up's mesh line. Planted bug that fails it: no
+    check_is_run."""
+    search = tmp_path / "search"
+    (search / "trials" / "000").mkdir(parents=True)
+    (search / "study.db").write_text("")
+    for watch in ([], ["--watch"]):
+        code, out, err = main_here(evaluate.main, ["--workdir", str(search), *watch], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, err
+        assert "holds a tune search (study.db), not a training run" in err
+        assert os.path.join(str(search), "trials", "000") in err

@@ -51,8 +51,11 @@ def fail(message: str, code: int = 2, at_once: bool = False) -> None:
 def exit_now(code: int) -> None:
     """Exits with ``code`` without the interpreter's exit handlers (which would join XLA's
     or a compile's threads), after what was printed is out."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, RuntimeError, ValueError):  # its reader gone (a closed pipe), inside
+            pass  # a print to it (a signal handler's exit), or closed
     os._exit(code)
 
 
@@ -74,6 +77,9 @@ class ArgumentParser(argparse.ArgumentParser):
     module's docstring is for whoever reads the code)."""
 
     def __init__(self, prog: str, summary: str, *, takes_config: bool = True, **kw):
+        script = os.path.basename(sys.argv[0])
+        if script.startswith("hybridpar-"):  # run as its console script (pyproject.toml)
+            prog = script
         super().__init__(
             prog=prog,
             description=summary,
@@ -296,19 +302,29 @@ def cpu_when_no_accelerator() -> None:
 
 
 STOPPED = 130  # 128 + SIGINT: a shell's exit status for a command stopped by Ctrl-C
+# A tool whose stdout was closed (``| head``): Python's own exit status for it (the signal
+# module's note on SIGPIPE), and no traceback.
+CLOSED_STDOUT = 1
 
 
 def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> None:
     """Runs a tool's ``fn``; an ``errors.Error`` anywhere below is one ``error:`` line. A
     Ctrl-C that reaches here (a tool without its own signal handling: the trainer, compress,
-    tune, quantize and prune have theirs) is one line, ``stopped (Ctrl-C)`` and ``stopped``
-    (what the tool left, where it knows: the tools differ; a function, asked then), and exit
-    code 130, not a traceback."""
+    tune, quantize, prune and evaluate have theirs) is one line, ``stopped (Ctrl-C)`` and
+    ``stopped`` (what the tool left, where it knows: the tools differ; a function, asked
+    then), and exit code 130, not a traceback. A closed stdout (``| head``) ends the tool
+    quietly, exit code 1 (what the tool wrote to files before the print that met it is
+    there)."""
     # jax logs at INFO that it found no TPU: noise on every CPU and GPU machine.
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     cpu_when_no_accelerator()
     try:
         fn()
+        sys.stdout.flush()  # a closed stdout shows here, not in the interpreter's exit
+    except BrokenPipeError:
+        # the reader is gone: what is left to print goes nowhere, quietly (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        exit_now(CLOSED_STDOUT)
     except Error as e:
         fail(str(e), getattr(e, "exit_code", 2), getattr(e, "exit_at_once", False))
     except KeyboardInterrupt:

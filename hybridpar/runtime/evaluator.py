@@ -12,34 +12,43 @@ are left alone), then ``run.eval_pass`` on the whole eval split. Each is an ``ev
 with the checkpoint's step, the trainer's wall time at that step (``wall_s``, from the
 checkpoint's loop state) and ``source: evaluator``; a checkpoint deleted (by the run's
 ``checkpoint.max_to_keep``) before its turn is an ``eval_skipped`` event. Those events are
-also the record of what is done: a restarted evaluator evaluates only what is new.
+also the record of what is done: a restarted evaluator evaluates only what is new (and a
+skipped step that is on disk again, saved anew by the trainer).
 
 ``from_epoch`` (``--from-epoch``) leaves the checkpoints before that epoch alone: not
 evaluated and not recorded, so a later call without it evaluates them (a time-to-accuracy
 measurement needs only the checkpoints near its target and the last).
 
 With ``watch`` it polls for new checkpoints and stops once the run's last step
-(``plan.total_steps``, which the trainer always checkpoints) is done, or once summary.json
-says the run completed and nothing new is left. It may start before the run (it waits for
-the workdir's ``config.json``), and it stops with an error once the run has ended
-unfinished: no trainer holds the workdir's lock and nothing new came for ``dead_after_s``.
+(``plan.total_steps``, which the trainer always checkpoints; the plan of the config the newest
+checkpoint holds, which a resume with ``--allow-config-change`` changes) is done, or once
+summary.json says the run completed (the latest trainer start's summary: its ``resume`` line
+tells) and nothing new is left, and no trainer holds the workdir's lock (one may still take
+the run further). It may start before the run (it waits for the workdir's ``config.json``),
+and it stops with an error once the run has ended unfinished: no trainer holds the
+workdir's lock (said once) and nothing new came for ``dead_after_s``. Without ``watch``
+summary.json is not read.
 One evaluator per run: it holds ``W/evaluator/.lock`` (``workdir_lock``) while it runs, and a
 second one is refused with an error naming the first.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import time
 
 import jax
 
+from hybridpar.config.curriculum import plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError, WorkdirError
+from hybridpar.config.schema import from_saved
 from hybridpar.parallel.mesh import describe_mesh
-from hybridpar.runtime import checkpoint, run_config, workdir_lock
+from hybridpar.runtime import checkpoint, run_config, signals, workdir_lock
 from hybridpar.runtime.metrics import MetricsWriter
 from hybridpar.runtime.run import Run, eval_pass, log, setup
-from hybridpar.runtime.run_records import read_json, read_records
+from hybridpar.runtime.run_records import read_json, read_records, resumed_from
 
 # Keys that may differ from the run's, besides run_config.FREE_KEYS: the placement keys
 # (where and how fast the evaluation runs: another eval batch pads differently, but every
@@ -50,6 +59,13 @@ SKIPPED = "eval_skipped"
 # before the evaluator stops (a preempted run is usually resumed within minutes).
 DEAD_AFTER_S = 300.0
 WORKDIR_FIX = "pass the --workdir of a training run (the one given to python -m hybridpar.train)"
+# A summary.json that does not read: the evaluator only reads it with --watch.
+SUMMARY_UNREADABLE = (
+    "the evaluator reads NAME with --watch only, to tell that the run completed: leave out "
+    "--watch to evaluate the checkpoints there, or move it aside (e.g. to NAME.bad)"
+)
+# On a large eval split: a line this often while one checkpoint is evaluated.
+PROGRESS_S = 30.0
 
 
 def check_folder(workdir: str) -> None:
@@ -57,6 +73,28 @@ def check_folder(workdir: str) -> None:
     becomes a run (the trainer refuses it in the same words)."""
     if os.path.exists(workdir) and not os.path.isdir(workdir):
         raise WorkdirError(f"workdir {workdir!r} is a file, not a folder; {WORKDIR_FIX}")
+
+
+def check_is_run(workdir: str, config, watch: bool) -> None:
+    """A folder that holds no training run is an error before any set-up: a tune search's
+    (its runs are its trials'), and without ``watch`` one with no ``config.json`` (which the
+    trainer writes before any checkpoint) and no checkpoints of ``config`` (None: the
+    run's own, which is in that file)."""
+    if not os.path.isdir(workdir):
+        return  # check_run_of says it: no such workdir
+    if run_config.tune_files(workdir) == "search":
+        raise WorkdirError(
+            f"{workdir!r} holds a tune search (study.db), not a training run: each trial's "
+            "run is in its own folder there; pass one as --workdir, e.g. "
+            f"{os.path.join(workdir, 'trials', '000')}"
+        )
+    if watch or os.path.exists(os.path.join(workdir, "config.json")):
+        return
+    if config is None or not checkpoint.committed_steps(checkpoint.checkpoint_dir(config, workdir)):
+        raise WorkdirError(
+            f"{workdir!r} holds no training run (no config.json, no checkpoints): "
+            f"{WORKDIR_FIX}, or --watch to wait for a run about to start there"
+        )
 
 
 def check_run_of(config, workdir: str) -> bool:
@@ -124,11 +162,17 @@ class Evaluator:
     def __init__(self, run: Run, workdir: str, from_epoch: float = 0.0):
         self.run, self.workdir, self.from_epoch = run, workdir, from_epoch
         self.out = os.path.join(workdir, "evaluator")  # made writable and locked by run()
-        done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
-        self.done = {r.step for r in done if r.event in ("eval", SKIPPED)}
         self.saver = checkpoint.Checkpoints(
             checkpoint.checkpoint_dir(run.config, workdir), read_only=True
         )
+        done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
+        # a skipped step back on disk is tried again: the trainer saved it anew (after moving
+        # an unreadable one aside, or resumed from an earlier checkpoint)
+        there = set(self.saver.committed_steps())
+        gone = [r.step for r in done if r.event == SKIPPED and r.step not in there]
+        self.done = {r.step for r in done if r.event == "eval"} | set(gone)
+        self.plan_of = run_config.config_dict(run.config)  # the config run.plan was made of
+        self.started_from: int | None = None  # the latest trainer start's checkpoint step
         self.writer = None  # made by the first record: a call that stops on an error writes none
         self.written: list[dict] = []  # this call's events
         self.known: set[int] = set()  # steps committed at some point (listed, or in W's events)
@@ -140,9 +184,7 @@ class Evaluator:
         before its turn: an ``eval_skipped`` event, not an error."""
         # The trainer's checkpoint events first, then the listing: a step reported committed
         # but not listed is gone, not still to come.
-        path = os.path.join(self.workdir, "metrics.jsonl")
-        events, self._offset = read_records(path, self._offset)
-        self.known |= {r.step for r in events if r.event == "checkpoint"}
+        self.read_trainer_records()
         committed = [s for s in self.saver.committed_steps() if self.wanted(s)]
         self.known = {s for s in self.known | set(committed) if self.wanted(s)}
         for step in sorted(self.known - set(committed) - self.done):
@@ -150,6 +192,30 @@ class Evaluator:
                       "--config.checkpoint.max_to_keep in the trainer, or evaluate on faster "
                       "devices)")  # fmt: skip
         return [s for s in committed if s not in self.done]
+
+    def read_trainer_records(self) -> None:
+        """The trainer's new lines in ``W/metrics.jsonl``: its checkpoints, and its starts
+        (``resume`` lines)."""
+        path = os.path.join(self.workdir, "metrics.jsonl")
+        events, self._offset = read_records(path, self._offset)
+        self.known |= {r.step for r in events if r.event == "checkpoint"}
+        for r in events:
+            if r.event == "resume":
+                self.started_from = resumed_from(r)
+
+    def follow_config(self) -> None:
+        """The plan of the run's config as its newest checkpoint holds it: a run resumed with
+        ``--allow-config-change`` (more epochs, say) has another last step from there on."""
+        held = run_config.held_config(self.saver.directory)
+        if held is None or not run_config.differences(held[1], self.plan_of, free=PLACEMENT_KEYS):
+            return
+        plan, config = self.run.plan, from_saved(held[1], f"checkpoint {held[0]}")
+        stages = stages_from_config(config, plan.data_parallel)
+        new = plan_stages(stages, self.run.data.steps_for, data_parallel=plan.data_parallel)
+        self.run, self.plan_of = dataclasses.replace(self.run, plan=new), held[1]
+        if new.total_steps != plan.total_steps:
+            log(f"the run's config changed at checkpoint {held[0]}: its last step is now "
+                f"{new.total_steps}")  # fmt: skip
 
     def wanted(self, step: int) -> bool:
         """At or after ``from_epoch``, to the records' 4 decimals (an epoch read off
@@ -177,33 +243,60 @@ class Evaluator:
         read_s = time.time() - t0
         # to the millisecond, as MetricsWriter rounds its own clock's
         writer = Stamped(self, wall_s=round(loop["wall_s"], 3), source="evaluator")
-        self.written.append(eval_pass(self.run, state, step, writer))
+        self.written.append(eval_pass(self.with_progress(step), state, step, writer))
         self.done.add(step)
         log(f"checkpoint {step}: at {loop['wall_s']:.1f}s of training; read in "
                     f"{read_s:.1f}s, evaluated in {time.time() - t0 - read_s:.1f}s")  # fmt: skip
 
+    def with_progress(self, step: int) -> Run:
+        """``run`` whose eval batches say how far they are every ``PROGRESS_S`` seconds (a
+        large eval split takes minutes; a small one says nothing)."""
+        data, total = self.run.data, math.ceil(self.run.data.num_eval / self.run.config.eval_batch)
+
+        def batches():
+            said = time.time()
+            for i, batch in enumerate(data.eval_batches(), 1):
+                if time.time() - said >= PROGRESS_S:
+                    log(f"checkpoint {step}: {i}/{total} eval batches read")
+                    said = time.time()
+                yield batch
+
+        return dataclasses.replace(self.run, data=dataclasses.replace(data, eval_batches=batches))
+
     def write(self, event: str, step: int, epoch: float, **values) -> dict:
-        if self.writer is None:
-            self.writer = MetricsWriter(self.out)
-        return self.writer.write(event, step, epoch, **values)
+        with signals.whole():  # a stop (the command's Stop) waits for the whole record
+            if self.writer is None:
+                self.writer = MetricsWriter(self.out)
+            return self.writer.write(event, step, epoch, **values)
 
     def completed(self) -> bool:
-        summary = read_json(os.path.join(self.workdir, "summary.json"))
-        return bool(summary and summary.get("completed"))
+        """summary.json says the run completed, and it is the latest trainer start's: a run
+        resumed with another config (``--allow-config-change``) keeps the first finish's
+        until it finishes again."""
+        self.read_trainer_records()
+        summary = read_json(os.path.join(self.workdir, "summary.json"), SUMMARY_UNREADABLE)
+        if not (summary and summary.get("completed")):
+            return False
+        return self.started_from is None or (summary.get("resumed_from") or 0) == self.started_from
 
     def loop(self, watch: bool, poll_s: float, config_checked: bool, liveness=None) -> list[dict]:
         """Evaluates what is there (``watch``: and what comes, until the run's last step is
         done, or an error once ``liveness`` says the run has ended unfinished); returns the
         events written."""
         liveness = liveness or Liveness(self.workdir, DEAD_AFTER_S)
-        last = self.run.plan.total_steps
         if self.from_epoch:
             log(f"evaluating the checkpoints from epoch {self.from_epoch:g} on; the earlier "
                 "ones are left for a call without --from-epoch")  # fmt: skip
         if watch:
-            log(f"watching {self.saver.directory} every {poll_s:g}s until step {last}")
+            self.follow_config()
+            log(f"watching {self.saver.directory} every {poll_s:g}s until step "
+                f"{self.run.plan.total_steps}")  # fmt: skip
         while True:
-            completed = self.completed()  # read before the listing, which then has its last step
+            # summary.json without --watch: not needed (one that does not read stops nothing)
+            # read before the listing, which then has its last step
+            completed = watch and self.completed()
+            if watch:
+                self.follow_config()
             todo = self.poll()
             if todo and not config_checked:  # the trainer wrote config.json since we began
                 if not check_run_of(self.run.config, self.workdir):
@@ -222,7 +315,9 @@ class Evaluator:
                 )
             for step in todo:
                 self.evaluate(step)
-            if not watch or last in self.done or completed:
+            last = self.run.plan.total_steps
+            # a trainer still on the run may take it further (resumed with more epochs)
+            if not watch or (last in self.done or completed) and not liveness.trainer():
                 break
             if todo:
                 liveness.progress()
@@ -244,9 +339,13 @@ class Evaluator:
                     + f"; records in {self.out}/metrics.jsonl")  # fmt: skip
         return self.written
 
-    def close(self) -> None:
+    def close_records(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+
+    def close(self) -> None:
+        self.close_records()
         self.saver.close()
 
 
@@ -259,13 +358,26 @@ class Liveness:
     def __init__(self, workdir: str, dead_after_s: float):
         self.workdir, self.dead_after_s = workdir, dead_after_s
         self.last = time.time()
+        self.said = False  # that no trainer is writing, since it was last seen
 
     def progress(self) -> None:
         self.last = time.time()
+        self.said = False
 
-    def dead(self) -> bool:
-        if os.path.isdir(self.workdir) and workdir_lock.held(self.workdir):
-            self.last = time.time()
+    def trainer(self) -> bool:
+        """Whether a trainer holds the run's lock now."""
+        return os.path.isdir(self.workdir) and workdir_lock.held(self.workdir)
+
+    def dead(self, say: bool = True) -> bool:
+        """``say``: once no trainer is seen, a line saying how long it is waited for (else
+        nothing came until the error, 5 minutes later by default)."""
+        if self.trainer():
+            self.progress()
+        elif say and not self.said:
+            self.said = True
+            left = max(self.dead_after_s - (time.time() - self.last), 0)
+            until = f"giving up in {left:.0f}s" if self.dead_after_s > 0 else "waiting"
+            log(f"no trainer is writing {self.workdir}; {until} unless it resumes")
         return self.dead_after_s > 0 and time.time() - self.last > self.dead_after_s
 
 
@@ -277,7 +389,7 @@ def wait_for_run(workdir: str, watch: bool, poll_s: float, liveness: Liveness) -
         return
     log(f"waiting for the run in {workdir} to start (for its config.json)")
     while not os.path.exists(config_json):
-        if liveness.dead():
+        if liveness.dead(say=False):  # (the line above says what is waited for)
             raise ConfigError(
                 f"no training run started in {workdir!r} within {liveness.dead_after_s:g}s "
                 "(no config.json, no trainer holding its lock): start it with python -m "
@@ -297,13 +409,16 @@ def run(
     overrides=(),
     dead_after_s: float = DEAD_AFTER_S,
     from_epoch: float = 0.0,
+    stop=None,
 ) -> list[dict]:
     """Evaluates ``workdir``'s checkpoints with ``config`` (None: the run's own, its latest
     checkpoint's, with ``overrides``) on ``devices`` (default: all), those from
     ``from_epoch`` on; returns the events written (``eval`` and ``eval_skipped``). With
     ``watch`` it may start before the run and stops with an error once the run has ended
-    unfinished (``Liveness``)."""
+    unfinished (``Liveness``). ``stop``: the command's signal handler
+    (``tools.evaluate.Stop``), given what to close before it exits (``release``)."""
     check_folder(workdir)  # before any wait: a file never becomes a run
+    check_is_run(workdir, config, watch)  # before the set-up's lines and any wait
     liveness = Liveness(workdir, dead_after_s)
     wait_for_run(workdir, watch, poll_s, liveness)
     if config is None:
@@ -320,6 +435,25 @@ def run(
     # A distributed evaluator's processes lock a file each (.lock, .lock.N), once the
     # runtime has said which process this is (as the trainer's do).
     lock = None if config.distributed else lock_records(out)
+    evaluator = None
+    released = False
+
+    def release() -> None:
+        """The records closed (their TensorBoard lines written out) and the lock given
+        back, once: at the end, or at a stop by ``stop``, which exits at once after it."""
+        nonlocal released
+        if released:
+            return
+        released = True
+        if evaluator is not None:
+            evaluator.close_records()
+        if made:  # a call that stopped before its first record leaves no empty folder
+            remove_if_empty(out, lock)
+        if lock is not None:
+            lock.release()
+
+    if stop is not None:
+        stop.release = release
     try:
         # workdir None: none of the trainer's workdir checks and writes (we only read there)
         r = setup(config, None, devices=devices, for_training=False)
@@ -332,18 +466,13 @@ def run(
             )
         log(describe_mesh(r.mesh))
         evaluator = Evaluator(r, workdir, from_epoch)
-        try:
-            return evaluator.loop(watch, poll_s, checked, liveness)
-        except KeyboardInterrupt:
-            log("stopped (Ctrl-C); the same command goes on with the next checkpoint")
-            return evaluator.written
-        finally:
-            evaluator.close()
+        # a KeyboardInterrupt (no ``stop``) goes on to cli.main: its line and exit code 130
+        return evaluator.loop(watch, poll_s, checked, liveness)
     finally:
-        if made:  # a call that stopped before its first record leaves no empty folder
-            remove_if_empty(out, lock)
-        if lock is not None:
-            lock.release()
+        with signals.whole():  # a stop meanwhile waits for the records and the lock
+            if evaluator is not None:
+                evaluator.close()
+            release()
 
 
 def lock_records(out: str, process: int = 0) -> workdir_lock.Lock:

@@ -13,14 +13,53 @@ config is the run's own (its latest checkpoint's, or ``--config`` naming the sam
 ``--watch`` it may start before the trainer, and stops with an error once the run has ended
 unfinished (``--dead-after-s``). Records go to ``W/evaluator/metrics.jsonl``. A bad workdir
 or config is one ``error:`` line that names the fix (exit code 2), with nothing written.
+Ctrl-C or SIGTERM stops it at once with one line, ``stopped (Ctrl-C): ...``, and exit code
+130 (143 for SIGTERM): the records so far are whole, and the same command goes on.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
 from hybridpar.config import cli
+from hybridpar.runtime import signals
+
+# evaluator.RESUMES, which this module cannot import before the command line is read (JAX)
+RESUMES = "the same command goes on with the next checkpoint not evaluated yet"
+
+
+class Stop(signals.StopWriting):
+    """SIGTERM and SIGINT in the evaluator, from the command's first line (the imports of
+    JAX included): one line, ``stopped (Ctrl-C): RESUMES`` (or ``(SIGTERM)``), and exit
+    128 + the signal, at once, as quantize and prune stop (a KeyboardInterrupt raised
+    inside JAX or a gc callback is dropped, and the evaluator went on; a SIGTERM ended it
+    unsaid, its lock file left). Nothing is lost but the checkpoint under evaluation: a
+    record being written is finished first (``signals.whole``, as ``StopWriting``), and
+    ``release`` (set by ``evaluator.run``) closes the records and gives the lock back."""
+
+    def __init__(self):
+        self.release = lambda: None
+        super().__init__(temp="", said=lambda: RESUMES)  # no folder of its own to remove
+
+    def stop(self, signum: int) -> None:
+        self.release()
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        msg = f"stopped ({name}): {self.said()}"
+        try:
+            print(msg, file=sys.stderr, flush=True)
+        except RuntimeError:  # inside a print to the same stream (see StopWriting.stop)
+            os.write(2, f"{msg}\n".encode())
+        cli.exit_now(128 + signum)  # the exit status the signal's default action gives
 
 
 def main(argv=None) -> None:
+    with Stop() as stop:
+        _main(argv, stop)
+
+
+def _main(argv, stop: Stop) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.evaluate",
         (
@@ -78,7 +117,9 @@ def main(argv=None) -> None:
             overrides=args.config_overrides,
             dead_after_s=args.dead_after_s,
             from_epoch=args.from_epoch,
-        )
+            stop=stop,
+        ),
+        RESUMES,
     )
 
 
