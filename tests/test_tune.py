@@ -6,6 +6,8 @@ half an epoch and a search of two one-epoch trials."""
 import json
 import math
 import os
+import re
+import shlex
 import signal
 import sys
 
@@ -13,9 +15,10 @@ import numpy as np
 import pytest
 from helpers import DIGITS, TINY_DIGITS, main_here, signal_on, tiny_digits
 
-from hybridpar.config.errors import ConfigError
+from hybridpar.config.errors import ConfigError, WorkdirError
 from hybridpar.config.schema import validate
 from hybridpar.program.optim import lr_factor
+from hybridpar.runtime.run_config import check_not_tune
 from hybridpar.tools import tune
 
 
@@ -226,11 +229,14 @@ def test_lr_range_test(tmp_path, capsys, monkeypatch, one_device):
     # The trainer's lines go to log.txt: the terminal gets a line as the training starts,
     # naming that file, and the progress lines (it was silent until the end).
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("LR range test: ") and out[0].endswith(
-        f" steps of optim.base_lr 0.001 -> 10, stopped once the loss diverges "
-        f"(progress: {wd}/log.txt)"
-    ), out[:3]
     planned = int(out[0].split()[3])
+    # A step trains at the LR its start's epoch gives: the last step's is one step short
+    # of tune.lr_max (the header said 10, the last step trained at 6.58).
+    last = 10 * 1e-4 ** (1 / planned)
+    assert out[0].startswith("LR range test: ") and out[0].endswith(
+        f" steps of optim.base_lr 0.001 -> {last:.3g} (tune.lr_max=10 at the end of the last "
+        f"step), stopped once the loss diverges (progress: {wd}/log.txt)"
+    ), out[:3]
     assert planned >= result["steps"] and os.path.isfile(os.path.join(wd, "log.txt"))
     progress = [x.split() for x in out[1:]]
     assert len(progress) >= 5 and all(x[0] == "step" and x[2] == "epoch" for x in progress)
@@ -308,33 +314,51 @@ def test_a_killed_trial_is_queued_again_to_resume_in_its_workdir(tmp_path):
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
     assert trials[1].system_attrs["fixed_params"] == trials[0].params
     assert trials[1].user_attrs["workdir"] == "trials/000"
+    # its row says what happened to it (it had no note). Planted bug that fails it: no note.
+    tune.write_results(tune.open_study(c, wd, 1.0), c, wd)
+    with open(os.path.join(wd, "trials.md")) as f:
+        row = [cell.strip() for cell in f.readlines()[2].strip("|\n").split("|")]
+    assert row[-1] == "interrupted (killed, or stopped in its set-up), queued again as trial 1"
 
 
 def test_a_resumed_trials_run_folder_is_named_in_the_best_line_and_trials_md(
     tmp_path, capsys, one_device
 ):
-    """A trial that resumes a killed one has a number of its own (1) but runs on in the
-    killed one's folder (trials/000): the best: line named only its number, and trials/001
-    does not exist. The best: line and trials.md name the folder. Planted bugs that fail it:
-    the best: line without the folder; trials.md without its run column."""
+    """A trial that resumes a stopped one has a number of its own (1) but runs on in the
+    stopped one's folder (trials/000): the best: line named only its number, and trials/001
+    does not exist. The best: line and trials.md name the folder; the stopped row says which
+    trial redid it, and the resumed trial's seconds are the whole run's (they were only its
+    own part's). Planted bugs that fail it: the best: line without the folder; trials.md
+    without its run column; the stopped part's seconds not counted; no "redone as"."""
+    from optuna.trial import TrialState
+
     c = tiny_digits("data:-1", **{"tune.space": "optim.base_lr=log:1e-4..2"})
     wd, budget = str(tmp_path / "search"), 0.25
-    trial = tune.open_study(c, wd, budget).ask()
+    study = tune.open_study(c, wd, budget)
+    trial = study.ask()
     trial.set_user_attr("workdir", "trials/000")
-    trial.suggest_float("optim.base_lr", 1e-4, 2, log=True)  # killed here: still RUNNING
+    trial.suggest_float("optim.base_lr", 1e-4, 2, log=True)
+    for key, value in (("seconds", 100.0), ("interrupted", True),
+                       ("note", "stopped by SIGTERM")):  # as run_trial records a stop  # fmt: skip
+        trial.set_user_attr(key, value)
+    study.tell(trial, state=TrialState.FAIL)
     tune.search(c, wd, 1, budget)  # trial 1 resumes trial 0's run
     out = capsys.readouterr().out
     assert "trial 1 (resumed trials/000): " in out, out
+    end = next(x for x in out.splitlines() if x.startswith("trial   1  "))
+    assert end.endswith("s (with 100s before it was stopped)"), end
     best = [x for x in out.splitlines() if x.startswith("best:")]
     assert len(best) == 1 and best[0].startswith(
-        f"best: trial 1, top1 {tune.open_study(c, wd, budget).best_value:.4f} "
-        f"(run {wd}/trials/000): --config.optim.base_lr="
+        f"best: trial 1, top1 {tune.open_study(c, wd, budget).best_value:.4f} at "
+        f"--budget-epochs 0.25 (run {wd}/trials/000): --config.optim.base_lr="
     ), best
     assert sorted(os.listdir(os.path.join(wd, "trials"))) == ["000"]
     with open(os.path.join(wd, "trials.md")) as f:
         rows = [[cell.strip() for cell in x.strip("|\n").split("|")] for x in f][2:]
     assert [row[:3] for row in rows] == [["0", "trials/000", "fail"],
                                          ["1", "trials/000", "complete"]], rows  # fmt: skip
+    assert rows[0][-2:] == ["100.0", "stopped by SIGTERM, redone as trial 1"], rows
+    assert float(rows[1][-2]) > 100, rows
 
 
 def test_the_suggestion_is_before_the_minimum_when_the_loss_drops_into_it():
@@ -412,6 +436,12 @@ def test_a_stopped_range_test_says_so_writes_nothing_and_resumes(
     ), out
     assert "suggested" not in out and "wrote" not in out, out
     assert not [n for n in os.listdir(wd) if n.startswith("lr_range")]
+    # train there is refused: it named another config and --allow-config-change, which
+    # trained on from the test's checkpoint (see test_train_refuses_a_stopped_range_test)
+    resume = re.escape(lines[stopped + 1].strip())
+    with pytest.raises(WorkdirError, match=f"holds a stopped LR range test .*resume it with "
+                                           f"`{resume}`"):  # fmt: skip
+        check_not_tune(wd)
     code, out, err = main_here(tune.main, args, capsys)  # resumed, without the overrides
     assert code == 0 and "suggested peak LR" in out and f"wrote {wd}/lr_range.png" in out, err
     with open(os.path.join(wd, "log.txt")) as f:
@@ -422,6 +452,31 @@ def test_a_stopped_range_test_says_so_writes_nothing_and_resumes(
     code, out, _ = main_here(tune.main, args, capsys)  # done: shown again
     assert code == 0 and "wrote" not in out, out
     assert f"its plot and numbers: {wd}/lr_range.png and {wd}/lr_range.json" in out, out
+
+
+def test_train_refuses_a_stopped_range_test(tmp_path, capsys, monkeypatch):
+    """train on a range test stopped before its lr_range.json said the folder holds a run of
+    another config and advised --allow-config-change, which trained on from the test's
+    checkpoint (tune lr then found a training run there). tune lr marks its folder before
+    the set-up, so a test stopped there (or while it trains: the test above) is refused as
+    one to resume, in one line. Planted bugs that fail it: no mark; the mark not read."""
+    from hybridpar.tools import train
+
+    wd = str(tmp_path / "lr")
+
+    def stopped_in_set_up(*args, **kwargs):  # StopBetweenRuns ends the process (exit 0)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(tune, "run_trainer", stopped_in_set_up)
+    args = ["lr", "--config", DIGITS, "--workdir", wd, *TINY_LR]
+    assert main_here(tune.main, args, capsys)[0] == 0
+    resume = shlex.join([sys.executable, "-m", "hybridpar.tune", *args])
+    code, out, err = main_here(train.main, ["--config", DIGITS, "--workdir", wd], capsys)
+    assert code == 2 and err == (
+        f"error: workdir {wd!r} holds a stopped LR range test (tune_lr.json), not a training "
+        f"run: train does not run in it; resume it with `{resume}` or use a new --workdir\n"
+    ), err
+    assert tune.held_kind(wd, tiny_digits()) == "lr"  # search refuses it too
 
 
 def test_a_resumed_range_test_stops_at_the_step_a_whole_one_would():
@@ -479,6 +534,18 @@ def test_tune_refuses_another_tools_workdir_before_writing(tmp_path, capsys):
         assert code == 2 and err.startswith(f"error: workdir {str(wd)!r} holds {says}"), err
         assert err.count("\n") == 1 and "allow-config-change" not in err, err
         assert sorted(os.listdir(wd)) == before, kind
+    # a folder inside a study (its trials/ or a new one there) is not a new study's folder: a
+    # search ran in S/trials, writing S/trials/study.db and S/trials/trials/000
+    study = str(tmp_path / "search")
+    for inside, mode in [("trials", search), ("trials/new", ["lr"])]:
+        wd = os.path.join(study, inside)
+        code, _, err = main_here(tune.main, [*mode, "--config", DIGITS, "--workdir", wd],
+                                 capsys)  # fmt: skip
+        assert code == 2 and err == (
+            f"error: workdir {wd!r} is inside the search study in {study!r} (its trials' "
+            f"runs): tune {mode[0]} does not run there; use a new --workdir outside it\n"
+        ), err
+        assert not os.path.exists(wd)
 
 
 def test_a_search_warns_of_the_keys_every_trial_sets_and_is_not_keyed_on_them(tmp_path):
@@ -527,6 +594,102 @@ def test_no_best_when_no_trial_reached_the_target(tmp_path, capsys):
     tune.write_results(study, c, str(tmp_path / "s"))
     best = [x for x in capsys.readouterr().out.splitlines() if x.startswith("best:")]
     assert best == ["best: none, no trial reached target_top1=0.99"], best
+
+
+# The trainer's error for a diverged run (trainer.Progress.too_many), shortened
+DIVERGED = (
+    "20 steps in a row (3..22) had a non-finite loss or gradient (max_nonfinite_steps=20); "
+    "each was skipped, so the parameters are those after step 2. The run diverged: lower "
+    "optim.base_lr, add warmup (optim.warmup_epochs), or use bfloat16"
+)
+SEARCH = ["search", "--config", DIGITS, "--budget-epochs", "1", "--config.log_every_s=0",
+          "--config.tune.space=optim.base_lr=log:1000..100000"]  # fmt: skip
+
+
+def fake_trials(monkeypatch, *results):
+    """tune's trials without a training: each ``run_trainer`` call raises the next of
+    ``results`` (an exception) or returns it as the run's summary."""
+    queue = list(results)
+
+    def run_trainer(config, workdir, hooks_for=None, started=None):
+        os.makedirs(workdir, exist_ok=True)
+        result = queue.pop(0)
+        if isinstance(result, BaseException):
+            raise result
+        return None, result
+
+    monkeypatch.setattr(tune, "run_trainer", run_trainer)
+
+
+def test_a_diverged_trial_has_no_top1_and_is_never_the_best(tmp_path, capsys, monkeypatch):
+    """A trial whose run diverged (the trainer's NonFinite) was told top-1 0.0 as complete:
+    `trial 0  top1 0.0000  diverged` and `best: trial 0, top1 0.0000`. Now it fails (optuna's
+    FAIL: no value, not the best, not modelled by the sampler) with the trainer's advice in
+    its line, its trials.md note and its log, it counts towards --trials, and with every
+    trial diverged the best: line says so. Planted bugs that fail it: 0.0 told as complete;
+    the advice left out; not in the log; the best line."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from hybridpar.config.errors import NonFinite
+
+    fake_trials(monkeypatch, NonFinite(DIVERGED), NonFinite(DIVERGED))
+    wd = str(tmp_path / "s")
+    code, out, err = main_here(tune.main, [*SEARCH, "--workdir", wd, "--trials", "2"], capsys)
+    assert code == 0, err
+    ends = [x for x in out.splitlines() if x.startswith("trial   ")]
+    assert len(ends) == 2, out
+    for n, line in enumerate(ends):
+        assert line.startswith(f"trial   {n}  diverged: {DIVERGED}  "), line
+    study = optuna.load_study(study_name="search", storage=f"sqlite:///{wd}/study.db")
+    assert [(t.state, t.value) for t in study.get_trials()] == [(TrialState.FAIL, None)] * 2
+    best = [x for x in out.splitlines() if x.startswith("best:")]
+    assert len(best) == 1 and best[0].startswith("best: none (every trial diverged; "), best
+    with open(os.path.join(wd, "trials.md")) as f:
+        rows = [[cell.strip() for cell in x.strip("|\n").split("|")] for x in f][2:]
+    assert [(r[2], r[3], r[-1]) for r in rows] == [("fail", "-", f"diverged: {DIVERGED}")] * 2
+    with open(os.path.join(wd, "trials", "000", "log.txt")) as f:
+        assert f"error: {DIVERGED}\n" in f.read()
+
+
+def test_a_trial_of_mostly_skipped_steps_says_so_and_the_best_is_a_train_command(
+    tmp_path, capsys, monkeypatch
+):
+    """A trial whose steps were mostly skipped as non-finite (15 of 22, never 20 in a row)
+    ended `top1 0.1028  complete`, an empty note. Now its line and note count them. The best:
+    line gave overrides alone: now a runnable train command follows (the search's --config
+    and overrides, tune's own left out), and where the top-1 comes from (the budget, not the
+    config's epochs). Planted bugs that fail it: no skipped note; no train command."""
+    fake_trials(monkeypatch, {"steps": 22, "skipped_steps": 15, "final_eval": {"top1": 0.1028}})
+    wd = str(tmp_path / "s")
+    code, out, err = main_here(tune.main, [*SEARCH, "--workdir", wd, "--trials", "1"], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    end = next(x for x in lines if x.startswith("trial   0  "))
+    assert end.startswith("trial   0  top1 0.1028  15 of 22 steps skipped (non-finite)  "), end
+    with open(os.path.join(wd, "trials.md")) as f:
+        assert f.readlines()[2].endswith(" | 15 of 22 steps skipped (non-finite) |\n")
+    best = lines.index(next(x for x in lines if x.startswith("best: ")))
+    lr = lines[best].rpartition("--config.optim.base_lr=")[2]
+    assert lines[best] == (f"best: trial 0, top1 0.1028 at --budget-epochs 1 (run {wd}/trials/000"
+                           f"): --config.optim.base_lr={lr}"), lines[best]  # fmt: skip
+    assert lines[best + 1 : best + 3] == [
+        f"train it: python -m hybridpar.train --config {DIGITS} --workdir NEW_DIR "
+        f"--config.log_every_s=0 --config.optim.base_lr={lr}",
+        "  (that top1 is at the search's --budget-epochs 1: add --config.num_epochs=1 to "
+        "train as the trial did; without it, the config's num_epochs=15 trains longer)",
+    ], lines[best:]
+
+
+def test_tune_help_describes_each_mode_and_its_keys(capsys):
+    """--help said `lr: the learning-rate range test; search: a study over the keys of
+    tune.space` and named no tune key, no space syntax and no docs."""
+    code, out, _ = main_here(tune.main, ["--help"], capsys)
+    assert code == 0
+    for says in ("lr: the LR range test", "search: an optuna study over tune.space",
+                 "KEY=log:LO..HI", "docs/tuning.md",
+                 *(f"tune.{k}" for keys in tune.MODE_KEYS.values() for k in keys)):  # fmt: skip
+        assert says in out, (says, out)
 
 
 def test_the_search_files_are_written_before_the_best_line(tmp_path, monkeypatch):

@@ -132,27 +132,44 @@ def of_workdir(workdir: str, config) -> dict | None:
 # What a workdir may hold, as tune names it: a run of the trainer, or tune's own study or
 # range test (hybridpar/tools/tune.py). ``tune_files`` tells the last two by their files.
 KINDS = {"train": "a training run", "lr": "an LR range test", "search": "a search study"}
+# Written by tune lr before its test is set up: a test stopped before its lr_range.json (in
+# its set-up, or while it trains) is a test to resume, not a run to train on.
+LR_TEST_MARK = "tune_lr.json"
+# Workdirs whose range test tune lr itself is running: check_not_tune lets it set up there.
+tune_running: set[str] = set()
 
 
 def tune_files(workdir: str) -> str | None:
     """``"search"`` where ``workdir`` holds a tune search's study (``study.db``), ``"lr"``
-    where it holds a finished LR range test's result (``lr_range.json``), else None (a
-    range test stopped before its result is a run, told by its config: tune's
-    ``held_kind``)."""
+    where it holds an LR range test (``lr_range.json``, or ``LR_TEST_MARK`` while it is not
+    finished), else None (a range test from before the mark is a run, told by its config:
+    tune's ``held_kind``)."""
     if os.path.exists(os.path.join(workdir, "study.db")):
         return "search"
-    if os.path.isfile(os.path.join(workdir, "lr_range.json")):
+    if any(os.path.isfile(os.path.join(workdir, n)) for n in ("lr_range.json", LR_TEST_MARK)):
         return "lr"
     return None
 
 
 def check_not_tune(workdir: str) -> None:
-    """A tune study's or finished range test's folder is not a run to train in: training
-    there put a run's files beside the study's (its folder has no config.json, so nothing
-    else refused it)."""
+    """A tune study's or range test's folder is not a run to train in: training there put a
+    run's files beside the study's (its folder has no config.json, so nothing else refused
+    it), or went on from a stopped test's checkpoint (with --allow-config-change, which the
+    config error advised), so that tune lr then found a training run there."""
     held = tune_files(workdir)
-    if held is None:
+    if held is None or os.path.abspath(workdir) in tune_running:
         return
+    if held == "lr" and not os.path.isfile(os.path.join(workdir, "lr_range.json")):
+        try:  # the mark names the command that resumes the test
+            mark = read_json(os.path.join(workdir, LR_TEST_MARK))
+        except WorkdirError:
+            mark = None
+        command = mark.get("command") if isinstance(mark, dict) else None
+        raise WorkdirError(
+            f"workdir {workdir!r} holds a stopped LR range test ({LR_TEST_MARK}), not a "
+            f"training run: train does not run in it; resume it with "
+            f"`{command or 'python -m hybridpar.tune lr --config ...'}` or use a new --workdir"
+        )
     what, hint = {
         "search": ("tune search's study.db", "each trial's own run is in trials/NNN there"),
         "lr": ("tune lr's lr_range.json", "the same tune lr command shows its result again"),

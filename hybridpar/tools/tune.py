@@ -6,6 +6,7 @@ whose ``optim.base_lr`` rises geometrically from ``tune.lr_min`` to ``tune.lr_ma
 once the loss diverges. It writes ``DIR/lr_range.png`` (loss against LR) and
 ``DIR/lr_range.json`` and prints the suggested peak LR as an override. A test stopped by a
 signal says so and writes neither (its curve is cut short); the same command resumes it.
+``DIR/tune_lr.json``, written before the set-up, tells the trainer the folder is a test's.
 
 ``search --trials N --budget-epochs E``: a study over short runs of the trainer (each
 ``E`` epochs, its LR decaying to their end; a warmup stays as drawn) that draws the keys of
@@ -15,9 +16,10 @@ objective is ``tune.objective``: top-1 at the budget, or the wall time to ``targ
 Resumable: the study lives in ``DIR/study.db`` and each trial's run in ``DIR/trials/NNN``,
 so the same command continues it (a trial cut off by Ctrl-C or a kill is queued again as a
 new trial, which resumes in its folder from its checkpoint: ``trials.md`` and the best line
-name each trial's folder); a larger ``--trials`` adds trials. It prints a line as each trial
-starts and one as it ends, writes ``DIR/trials.md`` and ``DIR/search.png``, then prints the
-table and the best overrides.
+name each trial's folder); a larger ``--trials`` adds trials. A trial whose run diverged
+(``NonFinite``) has no objective: optuna's FAIL, with the trainer's advice as its note. It
+prints a line as each trial starts and one as it ends, writes ``DIR/trials.md`` and
+``DIR/search.png``, then prints the table, the best overrides and their train command.
 
 The trials' and the range test's own trainer output goes to their ``log.txt`` (named in the
 line each prints as it starts); the terminal gets a short progress line every
@@ -431,12 +433,20 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
     }
 
 
-def lr_range(config, workdir: str) -> dict:
+def lr_range(config, workdir: str, command: str | None = None) -> dict:
+    """``command``: the one that resumes the test, for train's refusal of its folder."""
     import jax
     from jax.experimental import multihost_utils
 
+    from hybridpar.config.schedules import lr_factor
     from hybridpar.program.optim import lr_batch_factor
-    from hybridpar.runtime.run_config import another_config, config_dict, differences
+    from hybridpar.runtime.run_config import (
+        LR_TEST_MARK,
+        another_config,
+        config_dict,
+        differences,
+        tune_running,
+    )
     from hybridpar.runtime.run_records import read_json, read_run, write_json
 
     c = range_test_config(config)
@@ -457,14 +467,25 @@ def lr_range(config, workdir: str) -> dict:
     if os.path.isfile(os.path.join(workdir, "metrics.jsonl")):
         earlier = [(t.step, t.loss) for t in read_run(workdir).train]
     stop = StopOnDivergence(earlier)
+    # Before the set-up: a test stopped from here on is one to resume, which train refuses
+    # (run_config.check_not_tune). Every process writes the same (JAX has not started yet).
+    os.makedirs(workdir, exist_ok=True)
+    write_json(os.path.join(workdir, LR_TEST_MARK), {"command": command})
 
     def started(run):
-        t = c.tune
-        print(f"LR range test: {run.plan.total_steps} steps of optim.base_lr {t.lr_min:g} -> "
-              f"{t.lr_max:g}, stopped once the loss diverges (progress: {workdir}/log.txt)",
-              flush=True)  # fmt: skip
+        # A step trains at the LR of the epoch it starts at: the last one a step short of
+        # the end of the rise, where the LR is tune.lr_max.
+        p, t = run.plan, c.tune
+        last = t.lr_max * float(lr_factor(c.optim, p.epoch_at(p.total_steps - 1), p.num_epochs))
+        print(f"LR range test: {p.total_steps} steps of optim.base_lr {t.lr_min:g} -> "
+              f"{last:.3g} (tune.lr_max={t.lr_max:g} at the end of the last step), stopped "
+              f"once the loss diverges (progress: {workdir}/log.txt)", flush=True)  # fmt: skip
 
-    _, summary = run_trainer(c, workdir, lambda run: [stop], started)
+    tune_running.add(os.path.abspath(workdir))  # the trainer's check_not_tune lets it by
+    try:
+        _, summary = run_trainer(c, workdir, lambda run: [stop], started)
+    finally:
+        tune_running.discard(os.path.abspath(workdir))
     if summary.get("preempted") and stop.stopped is None:  # a signal's stop, not the loss's
         # its curve is cut short: a suggestion from it would be far too low
         raise KeyboardInterrupt(
@@ -641,6 +662,9 @@ def open_study(config, workdir: str, budget: float):
             if t.state in (TrialState.COMPLETE, TrialState.PRUNED, TrialState.WAITING)}  # fmt: skip
     for t in trials:
         if t.state == TrialState.RUNNING:  # its process was killed: nothing runs it now
+            # (a stop in its set-up, before the loop's own handler, ends the process too)
+            storage.set_trial_user_attr(t._trial_id, "note", "interrupted (killed, or "
+                                        "stopped in its set-up)")  # fmt: skip
             storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         elif not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted")):
             continue
@@ -683,31 +707,49 @@ def run_trial(study, config, space, workdir: str, budget: float) -> str:
     start, note, value = time.time(), "", None
     try:
         _, summary = run_trainer(c, os.path.join(workdir, sub), hooks_for)
-    except NonFinite:  # a diverging LR is a bad trial, not a broken search
-        summary, note = None, "diverged"
+    except NonFinite as e:  # a diverging LR is a bad trial, not a broken search
+        summary, note = None, f"diverged: {e}"
+        with quiet(os.path.join(workdir, sub)):  # the trainer raised it, unwritten
+            print(f"error: {e}")
     except Error as e:  # a bad input or a failed save: the study cannot go on
         study.tell(trial, state=TrialState.FAIL)
         raise type(e)(f"trial {trial.number} ({overrides(params)}): {e}") from None
-    seconds = time.time() - start
+    # A resumed trial's time is the whole run's: its stopped part's and this one's (each
+    # part's counts those before it; a killed part's time is lost)
+    before = max((t.user_attrs.get("seconds", 0.0) for t in study.get_trials(deepcopy=False)
+                  if again and t.number < trial.number and t.user_attrs.get("workdir") == sub),
+                 default=0.0)  # fmt: skip
+    seconds = time.time() - start + before
     trial.set_user_attr("seconds", round(seconds, 1))
+    took = f"{seconds:.0f}s" + (f" (with {before:.0f}s before it was stopped)" if before else "")
     head = f"trial {trial.number:>3}"  # its values are on its first line
+    if summary is None:  # diverged: no top-1 to tell, and never the best (optuna's FAIL)
+        trial.set_user_attr("diverged", True)
+        trial.set_user_attr("note", note)
+        study.tell(trial, state=TrialState.FAIL)
+        return f"{head}  {note}  {took}"
+    skipped = summary.get("skipped_steps") or 0  # steps that changed nothing
+    if skipped:
+        note = f"{skipped} of {summary['steps']} steps skipped (non-finite)"
     pruned = prunes[0].pruned if prunes else None
     if pruned:
+        trial.set_user_attr("note", note)
         study.tell(trial, state=TrialState.PRUNED)
-        return f"{head}  {pruned}  {seconds:.0f}s"
-    if summary is not None and summary.get("preempted"):
+        return f"{head}  {pruned}{f'; {note}' if note else ''}  {took}"
+    if summary.get("preempted"):
         trial.set_user_attr("interrupted", True)
-        trial.set_user_attr("note", f"stopped by {summary['preempted']}, queued again")
+        trial.set_user_attr("note", f"stopped by {summary['preempted']}")
         study.tell(trial, state=TrialState.FAIL)
         raise KeyboardInterrupt(f"trial {trial.number} stopped ({summary['preempted']})")
     if config.tune.objective == "top1":
-        value = ((summary or {}).get("final_eval") or {}).get("top1", 0.0)
+        value = (summary.get("final_eval") or {}).get("top1", 0.0)
     else:
-        hit = ((summary or {}).get("time_to_target") or {}).get("top1")
-        value, note = (hit["wall_s"], note) if hit else (math.inf, note or "target not reached")
+        hit = (summary.get("time_to_target") or {}).get("top1")
+        value = hit["wall_s"] if hit else math.inf
+        note = "; ".join(n for n in (note, "" if hit else "target not reached") if n)
     trial.set_user_attr("note", note)
     study.tell(trial, value)
-    return f"{head}  {config.tune.objective} {value:.4f}  {note or 'complete'}  {seconds:.0f}s"
+    return f"{head}  {config.tune.objective} {value:.4f}  {note or 'complete'}  {took}"
 
 
 def overrides(params: dict) -> str:
@@ -716,15 +758,22 @@ def overrides(params: dict) -> str:
                     for k, v in params.items())  # fmt: skip
 
 
+# The best trial's train command starts with it: the command line's --config and overrides
+TRAIN = "python -m hybridpar.train --config CONFIG --workdir NEW_DIR"
+
+
 def finished(study) -> list:
+    """The trials that count towards --trials: complete, pruned or diverged."""
     from optuna.trial import TrialState
 
     return [t for t in study.get_trials(deepcopy=False)
-            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]  # fmt: skip
+            if t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+            or t.user_attrs.get("diverged")]  # fmt: skip
 
 
-def search(config, workdir: str, n_trials: int, budget: float, stop=None) -> object:
-    """The study (``stop``: see ``write_results``)."""
+def search(config, workdir: str, n_trials: int, budget: float, stop=None,
+           train: str = TRAIN) -> object:  # fmt: skip
+    """The study (``stop``, ``train``: see ``write_results``)."""
     space = check(config, "search")
     study = open_study(config, workdir, budget)
     done = len(finished(study))
@@ -737,14 +786,15 @@ def search(config, workdir: str, n_trials: int, budget: float, stop=None) -> obj
               f"each; {where}", flush=True)  # fmt: skip
     while len(finished(study)) < n_trials:
         print(run_trial(study, config, space, workdir, budget), flush=True)
-    write_results(study, config, workdir, stop)
+    write_results(study, config, workdir, stop, train)
     return study
 
 
-def write_results(study, config, workdir: str, stop=None) -> None:
+def write_results(study, config, workdir: str, stop=None, train: str = TRAIN) -> None:
     """``DIR/trials.md`` and ``DIR/search.png``, then the table and the best trial on stdout.
     ``stop``: the command's ``StopBetweenRuns``, told once the files are written that a stop
-    leaves nothing to continue."""
+    leaves nothing to continue. ``train``: ``python -m hybridpar.train --config FILE
+    --workdir NEW_DIR`` and the search's overrides, the start of the best trial's command."""
     from optuna.trial import TrialState
 
     trials = study.get_trials(deepcopy=False)
@@ -764,6 +814,14 @@ def write_results(study, config, workdir: str, stop=None) -> None:
         seconds, note = t.user_attrs.get("seconds", "-"), t.user_attrs.get("note", "")
         state = t.state.name.lower()
         run = t.user_attrs.get("workdir", "-")
+        if t.state == TrialState.FAIL and not t.user_attrs.get("diverged"):  # interrupted
+            redo = [u for u in trials if u.number > t.number
+                    and u.user_attrs.get("workdir") == run]  # fmt: skip
+            note = note.removesuffix(", queued again")  # an older study's note said it
+            if not redo or redo[0].state == TrialState.WAITING:
+                note += ", queued again" + (f" as trial {redo[0].number}" if redo else "")
+            else:
+                note += f", redone as trial {redo[0].number}"
         lines.append(
             f"| {t.number} | {run} | {state} | {value} | {' | '.join(cells)} | {seconds} | "
             f"{note} |"
@@ -779,13 +837,27 @@ def write_results(study, config, workdir: str, stop=None) -> None:
     print(table, end="")
     complete = [t for t in trials if t.state == TrialState.COMPLETE]
     best = study.best_trial if complete else None
-    if best is not None and math.isinf(best.value):  # time_to_target: none reached it
+    diverged = [t for t in trials if t.user_attrs.get("diverged")]
+    if best is None and diverged and len(diverged) == len(finished(study)):
+        print("best: none (every trial diverged; each one's note has the trainer's advice: "
+              "e.g. lower the top of optim.base_lr's range in --config.tune.space, or draw a "
+              "warmup with optim.warmup_epochs)")  # fmt: skip
+    elif best is None:
+        print("best: none (no trial completed; pass a larger --trials to run more)")
+    elif best is not None and math.isinf(best.value):  # time_to_target: none reached it
         print(f"best: none, no trial reached target_top1={config.target_top1:g}")
     elif best is not None:
         run = best.user_attrs.get("workdir")
         where = f" (run {os.path.join(workdir, run)})" if run else ""
-        print(f"best: trial {best.number}, {name} {best.value:.4f}{where}: "
+        budget = study.user_attrs.get("search", {}).get("budget_epochs")
+        at = f" at --budget-epochs {budget:g}" if budget else ""
+        print(f"best: trial {best.number}, {name} {best.value:.4f}{at}{where}: "
               f"{overrides(best.params)}")  # fmt: skip
+        print(f"train it: {train} {overrides(best.params)}")
+        if budget and name == "top1" and budget != config.num_epochs:
+            print(f"  (that top1 is at the search's --budget-epochs {budget:g}: add "
+                  f"--config.num_epochs={budget:g} to train as the trial did; without it, "
+                  f"the config's num_epochs={config.num_epochs:g} trains longer)")  # fmt: skip
     print(f"wrote {workdir}/trials.md and {workdir}/search.png")
 
 
@@ -818,7 +890,8 @@ def plot_search(study, path: str, name: str) -> None:
     curves.set_title("each trial's evaluations (pruned: dashed grey)", fontsize=9)
     for ax in (obj, curves):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # none where every trial diverged
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -864,6 +937,15 @@ def check_kind(mode: str, config, workdir: str) -> None:
     own run or study into another tool's (a study inside a finished training run)."""
     from hybridpar.runtime.run_config import KINDS
 
+    # a study's trials/ (or a trial's folder): held_kind sees no study in the folder itself
+    up = os.path.dirname(os.path.abspath(workdir))
+    study = next((d for d in (up, os.path.dirname(up))
+                  if os.path.exists(os.path.join(d, "study.db"))), None)  # fmt: skip
+    if study is not None:
+        raise ConfigError(
+            f"workdir {workdir!r} is inside the search study in {study!r} (its trials' "
+            f"runs): tune {mode} does not run there; use a new --workdir outside it"
+        )
     held = held_kind(workdir, config)
     if held not in (None, mode):
         what = "the test" if mode == "lr" else "the search"
@@ -902,10 +984,18 @@ def main(argv=None) -> None:
 def _main(argv, stop) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.tune",
-        (
-            "lr: the learning-rate range test; search: a study over the keys of tune.space, "
-            "each trial a short run of the trainer."
-        ),
+        "lr: the LR range test: one short run with optim.base_lr rising geometrically from\n"
+        "  tune.lr_min to tune.lr_max over tune.lr_epochs, stopped once the loss diverges;\n"
+        "  prints the suggested peak LR and writes DIR/lr_range.png and .json.\n"
+        "search: an optuna study over tune.space (comma-separated KEY=LO..HI, KEY=log:LO..HI\n"
+        "  or KEY=A|B|C, e.g. --config.tune.space='optim.base_lr=log:0.05..2,global_batch=32|64'"
+        "),\n"
+        "  each trial --budget-epochs of the trainer, scored by tune.objective (top1 or\n"
+        "  time_to_target); writes DIR/trials.md and prints the best trial's train command.\n"
+        f"tune keys: lr: tune.{', tune.'.join(MODE_KEYS['lr'])};\n"
+        f"  search: tune.{', tune.'.join(MODE_KEYS['search'][:4])},\n"
+        f"  tune.{', tune.'.join(MODE_KEYS['search'][4:])}.\n"
+        "Set them with --config.tune.KEY=VALUE; docs/tuning.md says what each does.",
     )
     parser.add_argument("mode", choices=("lr", "search"), help="the LR range test or a search")
     parser.add_argument("--workdir", required=True, help="the test's or the study's directory")
@@ -947,16 +1037,21 @@ def _main(argv, stop) -> None:
             print(line, flush=True)
         if args.mode == "lr":
             shown_again = os.path.isfile(os.path.join(args.workdir, "lr_range.json"))
+            again = shlex.join([sys.executable, "-m", "hybridpar.tune", *args.argv])
             try:
-                result = lr_range(config, args.workdir)
+                result = lr_range(config, args.workdir, again)
             except KeyboardInterrupt as e:
-                again = shlex.join([sys.executable, "-m", "hybridpar.tune", *args.argv])
                 print(f"{e}; resume it with the same command:\n  {again}")
                 return
             print_lr_range(result, args.workdir, shown_again)
             return
+        # the best trial's train command: this one's config and overrides (tune's own keys,
+        # which train does not read, left out)
+        train = shlex.join(["python", "-m", "hybridpar.train", "--config", args.config_path,
+                            "--workdir", "NEW_DIR", *(f"--config.{k}={v}" for k, v in
+                            args.config_overrides if not k.startswith("tune."))])  # fmt: skip
         try:
-            search(config, args.workdir, args.trials, args.budget_epochs, stop)
+            search(config, args.workdir, args.trials, args.budget_epochs, stop, train)
         except KeyboardInterrupt as e:
             print(f"stopped: {e or 'interrupted'}; the same command continues the study")
 
