@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +31,7 @@ from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import base_config
 from hybridpar.parallel import distributed
-from hybridpar.runtime import run_config
+from hybridpar.runtime import run_config, supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 DIGITS = str(ROOT / "experiments" / "digits.py")
@@ -332,7 +333,9 @@ def test_ctrl_c_in_one_process_saves_every_process_at_the_next_step(tmp_path):
     """Ctrl-C (SIGINT to process 0's command, as a terminal sends it) stopped process 0 at
     once, exit 130, no checkpoint, and JAX then aborted process 1. Now it takes SIGTERM's
     path: its first line as on one process, every process saves at JAX's preemption sync
-    point and exits 0, and the same command resumes there."""
+    point and exits 0, and the same command resumes there. SIGHUP (process 1's ssh session
+    closed, at the same time) ended process 1 unsaved: it takes the same path. And only
+    process 0 said it stopped: each process says so now."""
     port = free_port()
     procs = []
     for i in range(2):
@@ -347,6 +350,7 @@ def test_ctrl_c_in_one_process_saves_every_process_at_the_next_step(tmp_path):
             said.append(line)
             if line.startswith("train step      3/"):
                 procs[0].send_signal(signal.SIGINT)  # the command hands it to its trainer
+                procs[1].send_signal(signal.SIGHUP)
                 break
         results = _finish(procs, timeout=120)
     finally:
@@ -356,13 +360,47 @@ def test_ctrl_c_in_one_process_saves_every_process_at_the_next_step(tmp_path):
     stdout = "".join(said) + results[0][1]
     assert ("SIGINT: saving a checkpoint at the next step boundary, then stopping (send "
             "SIGINT again to stop at once)") in stdout  # fmt: skip
+    assert ("SIGHUP: saving a checkpoint at the next step boundary, then stopping (send "
+            "SIGHUP again to stop at once)") in results[1][1]  # fmt: skip
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["preempted"] and not summary["completed"]
     step = summary["steps"]
     assert 3 <= step < summary["total_steps"], summary
     saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
     assert max(saved) == step  # both processes' shards, or the save would not have committed
-    assert f"at step {step}/" in stdout and "with a checkpoint; resume with the same" in stdout
+    for sig, out in (("SIGINT", stdout), ("SIGHUP", results[1][1])):
+        assert f"stopped ({sig}) at step {step}/{summary['total_steps']} with a checkpoint; " \
+            "resume with the same command:" in out, out[-2000:]  # fmt: skip
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_while_the_processes_join_exits_0_saying_so(tmp_path, sig):
+    """SIGTERM to a process still waiting for its peers to join (the main thread inside
+    JAX's C++ connect, for up to distributed_timeout_s) ended it by the default action,
+    exit 143, unsaid. Now it is the single-process stop before the first step: one line,
+    exit 0, nothing written. Ctrl-C likewise. Something listens at the coordinator's
+    address and never answers, so the process is inside the join when the signal comes."""
+    with socket.socket() as coordinator:
+        coordinator.bind(("127.0.0.1", 0))
+        coordinator.listen()
+        coordinator.settimeout(60)
+        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{coordinator.getsockname()[1]}",
+                   JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=1)  # fmt: skip
+        w = tmp_path / "w"
+        args = [*SHORT, "--workdir", str(w), "--config.distributed=True",
+                "--config.distributed_timeout_s=60"]  # fmt: skip
+        p = _start(args, env)
+        try:
+            coordinator.accept()[0].close()  # the process is joining
+            time.sleep(1)  # inside JAX's connect by now
+            p.send_signal(sig)
+        finally:
+            [(rc, stdout, stderr)] = _finish([p], timeout=60)
+    name = signal.Signals(sig).name
+    assert rc == 0 and "error" not in stderr and "Traceback" not in stderr, (rc, stderr)
+    assert stdout == (f"{name}: stopped before the first step: nothing to save; the same "
+                      "command starts the run\n")  # fmt: skip
+    assert not w.exists()
 
 
 def test_two_processes_with_one_process_id_are_named(tmp_path):
@@ -555,6 +593,8 @@ if mode == "raise_then_abort":  # a collective failed in Python as the peer went
                      "jax.errors.JaxRuntimeError: Gloo AllGather failed\n")
 if mode in ("abort", "raise_then_abort"):
     sys.stderr.write(
+        "E1206 18:23:29.603900 22261 coordination_service_agent.cc:289] Polled an error from "
+        "coordination service (this can be an error from this or another task).\n"
         "F1206 18:23:29.603992 22261 client.h:80] Terminating process because the JAX "
         "distributed service detected fatal errors. This most likely indicates that another "
         "task died. absl::Status: UNAVAILABLE: The following tasks are unhealthy (stopped "
@@ -584,7 +624,7 @@ sys.exit(3)
 """
 
 
-def _supervised(tmp_path, mode: str) -> subprocess.Popen:
+def _supervised(tmp_path, mode: str, heartbeat_s=None) -> subprocess.Popen:
     """``supervise.run`` (the train command's parent) over ``FAKE_TRAINER`` in a session of
     its own, as a terminal's foreground job: a signal to its group is a Ctrl-C."""
     fake = tmp_path / "fake_trainer.py"
@@ -592,7 +632,7 @@ def _supervised(tmp_path, mode: str) -> subprocess.Popen:
     code = (
         "import sys; from hybridpar.runtime import supervise; "
         f"sys.exit(supervise.run([sys.executable, {str(fake)!r}, {mode!r}], "
-        f"checkpoints={str(tmp_path / 'checkpoints')!r}))"
+        f"checkpoints={str(tmp_path / 'checkpoints')!r}, heartbeat_s={heartbeat_s!r}))"
     )
     env = dict(os.environ, TMPDIR=str(tmp_path))  # the stack trace's file goes there
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
@@ -601,22 +641,33 @@ def _supervised(tmp_path, mode: str) -> subprocess.Popen:
 
 
 def test_jax_abort_under_the_train_command_is_one_error_line(tmp_path):
+    """JAX's abort is one line, which names the heartbeat timeout it ran out of and the flag
+    that sets it; JAX's own log lines of it (E and F) go to the trace file with its stack
+    trace, as they surrounded that line; and the temporary folder keeps the newest
+    ``KEEP_TRACES`` trace files (the one named among them), not every one ever written."""
     for step in ("2", "4", "6.orbax-checkpoint-tmp-17"):  # 6: still being written
         (tmp_path / "checkpoints" / step).mkdir(parents=True)
-    [(rc, stdout, stderr)] = _finish([_supervised(tmp_path, "abort")], timeout=60)
+    earlier = [tmp_path / f"{supervise.TRACE_PREFIX}earlier{i}.txt" for i in range(12)]
+    for i, path in enumerate(earlier):
+        path.write_text("an earlier abort's trace")
+        os.utime(path, (1e9 + i, 1e9 + i))  # the oldest first
+    [(rc, stdout, stderr)] = _finish([_supervised(tmp_path, "abort", 5.0)], timeout=60)
     assert rc == 1 and stdout == "a line on stdout\n", stderr
     lines = stderr.splitlines()
-    assert lines[0] == "a line on stderr" and "Terminating process" in stderr  # passed on
-    assert "Check failure stack trace" not in stderr and "    @ " not in stderr
+    assert lines == ["a line on stderr", lines[-1]], stderr  # JAX's lines held back
     assert lines[-1].startswith(
         "error: process 1 of the run stopped (JAX's distributed service heard no heartbeat "
-        "from it within distributed_heartbeat_s), so JAX stopped this process too; the "
+        "from it within 5 s; if it was only slow, raise --config.distributed_heartbeat_s "
+        "(now 5) on every process), so JAX stopped this process too; the "
         f"checkpoints up to step 4 in {tmp_path / 'checkpoints'} are intact: start every "
         "process again with the same command (and the same JAX_* variables) to resume from "
         "step 4 (JAX's stack trace: "
     ), lines[-1]
     trace = Path(lines[-1].rpartition("JAX's stack trace: ")[2].rstrip(")"))
     assert trace.parent == tmp_path and "LogMessage::SendToLog" in trace.read_text()
+    assert "Polled an error" in trace.read_text() and "Terminating process" in trace.read_text()
+    kept = sorted(tmp_path.glob(f"{supervise.TRACE_PREFIX}*.txt"))
+    assert kept == sorted([*earlier[3:], trace]), kept  # the newest 10, this one among them
 
 
 def test_a_python_traceback_before_jax_abort_goes_to_the_trace_file(tmp_path):

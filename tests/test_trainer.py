@@ -353,15 +353,15 @@ class StopAt:
 
 
 class SigtermAt:
-    """A hook that sends this process SIGTERM after step ``k``: the trainer saves a
-    checkpoint at that step and stops, as for a real preemption."""
+    """A hook that sends this process SIGTERM (or ``sig``) after step ``k``: the trainer
+    saves a checkpoint at that step and stops, as for a real preemption."""
 
-    def __init__(self, k):
-        self.k = k
+    def __init__(self, k, sig=signal.SIGTERM):
+        self.k, self.sig = k, sig
 
     def __call__(self, loop, state, metrics, stage):
         if loop.step == self.k:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), self.sig)
 
 
 def test_a_hook_stops_the_run_cleanly_by_raising_stop_requested(tmp_path):
@@ -830,14 +830,17 @@ def test_a_run_resumed_at_a_stage_boundary_starts_in_the_next_stage(
     of its steps), its memory line names only the programs that run, and the losses are
     those of the same run uninterrupted, step for step. Planted bug that fails it: the
     resumed start begins from the checkpoint's ``LoopState.stage`` (the finished stage).
-    The run uninterrupted is the shared ``two_stages``."""
+    The run uninterrupted is the shared ``two_stages``. The stop is a SIGHUP (an ssh
+    session that closed), which ended the run unsaved: it saves as SIGTERM does."""
     run, whole, whole_dir, _ = two_stages
     assert whole["completed"]
     s0, s1 = run.plan.stages
     config = tiny_digits(**TWO_STAGES)
     workdir = tmp_path / "split"
-    stopped = trainer.train(setup(config, str(workdir)), hooks=[SigtermAt(s0.end_step)])
+    hup = SigtermAt(s0.end_step, signal.SIGHUP)
+    stopped = trainer.train(setup(config, str(workdir)), hooks=[hup])
     assert stopped["latest_checkpoint"] == stopped["steps"] == s0.end_step
+    assert stopped["preempted"] == "SIGHUP"
     capsys.readouterr()
     resumed = trainer.train(setup(config, str(workdir)))
     assert resumed["completed"] and resumed["resumed_from"] == s0.end_step

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT in training: ``EarlyStop`` before the loop, ``Preemption`` in it, and
+"""SIGTERM, SIGINT and SIGHUP in training: ``EarlyStop`` before the loop, ``Preemption`` in it, and
 ``StopBetweenRuns`` in the tools that run the trainer several times (compress, tune);
 ``StopWriting`` in the tools that write their output beside and move it in whole (quantize,
 prune).
@@ -12,6 +12,12 @@ still stops at once); after a run that ended with its records written
 (``Preemption.uninstall(ended=True)``), ``EarlyStop`` is back and a signal exits 0 quietly
 (SIGTERM until the process ends). Nothing here imports JAX at
 import time: the command installs ``EarlyStop`` before it.
+
+SIGHUP (the ssh session or terminal the run was started from closed) takes SIGTERM's path
+everywhere here: it ended a run unsaved. One ignored when a handler comes (``nohup``) stays
+ignored (``taken``). Its handlers first point stdout and stderr away from a terminal that
+hung up (``leave_hung_up_terminal``): a write there fails, and the next line the run wrote
+ended it before its save.
 """
 
 from __future__ import annotations
@@ -20,17 +26,42 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 from typing import Callable
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
 # the same, where the run has a checkpoint (a resumed run's set-up): the command resumes there
 STOPPED_EARLY_RESUMED = (
     "stopped before this start's first step: nothing new to save; the same command resumes "
     "from the checkpoint at step {step} in {directory}"
 )
+
+
+def taken(signals=SIGNALS) -> tuple:
+    """Of ``signals``, those a handler here takes: all but a SIGHUP that is ignored (started
+    under ``nohup``, which says to go on when the terminal goes)."""
+    return tuple(s for s in signals
+                 if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)  # fmt: skip
+
+
+def leave_hung_up_terminal(signum: int) -> None:
+    """On SIGHUP: stdout and stderr that are a terminal that hung up (a character device
+    that no longer answers as a terminal) point to /dev/null, so the lines still to come
+    (the stop's, the run's) do not fail with EIO. A live terminal, a file or a pipe stays."""
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISCHR(os.fstat(fd).st_mode) or os.isatty(fd):
+                continue
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:  # closed
+            continue
+        os.dup2(null, fd)
+        os.close(null)
 
 
 def note_resume(step: int, directory: str) -> None:
@@ -53,7 +84,7 @@ class EarlyStop:
     again as it was."""
 
     def __init__(self):
-        self._replaced = {s: signal.signal(s, self) for s in SIGNALS}
+        self._replaced = {s: signal.signal(s, self) for s in taken()}
         self.run_ended = False  # the run's records are written: ``Preemption.uninstall``
         self.resumes: tuple[int, str] | None = None  # (step, directory): ``note_resume``
 
@@ -71,6 +102,7 @@ class EarlyStop:
                 signal.signal(s, h)
 
     def __call__(self, signum, frame):
+        leave_hung_up_terminal(signum)
         if self.run_ended:  # its checkpoint and summary are written: nothing to stop or say
             os._exit(0)
         said = STOPPED_EARLY
@@ -86,11 +118,11 @@ class EarlyStop:
 
 
 class ToolHandler:
-    """A tool's handler of SIGTERM and SIGINT, installed when made, handed back by
-    ``restore`` (or at the end of a ``with`` block) if still installed."""
+    """A tool's handler of SIGTERM, SIGINT and SIGHUP (``taken``), installed when made,
+    handed back by ``restore`` (or at the end of a ``with`` block) if still installed."""
 
     def __init__(self):
-        self.previous = {s: signal.signal(s, self) for s in SIGNALS}
+        self.previous = {s: signal.signal(s, self) for s in taken()}
 
     def restore(self) -> None:
         for s, h in self.previous.items():
@@ -116,6 +148,7 @@ class StopBetweenRuns(ToolHandler):
         super().__init__()
 
     def __call__(self, signum, frame):
+        leave_hung_up_terminal(signum)
         # the terminal's stdout: a run may be writing the trainer's lines to its log
         print(f"{signal.Signals(signum).name}: {self.message}", file=sys.__stdout__,
               flush=True)  # fmt: skip
@@ -144,6 +177,7 @@ class StopWriting(ToolHandler):
             self.stop(signum)
 
     def stop(self, signum: int) -> None:
+        leave_hung_up_terminal(signum)
         shutil.rmtree(self.temp, ignore_errors=True)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         said = self.said()
@@ -178,7 +212,7 @@ def whole():
 
 
 class Preemption:
-    """SIGTERM and SIGINT set ``requested``; the loop saves at the next step boundary and
+    """SIGTERM, SIGINT and SIGHUP set ``requested``; the loop saves at the next step boundary and
     exits cleanly. A second signal of the same kind acts as it would have without us (so a
     second Ctrl-C stops at once): it goes to the handler from before, or where that was an
     ``EarlyStop``, to the one the ``EarlyStop`` replaced; where that is Python's default, a
@@ -186,8 +220,8 @@ class Preemption:
     other handler (``StopBetweenRuns``) is handed back itself. On several processes the
     signal handlers stay JAX's: one process saving alone would wait forever for the others,
     so there every process saves at JAX's preemption sync point
-    (``CheckpointManager.reached_preemption``), and SIGINT takes SIGTERM's path there
-    (``SigintAsSigterm``).
+    (``CheckpointManager.reached_preemption``), and SIGINT and SIGHUP take SIGTERM's path
+    there (``SigintAsSigterm``).
 
     Python runs a handler only when the main thread is back in Python: during a step it
     waits in XLA, and two signals that arrive there run the handler once (the second one was
@@ -228,6 +262,7 @@ class Preemption:
         first."""
         if self._said.setdefault(signum, who) != who:
             return
+        leave_hung_up_terminal(signum)
         name = signal.Signals(signum).name
         if self.loop_over:
             msg = (f"{name}: the run is ending; finishing its last save and records, then "
@@ -248,6 +283,7 @@ class Preemption:
     def _stop_at_once(self, signum, frame):
         if not self._stopping.acquire(blocking=False):  # the handler and the thread both:
             return  # the other one is exiting
+        leave_hung_up_terminal(signum)
         name = signal.Signals(signum).name
         where = f" in {self.directory}" if self.directory else ""
         msg = (f"{name} again: stopped at once; the steps since the last checkpoint are not "
@@ -313,7 +349,7 @@ class Preemption:
 
         single = jax.process_count() == 1
         if single and threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
+            for s in taken(self.SIGNALS):
                 previous = signal.signal(s, self._handler)
                 if isinstance(previous, EarlyStop):  # its job (before the loop) is over
                     self._early, previous = previous, previous.replaced(s)
@@ -349,17 +385,21 @@ class Preemption:
 
 
 class SigintAsSigterm(Preemption):
-    """Ctrl-C in a process of a multi-process run (the trainer under ``--config.distributed``,
-    from its start): SIGTERM's path. JAX's preemption notifier (a C-level SIGTERM handler that
-    ``jax.distributed.initialize`` installs) catches SIGTERM, and every process saves at the
-    preemption sync point (``CheckpointManager.reached_preemption``); a SIGINT raised
-    KeyboardInterrupt instead, and this process stopped unsaved while its peers failed in
-    their next collective. So a first SIGINT says the single-process line and sends this
+    """Ctrl-C and SIGHUP in a process of a multi-process run (the trainer under
+    ``--config.distributed``, from its start): SIGTERM's path. JAX's preemption notifier (a
+    C-level SIGTERM handler that ``jax.distributed.initialize`` installs, over ours) catches
+    SIGTERM, and every process saves at the preemption sync point
+    (``CheckpointManager.reached_preemption``); a SIGINT raised KeyboardInterrupt instead,
+    and a SIGHUP ended the process, unsaved, while its peers failed in their next
+    collective. So a first SIGINT or SIGHUP says the single-process line and sends this
     process SIGTERM; a second stops at once, as on one process (both counted as they come,
     as ``Preemption`` counts them). Before every process joined the runtime there is
-    nothing to save and no notifier: ``early`` (the command's ``EarlyStop``) exits 0 at once."""
+    nothing to save and no notifier: a first signal, SIGTERM included, goes to ``early``
+    (the command's ``EarlyStop``, taken over here), which says so and exits 0 at once. From
+    this thread, counting arrivals: the main thread waits in JAX's C++ connect then, where
+    no Python handler runs, for up to ``distributed_timeout_s``."""
 
-    SIGNALS = (signal.SIGINT,)
+    SIGNALS = (signal.SIGINT, signal.SIGHUP, signal.SIGTERM)
 
     def __init__(self, directory: str | None, early: EarlyStop):
         super().__init__(directory)
@@ -367,8 +407,11 @@ class SigintAsSigterm(Preemption):
         self._sent = threading.Lock()  # SIGTERM sent once, by the handler or the thread
 
     def install(self) -> "SigintAsSigterm":
-        # (the command handed SIGINT back from its EarlyStop first: early.restore())
-        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handler)
+        for s in taken(self.SIGNALS):
+            previous = signal.signal(s, self._handler)
+            if isinstance(previous, EarlyStop):  # its job (before the join) is ours now
+                previous = previous.replaced(s)
+            self._previous[s] = previous
         self._count_arrivals()
         return self
 
@@ -378,6 +421,8 @@ class SigintAsSigterm(Preemption):
         if getattr(state, "preemption_sync_manager", None) is None:
             if self._stopping.acquire(blocking=False):  # else the other one is exiting
                 self._before_join(signum, None)  # exits
+            return
+        if signum == signal.SIGTERM:  # JAX's notifier has it from here (not ours to send)
             return
         super()._first_line(signum, who)
         if self._sent.acquire(blocking=False):

@@ -1,6 +1,6 @@
 """The parent of a distributed training process: it turns JAX's C++ abort into one line.
 
-    code = supervise.run(command, checkpoints="WORKDIR/checkpoints")   # the child's argv
+    code = supervise.run(command, checkpoints="WORKDIR/checkpoints", heartbeat_s=100.0)
 
 When a process of a multi-process run dies, JAX's distributed client in each other
 process learns it from the coordinator (a task that stopped sending heartbeats within
@@ -12,12 +12,19 @@ runs the trainer as a child with the same arguments, and this parent:
 - passes the child's stdout through untouched (inherited) and its stderr line by line;
 - passes SIGTERM, SIGINT and SIGHUP on to the child, once each: the child runs in its own
   process group, so a terminal's Ctrl-C reaches only this parent, which hands it on, and
-  the child never sees one signal twice (a second would mean "stop at once");
+  the child never sees one signal twice (a second would mean "stop at once"); after a
+  SIGHUP, a terminal that hung up gets no more lines (``signals.leave_hung_up_terminal``:
+  a write there failed, and this parent's end took the child, unsaved, with it);
 - exits with the child's exit code (128 + N for a child killed by signal N, as a shell
-  says it), except where the child died of a signal after JAX's fatal text: then the
-  stack trace is held back (written to a file in the temporary folder, which the line
-  names) and the last line is one ``error:`` naming what JAX saw and how to resume, exit 1
-  (2 for two processes started with one ``JAX_PROCESS_ID``, a mistake in the command).
+  says it), except where the child died of a signal after JAX's fatal text: then JAX's
+  log lines of it and the stack trace are held back (written to a file in the temporary
+  folder, which the line names) and the last line is one ``error:`` naming what JAX saw
+  and how to resume, exit 1 (2 for two processes started with one ``JAX_PROCESS_ID``, a
+  mistake in the command).
+
+JAX's other lines stay: gloo's ``[Gloo] Rank N is connected to ...`` comes on the
+child's stdout, from C++ with no setting to quiet it, and ``TF_CPP_MIN_LOG_LEVEL`` would
+quiet XLA's errors of every kind, not only these.
 
 The child dies with this parent (``PR_SET_PDEATHSIG``, Linux): a ``kill -9`` of the
 command stops the trainer too, as it did before there was a parent.
@@ -25,6 +32,7 @@ command stops the trainer too, as it did before there was a parent.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import signal
@@ -32,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 
+from hybridpar.runtime import signals
 from hybridpar.runtime.checkpoint_dirs import committed_steps
 
 CHILD = "HYBRIDPAR_SUPERVISED"  # set in the child's environment: it trains, not supervises
@@ -39,6 +48,11 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 FATAL = "JAX distributed service detected fatal errors"
 TRACE = "*** Check failure stack trace"
 PY_TRACE = "Traceback (most recent call last):"
+# JAX's distributed service's own log lines (glog's format): its errors come just before
+# its fatal line, so they are held with the stack trace
+SERVICE_LOG = re.compile(r"[EF]\d{4} [\d:.]+\s+\d+ (coordination_service\w*\.cc|client\.h):\d+\]")
+TRACE_PREFIX = "hybridpar-jax-abort-"
+KEEP_TRACES = 10
 
 
 def is_child(environ=os.environ) -> bool:
@@ -55,8 +69,9 @@ def _die_with_parent() -> None:
         pass
 
 
-def what_failed(text: str) -> tuple[str, int]:
-    """``(what happened, exit code)`` from the child's stderr after JAX's fatal line."""
+def what_failed(text: str, heartbeat_s: float | None = None) -> tuple[str, int]:
+    """``(what happened, exit code)`` from the child's stderr after JAX's fatal line;
+    ``heartbeat_s``: the run's ``distributed_heartbeat_s``, named where it ran out."""
     twice = re.search(r"\b(\d+) unexpectedly tried to connect", text)
     if twice:
         i = twice.group(1)
@@ -74,9 +89,14 @@ def what_failed(text: str) -> tuple[str, int]:
     if ids:
         ids = sorted(set(ids), key=int)
         who = f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
+        within = "distributed_heartbeat_s"
+        if heartbeat_s is not None:  # a process only stalled (paused, a busy host) needs more
+            within = (f"{heartbeat_s:g} s; if {'they were' if len(ids) > 1 else 'it was'} only "
+                      f"slow, raise --config.distributed_heartbeat_s (now {heartbeat_s:g}) on "
+                      "every process")  # fmt: skip
         return (
             f"{who} of the run stopped (JAX's distributed service heard no heartbeat from "
-            f"{'them' if len(ids) > 1 else 'it'} within distributed_heartbeat_s)",
+            f"{'them' if len(ids) > 1 else 'it'} within {within})",
             1,
         )
     if "leader task" in text or "Failed to send RPC to coordination service" in text:
@@ -84,8 +104,9 @@ def what_failed(text: str) -> tuple[str, int]:
     return "a process of the run stopped (JAX's distributed service reported fatal errors)", 1
 
 
-def error_line(text: str, checkpoints: str | None, trace_file: str | None) -> tuple[str, int]:
-    what, code = what_failed(text)
+def error_line(text: str, checkpoints: str | None, trace_file: str | None,
+               heartbeat_s: float | None = None) -> tuple[str, int]:  # fmt: skip
+    what, code = what_failed(text, heartbeat_s)
     trace = f" (JAX's stack trace: {trace_file})" if trace_file else ""
     if code == 2:
         return what + trace, code
@@ -103,14 +124,42 @@ def error_line(text: str, checkpoints: str | None, trace_file: str | None) -> tu
     return line, code
 
 
-def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
+def write_trace(held: list[bytes]) -> str:
+    """The file in the temporary folder that keeps JAX's stack trace, which the error line
+    names. The newest ``KEEP_TRACES`` of them stay, this one among them, and older ones go:
+    a named file outlives the process (a run's processes on one host each get theirs, and
+    there is time to read them), and the folder does not collect one per abort for ever."""
+    fd, path = tempfile.mkstemp(prefix=TRACE_PREFIX, suffix=".txt")
+    with os.fdopen(fd, "wb") as f:
+        f.writelines(held)
+
+    def age(p):
+        try:
+            return os.path.getmtime(p)
+        except OSError:  # gone meanwhile
+            return float("inf")
+
+    traces = sorted(glob.glob(os.path.join(os.path.dirname(path), TRACE_PREFIX + "*.txt")),
+                    key=age)  # fmt: skip
+    for old in traces[:-KEEP_TRACES]:
+        if old != path:
+            try:
+                os.remove(old)
+            except OSError:  # another user's, or gone meanwhile
+                pass
+    return path
+
+
+def run(command: list[str], checkpoints: str | None = None, env=None,
+        heartbeat_s: float | None = None) -> int:  # fmt: skip
     """Runs ``command`` as the child and returns the exit code this process should end with
-    (see the module's docstring). ``checkpoints``: the run's checkpoint folder, named in the
-    error line."""
+    (see the module's docstring). ``checkpoints``: the run's checkpoint folder, and
+    ``heartbeat_s``: its ``distributed_heartbeat_s``, both named in the error line."""
     env = dict(os.environ if env is None else env, **{CHILD: "1"})
     children, early = [], []  # the child, once started; the signals that came before
 
     def forward(signum, frame):
+        signals.leave_hung_up_terminal(signum)
         try:
             children[0].send_signal(signum)
         except IndexError:  # not started yet: sent as soon as it is
@@ -143,10 +192,11 @@ def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
             line = raw.decode(errors="replace")
             if FATAL in line or fatal:
                 fatal.append(line)
-            # JAX's stack trace after its fatal line, and a Python traceback (a collective
-            # that failed as a peer went, raised just before JAX's abort): held until the
-            # child's end says whether JAX aborted it (then they go to a file), else shown
-            if line.startswith(PY_TRACE) or (fatal and line.startswith(TRACE)):
+            # JAX's stack trace after its fatal line, a Python traceback (a collective that
+            # failed as a peer went, raised just before JAX's abort) and JAX's distributed
+            # service's log lines, and all that follows them: held until the child's end
+            # says whether JAX aborted it (then they go to a file), else shown
+            if line.startswith(PY_TRACE) or fatal or SERVICE_LOG.match(line):
                 holding = True
             if holding:
                 held.append(raw)
@@ -161,11 +211,7 @@ def run(command: list[str], checkpoints: str | None = None, env=None) -> int:
         out.write(b"".join(held))  # not JAX's abort after all: nothing is hidden
         out.flush()
         return code if code >= 0 else 128 - code  # a signal: the shell's 128 + N
-    trace_file = None
-    if held:
-        fd, trace_file = tempfile.mkstemp(prefix="hybridpar-jax-abort-", suffix=".txt")
-        with os.fdopen(fd, "wb") as f:
-            f.writelines(held)
-    line, exit_code = error_line("".join(fatal), checkpoints, trace_file)
+    trace_file = write_trace(held) if held else None
+    line, exit_code = error_line("".join(fatal), checkpoints, trace_file, heartbeat_s)
     print(f"error: {' '.join(line.split())}", file=sys.stderr, flush=True)
     return exit_code

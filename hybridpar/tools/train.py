@@ -65,13 +65,16 @@ def _main(argv, early: EarlyStop) -> None:
     forgotten = None if config.distributed else distributed.forgotten(os.environ)
     if forgotten:
         cli.fail(forgotten)
+    as_sigterm = None
     if config.distributed:  # JAX's preemption sync point handles the signals of several hosts
-        early.restore()
         ckpt = checkpoint_dirs.checkpoint_dir(config, args.workdir)
         if not supervise.is_child():  # the trainer runs as our child: see runtime/supervise.py
-            sys.exit(supervise.run([sys.executable, "-m", "hybridpar.train", *args.argv], ckpt))
-        # Ctrl-C as SIGTERM, which JAX's notifier catches: else it stopped this process alone
-        signals.SigintAsSigterm(ckpt, early).install()
+            early.restore()
+            command = [sys.executable, "-m", "hybridpar.train", *args.argv]
+            sys.exit(supervise.run(command, ckpt, heartbeat_s=config.distributed_heartbeat_s))
+        # Ctrl-C and SIGHUP as SIGTERM, which JAX's notifier catches: else they stopped this
+        # process alone; and a stop while the processes join says so, as before a first step
+        as_sigterm = signals.SigintAsSigterm(ckpt, early).install()
 
     # These import jax: after the command line is known to be good.
     from hybridpar.runtime import trainer
@@ -83,11 +86,15 @@ def _main(argv, early: EarlyStop) -> None:
         summary = trainer.train(r)
         if summary.get("preempted"):
             again = shlex.join([sys.executable, "-m", "hybridpar.train", *args.argv])
-            log(
-                f"stopped ({summary['preempted']}) at step {summary['steps']}/"
-                f"{summary['total_steps']} with a checkpoint; resume with the same command:\n"
-                f"  {again}"
+            why = (as_sigterm and as_sigterm.requested) or summary["preempted"]
+            said = (
+                f"stopped ({why}) at step {summary['steps']}/{summary['total_steps']} with a "
+                f"checkpoint; resume with the same command:\n  {again}"
             )
+            if config.distributed:  # every process: each wrote its shards of the checkpoint
+                print(said, flush=True)
+            else:
+                log(said)
             if not config.distributed:  # (several processes leave together, through JAX)
                 # Saved and recorded: nothing is left to wait for but a stage's compile that
                 # may still run in the background, which the interpreter's exit would join

@@ -1,0 +1,92 @@
+"""SIGHUP (the ssh session or terminal a run was started from closed) in the stop signals'
+handlers (``hybridpar/runtime/signals.py``): it takes SIGTERM's path, a SIGHUP that
+``nohup`` ignores stays ignored, and a terminal that hung up does not end the run with the
+next line it writes. The trainer's save on SIGHUP: tests/test_trainer.py; on several
+processes: tests/test_multihost_cli.py."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from helpers import cpu_env
+
+from hybridpar.runtime import signals
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sighup_takes_sigterms_path_and_every_handler_is_handed_back():
+    """SIGHUP ended a training process unsaved (its default action): the loop's handler
+    asks for a checkpoint on it, as on SIGTERM, and every handler of the module hands it
+    back to the one from before."""
+    before = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    early = signals.EarlyStop()
+    preemption = signals.Preemption().install()
+    try:
+        os.kill(os.getpid(), signal.SIGHUP)
+        assert preemption.requested == "SIGHUP"
+    finally:
+        preemption.uninstall()
+        early.restore()
+    with signals.StopBetweenRuns("stopped"):
+        assert isinstance(signal.getsignal(signal.SIGHUP), signals.StopBetweenRuns)
+    assert {s: signal.getsignal(s) for s in signals.SIGNALS} == before
+
+
+def test_a_sighup_ignored_by_nohup_stays_ignored():
+    """``nohup`` says to go on when the terminal goes: no handler here takes SIGHUP then,
+    and the others are taken and handed back as before."""
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        early = signals.EarlyStop()
+        preemption = signals.Preemption().install()
+        tool = signals.StopBetweenRuns("stopped")
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        assert isinstance(signal.getsignal(signal.SIGTERM), signals.StopBetweenRuns)
+        tool.restore()
+        preemption.uninstall()
+        early.restore()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_a_run_whose_terminal_hung_up_goes_on_to_its_save():
+    """The ssh session closed: the terminal hangs up (a write to it fails with EIO) and
+    SIGHUP comes. The handler's own line, or the run's next one, raised OSError, and the
+    run ended before its save. Now stdout and stderr point away from the dead terminal,
+    and the run goes on to the step boundary (here: a marker written after more lines)."""
+    marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"hup-{os.getpid()}-{time.time_ns()}"
+    script = (
+        "import os, sys, time\n"
+        "from hybridpar.runtime import signals\n"
+        "signals.EarlyStop()\n"
+        "p = signals.Preemption('/runs/x/checkpoints').install()\n"
+        "print('ready', flush=True)\n"
+        "end = time.time() + 30\n"
+        "while p.requested is None and time.time() < end:\n"
+        "    time.sleep(0.01)\n"
+        "for i in range(100):  # the run's lines up to its step boundary\n"
+        "    print('train step', i, flush=True)\n"
+        "    print('a warning', file=sys.stderr, flush=True)\n"
+        f"open({str(marker)!r}, 'w').write(p.requested)\n"
+    )
+    main, tty = os.openpty()
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
+                         stdout=tty, stderr=tty, start_new_session=True)  # fmt: skip
+    os.close(tty)
+    try:
+        said = b""
+        while b"ready" not in said:
+            said += os.read(main, 100)
+        os.close(main)  # the ssh session closes: the terminal hangs up
+        p.send_signal(signal.SIGHUP)
+        assert p.wait(timeout=60) == 0
+        assert marker.read_text() == "SIGHUP"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        marker.unlink(missing_ok=True)
