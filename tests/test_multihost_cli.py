@@ -220,9 +220,10 @@ def test_processes_of_one_run_with_another_config_or_workdir_stop_with_one_error
             "error: process 1 runs another config than process 0: optim.base_lr is 0.8 "
             "here, 0.4 in process 0"
         )
-    elif case == "another_workdir":
-        for line in lines:
-            assert "process(es) 1 do not see the files process 0 writes in --workdir=" in line
+    elif case == "another_workdir":  # each path said as whose it is
+        assert f"process 0 writes in --workdir={tmp_path / 'w0'}: every" in lines[0], lines[0]
+        assert ("process 0 writes in its --workdir (process 1, this one, was given "
+                f"--workdir={tmp_path / 'w1'}): every") in lines[1], lines[1]  # fmt: skip
     elif case == "allow_on_one":
         for line in lines:
             assert line.startswith("error: --allow-config-change is passed to process(es) 0 "

@@ -388,8 +388,11 @@ def check_processes_agree(config, workdir: str | None, allow_config_change: bool
         )
     if not rows[:, 1].all():
         blind = ", ".join(str(i) for i in np.flatnonzero(rows[:, 1] == 0))
+        # only process 0's own --workdir is process 0's folder: elsewhere, say whose it is
+        where = (f"--workdir={workdir}" if me == 0 else
+                 f"its --workdir (process {me}, this one, was given --workdir={workdir})")
         raise ConfigError(
-            f"process(es) {blind} do not see the files process 0 writes in --workdir="
-            f"{workdir}: every process must name the same folder, on a file system all hosts "
-            "share (the checkpoints are written by every process, into one folder)"
+            f"process(es) {blind} do not see the files process 0 writes in {where}: every "
+            "process must name the same folder, on a file system all hosts share (the "
+            "checkpoints are written by every process, into one folder)"
         )
