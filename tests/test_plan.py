@@ -240,6 +240,96 @@ def test_candidates_respect_the_rules():
     assert {c.overrides()["model.head"] for c in found} == {"dense", "sharded"}
 
 
+def test_meshes_the_slices_or_the_batch_rule_out_are_counted_not_compiled():
+    """On 2 slices only the data axis crosses them, so fsdp:16 is ruled out (its set-up
+    refused it in a worker per plan); the config's global batch of 24 divides over the
+    data x fsdp of data:8,model:2 and data:2,fsdp:4,model:2 (8 each) but not of data:16,
+    which alone is ruled out (it refused every mesh: 24 does not divide over 16 devices).
+    Each is counted under its reason; a batch the flags set is every mesh's own."""
+    config = cli.load(DIGITS, [*((k, str(v)) for k, v in TINY.items()), ("global_batch", "24")])
+    meshes = [
+        (("data", 16), ("fsdp", 1), ("model", 1)),
+        (("data", 1), ("fsdp", 16), ("model", 1)),
+        (("data", 8), ("fsdp", 1), ("model", 2)),
+        (("data", 2), ("fsdp", 4), ("model", 2)),
+    ]
+    choices = {"mesh": meshes, "head": ["dense"], "bn_sync": ["global"], "comm": ["xla"],
+               "per_device_batch": [None], "compute": ["float32"]}  # fmt: skip
+    found, product, ruled = plan.candidates(config, 16, choices, slices=2)
+    assert [c.mesh_spec for c in found] == ["data:8,model:2", "data:2,fsdp:4,model:2"]
+    assert [c.overrides()["global_batch"] for c in found] == ["24", "24"]
+    assert ruled == {
+        "only the data axis crosses the 2 slices, so data must be a multiple of 2": 1,
+        "global_batch=24 does not divide over the mesh's data x fsdp": 1,
+    }
+    found, _, ruled = plan.candidates(config, 16, dict(choices, per_device_batch=[3]))
+    assert len(found) == 4 and not ruled  # one slice, each mesh's own batch
+
+
+def test_meshes_the_slices_rule_out_are_one_error_line_before_any_worker(capsys, monkeypatch):
+    """plan --target tpu:v5e-16,slices=2 --meshes fsdp:32 started a worker per plan, each
+    refused by its set-up (only the data axis crosses slices): now one error line, counted
+    by reason, before anything compiles (TPU's environment not needed: nothing starts)."""
+    from hybridpar.tools import targets
+
+    monkeypatch.setattr(targets, "prepare", lambda target: None)
+    monkeypatch.delenv("HYBRIDPAR_PLAN_TARGET", raising=False)
+    args = ["--config", DIGITS, *config_args(TINY), "--target", "tpu:v5e-16,slices=2",
+            "--meshes", "fsdp:32", "--no-cache"]  # fmt: skip
+    code, stdout, stderr = _plan_refusing_to_compile(args, monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1, stderr
+    assert lines[0].startswith("error: no candidate plan is valid for 32 devices")
+    assert "(only the data axis crosses the 2 slices, so data must be a multiple of 2)" in lines[0]
+
+
+def test_a_batch_some_meshes_take_is_planned_on_those(tmp_path, capsys, monkeypatch):
+    """global_batch=20 does not divide over 8 devices, but over data:4,model:2's 4
+    data-parallel devices it does: plan compiles that mesh's plans (it refused them all:
+    "global_batch=20 does not divide over 8 devices"), and is one error line, naming the
+    reason and its fixes, only where no mesh takes the batch."""
+    batch = ["--config.global_batch=20", "--heads", "dense", "--comm", "xla"]
+    args = [*ARGS, *batch, "--meshes", "data:8 data:4,model:2", "--cache-dir", str(tmp_path)]
+    with pytest.raises(_Compiled):
+        _plan_refusing_to_compile(args, monkeypatch, capsys)
+    assert "2 (global_batch=20 does not divide over the mesh's data x fsdp)" in (
+        capsys.readouterr().err)  # fmt: skip
+    args = [*ARGS, *batch, "--meshes", "data:8 fsdp:8", "--cache-dir", str(tmp_path)]
+    code, stdout, stderr = _plan_refusing_to_compile(args, monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1, stderr
+    assert "ruled out: 4 (global_batch=20 does not divide over the mesh's data x fsdp)" in (
+        lines[0])  # fmt: skip
+    assert "set --config.global_batch to a multiple" in lines[0]
+    assert "--per-device-batch" in lines[0]
+
+
+def test_no_plan_fits_names_what_the_config_ruled_out_and_whose_count_it_is():
+    """The probe's case: 20 of 21 plans ruled out by their set-up (an eval_batch of 1,000
+    that divides over no data-parallel size but 8), the last over the limit: the error
+    blamed the memory alone. It now counts the ruled-out plans with the first one's
+    reason and fix, and says the need is XLA:CPU's (virtual CPU devices), not for a TPU
+    target's compiler."""
+    from hybridpar.tools import targets
+
+    too_big = [{"plan": "data:8,model:8 dense", "memory_per_device_bytes": 27 * GIB}]
+    why = (
+        "eval_batch=1000 does not divide over the 64 data-parallel devices of mesh 'data:64' "
+        "(data x fsdp); use a multiple of 64, e.g. --config.eval_batch=960"
+    )
+    failed = [{"plan": f"plan {i}", "error": why, "ruled_out": True} for i in range(20)]
+    failed.append({"plan": "broken", "error": "the compile failed", "ruled_out": False})
+    words = plan.no_fit_words(too_big, failed, 16 * GIB, None)
+    assert words.startswith("no plan fits in 16.00 GiB per device: the smallest, data:8,model:8 "
+                            "dense, needs 27.00 GiB (XLA:CPU's count")  # fmt: skip
+    assert f"20 other plans were ruled out by the config when set up, the first: plan 0: {why}" in (
+        words)  # fmt: skip
+    assert "--config.eval_batch=960" in words and "raise --memory-gib" in words
+    tpu = plan.no_fit_words(too_big, failed[:1], 16 * GIB, targets.parse("tpu:v5e-8"))
+    assert "XLA:CPU" not in tpu and "1 other plan was ruled out" in tpu
+    assert "ruled out" not in plan.no_fit_words(too_big, failed[-1:], 16 * GIB, None)
+
+
 def test_one_data_parallel_device_is_offered_no_bucketed_or_overlap_mode():
     """With one device there is no gradient to reduce: the bucketed and overlap modes are
     ruled out, not compiled (their all-reduce over a group of one device moves nothing)."""
@@ -303,6 +393,8 @@ def test_auto_plans_name_the_mode_the_run_would_get(platform, want):
         (["--calibrate-devices", "8"], "pass --calibrate-from RUN/metrics.jsonl with it"),
         (["--target", "tpu:v5e-8", "--hardware", "a100"], "--hardware is not used with --target"),
         (["--target", "tpu:v5e-8", "--calibrate-from", "m.jsonl"], "--calibrate-from is not used"),
+        # no DCN figure for v6e: traffic between its slices cannot be priced
+        (["--target", "tpu:v6e-4,slices=2"], "no DCN bandwidth in the chip table"),
         # given, even at the default's value: the TPU compiler's schedule replaces it
         (["--target", "tpu:v5e-8", "--overlap", "0.8"], "--overlap is not used with --target"),
     ],
@@ -316,6 +408,30 @@ def test_bad_flags_are_one_error_line(tmp_path, capsys, monkeypatch, extra, says
     assert not list(tmp_path.iterdir())  # nothing compiled, nothing cached, no cache dir made
 
 
+def _tpu_report(rows, mesh, kind="TPU v5 lite", **figures) -> dict:
+    """A comm report as ``comm_report --target tpu:... --json`` writes it (the keys plan
+    reads), for collective rows ``(kind, count, bytes per op, group size, groups text)``."""
+    import math
+
+    rows = [{"kind": k, "count": n, "bytes": b, "total_bytes": n * b, "groups": groups,
+             "group_size": size, "async": False} for k, n, b, size, groups in rows]  # fmt: skip
+    total = sum(r["total_bytes"] for r in rows)
+    by_kind = {}
+    for r in rows:
+        k = by_kind.setdefault(r["kind"], {"count": 0, "bytes": 0})
+        k["count"], k["bytes"] = k["count"] + r["count"], k["bytes"] + r["total_bytes"]
+    devices = math.prod(mesh.values())
+    report = {
+        "collectives": rows, "by_kind": by_kind, "total_bytes": total,
+        "total_ops": sum(r["count"] for r in rows), "flops": 1e6, "bytes_accessed": 1e4,
+        "memory_per_device_bytes": 1000, "memory": {"total": 1000}, "mesh": mesh,
+        "devices": {"count": devices, "platform": "tpu", "kind": kind, "virtual": False},
+        "xla_flags_applied": [], "global_batch": 8 * devices, "image_shape": [32, 32, 1],
+        "compile_s": 1.0, "config": {}, "bytes_exposed": total, "bytes_hidden_est": 0,
+    }  # fmt: skip
+    return dict(report, **figures)
+
+
 def _tiny_on_a_pod():
     """A toy step as the TPU compiler might count it, on a 4,096-chip v5p pod."""
     from types import SimpleNamespace
@@ -327,7 +443,7 @@ def _tiny_on_a_pod():
         num_epochs=1,
         data=SimpleNamespace(name="images", train_examples=1_281_167),
     )
-    rep = {"flops": 1e6, "bytes_accessed": 1e4, "total_bytes": 1e3, "global_batch": 4096 * 8}
+    rep = _tpu_report([], {"data": 4096, "fsdp": 1, "model": 1}, kind="TPU v5")
     return config, rep, targets.parse("tpu:v5p-8192")
 
 
@@ -343,6 +459,51 @@ def test_a_tiny_step_on_a_pod_is_bounded_by_the_floor():
     assert p["predicted_floor_s"] > 0.99 * STEP_FLOOR_S  # the floor is what the step is
     assert p["predicted_exposed_comm_s"] < 1e-6
     assert "floor" in plan.legend(target, None, target.devices_count, None)
+
+
+# The probe's data:16 step of the digits job on tpu:v5e-16: the gradient's all-reduce and
+# 18 small ones (BatchNorm's), as its comm report lists them
+_DATA16 = [("all-reduce", 1, 1_230_380, 16, "mesh[16] over axis 0"),
+           ("all-reduce", 18, 1024, 16, "mesh[16,1,1] over axis 0,1,2")]  # fmt: skip
+
+
+def test_a_target_plans_collectives_are_priced_as_simulate_prices_them():
+    """plan --target tpu:v5e-16 priced the probe's data:16 step at its bytes over the chip's
+    two-way ICI (3.1 us), ~160x below simulate's 0.5 ms for the same report: now it is
+    simulate's figure (rings along the 4x4 torus, 2 us a hop). On two slices of 8
+    (tpu:v5e-8,slices=2) the data groups span the slices: each reduce-scatters on its
+    slice's torus and all-reduces its shard over DCN (v5e: 3.125 GB/s a chip, 25 us a
+    step), by hand below; a model-axis group stays in its slice, priced as on one
+    (planted: total bytes / ICI)."""
+    from types import SimpleNamespace
+
+    from hybridpar import simulate as sim
+    from hybridpar.runtime.comm_report_schema import CommReport
+    from hybridpar.tools import targets
+
+    config = SimpleNamespace(num_epochs=15)
+    rep = _tpu_report(_DATA16, {"data": 16, "fsdp": 1, "model": 1})
+    one = targets.parse("tpu:v5e-16")
+    got = plan.predict_on_target(config, rep, one, 16, 0.8, 1437)
+    workload = sim.workload_from_report(CommReport.from_dict(rep))
+    v5e = sim.get_preset("tpu-v5e")
+    want = sim.predict_step(workload, v5e, 16, 4, 32).exposed_comm_s  # simulate's
+    assert got["predicted_exposed_comm_s"] == pytest.approx(want, rel=1e-12)
+    assert want > 100 * rep["total_bytes"] / one.chip.ici_bytes_per_s  # the old price
+    two = targets.parse("tpu:v5e-8,slices=2")
+    split = plan.predict_on_target(config, rep, two, 16, 0.8, 1437)["predicted_exposed_comm_s"]
+
+    def by_hand(n):  # 8 chips a slice (a 2x4 torus) and 2 slices over DCN
+        shard, dcn = n / 8, 25e9 / 8  # v5e's DCN: 25 Gb/s a chip, in bytes/s
+        across = min(2 * 25e-6 + shard / dcn, 2 * 25e-6 + 2 * shard / dcn)  # ring or tree
+        return sim.torus_allreduce_time(n, 8, 2, 400e9, 2e-6) + across
+
+    assert split == pytest.approx(by_hand(1_230_380) + 18 * by_hand(1024), rel=1e-12)
+    assert split > 2 * want
+    model = _tpu_report([("all-reduce", 3, 65536, 2, "[8,2]<=[16]")],
+                        {"data": 8, "fsdp": 1, "model": 2})  # fmt: skip
+    on_one, on_two = (plan.predict_on_target(config, model, t, 16, 0.8, 1437) for t in (one, two))
+    assert on_one["predicted_exposed_comm_s"] == on_two["predicted_exposed_comm_s"] > 0
 
 
 def test_plans_tied_at_the_floor_rank_by_communication_then_memory():
@@ -375,12 +536,18 @@ def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
     """A plan compiled for a TPU whose report says what its schedule hides: exposed comm =
     comm x (1 - hidden / collective bytes), whatever the overlap (all hidden: 0 at overlap
     0; none hidden: all of comm at overlap 1), and the row says so. A report without the
-    figures (cached before them) keeps the assumed overlap: max(comm - overlap x compute,
-    (1 - overlap) x comm)."""
-    config, _, target = _tiny_on_a_pod()
+    figures (cached before them) hides nothing, as simulate's TPU presets: the TPU
+    compiler leaves its collectives synchronous (it was an assumed overlap of 0.8)."""
+    from types import SimpleNamespace
+
+    from hybridpar import simulate as sim
+    from hybridpar.tools import targets
+
+    config, target = SimpleNamespace(num_epochs=1), targets.parse("tpu:v5e-8")
     total = 1e9  # collective bytes: seconds on the links against a small roofline
-    rep = {"flops": 1e10, "bytes_accessed": 1e6, "total_bytes": total, "global_batch": 8}
-    comm = total / target.chip.ici_bytes_per_s
+    rows = [("all-reduce", 1, total, 8, "mesh[8] over axis 0")]
+    rep = _tpu_report(rows, {"data": 8, "fsdp": 1, "model": 1}, flops=1e10, bytes_accessed=1e6)
+    comm = sim.best_algorithm("all-reduce", total, 8, sim.get_preset("tpu-v5e"))[1]
 
     def exposed(overlap, **figures):
         p = plan.predict_on_target(config, dict(rep, **figures), target, 8, overlap, 1_281_167)
@@ -389,13 +556,13 @@ def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
     assert exposed(0.0, bytes_hidden_est=total) == (0.0, "compiler schedule")
     assert exposed(1.0, bytes_hidden_est=0) == (pytest.approx(comm), "compiler schedule")
     assert exposed(0.8, bytes_hidden_est=total / 4)[0] == pytest.approx(0.75 * comm)
-    from hybridpar.tools import targets
-
-    compute = targets.roofline_step_s(target, rep["flops"], rep["bytes_accessed"])
-    want = max(comm - 0.8 * compute, 0.2 * comm)
-    assert exposed(0.8) == (pytest.approx(want), "assumed overlap 0.8")
-    assert exposed(0.8, bytes_hidden_est=None)[1] == "assumed overlap 0.8"
-    assert exposed(1.0)[0] < comm  # the assumption hides some: the two differ
+    for overlap in (0.8, 1.0):
+        for old in ({"bytes_hidden_est": None}, {}):
+            cached = {k: v for k, v in rep.items() if k not in ("bytes_hidden_est",
+                                                              "bytes_exposed")}  # fmt: skip
+            p = plan.predict_on_target(config, dict(cached, **old), target, 8, overlap, 1437)
+            assert p["predicted_exposed_comm_s"] == pytest.approx(comm)
+            assert p["exposed_from"].startswith("none hidden")
 
 
 def test_v3_is_in_the_chip_table_but_not_a_compile_target():
@@ -554,18 +721,18 @@ def test_a_batch_over_an_epoch_is_ruled_out_with_the_reason(tmp_path, monkeypatc
 
 
 def test_a_target_plans_json_records_what_its_estimate_used():
-    """For a TPU target the estimate is the chip's roofline and the compiler's schedule: the
-    JSON records no preset (h100), efficiency, calibration or overlap it did not use, and
-    the overlap only where a report had no schedule figures (planted: the preset's)."""
+    """For a TPU target the estimate is the chip's roofline, its links and the compiler's
+    schedule: the JSON records no preset (h100), efficiency, calibration or overlap it did
+    not use, nor the overlap where a report had no schedule figures (a TPU hides nothing
+    then), (planted: the preset's)."""
     from hybridpar.tools import targets
 
     target, preset = targets.parse("tpu:v5e-8"), _preset()
-    used = plan.estimate_used(target, preset, 0.8, [{"exposed_from": "compiler schedule"}], 8)
     unused = ("hardware", "efficiency", "step_overhead_s", "calibration", "overlap")
-    assert {k: used[k] for k in unused} == dict.fromkeys(unused)
-    assert "TPU compiler" in used["estimate"]
-    assumed = [{"exposed_from": "assumed overlap 0.8"}]
-    assert plan.estimate_used(target, preset, 0.8, assumed, 8)["overlap"] == 0.8
+    for said in ("compiler schedule", "none hidden (a TPU preset: ...)"):
+        used = plan.estimate_used(target, preset, 0.8, [{"exposed_from": said}], 8)
+        assert {k: used[k] for k in unused} == dict.fromkeys(unused)
+        assert "TPU compiler" in used["estimate"] and "DCN between slices" in used["estimate"]
     on_cpu = plan.estimate_used(None, preset, 0.8, [], 8)
     assert on_cpu["hardware"] == "h100" and on_cpu["overlap"] == 0.8
 

@@ -430,6 +430,7 @@ def _report_dict(
 
 
 HYBRID = {"data": 4, "fsdp": 1, "model": 2}
+MESH3 = {"data": 8, "fsdp": 4, "model": 2}
 # data:4,model:2 puts model innermost: a data group holds every other device
 OVER_DATA = "{{0,2,4,6},{1,3,5,7}}"
 
@@ -1152,6 +1153,76 @@ def test_torus_all_reduce_is_rings_along_the_slice_sides():
     assert set(sim.allreduce_options(1e3, 4096, sim.get_preset("tpu-v4"))) == {"torus"}
 
 
+def test_a_tpu_pod_beyond_its_largest_slice_is_slices_joined_over_dcn(capsys):
+    """v5e and v6e slices end at 256 chips (compile refuses more), yet simulate took a
+    4,096-chip v5e pod as one ICI torus. A TPU preset's node is now its chip's largest
+    slice, as the compile targets have it; past it, slices of that size over DCN. By hand,
+    a 100 MB all-reduce on 512 v5e chips: reduce-scatter and all-gather on each slice's
+    16x16 torus (ICI 400 GB/s, 2 us a hop), then each chip's 1/256 shard all-reduced
+    across the 2 slices at v5e's 25 Gb/s a chip of DCN, 25 us a step (ring: 2 x 25 us +
+    shard / B; tree: 2 x 25 us + 2 x shard / B). A chip without a DCN figure (v6e) is
+    modelled up to one slice, and counts that are not whole slices are refused (planted:
+    the one ICI domain of 4,096 chips)."""
+    from hybridpar.tools import targets  # jax-free: the compile targets' slice shapes
+
+    for chip, largest in sim.TPU_LARGEST_SLICE.items():
+        assert sim.get_preset(f"tpu-{chip}").devices_per_node == largest
+        if chip == "v3":  # not a compile target: MLPerf's 4,096 v3 chips were joined by ICI
+            continue
+        cores = targets.CHIPS[chip].cores_per_chip
+        assert targets.parse(f"tpu:{chip}-{largest * cores}").devices_count == largest
+        with pytest.raises(ConfigError, match="no .* slice of"):
+            targets.parse(f"tpu:{chip}-{2 * largest * cores}")
+    v5e, n = sim.get_preset("tpu-v5e"), 100e6
+    shard, dcn = n / 256, 25e9 / 8
+    across = min(2 * 25e-6 + shard / dcn, 2 * 25e-6 + 2 * shard / dcn)
+    want = sim.torus_allreduce_time(n, 256, 2, 400e9, 2e-6) + across
+    assert sim.best_algorithm("all-reduce", n, 512, v5e)[1] == pytest.approx(want, rel=1e-12)
+    one = sim.torus_allreduce_time(n, 256, 2, 400e9, 2e-6)
+    assert sim.best_algorithm("all-reduce", n, 256, v5e) == ("torus", pytest.approx(one))
+    assert sim.main(["--preset", "tpu-v5e", "--devices", "256,512", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["nodes"], r["algorithms"]) for r in rows] == [(1, "torus"), (2, "torus+dcn-ring")]
+    assert sim.main(["--preset", "tpu-v6e"]) == 0  # the default 8..4096: up to one slice
+    out = capsys.readouterr().out
+    assert re.search(r"^ +256 +1 ", out, re.M) and not re.search(r"^ +512 ", out, re.M)
+    assert "one slice of at most 256 chips (the chip table has no DCN bandwidth" in out
+    assert sim.main(["--preset", "tpu-v5e", "--devices", "8"]) == 0
+    assert "joined over DCN at 3.12 GB/s per chip beyond it (ASSUMPTION" in capsys.readouterr().out
+
+
+def test_a_tpu_preset_says_it_hides_nothing(capsys):
+    """A TPU preset hides no communication (the compiler leaves the all-reduce
+    synchronous: max_overlap 0), yet the header and JSON said "overlap 0.8" was assumed
+    and --overlap changed only the header. Now they say none is hidden, --overlap beside a
+    TPU preset is refused (the error table), and a GPU preset still says its overlap
+    (planted: exposed_source without the preset's max_overlap)."""
+    assert sim.main(["--preset", "tpu-v5e", "--devices", "16,512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exposed_from"].startswith("none hidden") and out["overlap"] is None
+    assert all(r["exposed_comm_s"] == r["comm_s"] > 0 for r in out["rows"])
+    assert sim.main(["--preset", "tpu-v5e", "--devices", "16"]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert "no overlap: tpu-v5e hides no communication (exposed = comm)" in title
+    assert "overlap 0.8" not in title
+    assert sim.main(["--preset", "h100", "--devices", "16", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["exposed_from"] == "assumed overlap 0.8" and out["overlap"] == 0.8
+
+
+def test_a_reports_axes_other_than_data_set_the_counts_it_can_model():
+    """A report compiled on data:8,fsdp:4,model:2 keeps its fsdp groups of 4 and model
+    groups of 2 as the data axis grows: a count is a multiple of 8 (simulate took 2
+    devices, modelling fsdp groups of 4 on them; the error table has the refusal). Where
+    data is 1, fsdp is the batch axes and grows: model alone (planted: model only)."""
+    rows = [_row("all-reduce", 1, 4, None)]
+    for mesh, multiple in (({"data": 8, "fsdp": 4, "model": 2}, 8),
+                           ({"data": 1, "fsdp": 4, "model": 2}, 2),
+                           ({"data": 8, "fsdp": 4, "model": 1}, 4), ({"data": 8}, 1)):  # fmt: skip
+        wl = sim.workload_from_report(CommReport.from_dict(_report_dict(rows, mesh)))
+        assert wl.devices_multiple == multiple, mesh
+
+
 def test_per_parameter_work_does_not_shrink_with_the_batch():
     """28 bytes a parameter over the chip's HBM: the same at 8 and 256 images per chip on a
     TPU; nothing on a GPU preset, whose HBM the model does not use; all of a TPU's
@@ -1536,6 +1607,14 @@ def _exit_status(argv) -> int:
         (["--preset", "nope"], "--preset", "h100"),
         (["--stages", "20:128"], "--stages", "e.g. 20:128-224"),
         (["--comm-report", "REPORT", "--devices", "1,3"], "--devices", "e.g. --devices 16"),
+        # fsdp x model = 8 devices keep their size as data grows: 2 cannot hold them
+        (["--comm-report", "MESH3", "--devices", "2"], "--devices", "(the smallest: 8)"),
+        (["--comm-report", "MESH3", "--devices", "8,12"], "--devices", "12 devices cannot"),
+        # a TPU preset: slices of its largest (v5e: 256) over DCN, or one slice without DCN
+        (["--preset", "tpu-v5e", "--devices", "300"], "--devices", "e.g. 256 or 512"),
+        (["--preset", "tpu-v6e", "--devices", "8,512"], "--devices", "no DCN bandwidth"),
+        # it hides nothing, whatever --overlap says
+        (["--preset", "tpu-v5e", "--overlap", "0.3"], "--overlap", "drop --overlap"),
         # a flag another makes moot is refused, not silently unused
         (["--comm-report", "REPORT", "--grad-dtype", "bf16"], "--grad-dtype", "drop"),
         (["--comm-report", "REPORT", "--bucket-mb", "0"], "--bucket-mb", "drop"),
@@ -1555,7 +1634,10 @@ def test_cli_bad_input_is_one_error_line_naming_the_flag(tmp_path, capsys, argv,
     metrics.write_text("\n".join(json.dumps(line) for _ in range(3)) + "\n")
     report = tmp_path / "r.json"  # model-parallel 2: odd device counts cannot run it
     report.write_text(json.dumps(_report_dict([_row("all-reduce", 1, 4, None)], HYBRID)))
+    mesh3 = tmp_path / "r3.json"
+    mesh3.write_text(json.dumps(_report_dict([_row("all-reduce", 1, 4, None)], MESH3)))
     paths = {"METRICS": str(metrics), "REPORT": str(report), "DIR": str(tmp_path)}
+    paths["MESH3"] = str(mesh3)
     paths["MISSING"] = str(tmp_path / "missing.json")
     assert _exit_status([paths.get(a, a) for a in argv]) == 2
     out, err = capsys.readouterr()

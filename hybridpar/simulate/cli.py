@@ -24,6 +24,7 @@ from hybridpar.simulate.step import (
     Stage,
     beyond_converged_batch,
     calibrate,
+    devices_problem,
     exposed_source,
     format_stages,
     get_preset,
@@ -102,15 +103,19 @@ def simulate(
     evaluation: Evaluation | None = None,
 ) -> list[dict]:
     """One row per device count: the step at (per_device_batch, image_size) and the time to
-    train through `stages`. Device counts that the model-parallel size does not divide are
-    skipped. A count where a stage's global batch is more than one epoch gets no time to
-    train (the trainer takes no step there): `over_one_epoch` is that batch, the times None;
-    so does one where a stage rounds to no step (the trainer refuses it): `no_step` is the
-    trainer's error (`no_step_stage`). One past the largest global batch published to reach
-    ImageNet's target (`beyond_converged_batch`) has unknown epochs, so its times are None."""
+    train through `stages`. Device counts that the model-parallel size or the comm report's
+    fixed axes (`Workload.devices_multiple`) do not divide, and counts the preset does not
+    model (`devices_problem`), are skipped. A count where a stage's global batch is more
+    than one epoch gets no time to train (the trainer takes no step there): `over_one_epoch`
+    is that batch, the times None; so does one where a stage rounds to no step (the trainer
+    refuses it): `no_step` is the trainer's error (`no_step_stage`). One past the largest
+    global batch published to reach ImageNet's target (`beyond_converged_batch`) has unknown
+    epochs, so its times are None."""
     rows = []
     for p in devices:
-        if p % workload.model_parallel:
+        if p % workload.model_parallel or p % workload.devices_multiple:
+            continue
+        if devices_problem(preset, p):
             continue
         step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
         row = dataclasses.asdict(step)
@@ -222,13 +227,34 @@ def legend(workload: Workload, preset: Preset, efficiency: float | None) -> str:
     return (
         f"every column modelled: {work}; the device's rate {rate}; links from public figures; "
         f"per-step floor {preset.step_floor_s * 1e3:g} ms (ASSUMPTION unless set); "
-        f"/device: {PER_DEVICE}"
+        f"/device: {PER_DEVICE}" + slices_note(preset)
     )
 
 
-def exposed_from(workload: Workload, overlap: float) -> str:
+def slices_note(preset: Preset) -> str:
+    """A TPU preset's assumption about pods larger than one slice, for the legend."""
+    if not preset.torus_dims:
+        return ""
+    size = f"{preset.devices_per_node:,}"
+    if preset.max_devices:
+        return (
+            f"; nodes: slices; one slice of at most {size} chips (the chip table has no DCN "
+            "bandwidth, so no count beyond it is modelled)"
+        )
+    return (
+        f"; nodes: slices of at most {size} chips on ICI (its largest slice), joined over DCN "
+        f"at {preset.inter.bandwidth / GB:.3g} GB/s per chip beyond it (ASSUMPTION: only data "
+        "crosses slices, each chip's share of the hosts' NICs, "
+        f"{preset.inter.latency * 1e6:g} us a message step)"
+    )
+
+
+def exposed_from(workload: Workload, overlap: float, preset: Preset | None = None) -> str:
     """What decides the exposed communication, for the table's title: the compiler's
-    schedule where the comm report says what it hides, else the assumed overlap."""
+    schedule where the comm report says what it hides, else nothing hidden on a preset
+    that hides nothing (a TPU's), else the assumed overlap."""
+    if workload.hidden_share is None and preset is not None and preset.max_overlap <= 0:
+        return f"no overlap: {preset.name} hides no communication (exposed = comm)"
     if workload.hidden_share is None:
         return f"overlap {overlap:g}"
     return (
@@ -420,6 +446,29 @@ def above_peak(efficiency: float, what: str, fix: str) -> None:
         )
 
 
+def check_devices(text: str, devices: list[int], workload: Workload, preset: Preset, unit: int):
+    """Every count of ``--devices`` can hold the comm report's mesh (a multiple of its axes
+    that keep their size, `unit`) and is one the preset models (`devices_problem`); else a
+    ValueError naming the count and a count that works."""
+    bad = [p for p in devices if p % unit]
+    if bad and workload.devices_multiple > 1:
+        raise ValueError(
+            f"--devices {text}: {bad[0]} devices cannot hold the comm report's mesh "
+            f"{workload.mesh}, whose axes other than data keep their {workload.devices_multiple} "
+            f"devices as data grows; pass multiples of {unit} (the smallest: {unit}), e.g. "
+            f"--devices {8 * unit}"
+        )
+    if bad:  # the model axis alone
+        raise ValueError(
+            f"--devices {text}: {bad[0]} is not a multiple of the comm report's model-parallel "
+            f"size {unit}; pass multiples of {unit}, e.g. --devices {8 * unit}"
+        )
+    for p in devices:
+        problem = devices_problem(preset, p)
+        if problem:
+            raise ValueError(f"--devices {text}: {problem}")
+
+
 def _stages(args, report) -> tuple[list[Stage], str]:
     """The stages to train through, and where they come from: the flags, else the comm
     report's own run, else 35 epochs."""
@@ -562,8 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--devices",
         default=None,
-        help="comma list and/or doubling range, e.g. 8,16,32 or 8..4096 (default 8..4096); "
-        "8..64 is 8,16,32,64: a range's end is its start doubled",
+        help="comma list and/or doubling range, e.g. 8,16,32 or 8..4096 (default 8..4096, "
+        "less the counts a --comm-report's mesh or a TPU preset cannot take); 8..64 is "
+        "8,16,32,64: a range's end is its start doubled",
     )
     ap.add_argument(
         "--comm-report",
@@ -608,7 +658,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.8,
         help="fraction of the backward pass that can hide communication "
         "(0.8: bucketed/fused reductions; 0: no overlap; not used with a --comm-report "
-        "a TPU or GPU compiler scheduled)",
+        "a TPU or GPU compiler scheduled; refused with a TPU preset, which hides nothing)",
     )
     ap.add_argument(
         "--grad-dtype",
@@ -758,6 +808,16 @@ def check_args(args, given: set[str]) -> None:
         if on and moot:
             names = ", ".join("--" + k.replace("_", "-") for k in moot)
             raise ValueError(f"{flag} takes no {names}; drop {'it' if len(moot) == 1 else 'them'}")
+    try:
+        hides = get_preset(args.preset).max_overlap
+    except ValueError:  # --preset's own error, below
+        hides = 1.0
+    if "overlap" in given and not args.validate and hides <= 0:
+        raise ValueError(
+            f"--overlap is not used with --preset {args.preset}: the TPU compiler leaves its "
+            "collectives synchronous, so the model hides none of them (exposed = comm); drop "
+            "--overlap"
+        )
     report, stages = args.comm_report and "--comm-report", args.stages and "--stages"
     for flag, value, other, why in (
         ("--grad-dtype", args.grad_dtype, report, "its compiled collectives have their dtype"),
@@ -939,7 +999,10 @@ def _main(args) -> int:
             raise ValueError(f"--calibrate: {e}") from None
     devices = parse_devices(args.devices) if args.devices is not None else DEFAULT_DEVICES
     m = workload.model_parallel
-    if all(p % m for p in devices):  # simulate() skips each one: an empty table
+    unit = math.lcm(m, workload.devices_multiple)
+    if args.devices is not None:  # each count asked for is modelled, or one error line
+        check_devices(args.devices, devices, workload, preset, unit)
+    if all(p % unit for p in devices):  # simulate() skips each one: an empty table
         raise ValueError(
             f"--devices {args.devices or '8..4096 (the default)'}: no count is a multiple of "
             f"the comm report's model-parallel size {m}; pass e.g. --devices {8 * m}"
@@ -973,7 +1036,7 @@ def _main(args) -> int:
     eff = preset.efficiency if efficiency is None else efficiency
     title = (
         f"{preset.name}: {workload.name}; {args.per_device_batch}/device at "
-        f"{args.image_size} px; {exposed_from(workload, args.overlap)}; efficiency "
+        f"{args.image_size} px; {exposed_from(workload, args.overlap, preset)}; efficiency "
         f"{eff:.3f} of {preset.peak_flops / TFLOPS:g} TFLOP/s"
     )
     replaced = bool(args.png) and os.path.exists(args.png)  # only with --overwrite
@@ -982,6 +1045,7 @@ def _main(args) -> int:
             write_png(rows, args.png, title)
         except OSError as e:  # checked before the work, but a disk can still fill
             raise ValueError(cannot_write(args.png, e)) from None
+    exposed = exposed_source(workload.hidden_share, args.overlap, preset.max_overlap)
     if args.json:
         print(
             json.dumps(
@@ -999,9 +1063,10 @@ def _main(args) -> int:
                     },
                     "per_device_batch": args.per_device_batch,
                     "image_size": args.image_size,
-                    "overlap": args.overlap,
+                    # None where it is not used: the compiler's schedule, or nothing hidden
+                    "overlap": args.overlap if exposed.startswith("assumed") else None,
                     "hidden_share": workload.hidden_share,
-                    "exposed_from": exposed_source(workload.hidden_share, args.overlap),
+                    "exposed_from": exposed,
                     "stages": format_stages(stages),
                     "stages_from": stages_from,
                     "images_per_epoch": images_per_epoch,

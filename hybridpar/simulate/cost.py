@@ -186,13 +186,25 @@ def _flat_link(preset: Preset, topo: Topology) -> tuple[float, float]:
 
 def allreduce_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[str, float]:
     """Seconds for one n-byte all-reduce over p devices `stride` apart (`Topology.of`) under
-    every applicable algorithm. A torus (TPU ICI) has no node NIC to share: stride unused."""
+    every applicable algorithm. On a TPU a node is a slice (`devices_per_node` chips on one
+    ICI torus): a group within one is rings along the torus sides; one spanning slices adds
+    an all-reduce of each chip's shard across them over DCN (`inter`)."""
     if p <= 1:
         return {"none": 0.0}
     topo = Topology.of(p, preset.devices_per_node, stride)
     if preset.torus_dims:  # a torus has no tree of log2(p) hops: rings along its sides
         ici, a = 2 * preset.intra.bandwidth, preset.intra.latency
-        return {"torus": torus_allreduce_time(n, p, preset.torus_dims, ici, a)}
+        torus = torus_allreduce_time(n, topo.g, preset.torus_dims, ici, a)
+        if topo.nodes <= 1:
+            return {"torus": torus}
+        # slices over DCN: reduce-scatter on each slice's torus, all-reduce each chip's n/g
+        # shard across the slices (ring or tree), all-gather back on the torus
+        shard, slices = n / topo.g, topo.nodes
+        dcn, ae = topo.inter_bandwidth_per_device(preset), preset.inter.latency
+        return {
+            "torus+dcn-ring": torus + ring_allreduce_time(shard, slices, dcn, ae),
+            "torus+dcn-tree": torus + tree_allreduce_time(shard, slices, dcn, ae),
+        }
     bw, a = _flat_link(preset, topo)
     opts = {"ring": ring_allreduce_time(n, p, bw, a), "tree": tree_allreduce_time(n, p, bw, a)}
     if topo.nodes > 1:
@@ -217,7 +229,12 @@ def _shard_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[st
     topo = Topology.of(p, preset.devices_per_node, stride)
     if preset.torus_dims:  # half of the torus all-reduce: the reduce-scatter phases
         ici, a = 2 * preset.intra.bandwidth, preset.intra.latency
-        return {"torus": torus_allreduce_time(n, p, preset.torus_dims, ici, a) / 2}
+        torus = torus_allreduce_time(n, topo.g, preset.torus_dims, ici, a) / 2
+        if topo.nodes <= 1:
+            return {"torus": torus}
+        dcn = topo.inter_bandwidth_per_device(preset)  # then across the slices over DCN
+        return {"torus+dcn": torus + reduce_scatter_time(n / topo.g, topo.nodes, dcn,
+                                                         preset.inter.latency)}  # fmt: skip
     bw, a = _flat_link(preset, topo)
     opts = {"ring": reduce_scatter_time(n, p, bw, a)}
     if topo.nodes > 1:
@@ -244,7 +261,7 @@ def collective_options(
     if p <= 1:
         return {"none": 0.0}
     topo = Topology.of(p, preset.devices_per_node, stride)
-    if topo.nodes > 1 and not preset.torus_dims:
+    if topo.nodes > 1:  # across nodes (a TPU's slices: DCN)
         bw = min(preset.intra.bandwidth, topo.inter_bandwidth_per_device(preset))
         a = max(preset.intra.latency, preset.inter.latency)
     else:

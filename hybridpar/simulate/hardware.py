@@ -89,6 +89,9 @@ class Preset:
       the data while it is not yet cached (0: not modelled).
     size_change_s: what a curriculum run spends at each change of image size beyond its
       steady epochs (the new size's first reads and kernel selection; 0: not modelled).
+    max_devices: the most devices the preset models (0: no bound): a TPU chip without a DCN
+      figure, one slice. A TPU preset's node is a slice (`devices_per_node` chips on ICI),
+      `inter` the DCN between slices.
     """
 
     name: str
@@ -120,6 +123,7 @@ class Preset:
     startup_images_per_s_per_host: float = 0.0
     chips_per_host: int = 1
     size_change_s: float = 0.0
+    max_devices: int = 0
 
     def inter_bandwidth_per_node(self) -> float:
         """Bytes/s leaving one node (all of its NICs together)."""
@@ -207,9 +211,16 @@ _A100 = _gpu_preset(
 # ASSUMPTIONS: ~2,000 ResNet-50 images/s per v3 chip at 224 px, and every other chip at the
 # same fraction of its peak (the published MLPerf runs replace this for v3 and v4:
 # hybridpar.simulate.validation fits those from its calibration runs); alpha 2 us per ICI
-# hop; one ICI domain of up to 4,096 chips (MLPerf's 4,096-chip v3 and v4 runs were joined
-# by ICI).
+# hop.
 TPU_V3_IMAGES_PER_S = 2000.0
+# The most chips one slice joins by ICI alone: the compile targets' largest slice shapes
+# (hybridpar.tools.targets: 256 chips of v5e and v6e, 4,096 of v4 and v5p); v3, not a
+# compile target, 4,096 (MLPerf's 4,096-chip v3 runs were joined by ICI). Beyond it a pod is
+# slices of this size joined over the data-centre network (DCN) at the chip's published
+# DCN bandwidth per chip; a chip without one (v3, v4, v6e) is not modelled beyond a slice.
+TPU_LARGEST_SLICE = {"v3": 4096, "v4": 4096, "v5e": 256, "v5p": 4096, "v6e": 256}
+# ASSUMPTION: alpha of a DCN message step, as for the Ethernet presets' TCP transport.
+_DCN_ALPHA = 25 * US
 # Bytes the optimizer moves per parameter per step, the same at any batch. ASSUMPTION, 28:
 # a LARS/momentum update in float32 reads the parameter, its gradient and momentum and
 # writes the parameter and momentum (20 bytes), and LARS's two norms read the parameter and
@@ -225,16 +236,22 @@ def _tpu_preset(chip) -> Preset:
     allreduce = chip.ici_bytes_per_s / 2
     ici = Link(allreduce, 2 * US, per="device", name=f"ICI {chip.torus_dims}D torus")
     rate = TPU_V3_IMAGES_PER_S * chip.peak_bf16_flops / TPUS["v3"].peak_bf16_flops
+    largest = TPU_LARGEST_SLICE[chip.name]
+    if chip.dcn_bytes_per_s:  # slices of `largest` chips joined over DCN beyond one
+        dcn = Link(chip.dcn_bytes_per_s, _DCN_ALPHA, per="device", name="DCN per chip")
+        beyond = f"; slices of {largest:,} joined over DCN at {chip.dcn_bytes_per_s / GB:.3g} GB/s"
+    else:  # no DCN figure: one slice at most
+        dcn, beyond = ici, f"; at most one slice of {largest:,} chips (no DCN figure)"
     return Preset(
         name=f"tpu-{chip.name}",
         description=f"TPU {chip.name} bf16, {chip.torus_dims}D torus ICI "
-        f"(~{allreduce / GB:.0f} GB/s all-reduce bandwidth per chip)",
+        f"(~{allreduce / GB:.0f} GB/s all-reduce bandwidth per chip){beyond}",
         peak_flops=chip.peak_bf16_flops,
         dtype="bfloat16",
         grad_dtype="fp32",
-        devices_per_node=4096,
+        devices_per_node=largest,
         intra=ici,
-        inter=ici,
+        inter=dcn,
         reference_images_per_s=rate,
         reference_note=f"ASSUMPTION: {rate:,.0f} img/s per chip at 224 px "
         "(2,000 on v3, the same fraction of peak on the others)",
@@ -247,7 +264,21 @@ def _tpu_preset(chip) -> Preset:
         # report: every byte exposed on a data-parallel step, docs/scaling.md): none hidden.
         max_overlap=0.0,
         chips_per_host=TPU_CHIPS_PER_HOST.get(chip.name, 4),
+        max_devices=0 if chip.dcn_bytes_per_s else largest,
     )
+
+
+def slice_preset(preset: Preset, slice_devices: int, slices: int = 1) -> Preset:
+    """A TPU `preset` on `slices` slices of `slice_devices` chips (a compile target's): its
+    ICI domain that slice, the traffic between slices over DCN. A ValueError for several
+    slices of a chip without a DCN figure (`max_devices`), whose traffic between slices
+    cannot be priced."""
+    if slices > 1 and preset.max_devices:
+        raise ValueError(
+            f"{preset.name} has no DCN bandwidth in the chip table "
+            "(hybridpar/config/hardware.py), so traffic between its slices cannot be priced"
+        )
+    return dataclasses.replace(preset, devices_per_node=slice_devices)
 
 
 # efficiency is NaN here: step.PRESETS calibrates it from each reference rate

@@ -176,10 +176,52 @@ def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, 
     return total, ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
 
 
-def exposed_source(hidden_share: float | None, overlap: float) -> str:
+def exposed_source(hidden_share: float | None, overlap: float, max_overlap: float = 1.0) -> str:
     """What decides the exposed communication: a compiler's schedule (a comm report's
-    hidden share) where there is one, else the assumed overlap."""
-    return "compiler schedule" if hidden_share is not None else f"assumed overlap {overlap:g}"
+    hidden share) where there is one; else nothing hidden where the preset hides nothing
+    (`max_overlap` 0: a TPU's), else the assumed overlap (at most `max_overlap`)."""
+    if hidden_share is not None:
+        return "compiler schedule"
+    if max_overlap <= 0:
+        return NONE_HIDDEN
+    return f"assumed overlap {min(overlap, max_overlap):g}"
+
+
+NONE_HIDDEN = "none hidden (a TPU preset: the compiler leaves its collectives synchronous)"
+
+
+def exposed_seconds(
+    workload: Workload, preset: Preset, devices: int, comm: float, compute: float, overlap: float
+) -> float:
+    """The collective seconds `comm` not hidden behind compute: comm x (1 - hidden share)
+    where a TPU or GPU compiler's schedule says what it hides, else the synchronous
+    collectives whole and the rest less min(overlap, max_overlap) of the backward pass."""
+    if workload.hidden_share is not None:  # the compiler's schedule, not an assumption
+        return comm * (1.0 - workload.hidden_share)
+    hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
+    sync = sync_comm_time(workload, preset, devices)  # exposed whatever the overlap
+    return sync + max(0.0, comm - sync - hidden)
+
+
+def devices_problem(preset: Preset, devices: int) -> str | None:
+    """Why `preset` cannot model `devices` devices, else None: more than the most it models
+    (`max_devices`: a TPU without a DCN figure, one slice), or, on a TPU beyond one slice,
+    not whole slices (`devices_per_node` chips each)."""
+    if preset.max_devices and devices > preset.max_devices:
+        return (
+            f"{devices} devices is more than {preset.name} models: one slice of at most "
+            f"{preset.max_devices:,} chips, as the chip table has no DCN bandwidth for the "
+            "traffic between slices"
+        )
+    slice_size = preset.devices_per_node
+    if preset.torus_dims and devices > slice_size and devices % slice_size:
+        down, up = devices // slice_size * slice_size, (devices // slice_size + 1) * slice_size
+        return (
+            f"{devices} devices is more than {preset.name}'s largest slice ({slice_size:,} "
+            f"chips) and not whole slices of it joined over DCN; use a multiple of "
+            f"{slice_size}, e.g. {down} or {up}"
+        )
+    return None
 
 
 def predict_step(
@@ -213,12 +255,7 @@ def predict_step(
     compute = compute_seconds(workload, preset, per_device_batch, image_size, eff)
     param = param_seconds(workload, preset)
     comm, algos = comm_time(workload, preset, devices)
-    if workload.hidden_share is not None:  # the compiler's schedule, not an assumption
-        exposed = comm * (1.0 - workload.hidden_share)
-    else:
-        hidden = min(overlap, preset.max_overlap) * workload.backward_fraction * compute
-        sync = sync_comm_time(workload, preset, devices)  # exposed whatever the overlap
-        exposed = sync + max(0.0, comm - sync - hidden)
+    exposed = exposed_seconds(workload, preset, devices, comm, compute, overlap)
     # The input runs ahead of the device (prefetch), so it only shows when it is slower.
     images = per_device_batch / m  # each device's share of the global batch
     input_s = input_seconds(preset, images, image_size)

@@ -81,6 +81,11 @@ class Workload:
     # compute, by estimate (a comm report's bytes_hidden_est / total_bytes); None where no
     # such schedule was read: `overlap` decides
     hidden_share: float | None = None
+    # a simulated device count is a multiple of it: the devices of a comm report's axes
+    # that keep their size as its data axis grows (fsdp x model; model alone where data is
+    # 1, as fsdp then grows in its place); the mesh it says, e.g. "data:8,fsdp:4,model:2"
+    devices_multiple: int = 1
+    mesh: str = ""
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
@@ -288,6 +293,8 @@ def workload_from_report(report: CommReport) -> Workload:
         )
     b = report.global_batch / batch_devs
     platform = report.devices.get("platform")
+    fixed = [a for a in report.mesh if a != "data"] if report.mesh.get("data", 1) > 1 else [
+        a for a in report.mesh if a not in _BATCH_AXES]  # fmt: skip
     kinds = len({c.kind for c in report.collectives})  # rows are per kind and size
     ops = sum(c.count for c in report.collectives)
     return Workload(
@@ -301,6 +308,8 @@ def workload_from_report(report: CommReport) -> Workload:
         reference_batch=float(b),
         compiled_by=f"{platform} ({report.devices.get('kind')})",
         hidden_share=report.hidden_share() if platform not in (None, "", "cpu") else None,
+        devices_multiple=math.prod(report.mesh[a] for a in fixed),
+        mesh=",".join(f"{a}:{n}" for a, n in report.mesh.items() if n > 1) or "data:1",
     )
 
 

@@ -52,7 +52,7 @@ from hybridpar.config.curriculum import parse_stages
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import GIB, MIB, byte_size, counted, duration, table
 from hybridpar.config.schema import HEADS
-from hybridpar.runtime.comm_report_schema import CommReport, hidden_share
+from hybridpar.runtime.comm_report_schema import CommReport
 from hybridpar.runtime.run_records import write_json
 from hybridpar.tools.comm_report import (
     check_virtual_devices,
@@ -127,10 +127,13 @@ def mesh_factorisations(devices: int, max_model: int = 8) -> list[tuple]:
     return out
 
 
-def _rule_out(c: Candidate, devices: int, num_classes: int) -> str | None:
-    """Why the config would reject `c` (None: it may compile)."""
+def _rule_out(c: Candidate, devices: int, num_classes: int, slices: int = 1) -> str | None:
+    """Why the config would reject `c` on `slices` slices (None: it may compile)."""
     shape = dict(c.mesh)
     model = shape["model"]
+    if shape["data"] % slices:  # as the mesh's set-up refuses it (parallel.mesh)
+        return (f"only the data axis crosses the {slices} slices, so data must be a multiple "
+                f"of {slices}")  # fmt: skip
     if c.comm.startswith(("bucketed", "overlap")) and shape["data"] * shape["fsdp"] == 1:
         return "bucketed and overlap communication need more than one data-parallel device"
     # on a one-device model axis the sharded head trains, but does the dense head's work:
@@ -172,14 +175,23 @@ def _config_batch(c: Candidate, config) -> Candidate:
     return dataclasses.replace(c, per_device_batch=config.global_batch // c.data_parallel)
 
 
+def batch_rule_out(c: Candidate, config) -> str | None:
+    """Why the config's own global batch cannot be `c`'s (None: it can, or `c` sets its
+    batch): it must divide over the mesh's data-parallel devices (data x fsdp)."""
+    if c.per_device_batch is not None or config.stages or not config.global_batch % c.data_parallel:
+        return None
+    return f"global_batch={config.global_batch} does not divide over the mesh's data x fsdp"
+
+
 def candidates(
-    config, devices: int, choices: dict, platform: str = "cpu"
+    config, devices: int, choices: dict, platform: str = "cpu", slices: int = 1
 ) -> tuple[list[Candidate], int, Counter]:
     """The valid plans of the product of `choices`, closest to the config first; how many
-    the product had; and how many of it were ruled out, by reason (``_rule_out``'s words;
-    "the same plan as another" where ``auto`` or the config's batch made a plan listed
-    already). ``platform``: the devices' (a mesh error's hint depends on it). A
-    ``per_device_batch`` of None is the config's own global batch on every mesh."""
+    the product had; and how many of it were ruled out, by reason (``_rule_out``'s and
+    ``batch_rule_out``'s words; "the same plan as another" where ``auto`` or the config's
+    batch made a plan listed already). ``platform``: the devices' (a mesh error's hint
+    depends on it); ``slices``: a TPU target's. A ``per_device_batch`` of None is the
+    config's own global batch on every mesh."""
     from hybridpar.parallel.mesh import parse_mesh_spec
 
     base = Candidate(
@@ -195,8 +207,10 @@ def candidates(
     grid = list(itertools.product(*(choices[a] for a in axes)))
     out, seen, ruled = [], set(), Counter()
     for values in grid:
-        c = _config_batch(_resolved(Candidate(*values), config, platform), config)
-        reason = _rule_out(c, devices, config.data.num_classes)
+        c = _resolved(Candidate(*values), config, platform)
+        reason = _rule_out(c, devices, config.data.num_classes, slices) or batch_rule_out(
+            c, config)  # fmt: skip
+        c = _config_batch(c, config)
         if reason is not None:
             ruled[reason] += 1
         elif c in seen:  # auto may resolve to a plan listed already
@@ -277,11 +291,6 @@ def _choices(config, devices: int, args, platform: str = "cpu") -> dict:
             "batch per data-parallel device and a run with stages does not use global_batch; "
             "plan other batches by changing the stages (--config.stages=...), or drop "
             "--per-device-batch"
-        )
-    if config.global_batch % devices and not batches and not config.stages:
-        cli.fail(
-            f"global_batch={config.global_batch} does not divide over {devices} devices; set "
-            f"--config.global_batch to a multiple of {devices} or pass --per-device-batch"
         )
     try:
         batch = [int(b) for b in batches] if batches else [None]  # None: the config's
@@ -603,29 +612,42 @@ def images_per_epoch_of(config, flag: int | None = None) -> int:
     )
 
 
+def target_preset(target):
+    """The scaling model's preset of a TPU ``target``'s chip, on the target's slices: one
+    slice's chips share its ICI torus, the groups that span slices cross DCN
+    (``simulate.slice_preset``; a ValueError for several slices of a chip without a DCN
+    figure)."""
+    from hybridpar import simulate as sim
+
+    preset = sim.get_preset(f"tpu-{target.chip.name}")
+    return sim.slice_preset(preset, target.devices_count // target.slices, target.slices)
+
+
 def predict_on_target(
     config, rep: dict, target, devices: int, overlap: float, images_per_epoch: int
 ) -> dict:
     """Step and time to train of one plan compiled for a TPU ``target``, from the TPU
     compiler's own counts: the roofline (FLOPs at the chip's peak or bytes at its HBM
-    bandwidth, whichever is longer) plus the collectives' bytes over the chip's ICI
-    bandwidth less what is hidden behind compute, and never less than the scaling model's
-    per-step floor (``simulate.hardware.STEP_FLOOR_S``). Hidden: the share of the bytes the
-    compiler's schedule hides by estimate (``bytes_hidden_est``), where the report has it;
-    else ``overlap`` of the compute, at most ``overlap`` of the collectives. Evaluation and
-    input not counted: an estimate for ranking plans, not a prediction of a run."""
+    bandwidth, whichever is longer) plus the collectives less what is hidden behind compute,
+    and never less than the scaling model's per-step floor
+    (``simulate.hardware.STEP_FLOOR_S``). The collectives are priced as ``simulate`` prices
+    them (``simulate.comm_time``: each group's collective on the links it crosses, rings
+    along a slice's ICI torus and DCN between slices, ``target_preset``); hidden: the
+    share of the bytes the compiler's schedule hides by estimate (``bytes_hidden_est``),
+    where the report has it, else none (``simulate.exposed_seconds``: a TPU preset hides
+    nothing). Evaluation and input not counted: an estimate for ranking plans, not a
+    prediction of a run."""
+    from hybridpar import simulate as sim
     from hybridpar.simulate.hardware import STEP_FLOOR_S
-    from hybridpar.simulate.step import exposed_source
     from hybridpar.tools import targets
 
     compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
-    comm = rep["total_bytes"] / target.chip.ici_bytes_per_s
-    share = hidden_share(rep["total_bytes"], rep.get("bytes_hidden_est"))
-    if share is not None:
-        exposed = comm * (1 - share)
-    else:  # a report cached before the schedule was read
-        exposed = max(comm - overlap * compute, (1 - overlap) * comm)
-    exposed_from = exposed_source(share, overlap)
+    preset = target_preset(target)
+    report = CommReport.from_dict({k: v for k, v in rep.items() if k != "from_cache"})
+    workload = sim.workload_from_report(report)
+    comm, _ = sim.comm_time(workload, preset, devices)
+    exposed = sim.exposed_seconds(workload, preset, devices, comm, compute, overlap)
+    exposed_from = sim.exposed_source(workload.hidden_share, overlap, preset.max_overlap)
     step = max(compute + exposed, STEP_FLOOR_S)
     images = rep["global_batch"] / step  # the compiled step's (a stage's, with stages)
     return {
@@ -638,7 +660,8 @@ def predict_on_target(
         "predicted_time_to_train_s": config.num_epochs * images_per_epoch / images,
         "predicted_eval_s": None,
         "estimate": "TPU compiler's FLOPs and bytes over the chip's roofline, plus collectives "
-        f"less those hidden ({exposed_from}), at least the per-step floor",
+        f"priced on ICI within a slice and DCN between slices, less those hidden "
+        f"({exposed_from}), at least the per-step floor",
     }
 
 
@@ -745,6 +768,34 @@ def plan_rows(
     return fits, too_big, failed
 
 
+def no_fit_words(too_big: list, failed: list, limit: int, target) -> str:
+    """The error when no plan fits: the smallest plan's need, whose compiler counted it
+    (XLA:CPU's, on virtual CPU devices, overstates a TPU's or GPU's: docs/compiling.md),
+    and the plans the config ruled out when set up, counted, with the first one's reason
+    and fix: raising the limit alone may not be the fix."""
+    s = too_big[0]
+    words = (
+        f"no plan fits in {byte_size(limit)} per device: the smallest, {s['plan']}, needs "
+        f"{byte_size(s['memory_per_device_bytes'])}"
+    )
+    if target is None:  # compiled on virtual CPU devices
+        words += (
+            " (XLA:CPU's count, which overstates a TPU's or GPU's: about 2x with bfloat16 "
+            "compute, docs/compiling.md)"
+        )
+    ruled = [r for r in failed if r.get("ruled_out")]
+    if ruled:
+        words += (
+            f"; {counted(len(ruled), 'other plan')} {'was' if len(ruled) == 1 else 'were'} "
+            f"ruled out by the config when set up, the first: {ruled[0]['plan']}: "
+            f"{ruled[0]['error']}"
+        )
+    return (
+        words + "; raise --memory-gib, add devices, or try other plans (--meshes, --heads, "
+        "--per-device-batch)"
+    )
+
+
 def rank_key(row: dict) -> tuple:
     """Plans rank by predicted time to train; plans that tie there (a small step held at the
     per-step floor) by the step before the floor, then exposed communication, then memory:
@@ -800,7 +851,8 @@ def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
         return (
             f"compiled (the TPU compiler, {target.spec}): memory/dev, collectives. modelled: "
             "img/s and time to train, the compiler's FLOPs and bytes over the chip's roofline "
-            "plus its collectives over ICI less the share its schedule hides (an estimate), "
+            "plus its collectives as python -m hybridpar.simulate prices them (ICI within a "
+            "slice, DCN between slices) less the share its schedule hides (an estimate), "
             f"{floor}; no input or evaluation cost, so an upper bound for ranking, not a "
             "prediction of a run"
         )
@@ -815,17 +867,15 @@ def legend(target, preset, devices: int, calibrated_from: str | None) -> str:
 def estimate_used(target, hardware, overlap: float, rows: list, devices: int) -> dict:
     """The JSON's record of what the estimate used: the scaling model's preset (its name,
     efficiency, per-step overhead and calibration) and ``--overlap``; for a TPU target none
-    of the preset's (the chip's roofline and the compiler's schedule replace it), the
-    overlap only where a plan's report had no schedule figures (``exposed_from``), and the
-    estimate in words."""
+    of them (the chip's roofline, its links and the compiler's schedule replace them; where
+    a report has no schedule figures its TPU preset hides nothing: ``exposed_from``), and
+    the estimate in words."""
     if target is None:
         return {"hardware": hardware.name, "efficiency": hardware.efficiency,
                 "step_overhead_s": hardware.step_overhead_s,
                 "calibration": hardware.reference_note, "overlap": overlap}  # fmt: skip
-    assumed = any(r.get("exposed_from", "").startswith("assumed") for r in rows)
     return {"hardware": None, "efficiency": None, "step_overhead_s": None, "calibration": None,
-            "overlap": overlap if assumed else None,
-            "estimate": legend(target, None, devices, None)}  # fmt: skip
+            "overlap": None, "estimate": legend(target, None, devices, None)}  # fmt: skip
 
 
 # ---- The command line ------------------------------------------------------------------------
@@ -956,6 +1006,12 @@ def main(argv=None) -> None:
             )
         if target.platform == "cpu":
             target = None
+    if tpu:  # its collectives are priced on ICI within a slice and DCN between them
+        try:
+            target_preset(target)
+        except ValueError as e:
+            cli.fail(f"--target {args.target}: {e}; plan one slice, e.g. --target "
+                     f"{args.target.split(',')[0]}")  # fmt: skip
     if args.devices is None:
         cli.fail("pass --devices N (virtual CPU devices) or --target tpu:CHIP-N")
     n = args.devices
@@ -1013,12 +1069,17 @@ def main(argv=None) -> None:
         platform = target.platform if target is not None else "cpu"
         choices = _choices(config, n, args, platform)
         _check_values(config, choices, validate)
-        plans, product, excluded = candidates(config, n, choices, platform)
+        slices = target.slices if target is not None else 1
+        plans, product, excluded = candidates(config, n, choices, platform, slices)
         if not plans:
+            fix = "widen --meshes/--heads/--comm"
+            if any(r.startswith("global_batch=") for r in excluded):
+                fix += (", set --config.global_batch to a multiple of a mesh's data x fsdp, or "
+                        "pass --per-device-batch")  # fmt: skip
             cli.fail(
                 f"no candidate plan is valid for {n} devices with these choices "
                 f"({counted(product, 'combination')}, ruled out: {ruled_out_words(excluded)}); "
-                "widen --meshes/--heads/--comm"
+                + fix
             )
         cache_dir = usable_cache_dir(args)  # made only once every input is checked
         kept = plans[: args.max_plans]
@@ -1040,13 +1101,7 @@ def main(argv=None) -> None:
         )
         if not fits:
             if too_big:
-                s = too_big[0]
-                cli.fail(
-                    f"no plan fits in {byte_size(limit)} per device: the smallest, "
-                    f"{s['plan']}, needs {byte_size(s['memory_per_device_bytes'])}; raise "
-                    "--memory-gib, add devices, or try other plans (--meshes, --heads, "
-                    "--per-device-batch)"
-                )
+                cli.fail(no_fit_words(too_big, failed, limit, target))
             first = failed[0]
             cli.fail(f"every plan failed to compile; the first: {first['plan']}: {first['error']}")
         best = fits[0]
