@@ -468,6 +468,64 @@ def test_schedule_figures_are_the_targets_estimate_and_none_on_cpu():
     assert schedule_figures(SCHEDULED_HLO, targets.parse("cpu:8")) == none
 
 
+def test_the_schedule_line_says_overlapped_exposed_and_hidden_as_compile_does():
+    """comm_report's GPU summary said "7.0 KiB exposed; est. 5.9 KiB hidden" of 3.7 MiB,
+    as if the rest were hidden: the 3.7 MiB overlapped with compute, most of it not hidden
+    by the estimate, went unsaid. Now all three, in compile's words (its per-program line,
+    which says the same of the same program)."""
+    from hybridpar.runtime.comm_report_schema import CommReport
+    from hybridpar.tools.comm_report import format_report, hidden_text
+
+    rep = CommReport(
+        collectives=(), by_kind={}, total_bytes=3_842_631, total_ops=92, flops=None,
+        memory_per_device_bytes=None, memory={}, mesh={"data": 8, "fsdp": 4, "model": 2},
+        devices={"count": 64, "platform": "gpu", "kind": "H100", "virtual": False},
+        xla_flags_applied=[], global_batch=64, image_shape=[32, 32, 1], compile_s=1.0,
+        config={}, bytes_exposed=7196, bytes_hidden_est=6025,
+    )  # fmt: skip
+    line = next(x for x in format_report(rep, "c.py").splitlines() if "schedule" in x)
+    assert line == (
+        "the compiler's schedule: 3.7 MiB overlapped with compute, 7.0 KiB exposed; est. "
+        "5.9 KiB of the overlapped hidden by the compute between, 3.7 MiB not"
+    )
+    assert line.endswith(hidden_text(3_842_631 - 7196, 6025))  # compile's words
+
+
+def test_a_loop_of_compute_is_named_beside_xlas_flop_count():
+    """XLA's cost analysis counts a loop's body once, whatever its trips (the TPU compiler's
+    windowed einsums of an fsdp mesh are such loops: the digits step on tpu:v5e-16 counted
+    256 MFLOP on fsdp:16 against 468 on data:16, the same images a chip). Here a loop of 16
+    matrix products, counted as one by XLA:CPU too; the report names the loop beside the
+    count. A loop without a product (a scan of additions) is not named."""
+    from hybridpar.runtime.comm_report_schema import CommReport
+    from hybridpar.tools.comm_report import cost_of, format_report, loops_with_compute
+
+    x = jnp.ones((64, 64))
+    looped = jax.jit(lambda x: jax.lax.fori_loop(0, 16, lambda i, y: jnp.tanh(y @ x), x))
+    compiled = looped.lower(x).compile()
+    assert cost_of(compiled)["flops"] < 2 * 2 * 64**3  # one trip's 2 x 64^3, not 16 trips'
+    assert loops_with_compute(compiled.as_text()) == 1
+    adds = jax.jit(lambda x: jax.lax.fori_loop(0, 16, lambda i, y: y + 1.0, x))
+    assert loops_with_compute(adds.lower(x).compile().as_text()) == 0
+
+    def flops_line(loops):
+        rep = CommReport(
+            collectives=(), by_kind={}, total_bytes=0, total_ops=0, flops=2.564e8,
+            memory_per_device_bytes=None, memory={}, mesh={"fsdp": 16}, xla_flags_applied=[],
+            devices={"count": 16, "platform": "tpu", "kind": "TPU v5 lite", "virtual": False},
+            global_batch=64, image_shape=[32, 32, 1], compile_s=1.0, config={}, stage=0,
+            stage_programs=[{"stages": [0], "flop_loops": loops}],
+        )  # fmt: skip
+        return next(x for x in format_report(rep, "c.py").splitlines() if x.startswith("FLOPs"))
+
+    assert flops_line(12) == (
+        "FLOPs per step per device (cost_analysis): 2.564e+08, short of what the step "
+        "computes: XLA counts a loop's body once, and the step runs 12 loops of convolutions "
+        "or dots (on an fsdp mesh, the TPU compiler's windowed einsums)"
+    )
+    assert flops_line(0) == "FLOPs per step per device (cost_analysis): 2.564e+08"
+
+
 INTERLEAVED_HLO = HLO_PRELUDE + """
 %rs_1 (p0: f32[16]) -> f32[4] {
   %p0 = f32[16]{0} parameter(0)
@@ -625,6 +683,9 @@ def test_cli_text_on_hybrid_mesh():
         (["--target", "cpu:8"], 4, "--devices=4 but --target cpu:8 has 8 devices"),
         # a batch over digits' 1,437-image epoch is the run's error at its start
         (["--config.global_batch=4096"], 8, "more than one epoch of the training split"),
+        # no hint after it: --devices does not make a batch divide (it had "(comm_report:
+        # --devices N compiles for N virtual CPU devices)", also for tpu:v5e-256)
+        (["--config.global_batch=20"], 8, "use a multiple of 8, e.g. --config.global_batch=16"),
         # and so is a stage that rounds to no step of digits' epoch (the trainer refuses it)
         (["--config.stages=1:16-4,1.001:16-2,2:16-4", "--config.num_epochs=2"], 8,
          "stage 1 (epochs 1-1.001, 89 steps an epoch at global batch 16) rounds to 0 steps"),
@@ -645,6 +706,7 @@ def test_cli_errors_are_one_line(args, devices, expect, monkeypatch, capsys):
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expect in errors[0], stderr
     assert errors[0].count("--devices") <= 1 and "XLA_FLAGS" not in errors[0]
+    assert "(comm_report: --devices" not in errors[0]
 
 
 def test_a_run_with_stages_reports_each_stages_train_step():

@@ -108,10 +108,12 @@ def test_the_gpu_compiler_reports_memory_and_async_all_reduces(h100_8):
     train, evals = rep["programs"]
     for r in (train, evals):
         assert 0 < r["memory"]["total"] < 80e9
-        assert r["flops"] is None and r["roofline_images_per_s_per_chip"] is None
+        assert r["flops"] is None and r["max_images_per_s_per_chip"] is None
     # every gradient all-reduce is a start/done pair, left to overlap with compute
     assert train["collective_ops"] > 0
     assert train["async_collective_ops"] == train["collective_ops"]
+    # each byte overlapped or exposed, as comm_report's schedule line counts them
+    assert train["bytes_overlapped"] + train["bytes_exposed"] == train["collective_bytes"]
 
 
 @needs_plugin

@@ -173,6 +173,29 @@ def test_bad_input_stops_with_a_short_error(tmp_path, args, expect, capfd):
     assert not w.exists(), sorted(p.name for p in w.iterdir())
 
 
+def test_a_compiled_file_for_another_target_is_refused_before_anything_is_written(
+    tmp_path, capfd
+):
+    """A --compiled file for a TPU, given to a run on these CPUs, is one error, and the
+    workdir is not made: the set-up enabled the compile cache before the file was checked,
+    and left WORKDIR/compile_cache/ with the initial state's programs in it. The file's
+    header is all the check reads (no executable is loaded): a hand-written one serves."""
+    import pickle
+
+    from hybridpar.runtime import executables
+
+    out = tmp_path / "programs.bin"
+    header = {"format": executables.FORMAT, "target": "tpu:v5e-8", "platform": "tpu",
+              "device_kind": "TPU v5 lite", "devices": 8}  # fmt: skip
+    out.write_bytes(pickle.dumps({"header": header, "entries": []}))
+    w = tmp_path / "w"
+    code, _, err = _main_here(["--config", DIGITS, "--workdir", str(w), "--compiled", str(out),
+                               "--config.compile_cache=workdir"], capfd)  # fmt: skip
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().startswith(f"error: --compiled {out} does not fit this run: platform")
+    assert not w.exists(), sorted(str(p.relative_to(w)) for p in w.rglob("*"))
+
+
 def test_missing_config_and_unwritable_workdir(tmp_path, capfd):
     code, _, err = _main_here(["--config", str(tmp_path / "nope.py"), "--workdir",
                                str(tmp_path)], capfd)  # fmt: skip

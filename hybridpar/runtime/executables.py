@@ -111,7 +111,8 @@ def check_out(path: str) -> None:
     """``path`` can be written (a file of this process's own name beside it created and
     removed), or one error: checked before compiling, which takes minutes for a large model."""
     if os.path.isdir(path):
-        raise ConfigError(f"--out {path} is a folder: name a file in it, e.g. {path}/programs.bin")
+        example = os.path.join(path, "programs.bin")  # (one slash after "dir/" too)
+        raise ConfigError(f"--out {path} is a folder: name a file in it, e.g. {example}")
     tmp = _tmp_name(path)
     try:
         with open(tmp, "xb"):

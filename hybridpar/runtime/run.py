@@ -156,10 +156,9 @@ def _setup(
         if locks is not None:
             locks.append(lock)
     cache_dir = compile_cache.resolve(config.compile_cache, workdir)
-    if cache_dir is not None:  # before the first compilation, so that one is cached too
+    if cache_dir is not None:  # checked now; enabled once the --compiled file is (below)
         fix = 'pass --config.compile_cache=DIR you can write, or ""'
         checkpoint.ensure_writable(cache_dir, "compile cache directory", fix)
-        compile_cache.enable(cache_dir)
 
     # ---- Mesh and placement rules ----
     mesh = make_mesh(config.mesh, devices=devices)
@@ -194,6 +193,11 @@ def _setup(
             source = init_source(config.init_from, program)
     if compiled and finished is None:  # a finished run runs no step
         executables.load(compiled, program, recompile)
+    # Only now, the --compiled file checked: the set-up above compiles a few small programs
+    # (a random key's seed, ...) that the cache would keep, and a refused file must leave
+    # the workdir as it was. Still before the steps' first compilation: each is cached.
+    if cache_dir is not None:
+        compile_cache.enable(cache_dir)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock,
                source)  # fmt: skip
 

@@ -66,6 +66,9 @@ _GROUPS = re.compile(
 )
 _PAIRS = re.compile(r"source_target_pairs=(" + _NESTED + ")")
 _CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+# the computations an instruction runs: a fusion's, a call's, a loop's body and condition
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|condition)=%?([\w.\-]+)")
 # The clones of one collective in the TPU compiler's fusions share a continuation chain id
 # (chain_id="N"), or else a channel id; a shard_map's collectives may all have channel_id=1.
 _CHAIN = re.compile(r'\bchain_id="(\d+)"')
@@ -708,6 +711,45 @@ def schedule_figures(hlo_text: str, target) -> dict:
     }
 
 
+def hidden_text(overlapped: int, hidden: int) -> str:
+    """What of a program's overlapped collective bytes its compute hides, by estimate
+    (``hidden_on_target``), and what it leaves: an overlapped collective is not hidden by
+    being overlapped, only where the compute between takes as long as it."""
+    return (
+        f"est. {byte_size(hidden)} of the overlapped hidden by the compute between, "
+        f"{byte_size(max(overlapped - hidden, 0))} not"
+    )
+
+
+def loops_with_compute(hlo_text: str) -> int:
+    """How many while loops of a compiled program run convolutions or dots (in their body or
+    the computations it calls): XLA's cost analysis counts a loop's body once, whatever its
+    trips (the TPU compiler's windowed einsums of an fsdp mesh are such loops), so a
+    program with any computes more FLOPs than its count says."""
+    instrs = _instructions(hlo_text)
+    comps: dict = {}
+    for ins in instrs:
+        comps.setdefault(ins["computation"], []).append(ins)
+    memo: dict = {}
+
+    def computes(comp: str) -> bool:
+        if comp not in memo:
+            memo[comp] = False  # (a computation does not call itself)
+            memo[comp] = any(
+                ins["opcode"] in ("convolution", "dot")
+                or _custom_call_target(ins) in (*_GEMMS, *_CUDNN_CONV)  # the GPU's
+                or any(computes(c) for c in _CALLED.findall(ins["attrs"]))
+                for ins in comps.get(comp, [])
+            )
+        return memo[comp]
+
+    return sum(
+        1
+        for ins in instrs
+        if ins["opcode"] == "while" and any(computes(c) for c in _BODY.findall(ins["attrs"]))
+    )
+
+
 def overlap_totals(events: list[dict]) -> dict:
     """Bytes and ops of the collectives that overlap compute and of those exposed."""
     return {
@@ -764,15 +806,17 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
     try:
         run = setup(config, with_data=False, devices=devices)  # the train CLI's own checks
     except ConfigError as e:
-        if "devices" not in str(e):
-            raise
         wanted = re.search(r"needs (\d+) devices but .*?, or run on ", str(e))
-        if wanted:  # a mesh for another count: this tool's own flag is the one hint
-            n = wanted.group(1)
-            head = str(e)[: wanted.end() - len(", or run on ")]
-            raise ConfigError(f"{head}, or compile for {n} virtual CPU devices with --devices {n}")
-        hint = " (comm_report: --devices N compiles for N virtual CPU devices)"
-        raise ConfigError(f"{e}{hint}") from None
+        if not wanted:  # (a batch that does not divide over them, ...: the hint is no fix)
+            raise
+        # a mesh for another count: a target of that count, or this tool's own flag
+        n = wanted.group(1)
+        head = str(e)[: wanted.end() - len(", or run on ")]
+        if target is not None and target.chip is not None:
+            from hybridpar.tools.compile import target_hint
+
+            raise ConfigError(f"{head} ({target_hint(target, config.mesh)})") from None
+        raise ConfigError(f"{head}, or compile for {n} virtual CPU devices with --devices {n}")
     check_epoch(run)  # a batch over an epoch is the run's error at its start: said now
     mesh, program, applied = run.mesh, run.program, run.xla_flags
     if target is not None:
@@ -782,7 +826,8 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
     for i, (batch, size) in enumerate(steps, 1):
         say(f"compiling train b{batch} {size}px ({i}/{len(steps)}) ...")
         compiled = program.train_step(batch, size)
-        collectives = parse_collectives(compiled.as_text(), dict(mesh.shape))
+        hlo = compiled.as_text()
+        collectives = parse_collectives(hlo, dict(mesh.shape))
         mem_text, mem = memory_line(compiled)  # at least the compiler's peak (memory_of)
         rows.append(dict(
             stages=[s.index for s in run.plan.stages
@@ -792,6 +837,7 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
             total_bytes=sum(r["total_bytes"] for r in collectives),
             total_ops=sum(r["count"] for r in collectives),
             flops=_flops(compiled),
+            flop_loops=loops_with_compute(hlo),  # XLA's count takes their bodies once
             compile_s=round(program.compiles[-1]["compile_s"], 3),
             figures=(compiled, collectives, mem_text, mem),
         ))  # fmt: skip
@@ -895,13 +941,24 @@ def format_report(rep: CommReport, config_path: str) -> str:
         + (f" ({kinds})" if kinds else ""),
     ]
     if rep.bytes_hidden_est is not None:
+        # every byte is overlapped or exposed (compile's per-program line says the same)
+        overlapped = rep.total_bytes - rep.bytes_exposed
         lines.append(
-            f"the compiler's schedule: {byte_size(rep.bytes_exposed)} exposed; est. "
-            f"{byte_size(rep.bytes_hidden_est)} hidden by the compute beside them"
+            f"the compiler's schedule: {byte_size(overlapped)} overlapped with compute, "
+            f"{byte_size(rep.bytes_exposed)} exposed; "
+            f"{hidden_text(overlapped, rep.bytes_hidden_est)}"
         )
+    loops = next((p.get("flop_loops") for p in programs if rep.stage in p["stages"]), None)
     lines += [
         "FLOPs per step per device (cost_analysis): "
-        + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported"),
+        + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported")
+        + (
+            f", short of what the step computes: XLA counts a loop's body once, and the step "
+            f"runs {loops} loops of convolutions or dots (on an fsdp mesh, the TPU compiler's "
+            "windowed einsums)"
+            if loops and rep.flops is not None
+            else ""
+        ),
         rep.memory_text,
     ]
     return "\n".join(lines)

@@ -14,8 +14,13 @@ overlaps: the compute scheduled between its start and done, and the bytes overla
 exposed (a synchronous collective, or one with nothing between, is exposed), an estimate of
 the bytes that compute hides (its FLOPs at the chip's peak against the collective's time on
 the chip's links: ``comm_report.hidden_estimate``), compile time, and a
-roofline bound on the step time (FLOPs at peak or bytes at HBM bandwidth, whichever is
-longer; collectives, launch and input not counted) with the images/s per chip it allows.
+bound on the step time, its FLOPs at the chip's peak (no step is faster; memory traffic,
+collectives, launch and input not counted), with the most images/s per chip it allows. The
+bytes accessed at HBM bandwidth are in the JSON (``bytes_accessed_s``) but bound nothing:
+XLA's count is more than the HBM traffic (``targets.bytes_accessed_s``). XLA counts a loop's
+body once, whatever its trips: a program with loops of convolutions or dots (the TPU
+compiler's windowed einsums on an ``fsdp`` mesh) computes more than its FLOP count
+(``flop_loops``: how many such loops), and its bound is looser.
 A program that does not fit the chip's HBM (the TPU compiler refuses it) is one ``error:``
 line naming its need, the capacity and a plan that compiles. The last line is
 ``key=value`` figures for the largest program.
@@ -81,7 +86,7 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
     if target.chip is not None:  # hidden or only overlapped: compute vs link time
         for e in overlap:
             e.update(_hidden(e, target))
-    step_s = targets.roofline_step_s(target, cost["flops"], cost["bytes_accessed"])
+    step_s = targets.flops_bound_s(target, cost["flops"])
     # the eval step's too: its batch is the images a step, as the train step's
     per_chip = batch / target.devices_count
     return dict(
@@ -99,8 +104,11 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
                           if target.chip is not None else None),  # fmt: skip
         collectives=collectives,
         overlap=overlap,
-        roofline_step_s=step_s,
-        roofline_images_per_s_per_chip=round(per_chip / step_s, 1) if step_s else None,
+        # XLA's FLOP count takes each of these loops' bodies once: the program computes more
+        flop_loops=comm_report.loops_with_compute(hlo),
+        flops_bound_step_s=step_s,
+        max_images_per_s_per_chip=round(per_chip / step_s, 1) if step_s else None,
+        bytes_accessed_s=targets.bytes_accessed_s(target, cost["bytes_accessed"]),
     )
 
 
@@ -134,6 +142,7 @@ def _compile_programs(config, target, out, show, say) -> dict:
         say(f"compiling {kind} b{batch} {size}px ({i}/{len(wanted)}) ...")
         compiled = _compile_or_explain(run, target, kind, batch, size)
         rec = program.compiles[-1]
+        say(f"compiled {kind} b{batch} {size}px in {rec['compile_s']:.1f} s")
         cost = comm_report.cost_of(compiled)
         rows.append(program_row(kind, batch, size, rec, compiled.as_text(), cost, target))
     largest = max(rows, key=lambda r: r["memory"].get("total", 0))
@@ -286,9 +295,28 @@ def _fitting_batch(run, target, kind, batch, size, need, tries: int = 3) -> str 
                 raise
             continue
         mem = run.program.compiles[-1]["memory_per_device_bytes"].get("total", 0)
-        key = "eval_batch" if kind == "eval" else "global_batch (or the stage's batch)"
-        return f"{key}={trial} compiles on this mesh ({byte_size(mem)} per chip)"
+        flag = batch_flag(run.config, dp, kind, batch, size, trial)
+        return f"{flag} compiles on this mesh ({byte_size(mem)} per chip)"
     return None
+
+
+def batch_flag(config, dp: int, kind: str, batch: int, size: int, trial: int) -> str:
+    """The flag that makes the ``kind`` step of global batch ``batch`` at ``size`` px one of
+    ``trial``: ``--config.eval_batch``, ``--config.global_batch``, or with stages the whole
+    stage string with that stage's batch (per data-parallel device: ``trial / dp``) in it."""
+    import re
+
+    from hybridpar.config.curriculum import read_stages
+
+    if kind == "eval":
+        return f"--config.eval_batch={trial}"
+    if not config.stages:
+        return f"--config.global_batch={trial}"
+    parts = [p.strip() for p in config.stages.split(",") if p.strip()]
+    for i, (_, stage_size, per_device, *_) in enumerate(read_stages(config.stages)):
+        if (stage_size, per_device * dp) == (size, batch):  # END:SIZE-BATCH[@SCALE][~M]
+            parts[i] = re.sub(r"^([^-]*-\s*)\d+", rf"\g<1>{trial // dp}", parts[i])
+    return f"--config.stages={','.join(parts)}"
 
 
 def _step_within(run, target, kind: str, batch: int, size: int):
@@ -337,6 +365,8 @@ def hbm_shortfall(e: Exception) -> tuple[float, float] | None:
 
 
 def format_report(report: dict, config_path: str) -> str:
+    from hybridpar.tools import comm_report
+
     mesh = ", ".join(f"{k}={v}" for k, v in report["mesh"].items())
     lines = [
         f"compile: {config_path} for {report['target_description']}",
@@ -352,20 +382,21 @@ def format_report(report: dict, config_path: str) -> str:
         "",
         f"  {'program':<28} {'memory/chip':>12} {'temp':>10} {'GFLOP/chip':>11} "
         f"{'GB accessed':>11} {'collectives':>18} {'async':>5} {'exposed':>10} {'compile':>8} "
-        f"{'roofline img/s/chip':>19}",
+        f"{'max img/s/chip':>14}",
     ]
     for r in report["programs"]:
         m = r["memory"]
         name = f"{r['program']} b{r['batch']} {r['image_size']}px"
         flops = f"{r['flops'] / 1e9:.2f}" if r["flops"] else "-"
+        flops += "+" if r.get("flop_loops") and r["flops"] else ""  # a count short of it
         accessed = f"{r['bytes_accessed'] / 1e9:.3f}" if r["bytes_accessed"] else "-"
         coll = f"{r['collective_ops']} / {byte_size(r['collective_bytes'])}"
-        rate = r["roofline_images_per_s_per_chip"]
+        rate = r["max_images_per_s_per_chip"]
         lines.append(
             f"  {name:<28} {byte_size(m.get('total', 0)):>12} {byte_size(m.get('temp', 0)):>10}"
             f" {flops:>11} {accessed:>11} {coll:>18} {r['async_collective_ops']:>5} "
             f"{byte_size(r['bytes_exposed']):>10} {r['compile_s']:>7.1f}s "
-            f"{rate if rate is not None else '-':>19}"
+            f"{rate if rate is not None else '-':>14}"
         )
     lines.append("what each collective overlaps (compute scheduled between its start and done):")
     for r in report["programs"]:
@@ -373,7 +404,7 @@ def format_report(report: dict, config_path: str) -> str:
             f"  {r['program']} b{r['batch']} {r['image_size']}px: "
             f"{byte_size(r['bytes_overlapped'])} overlapped ({r['ops_overlapped']} ops), "
             f"{byte_size(r['bytes_exposed'])} exposed ({r['ops_exposed']} ops)"
-            + (f"; est. {byte_size(r['bytes_hidden_est'])} hidden by the compute between"
+            + (f"; {comm_report.hidden_text(r['bytes_overlapped'], r['bytes_hidden_est'])}"
                if r.get("bytes_hidden_est") is not None else "")  # fmt: skip
         )
         alike, nbytes = Counter(e["text"] for e in r["overlap"]), Counter()
@@ -385,11 +416,27 @@ def format_report(report: dict, config_path: str) -> str:
             lines.append(f"    ... {len(alike) - OVERLAP_LINES} more (--json lists every one)")
     if report["hbm_bytes_per_chip"]:
         lines.append(f"  (HBM per chip: {byte_size(report['hbm_bytes_per_chip'])})")
-    if any(r.get("roofline_images_per_s_per_chip") for r in report["programs"]):
-        # the table's roofline column, said only where it has a figure (none without chips')
+    big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
+    if any(r.get("max_images_per_s_per_chip") for r in report["programs"]):
+        # the table's last column, said only where it has a figure (none without chips')
         lines.append(
-            "roofline: FLOPs at peak or bytes at HBM bandwidth, whichever is longer; "
-            "collectives, launch and input are not counted, so real steps are slower"
+            "max img/s/chip: the images a step over its FLOPs at the chip's peak, a bound no "
+            "step beats (memory traffic, collectives, launch and input not counted)"
+        )
+        if big.get("bytes_accessed_s") and big.get("flops_bound_step_s"):
+            lines.append(
+                f"  XLA's bytes accessed at HBM bandwidth would take "
+                f"{big['bytes_accessed_s'] * 1e3:.3g} ms a step ({_name(big)}; its FLOPs "
+                f"{big['flops_bound_step_s'] * 1e3:.3g} ms): no bound, that count is more than "
+                "the HBM traffic (docs/scaling.md)"
+            )
+    loops = [r for r in report["programs"] if r.get("flop_loops") and r["flops"]]
+    if loops:
+        lines.append(
+            "GFLOP/chip +: XLA counts a loop's body once, and "
+            + ", ".join(f"{_name(r)} runs {r['flop_loops']}" for r in loops)
+            + " loops of convolutions or dots (on an fsdp mesh, the TPU compiler's windowed "
+            "einsums): the program computes more than its count, and its bound is looser"
         )
     if report["out"]:  # printed before the file is written: a failed write is an error after
         lines.append(
@@ -397,14 +444,13 @@ def format_report(report: dict, config_path: str) -> str:
             + (" (replacing the file there)" if report.get("replacing") else "")
         )
     # every per-program figure is the largest program's, the one largest= names
-    big = max(report["programs"], key=lambda r: r["memory"].get("total", 0))
-    rates = [r["roofline_images_per_s_per_chip"] for r in report["programs"]
+    rates = [r["max_images_per_s_per_chip"] for r in report["programs"]
              if r["program"] == "train"]  # fmt: skip
     lines.append(
         f"memory_per_chip_bytes={big['memory'].get('total')} "
         f"largest={big['program']}:b{big['batch']}:{big['image_size']}px "
         f"flops_per_chip={big['flops']} "
-        f"roofline_images_per_s_per_chip={min(rates) if all(rates) else None} "
+        f"max_images_per_s_per_chip={min(rates) if all(rates) else None} "
         f"collective_bytes={big['collective_bytes']} "
         f"exposed_bytes={big['bytes_exposed']} "
         # what the compute beside them can hide, by estimate (None without chip figures):
@@ -413,6 +459,10 @@ def format_report(report: dict, config_path: str) -> str:
         f"programs={len(report['programs'])} wall_s={report['wall_s']}"
     )
     return "\n".join(lines)
+
+
+def _name(r: dict) -> str:
+    return f"{r['program']} b{r['batch']} {r['image_size']}px"
 
 
 def main(argv=None) -> None:
@@ -451,7 +501,7 @@ def main(argv=None) -> None:
             # parsed, and a cpu:N over the virtual-device bound refused before anything starts
             target = comm_report.target_of(args.target, None)
             targets.prepare(target, config.comm)
-        else:  # this machine's own devices: no chip figures, so no capacity or roofline
+        else:  # this machine's own devices: no chip figures, so no capacity or bound
             import jax
 
             from hybridpar.parallel import comm

@@ -142,22 +142,24 @@ class Target:
 
 def parse(spec: str) -> Target:
     """``cpu:N`` or ``tpu:CHIP-N[,slices=S]`` (CHIP one of ``CHIPS``), or one error saying
-    what is accepted."""
+    what is accepted. Read without case or surrounding spaces (``TPU:V5E-16 `` is
+    ``tpu:v5e-16``), and the target keeps that form, as reports and files name it."""
+    spec = spec.strip().lower()
     fix = (
         "use --target cpu:N (N virtual CPU devices), tpu:CHIP-N[,slices=S] with CHIP one of "
         f"{', '.join(n for n, c in CHIPS.items() if c.chip_config)}, e.g. tpu:v5e-16 or "
         f"tpu:v5p-128,slices=2, or gpu:GPU-N with GPU one of {', '.join(GPUS)}, e.g. gpu:h100-16"
     )
-    m = re.fullmatch(r"cpu:(\d+)", spec.strip())
+    m = re.fullmatch(r"cpu:(\d+)", spec)
     if m:
         n = int(m.group(1))
         if n < 1:
             raise ConfigError(f"--target {spec}: at least one device; {fix}")
         return Target("cpu", n, spec=spec)
-    m = re.fullmatch(r"gpu:(\w+?)-(\d+)", spec.strip())
+    m = re.fullmatch(r"gpu:(\w+?)-(\d+)", spec)
     if m:
         return _parse_gpu(spec, m.group(1), int(m.group(2)), fix)
-    m = re.fullmatch(r"tpu:(v\w+?)-(\d+)(?:,slices=(\d+))?", spec.strip())
+    m = re.fullmatch(r"tpu:(v\w+?)-(\d+)(?:,slices=(\d+))?", spec)
     if not m:
         raise ConfigError(f"--target {spec!r} is not a target; {fix}")
     name, count, slices = m.group(1), int(m.group(2)), int(m.group(3) or 1)
@@ -287,13 +289,32 @@ def _platform_environment(target: Target) -> None:
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 
-def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
-    """A lower bound on one step's time on one chip from the TPU compiler's own counts: the
-    FLOPs at peak, or the bytes at HBM bandwidth, whichever takes longer (collectives,
-    launch and input not counted). None without chip figures (CPU) or without a FLOP count
-    (the GPU compiler gives none ahead of time)."""
+def flops_bound_s(target: Target, flops: float | None) -> float | None:
+    """A lower bound on one step's time on one chip: the compiler's FLOP count at the chip's
+    bfloat16 peak (no step is faster; memory traffic, collectives, launch and input not
+    counted). None without chip figures (CPU) or without a FLOP count (the GPU compiler
+    gives none ahead of time)."""
     if target.chip is None or not flops:
         return None
-    c = target.chip
-    return max(flops / c.peak_bf16_flops, (bytes_accessed or 0) / c.hbm_bytes_per_s)
+    return flops / target.chip.peak_bf16_flops
 
+
+def bytes_accessed_s(target: Target, bytes_accessed: float | None) -> float | None:
+    """The compiler's bytes-accessed count at the chip's HBM bandwidth: not a bound, as that
+    count is more than the step's HBM traffic (it includes what the chip's on-chip memory
+    serves: measured whole steps take less, docs/scaling.md). None without chip figures or
+    without the count."""
+    if target.chip is None or not bytes_accessed:
+        return None
+    return bytes_accessed / target.chip.hbm_bytes_per_s
+
+
+def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> float | None:
+    """The longer of ``flops_bound_s`` and ``bytes_accessed_s``: an estimate that ranks
+    plans (``plan --target``), not a bound, as the bytes term overstates the memory traffic
+    (collectives, launch and input not counted). None without chip figures (CPU) or without
+    a FLOP count (the GPU compiler gives none ahead of time)."""
+    compute = flops_bound_s(target, flops)
+    if compute is None:
+        return None
+    return max(compute, bytes_accessed_s(target, bytes_accessed) or 0.0)
