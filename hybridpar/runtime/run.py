@@ -109,6 +109,7 @@ def _setup(
     compiled: str | None = None,
     recompile: bool = False,
     for_training: bool = True,
+    tune_folder: str | None = None,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
@@ -117,6 +118,8 @@ def _setup(
     ``allow_config_change``: resume a workdir's run with a config that differs from its own.
     ``compiled``: a file of executables (``hybridpar.compile --out``) the steps load instead
     of compiling; one that does not fit the run is an error, or with ``recompile`` a warning.
+    ``tune_folder``: the kind of tune folder (``run_config.tune_files``) the caller sets a
+    run up in, its own (tune lr's test): any other kind is refused as not a run's folder.
     ``for_training``: False for tools that never train (the evaluator, quantize): a run's
     ``init_from`` and distillation teacher need not be there any more."""
     start = time.time()
@@ -133,7 +136,7 @@ def _setup(
     if workdir is not None:
         ckpt = checkpoint.checkpoint_dir(config, workdir)
         if os.path.isdir(workdir):
-            run_config.check_not_tune(workdir)  # tune's folder: no run of ours in it
+            run_config.check_not_tune(workdir, tune_folder)  # tune's: no run of ours in it
             # moved checkpoints first: without them check_run would compare with config.json
             checkpoint.check_not_moved(workdir, ckpt)
             finished = run_config.check_run(workdir, config, allow_config_change)

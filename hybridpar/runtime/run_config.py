@@ -135,8 +135,6 @@ KINDS = {"train": "a training run", "lr": "an LR range test", "search": "a searc
 # Written by tune lr before its test is set up: a test stopped before its lr_range.json (in
 # its set-up, or while it trains) is a test to resume, not a run to train on.
 LR_TEST_MARK = "tune_lr.json"
-# Workdirs whose range test tune lr itself is running: check_not_tune lets it set up there.
-tune_running: set[str] = set()
 
 
 def tune_files(workdir: str) -> str | None:
@@ -151,13 +149,14 @@ def tune_files(workdir: str) -> str | None:
     return None
 
 
-def check_not_tune(workdir: str) -> None:
+def check_not_tune(workdir: str, expected: str | None = None) -> None:
     """A tune study's or range test's folder is not a run to train in: training there put a
     run's files beside the study's (its folder has no config.json, so nothing else refused
     it), or went on from a stopped test's checkpoint (with --allow-config-change, which the
-    config error advised), so that tune lr then found a training run there."""
+    config error advised), so that tune lr then found a training run there. ``expected``:
+    the kind tune itself sets up there (``"lr"``: its range test resumed), let by."""
     held = tune_files(workdir)
-    if held is None or os.path.abspath(workdir) in tune_running:
+    if held is None or held == expected:
         return
     if held == "lr" and not os.path.isfile(os.path.join(workdir, "lr_range.json")):
         try:  # the mark names the command that resumes the test

@@ -298,16 +298,18 @@ class ProgressLine:
               flush=True)  # fmt: skip
 
 
-def run_trainer(config, workdir: str, hooks_for=lambda run: [], started=lambda run: None):
+def run_trainer(config, workdir: str, hooks_for=lambda run: [], started=lambda run: None,
+                tune_folder: str | None = None):  # fmt: skip
     """Sets up and trains ``config`` in ``workdir``: ``(run, summary)``. ``started(run)``:
     once set up (its plan known), before the training, its prints on the terminal;
-    ``hooks_for(run)``: the trainer's hooks (``trainer.Hook``) for the run."""
+    ``hooks_for(run)``: the trainer's hooks (``trainer.Hook``) for the run; ``tune_folder``:
+    the kind of tune folder ``workdir`` is (``"lr"``: the range test's own)."""
     from hybridpar.runtime import trainer
     from hybridpar.runtime.run import setup
 
     terminal = sys.stdout
     with quiet(workdir):
-        r = setup(config, workdir)
+        r = setup(config, workdir, tune_folder=tune_folder)
     started(r)
     hooks = [*hooks_for(r), ProgressLine(terminal, r.plan)]
     with quiet(workdir):
@@ -445,7 +447,6 @@ def lr_range(config, workdir: str, command: str | None = None) -> dict:
         another_config,
         config_dict,
         differences,
-        tune_running,
     )
     from hybridpar.runtime.run_records import read_json, read_run, write_json
 
@@ -481,11 +482,7 @@ def lr_range(config, workdir: str, command: str | None = None) -> dict:
               f"{last:.3g} (tune.lr_max={t.lr_max:g} at the end of the last step), stopped "
               f"once the loss diverges (progress: {workdir}/log.txt)", flush=True)  # fmt: skip
 
-    tune_running.add(os.path.abspath(workdir))  # the trainer's check_not_tune lets it by
-    try:
-        _, summary = run_trainer(c, workdir, lambda run: [stop], started)
-    finally:
-        tune_running.discard(os.path.abspath(workdir))
+    _, summary = run_trainer(c, workdir, lambda run: [stop], started, tune_folder="lr")
     if summary.get("preempted") and stop.stopped is None:  # a signal's stop, not the loss's
         # its curve is cut short: a suggestion from it would be far too low
         raise KeyboardInterrupt(
