@@ -803,3 +803,14 @@ def test_set_up_warns_when_the_eval_split_holds_training_images(name, train, tes
                      "images: the evaluation sees training images, so its top-1 is not a "
                      "held-out accuracy; set --config.data.eval_split to a split the run does "
                      "not train on"] if warned else []), said  # fmt: skip
+
+
+def test_the_eval_line_leaves_out_top5_where_it_is_1_by_construction():
+    """An own set of 3 classes printed 'top5 1.0000' at every eval: with 5 classes or fewer
+    every class is in the top 5 (planted: the column kept)."""
+    from hybridpar.runtime.run import eval_line
+
+    rec = {"step": 40, "epoch": 2.0, "loss": 0.5, "top1": 0.75, "top5": 1.0, "examples": 60}
+    assert eval_line(rec, 3) == (
+        "eval  step     40  epoch   2.00  loss 0.5000  top1 0.7500  (60 examples)")  # fmt: skip
+    assert "  top1 0.7500  top5 1.0000  (60 examples)" in eval_line(rec, 6)

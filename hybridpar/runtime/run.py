@@ -376,6 +376,16 @@ def memory_report(records: list) -> tuple[str, dict]:
 # ---- Evaluation ---------------------------------------------------------------------------------
 
 
+def eval_line(rec: dict, num_classes: int) -> str:
+    """An eval record as the log says it; with 5 classes or fewer top-5 is 1 by construction
+    (every class is among the top 5), so it is left out."""
+    top5 = f"  top5 {rec['top5']:.4f}" if num_classes > 5 else ""
+    return (
+        f"eval  step {rec['step']:>6}  epoch {rec['epoch']:6.2f}  loss {rec['loss']:.4f}  "
+        f"top1 {rec['top1']:.4f}{top5}  ({rec['examples']} examples)"
+    )
+
+
 def eval_pass(run: Run, state, step: int, writer: MetricsWriter) -> dict:
     """One pass over the whole eval split at ``data.image_size`` (padded batches, every
     example once), written as an ``eval`` event: the trainer's in-loop and final evaluations
@@ -403,10 +413,7 @@ def eval_pass(run: Run, state, step: int, writer: MetricsWriter) -> dict:
         top5=float(sums["top5_sum"]) / n,
         examples=int(n),
     )
-    log(
-        f"eval  step {step:>6}  epoch {epoch:6.2f}  loss {rec['loss']:.4f}  "
-        f"top1 {rec['top1']:.4f}  top5 {rec['top5']:.4f}  ({int(n)} examples)"
-    )
+    log(eval_line(rec, c.data.num_classes))
     return rec
 
 
