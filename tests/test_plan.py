@@ -737,6 +737,73 @@ def test_a_target_plans_json_records_what_its_estimate_used():
     assert on_cpu["hardware"] == "h100" and on_cpu["overlap"] == 0.8
 
 
+def test_a_target_plans_compute_is_the_longer_of_flops_and_bytes_said_as_a_heuristic():
+    """plan --target's compute a step is the longer of the FLOPs at peak and the bytes
+    accessed at HBM bandwidth (what docs/scaling.md's measured steps support for ranking),
+    and its table and JSON say so: a pessimistic heuristic, no bound, not the 'roofline' or
+    'upper bound' they said (XLA's bytes are more than the HBM traffic; planted: the old
+    words)."""
+    from types import SimpleNamespace
+
+    from hybridpar.tools import targets
+
+    target = targets.parse("tpu:v5e-8")
+    chip = target.chip
+    rep = _tpu_report([], {"data": 8, "fsdp": 1, "model": 1}, flops=1e10, bytes_accessed=1e9)
+    got = plan.predict_on_target(SimpleNamespace(num_epochs=1), rep, target, 8, 0.8, 1437)
+    compute = got["predicted_scaling_efficiency"] * got["predicted_step_s"]
+    assert 1e9 / chip.hbm_bytes_per_s > 10 * 1e10 / chip.peak_bf16_flops  # the bytes' longer
+    assert compute == pytest.approx(1e9 / chip.hbm_bytes_per_s, rel=1e-9)
+    said = [got["estimate"], plan.legend(target, None, 8, None),
+            plan.estimate_used(target, _preset(), 0.8, [got], 8)["estimate"]]  # fmt: skip
+    for text in said:
+        assert "the longer of the TPU compiler's FLOPs at the chip's peak and its bytes" in text
+        assert "pessimistic heuristic, no bound" in text
+        assert "roofline" not in text and "upper bound" not in text
+
+
+def _looped_rows(loops_by_mesh: dict):
+    """plan_rows of one fake TPU report per mesh whose step runs ``loops`` loops of compute
+    (``flop_loops`` in its stage's ``stage_programs`` row; ``...``: a row without it)."""
+    from types import SimpleNamespace
+
+    from hybridpar.tools import targets
+
+    target, results = targets.parse("tpu:v5e-16"), {}
+    for mesh, loops in loops_by_mesh.items():
+        shape = {"data": 1, "fsdp": 1, "model": 1, **dict([mesh])}
+        row = {"stages": [0], "flops": 1e6}
+        programs = [row if loops is ... else dict(row, flop_loops=loops)]
+        rep = _tpu_report(_DATA16, shape, stage=0, stage_programs=programs)
+        c = plan.Candidate(tuple(shape.items()), "dense", "global", "xla", 4, "float32")
+        results[c] = rep
+    config = SimpleNamespace(num_epochs=15)
+    return plan.plan_rows(config, results, 16, None, 2**40, 0.8, 1437, target)
+
+
+def test_a_plan_whose_flops_are_short_is_marked_not_ranked_silently():
+    """XLA counts a loop's body once: the fsdp:16 step's windowed-einsum loops made its FLOP
+    count short (256 M against data:16's 468 M), so its time to train is too. Such a plan is
+    marked (time to train +, flop_loops in the JSON) with a line saying its rank is
+    optimistic; a report that does not say (no flop_loops) is unknown, marked ?, not taken
+    as none (planted: no mark; a missing count read as 0)."""
+    fits, too_big, _ = _looped_rows({("fsdp", 16): 12, ("data", 16): 0, ("model", 16): ...})
+    by_mesh = {r["overrides"]["mesh"]: r for r in fits + too_big}
+    assert {m: r["flop_loops"] for m, r in by_mesh.items()} == {
+        "fsdp:16": 12, "data:16": 0, "model:16": None}  # fmt: skip
+    lines = plan.format_table(fits, too_big, [], 2**40).splitlines()
+    rows = {line.split()[1]: line for line in lines[2:5]}  # under the header and its rule
+    assert rows["fsdp:16"].rstrip().endswith("+") and rows["model:16"].rstrip().endswith("?")
+    assert rows["data:16"].rstrip()[-1] not in "+?"
+    assert any(line.startswith("time to train +:") and "rank are optimistic" in line
+               for line in lines)  # fmt: skip
+    assert any(line.startswith("time to train ?:") for line in lines)
+    # no plan with loops, none unknown: no mark and no note
+    fits, too_big, _ = _looped_rows({("data", 16): 0})
+    table = plan.format_table(fits, too_big, [], 2**40)
+    assert table.splitlines()[-1].rstrip()[-1] not in "+?" and "time to train +" not in table
+
+
 def test_memory_of_is_at_least_the_compilers_peak_for_every_tool():
     """program.memory_of (the compile tool's and the train pre-flight's figure, as well as
     plan's) takes the compiler's peak where the parts sum to less, and says so."""
@@ -945,6 +1012,38 @@ def test_a_plans_warnings_are_one_line_each_in_plans_voice(tmp_path, monkeypatch
         "warning: fsdp:4,model:2: 2 arrays stay whole on every device"
     ]
     assert all(r == {"total_bytes": 5, "from_cache": True} for r in results.values()), results
+
+
+def test_a_plans_warnings_are_read_not_taken_from_its_report(tmp_path, monkeypatch):
+    """Saying a plan's warnings leaves its report as it is (they were popped from it and
+    put back for the cache): a compiled plan's results have none (the ranking's report has
+    no such key), its cache file keeps them, and a second call says them from there
+    (planted: warning_lines popping them). Compiled by a stand-in in a thread, no JAX."""
+    import concurrent.futures
+
+    rep = {"memory_per_device_bytes": 1, "total_bytes": 5, "compile_s": 1.0,
+           "warnings": ["2 arrays stay whole on every device"]}  # fmt: skip
+    c = plan.Candidate((("data", 1), ("fsdp", 8), ("model", 1)), "dense", "global", "xla", 4,
+                       "float32")  # fmt: skip
+    assert plan.warning_lines(c, rep, set()) == [
+        "warning: fsdp:8: 2 arrays stay whole on every device"]  # fmt: skip
+    assert rep["warnings"] == ["2 arrays stay whole on every device"]  # left in the report
+    monkeypatch.setattr(plan, "compile_one", lambda path, overrides: dict(rep))
+
+    def threads(jobs, **kwargs):  # the workers' pool, as threads of this process
+        return concurrent.futures.ThreadPoolExecutor(jobs)
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", threads)
+    monkeypatch.setenv("HYBRIDPAR_PLAN_DEVICES", "8")
+    config = cli.load(DIGITS, [])
+    for from_cache in (False, True):
+        said = []
+        results = plan.compile_plans(DIGITS, config, [], [c], 8, 1, tmp_path, said.append)
+        want = {k: v for k, v in rep.items() if k != "warnings"}
+        assert results[c] == dict(want, from_cache=from_cache)
+        assert "warning: fsdp:8: 2 arrays stay whole on every device" in said
+        (cached,) = tmp_path.glob("*.json")
+        assert json.loads(cached.read_text()) == rep  # the cache keeps them
 
 
 # plan's main up to its compiles in a fresh Python, as `python -m hybridpar.plan` starts:

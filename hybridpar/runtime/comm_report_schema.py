@@ -85,8 +85,10 @@ class CommReport:
     # `stage`'s (the one needing the most memory per device; global_batch and image_shape
     # are its own), and `stage_programs` has each distinct step's figures, one dict each
     # ("stages": the indices that run it, "global_batch", "image_size",
-    # "memory_per_device_bytes", "total_bytes", "total_ops", "flops", "compile_s").
-    # Absent from reports written before them.
+    # "memory_per_device_bytes", "total_bytes", "total_ops", "flops", "flop_loops",
+    # "compile_s"; "flop_loops": the loops of convolutions or dots it runs, whose bodies
+    # XLA's FLOP count takes once, so with any its "flops" are short; absent from rows
+    # written before it: unknown, not none). Absent from reports written before them.
     stage: int | None = None
     stage_programs: list[dict] | None = None
 
