@@ -290,6 +290,18 @@ def test_rejects_model_parallel_meshes_and_params_split_over_data():
         make_sync(config, mesh, None)
 
 
+def test_fsdp_dims_reads_a_spec_entry_as_mesh_axis_names_does():
+    """A spec entry of several axes as a list (a spec a user's sharding carries unnormalised)
+    named no axis: ``fsdp_dims`` took the list as one name and missed its fsdp (planted: its
+    own 'one name or several' in place of ``mesh.axis_names``)."""
+    from hybridpar.parallel.bucketed import fsdp_dims
+
+    specs = {"w": SimpleNamespace(spec=(None, ["fsdp", "model"])), "b": P("fsdp"), "s": P()}
+    assert fsdp_dims(specs) == {("w",): 1, ("b",): 0}
+    with pytest.raises(ConfigError, match="split over 'data'"):
+        fsdp_dims({"w": SimpleNamespace(spec=(["data", "fsdp"],))})
+
+
 # --- numerics: bucketed == xla on data:8 -------------------------------------------------
 
 

@@ -260,10 +260,18 @@ def test_meshes_the_slices_or_the_batch_rule_out_are_counted_not_compiled():
     assert [c.overrides()["global_batch"] for c in found] == ["24", "24"]
     assert ruled == {
         "only the data axis crosses the 2 slices, so data must be a multiple of 2": 1,
-        "global_batch=24 does not divide over the mesh's data x fsdp": 1,
+        "--config.global_batch=24 does not divide over the 16 data-parallel devices of its "
+        "mesh (data x fsdp); use a multiple of 16, e.g. --config.global_batch=16": 1,
     }
     found, _, ruled = plan.candidates(config, 16, dict(choices, per_device_batch=[3]))
     assert len(found) == 4 and not ruled  # one slice, each mesh's own batch
+    # the eval batch too, as the set-up checks it (it was found in a worker per plan)
+    config.eval_batch = 24
+    found, _, ruled = plan.candidates(config, 16, dict(choices, per_device_batch=[3]))
+    assert [c.mesh_spec for c in found] == ["data:8,model:2", "data:2,fsdp:4,model:2"]
+    assert list(ruled.items()) == [(
+        "--config.eval_batch=24 does not divide over the 16 data-parallel devices of its mesh "
+        "(data x fsdp); use a multiple of 16, e.g. --config.eval_batch=16", 2)]  # fmt: skip
 
 
 def test_meshes_the_slices_rule_out_are_one_error_line_before_any_worker(capsys, monkeypatch):
@@ -283,6 +291,18 @@ def test_meshes_the_slices_rule_out_are_one_error_line_before_any_worker(capsys,
     assert "(only the data axis crosses the 2 slices, so data must be a multiple of 2)" in lines[0]
 
 
+def test_a_tpu_presets_slices_rule_out_meshes_as_a_targets_do(capsys, monkeypatch):
+    """plan --hardware tpu-v5e --devices 512 is two of v5e's 256-chip slices, as simulate
+    prices it: only data crosses them, so fsdp:512 is ruled out before any worker, as on
+    --target tpu:v5e-256,slices=2 (planted: one slice, its fsdp groups priced over DCN)."""
+    args = ["--config", DIGITS, *config_args(TINY), "--hardware", "tpu-v5e", "--devices",
+            "512", "--meshes", "fsdp:512", "--no-cache"]  # fmt: skip
+    code, stdout, stderr = _plan_refusing_to_compile(args, monkeypatch, capsys)
+    lines = stderr.strip().splitlines()
+    assert code == 2 and stdout == "" and len(lines) == 1, stderr
+    assert "(only the data axis crosses the 2 slices, so data must be a multiple of 2)" in lines[0]
+
+
 def test_a_batch_some_meshes_take_is_planned_on_those(tmp_path, capsys, monkeypatch):
     """global_batch=20 does not divide over 8 devices, but over data:4,model:2's 4
     data-parallel devices it does: plan compiles that mesh's plans (it refused them all:
@@ -292,14 +312,16 @@ def test_a_batch_some_meshes_take_is_planned_on_those(tmp_path, capsys, monkeypa
     args = [*ARGS, *batch, "--meshes", "data:8 data:4,model:2", "--cache-dir", str(tmp_path)]
     with pytest.raises(_Compiled):
         _plan_refusing_to_compile(args, monkeypatch, capsys)
-    assert "2 (global_batch=20 does not divide over the mesh's data x fsdp)" in (
+    assert "2 (--config.global_batch=20 does not divide over the 8 data-parallel devices" in (
         capsys.readouterr().err)  # fmt: skip
     args = [*ARGS, *batch, "--meshes", "data:8 fsdp:8", "--cache-dir", str(tmp_path)]
     code, stdout, stderr = _plan_refusing_to_compile(args, monkeypatch, capsys)
     lines = stderr.strip().splitlines()
     assert code == 2 and stdout == "" and len(lines) == 1, stderr
-    assert "ruled out: 4 (global_batch=20 does not divide over the mesh's data x fsdp)" in (
-        lines[0])  # fmt: skip
+    assert (
+        "ruled out: 4 (--config.global_batch=20 does not divide over the 8 data-parallel "
+        "devices of its mesh (data x fsdp); use a multiple of 8" in lines[0]
+    )
     assert "set --config.global_batch to a multiple" in lines[0]
     assert "--per-device-batch" in lines[0]
 
@@ -485,18 +507,28 @@ def test_a_target_plans_collectives_are_priced_as_simulate_prices_them():
     rep = _tpu_report(_DATA16, {"data": 16, "fsdp": 1, "model": 1})
     one = targets.parse("tpu:v5e-16")
     got = plan.predict_on_target(config, rep, one, 16, 0.8, 1437)
-    workload = sim.workload_from_report(CommReport.from_dict(rep))
-    v5e = sim.get_preset("tpu-v5e")
-    want = sim.predict_step(workload, v5e, 16, 4, 32).exposed_comm_s  # simulate's
+    # By hand, as simulate's v5e preset states the chip: 16 chips a 4x4 torus, a ring
+    # along each side in turn (reduce-scatter, then all-gather back) at its 400 GB/s ICI
+    # over the 2 dimensions (200 GB/s a ring), 2 us a hop; the second side holds a 1/4
+    b, a = 400e9 / 2, 2e-6
+
+    def on_4x4(n):
+        return 2 * ((4 - 1) * a + 3 / 4 * n / b + (4 - 1) * a + 3 / 4 * (n / 4) / b)
+
+    want = on_4x4(1_230_380) + 18 * on_4x4(1024)  # 0.52 ms
     assert got["predicted_exposed_comm_s"] == pytest.approx(want, rel=1e-12)
     assert want > 100 * rep["total_bytes"] / one.chip.ici_bytes_per_s  # the old price
+    workload = sim.workload_from_report(CommReport.from_dict(rep))
+    v5e = sim.get_preset("tpu-v5e")
+    assert sim.predict_step(workload, v5e, 16, 4, 32).exposed_comm_s == pytest.approx(want)
     two = targets.parse("tpu:v5e-8,slices=2")
     split = plan.predict_on_target(config, rep, two, 16, 0.8, 1437)["predicted_exposed_comm_s"]
 
     def by_hand(n):  # 8 chips a slice (a 2x4 torus) and 2 slices over DCN
         shard, dcn = n / 8, 25e9 / 8  # v5e's DCN: 25 Gb/s a chip, in bytes/s
         across = min(2 * 25e-6 + shard / dcn, 2 * 25e-6 + 2 * shard / dcn)  # ring or tree
-        return sim.torus_allreduce_time(n, 8, 2, 400e9, 2e-6) + across
+        on_2x4 = 2 * ((2 - 1) * a + 1 / 2 * n / b + (4 - 1) * a + 3 / 4 * (n / 2) / b)
+        return on_2x4 + across
 
     assert split == pytest.approx(by_hand(1_230_380) + 18 * by_hand(1024), rel=1e-12)
     assert split > 2 * want
@@ -547,7 +579,10 @@ def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
     total = 1e9  # collective bytes: seconds on the links against a small roofline
     rows = [("all-reduce", 1, total, 8, "mesh[8] over axis 0")]
     rep = _tpu_report(rows, {"data": 8, "fsdp": 1, "model": 1}, flops=1e10, bytes_accessed=1e6)
-    comm = sim.best_algorithm("all-reduce", total, 8, sim.get_preset("tpu-v5e"))[1]
+    b, a = 400e9 / 2, 2e-6  # by hand: a 2x4 torus of v5e, 200 GB/s a ring, 2 us a hop
+    comm = 2 * ((2 - 1) * a + 1 / 2 * total / b + (4 - 1) * a + 3 / 4 * (total / 2) / b)
+    assert sim.best_algorithm("all-reduce", total, 8, sim.get_preset("tpu-v5e"))[1] == (
+        pytest.approx(comm))  # fmt: skip
 
     def exposed(overlap, **figures):
         p = plan.predict_on_target(config, dict(rep, **figures), target, 8, overlap, 1_281_167)
@@ -556,6 +591,11 @@ def test_a_target_plan_takes_its_exposed_comm_from_the_compilers_schedule():
     assert exposed(0.0, bytes_hidden_est=total) == (0.0, "compiler schedule")
     assert exposed(1.0, bytes_hidden_est=0) == (pytest.approx(comm), "compiler schedule")
     assert exposed(0.8, bytes_hidden_est=total / 4)[0] == pytest.approx(0.75 * comm)
+    # the seconds hidden, each collective's compute against the price comm takes (DCN's on
+    # several slices), in place of the bytes' share, judged against one way of ICI
+    assert exposed(0.8, bytes_hidden_est=total, seconds_hidden_est=comm / 4) == (
+        pytest.approx(0.75 * comm), "compiler schedule")  # fmt: skip
+    assert exposed(0.8, bytes_hidden_est=0, seconds_hidden_est=2 * comm)[0] == 0.0
     for overlap in (0.8, 1.0):
         for old in ({"bytes_hidden_est": None}, {}):
             cached = {k: v for k, v in rep.items() if k not in ("bytes_hidden_est",
@@ -735,6 +775,11 @@ def test_a_target_plans_json_records_what_its_estimate_used():
         assert "TPU compiler" in used["estimate"] and "DCN between slices" in used["estimate"]
     on_cpu = plan.estimate_used(None, preset, 0.8, [], 8)
     assert on_cpu["hardware"] == "h100" and on_cpu["overlap"] == 0.8
+    # a TPU preset hides nothing: no overlap recorded, as simulate's JSON (it said 0.8)
+    from hybridpar import simulate
+
+    tpu = plan.estimate_used(None, simulate.get_preset("tpu-v5e"), 0.8, [], 8)
+    assert tpu["hardware"] == "tpu-v5e" and tpu["overlap"] is None
 
 
 def test_a_target_plans_compute_is_the_longer_of_flops_and_bytes_said_as_a_heuristic():
@@ -874,6 +919,10 @@ _TRAIN = {"event": "train", "image_size": 16, "global_batch": 32, "images_per_s"
         (["--config.stages=1:8-4,2:16-8", "--config.num_epochs=2", "--per-device-batch", "4,8"],
          ["--per-device-batch", "stages", "--config.stages"]),  # fmt: skip
         (["--images-per-epoch", "0"], ["--images-per-epoch=0", ">= 1"]),
+        # what simulate refuses on a TPU preset (it priced these, DCN at ICI speed)
+        (["--hardware", "tpu-v6e", "--devices", "512"], ["--devices 512", "no DCN bandwidth"]),
+        (["--hardware", "tpu-v5e", "--devices", "384"], ["--devices 384", "e.g. 256 or 512"]),
+        (["--hardware", "tpu-v5e", "--overlap", "0.5"], ["--overlap", "hides none", "drop"]),
         # a list given empty: was every factorisation (22 plans compiled), every head, ...
         (["--meshes", ""], ["--meshes '': no meshes given", "e.g. --meshes 'data:-1 fsdp:-1'"]),
         (["--heads", ""], ["--heads '': no values given", "e.g. --heads dense,sharded"]),

@@ -422,7 +422,7 @@ def fsdp_dims(specs) -> dict[Path, int]:
     for kp, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         spec = getattr(spec, "spec", spec)
         for d, entry in enumerate(spec):
-            axes = () if entry is None else (entry if isinstance(entry, tuple) else (entry,))
+            axes = axis_names(entry)
             if "data" in axes:
                 raise ConfigError(
                     f"comm.mode=bucketed: parameter {path_str(kp)!r} is split over 'data' "

@@ -81,6 +81,13 @@ class CommReport:
     # (comm_report.hidden_estimate at the target chip's figures).
     bytes_exposed: int | None = None
     bytes_hidden_est: int | None = None
+    # Likewise: the collective bytes the schedule overlaps with compute (compile's count of
+    # the same schedule), and the collective seconds the compute hides, by estimate, each
+    # collective priced as the scaling model prices it on the target's links (what
+    # `plan --target` takes from its comm time); the latter None where those links have no
+    # price. Absent from reports written before them.
+    bytes_overlapped: int | None = None
+    seconds_hidden_est: float | None = None
     # A run compiles one train step per curriculum stage: every figure above is stage
     # `stage`'s (the one needing the most memory per device; global_batch and image_shape
     # are its own), and `stage_programs` has each distinct step's figures, one dict each
@@ -141,6 +148,7 @@ class CommReport:
 _REPORT_KEYS = {f.name for f in dataclasses.fields(CommReport)} - {"memory_text"}
 _OPTIONAL_KEYS = {
     "bytes_accessed", "bytes_exposed", "bytes_hidden_est", "stage", "stage_programs",
+    "bytes_overlapped", "seconds_hidden_est",
 }  # fmt: skip
 _ROW_KEYS = {f.name for f in dataclasses.fields(CollectiveRow)} - {"is_async"} | {"async"}
 
@@ -154,6 +162,16 @@ def hidden_share(total_bytes, bytes_hidden_est) -> float | None:
     if not total_bytes:
         return 1.0  # no collective bytes: nothing to expose
     return min(1.0, max(0.0, bytes_hidden_est / total_bytes))
+
+
+def stage_flop_loops(stage_programs: list[dict] | None, stage: int | None) -> int | None:
+    """How many loops of convolutions or dots the step of stage `stage` runs (its row of
+    `stage_programs`): XLA's FLOP count takes a loop's body once, so with any that count is
+    short. None where the report does not say: unknown, not none."""
+    for p in stage_programs or []:
+        if stage in p.get("stages", []):
+            return p.get("flop_loops")
+    return None
 
 
 def _problem(d) -> str | None:

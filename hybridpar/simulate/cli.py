@@ -115,7 +115,7 @@ def simulate(
     for p in devices:
         if p % workload.model_parallel or p % workload.devices_multiple:
             continue
-        if devices_problem(preset, p):
+        if devices_problem(preset, p, workload):
             continue
         step = predict_step(workload, preset, p, per_device_batch, image_size, overlap, efficiency)
         row = dataclasses.asdict(step)
@@ -446,25 +446,40 @@ def above_peak(efficiency: float, what: str, fix: str) -> None:
         )
 
 
+def modelled_counts(counts, workload: Workload, preset: Preset, unit: int) -> list[int]:
+    """The counts of `counts` that hold the comm report's mesh (multiples of `unit`, its
+    axes that keep their size) and that the preset models (`devices_problem`)."""
+    return [p for p in counts if not p % unit and not devices_problem(preset, p, workload)]
+
+
+def count_hint(workload: Workload, preset: Preset, unit: int) -> str:
+    """The end of a fix to pass multiples of `unit`: a few the preset models, or why none."""
+    ok = modelled_counts([unit << k for k in range(13)], workload, preset, unit)
+    if ok:
+        return f"e.g. --devices {','.join(map(str, ok[:4]))}"
+    why = devices_problem(preset, unit, workload)
+    return f"none of which {preset.name} models ({why}); try another --preset"
+
+
 def check_devices(text: str, devices: list[int], workload: Workload, preset: Preset, unit: int):
     """Every count of ``--devices`` can hold the comm report's mesh (a multiple of its axes
     that keep their size, `unit`) and is one the preset models (`devices_problem`); else a
-    ValueError naming the count and a count that works."""
+    ValueError naming the count and counts that work."""
     bad = [p for p in devices if p % unit]
     if bad and workload.devices_multiple > 1:
         raise ValueError(
             f"--devices {text}: {bad[0]} devices cannot hold the comm report's mesh "
             f"{workload.mesh}, whose axes other than data keep their {workload.devices_multiple} "
-            f"devices as data grows; pass multiples of {unit} (the smallest: {unit}), e.g. "
-            f"--devices {8 * unit}"
+            f"devices as data grows; pass multiples of {unit} (the smallest: {unit}), "
+            + count_hint(workload, preset, unit)
         )
     if bad:  # the model axis alone
         raise ValueError(
             f"--devices {text}: {bad[0]} is not a multiple of the comm report's model-parallel "
-            f"size {unit}; pass multiples of {unit}, e.g. --devices {8 * unit}"
+            f"size {unit}; pass multiples of {unit}, " + count_hint(workload, preset, unit)
         )
     for p in devices:
-        problem = devices_problem(preset, p)
+        problem = devices_problem(preset, p, workload)
         if problem:
             raise ValueError(f"--devices {text}: {problem}")
 
@@ -918,7 +933,7 @@ def _main(args) -> int:
                 f"{p.reference_images_per_s:,.0f}",
                 str(p.devices_per_node),
                 f"{p.intra.bandwidth / GB:.4g}",
-                f"{p.inter.bandwidth / GB:.4g}/{p.inter.per}",
+                f"{p.inter.bandwidth / GB:.4g}/{p.inter.per}" if p.inter else "-",
             ]
             for p in PRESETS.values()
         ]
@@ -1002,10 +1017,12 @@ def _main(args) -> int:
     unit = math.lcm(m, workload.devices_multiple)
     if args.devices is not None:  # each count asked for is modelled, or one error line
         check_devices(args.devices, devices, workload, preset, unit)
-    if all(p % unit for p in devices):  # simulate() skips each one: an empty table
+    if not modelled_counts(devices, workload, preset, unit):  # simulate() skips each one
         raise ValueError(
-            f"--devices {args.devices or '8..4096 (the default)'}: no count is a multiple of "
-            f"the comm report's model-parallel size {m}; pass e.g. --devices {8 * m}"
+            f"--devices {args.devices or '8..4096 (the default)'}: no count both holds the "
+            f"comm report's mesh {workload.mesh or 'data'} (a multiple of {unit} devices) and "
+            f"is one {preset.name} models; pass multiples of {unit}, "
+            + count_hint(workload, preset, unit)
         )
     stages, stages_from = _stages(args, report)
     images_per_epoch, images_from = _images_per_epoch(args, report)

@@ -66,7 +66,10 @@ def counts(table: dict[int, tuple[float, float]], batch: float) -> tuple[float, 
 def roofline_seconds(
     table: dict[int, tuple[float, float]], batch: float, peak_flops: float, hbm_bytes_per_s: float
 ) -> float:
-    """The compiled step's least time on one chip at `batch`: its FLOPs at peak or its bytes
-    at the HBM bandwidth, whichever takes longer (as ``compile`` reports it)."""
+    """The longer of the compiled step's FLOPs at peak and its bytes accessed at the HBM
+    bandwidth on one chip at `batch`: the heuristic ``plan --target`` ranks plans with
+    (``targets.roofline_step_s``, restated: the scaling model imports no tool), not the
+    step's least time, as XLA's byte count is more than the HBM traffic (``compile`` prints
+    the FLOPs bound alone, max img/s/chip)."""
     flops, nbytes = counts(table, batch)
     return max(flops / peak_flops, nbytes / hbm_bytes_per_s)

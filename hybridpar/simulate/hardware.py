@@ -91,7 +91,8 @@ class Preset:
       steady epochs (the new size's first reads and kernel selection; 0: not modelled).
     max_devices: the most devices the preset models (0: no bound): a TPU chip without a DCN
       figure, one slice. A TPU preset's node is a slice (`devices_per_node` chips on ICI),
-      `inter` the DCN between slices.
+      `inter` the DCN between slices: None where the chip has no DCN figure, so nothing
+      between slices is priced (`hybridpar.simulate.cost` refuses it).
     """
 
     name: str
@@ -101,7 +102,7 @@ class Preset:
     grad_dtype: str  # the gradient dtype the reference recipe reduces
     devices_per_node: int
     intra: Link
-    inter: Link
+    inter: Link | None
     reference_images_per_s: float
     reference_image_size: int = 224
     reference_batch: int = 256
@@ -127,16 +128,24 @@ class Preset:
 
     def inter_bandwidth_per_node(self) -> float:
         """Bytes/s leaving one node (all of its NICs together)."""
+        if self.inter is None:  # a TPU slice with no DCN figure: nothing leaves it priced
+            raise ValueError(
+                f"{self.name} has no DCN bandwidth in the chip table "
+                "(hybridpar/config/hardware.py), so traffic between its slices cannot be priced"
+            )
         if self.inter.per == "node":
             return self.inter.bandwidth
         return self.inter.bandwidth * self.devices_per_node
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0) -> Preset:
         """The same preset with link bandwidths multiplied (for what-if studies and tests)."""
+        between = self.inter  # None: no DCN figure, nothing to scale
+        if between is not None:
+            between = dataclasses.replace(between, bandwidth=between.bandwidth * inter)
         return dataclasses.replace(
             self,
             intra=dataclasses.replace(self.intra, bandwidth=self.intra.bandwidth * intra),
-            inter=dataclasses.replace(self.inter, bandwidth=self.inter.bandwidth * inter),
+            inter=between,
         )
 
 
@@ -240,8 +249,8 @@ def _tpu_preset(chip) -> Preset:
     if chip.dcn_bytes_per_s:  # slices of `largest` chips joined over DCN beyond one
         dcn = Link(chip.dcn_bytes_per_s, _DCN_ALPHA, per="device", name="DCN per chip")
         beyond = f"; slices of {largest:,} joined over DCN at {chip.dcn_bytes_per_s / GB:.3g} GB/s"
-    else:  # no DCN figure: one slice at most
-        dcn, beyond = ici, f"; at most one slice of {largest:,} chips (no DCN figure)"
+    else:  # no DCN figure: one slice at most, nothing priced between slices
+        dcn, beyond = None, f"; at most one slice of {largest:,} chips (no DCN figure)"
     return Preset(
         name=f"tpu-{chip.name}",
         description=f"TPU {chip.name} bf16, {chip.torus_dims}D torus ICI "

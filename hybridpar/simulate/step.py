@@ -33,6 +33,8 @@ from hybridpar.simulate.workload import (
     IMAGENET_TRAIN_IMAGES,
     TRAIN_FLOPS_FACTOR,
     Workload,
+    cost_kind,
+    group_stride,
     resnet50_workload,
 )
 
@@ -176,6 +178,17 @@ def comm_time(workload: Workload, preset: Preset, devices: int) -> tuple[float, 
     return total, ", ".join(f"{k} x{v}" for k, v in sorted(chosen.items()))
 
 
+def op_seconds(kind: str, nbytes: float, group: int, groups: str, preset: Preset) -> float:
+    """Seconds of one op of a compiled collective (a comm report's row, or one collective of
+    its schedule: its HLO kind, result bytes, devices a group and groups text) on `preset`,
+    as `comm_time` prices the report's rows where they were compiled: a reduce-scatter's
+    result is one shard of the buffer; the members `group_stride` apart (1 where the text
+    does not say)."""
+    kind = cost_kind(kind)
+    full = nbytes * (group if kind == "reduce-scatter" else 1)
+    return best_algorithm(kind, full, group, preset, group_stride(groups or "") or 1)[1]
+
+
 def exposed_source(hidden_share: float | None, overlap: float, max_overlap: float = 1.0) -> str:
     """What decides the exposed communication: a compiler's schedule (a comm report's
     hidden share) where there is one; else nothing hidden where the preset hides nothing
@@ -203,10 +216,11 @@ def exposed_seconds(
     return sync + max(0.0, comm - sync - hidden)
 
 
-def devices_problem(preset: Preset, devices: int) -> str | None:
+def devices_problem(preset: Preset, devices: int, workload: Workload | None = None) -> str | None:
     """Why `preset` cannot model `devices` devices, else None: more than the most it models
     (`max_devices`: a TPU without a DCN figure, one slice), or, on a TPU beyond one slice,
-    not whole slices (`devices_per_node` chips each)."""
+    not whole slices (`devices_per_node` chips each), or a `workload` whose axes other than
+    data would cross slices: only data crosses them (as compile and plan lay a mesh out)."""
     if preset.max_devices and devices > preset.max_devices:
         return (
             f"{devices} devices is more than {preset.name} models: one slice of at most "
@@ -214,12 +228,29 @@ def devices_problem(preset: Preset, devices: int) -> str | None:
             "traffic between slices"
         )
     slice_size = preset.devices_per_node
-    if preset.torus_dims and devices > slice_size and devices % slice_size:
+    if not preset.torus_dims or devices <= slice_size:
+        return None
+    if devices % slice_size:
         down, up = devices // slice_size * slice_size, (devices // slice_size + 1) * slice_size
         return (
             f"{devices} devices is more than {preset.name}'s largest slice ({slice_size:,} "
             f"chips) and not whole slices of it joined over DCN; use a multiple of "
             f"{slice_size}, e.g. {down} or {up}"
+        )
+    if workload is not None and workload.grows != "data":
+        return (
+            f"{devices} devices is more than {preset.name}'s largest slice ({slice_size:,} "
+            f"chips), and the comm report's mesh {workload.mesh} grows {workload.grows} with "
+            "the devices, while only data crosses slices; use at most "
+            f"{slice_size} devices, or a comm report with data > 1"
+        )
+    if workload is not None and workload.devices_multiple > slice_size:
+        return (
+            f"{devices} devices is more than {preset.name}'s largest slice ({slice_size:,} "
+            f"chips), and the comm report's mesh {workload.mesh} keeps "
+            f"{workload.devices_multiple} devices on its axes other than data, which would "
+            "cross slices, while only data crosses them; use at most "
+            f"{slice_size} devices, or a comm report of a smaller fsdp x model"
         )
     return None
 
@@ -249,6 +280,9 @@ def predict_step(
     m = workload.model_parallel
     if devices % m:
         raise ValueError(f"{devices} devices is not a multiple of the model-parallel size {m}")
+    problem = devices_problem(preset, devices, workload)
+    if problem:  # nothing priced across slices the preset or the mesh cannot have
+        raise ValueError(problem)
     eff = preset.efficiency if efficiency is None else efficiency
     if not eff > 0:
         raise ValueError(f"efficiency must be positive, got {eff}")

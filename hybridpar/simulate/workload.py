@@ -86,6 +86,9 @@ class Workload:
     # 1, as fsdp then grows in its place); the mesh it says, e.g. "data:8,fsdp:4,model:2"
     devices_multiple: int = 1
     mesh: str = ""
+    # the batch axis that grows with the device count: data, or fsdp where a comm report's
+    # data axis is 1 (only data crosses a TPU's slices: `step.devices_problem`)
+    grows: str = "data"
 
     def step_flops(self, per_device_batch: int, image_size: int) -> float:
         """FLOPs one device executes per step: batch * per-image FLOPs * (size/ref)^2."""
@@ -149,6 +152,13 @@ _COST_KIND = {
     "collective-permute": "collective-permute",
     "collective-broadcast": "collective-permute",  # one send from the root to each peer
 }
+
+
+def cost_kind(kind: str) -> str:
+    """The cost model's kind of a comm report's collective kind (`_COST_KIND`)."""
+    if kind not in _COST_KIND:
+        raise ValueError(f"unknown collective kind {kind!r} in the comm report")
+    return _COST_KIND[kind]
 
 
 def inner_size(mesh: dict[str, int], axes: tuple[str, ...]) -> int:
@@ -264,9 +274,7 @@ def workload_from_report(report: CommReport) -> Workload:
     batch_stride = inner_size(report.mesh, _BATCH_AXES)
     colls = []
     for c in report.collectives:
-        kind = _COST_KIND.get(c.kind)
-        if kind is None:
-            raise ValueError(f"unknown collective kind {c.kind!r} in the comm report")
+        kind = cost_kind(c.kind)
         group = c.group_size or devices
         nbytes = float(c.bytes) * (group if kind == "reduce-scatter" else 1)
         spans_all = group >= devices
@@ -293,6 +301,7 @@ def workload_from_report(report: CommReport) -> Workload:
         )
     b = report.global_batch / batch_devs
     platform = report.devices.get("platform")
+    grows = "fsdp" if report.mesh.get("data", 1) == 1 and report.mesh.get("fsdp", 1) > 1 else "data"
     fixed = [a for a in report.mesh if a != "data"] if report.mesh.get("data", 1) > 1 else [
         a for a in report.mesh if a not in _BATCH_AXES]  # fmt: skip
     kinds = len({c.kind for c in report.collectives})  # rows are per kind and size
@@ -310,6 +319,7 @@ def workload_from_report(report: CommReport) -> Workload:
         hidden_share=report.hidden_share() if platform not in (None, "", "cpu") else None,
         devices_multiple=math.prod(report.mesh[a] for a in fixed),
         mesh=",".join(f"{a}:{n}" for a, n in report.mesh.items() if n > 1) or "data:1",
+        grows=grows,
     )
 
 

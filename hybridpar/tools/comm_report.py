@@ -32,7 +32,7 @@ from collections import Counter
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import byte_size, counted
-from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport
+from hybridpar.runtime.comm_report_schema import CollectiveRow, CommReport, stage_flop_loops
 
 # Nothing above imports JAX (``import hybridpar`` is lazy), so ``--devices N`` can still set
 # the virtual CPU device count before the backend starts.
@@ -633,11 +633,12 @@ def parse_overlap(hlo_text: str) -> list[dict]:
     for comp, seq, start, done, kind, nbytes, is_async, coll in events:
         between = [x for x in seq[start + 1 : done] if is_compute(x)]
         groups = _GROUPS.search(coll["attrs"])  # devices per group (None: not stated)
-        size = _short_groups(groups.group(1) if groups else None)[1]
+        text, size = _short_groups(groups.group(1) if groups else None)
         out.append(
             dict(
                 kind=kind,
                 bytes=0 if size == 1 else nbytes,  # a group of one device moves nothing
+                groups=text,  # as parse_collectives prints them: where its members sit
                 computation=comp,
                 start=seq[start]["name"],
                 done=seq[done]["name"],
@@ -674,41 +675,86 @@ _RING_FACTOR = {
 }
 
 
-def hidden_estimate(e: dict, peak_flops: float, link_bytes_per_s: float, devices: int) -> dict:
+def hidden_estimate(
+    e: dict, peak_flops: float, link_bytes_per_s: float, devices: int,
+    collective_s: float | None = None,
+) -> dict:  # fmt: skip
     """Whether what a collective overlaps can hide it, by estimate. ``compute_s``: the FLOPs
     scheduled between its start and done at the chip's peak (a lower bound: elementwise and
-    memory-bound work count nothing); ``collective_s``: a ring's bytes through each chip
-    (``_RING_FACTOR``, over ``group_size`` devices, else ``devices``) at
-    ``link_bytes_per_s``, latency not counted; ``bytes_hidden``: the bytes times the share of
-    that time the compute covers (0 where exposed)."""
-    n = e.get("group_size") or devices
-    factor = _RING_FACTOR.get(e["kind"], lambda n: 1.0)(max(n, 1))
-    collective_s = e["bytes"] * factor / link_bytes_per_s
+    memory-bound work count nothing); ``collective_s``: its time on the links, where given,
+    else a ring's bytes through each chip (``_RING_FACTOR``, over ``group_size`` devices,
+    else ``devices``) at ``link_bytes_per_s``, latency not counted; ``bytes_hidden`` and
+    ``seconds_hidden``: the bytes and that time times the share of it the compute covers
+    (0 where exposed)."""
+    if collective_s is None:
+        n = e.get("group_size") or devices
+        factor = _RING_FACTOR.get(e["kind"], lambda n: 1.0)(max(n, 1))
+        collective_s = e["bytes"] * factor / link_bytes_per_s
     compute_s = e["flops"] / peak_flops
     share = 0.0 if e["exposed"] else min(1.0, compute_s / collective_s) if collective_s else 1.0
     return dict(compute_s=compute_s, collective_s=collective_s,
-                bytes_hidden=int(round(e["bytes"] * share)))  # fmt: skip
+                bytes_hidden=int(round(e["bytes"] * share)),
+                seconds_hidden=collective_s * share)  # fmt: skip
 
 
-def hidden_on_target(e: dict, target) -> dict:
+def link_preset(target):
+    """The scaling model's preset of ``target``'s chip on its links, as ``simulate`` prices
+    a collective there: a TPU's slice on its ICI torus and DCN between the target's slices
+    (a ValueError for several slices of a chip without a DCN figure, whose traffic between
+    them has no price); a GPU's, 8 to a node on NVLink and one NIC each between nodes."""
+    from hybridpar import simulate as sim
+
+    if target.platform == "gpu":
+        return sim.get_preset(target.chip.name)
+    preset = sim.get_preset(f"tpu-{target.chip.name}")
+    return sim.slice_preset(preset, target.devices_count // target.slices, target.slices)
+
+
+def hidden_preset(target):
+    """``link_preset``, or None where it has no price (no chip: XLA:CPU's devices; several
+    slices of a chip without a DCN figure): then no collective's hidden share is known."""
+    if target is None or target.chip is None:
+        return None
+    try:
+        return link_preset(target)
+    except ValueError:
+        return None
+
+
+def hidden_on_target(e: dict, target, preset) -> dict:
     """``hidden_estimate`` of one collective compiled for ``target`` (which names a chip):
-    at the chip's bfloat16 peak and one direction of its ICI (a GPU's NVLink)."""
-    c = target.chip
-    return hidden_estimate(e, c.peak_bf16_flops, c.ici_bytes_per_s / 2, target.devices_count)
+    its compute at the chip's bfloat16 peak against its time as ``simulate`` prices it on
+    ``preset`` (``hidden_preset``: ICI within a slice, DCN between slices; a GPU's NVLink
+    and NICs), the price ``plan --target`` takes for the step's collectives."""
+    from hybridpar import simulate as sim
+
+    n = e.get("group_size") or target.devices_count
+    seconds = sim.op_seconds(e["kind"], e["bytes"], n, e.get("groups", ""), preset)
+    return hidden_estimate(e, target.chip.peak_bf16_flops, 0.0, n, collective_s=seconds)
 
 
 def schedule_figures(hlo_text: str, target) -> dict:
-    """``{"bytes_exposed", "bytes_hidden_est"}`` of a program compiled for ``target``: the
-    bytes its schedule leaves exposed (``overlap_totals``) and those the compute beside them
-    hides by estimate (``hidden_on_target``). Both None without a target chip (XLA:CPU's
-    schedule says nothing of an accelerator's)."""
+    """``{"bytes_overlapped", "bytes_exposed", "bytes_hidden_est", "seconds_hidden_est"}`` of
+    a program compiled for ``target``: the bytes its schedule overlaps with compute and
+    those it leaves exposed (``overlap_totals``, as compile counts them), and the bytes and
+    collective seconds the compute beside them hides by estimate (``hidden_on_target``).
+    None without a target chip (XLA:CPU's schedule says nothing of an accelerator's); the
+    estimates None where the links have no price (``hidden_preset``)."""
     if target is None or target.chip is None:
-        return {"bytes_exposed": None, "bytes_hidden_est": None}
+        return dict.fromkeys(SCHEDULE_KEYS)
     events = parse_overlap(hlo_text)
+    totals = overlap_totals(events)
+    preset = hidden_preset(target)
+    est = [hidden_on_target(e, target, preset) for e in events] if preset else None
     return {
-        "bytes_exposed": overlap_totals(events)["bytes_exposed"],
-        "bytes_hidden_est": sum(hidden_on_target(e, target)["bytes_hidden"] for e in events),
+        "bytes_overlapped": totals["bytes_overlapped"],
+        "bytes_exposed": totals["bytes_exposed"],
+        "bytes_hidden_est": sum(x["bytes_hidden"] for x in est) if est is not None else None,
+        "seconds_hidden_est": sum(x["seconds_hidden"] for x in est) if est is not None else None,
     }
+
+
+SCHEDULE_KEYS = ("bytes_overlapped", "bytes_exposed", "bytes_hidden_est", "seconds_hidden_est")
 
 
 def hidden_text(overlapped: int, hidden: int) -> str:
@@ -813,7 +859,7 @@ def report(config, virtual_devices: int | None = None, target=None, say=None) ->
         n = wanted.group(1)
         head = str(e)[: wanted.end() - len(", or run on ")]
         if target is not None and target.chip is not None:
-            from hybridpar.tools.compile import target_hint
+            from hybridpar.tools.targets import target_hint
 
             raise ConfigError(f"{head} ({target_hint(target, config.mesh)})") from None
         raise ConfigError(f"{head}, or compile for {n} virtual CPU devices with --devices {n}")
@@ -940,15 +986,14 @@ def format_report(rep: CommReport, config_path: str) -> str:
         f"total per step: {rep.total_ops} collective ops, {byte_size(rep.total_bytes)}"
         + (f" ({kinds})" if kinds else ""),
     ]
-    if rep.bytes_hidden_est is not None:
-        # every byte is overlapped or exposed (compile's per-program line says the same)
-        overlapped = rep.total_bytes - rep.bytes_exposed
+    if rep.bytes_overlapped is not None:  # compile's figures of the same schedule
+        hidden = rep.bytes_hidden_est
         lines.append(
-            f"the compiler's schedule: {byte_size(overlapped)} overlapped with compute, "
-            f"{byte_size(rep.bytes_exposed)} exposed; "
-            f"{hidden_text(overlapped, rep.bytes_hidden_est)}"
+            f"the compiler's schedule: {byte_size(rep.bytes_overlapped)} overlapped with "
+            f"compute, {byte_size(rep.bytes_exposed)} exposed"
+            + (f"; {hidden_text(rep.bytes_overlapped, hidden)}" if hidden is not None else "")
         )
-    loops = next((p.get("flop_loops") for p in programs if rep.stage in p["stages"]), None)
+    loops = stage_flop_loops(programs, rep.stage)
     lines += [
         "FLOPs per step per device (cost_analysis): "
         + (f"{rep.flops:.4g}" if rep.flops is not None else "not reported")

@@ -13,7 +13,8 @@ the compiler scheduled it (kind, bytes, groups, asynchronous or not) and what ea
 overlaps: the compute scheduled between its start and done, and the bytes overlapped and
 exposed (a synchronous collective, or one with nothing between, is exposed), an estimate of
 the bytes that compute hides (its FLOPs at the chip's peak against the collective's time on
-the chip's links: ``comm_report.hidden_estimate``), compile time, and a
+the target's links as ``simulate`` prices it: ``comm_report.hidden_on_target``; none where
+those links have no price), compile time, and a
 bound on the step time, its FLOPs at the chip's peak (no step is faster; memory traffic,
 collectives, launch and input not counted), with the most images/s per chip it allows. The
 bytes accessed at HBM bandwidth are in the JSON (``bytes_accessed_s``) but bound nothing:
@@ -83,9 +84,10 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
     collectives = comm_report.parse_collectives(hlo)
     overlap = [dict(e, text=comm_report.describe_overlap(e))
                for e in comm_report.parse_overlap(hlo)]  # fmt: skip
-    if target.chip is not None:  # hidden or only overlapped: compute vs link time
+    preset = comm_report.hidden_preset(target)  # None: the links have no price
+    if preset is not None:  # hidden or only overlapped: compute vs link time
         for e in overlap:
-            e.update(_hidden(e, target))
+            e.update(_hidden(e, target, preset))
     step_s = targets.flops_bound_s(target, cost["flops"])
     # the eval step's too: its batch is the images a step, as the train step's
     per_chip = batch / target.devices_count
@@ -100,8 +102,7 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
         collective_bytes=sum(r["total_bytes"] for r in collectives),
         async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
         **comm_report.overlap_totals(overlap),
-        bytes_hidden_est=(sum(e["bytes_hidden"] for e in overlap)
-                          if target.chip is not None else None),  # fmt: skip
+        bytes_hidden_est=sum(e["bytes_hidden"] for e in overlap) if preset else None,
         collectives=collectives,
         overlap=overlap,
         # XLA's FLOP count takes each of these loops' bodies once: the program computes more
@@ -131,7 +132,7 @@ def _compile_programs(config, target, out, show, say) -> dict:
     except ConfigError as e:
         if "devices but" in str(e):  # the mesh's size is not the target's
             msg = str(e).split(" (on CPU: XLA_FLAGS")[0]  # --target sets the CPU count here
-            raise ConfigError(f"{msg} ({target_hint(target, config.mesh)})") from None
+            raise ConfigError(f"{msg} ({targets.target_hint(target, config.mesh)})") from None
         raise
     check_epoch(run)
     program = run.program
@@ -188,36 +189,13 @@ def kernel_gradients(config, platform: str) -> str:
     )
 
 
-def target_hint(target: targets.Target, mesh: str) -> str:
-    """What a compile for the mesh's device count names as its target: a like target of
-    that size where one exists (the same chip and slices)."""
-    import math
-    import re
-
-    want = math.prod(int(n) for n in re.findall(r":\s*(\d+)", mesh))
-    if target.platform == "cpu":
-        return f"--target cpu:{want} compiles for {want} virtual CPU devices"
-    unit = "chips" if target.platform == "tpu" else "GPUs"
-    here = f"--target {target.spec} is {target.devices_count} {unit}"
-    if target.platform == "tpu":
-        per_slice = want // target.slices * target.chip.cores_per_chip
-        slices = f",slices={target.slices}" if target.slices > 1 else ""
-        spec = f"tpu:{target.chip.name}-{per_slice}{slices}"
-    else:
-        spec = f"gpu:{target.chip.name}-{want}"
-    try:
-        fits = want % target.slices == 0 and targets.parse(spec).devices_count == want
-    except ConfigError:
-        fits = False
-    return f"{here}; --target {spec} has {want}" if fits else here
-
-
-def _hidden(e: dict, target: targets.Target) -> dict:
-    """``comm_report.hidden_estimate`` at the target chip's peak and one direction of its
-    ICI (a GPU's NVLink), and the text saying it for an overlapped collective."""
+def _hidden(e: dict, target: targets.Target, preset) -> dict:
+    """``comm_report.hidden_on_target``: the target chip's peak against the collective's
+    time as ``simulate`` prices it on the target's links (``preset``: ICI within a slice,
+    DCN between slices), and the text saying it for an overlapped collective."""
     from hybridpar.tools import comm_report
 
-    est = comm_report.hidden_on_target(e, target)
+    est = comm_report.hidden_on_target(e, target, preset)
     if not e["exposed"]:
         est["text"] = (
             f"{e['text']}: est. {est['compute_s'] * 1e6:.3g} us of compute vs "

@@ -52,10 +52,11 @@ from hybridpar.config.curriculum import parse_stages
 from hybridpar.config.errors import ConfigError
 from hybridpar.config.formatting import GIB, MIB, byte_size, counted, duration, table
 from hybridpar.config.schema import HEADS
-from hybridpar.runtime.comm_report_schema import CommReport
+from hybridpar.runtime.comm_report_schema import CommReport, stage_flop_loops
 from hybridpar.runtime.run_records import write_json
 from hybridpar.tools.comm_report import (
     check_virtual_devices,
+    link_preset,
     target_of,
     use_virtual_cpu_devices,
 )
@@ -176,11 +177,19 @@ def _config_batch(c: Candidate, config) -> Candidate:
 
 
 def batch_rule_out(c: Candidate, config) -> str | None:
-    """Why the config's own global batch cannot be `c`'s (None: it can, or `c` sets its
-    batch): it must divide over the mesh's data-parallel devices (data x fsdp)."""
-    if c.per_device_batch is not None or config.stages or not config.global_batch % c.data_parallel:
-        return None
-    return f"global_batch={config.global_batch} does not divide over the mesh's data x fsdp"
+    """Why `c`'s set-up would refuse the config's batches (None: it would not): each must
+    divide over the mesh's data-parallel devices (data x fsdp), as ``mesh.check_divides``
+    says it where the run checks them (``program.check_batch_sizes``): the eval batch, and
+    the config's global batch where `c` and the stages do not set the batch."""
+    from hybridpar.parallel.mesh import check_divides
+
+    own = c.per_device_batch is None and not config.stages  # the config's global batch
+    for name in ("global_batch", "eval_batch") if own else ("eval_batch",):
+        try:
+            check_divides(config[name], c.data_parallel, f"--config.{name}=", "its mesh")
+        except ConfigError as e:
+            return str(e)
+    return None
 
 
 def candidates(
@@ -328,11 +337,11 @@ def check_rule_axes(config) -> None:
     set-up after it. A path rule must match an array, so each one's spec is applied; a
     logical rule applies where a model carries its name, and one whose name no array
     carries does nothing (the set-up's warning): its axis is checked too, a typo either way."""
-    from hybridpar.parallel.mesh import AXES
+    from hybridpar.parallel.mesh import AXES, axis_names
 
     def named(spec):
         for entry in spec if isinstance(spec, (tuple, list)) else (spec,):
-            yield from entry if isinstance(entry, (tuple, list)) else (entry,)
+            yield from axis_names(entry)
 
     for pattern, spec in config.partitioning.rules:
         for a in named(spec):
@@ -617,15 +626,12 @@ def images_per_epoch_of(config, flag: int | None = None) -> int:
     )
 
 
-def target_preset(target):
-    """The scaling model's preset of a TPU ``target``'s chip, on the target's slices: one
-    slice's chips share its ICI torus, the groups that span slices cross DCN
-    (``simulate.slice_preset``; a ValueError for several slices of a chip without a DCN
-    figure)."""
-    from hybridpar import simulate as sim
-
-    preset = sim.get_preset(f"tpu-{target.chip.name}")
-    return sim.slice_preset(preset, target.devices_count // target.slices, target.slices)
+def preset_slices(preset, devices: int) -> int:
+    """The slices `devices` chips of a TPU `preset` take (its largest slice each), 1 on a
+    GPU's: only data crosses them (``_rule_out``), as simulate prices them."""
+    if preset.torus_dims and devices > preset.devices_per_node:
+        return devices // preset.devices_per_node
+    return 1
 
 
 # plan --target's compute a step, in its text and JSON: no bound (the bytes term is not)
@@ -646,24 +652,30 @@ def predict_on_target(
     and never less than the scaling model's per-step floor
     (``simulate.hardware.STEP_FLOOR_S``). The collectives are priced as ``simulate`` prices
     them (``simulate.comm_time``: each group's collective on the links it crosses, rings
-    along a slice's ICI torus and DCN between slices, ``target_preset``); hidden: the
-    share of the bytes the compiler's schedule hides by estimate (``bytes_hidden_est``),
-    where the report has it, else none (``simulate.exposed_seconds``: a TPU preset hides
-    nothing). Evaluation and input not counted: an estimate for ranking plans, not a
-    prediction of a run. The longer of the two, not the FLOPs alone, as the measured steps
-    (docs/scaling.md: MLPerf's ResNet-50 on v3 and v4) have it: the FLOPs at peak are
-    2.5-3.9x short of each, the bytes 1.5-3.1x over, and a fit of the longer one follows
-    the steps across batches (within 1-6%) where one of the FLOPs does not (16-19% short)."""
+    along a slice's ICI torus and DCN between slices, ``comm_report.link_preset``); hidden:
+    the collective seconds the compiler's schedule hides by estimate, each collective's
+    overlapped compute against that same price (``seconds_hidden_est``), where the report
+    has it; in a report from before it, the share of the bytes hidden (``bytes_hidden_est``),
+    else none (``simulate.exposed_seconds``: a TPU preset hides nothing). Evaluation and
+    input not counted: an estimate for ranking plans, not a prediction of a run. The longer
+    of the two, unfitted: on the measured steps (docs/scaling.md: MLPerf's ResNet-50 on v3
+    and v4) the FLOPs at peak are 2.5-3.9x short of each and the bytes, the longer,
+    1.5-3.1x over, so this compute is pessimistic, a heuristic for ranking plans. (Only a
+    fit of it, with a fitted efficiency, a fixed cost and the bytes at 1.47-1.85x the HBM
+    bandwidth, follows the steps within 1-6%.)"""
     from hybridpar import simulate as sim
     from hybridpar.simulate.hardware import STEP_FLOOR_S
     from hybridpar.tools import targets
 
     compute = targets.roofline_step_s(target, rep["flops"], rep.get("bytes_accessed")) or 0.0
-    preset = target_preset(target)
+    preset = link_preset(target)
     report = CommReport.from_dict({k: v for k, v in rep.items() if k != "from_cache"})
     workload = sim.workload_from_report(report)
     comm, _ = sim.comm_time(workload, preset, devices)
-    exposed = sim.exposed_seconds(workload, preset, devices, comm, compute, overlap)
+    if report.seconds_hidden_est is not None:  # at the price comm takes, collective by one
+        exposed = max(0.0, comm - report.seconds_hidden_est)
+    else:
+        exposed = sim.exposed_seconds(workload, preset, devices, comm, compute, overlap)
     exposed_from = sim.exposed_source(workload.hidden_share, overlap, preset.max_overlap)
     step = max(compute + exposed, STEP_FLOOR_S)
     images = rep["global_batch"] / step  # the compiled step's (a stage's, with stages)
@@ -767,7 +779,7 @@ def plan_rows(
             compile_s=rep["compile_s"],
             compiled_for=f"{rep['devices']['platform']} ({rep['devices']['kind']})",
             memory_stage=rep.get("stage"),
-            flop_loops=flop_loops_of(rep),
+            flop_loops=stage_flop_loops(rep.get("stage_programs"), rep.get("stage")),
         )
         try:
             if target is not None:
@@ -783,16 +795,6 @@ def plan_rows(
     fits.sort(key=rank_key)
     too_big.sort(key=lambda r: r["memory_per_device_bytes"])
     return fits, too_big, failed
-
-
-def flop_loops_of(rep: dict) -> int | None:
-    """How many loops of convolutions or dots the step whose FLOPs a plan's report gives
-    runs (its stage's row of ``stage_programs``): XLA's count takes a loop's body once, so
-    with any the FLOPs are short. None where the report does not say: unknown, not none."""
-    for p in rep.get("stage_programs") or []:
-        if rep.get("stage") in p.get("stages", []):
-            return p.get("flop_loops")
-    return None
 
 
 def short_flops_mark(row: dict) -> str:
@@ -919,10 +921,11 @@ def estimate_used(target, hardware, overlap: float, rows: list, devices: int) ->
     replace them; where
     a report has no schedule figures its TPU preset hides nothing: ``exposed_from``), and
     the estimate in words."""
-    if target is None:
+    if target is None:  # no overlap where the preset hides nothing (a TPU's), as simulate
         return {"hardware": hardware.name, "efficiency": hardware.efficiency,
                 "step_overhead_s": hardware.step_overhead_s,
-                "calibration": hardware.reference_note, "overlap": overlap}  # fmt: skip
+                "calibration": hardware.reference_note,
+                "overlap": overlap if hardware.max_overlap > 0 else None}  # fmt: skip
     return {"hardware": None, "efficiency": None, "step_overhead_s": None, "calibration": None,
             "overlap": None, "estimate": legend(target, None, devices, None)}  # fmt: skip
 
@@ -997,7 +1000,7 @@ def build_parser() -> cli.ArgumentParser:
         type=cli.finite_float,
         help="scaling model's overlap of communication with the backward pass, in [0, 1] "
         f"(default {DEFAULT_OVERLAP:g}; not used with --target tpu:..., whose compiler's "
-        "schedule says what is hidden)",
+        "schedule says what is hidden, nor with a TPU --hardware preset, which hides nothing)",
     )
     p.add_argument(
         "--calibrate-from",
@@ -1043,6 +1046,7 @@ def main(argv=None) -> None:
             cli.fail(f"{flag} is not used with --target {args.target} (the TPU compiler's "
                      "figures for the chip replace the scaling model); drop it")  # fmt: skip
     args.hardware = args.hardware or "h100"
+    overlap_given = args.overlap is not None
     args.overlap = DEFAULT_OVERLAP if args.overlap is None else args.overlap
     args.calibrate_devices = 1 if args.calibrate_devices is None else args.calibrate_devices
     if target is not None:
@@ -1057,7 +1061,7 @@ def main(argv=None) -> None:
             target = None
     if tpu:  # its collectives are priced on ICI within a slice and DCN between them
         try:
-            target_preset(target)
+            link_preset(target)
         except ValueError as e:
             cli.fail(f"--target {args.target}: {e}; plan one slice, e.g. --target "
                      f"{args.target.split(',')[0]}")  # fmt: skip
@@ -1088,6 +1092,14 @@ def main(argv=None) -> None:
         preset = sim.get_preset(args.hardware)
     except ValueError as e:
         cli.fail(f"--hardware: {e}")
+    if target is None:  # what simulate refuses on this preset, refused here too
+        if overlap_given and preset.max_overlap <= 0:
+            cli.fail(f"--overlap is not used with --hardware {args.hardware}: the TPU compiler "
+                     "leaves its collectives synchronous, so the model hides none of them "
+                     "(exposed = comm); drop --overlap")  # fmt: skip
+        problem = sim.devices_problem(preset, n)
+        if problem:
+            cli.fail(f"--devices {n}: {problem}")
     default_gib = target.chip.hbm_bytes / GIB if target else preset.memory_gib
     limit_gib = default_gib if args.memory_gib is None else args.memory_gib
     if limit_gib <= 0:
@@ -1118,11 +1130,11 @@ def main(argv=None) -> None:
         platform = target.platform if target is not None else "cpu"
         choices = _choices(config, n, args, platform)
         _check_values(config, choices, validate)
-        slices = target.slices if target is not None else 1
+        slices = target.slices if target is not None else preset_slices(preset, n)
         plans, product, excluded = candidates(config, n, choices, platform, slices)
         if not plans:
             fix = "widen --meshes/--heads/--comm"
-            if any(r.startswith("global_batch=") for r in excluded):
+            if any(r.startswith("--config.global_batch=") for r in excluded):
                 fix += (", set --config.global_batch to a multiple of a mesh's data x fsdp, or "
                         "pass --per-device-batch")  # fmt: skip
             cli.fail(

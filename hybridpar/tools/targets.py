@@ -318,3 +318,26 @@ def roofline_step_s(target: Target, flops: float, bytes_accessed: float) -> floa
     if compute is None:
         return None
     return max(compute, bytes_accessed_s(target, bytes_accessed) or 0.0)
+
+
+def target_hint(target: Target, mesh: str) -> str:
+    """What a compile for the mesh's device count names as its target: a like target of
+    that size where one exists (the same chip and slices)."""
+    import math
+
+    want = math.prod(int(n) for n in re.findall(r":\s*(\d+)", mesh))
+    if target.platform == "cpu":
+        return f"--target cpu:{want} compiles for {want} virtual CPU devices"
+    unit = "chips" if target.platform == "tpu" else "GPUs"
+    here = f"--target {target.spec} is {target.devices_count} {unit}"
+    if target.platform == "tpu":
+        per_slice = want // target.slices * target.chip.cores_per_chip
+        slices = f",slices={target.slices}" if target.slices > 1 else ""
+        spec = f"tpu:{target.chip.name}-{per_slice}{slices}"
+    else:
+        spec = f"gpu:{target.chip.name}-{want}"
+    try:
+        fits = want % target.slices == 0 and parse(spec).devices_count == want
+    except ConfigError:
+        fits = False
+    return f"{here}; --target {spec} has {want}" if fits else here
