@@ -242,6 +242,14 @@ def test_no_workdir_another_config_and_no_checkpoints_are_errors(watched, tmp_pa
     # bad input writes nothing: no evaluator/ with an empty record and TensorBoard file
     # (planted bug that fails it: the MetricsWriter made before the checks)
     assert os.listdir(tmp_path / "empty") == []
+    # without --config the checkpoints are not looked for: said so, and --config named, what
+    # finds checkpoints without a config.json (planted bug that fails it: "no checkpoints")
+    code, _, err = main_here(evaluate.main, ["--workdir", str(tmp_path / "empty")], capsys)
+    assert code == 2 and err == (
+        f"error: {str(tmp_path / 'empty')!r} holds no config.json: {evaluator.WORKDIR_FIX}, "
+        "--config experiments/NAME.py (the run's checkpoints are then found without it), or "
+        "--watch to wait for a run about to start there\n"
+    ), err
     (tmp_path / "started").mkdir()  # a run that has written its config.json only
     shutil.copy(watched["w"] / "config.json", tmp_path / "started")
     with pytest.raises(ConfigError, match="no checkpoints in .* yet: pass --watch"):
@@ -500,14 +508,27 @@ def test_watch_does_not_stop_while_a_trainer_is_on_the_run(watched, tmp_path, mo
 
 def test_a_skipped_checkpoint_saved_again_is_evaluated(watched, tmp_path, capsys, monkeypatch):
     """A step skipped as unreadable, which the trainer moved aside and saved again, was
-    never evaluated (a skip counted as done). Now a skip counts while its step is not on
-    disk. Also: a large eval split says how far it is (here every batch). Planted bugs that
-    fail it: skips counted as done; no progress lines."""
+    never evaluated (a skip counted as done); then one still on disk was tried again by
+    every call, each adding an ``eval_skipped`` line. Now a skip records the save it saw
+    (its folder's time), and only another save of the step is tried again. Also: a large
+    eval split says how far it is (here every batch). Planted bugs that fail it: skips
+    counted as done; a skip on disk always tried again; no progress lines."""
     w = copy_of(watched, tmp_path, evaluated=[3, 6, 11])
-    skip = {"event": "eval_skipped", "step": 9, "epoch": 0.2, "wall_s": None,
-            "source": "evaluator", "reason": "does not read back (cut short)"}  # fmt: skip
-    with open(w / "evaluator" / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(skip) + "\n")
+    folder = w / "checkpoints" / "9"
+    files = {f: f.read_bytes() for f in (folder / "state").rglob("*") if f.is_file()}
+    for f in files:
+        f.write_bytes(b"\0garbage")
+    [skip] = evaluator.run(tiny_digits(**RUN), str(w))
+    assert skip["event"] == "eval_skipped" and skip["step"] == 9, skip
+    assert skip["reason"].startswith("does not read back"), skip
+    record = w / "evaluator" / "metrics.jsonl"
+    before = record.read_text()
+    assert evaluator.run(tiny_digits(**RUN), str(w)) == []  # the same save: not again
+    assert record.read_text() == before
+    for f, data in files.items():  # saved anew: a new folder, a later time
+        f.write_bytes(data)
+    later = folder.stat().st_mtime_ns + 10**9
+    os.utime(folder, ns=(later, later))
     monkeypatch.setattr(evaluator, "PROGRESS_S", 0.0)
     assert [r["step"] for r in evaluator.run(tiny_digits(**RUN), str(w))] == [9]
     assert "checkpoint 9: 3/3 eval batches read" in capsys.readouterr().out

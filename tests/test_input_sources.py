@@ -807,10 +807,20 @@ def test_set_up_warns_when_the_eval_split_holds_training_images(name, train, tes
 
 def test_the_eval_line_leaves_out_top5_where_it_is_1_by_construction():
     """An own set of 3 classes printed 'top5 1.0000' at every eval: with 5 classes or fewer
-    every class is in the top 5 (planted: the column kept)."""
+    every class is in the top 5 (planted: the column kept). The rule is one helper, which
+    the eval line and validate's refusal of a top-5 target (reached at step 0) both read
+    (planted: the boundary moved in it)."""
+    from hybridpar.config.schema import validate
     from hybridpar.runtime.run import eval_line
 
     rec = {"step": 40, "epoch": 2.0, "loss": 0.5, "top1": 0.75, "top5": 1.0, "examples": 60}
-    assert eval_line(rec, 3) == (
+    assert eval_line(rec, 5) == (
         "eval  step     40  epoch   2.00  loss 0.5000  top1 0.7500  (60 examples)")  # fmt: skip
     assert "  top1 0.7500  top5 1.0000  (60 examples)" in eval_line(rec, 6)
+    c = base_config()
+    c.data.update(name="synthetic", num_classes=5)
+    c.target_top5 = 0.9
+    with pytest.raises(ConfigError, match="top-5 is 1.0 by definition with 5 classes or fewer"):
+        validate(c)
+    c.data.num_classes = 6
+    validate(c)

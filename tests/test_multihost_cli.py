@@ -605,6 +605,17 @@ if mode in ("abort", "raise_then_abort"):
     )
     sys.stderr.flush()
     os.abort()
+if mode == "service_error":  # a service error line the run goes on from
+    sys.stderr.write(
+        "E1206 18:23:29.603900 22261 coordination_service_agent.cc:289] Polled an error from "
+        "coordination service (this can be an error from this or another task).\n"
+        "a later line on stderr\n"
+    )
+    sys.stderr.flush()
+    go, end = os.path.join(os.path.dirname(__file__), "go"), time.time() + 10
+    while not os.path.exists(go) and time.time() < end:  # the test saw the lines
+        time.sleep(0.05)
+    sys.exit(3 if os.path.exists(go) else 4)
 if mode == "signals":  # each arrival counted, as the trainer counts them (signals.py)
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, lambda n, f: None)
@@ -684,6 +695,22 @@ def test_a_python_traceback_before_jax_abort_goes_to_the_trace_file(tmp_path):
     [(rc, _, stderr)] = _finish([_supervised(tmp_path, "raise")], timeout=60)
     assert (rc, stderr) == (1, "a line on stderr\nTraceback (most recent call last):\n"
                                "ValueError: plain\n")  # fmt: skip
+
+
+def test_a_service_error_the_run_goes_on_from_is_shown_as_it_comes(tmp_path):
+    """One non-fatal line of JAX's distributed service held every line after it in memory
+    until the trainer's end. Now the service's lines wait only for the next line: shown
+    with it, in order, while the trainer runs (it waits here for the test to see them).
+    Planted bug that fails it: holding everything from the first service line."""
+    p = _supervised(tmp_path, "service_error")
+    try:
+        lines = [p.stderr.readline() for _ in range(3)]
+        (tmp_path / "go").touch()
+    finally:
+        [(rc, _, stderr)] = _finish([p], timeout=60)
+    assert rc == 3 and stderr == "", (rc, stderr)
+    assert lines[0] == "a line on stderr\n" and lines[2] == "a later line on stderr\n", lines
+    assert supervise.SERVICE_LOG.match(lines[1]) and "Polled an error" in lines[1], lines
 
 
 def test_a_plain_exit_under_the_train_command_is_the_trainers(tmp_path):

@@ -283,6 +283,23 @@ def test_int8_accuracy_and_size(quantized):
     assert lite["calibrated"]["agreement"] >= 0.9, lite  # the converter's own ranges
 
 
+def test_top5_is_left_out_where_it_is_1_by_construction():
+    """With 5 classes or fewer top-5 is 1 by construction: the table's column and the last
+    line's top5_drop said nothing (1.0000, 0.00); now '-' and no top5_drop (report.json
+    keeps the numbers). Planted bug that fails it: the figures said for any classes."""
+    from hybridpar.tools.quantize import last_line, table
+
+    report = {"eval": {n: {"top1": 0.75, "top5": 1.0} for n in ("float", "int8")},
+              "latency_ms": {"float_batch1_ms": 1.0, "int8_batch1_ms": 2.0},
+              "weight_bytes_float": 400, "weight_bytes_int8": 100, "top1_drop_points": 0.0,
+              "top5_drop_points": 0.0, "ratio": 4.0, "top1_agreement": 1.0,
+              "logit_error": 0.01}  # fmt: skip
+    assert table(report, 3)[1] == "float     0.7500       -           400       1.000"
+    assert table(report, 6)[1] == "float     0.7500  1.0000           400       1.000"
+    assert "top5_drop" not in last_line(report, 3)
+    assert "top1_int8=0.7500 top5_drop=0.00 weight" in last_line(report, 6)
+
+
 def test_exported_model_equals_in_process(quantized):
     w, _, _ = quantized
     # made on CPU for every platform JAX lowers here without its devices: a GPU or TPU

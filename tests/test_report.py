@@ -217,6 +217,11 @@ def test_a_file_report_did_not_write_is_replaced_only_with_overwrite(tmp_path, c
     readme.write_text("# My project\n")
     line = error_line(capsys, [a, "--out", str(png)])
     assert line.startswith(f"error: {readme} exists (written "), line
+    # report's .md starts with its line, not the user's (planted: "its FILE.md starts with")
+    assert (
+        ") and report did not write it (report's own FILE.md starts with `<!-- written by "
+        "python -m hybridpar.report`): pass --overwrite to replace "
+    ) in line, line
     assert f"pass --overwrite to replace {readme}, or name another --out" in line, line
     assert readme.read_text() == "# My project\n" and not png.exists()
     (tmp_path / "fig.png").write_bytes(b"mine")  # a PNG with no report .md beside it

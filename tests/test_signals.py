@@ -90,3 +90,36 @@ def test_a_run_whose_terminal_hung_up_goes_on_to_its_save():
         if p.poll() is None:
             p.kill()
         marker.unlink(missing_ok=True)
+
+
+def test_evaluate_stops_on_sighup_from_a_terminal_that_hung_up():
+    """evaluate's ``Stop`` copied ``StopWriting.stop`` without its SIGHUP fix: on a terminal
+    that hung up its line raised OSError (EIO) after ``release`` had closed the records and
+    given the lock back, and the evaluator went on (or ended in a traceback, exit 1). Now it
+    is ``StopWriting``'s stop after the release: exit 128 + SIGHUP. Planted bug that fails
+    it: evaluate's own copy of the stop back."""
+    marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"hup-{os.getpid()}-{time.time_ns()}"
+    script = (
+        "import time\n"
+        "from hybridpar.tools import evaluate\n"
+        "stop = evaluate.Stop()\n"
+        f"stop.release = lambda: open({str(marker)!r}, 'w').write('released')\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    main, tty = os.openpty()
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
+                         stdout=tty, stderr=tty, start_new_session=True)  # fmt: skip
+    os.close(tty)
+    try:
+        said = b""
+        while b"ready" not in said:
+            said += os.read(main, 100)
+        os.close(main)  # the terminal hangs up
+        p.send_signal(signal.SIGHUP)
+        assert p.wait(timeout=60) == 128 + signal.SIGHUP
+        assert marker.read_text() == "released"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        marker.unlink(missing_ok=True)

@@ -479,6 +479,27 @@ def test_train_refuses_a_stopped_range_test(tmp_path, capsys, monkeypatch):
     assert tune.held_kind(wd, tiny_digits()) == "lr"  # search refuses it too
 
 
+def test_a_range_test_set_up_refuses_writes_nothing(tmp_path, capsys):
+    """tune lr marks its folder before the set-up; a set-up that refused the input (a mesh
+    larger than the devices) left the mark and log.txt, and train there was refused with
+    advice to re-run the failing tune command. Now the folders this call made are gone; in a
+    folder it did not make, what was there stays. Planted bug that fails it: nothing removed."""
+    from hybridpar.tools import train
+
+    args = ["lr", "--config", DIGITS, *TINY_LR, "--config.mesh=data:16"]
+    code, _, err = main_here(tune.main, [*args, "--workdir", str(tmp_path / "new/lr")], capsys)
+    assert code == 2 and err.startswith("error: mesh spec") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "new")
+    wd = str(tmp_path / "lr")
+    os.makedirs(wd)
+    (tmp_path / "lr" / "log.txt").write_text("earlier\n")
+    assert main_here(tune.main, [*args, "--workdir", wd], capsys)[0] == 2
+    assert os.listdir(wd) == ["log.txt"]
+    code, _, err = main_here(train.main, ["--config", DIGITS, "--workdir", wd, *TINY_LR,
+                                          "--config.mesh=data:16"], capsys)  # fmt: skip
+    assert code == 2 and "range test" not in err, err
+
+
 def test_a_resumed_range_test_stops_at_the_step_a_whole_one_would():
     """The divergence check of a resumed test goes on from the steps before it (it started
     afresh, from a loss already low, and stopped later or never). Planted bug that fails
@@ -534,16 +555,18 @@ def test_tune_refuses_another_tools_workdir_before_writing(tmp_path, capsys):
         assert code == 2 and err.startswith(f"error: workdir {str(wd)!r} holds {says}"), err
         assert err.count("\n") == 1 and "allow-config-change" not in err, err
         assert sorted(os.listdir(wd)) == before, kind
-    # a folder inside a study (its trials/ or a new one there) is not a new study's folder: a
-    # search ran in S/trials, writing S/trials/study.db and S/trials/trials/000
+    # any folder inside a study (its trials/, a new one there, deeper) is not a new study's
+    # folder: a search ran in S/trials, writing S/trials/study.db and S/trials/trials/000
+    # (planted bug that fails it: only the parent and grandparent looked at)
     study = str(tmp_path / "search")
-    for inside, mode in [("trials", search), ("trials/new", ["lr"])]:
+    for inside, mode in [("trials", search), ("trials/new", ["lr"]), ("mine/a/b", ["lr"])]:
         wd = os.path.join(study, inside)
         code, _, err = main_here(tune.main, [*mode, "--config", DIGITS, "--workdir", wd],
                                  capsys)  # fmt: skip
         assert code == 2 and err == (
-            f"error: workdir {wd!r} is inside the search study in {study!r} (its trials' "
-            f"runs): tune {mode[0]} does not run there; use a new --workdir outside it\n"
+            f"error: workdir {wd!r} is inside the search study in {study!r} (which holds its "
+            f"trials' runs): tune {mode[0]} does not run there; use a new --workdir outside "
+            "it\n"
         ), err
         assert not os.path.exists(wd)
 

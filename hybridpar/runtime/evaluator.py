@@ -55,6 +55,7 @@ from hybridpar.runtime.run_records import read_json, read_records, resumed_from
 # example still counts once), and when and to what end the trainer evaluates.
 PLACEMENT_KEYS = (*run_config.PLACEMENT_KEYS, "eval_every_epochs", "target_top1", "target_top5")
 SKIPPED = "eval_skipped"
+SAVED = "checkpoint_mtime_ns"  # in a skip's line: the save it skipped (``Evaluator.saved``)
 # With --watch: how long a run may bring no new checkpoint with no trainer alive on it
 # before the evaluator stops (a preempted run is usually resumed within minutes).
 DEAD_AFTER_S = 300.0
@@ -79,7 +80,7 @@ def check_is_run(workdir: str, config, watch: bool) -> None:
     """A folder that holds no training run is an error before any set-up: a tune search's
     (its runs are its trials'), and without ``watch`` one with no ``config.json`` (which the
     trainer writes before any checkpoint) and no checkpoints of ``config`` (None: the
-    run's own, which is in that file)."""
+    run's own, which is in that file, so none are looked for)."""
     if not os.path.isdir(workdir):
         return  # check_run_of says it: no such workdir
     if run_config.tune_files(workdir) == "search":
@@ -90,7 +91,13 @@ def check_is_run(workdir: str, config, watch: bool) -> None:
         )
     if watch or os.path.exists(os.path.join(workdir, "config.json")):
         return
-    if config is None or not checkpoint.committed_steps(checkpoint.checkpoint_dir(config, workdir)):
+    if config is None:  # the run's config is read from config.json: its checkpoints unknown
+        raise WorkdirError(
+            f"{workdir!r} holds no config.json: {WORKDIR_FIX}, --config experiments/NAME.py "
+            "(the run's checkpoints are then found without it), or --watch to wait for a run "
+            "about to start there"
+        )
+    if not checkpoint.committed_steps(checkpoint.checkpoint_dir(config, workdir)):
         raise WorkdirError(
             f"{workdir!r} holds no training run (no config.json, no checkpoints): "
             f"{WORKDIR_FIX}, or --watch to wait for a run about to start there"
@@ -166,11 +173,13 @@ class Evaluator:
             checkpoint.checkpoint_dir(run.config, workdir), read_only=True
         )
         done, _ = read_records(os.path.join(self.out, "metrics.jsonl"))
-        # a skipped step back on disk is tried again: the trainer saved it anew (after moving
-        # an unreadable one aside, or resumed from an earlier checkpoint)
+        # A skipped step is tried again only if the trainer saved it anew (after moving an
+        # unreadable one aside, or resumed from an earlier checkpoint): its folder is not
+        # the one the skip saw (none, where it was gone). Untouched, it would fail again.
         there = set(self.saver.committed_steps())
-        gone = [r.step for r in done if r.event == SKIPPED and r.step not in there]
-        self.done = {r.step for r in done if r.event == "eval"} | set(gone)
+        skips = {r.step: r.extra.get(SAVED) for r in done if r.event == SKIPPED}  # the last
+        same = [s for s, saved in skips.items() if s not in there or saved == self.saved(s)]
+        self.done = {r.step for r in done if r.event == "eval"} | set(same)
         self.plan_of = run_config.config_dict(run.config)  # the config run.plan was made of
         self.started_from: int | None = None  # the latest trainer start's checkpoint step
         self.writer = None  # made by the first record: a call that stops on an error writes none
@@ -222,12 +231,22 @@ class Evaluator:
         ``metrics.jsonl`` names its own checkpoint)."""
         return self.run.plan.epoch_at(step) >= self.from_epoch - 5e-5
 
+    def saved(self, step: int) -> int | None:
+        """What tells one save of ``step`` from another: its folder's modification time (a
+        save anew is a new folder); None while there is none."""
+        try:
+            return os.stat(os.path.join(self.saver.directory, str(step))).st_mtime_ns
+        except OSError:
+            return None
+
     def skip(self, step: int, why: str) -> None:
         self.done.add(step)
         log(f"checkpoint {step}: skipped, {why}")
-        # wall_s: the trainer's time at a checkpoint that is gone is not known
+        # wall_s: the trainer's time at a checkpoint that is gone is not known. The save it
+        # skipped goes in ``extra`` (a line's undeclared fields): only this class reads it.
         rec = self.write(SKIPPED, step, self.run.plan.epoch_at(step), wall_s=None,
-                         source="evaluator", reason=why)  # fmt: skip
+                         source="evaluator", reason=why,
+                         extra={SAVED: self.saved(step)})  # fmt: skip
         self.written.append(rec)
 
     def evaluate(self, step: int) -> None:

@@ -28,7 +28,7 @@ from hybridpar.config.curriculum import (
     plan_stages,
     stages_from_config,
 )
-from hybridpar.config.schema import eval_split_of, unused_settings, validate
+from hybridpar.config.schema import eval_split_of, top5_says_nothing, unused_settings, validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.parallel.partitioning import PRESETS
@@ -377,9 +377,9 @@ def memory_report(records: list) -> tuple[str, dict]:
 
 
 def eval_line(rec: dict, num_classes: int) -> str:
-    """An eval record as the log says it; with 5 classes or fewer top-5 is 1 by construction
-    (every class is among the top 5), so it is left out."""
-    top5 = f"  top5 {rec['top5']:.4f}" if num_classes > 5 else ""
+    """An eval record as the log says it; top-5 left out where it is 1 by construction
+    (``top5_says_nothing``: 5 classes or fewer)."""
+    top5 = "" if top5_says_nothing(num_classes) else f"  top5 {rec['top5']:.4f}"
     return (
         f"eval  step {rec['step']:>6}  epoch {rec['epoch']:6.2f}  loss {rec['loss']:.4f}  "
         f"top1 {rec['top1']:.4f}{top5}  ({rec['examples']} examples)"

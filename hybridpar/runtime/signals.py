@@ -157,11 +157,12 @@ class StopBetweenRuns(ToolHandler):
 
 class StopWriting(ToolHandler):
     """SIGTERM / SIGINT in a tool that writes its output into ``temp`` and then moves it into
-    place (quantize, prune): ``temp`` removed, one line, ``stopped (Ctrl-C): `` (or
-    ``stopped (SIGTERM): ``) and ``said()`` (what the output is now), and exit 128 + the
-    signal, at once. Not by KeyboardInterrupt, Python's default: one raised inside JAX or a
-    gc callback is dropped ("Exception ignored"), and the tool went on to replace the output
-    it was stopped to keep. A signal inside ``whole()`` (the move) waits for its end."""
+    place (quantize, prune): ``temp`` removed (where one is named: evaluate's ``Stop`` has
+    none), one line, ``stopped (Ctrl-C): `` (or ``stopped (SIGTERM): ``) and ``said()``
+    (what the output is now), and exit 128 + the signal, at once. Not by KeyboardInterrupt,
+    Python's default: one raised inside JAX or a gc callback is dropped ("Exception
+    ignored"), and the tool went on to replace the output it was stopped to keep. A signal
+    inside ``whole()`` (the move) waits for its end."""
 
     def __init__(self, temp: str, said: Callable[[], str]):
         self.temp = temp
@@ -178,7 +179,8 @@ class StopWriting(ToolHandler):
 
     def stop(self, signum: int) -> None:
         leave_hung_up_terminal(signum)
-        shutil.rmtree(self.temp, ignore_errors=True)
+        if self.temp:
+            shutil.rmtree(self.temp, ignore_errors=True)
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         said = self.said()
         msg = f"stopped ({name})" + (f": {said}" if said else "")
@@ -188,8 +190,8 @@ class StopWriting(ToolHandler):
             os.write(2, f"{msg}\n".encode())
         try:
             sys.stdout.flush()
-        except (RuntimeError, ValueError):  # inside a print to it, or closed
-            pass
+        except (OSError, RuntimeError, ValueError):  # its reader gone, inside a print to it,
+            pass  # or closed
         os._exit(128 + signum)  # the exit status the signal's default action gives
 
 

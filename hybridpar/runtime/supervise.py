@@ -51,6 +51,7 @@ PY_TRACE = "Traceback (most recent call last):"
 # JAX's distributed service's own log lines (glog's format): its errors come just before
 # its fatal line, so they are held with the stack trace
 SERVICE_LOG = re.compile(r"[EF]\d{4} [\d:.]+\s+\d+ (coordination_service\w*\.cc|client\.h):\d+\]")
+SERVICE_HELD = 50  # of those lines in a row, at most this many held (the newest)
 TRACE_PREFIX = "hybridpar-jax-abort-"
 KEEP_TRACES = 10
 
@@ -175,6 +176,7 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
             signal.signal(s, forward)
     out = sys.stderr.buffer
     fatal, held = [], []  # the text from JAX's fatal line on; the traces held back
+    service = []  # JAX's distributed service's latest log lines, held until the next line
     holding = False
     sys.stdout.flush()  # what this process said comes before the child's lines
     try:
@@ -192,21 +194,33 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
             line = raw.decode(errors="replace")
             if FATAL in line or fatal:
                 fatal.append(line)
-            # JAX's stack trace after its fatal line, a Python traceback (a collective that
-            # failed as a peer went, raised just before JAX's abort) and JAX's distributed
-            # service's log lines, and all that follows them: held until the child's end
-            # says whether JAX aborted it (then they go to a file), else shown
-            if line.startswith(PY_TRACE) or fatal or SERVICE_LOG.match(line):
+            # JAX's stack trace after its fatal line and a Python traceback (a collective
+            # that failed as a peer went, raised just before JAX's abort), and all that
+            # follows them: held until the child's end says whether JAX aborted it (then
+            # they go to a file), else shown. JAX's distributed service's log lines go
+            # with the trace they precede; before any other line (a service error the run
+            # went on from), they are shown.
+            if line.startswith(PY_TRACE) or fatal:
                 holding = True
             if holding:
+                held += service
+                service = []
                 held.append(raw)
                 continue
-            out.write(raw)
+            if SERVICE_LOG.match(line):
+                service.append(raw)
+                if len(service) > SERVICE_HELD:
+                    out.write(service.pop(0))
+                    out.flush()
+                continue
+            out.write(b"".join(service) + raw)
             out.flush()
+            service = []
         code = child.wait()
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+    held += service  # the child's last lines, with no trace after them
     if code >= 0 or not fatal:
         out.write(b"".join(held))  # not JAX's abort after all: nothing is hidden
         out.flush()

@@ -13,29 +13,26 @@ config is the run's own (its latest checkpoint's, or ``--config`` naming the sam
 ``--watch`` it may start before the trainer, and stops with an error once the run has ended
 unfinished (``--dead-after-s``). Records go to ``W/evaluator/metrics.jsonl``. A bad workdir
 or config is one ``error:`` line that names the fix (exit code 2), with nothing written.
-Ctrl-C or SIGTERM stops it at once with one line, ``stopped (Ctrl-C): ...``, and exit code
-130 (143 for SIGTERM): the records so far are whole, and the same command goes on.
+Ctrl-C, SIGTERM or SIGHUP stops it at once with one line, ``stopped (Ctrl-C): ...``, and exit
+code 128 + the signal (130 for Ctrl-C): the records so far are whole, and the same command
+goes on.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
-
 from hybridpar.config import cli
 from hybridpar.runtime import signals
 
-# evaluator.RESUMES, which this module cannot import before the command line is read (JAX)
+# what the same command does after a stop (Stop's line; cli.main's, for a KeyboardInterrupt)
 RESUMES = "the same command goes on with the next checkpoint not evaluated yet"
 
 
 class Stop(signals.StopWriting):
-    """SIGTERM and SIGINT in the evaluator, from the command's first line (the imports of
-    JAX included): one line, ``stopped (Ctrl-C): RESUMES`` (or ``(SIGTERM)``), and exit
-    128 + the signal, at once, as quantize and prune stop (a KeyboardInterrupt raised
-    inside JAX or a gc callback is dropped, and the evaluator went on; a SIGTERM ended it
-    unsaid, its lock file left). Nothing is lost but the checkpoint under evaluation: a
+    """SIGTERM, SIGINT and SIGHUP in the evaluator, from the command's first line (the
+    imports of JAX included): one line, ``stopped (Ctrl-C): RESUMES`` (or ``(SIGTERM)``),
+    and exit 128 + the signal, at once, as quantize and prune stop (a KeyboardInterrupt
+    raised inside JAX or a gc callback is dropped, and the evaluator went on; a SIGTERM
+    ended it unsaid, its lock file left). Nothing is lost but the checkpoint under evaluation: a
     record being written is finished first (``signals.whole``, as ``StopWriting``), and
     ``release`` (set by ``evaluator.run``) closes the records and gives the lock back."""
 
@@ -45,13 +42,7 @@ class Stop(signals.StopWriting):
 
     def stop(self, signum: int) -> None:
         self.release()
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        msg = f"stopped ({name}): {self.said()}"
-        try:
-            print(msg, file=sys.stderr, flush=True)
-        except RuntimeError:  # inside a print to the same stream (see StopWriting.stop)
-            os.write(2, f"{msg}\n".encode())
-        cli.exit_now(128 + signum)  # the exit status the signal's default action gives
+        super().stop(signum)  # its line and exit (a terminal that hung up is left first)
 
 
 def main(argv=None) -> None:

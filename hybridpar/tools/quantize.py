@@ -31,6 +31,7 @@ import time
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
+from hybridpar.config.schema import top5_says_nothing
 from hybridpar.runtime import signals, trained
 
 OUT = "quantized"
@@ -238,20 +239,23 @@ def compare(fns: dict, batches) -> tuple[dict, dict]:
     return evals, {"agreement": same / count, "logit_error": float(np.sqrt(err2 / ref2))}
 
 
-def table(report: dict) -> list[str]:
-    """The float and int8 figures side by side."""
+def table(report: dict, num_classes: int) -> list[str]:
+    """The float and int8 figures side by side; top-5 '-' where it is 1 by construction
+    (``top5_says_nothing``)."""
     batches = sorted({int(k.split("_batch")[1][:-3]) for k in report["latency_ms"]})
     lines = [f"{'':8}{'top1':>8}{'top5':>8}{'weight bytes':>14}"
              + "".join(f"{f'batch {b} ms':>12}" for b in batches)]  # fmt: skip
     for name in ("float", "int8"):
         e, ms = report["eval"][name], report["latency_ms"]
-        lines.append(f"{name:8}{e['top1']:8.4f}{e['top5']:8.4f}{report[f'weight_bytes_{name}']:14d}"
+        top5 = f"{'-':>8}" if top5_says_nothing(num_classes) else f"{e['top5']:8.4f}"
+        lines.append(f"{name:8}{e['top1']:8.4f}{top5}{report[f'weight_bytes_{name}']:14d}"
                      + "".join(f"{ms[f'{name}_batch{b}_ms']:12.3f}" for b in batches))  # fmt: skip
     return lines
 
 
-def last_line(report: dict) -> str:
-    """``top1_drop=...`` first, then the rest of the figures, as key=value."""
+def last_line(report: dict, num_classes: int) -> str:
+    """``top1_drop=...`` first, then the rest of the figures, as key=value (no
+    ``top5_drop`` where top-5 is 1 by construction: ``top5_says_nothing``)."""
     ev, ms = report["eval"], report["latency_ms"]
     batches = sorted({int(k.split("_batch")[1][:-3]) for k in ms})
     figures = {
@@ -265,6 +269,8 @@ def last_line(report: dict) -> str:
         "agreement": f"{report['top1_agreement']:.4f}",
         "logit_error": f"{report['logit_error']:.4f}",
     }
+    if top5_says_nothing(num_classes):
+        del figures["top5_drop"]
     for b in batches:  # float ms / int8 ms: above 1, int8 is faster
         f, q = ms[f"float_batch{b}_ms"], ms[f"int8_batch{b}_ms"]
         figures[f"speedup_b{b}"] = f"{f / q:.2f}"
@@ -453,11 +459,11 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
         raise
 
     # ---- The report ----
-    for line in table(report):
+    for line in table(report, config.data.num_classes):
         log(line)
     log(edge.summary(litert))
     log(f"wrote {out}/ ({', '.join(report['files'])})")
-    print(last_line(report), flush=True)
+    print(last_line(report, config.data.num_classes), flush=True)
     return report
 
 

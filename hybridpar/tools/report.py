@@ -689,9 +689,10 @@ def main(argv=None) -> None:
     replaced = theirs(args.out)
     if replaced and not args.overwrite:  # the user's files: nothing is read or written
         written = time.strftime("%Y-%m-%d %H:%M", time.localtime(os.path.getmtime(replaced[0])))
-        cli.fail(f"{replaced[0]} exists (written {written}) and report did not write it (its "
-                 "FILE.md starts with report's own line): pass --overwrite to replace "
-                 f"{' and '.join(replaced)}, or name another --out FILE.png")  # fmt: skip
+        cli.fail(f"{replaced[0]} exists (written {written}) and report did not write it "
+                 f"(report's own FILE.md starts with `{MARK.partition(',')[0]}`): pass "
+                 f"--overwrite to replace {' and '.join(replaced)}, or name another --out "
+                 "FILE.png")  # fmt: skip
 
     def run():
         table = report(args.workdirs, args.out, {k: v for k, v in asked.items() if v})

@@ -435,8 +435,19 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
     }
 
 
-def lr_range(config, workdir: str, command: str | None = None) -> dict:
-    """``command``: the one that resumes the test, for train's refusal of its folder."""
+def missing(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, the deepest first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        out.append(path)
+        path = os.path.dirname(path)
+    return out
+
+
+def lr_range(config, workdir: str, command: str | None = None, made: list[str] = ()) -> dict:
+    """``command``: the one that resumes the test, for train's refusal of its folder;
+    ``made``: the folders the command created for it (``missing`` before its check of the
+    workdir), removed again, while empty, if the set-up refuses the input."""
     import jax
     from jax.experimental import multihost_utils
 
@@ -470,10 +481,17 @@ def lr_range(config, workdir: str, command: str | None = None) -> dict:
     stop = StopOnDivergence(earlier)
     # Before the set-up: a test stopped from here on is one to resume, which train refuses
     # (run_config.check_not_tune). Every process writes the same (JAX has not started yet).
+    # What this call adds is removed again if the set-up refuses the input (a mesh larger
+    # than the devices): bad input writes nothing, and the mark would send train back here.
+    made = [*made, *missing(workdir)]
+    mark = os.path.join(workdir, LR_TEST_MARK)
+    added = [f for f in (mark, os.path.join(workdir, "log.txt")) if not os.path.exists(f)]
     os.makedirs(workdir, exist_ok=True)
-    write_json(os.path.join(workdir, LR_TEST_MARK), {"command": command})
+    write_json(mark, {"command": command})
+    set_up = []
 
     def started(run):
+        set_up.append(run)
         # A step trains at the LR of the epoch it starts at: the last one a step short of
         # the end of the rise, where the LR is tune.lr_max.
         p, t = run.plan, c.tune
@@ -482,7 +500,17 @@ def lr_range(config, workdir: str, command: str | None = None) -> dict:
               f"{last:.3g} (tune.lr_max={t.lr_max:g} at the end of the last step), stopped "
               f"once the loss diverges (progress: {workdir}/log.txt)", flush=True)  # fmt: skip
 
-    _, summary = run_trainer(c, workdir, lambda run: [stop], started, tune_folder="lr")
+    try:
+        _, summary = run_trainer(c, workdir, lambda run: [stop], started, tune_folder="lr")
+    except Error as e:
+        if not set_up and not isinstance(e, StopRequested):
+            for f in added:
+                with contextlib.suppress(OSError):  # another process's removal came first
+                    os.remove(f)
+            for d in made:
+                with contextlib.suppress(OSError):  # only if now empty
+                    os.rmdir(d)
+        raise
     if summary.get("preempted") and stop.stopped is None:  # a signal's stop, not the loss's
         # its curve is cut short: a suggestion from it would be far too low
         raise KeyboardInterrupt(
@@ -934,15 +962,17 @@ def check_kind(mode: str, config, workdir: str) -> None:
     own run or study into another tool's (a study inside a finished training run)."""
     from hybridpar.runtime.run_config import KINDS
 
-    # a study's trials/ (or a trial's folder): held_kind sees no study in the folder itself
-    up = os.path.dirname(os.path.abspath(workdir))
-    study = next((d for d in (up, os.path.dirname(up))
-                  if os.path.exists(os.path.join(d, "study.db"))), None)  # fmt: skip
-    if study is not None:
-        raise ConfigError(
-            f"workdir {workdir!r} is inside the search study in {study!r} (its trials' "
-            f"runs): tune {mode} does not run there; use a new --workdir outside it"
-        )
+    # Any folder inside a study's (its trials/, a trial's run, a new one there): its folder
+    # holds its trials' runs, and held_kind sees no study in the folder itself.
+    study = os.path.abspath(workdir)
+    while study != os.path.dirname(study):
+        study = os.path.dirname(study)
+        if os.path.exists(os.path.join(study, "study.db")):
+            raise ConfigError(
+                f"workdir {workdir!r} is inside the search study in {study!r} (which holds "
+                f"its trials' runs): tune {mode} does not run there; use a new --workdir "
+                "outside it"
+            )
     held = held_kind(workdir, config)
     if held not in (None, mode):
         what = "the test" if mode == "lr" else "the search"
@@ -1028,6 +1058,7 @@ def _main(argv, stop) -> None:
         from hybridpar.runtime.run import check_workdir
 
         check_kind(args.mode, config, args.workdir)  # before anything is written there
+        made = missing(args.workdir)  # what check_workdir creates: tune lr's set-up may undo it
         check_workdir(args.workdir)
         for line in unused_overrides(args.mode, config, args.config_overrides,
                                      args.budget_epochs):  # fmt: skip
@@ -1036,7 +1067,7 @@ def _main(argv, stop) -> None:
             shown_again = os.path.isfile(os.path.join(args.workdir, "lr_range.json"))
             again = shlex.join([sys.executable, "-m", "hybridpar.tune", *args.argv])
             try:
-                result = lr_range(config, args.workdir, again)
+                result = lr_range(config, args.workdir, again, made)
             except KeyboardInterrupt as e:
                 print(f"{e}; resume it with the same command:\n  {again}")
                 return
