@@ -74,6 +74,16 @@ def test_a_run_whose_terminal_hung_up_goes_on_to_its_save():
         "    print('a warning', file=sys.stderr, flush=True)\n"
         f"open({str(marker)!r}, 'w').write(p.requested)\n"
     )
+    try:
+        assert _hung_up(script) == 0
+        assert marker.read_text() == "SIGHUP"
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def _hung_up(script: str) -> int:
+    """Runs ``script`` on a pseudo-terminal; once it prints 'ready', the terminal hangs up
+    (the ssh session closes) and SIGHUP comes: its exit code."""
     main, tty = os.openpty()
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
                          stdout=tty, stderr=tty, start_new_session=True)  # fmt: skip
@@ -82,14 +92,12 @@ def test_a_run_whose_terminal_hung_up_goes_on_to_its_save():
         said = b""
         while b"ready" not in said:
             said += os.read(main, 100)
-        os.close(main)  # the ssh session closes: the terminal hangs up
+        os.close(main)  # the terminal hangs up
         p.send_signal(signal.SIGHUP)
-        assert p.wait(timeout=60) == 0
-        assert marker.read_text() == "SIGHUP"
+        return p.wait(timeout=60)
     finally:
         if p.poll() is None:
             p.kill()
-        marker.unlink(missing_ok=True)
 
 
 def test_evaluate_stops_on_sighup_from_a_terminal_that_hung_up():
@@ -107,19 +115,8 @@ def test_evaluate_stops_on_sighup_from_a_terminal_that_hung_up():
         "print('ready', flush=True)\n"
         "time.sleep(30)\n"
     )
-    main, tty = os.openpty()
-    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(1),
-                         stdout=tty, stderr=tty, start_new_session=True)  # fmt: skip
-    os.close(tty)
     try:
-        said = b""
-        while b"ready" not in said:
-            said += os.read(main, 100)
-        os.close(main)  # the terminal hangs up
-        p.send_signal(signal.SIGHUP)
-        assert p.wait(timeout=60) == 128 + signal.SIGHUP
+        assert _hung_up(script) == 128 + signal.SIGHUP
         assert marker.read_text() == "released"
     finally:
-        if p.poll() is None:
-            p.kill()
         marker.unlink(missing_ok=True)

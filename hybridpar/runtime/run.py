@@ -78,12 +78,12 @@ def setup(config, workdir: str | None = None, *, for_training: bool = True, **kw
     the config): the workdir, checkpoint and compile-cache directories it created are
     removed again while still empty."""
     validate(config, sources=for_training)  # first: the paths below come from the config
-    made = [] if workdir is None else _missing(workdir)
+    made = [] if workdir is None else missing_dirs(workdir)
     for path in (
         workdir and checkpoint.checkpoint_dir(config, workdir),
         compile_cache.resolve(config.compile_cache, workdir),
     ):
-        made += _missing(path) if path else []
+        made += missing_dirs(path) if path else []
     locks = []  # the workdir lock _setup took: released here if it then fails
     try:
         return _setup(config, workdir, locks=locks, for_training=for_training, **kwargs)
@@ -319,8 +319,8 @@ def _interval(text: str) -> tuple | None:
     return int(lo or 0), int(hi) if hi else math.inf, units.pop() if units else None
 
 
-def _missing(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist yet."""
+def missing_dirs(path: str) -> list[str]:
+    """``path`` and those of its parents that do not exist yet, the deepest first."""
     out, path = [], os.path.abspath(path)
     while not os.path.exists(path):
         out.append(path)

@@ -435,18 +435,9 @@ def suggest(base_lrs: list[float], losses: list[float]) -> dict:
     }
 
 
-def missing(path: str) -> list[str]:
-    """``path`` and those of its parents that do not exist yet, the deepest first."""
-    out, path = [], os.path.abspath(path)
-    while not os.path.exists(path):
-        out.append(path)
-        path = os.path.dirname(path)
-    return out
-
-
 def lr_range(config, workdir: str, command: str | None = None, made: list[str] = ()) -> dict:
     """``command``: the one that resumes the test, for train's refusal of its folder;
-    ``made``: the folders the command created for it (``missing`` before its check of the
+    ``made``: the folders the command created for it (``missing_dirs`` before its check of the
     workdir), removed again, while empty, if the set-up refuses the input."""
     import jax
     from jax.experimental import multihost_utils
@@ -483,7 +474,9 @@ def lr_range(config, workdir: str, command: str | None = None, made: list[str] =
     # (run_config.check_not_tune). Every process writes the same (JAX has not started yet).
     # What this call adds is removed again if the set-up refuses the input (a mesh larger
     # than the devices): bad input writes nothing, and the mark would send train back here.
-    made = [*made, *missing(workdir)]
+    from hybridpar.runtime.run import missing_dirs
+
+    made = [*made, *missing_dirs(workdir)]
     mark = os.path.join(workdir, LR_TEST_MARK)
     added = [f for f in (mark, os.path.join(workdir, "log.txt")) if not os.path.exists(f)]
     os.makedirs(workdir, exist_ok=True)
@@ -1055,10 +1048,10 @@ def _main(argv, stop) -> None:
         else:
             validate(config)
             check(config, "search")
-        from hybridpar.runtime.run import check_workdir
+        from hybridpar.runtime.run import check_workdir, missing_dirs
 
         check_kind(args.mode, config, args.workdir)  # before anything is written there
-        made = missing(args.workdir)  # what check_workdir creates: tune lr's set-up may undo it
+        made = missing_dirs(args.workdir)  # check_workdir creates them: lr's set-up may undo it
         check_workdir(args.workdir)
         for line in unused_overrides(args.mode, config, args.config_overrides,
                                      args.budget_epochs):  # fmt: skip
