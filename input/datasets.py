@@ -69,7 +69,7 @@ def make_data(c, pi: int, pc: int, mesh=None, stage_sizes: list[int] | None = No
     if d.name in ("images", "tfds"):
         if d.channels != 3:
             raise ConfigError(f"data.name={d.name} decodes RGB images: set data.channels=3")
-        return _pipeline(c, pi, pc, shape)
+        return _pipeline(c, pi, pc, shape, stage_sizes)
     raise ConfigError(f"data.name={d.name!r}: use 'digits', 'synthetic', 'images' or 'tfds'")
 
 
@@ -176,7 +176,7 @@ def data_paths(d) -> tuple[list[str], str]:
     return sources, prepared or (default_prepared_dir(sources) if sources else "")
 
 
-def _pipeline(c, pi, pc, shape) -> Data:
+def _pipeline(c, pi, pc, shape, stage_sizes=None) -> Data:
     from hybridpar.input.pipeline import ImagePipeline
 
     d = c.data
@@ -245,8 +245,29 @@ def _pipeline(c, pi, pc, shape) -> Data:
         info["train_fingerprint"] = files_digest(train.info)
         if pi == 0:
             print(classes_line(train.classes), flush=True)
+            from hybridpar.input.on_device import image_sizes
+
+            full = train.info.get("copies", {}).get("full", {})
+            said = upsampling_line(full.get("median_short_side"), image_sizes(c, stage_sizes))
+            if said:
+                print(said, flush=True)
     steps_for = EpochSteps(train.steps_per_epoch, train.num_examples)
     return Data(train_batches, eval_batches, spe, test.num_examples, shape, info, steps_for)
+
+
+def upsampling_line(median_side: int | None, sizes: list[int]) -> str | None:
+    """A warning where the largest image size is at least twice the training images' median
+    shorter side (prepare's ``median_short_side``): every image is upsampled that much, which
+    costs time and adds no detail. None where it is not, or the side is not known."""
+    if not median_side or max(sizes) < 2 * median_side:
+        return None
+    top = max(sizes)
+    return (
+        f"warning: image size {top} px is {top / median_side:.1f}x the training images' median "
+        f"shorter side ({median_side} px): each is upsampled that much, which costs time and "
+        f"adds no detail; a size near {median_side} px (data.image_size, or the stages') "
+        "learns from the same pixels in less time"
+    )
 
 
 def split_counts(entries: dict) -> dict:

@@ -369,6 +369,23 @@ def test_set_up_says_the_label_of_each_class_and_which_prepared_copy_it_reuses(t
     out = capsys.readouterr().out
     assert f"reusing the prepared copy in {tmp_path / 'out'} (train 12, val 12 examples)" in out
     assert datasets.classes_line(["ant", "bee"]) == "classes (label order): 0 ant, 1 bee"
+    assert "upsampled" not in out  # 16 px images at 16 px
+
+
+def test_set_up_warns_when_every_image_is_upsampled_twice_or_more(tmp_path, capsys):
+    """Own images of 50 px trained at 224 px upsampled each 4.5x without a word (time spent,
+    no detail gained). Planted bug that fails it: no line."""
+    src = _tree(tmp_path / "src", {f"train/{c}/{i}.jpg": _jpeg(24, 16, seed=i)
+                                   for c in ("a", "b") for i in range(2)})  # fmt: skip
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"))
+    c.data.update(num_classes=2, image_size=32, eval_split="train")
+    c.global_batch = c.eval_batch = 2
+    datasets.make_data(c, 0, 1)
+    assert ("warning: image size 32 px is 2.0x the training images' median shorter side "
+            "(16 px): each is upsampled that much") in capsys.readouterr().out  # fmt: skip
+    assert datasets.upsampling_line(16, [16, 31]) is None  # under 2x: said nothing
+    assert datasets.upsampling_line(None, [224]) is None  # a copy prepared before the figure
 
 
 def test_missing_eval_split_says_to_set_eval_split_or_add_the_folder(tmp_path):
