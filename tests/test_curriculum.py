@@ -179,6 +179,9 @@ def test_a_resume_that_moves_the_learning_rate_says_from_what_to_what():
     warning = trainer.lr_change_warning((0.0, 0.05), 66, ["mesh", "num_epochs", "eval_batch"])
     assert "(mesh, num_epochs changed its schedule)" in warning
     assert "(seed changed its schedule)" in trainer.lr_change_warning((0.0, 0.05), 66, ["seed"])
+    # without stages the mesh changes no batch, so no LR: not blamed (planted: blamed)
+    warning = trainer.lr_change_warning((0.0, 0.05), 66, ["mesh", "num_epochs"], stages=False)
+    assert "(num_epochs changed its schedule)" in warning
 
 
 def _stage(end, batch):

@@ -44,6 +44,26 @@ def test_the_docs_own_training_code_snippet_runs_as_written():
     np.testing.assert_allclose(ns["loss"], want, rtol=1e-5)
 
 
+def test_the_docs_checkpoint_snippet_runs_after_its_training_snippet(tmp_path):
+    """The page's checkpoint snippet, run after its own training snippet, failed: its
+    ``init`` returns boxed (logically named) values, so the target's tree (boxed) did not
+    match infer_shardings' (unboxed). Planted bug that fails it: ``abstract`` unboxed in
+    neither place (the snippet as it was)."""
+    text = DOCS.read_text()
+    start = text.index("```python\n", text.index("## In your own training code")) + 10
+    train = text[start : text.index("```\n", start)]
+    start = text.index("```python\n", text.index("Checkpoints in your own loop")) + 10
+    save = text[start : text.index("```\n", start)]
+    ns = {}
+    exec(compile(train, str(DOCS), "exec"), ns)
+    ns.update(workdir=str(tmp_path), step=1, state=(ns["params"], ns["opt_state"]))
+    exec(compile(save, str(DOCS), "exec"), ns)
+    params, opt_state = ns["state"]
+    assert params["hidden"]["kernel"].sharding.spec == P(None, "model")  # logical "mlp"
+    assert opt_state[0].mu["head"]["kernel"].sharding.spec == P(None, "model")
+    np.testing.assert_array_equal(params["head"]["kernel"], ns["params"]["head"]["kernel"])
+
+
 def test_a_state_saved_on_one_mesh_restores_onto_another_where_the_rules_say(tmp_path):
     model, tx = MLP(), optax.adam(1e-3)
 

@@ -654,10 +654,13 @@ def lr_change(run: Run, held: dict | None, loop: LoopState, step: int):
     return (before, now) if abs(now - before) > 0.01 * max(abs(before), abs(now)) else None
 
 
-def lr_change_warning(moved: tuple[float, float], step: int, changed: list[str]) -> str:
+def lr_change_warning(moved: tuple[float, float], step: int, changed: list[str],
+                      stages: bool = True) -> str:  # fmt: skip
     """``lr_change``'s warning, naming the changed keys the schedule reads (all of them
-    where none is one of those: something else moved it)."""
-    named = [k for k in changed if k.startswith(run_records.SCHEDULE_KEYS)] or changed
+    where none is one of those: something else moved it). The mesh moves it only through
+    ``stages``' per-device batches."""
+    keys = tuple(k for k in run_records.SCHEDULE_KEYS if stages or k != "mesh")
+    named = [k for k in changed if k.startswith(keys)] or changed
     return (
         f"warning: the learning rate at step {step} is {moved[1]:.4g} under this config, "
         f"{moved[0]:.4g} under the checkpoint's ({', '.join(named)} changed its schedule): "
@@ -795,7 +798,7 @@ def start(run: Run, hooks) -> Training:
     # (without a checkpoint the run starts again at step 0: no LR to compare)
     moved = lr_change(run, held_config, loop, resumed) if changed and resumed is not None else None
     if moved:
-        log(lr_change_warning(moved, resumed, changed))
+        log(lr_change_warning(moved, resumed, changed, bool(run.config.stages)))
     if swapped:  # other files of the same count: the plan stands
         log(f"warning: the training data changed since the run's last start (other files, "
             f"the same {run.data.info['train_examples']} examples): from step {resumed} the "
