@@ -285,3 +285,18 @@ def test_run_as_its_console_script_the_usage_names_that_script(monkeypatch, caps
     assert _parser().format_usage().startswith("usage: hybridpar-evaluate ")
     monkeypatch.setattr(sys, "argv", ["/src/hybridpar/evaluate.py", "--help"])  # python -m
     assert _parser().format_usage().startswith("usage: python -m hybridpar.example ")
+
+
+def test_the_same_command_says_the_environment_the_run_depends_on(monkeypatch):
+    """A resume line printed without the XLA_FLAGS of a virtual mesh ran, pasted, on one
+    device. The variables are the ones the process started with (planted: none said)."""
+    import shlex
+    import sys
+
+    from hybridpar.config import cli
+
+    monkeypatch.setattr(cli, "_START_ENV", {"XLA_FLAGS": "--a=1 --b=2", "HYBRIDPAR_DATA": "/d"})
+    want = shlex.join([sys.executable, "-m", "hybridpar.train", "--workdir", "w x"])
+    assert cli.same_command("hybridpar.train", ["--workdir", "w x"]) == (
+        f"XLA_FLAGS='--a=1 --b=2' HYBRIDPAR_DATA=/d {want}")  # fmt: skip
+    assert set(cli._START_ENV) <= set(cli.COMMAND_ENV)

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import shlex
 import signal
 import sys
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 from helpers import DIGITS, TINY_DIGITS, main_here, signal_on, tiny_digits
 
+from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError, WorkdirError
 from hybridpar.config.schema import validate
 from hybridpar.program.optim import lr_factor
@@ -470,7 +470,7 @@ def test_train_refuses_a_stopped_range_test(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tune, "run_trainer", stopped_in_set_up)
     args = ["lr", "--config", DIGITS, "--workdir", wd, *TINY_LR]
     assert main_here(tune.main, args, capsys)[0] == 0
-    resume = shlex.join([sys.executable, "-m", "hybridpar.tune", *args])
+    resume = cli.same_command("hybridpar.tune", args)
     code, out, err = main_here(train.main, ["--config", DIGITS, "--workdir", wd], capsys)
     assert code == 2 and err == (
         f"error: workdir {wd!r} holds a stopped LR range test (tune_lr.json), not a training "

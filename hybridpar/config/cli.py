@@ -290,6 +290,24 @@ def parse(
 ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
 
 
+# The environment a run depends on (its devices, its data): said before a command that must
+# be given again the same (a resume), as the process found it, before a tool adds XLA flags
+# of its own.
+COMMAND_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HYBRIDPAR_DATA",
+               "HYBRIDPAR_CACHE")  # fmt: skip
+_START_ENV = {k: os.environ[k] for k in COMMAND_ENV if os.environ.get(k)}
+
+
+def same_command(module: str, argv: Sequence[str]) -> str:
+    """``python -m module argv`` as this process was started, with the variables of
+    ``COMMAND_ENV`` it was given: without them a resume pasted in another shell ran on other
+    devices (a virtual mesh's XLA_FLAGS left out: one device)."""
+    import shlex
+
+    env = [f"{k}={shlex.quote(v)}" for k, v in _START_ENV.items()]
+    return " ".join([*env, shlex.join([sys.executable, "-m", module, *argv])])
+
+
 def cpu_when_no_accelerator() -> None:
     """JAX's CPU backend on a machine with no accelerator, unless ``JAX_PLATFORMS`` says
     otherwise: else JAX first starts every installed accelerator plugin (the compile-only

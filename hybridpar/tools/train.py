@@ -17,7 +17,6 @@ one of the run stopped, that is one ``error:`` line saying how to resume, not a 
 from __future__ import annotations
 
 import os
-import shlex
 import sys
 
 from hybridpar.config import cli
@@ -85,7 +84,7 @@ def _main(argv, early: EarlyStop) -> None:
               compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
         if summary.get("preempted"):
-            again = shlex.join([sys.executable, "-m", "hybridpar.train", *args.argv])
+            again = cli.same_command("hybridpar.train", args.argv)
             why = (as_sigterm and as_sigterm.requested) or summary["preempted"]
             said = (
                 f"stopped ({why}) at step {summary['steps']}/{summary['total_steps']} with a "

@@ -1058,7 +1058,7 @@ def _main(argv, stop) -> None:
             print(line, flush=True)
         if args.mode == "lr":
             shown_again = os.path.isfile(os.path.join(args.workdir, "lr_range.json"))
-            again = shlex.join([sys.executable, "-m", "hybridpar.tune", *args.argv])
+            again = cli.same_command("hybridpar.tune", args.argv)
             try:
                 result = lr_range(config, args.workdir, again, made)
             except KeyboardInterrupt as e:
