@@ -295,8 +295,8 @@ def test_the_same_command_says_the_environment_the_run_depends_on(monkeypatch):
 
     from hybridpar.config import cli
 
-    monkeypatch.setattr(cli, "_START_ENV", {"XLA_FLAGS": "--a=1 --b=2", "HYBRIDPAR_DATA": "/d"})
+    monkeypatch.setattr(cli, "START_ENV", {"XLA_FLAGS": "--a=1 --b=2", "HYBRIDPAR_DATA": "/d"})
     want = shlex.join([sys.executable, "-m", "hybridpar.train", "--workdir", "w x"])
     assert cli.same_command("hybridpar.train", ["--workdir", "w x"]) == (
         f"XLA_FLAGS='--a=1 --b=2' HYBRIDPAR_DATA=/d {want}")  # fmt: skip
-    assert set(cli._START_ENV) <= set(cli.COMMAND_ENV)
+    assert set(cli.START_ENV) <= set(cli.COMMAND_ENV)

@@ -295,7 +295,7 @@ ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*"
 # of its own.
 COMMAND_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HYBRIDPAR_DATA",
                "HYBRIDPAR_CACHE")  # fmt: skip
-_START_ENV = {k: os.environ[k] for k in COMMAND_ENV if os.environ.get(k)}
+START_ENV = {k: os.environ[k] for k in COMMAND_ENV if os.environ.get(k)}
 
 
 def same_command(module: str, argv: Sequence[str]) -> str:
@@ -304,7 +304,7 @@ def same_command(module: str, argv: Sequence[str]) -> str:
     devices (a virtual mesh's XLA_FLAGS left out: one device)."""
     import shlex
 
-    env = [f"{k}={shlex.quote(v)}" for k, v in _START_ENV.items()]
+    env = [f"{k}={shlex.quote(v)}" for k, v in START_ENV.items()]
     return " ".join([*env, shlex.join([sys.executable, "-m", module, *argv])])
 
 
