@@ -395,20 +395,20 @@ def test_the_report_tells_apart_async_all_reduces_sharing_a_channel_id():
 
 
 def test_hidden_estimate_weighs_the_compute_between_against_the_links_time():
-    """Each chain overlaps one dot of 2 x 32 x 16 x 64 FLOPs; a ring all-reduce over the 8
-    devices of its replica group moves 2 x 7/8 of its bytes through each chip. At a peak
-    that makes the dot 1 us, links of 112 MB/s hide the 64-byte all-reduce whole, half as
-    fast links half of it; an exposed collective hides nothing."""
+    """Each chain overlaps one dot of 2 x 32 x 16 x 64 FLOPs. At a peak that makes the dot
+    1 us, an all-reduce of 1 us on the links is hidden whole, one of 2 us half; an exposed
+    collective hides nothing (the links' time is simulate's price: tests/test_plan.py)."""
     from hybridpar.tools.comm_report import hidden_estimate, parse_overlap
 
     first = parse_overlap(TPU_CHAINS_HLO)[0]
     assert first["group_size"] == 8 and first["flops"] == 2 * 32 * 16 * 64
     peak = 2 * 32 * 16 * 64 / 1e-6
-    whole = hidden_estimate(first, peak, 64 * 2 * 7 / 8 / 1e-6, devices=4)
+    whole = hidden_estimate(first, peak, 1e-6)
     assert whole["compute_s"] == pytest.approx(1e-6)
     assert whole["collective_s"] == pytest.approx(1e-6) and whole["bytes_hidden"] == 64
-    assert hidden_estimate(first, peak, 64 * 2 * 7 / 8 / 2e-6, devices=4)["bytes_hidden"] == 32
-    assert hidden_estimate(dict(first, exposed=True), peak, 1.0, devices=4)["bytes_hidden"] == 0
+    half = hidden_estimate(first, peak, 2e-6)
+    assert half["bytes_hidden"] == 32 and half["seconds_hidden"] == pytest.approx(1e-6)
+    assert hidden_estimate(dict(first, exposed=True), peak, 1e-6)["bytes_hidden"] == 0
 
 
 GPU_LIBRARY_CALLS_HLO = HLO_HEADER + """

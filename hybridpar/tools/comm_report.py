@@ -666,30 +666,13 @@ def describe_overlap(e: dict) -> str:
     return f"{head}: async over {e['compute_ops']} ops ({ops}{flops})"
 
 
-# Bytes through each chip per byte of a collective's result, in a ring over n devices.
-_RING_FACTOR = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: n - 1,  # its result is one device's share
-    "all-to-all": lambda n: (n - 1) / n,
-}
-
-
-def hidden_estimate(
-    e: dict, peak_flops: float, link_bytes_per_s: float, devices: int,
-    collective_s: float | None = None,
-) -> dict:  # fmt: skip
+def hidden_estimate(e: dict, peak_flops: float, collective_s: float) -> dict:
     """Whether what a collective overlaps can hide it, by estimate. ``compute_s``: the FLOPs
     scheduled between its start and done at the chip's peak (a lower bound: elementwise and
-    memory-bound work count nothing); ``collective_s``: its time on the links, where given,
-    else a ring's bytes through each chip (``_RING_FACTOR``, over ``group_size`` devices,
-    else ``devices``) at ``link_bytes_per_s``, latency not counted; ``bytes_hidden`` and
+    memory-bound work count nothing); ``collective_s``: its time on the links
+    (``hidden_on_target``: as ``simulate`` prices it); ``bytes_hidden`` and
     ``seconds_hidden``: the bytes and that time times the share of it the compute covers
     (0 where exposed)."""
-    if collective_s is None:
-        n = e.get("group_size") or devices
-        factor = _RING_FACTOR.get(e["kind"], lambda n: 1.0)(max(n, 1))
-        collective_s = e["bytes"] * factor / link_bytes_per_s
     compute_s = e["flops"] / peak_flops
     share = 0.0 if e["exposed"] else min(1.0, compute_s / collective_s) if collective_s else 1.0
     return dict(compute_s=compute_s, collective_s=collective_s,
@@ -730,7 +713,7 @@ def hidden_on_target(e: dict, target, preset) -> dict:
 
     n = e.get("group_size") or target.devices_count
     seconds = sim.op_seconds(e["kind"], e["bytes"], n, e.get("groups", ""), preset)
-    return hidden_estimate(e, target.chip.peak_bf16_flops, 0.0, n, collective_s=seconds)
+    return hidden_estimate(e, target.chip.peak_bf16_flops, seconds)
 
 
 def schedule_figures(hlo_text: str, target) -> dict:

@@ -658,11 +658,9 @@ def predict_on_target(
     has it; in a report from before it, the share of the bytes hidden (``bytes_hidden_est``),
     else none (``simulate.exposed_seconds``: a TPU preset hides nothing). Evaluation and
     input not counted: an estimate for ranking plans, not a prediction of a run. The longer
-    of the two, unfitted: on the measured steps (docs/scaling.md: MLPerf's ResNet-50 on v3
-    and v4) the FLOPs at peak are 2.5-3.9x short of each and the bytes, the longer,
-    1.5-3.1x over, so this compute is pessimistic, a heuristic for ranking plans. (Only a
-    fit of it, with a fitted efficiency, a fixed cost and the bytes at 1.47-1.85x the HBM
-    bandwidth, follows the steps within 1-6%.)"""
+    of the two, unfitted: against the measured steps the FLOPs at peak fall short and the
+    bytes run over (docs/scaling.md has the figures), so this compute is pessimistic, a
+    heuristic for ranking plans."""
     from hybridpar import simulate as sim
     from hybridpar.simulate.hardware import STEP_FLOOR_S
     from hybridpar.tools import targets
