@@ -157,12 +157,12 @@ class StopBetweenRuns(ToolHandler):
 
 class StopWriting(ToolHandler):
     """SIGTERM / SIGINT in a tool that writes its output into ``temp`` and then moves it into
-    place (quantize, prune): ``temp`` removed (where one is named: evaluate's ``Stop`` has
-    none), one line, ``stopped (Ctrl-C): `` (or ``stopped (SIGTERM): ``) and ``said()``
-    (what the output is now), and exit 128 + the signal, at once. Not by KeyboardInterrupt,
-    Python's default: one raised inside JAX or a gc callback is dropped ("Exception
-    ignored"), and the tool went on to replace the output it was stopped to keep. A signal
-    inside ``whole()`` (the move) waits for its end."""
+    place (quantize, prune): ``clean_up()`` (``temp`` removed; evaluate's ``Stop``, which has
+    none, closes its records there), one line, ``stopped (Ctrl-C): `` (or ``stopped
+    (SIGTERM): ``) and ``said()`` (what the output is now), and exit 128 + the signal, at
+    once. Not by KeyboardInterrupt, Python's default: one raised inside JAX or a gc callback
+    is dropped ("Exception ignored"), and the tool went on to replace the output it was
+    stopped to keep. A signal inside ``whole()`` (the move) waits for its end."""
 
     def __init__(self, temp: str, said: Callable[[], str]):
         self.temp = temp
@@ -177,10 +177,13 @@ class StopWriting(ToolHandler):
         else:
             self.stop(signum)
 
+    def clean_up(self) -> None:
+        """What a stop leaves behind made safe: the half-written output removed."""
+        shutil.rmtree(self.temp, ignore_errors=True)
+
     def stop(self, signum: int) -> None:
         leave_hung_up_terminal(signum)
-        if self.temp:
-            shutil.rmtree(self.temp, ignore_errors=True)
+        self.clean_up()
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         said = self.said()
         msg = f"stopped ({name})" + (f": {said}" if said else "")

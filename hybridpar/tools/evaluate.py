@@ -40,9 +40,8 @@ class Stop(signals.StopWriting):
         self.release = lambda: None
         super().__init__(temp="", said=lambda: RESUMES)  # no folder of its own to remove
 
-    def stop(self, signum: int) -> None:
+    def clean_up(self) -> None:  # before its line and exit (StopWriting.stop)
         self.release()
-        super().stop(signum)  # its line and exit (a terminal that hung up is left first)
 
 
 def main(argv=None) -> None:
