@@ -500,6 +500,18 @@ def test_a_range_test_set_up_refuses_writes_nothing(tmp_path, capsys):
     assert code == 2 and "range test" not in err, err
 
 
+def test_a_search_with_a_mesh_too_large_writes_nothing(tmp_path, capsys):
+    """The mesh is every trial's: one larger than the devices wrote study.db and trial 0's
+    folder before its set-up refused it, and that study then refused the corrected command
+    as 'a search of another config'. Now it is refused before anything is written. Planted
+    bug that fails it: no mesh check before the study."""
+    wd = tmp_path / "new" / "s"
+    argv = [*SEARCH, "--workdir", str(wd), "--trials", "1", "--config.mesh=data:16"]
+    code, _, err = main_here(tune.main, argv, capsys)
+    assert code == 2 and err.startswith("error: mesh spec") and err.count("\n") == 1, err
+    assert not os.path.exists(tmp_path / "new")
+
+
 def test_a_resumed_range_test_stops_at_the_step_a_whole_one_would():
     """The divergence check of a resumed test goes on from the steps before it (it started
     afresh, from a loss already low, and stopped later or never). Planted bug that fails

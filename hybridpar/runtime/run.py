@@ -12,6 +12,7 @@ loop that trains a run is ``hybridpar/runtime/trainer.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -90,11 +91,7 @@ def setup(config, workdir: str | None = None, *, for_training: bool = True, **kw
     except BaseException:
         for lock in locks:
             lock.release()
-        for path in sorted(set(made), key=len, reverse=True):  # the deepest first
-            try:
-                os.rmdir(path)  # only if still empty
-            except OSError:
-                pass
+        remove_made(made)
         raise
 
 
@@ -326,6 +323,17 @@ def missing_dirs(path: str) -> list[str]:
         out.append(path)
         path = os.path.dirname(path)
     return out
+
+
+def remove_made(dirs, files=()) -> None:
+    """Undo what a command wrote before it refused its input: ``files`` it wrote, then the
+    folders it made (``missing_dirs``), the deepest first, each only while empty."""
+    for path in files:
+        with contextlib.suppress(OSError):  # another process's removal came first
+            os.remove(path)
+    for path in sorted(set(dirs), key=len, reverse=True):
+        with contextlib.suppress(OSError):  # not empty: something else is there now
+            os.rmdir(path)
 
 
 def memory_line(compiled) -> tuple[str, dict]:

@@ -474,7 +474,7 @@ def lr_range(config, workdir: str, command: str | None = None, made: list[str] =
     # (run_config.check_not_tune). Every process writes the same (JAX has not started yet).
     # What this call adds is removed again if the set-up refuses the input (a mesh larger
     # than the devices): bad input writes nothing, and the mark would send train back here.
-    from hybridpar.runtime.run import missing_dirs
+    from hybridpar.runtime.run import missing_dirs, remove_made
 
     made = [*made, *missing_dirs(workdir)]
     mark = os.path.join(workdir, LR_TEST_MARK)
@@ -497,12 +497,7 @@ def lr_range(config, workdir: str, command: str | None = None, made: list[str] =
         _, summary = run_trainer(c, workdir, lambda run: [stop], started, tune_folder="lr")
     except Error as e:
         if not set_up and not isinstance(e, StopRequested):
-            for f in added:
-                with contextlib.suppress(OSError):  # another process's removal came first
-                    os.remove(f)
-            for d in made:
-                with contextlib.suppress(OSError):  # only if now empty
-                    os.rmdir(d)
+            remove_made(made, added)
         raise
     if summary.get("preempted") and stop.stopped is None:  # a signal's stop, not the loss's
         # its curve is cut short: a suggestion from it would be far too low
@@ -1048,6 +1043,9 @@ def _main(argv, stop) -> None:
         else:
             validate(config)
             check(config, "search")
+            from hybridpar.parallel.mesh import make_mesh
+
+            make_mesh(config.mesh)  # every trial's: one too large is refused before the study
         from hybridpar.runtime.run import check_workdir, missing_dirs
 
         check_kind(args.mode, config, args.workdir)  # before anything is written there
