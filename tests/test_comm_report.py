@@ -488,6 +488,26 @@ def test_schedule_figures_are_the_targets_estimate_and_none_on_cpu():
     assert schedule_figures(SCHEDULED_HLO, targets.parse("cpu:8")) == none
 
 
+def test_compile_rows_carry_the_same_schedule_figures_as_comm_report():
+    """compile's program rows and comm_report computed the schedule's figures each their own
+    way, and compile's rows lacked the collective seconds hidden. Now both come from
+    schedule_figures_of: the same figures for the same program and target, the events'
+    estimates adding up to the row's. Planted bug that fails it: compile's row without
+    seconds_hidden_est (as before)."""
+    from hybridpar.tools import targets
+    from hybridpar.tools.compile import program_row
+
+    rec = {"compile_s": 1.0, "memory_per_device_bytes": {"total": 100}}
+    cost = {"flops": 1e9, "bytes_accessed": 1e6}
+    for spec in ("tpu:v5e-8", "tpu:v5e-4,slices=2", "tpu:v4-8,slices=2"):
+        target = targets.parse(spec)
+        row = program_row("train", 8, 32, rec, SCHEDULED_HLO, cost, target)
+        figures = schedule_figures(SCHEDULED_HLO, target)
+        assert {k: row.get(k, "missing") for k in figures} == figures, spec
+        if figures["bytes_hidden_est"] is not None:
+            assert sum(e["bytes_hidden"] for e in row["overlap"]) == row["bytes_hidden_est"]
+
+
 def test_the_schedule_line_says_overlapped_exposed_and_hidden_as_compile_does():
     """comm_report's GPU summary said "7.0 KiB exposed; est. 5.9 KiB hidden" of 3.7 MiB,
     as if the rest were hidden: the 3.7 MiB overlapped with compute, most of it not hidden

@@ -716,25 +716,34 @@ def hidden_on_target(e: dict, target, preset) -> dict:
     return hidden_estimate(e, target.chip.peak_bf16_flops, seconds)
 
 
-def schedule_figures(hlo_text: str, target) -> dict:
-    """``{"bytes_overlapped", "bytes_exposed", "bytes_hidden_est", "seconds_hidden_est"}`` of
-    a program compiled for ``target``: the bytes its schedule overlaps with compute and
-    those it leaves exposed (``overlap_totals``, as compile counts them), and the bytes and
-    collective seconds the compute beside them hides by estimate (``hidden_on_target``).
-    None without a target chip (XLA:CPU's schedule says nothing of an accelerator's); the
-    estimates None where the links have no price (``hidden_preset``)."""
-    if target is None or target.chip is None:
-        return dict.fromkeys(SCHEDULE_KEYS)
-    events = parse_overlap(hlo_text)
-    totals = overlap_totals(events)
+def hidden_of(events: list[dict], target) -> list[dict] | None:
+    """``hidden_on_target`` of each of a program's collectives (``parse_overlap``), or None
+    where the links have no price (``hidden_preset``): no collective's hidden share known."""
     preset = hidden_preset(target)
-    est = [hidden_on_target(e, target, preset) for e in events] if preset else None
+    return [hidden_on_target(e, target, preset) for e in events] if preset else None
+
+
+def schedule_figures_of(events: list[dict], est: list[dict] | None) -> dict:
+    """``{"bytes_overlapped", "bytes_exposed", "bytes_hidden_est", "seconds_hidden_est"}``
+    of a program's collectives (``parse_overlap``) and their estimates (``hidden_of``):
+    the bytes its schedule overlaps with compute and those it leaves exposed, and the bytes
+    and collective seconds the compute beside them hides by estimate (None without one)."""
+    totals = overlap_totals(events)
     return {
         "bytes_overlapped": totals["bytes_overlapped"],
         "bytes_exposed": totals["bytes_exposed"],
         "bytes_hidden_est": sum(x["bytes_hidden"] for x in est) if est is not None else None,
         "seconds_hidden_est": sum(x["seconds_hidden"] for x in est) if est is not None else None,
     }
+
+
+def schedule_figures(hlo_text: str, target) -> dict:
+    """``schedule_figures_of`` a program compiled for ``target``; all None without a target
+    chip (XLA:CPU's schedule says nothing of an accelerator's)."""
+    if target is None or target.chip is None:
+        return dict.fromkeys(SCHEDULE_KEYS)
+    events = parse_overlap(hlo_text)
+    return schedule_figures_of(events, hidden_of(events, target))
 
 
 SCHEDULE_KEYS = ("bytes_overlapped", "bytes_exposed", "bytes_hidden_est", "seconds_hidden_est")

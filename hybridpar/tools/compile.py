@@ -82,12 +82,11 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
     from hybridpar.tools import comm_report
 
     collectives = comm_report.parse_collectives(hlo)
-    overlap = [dict(e, text=comm_report.describe_overlap(e))
-               for e in comm_report.parse_overlap(hlo)]  # fmt: skip
-    preset = comm_report.hidden_preset(target)  # None: the links have no price
-    if preset is not None:  # hidden or only overlapped: compute vs link time
-        for e in overlap:
-            e.update(_hidden(e, target, preset))
+    events = comm_report.parse_overlap(hlo)
+    est = comm_report.hidden_of(events, target)  # None: the links have no price
+    overlap = [dict(e, text=comm_report.describe_overlap(e)) for e in events]
+    for e, x in zip(overlap, est or ()):  # hidden or only overlapped: compute vs link time
+        e.update(_hidden(e, x))
     step_s = targets.flops_bound_s(target, cost["flops"])
     # the eval step's too: its batch is the images a step, as the train step's
     per_chip = batch / target.devices_count
@@ -101,8 +100,8 @@ def program_row(kind: str, batch: int, size: int, rec: dict, hlo: str, cost: dic
         collective_ops=sum(r["count"] for r in collectives),
         collective_bytes=sum(r["total_bytes"] for r in collectives),
         async_collective_ops=sum(r["count"] for r in collectives if r["async"]),
-        **comm_report.overlap_totals(overlap),
-        bytes_hidden_est=sum(e["bytes_hidden"] for e in overlap) if preset else None,
+        # the overlapped and exposed ops and bytes, and the estimates
+        **comm_report.overlap_totals(events) | comm_report.schedule_figures_of(events, est),
         collectives=collectives,
         overlap=overlap,
         # XLA's FLOP count takes each of these loops' bodies once: the program computes more
@@ -189,13 +188,11 @@ def kernel_gradients(config, platform: str) -> str:
     )
 
 
-def _hidden(e: dict, target: targets.Target, preset) -> dict:
-    """``comm_report.hidden_on_target``: the target chip's peak against the collective's
-    time as ``simulate`` prices it on the target's links (``preset``: ICI within a slice,
-    DCN between slices), and the text saying it for an overlapped collective."""
-    from hybridpar.tools import comm_report
-
-    est = comm_report.hidden_on_target(e, target, preset)
+def _hidden(e: dict, est: dict) -> dict:
+    """A collective's ``comm_report.hidden_on_target`` estimate (the target chip's peak
+    against its time as ``simulate`` prices it on the target's links), with the text saying
+    it for an overlapped collective."""
+    est = dict(est)
     if not e["exposed"]:
         est["text"] = (
             f"{e['text']}: est. {est['compute_s'] * 1e6:.3g} us of compute vs "
