@@ -241,11 +241,12 @@ def slices_note(preset: Preset) -> str:
             f"; nodes: slices; one slice of at most {size} chips (the chip table has no DCN "
             "bandwidth, so no count beyond it is modelled)"
         )
+    dcn = preset.inter_link()
     return (
         f"; nodes: slices of at most {size} chips on ICI (its largest slice), joined over DCN "
-        f"at {preset.inter.bandwidth / GB:.3g} GB/s per chip beyond it (ASSUMPTION: only data "
-        "crosses slices, each chip's share of the hosts' NICs, "
-        f"{preset.inter.latency * 1e6:g} us a message step)"
+        f"at {dcn.bandwidth / GB:.3g} GB/s per chip beyond it (ASSUMPTION: only data "
+        f"crosses slices, each chip's share of the hosts' NICs, {dcn.latency * 1e6:g} us a "
+        "message step)"
     )
 
 

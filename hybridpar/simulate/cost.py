@@ -181,7 +181,7 @@ def _flat_link(preset: Preset, topo: Topology) -> tuple[float, float]:
     if topo.nodes <= 1:
         return preset.intra.bandwidth, preset.intra.latency
     bw = min(preset.intra.bandwidth, topo.g * topo.inter_bandwidth_per_device(preset))
-    return bw, max(preset.intra.latency, preset.inter.latency)
+    return bw, max(preset.intra.latency, preset.inter_link().latency)
 
 
 def allreduce_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[str, float]:
@@ -200,7 +200,7 @@ def allreduce_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict
         # slices over DCN: reduce-scatter on each slice's torus, all-reduce each chip's n/g
         # shard across the slices (ring or tree), all-gather back on the torus
         shard, slices = n / topo.g, topo.nodes
-        dcn, ae = topo.inter_bandwidth_per_device(preset), preset.inter.latency
+        dcn, ae = topo.inter_bandwidth_per_device(preset), preset.inter_link().latency
         return {
             "torus+dcn-ring": torus + ring_allreduce_time(shard, slices, dcn, ae),
             "torus+dcn-tree": torus + tree_allreduce_time(shard, slices, dcn, ae),
@@ -215,7 +215,7 @@ def allreduce_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict
             preset.intra.bandwidth,
             preset.intra.latency,
             topo.inter_bandwidth_per_device(preset),
-            preset.inter.latency,
+            preset.inter_link().latency,
         )
         opts[f"hier-{inner}"] = t
     return opts
@@ -234,14 +234,14 @@ def _shard_options(n: float, p: int, preset: Preset, stride: int = 1) -> dict[st
             return {"torus": torus}
         dcn = topo.inter_bandwidth_per_device(preset)  # then across the slices over DCN
         return {"torus+dcn": torus + reduce_scatter_time(n / topo.g, topo.nodes, dcn,
-                                                         preset.inter.latency)}  # fmt: skip
+                                                         preset.inter_link().latency)}  # fmt: skip
     bw, a = _flat_link(preset, topo)
     opts = {"ring": reduce_scatter_time(n, p, bw, a)}
     if topo.nodes > 1:
         per_dev = topo.inter_bandwidth_per_device(preset)
         opts["hier-ring"] = reduce_scatter_time(
             n, topo.g, preset.intra.bandwidth, preset.intra.latency
-        ) + reduce_scatter_time(n / topo.g, topo.nodes, per_dev, preset.inter.latency)
+        ) + reduce_scatter_time(n / topo.g, topo.nodes, per_dev, preset.inter_link().latency)
     return opts
 
 
@@ -263,7 +263,7 @@ def collective_options(
     topo = Topology.of(p, preset.devices_per_node, stride)
     if topo.nodes > 1:  # across nodes (a TPU's slices: DCN)
         bw = min(preset.intra.bandwidth, topo.inter_bandwidth_per_device(preset))
-        a = max(preset.intra.latency, preset.inter.latency)
+        a = max(preset.intra.latency, preset.inter_link().latency)
     else:
         bw, a = preset.intra.bandwidth, preset.intra.latency
     if kind == "all-to-all":

@@ -126,16 +126,20 @@ class Preset:
     size_change_s: float = 0.0
     max_devices: int = 0
 
-    def inter_bandwidth_per_node(self) -> float:
-        """Bytes/s leaving one node (all of its NICs together)."""
-        if self.inter is None:  # a TPU slice with no DCN figure: nothing leaves it priced
+    def inter_link(self) -> Link:
+        """``inter``; a ValueError where it is None (a TPU slice with no DCN figure: nothing
+        leaving it has a price)."""
+        if self.inter is None:
             raise ValueError(
                 f"{self.name} has no DCN bandwidth in the chip table "
                 "(hybridpar/config/hardware.py), so traffic between its slices cannot be priced"
             )
-        if self.inter.per == "node":
-            return self.inter.bandwidth
-        return self.inter.bandwidth * self.devices_per_node
+        return self.inter
+
+    def inter_bandwidth_per_node(self) -> float:
+        """Bytes/s leaving one node (all of its NICs together)."""
+        link = self.inter_link()
+        return link.bandwidth if link.per == "node" else link.bandwidth * self.devices_per_node
 
     def scaled(self, intra: float = 1.0, inter: float = 1.0) -> Preset:
         """The same preset with link bandwidths multiplied (for what-if studies and tests)."""
