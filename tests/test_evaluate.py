@@ -558,3 +558,29 @@ def test_a_tune_search_folder_is_not_a_run_and_names_its_trials(tmp_path, capsys
         assert code == 2 and out == "" and err.count("\n") == 1, err
         assert "holds a tune search (study.db), not a training run" in err
         assert os.path.join(str(search), "trials", "000") in err
+
+
+def test_the_runs_own_mesh_too_large_is_said_to_be_the_runs(watched, tmp_path, monkeypatch):
+    """Without --config.mesh the evaluator takes the run's mesh: on fewer devices its
+    refusal read "mesh spec 'data:8' needs 8 devices", a spec the user never typed. Now it
+    says it is the run's, and the evaluator's own --config.mesh; one given is said as
+    before. Planted bug that fails it: no prefix."""
+    import jax
+
+    from hybridpar.runtime import trained
+
+    w = copy_of(watched, tmp_path)
+    load = trained.load_config
+
+    def on_eight(workdir, overrides=(), caller=None):  # the run trained on data:8
+        config = load(workdir, overrides, caller)
+        if not overrides:
+            config.mesh = "data:8"
+        return config
+
+    monkeypatch.setattr(trained, "load_config", on_eight)
+    with pytest.raises(ConfigError, match=r"^the run's mesh spec 'data:8' needs 8 devices .*"
+                       r"--config.mesh=data:-1.*the evaluator may use its own\)$"):  # fmt: skip
+        evaluator.run(None, str(w), devices=jax.devices()[:4])
+    with pytest.raises(ConfigError, match=r"^mesh spec 'data:8' needs 8 devices"):
+        evaluator.run(None, str(w), devices=jax.devices()[:4], overrides=[("mesh", "data:8")])

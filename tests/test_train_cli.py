@@ -193,6 +193,8 @@ def test_a_compiled_file_for_another_target_is_refused_before_anything_is_writte
                                "--config.compile_cache=workdir"], capfd)  # fmt: skip
     assert code == 2 and "Traceback" not in err
     assert err.strip().startswith(f"error: --compiled {out} does not fit this run: platform")
+    # the other differences named, not "(and 4 more)"
+    assert "device_kind" in err and "more)" not in err, err
     assert not w.exists(), sorted(str(p.relative_to(w)) for p in w.rglob("*"))
 
 

@@ -440,6 +440,8 @@ def run(
     check_is_run(workdir, config, watch)  # before the set-up's lines and any wait
     liveness = Liveness(workdir, dead_after_s)
     wait_for_run(workdir, watch, poll_s, liveness)
+    # the mesh is the run's unless given: its refusal says so (the user typed none)
+    runs_mesh = config is None and not any(k == "mesh" for k, _ in overrides)
     if config is None:
         from hybridpar.runtime import trained
 
@@ -475,7 +477,13 @@ def run(
         stop.release = release
     try:
         # workdir None: none of the trainer's workdir checks and writes (we only read there)
-        r = setup(config, None, devices=devices, for_training=False)
+        try:
+            r = setup(config, None, devices=devices, for_training=False)
+        except ConfigError as e:
+            if runs_mesh and str(e).startswith("mesh spec"):
+                raise ConfigError(f"the run's {e} (the mesh it trained on, from its config; "
+                                  "the evaluator may use its own)") from None  # fmt: skip
+            raise
         if lock is None:
             lock = lock_records(out, jax.process_index())
         if from_epoch > r.plan.num_epochs:

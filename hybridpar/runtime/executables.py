@@ -206,7 +206,8 @@ def load(path: str, program, recompile: bool = False) -> int:
                 "data plans from data.train_examples; give the compile "
                 "--config.data.train_examples=<this data's training examples>)"
             )
-        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        others = ", ".join(k for k, _, _ in wrong[1:])
+        more = f" (and {others} differ{'s' if len(wrong) == 2 else ''})" if others else ""
         if not recompile:
             raise ConfigError(
                 f"--compiled {path} does not fit this run: {what}{more}; compile it again "
