@@ -158,6 +158,33 @@ def test_each_stage_reads_its_own_size_batch_and_crop_scale(tmp_path):
     assert opened == want
 
 
+def test_a_background_compile_s_wait_counts_from_the_first_poll():
+    """The trainer polls ``wait_compiled`` at a stage switch (to save on a signal meanwhile)
+    and takes the step only once the compile is done: the wait was timed from then, 0 s,
+    and summary's compile time left the stall out. Planted bug that fails it: the wait
+    timed around ``future.result()`` only. A stand-in build, nothing compiled."""
+    import time
+
+    run = setup(tiny_digits(), with_data=False)
+    program = run.program
+
+    class Slow:  # a lowered step whose compile takes 0.5 s
+        def compile(self, options=None):
+            time.sleep(0.5)
+            return self
+
+        def memory_analysis(self):
+            return None
+
+    program.lower_train = lambda batch, size: Slow()
+    program.compile_in_background([("train", 48, 16)])
+    while not program.wait_compiled(0.05, "train", 48, 16):
+        pass
+    assert isinstance(program.train_step(48, 16), Slow)
+    record = program.compiles[-1]
+    assert record["background"] and 0.3 < record["wait_s"] < 30, record
+
+
 def test_later_stages_compiled_in_the_background_train_the_same_steps(tmp_path, two_stages):
     """compile_ahead=background: the second stage's step compiles in a thread while the
     first trains; the run is step for step the one that compiles everything first (the

@@ -100,6 +100,8 @@ class Program:
     # (kind, batch, image size) -> future of (compiled, record), from compile_in_background
     _pending: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     _compiler: Any = dataclasses.field(default=None, init=False, repr=False)
+    # key -> when a step first waited for its background compile (``wait_compiled``)
+    _waiting_since: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
     # XLA options for every compile of this program; the compile-only tools set a
     # target's own (targets.Target.compiler_options), a training run sets none
     compiler_options: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
@@ -234,8 +236,12 @@ class Program:
         """Waits up to ``timeout`` seconds for this step's background compile; False while
         it still runs. True where none is pending: ``train_step``/``eval_step`` then wait
         for no background compile (they compile on the call where nothing compiled it)."""
-        future = self._pending.get((kind, batch, image_size or self.image_shape[0]))
-        return future is None or future in concurrent.futures.wait([future], timeout).done
+        key = (kind, batch, image_size or self.image_shape[0])
+        future = self._pending.get(key)
+        if future is None:
+            return True
+        self._waiting_since.setdefault(key, time.time())  # the stall starts at the first wait
+        return future in concurrent.futures.wait([future], timeout).done
 
     def stop_background(self) -> None:
         """Drops the background compilations not yet started (a stopping run needs none).
@@ -243,7 +249,7 @@ class Program:
         thread is joined there), but nothing in the run does."""
         if self._compiler is not None:
             self._compiler.shutdown(wait=False, cancel_futures=True)
-            self._compiler, self._pending = None, {}
+            self._compiler, self._pending, self._waiting_since = None, {}, {}
 
     def compiled_programs(self) -> dict:
         """``{(kind, batch, image size): compiled}``: every step compiled (or loaded) so far,
@@ -297,7 +303,9 @@ class Program:
             if future is None:
                 compiled, record = self._build(*key)
             else:
-                t0 = time.time()
+                # from the first wait_compiled: the trainer polls it (to save on a signal
+                # meanwhile) and takes the step once it is done, so the wait came before
+                t0 = self._waiting_since.pop(key, time.time())
                 compiled, record = future.result()
                 record.update(background=True, wait_s=round(time.time() - t0, 3))
             self._compiled[key] = compiled
