@@ -37,6 +37,7 @@ from helpers import (
     config_args,
     cpu_env,
     loop_metadata,
+    main_here,
     saved_loop,
     signal_at,
     tiny_digits,
@@ -260,6 +261,27 @@ def test_a_corrupted_latest_checkpoint_falls_back_to_the_one_before(runs, capsys
     saver.close()
 
 
+def test_a_checkpoint_of_another_model_is_one_error_not_unreadable_ones(runs, tmp_path, capsys):
+    """--allow-config-change --config.model.num_filters=16: each intact checkpoint was
+    warned of as one that "does not read back" before the error. Another state's is said
+    once, from the first, and nothing is set aside. Planted bug that fails it: no
+    _other_state (every failure taken for corruption)."""
+    d = tmp_path / "ck"
+    shutil.copytree(runs["cut"] / "checkpoints", d)
+    wider = setup(tiny_digits(**{"model.num_filters": 16}), None, with_data=False).program
+    n = runs["run"].plan.total_steps
+    capsys.readouterr()
+    saver = checkpoint.Checkpoints(str(d))
+    with pytest.raises(ConfigError, match=rf"checkpoint {n} in {d} holds another train state "
+                       r"than this run's \(params/head/kernel of shape \(64, 10\) there, "
+                       r"\(128, 10\) here\); the config changed what the state holds"):  # fmt: skip
+        saver.restore(wider.abstract_state())
+    saver.close()
+    assert "does not read back" not in capsys.readouterr().out
+    assert checkpoint.committed_steps(str(d)) == [STOP, n]
+    assert not Path(f"{d}.unreadable").exists()
+
+
 def test_a_checkpoint_holding_nan_does_not_read_back(runs, capsys):
     """Corrupted bytes that still decompress gave a state the next steps diverged from, with
     no warning: a restored state must be finite, as the trainer keeps it."""
@@ -399,6 +421,122 @@ def test_a_copied_workdir_is_never_sent_to_write_into_the_original(runs, tmp_pat
     assert not re.search(f"pass --config.checkpoint.dir={original}", said)
 
 
+def outside_run(runs, tmp_path):
+    """``(A, ck, config)``: a run in workdir A stopped at STOP, its checkpoints in ck outside
+    it, set up there again (which records A as ck's owner)."""
+    a, ck = tmp_path / "A", tmp_path / "ck"
+    config = tiny_digits(**{"checkpoint.dir": str(ck)})
+    trainer.train(dataclasses.replace(again(runs["run"], a), config=config),
+                  hooks=[SigtermAt(STOP)])  # fmt: skip
+    setup(config, str(a), with_data=False).lock.release()
+    assert json.loads((ck / checkpoint.OWNER).read_text()) == {"workdir": str(a)}
+    return a, ck, config
+
+
+def listing(*folders):
+    return [sorted(os.listdir(f)) if os.path.isdir(f) else None for f in folders]
+
+
+def test_a_copy_of_a_workdir_does_not_train_into_the_original_s_checkpoint_dir(
+    runs, tmp_path, capsys
+):
+    """Probe: `cp -a A B` of a run with --config.checkpoint.dir=/abs/ck; B resumed into ck,
+    its retention deleted A's checkpoints, and A then resumed from B's ("config changed:
+    mesh", no warning). ck names its run's workdir: B is one error line, ck and B as they
+    were; A resumes. Planted bug that fails it: no check_owner."""
+    from hybridpar.tools import train
+
+    a, ck, config = outside_run(runs, tmp_path)
+    b = tmp_path / "B"
+    shutil.copytree(a, b)
+    before = listing(ck, b)
+    argv = ["--config", DIGITS, "--workdir", str(b), "--config.mesh=data:4,model:2",
+            *config_args(TINY_DIGITS), f"--config.checkpoint.dir={ck}"]  # fmt: skip
+    code, _, err = main_here(train.main, argv, capsys)
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert errors == [
+        f"error: checkpoint.dir {ck} holds the checkpoints of the run in workdir {a}, not of "
+        f"this one ({b}): go on with that run with --workdir {a}, or, to go on from them in "
+        f"this workdir, copy them into its own folder (cp -r {ck}/. {b}/checkpoints/) and "
+        "leave out --config.checkpoint.dir"
+    ]
+    assert listing(ck, b) == before  # nothing written, in either
+    with pytest.raises(ConfigError, match="holds the checkpoints of the run in workdir"):
+        setup(config, str(b), with_data=False, allow_config_change=True)  # not a config matter
+    run = setup(config, str(a), with_data=False)  # the original: its own, not refused
+    assert run.finished is None
+    run.lock.release()
+    shutil.copytree(ck, b / "checkpoints")  # the way the error gives: the copy's own
+    setup(tiny_digits(), str(b), with_data=False).lock.release()
+    assert json.loads((ck / checkpoint.OWNER).read_text()) == {"workdir": str(a)}
+
+
+def test_a_new_workdir_on_another_run_s_checkpoint_dir_is_refused(runs, tmp_path):
+    """Probe: a workdir not made yet, with another run's checkpoint.dir and another config,
+    was never compared (check_run only ran on a workdir that exists): it resumed that run
+    with the new config and pruned its checkpoints. With the owner recorded, that run is
+    named; without (checkpoints from before owners), the config is compared whether the
+    workdir exists or not, and the error names the checkpoint dir, not the empty workdir;
+    the same config takes them over. Planted bugs that fail it: check_run only on an
+    existing workdir; the error naming the workdir."""
+    a, ck, config = outside_run(runs, tmp_path)
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    changed = tiny_digits(**{"checkpoint.dir": str(ck), "num_epochs": 0.5, "optim.base_lr": 0.1})
+    before = sorted(os.listdir(ck))
+    for w in (new, empty):
+        with pytest.raises(ConfigError, match=f"the run in workdir {a}, not of this one .*: "
+                           f"go on with that run with --workdir {a}, or give this run a "
+                           "checkpoint.dir of its own"):  # fmt: skip
+            setup(changed, str(w), with_data=False)
+    assert not new.exists() and listing(empty, ck) == [[], before]
+    # the way the error gives to start from that run's weights
+    setup(tiny_digits(init_from=str(a)), str(new), with_data=False).lock.release()
+    shutil.rmtree(new)
+    (ck / checkpoint.OWNER).unlink()  # checkpoints from before owners were recorded
+    said = (f"checkpoint.dir '{ck}' holds a run of another config: num_epochs was 0.25, now "
+            r"0.5 \(and 1 more\); give this run a checkpoint.dir of its own \(or leave out "
+            r"--config.checkpoint.dir\), or pass --allow-config-change")  # fmt: skip
+    for w in (new, empty):
+        with pytest.raises(ConfigError, match=said):
+            setup(changed, str(w), with_data=False)
+    assert not new.exists() and listing(empty, ck) == [[], [n for n in before if n != "owner.json"]]
+    # the same config: that run, resumed here (the first to resume owns the folder)
+    setup(config, str(new), with_data=False).lock.release()
+    assert json.loads((ck / checkpoint.OWNER).read_text()) == {"workdir": str(new)}
+
+
+def test_a_moved_workdir_takes_its_checkpoint_dir_over(runs, tmp_path, capsys):
+    """mv A C: ck's owner is gone, so C takes it over and says so; a copy of A made before
+    is then refused in C's name. Planted bug that fails it: a gone owner refused."""
+    a, ck, config = outside_run(runs, tmp_path)
+    b, c = tmp_path / "B", tmp_path / "C"
+    shutil.copytree(a, b)
+    a.rename(c)
+    capsys.readouterr()
+    setup(config, str(c), with_data=False).lock.release()
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"checkpoint.dir {ck} held the checkpoints of the run in workdir {a}, which is gone "
+        f"(moved?): this run, in {c}, takes them over"
+    )
+    assert json.loads((ck / checkpoint.OWNER).read_text()) == {"workdir": str(c)}
+    with pytest.raises(ConfigError, match=f"the run in workdir {c}, not of this one"):
+        setup(config, str(b), with_data=False)
+
+
+def test_a_copied_workdir_with_the_default_checkpoint_dir_resumes(runs, tmp_path):
+    """Its checkpoints are its own copy: no owner is recorded or asked for. Planted bug
+    that fails it: owners recorded for a checkpoint dir inside the workdir."""
+    w, copy = tmp_path / "w", tmp_path / "copy"
+    trainer.train(again(runs["run"], w), hooks=[SigtermAt(STOP)])
+    setup(tiny_digits(), str(w), with_data=False).lock.release()
+    shutil.copytree(w, copy)
+    setup(tiny_digits(), str(copy), with_data=False).lock.release()
+    assert not (w / "checkpoints" / checkpoint.OWNER).exists()
+    assert trainer.train(again(runs["run"], copy))["resumed_from"] == STOP
+
+
 def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_path):
     # the placement keys may change: the same (finished) run, not another config
     new = tiny_digits(mesh="data:8", eval_batch=40, **{"partitioning.preset": "fsdp"})
@@ -424,6 +562,83 @@ def test_a_new_mesh_is_free_on_resume_while_the_global_batches_stay(runs, tmp_pa
         run_config.check_batches(str(w), local, stages_from_config(local, 4), 4)
     local.model.bn_sync = "global"
     run_config.check_batches(str(w), local, stages_from_config(local, 4), 4)
+
+
+def test_comm_reduce_dtype_is_refused_on_resume_as_precision_compute_is(runs):
+    """The comm.* keys that schedule the same sums may change on resume; comm.reduce_dtype
+    sums the gradients in another precision: refused without --allow-config-change, in
+    precision.compute's words, while the evaluator (no gradients) may still set it.
+    Planted bug that fails it: check_run leaving out all of PLACEMENT_KEYS again."""
+    from hybridpar.runtime import evaluator
+
+    full = str(runs["full"])
+    assert setup(tiny_digits(**{"comm.latency_hiding": False}), full, with_data=False).finished
+    for key, value in (("precision.compute", "bfloat16"), ("comm.reduce_dtype", "bfloat16")):
+        with pytest.raises(ConfigError, match=rf"another config: {key} was '\w+', now "
+                           rf"'{value}'; use a new --workdir, or pass --allow-config-change "
+                           r".* comm\.\* but comm\.reduce_dtype, distributed"):  # fmt: skip
+            setup(tiny_digits(**{key: value}), full, with_data=False)
+    assert evaluator.check_run_of(tiny_digits(**{"comm.reduce_dtype": "bfloat16"}), full)
+
+
+def _resume_of_a_copy(runs, tmp_path, capsys, edit):
+    """``runs["cut"]`` (stopped at STOP, then finished) copied, its summary removed and
+    ``edit(workdir)`` applied, resumed: ``(the log, the new resume record)``."""
+    w = tmp_path / "w"
+    shutil.copytree(runs["cut"], w)
+    (w / "summary.json").unlink()
+    edit(w)
+    capsys.readouterr()
+    trainer.train(again(runs["run"], w))
+    return capsys.readouterr().out, records(w, "resume")[-1]
+
+
+def test_a_resume_on_a_mesh_resolved_otherwise_names_it_though_its_spec_is_the_same(
+    runs, tmp_path, capsys
+):
+    """The same --config.mesh on other devices (data:-1 on 8, then on 1) resolves to
+    another mesh, whose sums run in another order: the resume line named no change and
+    changed_keys was []. Compared with the mesh of the start that saved the checkpoint
+    resumed (its stage line before that checkpoint's), not with a later start's. Planted
+    bug that fails it: no comparison of the stage lines' meshes."""
+    n = runs["run"].plan.total_steps
+
+    def remesh(w):  # as a start of the same spec on 4 devices would have recorded it
+        lines, stages = [], []
+        for r in records(w):
+            if r["event"] == "stage":
+                stages.append(r)  # the first start's is not the checkpoint's
+                r["mesh"] = "data:2,model:2" if len(stages) == 2 else "data:8"
+            lines.append(json.dumps(r))
+        # a later start on this mesh, stopped before it saved: not the checkpoint's either
+        lines.append(json.dumps(dict(stages[-1], mesh="data:4,model:2")))
+        (w / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    out, resume = _resume_of_a_copy(runs, tmp_path, capsys, remesh)
+    assert resume["from_step"] == n and resume["changed_keys"] == ["mesh"]
+    said = (f"resumed from the checkpoint at step {n} in {tmp_path / 'w' / 'checkpoints'} "
+            "(config changed: mesh data:2,model:2 -> data:4,model:2 on 4 -> 8 devices; the "
+            "numbers are not bitwise the old mesh's (float sums in another order))\n")  # fmt: skip
+    assert said in out
+    assert "trained again" not in out  # its last checkpoint is the one resumed
+
+
+def test_a_resume_from_an_older_checkpoint_than_the_records_says_what_is_trained_again(
+    runs, tmp_path, capsys
+):
+    """The newest checkpoint deleted by hand: the run resumes from the one before and
+    said nothing of the steps its records show saved after it. Planted bug that fails it:
+    no gone_note in the resume line."""
+    n = runs["run"].plan.total_steps
+    out, resume = _resume_of_a_copy(
+        runs, tmp_path, capsys, lambda w: shutil.rmtree(w / "checkpoints" / str(n))
+    )
+    assert resume["from_step"] == STOP and resume["changed_keys"] == []
+    line = next(x for x in out.splitlines() if x.startswith("resumed from"))
+    assert line.startswith(f"resumed from the checkpoint at step {STOP} in {tmp_path / 'w'}")
+    # (after the time the last start ran past that checkpoint, which counts)
+    assert line.endswith(f"; the records go to step {n}, whose checkpoint is not there: "
+                         f"steps {STOP + 1}-{n} are trained again")  # fmt: skip
 
 
 # ---- The CLI, as a user runs it --------------------------------------------------------------

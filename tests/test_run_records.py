@@ -20,7 +20,7 @@ SAMPLES = {
                     loaded_from="/x/exec", memory_per_device_bytes=MEMORY, background=True,
                     wait_s=0.25),
     "stage": dict(stage=1, image_size=24, global_batch=128, min_scale=0.08, steps=55,
-                  data_parallel=8),
+                  data_parallel=8, mesh="data:4,fsdp:2"),
     "train": dict(loss=0.5, lr=0.1, momentum=0.9, images_per_s=400.5, image_size=32,
                   global_batch=64, stage=0, skipped_steps=0, loss_scale=1.0),
     "eval": dict(split="test", loss=0.6, top1=0.98, top5=1.0, examples=360, source="evaluator"),

@@ -73,7 +73,9 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
     r = _run([*args, "--config.mesh=data:4,model:2"], 8)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    assert f"resumed from the checkpoint at step {stop} " in out and "(config changed: mesh)" in out
+    assert f"resumed from the checkpoint at step {stop} " in out
+    assert ("(config changed: mesh data:8 -> data:4,model:2; the numbers are not bitwise "
+            "the old mesh's (float sums in another order))") in out  # fmt: skip
     seg2 = _records(tmp_path)[len(seg1) :]
     assert seg2[0]["event"] == "resume" and seg2[0]["changed_keys"] == ["mesh"]
     steps = [rec["step"] for rec in seg2 if rec["event"] == "train"]

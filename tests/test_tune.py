@@ -98,6 +98,12 @@ def test_bad_space_is_one_error_line(tmp_path, capsys, space, message):
         (["lr", "--config.tune.objective=top1"], "--config.tune.objective is not used by tune lr"),
         (["search", "--trials", "2", "--budget-epochs", "1", "--config.tune.lr_max=1"],
          "--config.tune.lr_max is not used by tune search (it is a tune lr key); drop it"),
+        # one folder for every trial's checkpoints: the second trial's set-up refused it as
+        # another run's (planted bug that fails it: no check)
+        (["search", "--trials", "2", "--budget-epochs", "1", "--config.checkpoint.dir=/tmp/ck"],
+         "checkpoint.dir='/tmp/ck' lies outside each trial's folder"),
+        (["search", "--trials", "2", "--budget-epochs", "1", "--config.checkpoint.dir=../ck"],
+         "drop --config.checkpoint.dir"),
     ],
 )  # fmt: skip
 def test_the_other_modes_tune_key_is_one_error_line(tmp_path, capsys, argv, says):

@@ -25,7 +25,13 @@ import time
 import jax
 
 from hybridpar.config.errors import SaveFailed, WorkdirError
-from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, committed_steps  # noqa: F401 (read from here too)
+from hybridpar.runtime.checkpoint_dirs import (  # noqa: F401 (read from here too)
+    OWNER,
+    checkpoint_dir,
+    committed_steps,
+    outside,
+    owner_of,
+)
 
 ITEMS = ("state", "loop", "config")
 
@@ -96,6 +102,56 @@ def _same(a: str, b: str) -> bool:
         return os.path.samefile(a, b)
     except OSError:
         return os.path.abspath(a) == os.path.abspath(b)
+
+
+def check_owner(workdir: str, directory: str) -> None:
+    """A ``checkpoint.dir`` outside ``workdir`` whose checkpoints are another run's, one
+    whose workdir (``OWNER``) still exists, is an error: a copy of that workdir, or a new
+    one, trained into them, and the retention deleted the other run's checkpoints. A folder
+    with no owner recorded (checkpoints from before owners were, or written by hand) is left
+    to the config check (``run_config.check_run``): the first run to resume there owns it."""
+    if not outside(directory, workdir) or not committed_steps(directory):
+        return
+    owner = owner_of(directory)
+    if owner is None or _same(owner, workdir) or not os.path.isdir(owner):
+        return
+    here = os.path.abspath(workdir)
+    head = (
+        f"checkpoint.dir {directory} holds the checkpoints of the run in workdir {owner}, not "
+        f"of this one ({here}): go on with that run with --workdir {owner}, or"
+    )
+    if any(os.path.isfile(os.path.join(here, n)) for n in ("config.json", "metrics.jsonl")):
+        own = os.path.join(here, "checkpoints")  # a copy of that run's workdir, most likely
+        raise WorkdirError(
+            f"{head}, to go on from them in this workdir, copy them into its own folder "
+            f"(cp -r {directory}/. {own}/) and leave out --config.checkpoint.dir"
+        )
+    raise WorkdirError(
+        f"{head} give this run a checkpoint.dir of its own (or leave out "
+        f"--config.checkpoint.dir), with --config.init_from={owner} to start from that run's "
+        "weights"
+    )
+
+
+def claim(workdir: str, directory: str) -> None:
+    """Records ``workdir`` as the owner of ``directory`` (``check_owner``), where that lies
+    outside it (process 0, once set-up accepted the run); a recorded owner that is gone (a
+    workdir moved with mv) is taken over, with a line that says so."""
+    if not outside(directory, workdir) or jax.process_index() != 0:
+        return
+    owner, here = owner_of(directory), os.path.abspath(workdir)
+    if owner is not None and _same(owner, here):
+        return
+    # (an owner still there had no checkpoints here: check_owner let it by)
+    if owner is not None and not os.path.isdir(owner):
+        print(
+            f"checkpoint.dir {directory} held the checkpoints of the run in workdir {owner}, "
+            f"which is gone (moved?): this run, in {here}, takes them over",
+            flush=True,
+        )
+    from hybridpar.runtime.run_records import write_json
+
+    write_json(os.path.join(directory, OWNER), {"workdir": here})
 
 
 def ensure_writable(path: str, what: str, fix: str) -> None:
@@ -226,6 +282,11 @@ def read_error(e: Exception) -> str:
     lines = str(e).strip().splitlines()
     text = lines[0].split(" See full TensorStore details")[0] if lines else ""
     return f"{type(e).__name__}: {text[:197] + '...' if len(text) > 200 else text}"
+
+
+def _names(path) -> tuple[str, ...]:
+    """A leaf's key path as a checkpoint's metadata names it: ``("opt_state", "1", ...)``."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -461,6 +522,14 @@ class Checkpoints:
                         ) from None
                     steps = now
                     continue
+                other = self._other_state(newest, abstract_state)
+                if other:  # intact, but of another state: no corruption to warn of
+                    raise WorkdirError(
+                        f"checkpoint {newest} in {self.directory} holds another train state "
+                        f"than this run's ({other}); the config changed what the state holds "
+                        "(optimizer, model, momentum schedule): start a new --workdir, or "
+                        "move the checkpoints away to start this one over"
+                    ) from None
                 unreadable.append(newest)
                 first = first or read_error(e)
                 if jax.process_index() == 0:
@@ -511,6 +580,27 @@ class Checkpoints:
         if several:
             multihost_utils.sync_global_devices("hybridpar: unreadable checkpoints set aside")
         self.manager.reload()
+
+    def _other_state(self, step: int, abstract_state) -> str | None:
+        """How the train state checkpoint ``step`` holds differs from ``abstract_state``, by
+        its metadata (the arrays' paths and shapes): the first array missing on one side or
+        of another shape; None where they match, or the metadata does not read (corrupted:
+        a read's failure that says nothing of the config)."""
+        try:
+            tree = self.ocp.tree.to_flat_dict(self.manager.item_metadata(step)["state"].tree)
+            saved = {k: getattr(v, "shape", None) for k, v in tree.items()}
+        except Exception:  # noqa: BLE001 - any failure: not a readable tree to compare
+            return None
+        ours = {_names(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+        for key in [*ours, *saved]:
+            name = "/".join(key)
+            if key not in saved:
+                return f"no {name} there"
+            if key not in ours:
+                return f"{name} there, none here"
+            if saved[key] is not None and tuple(saved[key]) != tuple(ours[key]):
+                return f"{name} of shape {tuple(saved[key])} there, {tuple(ours[key])} here"
+        return None
 
     def _read(self, step: int, abstract_state):
         args = self.ocp.args

@@ -8,7 +8,12 @@ complete, so a folder named by a number alone is a committed step.
 
 from __future__ import annotations
 
+import json
 import os
+
+# In a checkpoint.dir outside the workdir: the workdir of the run that writes there, so that
+# a copy of that workdir (or a new one) naming the same folder is not a second writer in it
+OWNER = "owner.json"
 
 
 def checkpoint_dir(config, workdir: str) -> str:
@@ -25,3 +30,21 @@ def committed_steps(directory: str) -> list[int]:
     except OSError:
         return []
     return sorted(int(n) for n in names if n.isdigit())
+
+
+def outside(directory: str, workdir: str) -> bool:
+    """Whether checkpoint directory ``directory`` lies outside ``workdir`` (by their paths: a
+    folder inside it, the default, travels with a copy of the workdir)."""
+    top = os.path.abspath(workdir)
+    return os.path.commonpath([os.path.abspath(directory), top]) != top
+
+
+def owner_of(directory: str) -> str | None:
+    """The workdir ``OWNER`` in ``directory`` names, or None (none recorded, or unreadable:
+    checkpoints from before owners were recorded, or written by hand)."""
+    try:
+        with open(os.path.join(directory, OWNER)) as f:
+            owner = json.load(f).get("workdir")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return owner if isinstance(owner, str) and owner else None

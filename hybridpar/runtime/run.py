@@ -136,6 +136,9 @@ def _setup(
             run_config.check_not_tune(workdir, tune_folder)  # tune's: no run of ours in it
             # moved checkpoints first: without them check_run would compare with config.json
             checkpoint.check_not_moved(workdir, ckpt)
+        if not os.path.isfile(workdir):  # (a file: check_workdir says so)
+            # a workdir not made yet too: checkpoint.dir may hold a run (its config compared)
+            checkpoint.check_owner(workdir, ckpt)  # first: another run's, whatever its config
             finished = run_config.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)
         checkpoint.check_dir(ckpt)
@@ -198,6 +201,8 @@ def _setup(
     # the workdir as it was. Still before the steps' first compilation: each is cached.
     if cache_dir is not None:
         compile_cache.enable(cache_dir)
+    if for_training and finished is None and workdir is not None:  # accepted: it writes there
+        checkpoint.claim(workdir, ckpt)
     return Run(config, workdir, mesh, program, program.plan, data, start, flags, finished, lock,
                source)  # fmt: skip
 

@@ -16,7 +16,7 @@ import os
 import jax
 
 from hybridpar.config.errors import WorkdirError
-from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, committed_steps
+from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, committed_steps, outside
 from hybridpar.runtime.run_records import read_json, read_records, write_json
 
 # Keys that may change between the segments of one run: they change neither the numbers
@@ -32,7 +32,8 @@ FREE_KEYS = (
 # Keys that only place the computation or move data: a run resumes with other values (a
 # checkpoint restores into the new shardings, the `resume` line names them), and the
 # evaluator and quantize may set their own. The mesh with one proviso: the global batches
-# must stay (``check_batches``). The one list for the trainer and the tools that read a run.
+# must stay (``check_batches``). The one list for the trainer and the tools that read a run,
+# but for ARITHMETIC_KEYS.
 PLACEMENT_KEYS = (
     "mesh",
     "partitioning.",
@@ -42,11 +43,33 @@ PLACEMENT_KEYS = (
     "data.prefetch",
     "data.threads",
 )
+# Placement keys that change the arithmetic, not only its schedule: a resume refuses them
+# as it refuses precision.compute (``resume_differences``); the evaluator and quantize, which
+# sum no gradients, may still set their own. comm.reduce_dtype is the precision the
+# gradients are summed in; the other comm.* keys choose how the same sums are scheduled.
+ARITHMETIC_KEYS = ("comm.reduce_dtype",)
 
 
 def key_names(keys) -> list[str]:
-    """``keys`` as a person writes them: a prefix (``"comm."``) as ``comm.*``."""
-    return [k + "*" if k.endswith(".") else k for k in keys]
+    """``keys`` as a person writes them: a prefix (``"comm."``) as ``comm.*``, and the
+    ``ARITHMETIC_KEYS`` under it named as excepted (``comm.* but comm.reduce_dtype``)."""
+    out = []
+    for k in keys:
+        if k.endswith("."):
+            held = [a for a in ARITHMETIC_KEYS if a.startswith(k)]
+            k += "*" + (f" but {', '.join(held)}" if held else "")
+        out.append(k)
+    return out
+
+
+def resume_differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
+    """The ``differences`` a resume refuses without ``--allow-config-change``: all but the
+    placement keys, ``ARITHMETIC_KEYS`` among them kept."""
+    return [
+        d
+        for d in differences(saved, new)
+        if not d[0].startswith(PLACEMENT_KEYS) or d[0].startswith(ARITHMETIC_KEYS)
+    ]
 
 
 def config_dict(config) -> dict:
@@ -87,14 +110,12 @@ def differences(saved: dict, new: dict, free=()) -> list[tuple[str, object, obje
     return out
 
 
-def another_config(workdir: str, diff: list) -> str:
-    """The start of the error for a workdir whose run has another config: its first
-    difference (``differences``) and how many more."""
+def another_config(workdir: str, diff: list, what: str = "workdir") -> str:
+    """The start of the error for a workdir (or ``what`` else) whose run has another config:
+    its first difference (``differences``) and how many more."""
     key, old, new = diff[0]
     more = f" (and {len(diff) - 1} more)" if len(diff) > 1 else ""
-    return (
-        f"workdir {workdir!r} holds a run of another config: {key} was {old!r}, now {new!r}{more}"
-    )
+    return f"{what} {workdir!r} holds a run of another config: {key} was {old!r}, now {new!r}{more}"
 
 
 def held_config(directory: str) -> tuple[int, dict] | None:
@@ -185,10 +206,18 @@ def check_run(workdir: str, config, allow_config_change: bool = False) -> dict |
     to resume)."""
     saved = of_workdir(workdir, config)
     if saved is not None and not allow_config_change:
-        diff = differences(saved, config_dict(config), free=PLACEMENT_KEYS)
+        diff = resume_differences(saved, config_dict(config))
         if diff:
+            said, fix = another_config(workdir, diff), "use a new --workdir"
+            if not os.path.isfile(os.path.join(workdir, "config.json")):
+                # no run of its own (new, or empty): the run is checkpoint.dir's
+                ckpt = checkpoint_dir(config, workdir)
+                said = another_config(ckpt, diff, "checkpoint.dir")
+                if outside(ckpt, workdir):
+                    fix = ("give this run a checkpoint.dir of its own (or leave out "
+                           "--config.checkpoint.dir)")  # fmt: skip
             raise WorkdirError(
-                f"{another_config(workdir, diff)}; use a new --workdir, or pass "
+                f"{said}; {fix}, or pass "
                 f"--allow-config-change{' on every process' if config.distributed else ''} "
                 "to continue that run with this config (only "
                 f"{', '.join(key_names(FREE_KEYS + PLACEMENT_KEYS))} may change without it)"
@@ -254,7 +283,7 @@ def record_config(workdir: str, config, held: tuple[int, dict] | None = None) ->
     changed = [] if base is None else [k for k, _, _ in differences(base, new)]
     later = held is not None and bool(changed)
     if held is not None and saved is not None and jax.process_index() == 0:
-        edited = differences(held[1], saved, free=PLACEMENT_KEYS)
+        edited = resume_differences(held[1], saved)
         if edited:
             key, ckpt, file = edited[0]
             more = f" (and {len(edited) - 1} more)" if len(edited) > 1 else ""

@@ -107,6 +107,9 @@ class Stage(Record):
     min_scale: float | None = None
     steps: int | None = None
     data_parallel: int | None = None
+    # the start's mesh as resolved on its devices ("data:8"; the trainer's mesh_text), which
+    # a resume compares: the config's "data:-1" reads the same on any number of devices
+    mesh: str | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

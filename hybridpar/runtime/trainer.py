@@ -172,6 +172,56 @@ def furthest_step(recs) -> int:
     return max((r.step for r in recs if r.event in ("train", "eval")), default=0)
 
 
+def mesh_text(shape) -> str:
+    """A mesh's axis sizes as a spec, the axes over one device left out: ``data:8``,
+    ``data:4,fsdp:2``; ``data:1`` on one device."""
+    return ",".join(f"{a}:{n}" for a, n in shape.items() if n > 1) or "data:1"
+
+
+def mesh_devices(text: str) -> int:
+    """The devices of a ``mesh_text``."""
+    return math.prod(int(part.partition(":")[2]) for part in text.split(","))
+
+
+def saved_mesh(recs, step: int) -> str | None:
+    """The resolved mesh of the start that saved the checkpoint at ``step``: that of its
+    ``stage`` line before the checkpoint's line. None where the records do not say (no
+    such line, or one from before stage lines named the mesh)."""
+    mesh = found = None
+    for r in recs:
+        if r.event == "stage":
+            mesh = r.mesh if isinstance(r.mesh, str) else None
+        elif r.event == "checkpoint" and r.step == step:
+            found = mesh
+    return found
+
+
+def changed_note(changed: list[str], was: str | None, now: str) -> str:
+    """The resume line's ``(config changed: ...)``: a mesh that resolves otherwise than the
+    checkpoint's (``was``) as old -> new, with the devices where their count changed."""
+    if not changed:
+        return ""
+    names, why = list(changed), ""
+    if "mesh" in names and was is not None and was != now:
+        before, after = mesh_devices(was), mesh_devices(now)
+        devices = f" on {before} -> {after} devices" if before != after else ""
+        names[names.index("mesh")] = f"mesh {was} -> {now}{devices}"
+        why = "; the numbers are not bitwise the old mesh's (float sums in another order)"
+    return f" (config changed: {', '.join(names)}{why})"
+
+
+def gone_note(recs, resumed: int) -> str:
+    """For the resume line: where the records' last checkpoint is newer than the one resumed
+    (the newer ones deleted, or set aside as unreadable), the steps trained again."""
+    saved = [r.step for r in recs if r.event == "checkpoint"]
+    if not saved or saved[-1] <= resumed:
+        return ""
+    steps = (f"step {saved[-1]} is" if saved[-1] == resumed + 1 else
+             f"steps {resumed + 1}-{saved[-1]} are")  # fmt: skip
+    return (f"; the records go to step {saved[-1]}, whose checkpoint is not there: {steps} "
+            "trained again")  # fmt: skip
+
+
 # A loss more than this many times the run's first is taken as the run diverging: the
 # checkpoints saved after the last loss below it may hold diverged weights.
 LOSS_GROWTH = 10
@@ -765,6 +815,10 @@ def start(run: Run, hooks) -> Training:
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held_config)
     changed = run_config.record_config(run.workdir, c, held)
+    # the same mesh spec may resolve otherwise on other devices (data:-1 on 8, then on 1)
+    mesh_was = saved_mesh(recorded, resumed) if resumed is not None else None
+    if mesh_was not in (None, mesh_text(run.mesh.shape)) and "mesh" not in changed:
+        changed.append("mesh")
     if resumed is not None:  # the checkpoint read (an unreadable newer one was skipped)
         signals.note_resume(resumed, saver.directory)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
@@ -792,9 +846,10 @@ def start(run: Run, hooks) -> Training:
                      train_files_changed=swapped or None)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
-            + (f" (config changed: {', '.join(changed)})" if changed else "")
+            + changed_note(changed, mesh_was, mesh_text(run.mesh.shape))
             + (f"; the {lost:.1f}s the last start ran after it count in the wall time"
-               if lost >= 1 else ""))  # fmt: skip
+               if lost >= 1 else "")
+            + gone_note(recorded, resumed))  # fmt: skip
     # (without a checkpoint the run starts again at step 0: no LR to compare)
     moved = lr_change(run, held_config, loop, resumed) if changed and resumed is not None else None
     if moved:
@@ -890,7 +945,8 @@ def run_stages(t: Training) -> str | None:
             t.writer.write("stage", loop.step, plan.epoch_at(loop.step), stage=stage.index,
                            image_size=st.image_size, global_batch=st.global_batch,
                            min_scale=st.min_scale, steps=stage.num_steps,
-                           data_parallel=plan.data_parallel)  # fmt: skip
+                           data_parallel=plan.data_parallel,
+                           mesh=mesh_text(run.mesh.shape))  # fmt: skip
             t.progress.restart(loop)
             batches = itertools.islice(t.batches, stage.end_step - loop.step)
             while True:

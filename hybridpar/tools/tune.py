@@ -221,6 +221,14 @@ def check(config, mode: str) -> list[dict] | None:
             "its own); search on one host without it, then train the best overrides "
             "multi-host with python -m hybridpar.train ... --config.distributed=True"
         )
+    ckpt = config.checkpoint.dir
+    if ckpt and (os.path.isabs(os.path.expanduser(ckpt)) or ".." in ckpt.split(os.sep)):
+        raise ConfigError(  # each trial's run is in its own folder: one outside, all would share
+            f"checkpoint.dir={ckpt!r} lies outside each trial's folder, so every trial would "
+            "save in the one folder (the second refused as another run's); drop "
+            "--config.checkpoint.dir (each trial keeps its checkpoints in its own folder), or "
+            "give a relative one, e.g. --config.checkpoint.dir=ckpt"
+        )
     if t.objective not in ("top1", "time_to_target"):
         raise ConfigError(
             f"tune.objective={t.objective!r} is not one of top1, time_to_target; use e.g. "
