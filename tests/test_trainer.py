@@ -106,6 +106,13 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     assert max(i for i, e in enumerate(events) if e == "compile") < events.index("train")
     stages = records(workdir, "stage")
     assert [(s["image_size"], s["global_batch"]) for s in stages] == [(16, 32), (24, 64)]
+    # said on stdout too, at the switch and in each progress line (planted bug that fails
+    # it: the stage in metrics.jsonl only, as before)
+    said = [x for x in out.splitlines() if x.startswith("stage 1 begins")]
+    assert said == [f"stage 1 begins at step {s1.start_step} (epoch 0.30): 24 px, global "
+                    "batch 64"], out  # fmt: skip
+    assert any(x.startswith("train step") and x.endswith("stage 1: 24px b64")
+               for x in out.splitlines()), out  # fmt: skip
 
     # Memory before step 1 is every program's, the largest named: here the second stage's
     # (twice the batch at a larger size), not the first stage's that a pre-flight check of

@@ -421,13 +421,30 @@ class Progress:
             loss_scale=float(fetched[-1]["next_loss_scale"]),
         )
         eta = formatting.duration((total - loop.step) * dt / steps)
+        stages = len(self.run.plan.stages)
         log(
             f"train step {loop.step:>6}/{total}  epoch {epoch:6.2f}  loss {loss:.4f}  "
             f"{steps * batch / dt:8.1f} img/s  ETA {eta}"
             + (f"  skipped {skipped}" if skipped else "")
+            # a curriculum's line says its stage: its img/s is at that size and batch
+            + (f"  stage {stage.index}: {stage.stage.image_size}px b{batch}"
+               if stages > 1 else "")  # fmt: skip
         )
         self.pending, self.counted = [], 0
         self.restart(loop)
+
+
+def stage_line(stage: PlannedStage, step: int, epoch: float) -> str:
+    """The line a curriculum prints as a stage begins at ``step`` (or a resume goes on
+    inside it), its figures as set-up's plan lines (``curriculum.describe``) name them."""
+    st = stage.stage
+    begins = "begins" if step == stage.start_step else "goes on"
+    return (
+        f"stage {stage.index} {begins} at step {step} (epoch {epoch:.2f}): {st.image_size} px, "
+        f"global batch {st.global_batch}"
+        + (f", min crop scale {st.min_scale:g}" if st.cropped else "")
+        + ("" if st.momentum is None else f", momentum {st.momentum:g}")
+    )
 
 
 class Evaluate:
@@ -947,6 +964,8 @@ def run_stages(t: Training) -> str | None:
                            min_scale=st.min_scale, steps=stage.num_steps,
                            data_parallel=plan.data_parallel,
                            mesh=mesh_text(run.mesh.shape))  # fmt: skip
+            if len(plan.stages) > 1:  # the switch said where it happens, not only recorded
+                log(stage_line(stage, loop.step, plan.epoch_at(loop.step)))
             t.progress.restart(loop)
             batches = itertools.islice(t.batches, stage.end_step - loop.step)
             while True:
