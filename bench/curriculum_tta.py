@@ -98,10 +98,14 @@ epochs are hours of CPU; ``--epochs`` shortens both runs alike (the recipe's sta
 ``--fixed-set`` overrides the fixed run only, ``--curriculum-set`` the curriculum only (e.g.
 ``stages=...``: another curriculum against the same fixed run). Called again with the same
 ``--out``, the bench reuses each finished pair (seedS/pair.json holds its runs' commands,
-which must be the ones it would run now) and runs the seeds it lacks, so an interrupted
-measurement goes on, and ``--seeds 5`` after ``--seeds 3`` adds two pairs; the records
-(``metrics.jsonl``, ``summary.json``, ``evaluator/`` and seedS/pair.json: no checkpoint is
-read again) may move to another ``--out`` or another machine's checkout. A pair whose two
+which must be the ones it would run now, but for --target: the runs never stop at a target,
+so another one changes only which evaluated checkpoint is read; a pair evaluated from an
+epoch on gets its earlier checkpoints evaluated where a lower target may fall there, or a
+warning where they are no longer on disk; a refusal names each setting that differs, old ->
+new) and runs the seeds it lacks, so an interrupted measurement goes on, and ``--seeds 5``
+after ``--seeds 3`` adds two pairs; the records (``metrics.jsonl``, ``summary.json``,
+``evaluator/`` and seedS/pair.json: no checkpoint is read again, but for a lower --target's
+as above) may move to another ``--out`` or another machine's checkout. A pair whose two
 runs finished training but not their evaluation (seedS/commands.json, written when the pair
 starts, holds the commands) goes on at the evaluation; a pair stopped while training
 resumes: each run not completed goes on from its latest checkpoint (the trainer's own
@@ -125,7 +129,7 @@ import time
 from pathlib import Path
 
 from hybridpar.config.curriculum import parse_stages  # JAX-free, as this parent process stays
-from hybridpar.runtime import run_records, workdir_lock
+from hybridpar.runtime import checkpoint_dirs, run_records, workdir_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = ("curriculum", "fixed")
@@ -176,13 +180,18 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def train_cmd(workdir: Path, args, overrides: list[str]) -> list[str]:
+def train_cmd(
+    workdir: Path, args, overrides: list[str], every_steps: int | None = None
+) -> list[str]:
+    """A run's command; its checkpoint interval is the pairs' (``args.every_steps``) unless
+    ``every_steps`` is given (the calibration's 0: no save)."""
+    every_steps = args.every_steps if every_steps is None else every_steps
     return [
         sys.executable, "-m", "hybridpar.train",
         "--config", str(ROOT / "experiments" / f"cifar10_fast.py:{args.variant}"),
         "--workdir", str(workdir),
         "--config.log_every_s=0", "--config.eval_every_epochs=0",
-        f"--config.checkpoint.every_steps={args.every_steps}",
+        f"--config.checkpoint.every_steps={every_steps}",
         "--config.checkpoint.every_minutes=0", "--config.checkpoint.max_to_keep=0",
         f"--config.target_top1={args.target}",
         *(f"--config.{kv}" for kv in args.set), *overrides,
@@ -196,26 +205,55 @@ def eval_cmd(workdir: Path, from_epoch: float = 0.0) -> list[str]:
 
 def evaluate_runs(d: Path, names, halves, from_epoch: float, targets: list[float]) -> None:
     """Evaluates the checkpoints of the runs ``names`` in ``d`` from ``from_epoch`` on, each
-    on its half of the cores, then, for a run already at or over a target at the first
-    checkpoint evaluated (it may have reached it at one not evaluated), the earlier ones."""
+    on its half of the cores, then ``evaluate_earlier``."""
     wait_for_evaluators([d / n for n in names])
     run_both([(f"seed {d.name[4:]} {n} evaluator", eval_cmd(d / n, from_epoch),
                d / f"{n}.eval.log") for n in names], halves)  # fmt: skip
-    if not from_epoch:
-        return
+    if from_epoch:
+        evaluate_earlier(d, names, halves, targets)
+
+
+def on_disk(workdir: Path) -> set[int]:
+    """The committed checkpoint steps of the run in ``workdir`` (none where its records were
+    moved without them)."""
+    saved = run_records.read_json(str(workdir / "config.json")) or {}
+    where = os.path.expanduser((saved.get("checkpoint") or {}).get("dir") or "checkpoints")
+    return set(checkpoint_dirs.committed_steps(str(workdir / where)))
+
+
+def evaluate_earlier(d: Path, names, halves, targets: list[float]) -> bool:
+    """For each run of ``names`` in ``d`` at or over a target at the first checkpoint
+    evaluated, with earlier checkpoints left unevaluated (``--evaluate-from-epoch``: it may
+    have reached the target at one of those), evaluates those, on its half of the cores
+    (``halves``, by ``names``); a finished pair's too, whose earlier call had higher targets.
+    Where they are no longer on disk (records moved without them), a warning that its time
+    to the target is at most that checkpoint's. Returns whether it evaluated any."""
     early = []
     for n in names:
-        evals = evaluations(records(d / n / "metrics.jsonl"),
-                            records(d / n / "evaluator" / "metrics.jsonl"))  # fmt: skip
-        if evals and any(evals[0]["top1"] >= t for t in targets):
-            print(f"== {d / n}: at {evals[0]['top1']:.4f} top-1 already at epoch "
-                  f"{evals[0]['epoch']:.3f}, the first checkpoint evaluated: evaluating the "
-                  "earlier ones too", flush=True)  # fmt: skip
+        recs = records(d / n / "metrics.jsonl")
+        evals = evaluations(recs, records(d / n / "evaluator" / "metrics.jsonl"))
+        if not evals:
+            continue
+        first = evals[0]
+        left = {r["step"] for r in recs if r["event"] == "checkpoint" and r["step"] < first["step"]}
+        reached = [f"{t:g}" for t in targets if first["top1"] >= t]
+        if not (left and reached):
+            continue
+        at = (f"{d / n}: at {first['top1']:.4f} top-1 already at epoch {first['epoch']:.3f}, "
+              "the first checkpoint evaluated")  # fmt: skip
+        if left & on_disk(d / n):
+            print(f"== {at}: evaluating the earlier ones too", flush=True)
             early.append(n)
+        else:
+            print(f"warning: {at}; the earlier ones (--evaluate-from-epoch) are not on disk "
+                  f"here, so its time to top-1 {' and '.join(reached)} is at most that "
+                  "checkpoint's", file=sys.stderr, flush=True)  # fmt: skip
     if early:
+        wait_for_evaluators([d / n for n in early])
         run_both([(f"seed {d.name[4:]} {n} evaluator", eval_cmd(d / n), d / f"{n}.eval.log")
                   for n in early],
                  [halves[names.index(n)] for n in early] if halves else None)  # fmt: skip
+    return bool(early)
 
 
 def wait_for_evaluators(workdirs: list[Path]) -> None:
@@ -324,9 +362,8 @@ def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
         size = last.split("-")[0]
         cmds[name] = train_cmd(d / name, args, [
             f"--config.num_epochs={end}", f"--config.data.image_size={size}",
-            f"--config.stages={alt}", "--config.checkpoint.every_steps=0", "--config.seed=0",
-            "--config.optim.warmup_epochs=0",
-        ])  # fmt: skip
+            f"--config.stages={alt}", "--config.seed=0", "--config.optim.warmup_epochs=0",
+        ], every_steps=0)  # fmt: skip
     commands = portable({n: cmd[1:] for n, cmd in cmds.items()}, out)
     done = d / STARTED
     if done.exists() and costs_of(json.loads(done.read_text())) != costs_of(commands):
@@ -349,14 +386,68 @@ def calibrate(out: Path, args, specs: list[str], data: dict, halves) -> dict:
     return costs
 
 
+# Flags of a pair's commands that change no step of its training: its runs never stop at a
+# target (stop_at_target is the bench's own, off), so --target only picks which evaluated
+# checkpoint the analysis reads, and a pair trained for another --target is reused.
+ANALYSIS_ONLY = ("--config.target_top1=",)
 # Flags of a calibration's commands that change no step's cost: another --target or
 # checkpoint interval reuses it (its runs save no checkpoint and stop at their last step).
-NO_COST = ("--config.checkpoint.every_steps=", "--config.target_top1=")
+NO_COST = ("--config.checkpoint.every_steps=", *ANALYSIS_ONLY)
+# The bench's flag behind a trainer flag it derives, for the refusal of a recorded pair.
+BENCH_FLAG = {
+    "--config.target_top1": "--target",
+    "--config.checkpoint.every_steps": "--checkpoint-every-epochs",
+    "--config.num_epochs": "--epochs",
+    "--config": "--variant",
+}
+
+
+def without(commands: dict, flags: tuple[str, ...]) -> dict:
+    """``commands`` less the arguments that start with one of ``flags``."""
+    return {n: [a for a in cmd if not a.startswith(flags)] for n, cmd in commands.items()}
 
 
 def costs_of(commands: dict) -> dict:
     """The calibration's ``commands`` less the flags that change no step's cost."""
-    return {n: [a for a in cmd if not a.startswith(NO_COST)] for n, cmd in commands.items()}
+    return without(commands, NO_COST)
+
+
+def settings(cmd: list[str]) -> dict[str, str]:
+    """A command's flags as flag -> value (``--flag=value`` or ``--flag value``; a flag given
+    twice, e.g. ``--config.stages`` by --curriculum-set, as the trainer takes it: the last)."""
+    out = {}
+    for i, a in enumerate(cmd):
+        if a.startswith("--"):
+            flag, eq, value = a.partition("=")
+            if not eq:
+                value = cmd[i + 1] if i + 1 < len(cmd) and not cmd[i + 1].startswith("--") else ""
+            out[flag] = value
+    return out
+
+
+def differences(recorded: dict, planned: dict) -> list[str]:
+    """What differs between a pair's recorded commands and the ones this call would run, as
+    ``flag old -> new`` (with the bench's flag behind it, and the run where only one
+    differs)."""
+    found: dict[tuple, list[str]] = {}
+    for n, cmd in planned.items():
+        old, new = settings(recorded.get(n, [])), settings(cmd)
+        for flag in dict.fromkeys([*old, *new]):
+            if old.get(flag) != new.get(flag):
+                key = (flag, old.get(flag, "(unset)"), new.get(flag, "(unset)"))
+                found.setdefault(key, []).append(n)
+    return [
+        f"{flag} {a} -> {b}"
+        + (f" ({BENCH_FLAG[flag]})" if flag in BENCH_FLAG else "")
+        + (f" in the {names[0]} run" if len(names) < len(planned) else "")
+        for (flag, a, b), names in found.items()
+    ] or ["the same settings in another order"]
+
+
+def local(commands: dict, out: Path) -> dict:
+    """``portable``'s ``commands`` with ``{out}`` and ``{root}`` this call's paths again."""
+    return {n: [a.replace("{out}", str(out)).replace("{root}", str(ROOT)) for a in cmd]
+            for n, cmd in commands.items()}  # fmt: skip
 
 
 def copy_records(src: Path, dst: Path) -> None:
@@ -665,10 +756,10 @@ def unreached(pairs: list[dict], targets: list[float], epochs: float,
         best = f", final top-1 at most {max(finals):.4f}" if finals else ""
         what = "--target" if i == 0 else "the recipe's target"
         longer = f"train longer (--epochs, now {epochs:g}; the recipe's {recipe_epochs:g})"
+        lower = f"{longer} or pass a lower --target (the same --out reuses the pairs)"
         lines.append(
             f"warning: top-1 {t:g} ({what}) never reached by {runs}{best}: the speedups to it "
-            f"there are nan (neither run), 0 or inf; "
-            + (f"{longer} or pass a lower --target" if i == 0 else longer)
+            f"there are nan (neither run), 0 or inf; " + (lower if i == 0 else longer)
         )
     return lines
 
@@ -807,36 +898,52 @@ def main(argv=None) -> None:
         cmds = {n: train_cmd(d / n, args, [*overrides[n], f"--config.seed={seed}"]) for n in NAMES}
         commands = {n: cmd[1:] for n, cmd in cmds.items()}  # no interpreter path
         recorded = next((d / f for f in (PAIR, STARTED) if (d / f).exists()), None)
-        # an older bench recorded the absolute paths
-        if recorded and json.loads(recorded.read_text()) not in (portable(commands, out), commands):
-            fail(
-                f"{d} holds a pair trained with other settings (its {recorded.name} has the "
-                "commands); pass the same arguments to reuse it, or another --out"
-            )
+        if recorded:  # an older bench recorded the absolute paths: portable() has them too
+            theirs, ours = portable(json.loads(recorded.read_text()), out), portable(commands, out)
+            trained = without(theirs, ANALYSIS_ONLY), without(ours, ANALYSIS_ONLY)
+            if trained[0] != trained[1]:
+                fail(f"{d} holds a pair trained with other settings (its {recorded.name} has "
+                     f"the commands): {'; '.join(differences(*trained))}; pass the same "
+                     "arguments to reuse it (any --target), or another --out")  # fmt: skip
+            if theirs != ours:  # its runs as started (a resume refuses another config)
+                print(f"== seed {seed}: {'; '.join(differences(theirs, ours))}: its runs are "
+                      "reused (they never stop at a target: it changes which checkpoint is "
+                      "read, not their training)", flush=True)  # fmt: skip
+                commands = local(theirs, out)
+                cmds = {n: [sys.executable, *cmd] for n, cmd in commands.items()}
         src = None
         if fixed_from is not None and not (d / PAIR).exists():
             src = fixed_from / f"seed{seed}"  # its fixed run's records stand in for ours
             theirs = json.loads((src / PAIR).read_text()) if (src / PAIR).exists() else {}
-            if theirs.get("fixed") != portable(commands, out)["fixed"]:
+            ours = portable(commands, out)
+            if "fixed" not in theirs or (without(theirs, ANALYSIS_ONLY)["fixed"]
+                                         != without(ours, ANALYSIS_ONLY)["fixed"]):  # fmt: skip
                 fail(f"--fixed-from: {src} holds no finished pair whose fixed run is this "
                      "one's (its pair.json has the commands); pass the --out of a bench run "
                      "with the same --set, --fixed-set and --checkpoint-every-epochs")  # fmt: skip
+            commands["fixed"] = local(theirs, out)["fixed"]  # the command of those records
+            cmds["fixed"] = [sys.executable, *commands["fixed"]]
         planned.append((seed, d, cmds, commands, recorded, src))
     halves_0 = [set(cores[:half]), set(cores[half : 2 * half])] if side_by_side else None
     costs = calibrate(out, args, specs, data, halves_0)
     pairs = []
     for seed, d, cmds, commands, recorded, src in planned:
+        # Both at once, each on half the cores: whatever else loads the machine slows both
+        # alike. The halves swap from seed to seed, so neither run keeps a core.
+        halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
+        halves = halves if side_by_side else None
+        names = NAMES
+        if src is not None or (d / REUSED).exists():  # only the curriculum trains
+            names = ("curriculum",)
+            halves = halves[:1] if halves else None
         if (d / PAIR).exists():  # a finished pair of an earlier call with this --out
             print(f"== seed {seed}: the finished pair in {d}", flush=True)
+            # evaluated from an epoch on for higher targets: a lower one may need more
+            if evaluate_earlier(d, names, halves, targets):
+                for n in names:
+                    note_time_to_target(d / n, summarize(n, d / n, targets, None),
+                                        args.every_steps)  # fmt: skip
         else:
-            # Both at once, each on half the cores: whatever else loads the machine slows
-            # both alike. The halves swap from seed to seed, so neither run keeps a core.
-            halves = [set(cores[:half]), set(cores[half : 2 * half])][:: -1 if seed % 2 else 1]
-            halves = halves if side_by_side else None
-            names = NAMES
-            if src is not None or (d / REUSED).exists():  # only the curriculum trains
-                names = ("curriculum",)
-                halves = halves[:1] if halves else None
             to_train = list(names)
             if recorded is None:
                 d.mkdir()

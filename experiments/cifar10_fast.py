@@ -7,8 +7,11 @@
 In the spirit of airbench (Keller Jordan's 94% in seconds on one A100) and Page's ResNet-9:
 a 2x2 first layer whitened from the training images and frozen, flip + 2-px translate, label
 smoothing 0.2, test-time flip, linear warmup then linear decay to 0; and our curriculum:
-24-px images for the first 30-40% of the epochs, then 32 px (both shapes compiled before
-the first step; the LR follows the batch, continuous across the switch). The 24-px stage
+24-px images for the first 30-40% of the epochs, then 32 px (the 32-px step compiles in a
+background thread while the 24-px stage trains on GPU/TPU, before the first step on CPU:
+``compile_ahead=auto``). The LR is linear in each stage's batch (``optim.lr_batch_scaling``'s
+default): ``gpu`` halves its batch at the switch, so its LR halves there too; ``cpu`` and
+``edge`` keep one batch, and their LR is continuous across the switch. The 24-px stage
 takes random-resized crops of half the image or more (``@0.5``), not the whole image: shrunk
 to 24 px, a crop of about 71-100% of the side shows objects at 0.75-1.06x (0.88x on
 average) the scale the 32-px test images show them at, where the whole image shows them at

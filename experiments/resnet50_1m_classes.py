@@ -20,10 +20,16 @@ it to be a multiple of its shards (all devices for partial_fc, ``model`` for sha
 
 from pathlib import Path
 
+from hybridpar.config.errors import ConfigError
 from hybridpar.config.schema import load_config
 
 
 def get_config(num_classes: str = "1000000"):
+    if not (num_classes.isascii() and num_classes.isdigit() and int(num_classes) >= 2):
+        raise ConfigError(
+            f"resnet50_1m_classes.py:{num_classes}: {num_classes!r} is not a class count; pass "
+            "a whole number of 2 or more (e.g. :100352), or nothing for 1,000,000"
+        )
     # The ResNet-50 ImageNet recipe (synthetic ImageNet-sized epochs), with the big head.
     c = load_config(str(Path(__file__).with_name("resnet50_imagenet.py")))
     c.model.update(head="partial_fc")

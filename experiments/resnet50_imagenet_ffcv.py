@@ -7,7 +7,9 @@ Arguments after ``:``: where ImageNet is (as ``resnet50_imagenet.py``; empty: sy
 images), then the epochs (16, 24, 32, 40, 56 or 88; default 16). FFCV ramps the resolution
 from 160 to 192 px late in training (epochs 29-34 of 40) and rounds it to a multiple of 32,
 so only two train shapes occur and the switch falls at the ramp's midpoint: here 160 px
-until 78.75% of the epochs, then 192 px (two stages, both compiled before the first step).
+until 78.75% of the epochs, then 192 px (two stages; the 192-px step compiles in a
+background thread while the 160-px stage trains, ``compile_ahead=auto`` on GPU/TPU, or
+before the first step on CPU or with ``--config.compile_ahead=before``).
 512 images per GPU, LR 1.7 per 1,024 images (linear in the global batch), linear warmup over
 2 epochs then linear decay to 0 (FFCV's "triangular" schedule), SGD without Nesterov, label
 smoothing 0.1, weight decay 5e-5 off BatchNorm, evaluation at 256 px with test-time flips
@@ -17,7 +19,7 @@ smoothing 0.1, weight decay 5e-5 off BatchNorm, evaluation at 256 px with test-t
 from pathlib import Path
 
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.schema import load_config
+from hybridpar.config.schema import base_config, load_config
 
 EPOCHS = ("16", "24", "32", "40", "56", "88")
 
@@ -32,6 +34,9 @@ def get_config(args: str = ""):
     c = load_config(str(Path(__file__).with_name("resnet50_imagenet.py")) + f":{where}")
     switch = round(n * 0.7875, 2)
     c.stages = f"{switch:g}:160-512,{n:g}:192-512"
+    # the stages set every batch: resnet50_imagenet.py's global_batch back to the default,
+    # which set-up does not warn about as a setting that does nothing
+    c.global_batch = base_config().global_batch
     c.num_epochs = n
     c.data.image_size = 256  # FFCV evaluates at 256 px
     c.optim.update(

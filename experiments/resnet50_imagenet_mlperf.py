@@ -23,8 +23,12 @@ BASE_BATCH, BASE_LR = 3264, 10.5
 
 def get_config(args: str = ""):
     where, _, batch = args.partition(",")
-    if batch and not batch.isdigit():
-        raise ConfigError(f"resnet50_imagenet_mlperf.py:{args}: the global batch is a number")
+    if batch and not (batch.isascii() and batch.isdigit() and int(batch) > 0):
+        raise ConfigError(
+            f"resnet50_imagenet_mlperf.py:{args}: {batch!r} is not a global batch; pass "
+            f"WHERE,BATCH with BATCH a positive whole number (e.g. {where},{BASE_BATCH}), or "
+            "WHERE alone"
+        )
     c = load_config(str(Path(__file__).with_name("resnet50_imagenet.py")) + f":{where}")
     c.global_batch = int(batch or BASE_BATCH)
     c.num_epochs = 37.0 if c.global_batch <= 4096 else 56.0

@@ -413,6 +413,30 @@ def test_curriculum_tta_calibration_stages_alternate_the_shapes_for_the_steps_as
     assert [s.num_steps for s in plan.stages] == [7, 7, 7, 7]
 
 
+def test_curriculum_tta_calibration_commands_give_each_setting_once(tmp_path, monkeypatch):
+    """The calibration's runs save no checkpoint: --config.checkpoint.every_steps=0, once (it
+    was the pairs' interval, then 0). Planted bug that fails it: both passed."""
+    calls = []
+
+    def run_both(jobs, halves):
+        for _, cmd, _ in jobs:
+            calls.append(cmd)
+            w = Path(cmd[cmd.index("--workdir") + 1])
+            w.mkdir(parents=True)
+            (w / "metrics.jsonl").write_text(json.dumps(_train(1, 1.0, batch=512)) + "\n")
+
+    monkeypatch.setattr(tta, "run_both", run_both)
+    args = types.SimpleNamespace(variant="cpu", calibration_steps=2, target=0.8, set=[],
+                                 every_steps=4)  # fmt: skip
+    data = {"train_examples": 4096, "data_parallel": 1}
+    assert tta.calibrate(tmp_path, args, ["24-512@0.5", "32-512"], data, None)
+    assert len(calls) == 2
+    for cmd in calls:
+        flags = [a.split("=")[0] for a in cmd if a.startswith("--config.")]
+        assert len(flags) == len(set(flags)), cmd
+        assert "--config.checkpoint.every_steps=0" in cmd
+
+
 def test_curriculum_tta_stall_counts_a_save_at_the_switch_as_a_save():
     """A checkpoint saved at the last step of a stage is recorded once committed, after the
     next stage's first step: the gap across the switch is still reported as holding a save,
@@ -630,8 +654,10 @@ def test_curriculum_tta_evaluates_from_an_epoch_and_earlier_where_the_target_cam
     on the other run's cores."""
     d = tmp_path / "seed3"
     # epoch 2 on: the fixed run is at 0.82 at once (it may have reached 0.8 before), the
-    # curriculum at 0.7 (it had not)
+    # curriculum at 0.7 (it had not); both saved at steps 4 and 8 (epochs 1 and 2)
     first = {"curriculum": 0.7, "fixed": 0.82}
+    for n in tta.NAMES:
+        _saved(d / n, [4, 8])
     calls = []
 
     def run_both(jobs, halves):
@@ -662,6 +688,140 @@ def test_curriculum_tta_evaluates_from_an_epoch_and_earlier_where_the_target_cam
         err = capsys.readouterr().err
         assert e.value.code == 2 and why in err and err.startswith("error:"), err
     assert not (tmp_path / "out").exists()
+
+
+def _saved(workdir: Path, steps: list[int], on_disk: bool = True) -> None:
+    """A run's checkpoint records at ``steps`` (and the checkpoints, where ``on_disk``)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "metrics.jsonl", "a") as f:
+        for step in steps:
+            f.write(json.dumps({"event": "checkpoint", "step": step}) + "\n")
+            if on_disk:
+                (workdir / "checkpoints" / str(step)).mkdir(parents=True)
+
+
+def _fake_pairs(monkeypatch, top1: dict) -> list:
+    """``tta.main`` in this process with nothing trained or evaluated for real: a run saves
+    at steps 2 and 4 (epochs 1 and 2) and ends at 0.5 s a step, at 32 px and batch 512; its
+    evaluator evaluates what is saved from ``--from-epoch`` on and not yet evaluated, at
+    ``top1[step]``. Returns the jobs run, as (kind, workdir, --from-epoch or None; a run's:
+    its --config.target_top1)."""
+    jobs = []
+
+    def run_both(batch, halves):
+        for _, cmd, _ in batch:
+            w = Path(cmd[cmd.index("--workdir") + 1])
+            if "hybridpar.train" in cmd:
+                target = next(a.split("=")[1] for a in cmd if "--config.target_top1=" in a)
+                jobs.append(("train", w, target))
+                w.mkdir()
+                (w / "config.json").write_text("{}")
+                lines = [_train(s, 1.0 + s / 2, batch=512, images_per_s=1024) for s in (1, 2, 3, 4)]
+                (w / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+                _saved(w, [2, 4])
+                (w / "summary.json").write_text(json.dumps({"completed": True, "wall_s": 3.0,
+                                                            "compile_s": 0.5}))  # fmt: skip
+                continue
+            since = next((float(a.split("=")[1]) for a in cmd if "--from-epoch" in a), None)
+            jobs.append(("evaluate", w, since))
+            done = {r["step"] for r in tta.records(w / "evaluator" / "metrics.jsonl")}
+            (w / "evaluator").mkdir(exist_ok=True)
+            with open(w / "evaluator" / "metrics.jsonl", "a") as f:
+                for step in sorted(tta.on_disk(w) - done):
+                    if step / 2 >= (since or 0):
+                        f.write(json.dumps({**_eval(step, top1[step]), "epoch": step / 2}) + "\n")
+
+    monkeypatch.setattr(tta, "run_both", run_both)
+    monkeypatch.setattr(tta, "prepare", lambda args: {"train_examples": 4096, "data_parallel": 1})
+    monkeypatch.setattr(tta, "calibrate", lambda *a: {(32, 512): 0.25})
+    monkeypatch.setattr(tta.subprocess, "run", lambda *a, **k: None)  # the report PNG
+    monkeypatch.setattr(signal, "signal", lambda *a: None)  # main's handlers
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main adds experiments/ to it
+    return jobs
+
+
+def test_curriculum_tta_reuses_a_pair_for_another_target_and_names_what_else_differs(
+    tmp_path, monkeypatch, capsys
+):
+    """Its warning says to pass a lower --target where a run never reached it, and that
+    refused the pair on the same --out: --target is in the runs' commands (target_top1),
+    but they never stop at a target (stop_at_target is off), so it changes which evaluated
+    checkpoint is read, not the training: the pair is reused, nothing trains or evaluates
+    again; a pair stopped while training resumes with the commands it was started with.
+    Another setting is refused, naming each that differs, old -> new. Planted bugs that fail
+    it: the commands compared with the target in them, a refusal that names no setting, a
+    resume with this call's target."""
+    jobs = _fake_pairs(monkeypatch, {2: 0.22, 4: 0.3})
+    out = tmp_path / "out"
+    argv = ["--seeds", "1", "--out", str(out)]
+    code, _, err = main_here(tta.main, [*argv, "--target", "0.35"], capsys, monkeypatch,
+                             ("JAX_PLATFORMS",))  # fmt: skip
+    assert code == tta.NOT_REACHED and "or pass a lower --target" in err, err
+    assert [kind for kind, _, _ in jobs] == ["train", "train", "evaluate", "evaluate"]
+    jobs.clear()
+    code, said, err = main_here(tta.main, [*argv, "--target", "0.25"], capsys)
+    assert code == 0 and jobs == [], err
+    assert "--config.target_top1 0.35 -> 0.25 (--target): its runs are reused" in said
+    rows = json.loads((out / "curriculum_tta.json").read_text())
+    assert rows[0]["fixed"]["tta"]["0.25"]["step"] == 4  # read at this call's target
+    code, _, err = main_here(tta.main, [*argv, "--checkpoint-every-epochs", "0.5"], capsys)
+    assert code == 2 and jobs == [] and err.count("\n") == 1, err
+    assert err.startswith(
+        f"error: {out / 'seed0'} holds a pair trained with other settings "
+        "(its pair.json has the commands): --config.checkpoint.every_steps "
+        "2 -> 4 (--checkpoint-every-epochs); pass the same arguments"
+    )
+    assert "--config.target_top1" not in err  # 0.35 -> 0.8, which changes no training
+    code, _, err = main_here(tta.main, [*argv, "--fixed-set", "data.translate=1"], capsys)
+    assert code == 2 and jobs == [], err
+    assert (
+        "has the commands): --config.data.translate (unset) -> 1 in the fixed run; pass "
+        "the same arguments to reuse it (any --target), or another --out"
+    ) in err
+    # A pair stopped while training resumes its run with the command it was started with
+    # (the trainer refuses to resume with another config), then evaluates.
+    (out / "seed0" / tta.PAIR).unlink()
+    fixed = out / "seed0" / "fixed"
+    shutil.rmtree(fixed)
+    code, said, err = main_here(tta.main, [*argv, "--target", "0.25"], capsys)
+    assert code == 0 and "its runs are reused" in said, err
+    assert jobs[0] == ("train", fixed, "0.35") and [kind for kind, _, _ in jobs[1:]] == [
+        "evaluate", "evaluate"]  # fmt: skip
+
+
+def test_curriculum_tta_evaluates_earlier_checkpoints_for_a_lower_target_on_a_finished_pair(
+    tmp_path, monkeypatch, capsys
+):
+    """A pair evaluated from an epoch on (--evaluate-from-epoch), called again with a lower
+    --target that its runs are at or over at the first checkpoint evaluated: the earlier
+    checkpoints are evaluated (on disk, the runs may have reached it there), once; where the
+    records moved without them, a warning says the time is at most that checkpoint's.
+    Planted bugs that fail it: a finished pair reused as it is, the checkpoints before the
+    last evaluation (not the first) taken as the ones left, the warning where none is on
+    disk replaced by an evaluator."""
+    jobs = _fake_pairs(monkeypatch, {2: 0.26, 4: 0.3})
+    out = tmp_path / "out"
+    argv = ["--seeds", "1", "--out", str(out), "--evaluate-from-epoch", "2"]
+    code, _, _ = main_here(tta.main, [*argv, "--target", "0.35"], capsys, monkeypatch,
+                           ("JAX_PLATFORMS",))  # fmt: skip
+    assert code == tta.NOT_REACHED and ("evaluate", out / "seed0" / "fixed", 2.0) in jobs
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved, ignore=shutil.ignore_patterns("checkpoints"))
+    jobs.clear()
+    code, said, _ = main_here(tta.main, [*argv, "--target", "0.25"], capsys)
+    assert code == 0 and "already at epoch 2.000, the first checkpoint evaluated" in said
+    assert jobs == [("evaluate", out / "seed0" / n, None) for n in tta.NAMES]
+    rows = json.loads((out / "curriculum_tta.json").read_text())
+    assert rows[0]["curriculum"]["tta"]["0.25"]["step"] == 2  # not 4: it was there at 2
+    noted = json.loads((out / "seed0" / "fixed" / "summary.json").read_text())
+    assert noted["bench_time_to_target"]["top1"]["0.25"]["step"] == 2
+    jobs.clear()
+    assert main_here(tta.main, [*argv, "--target", "0.25"], capsys)[0] == 0 and jobs == []
+    argv[argv.index(str(out))] = str(moved)
+    code, _, err = main_here(tta.main, [*argv, "--target", "0.25"], capsys)
+    assert code == 0 and jobs == [], err
+    assert "the earlier ones (--evaluate-from-epoch) are not on disk here, so its time to " \
+        "top-1 0.25 is at most that checkpoint's" in err  # fmt: skip
 
 
 def test_curriculum_tta_records_a_source_in_the_checkout_by_its_repository_path(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 
 from hybridpar.config.curriculum import stages_from_config
 from hybridpar.config.errors import ConfigError
-from hybridpar.config.schema import load_config, validate
+from hybridpar.config.schema import load_config, unused_settings, validate
 from hybridpar.program.optim import lr_batch_factor
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
@@ -21,6 +21,54 @@ def test_every_experiment_loads_and_passes_the_checks(path):
     c = load_config(str(EXPERIMENTS / path))
     validate(c)
     assert stages_from_config(c, 8)  # the stage string, if any, parses
+
+
+def _imagenets(tmp_path) -> dict:
+    """An ImageNet of each kind the recipes take (``resnet50_imagenet.py``): train/ and val/
+    folders, and image-net.org's archives; empty, as the recipes look at the names only."""
+    folders, archives = tmp_path / "folders", tmp_path / "archives"
+    for split in ("train", "val"):
+        (folders / split).mkdir(parents=True)
+    archives.mkdir()
+    for name in ("ILSVRC2012_img_train.tar", "ILSVRC2012_img_val.tar"):
+        (archives / name).touch()
+    return {"folders": folders, "archives": archives}
+
+
+IMAGENET_RECIPES = {
+    "resnet50_imagenet.py": [""],
+    "resnet50_imagenet_dawnbench.py": ["", ",8"],
+    "resnet50_imagenet_ffcv.py": ["", ",40"],
+    "resnet50_imagenet_mlperf.py": ["", ",32768"],
+}
+EVERY_VARIANT = [
+    "cifar10.py", "cifar10_fast.py", "cifar10_fast.py:gpu", "cifar10_fast.py:cpu",
+    "cifar10_fast.py:edge", "cifar10_fast.py:gpu,8", "digits.py", "resnet50_100k_classes.py",
+    "resnet50_1m_classes.py", "resnet50_1m_classes.py:100352", "wide_resnet50_2.py",
+    "wide_resnet50_2.py:34",
+    *(f"{name}:{where}{more}" for name, mores in IMAGENET_RECIPES.items()
+      for where in ("", "{folders}", "{archives}") for more in mores),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("spec", EVERY_VARIANT)
+def test_no_recipe_warns_of_its_own_settings(spec, tmp_path):
+    """Set-up warns of each setting that does nothing (``unused_settings``): a recipe run as
+    its docstring says must not warn of what the user never passed. The stage recipes warned
+    of resnet50_imagenet.py's global_batch (the stages set the batches) and dawnbench of its
+    reduced copy on data that is not prepared here (synthetic, tensorflow-datasets'). Planted
+    bugs that fail it: dawnbench or ffcv keeping global_batch=1024, dawnbench setting
+    data.reduced_copies whatever the data."""
+    c = load_config(str(EXPERIMENTS / spec.format(**_imagenets(tmp_path))))
+    assert unused_settings(c) == []
+    if spec.startswith("resnet50_imagenet_dawnbench.py:{folders}"):  # MoXing's 160-px copy
+        assert c.data.name == "images" and c.data.reduced_copies == "160"
+
+
+def test_every_recipe_is_in_the_table_of_its_variants():
+    assert {spec.partition(":")[0] for spec in EVERY_VARIANT} == {
+        p.name for p in EXPERIMENTS.glob("*.py")
+    }
 
 
 def _peak_lr(c, global_batch):
@@ -36,7 +84,7 @@ def test_dawnbench_is_moxings_schedule_on_any_gpu_count(gpus):
     # MoXing's peak LR of 8.5 at its 128-GPU 128-px batch, linear in the batch elsewhere
     assert _peak_lr(c, stages[0].global_batch) == pytest.approx(8.5 * gpus / 128)
     assert (c.optim.momentum_start, c.optim.momentum) == (0.98, 0.9)
-    assert c.target_top5 == 0.93 and c.data.reduced_copies == "160"
+    assert c.target_top5 == 0.93
     # the count pins the mesh: on another count the global batch and the LR would differ
     assert c.mesh == f"data:{gpus}"
 
@@ -94,7 +142,10 @@ def test_cifar10_fast_says_its_global_batch_on_more_devices_or_keeps_it():
     "spec,expect",
     [
         ("resnet50_imagenet_dawnbench.py:,eight", "'eight' is not a device count"),
-        ("resnet50_imagenet_mlperf.py:,big", "the global batch is a number"),
+        ("resnet50_imagenet_mlperf.py:,big", "'big' is not a global batch; pass WHERE,BATCH"),
+        ("resnet50_imagenet_mlperf.py:,0", "'0' is not a global batch"),
+        ("resnet50_1m_classes.py:abc", r"'abc' is not a class count; .* \(e.g. :100352\)"),
+        ("resnet50_1m_classes.py:1", "'1' is not a class count"),
         ("resnet50_imagenet_ffcv.py:,17", "the epochs are one of"),
         ("cifar10_fast.py:gpu,3", "the device count must divide"),
     ],
