@@ -196,6 +196,27 @@ def test_the_keys_tune_sets_are_the_ones_it_names():
     assert changed(tune.range_test_config(c), c) <= set(tune.RANGE_TEST_KEYS)
 
 
+def test_a_curriculum_s_range_test_trains_at_its_first_stage(tmp_path, capsys):
+    """The range test drops the stages (one stage) and trained at the flat keys, a recipe's
+    defaults its stages override (dawnbench's range test at batch 256 and 224 px, its
+    first stage 1,024 at 128 px): now at the first stage's size and batch, and its
+    suggestion undoes the LR's scaling by that batch. Planted bugs that fail it: stages
+    dropped; the suggestion's factor from global_batch."""
+    c = tiny_digits(**{"stages": "0.5:16-8~0.95,1:24-16", "tune.lr_epochs": 0.25})
+    assert tune.range_test_config(c).stages == "0.25:16-8~0.95"
+    assert tune.range_test_config(tiny_digits()).stages == ""
+    args = ["lr", "--config", DIGITS, *TINY_LR, "--config.stages=1:16-8,2:24-16",
+            "--config.optim.lr_batch_scaling=linear", "--config.global_batch=1024",
+            "--workdir", str(tmp_path / "lr")]  # fmt: skip
+    code, out, err = main_here(tune.main, args, capsys)
+    assert code == 0, err
+    result = json.loads((tmp_path / "lr" / "lr_range.json").read_text())
+    lines = (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()
+    train = [r for r in map(json.loads, lines) if r["event"] == "train"]
+    assert {r["global_batch"] for r in train} == {64}  # 8 a device on 8 devices
+    assert result["base_lr"][0] == pytest.approx(train[0]["lr"] * 256 / 64)
+
+
 def test_search_refuses_distributed_before_jax_starts(tmp_path, capsys):
     """--config.distributed=True: tune search runs its trials in one process (each process
     asked study.db for a trial of its own, and check_batches started JAX's backend before

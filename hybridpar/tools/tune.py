@@ -40,6 +40,7 @@ import sys
 import time
 
 from hybridpar.config import cli
+from hybridpar.config.curriculum import stretch_stages
 from hybridpar.config.errors import ConfigError, Error, StopRequested
 from hybridpar.config.formatting import pyplot
 from hybridpar.config.schema import config_value
@@ -338,7 +339,7 @@ RANGE_TEST_KEYS = {
     "optim.warmup_epochs": "no warmup before the rise",
     "optim.momentum_start": "a constant momentum",
     "num_epochs": "from tune.lr_epochs",
-    "stages": "one stage",
+    "stages": "one stage: the first's image size and batch, where config.stages has several",
     "log_every_s": "a train line after every step",
     "eval_every_epochs": "no evaluation until the last step",
     "stop_at_target": "the test runs until the loss diverges",
@@ -357,7 +358,12 @@ def range_test_config(config):
         warmup_epochs=0.0,
         momentum_start=-1.0,
     )
-    c.update(num_epochs=float(t.lr_epochs), stages="", log_every_s=0.0, eval_every_epochs=0.0)
+    # A curriculum's first stage (its size and batch: where the LR matters first); the
+    # flat keys are a recipe's defaults there, which its stages set otherwise.
+    first = next((p for p in config.stages.split(",") if p.strip()), "")
+    stages = stretch_stages(first, float(t.lr_epochs)) if first else ""
+    c.update(num_epochs=float(t.lr_epochs), stages=stages, log_every_s=0.0,
+             eval_every_epochs=0.0)  # fmt: skip
     c.stop_at_target = False
     return c
 
@@ -516,7 +522,7 @@ def lr_range(config, workdir: str, command: str | None = None, made: list[str] =
     several = jax.process_count() > 1
     if several:  # process 0 writes the records: every process reads them once it is done
         multihost_utils.sync_global_devices("hybridpar: lr range test records written")
-    factor = lr_batch_factor(c.optim, c.global_batch)
+    factor = lr_batch_factor(c.optim, set_up[0].plan.stages[0].stage.global_batch)
     records = [t for t in read_run(workdir).train if t.loss is not None]
     if len(records) < 5:
         raise ConfigError(
