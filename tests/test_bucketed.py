@@ -14,6 +14,7 @@ of XLA's, not checked here: it would cost one more ResNet-50 compile).
 """
 
 import functools
+import pathlib
 import re
 from collections import Counter
 from types import SimpleNamespace
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from helpers import (
     NO_LLVM_OPT,
     assert_parity,
@@ -39,6 +41,7 @@ from helpers import (
     zero_grads,
 )
 from helpers import batches as host_batches
+from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -255,6 +258,101 @@ def test_active_axes_names_only_the_axes_the_mesh_has():
     assert active_axes(one) == ("data",)  # not fsdp, which shard_map would refuse
     assert active_axes(make_mesh("data:1", devices=jax.devices()[:1])) == ("data", "fsdp")
     assert active_axes(make_mesh("data:4,model:2")) == ("data",)
+
+
+COMM_DOCS = pathlib.Path(__file__).parent.parent / "docs" / "communication.md"
+
+
+def test_the_docs_own_code_snippets_run_as_written_and_equal_one_device(capsys):
+    """docs/communication.md's bucketed snippet, then its overlap one, on data:8 with a
+    user's MLP: the overlap step's gradient is the one-device gradient. Planted bug that
+    fails it: the snippet wrapping the parameters before ``jax.grad``, not inside it."""
+    text = COMM_DOCS.read_text()
+    at, snippets = text.index("In your own code, the bucketed reduction"), []
+    for _ in range(2):  # the bucketed snippet, then the overlap one
+        start = text.index("```python\n", at) + 10
+        at = text.index("```\n", start)
+        snippets.append(text[start:at])
+    model, mesh = _NoTrainMLP(), make_mesh("data:8")
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16)
+    params = model.init(jax.random.key(0), x[:1])["params"]
+
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    ns = dict(jax=jax, P=P, mesh=mesh, model=model, params=params, x=x, y=y, loss_fn=loss_fn)
+    for snippet in snippets:
+        exec(compile(snippet, str(COMM_DOCS), "exec"), ns)
+    assert "all-reduce" in capsys.readouterr().out  # the bucketed snippet's collectives
+    want = jax.grad(loss_fn)(params, x, y)
+    for g, w in zip(jax.tree.leaves(ns["grads"]), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+class _NnxNet(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(3, 4, rngs=rngs)
+        self.layers = nnx.List([nnx.Linear(4, 2, rngs=rngs)])  # an int key in the State
+
+    def __call__(self, x):
+        return self.layers[0](nnx.relu(self.a(x)))
+
+
+@pytest.mark.parametrize("reduce", ["reduce_in_buckets", "reduce_in_backward"])
+def test_a_plan_of_nnx_state_reduces_its_gradients_as_lax_pmean(reduce):
+    """An NNX State's paths as infer_shardings takes them (no ``value`` of its Variables),
+    in bucket_plan and the reductions alike. Planted bug that fails it: the reductions
+    flattening the Variables (paths ``a/bias/value``: the plan does not cover them)."""
+    graphdef, params = nnx.split(_NnxNet(nnx.Rngs(0)), nnx.Param)
+    mesh, axes = make_mesh("data:8"), ("data",)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16)
+
+    def loss_fn(params, x, y):
+        logits = nnx.merge(graphdef, params)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    plan = bucket_plan(params, 1e-5)  # a bucket per array
+    assert sorted(p for b in plan for p in b) == [
+        ("a", "bias"), ("a", "kernel"), ("layers", "0", "bias"), ("layers", "0", "kernel")
+    ]  # fmt: skip
+
+    def varying(params):
+        return jax.tree.map(lambda p: to_varying(p, axes), params)
+
+    def bucketed(params, x, y):
+        if reduce == "reduce_in_buckets":
+            return reduce_in_buckets(jax.grad(loss_fn)(varying(params), x, y), plan, axes)
+        return jax.grad(lambda p: loss_fn(reduce_in_backward(p, plan, axes), x, y))(params)
+
+    def pmean(params, x, y):
+        return lax.pmean(jax.grad(loss_fn)(varying(params), x, y), axes)
+
+    def run(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P(axes), P(axes)),
+                                     out_specs=P()))(params, x, y)  # fmt: skip
+
+    got, want = run(bucketed), run(pmean)
+    assert isinstance(got["a"]["kernel"], nnx.Param)  # the State's structure, Variables kept
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize(
+    "reduce", [reduce_in_buckets, reduce_in_backward, reduce_in_backward_manual]
+)
+def test_an_axis_no_shard_map_binds_is_a_config_error(reduce):
+    # JAX's own errors: a NameError "unbound axis name: dta", an AssertionError, or
+    # "pvary should be called under jax.shard_map".
+    tree, plan = {"a": {"kernel": jnp.ones((4, 2))}}, [[("a", "kernel")]]
+    with pytest.raises(ConfigError, match=r"'dta' is not one of the axes of the jax.shard_map"
+                       r" it runs in, \('data', 'fsdp', 'model'\).*active_axes"):  # fmt: skip
+        jax.shard_map(lambda t: reduce(t, plan, ("dta",), 8), mesh=make_mesh("data:8"),
+                      in_specs=P(), out_specs=P())(tree)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"over \('data',\), and here it runs outside any"):
+        reduce(tree, plan, ("data",), 8)
 
 
 def test_a_bucket_of_several_gradients_never_passes_bucket_mb_a_larger_one_is_alone():

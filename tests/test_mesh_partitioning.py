@@ -10,6 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from helpers import build, tiny_config
@@ -163,6 +164,11 @@ def test_make_mesh_wrong_size_is_config_error():
         (lambda: make_mesh("data:-1", devices=[]), "the device list is empty"),
         (lambda: Rules(fsdp_min_size="1024"), r"fsdp_min_size='1024'.*an int >= 0"),
         (lambda: Rules(fsdp_min_size=-5), r"fsdp_min_size=-5.*an int >= 0"),
+        # a logical table's entries are (name, axis) pairs, the axis a name, names or None
+        (lambda: Rules(logical={"mlp": 5}), r"logical=...\): entry \('mlp', 5\) is not a"),
+        (lambda: Rules(logical=(("mlp",),)), r"entry \('mlp',\) is not a \(logical_name, m"),
+        (lambda: Rules(logical=("mlp", "model")), r"entry 'mlp' is not a \(logical_name, m"),
+        (lambda: Rules(logical="mlp"), r"Rules\(logical='mlp'\): give a tuple of pairs or a"),
     ],
 )
 def test_bad_library_arguments_are_config_errors(call, needle):
@@ -202,6 +208,22 @@ def test_infer_spec_takes_a_plain_sequence_of_pairs_as_infer_shardings_does(mesh
     )
 
 
+def test_path_and_logical_rules_may_be_dicts_read_in_order(mesh_dm):
+    """A dict's items, in order, as the pairs would be. Planted bug that fails it: the dict
+    iterated as it is (its keys: "hd" read as the pair ("h", "d"), the kernel replicated)."""
+    path = {r"enc/kernel$": ("data", None), r"kernel$": (None, "model")}
+    assert Rules(path=path) == Rules(path=tuple(path.items()))
+    tree = {"enc": {"kernel": sds(8, 4)}, "dec": {"kernel": sds(8, 4)}}
+    s = infer_shardings(tree, Rules(path=path), mesh_dm)
+    assert (s["enc"]["kernel"].spec, s["dec"]["kernel"].spec) == (P("data", None), P(None, "model"))
+    assert infer_shardings(tree, path, mesh_dm) == s  # as a plain sequence of pairs is
+    box = {"w": nn.LogicallyPartitioned(sds(8, 4), ("in", "hd"))}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "logical name 'h' is on no array"
+        s = infer_shardings(box, Rules(logical={"in": None, "hd": "model"}), mesh_dm)
+    assert s["w"].spec == P(None, "model")
+
+
 def test_short_spec_pads_with_none(mesh_dm):
     s = infer_shardings({"w": sds(4, 3, 5)}, [(r"w", ("data",))], mesh_dm)
     assert tuple(s["w"].spec) == ("data", None, None)
@@ -210,6 +232,30 @@ def test_short_spec_pads_with_none(mesh_dm):
 def test_spec_longer_than_array_is_error(mesh_dm):
     with pytest.raises(ConfigError, match="entries"):
         infer_shardings({"w": sds(4)}, [(r"w", ("data", None))], mesh_dm)
+
+
+def test_factored_optimizer_statistics_need_a_rule_of_their_own(mesh_dm):
+    """Adafactor's v_row/v_col sit under the parameter's path with fewer dimensions: the
+    parameter's rule cannot place them, and the error says why and gives the rule that
+    does. Planted bug that fails it: the error without its why and how."""
+    params = {"enc": {"kernel": sds(16, 8), "bias": sds(8)}}
+    state = jax.eval_shape(optax.adafactor(1e-3, min_dim_size_to_factor=4).init, params)
+    rule = (r"enc/kernel$", (None, "model"))
+    expect = (
+        r"'1/0/v_row/enc/kernel': spec \(None, 'model'\) has 2 entries but the array has shape "
+        r"\(8,\) \(rule 'enc/kernel\$'\); the regex also matches arrays of fewer dimensions"
+        r".*Adafactor's v_row, v_col, v\): put a rule of their own before it, e.g. \(r'\(\^\|/"
+    )
+    with pytest.raises(ConfigError, match=expect):
+        infer_shardings((params, state), [rule], mesh_dm)
+    # the rule the message (and docs/parallelism.md) gives
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s_params, s_state = infer_shardings((params, state), [(r"(^|/)v(_row|_col)?/", ()), rule],
+                                            mesh_dm)  # fmt: skip
+    assert s_params["enc"]["kernel"].spec == P(None, "model")
+    assert s_state[0].v_row["enc"]["kernel"].spec == P(None)
+    assert s_state[0].v["enc"]["kernel"].spec == P(None)
 
 
 def test_tuple_entry_shards_one_dim_over_two_axes(mesh_dfm):

@@ -47,8 +47,9 @@ def test_the_docs_own_training_code_snippet_runs_as_written():
 def test_the_docs_checkpoint_snippet_runs_after_its_training_snippet(tmp_path):
     """The page's checkpoint snippet, run after its own training snippet, failed: its
     ``init`` returns boxed (logically named) values, so the target's tree (boxed) did not
-    match infer_shardings' (unboxed). Planted bug that fails it: ``abstract`` unboxed in
-    neither place (the snippet as it was)."""
+    match infer_shardings' (unboxed). Planted bugs that fail it: ``abstract`` unboxed in
+    neither place (the snippet as it was); the snippet's step count named ``step``, the
+    training snippet's jitted step (it saved to ``step_<PjitFunction ...>``)."""
     text = DOCS.read_text()
     start = text.index("```python\n", text.index("## In your own training code")) + 10
     train = text[start : text.index("```\n", start)]
@@ -56,12 +57,14 @@ def test_the_docs_checkpoint_snippet_runs_after_its_training_snippet(tmp_path):
     save = text[start : text.index("```\n", start)]
     ns = {}
     exec(compile(train, str(DOCS), "exec"), ns)
-    ns.update(workdir=str(tmp_path), step=1, state=(ns["params"], ns["opt_state"]))
+    trained = ns["params"]
+    ns.update(workdir=str(tmp_path), steps_done=1)  # what the snippets leave to the loop
     exec(compile(save, str(DOCS), "exec"), ns)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
     params, opt_state = ns["state"]
     assert params["hidden"]["kernel"].sharding.spec == P(None, "model")  # logical "mlp"
     assert opt_state[0].mu["head"]["kernel"].sharding.spec == P(None, "model")
-    np.testing.assert_array_equal(params["head"]["kernel"], ns["params"]["head"]["kernel"])
+    np.testing.assert_array_equal(params["head"]["kernel"], trained["head"]["kernel"])
 
 
 def test_a_state_saved_on_one_mesh_restores_onto_another_where_the_rules_say(tmp_path):

@@ -42,7 +42,6 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.core import meta
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -54,21 +53,22 @@ from hybridpar.parallel.mesh import (
     axis_names,
     batch_axes,
 )
-from hybridpar.parallel.partitioning import _listed, path_str
+from hybridpar.parallel.partitioning import _is_box, _listed, _rebox, _unbox, path_str
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
 
 def _nbytes_and_dtype(x) -> tuple[int, np.dtype]:
-    x = meta.unbox(x)
+    x = _unbox(x)
     return int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize, np.dtype(x.dtype)
 
 
 def _leaves_in_order(tree, prefix: Path = ()):
-    """``(path, leaf)`` in the dicts' insertion order (jax.tree.leaves would sort keys)."""
+    """``(path, leaf)`` in the dicts' insertion order (jax.tree.leaves would sort keys). The
+    keys are strings, as ``_path_of`` gives them (an NNX layer list's are ints)."""
     if isinstance(tree, Mapping):
         for k, v in tree.items():
-            yield from _leaves_in_order(v, prefix + (k,))
+            yield from _leaves_in_order(v, prefix + (str(k),))
     else:
         yield prefix, tree
 
@@ -90,7 +90,7 @@ def forward_params(model, input_shape, **apply_kwargs):
         )
         seen.append(
             [
-                (p, jax.ShapeDtypeStruct(np.shape(meta.unbox(x)), meta.unbox(x).dtype))
+                (p, jax.ShapeDtypeStruct(np.shape(_unbox(x)), _unbox(x).dtype))
                 for p, x in _leaves_in_order(variables["params"])
             ]
         )
@@ -110,7 +110,8 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
     """Buckets of parameter paths for the gradient reduction, first bucket first.
 
     ``params`` is a nested dict in forward order (as ``model.init`` creates it, or
-    ``forward_params``); its leaves are arrays, ShapeDtypeStructs or Flax axis boxes. Leaves
+    ``forward_params``) or an NNX State; its leaves are arrays, ShapeDtypeStructs, Flax axis
+    boxes or NNX Variables (each one leaf, as ``infer_shardings`` takes them). Leaves
     are taken in REVERSE order and packed greedily: a bucket closes when the next gradient
     would take it over ``bucket_mb`` MiB or has another dtype, so a bucket of several
     gradients holds at most ``bucket_mb`` MiB; a gradient larger than ``bucket_mb`` gets a
@@ -141,6 +142,50 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
 
 def _path_of(keypath) -> Path:
     return tuple(path_str(keypath).split("/"))
+
+
+def _by_path(tree) -> dict:
+    """``{path: array}`` for ``tree``'s arrays, with the paths ``bucket_plan`` gives: an NNX
+    Variable or a Flax axis box is one leaf (its path has no ``value``), its array unboxed."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
+    return {_path_of(kp): _unbox(x) for kp, x in flat}
+
+
+def _rebuilt(tree, arrays: Mapping):
+    """``tree`` with each array replaced by ``arrays[its path]``, in the same boxes."""
+    return jax.tree_util.tree_map_with_path(
+        lambda kp, x: _rebox(x, arrays[_path_of(kp)]), tree, is_leaf=_is_box
+    )
+
+
+def unbound_axis(axes) -> str | None:
+    """The first of ``axes`` (one mesh axis name or several) that is not bound here (no
+    ``jax.shard_map`` over it), else None. A collective over it would fail deep inside JAX
+    (an unbound-axis NameError, or an assertion)."""
+    for a in axis_names(axes):
+        try:
+            lax.axis_size(a)
+        except NameError:
+            return a
+    return None
+
+
+def check_bound(axes, name: str) -> None:
+    """ConfigError unless ``name`` runs inside a ``jax.shard_map`` over every axis of ``axes``,
+    saying which axes the shard_map here has."""
+    a = unbound_axis(axes)
+    if a is None:
+        return
+    manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+    if manual:
+        raise ConfigError(
+            f"{name}: mesh axis {a!r} is not one of the axes of the jax.shard_map it runs in, "
+            f"{manual}; name that shard_map's data axes, e.g. axes=active_axes(mesh)"
+        )
+    raise ConfigError(
+        f"{name} runs inside a jax.shard_map over {axis_names(axes)}, and here it runs outside "
+        "any; call it in the function jax.shard_map runs, as docs/communication.md shows"
+    )
 
 
 def _varying(x) -> frozenset:
@@ -308,7 +353,9 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
     which is the gradient order) so the first layers' parameters arrive first. Parameters
     with no entry in ``shard_dims`` (replicated) pass through.
     """
-    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    if any(d is not None for d in shard_dims.values()):
+        check_bound("fsdp", "gather_in_buckets")
+    by_path = _by_path(params)
     full = dict(by_path)
     for bucket in reversed(plan):
         paths = [p for p in reversed(bucket) if shard_dims.get(p) is not None]
@@ -317,7 +364,7 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
         dims = [shard_dims[p] for p in paths]
         out, after = flat_gather([by_path[p] for p in paths], dims, after)
         full.update(zip(paths, out))
-    return jax.tree_util.tree_map_with_path(lambda kp, _: full[_path_of(kp)], params)
+    return _rebuilt(params, full)
 
 
 def reduce_bucket(leaves, dims, axes, n, after=None, reduce_dtype=None, concat=True):
@@ -353,9 +400,10 @@ def reduce_in_buckets(
 ):
     """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
 
-    Call inside ``jax.shard_map``; ``grads`` has any dict structure holding the plan's
-    paths. ``axes``: one mesh axis name or a tuple of them. The gradients must be each
-    device's own, taken with respect to parameters made varying over ``axes``
+    Call inside ``jax.shard_map`` over ``axes`` (else a ConfigError); ``grads`` has any dict
+    structure holding the plan's paths (an NNX State too). ``axes``: one mesh axis name or a
+    tuple of them. The gradients must be each device's own, taken with respect to
+    parameters made varying over ``axes``
     (``to_varying``): a gradient JAX has already summed is a ConfigError. The buckets are
     reduced in plan order, each after the previous one (and after ``after``, if given), so
     they stay separate collectives. ``shard_dims`` (FSDP) maps a path to the dimension its
@@ -365,11 +413,12 @@ def reduce_in_buckets(
     gradients' dtypes.
     """
     axes = axis_names(axes)
+    shard_dims = shard_dims or {}
+    by_path = _by_path(grads)
+    check_plan_covers(plan, by_path, "gradients")
+    check_bound(axes, "reduce_in_buckets")
     if n is None:
         n = axes_size(axes)
-    shard_dims = shard_dims or {}
-    by_path = {_path_of(kp): g for kp, g in jax.tree_util.tree_flatten_with_path(grads)[0]}
-    check_plan_covers(plan, by_path, "gradients")
     check_not_summed(by_path, axes)
     reduced = {}
     for bucket in plan:
@@ -377,7 +426,7 @@ def reduce_in_buckets(
         out, after = reduce_bucket([by_path[p] for p in bucket], dims, axes, n, after,
                                    reduce_dtype)  # fmt: skip
         reduced.update(zip(bucket, out))
-    return jax.tree_util.tree_map_with_path(lambda kp, _: reduced[_path_of(kp)], grads)
+    return _rebuilt(grads, reduced)
 
 
 def check_plan_covers(plan, paths, what: str) -> None:
@@ -446,6 +495,7 @@ def active_axes(mesh) -> tuple[str, ...]:
 __all__ = [
     "active_axes",
     "bucket_plan",
+    "check_bound",
     "check_not_summed",
     "check_plan_covers",
     "flat_pmean",

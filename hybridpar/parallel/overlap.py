@@ -19,13 +19,15 @@ without it XLA's all-reduce combiner may merge the independent psums into one at
 The dependency travels as a scalar "token" the identities pass along in forward order, whose
 cotangent carries it back in the reverse order.
 
-Call ``reduce_in_backward`` inside ``jax.shard_map``; ``jax.grad`` through it returns the
-gradients already averaged over ``axes``. FSDP: a bucket's parameters split over ``fsdp``
-are gathered whole by the identity's forward rule (one all_gather per bucket, in forward
-order) and their gradients reduce-scattered back to the shard by its backward rule (one
-psum_scatter per bucket), as ZeRO-3 does. A ``model`` axis is the compiler's
-(``OverlapSync`` leaves it out of the shard_map's manual axes); its split gradients are
-reduced as they are, since concatenating them would gather them whole first.
+Call ``reduce_in_backward`` inside ``jax.shard_map`` and inside the function ``jax.grad``
+differentiates, ``jax.grad(lambda p: loss_fn(reduce_in_backward(p, plan, axes), x, y))``:
+that returns the gradients already averaged over ``axes`` (its docstring has the example).
+FSDP: a bucket's parameters split over ``fsdp`` are gathered whole by the identity's forward
+rule (one all_gather per bucket, in forward order) and their gradients reduce-scattered back
+to the shard by its backward rule (one psum_scatter per bucket), as ZeRO-3 does. A ``model``
+axis is the compiler's (``OverlapSync`` leaves it out of the shard_map's manual axes); its
+split gradients are reduced as they are, since concatenating them would gather them whole
+first.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from jax import lax
 
 from hybridpar.parallel.bucketed import (
     Path,
-    _path_of,
+    _by_path,
+    _rebuilt,
     _zero_from,
+    check_bound,
     check_plan_covers,
     flat_gather,
     reduce_bucket,
@@ -45,6 +49,7 @@ from hybridpar.parallel.bucketed import (
     to_varying,
     unscatter,
 )
+from hybridpar.parallel.mesh import axes_size, axis_names
 
 
 def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, concat: bool,
@@ -86,12 +91,26 @@ def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, c
     return identity
 
 
-def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtype=None,
-                       shard_dims=None, concat=True, gather_dtype=None):  # fmt: skip
+def reduce_in_backward(params, plan: list[list[Path]], axes, n: int | None = None,
+                       reduce_dtype=None, shard_dims=None, concat=True,
+                       gather_dtype=None):  # fmt: skip
     """``params`` with each bucket of ``plan`` wrapped in ``_bucket_identity``: the same
     values (per-device, whole), whose gradients reduce bucket by bucket in the backward pass.
 
-    ``n``: the number of devices over ``axes`` (the mean's divisor). ``reduce_dtype``: the
+    Call it inside ``jax.shard_map`` over ``axes`` and inside the function ``jax.grad``
+    differentiates: the reduction is its backward pass, so only a gradient taken through
+    the call is reduced::
+
+        def per_device(params, x, y):  # the function jax.shard_map runs
+            loss = lambda p: loss_fn(reduce_in_backward(p, plan, axes), x, y)
+            return jax.grad(loss)(params)  # already the mean over ``axes``
+
+    Wrapping first, ``p = reduce_in_backward(params, ...)`` and then ``jax.grad(loss_fn)(p)``,
+    reduces nothing: the gradients stay each device's own (JAX's "out_specs ... possibly
+    varying" error under ``out_specs=P()``).
+
+    ``n``: the number of devices over ``axes`` (the mean's divisor; None: all of them).
+    ``reduce_dtype``: the
     dtype each bucket is summed in (None: the gradients' own); the gradients come back in
     their own dtypes. ``shard_dims`` (FSDP): ``{path: dim}`` of the parameters this device
     holds a shard of (split along ``dim`` over ``fsdp``): gathered in the forward pass, their
@@ -101,19 +120,22 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int, reduce_dtyp
     (arrays of 2 or more dimensions) are gathered in, the model's compute dtype, which every
     layer casts its kernel to anyway: the same values in half the bytes.
     """
-    shard_dims = shard_dims or {}
-    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    shard_dims, axes = shard_dims or {}, axis_names(axes)
+    by_path = _by_path(params)
     check_plan_covers(plan, by_path, "parameters")
+    check_bound(axes, "reduce_in_backward")
+    if n is None:
+        n = axes_size(axes)
     out = dict(by_path)
     # Per-device over ``axes`` from the start, so that its type is the same before and after
     # a bucket whose gathered parameters it follows (custom_vjp checks the cotangent's type).
-    token = to_varying(jnp.zeros((), jnp.float32), tuple(axes))
+    token = to_varying(jnp.zeros((), jnp.float32), axes)
     for bucket in reversed(plan):  # forward order: the token passes from stem to head
         dims = tuple(shard_dims.get(p) for p in bucket)
-        identity = _bucket_identity(tuple(axes), n, reduce_dtype, dims, concat, gather_dtype)
+        identity = _bucket_identity(axes, n, reduce_dtype, dims, concat, gather_dtype)
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
-    return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)
+    return _rebuilt(params, out)
 
 
 # --- a step manual over every axis (a class-sharded head: the trunk data parallel over all) ---
@@ -197,10 +219,11 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
     device owns its classes); they are not gathered. Every gradient is divided by ``n``.
     """
     splits, sums = splits or {}, sums or {}
-    by_path = {_path_of(kp): x for kp, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    by_path = _by_path(params)
     check_plan_covers(plan, by_path, "parameters")
+    axes = axis_names(axes)
+    check_bound(axes, "reduce_in_backward_manual")
     out = dict(by_path)
-    axes = tuple(axes)
     token = to_varying(jnp.zeros((), jnp.float32), axes)
     for bucket in reversed(plan):
         identity = _manual_bucket_identity(
@@ -211,7 +234,7 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
         )  # fmt: skip
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
-    return jax.tree_util.tree_map_with_path(lambda kp, _: out[_path_of(kp)], params)
+    return _rebuilt(params, out)
 
 
 __all__ = ["reduce_in_backward", "reduce_in_backward_manual"]

@@ -5,7 +5,8 @@ linen variables or NNX state, optax state, plain dicts):
 
 * ``Rules``: ordered ``(path_regex, spec)`` pairs (first match wins; a spec is a tuple with one
   entry per dimension: a mesh axis name, a tuple of names, or None), then a logical-axis table
-  for leaves that carry logical names (``nn.with_logical_partitioning``, as t5x and MaxText
+  of ``(logical_name, mesh_axis)`` pairs (either table may be a dict, read in order) for
+  leaves that carry logical names (``nn.with_logical_partitioning``, as t5x and MaxText
   models do; names from ``nn.with_partitioning`` and ``nnx.with_partitioning`` are mesh axes
   or names in that table), then an optional FSDP pass that shards the largest free dimension
   of every big-enough array over ``fsdp`` (big_vision's "fsdp" tactic).
@@ -31,6 +32,7 @@ import math
 import numbers
 import re
 import warnings
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import jax
@@ -51,13 +53,24 @@ Spec = tuple[Any, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Where arrays go. All fields are data, so configs can hold and print them."""
+    """Where arrays go. All fields are data, so configs can hold and print them: ``path``
+    and ``logical`` are kept as tuples of pairs (a dict given for either, as its items)."""
 
     path: Sequence[tuple[str, Spec]] = ()  # (regex searched in "a/b/c" paths, spec)
     logical: Sequence[tuple[str, Any]] = ()  # (logical axis name, mesh axis / tuple / None)
     fsdp_min_size: int | None = None  # None: no FSDP pass; else shard arrays this large
 
     def __post_init__(self):
+        # A dict maps as its pairs do (its items, in order: the first match still wins).
+        object.__setattr__(self, "path", _pairs(self.path, "path"))
+        object.__setattr__(self, "logical", _pairs(self.logical, "logical"))
+        for entry in self.logical:
+            if not _is_logical_rule(entry):
+                raise ConfigError(
+                    f"Rules(logical=...): entry {entry!r} is not a (logical_name, mesh_axis) "
+                    "pair (the axis a mesh axis name, a tuple of names, or None); write e.g. "
+                    "logical=(('embed', None), ('mlp', 'model')) or {'mlp': 'model'}"
+                )
         m = self.fsdp_min_size
         if m is not None and (isinstance(m, bool) or not isinstance(m, numbers.Integral) or m < 0):
             raise ConfigError(
@@ -69,7 +82,7 @@ class Rules:
         """Concatenates: ``self``'s rules take priority over ``other``'s. ``other`` may be a
         plain sequence of ``(path_regex, spec)`` pairs, as ``infer_shardings`` takes."""
         if not isinstance(other, Rules):
-            other = Rules(path=tuple(other))
+            other = Rules(path=other)
         mins = [m for m in (self.fsdp_min_size, other.fsdp_min_size) if m is not None]
         return Rules(
             tuple(self.path) + tuple(other.path),
@@ -79,7 +92,7 @@ class Rules:
 
     def __radd__(self, other: Sequence[tuple[str, Spec]]) -> "Rules":
         """``[(path_regex, spec), ...] + rules``: the pairs take priority."""
-        return Rules(path=tuple(other)) + self
+        return Rules(path=other) + self
 
     def axes(self) -> tuple[str, ...]:
         """The mesh axes these rules split arrays over (in their order, each once): those
@@ -88,6 +101,28 @@ class Rules:
         named += [a for _, entry in self.logical for a in axis_names(entry)]
         named += ["fsdp"] * (self.fsdp_min_size is not None)
         return tuple(dict.fromkeys(named))
+
+
+def _pairs(rules, field: str) -> tuple:
+    """``Rules``' ``field`` as a tuple of pairs: a dict gives its items, in order."""
+    if isinstance(rules, Mapping):
+        return tuple(rules.items())
+    if isinstance(rules, str):  # tuple("mlp") would be one rule per letter
+        pair = "(r'head/kernel$', (None, 'model'))" if field == "path" else "('mlp', 'model')"
+        raise ConfigError(
+            f"Rules({field}={rules!r}): give a tuple of pairs or a dict, e.g. {field}=({pair},)"
+        )
+    return tuple(rules)
+
+
+def _is_logical_rule(entry) -> bool:
+    """A ``(logical_name, mesh_axis)`` pair: the axis a name, a tuple of names, or None."""
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], str):
+        return False
+    axis = entry[1]
+    if axis is None or isinstance(axis, str):
+        return True
+    return isinstance(axis, (tuple, list)) and all(isinstance(a, str) for a in axis)
 
 
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
@@ -163,12 +198,29 @@ def _unbox(x):
     return x.unbox() if isinstance(x, meta.AxisMetadata) else x
 
 
+def _rebox(x, value):
+    """``value`` in ``x``'s box (the inverse of ``_unbox``), as it was if ``x`` was none."""
+    if isinstance(x, nnx.Variable):
+        return x.replace(value)
+    return x.replace_boxed(value) if isinstance(x, meta.AxisMetadata) else value
+
+
 def _axes_named(axes: tuple) -> str:
     """``axis 'model'``, or ``axes ('data', 'model')`` for a dimension split over several."""
     return f"axis {axes[0]!r}" if len(axes) == 1 else f"axes {axes}"
 
 
-def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
+# Why a path rule's spec can be longer than an array it matches, and what to do.
+_FEWER_DIMS = (
+    "; the regex also matches arrays of fewer dimensions than those its spec is for, such as "
+    "an optimizer's factored statistics under the parameter's path (Adafactor's v_row, "
+    "v_col, v): put a rule of their own before it, e.g. (r'(^|/)v(_row|_col)?/', ()) to "
+    "replicate them, or place the parameters alone, infer_shardings(params, rules, mesh), "
+    "and the optimizer state with a call of its own"
+)
+
+
+def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str, fewer_dims: str = "") -> tuple:
     if isinstance(spec, str):  # tuple("model") would be one entry per letter
         raise ConfigError(
             f"{where}: spec {spec!r} is a string ({why}); a spec is a tuple with one entry per "
@@ -178,7 +230,7 @@ def _check(spec: Spec, shape, mesh: Mesh, where: str, why: str) -> tuple:
     if len(spec) > len(shape):
         raise ConfigError(
             f"{where}: spec {spec} has {len(spec)} entries but the array has "
-            f"shape {tuple(shape)} ({why})"
+            f"shape {tuple(shape)} ({why}){fewer_dims}"
         )
     spec = spec + (None,) * (len(shape) - len(spec))
     for dim, (entry, size) in enumerate(zip(spec, shape)):
@@ -291,7 +343,7 @@ def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_n
     spec = None
     for pattern, rule_spec in rules.path:
         if re.search(pattern, path):
-            spec = _check(rule_spec, shape, mesh, where, f"rule {pattern!r}")
+            spec = _check(rule_spec, shape, mesh, where, f"rule {pattern!r}", _FEWER_DIMS)
             break
     if spec is None and logical_names is not None and rules.logical:
         mapped = tuple(_table(rules).get(name) for name in logical_names)
@@ -322,7 +374,7 @@ def infer_spec(
     in that table); else replicated. The FSDP pass then stacks on top. ``rules``: a
     ``Rules``, or a plain sequence of ``(regex, spec)`` path rules (as ``infer_shardings``)."""
     if not isinstance(rules, Rules):
-        rules = Rules(path=tuple(rules))
+        rules = Rules(path=rules)
     return P(*_spec(path, shape, rules, mesh, logical_names, axis_names))
 
 
@@ -345,7 +397,7 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
     earlier rules all place first (naming those rules), and the logical names of ``rules``
     that no array carries; ``""`` when there are none."""
     if not isinstance(rules, Rules):
-        rules = Rules(path=tuple(rules))
+        rules = Rules(path=rules)
     check_rule_patterns(rules.path)
     paths, carried = [], set()
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
@@ -420,7 +472,7 @@ def infer_shardings(
         if value not in ("warn", "ignore"):
             raise ValueError(f"{name}={value!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
-        rules = Rules(path=tuple(rules))
+        rules = Rules(path=rules)
     both_channels, whole, big = [], [], []
 
     def one(path, leaf):

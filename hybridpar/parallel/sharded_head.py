@@ -63,6 +63,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from hybridpar.config.errors import ConfigError
+from hybridpar.parallel.bucketed import unbound_axis
 from hybridpar.parallel.mesh import AXES, axes_size, axes_with_devices, axis_names, batch_axes
 from hybridpar.parallel.partitioning import Rules
 
@@ -83,16 +84,14 @@ def _my_label_logit(z, labels, axis):
 def _check_inside(axis, name: str) -> None:
     """``axis`` is bound: ``name`` runs inside a ``jax.shard_map`` over it (JAX's own error
     is an unbound-axis NameError deep in the collectives)."""
-    for a in axis_names(axis):
-        try:
-            lax.axis_size(a)
-        except NameError:
-            raise ConfigError(
-                f"{name} runs inside a jax.shard_map over the axis {a!r} that splits the "
-                f"classes, on each device's block of logits; here {a!r} is not bound. Call it "
-                f"in a shard_map over {a!r}, or use ShardedHead(mesh, {a!r})(features, params, "
-                "labels), which runs it there on whole arrays"
-            ) from None
+    a = unbound_axis(axis)
+    if a is not None:
+        raise ConfigError(
+            f"{name} runs inside a jax.shard_map over the axis {a!r} that splits the "
+            f"classes, on each device's block of logits; here {a!r} is not bound. Call it "
+            f"in a shard_map over {a!r}, or use ShardedHead(mesh, {a!r})(features, params, "
+            "labels), which runs it there on whole arrays"
+        )
 
 
 def sharded_cross_entropy(logits, labels, label_smoothing: float, axis):
