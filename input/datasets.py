@@ -147,14 +147,39 @@ def _in_memory(c, pi, pc, shape) -> Data:
     )
 
 
+def cache_root() -> str:
+    """The folder of the default caches: ``$HYBRIDPAR_CACHE`` (``~`` expanded: a literal
+    ``~`` made a folder named ``~`` in the working directory), else ``~/.cache/hybridpar``
+    (also where it is set but empty); absolute, so a later ``cd`` does not move it."""
+    root = os.environ.get("HYBRIDPAR_CACHE") or os.path.join("~", ".cache", "hybridpar")
+    return os.path.abspath(os.path.expanduser(root))
+
+
 def default_prepared_dir(sources: list[str]) -> str:
-    """``~/.cache/hybridpar/<names>-<hash of the absolute paths>``: one cache per source set."""
+    """``cache_root()/<names>-<hash of the absolute paths>``: one cache per source set."""
     key = hashlib.sha1("\n".join(os.path.abspath(s) for s in sources).encode()).hexdigest()[:10]
     names = "-".join(os.path.basename(s.rstrip("/")).split(".")[0] for s in sources)[:60]
-    root = os.environ.get(
-        "HYBRIDPAR_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "hybridpar")
-    )
-    return os.path.join(root, f"{names}-{key}")
+    return os.path.join(cache_root(), f"{names}-{key}")
+
+
+def check_cache_writable(d, folder: str) -> None:
+    """Where the prepared data goes to the default cache (no data.prepared_dir), a ``folder``
+    that cannot be written is an error naming where its path came from (HYBRIDPAR_CACHE),
+    not prepare's ``--out``, which the run was not given. Makes the folder and its lock
+    file, as ``prepare.FolderLock``, which takes it next, does."""
+    if d.prepared_dir:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, ".prepare.lock"), "a").close()
+    except OSError as e:
+        env = os.environ.get("HYBRIDPAR_CACHE")
+        came = f"HYBRIDPAR_CACHE={env!r}" if env else "the default (HYBRIDPAR_CACHE unset)"
+        raise DataError(
+            f"cannot write {e.filename or folder} ({e.strerror}): the prepared data goes to "
+            f"the cache in {cache_root()}, from {came}; point HYBRIDPAR_CACHE (or "
+            "--config.data.prepared_dir) at a folder you can write"
+        ) from None
 
 
 def data_paths(d) -> tuple[list[str], str]:
@@ -192,7 +217,7 @@ def _pipeline(c, pi, pc, shape, stage_sizes=None) -> Data:
         dct_scaling=d.dct_scaling,
     )
     if d.name == "images":
-        prepared = ensure_prepared(d)
+        prepared = ensure_prepared(d, hold=True)
         train = ImagePipeline(prepared, d.train_split, **common)
         test = ImagePipeline(prepared, d.eval_split, **common)
     else:
@@ -310,12 +335,21 @@ def files_digest(entry: dict) -> str | None:
     return prep.fingerprint_digest({k: v for k, v in fp.items() if k != "path"})
 
 
-def ensure_prepared(d) -> str:
+# The runs of this process that read a prepared folder (``ensure_prepared(hold=True)``): their
+# reader locks, held until the process ends (a Data has no close; the exit, an os._exit too,
+# releases a flock), so a prepare of the folder elsewhere refuses to pull its shards away.
+READING: list = []
+
+
+def ensure_prepared(d, hold: bool = False) -> str:
     """The prepared directory of the ``data`` config section ``d`` (``data.name=images``),
     preparing the sources first if they are not yet, or again if they changed since; with
     only ``prepared_dir``, a changed source is an error. Safe to call from several processes
     at once (one prepares, the others wait), and what ``make_data`` calls, so calling it
-    first (say, once before a multi-host launch) prepares the data the run then reuses."""
+    first (say, once before a multi-host launch) prepares the data the run then reuses.
+    ``hold``: this process reads the folder from here on: it takes the folder's reader lock
+    (``prepare.hold_readers``) for the life of the process, before the prepare lock is given
+    back, so no prepare of it gets in between the check and the run's reads."""
     sources, prepared = data_paths(d)
     if not prepared:
         raise ConfigError(
@@ -345,14 +379,29 @@ def ensure_prepared(d) -> str:
         # prepares, the others wait and then find it prepared (the check is under the lock
         # too), instead of all writing the same shards.
         new = not os.path.exists(prepared)
+        check_cache_writable(d, prepared)
         try:
             with prep.FolderLock(prepared):
-                return _check_prepared(d, prepared, sources, wanted)
+                _check_prepared(d, prepared, sources, wanted)
+                if hold:
+                    READING.append(prep.hold_readers(prepared))
+                return prepared
         except ConfigError:
             if new:  # a first use that failed (a wrong source): leave no empty cache behind
                 prep.remove_if_unused(prepared)
             raise
-    return _check_prepared(d, prepared, sources, wanted)
+    if not hold:
+        return _check_prepared(d, prepared, sources, wanted)
+    from hybridpar.input import prepare as prep
+
+    readers = prep.hold_readers(prepared)  # a prepared folder alone (maybe read-only): before
+    try:  # it is checked and read
+        _check_prepared(d, prepared, sources, wanted)
+    except BaseException:
+        readers.release()
+        raise
+    READING.append(readers)
+    return prepared
 
 
 def _check_prepared(d, prepared: str, sources: list[str], wanted: list[str]) -> str:

@@ -84,6 +84,35 @@ def check_fits(need: int, what: str, limit_mb: float, device) -> None:
         )
 
 
+def host_available() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable: free plus what the page
+    cache gives back), less where a cgroup v2 limit leaves less; None where not known."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found.append(int(limit) - int(g.read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check_host_fits(need: int, what: str) -> None:
+    """The set is decoded, loaded and placed from host memory: one that does not fit there is
+    refused before it is decoded, as ``check_fits`` refuses one the device cannot hold
+    (else the process swapped or was killed partway)."""
+    available = host_available()
+    if available is not None and need > available:
+        raise DataError(
+            f"data.on_device=True: {what} take {need / 2**20:.1f} MiB of host memory while they "
+            f"are decoded and placed, more than the {available / 2**20:.1f} MiB available now; "
+            "set --config.data.on_device=False to read it from the host, or free memory"
+        )
+
+
 # ---- The jitted pre-steps -------------------------------------------------------------------
 
 
@@ -537,7 +566,13 @@ def _images(c, size: int, mesh):
     """``(train, test, info)`` of an ``images`` set stored at ``size`` px, from the cache in
     PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
     from hybridpar.input import prepare as prep
-    from hybridpar.input.datasets import classes_line, data_paths, files_digest, split_counts
+    from hybridpar.input.datasets import (
+        check_cache_writable,
+        classes_line,
+        data_paths,
+        files_digest,
+        split_counts,
+    )
 
     d = c.data
     sources, prepared = data_paths(d)
@@ -553,6 +588,7 @@ def _images(c, size: int, mesh):
     parent = os.path.dirname(folder)
     new, new_parent = not os.path.exists(folder), not os.path.exists(parent)
     try:
+        check_cache_writable(d, folder)
         with prep.FolderLock(folder):
             staging: list = []
             try:
@@ -661,6 +697,7 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
     need = sum(counts.values()) * per_image
     what = ", ".join(f"{n} {s} images" for s, n in counts.items()) + f" at {size}x{size}"
     check_fits(need, what, d.on_device_limit_mb, mesh.devices.flat[0])
+    check_host_fits(need, what)
     # prepare's checks, before any split is decoded: a class folder the list lacks (in any
     # split to decode), and a train class with no file (empty or missing folders).
     origin = prep.GIVEN if given is not None else f"train split {d.train_split!r}"
@@ -675,7 +712,7 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
                   "later runs reuse it)", flush=True)  # fmt: skip
             origin = None if given is not None else d.train_split
             t0 = time.time()
-            meta = _decode_split(listing, classes, origin, size, arrays_path, meta_path, source,
+            meta = decode_split(listing, classes, origin, size, arrays_path, meta_path, source,
                                  split)  # fmt: skip
             print(_summary(split, meta, arrays_path, time.time() - t0), file=sys.stderr,
                   flush=True)  # fmt: skip
@@ -727,7 +764,7 @@ def _summary(split: str, meta: dict, arrays_path: str, seconds: float) -> str:
     )
 
 
-def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, source,
+def decode_split(listing, classes, classes_from, size, arrays_path, meta_path, source,
                   split="") -> dict:  # fmt: skip
     """Decodes a split into ``arrays_path`` and writes its record (``meta_path``): the keys
     of a manifest's split entry that the data event counts (``datasets.split_counts``).
@@ -746,46 +783,56 @@ def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, 
             "have no label; remove or rename them, or list every class (data.classes)"
         )
 
-    def chunk(items):
+    # Each image goes straight into its file's row of one array made up front (a list of
+    # them and its np.stack held the set twice); skipped files' rows are closed up in order.
+    images = np.empty((len(files), size, size, 3), np.uint8)
+
+    def chunk(start):
         handles, out = {}, []
         try:
-            for _, _, file, offset, n in items:
+            for row, (_, _, file, offset, n) in enumerate(files[start : start + step], start):
                 try:
-                    out.append(decode_image(prep.read_listed(handles, file, offset, n), size))
+                    img, reason, skip = decode_image(
+                        prep.read_listed(handles, file, offset, n), size
+                    )
                 except OSError as e:
-                    out.append((None, None, prep.read_error(file, e)))
+                    img, reason, skip = None, None, prep.read_error(file, e)
+                if img is not None:
+                    images[row] = img
+                out.append((img is not None, reason, skip))
         finally:
             for f in handles.values():
                 f.close()
         return out
 
     step = 256
-    pieces = [files[i : i + step] for i in range(0, len(files), step)]
     workers = max(1, len(os.sched_getaffinity(0)))
     bar = tqdm(total=len(files), unit="img", desc=split, file=sys.stderr)
     # prepare's pixel limit (PIL's own is lower) and its silence on odd but readable files
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, prep.MAX_PIXELS
-    decoded, skipped_so_far = [], 0
+    keep, skipped, converted = [], [], []
     try:
         with warnings.catch_warnings(), concurrent.futures.ThreadPoolExecutor(workers) as pool:
             warnings.simplefilter("ignore")
-            for part in pool.map(chunk, pieces):  # in order; decoded without the GIL
-                decoded += part
-                skipped_so_far += sum(img is None for img, _, _ in part)
-                bar.set_postfix(skipped=skipped_so_far, refresh=False)
+            i = 0
+            for part in pool.map(chunk, range(0, len(files), step)):  # decoded without the GIL
+                for ok, reason, skip in part:
+                    if ok:
+                        if len(keep) != i:  # up into a skipped file's row (a finished part's)
+                            images[len(keep)] = images[i]
+                        keep.append(i)
+                    else:
+                        skipped.append({"name": files[i][0], "reason": skip})
+                    if reason:
+                        converted.append({"name": files[i][0], "reason": reason})
+                    i += 1
+                bar.set_postfix(skipped=len(skipped), refresh=False)
                 bar.update(len(part))
     finally:
         Image.MAX_IMAGE_PIXELS = pil_limit
         bar.close()
-    keep = [i for i, (img, _, _) in enumerate(decoded) if img is not None]
-    skipped = [{"name": f[0], "reason": r[2]} for f, r in zip(files, decoded) if r[0] is None]
-    converted = [{"name": f[0], "reason": r[1]} for f, r in zip(files, decoded) if r[1]]
-    empty = np.zeros((0, size, size, 3), np.uint8)
-    images = np.stack([decoded[i][0] for i in keep]) if keep else empty
+    images = images[: len(keep)]  # a view: no copy
     labels = np.asarray([label[files[i][1]] for i in keep], np.int32)
-    tmp = arrays_path + ".tmp.npz"
-    np.savez(tmp, image=images, label=labels)
-    os.replace(tmp, arrays_path)
     counts = collections.Counter(f[1] for f in files)
     usable = collections.Counter(files[i][1] for i in keep)
     meta = {
@@ -806,7 +853,24 @@ def _decode_split(listing, classes, classes_from, size, arrays_path, meta_path, 
             classes, listing["class_dirs"], counts, usable
         ),
     }
-    with open(meta_path + ".tmp", "w") as f:
-        json.dump(meta, f)
-    os.replace(meta_path + ".tmp", meta_path)  # last: the arrays are complete before it
+    temps = (arrays_path + ".tmp.npz", meta_path + ".tmp")
+    try:
+        if os.path.exists(meta_path):  # the old record first: it must not vouch for new arrays
+            os.remove(meta_path)
+        np.savez(temps[0], image=images, label=labels)
+        os.replace(temps[0], arrays_path)
+        with open(temps[1], "w") as f:
+            json.dump(meta, f)
+        os.replace(temps[1], meta_path)  # last: the arrays are complete before it
+    except OSError as e:  # a disk full: one line, and no partial file left behind
+        for tmp in temps:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        folder = os.path.dirname(arrays_path)
+        raise DataError(
+            f"cannot write the decoded set into {folder} ({e.strerror}): it takes "
+            f"{images.nbytes / 2**20:.1f} MiB there; free that much, or point "
+            "--config.data.prepared_dir at a disk with room (or set --config.data.on_device="
+            "False to read the set from the host)"
+        ) from None
     return meta

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow as tf
 
-from hybridpar.config.errors import ConfigError
+from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input import records
 from hybridpar.input.transforms import eval_transform, train_transform
 
@@ -388,7 +388,7 @@ class ImagePipeline:
 
         Image size, batch and crop scale may differ from call to call (curriculum stages).
         """
-        return _drain_ahead(self.train_dataset(epoch, **kwargs))
+        return _drain_ahead(self.train_dataset(epoch, **kwargs), self.gone)
 
     def eval_dataset(
         self, *, image_size: int, global_batch: int, with_ids: bool = False
@@ -435,7 +435,22 @@ class ImagePipeline:
         ``with_ids`` adds ``id`` (int64, -1 for padding), for checks.
         """
         ds = self.eval_dataset(image_size=image_size, global_batch=global_batch, with_ids=with_ids)
-        return _drain_ahead(ds)
+        return _drain_ahead(ds, self.gone)
+
+    def gone(self, e: Exception) -> DataError:
+        """A shard file that went missing while the run read it (removed by hand, or the
+        folder prepared again without waiting for the run's reader lock), from tf.data's
+        NotFoundError: one error line naming it, where a traceback ended the run. The
+        trainer still writes its summary and keeps its checkpoints."""
+        copies = self.info["copies"]
+        missing = [f for c in copies for f in self.files(c) if not os.path.exists(f)]
+        name = missing[0] if missing else " ".join(str(e).split())[:300]
+        return DataError(
+            f"{name} is gone: the prepared copy in {self.prepared_dir} changed under the run "
+            "(removed, or prepared again, while it read it); once the prepared data is back "
+            "(put the file back, or prepare the folder again), the same command resumes from "
+            "the run's last checkpoint"
+        )
 
     def examples(self, epoch: int) -> Iterator[tuple[int, int]]:
         """This host's ``(id, label)`` pairs in the training order of ``epoch`` (no decoding).
@@ -451,14 +466,24 @@ class ImagePipeline:
             yield int(i), int(label)
 
 
-def _drain_ahead(ds: tf.data.Dataset) -> Iterator[dict]:
+def _drain_ahead(ds: tf.data.Dataset, gone=None) -> Iterator[dict]:
     """Yields ``ds``'s batches as numpy, reading one batch ahead: the input is at its end when
     the last batch is handed out, so a RAM cache is complete even if the consumer stops
-    pulling right after the last batch."""
+    pulling right after the last batch. ``gone``: a file missing (``tf.errors.NotFoundError``)
+    -> the exception raised instead (``ImagePipeline.gone``)."""
     it = ds.as_numpy_iterator()
-    prev = next(it, None)
+
+    def pull():
+        try:
+            return next(it, None)
+        except tf.errors.NotFoundError as e:
+            if gone is None:
+                raise
+            raise gone(e) from None
+
+    prev = pull()
     while prev is not None:
-        cur = next(it, None)
+        cur = pull()
         if "label" in prev:
             prev["label"] = prev["label"].astype(np.int32, copy=False)
         yield prev

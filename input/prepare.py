@@ -5,13 +5,15 @@
 The format (layout, record features, manifest.json) is defined in ``records.py``. Each pool
 task writes one whole shard of every copy, deciding once per image whether it is kept, so
 shard i of every copy holds the same examples in the same order. Shard files are written as
-FILE.tmp and renamed, then a small JSON sidecar per shard records its counts: a rerun of the
+FILE.PID.tmp and renamed, then a small JSON sidecar per shard records its counts: a rerun of the
 same command reuses finished shards, and an interrupted run never leaves a half shard.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
+import glob
 import hashlib
 import io
 import json
@@ -22,6 +24,7 @@ import os
 import posixpath
 import re
 import shutil
+import signal
 import stat
 import statistics
 import sys
@@ -57,6 +60,50 @@ RUN_LAYOUT = "the SPLIT/CLASS/FILE layout (e.g. train/n01440764/n01440764_10026.
 # How to fix a source that is one split (CLASS/FILE): on prepare's command line, in a run.
 SPLIT_FIX = "use --split NAME (e.g. --split train)"
 RUN_FIX = "point data.source at the folder that holds train/ and val/"
+TAR_EXTS = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+
+# Files this process is part-way writing: what a stop that exits at once removes.
+_PARTIAL: set[str] = set()
+
+
+def remove_partial_files() -> None:
+    """Removes what a prepare in this process is part-way writing: a compressed tar's
+    uncompressed staging copy in the output folder (as large as the data), and the shard
+    being written where shards are written in this process (one worker). For a stop that
+    ends the process with ``os._exit`` (the trainer's ``EarlyStop``), where the ``finally``
+    blocks that remove them do not run. Safe in a signal handler (no lock; errors are
+    ignored). Worker processes remove their own: they stop with their parent."""
+    for path in list(_PARTIAL):
+        try:
+            os.remove(path)
+        except OSError:  # gone already
+            pass
+
+
+def _no_space(e: BaseException) -> bool:
+    """A full disk or quota: an OSError, or TensorFlow's error for it (ResourceExhaustedError
+    from a TFRecordWriter)."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _free(folder: str) -> str:
+    try:
+        return _size(shutil.disk_usage(folder).free)
+    except OSError:
+        return "unknown"
+
+
+def _elsewhere(for_run: bool) -> str:
+    """Where else to prepare, in the words of a run's config or of the command line."""
+    if for_run:
+        return "data.prepared_dir=DIR, or HYBRIDPAR_CACHE=DIR for the default cache"
+    return "--out DIR"
 
 
 # ---- listing sources ------------------------------------------------------------------------
@@ -116,10 +163,10 @@ def _link_error(path: str, m, what: str) -> DataError:
     )
 
 
-def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
+def _list_tar(path: str, depth: int, staging_dir: str, staging: list, for_run=False):
     """Regular members as (parts, file, offset, size), read once here so workers can seek,
-    the class folders seen (as parts) and the members ignored (as (parts, why)). A truncated
-    or corrupt archive is a DataError.
+    the class folders seen (as parts), the members ignored (as (parts, why)) and the names
+    of tars inside it. A truncated or corrupt archive is a DataError.
 
     A compressed tar cannot be seeked cheaply, so it is streamed once into an uncompressed
     staging file in --out (removed at the end) and indexed there instead.
@@ -140,8 +187,9 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
     if compressed:
         data_file = os.path.join(staging_dir, f".staging-{len(staging)}-{os.path.basename(path)}")
         staging.append(data_file)
+        _PARTIAL.add(data_file)
         out_file = open(data_file, "wb")
-    after = "at its start"
+    after, tars = "at its start", []
     try:
         with tar:
             while (m := tar.next()) is not None:
@@ -154,6 +202,8 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
                     if not any(map(_hidden, parts)):
                         raise _link_error(path, m, "class" if len(parts) == depth - 1 else "split")
                 kind = _kind(parts, depth) if m.isreg() or m.issym() or m.islnk() else ""
+                if m.isreg() and m.name.lower().endswith(TAR_EXTS):
+                    tars.append(m.name)
                 if kind is None and not m.isreg():  # the folder path follows links; not here
                     kind = f"{'symbolic' if m.issym() else 'hard'} link in a tar"
                 if kind:
@@ -176,6 +226,16 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
         detail = " ".join(str(e).split())  # one line: the CLI prints one error line
         raise _tar_error(path, f"truncated or corrupt {after} ({detail})") from None
     except OSError as e:
+        if out_file is not None and _no_space(e):
+            written = out_file.tell()
+            out_file.close()
+            os.remove(data_file)  # before the free space is measured
+            raise DataError(
+                f"no space left on device in {staging_dir!r} for the uncompressed copy of "
+                f"{path!r} that preparing reads ({_size(written)} written when it filled, "
+                f"{_free(staging_dir)} free); free space there, prepare into another folder "
+                f"({_elsewhere(for_run)}), or extract the tar and pass the folder"
+            ) from None
         raise DataError(f"cannot read tar archive {path!r} ({e.strerror or e})") from None
     finally:
         if out_file is not None:
@@ -190,7 +250,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list):
             raise _tar_error(
                 path, f"truncated {after} (no end-of-archive marker at byte {end_at:,})"
             )
-    return entries, dirs, ignored
+    return entries, dirs, ignored, tars
 
 
 def _walk_split(root: str):
@@ -335,8 +395,8 @@ def list_source(
             }
     else:
         staging_dir = staging_dir or tempfile.gettempdir()
-        entries, dirs, ignored = _list_tar(
-            source, 2 if split else 3, staging_dir, [] if staging is None else staging
+        entries, dirs, ignored, tars = _list_tar(
+            source, 2 if split else 3, staging_dir, [] if staging is None else staging, for_run
         )
         fingerprint = _tar_fingerprint(source)
         by_split: dict[str, dict] = {}
@@ -362,14 +422,27 @@ def list_source(
                 "fingerprint": fingerprint,
                 "folder": f"{source}:{name}",
             }
-    return _layout_check(source, split, splits, for_run)
+        return _layout_check(source, split, splits, for_run, tars)
+    return _layout_check(source, split, splits, for_run, None)
 
 
-def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
+def _tars_in(folder: str) -> list[str]:
+    """The tar files in a source folder and its split folders (relative paths): ImageNet's
+    train tar unpacked once holds one tar per class."""
+    found = []
+    for top, dirs, names in os.walk(folder):
+        found += [os.path.relpath(os.path.join(top, n), folder)
+                  for n in sorted(names) if n.lower().endswith(TAR_EXTS)]  # fmt: skip
+        dirs[:] = sorted(d for d in dirs if not _hidden(d)) if top == folder else []
+    return found
+
+
+def _layout_check(source: str, split, splits: dict, for_run: bool, tars) -> dict:
     """``splits`` without the ones that hold no image file in CLASS/FILE layout, saying so
     on stderr, and what images lie directly in a split folder; a DataError if none is left.
     Where more images lie directly in split folders than in class folders, ``source`` is
-    taken for one split in CLASS/FILE layout, and the fix to that is said."""
+    taken for one split in CLASS/FILE layout, and the fix to that is said. ``tars``: the tar
+    members of a tar source (None: a folder, looked at here when no image is found)."""
     at_root = {n: sum(why == AT_ROOT for _, why in s["ignored"]) for n, s in splits.items()}
     in_classes = sum(len(s["files"]) for s in splits.values())
     one_split = not split and sum(at_root.values()) > in_classes
@@ -382,21 +455,37 @@ def _layout_check(source: str, split, splits: dict, for_run: bool) -> dict:
             "folders hold images directly, so it looks like one split (CLASS/FILE); "
             f"{fix}"
         )
-    hint = one_split  # the fix once, on the first note, not on every folder's
-    for name, listing in splits.items():
+    if one_split:  # one line, not two per folder (ImageNet's train as CLASS/FILE: 2,000)
+        roots = [n for n in splits if at_root[n]]
+        empty = sum(not s["files"] for s in splits.values())
+        _note(
+            f"is {source!r} itself one split? {sum(at_root.values())} image(s) lie directly in "
+            f"{len(roots)} of its folders ({_names(roots, 3)}), not under a class folder, and "
+            f"{empty} folder(s) without a class folder are left out; {fix}"
+        )
+    for name, listing in splits.items() if not one_split else ():
         if at_root[name]:
-            why = f": is {source!r} itself one split? {fix}" if hint else ""
-            hint = False
             _note(
                 f"{at_root[name]} image(s) directly in split folder {listing['folder']!r} are "
-                f"not under a class folder{why}"
+                "not under a class folder"
             )
         if not listing["files"]:
             _note(f"split folder {listing['folder']!r} holds no image file in a class folder: "
                   "left out")  # fmt: skip
     if not found:
         layout = RUN_LAYOUT if for_run else LAYOUT
-        raise DataError(f"no images found in {source!r}: expected {layout}")
+        tars = _tars_in(source) if tars is None else tars
+        held = ""
+        if tars:  # ImageNet's train tar holds one tar per class
+            name = os.path.basename(tars[0])
+            cls = next(name[: -len(e)] for e in TAR_EXTS if name.lower().endswith(e))
+            held = (
+                f"; it holds {len(tars)} tar file(s) ({_names(tars, 3)}), and a tar inside a "
+                "source is not read: extract each class's tar into a folder SPLIT/CLASS/ (e.g. "
+                f"mkdir -p train/{cls} && tar -xf {name} -C train/{cls}), or train on "
+                "ImageNet's own tars with data.name=tfds and data.tfds_manual_dir"
+            )
+        raise DataError(f"no images found in {source!r}: expected {layout}{held}")
     for listing in found.values():
         listing["one_split"] = one_split
     return found
@@ -538,16 +627,68 @@ def _reduce(img, full: bytes, max_side: int, quality: int) -> bytes:
 def _init_worker():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF only writes records here: no logs
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    # The parent owns Ctrl-C (it stops the pool and says how to resume): no traceback here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A stop (the pool's terminate, or the parent's death) removes the shard being written.
+    signal.signal(signal.SIGTERM, _stop_worker)
+    if sys.platform.startswith("linux"):
+        # Die with the parent: after a SIGKILL or the trainer's os._exit a worker went on
+        # writing after the folder's lock was free, into the shards of the next run.
+        import ctypes
+
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        parent = multiprocessing.parent_process()
+        if parent is not None and os.getppid() != parent.pid:  # it died before the prctl
+            os._exit(1)
 
 
-def _write_shard(task: dict):
+def _stop_worker(signum, frame):
+    # At once, not by an exception: one raised inside a gc callback (JAX's, which TF loads)
+    # is dropped, and the pool's terminate then waited for the worker forever.
+    remove_partial_files()
+    os._exit(128 + signum)
+
+
+def write_shard(task: dict):
+    """One pool task: shard i of every copy, each written under a temporary name and renamed
+    into place, then its sidecar (the pool's workers call it; a test stops one inside it)."""
+    finals = {c: os.path.join(task["out"], f) for c, f in task["files"].items()}
+    # Each writer's own temporary name: a worker of a stopped run may still be ending.
+    temps = {c: f"{path}.{os.getpid()}.tmp" for c, path in finals.items()}
+    for path in finals.values():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        for old in glob.glob(glob.escape(path) + ".*tmp"):  # left by a run killed (-9)
+            try:
+                os.remove(old)
+            except FileNotFoundError:  # its worker, stopping now, removed it
+                pass
+    _PARTIAL.update(temps.values())
+    try:
+        sidecar = _write_records(task, temps)
+        for c, path in finals.items():
+            os.replace(temps[c], path)
+    except BaseException as e:
+        for path in temps.values():
+            if os.path.exists(path):
+                os.remove(path)
+        if _no_space(e) and not isinstance(e, OSError):  # TF's: picklable, one kind for all
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), task["out"]) from None
+        raise
+    finally:
+        _PARTIAL.difference_update(temps.values())
+    _write_json(task["sidecar"], sidecar)  # last: its presence means the shard is complete
+    return task["index"], sidecar
+
+
+def _write_records(task: dict, temps: dict) -> dict:
+    """Writes one shard of every copy into ``temps`` and returns its sidecar."""
     import tensorflow as tf
     from PIL import Image
 
-    finals = {c: os.path.join(task["out"], f) for c, f in task["files"].items()}
-    for path in finals.values():
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    writers = {c: tf.io.TFRecordWriter(path + ".tmp") for c, path in finals.items()}
+    writers = {c: tf.io.TFRecordWriter(path) for c, path in temps.items()}
     skipped, converted, count, handles, quality = [], [], 0, {}, task["quality"]
     short_sides = {c: [] for c, _ in task["copies"]}  # per copy: each image's shorter side
     pil_limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, MAX_PIXELS  # _check guards it
@@ -575,21 +716,23 @@ def _write_shard(task: dict):
             w.close()
         for f in handles.values():
             f.close()
-    for path in finals.values():
-        os.replace(path + ".tmp", path)
     sidecar = {"config": task["config"], "num_examples": count}
-    sidecar.update(skipped=skipped, converted=converted, short_sides=short_sides)
-    _write_json(task["sidecar"], sidecar)  # last: its presence means the shard is complete
-    return task["index"], sidecar
+    return sidecar | {"skipped": skipped, "converted": converted, "short_sides": short_sides}
 
 
 # ---- the whole run ----------------------------------------------------------------------------
 
 
 def _write_json(path: str, obj) -> None:
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    temp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(temp, "w") as f:
+            json.dump(obj, f, indent=1)
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.remove(temp)
+        raise
 
 
 def _load_json(path: str):
@@ -743,13 +886,16 @@ def _summary(out: str, entry: dict, plan: dict, processed: int, seconds: float) 
     for name, copy in entry["copies"].items():
         size = sum(os.path.getsize(os.path.join(out, s["file"])) for s in copy["shards"])
         sizes.append(f"{name} {size / 1e6:.1f} MB")
+    skipped = len(entry["skipped"])
+    listed = f" (listed in {os.path.join(out, MANIFEST)})" if skipped else ""
+    took = f"{seconds:.1f} s, {processed / max(seconds, 1e-9):.0f} images/s" if processed else ""
     return (
         f"{plan['split']}: {entry['num_examples']} examples in {len(plan['shards'])} shards "
         f"({len(plan['shards']) - len(plan['tasks'])} reused) from {plan['source']}; "
-        f"{len(entry['skipped'])} skipped, {len(entry['converted'])} converted "
+        f"{skipped} skipped{listed}, {len(entry['converted'])} converted "
         f"({entry['rotated']} rotated upright by EXIF); "
         f"{', '.join(sizes)}; "
-        f"{seconds:.1f} s, {processed / max(seconds, 1e-9):.0f} images/s"
+        f"{took or 'reused'}"
     )
 
 
@@ -948,21 +1094,24 @@ def check_out(out: str, sources, key: str = "--out") -> None:
 
 
 # What prepare writes in a split's folder: shard files per copy and a sidecar per shard
-# (each also as FILE.tmp while written). Nothing else there is removed.
+# (each also as FILE.PID.tmp while written, FILE.tmp by an older hybridpar). Nothing else
+# there is removed.
 def _written_by_prepare(split: str, rel: str) -> bool:
     parts = rel.split(os.sep)
-    tag = r"\d{5}-of-\d{5}"
+    tag, temp = r"\d{5}-of-\d{5}", r"(\.\d+\.tmp|\.tmp)?"
     if len(parts) == 1:
-        return re.fullmatch(rf"{re.escape(split)}-{tag}\.json(\.tmp)?", parts[0]) is not None
+        return re.fullmatch(rf"{re.escape(split)}-{tag}\.json{temp}", parts[0]) is not None
     if len(parts) == 2:
-        pattern = rf"{re.escape(split)}-{re.escape(parts[0])}-{tag}\.tfrecord(\.tmp)?"
+        pattern = rf"{re.escape(split)}-{re.escape(parts[0])}-{tag}\.tfrecord{temp}"
         return re.fullmatch(pattern, parts[1]) is not None
     return False
 
 
 def _remove_split(out: str, split: str) -> None:
     """Removes the shards and sidecars of a prepared split, and its folders where that
-    leaves them empty: never a file prepare did not write (a user's, or a source's)."""
+    leaves them empty: never a file prepare did not write (a user's, or a source's), nor
+    while a training run reads the folder."""
+    check_no_readers(out)
     root = os.path.join(out, split)
     for top, dirs, names in os.walk(root, topdown=False):
         for name in names:
@@ -1091,43 +1240,62 @@ def prepare(
                 )
             why = old and (describe_change(old.get("fingerprint"), plan["fingerprint"]) or relabel)
             if why:
+                check_no_readers(out)  # before saying it is prepared again
                 _note(f"split {name!r} in {out!r} is out of date: {why}; preparing it again")
                 _remove_split(out, name)  # no shard of the old copy may remain
                 plan = _plan(*args)
             plans.append(plan)
+        # Shards written over (a manifest of an older format, a sidecar of other arguments)
+        # would change under a run reading them, as removed ones would.
+        if any(os.path.exists(os.path.join(out, f)) for p in plans for t in p["tasks"]
+               for f in t["files"].values()):  # fmt: skip
+            check_no_readers(out)
 
         pending = sum(len(p["tasks"]) for p in plans)
         if workers > 1 and pending > 1:  # spawn: workers must not inherit JAX/TF threads
             ctx = multiprocessing.get_context("spawn")
             pool = ctx.Pool(min(workers, pending), initializer=_init_worker)
         manifest["classes"], manifest["classes_from"] = classes, classes_from
-        for plan in plans:
-            t0, processed = time.time(), sum(len(t["items"]) for t in plan["tasks"])
-            skipped = sum(len(s["skipped"]) for s in plan["done"].values())
-            bar = progress_bar(
-                total=plan["n"], initial=plan["n"] - processed, unit="img", desc=plan["split"]
-            )
-            bar.set_postfix(skipped=skipped)
-            sizes = {t["index"]: len(t["items"]) for t in plan["tasks"]}
-            run = pool.imap_unordered if pool else map
-            for i, sidecar in run(_write_shard, plan["tasks"]):
-                plan["done"][i] = sidecar
-                skipped += len(sidecar["skipped"])
-                bar.set_postfix(skipped=skipped, refresh=False)
-                bar.update(sizes[i])
-            bar.close()
-            entry = _entry(plan, copies, quality, serve_ratio)
-            empty = entry["classes_without_examples"]
-            if plan["split"] == train_split and empty and not allow_empty_classes:
-                raise empty_classes_error(plan["split"], plan["source"], empty)  # shards are kept
-            manifest["splits"][plan["split"]] = entry
-            _write_json(path, manifest)  # after each split, so a later failure keeps this one
-            if progress:
-                summary = _summary(out, entry, plan, processed, time.time() - t0)
-                print(summary, file=sys.stderr)
-            if entry["ignored"]:
-                _note(ignored_note(plan["split"], entry["ignored"], path))
-            class_notes(plan["split"], entry["empty_folders"], empty)
+        try:
+            for plan in plans:
+                t0, processed = time.time(), sum(len(t["items"]) for t in plan["tasks"])
+                skipped = sum(len(s["skipped"]) for s in plan["done"].values())
+                sizes = {t["index"]: len(t["items"]) for t in plan["tasks"]}
+                run = pool.imap_unordered if pool else map
+                # closed also when stopped: its last line before the line that says so
+                with progress_bar(total=plan["n"], initial=plan["n"] - processed, unit="img",
+                                  desc=plan["split"]) as bar:  # fmt: skip
+                    bar.set_postfix(skipped=skipped)
+                    for i, sidecar in run(write_shard, plan["tasks"]):
+                        plan["done"][i] = sidecar
+                        skipped += len(sidecar["skipped"])
+                        bar.set_postfix(skipped=skipped, refresh=False)
+                        bar.update(sizes[i])
+                entry = _entry(plan, copies, quality, serve_ratio)
+                empty = entry["classes_without_examples"]
+                if plan["split"] == train_split and empty and not allow_empty_classes:
+                    # the shards are kept
+                    raise empty_classes_error(plan["split"], plan["source"], empty)
+                manifest["splits"][plan["split"]] = entry
+                _write_json(path, manifest)  # after each split: a later failure keeps this one
+                if progress:
+                    summary = _summary(out, entry, plan, processed, time.time() - t0)
+                    print(summary, file=sys.stderr)
+                if entry["ignored"]:
+                    _note(ignored_note(plan["split"], entry["ignored"], path))
+                class_notes(plan["split"], entry["empty_folders"], empty)
+        except OSError as e:
+            if not _no_space(e):
+                raise
+            if pool is not None:  # its workers remove their part-written shards first
+                pool.terminate()
+                pool.join()
+            n, need = _left(plans)
+            need = f"the {n:,} image(s) left need about {_size(need)} more, " if n else ""
+            raise DataError(
+                f"no space left on device in {out!r} ({need}{_free(out)} free); free space "
+                f"there, or prepare into another folder ({_elsewhere(for_run)})"
+            ) from None
     except BaseException:
         failed = True
         raise
@@ -1140,10 +1308,25 @@ def prepare(
         for f in staging:
             if os.path.exists(f):
                 os.remove(f)
+            _PARTIAL.discard(f)
         lock.release()
         if failed and made:  # a first run that failed: leave no empty folder it made
             _remove_made(out, made)
     return manifest
+
+
+def _left(plans) -> tuple[int, int]:
+    """The images of the shards not written yet, and about how many bytes their files are
+    (from up to 1,000 of them: a folder's sizes cost a stat each)."""
+    items = [x for p in plans for t in p["tasks"] if t["index"] not in p["done"]
+             for x in t["items"]]  # fmt: skip
+    sizes = []
+    for *_, file, _, size in items[:: max(1, len(items) // 1000)]:
+        try:
+            sizes.append(size if size >= 0 else os.path.getsize(file))
+        except OSError:  # gone since it was listed
+            pass
+    return len(items), int(statistics.mean(sizes) * len(items)) if sizes else 0
 
 
 def _remove_made(out: str, made: str) -> None:
@@ -1201,7 +1384,7 @@ class FolderLock:
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            print(f"waiting: another process is preparing {out}", flush=True)
+            _note(f"waiting: another process is preparing {out}")
             fcntl.flock(self.file, fcntl.LOCK_EX)
         folders.add(self.key)
 
@@ -1216,6 +1399,99 @@ class FolderLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+READERS = ".readers.lock"
+
+
+class _Readers:
+    """A shared ``flock`` on ``folder``/.readers.lock, one open file per folder in this
+    process (a second ``hold_readers`` of one folder counts up, ``release`` counts down)."""
+
+    _held: dict = {}  # realpath -> [file, count]
+    _mutex = threading.Lock()
+
+    def __init__(self, key: str | None):
+        self.key = key
+
+    def release(self) -> None:
+        with self._mutex:
+            key, self.key = self.key, None
+            held = self._held.get(key) if key else None
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] == 0:
+                del self._held[key]
+                held[0].close()  # unlocks
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def hold_readers(folder: str) -> _Readers:
+    """Says that a training run reads the prepared ``folder`` until ``.release()``: a shared
+    ``flock`` on ``folder``/.readers.lock (made if missing), which ``check_no_readers`` tests
+    before prepare removes or rewrites a split there. The process's exit releases it too (an
+    ``os._exit`` as well). A read-only folder without the file: nothing is held (nothing can
+    prepare there either)."""
+    import fcntl
+
+    key = os.path.realpath(folder)
+    with _Readers._mutex:
+        held = _Readers._held.get(key)
+        if held is None:
+            path = os.path.join(folder, READERS)
+            try:
+                f = open(path, "a")
+            except OSError:
+                try:
+                    f = open(path)  # a read-only folder where the file exists: flock works
+                except OSError:
+                    return _Readers(None)
+            fcntl.flock(f, fcntl.LOCK_SH)  # waits only while a check holds it (an instant)
+            held = _Readers._held[key] = [f, 0]
+        held[1] += 1
+    return _Readers(key)
+
+
+def check_no_readers(folder: str) -> None:
+    """A ConfigError where another process holds ``hold_readers(folder)``: removing or
+    rewriting shards there would pull them from under a running training run."""
+    import fcntl
+
+    key = os.path.realpath(folder)
+    with _Readers._mutex:
+        held = _Readers._held.get(key)
+        if held is not None:
+            # This process reads it too: a second open file would conflict with our own lock,
+            # so convert ours to exclusive and back (it succeeds only if no one else shares it).
+            f = held[0]
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                busy = False
+            except BlockingIOError:
+                busy = True
+            fcntl.flock(f, fcntl.LOCK_SH)  # back (a failed conversion may have dropped it)
+        else:
+            try:
+                f = open(os.path.join(folder, READERS))
+            except OSError:  # no file: never read by a run
+                return
+            with f:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    busy = False
+                except BlockingIOError:
+                    busy = True
+    if busy:
+        raise ConfigError(
+            f"{folder} is being read by a running training run (its shards would be removed "
+            "under it); stop that run first, or prepare into another --out"
+        )
 
 
 def remove_if_unused(folder: str, parent: bool = False) -> None:
@@ -1279,6 +1555,9 @@ def main(argv=None) -> int:
         help="let a train class have no usable example (an error otherwise)",
     )
     args = vars(p.parse_args(argv))  # the options are named like prepare()'s arguments
+    from hybridpar.config.cli import taken
+
+    stops = {s: signal.signal(s, _stop) for s in taken((signal.SIGTERM, signal.SIGHUP))}
     try:
         raw = args.pop("copies")
         copies = _parse_copies(raw)
@@ -1295,10 +1574,30 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if isinstance(e, _Stopped) else signal.SIGINT
+        name = "" if signum == signal.SIGINT else f" ({signal.Signals(signum).name})"
+        print(f"interrupted{name}: run the same command again to resume", file=sys.stderr)
+        return 128 + signum
+    finally:
+        for s, handler in stops.items():
+            signal.signal(s, handler)
     return 0
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, taken as Ctrl-C is: the finally blocks run (the pool stopped, a
+    compressed tar's staging copy removed), and the line says how to resume."""
+
+
+def _stop(signum, frame):
+    from hybridpar.config.cli import leave_hung_up_terminal
+
+    for s in (signal.SIGTERM, signal.SIGHUP):  # a second one ends it at once, as a 2nd Ctrl-C
+        if signal.getsignal(s) is _stop:
+            signal.signal(s, signal.SIG_DFL)
+    leave_hung_up_terminal(signum)
+    raise _Stopped(signum)
 
 
 if __name__ == "__main__":

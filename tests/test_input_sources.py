@@ -261,7 +261,8 @@ def test_processes_preparing_at_once_prepare_once(tmp_path, monkeypatch, capsys)
         t.join()
     assert not errors and results == [str(tmp_path / "out")] * 2
     assert len(calls) == 1, "both prepared the same copy"
-    assert "waiting: another process is preparing" in capsys.readouterr().out
+    said = capsys.readouterr()  # stdout or stderr (prepare's notes moved to stderr)
+    assert "waiting: another process is preparing" in said.out + said.err
     assert records.load_manifest(str(tmp_path / "out"))["splits"]["train"]["num_examples"] == 2
 
 
@@ -450,6 +451,55 @@ def test_evaluation_reads_the_eval_split_and_training_the_train_split(tmp_path):
     own = ImagePipeline(str(tmp_path / "out"), "val", process_index=0, process_count=1)
     (want,) = list(own.eval_batches(image_size=16, global_batch=4))
     assert means(batch["image"][real]) == means(want["image"][want["mask"] > 0])
+
+
+def test_a_run_holds_the_prepared_folders_reader_lock_while_it_reads(tmp_path):
+    """Preparing a folder again while a run read it deleted the shards under the run: a run
+    now holds the folder's reader lock (``prepare.hold_readers``, which prepare tests before
+    it removes a split) for the life of its process, from data.source and from a prepared
+    folder alone. Planted bug that fails it: ``_pipeline`` calling ``ensure_prepared``
+    without ``hold``."""
+    import fcntl
+
+    src = _tree(tmp_path / "src", {f"{s}/ant/{i}.jpg": _jpeg(seed=i) for s in ("train", "val")
+                                   for i in range(2)})  # fmt: skip
+    out = tmp_path / "out"
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(out), eval_split="val")
+    c.data.update(num_classes=1, image_size=16)
+    c.global_batch = c.eval_batch = 2
+    for source in (str(src), ""):  # the first use prepares; then the folder alone
+        c.data.source = source
+        held = len(datasets.READING)
+        datasets.make_data(c, 0, 1)
+        try:
+            with open(out / ".readers.lock") as f:  # as another process's prepare tests it
+                with pytest.raises(BlockingIOError):
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            while len(datasets.READING) > held:
+                datasets.READING.pop().release()
+
+
+def test_a_shard_removed_under_a_run_is_one_error_naming_it(tmp_path):
+    """A shard deleted while a run reads the prepared copy ended the run in tf.data's
+    NotFoundError traceback: now a ``DataError`` (one ``error:`` line; the trainer keeps its
+    checkpoints) naming the file and how to resume, on the train and the eval path. Planted
+    bug that fails it: ``_drain_ahead`` without its NotFoundError clause."""
+    src = _tree(tmp_path / "src", {f"train/ant/{i}.jpg": _jpeg(seed=i) for i in range(8)})
+    out = tmp_path / "out"
+    prepare([src], out, **ONE)
+    pipe = ImagePipeline(str(out), "train", process_index=0, process_count=1)
+    shard = pipe.files("full")[1]
+    os.remove(shard)
+    for batches in (pipe.train_batches(0, image_size=16, global_batch=4),
+                    pipe.eval_batches(image_size=16, global_batch=4)):  # fmt: skip
+        with pytest.raises(ConfigError) as e:
+            list(batches)
+        assert str(e.value).startswith(
+            f"{shard} is gone: the prepared copy in {out} changed under the run"
+        ), e.value
+        assert "the same command resumes from the run's last checkpoint" in str(e.value)
 
 
 # ---- both paths (tf.data and data.on_device) keep, skip, count and label alike -----------------
@@ -683,6 +733,51 @@ def test_a_source_and_prepared_dir_under_home_may_start_with_a_tilde(tmp_path, m
     c.data.update(name="images", source="~/src", prepared_dir="~/out", eval_split="train")
     assert datasets.ensure_prepared(c.data) == str(tmp_path / "out")
     assert (tmp_path / "out" / records.MANIFEST).exists()
+
+
+@pytest.mark.parametrize(
+    "env, root",
+    [
+        ("~/hpc", "home/hpc"),
+        ("", "home/.cache/hybridpar"),
+        ("rel", "cwd/rel"),
+        (None, "home/.cache/hybridpar"),
+    ],
+)
+def test_the_cache_from_hybridpar_cache_is_absolute_with_its_tilde_expanded(
+    tmp_path, monkeypatch, env, root
+):
+    """HYBRIDPAR_CACHE='~/hpc' (quoted: the shell left the ~) made a folder named '~' in the
+    working directory, and an empty one a relative path. Planted bug that fails it:
+    ``cache_root`` without its expanduser and abspath (or ``or`` back to a default)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    if env is None:
+        monkeypatch.delenv("HYBRIDPAR_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("HYBRIDPAR_CACHE", env)
+    got = datasets.default_prepared_dir([str(tmp_path / "src")])
+    assert os.path.dirname(got) == str(tmp_path / root), got
+
+
+@pytest.mark.parametrize("on_device", [False, True])
+def test_a_cache_that_cannot_be_written_names_hybridpar_cache(tmp_path, monkeypatch, on_device):
+    """The default cache's folder unwritable (here a file stands where it goes): the error
+    named only prepare's --out (data.prepared_dir), where the path came from HYBRIDPAR_CACHE.
+    Planted bug that fails it: ``check_cache_writable`` not called."""
+    src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg()})
+    (tmp_path / "cache").write_text("a file")
+    monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
+    c = base_config()
+    c.data.update(name="images", source=str(src), eval_split="val", num_classes=1)
+    c.data.on_device = on_device
+    with pytest.raises(ConfigError) as e:
+        datasets.make_data(c, 0, 1)
+    assert (
+        f"from HYBRIDPAR_CACHE={str(tmp_path / 'cache')!r}; point HYBRIDPAR_CACHE (or "
+        "--config.data.prepared_dir) at a folder you can write" in str(e.value)
+    ), e.value
 
 
 def test_the_plan_line_says_how_many_examples_an_epoch_leaves_out(tmp_path):

@@ -429,3 +429,85 @@ def test_decoding_shows_progress_and_says_what_it_skipped_and_converted(tmp_path
     assert "; 1 skipped, 6 converted (0 rotated upright by EXIF); " in err  # 6 PNGs
     assert "; 0 skipped, 6 converted " in err
     assert "13/13 [" in err and "12/12 [" in err  # the progress bars, done
+
+
+def test_decoding_holds_the_set_once_in_host_memory(tmp_path, monkeypatch):
+    """The decoded images went into a list and then an np.stack of it: twice the set in host
+    memory (4,000 images at 128 px: 188 MiB of arrays, 439 MiB peak). Now each image goes
+    into one array made up front. Measured from the decode's start to its save, with a
+    stand-in for Pillow (fast; each image a new array, as Pillow's). Planted bug that fails
+    it: the list and np.stack back."""
+    import tracemalloc
+
+    for split, n in (("train", 1500), ("test", 4)):
+        for cls in ("cat", "dog"):
+            (tmp_path / "src" / split / cls).mkdir(parents=True)
+            for i in range(n):
+                (tmp_path / "src" / split / cls / f"{i}.jpg").write_bytes(b"a photo")
+    decode, save, held = on_device.decode_split, np.savez, []
+
+    def decoding(*args):
+        tracemalloc.start()
+        held.append(tracemalloc.get_traced_memory()[0])
+        try:
+            return decode(*args)
+        finally:
+            tracemalloc.stop()
+
+    def saving(path, **arrays):
+        held[-1] = tracemalloc.get_traced_memory()[1] - held[-1]  # the peak, from the start
+        return save(path, **arrays)
+
+    monkeypatch.setattr(on_device, "decode_split", decoding)
+    monkeypatch.setattr(on_device.np, "savez", saving)
+    monkeypatch.setattr(
+        on_device,
+        "decode_image",
+        lambda data, size: (np.full((size, size, 3), 7, np.uint8), None, None),
+    )
+    datasets.make_data(images_config(tmp_path, tmp_path / "src", image_size=32), 0, 1)
+    images = 3000 * 32 * 32 * 3
+    assert held[0] < 1.5 * images, held[0] / images  # twice and more before
+
+
+def test_a_disk_full_while_caching_the_decoded_set_is_one_error_and_leaves_nothing(
+    tmp_path, monkeypatch
+):
+    """np.savez's OSError (errno 28) was a traceback and left train-16px.npz.tmp.npz
+    behind. Planted bug that fails it: the write without its OSError clause."""
+    import errno
+
+    def full(path, **arrays):
+        with open(path, "wb") as f:
+            f.write(b"PK partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(on_device.np, "savez", full)
+    source = image_folder(tmp_path / "src")
+    with pytest.raises(DataError) as e:
+        datasets.make_data(images_config(tmp_path, source), 0, 1)
+    folder = tmp_path / "prep" / "on_device"
+    assert str(e.value).startswith(
+        f"cannot write the decoded set into {folder} (No space left on device): it takes "
+    ), e.value
+    assert "point --config.data.prepared_dir at a disk with room" in str(e.value)
+    assert not (tmp_path / "prep").exists()  # no partial file; the folders made were removed
+
+
+def test_a_set_the_host_memory_cannot_hold_is_refused_before_it_is_decoded(
+    tmp_path, monkeypatch, capsys
+):
+    """The set is decoded, loaded and placed from host memory: one larger than what is
+    available is refused with its size, as one the device cannot hold, before any decode.
+    Planted bug that fails it: ``check_host_fits`` not called."""
+    monkeypatch.setattr(on_device, "host_available", lambda: 2**19)
+    source = image_folder(tmp_path / "src", n=20)  # 80 images at 64 px: 0.94 MiB
+    c = images_config(tmp_path, source, image_size=64)
+    with pytest.raises(DataError) as e:
+        datasets.make_data(c, 0, 1)
+    assert str(e.value) == (
+        "data.on_device=True: 40 train images, 40 test images at 64x64 take 0.9 MiB of host "
+        "memory while they are decoded and placed, more than the 0.5 MiB available now; set "
+        "--config.data.on_device=False to read it from the host, or free memory"
+    ), e.value
+    assert "decoding" not in capsys.readouterr().out

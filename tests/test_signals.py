@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from helpers import cpu_env
 
 from hybridpar.runtime import signals
@@ -120,3 +121,54 @@ def test_evaluate_stops_on_sighup_from_a_terminal_that_hung_up():
         assert marker.read_text() == "released"
     finally:
         marker.unlink(missing_ok=True)
+
+
+def test_a_stop_before_the_first_step_runs_the_registered_cleanups_first(monkeypatch, capsys):
+    """``EarlyStop`` ends the process by ``os._exit``, which runs no ``finally`` block: a
+    first-use prepare's workers went on writing shards after the trainer said it stopped.
+    What ``on_early_stop`` registered runs before the line and the exit, the last first,
+    each once; one that raises does not keep the others from running, and one taken back
+    does not run. Planted bug that fails it: ``__call__`` without the clean-ups."""
+    ran = []
+
+    class Exited(Exception):
+        pass
+
+    def exit_(code):
+        ran.append(f"exit {code}")
+        raise Exited
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    monkeypatch.setattr(signals, "EARLY_STOP_CLEANUPS", [])
+    early = signals.EarlyStop()
+    try:
+        signals.on_early_stop(lambda: ran.append("pool stopped"))
+        signals.on_early_stop(lambda: 1 / 0)
+        forget = signals.on_early_stop(lambda: ran.append("a finished prepare's"))
+        signals.on_early_stop(
+            lambda: ran.append(f"staging removed, said: {capsys.readouterr().out!r}")
+        )
+        forget()
+        with pytest.raises(Exited):
+            early(signal.SIGTERM, None)
+    finally:
+        early.restore()
+    assert ran == ["staging removed, said: ''", "pool stopped", "exit 0"]
+    assert capsys.readouterr().out == f"SIGTERM: {signals.STOPPED_EARLY}\n"
+    assert signals.EARLY_STOP_CLEANUPS == []
+
+
+def test_a_stop_while_the_data_opens_removes_a_prepare_s_partial_files(monkeypatch):
+    """The run's data opens (a first-use prepare) with prepare's clean-up registered for a
+    stop before the first step, and taken back after. Planted bug that fails it: open_data
+    without the registration (a compressed tar's staging copy was left, as large as its
+    data)."""
+    from hybridpar.input import datasets
+    from hybridpar.input.prepare import remove_partial_files
+    from hybridpar.runtime.run import open_data
+
+    seen = []
+    monkeypatch.setattr(datasets, "make_data",
+                        lambda *a: seen.append(list(signals.EARLY_STOP_CLEANUPS)))  # fmt: skip
+    open_data(None, None, [])
+    assert seen == [[remove_partial_files]] and signals.EARLY_STOP_CLEANUPS == []

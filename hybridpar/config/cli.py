@@ -27,6 +27,8 @@ import glob
 import logging
 import math
 import os
+import signal
+import stat
 import sys
 from typing import Callable, Sequence
 
@@ -351,3 +353,30 @@ def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> Non
         # without the exit handlers: stopped mid-computation, XLA's threads made the
         # interpreter's shutdown crash now and then (exit 139 after this line)
         exit_now(STOPPED)
+
+
+# ---- Signals and the terminal (every command's; runtime/signals.py and prepare use them) ----
+
+
+def taken(signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> tuple:
+    """Of ``signals``, those a handler here takes: all but a SIGHUP that is ignored (started
+    under ``nohup``, which says to go on when the terminal goes)."""
+    return tuple(s for s in signals
+                 if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)  # fmt: skip
+
+
+def leave_hung_up_terminal(signum: int) -> None:
+    """On SIGHUP: stdout and stderr that are a terminal that hung up (a character device
+    that no longer answers as a terminal) point to /dev/null, so the lines still to come
+    (the stop's, the run's) do not fail with EIO. A live terminal, a file or a pipe stays."""
+    if signum != signal.SIGHUP:
+        return
+    for fd in (1, 2):
+        try:
+            if not stat.S_ISCHR(os.fstat(fd).st_mode) or os.isatty(fd):
+                continue
+            null = os.open(os.devnull, os.O_WRONLY)
+        except OSError:  # closed
+            continue
+        os.dup2(null, fd)
+        os.close(null)

@@ -247,9 +247,16 @@ def open_data(config, mesh, stages: list[Stage]):
     """The run's ``datasets.Data``; an on-device set is stored at the image sizes of
     ``stages`` (the plan's), not those of the config's stage string read again."""
     from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
+    from hybridpar.input.prepare import remove_partial_files
 
     sizes = sorted({s.image_size for s in stages})
-    return make_data(config, jax.process_index(), jax.process_count(), mesh, sizes)
+    # A stop before the first step ends the process at once (EarlyStop): a first-use
+    # prepare's staging copy (as large as a compressed tar's data) goes with it.
+    forget = signals.on_early_stop(remove_partial_files)
+    try:
+        return make_data(config, jax.process_index(), jax.process_count(), mesh, sizes)
+    finally:
+        forget()
 
 
 def warn_schedule(config) -> None:

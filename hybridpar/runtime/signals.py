@@ -26,10 +26,11 @@ import contextlib
 import os
 import shutil
 import signal
-import stat
 import sys
 import threading
 from typing import Callable
+
+from hybridpar.config.cli import leave_hung_up_terminal, taken
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
@@ -40,28 +41,32 @@ STOPPED_EARLY_RESUMED = (
 )
 
 
-def taken(signals=SIGNALS) -> tuple:
-    """Of ``signals``, those a handler here takes: all but a SIGHUP that is ignored (started
-    under ``nohup``, which says to go on when the terminal goes)."""
-    return tuple(s for s in signals
-                 if s != signal.SIGHUP or signal.getsignal(s) != signal.SIG_IGN)  # fmt: skip
+EARLY_STOP_CLEANUPS: list[Callable[[], None]] = []
 
 
-def leave_hung_up_terminal(signum: int) -> None:
-    """On SIGHUP: stdout and stderr that are a terminal that hung up (a character device
-    that no longer answers as a terminal) point to /dev/null, so the lines still to come
-    (the stop's, the run's) do not fail with EIO. A live terminal, a file or a pipe stays."""
-    if signum != signal.SIGHUP:
-        return
-    for fd in (1, 2):
+def on_early_stop(fn: Callable[[], None]) -> Callable[[], None]:
+    """Registers ``fn`` to run when ``EarlyStop`` ends the process (its ``os._exit`` runs no
+    ``finally`` block or atexit handler): set-up's work that must not outlive it, such as a
+    first-use prepare's worker pool and its staging copy. Returns the function that takes
+    it back (call it when that work is over). The last registered runs first; each runs
+    once, and one that raises does not keep the others or the exit from running. Keep it
+    short: the stop waits for it."""
+    EARLY_STOP_CLEANUPS.append(fn)
+
+    def forget() -> None:
+        if fn in EARLY_STOP_CLEANUPS:
+            EARLY_STOP_CLEANUPS.remove(fn)
+
+    return forget
+
+
+def _run_early_stop_cleanups() -> None:
+    while EARLY_STOP_CLEANUPS:  # popped first: a second signal inside one runs the rest
+        fn = EARLY_STOP_CLEANUPS.pop()
         try:
-            if not stat.S_ISCHR(os.fstat(fd).st_mode) or os.isatty(fd):
-                continue
-            null = os.open(os.devnull, os.O_WRONLY)
-        except OSError:  # closed
-            continue
-        os.dup2(null, fd)
-        os.close(null)
+            fn()
+        except Exception:  # noqa: BLE001 - the stop goes on: what is left is the OS's
+            pass
 
 
 def note_resume(step: int, directory: str) -> None:
@@ -81,7 +86,8 @@ class EarlyStop:
     one raised inside JAX's compiler or a gc callback is swallowed or crashes the
     interpreter's exit. What set-up writes survives a kill -9 by design (config.json and
     prepared data atomically, whole metrics lines, no checkpoint yet), so the workdir starts
-    again as it was."""
+    again as it was; what it starts that would outlive the process (a prepare's workers) or
+    leave files behind registers its clean-up with ``on_early_stop``, run before the exit."""
 
     def __init__(self):
         self._replaced = {s: signal.signal(s, self) for s in taken()}
@@ -103,6 +109,7 @@ class EarlyStop:
 
     def __call__(self, signum, frame):
         leave_hung_up_terminal(signum)
+        _run_early_stop_cleanups()  # before the line: said, the stop is complete
         if self.run_ended:  # its checkpoint and summary are written: nothing to stop or say
             os._exit(0)
         said = STOPPED_EARLY
