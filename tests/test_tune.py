@@ -217,6 +217,24 @@ def test_a_curriculum_s_range_test_trains_at_its_first_stage(tmp_path, capsys):
     assert result["base_lr"][0] == pytest.approx(train[0]["lr"] * 256 / 64)
 
 
+def test_a_range_test_begun_without_stages_goes_on_without(tmp_path, capsys):
+    """A curriculum's range test stopped before it trained at the first stage (its
+    config.json has stages '') was refused on resume as 'another config: stages was '''
+    with a flag tune lacks; it resumes as it began. Planted bug that fails it: the saved
+    stages not kept."""
+    from hybridpar.runtime.run_config import config_dict
+
+    args = ["lr", "--config", DIGITS, *TINY_LR, "--config.stages=1:16-8,2:24-16"]
+    config = cli.load(DIGITS, [a[len("--config."):].split("=", 1) for a in args[3:]])
+    old = config_dict(tune.range_test_config(config))
+    old["stages"] = ""
+    (tmp_path / "lr").mkdir()
+    (tmp_path / "lr" / "config.json").write_text(json.dumps(old))
+    code, _, err = main_here(tune.main, [*args, "--workdir", str(tmp_path / "lr")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "lr" / "config.json").read_text())["stages"] == ""
+
+
 def test_search_refuses_distributed_before_jax_starts(tmp_path, capsys):
     """--config.distributed=True: tune search runs its trials in one process (each process
     asked study.db for a trial of its own, and check_batches started JAX's backend before

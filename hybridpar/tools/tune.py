@@ -222,8 +222,10 @@ def check(config, mode: str) -> list[dict] | None:
             "its own); search on one host without it, then train the best overrides "
             "multi-host with python -m hybridpar.train ... --config.distributed=True"
         )
+    from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, outside
+
     ckpt = config.checkpoint.dir
-    if ckpt and (os.path.isabs(os.path.expanduser(ckpt)) or ".." in ckpt.split(os.sep)):
+    if ckpt and outside(checkpoint_dir(config, "trial"), "trial"):  # any trial's folder
         raise ConfigError(  # each trial's run is in its own folder: one outside, all would share
             f"checkpoint.dir={ckpt!r} lies outside each trial's folder, so every trial would "
             "save in the one folder (the second refused as another run's); drop "
@@ -468,6 +470,8 @@ def lr_range(config, workdir: str, command: str | None = None, made: list[str] =
 
     c = range_test_config(config)
     saved = read_json(os.path.join(workdir, "config.json"))
+    if saved is not None and "stages" in saved:  # a stopped test resumes as it started
+        c.stages = saved["stages"]  # (before a curriculum's first stage, one of flat keys)
     diff = differences(saved, config_dict(c)) if saved is not None else []
     diff = [d for d in diff if d[0] not in RANGE_TEST_KEYS]
     if diff:
@@ -1056,10 +1060,15 @@ def _main(argv, stop) -> None:
             validate(range_test_config(config))
         else:
             validate(config)
-            check(config, "search")
-            from hybridpar.parallel.mesh import make_mesh
+            space = check(config, "search")
+            if all(p["key"] != "mesh" for p in space):  # the mesh every trial takes
+                from hybridpar.parallel import comm
+                from hybridpar.parallel.mesh import make_mesh
 
-            make_mesh(config.mesh)  # every trial's: one too large is refused before the study
+                # one too large is refused before the study is written; the devices start
+                # here, so the collective flags a trial's set-up sets go first, as there
+                comm.apply(config.comm)
+                make_mesh(config.mesh)
         from hybridpar.runtime.run import check_workdir, missing_dirs
 
         check_kind(args.mode, config, args.workdir)  # before anything is written there
