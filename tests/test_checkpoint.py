@@ -343,6 +343,16 @@ def test_another_config_on_the_workdir_and_an_unwritable_checkpoint_dir_are_erro
     assert run_config.differences(saved, new) == []
     new["max_nonfinite_steps"] = 3
     assert run_config.differences(saved, new) == [("max_nonfinite_steps", "<missing>", 3)]
+    # a key nothing reads in either config changes no run (a recipe reset dawnbench's
+    # global_batch under its stages and its reduced_copies on synthetic data, and its runs
+    # were refused as of another config; planted bug that fails it: moot keys compared)
+    staged = {"stages": "0.1:16-4,0.25:24-4"}
+    was = run_config.config_dict(tiny_digits(**staged, global_batch=1024,
+                                             **{"data.reduced_copies": "160"}))  # fmt: skip
+    assert run_config.resume_differences(was, run_config.config_dict(tiny_digits(**staged))) == []
+    flat = run_config.config_dict(tiny_digits(global_batch=64))
+    assert run_config.resume_differences(flat, run_config.config_dict(tiny_digits())) == [
+        ("global_batch", 64, 32)]  # fmt: skip
     run = setup(tiny_digits(seed=1), str(runs["full"]), with_data=False,
                         allow_config_change=True)  # fmt: skip
     assert run.finished is None  # the changed run is not finished: it would train on
@@ -621,6 +631,25 @@ def test_a_resume_on_a_mesh_resolved_otherwise_names_it_though_its_spec_is_the_s
             "numbers are not bitwise the old mesh's (float sums in another order))\n")  # fmt: skip
     assert said in out
     assert "trained again" not in out  # its last checkpoint is the one resumed
+
+
+def test_a_resume_whose_gradients_are_summed_in_another_dtype_names_it(
+    runs, tmp_path, capsys
+):
+    """comm.reduce_dtype=auto resolves by comm.mode and the mesh (free keys on resume): a
+    resume that sums the gradients in another dtype than the checkpoint's start did said
+    nothing. Compared as the mesh is, from the stage lines. Planted bug that fails it: no
+    comparison of the recorded reduce_dtype."""
+    n = runs["run"].plan.total_steps
+
+    def summed_in_bf16(w):  # as a start under comm.mode=bucketed with bfloat16 compute
+        lines = [json.dumps(dict(r, reduce_dtype="bfloat16") if r["event"] == "stage" else r)
+                 for r in records(w)]  # fmt: skip
+        (w / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+
+    out, resume = _resume_of_a_copy(runs, tmp_path, capsys, summed_in_bf16)
+    assert resume["from_step"] == n and resume["changed_keys"] == ["comm.reduce_dtype"]
+    assert "(config changed: gradients summed in bfloat16 -> float32 (comm.reduce_dtype))" in out
 
 
 def test_a_resume_from_an_older_checkpoint_than_the_records_says_what_is_trained_again(

@@ -643,14 +643,14 @@ def unused_settings(c) -> list[str]:
     saved before ``comm.bucket_mb``'s default became 4 hold 32 under ``xla``.
     ``comm.mode=auto`` may resolve to a bucketing mode (program/sync.py choose_mode), so
     only an explicit ``xla`` makes ``bucket_mb`` moot."""
-    default, out = base_config(), []
-    if c.comm.mode == "xla" and c.comm.bucket_mb != default.comm.bucket_mb:
+    default, out, moot = base_config(), [], moot_keys(c)
+    if "comm.bucket_mb" in moot and c.comm.bucket_mb != default.comm.bucket_mb:
         out.append(
             f"comm.bucket_mb={c.comm.bucket_mb!r} does nothing: comm.mode='xla' never buckets "
             "(XLA places and combines the gradients' all-reduces itself); drop "
             "--config.comm.bucket_mb, or use --config.comm.mode=bucketed or overlap"
         )
-    if c.stages and c.global_batch != default.global_batch:
+    if "global_batch" in moot and c.global_batch != default.global_batch:
         out.append(
             f"global_batch={c.global_batch!r} does nothing: config.stages ({c.stages!r}) sets "
             "each stage's batch per data-parallel device; drop --config.global_batch, or "
@@ -658,19 +658,36 @@ def unused_settings(c) -> list[str]:
         )
     for name, keys in DATA_KEYS_OF.items():
         for key in keys:
-            if c.data[key] and c.data.name != name:
+            if f"data.{key}" in moot and c.data[key]:
                 out.append(
                     f"data.{key}={c.data[key]!r} does nothing: it is read only with "
                     f"data.name={name!r}, and this run trains on data.name={c.data.name!r}; "
                     f"set --config.data.name={name} to train on it, or drop data.{key}"
                 )
     for key in ("loss_scale_initial", "loss_scale_period"):
-        if c.precision.compute != "float16" and c.precision[key] != default.precision[key]:
+        if f"precision.{key}" in moot and c.precision[key] != default.precision[key]:
             out.append(
                 f"precision.{key}={c.precision[key]!r} does nothing: only float16 compute "
                 f"scales its loss (precision.compute={c.precision.compute!r}); drop "
                 f"--config.precision.{key}, or set --config.precision.compute=float16"
             )
+    return out
+
+
+def moot_keys(c) -> set[str]:
+    """The keys nothing reads in ``c``, whatever their values: ``unused_settings`` says those
+    set to other than the default, and a resume lets them differ (a recipe that resets one,
+    as dawnbench its global_batch under its stages, changes no run)."""
+    out = set()
+    if c.comm.mode == "xla":
+        out.add("comm.bucket_mb")
+    if c.stages:
+        out.add("global_batch")
+    for name, keys in DATA_KEYS_OF.items():
+        if c.data.name != name:
+            out |= {f"data.{key}" for key in keys}
+    if c.precision.compute != "float16":
+        out |= {"precision.loss_scale_initial", "precision.loss_scale_period"}
     return out
 
 

@@ -447,9 +447,12 @@ class GradientSync(Protocol):
     and BatchNorm statistics of the global batch and the gradients of the (scaled) loss,
     from ``loss_fn_for(model, batch_stats, images, labels, scale) -> params -> (scaled
     loss, (loss, new batch_stats))``. ``steps.make_train_step`` applies the update.
-    ``make_sync`` sets ``choice``: the line the run's log gives (mode, and why)."""
+    ``make_sync`` sets ``choice``: the line the run's log gives (mode, and why), and
+    ``summed_in``: the dtype the gradients are summed in (``comm.reduce_dtype``, auto
+    resolved), which a resume compares."""
 
     choice: str
+    summed_in: str
 
     def gradients(self, model, state, images, labels, loss_fn_for) -> tuple: ...
 
@@ -528,4 +531,5 @@ def make_sync(config, mesh, shardings, data_parallel: int | None = None) -> Grad
     how = f", {c.bucket_mb:g} MiB buckets" if mode != "xla" else ""
     how += f" summed in {reduce_dtype}" if mode != "xla" or reduce_dtype != "float32" else ""
     sync.choice = f"gradient sync: {mode}{how} ({why})"
+    sync.summed_in = reduce_dtype
     return sync

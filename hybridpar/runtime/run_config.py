@@ -64,12 +64,28 @@ def key_names(keys) -> list[str]:
 
 def resume_differences(saved: dict, new: dict) -> list[tuple[str, object, object]]:
     """The ``differences`` a resume refuses without ``--allow-config-change``: all but the
-    placement keys, ``ARITHMETIC_KEYS`` among them kept."""
+    placement keys, ``ARITHMETIC_KEYS`` among them kept, and but the keys nothing reads in
+    either config (``schema.moot_keys``)."""
+    moot = _moot_keys(saved) & _moot_keys(new)
     return [
         d
         for d in differences(saved, new)
-        if not d[0].startswith(PLACEMENT_KEYS) or d[0].startswith(ARITHMETIC_KEYS)
+        if (not d[0].startswith(PLACEMENT_KEYS) or d[0].startswith(ARITHMETIC_KEYS))
+        and d[0] not in moot
     ]
+
+
+def _moot_keys(d: dict) -> set[str]:
+    """``schema.moot_keys`` of a saved config (none where one it needs is missing: a config
+    from before the key existed is compared key by key)."""
+    import ml_collections
+
+    from hybridpar.config.schema import moot_keys
+
+    try:
+        return moot_keys(ml_collections.ConfigDict(d))
+    except (AttributeError, KeyError):
+        return set()
 
 
 def config_dict(config) -> dict:

@@ -110,6 +110,9 @@ class Stage(Record):
     # the start's mesh as resolved on its devices ("data:8"; the trainer's mesh_text), which
     # a resume compares: the config's "data:-1" reads the same on any number of devices
     mesh: str | None = None
+    # the dtype the start's gradients were summed in (comm.reduce_dtype, auto resolved by
+    # the mode and mesh), which a resume compares as it does the mesh
+    reduce_dtype: str | None = None
 
 
 @dataclasses.dataclass(kw_only=True)

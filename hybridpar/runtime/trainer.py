@@ -183,30 +183,35 @@ def mesh_devices(text: str) -> int:
     return math.prod(int(part.partition(":")[2]) for part in text.split(","))
 
 
-def saved_mesh(recs, step: int) -> str | None:
-    """The resolved mesh of the start that saved the checkpoint at ``step``: that of its
-    ``stage`` line before the checkpoint's line. None where the records do not say (no
-    such line, or one from before stage lines named the mesh)."""
-    mesh = found = None
+def saved_start(recs, step: int, key: str) -> str | None:
+    """``key`` (``mesh``, ``reduce_dtype``) as resolved on the start that saved the
+    checkpoint at ``step``: its ``stage`` line's before the checkpoint's line. None where
+    the records do not say (no such line, or one from before stage lines named it)."""
+    value = found = None
     for r in recs:
         if r.event == "stage":
-            mesh = r.mesh if isinstance(r.mesh, str) else None
+            value = getattr(r, key) if isinstance(getattr(r, key), str) else None
         elif r.event == "checkpoint" and r.step == step:
-            found = mesh
+            found = value
     return found
 
 
-def changed_note(changed: list[str], was: str | None, now: str) -> str:
-    """The resume line's ``(config changed: ...)``: a mesh that resolves otherwise than the
-    checkpoint's (``was``) as old -> new, with the devices where their count changed."""
+def changed_note(changed: list[str], was: dict, now: dict) -> str:
+    """The resume line's ``(config changed: ...)``: a mesh or gradient-sum dtype that
+    resolves otherwise than on the checkpoint's start (``was``, ``now``: ``mesh``,
+    ``reduce_dtype``) as old -> new, the mesh with the devices where their count changed."""
     if not changed:
         return ""
     names, why = list(changed), ""
-    if "mesh" in names and was is not None and was != now:
-        before, after = mesh_devices(was), mesh_devices(now)
+    if "mesh" in names and was.get("mesh") not in (None, now["mesh"]):
+        before, after = mesh_devices(was["mesh"]), mesh_devices(now["mesh"])
         devices = f" on {before} -> {after} devices" if before != after else ""
-        names[names.index("mesh")] = f"mesh {was} -> {now}{devices}"
+        names[names.index("mesh")] = f"mesh {was['mesh']} -> {now['mesh']}{devices}"
         why = "; the numbers are not bitwise the old mesh's (float sums in another order)"
+    key = "comm.reduce_dtype"
+    if key in names and was.get("reduce_dtype") not in (None, now["reduce_dtype"]):
+        names[names.index(key)] = f"gradients summed in {was['reduce_dtype']} -> " + (
+            f"{now['reduce_dtype']} ({key})")  # fmt: skip
     return f" (config changed: {', '.join(names)}{why})"
 
 
@@ -832,10 +837,13 @@ def start(run: Run, hooks) -> Training:
     # changed_keys: against the checkpoint resumed from, not config.json (a file anyone may edit)
     held = None if resumed is None else (resumed, held_config)
     changed = run_config.record_config(run.workdir, c, held)
-    # the same mesh spec may resolve otherwise on other devices (data:-1 on 8, then on 1)
-    mesh_was = saved_mesh(recorded, resumed) if resumed is not None else None
-    if mesh_was not in (None, mesh_text(run.mesh.shape)) and "mesh" not in changed:
-        changed.append("mesh")
+    # the same mesh spec may resolve otherwise on other devices (data:-1 on 8, then on 1),
+    # and reduce_dtype=auto otherwise under another comm.mode (a free key)
+    now = {"mesh": mesh_text(run.mesh.shape), "reduce_dtype": program.sync.summed_in}
+    was = {k: saved_start(recorded, resumed, k) for k in now} if resumed is not None else {}
+    for key, name in (("mesh", "mesh"), ("reduce_dtype", "comm.reduce_dtype")):
+        if was.get(key) not in (None, now[key]) and name not in changed:
+            changed.append(name)
     if resumed is not None:  # the checkpoint read (an unreadable newer one was skipped)
         signals.note_resume(resumed, saver.directory)
     clock.add(loop.time_parts)  # the earlier segments', up to the checkpoint
@@ -863,7 +871,7 @@ def start(run: Run, hooks) -> Training:
                      train_files_changed=swapped or None)  # fmt: skip
     if resumed is not None:
         log(f"resumed from the checkpoint at step {resumed} in {saver.directory}"
-            + changed_note(changed, mesh_was, mesh_text(run.mesh.shape))
+            + changed_note(changed, was, now)
             + (f"; the {lost:.1f}s the last start ran after it count in the wall time"
                if lost >= 1 else "")
             + gone_note(recorded, resumed))  # fmt: skip
@@ -963,7 +971,8 @@ def run_stages(t: Training) -> str | None:
                            image_size=st.image_size, global_batch=st.global_batch,
                            min_scale=st.min_scale, steps=stage.num_steps,
                            data_parallel=plan.data_parallel,
-                           mesh=mesh_text(run.mesh.shape))  # fmt: skip
+                           mesh=mesh_text(run.mesh.shape),
+                           reduce_dtype=run.program.sync.summed_in)  # fmt: skip
             if len(plan.stages) > 1:  # the switch said where it happens, not only recorded
                 log(stage_line(stage, loop.step, plan.epoch_at(loop.step)))
             t.progress.restart(loop)
