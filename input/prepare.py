@@ -1240,7 +1240,7 @@ def prepare(
                 )
             why = old and (describe_change(old.get("fingerprint"), plan["fingerprint"]) or relabel)
             if why:
-                check_no_readers(out)  # before saying it is prepared again
+                check_no_readers(out, for_run)  # before saying it is prepared again
                 _note(f"split {name!r} in {out!r} is out of date: {why}; preparing it again")
                 _remove_split(out, name)  # no shard of the old copy may remain
                 plan = _plan(*args)
@@ -1249,7 +1249,7 @@ def prepare(
         # would change under a run reading them, as removed ones would.
         if any(os.path.exists(os.path.join(out, f)) for p in plans for t in p["tasks"]
                for f in t["files"].values()):  # fmt: skip
-            check_no_readers(out)
+            check_no_readers(out, for_run)
 
         pending = sum(len(p["tasks"]) for p in plans)
         if workers > 1 and pending > 1:  # spawn: workers must not inherit JAX/TF threads
@@ -1458,9 +1458,11 @@ def hold_readers(folder: str) -> _Readers:
     return _Readers(key)
 
 
-def check_no_readers(folder: str) -> None:
+def check_no_readers(folder: str, for_run: bool = False) -> None:
     """A ConfigError where another process holds ``hold_readers(folder)``: removing or
-    rewriting shards there would pull them from under a running training run."""
+    rewriting shards there would pull them from under a running training run (or another
+    tool reading the data: the evaluator). ``for_run``: a run prepares (its fix names the
+    config's keys, not --out)."""
     import fcntl
 
     key = os.path.realpath(folder)
@@ -1489,8 +1491,9 @@ def check_no_readers(folder: str) -> None:
                     busy = True
     if busy:
         raise ConfigError(
-            f"{folder} is being read by a running training run (its shards would be removed "
-            "under it); stop that run first, or prepare into another --out"
+            f"{folder} is being read by another process (a training run, or a tool reading "
+            "its data such as the evaluator; its shards would be removed under it); stop it "
+            f"first, or prepare into another folder ({_elsewhere(for_run)})"
         )
 
 

@@ -609,9 +609,12 @@ def test_a_folder_a_run_reads_is_not_prepared_again_under_it(tmp_path, capsys):
         with pytest.raises(ConfigError) as e:
             prepare([src], out, **kw)
         assert str(e.value) == (
-            f"{out} is being read by a running training run (its shards would be removed under "
-            "it); stop that run first, or prepare into another --out"
+            f"{out} is being read by another process (a training run, or a tool reading its "
+            "data such as the evaluator; its shards would be removed under it); stop it first, "
+            "or prepare into another folder (--out DIR)"
         )
+        with pytest.raises(ConfigError, match=r"another folder \(data.prepared_dir=DIR, or "):
+            prepare([src], out, **kw, for_run=True)  # a run's first use: the config's keys
         assert _mtimes(out) == before and "out of date" not in capsys.readouterr().err
     finally:
         reader.stdin.close()
