@@ -53,13 +53,13 @@ from hybridpar.parallel.mesh import (
     axis_names,
     batch_axes,
 )
-from hybridpar.parallel.partitioning import _is_box, _listed, _rebox, _unbox, path_str
+from hybridpar.parallel.partitioning import is_box, path_str, rebox_leaf, shortlist, unbox_leaf
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
 
 def _nbytes_and_dtype(x) -> tuple[int, np.dtype]:
-    x = _unbox(x)
+    x = unbox_leaf(x)
     return int(math.prod(np.shape(x))) * np.dtype(x.dtype).itemsize, np.dtype(x.dtype)
 
 
@@ -90,7 +90,7 @@ def forward_params(model, input_shape, **apply_kwargs):
         )
         seen.append(
             [
-                (p, jax.ShapeDtypeStruct(np.shape(_unbox(x)), _unbox(x).dtype))
+                (p, jax.ShapeDtypeStruct(np.shape(unbox_leaf(x)), unbox_leaf(x).dtype))
                 for p, x in _leaves_in_order(variables["params"])
             ]
         )
@@ -144,17 +144,17 @@ def _path_of(keypath) -> Path:
     return tuple(path_str(keypath).split("/"))
 
 
-def _by_path(tree) -> dict:
+def arrays_by_path(tree) -> dict:
     """``{path: array}`` for ``tree``'s arrays, with the paths ``bucket_plan`` gives: an NNX
     Variable or a Flax axis box is one leaf (its path has no ``value``), its array unboxed."""
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
-    return {_path_of(kp): _unbox(x) for kp, x in flat}
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]
+    return {_path_of(kp): unbox_leaf(x) for kp, x in flat}
 
 
-def _rebuilt(tree, arrays: Mapping):
+def rebuilt_tree(tree, arrays: Mapping):
     """``tree`` with each array replaced by ``arrays[its path]``, in the same boxes."""
     return jax.tree_util.tree_map_with_path(
-        lambda kp, x: _rebox(x, arrays[_path_of(kp)]), tree, is_leaf=_is_box
+        lambda kp, x: rebox_leaf(x, arrays[_path_of(kp)]), tree, is_leaf=is_box
     )
 
 
@@ -223,7 +223,7 @@ def check_not_summed(grads_by_path: Mapping, axes) -> None:
     if not set(split) <= _varying(to_varying(jnp.zeros((), jnp.float32), split)):
         return
     raise ConfigError(
-        f"gradients {_listed(['/'.join(map(str, p)) for p in summed], 3)} are not varying over "
+        f"gradients {shortlist(['/'.join(map(str, p)) for p in summed], 3)} are not varying over "
         f"{split}: the parameters were replicated (invariant) when jax.grad took them, so JAX "
         "has already summed these gradients over the devices, and reduce_in_buckets would sum "
         "them again; make the parameters varying before taking the gradient: "
@@ -231,7 +231,7 @@ def check_not_summed(grads_by_path: Mapping, axes) -> None:
     )
 
 
-def _zero_from(x):
+def zero_from(x):
     """A scalar 0 that XLA cannot fold away, computed from ``x``: min(|x[0]|, 0) is 0 for
     every finite or infinite value (a NaN stays NaN, and a NaN step is skipped or
     diverged anyway). Adding it changes no value, but orders one psum after another."""
@@ -259,13 +259,13 @@ def flat_pmean(leaves, axes, n, after=None, reduce_dtype=None, concat=True):
         return []
     if not concat:
         if after is not None:
-            leaves[0] = leaves[0] + _zero_from(after).astype(leaves[0].dtype)
+            leaves[0] = leaves[0] + zero_from(after).astype(leaves[0].dtype)
         summed = lax.psum([x.astype(reduce_dtype or x.dtype) for x in leaves], axes)
         return [(s.astype(x.dtype) / n).astype(x.dtype) for s, x in zip(summed, leaves)]
     dtype = jnp.result_type(*leaves)
     flat = jnp.concatenate([jnp.ravel(x).astype(dtype) for x in leaves])
     if after is not None:
-        flat = flat + _zero_from(after).astype(flat.dtype)
+        flat = flat + zero_from(after).astype(flat.dtype)
     flat = lax.psum(flat.astype(reduce_dtype or dtype), axes).astype(dtype) / n
     out, offset = [], 0
     for x in leaves:
@@ -297,7 +297,7 @@ def scatter_flat(leaves, dims, axes, after=None):
     k, dtype = axes_size(axes), jnp.result_type(*leaves)
     flat = jnp.concatenate([_as_rows(x, d, k).astype(dtype) for x, d in zip(leaves, dims)], 1)
     if after is not None:
-        flat = flat + _zero_from(after).astype(flat.dtype)
+        flat = flat + zero_from(after).astype(flat.dtype)
     return lax.psum_scatter(flat, axes, scatter_dimension=0, tiled=True)
 
 
@@ -336,7 +336,7 @@ def flat_gather(shards, dims, after=None, axes="fsdp"):
     dtype = jnp.result_type(*shards)
     flat = jnp.concatenate([_as_rows(x, d, 1).astype(dtype) for x, d in zip(shards, dims)], 1)
     if after is not None:
-        flat = flat + _zero_from(after).astype(flat.dtype)
+        flat = flat + zero_from(after).astype(flat.dtype)
     flat = lax.all_gather(flat, axes, axis=0, tiled=True)  # (k, total / k)
     out, offset = [], 0
     for x, d in zip(shards, dims):
@@ -355,7 +355,7 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
     """
     if any(d is not None for d in shard_dims.values()):
         check_bound("fsdp", "gather_in_buckets")
-    by_path = _by_path(params)
+    by_path = arrays_by_path(params)
     full = dict(by_path)
     for bucket in reversed(plan):
         paths = [p for p in reversed(bucket) if shard_dims.get(p) is not None]
@@ -364,7 +364,7 @@ def gather_in_buckets(params, plan, shard_dims: Mapping, after=None):
         dims = [shard_dims[p] for p in paths]
         out, after = flat_gather([by_path[p] for p in paths], dims, after)
         full.update(zip(paths, out))
-    return _rebuilt(params, full)
+    return rebuilt_tree(params, full)
 
 
 def reduce_bucket(leaves, dims, axes, n, after=None, reduce_dtype=None, concat=True):
@@ -414,7 +414,7 @@ def reduce_in_buckets(
     """
     axes = axis_names(axes)
     shard_dims = shard_dims or {}
-    by_path = _by_path(grads)
+    by_path = arrays_by_path(grads)
     check_plan_covers(plan, by_path, "gradients")
     check_bound(axes, "reduce_in_buckets")
     if n is None:
@@ -426,7 +426,7 @@ def reduce_in_buckets(
         out, after = reduce_bucket([by_path[p] for p in bucket], dims, axes, n, after,
                                    reduce_dtype)  # fmt: skip
         reduced.update(zip(bucket, out))
-    return _rebuilt(grads, reduced)
+    return rebuilt_tree(grads, reduced)
 
 
 def check_plan_covers(plan, paths, what: str) -> None:
@@ -441,7 +441,7 @@ def check_plan_covers(plan, paths, what: str) -> None:
         return
 
     def listed(ps):
-        return _listed(["/".join(map(str, p)) for p in ps], 3)
+        return shortlist(["/".join(map(str, p)) for p in ps], 3)
 
     problems = []
     if missing:

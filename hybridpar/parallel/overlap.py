@@ -38,16 +38,16 @@ from jax import lax
 
 from hybridpar.parallel.bucketed import (
     Path,
-    _by_path,
-    _rebuilt,
-    _zero_from,
+    arrays_by_path,
     check_bound,
     check_plan_covers,
     flat_gather,
+    rebuilt_tree,
     reduce_bucket,
     scatter_flat,
     to_varying,
     unscatter,
+    zero_from,
 )
 from hybridpar.parallel.mesh import axes_size, axis_names
 
@@ -74,7 +74,7 @@ def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, c
             full, flat = flat_gather(shards, [dims[i] for i in group], after=token)
             for i, x in zip(group, full):
                 out[i] = to_varying(x.astype(leaves[i].dtype), axes)
-            token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
+            token = token + zero_from(flat).astype(token.dtype)  # the next gather follows
         return out, token
 
     def fwd(leaves, token):
@@ -85,7 +85,7 @@ def _bucket_identity(axes: tuple[str, ...], n: int, reduce_dtype, dims: tuple, c
         out, last = reduce_bucket(list(ct_leaves), list(dims), axes, n, ct_token, reduce_dtype,
                                   concat)  # fmt: skip
         # The next bucket's reduction (earlier layers) follows this one: see the docstring.
-        return out, to_varying(_zero_from(last).astype(ct_token.dtype), axes)
+        return out, to_varying(zero_from(last).astype(ct_token.dtype), axes)
 
     identity.defvjp(fwd, bwd)
     return identity
@@ -121,7 +121,7 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int | None = Non
     layer casts its kernel to anyway: the same values in half the bytes.
     """
     shard_dims, axes = shard_dims or {}, axis_names(axes)
-    by_path = _by_path(params)
+    by_path = arrays_by_path(params)
     check_plan_covers(plan, by_path, "parameters")
     check_bound(axes, "reduce_in_backward")
     if n is None:
@@ -135,7 +135,7 @@ def reduce_in_backward(params, plan: list[list[Path]], axes, n: int | None = Non
         identity = _bucket_identity(axes, n, reduce_dtype, dims, concat, gather_dtype)
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
-    return _rebuilt(params, out)
+    return rebuilt_tree(params, out)
 
 
 # --- a step manual over every axis (a class-sharded head: the trunk data parallel over all) ---
@@ -168,7 +168,7 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
             xs = [leaves[i].astype(key[1] or leaves[i].dtype) for i in idx]
             for k, split_axes in enumerate(key[0]):  # the outer blocks first
                 xs, flat = flat_gather(xs, [splits[i][k][1] for i in idx], token, split_axes)
-                token = token + _zero_from(flat).astype(token.dtype)  # the next gather follows
+                token = token + zero_from(flat).astype(token.dtype)  # the next gather follows
             for i, x in zip(idx, xs):
                 out[i] = x.astype(leaves[i].dtype)
         return [to_varying(x, axes) for x in out], token
@@ -191,7 +191,7 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
                 dims = [splits[i][k][1] for i in idx]
                 after = scatter_flat(gs, dims, split_axes[k], after)
                 gs = unscatter(after, gs, dims, split_axes[k])
-            flat = jnp.concatenate([jnp.ravel(g) for g in gs]) + _zero_from(after).astype(
+            flat = jnp.concatenate([jnp.ravel(g) for g in gs]) + zero_from(after).astype(
                 gs[0].dtype
             )
             if rest:
@@ -201,7 +201,7 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
                 out[i] = flat[offset : offset + g.size].reshape(g.shape).astype(ct_leaves[i].dtype)
                 offset += g.size
             after = flat
-        return out, to_varying(_zero_from(after).astype(jnp.float32), axes)
+        return out, to_varying(zero_from(after).astype(jnp.float32), axes)
 
     identity.defvjp(fwd, bwd)
     return identity
@@ -219,7 +219,7 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
     device owns its classes); they are not gathered. Every gradient is divided by ``n``.
     """
     splits, sums = splits or {}, sums or {}
-    by_path = _by_path(params)
+    by_path = arrays_by_path(params)
     check_plan_covers(plan, by_path, "parameters")
     axes = axis_names(axes)
     check_bound(axes, "reduce_in_backward_manual")
@@ -234,7 +234,7 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
         )  # fmt: skip
         leaves, token = identity([by_path[p] for p in bucket], token)
         out.update(zip(bucket, leaves))
-    return _rebuilt(params, out)
+    return rebuilt_tree(params, out)
 
 
 __all__ = ["reduce_in_backward", "reduce_in_backward_manual"]

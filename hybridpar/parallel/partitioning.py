@@ -186,20 +186,20 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
-def _is_box(x) -> bool:
+def is_box(x) -> bool:
     """Leaves that wrap an array: linen's axis boxes and NNX Variables (whose pytree path
     would otherwise end in ``/value`` and miss rules such as ``kernel$``)."""
     return isinstance(x, (meta.AxisMetadata, nnx.Variable))
 
 
-def _unbox(x):
+def unbox_leaf(x):
     if isinstance(x, nnx.Variable):
         return x.get_value()
     return x.unbox() if isinstance(x, meta.AxisMetadata) else x
 
 
-def _rebox(x, value):
-    """``value`` in ``x``'s box (the inverse of ``_unbox``), as it was if ``x`` was none."""
+def rebox_leaf(x, value):
+    """``value`` in ``x``'s box (the inverse of ``unbox_leaf``), as it was if ``x`` was none."""
     if isinstance(x, nnx.Variable):
         return x.replace(value)
     return x.replace_boxed(value) if isinstance(x, meta.AxisMetadata) else value
@@ -387,7 +387,7 @@ def _splits_both_channels(spec: tuple, mesh: Mesh) -> bool:
     return len(spec) == 4 and split(spec[2]) and split(spec[3])
 
 
-def _listed(names: list, n: int = 4) -> str:
+def shortlist(names: list, n: int = 4) -> str:
     shown = ", ".join(repr(x) for x in names[:n])
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
@@ -400,7 +400,7 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
         rules = Rules(path=rules)
     check_rule_patterns(rules.path)
     paths, carried = [], set()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
         paths.append(path_str(path))
         if isinstance(leaf, LogicallyPartitioned):
             carried.update(a for e in leaf.names for a in axis_names(e))
@@ -417,7 +417,7 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
                 continue  # named once, as the rule that matches nothing
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0)
             problems.append(
-                f"path rule {pattern!r} matches no array (closest paths: {_listed(close)}; paths "
+                f"path rule {pattern!r} matches no array (closest paths: {shortlist(close)}; paths "
                 "look like 'params/Dense_0/kernel', see hybridpar.parallel.partitioning.path_str "
                 "and sharding_table)"
             )
@@ -429,15 +429,15 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
         elif all(first[p] != pattern for p in matched):
             earlier = list(dict.fromkeys(first[p] for p in matched))
             problems.append(
-                f"path rule {pattern!r} matches {_listed(matched, 3)} but places none of them: "
-                f"the earlier rule(s) {_listed(earlier, 3)} match them first (the first match "
+                f"path rule {pattern!r} matches {shortlist(matched, 3)} but places none of them: "
+                f"the earlier rule(s) {shortlist(earlier, 3)} match them first (the first match "
                 "wins); put it before them, or drop it"
             )
     names = list(dict.fromkeys(name for name, _ in rules.logical if name not in carried))
     if names:
         problems.append(
-            f"logical name(s) {_listed(names)} on no array (the arrays carry "
-            f"{_listed(sorted(carried), 8) or 'none'}; logical names come from "
+            f"logical name(s) {shortlist(names)} on no array (the arrays carry "
+            f"{shortlist(sorted(carried), 8) or 'none'}; logical names come from "
             "nn.with_logical_partitioning or nnx.with_partitioning)"
         )
     return "; ".join(problems)
@@ -477,7 +477,7 @@ def infer_shardings(
 
     def one(path, leaf):
         p = path_str(path)
-        shape = np.shape(_unbox(leaf))
+        shape = np.shape(unbox_leaf(leaf))
         if rules.fsdp_min_size is not None and shape and math.prod(shape) >= rules.fsdp_min_size:
             big.append(p)  # an array the FSDP pass is for
         if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
@@ -487,17 +487,17 @@ def infer_shardings(
         if _splits_both_channels(spec, mesh):
             both_channels.append(p)
         if _left_whole_by_fsdp(spec, shape, mesh, rules):
-            whole.append((p, math.prod(shape) * _dtype(_unbox(leaf)).itemsize))
+            whole.append((p, math.prod(shape) * _dtype(unbox_leaf(leaf)).itemsize))
         return NamedSharding(mesh, P(*spec))
 
-    shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+    shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_box)
     if moot_fsdp == "warn" and mesh.shape.get("fsdp", 1) == 1 and big:
         # Not an error: the run is still correct, as with DATA_PARALLEL.
         axis = "has one device" if "fsdp" in mesh.shape else "is missing"
         axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
         arrays = "1 array" if len(big) == 1 else f"{len(big)} arrays"
         warnings.warn(
-            f"{_listed(big)}: {arrays} of at least fsdp_min_size={rules.fsdp_min_size} "
+            f"{shortlist(big)}: {arrays} of at least fsdp_min_size={rules.fsdp_min_size} "
             "elements stay whole on every device, as the FSDP pass (hybridpar.FSDP's) splits "
             f"over the fsdp axis, which {axis} on mesh {axes}. Use a mesh with an fsdp axis, "
             "e.g. make_mesh('data:2,fsdp:4'), or fsdp_min_size=None (as "
@@ -508,7 +508,7 @@ def infer_shardings(
     if both_channels:
         # We cannot see a kernel's strides, so this is a warning, not an error.
         warnings.warn(
-            f"{_listed(both_channels)}: a 4-D kernel split on both its input-channel and its "
+            f"{shortlist(both_channels)}: a 4-D kernel split on both its input-channel and its "
             "output-channel dimension; XLA's SPMD partitioner computes a wrong input gradient "
             "for a strided convolution with such a kernel (tests/test_parity.py pins the bug). "
             "Put the second axis on the output-channel dimension instead, e.g. "
@@ -522,7 +522,7 @@ def infer_shardings(
         size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
         arrays = "1 array" if len(whole) == 1 else f"{len(whole)} arrays"
         warnings.warn(
-            f"{_listed([p for p, _ in whole])}: {arrays} of at least "
+            f"{shortlist([p for p, _ in whole])}: {arrays} of at least "
             f"fsdp_min_size={rules.fsdp_min_size} elements ({size}) stay whole on "
             f"every device of the fsdp axis, as fsdp={n} divides none of their dimensions "
             "(for an array the rules split, its split dimension must divide by its axes times "
@@ -587,8 +587,8 @@ def shard_batch(batch, mesh: Mesh, *, check_hosts: bool = False):
         # A global leaf has the global length, a host-local one this host's: never equal.
         raise ConfigError(
             "batch mixes global jax.Arrays (leaves "
-            f"{_listed([n for n, g in is_global.items() if g])}) with host-local arrays "
-            f"({_listed([n for n, g in is_global.items() if not g])}); pass all leaves the "
+            f"{shortlist([n for n, g in is_global.items() if g])}) with host-local arrays "
+            f"({shortlist([n for n, g in is_global.items() if not g])}); pass all leaves the "
             "same way: all host-local (numpy), or all global arrays from shard_batch"
         )
     lengths = {}
@@ -722,9 +722,9 @@ def sharding_table(shardings, tree, max_rows: int = 24) -> str:
     """
     rows: dict[tuple[str, str], list] = {}
     flat_s = jax.tree_util.tree_flatten_with_path(shardings)[0]
-    flat_t = jax.tree_util.tree_leaves(tree, is_leaf=_is_box)
+    flat_t = jax.tree_util.tree_leaves(tree, is_leaf=is_box)
     for (path, s), leaf in zip(flat_s, flat_t):
-        leaf = _unbox(leaf)
+        leaf = unbox_leaf(leaf)
         # A parameter and its optimizer buffers (same name under opt_state) share a row.
         group = re.sub(r"_block\d+", "_block*", path_str(path))
         group = re.sub(
