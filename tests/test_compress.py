@@ -693,6 +693,12 @@ def test_each_seed_has_its_own_loop_and_distils_with_that_seed(tmp_path, monkeyp
     (pruned / "config.json").write_text((w / "config.json").read_text())
     assert compress.round_config(teacher, str(w), str(pruned), 1.0, 7).seed == 7
     assert compress.round_config(teacher, str(w), str(pruned), 1.0).seed == teacher.seed
+    # a teacher's checkpoint.dir outside its workdir is its own: each round's run keeps its
+    # checkpoints in its workdir, not in the teacher's (planted bug that fails it: kept)
+    teacher.checkpoint.dir = str(tmp_path / "ck")
+    assert compress.round_config(teacher, str(w), str(pruned), 1.0).checkpoint.dir == ""
+    teacher.checkpoint.dir = "ck"  # inside each round's workdir: kept
+    assert compress.round_config(teacher, str(w), str(pruned), 1.0).checkpoint.dir == "ck"
 
 
 @pytest.mark.parametrize("init", ["pruned", "scratch"])
