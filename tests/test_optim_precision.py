@@ -503,7 +503,7 @@ def _flushed(pending, capsys):
         def write(self, event, step, epoch, **values):
             records.append(values)
 
-    plan = SimpleNamespace(total_steps=10, epoch_at=lambda step: step / 10)
+    plan = SimpleNamespace(total_steps=10, epoch_at=lambda step: step / 10, stages=[None])
     progress = Progress(SimpleNamespace(config=base_config(), plan=plan), Writer())
     progress.pending, progress.t0 = pending, time.time() - 1.0
     stage = SimpleNamespace(index=0, stage=SimpleNamespace(global_batch=32, image_size=16))

@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 from PIL import Image
 
-from hybridpar.config.errors import ConfigError
+from hybridpar.config.errors import ConfigError, DataError
 from hybridpar.input import records
 from hybridpar.input import transforms as T
 from hybridpar.input.pipeline import ImagePipeline
@@ -191,7 +191,7 @@ def test_image_size_chooses_copy(prepared, tmp_path):
     pipe = ImagePipeline(root, "train", process_index=0, process_count=1)
     assert len(_epoch(pipe, image_size=32)) == N // 16
     assert len(list(pipe.eval_batches(image_size=48, global_batch=16))) == -(-N // 16)
-    with pytest.raises(tf.errors.NotFoundError):
+    with pytest.raises(DataError, match="train-full-00000-of-.* is gone: the prepared copy"):
         next(pipe.train_batches(0, image_size=64, global_batch=16))
 
 

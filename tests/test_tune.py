@@ -467,13 +467,17 @@ def test_a_stopped_range_test_says_so_writes_nothing_and_resumes(
                                            "--config.stages=1:32-64"], capsys)  # fmt: skip
     lines = out.splitlines()
     assert code == 0 and sent, (code, out, err)
-    assert [x for x in lines if x.startswith("warning:")] == [
+    warned = [x for x in lines if x.startswith("warning:")]
+    assert warned[:2] == [
         "warning: --config.num_epochs=7 is not used: tune lr sets num_epochs=0.25 (from "
         "tune.lr_epochs)",
-        "warning: --config.stages=1:32-64 is not used: tune lr sets stages='' (one stage)",
+        "warning: --config.stages=1:32-64 is not used: tune lr sets stages='0.25:32-64' (one "
+        "stage: the first of config.stages, its size and batch, over tune.lr_epochs)",
     ], out
+    # the trainer's own: the first stage sets the batch (64 a device)
+    assert len(warned) == 3 and warned[2].startswith("warning: global_batch=32 does nothing")
     stopped = lines.index(
-        "LR range test stopped (SIGINT) at step 3/11 with a checkpoint, "
+        "LR range test stopped (SIGINT) at step 3/6 with a checkpoint, "
         "before it could suggest an LR; resume it with the same command:"
     )
     assert lines[stopped + 1].endswith(

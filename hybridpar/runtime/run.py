@@ -41,7 +41,14 @@ from hybridpar.program.program import (
     memory_of,
     nominal_steps,
 )
-from hybridpar.runtime import checkpoint, executables, run_config, signals, workdir_lock
+from hybridpar.runtime import (
+    checkpoint,
+    checkpoint_dirs,
+    executables,
+    run_config,
+    signals,
+    workdir_lock,
+)
 from hybridpar.runtime.distill import make_teacher
 from hybridpar.runtime.metrics import MetricsWriter
 
@@ -136,8 +143,11 @@ def _setup(
             run_config.check_not_tune(workdir, tune_folder)  # tune's: no run of ours in it
             # moved checkpoints first: without them check_run would compare with config.json
             checkpoint.check_not_moved(workdir, ckpt)
-        if not os.path.isfile(workdir):  # (a file: check_workdir says so)
-            # a workdir not made yet too: checkpoint.dir may hold a run (its config compared)
+        # a workdir not made yet too, where checkpoint.dir lies outside it and may hold a
+        # run (its config compared); a file, or a path through one: check_workdir says so
+        if os.path.isdir(workdir) or (
+            not os.path.lexists(workdir) and checkpoint_dirs.outside(ckpt, workdir)
+        ):
             checkpoint.check_owner(workdir, ckpt)  # first: another run's, whatever its config
             finished = run_config.check_run(workdir, config, allow_config_change)
         check_workdir(workdir)

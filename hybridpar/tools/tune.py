@@ -341,7 +341,7 @@ RANGE_TEST_KEYS = {
     "optim.warmup_epochs": "no warmup before the rise",
     "optim.momentum_start": "a constant momentum",
     "num_epochs": "from tune.lr_epochs",
-    "stages": "one stage: the first's image size and batch, where config.stages has several",
+    "stages": "one stage: the first of config.stages, its size and batch, over tune.lr_epochs",
     "log_every_s": "a train line after every step",
     "eval_every_epochs": "no evaluation until the last step",
     "stop_at_target": "the test runs until the loss diverges",
