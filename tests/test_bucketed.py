@@ -208,9 +208,8 @@ def test_a_plan_that_does_not_cover_the_tree_names_the_paths(reduce):
         reduce(tree, plan, ("data",), 1)
 
 
-def _mlp_grads(axes, varying=True, check_vma=True):
-    """The docs' snippet (docs/communication.md) on data:8 with a user's own MLP: the
-    bucketed mean of the per-device gradients, and the same gradient on one device."""
+def _mlp_problem():
+    """A user's own MLP on data:8: ``(model, mesh, x, y, params, loss_fn)``."""
     model, mesh = _NoTrainMLP(), make_mesh("data:8")
     rs = np.random.RandomState(0)
     x, y = rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16)
@@ -219,6 +218,14 @@ def _mlp_grads(axes, varying=True, check_vma=True):
     def loss_fn(params, x, y):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return model, mesh, x, y, params, loss_fn
+
+
+def _mlp_grads(axes, varying=True, check_vma=True):
+    """The docs' snippet (docs/communication.md) on data:8 with a user's own MLP: the
+    bucketed mean of the per-device gradients, and the same gradient on one device."""
+    model, mesh, x, y, params, loss_fn = _mlp_problem()
 
     plan = bucket_plan(forward_params(model, (1, 3)), 1e-4)  # several buckets
 
@@ -273,14 +280,7 @@ def test_the_docs_own_code_snippets_run_as_written_and_equal_one_device(capsys):
         start = text.index("```python\n", at) + 10
         at = text.index("```\n", start)
         snippets.append(text[start:at])
-    model, mesh = _NoTrainMLP(), make_mesh("data:8")
-    rs = np.random.RandomState(0)
-    x, y = rs.randn(16, 3).astype(np.float32), rs.randint(0, 2, 16)
-    params = model.init(jax.random.key(0), x[:1])["params"]
-
-    def loss_fn(params, x, y):
-        logits = model.apply({"params": params}, x)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    model, mesh, x, y, params, loss_fn = _mlp_problem()
 
     ns = dict(jax=jax, P=P, mesh=mesh, model=model, params=params, x=x, y=y, loss_fn=loss_fn)
     for snippet in snippets:
