@@ -162,24 +162,18 @@ def default_prepared_dir(sources: list[str]) -> str:
     return os.path.join(cache_root(), f"{names}-{key}")
 
 
-def check_cache_writable(d, folder: str) -> None:
-    """Where the prepared data goes to the default cache (no data.prepared_dir), a ``folder``
-    that cannot be written is an error naming where its path came from (HYBRIDPAR_CACHE),
-    not prepare's ``--out``, which the run was not given. Makes the folder and its lock
-    file, as ``prepare.FolderLock``, which takes it next, does."""
+def cache_fix(d) -> str:
+    """For ``prepare.FolderLock``'s error where the prepared data goes to the default cache
+    (no data.prepared_dir): where its path came from (HYBRIDPAR_CACHE), not prepare's
+    ``--out``, which the run was not given ('' with a data.prepared_dir: --out's words)."""
     if d.prepared_dir:
-        return
-    try:
-        os.makedirs(folder, exist_ok=True)
-        open(os.path.join(folder, ".prepare.lock"), "a").close()
-    except OSError as e:
-        env = os.environ.get("HYBRIDPAR_CACHE")
-        came = f"HYBRIDPAR_CACHE={env!r}" if env else "the default (HYBRIDPAR_CACHE unset)"
-        raise DataError(
-            f"cannot write {e.filename or folder} ({e.strerror}): the prepared data goes to "
-            f"the cache in {cache_root()}, from {came}; point HYBRIDPAR_CACHE (or "
-            "--config.data.prepared_dir) at a folder you can write"
-        ) from None
+        return ""
+    env = os.environ.get("HYBRIDPAR_CACHE")
+    came = f"HYBRIDPAR_CACHE={env!r}" if env else "the default (HYBRIDPAR_CACHE unset)"
+    return (
+        f"the prepared data goes to the cache in {cache_root()}, from {came}; point "
+        "HYBRIDPAR_CACHE (or --config.data.prepared_dir) at a folder you can write"
+    )
 
 
 def data_paths(d) -> tuple[list[str], str]:
@@ -379,9 +373,8 @@ def ensure_prepared(d, hold: bool = False) -> str:
         # prepares, the others wait and then find it prepared (the check is under the lock
         # too), instead of all writing the same shards.
         new = not os.path.exists(prepared)
-        check_cache_writable(d, prepared)
         try:
-            with prep.FolderLock(prepared):
+            with prep.FolderLock(prepared, cache_fix(d)):
                 _check_prepared(d, prepared, sources, wanted)
                 if hold:
                     READING.append(prep.hold_readers(prepared))

@@ -567,7 +567,7 @@ def _images(c, size: int, mesh):
     PREPARED_DIR/on_device when it matches the sources as they are now, else decoded."""
     from hybridpar.input import prepare as prep
     from hybridpar.input.datasets import (
-        check_cache_writable,
+        cache_fix,
         classes_line,
         data_paths,
         files_digest,
@@ -588,8 +588,7 @@ def _images(c, size: int, mesh):
     parent = os.path.dirname(folder)
     new, new_parent = not os.path.exists(folder), not os.path.exists(parent)
     try:
-        check_cache_writable(d, folder)
-        with prep.FolderLock(folder):
+        with prep.FolderLock(folder, cache_fix(d)):
             staging: list = []
             try:
                 out = _load_or_decode(c, size, mesh, sources, folder, splits, staging)

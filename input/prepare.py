@@ -1365,7 +1365,9 @@ class FolderLock:
 
     _held = threading.local()  # the folders this thread holds
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, unwritable: str = ""):
+        """``unwritable``: where the folder's path came from and how to point it elsewhere,
+        for the error where it cannot be written (default: prepare's --out)."""
         import fcntl
 
         self.key, self.file = os.path.realpath(out), None
@@ -1377,10 +1379,11 @@ class FolderLock:
             os.makedirs(out, exist_ok=True)
             self.file = open(path, "a")
         except OSError as e:
-            raise DataError(
-                f"cannot write {path} ({e.strerror}): the prepared data goes beside it; point "
-                "--out (data.prepared_dir) at a folder you can write"
-            ) from None
+            fix = unwritable or (
+                "the prepared data goes beside it; point --out (data.prepared_dir) at a folder "
+                "you can write"
+            )
+            raise DataError(f"cannot write {e.filename or path} ({e.strerror}): {fix}") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -765,7 +765,7 @@ def test_the_cache_from_hybridpar_cache_is_absolute_with_its_tilde_expanded(
 def test_a_cache_that_cannot_be_written_names_hybridpar_cache(tmp_path, monkeypatch, on_device):
     """The default cache's folder unwritable (here a file stands where it goes): the error
     named only prepare's --out (data.prepared_dir), where the path came from HYBRIDPAR_CACHE.
-    Planted bug that fails it: ``check_cache_writable`` not called."""
+    Planted bug that fails it: FolderLock without ``cache_fix``."""
     src = _tree(tmp_path / "src", {"train/ant/1.jpg": _jpeg(), "val/ant/1.jpg": _jpeg()})
     (tmp_path / "cache").write_text("a file")
     monkeypatch.setenv("HYBRIDPAR_CACHE", str(tmp_path / "cache"))
