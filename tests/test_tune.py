@@ -471,7 +471,7 @@ def test_a_stopped_range_test_says_so_writes_nothing_and_resumes(
     assert warned[:2] == [
         "warning: --config.num_epochs=7 is not used: tune lr sets num_epochs=0.25 (from "
         "tune.lr_epochs)",
-        "warning: --config.stages=1:32-64 is not used: tune lr sets stages='0.25:32-64' (one "
+        "warning: --config.stages=1:32-64 is used in part: tune lr sets stages='0.25:32-64' (one "
         "stage: the first of config.stages, its size and batch, over tune.lr_epochs)",
     ], out
     # the trainer's own: the first stage sets the batch (64 a device)

@@ -1001,7 +1001,9 @@ def unused_overrides(mode: str, config, overrides, budget=None) -> list[str]:
     lines = []
     for key, raw in dict(overrides).items():  # the last of a key given twice is the one set
         if key in why and config_value(used, key) != config_value(config, key):
-            lines.append(f"warning: --config.{key}={raw} is not used: {where} "
+            # the range test trains a curriculum's first stage: that much of it is used
+            said = "is used in part" if mode == "lr" and key == "stages" and raw else "is not used"
+            lines.append(f"warning: --config.{key}={raw} {said}: {where} "
                          f"{key}={config_value(used, key)!r} ({why[key]})")  # fmt: skip
     return lines
 
