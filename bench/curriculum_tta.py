@@ -127,6 +127,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from hybridpar.config.curriculum import parse_stages  # JAX-free, as this parent process stays
 from hybridpar.runtime import checkpoint_dirs, run_records, workdir_lock
@@ -217,8 +218,11 @@ def on_disk(workdir: Path) -> set[int]:
     """The committed checkpoint steps of the run in ``workdir`` (none where its records were
     moved without them)."""
     saved = run_records.read_json(str(workdir / "config.json")) or {}
-    where = os.path.expanduser((saved.get("checkpoint") or {}).get("dir") or "checkpoints")
-    return set(checkpoint_dirs.committed_steps(str(workdir / where)))
+    config = SimpleNamespace(
+        checkpoint=SimpleNamespace(dir=(saved.get("checkpoint") or {}).get("dir"))
+    )
+    where = checkpoint_dirs.checkpoint_dir(config, str(workdir))  # the trainer's own rule
+    return set(checkpoint_dirs.committed_steps(where))
 
 
 def evaluate_earlier(d: Path, names, halves, targets: list[float]) -> bool:

@@ -358,7 +358,10 @@ def main(fn: Callable[[], object], stopped: str | Callable[[], str] = "") -> Non
 # ---- Signals and the terminal (every command's; runtime/signals.py and prepare use them) ----
 
 
-def taken(signals=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP)) -> tuple:
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # the stops every command handles
+
+
+def taken(signals=SIGNALS) -> tuple:
     """Of ``signals``, those a handler here takes: all but a SIGHUP that is ignored (started
     under ``nohup``, which says to go on when the terminal goes)."""
     return tuple(s for s in signals

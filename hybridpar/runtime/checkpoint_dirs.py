@@ -48,3 +48,10 @@ def owner_of(directory: str) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return owner if isinstance(owner, str) and owner else None
+
+
+def escapes(config) -> bool:
+    """Whether ``config``'s checkpoint.dir lies outside any workdir (absolute, or up out of
+    it): the tools that run the trainer in folders of their own (tune's trials, compress's
+    rounds) would all save there."""
+    return outside(checkpoint_dir(config, "w"), "w")

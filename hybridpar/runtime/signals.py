@@ -30,9 +30,8 @@ import sys
 import threading
 from typing import Callable
 
-from hybridpar.config.cli import leave_hung_up_terminal, taken
+from hybridpar.config.cli import SIGNALS, leave_hung_up_terminal, taken
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 STOPPED_EARLY = "stopped before the first step: nothing to save; the same command starts the run"
 # the same, where the run has a checkpoint (a resumed run's set-up): the command resumes there
 STOPPED_EARLY_RESUMED = (

@@ -226,7 +226,7 @@ def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | N
     stretched to ``epochs`` (a model trained from the start needs its recipe). ``alpha``
     (None: the teacher config's ``distill.alpha``): the teacher's share of the loss."""
     from hybridpar.config.curriculum import stretch_stages
-    from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, outside
+    from hybridpar.runtime import checkpoint_dirs
 
     c = config.copy_and_resolve_references()
     p = trained.load_config(pruned)
@@ -248,7 +248,7 @@ def round_config(config, workdir: str, pruned: str, epochs: float, seed: int | N
         c.optim.warmup_epochs = min(c.optim.warmup_epochs, epochs / 4)
         c.target_top1 = c.target_top5 = -1.0
         c.stop_at_target = False
-        if outside(checkpoint_dir(c, "round"), "round"):  # the teacher's own folder: each
+        if checkpoint_dirs.escapes(c):  # the teacher's own folder: each
             c.checkpoint.dir = ""  # round's run keeps its checkpoints in its workdir
     return c
 

@@ -222,10 +222,10 @@ def check(config, mode: str) -> list[dict] | None:
             "its own); search on one host without it, then train the best overrides "
             "multi-host with python -m hybridpar.train ... --config.distributed=True"
         )
-    from hybridpar.runtime.checkpoint_dirs import checkpoint_dir, outside
+    from hybridpar.runtime.checkpoint_dirs import escapes
 
     ckpt = config.checkpoint.dir
-    if ckpt and outside(checkpoint_dir(config, "trial"), "trial"):  # any trial's folder
+    if escapes(config):
         raise ConfigError(  # each trial's run is in its own folder: one outside, all would share
             f"checkpoint.dir={ckpt!r} lies outside each trial's folder, so every trial would "
             "save in the one folder (the second refused as another run's); drop "
