@@ -1109,9 +1109,8 @@ def _written_by_prepare(split: str, rel: str) -> bool:
 
 def _remove_split(out: str, split: str) -> None:
     """Removes the shards and sidecars of a prepared split, and its folders where that
-    leaves them empty: never a file prepare did not write (a user's, or a source's), nor
-    while a training run reads the folder."""
-    check_no_readers(out)
+    leaves them empty: never a file prepare did not write (a user's, or a source's). Its
+    caller has checked that no run reads the folder (``check_no_readers``)."""
     root = os.path.join(out, split)
     for top, dirs, names in os.walk(root, topdown=False):
         for name in names:
@@ -1427,12 +1426,6 @@ class _Readers:
             if held[1] == 0:
                 del self._held[key]
                 held[0].close()  # unlocks
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
 
 
 def hold_readers(folder: str) -> _Readers:

@@ -506,6 +506,13 @@ def test_compile_rows_carry_the_same_schedule_figures_as_comm_report():
         assert {k: row.get(k, "missing") for k in figures} == figures, spec
         if figures["bytes_hidden_est"] is not None:
             assert sum(e["bytes_hidden"] for e in row["overlap"]) == row["bytes_hidden_est"]
+    # and the figure itself, by hand (the test above): v5e's compute hides a few ns of each
+    v5e = targets.parse("tpu:v5e-8")
+    row = program_row("train", 8, 32, rec, SCHEDULED_HLO, cost, v5e)
+    flops = 1_179_648 + 1_245_184  # what the compute between each start and done counts
+    assert row["seconds_hidden_est"] == pytest.approx(flops / v5e.chip.peak_bf16_flops)
+    assert program_row("train", 8, 32, rec, SCHEDULED_HLO, cost,
+                       targets.parse("tpu:v4-8,slices=2"))["seconds_hidden_est"] is None  # fmt: skip
 
 
 def test_the_schedule_line_says_overlapped_exposed_and_hidden_as_compile_does():

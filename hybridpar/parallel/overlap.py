@@ -207,7 +207,7 @@ def _manual_bucket_identity(axes, n, reduce_dtype, splits, sums, gather_dtype):
     return identity
 
 
-def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None,
+def reduce_in_backward_manual(params, plan, axes, n: int | None = None, splits=None, sums=None,
                               reduce_dtype=None, gather_dtype=None):  # fmt: skip
     """``reduce_in_backward`` for a step manual over every mesh axis in ``axes`` (the trunk
     data parallel over all devices, as under a class-sharded head). ``splits``:
@@ -216,13 +216,16 @@ def reduce_in_backward_manual(params, plan, axes, n: int, splits=None, sums=None
     in the forward pass, their gradients reduce-scattered back to the block. ``sums``:
     ``{path: axes}`` for parameters whose gradient sums over other axes than all of
     ``axes`` (a sharded head's kernel: over the axes it is replicated on; none where every
-    device owns its classes); they are not gathered. Every gradient is divided by ``n``.
+    device owns its classes); they are not gathered. Every gradient is divided by ``n``
+    (default: the devices over ``axes``).
     """
     splits, sums = splits or {}, sums or {}
     by_path = arrays_by_path(params)
     check_plan_covers(plan, by_path, "parameters")
     axes = axis_names(axes)
     check_bound(axes, "reduce_in_backward_manual")
+    if n is None:  # the mean over the axes, as reduce_in_backward's
+        n = axes_size(axes)
     out = dict(by_path)
     token = to_varying(jnp.zeros((), jnp.float32), axes)
     for bucket in reversed(plan):
