@@ -37,6 +37,7 @@ import zlib
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError, DataError
+from hybridpar.config.formatting import byte_size
 from hybridpar.input.records import (
     FORMAT,
     MANIFEST,
@@ -88,13 +89,9 @@ def _no_space(e: BaseException) -> bool:
     return "No space left on device" in str(e) or "Disk quota exceeded" in str(e)
 
 
-def _size(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
-
-
 def _free(folder: str) -> str:
     try:
-        return _size(shutil.disk_usage(folder).free)
+        return byte_size(shutil.disk_usage(folder).free)
     except OSError:
         return "unknown"
 
@@ -232,7 +229,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list, for_run=Fa
             os.remove(data_file)  # before the free space is measured
             raise DataError(
                 f"no space left on device in {staging_dir!r} for the uncompressed copy of "
-                f"{path!r} that preparing reads ({_size(written)} written when it filled, "
+                f"{path!r} that preparing reads ({byte_size(written)} written when it filled, "
                 f"{_free(staging_dir)} free); free space there, prepare into another folder "
                 f"({_elsewhere(for_run)}), or extract the tar and pass the folder"
             ) from None
@@ -1290,7 +1287,7 @@ def prepare(
                 pool.terminate()
                 pool.join()
             n, need = _left(plans)
-            need = f"the {n:,} image(s) left need about {_size(need)} more, " if n else ""
+            need = f"the {n:,} image(s) left need about {byte_size(need)} more, " if n else ""
             raise DataError(
                 f"no space left on device in {out!r} ({need}{_free(out)} free); free space "
                 f"there, or prepare into another folder ({_elsewhere(for_run)})"

@@ -873,7 +873,7 @@ def test_a_full_disk_is_one_error_line_and_leaves_no_partial_file(
     assert err[-1].startswith(f"error: no space left on device in {str(out)!r} "), err
     assert err[-1].endswith("(--out DIR)" if where == "shard" else "pass the folder"), err
     if where == "shard":
-        assert "the 3 image(s) left need about 0.0 MB more, " in err[-1]
+        assert "the 3 image(s) left need about 2.1 KiB more, " in err[-1]
         assert opened and all(p.endswith(f".{os.getpid()}.tmp") for p in opened), opened
     else:
         assert f"for the uncompressed copy of {str(source)!r}" in err[-1]
