@@ -19,6 +19,11 @@ from jax.sharding import AxisType, Mesh
 from hybridpar.config.errors import ConfigError
 
 AXES = ("data", "fsdp", "model")
+
+
+class MeshSpecError(ConfigError):
+    """A mesh spec that does not read, or does not fit the devices (``parse_mesh_spec``):
+    a caller that took the spec from elsewhere (the evaluator: the run's) can say so."""
 # Batch dimensions are split over every data-parallel axis: FSDP is data parallel too.
 BATCH_AXES = ("data", "fsdp")
 
@@ -42,24 +47,24 @@ def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[
         name, sep, size = part.partition(":")
         name = name.strip()
         if not sep or name not in AXES:
-            raise ConfigError(
+            raise MeshSpecError(
                 f"mesh spec {spec!r}: {part!r} is not AXIS:SIZE with AXIS one of {AXES}; "
                 "write it like 'data:4,model:2' (-1 means the rest of the devices)"
             )
         if name in sizes or name == fill:
-            raise ConfigError(f"mesh spec {spec!r} names axis {name!r} twice")
+            raise MeshSpecError(f"mesh spec {spec!r} names axis {name!r} twice")
         try:
             n = int(size)
         except ValueError:
-            raise ConfigError(
+            raise MeshSpecError(
                 f"mesh spec {spec!r}: size {size!r} of axis {name!r} is not an integer"
             ) from None
         if n == -1:
             if fill is not None:
-                raise ConfigError(f"mesh spec {spec!r}: only one axis may be -1")
+                raise MeshSpecError(f"mesh spec {spec!r}: only one axis may be -1")
             fill = name
         elif n < 1:
-            raise ConfigError(
+            raise MeshSpecError(
                 f"mesh spec {spec!r}: axis {name!r} has size {n}; sizes are >= 1 or -1"
             )
         else:
@@ -67,7 +72,7 @@ def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[
     known = math.prod(sizes.values())
     if fill is not None:
         if num_devices % known:
-            raise ConfigError(
+            raise MeshSpecError(
                 f"mesh spec {spec!r}: the fixed axes ({known} devices) do not divide the "
                 f"{num_devices} devices, so -1 cannot fill the rest"
             )
@@ -80,7 +85,7 @@ def parse_mesh_spec(spec: str, num_devices: int, platform: str = "cpu") -> dict[
             if platform == "cpu"
             else ""
         )
-        raise ConfigError(
+        raise MeshSpecError(
             f"mesh spec {spec!r} needs {total} devices but {num_devices} are available; "
             f"make the sizes multiply to {num_devices} (e.g. 'data:-1', on the command line "
             f"--config.mesh=data:-1), or run on "

@@ -44,7 +44,7 @@ import jax
 from hybridpar.config.curriculum import plan_stages, stages_from_config
 from hybridpar.config.errors import ConfigError, WorkdirError
 from hybridpar.config.schema import from_saved
-from hybridpar.parallel.mesh import describe_mesh
+from hybridpar.parallel.mesh import MeshSpecError, describe_mesh
 from hybridpar.runtime import checkpoint, run_config, signals, workdir_lock
 from hybridpar.runtime.metrics import MetricsWriter
 from hybridpar.runtime.run import Run, eval_pass, log, setup
@@ -479,8 +479,8 @@ def run(
         # workdir None: none of the trainer's workdir checks and writes (we only read there)
         try:
             r = setup(config, None, devices=devices, for_training=False)
-        except ConfigError as e:
-            if runs_mesh and str(e).startswith("mesh spec"):
+        except MeshSpecError as e:
+            if runs_mesh:
                 raise ConfigError(f"the run's {e} (the mesh it trained on, from its config; "
                                   "the evaluator may use its own)") from None  # fmt: skip
             raise
