@@ -11,6 +11,7 @@ same command reuses finished shards, and an interrupted run never leaves a half 
 
 from __future__ import annotations
 
+import atexit
 import collections
 import errno
 import glob
@@ -63,8 +64,9 @@ SPLIT_FIX = "use --split NAME (e.g. --split train)"
 RUN_FIX = "point data.source at the folder that holds train/ and val/"
 TAR_EXTS = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
-# Files this process is part-way writing: what a stop that exits at once removes.
-_PARTIAL: set[str] = set()
+# Files this process is part-way writing: what a stop that exits at once removes
+# (``remove_partial_files``).
+PARTIAL_FILES: set[str] = set()
 
 
 def remove_partial_files() -> None:
@@ -74,7 +76,7 @@ def remove_partial_files() -> None:
     ends the process with ``os._exit`` (the trainer's ``EarlyStop``), where the ``finally``
     blocks that remove them do not run. Safe in a signal handler (no lock; errors are
     ignored). Worker processes remove their own: they stop with their parent."""
-    for path in list(_PARTIAL):
+    for path in list(PARTIAL_FILES):
         try:
             os.remove(path)
         except OSError:  # gone already
@@ -184,7 +186,7 @@ def _list_tar(path: str, depth: int, staging_dir: str, staging: list, for_run=Fa
     if compressed:
         data_file = os.path.join(staging_dir, f".staging-{len(staging)}-{os.path.basename(path)}")
         staging.append(data_file)
-        _PARTIAL.add(data_file)
+        PARTIAL_FILES.add(data_file)
         out_file = open(data_file, "wb")
     after, tars = "at its start", []
     try:
@@ -621,13 +623,27 @@ def _reduce(img, full: bytes, max_side: int, quality: int) -> bytes:
     return _jpeg(img.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0), quality)
 
 
-def _init_worker():
+def init_worker():
+    """A prepare pool worker's set-up (the pool's ``initializer``): quiet TensorFlow, Ctrl-C
+    left to the parent, and a stop that removes the shard being written and ends the
+    worker, also when the parent dies."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF only writes records here: no logs
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     # The parent owns Ctrl-C (it stops the pool and says how to resume): no traceback here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A stop (the pool's terminate, or the parent's death) removes the shard being written.
-    signal.signal(signal.SIGTERM, _stop_worker)
+    # A stop (the pool's terminate, or the parent's death) removes the shard being written,
+    # in a thread of its own that waits for SIGTERM. Not a Python handler: that runs in the
+    # main thread only, and where the kernel gave the signal to another thread (TF's, or
+    # OpenBLAS's) while the main thread waited for its next task, the worker never ran it
+    # and the pool's terminate waited for it forever. SIGTERM is blocked here and so in every
+    # thread started after this; one started before it with SIGTERM open (a worker not
+    # started by ``start_pool``) that takes it ends the process by the default action.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_stop_on_sigterm, name="hybridpar-stop", daemon=True).start()
+    # A parent that dies also closes the task pipe: a waiting worker then ends on its own,
+    # sometimes before that thread runs.
+    atexit.register(remove_partial_files)
     if sys.platform.startswith("linux"):
         # Die with the parent: after a SIGKILL or the trainer's os._exit a worker went on
         # writing after the folder's lock was free, into the shards of the next run.
@@ -642,11 +658,21 @@ def _init_worker():
             os._exit(1)
 
 
-def _stop_worker(signum, frame):
-    # At once, not by an exception: one raised inside a gc callback (JAX's, which TF loads)
-    # is dropped, and the pool's terminate then waited for the worker forever.
+def start_pool(workers: int):
+    """prepare's pool of ``workers`` processes, spawned (they must not inherit JAX's or TF's
+    threads) and born with SIGTERM blocked, so that in each of their threads, OpenBLAS's from
+    numpy's import too, a stop reaches only the thread that waits for it (``init_worker``)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def _stop_on_sigterm():
+    signal.sigwait({signal.SIGTERM})
     remove_partial_files()
-    os._exit(128 + signum)
+    os._exit(128 + signal.SIGTERM)
 
 
 def write_shard(task: dict):
@@ -662,7 +688,7 @@ def write_shard(task: dict):
                 os.remove(old)
             except FileNotFoundError:  # its worker, stopping now, removed it
                 pass
-    _PARTIAL.update(temps.values())
+    PARTIAL_FILES.update(temps.values())
     try:
         sidecar = _write_records(task, temps)
         for c, path in finals.items():
@@ -675,7 +701,7 @@ def write_shard(task: dict):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), task["out"]) from None
         raise
     finally:
-        _PARTIAL.difference_update(temps.values())
+        PARTIAL_FILES.difference_update(temps.values())
     _write_json(task["sidecar"], sidecar)  # last: its presence means the shard is complete
     return task["index"], sidecar
 
@@ -1249,8 +1275,7 @@ def prepare(
 
         pending = sum(len(p["tasks"]) for p in plans)
         if workers > 1 and pending > 1:  # spawn: workers must not inherit JAX/TF threads
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(min(workers, pending), initializer=_init_worker)
+            pool = start_pool(min(workers, pending))
         manifest["classes"], manifest["classes_from"] = classes, classes_from
         try:
             for plan in plans:
@@ -1304,7 +1329,7 @@ def prepare(
         for f in staging:
             if os.path.exists(f):
                 os.remove(f)
-            _PARTIAL.discard(f)
+            PARTIAL_FILES.discard(f)
         lock.release()
         if failed and made:  # a first run that failed: leave no empty folder it made
             _remove_made(out, made)

@@ -740,16 +740,17 @@ def test_a_pool_worker_ignores_ctrl_c_and_stops_with_its_parent(tmp_path):
     they wrote shards after the folder's lock was free, and the next run failed renaming the
     same .tmp. Ctrl-C printed a traceback per worker. Now a worker ignores SIGINT (its parent
     stops the pool), and stops with its parent, removing the shard it was writing. Planted
-    bugs that fail it: no PR_SET_PDEATHSIG; SIGINT not ignored; no SIGTERM handler."""
+    bugs that fail it: no PR_SET_PDEATHSIG; SIGINT not ignored; no stop thread; workers
+    born with SIGTERM open (OpenBLAS's thread took it: no clean-up, 2 runs in 5)."""
     partial = tmp_path / "x.tfrecord.123.tmp"
     partial.write_bytes(b"half a shard")
     code = (
-        "import multiprocessing, os, sys, time\n"
-        "from hybridpar.input.prepare import _init_worker\n"
-        "pool = multiprocessing.get_context('spawn').Pool(1, initializer=_init_worker)\n"
+        "import os, sys, time\n"
+        "from hybridpar.input.prepare import start_pool\n"
+        "pool = start_pool(1)\n"
         "print(pool.apply(os.getpid), flush=True)\n"
         "pool.apply(exec, ('from hybridpar.input import prepare as p; '\n"
-        "                  'p._PARTIAL.add(%r)' % sys.argv[1],))\n"
+        "                  'p.PARTIAL_FILES.add(%r)' % sys.argv[1],))\n"
         "print('writing', flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -773,6 +774,61 @@ def test_a_pool_worker_ignores_ctrl_c_and_stops_with_its_parent(tmp_path):
         parent.kill()
         if worker and _running(worker):
             os.kill(worker, signal.SIGKILL)
+
+
+def test_a_worker_ends_on_sigterm_whichever_thread_the_kernel_gives_it_to():
+    """The suite hung in CI on a prepare's ``pool.terminate()``: a worker with TF's and
+    OpenBLAS's threads, idle, waiting for its next task, got SIGTERM in one of those
+    threads; Python runs its handlers in the main thread only, which went on waiting, and
+    the terminate waited for that worker forever. Here a thread started before the
+    set-up (as OpenBLAS's is, at numpy's import) and one after it (as TF's) are there, the
+    main thread waits on a lock, and SIGTERM goes to the first. Planted bug that fails it:
+    a Python handler for SIGTERM (as it was)."""
+    code = (
+        "import os, signal, sys, threading, time\n"
+        "from hybridpar.input.prepare import init_worker\n"
+        "early = threading.Thread(target=time.sleep, args=(600,), daemon=True)\n"
+        "early.start()\n"
+        "init_worker()\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+        "print('waiting', flush=True)\n"
+        "signal.pthread_kill(early.ident, signal.SIGTERM)\n"
+        "lock = threading.Lock()\n"
+        "lock.acquire()\n"
+        "lock.acquire()  # as an idle worker waits for its next task\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        assert worker.stdout.readline() == "waiting\n"
+        assert worker.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        worker.kill()
+
+
+def test_a_stopped_worker_removes_the_shard_it_was_writing(tmp_path):
+    """SIGTERM to a worker (the pool's terminate) whose main thread waits: the worker ends
+    and its part-written shard is gone. Planted bug that fails it: the stop thread without
+    ``remove_partial_files``."""
+    partial = tmp_path / "x.tfrecord.123.tmp"
+    partial.write_bytes(b"half a shard")
+    code = (
+        "import sys, threading\n"
+        "from hybridpar.input import prepare\n"
+        "prepare.init_worker()\n"
+        "prepare.PARTIAL_FILES.add(sys.argv[1])\n"
+        "print('writing', flush=True)\n"
+        "threading.Event().wait()\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", code, str(partial)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert worker.stdout.readline() == "writing\n"
+        worker.terminate()
+        assert worker.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not partial.exists()
+    finally:
+        worker.kill()
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
