@@ -284,6 +284,9 @@ def test_resume_rewrites_only_missing_shards(small, tmp_path):
     old = out / shards["160px"]["shards"][0]["file"]
     lost.unlink()
     (out / (str(lost) + ".tmp")).write_bytes(b"half a shard from an interrupted run")
+    (out / (str(lost) + ".4242.tmp")).write_bytes(b"a killed worker's half shard")
+    mine = lost.parent / "notes.tmp"  # not a shard's: kept
+    mine.write_bytes(b"")
     os.utime(old, ns=(10**18, 10**18))
     before = _mtimes(out)
     again = prepare([src], out, workers=2, **KW)
@@ -291,6 +294,7 @@ def test_resume_rewrites_only_missing_shards(small, tmp_path):
     assert again == manifest
     assert json.loads((out / records.MANIFEST).read_text()) == manifest
     assert lost.exists() and not Path(str(lost) + ".tmp").exists()
+    assert not Path(str(lost) + ".4242.tmp").exists() and mine.exists()
     assert after[str(old.relative_to(out))] == 10**18
     shard1 = "00001-of-00003"
     changed = {k for k in after if after[k] != before.get(k)}
