@@ -173,8 +173,9 @@ def preset_rules(name: str, mesh: Mesh) -> Rules:
     return PRESETS[name]
 
 
-def path_str(path) -> str:
-    """A jax key path as ``"params/stage1_block0/conv1/kernel"``."""
+def path_parts(path) -> tuple[str, ...]:
+    """A jax key path's names, ``("params", "stage1_block0", "conv1", "kernel")``: each
+    key's ``key``, ``name`` or ``idx`` (also how an orbax checkpoint's metadata names them)."""
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -183,7 +184,12 @@ def path_str(path) -> str:
                 break
         else:
             parts.append(str(k))
-    return "/".join(parts)
+    return tuple(parts)
+
+
+def path_str(path) -> str:
+    """A jax key path as ``"params/stage1_block0/conv1/kernel"``."""
+    return "/".join(path_parts(path))
 
 
 def is_box(x) -> bool:

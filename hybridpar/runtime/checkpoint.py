@@ -25,6 +25,7 @@ import time
 import jax
 
 from hybridpar.config.errors import SaveFailed, WorkdirError
+from hybridpar.parallel.partitioning import path_parts
 from hybridpar.runtime.checkpoint_dirs import (  # noqa: F401 (read from here too)
     OWNER,
     checkpoint_dir,
@@ -282,11 +283,6 @@ def read_error(e: Exception) -> str:
     lines = str(e).strip().splitlines()
     text = lines[0].split(" See full TensorStore details")[0] if lines else ""
     return f"{type(e).__name__}: {text[:197] + '...' if len(text) > 200 else text}"
-
-
-def _names(path) -> tuple[str, ...]:
-    """A leaf's key path as a checkpoint's metadata names it: ``("opt_state", "1", ...)``."""
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def nonfinite_leaves(tree) -> list[str]:
@@ -591,7 +587,8 @@ class Checkpoints:
             saved = {k: getattr(v, "shape", None) for k, v in tree.items()}
         except Exception:  # noqa: BLE001 - any failure: not a readable tree to compare
             return None
-        ours = {_names(p): x.shape for p, x in jax.tree_util.tree_leaves_with_path(abstract_state)}
+        leaves = jax.tree_util.tree_leaves_with_path(abstract_state)
+        ours = {path_parts(p): x.shape for p, x in leaves}
         for key in [*ours, *saved]:
             name = "/".join(key)
             if key not in saved:
