@@ -4,11 +4,12 @@ of the gradient sync's refusals."""
 
 import os
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from hybridpar import ConfigError, make_mesh
-from hybridpar.config.schema import base_config, unused_settings
+from hybridpar.config.schema import base_config, sizes_training_ignores, unused_settings
 from hybridpar.parallel import comm
 from hybridpar.program.sync import make_sync
 
@@ -163,6 +164,47 @@ def test_settings_nothing_reads_are_named_with_the_fix():
         "this run trains on data.name='digits'; set --config.data.name=tfds to train on it, "
         "or drop data.tfds_name",
     ], said
+
+
+def test_an_eval_size_that_training_on_a_real_set_ignores_is_said():
+    """``--config.data.eval_examples=1000`` on images evaluated every image of the split,
+    without a word: those sizes are nominal there (a recipe sets ImageNet's for the tools
+    that compile without data), so said only where the command line set them, and not on
+    synthetic data, which they size. Planted bug that fails it: the train tool without the
+    warning (the CLI test below)."""
+    c = base_config()
+    keys = ["data.eval_examples", "optim.lr", "data.train_examples", "data.eval_examples"]
+    assert sizes_training_ignores(c, keys) == []  # synthetic: they size it
+    c.data.name, c.data.eval_split, c.data.eval_examples = "images", "val", 1000
+    said = sizes_training_ignores(c, keys)
+    assert said == [
+        "data.eval_examples=1000 does nothing in training on data.name='images': the "
+        "evaluation reads every example of the eval split 'val'; it sizes only synthetic data "
+        "and the plans of the tools that compile without data (compile, plan, simulate); drop "
+        "--config.data.eval_examples",
+        "data.train_examples=4096 does nothing in training on data.name='images': an epoch is "
+        "every example of the train split 'train'; it sizes only synthetic data and the plans "
+        "of the tools that compile without data (compile, plan, simulate); drop "
+        "--config.data.train_examples",
+    ], said
+    assert sizes_training_ignores(c, ["optim.lr"]) == []  # a recipe's value is not said
+    c.data.name = "digits"
+    assert "eval part of digits" in sizes_training_ignores(c, keys)[0]
+
+
+def test_the_train_cli_says_an_ignored_eval_size_before_set_up(tmp_path, capfd):
+    """The warning reaches the user from the train command (here before set-up's error on
+    a stage of no step, so nothing compiles)."""
+    from hybridpar.tools import train
+
+    digits = str(Path(__file__).resolve().parents[1] / "experiments" / "digits.py")
+    capfd.readouterr()
+    with pytest.raises(SystemExit):
+        train.main(["--config", digits, "--workdir", str(tmp_path / "w"),
+                    "--config.data.eval_examples=100",
+                    "--config.stages=1:16-32~0.8,1.001:24-16,3:32-8", "--config.num_epochs=3"])
+    out = capfd.readouterr().out
+    assert "warning: data.eval_examples=100 does nothing in training on data.name='digits'" in out
 
 
 @pytest.mark.parametrize(

@@ -674,6 +674,33 @@ def unused_settings(c) -> list[str]:
     return out
 
 
+def sizes_training_ignores(c, keys) -> list[str]:
+    """Of ``keys`` (the ``--config.KEY`` overrides of a training command), ``data.
+    train_examples`` and ``data.eval_examples`` where the run trains on a real set: there
+    they size only the plans of the tools that compile without data (a recipe's ImageNet
+    figures), and the run takes its splits' own sizes. One sentence each, for a warning:
+    ``--config.data.eval_examples=1000`` on images evaluated every image, without a word.
+    A recipe's own value is not the user's and says nothing."""
+    d = c.data
+    if d.name == "synthetic":
+        return []
+    train = f"split {d.train_split!r}" if d.name != "digits" else "part of digits"
+    eval_ = f"split {d.eval_split!r}" if d.name in ("images", "tfds") else "part of digits"
+    what = {
+        "train_examples": f"an epoch is every example of the train {train}",
+        "eval_examples": f"the evaluation reads every example of the eval {eval_}",
+    }
+    out = []
+    for key in dict.fromkeys(k for k in keys if k in ("data.train_examples", "data.eval_examples")):
+        name = key.split(".")[1]
+        out.append(
+            f"{key}={d[name]!r} does nothing in training on data.name={d.name!r}: "
+            f"{what[name]}; it sizes only synthetic data and the plans of the tools that "
+            f"compile without data (compile, plan, simulate); drop --config.{key}"
+        )
+    return out
+
+
 def moot_keys(c) -> set[str]:
     """The keys nothing reads in ``c``, whatever their values: ``unused_settings`` says those
     set to other than the default, and a resume lets them differ (a recipe that resets one,

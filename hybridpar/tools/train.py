@@ -20,6 +20,7 @@ import os
 import sys
 
 from hybridpar.config import cli
+from hybridpar.config.schema import sizes_training_ignores
 from hybridpar.parallel import distributed
 from hybridpar.runtime import checkpoint_dirs, signals, supervise
 from hybridpar.runtime.signals import EarlyStop
@@ -80,6 +81,8 @@ def _main(argv, early: EarlyStop) -> None:
     from hybridpar.runtime.run import log, setup
 
     def train_and_report():
+        for ignored in sizes_training_ignores(config, [k for k, _ in args.config_overrides]):
+            log(f"warning: {ignored}")
         r = setup(config, args.workdir, allow_config_change=args.allow_config_change,
               compiled=args.compiled, recompile=args.recompile)  # fmt: skip
         summary = trainer.train(r)
