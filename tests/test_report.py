@@ -4,6 +4,7 @@ PNG and a markdown table, without importing JAX; bad workdirs are one ``error:``
 import dataclasses
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -180,6 +181,10 @@ def test_bad_workdirs_are_one_error_line(tmp_path, capsys):
     line = error_line(capsys, [str(tmp_path / "afile"), "--out", out])
     assert f"workdir {str(tmp_path / 'afile')!r} is a file, not a folder; pass the" in line
     assert "is a fraction" in error_line(capsys, [str(tmp_path), "--target-top5", "80"])
+    # none to reach (planted bug: "is a fraction: ... not 93" for these too)
+    for low in ("0", "-0.5"):
+        line = error_line(capsys, [str(tmp_path), "--target-top1", low])
+        assert f"--target-top1={float(low):g} must be in (0, 1]: the top1 to time" in line, line
     assert not os.path.exists(out)
     # an --out matplotlib cannot write: refused before anything is read
     (tmp_path / "empty" / "metrics.jsonl").write_text("mine\n")
@@ -277,6 +282,89 @@ def test_a_record_cut_short_by_a_kill_does_not_swallow_the_next_one(tmp_path):
     assert path.read_text().endswith('"lr": 0.1}\n')
 
 
+def tb_points(tb: Path) -> dict[str, list[tuple[int, float]]]:
+    """The points TensorBoard shows of the event files in ``tb``, as its event reader
+    (EventAccumulator) takes them: the files in name (start time) order, and a start's purge
+    (a SessionLog START at step S) drops the points before it from step S on."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    points: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(tb.iterdir()):
+        data, at = path.read_bytes(), 0
+        while at + 12 <= len(data):  # a record: length, its CRC, the event, the event's CRC
+            (n,) = struct.unpack("<Q", data[at : at + 8])
+            event = Event.FromString(data[at + 12 : at + 12 + n])
+            at += 16 + n
+            if event.session_log.status == SessionLog.START:
+                points = {t: [p for p in ps if p[0] < event.step] for t, ps in points.items()}
+            for v in event.summary.value:
+                points.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return points
+
+
+def test_tensorboard_drops_the_points_of_the_steps_a_resume_trained_again(tmp_path):
+    """Killed at step 132 and resumed from the checkpoint at 100: steps 101-132 ran again, so
+    TensorBoard shows their second run only, as metrics.jsonl's readers do, and keeps what
+    the first start wrote up to the checkpoint. Planted bug that fails it: no purge_step."""
+    from hybridpar.runtime.metrics import MetricsWriter
+
+    first = MetricsWriter(str(tmp_path), start_time=0.0)
+    for step, loss in ((50, 2.0), (100, 1.5), (120, 1.25), (132, 1.0)):
+        first.write("train", step, step / 10, loss=loss, lr=0.1)
+    first.write("eval", 100, 10.0, top1=0.5, top5=0.875)
+    first.write("eval", 132, 13.2, top1=0.625, top5=0.875)
+    first.close()
+    # its file named as its earlier start time would (both starts here are in one second)
+    (old,) = (tmp_path / "tb").iterdir()
+    old.rename(old.with_name("events.out.tfevents.0000000001.host"))
+    resumed = MetricsWriter(str(tmp_path), start_time=0.0, purge_step=101)
+    resumed.write("train", 110, 11.0, loss=1.125, lr=0.1)
+    resumed.write("train", 132, 13.2, loss=0.75, lr=0.1)
+    resumed.write("eval", 132, 13.2, top1=0.75, top5=1.0)
+    resumed.close()
+    points = tb_points(tmp_path / "tb")
+    assert points["train/loss"] == [(50, 2.0), (100, 1.5), (110, 1.125), (132, 0.75)]
+    assert points["eval/top1"] == [(100, 0.5), (132, 0.75)]
+
+
+def test_tensorboard_has_each_line_once_written_not_at_close(tmp_path):
+    """A start killed with -9 keeps every TensorBoard point it wrote, as metrics.jsonl does
+    (and TensorBoard does not lag). Planted bug that fails it: tensorboardX's SummaryWriter
+    (its thread flushes every 120 s; the file stays empty until close)."""
+    from hybridpar.runtime.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), start_time=0.0)
+    writer.write("train", 10, 1.0, loss=0.5, lr=0.25)
+    assert tb_points(tmp_path / "tb") == {"train/loss": [(10, 0.5)], "train/lr": [(10, 0.25)]}
+    writer.write("eval", 10, 1.0, top1=0.5, top5=0.75)
+    assert tb_points(tmp_path / "tb")["eval/top1"] == [(10, 0.5)]
+    writer.close()
+
+
+def test_each_compiled_program_has_its_own_tensorboard_tag(tmp_path):
+    """Every program compiles at the same step (the first stage's, or the resume's): the
+    train and eval steps and each stage's batch and size are their own series, not points
+    of one compile/compile_s. Planted bug that fails it: the tag by the event only."""
+    from hybridpar.runtime.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), start_time=0.0)
+    memory = {"total": 1000}
+    writer.write("compile", 0, 0.0, program="train", batch=32, image_size=8, compile_s=2.5,
+                 cache_hit=False, memory_per_device_bytes=memory)  # fmt: skip
+    writer.write("compile", 0, 0.0, program="eval", batch=64, image_size=8, compile_s=1.5,
+                 cache_hit=True, memory_per_device_bytes=memory)  # fmt: skip
+    writer.write("compile", 0, 0.0, program="train", batch=64, image_size=16, compile_s=4.0,
+                 cache_hit=False, memory_per_device_bytes=memory, background=True,
+                 wait_s=0.5)  # fmt: skip
+    writer.close()
+    assert tb_points(tmp_path / "tb") == {
+        "compile/train_batch32_size8/compile_s": [(0, 2.5)],
+        "compile/eval_batch64_size8/compile_s": [(0, 1.5)],
+        "compile/train_batch64_size16/compile_s": [(0, 4.0)],
+        "compile/train_batch64_size16/wait_s": [(0, 0.5)],
+    }
+
+
 def cut(w: Path, how: str) -> None:
     """``w``'s metrics.jsonl damaged as a user's copy may be: emptied, cut short mid-line,
     or with a line that is not a record in the middle."""
@@ -286,22 +374,37 @@ def cut(w: Path, how: str) -> None:
         path.write_text("")
     elif how == "cut short":
         path.write_text(text[: len(text) // 2])  # as head -c does: mid-line
-    else:
+    elif how == "garbage":
         lines = text.splitlines(keepends=True)
         path.write_text("".join(lines[:5]) + "not a record {{\n" + "".join(lines[5:]))
+    else:  # a record without a field report computes with
+        event, field, value = how.split()
+        lines = [json.loads(x) for x in text.splitlines()]
+        first = next(x for x in lines if x["event"] == event)
+        if value == "gone":
+            del first[field]
+        else:
+            first[field] = json.loads(value)
+        write_jsonl(path, lines)
 
 
 @pytest.mark.parametrize("how, lost", [
     ("empty", "it has no records of steps but the run at step 20 (summary.json)"),
     ("cut short", "its records end at step 10 but the run at step 20 (summary.json)"),
     ("garbage", "1 line did not read"),
+    ("eval top1 gone", "1 line did not read"),
+    ("train wall_s null", "1 line did not read"),
+    ("stage global_batch \"64\"", "1 line did not read"),
 ])  # fmt: skip
 def test_missing_records_are_a_warning_and_no_figure_is_made_of_them(tmp_path, capsys, how, lost):
     """An emptied or truncated metrics.jsonl of a completed run, or a line in it that does
-    not read: one warning line naming the file and what is missing, and the figures the
-    lost records would change are '-' (no stage table), not sums of what is left; the
-    compile time is summary.json's. Planted bugs that fail it: no warning (read_run's count
-    left at 0); the bests, time to target or stages made of the records that read."""
+    not read (not JSON, or a record without a field report computes with: an eval without
+    top1, a train line's wall_s null, a batch that is not a number): one warning line
+    naming the file and what is missing, and the figures the lost records would change are
+    '-' (no stage table), not sums of what is left; the compile time is summary.json's.
+    Planted bugs that fail it: no warning (read_run's count left at 0); the bests, time to
+    target or stages made of the records that read; read_run keeping a record that lacks a
+    field (a TypeError)."""
     curriculum_run(tmp_path / "a")
     cut(tmp_path / "a", how)
     report.main([str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
@@ -332,6 +435,74 @@ def test_a_killed_starts_cut_line_before_its_resume_is_no_loss(tmp_path, capsys)
     row = tables(printed.out)[0][0]
     assert (row["best top1"], row["compile s"]) == ("0.6500", "3.0")
     assert len(tables(printed.out)) == 2  # and its stages
+
+
+def stopped_and_resumed_run(w: Path) -> None:
+    """22 steps an epoch: stopped at step 74 (a save, and summary.json: stopped), resumed
+    from there and killed after step 100 (no summary.json of its own): the first start's
+    is still there, as the trainer leaves it."""
+
+    def line(s, wall_s):
+        return train(s, round(s / 22, 4), wall_s, 0, 16, 32)
+
+    write_jsonl(w / "metrics.jsonl", [
+        ev("compile", 0, 0.0, 3.0, program="train", batch=32, image_size=16, compile_s=2.0),
+        stage(0, 0, 0.0, 4.0, 16, 32),
+        *[line(s, 4.0 + s / 2) for s in (10, 20, 30, 40, 44, 50, 60, 70, 74)],
+        evaluation(44, 2.0, 27.0, 0.5, 0.8),
+        ev("checkpoint", 74, 3.3636, 41.5),
+        ev("resume", 74, 3.3636, 45.0, from_step=74, from_wall_s=41.0),
+        ev("compile", 74, 3.3636, 48.0, program="train", batch=32, image_size=16,
+           compile_s=2.5),
+        stage(0, 74, 3.3636, 48.5, 16, 32),
+        *[line(s, 12.0 + s / 2) for s in (80, 88, 90, 100)],
+        evaluation(88, 4.0, 56.5, 0.8, 0.97),
+    ])  # fmt: skip
+    (w / "summary.json").write_text(json.dumps({
+        "steps": 74, "epochs": 3.3636, "completed": False, "error": None, "resumed_from": None,
+        "wall_s": 42.0, "compile_s": 2.0, "train_images_per_s": 999.0,
+        "time_breakdown": {"setup": 1.0, "compile": 2.0, "train": 39.0}, "goodput": 0.93,
+    }))  # fmt: skip
+
+
+def test_an_earlier_starts_summary_is_no_summary(tmp_path, capsys):
+    """A resumed run killed (or still running) has the first start's summary.json: its 74
+    steps, its wall, its end ("stopped") and its time bar are not the run's, so the row
+    comes from the records (100 steps, the best eval at step 88, both starts' compiles),
+    its status says the summary is an earlier start's, and no time bar is drawn; so too
+    where the first start completed and the run was resumed with more epochs. Once the
+    resumed start writes its own (resumed_from 74, the evaluator's rule), that one counts.
+    Planted bug that fails it: the summary trusted whichever start wrote it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    w = tmp_path / "run"
+    stopped_and_resumed_run(w)
+    report.main([str(w), "--out", str(tmp_path / "r.png")])
+    printed = capsys.readouterr()
+    assert "warning" not in printed.err
+    got = tables(printed.out)[0][0]
+    keys = ("epochs", "steps", "best top1", "wall s", "compile s", "images/s", "status")
+    assert tuple(got[k] for k in keys) == (
+        "4.55", "100", "0.8000", "62.0", "4.5", "1000.0",
+        "running or killed (summary.json is an earlier start's)",
+    )  # fmt: skip
+    run = report.read(str(w))
+    titles = [a.get_title() for a in report.figure([("run", run)]).axes]
+    assert "where the time went" not in titles
+    # the first start completed (74 steps its last), resumed with more epochs: the same
+    summary = json.loads((w / "summary.json").read_text())
+    (w / "summary.json").write_text(json.dumps(summary | {"completed": True}))
+    got = table_rows(report.report([str(w)], str(tmp_path / "r.png")))["run"]
+    assert (got["steps"], got["status"]) == ("100", "running or killed (summary.json is an "
+                                                    "earlier start's)")  # fmt: skip
+    # the resumed start ended and wrote its own
+    summary |= {"steps": 100, "epochs": 4.5455, "resumed_from": 74, "wall_s": 63.0}
+    (w / "summary.json").write_text(json.dumps(summary))
+    got = table_rows(report.report([str(w)], str(tmp_path / "r.png")))["run"]
+    assert (got["steps"], got["wall s"], got["status"]) == ("100", "63.0", "stopped")
+    titles = [a.get_title() for a in report.figure([("run", report.read(str(w)))]).axes]
+    assert "where the time went" in titles
 
 
 def test_no_compile_records_is_no_time_without_compile(tmp_path):
@@ -699,23 +870,29 @@ def test_each_stage_has_its_steps_time_and_images_per_second(tmp_path, capsys):
     assert "per stage (train steps only" in printed
 
 
-@pytest.mark.parametrize("name", ["summary.json", "config.json"])
+@pytest.mark.parametrize("name, text, why", [
+    ("summary.json", '{"steps": 2', "(Expecting"),
+    ("config.json", '{"steps": 2', "(Expecting"),
+    ("summary.json", "[1, 2]", "(it holds [1, 2], not a JSON object)"),
+    ("config.json", '"hello"', '(it holds "hello", not a JSON object)'),
+])  # fmt: skip
 def test_a_json_record_that_does_not_read_is_one_error_line_that_fits_a_reader(
-    tmp_path, capsys, name
+    tmp_path, capsys, name, text, why
 ):
-    """A summary.json or config.json cut short: one error: line, exit code 2, that says what
-    report (which only reads) can do, not the trainer's "move it away to start over"; moved
-    aside as it says, the run is reported from what is left: with no summary.json, the
-    status says so and config.json's -1 (no target) is no target. Planted bugs that fail
-    it: report reading with the trainer's wording (read_run's default); the status from
-    config.json as if it were the summary ("stopped"); a target of -1 timed."""
+    """A summary.json or config.json cut short, or that holds no JSON object: one error:
+    line, exit code 2, that says what report (which only reads) can do, not the trainer's
+    "move it away to start over"; moved aside as it says, the run is reported from what is
+    left: with no summary.json, the status says so and config.json's -1 (no target) is no
+    target. Planted bugs that fail it: report reading with the trainer's wording (read_run's
+    default); the status from config.json as if it were the summary ("stopped"); a target
+    of -1 timed; read_json returning what is not an object (an AttributeError)."""
     curriculum_run(tmp_path / "a")
     (tmp_path / "a" / "config.json").write_text(json.dumps({"target_top1": 0.75,
                                                             "target_top5": -1.0}))  # fmt: skip
-    (tmp_path / "a" / name).write_text('{"steps": 2')
+    (tmp_path / "a" / name).write_text(text)
     out = str(tmp_path / "r.png")
     line = error_line(capsys, [str(tmp_path / "a"), "--out", out])
-    assert line.startswith(f"error: cannot read {str(tmp_path / 'a' / name)!r}"), line
+    assert line.startswith(f"error: cannot read {str(tmp_path / 'a' / name)!r} {why}"), line
     assert "start over" not in line and "report only reads a run" in line, line
     assert f"move it aside (e.g. to {name}.bad)" in line, line
     (tmp_path / "a" / name).rename(tmp_path / "a" / f"{name}.bad")
@@ -796,3 +973,49 @@ def test_a_resume_that_changed_the_schedule_draws_the_config_curve_from_there_on
     (curve,) = [line.get_xdata() for line in ax.lines if line.get_label() == "b"]
     assert min(curve) == 0.0
     assert not [line for line in ax.lines if "resumed with" in str(line.get_label())]
+
+
+def test_the_keys_that_differ_are_named_under_the_table_an_empty_value_as_quotes(tmp_path, capsys):
+    """The printed and .md tables name the config keys the runs differ in, as the PNG's
+    title does (its code); an empty value is '' there, not blank. Planted bugs that fail
+    it: no line under the table; an empty value printed as nothing."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    for name, note in (("digits", ""), ("cur", "warm")):
+        config_run(tmp_path / name, "4:24-4")
+        c = json.loads((tmp_path / name / "config.json").read_text())
+        (tmp_path / name / "config.json").write_text(json.dumps(c | {"note": note}))
+    report.main([str(tmp_path / "digits"), str(tmp_path / "cur"), "--out",
+                 str(tmp_path / "r.png")])  # fmt: skip
+    printed = capsys.readouterr().out
+    want = "\nruns differ in: note (digits '', cur warm)\n"
+    assert want in printed and want in (tmp_path / "r.md").read_text()
+    assert len(tables(printed)[0]) == 2  # the line ends the table
+    runs = [(n, report.read_run(str(tmp_path / n))) for n in ("digits", "cur")]
+    assert "note (digits '', cur warm)" in report.figure(runs)._suptitle.get_text()
+
+
+def test_the_key_to_hollow_markers_only_where_there_are_evaluator_evals(tmp_path):
+    """Without the evaluator's evals no marker is hollow: the title and the legend do not
+    speak of them. Planted bug that fails it: the key drawn for every figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    curriculum_run(tmp_path / "a")  # the trainer's evals only
+    resumed_run(tmp_path / "b")  # one of the evaluator's
+    for names, hollow in ((["a"], False), (["a", "b"], True)):
+        fig = report.figure([(n, report.read_run(str(tmp_path / n))) for n in names])
+        legend = [t.get_text() for a in fig.axes if a.get_legend()
+                  for t in a.get_legend().get_texts()]  # fmt: skip
+        assert ("hollow the evaluator's" in fig._suptitle.get_text()) == hollow, names
+        assert ("evaluator's eval" in legend) == hollow, legend
+
+
+def test_help_names_every_panel(capsys):
+    """--help says what the PNG holds: accuracy, where the time went and the schedule, and
+    the tables. Planted bug that fails it: the old "one plot of accuracy ... and a table"."""
+    with pytest.raises(SystemExit):
+        report.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "where the time went, the schedule against epochs) and tables of the runs" in text

@@ -48,7 +48,7 @@ from hybridpar.parallel.mesh import MeshSpecError, describe_mesh
 from hybridpar.runtime import checkpoint, run_config, signals, workdir_lock
 from hybridpar.runtime.metrics import MetricsWriter
 from hybridpar.runtime.run import Run, eval_pass, log, setup
-from hybridpar.runtime.run_records import read_json, read_records, resumed_from
+from hybridpar.runtime.run_records import latest_summary, read_json, read_records, resumed_from
 
 # Keys that may differ from the run's, besides run_config.FREE_KEYS: the placement keys
 # (where and how fast the evaluation runs: another eval batch pads differently, but every
@@ -296,7 +296,7 @@ class Evaluator:
         summary = read_json(os.path.join(self.workdir, "summary.json"), SUMMARY_UNREADABLE)
         if not (summary and summary.get("completed")):
             return False
-        return self.started_from is None or (summary.get("resumed_from") or 0) == self.started_from
+        return latest_summary(summary, self.started_from)
 
     def loop(self, watch: bool, poll_s: float, config_checked: bool, liveness=None) -> list[dict]:
         """Evaluates what is there (``watch``: and what comes, until the run's last step is

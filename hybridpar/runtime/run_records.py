@@ -255,17 +255,23 @@ SCHEDULE_KEYS = ("optim.", "num_epochs", "stages", "global_batch", "mesh")
 START_OVER = "move it away to start over"
 
 
-def read_json(path: str, unreadable: str = START_OVER):
-    """``path``'s JSON, or None if there is no such file; one that does not read is a
-    WorkdirError that says ``unreadable`` (NAME in it: the file's name)."""
+def read_json(path: str, unreadable: str = START_OVER) -> dict | None:
+    """``path``'s JSON object, or None if there is no such file; one that does not read, or
+    holds no object (every such file is one: another file was put there), is a WorkdirError
+    that says ``unreadable`` (NAME in it: the file's name)."""
+    fix = unreadable.replace("NAME", os.path.basename(path))
     try:
         with open(path) as f:
-            return json.load(f)
+            value = json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        fix = unreadable.replace("NAME", os.path.basename(path))
         raise WorkdirError(f"cannot read {path!r} ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        held = json.dumps(value)
+        held = held if len(held) <= 40 else held[:39] + "…"
+        raise WorkdirError(f"cannot read {path!r} (it holds {held}, not a JSON object); {fix}")
+    return value
 
 
 def write_json(path: str, value, indent: int | None = 2) -> None:
@@ -297,7 +303,8 @@ class RunRecords:
     # the resumes that stand (one from an earlier step drops those after it), in order
     resume: list[Resume] = dataclasses.field(default_factory=list)
     # metrics.jsonl's whole lines that did not read, but for a killed start's cut last line
-    # (the next start ended it, and its resume record follows): records lost
+    # (the next start ended it, and its resume record follows), and its records that lack a
+    # field computed with (``whole``): records lost
     unread: int = 0
 
 
@@ -306,6 +313,32 @@ def resumed_from(resume: Resume | dict) -> int:
     started again with no checkpoint), so their earlier records are superseded."""
     r = resume if isinstance(resume, dict) else to_dict(resume)
     return r["step"] if r.get("from_step") is None else r["from_step"]
+
+
+def latest_summary(summary: dict, started_from: int | None) -> bool:
+    """Whether ``summary`` (summary.json) is the latest trainer start's: a start writes its
+    own at its end, so while a resumed start runs (or where it was killed) the earlier
+    start's is still there. ``started_from``: the step the latest ``resume`` line resumed
+    from (``resumed_from``); None where there is none (one start)."""
+    return started_from is None or (summary.get("resumed_from") or 0) == started_from
+
+
+def whole(r: Record) -> bool:
+    """Whether ``r`` holds what its readers compute with: a step (an int), an epoch and a
+    wall time (numbers), each field its event declares without None, and a number in each
+    number field (a line edited by hand, or of another writer, may not)."""
+    if isinstance(r.step, bool) or not isinstance(r.step, int):
+        return False
+    for f in dataclasses.fields(r):
+        v = getattr(r, f.name)
+        # epoch and wall_s: None only in events read_run does not keep
+        kinds = ["float"] if f.name in ("epoch", "wall_s") else f.type.split(" | ")
+        if v is None and "None" not in kinds:
+            return False
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if v is not None and {"int", "float"} & set(kinds) and not number:
+            return False
+    return True
 
 
 def kept(c: Compile, resume: Resume, last: int) -> bool:
@@ -338,8 +371,11 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
     bad: list[int] = []
     records = read_records(path, unread=bad)[0]
     lost = [i for i in bad if not (i < len(records) and isinstance(records[i], Resume))]
+    broken = 0  # records that lack what is computed with them: lost as well
     for r in records:
-        if isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
+        if isinstance(r, (Resume, Eval, Stage, Train, Compile, Checkpoint)) and not whole(r):
+            broken += 1
+        elif isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
             last = resumed_from(r)
             resumes = [x for x in resumes if x.step <= last] + [r]
             kinds["train"] = [t for t in kinds["train"] if t.step <= last]
@@ -353,7 +389,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         elif r.event in kinds:
             kinds[r.event].append(r)
     for r in read_records(os.path.join(workdir, "evaluator", "metrics.jsonl"))[0]:
-        if isinstance(r, Eval) and r.wall_s is not None:
+        if isinstance(r, Eval) and r.wall_s is not None and whole(r):
             evals.setdefault(r.step, r)
     return RunRecords(
         train=kinds["train"],
@@ -364,7 +400,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         summary=read_json(os.path.join(workdir, "summary.json"), unreadable),
         config=read_json(os.path.join(workdir, "config.json"), unreadable),
         resume=resumes,
-        unread=len(lost),
+        unread=len(lost) + broken,
     )
 
 

@@ -7,31 +7,38 @@ Compares training runs from their records (``run_records.read_run``): for each w
 ``W/config.json`` (if written). Writes one PNG (``--out``, default ``W/report.png`` in the
 first run's workdir): top-1 and top-5 against wall time (a log axis in plain seconds where
 one run is over 4x another's length) and against epochs, one colour and marker per run, the
-evaluator's points hollow, each stage switch a dotted vertical line; where the time went,
-one stacked bar per run whose summary.json has a ``time_breakdown``; and the schedule
-against epochs (learning rate, momentum, global batch, image size) computed from the config,
-every step from epoch 0 and each stage's change a step, with the logged values as dots (at
-the epoch where the step that used each began); a run resumed with a changed schedule key,
-from that resume on (a dash-dot line there: config.json holds only the last start's config).
+evaluator's points hollow (the key says so where there are some), each stage switch a
+dotted vertical line; where the time went, one stacked bar per run whose summary.json has a
+``time_breakdown``; and the schedule against epochs (learning rate, momentum, global batch,
+image size) computed from the config, every step from epoch 0 and each stage's change a
+step, with the logged values as dots (at the epoch where the step that used each began); a
+run resumed with a changed schedule key, from that resume on (a dash-dot line there:
+config.json holds only the last start's config).
 Only panels some run has data for, rows filled (no empty slot). The title, wrapped to the
 figure's width, names the config keys that differ between runs and the schedule series a run
 holds fixed: once where every run holds the same value, per run where not (and then not its
 config key as well: ``global_batch`` is the global batch). Prints a markdown table of the
-runs (name, epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s),
-then one of their stages (image size, global batch, steps, the seconds in those steps and
-images/s: a curriculum's stages differ in both, so the run-wide images/s hides the switch),
+runs (name, epochs, steps, best top-1 and top-5, time to target, wall, compile, images/s)
+and a line under it naming the config keys that differ (as the title does), then one of
+their stages (image size, global batch, steps, the seconds in those steps and images/s: a
+curriculum's stages differ in both, so the run-wide images/s hides the switch),
 and writes them beside the PNG (the same path with ``.md``, its first line report's
 ``MARK``); compile time, as summary.json counts it, is what the run waited for
 (``run_records.waited_s``). Time to target is the first eval at or over it among all the
 run's eval records, the evaluator's too, for summary.json's targets and for
 ``--target-top1`` / ``--target-top5`` alike; without the run's compile records (while
-summary.json counts compile time) its time without compilation is ``-``.
+summary.json counts compile time) its time without compilation is ``-``. A summary.json is
+the run's only where it is the latest start's (``run_records.latest_summary``, the
+evaluator's rule): a resumed run leaves the earlier start's there while it runs, and where
+it is killed, and that one counts as none (the row from the records, status ``running or
+killed``).
 
 Report replaces only what it wrote: a FILE.md at ``--out`` whose first line is not report's
 (nor, from before that line, the table's header), or a FILE.png with no such .md beside it,
 is one ``error:`` line, nothing written, unless ``--overwrite``; its own earlier output is
 replaced without a flag. Records known missing from a ``metrics.jsonl`` (lines that do not
-read, but for a killed start's cut last line, which its resume follows; a completed run's
+read, but for a killed start's cut last line, which its resume follows; records that lack a
+field report computes with, ``run_records.whole``: an eval without ``top1``; a completed run's
 records ending before its last step: a file cut short or copied in part) are one
 ``warning:`` line per run, and the figures they would change are ``-``: best top-1/top-5,
 time to target, compile time (summary.json's instead) and the run's stages. One workdir
@@ -39,8 +46,8 @@ given twice is an ``error:`` line.
 
 Reads only: no JAX, no devices; the PNG needs matplotlib (``pip install -e ".[plot]"``). A
 missing workdir or ``metrics.jsonl`` is one ``error:`` line (exit code 2), and so is a
-``summary.json`` or ``config.json`` that does not read (report leaves it as it is; moved
-aside, the run reads from its ``metrics.jsonl`` alone).
+``summary.json`` or ``config.json`` that does not read, or holds no JSON object (report
+leaves it as it is; moved aside, the run reads from its ``metrics.jsonl`` alone).
 """
 
 from __future__ import annotations
@@ -59,7 +66,9 @@ from hybridpar.runtime.run_records import (
     SCHEDULE_KEYS,
     TIME_PARTS,
     RunRecords,
+    latest_summary,
     read_run,
+    resumed_from,
 )
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
@@ -76,6 +85,15 @@ def names(workdirs: list[str]) -> list[str]:
     return [b if base.count(b) == 1 else w for b, w in zip(base, workdirs)]
 
 
+def current(run: RunRecords) -> dict | None:
+    """The run's summary.json where it is the latest start's (``latest_summary``, the
+    evaluator's rule too); None where there is none, and where it is an earlier start's: a
+    resumed run leaves it there while it runs (or where it was killed), and its steps, times
+    and status are not the run's."""
+    started = resumed_from(run.resume[-1]) if run.resume else None
+    return run.summary if run.summary and latest_summary(run.summary, started) else None
+
+
 def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
     """The first eval (in wall time) with ``metric`` at or above ``target``, counted as
     summary.json's ``time_to_target`` is: ``wall_s`` from the start of the run, and
@@ -86,7 +104,7 @@ def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
     if not hits:
         return None
     first = min(hits, key=lambda e: e.wall_s)
-    if not run.compile and (run.summary or {}).get("compile_s"):
+    if not run.compile and (current(run) or {}).get("compile_s"):
         return {"wall_s": first.wall_s, "wall_s_without_compile": None}
     compile_s = sum(c.waited_s for c in run.compile if c.wall_s <= first.wall_s)
     return {"wall_s": first.wall_s, "wall_s_without_compile": first.wall_s - compile_s}
@@ -97,7 +115,7 @@ def targets(run: RunRecords, asked: dict) -> str:
     the run's ``target_top1`` / ``target_top5`` (summary.json's; config.json's while there
     is no summary: a run still training, or killed): timed by one rule either way, from all
     the run's eval records (the evaluator's too, which summary.json's time never counts)."""
-    s = run.summary or run.config or {}
+    s = current(run) or run.config or {}
     cells = []
     for metric in ("top1", "top5"):
         target = asked.get(metric) or s.get(f"target_{metric}")
@@ -114,12 +132,14 @@ def targets(run: RunRecords, asked: dict) -> str:
 
 
 def row(name: str, run: RunRecords, asked: dict) -> dict:
-    """The table's values for one run: from the records, and from summary.json for what only
-    it knows (wall and images/s over every resumed segment, whether the run completed).
+    """The table's values for one run: from the records, and from summary.json (the latest
+    start's: ``current``) for what only it knows (wall and images/s over every resumed
+    segment, whether the run completed).
     ``asked``: ``{"top1": target, "top5": target}`` in place of summary.json's targets.
     Where records are missing (``missing``), what they would change is None: the bests and
     the time to target (a lost eval), and compile time but for summary.json's."""
-    s = run.summary or run.config or {}
+    summary = current(run)
+    s = summary or run.config or {}
     whole = not missing(run)
     records = run.train + run.eval
     top1, top5 = ([getattr(e, k) for e in run.eval] for k in ("top1", "top5"))
@@ -127,8 +147,9 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
     # one source for the compile time and the time to target without it: the records, or
     # where there are none (or some are lost), summary.json's total (and no time without it)
     compile_s = sum(c.waited_s for c in run.compile) if run.compile and whole else None
-    if not run.summary:  # config.json's values stand in, but it says nothing of the end
-        status = "running or killed (no summary.json)"
+    if not summary:  # config.json's values stand in, but it says nothing of the end
+        status = "running or killed " + ("(no summary.json)" if run.summary is None
+                                         else "(summary.json is an earlier start's)")  # fmt: skip
     elif s.get("completed"):
         status = "completed"
     else:
@@ -143,7 +164,7 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
         "best top5": max(top5, default=None) if whole else None,  # each its own best
         "time to target": targets(run, asked) if whole else None,
         "wall s": s.get("wall_s", max((r.wall_s for r in records), default=None)),
-        "compile s": compile_s if compile_s is not None else (run.summary or {}).get("compile_s"),
+        "compile s": compile_s if compile_s is not None else (summary or {}).get("compile_s"),
         "images/s": s.get("train_images_per_s") or (statistics.median(ips) if ips else None),
         "status": status,
     }
@@ -158,7 +179,7 @@ def missing(run: RunRecords) -> str:
     if run.unread:
         lost.append(f"{run.unread} line{'s' * (run.unread > 1)} did not read")
     trainer = run.train + run.checkpoint + [e for e in run.eval if e.source is None]
-    s, last = run.summary or {}, max((r.step for r in trainer), default=0)
+    s, last = current(run) or {}, max((r.step for r in trainer), default=0)
     if s.get("completed") and isinstance(s.get("steps"), int) and last < s["steps"]:
         lost.append((f"its records end at step {last}" if last else "it has no records of steps")
                     + f" but the run at step {s['steps']} (summary.json)")  # fmt: skip
@@ -397,11 +418,12 @@ def figure(runs: list[tuple[str, RunRecords]]):
         runs_legend = [Line2D([], [], color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
                               label=name) for i, (name, _) in enumerate(runs)]  # fmt: skip
         styles = [Line2D([], [], color="grey", linestyle="-", label="top-1"),
-                  Line2D([], [], color="grey", linestyle="--", label="top-5"),
-                  Line2D([], [], color="grey", marker="o", linestyle="none",
-                         label="trainer's eval"),
-                  Line2D([], [], color="grey", marker="o", markerfacecolor="white",
-                         linestyle="none", label="evaluator's eval")]  # fmt: skip
+                  Line2D([], [], color="grey", linestyle="--", label="top-5")]  # fmt: skip
+        if by_evaluator(runs):  # which marker is whose, only where some are the evaluator's
+            styles += [Line2D([], [], color="grey", marker="o", linestyle="none",
+                              label="trainer's eval"),
+                       Line2D([], [], color="grey", marker="o", markerfacecolor="white",
+                              linestyle="none", label="evaluator's eval")]  # fmt: skip
         acc_t.legend(handles=runs_legend, fontsize=7)
         acc_e.legend(handles=styles, fontsize=7)
         acc_e.set_xlabel("epoch")
@@ -447,8 +469,9 @@ def fit(fig, text: str, fontsize: float) -> str:
 
 
 def breakdown(run: RunRecords) -> dict:
-    """summary.json's ``time_breakdown`` (seconds per part), or {} where it has none."""
-    parts = (run.summary or {}).get("time_breakdown") or {}
+    """summary.json's ``time_breakdown`` (seconds per part; the latest start's summary.json,
+    ``current``), or {} where it has none."""
+    parts = (current(run) or {}).get("time_breakdown") or {}
     return {k: float(v or 0.0) for k, v in parts.items()}
 
 
@@ -484,14 +507,20 @@ def wall_axis(ax, ends: list[float]) -> None:
         ax.set_xlabel("wall time (s)")
 
 
+def by_evaluator(runs) -> bool:
+    """Whether some run has the evaluator's evals (drawn hollow: the key says so)."""
+    return any(e.source == "evaluator" for _, run in runs for e in run.eval)
+
+
 def title(runs, schedules, shown: list[str], with_eval: bool) -> str:
     """The key to the accuracy panels, the config keys whose values differ between runs,
     the schedule series each run holds fixed at its own value, and those every run holds
     at one value (once)."""
     lines = []
     if with_eval:
-        lines.append("accuracy: top-1 solid, top-5 dashed, filled markers the trainer's evals, "
-                     "hollow the evaluator's"
+        lines.append("accuracy: top-1 solid, top-5 dashed"
+                     + (", filled markers the trainer's evals, hollow the evaluator's"
+                        if by_evaluator(runs) else "")
                      + ("; dotted lines: stage switches" if any(len(r.stage) > 1 for _, r in runs)
                         else ""))  # fmt: skip
     fixed, per_run, said = [], [], set()
@@ -523,8 +552,8 @@ def differing_keys(runs, most: int = 4, skip=()) -> list[str]:
     keys = sorted({k for c in flat.values() for k in c} - set(skip))
     differ = [k for k in keys if len({repr(c.get(k)) for c in flat.values()}) > 1]
 
-    def short(v):
-        text = "-" if v is None else str(v)
+    def short(v):  # None: the run's config.json has no such key
+        text = "-" if v is None else "''" if v == "" else str(v)
         return text if len(text) <= 30 else text[:29] + "…"
 
     out = [f"{k} (" + ", ".join(f"{n} {short(c.get(k))}" for n, c in flat.items()) + ")"
@@ -558,7 +587,7 @@ def time_breakdown(ax, runs: list[tuple[str, RunRecords]]) -> None:
                 hatch="//" * (j >= 10), label=part, edgecolor="white")  # fmt: skip
         left = [a + w for a, w in zip(left, widths)]
     for y, ((name, run), total) in enumerate(zip(runs, left)):
-        goodput = run.summary.get("goodput")
+        goodput = current(run).get("goodput")
         if goodput is None and total:
             goodput = float(parts[name].get("train") or 0.0) / total
         if goodput is not None:
@@ -623,6 +652,9 @@ def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
     for w, (_, run) in zip(workdirs, runs):
         warn_missing(w, run)
     table = markdown([row(name, run, asked or {}) for name, run in runs])
+    differ = differing_keys(runs)  # as the PNG's title names them
+    if differ:
+        table += "\nruns differ in: " + "; ".join(differ) + "\n"
     stages = [r for name, run in runs for r in stage_rows(name, run)]
     if stages:
         table += "\n" + STAGES_NOTE + "\n\n" + markdown(stages, STAGE_COLUMNS)
@@ -644,8 +676,9 @@ def main(argv=None) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.report",
         (
-            "Compare training runs from their records: one plot of accuracy against time and "
-            "epochs, and a table."
+            "Compare training runs from their records: one PNG (accuracy against wall time and "
+            "epochs, where the time went, the schedule against epochs) and tables of the runs "
+            "and their stages."
         ),
         takes_config=False,
     )
@@ -671,8 +704,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)  # argparse reads sys.argv[1:] itself when None
     asked = {"top1": args.target_top1, "top5": args.target_top5}
     for metric, target in asked.items():
-        if target is not None and not 0 < target <= 1:
+        if target is not None and target > 1:
             cli.fail(f"--target-{metric}={target:g} is a fraction: use e.g. 0.93, not 93")
+        if target is not None and target <= 0:
+            cli.fail(f"--target-{metric}={target:g} must be in (0, 1]: the {metric} to time "
+                     "each run to, e.g. 0.93")  # fmt: skip
     seen: dict = {}
     for w in args.workdirs:  # one run twice: two identical rows
         if os.path.realpath(w) in seen:
