@@ -11,12 +11,20 @@ import os
 import time
 
 import jax
+from tensorboardX.event_file_writer import EventsWriter
+from tensorboardX.proto.event_pb2 import Event, SessionLog
+from tensorboardX.summary import scalar
 
 from hybridpar.runtime import run_records
 
 
 class MetricsWriter:
-    def __init__(self, workdir: str, start_time: float | None = None):
+    def __init__(
+        self, workdir: str, start_time: float | None = None, purge_step: int | None = None
+    ):
+        """``purge_step``: the first step this start records again (a resumed one's steps
+        after its checkpoint; 0 for a start again without one): TensorBoard drops the points
+        an earlier start wrote from that step on."""
         self.workdir = workdir
         self.start = time.time() if start_time is None else start_time
         self.active = jax.process_index() == 0
@@ -30,9 +38,13 @@ class MetricsWriter:
                 # it, so it stays one line that readers skip instead of swallowing the
                 # resumed run's first record.
                 self._jsonl.write("\n")
-            from tensorboardX import SummaryWriter  # lazy: only the writing process needs it
-
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+            # tensorboardX's event file itself, flushed with each line: its SummaryWriter's
+            # thread flushes every 120 s (a kill lost that much, and TensorBoard lagged as
+            # long), and its flush() does not wait for that thread to write the last events
+            os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+            self._tb = EventsWriter(os.path.join(workdir, "tb", "events"))
+            if purge_step is not None:  # what SummaryWriter(purge_step=...) writes
+                self._tb_event(purge_step, session_log=SessionLog(status=SessionLog.START))
 
     def wall_s(self) -> float:
         return time.time() - self.start
@@ -44,10 +56,13 @@ class MetricsWriter:
         rec = run_records.make(event, step=step, epoch=epoch, **values, **stamp)
         if self.active:
             self._jsonl.write(run_records.to_line(rec))
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                    self._tb.add_scalar(f"{event}/{k}", v, int(step))
+            for tag, v in scalars(event, values).items():
+                self._tb_event(int(step), summary=scalar(tag, v))
+            self._tb.flush()
         return run_records.to_dict(rec)
+
+    def _tb_event(self, step: int, **what) -> None:
+        self._tb.write_event(Event(wall_time=time.time(), step=step, **what))
 
     def summary(self, values: dict) -> None:
         if self.active:
@@ -57,6 +72,21 @@ class MetricsWriter:
         if self.active:
             self._jsonl.close()
             self._tb.close()
+
+
+def scalars(event: str, values: dict) -> dict:
+    """TensorBoard's ``{tag: value}`` for an ``event`` line: its finite numbers. A compile
+    line's go under its program's tag (``compile/train_batch32_size8/compile_s``): a run
+    compiles several programs at the same step, which one tag would mix up."""
+    group = event
+    if event == "compile":
+        group = f"compile/{values['program']}_batch{values['batch']}_size{values['image_size']}"
+        values = {k: v for k, v in values.items() if k not in ("batch", "image_size")}
+    return {
+        f"{group}/{k}": v
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def _ends_mid_line(path: str) -> bool:

@@ -858,7 +858,10 @@ def start(run: Run, hooks) -> Training:
     # it: this segment started that much earlier
     saving, lost = after_checkpoint(recorded, loop.wall_s, resumed)
     clock.add({k: v for k, v in (("checkpoint", saving), ("lost", lost)) if v})
-    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s - saving - lost)
+    # TensorBoard drops an earlier start's points of the steps this one records again (those
+    # after the checkpoint; all of them without one, as the resume line says below)
+    purge = resumed + 1 if resumed is not None else (0 if recorded else None)
+    writer = MetricsWriter(run.workdir, run.start_time - loop.wall_s - saving - lost, purge)
     # an earlier segment's records after the checkpoint (all of them, without one) are
     # superseded from here: a start stopped before its first step leaves some too
     if resumed is not None or recorded:
