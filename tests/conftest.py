@@ -4,6 +4,7 @@ before JAX initialises."""
 import atexit
 import os
 import shutil
+import signal
 import tempfile
 
 from xla_flags import cpu_flags
@@ -35,6 +36,19 @@ assert jax.device_count() == 8, f"tests need 8 virtual CPU devices, got {jax.dev
 
 
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _stop_handlers_back():
+    """Each test hands the stop signals' handlers back as it found them: the train command
+    run in this process leaves SIGTERM with its ``EarlyStop`` after a run (by design: the
+    process exits next), and a later test's handlers then handed signals back to that one
+    (a failure that depended on which tests an xdist worker ran before)."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    yield
+    for s, h in before.items():
+        if h is not None and signal.getsignal(s) is not h:
+            signal.signal(s, h)
 
 
 @pytest.fixture(scope="session")

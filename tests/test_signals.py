@@ -37,6 +37,24 @@ def test_sighup_takes_sigterms_path_and_every_handler_is_handed_back():
     assert {s: signal.getsignal(s) for s in signals.SIGNALS} == before
 
 
+def test_a_second_run_in_a_process_does_not_take_an_ended_runs_handler_as_its_own():
+    """After a run ends, SIGTERM stays with its command's ``EarlyStop`` (marked ended) until
+    the process exits. A second run in the process took that one as its own command's, and
+    its end then gave SIGINT and SIGHUP to it as well (a Ctrl-C after it exited 0 without a
+    word). Planted bug that fails it: ``install`` taking any ``EarlyStop``."""
+    before = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    first = signals.EarlyStop()
+    one = signals.Preemption().install()
+    one.uninstall(ended=True)
+    first.restore()
+    assert signal.getsignal(signal.SIGTERM) is first  # the first run's, ended
+    two = signals.Preemption().install()
+    two.uninstall(ended=True)
+    after = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    assert after == before | {signal.SIGTERM: after[signal.SIGTERM]}, after
+    assert after[signal.SIGTERM] in (first, before[signal.SIGTERM])
+
+
 def test_a_sighup_ignored_by_nohup_stays_ignored():
     """``nohup`` says to go on when the terminal goes: no handler here takes SIGHUP then,
     and the others are taken and handed back as before."""

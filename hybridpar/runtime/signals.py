@@ -362,7 +362,9 @@ class Preemption:
         if single and threading.current_thread() is threading.main_thread():
             for s in taken(self.SIGNALS):
                 previous = signal.signal(s, self._handler)
-                if isinstance(previous, EarlyStop):  # its job (before the loop) is over
+                # its job (before the loop) is over; one whose run ended is an earlier
+                # run's in this process, not this run's command's
+                if isinstance(previous, EarlyStop) and not previous.run_ended:
                     self._early, previous = previous, previous.replaced(s)
                 while isinstance(previous, EarlyStop) and previous.run_ended:
                     previous = previous.replaced(s)  # an earlier run's in this process
