@@ -21,7 +21,7 @@ import itertools
 import os
 from typing import Callable, Iterator
 
-from hybridpar.config.errors import ConfigError, DataError
+from hybridpar.config.errors import ClassCountError, ConfigError, DataError
 from hybridpar.input import arrays
 
 
@@ -221,9 +221,10 @@ def _pipeline(c, pi, pc, shape, stage_sizes=None) -> Data:
         train = TfdsPipeline(d.tfds_name, d.train_split, **kw, **common)
         test = TfdsPipeline(d.tfds_name, d.eval_split, **kw, **common)
     if train.num_classes != d.num_classes:
-        raise DataError(
+        raise ClassCountError(
             f"the data has {train.num_classes} classes but data.num_classes={d.num_classes}; "
-            f"set --config.data.num_classes={train.num_classes}"
+            f"set --config.data.num_classes={train.num_classes}",
+            train.classes,
         )
     spe = train.steps_per_epoch(c.global_batch)
     if spe == 0:

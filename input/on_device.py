@@ -45,7 +45,7 @@ import warnings
 
 import numpy as np
 
-from hybridpar.config.errors import ConfigError, DataError
+from hybridpar.config.errors import ClassCountError, ConfigError, DataError
 from hybridpar.input import arrays
 
 CACHE_FORMAT = "hybridpar-on-device-v2"  # v2: the counts of the data event, classes_from
@@ -602,9 +602,10 @@ def _images(c, size: int, mesh):
         raise
     (train, tm), (test, em) = out[d.train_split], out[d.eval_split]
     if len(tm["classes"]) != d.num_classes:
-        raise DataError(
+        raise ClassCountError(
             f"the data has {len(tm['classes'])} classes but data.num_classes={d.num_classes}; "
-            f"set --config.data.num_classes={len(tm['classes'])}"
+            f"set --config.data.num_classes={len(tm['classes'])}",
+            tm["classes"],
         )
     info = {
         "source": d.source,

@@ -28,6 +28,16 @@ class DataError(ConfigError):
     """Data that does not match the config (classes, shapes, splits) or cannot be read."""
 
 
+class ClassCountError(DataError):
+    """The data has another number of classes than ``data.num_classes``; ``classes``: the
+    data's class names in label order (a tool reading a trained run names the labels that
+    moved since it trained, which is what such a count means there)."""
+
+    def __init__(self, message: str, classes: list):
+        super().__init__(message)
+        self.classes = list(classes)
+
+
 class WorkdirError(ConfigError):
     """A workdir or checkpoint directory that cannot be used: not writable, another
     config's run, held by another trainer, or holding checkpoints that do not read back."""

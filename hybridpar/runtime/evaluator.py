@@ -476,9 +476,10 @@ def run(
     if stop is not None:
         stop.release = release
     try:
-        # workdir None: none of the trainer's workdir checks and writes (we only read there)
+        # workdir None: none of the trainer's workdir checks and writes (we only read there);
+        # reads: the data must have the classes the run trained on
         try:
-            r = setup(config, None, devices=devices, for_training=False)
+            r = setup(config, None, devices=devices, for_training=False, reads=workdir)
         except MeshSpecError as e:
             if runs_mesh:
                 raise ConfigError(f"the run's {e} (the mesh it trained on, from its config; "

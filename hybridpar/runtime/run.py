@@ -29,6 +29,7 @@ from hybridpar.config.curriculum import (
     plan_stages,
     stages_from_config,
 )
+from hybridpar.config.errors import ClassCountError
 from hybridpar.config.schema import eval_split_of, top5_says_nothing, unused_settings, validate
 from hybridpar.parallel import comm, distributed
 from hybridpar.parallel.mesh import data_parallel_size, make_mesh
@@ -114,6 +115,7 @@ def _setup(
     recompile: bool = False,
     for_training: bool = True,
     tune_folder: str | None = None,
+    reads: str | None = None,
 ) -> Run:
     """Everything before the first step, in the order data flows; every check that needs no
     device comes first (``validate``, in ``setup``, then what the workdir holds), so a bad
@@ -125,7 +127,9 @@ def _setup(
     ``tune_folder``: the kind of tune folder (``run_config.tune_files``) the caller sets a
     run up in, its own (tune lr's test): any other kind is refused as not a run's folder.
     ``for_training``: False for tools that never train (the evaluator, quantize): a run's
-    ``init_from`` and distillation teacher need not be there any more."""
+    ``init_from`` and distillation teacher need not be there any more. ``reads``: the workdir
+    of the trained run a tool reads the checkpoints of (the evaluator, quantize): the data
+    must have the classes that run trained on, as for a distillation teacher's run."""
     start = time.time()
     finished = None
     if config.distributed:
@@ -189,7 +193,11 @@ def _setup(
     # ---- Data: host-local batches, and so the steps each stage runs ----
     data, steps_for = None, nominal_steps(config)  # compile-only: the nominal split
     if with_data:
-        data = open_data(config, mesh, stages)
+        # the runs whose checkpoints meet this data: their outputs are labels of their classes
+        trained_runs = [reads] if reads else []
+        if for_training and config.distill.teacher_workdir:
+            trained_runs.append(config.distill.teacher_workdir)
+        data = open_data(config, mesh, stages, trained_runs)
         steps_for = data.steps_for
     plan = plan_stages(stages, steps_for, data_parallel=dp)
     if data is not None:
@@ -253,20 +261,32 @@ def moot_on_mesh(config, mesh) -> list[str]:
     return out
 
 
-def open_data(config, mesh, stages: list[Stage]):
+def open_data(config, mesh, stages: list[Stage], trained_runs=()):
     """The run's ``datasets.Data``; an on-device set is stored at the image sizes of
-    ``stages`` (the plan's), not those of the config's stage string read again."""
+    ``stages`` (the plan's), not those of the config's stage string read again.
+    ``trained_runs``: the workdirs of trained runs whose checkpoints read this data (the
+    one a tool reads, a distillation teacher): it must have the classes each trained on
+    (``trained.check_classes``). A class folder added or removed since is said as that,
+    first, not as a data.num_classes to set: the run's checkpoint has the old count."""
     from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
     from hybridpar.input.prepare import remove_partial_files
+    from hybridpar.runtime import trained
 
     sizes = sorted({s.image_size for s in stages})
     # A stop before the first step ends the process at once (EarlyStop): a first-use
     # prepare's staging copy (as large as a compressed tar's data) goes with it.
     forget = signals.on_early_stop(remove_partial_files)
     try:
-        return make_data(config, jax.process_index(), jax.process_count(), mesh, sizes)
+        data = make_data(config, jax.process_index(), jax.process_count(), mesh, sizes)
+    except ClassCountError as e:
+        for workdir in trained_runs:  # its count was the run's: its classes changed since
+            trained.check_classes(workdir, {"classes": e.classes})
+        raise
     finally:
         forget()
+    for workdir in trained_runs:
+        trained.check_classes(workdir, data.info)
+    return data
 
 
 def warn_schedule(config) -> None:

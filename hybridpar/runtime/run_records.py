@@ -244,6 +244,39 @@ def read_records(
     return records, offset + end
 
 
+def last_data(recs):
+    """The run's last start's ``data`` record (the data it trained on), or None."""
+    return next((r for r in reversed(recs) if r.event == "data"), None)
+
+
+def check_same_classes(last, info: dict, step: int | None, directory: str) -> None:
+    """The class names, in label order, of the last ``data`` record (the run's last start)
+    against the data opened now: a class folder renamed, added or removed since moves labels
+    (label 1 was 'bird', now 'cat'), and the checkpoint's outputs would be trained on, or
+    scored against, in the new meaning, with no word. ``step``: the checkpoint a resume
+    restored, from ``directory``; None where a tool reads the trained run in ``directory``
+    (the evaluator, quantize, a distillation teacher: ``trained.check_classes``)."""
+    before, now = last and last.classes, info.get("classes")
+    if not before or not now or list(before) == list(now):
+        return
+    old = list(before)
+    moved = [f"label {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(old, now)) if a != b]
+    moved = f"{'; '.join(moved[:3])}{'; ...' if len(moved) > 3 else ''}"
+    if len(old) != len(now):  # first: a folder added moves every label after it
+        moved = f"{len(old)} -> {len(now)} classes" + (f"; {moved}" if moved else "")
+    if step is None:
+        raise WorkdirError(
+            f"the classes changed since run {directory!r} trained ({moved}): its checkpoint "
+            "learned the old labels; restore the class folders as they were, or train the "
+            "new classes in a new --workdir"
+        )
+    raise WorkdirError(
+        f"the classes changed since the run's last start ({moved}): the checkpoint at step "
+        f"{step} in {directory} learned the old labels; restore the class folders as they "
+        "were, or train the new classes in a new --workdir"
+    )
+
+
 # The config keys an LR schedule reads: the optimizer's, the run's length and its batches
 # (with stages given per device, the mesh sets the global batch). A resume's changed_keys
 # among them moved the schedule (the trainer's warning, report's LR panel).

@@ -22,7 +22,7 @@ from hybridpar.parallel.mesh import data_parallel_size, make_mesh
 from hybridpar.parallel.partitioning import batch_sharding, replicated
 from hybridpar.program.program import build_program
 from hybridpar.program.steps import FlipAveraged, logits_in, normalize
-from hybridpar.runtime import checkpoint, checkpoint_dirs, run_config
+from hybridpar.runtime import checkpoint, checkpoint_dirs, run_config, run_records
 
 
 def load_config(workdir: str, overrides=(), caller: str | None = None):
@@ -163,6 +163,19 @@ class TrainedRun:
         return jax.device_get(meta.unbox(v["params"])), jax.device_get(meta.unbox(v["batch_stats"]))
 
 
+def check_classes(workdir: str, info: dict) -> None:
+    """The data a tool opened to read the run in ``workdir`` with (``info``: its ``Data``'s)
+    has the classes that run trained on, in the same label order (its records' last ``data``
+    line), else the ``WorkdirError`` that names the labels that moved: a class folder renamed
+    or added since moves labels, and the checkpoint's outputs would be scored against (or
+    distilled into) labels of another meaning. A run without such a record (another source,
+    a pruned run) is not checked, nor a ``workdir`` that is no folder (its reader says so)."""
+    if not os.path.isdir(workdir):
+        return
+    recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
+    run_records.check_same_classes(run_records.last_data(recs), info, None, workdir)
+
+
 def init_source(path: str, prog) -> TrainedRun:
     """The run in ``path`` (``init_from``), placed like ``prog``'s state; its shapes must be
     ``prog``'s model's, checked before any weight is read (the trainer asks in set-up, so a
@@ -214,7 +227,7 @@ def unfinished(workdir: str) -> dict | None:
     training), else its summary.json is missing (its training has not ended) or says it
     stopped before its last step. A pruned run (``is_pruned``: at step 0 by design)
     is None. compress refuses such a teacher; quantize and prune warn."""
-    from hybridpar.runtime import run_records, workdir_lock
+    from hybridpar.runtime import workdir_lock
 
     if workdir_lock.held(workdir):
         h = workdir_lock.holder(workdir_lock.path(workdir))

@@ -45,6 +45,7 @@ from hybridpar.runtime.run import (
     program_name,
     start_position,
 )
+from hybridpar.runtime.run_records import check_same_classes, last_data
 
 # ---- The loop's state ---------------------------------------------------------------------------
 
@@ -126,11 +127,6 @@ class Clock:
         return {k: self.parts.get(k, 0.0) + running.get(k, 0.0) for k in self.parts | running}
 
 
-def last_data(recs):
-    """The run's last start's ``data`` record (the data it trained on), or None."""
-    return next((r for r in reversed(recs) if r.event == "data"), None)
-
-
 def train_examples_change(last, info: dict) -> list | None:
     """``[before, now]``: the training examples of the last start's ``data`` record
     against the data this start opened, where they differ."""
@@ -143,27 +139,6 @@ def train_files_changed(last, info: dict) -> bool:
     split's ``train_fingerprint`` differs (a record without one compares as unknown)."""
     before, now = last and last.train_fingerprint, info.get("train_fingerprint")
     return bool(before and now and before != now)
-
-
-def check_same_classes(last, info: dict, step: int, directory: str) -> None:
-    """The class names, in label order, of the last ``data`` record (the run's last start)
-    against the data this start opened: a class folder renamed, added or removed between
-    starts moves labels (label 1 was 'bird', now 'cat'), and the checkpoint's head would
-    train on the new meaning of its old outputs, with no word (the example count alone
-    was compared)."""
-    before, now = last and last.classes, info.get("classes")
-    if not before or not now or list(before) == list(now):
-        return
-    old = list(before)
-    moved = [f"label {i}: {a!r} -> {b!r}" for i, (a, b) in enumerate(zip(old, now)) if a != b]
-    if len(old) != len(now):
-        moved.append(f"{len(old)} -> {len(now)} classes")
-    raise WorkdirError(
-        f"the classes changed since the run's last start ({'; '.join(moved[:3])}"
-        f"{'; ...' if len(moved) > 3 else ''}): the checkpoint at step {step} in {directory} "
-        "learned the old labels; restore the class folders as they were, or train the new "
-        "classes in a new --workdir"
-    )
 
 
 def furthest_step(recs) -> int:
