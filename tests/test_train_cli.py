@@ -640,7 +640,7 @@ def test_a_folder_with_a_summary_but_no_run_is_refused_and_kept(tmp_path):
     (w / "summary.json").unlink()
     assert run_config.check_run(str(w), cli.load(DIGITS)) is None  # the control: a new run
     (w / "config.json").write_text("[1, 2]")  # JSON, but no config (was an AttributeError)
-    with pytest.raises(WorkdirError, match="config.json holds a list, not a run's config"):
+    with pytest.raises(WorkdirError, match=r"config.json' \(it holds \[1, 2\], not a JSON object"):
         run_config.check_run(str(w), cli.load(DIGITS))
 
 

@@ -157,13 +157,7 @@ def of_workdir(workdir: str, config) -> dict | None:
     if held:
         return held[1]
     path = os.path.join(workdir, "config.json")
-    saved = read_json(path)
-    if saved is not None and not isinstance(saved, dict):  # JSON, but no config
-        raise WorkdirError(
-            f"{path} holds a {type(saved).__name__}, not a run's config: move it away (or "
-            "use a new --workdir) to start a run there"
-        )
-    return saved
+    return read_json(path)  # JSON but no object, too, is its error
 
 
 # What a workdir may hold, as tune names it: a run of the trainer, or tune's own study or
