@@ -123,6 +123,32 @@ def test_tools_that_read_their_runs_config_refuse_and_do_not_advertise_config(
 
 
 @pytest.mark.parametrize(
+    "tool,extra",
+    [("quantize", []), ("quantize", ["--config", DIGITS]), ("compress", ["--budget-kb", "100"]),
+     ("compress", ["--budget-kb", "100", "--config", DIGITS]),
+     ("prune", ["--out", "p", "--fraction", "0.5"])],
+    ids=["quantize", "quantize-config", "compress", "compress-config", "prune"],
+)  # fmt: skip
+def test_a_workdir_that_is_a_file_is_said_to_be_one(tmp_path, capsys, monkeypatch, tool, extra):
+    """A --workdir that names a file: one line saying so, not that the file's config.json
+    cannot be read (Not a directory) and to pass a --config. Planted bug that fails it: the
+    tools without their check of --workdir."""
+    import importlib
+
+    module = importlib.import_module(f"hybridpar.tools.{tool}")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as e:
+        module.main(["--workdir", "afile", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [
+        "error: --workdir afile is a file, not a run's folder: pass the folder the training "
+        "run wrote (the --workdir of python -m hybridpar.train)"
+    ], err
+    assert sorted(os.listdir(tmp_path)) == ["afile"]  # nothing written
+
+
+@pytest.mark.parametrize(
     "body,says",
     [
         ("def get_config():\n    return 5\n", "returned a int, not a config"),

@@ -9,7 +9,7 @@ hybridpar.compress``).
 * A 50%-pruned model has the shapes of the ResNet its width keys build; a consumer left
   unpruned is rejected.
 * On a tiny trained digits run: the pruned run trains from its weights and evaluates through
-  ``python -m hybridpar.prune`` and ``python -m hybridpar.train``; the teacher's widths with
+  ``python -m hybridpar.prune`` and the train command it prints; the teacher's widths with
   the pruned weights are an ``error:`` line.
 * The distillation step on 8 devices computes what one device does.
 * Distillation's loss and gradient are Hinton's, T^2 included, at several temperatures;
@@ -20,7 +20,8 @@ hybridpar.compress``).
   round that meets the budget (of the int8 weights, or of the LiteRT file: a tiny
   teacher's file-budget round writes a model.tflite within it; a file budget under the
   smallest file is an ``error:``), exits 3 where none does, refuses a teacher still training
-  or unfinished, a loop of another teacher step, and a second loop on the same workdir.
+  or unfinished, a loop of another teacher step, and a second loop on the same workdir;
+  its results' paths hold from any working directory.
 * The loop resumes a round stopped by SIGTERM, and bad input is one ``error:`` line.
 """
 
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import DIGITS, NO_LLVM_OPT_FLAG, config_args, cpu_env, random_variables, tiny_digits
+from helpers import DIGITS, NO_LLVM_OPT_FLAG, cpu_env, random_variables, tiny_digits
 
 from hybridpar.models.airbench import AirbenchNet
 from hybridpar.models.resnet import ResNet50, ResNetTiny
@@ -211,16 +212,19 @@ def _fake_teacher(path):
     return path
 
 
-def _fake_rounds(monkeypatch, drops=None):
+def _fake_rounds(monkeypatch, drops=None, previous=None):
     """Each round's work (prune, distil, quantize) replaced by a report of ``_fake_bytes``
     at its fraction and a top-1 ``drops[index]`` points under the teacher's (default 0);
-    returns the list of ``(index, keep)`` of the rounds made."""
+    returns the list of ``(index, keep)`` of the rounds made. ``previous``: a list that
+    gets the run each round after round 0 would prune (the previous row's ``run``)."""
     from hybridpar.tools import compress
 
     made = []
 
     def make_round(config, args, index, keep, rd, rows, reference, log):
         made.append((index, keep))
+        if previous is not None and index > 0:
+            previous.append(rows[-1]["run"])
         top1 = 0.9 - (drops or {}).get(index, 0.0) / 100
         ev = {"float": {"top1": 0.9 if index == 0 else top1},
               "int8": {"top1": top1, "examples": 360}}  # fmt: skip
@@ -229,7 +233,8 @@ def _fake_rounds(monkeypatch, drops=None):
                   "flops_per_image": 1, "latency_ms": {"int8_batch1_ms": 1.0},
                   "step": FAKE_STEP if index == 0 else 0,
                   "litert": {"file_bytes": file_bytes, "file_kb": round(file_bytes / 1000, 1),
-                             "latency_ms": 0.25, "top1": top1 - 1 / 360}}  # fmt: skip
+                             "latency_ms": 0.25, "top1": top1 - 1 / 360},
+                  "litert_input": {"classes": [str(i) for i in range(10)]}}  # fmt: skip
         return report, args.workdir if index == 0 else os.path.join(rd, "run")
 
     monkeypatch.setattr(compress, "teacher_size", _fake_size)
@@ -497,6 +502,40 @@ def test_the_result_says_which_images_chose_and_measured_it(tmp_path, monkeypatc
     assert compress.top1_se(old["top1"], None) is None
 
 
+def test_the_results_paths_hold_from_any_working_directory(tmp_path, monkeypatch):
+    """A loop made with a relative --workdir, then continued from another working
+    directory with the absolute one: result.json keeps absolute paths, and what the second
+    call prints and prunes from are paths that exist from where it runs, also for a
+    result.json written before they were absolute (relative to the first call's working
+    directory). Planted bug that fails it: the paths as the first call built them. Each
+    result.json carries the class names in label order, as its quantize report has them."""
+    (tmp_path / "a").mkdir()
+    w = _fake_teacher(tmp_path / "a" / "t")
+    previous = []
+    made = _fake_rounds(monkeypatch, previous=previous)
+    monkeypatch.chdir(tmp_path / "a")
+    assert _main("t", "--budget-kb", "60")[0] == 0 and len(made) == 2, made
+    root = w / "compress"
+    rows = [json.loads((root / f"round_0{i}" / "result.json").read_text()) for i in (0, 1)]
+    assert rows[1]["exported"] == str(root / "round_01" / "quantized" / "model.jax_exported")
+    assert rows[0]["run"] == str(w) and rows[1]["run"] == str(root / "round_01" / "run")
+    assert rows[1]["classes"] == [str(i) for i in range(10)], rows[1]
+    for i, row in enumerate(rows):  # as a result.json from before: the first call's cwd's
+        row.update(exported=os.path.relpath(row["exported"]), run=os.path.relpath(row["run"]))
+        (root / f"round_0{i}" / "result.json").write_text(json.dumps(row))
+    elsewhere = tmp_path / "b"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    code, out, err = _main(w, "--budget-kb", "40")
+    assert code == 0 and made[2:] == [(2, 0.628)], (made, err)
+    assert previous[-1] == str(root / "round_01" / "run"), previous  # round 1's run, from here
+    chosen = [x for x in out if x.startswith("smallest within")]
+    model = root / "round_02" / "quantized" / "model.jax_exported"
+    assert chosen[0].endswith(f"int8 model {model}, LiteRT file {model.parent / 'model.tflite'}")
+    code, again, _ = _main(w, "--budget-kb", "40")  # every row read back: the same paths
+    assert code == 0 and len(made) == 3 and again[-2:] == out[-2:], (again, out)
+
+
 def test_a_round_an_earlier_call_stopped_counts_both_calls_time(tmp_path, monkeypatch):
     """Round 1's distillation ran 50 s in a call that was stopped (its run's records); the
     call that finishes it counts them in the round's seconds and the loop's total. Planted
@@ -617,15 +656,18 @@ def test_a_loop_of_another_teacher_step_is_not_reused(tmp_path, monkeypatch):
     assert code == 2 and len(made) == 3 and "at step 40" in err[0], err
 
 
-@pytest.mark.parametrize("state", ["training", "no-summary", "stopped", "pruned", "pruned-old"])
+@pytest.mark.parametrize("state", ["training", "training-no-checkpoint", "no-summary", "stopped",
+                                   "pruned", "pruned-old"])  # fmt: skip
 def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
     from hybridpar.runtime import workdir_lock
 
     w = _fake_teacher(tmp_path / "t")
     made = _fake_rounds(monkeypatch)
     lock = None
-    if state == "training":  # a trainer holds the workdir (its summary: the last segment's)
-        lock = workdir_lock.acquire(str(w))
+    if state.startswith("training"):  # a trainer holds the workdir (its summary: the last
+        lock = workdir_lock.acquire(str(w))  # segment's)
+        if state == "training-no-checkpoint":  # before its first: not "train it first"
+            (w / "checkpoints" / str(FAKE_STEP)).rmdir()
     elif state == "no-summary":
         (w / "summary.json").unlink()
     elif state.startswith("pruned"):  # as prune writes a run: a step-0 checkpoint, no records
@@ -644,10 +686,13 @@ def test_a_teacher_not_finished_is_refused(tmp_path, monkeypatch, state):
     assert code == 2 and made == [], (out, err)
     pruned = "is a pruned run (python -m hybridpar.prune's, at step 0, never trained)"
     message = {"training": "is still training", "no-summary": "has no summary.json",
+               "training-no-checkpoint": "is still training",
                "stopped": "stopped at step 12 of 40", "pruned": pruned,
                "pruned-old": pruned}[state]  # fmt: skip
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
     assert ("resumes it" in err[0]) == (state in ("no-summary", "stopped")), err
+    # still training: compress waits for its end, whether or not it has a checkpoint yet
+    assert ("once its training has ended" in err[0]) == state.startswith("training"), err
     assert not (w / "compress").exists()
 
 
@@ -793,7 +838,11 @@ def teacher(tmp_path_factory):
 
 def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, capsys,
                                                           monkeypatch):  # fmt: skip
+    import shlex
     import shutil
+
+    from hybridpar.config import cli
+    from hybridpar.runtime import run_config, workdir_lock
 
     # the teacher as a run stopped before its end (its summary says so): pruned with a
     # warning that names the step read and the run's steps, recorded in pruned.json
@@ -808,7 +857,6 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     prune.main(["--workdir", str(t), "--out", "p", "--fraction", "0.5"])
-    monkeypatch.undo()
     out = capsys.readouterr()
     warning = [x for x in out.out.splitlines() if x.startswith("warning:")]
     assert warning == [
@@ -820,18 +868,39 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
     assert record["source_unfinished"]["why"] == "stopped at step 66 of 132", record
     widths = json.loads((p / "config.json").read_text())["model"]
     assert widths["stage_widths"] == [4, 8, 16, 32] and widths["stem_width"] == 4
-    base = [sys.executable, "-m", "hybridpar.train", "--config", DIGITS,
-            *config_args({**{k: v for k, v in LONGER.items()}, "num_epochs": 0.5})]  # fmt: skip
+    # the train command it prints: with the run's config file, it is the pruned run's config
+    # (the run's own overrides too, not the widths alone) started from its weights
+    lines = out.out.splitlines()
+    said = lines.index(next(x for x in lines if x.startswith("wrote p: ")))
+    assert "train it with the run's own config file as CONFIG" in lines[said], lines
+    command = shlex.split(lines[said + 1])
+    assert command[:7] == ["python", "-m", "hybridpar.train", "--config", "CONFIG",
+                           "--workdir", "NEW_DIR"], command  # fmt: skip
+    assert command[-1] == "--config.init_from=p", command
+    overrides = [tuple(a[len("--config."):].split("=", 1)) for a in command[7:]]
+    c = cli.load(DIGITS, overrides)
+    saved = json.loads((p / "config.json").read_text())
+    assert run_config.differences(saved, run_config.config_dict(c), free=("tune.",)) == [
+        ("init_from", "", "p")]  # fmt: skip
+    # a run still training (no summary yet): the warning names the run's steps too, from
+    # its records (planted bug that fails it: the summary's alone)
+    (t / "summary.json").unlink()
+    lock = workdir_lock.acquire(str(t))
+    try:
+        prune.main(["--workdir", str(t), "--out", "p2", "--fraction", "0.5"])
+    finally:
+        lock.release()
+    warning = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning:")]
+    assert len(warning) == 1 and " is still training (pid " in warning[0], warning
+    assert warning[0].endswith("pruned its checkpoint at step 66 of the run's 66 steps, not a "
+                               "finished model"), warning  # fmt: skip
+    # ... and the command trains: shortened to 0.5 epochs, in a new folder
     w = tmp_path / "s"
-    ok = subprocess.run(
-        [*base, "--workdir", str(w), f"--config.init_from={p}",
-         f"--config.model.stem_width={widths['stem_width']}",
-         f"--config.model.stage_widths={tuple(widths['stage_widths'])}",
-         f"--config.model.block_widths={tuple(widths['block_widths'])}",
-         *config_args({"model.num_filters": 8, "data.image_size": 16, "global_batch": 32,
-                       "eval_batch": 120})],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    argv = [DIGITS if a == "CONFIG" else str(w) if a == "NEW_DIR" else a for a in command[3:]]
+    ok = subprocess.run([sys.executable, "-m", "hybridpar.train", *argv,
+                         "--config.num_epochs=0.5"], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    monkeypatch.undo()
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "done: top1" in ok.stdout, ok.stdout[-2000:]
     summary = json.loads((w / "summary.json").read_text())

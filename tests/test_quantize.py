@@ -12,7 +12,9 @@
   holds what it ran with.
 * A workdir without a checkpoint, a checkpoint of another config and an existing
   ``quantized/`` without ``--overwrite`` are ``error:`` lines.
-* The report says how to feed the LiteRT file (its input and output as the file has them);
+* The report says how to feed the LiteRT file (its input and output as the file has them,
+  the class names in label order; for an images run, pixels in words that make the eval
+  pipeline's again);
   the StableHLO file is exported for CPU, GPU and TPU; a run still training is quantized
   with a ``warning:`` line naming its step; a killed quantize's leftovers are cleared and
   its old results never lost; Ctrl-C while it writes (even inside a gc callback) stops it
@@ -341,8 +343,9 @@ def test_exported_model_equals_in_process(quantized):
 
 def test_the_report_says_how_to_feed_the_litert_file(quantized):
     """``litert_input``: the file's input (NHWC uint8 pixels, batch 1) and output (float32
-    logits) as the interpreter reads them, a batch resized as it says runs, and the
-    lines: a progress line before the timing and the conversion, no warning."""
+    logits) as the interpreter reads them, the class names in label order (digits': 0..9),
+    a batch resized as it says runs, and the lines: a progress line before the timing and
+    the conversion, no warning."""
     from ai_edge_litert.interpreter import Interpreter
 
     w, _, report = quantized
@@ -355,6 +358,7 @@ def test_the_report_says_how_to_feed_the_litert_file(quantized):
     assert list(out["shape"]) == [1, 10] and np.dtype(out["dtype"]).name == "float32"
     assert "0..255" in spec["pixels"] and "bilinear" in spec["pixels"], spec
     assert "360 images" in spec["eval_split"], spec
+    assert spec["classes"] == [str(i) for i in range(10)], spec
     images = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 1), np.uint8)
     one = []
     it.allocate_tensors()
@@ -373,6 +377,78 @@ def test_the_report_says_how_to_feed_the_litert_file(quantized):
     table = [i for i, x in enumerate(lines) if x.startswith("float ")]
     assert timing and table and timing[0] < table[0], lines
     assert report["unfinished"] is None and not any(x.startswith("warning:") for x in lines)
+
+
+def _noise_jpeg(w, h, seed) -> bytes:
+    """A JPEG of random pixels: a crop or a resize other than the pipeline's shows in
+    every pixel."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def test_the_litert_input_of_an_images_run_makes_its_eval_pixels_again(tmp_path):
+    """For data.name=images, ``litert_input`` names the eval split and its images, the
+    class names in label order, and pixels in words that make the eval pipeline's again,
+    exactly: the centre crop at data.eval_crop_ratio, decoded alone at full scale (these
+    images are too small for DCT scaling), a bilinear resize without antialiasing, rounded
+    half up. A whole-image resize (what "as its eval pipeline makes them" left a user to
+    try) does not make them, nor does the square cut from the whole image decoded (the
+    tall image's chroma differs near its edges). Planted bug that fails it: the words of
+    before."""
+    import tensorflow as tf
+
+    from hybridpar.config.schema import base_config
+    from hybridpar.input import datasets
+    from hybridpar.input.prepare import prepare
+
+    src, val = tmp_path / "src", []
+    for i, (w, h) in enumerate([(40, 30), (30, 52), (37, 37)]):  # wide, tall, square
+        for split in ("train", "val"):
+            path = src / split / ("ant", "bee")[i % 2] / f"{i}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(_noise_jpeg(w, h, i))
+        val.append(path.read_bytes())
+    prepare([src], tmp_path / "out", workers=1, progress=False)  # in this process
+    c = base_config()
+    c.data.update(name="images", source=str(src), prepared_dir=str(tmp_path / "out"),
+                  num_classes=2, image_size=16, eval_split="val")  # fmt: skip
+    c.data.eval_crop_ratio = 0.875
+    c.global_batch = c.eval_batch = 3
+    data = datasets.make_data(c, 0, 1)
+    spec = quantize.litert_input(c, quantize.class_names(c, data.info), data.num_eval,
+                                 quantize.eval_decoding(c))  # fmt: skip
+    assert spec["classes"] == ["ant", "bee"], spec
+    assert spec["eval_split"] == f"split 'val' (data.eval_split) of data.source={str(src)!r}: " \
+        "3 images", spec  # fmt: skip
+    pixels = spec["pixels"]
+    for words in ("its centred square of side round(0.875 x its shorter side)",
+                  "top-left corner at ((h - side + 1) // 2, (w - side + 1) // 2)",
+                  "decoded as RGB at full scale, the square alone (tf.image.decode_and_crop_jpeg",
+                  "resized to 16x16 as tf.image.resize(method='bilinear', antialias=False)",
+                  "then floor(x + 0.5) as uint8"):  # fmt: skip
+        assert words in pixels, pixels
+
+    def as_said(data, how="square"):  # the words, step by step
+        h, w = tf.image.extract_jpeg_shape(data).numpy()[:2]
+        side = round(0.875 * min(h, w))
+        top, left = (h - side + 1) // 2, (w - side + 1) // 2
+        if how == "square":
+            x = tf.image.decode_and_crop_jpeg(data, [top, left, side, side], channels=3)
+        else:
+            x = tf.io.decode_jpeg(data, channels=3).numpy()
+            x = x if how == "whole" else x[top : top + side, left : left + side]
+        x = tf.image.resize(x, [16, 16], method="bilinear", antialias=False).numpy()
+        return np.floor(x + 0.5).astype(np.uint8).tobytes()
+
+    (batch,) = list(data.eval_batches())
+    got = sorted(x.tobytes() for x in batch["image"])
+    assert got == sorted(as_said(v) for v in val)
+    assert not {as_said(v, "whole") for v in val} & set(got)
+    assert sorted(as_said(v, "cut") for v in val) != got
 
 
 def _fake_run(path, summary=None, steps=("66",)):
@@ -698,6 +774,18 @@ def test_missing_checkpoint_is_an_error(quantized, tmp_path, capsys):
         "--config.mesh=data:4,model:2",
     )
     _assert_error(p, "no checkpoint")
+    # a run still training that has saved none yet: said so, and to wait for its first
+    # (planted bug that fails it: "train it first", to a run that is training)
+    from hybridpar.runtime import workdir_lock
+
+    lock = workdir_lock.acquire(str(empty))
+    try:
+        p = _cli(capsys, "--workdir", str(empty), *config_args({**TINY_DIGITS, **LONGER}),
+                 "--config.mesh=data:4,model:2")  # fmt: skip
+    finally:
+        lock.release()
+    _assert_error(p, "no checkpoint in", "yet: the run in", "is still training (pid",
+                  "run this command again once it has saved one")  # fmt: skip
 
 
 def test_checkpoint_of_another_config_is_an_error(quantized, capsys):

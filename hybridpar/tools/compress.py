@@ -29,7 +29,9 @@ that several seeds and inits of one teacher sit side by side):
 workdir: the trainer resumes it),
 ``quantized/`` (``quantize``'s files: ``model.jax_exported`` is the int8 model) and
 ``result.json`` once it is done (with ``teacher_step``, the teacher's checkpoint it was made
-from). The loop folder's ``settings.json`` keys the rounds: the flags that make them and the
+from, ``classes``, the class names in label order, and its paths absolute; the loop reads
+them from its folder as this call names it, so what it prints exists from where it runs).
+The loop folder's ``settings.json`` keys the rounds: the flags that make them and the
 teacher's step; a loop of other settings or of another teacher step is an ``error:``, never
 reused. One loop per loop folder at a time (its ``.lock``). A stopped loop (SIGTERM,
 Ctrl-C, kill) goes on from where it stopped with the same command. It prints a row per
@@ -116,6 +118,7 @@ def check_args(args, config) -> None:
     args.criterion = args.criterion or "l1"
     if config.distributed:
         cli.fail("compress runs in one process: pass --config.distributed=False")
+    check_not_training(args.workdir)  # first: before its first checkpoint it has none
     quantize.check_trained_run(
         config, args.workdir, "trained", "compress starts from a trained run"
     )
@@ -131,21 +134,28 @@ def check_args(args, config) -> None:
     check_settings(args, teacher_step(config, args.workdir))
 
 
-def check_teacher(workdir: str) -> None:
-    """The teacher is a finished run that no trainer holds: a checkpoint from the middle of
-    a run would be every round's teacher, and the rounds' reference, while the run moves on."""
+def check_not_training(workdir: str) -> dict | None:
+    """``trained.unfinished(workdir)``, or the ``ConfigError`` that says a trainer holds
+    ``workdir`` (still training)."""
     state = trained.unfinished(workdir)
     if state is not None and state["held"]:
         raise ConfigError(
             f"{workdir!r} {state['why']}: compress starts from a finished run; "
             "run this command again once its training has ended"
         )
+    return state
+
+
+def check_teacher(workdir: str) -> None:
+    """The teacher is a finished run that no trainer holds: a checkpoint from the middle of
+    a run would be every round's teacher, and the rounds' reference, while the run moves on."""
+    state = check_not_training(workdir)
     if trained.is_pruned(workdir):  # a step-0 model: no training to resume
         raise ConfigError(
             f"{workdir!r} is a pruned run (python -m hybridpar.prune's, at step 0, never "
             "trained): compress starts from a trained run; pass the --workdir of the run it "
-            "was pruned from, or train it first (python -m hybridpar.train with the width "
-            f"keys prune printed and --config.init_from={workdir}) and pass that run's --workdir"
+            "was pruned from, or train it first (the python -m hybridpar.train command prune "
+            f"printed, with --config.init_from={workdir}) and pass that run's --workdir"
         )
     if state is not None:
         raise ConfigError(
@@ -409,6 +419,9 @@ def row_of(index: int, keep: float, report: dict, teacher_top1: float, path: str
         "file_bytes": report.get("litert", {}).get("file_bytes"),  # a file budget's measure
         "latency_ms": report.get("litert", {}).get("latency_ms"),
         "exported": os.path.join(path, "quantized", "model.jax_exported"),
+        # the class names in label order (output i is classes[i]), as its report's
+        # litert_input has them (None where the data names none, or a report before them)
+        "classes": report.get("litert_input", {}).get("classes"),
     }
 
 
@@ -450,10 +463,30 @@ def rounds_after(root: str, index: int) -> list[dict]:
     rows = []
     for i in itertools.count(index):
         try:
-            with open(os.path.join(root, f"round_{i:02d}", "result.json")) as f:
-                rows.append(json.load(f))
+            rows.append(read_row(root, i))
         except FileNotFoundError:
             return rows
+
+
+def read_row(root: str, index: int) -> dict:
+    """Round ``index``'s ``result.json`` in the loop folder ``root``, its paths as this call
+    names them (from ``root``): a file written before they were stored absolute holds them
+    relative to the working directory of the call that made it, and the folder may have
+    been moved since."""
+    rd = os.path.join(root, f"round_{index:02d}")
+    with open(os.path.join(rd, "result.json")) as f:
+        row = json.load(f)
+    row["exported"] = os.path.join(rd, "quantized", "model.jax_exported")
+    # round 0 quantized the teacher itself: the run the loop folder is in
+    row["run"] = os.path.join(rd, "run") if index else os.path.dirname(root)
+    return row
+
+
+def stored(row: dict) -> dict:
+    """``row`` as ``result.json`` keeps it: its paths absolute, so that they hold from any
+    working directory (the loop itself reads them back with ``read_row``)."""
+    return {**row, "exported": os.path.abspath(row["exported"]),
+            "run": os.path.abspath(row["run"])}  # fmt: skip
 
 
 def best(rows: list[dict], max_drop: float, of: str = "weights") -> dict | None:
@@ -639,8 +672,7 @@ def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
                 "to prune it again)")  # fmt: skip
             keep = made
         if os.path.exists(result):
-            with open(result) as f:
-                row = json.load(f)
+            row = read_row(root, index)
             if row.get("teacher_step", step) != step:
                 raise ConfigError(
                     f"{result} was made from the teacher's step {row['teacher_step']}, not "
@@ -665,7 +697,7 @@ def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
                        planned_bytes=int(bytes_at(keep)))  # fmt: skip
             row.update(teacher_top1=teacher_top1, teacher_step=step, run=source,
                        seconds=round(time.time() - start + earlier, 1))  # fmt: skip
-            write_json(result, row)
+            write_json(result, stored(row))
         rows.append(row)
         log("| " + " | ".join(format_row(row)) + " |")
         if row["top1_drop"] > args.max_drop or fits(row, args.budget_kb, args.budget_of):
@@ -912,6 +944,7 @@ def _main(argv) -> None:
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the trained teacher's run)")
+    quantize.check_workdir(args.workdir)
 
     def go():
         c = config or trained.load_config(args.workdir, args.config_overrides)

@@ -17,9 +17,11 @@ filter (``l1``: ``|gamma| / sqrt(var + eps) * sum |W[..., c]|``, the output's sc
 config with the narrower widths), a checkpoint (the surviving parameters and statistics,
 a fresh optimizer state) and ``pruned.json`` (the source run and step, the fraction, the
 criterion), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR`` read it as
-they read any run. ``DIR`` inside ``W`` is an ``error:`` (``W`` is read only); a source run
-whose training has not finished (still training, stopped early) is pruned with a
-``warning:`` line naming its step.
+they read any run; the command prints that train command whole (``train_command``: the
+run's config where it differs from the defaults, as ``--config.KEY=VALUE``, with the run's
+own config file as ``CONFIG``). ``DIR`` inside ``W`` is an ``error:`` (``W`` is read only);
+a source run whose training has not finished (still training, stopped early) is pruned with
+a ``warning:`` line naming its step and (where its summary or records say) the run's steps.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import numpy as np
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.runtime import signals, trained
+from hybridpar.runtime import run_config, signals, trained
+from hybridpar.tools import quantize
 
 CRITERIA = ("bn", "l1")
 RECORD = trained.PRUNED_RECORD  # where the pruned run came from, and how
@@ -310,10 +313,11 @@ def prune_run(workdir: str, out: str, keep_fraction: float, *, criterion="l1",
     record = {"source": os.path.abspath(workdir), "source_step": int(src.step),
               "keep_fraction": keep_fraction, "criterion": criterion, "widths": widths,
               "source_unfinished": state}  # fmt: skip
-    write_run(pruned_config(src.config, widths), params, stats, out, mesh, record)
+    config = pruned_config(src.config, widths)
+    write_run(config, params, stats, out, mesh, record)
     n = int(sum(np.size(x) for x in jax.tree.leaves(params)))
     return {"widths": widths, "params": n, "kept": {k: len(v) for k, v in keep.items()},
-            "step": int(src.step), "unfinished": state}  # fmt: skip
+            "step": int(src.step), "unfinished": state, "config": config}  # fmt: skip
 
 
 def inside(path: str, directory: str) -> bool:
@@ -322,9 +326,56 @@ def inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-def overrides(widths: dict) -> str:
-    """The width keys as ``--config.model.KEY=VALUE`` flags (quoted for a shell)."""
-    return " ".join(f"--config.model.{k}='{v}'" for k, v in widths.items())
+# The train command of a pruned run: its own config file is not recorded anywhere
+TRAIN = "python -m hybridpar.train --config CONFIG --workdir NEW_DIR"
+# Keys the advice leaves out: those a run may change freely (checkpoint.dir among them: the
+# source's would be the new run's), tune's (train reads none) and init_from (said last)
+UNSAID = (*run_config.FREE_KEYS, "tune.", "init_from")
+
+
+def train_command(config, out: str) -> str:
+    """The command that trains the pruned run ``out`` (of ``config``): ``TRAIN`` with, as
+    ``--config.KEY=VALUE``, every key where ``config`` differs from hybridpar's defaults
+    (what the run's config file and its own overrides set, and the narrower widths), then
+    ``--config.init_from=out``."""
+    import shlex
+
+    from hybridpar.config.schema import base_config
+
+    default = run_config.flatten(run_config.config_dict(base_config()))
+    flags = []
+    for key, value in run_config.flatten(run_config.config_dict(config)).items():
+        if key.startswith(UNSAID) or default.get(key) == value:
+            continue
+        if isinstance(value, list):  # a tuple in the config (JSON's list)
+            value = repr(tuple(value))
+        flags.append(f"--config.{key}={shlex.quote(str(value))}")
+    return " ".join([TRAIN, *flags, f"--config.init_from={shlex.quote(out)}"])
+
+
+def planned_steps(workdir: str, config) -> int | None:
+    """The steps the run in ``workdir`` plans, from its records where no summary says them
+    (a run still training): its stages on the training examples of its last start's data
+    record, at that start's data-parallel size, if the steps its stage records hold agree
+    (a set read over several processes may have fewer steps an epoch); else None."""
+    from hybridpar.config.curriculum import plan_stages, stages_from_config
+    from hybridpar.runtime import run_records
+
+    recs = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))[0]
+    starts = [i for i, r in enumerate(recs) if r.event == "data"]
+    stages = [r for r in recs[starts[-1] :] if r.event == "stage"] if starts else []
+    n = recs[starts[-1]].train_examples if starts else None
+    if not n or not stages:
+        return None
+    try:
+        plan = plan_stages(stages_from_config(config, stages[-1].data_parallel or 1),
+                           lambda batch: n // batch)  # fmt: skip
+    except ConfigError:
+        return None
+    planned = {ps.index: ps.num_steps for ps in plan.stages}
+    if any(planned.get(r.stage) != r.steps for r in stages):
+        return None
+    return plan.total_steps
 
 
 def main(argv=None) -> None:
@@ -351,6 +402,7 @@ def main(argv=None) -> None:
         )
     if not args.workdir or not args.out or args.fraction is None:
         cli.fail("pass --workdir DIR (a trained run), --out NEW_DIR and --fraction F")
+    quantize.check_workdir(args.workdir)
     if not 0 <= args.fraction < 1:
         cli.fail(f"--fraction={args.fraction} must be in [0, 1), e.g. 0.5")
     if inside(args.out, args.workdir):  # the source run is read only
@@ -364,11 +416,14 @@ def main(argv=None) -> None:
         r = prune_run(args.workdir, args.out, 1 - args.fraction, criterion=args.criterion)
         state = r["unfinished"]  # (also in the pruned run's RECORD)
         if state is not None:
-            # the run's steps where its summary says (a whole set-up to learn them otherwise)
-            total = state.get("total_steps")
+            # the run's steps where its summary says, else its records' (a whole set-up,
+            # data opened, to learn them otherwise)
+            total = state.get("total_steps") or planned_steps(args.workdir, r["config"])
             trained.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
-        print(f"wrote {args.out}: {r['params']} parameters; train it with the run's --config "
-              f"and {overrides(r['widths'])} --config.init_from={args.out}")  # fmt: skip
+        print(f"wrote {args.out}: {r['params']} parameters; train it with the run's own config "
+              "file as CONFIG (the overrides are the run's config where it differs from "
+              "hybridpar's defaults, the narrower widths among them):\n  "
+              f"{train_command(r['config'], args.out)}")  # fmt: skip
 
     def stopped() -> str:  # prune_run writes beside --out and renames it in whole, last
         if os.path.exists(args.out):

@@ -14,7 +14,8 @@ repeats), and writes ``W/quantized/``: ``params.npz`` (int8 kernels, their per-c
 steps, folded biases, activation steps), ``model.jax_exported`` (the int8 model as
 serialized StableHLO, see ``hybridpar.program.int8.load_exported``), ``model.tflite`` (the
 same steps as a LiteRT full-integer int8 file, ``hybridpar.tools.edge``: its size, top-1,
-agreement with int8 and one-thread latency in the report; its input in ``litert_input``)
+agreement with int8 and one-thread latency in the report; its input, the eval split and
+the class names in label order in ``litert_input``)
 and ``report.json``. The last line printed is ``top1_drop=... top1_float=... top1_int8=...
 ...`` (the drop in points). A run whose training has not finished is quantized with a
 ``warning:`` line (the report's ``unfinished``). The
@@ -87,10 +88,25 @@ def check_trained_run(config, workdir: str, run: str, needs: str) -> None:
         )
     ckpt = checkpoint.checkpoint_dir(config, workdir)
     if not checkpoint.committed_steps(ckpt):
+        state = trained.unfinished(workdir)
+        if state is not None and state["held"]:  # its trainer has not saved one yet
+            raise ConfigError(
+                f"no checkpoint in {ckpt} yet: the run in {workdir!r} {state['why']}; {needs}: "
+                "run this command again once it has saved one"
+            )
         raise ConfigError(
             f"no checkpoint in {ckpt}: {needs}; train it first (python -m hybridpar.train with "
             "the same --config and --workdir)"
         )
+
+
+def check_workdir(workdir: str) -> None:
+    """``--workdir`` names a folder where it names anything (a missing one is each tool's
+    own error): a file there was read as a run's folder, and its error named the file's
+    ``config.json`` and asked for a --config."""
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        cli.fail(f"--workdir {workdir} is a file, not a run's folder: pass the folder the "
+                 "training run wrote (the --workdir of python -m hybridpar.train)")  # fmt: skip
 
 
 def alive(pid: int) -> bool:
@@ -146,24 +162,24 @@ def temp_of(out: str) -> str:
     return f"{out}.tmp-{os.getpid()}"
 
 
-def litert_input(config, classes: int) -> dict:
+def litert_input(config, classes: list[str] | None, examples: int | None = None,
+                 decoding: dict | None = None) -> dict:  # fmt: skip
     """How to feed ``model.tflite`` (the report's ``litert_input``): its input and output
-    tensors, what the pixels are, and the split the top-1 figures are measured on."""
+    tensors, what the pixels are, the split the top-1 figures are measured on (``examples``
+    images) and ``classes``, the class names in label order (output ``i`` is
+    ``classes[i]``; None where the data has none). ``decoding``: ``eval_decoding``'s."""
     d = config.data
-    size = f"{d.image_size}x{d.image_size}"
-    pixels = PIXELS.get(
-        d.name, f"the images of data.name={d.name!r} as its eval pipeline makes them, at {size}"
-    )
     return {
         "layout": "NHWC",
         "shape": [1, d.image_size, d.image_size, d.channels],
         "dtype": "uint8",
         "pixels": f"raw pixels 0..255, not normalised (data.mean/std are inside the file): "
-        f"{pixels}",
-        "output": {"shape": [1, classes], "dtype": "float32", "what": "logits"},
+        f"{eval_pixels(config, decoding)}",
+        "output": {"shape": [1, int(d.num_classes)], "dtype": "float32", "what": "logits"},
+        "classes": classes,
         "batch": "1; another with interpreter.resize_tensor_input(index, [n, H, W, C]) "
         "then allocate_tensors()",
-        "eval_split": SPLITS.get(d.name, "the data set's eval split"),
+        "eval_split": eval_split_text(config, examples),
     }
 
 
@@ -177,6 +193,97 @@ SPLITS = {
     "digits": "the test split of load_digits: 20% of the 1,797 images, class-stratified, "
     "train_test_split(random_state=0), 360 images",
 }
+
+
+def eval_pixels(config, decoding: dict | None = None) -> str:
+    """The eval pipeline's pixels for ``config.data`` in words exact enough to make them
+    again: for image files, the centre crop (``data.eval_crop_ratio``) and the resize
+    (input/transforms.py ``eval_transform``; input/on_device.py with ``data.on_device``)."""
+    d, s = config.data, config.data.image_size
+    if d.name in PIXELS:
+        return PIXELS[d.name]
+    if d.name == "synthetic":
+        return f"random uint8 images (data.name='synthetic'): no real input, {s}x{s}"
+    square = (f"its centred square of side round({d.eval_crop_ratio:g} x its shorter side) "
+              "(data.eval_crop_ratio; top-left corner at ((h - side + 1) // 2, "
+              "(w - side + 1) // 2))")  # fmt: skip
+    resize = (f"resized to {s}x{s} as tf.image.resize(method='bilinear', antialias=False) "
+              "does (half-pixel centres, no antialiasing), then floor(x + 0.5) as uint8 "
+              "(rounded half up)")  # fmt: skip
+    if d.on_device:  # images: decoded once with Pillow at one stored size
+        from hybridpar.input.on_device import image_sizes
+
+        t = max(image_sizes(config))
+        return (f"each image file decoded with Pillow as RGB (upright by its EXIF "
+                f"orientation); unless it is {t}x{t}, its shorter side resized to {t} px with "
+                f"Pillow's BILINEAR filter (which antialiases a shrink; the longer side "
+                f"round(side x {t} / shorter)) and the centred {t}x{t} square kept (left "
+                f"(w - {t}) // 2, top (h - {t}) // 2); of that, {square}, {resize} "
+                "(input/on_device.py decode_image, centre_weights)")  # fmt: skip
+    stored = ("as tensorflow-datasets stores it" if d.name == "tfds" else
+              "as prepare stored it (the file's own JPEG bytes; another format, a CMYK JPEG or "
+              "one turned upright by its EXIF orientation re-encoded as JPEG)")  # fmt: skip
+    if decoding and decoding["copy"] != "full":
+        stored += f", in its reduced copy of longest side {decoding['max_side']} px"
+    elif decoding is None and d.name == "images" and d.reduced_copies:
+        stored += (f", in the smallest copy of data.reduced_copies={d.reduced_copies!r} that "
+                   f"serves {s} px, if one does")  # fmt: skip
+    scale = "at full scale"
+    if d.dct_scaling and (decoding is None or decoding["dct"]):
+        where = "" if decoding else f" and the copy's median shorter side at least 4 x {s} px"
+        scale = (f"at 1/2, 1/4 or 1/8 scale where the square is at least 2, 4 or 8 x {s} px "
+                 f"on a side{where} (libjpeg's DCT scaling, data.dct_scaling), else at full "
+                 "scale")  # fmt: skip
+    decode = (f"decoded as RGB {scale}, the square alone (tf.image.decode_and_crop_jpeg; not "
+              "the whole image decoded, then cropped, which differs near the square's edges; "
+              "a file that is not a JPEG is)")  # fmt: skip
+    return f"each image {stored}: {square}, {decode}, {resize} (input/transforms.py eval_transform)"
+
+
+def eval_decoding(config) -> dict | None:
+    """How the host pipeline reads a ``data.name=images`` eval split at data.image_size:
+    ``{"copy", "max_side", "dct"}``, the prepared copy, its longest side and whether its
+    JPEGs decode at reduced DCT scales (the pipeline's own rule, on its manifest); None for
+    other data, or where the prepared folder cannot be read."""
+    d = config.data
+    if d.name != "images" or d.on_device:
+        return None
+    from hybridpar.config.errors import Error
+    from hybridpar.input.datasets import data_paths
+    from hybridpar.input.pipeline import ImagePipeline
+
+    try:
+        pipe = ImagePipeline(data_paths(d)[1], d.eval_split, process_index=0, process_count=1,
+                             dct_scaling=d.dct_scaling)  # fmt: skip
+        copy = pipe.copy_for(d.image_size)
+    except (OSError, Error):
+        return None
+    return {"copy": copy, "max_side": pipe.info["copies"][copy].get("max_side"),
+            "dct": pipe.decoding_for(copy, d.image_size)["dct_scaling"]}  # fmt: skip
+
+
+def eval_split_text(config, examples: int | None) -> str:
+    """The split the top-1 figures are on: its name, where it is, its images."""
+    d = config.data
+    if d.name in SPLITS:
+        return SPLITS[d.name]
+    n = f": {examples} images" if examples else ""
+    if d.name == "images":
+        where = f"data.source={d.source!r}" if d.source else f"data.prepared_dir={d.prepared_dir!r}"
+        return f"split {d.eval_split!r} (data.eval_split) of {where}{n}"
+    if d.name == "tfds":
+        return f"split {d.eval_split!r} (data.eval_split) of tfds {d.tfds_name!r}{n}"
+    return f"random images (data.name={d.name!r}), no split{n}"
+
+
+def class_names(config, info: dict) -> list[str] | None:
+    """The class names in label order: the data's own (an images or tfds set's, which the
+    run's data record holds too), digits' 0..9, None where the data names none."""
+    if info.get("classes"):
+        return [str(c) for c in info["classes"]]
+    if config.data.name == "digits":
+        return [str(i) for i in range(int(config.data.num_classes))]
+    return None
 
 
 def median_ms(fn, x, repeats: int) -> float:
@@ -321,7 +428,8 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
     out = out or os.path.join(workdir, OUT)
     clear_stale(out)
     state = trained.unfinished(workdir)
-    r = setup(config, None, devices=devices, for_training=False)
+    # reads: the data must have the classes the run trained on
+    r = setup(config, None, devices=devices, for_training=False, reads=workdir)
     src = trained.TrainedRun(workdir, r.mesh, config=config, program=r.program)
     params, stats = src.host_variables()
     step, model, d = src.step, r.program.model, config.data
@@ -444,8 +552,11 @@ def run(config, workdir: str, *, calibration_batches=8, calibration="mse", perce
             "output_ranges": outputs,
             # the LiteRT int8 file: size, top-1 against int8, one-thread latency
             "litert": litert,
-            # how to feed model.tflite: its input and output, the pixels, the eval split
-            "litert_input": litert_input(config, int(config.data.num_classes)),
+            # how to feed model.tflite: its input and output, the pixels, the eval split,
+            # the class names in label order
+            "litert_input": litert_input(
+                config, class_names(config, r.data.info), r.data.num_eval, eval_decoding(config)
+            ),
             "files": ["params.npz", "model.jax_exported", "report.json"]
             + ([] if "skipped" in litert else ["model.tflite"]),
         }
@@ -508,6 +619,7 @@ def main(argv=None) -> None:
     args, config = cli.parse(parser, argv, from_run=True)
     if not args.workdir:
         cli.fail("pass --workdir DIR (the training run's)")
+    check_workdir(args.workdir)
 
     def go():
         # without --config: the run's own, its latest checkpoint's
