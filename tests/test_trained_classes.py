@@ -24,7 +24,7 @@ from PIL import Image
 from hybridpar.config.errors import WorkdirError
 from hybridpar.runtime import trainer
 from hybridpar.runtime.run import setup
-from hybridpar.tools import evaluate, quantize
+from hybridpar.tools import compress, evaluate, quantize
 
 CLASSES = ("bee", "cat", "dog")
 
@@ -107,23 +107,26 @@ def written(workdir: Path) -> dict:
     return {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("tool", [evaluate, quantize], ids=["evaluate", "quantize"])
-def test_a_tool_that_reads_the_run_refuses_data_of_other_classes(tool, changed, capsys):
-    """evaluate and quantize on the run's data with a class folder renamed (cat -> Cat:
-    label 0 is now 'Cat') or added (Ant: every label moves, and the count): one error line
-    naming the labels that moved, exit 2, nothing written in the run (no evaluator/ or
-    quantized/ folder). Planted bugs that fail it: no check at set-up (evaluate printed
-    the new order and a wrong top-1, exit 0); the count refusal first (an added folder said
-    'set --config.data.num_classes=4')."""
+@pytest.mark.parametrize("tool, args", [(evaluate, []), (quantize, []),
+                                        (compress, ["--budget-kb", "1000"])],
+                         ids=["evaluate", "quantize", "compress"])  # fmt: skip
+def test_a_tool_that_reads_the_run_refuses_data_of_other_classes(tool, args, changed, capsys):
+    """evaluate, quantize and compress on the run's data with a class folder renamed (cat
+    -> Cat: label 0 is now 'Cat') or added (Ant: every label moves, and the count): one
+    error line naming the labels that moved, exit 2, nothing written in the run (no
+    evaluator/, quantized/ or compress/ folder). Planted bugs that fail it: no check at
+    set-up (evaluate printed the new order and a wrong top-1, exit 0); the count refusal
+    first (an added folder said 'set --config.data.num_classes=4'); compress's loop folder
+    kept after the refusal (its settings.json and round 0's log)."""
     root, workdir, moved = changed
     before = written(workdir)
-    code, out, err = main_here(tool.main, ["--workdir", str(workdir)], capsys)
+    code, out, err = main_here(tool.main, ["--workdir", str(workdir), *args], capsys)
     assert code == 2, (out, err)
     # (stderr also has the data's decoding progress)
     assert [x for x in err.splitlines() if x.startswith("error")] == [refusal(workdir, moved)]
     assert err.rstrip().endswith(refusal(workdir, moved)) and "Traceback" not in err, err
     assert written(workdir) == before
-    assert not (workdir / "evaluator").exists() and not (workdir / "quantized").exists()
+    assert not any((workdir / d).exists() for d in ("evaluator", "quantized", "compress"))
 
 
 def test_a_distillation_teacher_of_other_classes_is_refused_at_set_up(changed, tmp_path):

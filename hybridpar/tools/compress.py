@@ -619,12 +619,19 @@ def run(config, args, log=print) -> tuple[dict | None, list[dict]]:
     made = not os.path.isdir(root)
     os.makedirs(root, exist_ok=True)
     lock = lock_loop(root)
+    refused = False
     try:
         return _run(config, args, root, log)
+    except ConfigError:
+        refused = True
+        raise
     finally:
         lock.release()
-        if made and not os.listdir(root):  # refused before any round: no empty folder left
-            os.rmdir(root)
+        # a loop this call began and refused before a round was done (the teacher's data
+        # of other classes, found as round 0 opens it): nothing of it is left
+        done = any(os.path.exists(os.path.join(root, n, "result.json")) for n in os.listdir(root))
+        if made and (not os.listdir(root) or (refused and not done)):
+            shutil.rmtree(root)
 
 
 def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
