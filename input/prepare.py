@@ -11,7 +11,6 @@ same command reuses finished shards, and an interrupted run never leaves a half 
 
 from __future__ import annotations
 
-import atexit
 import collections
 import errno
 import hashlib
@@ -34,6 +33,7 @@ import threading
 import time
 import warnings
 import zlib
+from multiprocessing import resource_tracker
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError, DataError
@@ -640,9 +640,6 @@ def init_worker():
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_stop_on_sigterm, name="hybridpar-stop", daemon=True).start()
-    # A parent that dies also closes the task pipe: a waiting worker then ends on its own,
-    # sometimes before that thread runs.
-    atexit.register(remove_partial_files)
     if sys.platform.startswith("linux"):
         # Die with the parent: after a SIGKILL or the trainer's os._exit a worker went on
         # writing after the folder's lock was free, into the shards of the next run.
@@ -661,6 +658,8 @@ def start_pool(workers: int):
     """prepare's pool of ``workers`` processes, spawned (they must not inherit JAX's or TF's
     threads) and born with SIGTERM blocked, so that in each of their threads, OpenBLAS's from
     numpy's import too, a stop reaches only the thread that waits for it (``init_worker``)."""
+    # first: the resource tracker's start (at a process's first pool) unblocks SIGTERM
+    resource_tracker.ensure_running()
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:
         return multiprocessing.get_context("spawn").Pool(workers, initializer=init_worker)
@@ -670,6 +669,7 @@ def start_pool(workers: int):
 
 def _stop_on_sigterm():
     signal.sigwait({signal.SIGTERM})
+    # (a shard the main thread opens meanwhile is left: the next prepare removes it)
     remove_partial_files()
     os._exit(128 + signal.SIGTERM)
 

@@ -744,8 +744,7 @@ def test_a_pool_worker_ignores_ctrl_c_and_stops_with_its_parent(tmp_path):
     they wrote shards after the folder's lock was free, and the next run failed renaming the
     same .tmp. Ctrl-C printed a traceback per worker. Now a worker ignores SIGINT (its parent
     stops the pool), and stops with its parent, removing the shard it was writing. Planted
-    bugs that fail it: no PR_SET_PDEATHSIG; SIGINT not ignored; no stop thread; workers
-    born with SIGTERM open (OpenBLAS's thread took it: no clean-up, 2 runs in 5)."""
+    bugs that fail it: no PR_SET_PDEATHSIG; SIGINT not ignored; no stop thread."""
     partial = tmp_path / "x.tfrecord.123.tmp"
     partial.write_bytes(b"half a shard")
     code = (
@@ -753,9 +752,9 @@ def test_a_pool_worker_ignores_ctrl_c_and_stops_with_its_parent(tmp_path):
         "from hybridpar.input.prepare import start_pool\n"
         "pool = start_pool(1)\n"
         "print(pool.apply(os.getpid), flush=True)\n"
-        "pool.apply(exec, ('from hybridpar.input import prepare as p; '\n"
-        "                  'p.PARTIAL_FILES.add(%r)' % sys.argv[1],))\n"
-        "print('writing', flush=True)\n"
+        "pool.apply_async(exec, ('import time; from hybridpar.input import prepare as p; '\n"
+        "                        'p.PARTIAL_FILES.add(%r); print(\"writing\", flush=True); '\n"
+        "                        'time.sleep(600)' % sys.argv[1],))  # a shard being written\n"
         "time.sleep(600)\n"
     )
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
@@ -808,6 +807,30 @@ def test_a_worker_ends_on_sigterm_whichever_thread_the_kernel_gives_it_to():
         assert worker.wait(timeout=60) == -signal.SIGTERM
     finally:
         worker.kill()
+
+
+def test_pool_workers_are_born_with_sigterm_blocked():
+    """``start_pool`` blocks SIGTERM around the spawn, so that every thread of a worker
+    leaves it to the stop thread; at a process's first pool, the resource tracker's start
+    unblocked it before the workers were spawned. Planted bug that fails it: no
+    ``ensure_running`` first."""
+    code = (
+        "import signal\n"
+        "from multiprocessing import util\n"
+        "from hybridpar.input.prepare import start_pool\n"
+        "spawn, born = util.spawnv_passfds, []\n"
+        "def spawned(*a, **k):\n"
+        "    born.append(signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+        "    return spawn(*a, **k)\n"
+        "util.spawnv_passfds = spawned\n"
+        "pool = start_pool(2)\n"
+        "pool.terminate()\n"
+        "pool.join()\n"
+        "print(born[-2:], signal.SIGTERM in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.stdout == "[True, True] False\n", r.stderr[-2000:]  # the caller's mask back
 
 
 def test_a_stopped_worker_removes_the_shard_it_was_writing(tmp_path):

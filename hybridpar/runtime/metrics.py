@@ -11,9 +11,6 @@ import os
 import time
 
 import jax
-from tensorboardX.event_file_writer import EventsWriter
-from tensorboardX.proto.event_pb2 import Event, SessionLog
-from tensorboardX.summary import scalar
 
 from hybridpar.runtime import run_records
 
@@ -41,6 +38,10 @@ class MetricsWriter:
             # tensorboardX's event file itself, flushed with each line: its SummaryWriter's
             # thread flushes every 120 s (a kill lost that much, and TensorBoard lagged as
             # long), and its flush() does not wait for that thread to write the last events
+            # (lazy: only the writing process needs tensorboardX)
+            from tensorboardX.event_file_writer import EventsWriter
+            from tensorboardX.proto.event_pb2 import SessionLog
+
             os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
             self._tb = EventsWriter(os.path.join(workdir, "tb", "events"))
             if purge_step is not None:  # what SummaryWriter(purge_step=...) writes
@@ -56,12 +57,16 @@ class MetricsWriter:
         rec = run_records.make(event, step=step, epoch=epoch, **values, **stamp)
         if self.active:
             self._jsonl.write(run_records.to_line(rec))
+            from tensorboardX.summary import scalar
+
             for tag, v in scalars(event, values).items():
                 self._tb_event(int(step), summary=scalar(tag, v))
             self._tb.flush()
         return run_records.to_dict(rec)
 
     def _tb_event(self, step: int, **what) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+
         self._tb.write_event(Event(wall_time=time.time(), step=step, **what))
 
     def summary(self, values: dict) -> None:

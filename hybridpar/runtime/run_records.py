@@ -406,7 +406,8 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
     lost = [i for i in bad if not (i < len(records) and isinstance(records[i], Resume))]
     broken = 0  # records that lack what is computed with them: lost as well
     for r in records:
-        if isinstance(r, (Resume, Eval, Stage, Train, Compile, Checkpoint)) and not whole(r):
+        # (a resume needs only its steps, which it is read by)
+        if isinstance(r, (Eval, Stage, Train, Compile, Checkpoint)) and not whole(r):
             broken += 1
         elif isinstance(r, Resume):  # steps after the checkpoint ran again: keep their second run
             last = resumed_from(r)

@@ -626,12 +626,15 @@ def run(config, args, log=print) -> tuple[dict | None, list[dict]]:
         refused = True
         raise
     finally:
-        lock.release()
         # a loop this call began and refused before a round was done (the teacher's data
-        # of other classes, found as round 0 opens it): nothing of it is left
-        done = any(os.path.exists(os.path.join(root, n, "result.json")) for n in os.listdir(root))
-        if made and (not os.listdir(root) or (refused and not done)):
-            shutil.rmtree(root)
+        # of other classes, found as round 0 opens it): nothing of it is left; removed
+        # under the lock, so that no other call takes the folder over meanwhile
+        if made:
+            left = [n for n in os.listdir(root) if n != os.path.basename(lock.path)]
+            done = any(os.path.exists(os.path.join(root, n, "result.json")) for n in left)
+            if not left or (refused and not done):
+                shutil.rmtree(root)
+        lock.release()
 
 
 def _run(config, args, root: str, log) -> tuple[dict | None, list[dict]]:
