@@ -468,6 +468,14 @@ def test_an_unfinished_run_is_told_apart(tmp_path):
 
     done = {"completed": True, "steps": 66, "total_steps": 66}
     assert trained.unfinished(str(_fake_run(tmp_path / "done", done))) is None
+    # done, then resumed with more epochs from step 66 and killed: the summary is the first
+    # start's (planted bug that fails it: any summary.json taken as the run's end)
+    again = _fake_run(tmp_path / "again", done)
+    resume = {"event": "resume", "step": 66, "epoch": 6.0, "wall_s": 30.0, "from_step": 66}
+    (again / "metrics.jsonl").write_text(json.dumps(resume) + "\n")
+    assert trained.unfinished(str(again)) == {
+        "why": "was resumed and its last start did not end (its summary.json is an earlier "
+        "start's)", "held": False}  # fmt: skip
     stopped = _fake_run(tmp_path / "stopped", {"completed": False, "steps": 12, "total_steps": 66})
     assert trained.unfinished(str(stopped)) == {
         "why": "stopped at step 12 of 66", "held": False, "total_steps": 66}  # fmt: skip

@@ -238,6 +238,13 @@ def unfinished(workdir: str) -> dict | None:
     summary = run_records.read_json(os.path.join(workdir, "summary.json"))
     if summary is None:
         return {"why": "has no summary.json (its training has not ended)", "held": False}
+    # an earlier start's (a finished run resumed with more epochs, then killed): not its end
+    recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
+    resumes = [r for r in recs if r.event == "resume"]
+    started = run_records.resumed_from(resumes[-1]) if resumes else None
+    if not run_records.latest_summary(summary, started):
+        return {"why": "was resumed and its last start did not end (its summary.json is an "
+                "earlier start's)", "held": False}  # fmt: skip
     if not summary.get("completed"):
         total = summary.get("total_steps")
         return {"why": f"stopped at step {summary.get('steps')} of {total}", "held": False,
