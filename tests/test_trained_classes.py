@@ -152,3 +152,27 @@ def test_the_classes_the_run_trained_on_pass(trained, tmp_path):
     run = setup(c, str(tmp_path / "student"))
     assert run.data.info["classes"] == list(CLASSES)
     run.lock.release()
+
+
+def test_a_resume_on_data_with_a_class_added_names_the_labels_that_moved(changed, tmp_path):
+    """The trainer's own resume (the run resumed with more epochs) on data whose classes
+    moved: an added folder was said as 'the data has 4 classes but data.num_classes=3; set
+    --config.data.num_classes=4', which only led to a config mismatch with the checkpoint.
+    Now both changes name the labels that moved, as a change since the run's last start;
+    nothing written in the run. Planted bug that fails it: the resume not checked where the
+    count differs (the old line)."""
+    root, trained_workdir, moved = changed
+    workdir = tmp_path / "run"
+    shutil.copytree(trained_workdir, workdir)
+    before = written(workdir)
+    c = images_run_config(root)
+    c.num_epochs = 2.0
+    run = None
+    with pytest.raises(WorkdirError) as e:
+        run = setup(c, str(workdir), allow_config_change=True)
+        trainer.train(run)  # a renamed folder (same count) is the trainer's check
+    if run is not None:
+        run.lock.release()
+    assert str(e.value).startswith(f"the classes changed since the run's last start ({moved})")
+    assert f"in {workdir / 'checkpoints'} learned the old labels" in str(e.value)
+    assert written(workdir) == before

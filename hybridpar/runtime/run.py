@@ -47,6 +47,7 @@ from hybridpar.runtime import (
     checkpoint_dirs,
     executables,
     run_config,
+    run_records,
     signals,
     workdir_lock,
 )
@@ -131,7 +132,7 @@ def _setup(
     of the trained run a tool reads the checkpoints of (the evaluator, quantize): the data
     must have the classes that run trained on, as for a distillation teacher's run."""
     start = time.time()
-    finished = None
+    finished = held = None
     if config.distributed:
         # Joined first and the configs compared, before the workdir's checks: a process
         # with other overrides stopped alone in check_run, and the others waited for it
@@ -197,7 +198,9 @@ def _setup(
         trained_runs = [reads] if reads else []
         if for_training and config.distill.teacher_workdir:
             trained_runs.append(config.distill.teacher_workdir)
-        data = open_data(config, mesh, stages, trained_runs)
+        # a resume's checkpoint learned the classes of the run's last start
+        resumes = (workdir, held[0], ckpt) if for_training and held is not None else None
+        data = open_data(config, mesh, stages, trained_runs, resumes)
         steps_for = data.steps_for
     plan = plan_stages(stages, steps_for, data_parallel=dp)
     if data is not None:
@@ -261,13 +264,15 @@ def moot_on_mesh(config, mesh) -> list[str]:
     return out
 
 
-def open_data(config, mesh, stages: list[Stage], trained_runs=()):
+def open_data(config, mesh, stages: list[Stage], trained_runs=(), resumes=None):
     """The run's ``datasets.Data``; an on-device set is stored at the image sizes of
     ``stages`` (the plan's), not those of the config's stage string read again.
     ``trained_runs``: the workdirs of trained runs whose checkpoints read this data (the
     one a tool reads, a distillation teacher): it must have the classes each trained on
-    (``trained.check_classes``). A class folder added or removed since is said as that,
-    first, not as a data.num_classes to set: the run's checkpoint has the old count."""
+    (``trained.check_classes``). ``resumes``: (workdir, step, checkpoint dir) of the
+    checkpoint a resume restores. A class folder added or removed since either is said as
+    that, first, not as a data.num_classes to set: the checkpoint has the old count (the
+    trainer checks a renamed one, whose count is the same, once the data is open)."""
     from hybridpar.input.datasets import make_data  # TensorFlow only where data is read
     from hybridpar.input.prepare import remove_partial_files
     from hybridpar.runtime import trained
@@ -281,6 +286,11 @@ def open_data(config, mesh, stages: list[Stage], trained_runs=()):
     except ClassCountError as e:
         for workdir in trained_runs:  # its count was the run's: its classes changed since
             trained.check_classes(workdir, {"classes": e.classes})
+        if resumes is not None:
+            workdir, step, ckpt = resumes
+            recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
+            run_records.check_same_classes(run_records.last_data(recs), {"classes": e.classes},
+                                           step, ckpt)  # fmt: skip
         raise
     finally:
         forget()
