@@ -55,6 +55,24 @@ def test_a_second_run_in_a_process_does_not_take_an_ended_runs_handler_as_its_ow
     assert after[signal.SIGTERM] in (first, before[signal.SIGTERM])
 
 
+def test_a_second_distributed_run_in_a_process_hands_back_what_was_before_both():
+    """The same for a multi-process run's handler (``SigintAsSigterm``): a second run took
+    the first's ended ``EarlyStop`` as the handler to hand SIGTERM back to, so a SIGTERM
+    after the second run failed exited 0 without a word. Planted bug that fails it: one
+    ``replaced`` step, not the loop."""
+    before = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    first = signals.EarlyStop()
+    one = signals.Preemption().install()
+    one.uninstall(ended=True)
+    first.restore()
+    second = signals.EarlyStop()
+    two = signals.SigintAsSigterm(None, second).install()
+    two.uninstall()
+    second.restore()
+    after = {s: signal.getsignal(s) for s in signals.SIGNALS}
+    assert after == before, after
+
+
 def test_a_sighup_ignored_by_nohup_stays_ignored():
     """``nohup`` says to go on when the terminal goes: no handler here takes SIGHUP then,
     and the others are taken and handed back as before."""

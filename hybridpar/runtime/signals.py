@@ -422,7 +422,9 @@ class SigintAsSigterm(Preemption):
     def install(self) -> "SigintAsSigterm":
         for s in taken(self.SIGNALS):
             previous = signal.signal(s, self._handler)
-            if isinstance(previous, EarlyStop):  # its job (before the join) is ours now
+            # the command's: its job (before the join) is ours now; one whose run ended is
+            # an earlier run's in this process (``Preemption.install``)
+            while isinstance(previous, EarlyStop):
                 previous = previous.replaced(s)
             self._previous[s] = previous
         self._count_arrivals()
