@@ -374,6 +374,14 @@ def cut(w: Path, how: str) -> None:
         path.write_text("")
     elif how == "cut short":
         path.write_text(text[: len(text) // 2])  # as head -c does: mid-line
+    elif how.startswith("evaluator"):  # the evaluator's file, beside the trainer's
+        e = evaluation(20, 4.0, 29.0, 0.9, 0.97, source="evaluator", examples=100, split="test")
+        if how == "evaluator top1 gone":
+            del e["top1"]
+        write_jsonl(w / "evaluator" / "metrics.jsonl", [e])
+        if how == "evaluator garbage":
+            with open(w / "evaluator" / "metrics.jsonl", "a") as f:
+                f.write("not a record {{\n")
     elif how == "garbage":
         lines = text.splitlines(keepends=True)
         path.write_text("".join(lines[:5]) + "not a record {{\n" + "".join(lines[5:]))
@@ -391,18 +399,21 @@ def cut(w: Path, how: str) -> None:
 @pytest.mark.parametrize("how, lost", [
     ("empty", "it has no records of steps but the run at step 20 (summary.json)"),
     ("cut short", "its records end at step 10 but the run at step 20 (summary.json)"),
-    ("garbage", "1 line did not read"),
-    ("eval top1 gone", "1 line did not read"),
-    ("train wall_s null", "1 line did not read"),
-    ("stage global_batch \"64\"", "1 line did not read"),
+    ("garbage", "1 line of metrics.jsonl did not read"),
+    ("eval top1 gone", "1 line of metrics.jsonl did not read"),
+    ("train wall_s null", "1 line of metrics.jsonl did not read"),
+    ("stage global_batch \"64\"", "1 line of metrics.jsonl did not read"),
+    ("evaluator garbage", "1 line of evaluator/metrics.jsonl did not read"),
+    ("evaluator top1 gone", "1 line of evaluator/metrics.jsonl did not read"),
 ])  # fmt: skip
 def test_missing_records_are_a_warning_and_no_figure_is_made_of_them(tmp_path, capsys, how, lost):
-    """An emptied or truncated metrics.jsonl of a completed run, or a line in it that does
-    not read (not JSON, or a record without a field report computes with: an eval without
-    top1, a train line's wall_s null, a batch that is not a number): one warning line
-    naming the file and what is missing, and the figures the lost records would change are
-    '-' (no stage table), not sums of what is left; the compile time is summary.json's.
-    Planted bugs that fail it: no warning (read_run's count left at 0); the bests, time to
+    """An emptied or truncated metrics.jsonl of a completed run, or a line in it or in the
+    evaluator's that does not read (not JSON, or a record without a field report computes
+    with: an eval without top1, a train line's wall_s null, a batch that is not a number):
+    one warning line naming the file and what is missing, and the figures the lost records
+    would change are '-' (no stage table), not sums of what is left; the compile time is
+    summary.json's.
+    Planted bugs that fail it: no warning (read_run's counts left at 0); the bests, time to
     target or stages made of the records that read; read_run keeping a record that lacks a
     field (a TypeError)."""
     curriculum_run(tmp_path / "a")
@@ -410,10 +421,9 @@ def test_missing_records_are_a_warning_and_no_figure_is_made_of_them(tmp_path, c
     report.main([str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
     printed = capsys.readouterr()
     warnings = [x for x in printed.err.splitlines() if x.startswith("warning: ")]
-    path = tmp_path / "a" / "metrics.jsonl"
-    assert warnings == [f"warning: {path}: {lost}: records are missing, so the run's best "
-                        "top1/top5, time to target and stages are left out ('-') and its "
-                        "compile s is summary.json's (if any)"]  # fmt: skip
+    assert warnings == [f"warning: {tmp_path / 'a'}: {lost}: records are missing, so the "
+                        "run's best top1/top5, time to target and stages are left out ('-') "
+                        "and its compile s is summary.json's (if any)"]  # fmt: skip
     assert len(tables(printed.out)) == 1  # no stage table
     row = tables(printed.out)[0][0]
     cells = [row[k] for k in ("best top1", "best top5", "time to target", "compile s", "steps")]

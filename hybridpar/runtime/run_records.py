@@ -339,6 +339,7 @@ class RunRecords:
     # (the next start ended it, and its resume record follows), and its records that lack a
     # field computed with (``whole``): records lost
     unread: int = 0
+    unread_evaluator: int = 0  # the same of evaluator/metrics.jsonl's lines
 
 
 def resumed_from(resume: Resume | dict) -> int:
@@ -422,9 +423,12 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
             stages.setdefault(r.stage, r)  # a resume inside a stage marks it again
         elif r.event in kinds:
             kinds[r.event].append(r)
-    for r in read_records(os.path.join(workdir, "evaluator", "metrics.jsonl"))[0]:
-        if isinstance(r, Eval) and r.wall_s is not None and whole(r):
+    bad = []
+    for r in read_records(os.path.join(workdir, "evaluator", "metrics.jsonl"), unread=bad)[0]:
+        if isinstance(r, Eval) and whole(r):
             evals.setdefault(r.step, r)
+        elif isinstance(r, Eval):
+            bad.append(r)
     return RunRecords(
         train=kinds["train"],
         eval=[evals[s] for s in sorted(evals)],
@@ -435,6 +439,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
         config=read_json(os.path.join(workdir, "config.json"), unreadable),
         resume=resumes,
         unread=len(lost) + broken,
+        unread_evaluator=len(bad),
     )
 
 

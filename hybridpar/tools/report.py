@@ -76,6 +76,7 @@ COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target",
 # The table per stage: a curriculum's stages differ in image size and batch, so the run's
 # one images/s hides the switch.
 STAGE_COLUMNS = ("run", "stage", "image size", "global batch", "steps", "train s", "images/s")
+EVALUATOR_RECORDS = os.path.join("evaluator", "metrics.jsonl")
 STAGES_NOTE = "per stage (train steps only: each train line's steps x batch / images/s):"
 
 
@@ -171,13 +172,15 @@ def row(name: str, run: RunRecords, asked: dict) -> dict:
 
 
 def missing(run: RunRecords) -> str:
-    """What of the run's metrics.jsonl is known lost, in words ('' where nothing is): lines
-    that did not read (``RunRecords.unread``: not a killed start's cut last line), and a
-    completed run's records ending before its last step (the trainer evaluates and saves
-    there: the file was cut short, or copied in part)."""
+    """What of the run's records is known lost, in words ('' where nothing is): lines that
+    did not read (``RunRecords.unread``: not a killed start's cut last line; the evaluator's
+    file's too, whose evals may be the best), and a completed run's records ending before
+    its last step (the trainer evaluates and saves there: the file was cut short, or copied
+    in part)."""
     lost = []
-    if run.unread:
-        lost.append(f"{run.unread} line{'s' * (run.unread > 1)} did not read")
+    for n, name in ((run.unread, "metrics.jsonl"), (run.unread_evaluator, EVALUATOR_RECORDS)):
+        if n:
+            lost.append(f"{n} line{'s' * (n > 1)} of {name} did not read")
     trainer = run.train + run.checkpoint + [e for e in run.eval if e.source is None]
     s, last = current(run) or {}, max((r.step for r in trainer), default=0)
     if s.get("completed") and isinstance(s.get("steps"), int) and last < s["steps"]:
@@ -639,9 +642,9 @@ def theirs(out: str) -> list[str]:
 def warn_missing(workdir: str, run: RunRecords) -> None:
     lost = missing(run)
     if lost:
-        print(f"warning: {os.path.join(workdir, 'metrics.jsonl')}: {lost}: records are "
-              "missing, so the run's best top1/top5, time to target and stages are left out "
-              "('-') and its compile s is summary.json's (if any)", file=sys.stderr)  # fmt: skip
+        print(f"warning: {workdir}: {lost}: records are missing, so the run's best "
+              "top1/top5, time to target and stages are left out ('-') and its compile s is "
+              "summary.json's (if any)", file=sys.stderr)  # fmt: skip
 
 
 def report(workdirs: list[str], out: str, asked: dict | None = None) -> str:
