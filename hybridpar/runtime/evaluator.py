@@ -48,7 +48,7 @@ from hybridpar.parallel.mesh import MeshSpecError, describe_mesh
 from hybridpar.runtime import checkpoint, run_config, signals, workdir_lock
 from hybridpar.runtime.metrics import MetricsWriter
 from hybridpar.runtime.run import Run, eval_pass, log, setup
-from hybridpar.runtime.run_records import latest_summary, read_json, read_records, resumed_from
+from hybridpar.runtime.run_records import latest_start, latest_summary, read_json, read_records
 
 # Keys that may differ from the run's, besides run_config.FREE_KEYS: the placement keys
 # (where and how fast the evaluation runs: another eval batch pads differently, but every
@@ -208,9 +208,9 @@ class Evaluator:
         path = os.path.join(self.workdir, "metrics.jsonl")
         events, self._offset = read_records(path, self._offset)
         self.known |= {r.step for r in events if r.event == "checkpoint"}
-        for r in events:
-            if r.event == "resume":
-                self.started_from = resumed_from(r)
+        started = latest_start(events)
+        if started is not None:
+            self.started_from = started
 
     def follow_config(self) -> None:
         """The plan of the run's config as its newest checkpoint holds it: a run resumed with

@@ -349,11 +349,18 @@ def resumed_from(resume: Resume | dict) -> int:
     return r["step"] if r.get("from_step") is None else r["from_step"]
 
 
+def latest_start(records: list) -> int | None:
+    """The step the latest start among ``records`` resumed from (its ``resume`` record's
+    ``resumed_from``), None where none resumed: what ``latest_summary`` compares."""
+    resume = next((r for r in reversed(records) if r.event == "resume"), None)
+    return None if resume is None else resumed_from(resume)
+
+
 def latest_summary(summary: dict, started_from: int | None) -> bool:
     """Whether ``summary`` (summary.json) is the latest trainer start's: a start writes its
     own at its end, so while a resumed start runs (or where it was killed) the earlier
     start's is still there. ``started_from``: the step the latest ``resume`` line resumed
-    from (``resumed_from``); None where there is none (one start)."""
+    from (``latest_start``); None where there is none (one start)."""
     return started_from is None or (summary.get("resumed_from") or 0) == started_from
 
 

@@ -240,9 +240,7 @@ def unfinished(workdir: str) -> dict | None:
         return {"why": "has no summary.json (its training has not ended)", "held": False}
     # an earlier start's (a finished run resumed with more epochs, then killed): not its end
     recs, _ = run_records.read_records(os.path.join(workdir, "metrics.jsonl"))
-    resumes = [r for r in recs if r.event == "resume"]
-    started = run_records.resumed_from(resumes[-1]) if resumes else None
-    if not run_records.latest_summary(summary, started):
+    if not run_records.latest_summary(summary, run_records.latest_start(recs)):
         return {"why": "was resumed and its last start did not end (its summary.json is an "
                 "earlier start's)", "held": False}  # fmt: skip
     if not summary.get("completed"):

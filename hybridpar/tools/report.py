@@ -66,9 +66,9 @@ from hybridpar.runtime.run_records import (
     SCHEDULE_KEYS,
     TIME_PARTS,
     RunRecords,
+    latest_start,
     latest_summary,
     read_run,
-    resumed_from,
 )
 
 COLUMNS = ("run", "epochs", "steps", "best top1", "best top5", "time to target", "wall s",
@@ -91,8 +91,8 @@ def current(run: RunRecords) -> dict | None:
     evaluator's rule too); None where there is none, and where it is an earlier start's: a
     resumed run leaves it there while it runs (or where it was killed), and its steps, times
     and status are not the run's."""
-    started = resumed_from(run.resume[-1]) if run.resume else None
-    return run.summary if run.summary and latest_summary(run.summary, started) else None
+    latest = run.summary and latest_summary(run.summary, latest_start(run.resume))
+    return run.summary if latest else None
 
 
 def time_to(run: RunRecords, metric: str, target: float) -> dict | None:
