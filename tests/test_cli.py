@@ -170,6 +170,30 @@ def test_a_config_file_that_loads_but_misbehaves_is_one_error_line(tmp_path, cap
     assert says in err[0] and "mine.py" in err[0], err
 
 
+def test_a_runs_config_json_is_a_config_file(tmp_path, capsys):
+    """``--config W/config.json`` (a run's record of its config, as prune's train command
+    gives it): that run's config, key for key, overrides on top; one that does not read, or
+    holds a key this version does not know, is one error line naming the file. Planted bug
+    that fails it: a .json loaded as Python (a SyntaxError's line)."""
+    from hybridpar.runtime import run_config
+
+    mine = cli.load(DIGITS, [("optim.momentum", "0.8"), ("model.stage_widths", "(4, 8, 16, 32)")])
+    path = tmp_path / "config.json"
+    run_config.record_config(str(tmp_path), mine)
+    again = cli.load(str(path), [("num_epochs", "2.0")])
+    assert run_config.differences(run_config.config_dict(mine),
+                                  run_config.config_dict(again)) == [("num_epochs", 15.0, 2.0)]
+    for text, says in (("{not json", "does not read as a run's config.json"),
+                       ("[1, 2]", "holds no JSON object"),
+                       ('{"optim": {"mommentum": 0.8}}', "holds key 'optim.mommentum'")):
+        path.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            cli.load(str(path))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+        assert str(path) in err[0], err
+
+
 def test_a_recipes_device_count_is_a_decimal_number(capsys):
     """``cifar10_fast.py:cpu,2`` shares the batches over 2 devices; a count str.isdigit
     takes but int() does not ("²") is the recipe's own error line."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax.core import meta
-from helpers import DIGITS, NO_LLVM_OPT_FLAG, cpu_env, random_variables, tiny_digits
+from helpers import NO_LLVM_OPT_FLAG, cpu_env, random_variables, tiny_digits
 
 from hybridpar.models.airbench import AirbenchNet
 from hybridpar.models.resnet import ResNet50, ResNetTiny
@@ -868,20 +868,20 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
     assert record["source_unfinished"]["why"] == "stopped at step 66 of 132", record
     widths = json.loads((p / "config.json").read_text())["model"]
     assert widths["stage_widths"] == [4, 8, 16, 32] and widths["stem_width"] == 4
-    # the train command it prints: with the run's config file, it is the pruned run's config
-    # (the run's own overrides too, not the widths alone) started from its weights
+    # the train command it prints: the pruned run's config.json as its config (every key,
+    # the run's own overrides too, not the widths alone; a command of the keys that differ
+    # from the defaults lost those the run's file sets otherwise), started from its weights
     lines = out.out.splitlines()
     said = lines.index(next(x for x in lines if x.startswith("wrote p: ")))
-    assert "train it with the run's own config file as CONFIG" in lines[said], lines
+    assert "train it with its config (the run's, with the narrower widths" in lines[said], lines
     command = shlex.split(lines[said + 1])
-    assert command[:7] == ["python", "-m", "hybridpar.train", "--config", "CONFIG",
-                           "--workdir", "NEW_DIR"], command  # fmt: skip
-    assert command[-1] == "--config.init_from=p", command
-    overrides = [tuple(a[len("--config."):].split("=", 1)) for a in command[7:]]
-    c = cli.load(DIGITS, overrides)
+    where = os.path.abspath("p")  # (the command is pasted anywhere: absolute paths)
+    assert command == ["python", "-m", "hybridpar.train", "--config", f"{where}/config.json",
+                       "--workdir", "NEW_DIR", f"--config.init_from={where}"], command  # fmt: skip
+    c = cli.load(command[4], [("init_from", where)])
     saved = json.loads((p / "config.json").read_text())
-    assert run_config.differences(saved, run_config.config_dict(c), free=("tune.",)) == [
-        ("init_from", "", "p")]  # fmt: skip
+    assert run_config.differences(saved, run_config.config_dict(c)) == [
+        ("init_from", "", where)]  # fmt: skip
     # a run still training (no summary yet): the warning names the run's steps too, from
     # its records (planted bug that fails it: the summary's alone)
     (t / "summary.json").unlink()
@@ -896,7 +896,7 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
                                "finished model"), warning  # fmt: skip
     # ... and the command trains: shortened to 0.5 epochs, in a new folder
     w = tmp_path / "s"
-    argv = [DIGITS if a == "CONFIG" else str(w) if a == "NEW_DIR" else a for a in command[3:]]
+    argv = [str(w) if a == "NEW_DIR" else a for a in command[3:]]
     ok = subprocess.run([sys.executable, "-m", "hybridpar.train", *argv,
                          "--config.num_epochs=0.5"], cwd=tmp_path, env=env,
                         capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -919,6 +919,18 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
     state = init_sharded(r.program.init, r.program.shardings, jax.random.key(c.seed))
     with pytest.raises(ConfigError, match=r"^init_from="):
         trained.start_from(str(p), state, r.program)
+
+
+def test_a_pruned_runs_checkpoints_are_its_own_where_the_source_kept_them_elsewhere():
+    """A source trained with ``--config.checkpoint.dir=/elsewhere``: the pruned run's
+    config.json kept that dir, so evaluate, quantize and init_from read the source's
+    checkpoints for the pruned run's ('holds a run of another config: model.stem_width was
+    8'). Its checkpoint is in its own folder; its config says so. Planted bug that fails
+    it: the dir left as the source's."""
+    c = tiny_digits(**{"checkpoint.dir": "/elsewhere/ckpts"})
+    pruned = prune.pruned_config(c, {"stem_width": 4})
+    assert pruned.checkpoint.dir == "" and pruned.model.stem_width == 4
+    assert c.checkpoint.dir == "/elsewhere/ckpts"  # the source's config as it was
 
 
 def test_prune_help_says_fraction_is_the_share_removed(capsys):

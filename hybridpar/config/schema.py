@@ -770,7 +770,11 @@ def _check_runs(c, sources: bool) -> None:
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:
-    """``experiments/NAME.py[:ARGS]`` -> its ``get_config(ARGS)``, as the CLI would load it."""
+    """``experiments/NAME.py[:ARGS]`` -> its ``get_config(ARGS)``, as the CLI would load it;
+    a run's ``config.json`` -> that run's config (``from_saved``): its exact settings, where
+    its own file with the defaults of today may have moved on (prune's train command)."""
+    if path.endswith(".json"):
+        return saved_config(path)
     file, _, arg = path.partition(":")
     spec = importlib.util.spec_from_file_location("_hybridpar_experiment", file)
     if spec is None:
@@ -793,6 +797,20 @@ def load_config(path: str) -> ml_collections.ConfigDict:
             "experiments/cifar10_fast.py:cpu, say so in their docstring)"
         )
     return get_config(arg) if arg else get_config()
+
+
+def saved_config(path: str) -> ml_collections.ConfigDict:
+    """The config a run wrote to ``path`` (its ``config.json``)."""
+    import json
+
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"config file {path!r} does not read as a run's config.json ({e})")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"config file {path!r} holds no JSON object: pass a run's config.json")
+    return from_saved(saved, path)
 
 
 def from_saved(saved: dict, where: str = "config.json") -> ml_collections.ConfigDict:

@@ -18,10 +18,10 @@ config with the narrower widths), a checkpoint (the surviving parameters and sta
 a fresh optimizer state) and ``pruned.json`` (the source run and step, the fraction, the
 criterion), so ``quantize``, ``evaluate`` and ``train --config.init_from=DIR`` read it as
 they read any run; the command prints that train command whole (``train_command``: the
-run's config where it differs from the defaults, as ``--config.KEY=VALUE``, with the run's
-own config file as ``CONFIG``). ``DIR`` inside ``W`` is an ``error:`` (``W`` is read only);
-a source run whose training has not finished (still training, stopped early) is pruned with
-a ``warning:`` line naming its step and (where its summary or records say) the run's steps.
+pruned run's ``config.json`` as its ``--config``). ``DIR`` inside ``W`` is an ``error:``
+(``W`` is read only); a source run whose training has not finished (still training, stopped
+early) is pruned with a ``warning:`` line naming its step and (where its summary or records
+say) the run's steps.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import numpy as np
 
 from hybridpar.config import cli
 from hybridpar.config.errors import ConfigError
-from hybridpar.runtime import run_config, signals, trained
+from hybridpar.runtime import signals, trained
 from hybridpar.tools import quantize
 
 CRITERIA = ("bn", "l1")
@@ -286,10 +286,14 @@ def temp_of(out: str) -> str:
 
 
 def pruned_config(config, widths: dict):
+    """The source's config with the narrower widths; its checkpoints in the pruned run's own
+    folder (``write_run``), not where the source's ``checkpoint.dir`` points: a tool reading
+    the pruned run would read the source's there."""
     c = config.copy_and_resolve_references()
     with c.unlocked():
         c.model.update(widths)
         c.init_from = ""
+        c.checkpoint.dir = ""
     return c
 
 
@@ -326,31 +330,16 @@ def inside(path: str, directory: str) -> bool:
     return os.path.commonpath([path, directory]) == directory
 
 
-# The train command of a pruned run: its own config file is not recorded anywhere
-TRAIN = "python -m hybridpar.train --config CONFIG --workdir NEW_DIR"
-# Keys the advice leaves out: those a run may change freely (checkpoint.dir among them: the
-# source's would be the new run's), tune's (train reads none) and init_from (said last)
-UNSAID = (*run_config.FREE_KEYS, "tune.", "init_from")
-
-
-def train_command(config, out: str) -> str:
-    """The command that trains the pruned run ``out`` (of ``config``): ``TRAIN`` with, as
-    ``--config.KEY=VALUE``, every key where ``config`` differs from hybridpar's defaults
-    (what the run's config file and its own overrides set, and the narrower widths), then
-    ``--config.init_from=out``."""
+def train_command(out: str) -> str:
+    """The command that trains the pruned run ``out`` on: its ``config.json`` as the config
+    (every key as the pruned run has it; a command line of the keys that differ from the
+    defaults, on the run's own config file, lost those the file sets otherwise), a new
+    workdir, and its weights (``init_from``)."""
     import shlex
 
-    from hybridpar.config.schema import base_config
-
-    default = run_config.flatten(run_config.config_dict(base_config()))
-    flags = []
-    for key, value in run_config.flatten(run_config.config_dict(config)).items():
-        if key.startswith(UNSAID) or default.get(key) == value:
-            continue
-        if isinstance(value, list):  # a tuple in the config (JSON's list)
-            value = repr(tuple(value))
-        flags.append(f"--config.{key}={shlex.quote(str(value))}")
-    return " ".join([TRAIN, *flags, f"--config.init_from={shlex.quote(out)}"])
+    config = shlex.quote(os.path.join(os.path.abspath(out), "config.json"))
+    return (f"python -m hybridpar.train --config {config} --workdir NEW_DIR "
+            f"--config.init_from={shlex.quote(os.path.abspath(out))}")  # fmt: skip
 
 
 def planned_steps(workdir: str, config) -> int | None:
@@ -420,10 +409,9 @@ def main(argv=None) -> None:
             # data opened, to learn them otherwise)
             total = state.get("total_steps") or planned_steps(args.workdir, r["config"])
             trained.warn_unfinished(args.workdir, state, r["step"], total, "pruned")
-        print(f"wrote {args.out}: {r['params']} parameters; train it with the run's own config "
-              "file as CONFIG (the overrides are the run's config where it differs from "
-              "hybridpar's defaults, the narrower widths among them):\n  "
-              f"{train_command(r['config'], args.out)}")  # fmt: skip
+        print(f"wrote {args.out}: {r['params']} parameters; train it with its config (the "
+              "run's, with the narrower widths; add --config.KEY=VALUE to change one):\n  "
+              f"{train_command(args.out)}")  # fmt: skip
 
     def stopped() -> str:  # prune_run writes beside --out and renames it in whole, last
         if os.path.exists(args.out):
