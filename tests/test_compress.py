@@ -903,6 +903,9 @@ def test_pruned_run_trains_and_evaluates_through_the_clis(teacher, tmp_path, cap
     monkeypatch.undo()
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert "done: top1" in ok.stdout, ok.stdout[-2000:]
+    # said, or nothing shows the weights were read (planted: no line fails it)
+    said = f"started from the weights of {where} (its checkpoint at step 0; init_from)"
+    assert said in ok.stdout.splitlines(), ok.stdout[-2000:]
     summary = json.loads((w / "summary.json").read_text())
     assert summary["completed"] and summary["final_eval"]["examples"] == 360
     # (that init_from starts from the weights: the teacher-as-student test below)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import os
 import time
 from typing import Protocol
 
@@ -604,9 +605,13 @@ def restore_or_init(run: Run, saver: checkpoint.Checkpoints):
     if restored is None:
         state = init_sharded(program.init, program.shardings, jax.random.key(run.config.seed))
         if run.config.init_from:  # a trained or pruned run's weights, e.g. hybridpar.prune's
-            from hybridpar.runtime.trained import start_from
+            from hybridpar.runtime.trained import init_source, start_from
 
-            state = start_from(run.init_from or run.config.init_from, state, program)
+            src = run.init_from or init_source(run.config.init_from, program)
+            state = start_from(src, state, program)
+            # said: nothing else on screen or in the records shows the weights were loaded
+            log(f"started from the weights of {os.path.abspath(src.workdir)} (its checkpoint "
+                f"at step {src.step}; init_from)")  # fmt: skip
         elif hasattr(program.model, "data_init"):  # a layer set from the data (airbench's)
             st = run.plan.stages[0].stage
             batches = run.data.train_batches(
