@@ -85,7 +85,7 @@ def test_digits_reaches_97_percent_resumed_on_another_mesh(tmp_path):
         out.index("mesh: data=")
         < out.index("placement")
         < out.index("per-device memory")
-        < out.index("train step")
+        < out.index("\ntrain step")  # the first progress line (not "compiling the train step")
     )
     records = _records(tmp_path)
     events = {rec["event"] for rec in records}
@@ -408,7 +408,7 @@ def test_sigterm_before_the_first_step_exits_0_and_the_run_starts_again(
         "SIGTERM: stopped before the first step: nothing to save; the same command starts "
         "the run" in stopped["out"]
     )
-    assert "train step" not in stopped["out"] and "Traceback" not in stopped["err"]
+    assert "\ntrain step" not in stopped["out"] and "Traceback" not in stopped["err"]
     assert not stopped["summary"] and not stopped["checkpoints"]
     # The same command starts the run from step 0 and completes it.
     assert completed.returncode == 0, completed.stderr[-3000:]

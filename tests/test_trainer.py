@@ -122,7 +122,15 @@ def test_two_stages_of_different_size_and_batch_compile_once_and_keep_the_lr_con
     preflight = next(x for x in out.splitlines() if x.startswith("per-device memory"))
     assert "largest of 3 programs: train step (batch 64, 24 px)" in preflight
     assert f"{mem[('train', 64)] / 2**20:.1f} MiB" in preflight
-    assert out.index(preflight) < out.index("train step ")  # before the first progress line
+    progress = next(x for x in out.splitlines() if x.startswith("train step "))
+    assert out.index(preflight) < out.index(progress)  # before the first progress line
+    # each compile said as it starts (a large model's take minutes, silent before): planted
+    # bug that fails it, no line
+    said = [x for x in out.splitlines() if x.startswith("compiling the ")]
+    assert said == ["compiling the train step for batch 32 at 16 px (1/3) ...",
+                    "compiling the eval step for batch 120 at 16 px (2/3) ...",
+                    "compiling the train step for batch 64 at 24 px (3/3) ..."], out  # fmt: skip
+    assert out.index(said[-1]) < out.index(preflight)
     assert summary["memory_per_device_bytes"]["total"] == mem[("train", 64)]
     assert len(summary["memory_by_program"]) == 3
 

@@ -558,17 +558,19 @@ def compile_all(run: Run, first_stage: int) -> dict:
     stage at a larger image size can need more than the first), and returns the largest's."""
     c, program = run.config, run.program
     first, *later = run.plan.stages[first_stage:] or run.plan.stages[-1:]
-    program.train_step(first.stage.global_batch, first.stage.image_size)
-    program.eval_step(c.eval_batch, c.data.image_size)
     later = [("train", s.stage.global_batch, s.stage.image_size) for s in later]
     background = c.compile_ahead == "background" or (
         c.compile_ahead == "auto" and jax.default_backend() != "cpu"
     )
+    now = [("train", first.stage.global_batch, first.stage.image_size),
+           ("eval", c.eval_batch, c.data.image_size), *([] if background else later)]  # fmt: skip
+    # each said as it starts: a large model's compile takes minutes, with nothing else to show
+    todo = [k for k in now if k not in program.compiled_programs()]  # (--compiled: loaded)
+    for i, (kind, batch, size) in enumerate(todo, 1):
+        log(f"compiling the {kind} step for batch {batch} at {size} px ({i}/{len(todo)}) ...")
+        (program.train_step if kind == "train" else program.eval_step)(batch, size)
     if background:
         program.compile_in_background(later)
-    else:
-        for _, batch, size in later:
-            program.train_step(batch, size)
     text, mem = memory_report(program.compiles)
     if program.compiling:
         text += (
@@ -902,7 +904,7 @@ def start(run: Run, hooks) -> Training:
         + (f", {pending} more compiling in the background" if pending else "")
         + f"; training {plan.total_steps} steps"
         + (" in all" if loop.step else "")
-        + f" ({plan.num_epochs:g} epochs, {len(plan.stages)} stage(s))"
+        + f" ({plan.num_epochs:g} epoch{'s' * (plan.num_epochs != 1)}, {len(plan.stages)} stage(s))"
         + (f", {left} to go from step {loop.step}" if loop.step else "")
     )
     earlier = run_records.read_run(run.workdir).train if recorded else []
