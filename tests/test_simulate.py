@@ -734,6 +734,18 @@ def test_a_comm_reports_evaluation_is_its_own_eval_split(tmp_path, capsys):
 # ----------------------------------------------------------------------------- curriculum
 
 
+def test_step_columns_say_they_are_not_the_stages_where_the_stages_differ(capsys):
+    """With stages of other sizes or batches than --per-device-batch/--image-size, the
+    columns step ms .. efficiency describe a step the curriculum never runs (the probe read
+    384,000 img/s at 128 H100s as the curriculum's): a line under the title says so. Not
+    where every stage is that step. Planted bug that fails it: no line."""
+    said = "step ms to efficiency: one step at 256/device, 224 px"
+    for stages, differ in (("20:128-224,38:224-224", True), ("20:224-256", False)):
+        assert sim.main(["--preset", "h100", "--devices", "8", "--stages", stages]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert any(x.startswith(said) for x in lines[:3]) == differ, lines
+
+
 def test_parse_stages_moxing():
     stages = sim.parse_stages("20:128-224,38:224-224,40:288-128")
     assert stages == [

@@ -1103,6 +1103,12 @@ def _main(args) -> int:
         f"{images_per_epoch:,} images/epoch ({images_from})"
         + (f", eval {args.eval_s_per_epoch:g} s/epoch" if args.eval_s_per_epoch else "")
     )
+    step = (args.per_device_batch, args.image_size)
+    if any((st.per_device_batch, st.image_size) != step for st in stages):
+        # the columns of one step would be read as the curriculum's speed
+        print(f"step ms to efficiency: one step at {step[0]}/device, {step[1]} px "
+              "(--per-device-batch, --image-size), not the stages'; the time to train runs "
+              "each stage's own steps")  # fmt: skip
     print(format_rows(rows, images_per_epoch))
     print(legend(workload, preset, efficiency))
     if args.png:
