@@ -538,8 +538,9 @@ def make_data(c, mesh=None, stage_sizes: list[int] | None = None):
     info = info | {"train_examples": ds.n_train, "eval_examples": ds.n_test}
     if jax.process_index() == 0:
         stored = ", ".join(f"{s}px" for s in sorted(train))
-        print(f"data on the devices: {_nbytes(train, test) / 2**20:.1f} MiB on each (train at "
-              f"{stored}), batched and augmented there", flush=True)  # fmt: skip
+        print(f"data on the devices: {_nbytes(train, test) / 2**20:.1f} MiB on each (the "
+              f"train split at {stored} and the eval split), batched and augmented there",
+              flush=True)  # fmt: skip
     shape = (d.image_size, d.image_size, d.channels)
     # digits and images: every example once an epoch (a synthetic epoch cycles its pool)
     steps_for = ds.steps_for if d.name == "synthetic" else EpochSteps(ds.steps_for, ds.n_train)
@@ -723,6 +724,9 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
         empty = meta["classes_without_examples"]
         if split == d.train_split and empty and not d.allow_empty_classes:
             raise prep.empty_classes_error(split, meta["source"], empty)
+        else:  # said as the tf.data path says its reuse: which copy, of how many examples
+            print(f"reusing the decoded copy {arrays_path} ({meta['num_examples']} examples of "
+                  f"split {split!r})", flush=True)  # fmt: skip
         with np.load(arrays_path) as z:
             out[split] = ({"image": z["image"], "label": z["label"]}, meta)
     return out

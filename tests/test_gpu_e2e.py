@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tarfile
 import types
+from pathlib import Path
 
 import pytest
 from helpers import NO_LLVM_OPT_FLAG, ROOT, require_shared_data
@@ -335,6 +336,23 @@ def test_prepare_without_the_cuda_plugin_skips_its_compiles_and_says_how(
     assert e2e.main(argv) == 1
     out = capsys.readouterr().out
     assert "bench/gpu/wheels:  0.00 MiB MISSING: run bash bench/gpu/wheels.sh" in out, out
+
+
+def test_e2e_takes_a_relative_python_and_names_a_missing_one():
+    """``PYTHON=.venv/bin/python bash bench/gpu/e2e.sh``: the script checks the install from
+    ``/``, where a relative path names nothing, and said 'hybridpar is not installed'. The
+    path is the caller's, resolved first; one that is no executable is said as that.
+    Planted bug that fails it: no resolution (the old line, rc 2)."""
+    exe = Path(sys.executable)  # (a venv's: its folder names it, not a link elsewhere)
+    relative = f"{exe.parent.name}/{exe.name}"
+    script = str(ROOT / "bench" / "gpu" / "e2e.sh")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for python, rc, says in ((relative, 0, "usage: e2e.py"),
+                             ("bin/nothing", 2, "error: PYTHON=bin/nothing is not an executable")):
+        r = subprocess.run(["bash", script, "--help"], env=dict(env, PYTHON=python),
+                           cwd=exe.parent.parent, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert r.returncode == rc and says in r.stdout, (r.stdout, r.stderr)
 
 
 def test_e2e_smoke_runs_every_section(tmp_path):

@@ -13,8 +13,15 @@
 # Carry bench/gpu/{wheels,data,peers,compiled} with the device call (all ignored by git);
 # options: python3 bench/gpu/e2e.py --help.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
+# A relative interpreter path is the caller's (resolved before the cd's below)
+if [[ "$PY" == */* ]]; then
+  [ -x "$PY" ] || { echo "error: PYTHON=$PY is not an executable file"; exit 2; }
+  PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
+elif ! command -v "$PY" >/dev/null; then
+  echo "error: no $PY on PATH: set PYTHON to the interpreter to use"; exit 2
+fi
+cd "$(dirname "$0")/../.."
 # From / : in the checkout's root, `import hybridpar` would find the uninstalled source.
 if ! (cd / && "$PY" -c "import ml_collections, hybridpar.models") 2>/dev/null; then
   if [ -d bench/gpu/wheels ]; then
