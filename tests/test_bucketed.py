@@ -340,6 +340,97 @@ def test_a_plan_of_nnx_state_reduces_its_gradients_as_lax_pmean(reduce):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-8)
 
 
+def _reduced_as_pmean(reduce, params, loss_fn, plan):
+    """``reduce``'s mean of the per-device gradients of ``loss_fn`` on data:8 (a batch of
+    16 rows of 4), ``lax.pmean``'s of the whole tree, and the one-device gradient."""
+    mesh, axes = make_mesh("data:8"), ("data",)
+    x = np.random.RandomState(0).randn(16, 4).astype(np.float32)
+
+    def varying(params):
+        return jax.tree.map(lambda p: to_varying(p, axes), params)
+
+    def bucketed(params, x):
+        if reduce == "reduce_in_buckets":
+            return reduce_in_buckets(jax.grad(loss_fn)(varying(params), x), plan, axes)
+        return jax.grad(lambda p: loss_fn(reduce_in_backward(p, plan, axes), x))(params)
+
+    def pmean(params, x):
+        return lax.pmean(jax.grad(loss_fn)(varying(params), x), axes)
+
+    def run(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P(axes)),
+                                     out_specs=P()))(params, x)  # fmt: skip
+
+    return run(bucketed), run(pmean), jax.grad(loss_fn)(params, x)
+
+
+def _assert_same_trees(*trees):
+    structure = jax.tree.structure(trees[0])
+    for t in trees[1:]:
+        assert jax.tree.structure(t) == structure
+        for g, w in zip(jax.tree.leaves(trees[0]), jax.tree.leaves(t), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduce", ["reduce_in_buckets", "reduce_in_backward"])
+def test_a_plan_of_lists_and_tuples_goes_in_forward_order_and_reduces_as_lax_pmean(reduce):
+    """A plain pytree with a list of layers and a tuple: planned in forward order (list
+    and tuple by index), reduced to ``lax.pmean`` of the whole tree and the one-device
+    gradient. Planted bug that fails it: ``bucket_plan`` walking into dicts only (a list
+    taken as one leaf: AttributeError 'list' object has no attribute 'dtype')."""
+    rs = np.random.RandomState(1)
+    params = {
+        "layers": [{"w": jnp.asarray(rs.randn(4, 4), jnp.float32)} for _ in range(2)],
+        "pair": (jnp.asarray(rs.randn(4), jnp.float32), jnp.asarray(rs.randn(4), jnp.float32)),
+        "out": jnp.asarray(rs.randn(4), jnp.float32),
+    }
+
+    def loss_fn(p, x):
+        for layer in p["layers"]:
+            x = jnp.tanh(x @ layer["w"])
+        return jnp.mean((x * p["pair"][0] + p["pair"][1]) @ p["out"])
+
+    plan = bucket_plan(params, 1e-5)  # a bucket per array
+    assert [p for b in plan for p in b] == [
+        ("out",), ("pair", "1"), ("pair", "0"), ("layers", "1", "w"), ("layers", "0", "w")
+    ]  # fmt: skip
+    _assert_same_trees(*_reduced_as_pmean(reduce, params, loss_fn, plan))
+
+
+@pytest.mark.parametrize("reduce", ["reduce_in_buckets", "reduce_in_backward"])
+def test_a_key_holding_a_slash_is_one_key(reduce):
+    """A dict key with a ``/`` in it is one path part, in the plan and the reductions.
+    Planted bug that fails it: the reductions' paths read from ``path_str`` split at ``/``
+    (``a/b`` then both missing from the plan and in it but not the gradients)."""
+    params = {"a/b": {"w": jnp.full((4,), 0.5)}, "c": jnp.arange(4.0)}
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(x * p["a/b"]["w"]) @ p["c"])
+
+    plan = bucket_plan(params, 1)
+    assert plan == [[("c",), ("a/b", "w")]]
+    _assert_same_trees(*_reduced_as_pmean(reduce, params, loss_fn, plan))
+
+
+class _TokenNet(nn.Module):
+    """Token ids in: ``nn.Embed`` refuses a float input."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(16, 4, name="zz_embed")(tokens).mean(1)
+        return nn.Dense(2, name="aa_head")(x)
+
+
+def test_forward_params_of_a_model_taking_token_ids():
+    """``forward_params(..., dtype=jnp.int32)`` inits a model on integer input, in forward
+    order. Planted bug that fails it: the dummy input always float32 (Flax: 'Input type
+    must be an integer or unsigned integer')."""
+    params = forward_params(_TokenNet(), (1, 8), dtype=jnp.int32)
+    assert list(params) == ["zz_embed", "aa_head"]
+    assert params["zz_embed"]["embedding"].shape == (16, 4)
+    assert bucket_plan(params, 1)[0][-1] == ("zz_embed", "embedding")  # first layer last
+
+
 @pytest.mark.parametrize(
     "reduce", [reduce_in_buckets, reduce_in_backward, reduce_in_backward_manual]
 )
@@ -396,7 +487,9 @@ def test_fsdp_dims_reads_a_spec_entry_as_mesh_axis_names_does():
 
     specs = {"w": SimpleNamespace(spec=(None, ["fsdp", "model"])), "b": P("fsdp"), "s": P()}
     assert fsdp_dims(specs) == {("w",): 1, ("b",): 0}
-    with pytest.raises(ConfigError, match="split over 'data'"):
+    # the parameter first (a library caller has no config), then the config key
+    with pytest.raises(ConfigError, match=r"^parameter 'w' is split over 'data' .*"
+                       r"\(comm\.mode=bucketed in a config\)"):  # fmt: skip
         fsdp_dims({"w": SimpleNamespace(spec=(["data", "fsdp"],))})
 
 

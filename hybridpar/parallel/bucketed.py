@@ -53,7 +53,14 @@ from hybridpar.parallel.mesh import (
     axis_names,
     batch_axes,
 )
-from hybridpar.parallel.partitioning import is_box, path_str, rebox_leaf, shortlist, unbox_leaf
+from hybridpar.parallel.partitioning import (
+    is_box,
+    path_parts,
+    path_str,
+    rebox_leaf,
+    shortlist,
+    unbox_leaf,
+)
 
 Path = tuple  # a parameter's path in the nested params dict, e.g. ("head", "kernel")
 
@@ -64,30 +71,41 @@ def _nbytes_and_dtype(x) -> tuple[int, np.dtype]:
 
 
 def _leaves_in_order(tree, prefix: Path = ()):
-    """``(path, leaf)`` in the dicts' insertion order (jax.tree.leaves would sort keys). The
-    keys are strings, as ``_path_of`` gives them (an NNX layer list's are ints)."""
+    """``(path, leaf)`` in forward order: a Mapping's items in insertion order (jax.tree.leaves
+    would sort dict keys), any other pytree node's children in the order JAX flattens them
+    (a list's or tuple's by index). Path parts are strings, as ``_path_of`` gives them (an
+    NNX layer list's int keys too); a box (Flax axis box, NNX Variable) is one leaf."""
     if isinstance(tree, Mapping):
         for k, v in tree.items():
             yield from _leaves_in_order(v, prefix + (str(k),))
-    else:
+        return
+    if is_box(tree):
         yield prefix, tree
+        return
+    # One level of JAX's own flattening: the node's children with their keys.
+    children = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree)[0]
+    if len(children) == 1 and children[0][0] == ():  # not a pytree node: a leaf
+        yield prefix, tree
+        return
+    for kp, child in children:  # None (an empty node) yields nothing, as JAX's leaves
+        yield from _leaves_in_order(child, prefix + path_parts(kp))
 
 
-def forward_params(model, input_shape, **apply_kwargs):
+def forward_params(model, input_shape, dtype=jnp.float32, **init_kwargs):
     """The model's parameters (abstract, unboxed) in the order ``model.init`` creates them.
 
     That is the forward (layer) order for linen modules. ``jax.eval_shape`` alone would not
     do: its output is rebuilt by ``tree_unflatten``, which sorts dict keys, so the order is
     read inside the traced function; so is ``jax.jit(model.init)``'s, which is why a plan
-    from jitted parameters buckets in alphabetical order. ``apply_kwargs`` go to
-    ``model.init`` as they are, e.g. ``train=False`` for a model that takes it.
+    from jitted parameters buckets in alphabetical order. The dummy input is zeros of
+    ``input_shape`` in ``dtype`` (``jnp.int32`` for a model whose input is token ids, as
+    ``nn.Embed`` takes). ``init_kwargs`` go to ``model.init`` as they are, e.g.
+    ``train=False`` for a model that takes it.
     """
     seen = []
 
     def init():
-        variables = model.init(
-            jax.random.key(0), jnp.zeros(input_shape, jnp.float32), **apply_kwargs
-        )
+        variables = model.init(jax.random.key(0), jnp.zeros(input_shape, dtype), **init_kwargs)
         seen.append(
             [
                 (p, jax.ShapeDtypeStruct(np.shape(unbox_leaf(x)), unbox_leaf(x).dtype))
@@ -109,8 +127,9 @@ def forward_params(model, input_shape, **apply_kwargs):
 def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
     """Buckets of parameter paths for the gradient reduction, first bucket first.
 
-    ``params`` is a nested dict in forward order (as ``model.init`` creates it, or
-    ``forward_params``) or an NNX State; its leaves are arrays, ShapeDtypeStructs, Flax axis
+    ``params`` is a pytree in forward order: nested dicts as ``model.init`` creates them (or
+    ``forward_params``), lists and tuples of layers, an NNX State (whose keys come sorted,
+    so its plan goes alphabetically); its leaves are arrays, ShapeDtypeStructs, Flax axis
     boxes or NNX Variables (each one leaf, as ``infer_shardings`` takes them). Leaves
     are taken in REVERSE order and packed greedily: a bucket closes when the next gradient
     would take it over ``bucket_mb`` MiB or has another dtype, so a bucket of several
@@ -141,7 +160,8 @@ def bucket_plan(params, bucket_mb: float) -> list[list[Path]]:
 
 
 def _path_of(keypath) -> Path:
-    return tuple(path_str(keypath).split("/"))
+    # The keys themselves, not path_str's string split at "/": a key may hold a "/".
+    return path_parts(keypath)
 
 
 def arrays_by_path(tree) -> dict:
@@ -400,8 +420,8 @@ def reduce_in_buckets(
 ):
     """Mean of ``grads`` over the devices of ``axes``, one ``psum`` per bucket of ``plan``.
 
-    Call inside ``jax.shard_map`` over ``axes`` (else a ConfigError); ``grads`` has any dict
-    structure holding the plan's paths (an NNX State too). ``axes``: one mesh axis name or a
+    Call inside ``jax.shard_map`` over ``axes`` (else a ConfigError); ``grads`` is any pytree
+    holding the plan's paths (an NNX State too). ``axes``: one mesh axis name or a
     tuple of them. The gradients must be each device's own, taken with respect to
     parameters made varying over ``axes``
     (``to_varying``): a gradient JAX has already summed is a ConfigError. The buckets are
@@ -474,8 +494,9 @@ def fsdp_dims(specs) -> dict[Path, int]:
             axes = axis_names(entry)
             if "data" in axes:
                 raise ConfigError(
-                    f"comm.mode=bucketed: parameter {path_str(kp)!r} is split over 'data' "
-                    f"({spec}); split parameters over 'fsdp' (or use comm.mode=xla)"
+                    f"parameter {path_str(kp)!r} is split over 'data' ({spec}), and the "
+                    "bucketed reduction (comm.mode=bucketed in a config) splits parameters "
+                    "over 'fsdp' only; split it over 'fsdp' (or use comm.mode=xla)"
                 )
             if "fsdp" in axes:
                 dims[_path_of(kp)] = d
