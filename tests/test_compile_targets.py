@@ -802,3 +802,33 @@ def test_checking_an_out_file_leaves_the_users_files_alone(tmp_path):
     assert mine.read_text() == "mine" and sorted(tmp_path.iterdir()) == [mine]
     with pytest.raises(ConfigError, match="cannot write there"):
         executables.check_out(str(tmp_path / "no" / "prog.bin"))
+
+
+def test_a_tpu_targets_command_starts_again_with_no_stack_limit():
+    """libtpu 0.0.42.1 crashed (SIGSEGV, a thread's stack overflow) compiling the digits job
+    for tpu:v6e-8 unless the process started under ``ulimit -s unlimited``; the compile
+    tools' commands start again so (``targets.unlimited_stack_for_tpu``), once. Shown here
+    on a process under an 8 MiB limit: with a tpu: target it runs again unlimited, its
+    first lines once; without one it runs as it is. Planted bug that fails it: the call
+    returning at once. (The crash itself takes a 75 s compile: checked by hand, see the
+    function's comment.)"""
+    code = (
+        "import resource, sys\n"
+        "print('start', flush=True)\n"
+        "from hybridpar.tools import targets\n"
+        "targets.unlimited_stack_for_tpu(sys.argv[1:])\n"
+        "print(resource.getrlimit(resource.RLIMIT_STACK)[0] == resource.RLIM_INFINITY)\n"
+    )
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_STACK)[1] != resource.RLIM_INFINITY:
+        pytest.skip("the hard stack limit is set here: the tools leave the limit as it is")
+    env = {k: v for k, v in os.environ.items() if k != "HYBRIDPAR_STACK_RAISED"}
+    limited = "import resource, os, sys; resource.setrlimit(resource.RLIMIT_STACK, " \
+              "(8 << 20, resource.RLIM_INFINITY)); os.execv(sys.executable, sys.argv[1:])"
+    for target, says in (("tpu:v6e-8", ["start", "start", "True"]),
+                         ("cpu:8", ["start", "False"])):  # fmt: skip
+        r = subprocess.run([sys.executable, "-c", limited, sys.executable, "-c", code,
+                            "--target", target], env=env, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+        assert r.returncode == 0 and r.stdout.split() == says, (r.stdout, r.stderr)

@@ -1054,6 +1054,10 @@ def target_of(spec: str | None, devices: int | None, gpu: bool = True):
 
 
 def main(argv=None) -> None:
+    if argv is None:  # the command itself (a TPU target's compile needs it: see there)
+        from hybridpar.tools import targets
+
+        targets.unlimited_stack_for_tpu(sys.argv[1:])
     parser = cli.ArgumentParser(
         "python -m hybridpar.comm_report",
         (

@@ -441,6 +441,8 @@ def _name(r: dict) -> str:
 
 
 def main(argv=None) -> None:
+    if argv is None:  # the command itself (a TPU target's compile needs it: see there)
+        targets.unlimited_stack_for_tpu(sys.argv[1:])
     parser = cli.ArgumentParser(
         "python -m hybridpar.compile",
         (

@@ -1018,6 +1018,10 @@ def build_parser() -> cli.ArgumentParser:
 
 
 def main(argv=None) -> None:
+    if argv is None:  # the command itself (a TPU target's compile needs it: see there)
+        from hybridpar.tools import targets
+
+        targets.unlimited_stack_for_tpu(sys.argv[1:])
     # XLA's C++ warnings (the SPMD partitioner's, one per compile) kept off the terminal
     # among the progress lines unless the user set the level; its errors still come
     # through. Set before JAX starts (its own default is 1), the workers inherit it.

@@ -244,6 +244,33 @@ device_description_str: "{kind}"
 """
 
 
+# libtpu 0.0.42.1 overflows a thread's stack compiling the digits job for tpu:v6e-8
+# (SIGSEGV, "STACK OVERFLOW", whatever the flags) unless the process starts with no stack
+# limit: 8 MiB to 1 GiB crashed alike (5 of 5), raising the limit in a running process did
+# not help, and started unlimited it compiled 6 times of 7. Seen 2026-12-08.
+STACK_RAISED = "HYBRIDPAR_STACK_RAISED"  # set in the command started again: once only
+
+
+def unlimited_stack_for_tpu(argv: list[str]) -> None:
+    """Starts this command again with no stack limit where ``argv`` names a ``tpu:`` target
+    and the hard limit allows it (``ulimit -s unlimited``'s effect; see above); else does
+    nothing. Called by the compile tools' commands (``argv`` from the command line), before
+    anything else: the command is run again from its start."""
+    import resource
+    import sys
+
+    if os.environ.get(STACK_RAISED) or not any("tpu:" in a for a in argv):
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    if soft == resource.RLIM_INFINITY or hard != resource.RLIM_INFINITY:
+        return
+    resource.setrlimit(resource.RLIMIT_STACK, (resource.RLIM_INFINITY, hard))
+    os.environ[STACK_RAISED] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 def prepare(target: Target, comm_cfg=None) -> None:
     """The environment a target needs, set before JAX starts: N virtual CPU devices, or
     libtpu's compiler on a host without a TPU (JAX's CPU backend for the process itself; no
