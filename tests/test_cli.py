@@ -350,3 +350,21 @@ def test_the_same_command_says_the_environment_the_run_depends_on(monkeypatch):
     assert cli.same_command("hybridpar.train", ["--workdir", "w x"]) == (
         f"XLA_FLAGS='--a=1 --b=2' HYBRIDPAR_DATA=/d {want}")  # fmt: skip
     assert set(cli.START_ENV) <= set(cli.COMMAND_ENV)
+
+
+def test_a_processs_same_command_names_its_place_in_a_multi_process_run():
+    """A stopped 2-process run printed its resume line without the JAX_* variables: pasted,
+    it was 'error: --config.distributed=True but JAX_COORDINATOR_ADDRESS, ... are not set'.
+    Each process's line names them, its own JAX_PROCESS_ID among them (planted: the
+    variables left out of COMMAND_ENV fails it)."""
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", ""), "JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234",
+           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1", "JAX_LOCAL_DEVICE_IDS": "0,1"}
+    code = "from hybridpar.config import cli; print(cli.same_command('hybridpar.train', []))"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 JAX_NUM_PROCESSES=2 "
+                               "JAX_PROCESS_ID=1 JAX_LOCAL_DEVICE_IDS=0,1 "), r.stdout

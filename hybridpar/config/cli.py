@@ -292,11 +292,12 @@ def parse(
 ACCELERATOR_FILES = ("/dev/nvidia[0-9]*", "/dev/accel[0-9]*", "/dev/vfio/[0-9]*", "/dev/kfd")
 
 
-# The environment a run depends on (its devices, its data): said before a command that must
-# be given again the same (a resume), as the process found it, before a tool adds XLA flags
-# of its own.
+# The environment a run depends on (its devices, its data, a multi-process run's place in
+# it: each process's own id): said before a command that must be given again the same (a
+# resume), as the process found it, before a tool adds XLA flags of its own.
 COMMAND_ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "CUDA_VISIBLE_DEVICES", "HYBRIDPAR_DATA",
-               "HYBRIDPAR_CACHE")  # fmt: skip
+               "HYBRIDPAR_CACHE", "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_BIND_ADDRESS",
+               "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")  # fmt: skip
 START_ENV = {k: os.environ[k] for k in COMMAND_ENV if os.environ.get(k)}
 
 
