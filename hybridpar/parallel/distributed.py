@@ -157,9 +157,21 @@ def timeout_message(kw: dict, timeout_s: float, reached: bool = False) -> str:
         )
     count = f"all {n} processes (JAX_PROCESS_ID=0..{n - 1})" if n else "every process"
     count += ", each with its own id,"  # two with one id: the second never joins
+    gone = ""
+    if kw.get("process_id") != 0 and reached and not _answers(address):
+        # a run started again on the port of one whose process 0 still waited: its
+        # process 0 finds the port in use, and this process joins the old coordinator,
+        # which then stops
+        gone = (
+            " (the coordinator this process reached has gone since: process 0 gave up, its "
+            "own error names why, or it was an earlier run's process 0, still waiting on "
+            "that port when this run started, and this run's process 0 found the port in "
+            "use; then stop every process of both runs)"
+        )
     return (
-        f"not every process joined the coordinator at {address} within {timeout_s:g} s: "
-        f"start {count} with the same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, {more}"
+        f"not every process joined the coordinator at {address} within {timeout_s:g} s"
+        f"{gone}: start {count} with the same JAX_COORDINATOR_ADDRESS and "
+        f"JAX_NUM_PROCESSES, {more}"
     )
 
 

@@ -19,8 +19,13 @@ runs the trainer as a child with the same arguments, and this parent:
   says it), except where the child died of a signal after JAX's fatal text: then JAX's
   log lines of it and the stack trace are held back (written to a file in the temporary
   folder, which the line names) and the last line is one ``error:`` naming what JAX saw
-  and how to resume, exit 1 (2 for two processes started with one ``JAX_PROCESS_ID``, a
-  mistake in the command).
+  and how to resume, exit 1 (2 for a process id that joined twice: two processes started
+  with one ``JAX_PROCESS_ID``, or a process started again while the coordinator from
+  before still ran; either way every process must be started again);
+- shows no JAX log line of the failure where the child says what failed itself (its
+  Python caught the failure as JAX aborted it: its own ``error:`` line, exit 1, comes
+  alone); a line of JAX's distributed service the run went on from is shown, at the
+  next line (or a pause), with the lines of its message that follow it.
 
 JAX's other lines stay: gloo's ``[Gloo] Rank N is connected to ...`` comes on the
 child's stdout, from C++ with no setting to quiet it, and ``TF_CPP_MIN_LOG_LEVEL`` would
@@ -35,6 +40,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -50,8 +56,18 @@ TRACE = "*** Check failure stack trace"
 PY_TRACE = "Traceback (most recent call last):"
 # JAX's distributed service's own log lines (glog's format): its errors come just before
 # its fatal line, so they are held with the stack trace
-SERVICE_LOG = re.compile(r"[EF]\d{4} [\d:.]+\s+\d+ (coordination_service\w*\.cc|client\.h):\d+\]")
+SERVICE_LOG = re.compile(
+    r"[WEF]\d{4} [\d:.]+\s+\d+ (coordination_service\w*\.cc|preemption_sync_manager\.cc"
+    r"|client\.h):\d+\]"
+)
+# A line that starts a log record: glog's (C++ and absl's Python) or Python's logging. A
+# record's message may span lines; the lines after its first start no record.
+LOG_RECORD = re.compile(r"[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|(DEBUG|INFO|WARNING|ERROR|CRITICAL):")
+OWN_ERROR = "error: "  # the trainer's own last line, where it caught the failure itself
 SERVICE_HELD = 50  # of those lines in a row, at most this many held (the newest)
+# A record's lines come in one write: the lines that follow a held one with no pause of
+# this many seconds go with it; after such a pause the held lines are shown.
+QUIET_S = 1.0
 TRACE_PREFIX = "hybridpar-jax-abort-"
 KEEP_TRACES = 10
 
@@ -70,16 +86,31 @@ def _die_with_parent() -> None:
         pass
 
 
-def what_failed(text: str, heartbeat_s: float | None = None) -> tuple[str, int]:
+def what_failed(text: str, heartbeat_s: float | None = None,
+                process_id: int | None = None) -> tuple[str, int]:  # fmt: skip
     """``(what happened, exit code)`` from the child's stderr after JAX's fatal line;
-    ``heartbeat_s``: the run's ``distributed_heartbeat_s``, named where it ran out."""
+    ``heartbeat_s``: the run's ``distributed_heartbeat_s``, named where it ran out;
+    ``process_id``: this process's ``JAX_PROCESS_ID`` (``None``: not known)."""
     twice = re.search(r"\b(\d+) unexpectedly tried to connect", text)
     if twice:
+        # JAX cannot tell a second process with one id from a process that stopped and was
+        # started again while the coordinator from before still ran: both "connect twice"
         i = twice.group(1)
+        again = (
+            "stop every process of the run and start them all again, each with its own "
+            "JAX_PROCESS_ID, 0..JAX_NUM_PROCESSES-1"
+        )
+        if process_id is not None and str(process_id) == i:  # this one is alive: not restarted
+            return (
+                f"another process joined JAX's coordinator as process {i}, this process's "
+                f"JAX_PROCESS_ID: two processes use JAX_PROCESS_ID={i} (the same id twice, or "
+                f"process {i} started again while this one still ran); {again}",
+                2,
+            )
         return (
-            f"two processes use JAX_PROCESS_ID={i}? JAX's coordinator saw process {i} "
-            f"connect twice: give each process its own JAX_PROCESS_ID, 0..JAX_NUM_PROCESSES-1, "
-            f"and start every process again",
+            f"process {i} joined JAX's coordinator a second time: it was probably started "
+            f"again (a restart) while the coordinator from before still ran, or two "
+            f"processes use JAX_PROCESS_ID={i}; {again}",
             2,
         )
     # one task a line, as "1" or "/job:jax_worker/replica:0/task:1"
@@ -106,8 +137,9 @@ def what_failed(text: str, heartbeat_s: float | None = None) -> tuple[str, int]:
 
 
 def error_line(text: str, checkpoints: str | None, trace_file: str | None,
-               heartbeat_s: float | None = None) -> tuple[str, int]:  # fmt: skip
-    what, code = what_failed(text, heartbeat_s)
+               heartbeat_s: float | None = None,
+               process_id: int | None = None) -> tuple[str, int]:  # fmt: skip
+    what, code = what_failed(text, heartbeat_s, process_id)
     trace = f" (JAX's stack trace: {trace_file})" if trace_file else ""
     if code == 2:
         return what + trace, code
@@ -123,6 +155,78 @@ def error_line(text: str, checkpoints: str | None, trace_file: str | None,
         f"same command (and the same JAX_* variables) to resume {where}{trace}"
     )
     return line, code
+
+
+class StderrLines:
+    """The child's stderr, line by line: what to show now, what to hold (see ``run``).
+
+        lines = StderrLines()
+        out.write(lines.line(raw))    # each line, bytes with its newline: what to show now
+        out.write(lines.quiet())      # no line came for QUIET_S while ``waiting()``
+        shown = lines.finish(code)    # the child's end: what to show; None: JAX aborted it
+
+    JAX's distributed service's log lines wait for the next line: shown before another
+    line, held with JAX's fatal line and stack trace that follow them (they say what it
+    saw). A record's next lines (its message spans lines; they start no record) go with it.
+    From JAX's fatal line or a Python traceback on, every line is held until the child's
+    end says whether JAX aborted it: then the caller writes ``held`` to a file and
+    ``fatal`` says what happened; else everything held is shown, except JAX's lines where
+    the child's own ``error:`` line says what failed (its Python caught the failure as JAX
+    aborted it: the child's line explains it, JAX's lines would only come before it)."""
+
+    def __init__(self):
+        self.fatal: list[str] = []  # the text from JAX's fatal line on
+        self.held: list[tuple[bytes, bool]] = []  # (line, JAX's?), held until the end
+        self.service: list[bytes] = []  # JAX's service lines, shown at the next other line
+        self.holding = False
+        self.after_jax = False  # the latest line was JAX's, held: its record may go on
+
+    def is_jax(self, line: str) -> bool:
+        if SERVICE_LOG.match(line) or FATAL in line:
+            return True
+        return (self.after_jax and not LOG_RECORD.match(line)
+                and not line.startswith((PY_TRACE, OWN_ERROR)))  # fmt: skip
+
+    def line(self, raw: bytes) -> bytes:
+        line = raw.decode(errors="replace")
+        jax = self.after_jax = self.is_jax(line)
+        if FATAL in line or self.fatal:
+            self.fatal.append(line)
+        # JAX's stack trace after its fatal line and a Python traceback (a collective that
+        # failed as a peer went, raised just before JAX's abort), and all that follows them
+        if line.startswith(PY_TRACE) or self.fatal:
+            self.holding = True
+        if self.holding:
+            self.held += [(r, True) for r in self.service]
+            self.service = []
+            self.held.append((raw, jax))
+            return b""
+        if jax:
+            self.service.append(raw)
+            return self.service.pop(0) if len(self.service) > SERVICE_HELD else b""
+        return self.release() + raw  # a service error the run went on from: shown
+
+    def release(self) -> bytes:
+        shown, self.service = b"".join(self.service), []
+        return shown
+
+    def waiting(self) -> bool:
+        """Whether a pause of ``QUIET_S`` changes anything (ends a held record)."""
+        return self.after_jax
+
+    def quiet(self) -> bytes:
+        self.after_jax = False
+        return b"" if self.holding else self.release()
+
+    def finish(self, code: int) -> bytes | None:
+        """What to show at the child's end (``code``: its exit code, -N: killed by signal
+        N); ``None`` where JAX aborted it (it died of a signal after JAX's fatal line)."""
+        self.held += [(r, True) for r in self.service]
+        self.service = []
+        if code < 0 and self.fatal:
+            return None
+        own = any(raw.startswith(OWN_ERROR.encode()) for raw, jax in self.held if not jax)
+        return b"".join(raw for raw, jax in self.held if not (own and jax))
 
 
 def write_trace(held: list[bytes]) -> str:
@@ -175,9 +279,9 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
         if h != signal.SIG_IGN:
             signal.signal(s, forward)
     out = sys.stderr.buffer
-    fatal, held = [], []  # the text from JAX's fatal line on; the traces held back
-    service = []  # JAX's distributed service's latest log lines, held until the next line
-    holding = False
+    lines = StderrLines()
+    process_id = env.get("JAX_PROCESS_ID", "").strip()
+    process_id = int(process_id) if process_id.isdigit() else None
     sys.stdout.flush()  # what this process said comes before the child's lines
     try:
         child = subprocess.Popen(
@@ -190,42 +294,33 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
         children.append(child)
         for signum in early:
             child.send_signal(signum)
-        for raw in child.stderr:
-            line = raw.decode(errors="replace")
-            if FATAL in line or fatal:
-                fatal.append(line)
-            # JAX's stack trace after its fatal line and a Python traceback (a collective
-            # that failed as a peer went, raised just before JAX's abort), and all that
-            # follows them: held until the child's end says whether JAX aborted it (then
-            # they go to a file), else shown. JAX's distributed service's log lines go
-            # with the trace they precede; before any other line (a service error the run
-            # went on from), they are shown.
-            if line.startswith(PY_TRACE) or fatal:
-                holding = True
-            if holding:
-                held += service
-                service = []
-                held.append(raw)
-                continue
-            if SERVICE_LOG.match(line):
-                service.append(raw)
-                if len(service) > SERVICE_HELD:
-                    out.write(service.pop(0))
-                    out.flush()
-                continue
-            out.write(b"".join(service) + raw)
-            out.flush()
-            service = []
+        fd, rest = child.stderr.fileno(), b""
+        while True:  # read as it comes: a pause ends a held record (QUIET_S)
+            if lines.waiting() and not select.select([fd], [], [], QUIET_S)[0]:
+                shown = lines.quiet()
+            else:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                *whole, rest = (rest + chunk).split(b"\n")
+                shown = b"".join(lines.line(raw + b"\n") for raw in whole)
+            if shown:
+                out.write(shown)
+                out.flush()
+        if rest:  # a last line with no newline
+            out.write(lines.line(rest))
         code = child.wait()
     finally:
         for s, h in before.items():
             signal.signal(s, h)
-    held += service  # the child's last lines, with no trace after them
-    if code >= 0 or not fatal:
-        out.write(b"".join(held))  # not JAX's abort after all: nothing is hidden
+    shown = lines.finish(code)
+    if shown is not None:  # not JAX's abort after all
+        out.write(shown)
         out.flush()
         return code if code >= 0 else 128 - code  # a signal: the shell's 128 + N
+    held = [raw for raw, _ in lines.held]
     trace_file = write_trace(held) if held else None
-    line, exit_code = error_line("".join(fatal), checkpoints, trace_file, heartbeat_s)
+    line, exit_code = error_line("".join(lines.fatal), checkpoints, trace_file, heartbeat_s,
+                                 process_id)  # fmt: skip
     print(f"error: {' '.join(line.split())}", file=sys.stderr, flush=True)
     return exit_code
