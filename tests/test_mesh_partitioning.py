@@ -4,6 +4,7 @@ Everything works on shapes (ShapeDtypeStruct / jax.eval_shape) where it can, so 
 large is allocated and nothing is compiled.
 """
 
+import dataclasses
 import warnings
 
 import flax.linen as nn
@@ -30,6 +31,7 @@ from hybridpar import (
     shard_batch,
 )
 from hybridpar.models import create_model
+from hybridpar.parallel.partitioning import unmatched_rules
 
 F32 = jnp.float32
 
@@ -354,6 +356,52 @@ def test_logical_rule_that_does_not_divide(mesh_dm):
     assert "params/kernel" in msg and "(16, 9)" in msg and "model" in msg
 
 
+def test_logical_names_the_table_does_not_map_are_warned_naming_them(mesh_dm):
+    """A linen logical name that the table lacks replicates its dimension, as a name mapped to
+    None does; that one is silent, a missing one (an empty table, a forgotten or misspelt
+    key) is warned about, naming the arrays and the names and how to map them. An array a
+    path rule places is not, nor a call with unmatched="ignore". Planted bugs that fail it:
+    the warning left out (the old silence); an empty table skipped (the old ``and
+    rules.logical``); a name mapped to None counted as missing."""
+    tree = {"mlp": {"kernel": nn.LogicallyPartitioned(sds(16, 8), ("embed", "mlp"))}}
+    for rules, missing in [
+        (Rules(), "'embed', 'mlp'"),
+        (Rules(logical={"embed": None}), "'mlp'"),
+        (Rules(logical={"embed": None, "mpl": "model"}), "'mlp'"),  # a misspelt key
+    ]:
+        with pytest.warns(UserWarning) as record:
+            s = infer_shardings(tree, rules, mesh_dm)
+        msg = "\n".join(str(w.message) for w in record)
+        assert f"'mlp/kernel': 1 array carries logical name(s) {missing} that the rules' " in msg
+        assert "Rules(logical={" in msg and "None replicates without this warning" in msg
+        assert s["mlp"]["kernel"].spec == P(None, None)
+        with pytest.warns(UserWarning, match=f"logical name\\(s\\) {missing} that"):
+            spec = infer_spec("mlp/kernel", (16, 8), rules, mesh_dm, ("embed", "mlp"))
+        assert spec == P(None, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = infer_shardings(tree, Rules(logical={"embed": None, "mlp": "model"}), mesh_dm)
+        assert s["mlp"]["kernel"].spec == P(None, "model")
+        assert infer_shardings(tree, Rules(logical={"embed": None, "mlp": None}), mesh_dm)[
+            "mlp"
+        ]["kernel"].spec == P(None, None)
+        assert infer_shardings(tree, [(r"kernel$", (None, "model"))], mesh_dm)["mlp"][
+            "kernel"
+        ].spec == P(None, "model")  # placed by a path rule: its names are not used
+        infer_shardings(tree, Rules(), mesh_dm, unmatched="ignore")
+
+
+def test_a_rule_matching_nothing_shows_paths_of_the_tree_given():
+    """The example of what paths look like is the tree's own, not a linen 'params/...' one.
+    Planted bug that fails it: the fixed 'params/Dense_0/kernel' example."""
+    tree = [{"head": {"kernel": sds(4, 2)}}]
+    message = unmatched_rules(tree, [(r"haed/kernel$", (None, "model"))])
+    assert "this tree's paths look like '0/head/kernel'" in message
+    assert "params/" not in message
+    empty = unmatched_rules({}, [(r"x$", ())])
+    assert empty == "path rule 'x$' matches no array (the tree has none)"
+
+
 # ----------------------------------------------------------------------------- FSDP pass
 
 
@@ -386,13 +434,63 @@ def test_fsdp_disabled_without_min_size(mesh_fsdp):
 
 def test_fsdp_stacks_on_the_dim_a_rule_split(mesh_dfm):
     rules = Rules(path=((r"w", (None, "model")),), fsdp_min_size=1)
-    with pytest.warns(UserWarning, match=r"^'w2': 1 array .* \(0\.1 KiB\)"):
-        s = infer_shardings({"w": sds(8, 64), "w2": sds(8, 2)}, rules, mesh_dfm)
+    with pytest.warns(UserWarning, match=r"^'w3': 1 array .* \(0\.0 KiB\)"):
+        s = infer_shardings({"w": sds(8, 64), "w2": sds(8, 2), "w3": sds(3, 2)}, rules, mesh_dfm)
     # dim 1 is split over model; fsdp goes on the same dim, so gathering over fsdp yields
     # the model-parallel layout (and avoids an XLA conv-gradient bug, see partitioning._fsdp)
     assert s["w"].spec == P(None, ("model", "fsdp"))
-    # when model x fsdp does not divide that dim, the array stays replicated over fsdp
-    assert s["w2"].spec == P(None, "model")
+    # when model x fsdp does not divide that dim, a 2-D array takes fsdp on a free dim (it
+    # stayed whole before: the conv guard is for 4-D kernels only)
+    assert s["w2"].spec == P("fsdp", "model")
+    assert s["w3"].spec == P(None, "model")  # no free dim divides either
+
+
+def test_fsdp_splits_a_free_dim_of_split_arrays_but_not_of_split_conv_kernels():
+    """A 2-D or 3-D array whose split dimension does not divide by its axes times fsdp takes
+    fsdp on its largest free dimension that divides; a 4-D kernel stays as the rules put it
+    (fsdp on its input channels is the layout XLA's strided-conv gradient gets wrong), and the
+    warning gives the true reason for each. The placed step's gradients equal one device's.
+    Planted bugs that fail it: the old ``_fsdp`` (stacking only, so both arrays stay whole);
+    the free-dimension fallback applied to 4-D kernels too; one reason for all in the warning."""
+    mesh = make_mesh("fsdp:4,model:2")
+    tree = {"attn": sds(32, 4, 8), "mlp": sds(32, 6), "conv": sds(3, 3, 8, 6), "odd": sds(6, 6)}
+    rules = Rules(
+        path=(
+            (r"attn", (None, "model", None)),
+            (r"mlp|odd", (None, "model")),
+            (r"conv", (None, None, None, "model")),
+        ),
+        fsdp_min_size=0,
+    )
+    with pytest.warns(UserWarning) as record:
+        s = infer_shardings(tree, rules, mesh)
+    assert s["attn"].spec == P("fsdp", "model", None)
+    assert s["mlp"].spec == P("fsdp", "model")
+    assert s["conv"].spec == P(None, None, None, "model")
+    assert s["odd"].spec == P(None, "model")
+    (w,) = record
+    msg = str(w.message)
+    assert msg.startswith("'conv', 'odd': 2 arrays of at least fsdp_min_size=0 elements")
+    assert "'conv', as no dimension the rules split divides by its axes times fsdp" in msg
+    assert "4-D kernel the rules split takes fsdp only on a dimension they split" in msg
+    assert "'odd', as no dimension the rules split" in msg
+    assert "fsdp=4 divides none of the dimensions they leave free" in msg
+    assert "divides none of their dimensions" not in msg  # 4 divides the conv's 8
+
+    # the same loss and gradients as on one device, with the arrays placed so
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 32)).astype(np.float32)
+    attn, mlp = (rng.standard_normal(tree[k].shape).astype(np.float32) for k in ("attn", "mlp"))
+
+    def loss(attn, mlp, x):
+        return jnp.sum(jnp.tanh(jnp.einsum("be,ehd->bhd", x, attn)) ** 2) + jnp.sum(x @ mlp)
+
+    want = jax.grad(loss, argnums=(0, 1))(attn, mlp, x)
+    placed = jax.device_put((attn, mlp), (s["attn"], s["mlp"]))
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)), out_shardings=(s["attn"], s["mlp"]))(*placed, x)
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w_, rtol=1e-5, atol=1e-5)
+    assert got[0].sharding.spec == P("fsdp", "model", None)
 
 
 def test_fsdp_warning_sums_what_stays_whole_and_spares_what_it_split(mesh_fsdp):
@@ -729,6 +827,9 @@ def test_rules_add_keeps_priority_order(mesh_dm):
     assert ab.logical == a.logical + b.logical
     assert ab.fsdp_min_size == 10
     assert (a + Rules()).fsdp_min_size == 100
+    # the documented way to raise it on a sum: replace it
+    raised = dataclasses.replace(ab, fsdp_min_size=1000)
+    assert (raised.path, raised.logical, raised.fsdp_min_size) == (ab.path, ab.logical, 1000)
     assert (Rules() + Rules()).fsdp_min_size is None
     tree = {"w": sds(8, 4)}
     assert infer_shardings(tree, ab, mesh_dm, unmatched="ignore")["w"].spec == P("data", None)
@@ -797,3 +898,22 @@ def test_shard_batch_rejects_a_python_list(mesh_dm):
     # a tuple of arrays is a batch, not a list of numbers
     out = shard_batch((np.zeros((8, 2), np.float32), np.zeros(8, np.int32)), mesh_dm)
     assert out[1].shape == (8,)
+
+
+@pytest.mark.parametrize("model_name", ["resnet_tiny", "airbench"])
+def test_a_preset_on_hybridpars_models_warns_of_no_logical_name(model_name):
+    """The presets map every logical name hybridpar's models carry (to None where they do
+    not split it): a preset on them, with the default warnings, says nothing of names the
+    table lacks or of table keys on no array (the presets' rules are for every model).
+    Planted bug that fails it: the presets without MODEL_NAMES."""
+    model = create_model(model_name, num_classes=16)
+    x = jnp.zeros((1, 32, 32, 3), F32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), x, train=False))["params"]
+    for spec in ["data:8", "fsdp:8", "data:4,model:2", "data:2,fsdp:2,model:2"]:
+        mesh = make_mesh(spec)
+        for preset in ["data", "fsdp", "hybrid", "tensor", "auto"]:
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                infer_shardings(params, preset_rules(preset, mesh), mesh, moot_fsdp="ignore")
+            said = [str(w.message) for w in record if "logical" in str(w.message)]
+            assert not said, (spec, preset, said)

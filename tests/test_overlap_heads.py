@@ -243,3 +243,24 @@ def test_the_config_accepts_the_overlap_mode_with_a_sharded_head():
     with pytest.raises(ConfigError, match="use --config.comm.mode=overlap"):
         validate(_config("data:8", "sharded", "global", **{"comm.mode": "xla",
                                                             "comm.reduce_dtype": "bfloat16"}))
+
+
+def test_a_head_kernel_split_over_fsdp_on_its_features_equals_one_device():
+    """10 classes do not divide model x fsdp (4): the FSDP pass splits the sharded head's
+    kernel over fsdp on its features (``P('fsdp', 'model')``, whole over fsdp before),
+    and the overlap step gathers that block as it does a trunk weight's. It refused to
+    build ('not over ('model',) first'); planted back (every block checked), it does."""
+    from jax.sharding import PartitionSpec as P
+
+    over = {"data.num_classes": 10, "model.num_filters": 32}  # a head over fsdp_min_size
+    single = build(_config("data:1", "dense", "global", **over), jax.devices()[:1])
+    groups = bn_groups_for("local", 4)
+    single = dataclasses.replace(single, model=single.model.clone(bn_groups=groups))
+    start = random_state(single)
+    batches = host_batches(classes=10)
+    want = reference(single, start, batches, step=compiled_step(single, start, NO_LLVM_OPT))
+    program = build(_config("data:2,fsdp:2,model:2", "sharded", "local",
+                            **{"comm.mode": "overlap", **over}))  # fmt: skip
+    assert program.shardings.params["head"]["kernel"].spec == P("fsdp", "model")
+    got = run(compiled_step(program, want.start, NO_LLVM_OPT), program, want.start, batches)
+    assert_parity(got, want)

@@ -571,3 +571,14 @@ def test_inputs_of_the_wrong_shape_or_type_name_what_was_passed_and_what_is_expe
     head = ShardedHead(make_mesh(MESH), ("model",))
     with pytest.raises(ConfigError, match=message):
         jax.jit(lambda *a: head(*a))(x, params, labels)
+
+
+@pytest.mark.parametrize(
+    "params, have", [({"w": 0, "bias": 0}, r"\['bias', 'w'\]"), ((0, 0), "tuple")]
+)
+def test_params_without_kernel_and_bias_are_a_config_error(params, have):
+    """Planted bug that fails it: ``params["kernel"]`` read unchecked (a bare KeyError)."""
+    x, _, labels = _random_head()
+    head = ShardedHead(make_mesh(MESH), ("model",))
+    with pytest.raises(ConfigError, match=r"params must be the head's \{'kernel': .*not " + have):
+        head(x, params, labels)

@@ -9,7 +9,8 @@ linen variables or NNX state, optax state, plain dicts):
   leaves that carry logical names (``nn.with_logical_partitioning``, as t5x and MaxText
   models do; names from ``nn.with_partitioning`` and ``nnx.with_partitioning`` are mesh axes
   or names in that table), then an optional FSDP pass that shards the largest free dimension
-  of every big-enough array over ``fsdp`` (big_vision's "fsdp" tactic).
+  of every big-enough array over ``fsdp`` (big_vision's "fsdp" tactic; for an array the
+  rules split, stacked on a dimension they split where that divides, see ``_fsdp``).
 * ``infer_shardings(tree, rules, mesh)``: a tree of ``NamedSharding`` with the (unboxed)
   structure of ``tree``.
 * ``shard_batch(batch, mesh)``: host-local numpy batches -> global arrays split over the data axes.
@@ -17,10 +18,11 @@ linen variables or NNX state, optax state, plain dicts):
 A rule that does not divide a dimension is an error naming the array path, its shape and the
 axis (the FSDP pass instead picks a dimension that divides, or leaves the array replicated).
 ``infer_shardings`` warns about rules that place nothing (they match no array, likely a typo,
-or earlier rules place all they match), about conv kernels split on both channel dimensions (a
+or earlier rules place all they match), about logical names that the logical table does not
+map (those dimensions are replicated), about conv kernels split on both channel dimensions (a
 layout XLA computes wrong gradients for) and about arrays the FSDP pass was for but could not
-split (each device then holds them whole), a mesh without an ``fsdp`` axis of several devices
-included.
+split (each device then holds them whole, and the warning says why), a mesh without an
+``fsdp`` axis of several devices included.
 """
 
 from __future__ import annotations
@@ -79,7 +81,11 @@ class Rules:
             )
 
     def __add__(self, other: "Rules | Sequence[tuple[str, Spec]]") -> "Rules":
-        """Concatenates: ``self``'s rules take priority over ``other``'s. ``other`` may be a
+        """Concatenates: ``self``'s path and logical rules take priority over ``other``'s
+        (the first match wins). ``fsdp_min_size`` is not taken in that order: the sum has
+        the smaller of the two (None only where both are), so adding ``FSDP`` never leaves
+        an array whole that either side alone would split. To raise it, replace it on the
+        sum: ``dataclasses.replace(mine + FSDP, fsdp_min_size=2**20)``. ``other`` may be a
         plain sequence of ``(path_regex, spec)`` pairs, as ``infer_shardings`` takes."""
         if not isinstance(other, Rules):
             other = Rules(path=other)
@@ -127,16 +133,21 @@ def _is_logical_rule(entry) -> bool:
 
 # Presets. They name module paths of hybridpar.models (stable names, see models/resnet.py)
 # and the logical axes the models annotate.
-DATA_PARALLEL = Rules()
+# The logical names hybridpar.models annotate, each replicated unless a rule before says
+# otherwise (a preset comes last): mapped, so that a preset on hybridpar's models is no
+# warning about names its table lacks.
+MODEL_NAMES = tuple((n, None) for n in ("conv_h", "conv_w", "conv_in", "conv_out", "norm",
+                                        "embed", "classes"))  # fmt: skip
+DATA_PARALLEL = Rules(logical=MODEL_NAMES)
 FSDP = Rules(
-    fsdp_min_size=2**10
+    logical=MODEL_NAMES, fsdp_min_size=2**10
 )  # smaller arrays (BN vectors): one gather costs more than it saves
 # Data x model hybrid: the classifier head is split along the classes, and the wide
 # convolutions of the last two stages along their output channels; everything else is
 # replicated over `model` and the batch is split over the data axes.
 HYBRID = Rules(
     path=((r"stage[34]_block\d+/(conv\d|proj_conv)/kernel$", (None, None, None, "model")),),
-    logical=(("classes", "model"),),
+    logical=(("classes", "model"), *MODEL_NAMES),
 )
 # Megatron-style tensor parallelism for the wide bottlenecks of the last two stages (their
 # conv1 and conv2 are 73% of Wide-ResNet-50-2's weights): conv1 split over `model` along its
@@ -152,7 +163,7 @@ TENSOR = Rules(
         (r"stage[34]_block\d+/conv1/kernel$", (None, None, None, "model")),
         (r"stage[34]_block\d+/conv2/kernel$", (None, None, "model", None)),
     ),
-    logical=(("classes", "model"),),
+    logical=(("classes", "model"), *MODEL_NAMES),
 )
 PRESETS = {"data": DATA_PARALLEL, "fsdp": FSDP, "hybrid": HYBRID, "tensor": TENSOR}
 
@@ -165,7 +176,7 @@ def preset_rules(name: str, mesh: Mesh) -> Rules:
             rules = rules + HYBRID
         if mesh.shape.get("fsdp", 1) > 1:
             rules = rules + FSDP
-        return rules
+        return rules + DATA_PARALLEL  # (its names mapped, where neither came)
     if name not in PRESETS:
         raise ConfigError(
             f"unknown partitioning preset {name!r}; choose one of {sorted(PRESETS) + ['auto']}"
@@ -268,37 +279,53 @@ def _fsdp(spec: tuple, shape, mesh: Mesh, min_size: int) -> tuple:
     """Adds ``fsdp`` to one dimension of an array that is big enough.
 
     An array the rules already split (say output channels over ``model``) gets ``fsdp``
-    stacked on that same dimension, ``("model", "fsdp")``: gathering over ``fsdp`` then gives
-    back exactly the model-parallel layout. Putting ``fsdp`` on a second dimension instead
-    (input channels) also makes XLA's SPMD partitioner (jax 0.10.2, Shardy and GSPMD alike)
-    compute a wrong input gradient for strided convolutions; ``tests/test_parity.py`` pins
-    that bug. Other arrays get ``fsdp`` on their largest dimension that it divides.
+    stacked on a dimension they split, ``("model", "fsdp")``, where that divides: gathering
+    over ``fsdp`` then gives back exactly the model-parallel layout (the class-sharded head's
+    step, ``sync._head_layout``, needs its kernel split over the classes first). Where it
+    does not divide, a 2-D or 3-D array takes ``fsdp`` on a free dimension as below. A 4-D
+    (conv, HWIO) kernel does not: ``fsdp`` on a second dimension (input channels) makes XLA's
+    SPMD partitioner (jax 0.10.2, Shardy and GSPMD alike) compute a wrong input gradient for
+    strided convolutions; ``tests/test_parity.py`` pins that bug. Other arrays get ``fsdp``
+    on their largest dimension that it divides.
     """
     n = mesh.shape.get("fsdp", 1)
     used = {a for e in spec for a in axis_names(e)}
     if n == 1 or "fsdp" in used or math.prod(shape) < min_size:
         return spec
-    sharded = [d for d in range(len(shape)) if spec[d] is not None]
-    if sharded:
-        d = sharded[-1]
+    split = [d for d in range(len(shape)) if spec[d] is not None]
+    for d in reversed(split):
         axes = axis_names(spec[d]) + ("fsdp",)
-        if shape[d] % math.prod(mesh.shape[a] for a in axes):
-            return spec
-        return spec[:d] + (axes,) + spec[d + 1 :]
-    free = [d for d in range(len(shape)) if shape[d] % n == 0]
+        if shape[d] % math.prod(mesh.shape[a] for a in axes) == 0:
+            return spec[:d] + (axes,) + spec[d + 1 :]
+    if split and len(shape) == 4:
+        return spec
+    free = [d for d in range(len(shape)) if spec[d] is None and shape[d] % n == 0]
     if not free:
         return spec
     d = max(free, key=lambda i: (shape[i], i))
     return spec[:d] + ("fsdp",) + spec[d + 1 :]
 
 
-def _left_whole_by_fsdp(spec: tuple, shape, mesh: Mesh, rules: Rules) -> bool:
-    """An array the FSDP pass was meant for (big enough, an fsdp axis) that no rule and no
-    dimension of its own let it split over ``fsdp``."""
-    m = rules.fsdp_min_size
-    if m is None or mesh.shape.get("fsdp", 1) == 1 or not shape or math.prod(shape) < m:
-        return False
-    return "fsdp" not in {a for e in spec for a in axis_names(e)}
+def _left_whole_by_fsdp(spec: tuple, shape, mesh: Mesh, rules: Rules) -> str | None:
+    """Why an array the FSDP pass was meant for (big enough, an fsdp axis) stays whole over
+    ``fsdp`` (``_fsdp`` found no dimension for it); None where it does not."""
+    m, n = rules.fsdp_min_size, mesh.shape.get("fsdp", 1)
+    if m is None or n == 1 or not shape or math.prod(shape) < m:
+        return None
+    if "fsdp" in {a for e in spec for a in axis_names(e)}:
+        return None
+    if all(e is None for e in spec):
+        return f"fsdp={n} divides none of their dimensions"
+    stacked = "no dimension the rules split divides by its axes times fsdp"
+    if len(shape) == 4:
+        return (
+            f"{stacked}, and a 4-D kernel the rules split takes fsdp only on a dimension they "
+            "split (on another, such as its input channels, XLA computes a wrong strided-conv "
+            "gradient)"
+        )
+    if all(e is not None for e in spec):
+        return f"{stacked}, and they leave no dimension free"
+    return f"{stacked}, and fsdp={n} divides none of the dimensions they leave free"
 
 
 def _table(rules: Rules) -> dict:
@@ -351,7 +378,7 @@ def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_n
         if re.search(pattern, path):
             spec = _check(rule_spec, shape, mesh, where, f"rule {pattern!r}", _FEWER_DIMS)
             break
-    if spec is None and logical_names is not None and rules.logical:
+    if spec is None and logical_names is not None:  # a name the table lacks: _unmapped
         mapped = tuple(_table(rules).get(name) for name in logical_names)
         spec = _check(
             mapped, shape, mesh, where, f"logical axes {tuple(logical_names)} and the logical rules"
@@ -366,6 +393,29 @@ def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_n
     return spec
 
 
+def _unmapped(path: str, logical_names, rules: Rules) -> list:
+    """The logical names of an array that no path rule places which the logical table does
+    not map (the array is replicated along them as if they were mapped to None)."""
+    if any(re.search(pattern, path) for pattern, _ in rules.path):
+        return []
+    table = _table(rules)
+    return [n for e in logical_names for n in axis_names(e) if n not in table]
+
+
+def _unmapped_message(found: list, rules: Rules) -> str:
+    """The warning for ``(path, unmapped names)`` pairs: which, and how to map them."""
+    names = list(dict.fromkeys(n for _, ns in found for n in ns))
+    arrays = "1 array carries" if len(found) == 1 else f"{len(found)} arrays carry"
+    example = ", ".join(f"{n!r}: None" for n in names[:3])
+    return (
+        f"{shortlist([p for p, _ in found])}: {arrays} logical name(s) {shortlist(names)} "
+        "that the rules' logical table does not map, so those dimensions are replicated"
+        + (" (the FSDP pass aside)" if rules.fsdp_min_size is not None else "")
+        + ". Map each name, e.g. rules + Rules(logical={" + example + "}): None replicates "
+        "without this warning, a mesh axis such as 'model' splits"
+    )
+
+
 def infer_spec(
     path: str,
     shape,
@@ -378,9 +428,13 @@ def infer_spec(
     own names (``logical_names`` of a linen logical box map through the logical table;
     ``axis_names`` of ``nn.Partitioned`` or ``nnx.with_partitioning`` are mesh axes or names
     in that table); else replicated. The FSDP pass then stacks on top. ``rules``: a
-    ``Rules``, or a plain sequence of ``(regex, spec)`` path rules (as ``infer_shardings``)."""
+    ``Rules``, or a plain sequence of ``(regex, spec)`` path rules (as ``infer_shardings``).
+    A logical name the table does not map is warned about, as ``infer_shardings`` does."""
     if not isinstance(rules, Rules):
         rules = Rules(path=rules)
+    gaps = [] if logical_names is None else _unmapped(path, logical_names, rules)
+    if gaps:
+        warnings.warn(_unmapped_message([(path, gaps)], rules), UserWarning, stacklevel=2)
     return P(*_spec(path, shape, rules, mesh, logical_names, axis_names))
 
 
@@ -401,7 +455,7 @@ def shortlist(names: list, n: int = 4) -> str:
 def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
     """A message naming the path rules that match no array of ``tree``, those whose arrays
     earlier rules all place first (naming those rules), and the logical names of ``rules``
-    that no array carries; ``""`` when there are none."""
+    that no array carries (but those mapped to None); ``""`` when there are none."""
     if not isinstance(rules, Rules):
         rules = Rules(path=rules)
     check_rule_patterns(rules.path)
@@ -421,11 +475,14 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
         if not matched:
             if pattern in patterns[:i]:
                 continue  # named once, as the rule that matches nothing
+            if not paths:
+                problems.append(f"path rule {pattern!r} matches no array (the tree has none)")
+                continue
             close = difflib.get_close_matches(pattern, paths, n=3, cutoff=0)
             problems.append(
-                f"path rule {pattern!r} matches no array (closest paths: {shortlist(close)}; paths "
-                "look like 'params/Dense_0/kernel', see hybridpar.parallel.partitioning.path_str "
-                "and sharding_table)"
+                f"path rule {pattern!r} matches no array (closest paths: {shortlist(close)}; this "
+                f"tree's paths look like {paths[0]!r}, see "
+                "hybridpar.parallel.partitioning.path_str and sharding_table)"
             )
         elif pattern in patterns[:i]:
             problems.append(
@@ -439,7 +496,10 @@ def unmatched_rules(tree, rules: Rules | Sequence[tuple[str, Spec]]) -> str:
                 f"the earlier rule(s) {shortlist(earlier, 3)} match them first (the first match "
                 "wins); put it before them, or drop it"
             )
-    names = list(dict.fromkeys(name for name, _ in rules.logical if name not in carried))
+    # a name mapped to None on no array changes nothing (the presets map hybridpar's
+    # models' names so, for any tree): only one meant to split is a likely typo
+    names = list(dict.fromkeys(n for n, axis in rules.logical if axis is not None
+                               and n not in carried))  # fmt: skip
     if names:
         problems.append(
             f"logical name(s) {shortlist(names)} on no array (the arrays carry "
@@ -466,8 +526,11 @@ def infer_shardings(
     ``(path_regex, spec)`` pairs.
 
     ``unmatched="warn"`` warns about rules that place nothing (``unmatched_rules``: they
-    match no array, or earlier rules place all they match); pass ``"ignore"`` for a part of
-    a tree (optimizer state, batch statistics) that some rules are not meant for.
+    match no array, or earlier rules place all they match), and about logical names on
+    arrays that the logical table does not map (no path rule placing the array): those
+    dimensions are replicated, as for a name mapped to None, which is silent; pass
+    ``"ignore"`` for a part of a tree (optimizer state, batch statistics) that some rules
+    are not meant for.
     ``moot_fsdp="warn"`` warns about an FSDP pass on a mesh whose ``fsdp`` axis is missing or
     has one device (it splits nothing there); pass ``"ignore"`` for rules applied on any mesh
     (the trainer's presets, which it warns about itself). A conv kernel split on both channel
@@ -479,7 +542,7 @@ def infer_shardings(
             raise ValueError(f"{name}={value!r}; use 'warn' or 'ignore'")
     if not isinstance(rules, Rules):
         rules = Rules(path=rules)
-    both_channels, whole, big = [], [], []
+    both_channels, whole, big, unmapped = [], [], [], []
 
     def one(path, leaf):
         p = path_str(path)
@@ -488,12 +551,16 @@ def infer_shardings(
             big.append(p)  # an array the FSDP pass is for
         if isinstance(leaf, LogicallyPartitioned):  # logical names: map through the table
             spec = _spec(p, shape, rules, mesh, logical_names=leaf.names)
+            gaps = _unmapped(p, leaf.names, rules)
+            if gaps:
+                unmapped.append((p, gaps))
         else:
             spec = _spec(p, shape, rules, mesh, axis_names=_annotation(leaf))
         if _splits_both_channels(spec, mesh):
             both_channels.append(p)
-        if _left_whole_by_fsdp(spec, shape, mesh, rules):
-            whole.append((p, math.prod(shape) * _dtype(unbox_leaf(leaf)).itemsize))
+        reason = _left_whole_by_fsdp(spec, shape, mesh, rules)
+        if reason:
+            whole.append((p, math.prod(shape) * _dtype(unbox_leaf(leaf)).itemsize, reason))
         return NamedSharding(mesh, P(*spec))
 
     shardings = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_box)
@@ -524,16 +591,20 @@ def infer_shardings(
         )
     if whole:
         # Not an error: the run is still correct, only each device holds these in full.
-        n, size = mesh.shape["fsdp"], sum(b for _, b in whole)
+        size = sum(b for _, b, _ in whole)
         size = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
         arrays = "1 array" if len(whole) == 1 else f"{len(whole)} arrays"
+        reasons = {}  # each reason with the arrays it is true of
+        for p, _, reason in whole:
+            reasons.setdefault(reason, []).append(p)
+        why = ": " + "; ".join(f"{shortlist(ps)}, as {r}" for r, ps in reasons.items())
+        if len(reasons) == 1:
+            why = f", as {next(iter(reasons))}"
         warnings.warn(
-            f"{shortlist([p for p, _ in whole])}: {arrays} of at least "
-            f"fsdp_min_size={rules.fsdp_min_size} elements ({size}) stay whole on "
-            f"every device of the fsdp axis, as fsdp={n} divides none of their dimensions "
-            "(for an array the rules split, its split dimension must divide by its axes times "
-            "fsdp). Use an fsdp size that divides them, or raise fsdp_min_size above their "
-            "sizes to leave them whole without this warning",
+            f"{shortlist([p for p, _, _ in whole])}: {arrays} of at least "
+            f"fsdp_min_size={rules.fsdp_min_size} elements ({size}) stay whole on every device "
+            f"of the fsdp axis{why}. Use an fsdp size that divides them, or raise "
+            "fsdp_min_size above their sizes to leave them whole without this warning",
             UserWarning,
             stacklevel=2,
         )
@@ -543,6 +614,8 @@ def infer_shardings(
             warnings.warn(
                 f"partitioning rules that place nothing: {message}", UserWarning, stacklevel=2
             )
+        if unmapped:  # the converse: names no rule places (a missing or misspelt table key)
+            warnings.warn(_unmapped_message(unmapped, rules), UserWarning, stacklevel=2)
     return shardings
 
 

@@ -296,6 +296,12 @@ class ShardedHead:
         would), softmax and loss in float32. Inside a shard_map manual over every axis
         (``_inside_manual``) the arrays are this device's and so is the result (``local``).
         """
+        if not (hasattr(params, "keys") and {"kernel", "bias"} <= set(params.keys())):
+            have = sorted(params.keys()) if hasattr(params, "keys") else type(params).__name__
+            raise ConfigError(
+                f"ShardedHead: params must be the head's {{'kernel': (E, C), 'bias': (C,)}}, "
+                f"not {have}; pass the classifier's own, e.g. variables['params']['head']"
+            )
         kernel, bias = params["kernel"], params["bias"]
         topk = _ks(topk)
         per_device = partial(self.local, label_smoothing=label_smoothing, topk=topk)

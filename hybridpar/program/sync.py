@@ -84,7 +84,10 @@ def _head_layout(kind: str, mesh, param_specs):
                   for d, e in enumerate(spec)]  # fmt: skip
         if path[0] == "head":
             owned = tuple(a for b, _ in blocks for a in b if a in classes)
-            if owned != classes or any(b[: len(owned)] != owned for b, _ in blocks if b):
+            # a block over the classes starts with them; one on the features (FSDP's, where
+            # the classes do not divide) is gathered as a trunk weight's
+            classed = [b for b, _ in blocks if set(b) & set(classes)]
+            if owned != classes or any(b[: len(owned)] != owned for b in classed):
                 raise ConfigError(f"model.head={kind!r}: {path_str(kp)} is split as {spec}, "
                                   f"not over {classes} first")  # fmt: skip
             blocks = [(tuple(a for a in b if a not in classes), d) for b, d in blocks]
