@@ -1579,8 +1579,19 @@ def main(argv=None) -> int:
         type=cli.finite_float,
         help="a reduced copy serves image sizes up to its side / ratio (default 1.25)",
     )
-    p.add_argument("--examples-per-shard", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=os.cpu_count())
+    p.add_argument(
+        "--examples-per-shard",
+        type=int,
+        default=1024,
+        help="examples in each shard file (default %(default)s); a rerun into the same --out "
+        "must give the same",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count(),
+        help="processes that write shards at once (default: one per CPU core, %(default)s here)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle into shards")
     p.add_argument("--split", help="SOURCE is itself one split (CLASS/FILE) with this name")
     p.add_argument(

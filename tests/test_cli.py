@@ -57,6 +57,79 @@ def test_help_says_what_the_tool_does_in_plain_words(tool, capsys):
     assert len(summary.split()) >= 6 and summary.rstrip().endswith((".", ")")), summary
 
 
+def _help(tool, capsys) -> str:
+    """``tool --help`` as printed, run in this process."""
+    import importlib
+
+    module = importlib.import_module({"simulate": "hybridpar.simulate.cli",
+                                      "prepare": "hybridpar.input.prepare"}.get(
+        tool, f"hybridpar.tools.{tool}"))  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0, out
+    return out
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """``{first flag or name: its help}`` of every entry of a --help's argument sections
+    (an entry is a line indented two spaces; its help follows after two or more spaces, or
+    on the lines indented deeper below it)."""
+    entries, name = {}, None
+    for section in text.split("\n\n"):
+        lines = section.splitlines()
+        if not lines or not lines[0].endswith("arguments:") and lines[0] != "options:":
+            continue
+        for line in lines[1:]:
+            if line.startswith("  ") and not line.startswith("   "):
+                invocation, _, said = line.strip().partition("  ")
+                name = invocation.split(",")[0].split()[0]
+                entries[name] = said.strip()
+            else:
+                entries[name] = (entries[name] + " " + line.strip()).strip()
+    return entries
+
+
+@pytest.mark.parametrize("tool", [*TOOLS, "simulate", "prepare"])
+def test_every_option_has_a_help_and_is_in_the_usage(tool, capsys):
+    """A flag with no help was a blank line in --help (prepare's --examples-per-shard and
+    --workers, quantize's --weights, compress's --calibration-batches), and a usage written
+    by hand (where it shows a flag as required) must not leave a flag out."""
+    out = _help(tool, capsys)
+    usage, entries = out.split("\n\n")[0], help_entries(out)
+    assert "-h" in entries and len(entries) > 2, out
+    assert not [k for k, v in entries.items() if not v], out
+    flags = [k for k in entries if k.startswith("-")]
+    assert not [f for f in flags if f not in usage.replace("\n", " ")], usage
+
+
+@pytest.mark.parametrize("tool,required", [
+    ("train", ["--config", "--workdir"]), ("evaluate", ["--workdir"]),
+    ("quantize", ["--workdir"]), ("prune", ["--workdir", "--out", "--fraction"]),
+    ("compress", ["--workdir", "--budget-kb"]), ("tune", ["--workdir"])])  # fmt: skip
+def test_the_usage_shows_the_required_flags_as_required(tool, required, capsys):
+    """``usage: ... [--workdir WORKDIR]`` said it was optional, and leaving it out is an
+    error; train's usage left out --config, which it needs."""
+    usage = _help(tool, capsys).split("\n\n")[0]
+    for flag in required:
+        assert f" {flag} " in usage and f"[{flag} " not in usage, (flag, usage)
+
+
+def test_help_states_the_defaults_and_compress_its_exit_status(capsys):
+    """Flags whose help did not say their default (or that they have none), and compress's
+    exit status 3 (docs/compression.md) missing from its --help."""
+    compress = _help("compress", capsys)
+    entries = help_entries(compress)
+    assert "default 8" in entries["--max-rounds"], entries["--max-rounds"]
+    assert "default 8" in entries["--calibration-batches"]
+    assert "3 when" in compress.split("exit status:")[1].split("\n\n")[0], compress
+    entries = help_entries(_help("tune", capsys))
+    assert "no default" in entries["--trials"] and "no default" in entries["--budget-epochs"]
+    entries = help_entries(_help("prepare", capsys))
+    assert "default 1024" in entries["--examples-per-shard"], entries
+    assert f"{os.cpu_count()} here" in entries["--workers"], entries
+
+
 def test_no_number_flag_takes_nan_or_inf():
     """Every float flag of every tool is ``cli.finite_float``: ``float`` takes nan and inf,
     which fail far from the flag (``evaluate --dead-after-s=inf`` waited for ever). Read

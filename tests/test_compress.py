@@ -996,6 +996,38 @@ def test_a_resumed_round_says_what_it_does(tmp_path, monkeypatch):
                       "0.500 of the teacher's channels); quantizing it"), lines  # fmt: skip
 
 
+@pytest.mark.parametrize("epochs,said",
+                         [(1.0, "1 epoch "), (1.5, "1.5 epochs "), (3.0, "3 epochs ")])
+def test_a_rounds_line_counts_its_epochs_in_words(tmp_path, monkeypatch, epochs, said):
+    """``--epochs 1`` printed "1 epochs of distillation". Each of the round's lines (a new
+    round, one from step 0, one resumed), through ``make_round`` with its pruning, trainer
+    and quantizing stood in for."""
+    import argparse
+
+    from hybridpar.tools import compress, quantize, tune
+
+    w = tmp_path / "t"
+    w.mkdir()
+    config = tiny_digits(**LONGER)
+    monkeypatch.setattr(prune, "prune_run", lambda *a, **k: None)
+    monkeypatch.setattr(tune, "run_trainer", lambda c, d: (None, {}))
+    monkeypatch.setattr(quantize, "run", lambda *a, **k: {})
+    monkeypatch.setattr(compress, "round_config", lambda *a: config)
+    args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
+                              epochs=epochs, criterion="l1", seed=None, init="pruned",
+                              alpha=None, calibration_batches=1, calibration="max",
+                              percentile=None, repeats=1)  # fmt: skip
+    rd, lines = tmp_path / "round_01", []
+    rd.mkdir()
+    for then in ("pruned", "run/checkpoints/5"):  # from step 0 after the first, then resumed
+        compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
+                            lines.append)  # fmt: skip
+        (rd / then).mkdir(parents=True, exist_ok=True)
+    compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
+                        lines.append)  # fmt: skip
+    assert [said in line for line in lines] == [True] * 3, lines
+
+
 # ---- distillation --------------------------------------------------------------------------
 
 

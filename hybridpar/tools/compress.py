@@ -577,6 +577,7 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
     scratch = args.init == "scratch"
     how = "from random weights in the shape of" if scratch else "pruning to"
     alpha = config.distill.alpha if args.alpha is None else args.alpha
+    epochs = f"{args.epochs:g} epoch{'' if args.epochs == 1 else 's'}"
     pruned, source = os.path.join(rd, "pruned"), os.path.join(rd, "run")
     # what this call does of the round: an earlier one may have pruned and distilled it
     done = run_records.read_json(os.path.join(source, "summary.json")) or {}
@@ -585,17 +586,17 @@ def make_round(config, args, index: int, keep: float, rd: str, rows: list, refer
             f"{keep:.3f} of the teacher's channels); quantizing it")  # fmt: skip
     elif committed(config, source):
         log(f"round {index}: resuming its distillation run (pruned to {keep:.3f} of the "
-            f"teacher's channels in an earlier call; {args.epochs:g} epochs in all at alpha "
+            f"teacher's channels in an earlier call; {epochs} in all at alpha "
             f"{alpha:g}), then quantizing it (log: {rd}/run/log.txt)")  # fmt: skip
     elif os.path.exists(pruned):  # stopped before its run's first checkpoint: from step 0
         log(f"round {index}: distilling from step 0 the model an earlier call "
             f"{'shaped' if scratch else 'pruned'} to {keep:.3f} of the teacher's channels "
-            f"({args.epochs:g} epochs at alpha {alpha:g}; its run had no checkpoint yet), "
+            f"({epochs} at alpha {alpha:g}; its run had no checkpoint yet), "
             f"then quantizing it (log: {rd}/run/log.txt)")  # fmt: skip
     else:
         log(
             f"round {index}: {how} {keep:.3f} of the teacher's channels{fits}, "
-            f"then {args.epochs:g} epochs of distillation at alpha {alpha:g} (log: "
+            f"then {epochs} of distillation at alpha {alpha:g} (log: "
             f"{rd}/run/log.txt)"
         )
     previous = w if scratch else rows[-1]["run"]  # scratch: only the widths are used
@@ -914,6 +915,19 @@ def _main(argv) -> None:
             "Prune, distil and quantize a finished run, round after round, until its int8 model "
             "fits --budget-kb within --max-drop points of top-1."
         ),
+        # by hand: two are required, but a missing one is our error line, not argparse's
+        usage="%(prog)s [-h] --workdir WORKDIR --budget-kb BUDGET_KB\n"
+        "       [--budget-of {weights,file}] [--max-drop MAX_DROP] [--step STEP]\n"
+        "       [--epochs EPOCHS] [--criterion {l1,bn}] [--init {pruned,scratch}]\n"
+        "       [--alpha ALPHA] [--max-rounds MAX_ROUNDS] [--seed SEED]\n"
+        "       [--calibration-batches CALIBRATION_BATCHES]\n"
+        "       [--calibration {max,percentile,mse}] [--percentile PERCENTILE]\n"
+        "       [--repeats REPEATS]",
+    )
+    parser.epilog = (
+        "exit status: 0 when a round's int8 model is within --budget-kb and --max-drop; 3 when\n"
+        "none is (a 'budget not reached: ...' line on stderr says why the loop stopped and what\n"
+        "changes that); 2 for bad input.\n\n" + parser.epilog
     )
     parser.add_argument("--workdir", help="the trained teacher's run (read only)")
     parser.add_argument("--budget-kb", type=cli.finite_float,
@@ -938,12 +952,14 @@ def _main(argv) -> None:
                              "run's distill.alpha: 0.5, or 0.9 in runs trained before "
                              "2026-12-06; 0: the labels alone)")  # fmt: skip
     parser.add_argument("--max-rounds", type=int, default=8,
-                        help="the last round made (rounds past it that an earlier call made "
-                             "still count)")  # fmt: skip
+                        help="the last round made (default %(default)s; rounds past it that an "
+                             "earlier call made still count)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None,
                         help="the distillation runs' seed (default: the teacher's); the loop "
                              "of seed N lives in W/compress_seedN")  # fmt: skip
-    parser.add_argument("--calibration-batches", type=int, default=8)
+    parser.add_argument("--calibration-batches", type=int, default=8,
+                        help="training batches that set each round's static activation scales, "
+                             "as hybridpar.quantize's (default %(default)s)")  # fmt: skip
     parser.add_argument("--calibration", choices=quantize.CALIBRATIONS, default="mse",
                         help="activation ranges, as hybridpar.quantize's")  # fmt: skip
     parser.add_argument("--percentile", type=cli.finite_float, default=None,

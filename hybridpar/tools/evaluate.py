@@ -56,6 +56,9 @@ def _main(argv, stop: Stop) -> None:
             "Evaluate a training run's checkpoints on the whole eval split, off the training "
             "clock (--watch: as they are written)."
         ),
+        # by hand: --workdir is required, but a missing one is our error line, not argparse's
+        usage="%(prog)s [-h] --workdir WORKDIR [--watch] [--from-epoch FROM_EPOCH]\n"
+        "       [--poll-s POLL_S] [--dead-after-s DEAD_AFTER_S]",
     )
     parser.add_argument("--workdir", help="the training run's workdir")
     parser.add_argument(

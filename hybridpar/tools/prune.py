@@ -376,6 +376,9 @@ def main(argv=None) -> None:
             "run at step 0, for train --config.init_from."
         ),
         takes_config=False,
+        # by hand: three are required, but a missing one is our error line, not argparse's
+        usage="%(prog)s [-h] --workdir WORKDIR --out OUT --fraction FRACTION\n"
+        "       [--criterion {bn,l1}]",
     )
     parser.add_argument("--workdir", help="the trained run's workdir (read only)")
     parser.add_argument("--out", help="where the pruned run goes (a new directory)")

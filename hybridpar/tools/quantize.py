@@ -585,6 +585,11 @@ def main(argv=None) -> None:
             "Quantize a trained run to int8 (weights per channel, activations with calibrated "
             "scales): its top-1 and latency beside the float model's, and a LiteRT file."
         ),
+        # by hand: --workdir is required, but a missing one is our error line, not argparse's
+        usage="%(prog)s [-h] --workdir WORKDIR\n"
+        "       [--calibration-batches CALIBRATION_BATCHES] [--calibration {max,percentile,mse}]\n"
+        "       [--percentile PERCENTILE] [--weights {int8}] [--activations {int8,none}]\n"
+        "       [--overwrite] [--repeats REPEATS]",
     )
     parser.add_argument("--workdir", help="the training run's workdir")
     parser.add_argument(
@@ -603,7 +608,9 @@ def main(argv=None) -> None:
         type=cli.finite_float,
         help="for --calibration percentile: the percentile of |x| (default 99.99)",
     )
-    parser.add_argument("--weights", choices=("int8",), default="int8")
+    parser.add_argument("--weights", choices=("int8",), default="int8",
+                        help="the weights' type: int8, one step per output channel, BatchNorm "
+                             "folded in (the default and only choice)")  # fmt: skip
     parser.add_argument(
         "--activations",
         choices=("int8", "none"),

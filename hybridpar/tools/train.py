@@ -38,6 +38,9 @@ def _main(argv, early: EarlyStop) -> None:
     parser = cli.ArgumentParser(
         "python -m hybridpar.train",
         "Train a model from an experiment config; the same command resumes a stopped run.",
+        # by hand: both are required, but a missing one is our error line, not argparse's
+        usage="%(prog)s [-h] --config FILE[:ARGS] --workdir WORKDIR [--config.KEY=VALUE ...]\n"
+        "       [--allow-config-change] [--compiled FILE] [--recompile]",
     )
     parser.add_argument("--workdir", help="directory for metrics, summary, checkpoints")
     parser.add_argument(

@@ -1034,10 +1034,12 @@ def _main(argv, stop) -> None:
     )
     parser.add_argument("mode", choices=("lr", "search"), help="the LR range test or a search")
     parser.add_argument("--workdir", required=True, help="the test's or the study's directory")
-    parser.add_argument("--trials", type=int, help="search: trials in all (finished ones count)")
-    parser.add_argument(
-        "--budget-epochs", type=cli.finite_float, help="search: epochs of each trial"
-    )
+    parser.add_argument("--trials", type=int,
+                        help="search: trials in all (finished ones count); required there, "
+                             "no default")  # fmt: skip
+    parser.add_argument("--budget-epochs", type=cli.finite_float,
+                        help="search: epochs of each trial; required there, no "
+                             "default")  # fmt: skip
     args, config = cli.parse(parser, argv)
     if args.mode == "search":
         if args.trials is None or args.trials < 1:
