@@ -559,8 +559,10 @@ def test_keys_only_the_host_reads_leave_a_compiled_file_valid(tmp_path):
 
 # What a file records, each compared on load: a field left out of the comparison would let
 # a program for another device, config or compiler run.
+# The placement: a file compiled before hybridpar's rules placed the same config otherwise
+# was taken, and the first step failed with JAX's traceback (its shardings disagreed).
 HEADER_FIELDS = ("format", "platform", "device_kind", "devices", "mesh", "config_hash",
-                 "config", "plan", "jax", "jaxlib")  # fmt: skip
+                 "config", "placement", "plan", "jax", "jaxlib")  # fmt: skip
 
 
 def test_every_field_of_a_files_header_is_checked(tmp_path):

@@ -6,7 +6,9 @@
 ``save`` writes every program a ``Program`` has compiled (JAX's ``serialize_executable``)
 with what they were compiled for: the devices (platform, kind, count), the mesh, a hash of
 the config (the keys that may change between a run's segments left out: they change no
-program) and the config itself, and the JAX, jaxlib and libtpu versions. ``load`` checks each
+program) and the config itself, a hash of the state's placement (the arrays' shardings the
+programs take: the same config placed otherwise by another hybridpar's rules would be
+refused at the first step), and the JAX, jaxlib and libtpu versions. ``load`` checks each
 of those against the run it is loading into; a mismatch is one error naming it (a config by
 its first differing key, as a workdir's is named; ``recompile=True`` warns and
 compiles instead), since an executable for another mesh, config or compiler would run
@@ -28,7 +30,7 @@ from hybridpar.config.errors import ConfigError
 from hybridpar.parallel import comm
 from hybridpar.runtime import run_config
 
-FORMAT = 1
+FORMAT = 2  # 2: the placement's hash in the header
 
 
 # data.train_examples reaches the programs only through the plan, which is compared itself:
@@ -89,6 +91,7 @@ def describe(program) -> dict:
         "devices": int(program.mesh.size),
         "mesh": {k: int(v) for k, v in program.mesh.shape.items()},
         "config_hash": config_hash(program.config),
+        "placement": placement_hash(program),
         # the steps' schedules are functions of the plan (steps per stage and epoch), which
         # a compile without data takes from data.train_examples
         "plan": [[s.start_step, s.num_steps, s.steps_per_epoch] for s in program.plan.stages],
@@ -99,6 +102,17 @@ def describe(program) -> dict:
         if device.platform == "gpu"
         else None,
     }
+
+
+def placement_hash(program) -> str:
+    """A hash of every state array's path and sharding spec, as the programs take them."""
+    import jax
+
+    from hybridpar.parallel.partitioning import path_str
+
+    leaves = jax.tree_util.tree_flatten_with_path(program.shardings)[0]
+    specs = [(path_str(kp), str(getattr(s, "spec", s))) for kp, s in leaves]
+    return hashlib.sha256(repr(specs).encode()).hexdigest()[:16]
 
 
 def _tmp_name(path: str) -> str:
@@ -200,6 +214,9 @@ def load(path: str, program, recompile: bool = False) -> int:
     if wrong:
         key, was, now = wrong[0]
         what = f"{key} was {was!r} when compiled (--target {header.get('target')}), now {now!r}"
+        if key == "placement":
+            what += (" (the state's shardings: the config places its arrays otherwise than "
+                     "when compiled, e.g. after a hybridpar upgrade changed a preset)")  # fmt: skip
         if key == "plan":  # [start step, steps, steps per epoch] per stage
             what += (
                 " ([first step, steps, steps per epoch] per stage: a compile without the "
