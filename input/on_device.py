@@ -720,16 +720,22 @@ def _load_or_decode(c, size, mesh, sources, folder, splits, staging) -> dict:
             if meta["ignored"]:
                 print(prep.ignored_note(split, meta["ignored"], meta_path), flush=True)
             prep.class_notes(split, meta["empty_folders"], meta["classes_without_examples"])
+        elif _process_index() == 0:  # said as the tf.data path says its reuse
+            print(f"reusing the decoded copy {arrays_path} ({meta['num_examples']} examples of "
+                  f"split {split!r})", flush=True)  # fmt: skip
         # The same rule as prepare's: a train class without a usable example is an error.
         empty = meta["classes_without_examples"]
         if split == d.train_split and empty and not d.allow_empty_classes:
             raise prep.empty_classes_error(split, meta["source"], empty)
-        else:  # said as the tf.data path says its reuse: which copy, of how many examples
-            print(f"reusing the decoded copy {arrays_path} ({meta['num_examples']} examples of "
-                  f"split {split!r})", flush=True)  # fmt: skip
         with np.load(arrays_path) as z:
             out[split] = ({"image": z["image"], "label": z["label"]}, meta)
     return out
+
+
+def _process_index() -> int:
+    import jax  # (this module's callers import it; the module itself stays light)
+
+    return jax.process_index()
 
 
 def decode_image(data: bytes, size: int):

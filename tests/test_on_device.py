@@ -319,6 +319,7 @@ def test_images_are_decoded_once_reused_and_decoded_again_when_the_source_change
     data = datasets.make_data(c, 0, 1)
     out = capsys.readouterr().out
     assert out.count("decoding split") == 2 and "not decoded yet" in out
+    assert "reusing" not in out  # (a fresh decode is no reuse: planted, it said both)
     cache = tmp_path / "prep" / "on_device"
     assert sorted(p.name for p in cache.glob("*px.*")) == [
         "test-16px.json", "test-16px.npz", "train-16px.json", "train-16px.npz"]  # fmt: skip

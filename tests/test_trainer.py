@@ -916,3 +916,17 @@ def test_a_run_on_synthetic_data_says_so_and_that_its_target_cannot_be_reached()
     note = trainer.synthetic_note(c)
     assert note.startswith("warning: synthetic") and "target_top5=0.93 cannot be reached" in note
     assert "target_top1" not in note and "512 an epoch" in note
+
+
+def test_stages_of_one_batch_and_size_compile_one_program_said_once(tmp_path, capsys):
+    """Stages that differ only in momentum share a train step: the compile lines counted it
+    once per stage ('(3/3)' for 2 programs). Planted bug that fails it: the list not
+    de-duplicated."""
+    config = tiny_digits(stages="0.2:16-8~0.9,0.4:16-8~0.95", num_epochs=0.4,
+                         compile_ahead="before")  # fmt: skip
+    run = setup(config, None, with_data=False)
+    capsys.readouterr()
+    trainer.compile_all(run, 0)
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("compiling the ")]
+    assert [x.rsplit(" (", 1)[1] for x in said] == ["1/2) ...", "2/2) ..."], said
+    assert len(run.program.compiles) == 2

@@ -565,7 +565,8 @@ def compile_all(run: Run, first_stage: int) -> dict:
     now = [("train", first.stage.global_batch, first.stage.image_size),
            ("eval", c.eval_batch, c.data.image_size), *([] if background else later)]  # fmt: skip
     # each said as it starts: a large model's compile takes minutes, with nothing else to show
-    todo = [k for k in now if k not in program.compiled_programs()]  # (--compiled: loaded)
+    # each once (stages of one batch and size share a step); --compiled's are loaded
+    todo = [k for k in dict.fromkeys(now) if k not in program.compiled_programs()]
     for i, (kind, batch, size) in enumerate(todo, 1):
         log(f"compiling the {kind} step for batch {batch} at {size} px ({i}/{len(todo)}) ...")
         (program.train_step if kind == "train" else program.eval_step)(batch, size)
