@@ -828,9 +828,11 @@ def test_a_tpu_targets_command_starts_again_with_no_stack_limit():
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDPAR_STACK_RAISED"}
     limited = "import resource, os, sys; resource.setrlimit(resource.RLIMIT_STACK, " \
               "(8 << 20, resource.RLIM_INFINITY)); os.execv(sys.executable, sys.argv[1:])"
-    for target, says in (("tpu:v6e-8", ["start", "start", "True"]),
-                         ("cpu:8", ["start", "False"])):  # fmt: skip
-        r = subprocess.run([sys.executable, "-c", limited, sys.executable, "-c", code,
-                            "--target", target], env=env, capture_output=True, text=True,
-                           timeout=120)  # fmt: skip
+    for args, says in ((["--target", "tpu:v6e-8"], ["start", "start", "True"]),
+                       (["--target=tpu:v5e-16"], ["start", "start", "True"]),
+                       # not a target's: a path holding 'tpu:' (planted: any 'tpu:' fails it)
+                       (["--config.data.dir=/mnt/tpu:x", "--target", "cpu:8"],
+                        ["start", "False"])):  # fmt: skip
+        r = subprocess.run([sys.executable, "-c", limited, sys.executable, "-c", code, *args],
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
         assert r.returncode == 0 and r.stdout.split() == says, (r.stdout, r.stderr)

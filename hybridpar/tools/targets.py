@@ -252,14 +252,20 @@ STACK_RAISED = "HYBRIDPAR_STACK_RAISED"  # set in the command started again: onc
 
 
 def unlimited_stack_for_tpu(argv: list[str]) -> None:
-    """Starts this command again with no stack limit where ``argv`` names a ``tpu:`` target
-    and the hard limit allows it (``ulimit -s unlimited``'s effect; see above); else does
-    nothing. Called by the compile tools' commands (``argv`` from the command line), before
-    anything else: the command is run again from its start."""
+    """Starts this command again with no stack limit where ``argv``'s ``--target`` is a
+    ``tpu:`` one and the hard limit allows it (``ulimit -s unlimited``'s effect; see above);
+    else does nothing. Called by the compile tools' commands (``argv`` from the command
+    line), before anything else: the command is run again from its start (a script that
+    calls their ``main()`` with no arguments too)."""
     import resource
     import sys
 
-    if os.environ.get(STACK_RAISED) or not any("tpu:" in a for a in argv):
+    given = [b for a, b in zip(argv, argv[1:]) if a == "--target"]
+    given += [a.split("=", 1)[1] for a in argv if a.startswith("--target=")]
+    # (a script read from stdin cannot be run again: its input is spent)
+    if os.environ.get(STACK_RAISED) or sys.orig_argv[1:2] == ["-"]:
+        return
+    if not any(t.startswith("tpu:") for t in given):
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
     if soft == resource.RLIM_INFINITY or hard != resource.RLIM_INFINITY:
