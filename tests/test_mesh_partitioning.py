@@ -917,3 +917,15 @@ def test_a_preset_on_hybridpars_models_warns_of_no_logical_name(model_name):
                 infer_shardings(params, preset_rules(preset, mesh), mesh, moot_fsdp="ignore")
             said = [str(w.message) for w in record if "logical" in str(w.message)]
             assert not said, (spec, preset, said)
+
+
+def test_a_users_mapping_wins_over_a_presets_default_on_either_side(mesh_dm):
+    """The presets map hybridpar's models' logical names (MODEL_NAMES) to None; a user's own
+    mapping of such a name (t5x and MaxText name 'embed' too) wins wherever it stands in
+    the sum: 'FSDP + mine' split nothing, the preset's None coming first. Planted bug that
+    fails it: the defaults taken in order like any entry."""
+    tree = {"mlp": {"kernel": nn.LogicallyPartitioned(sds(16, 8), ("embed", "mlp"))}}
+    mine = Rules(logical={"embed": "model", "mlp": None})
+    for rules in (FSDP + mine, mine + FSDP, preset_rules("auto", mesh_dm) + mine):
+        s = infer_shardings(tree, rules, mesh_dm)
+        assert s["mlp"]["kernel"].spec == P("model", None), rules

@@ -61,12 +61,16 @@ class Rules:
     path: Sequence[tuple[str, Spec]] = ()  # (regex searched in "a/b/c" paths, spec)
     logical: Sequence[tuple[str, Any]] = ()  # (logical axis name, mesh axis / tuple / None)
     fsdp_min_size: int | None = None  # None: no FSDP pass; else shard arrays this large
+    # logical pairs taken after every ``logical`` entry of a sum, wherever they stand in it
+    # (a preset's mapping of hybridpar's models' names: a user's own entry wins)
+    defaults: Sequence[tuple[str, Any]] = ()
 
     def __post_init__(self):
         # A dict maps as its pairs do (its items, in order: the first match still wins).
         object.__setattr__(self, "path", _pairs(self.path, "path"))
         object.__setattr__(self, "logical", _pairs(self.logical, "logical"))
-        for entry in self.logical:
+        object.__setattr__(self, "defaults", _pairs(self.defaults, "defaults"))
+        for entry in (*self.logical, *self.defaults):
             if not _is_logical_rule(entry):
                 raise ConfigError(
                     f"Rules(logical=...): entry {entry!r} is not a (logical_name, mesh_axis) "
@@ -94,6 +98,7 @@ class Rules:
             tuple(self.path) + tuple(other.path),
             tuple(self.logical) + tuple(other.logical),
             min(mins) if mins else None,
+            tuple(self.defaults) + tuple(other.defaults),
         )
 
     def __radd__(self, other: Sequence[tuple[str, Spec]]) -> "Rules":
@@ -138,16 +143,17 @@ def _is_logical_rule(entry) -> bool:
 # warning about names its table lacks.
 MODEL_NAMES = tuple((n, None) for n in ("conv_h", "conv_w", "conv_in", "conv_out", "norm",
                                         "embed", "classes"))  # fmt: skip
-DATA_PARALLEL = Rules(logical=MODEL_NAMES)
+DATA_PARALLEL = Rules(defaults=MODEL_NAMES)
 FSDP = Rules(
-    logical=MODEL_NAMES, fsdp_min_size=2**10
+    defaults=MODEL_NAMES, fsdp_min_size=2**10
 )  # smaller arrays (BN vectors): one gather costs more than it saves
 # Data x model hybrid: the classifier head is split along the classes, and the wide
 # convolutions of the last two stages along their output channels; everything else is
 # replicated over `model` and the batch is split over the data axes.
 HYBRID = Rules(
     path=((r"stage[34]_block\d+/(conv\d|proj_conv)/kernel$", (None, None, None, "model")),),
-    logical=(("classes", "model"), *MODEL_NAMES),
+    logical=(("classes", "model"),),
+    defaults=MODEL_NAMES,
 )
 # Megatron-style tensor parallelism for the wide bottlenecks of the last two stages (their
 # conv1 and conv2 are 73% of Wide-ResNet-50-2's weights): conv1 split over `model` along its
@@ -163,7 +169,8 @@ TENSOR = Rules(
         (r"stage[34]_block\d+/conv1/kernel$", (None, None, None, "model")),
         (r"stage[34]_block\d+/conv2/kernel$", (None, None, "model", None)),
     ),
-    logical=(("classes", "model"), *MODEL_NAMES),
+    logical=(("classes", "model"),),
+    defaults=MODEL_NAMES,
 )
 PRESETS = {"data": DATA_PARALLEL, "fsdp": FSDP, "hybrid": HYBRID, "tensor": TENSOR}
 
@@ -328,9 +335,11 @@ def _left_whole_by_fsdp(spec: tuple, shape, mesh: Mesh, rules: Rules) -> str | N
     return f"{stacked}, and fsdp={n} divides none of the dimensions they leave free"
 
 
-def _table(rules: Rules) -> dict:
+def _table(rules: Rules, defaults: bool = True) -> dict:
+    """The logical table: name -> mesh axes. ``defaults`` (hybridpar's models' names) only
+    for linen's logical boxes: a mesh-axis annotation naming one is still an error."""
     table = {}
-    for name, axis in rules.logical:  # first entry for a name wins, like path rules
+    for name, axis in (*rules.logical, *(rules.defaults if defaults else ())):  # first wins
         table.setdefault(name, axis)
     return table
 
@@ -384,7 +393,7 @@ def _spec(path: str, shape, rules: Rules, mesh: Mesh, logical_names=None, axis_n
             mapped, shape, mesh, where, f"logical axes {tuple(logical_names)} and the logical rules"
         )
     if spec is None and axis_names is not None:
-        mapped = _mesh_names(axis_names, _table(rules), mesh, where)
+        mapped = _mesh_names(axis_names, _table(rules, defaults=False), mesh, where)
         spec = _check(mapped, shape, mesh, where, f"its sharding annotation {axis_names}")
     if spec is None:
         spec = (None,) * len(shape)

@@ -43,7 +43,7 @@ def rules_from_config(c, mesh, head: Head) -> partitioning.Rules:
     )
     rules = own + head.rules() + partitioning.preset_rules(c.preset, mesh)
     if c.fsdp_min_size >= 0:
-        rules = partitioning.Rules(rules.path, rules.logical, c.fsdp_min_size)
+        rules = dataclasses.replace(rules, fsdp_min_size=c.fsdp_min_size)
     return rules
 
 
