@@ -1029,3 +1029,20 @@ def test_help_names_every_panel(capsys):
         report.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "where the time went, the schedule against epochs) and tables of the runs" in text
+
+
+def test_a_record_the_evaluator_was_killed_writing_is_no_loss(tmp_path, capsys):
+    """An evaluator killed mid-line leaves a line its next start's writer ends: a record cut
+    short, which that start evaluates again. Counted lost, it blanked the run's best top1
+    and time to target. Not a loss; other garbage still is (the missing-records test).
+    Planted bug that fails it: a torn line counted as unread."""
+    curriculum_run(tmp_path / "a")
+    e = evaluation(17, 3.4, 25.0, 0.9, 0.97, source="evaluator", examples=100, split="test")
+    write_jsonl(tmp_path / "a" / "evaluator" / "metrics.jsonl", [e])
+    path = tmp_path / "a" / "evaluator" / "metrics.jsonl"
+    path.write_text('{"event": "eval", "step": 15, "ep\n' + path.read_text())
+    assert report.read_run(str(tmp_path / "a")).unread_evaluator == 0
+    report.main([str(tmp_path / "a"), "--out", str(tmp_path / "r.png")])
+    printed = capsys.readouterr()
+    assert "warning" not in printed.err, printed.err
+    assert tables(printed.out)[0][0]["best top1"] == "0.9000"

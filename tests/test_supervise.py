@@ -159,3 +159,43 @@ def test_a_process_id_that_joined_twice_names_a_restart_and_a_duplicate():
     assert "stop every process of the run and start them all again" in mine
     line, code = supervise.error_line(RESTARTED, "/no/checkpoints", "/tmp/t.txt", 100.0, 0)
     assert (line, code) == (f"{what} (JAX's stack trace: /tmp/t.txt)", 2)
+
+
+def test_the_trainers_own_lines_are_never_taken_for_a_jax_records_next_line():
+    """A line that starts no log record, after a held JAX line, was taken as that record's
+    next line: the trainer's own 'warning:' line (or a Python warning) then went with JAX's
+    lines, and was dropped with them where the trainer's error: line came. Planted bug that
+    fails it: only a traceback and error: lines kept apart."""
+    own = ["warning: the checkpoint at step 2 was not written: disk full\n",
+           "/x/y.py:12: UserWarning: something\n"]  # fmt: skip
+    shown, end, _ = _feed([PEER_GONE[0], *own, ERROR_LINE], 1)
+    assert shown + end == "".join([PEER_GONE[0], *own, ERROR_LINE]), shown + end
+    shown, end, _ = _feed([PEER_GONE[0], *own, "Traceback (most recent call last):\n",
+                           FATAL_LINE, ERROR_LINE], 1)  # fmt: skip
+    # (JAX's line before them shown as they come, the fatal one dropped: the error: says)
+    assert shown + end == "".join([PEER_GONE[0], *own, "Traceback (most recent call last):\n",
+                                   ERROR_LINE]), shown + end  # fmt: skip
+
+
+def test_a_stack_traces_frames_are_held_through_a_pause():
+    """JAX's frames may come slowly: a pause showed those after it, before the trainer's
+    error: line. From a stack trace's first line, every line is held. Planted bug that
+    fails it: only the fatal line and a traceback start holding."""
+    filt = supervise.StderrLines()
+    trace = ["*** Check failure stack trace: ***\n", "    @     0x7f52  SendToLog()\n"]
+    assert filt.line(trace[0].encode()) == b""
+    assert filt.quiet() == b""
+    assert filt.line(trace[1].encode()) == b""
+    assert filt.finish(1).decode() == "".join(trace)  # no error: line: shown at the end
+
+
+def test_a_line_in_pieces_comes_out_whole(capfd):
+    """The reader joins a line written in pieces, with pauses between them, and ends with
+    a last line that has no newline."""
+    import sys
+
+    code = ("import sys, time\n"
+            "for piece in ('abc', 'def\\nxyz'):\n"
+            "    sys.stderr.write(piece); sys.stderr.flush(); time.sleep(0.3)\n")  # fmt: skip
+    assert supervise.run([sys.executable, "-c", code]) == 0
+    assert capfd.readouterr().err == "abcdef\nxyz"

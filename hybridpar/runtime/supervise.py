@@ -64,6 +64,9 @@ SERVICE_LOG = re.compile(
 # record's message may span lines; the lines after its first start no record.
 LOG_RECORD = re.compile(r"[IWEF]\d{4} [\d:.]+\s+\d+ \S+:\d+\]|(DEBUG|INFO|WARNING|ERROR|CRITICAL):")
 OWN_ERROR = "error: "  # the trainer's own last line, where it caught the failure itself
+# Lines never taken as the next line of a held JAX record: the trainer's own (its warning:
+# and error: lines, a traceback) and Python's warnings ("file.py:12: UserWarning: ...")
+OWN_LINE = re.compile(r"(warning|error): |Traceback |\S+\.py:\d+: \w+: ")
 SERVICE_HELD = 50  # of those lines in a row, at most this many held (the newest)
 # A record's lines come in one write: the lines that follow a held one with no pause of
 # this many seconds go with it; after such a pause the held lines are shown.
@@ -184,8 +187,7 @@ class StderrLines:
     def is_jax(self, line: str) -> bool:
         if SERVICE_LOG.match(line) or FATAL in line:
             return True
-        return (self.after_jax and not LOG_RECORD.match(line)
-                and not line.startswith((PY_TRACE, OWN_ERROR)))  # fmt: skip
+        return self.after_jax and not LOG_RECORD.match(line) and not OWN_LINE.match(line)
 
     def line(self, raw: bytes) -> bytes:
         line = raw.decode(errors="replace")
@@ -194,7 +196,8 @@ class StderrLines:
             self.fatal.append(line)
         # JAX's stack trace after its fatal line and a Python traceback (a collective that
         # failed as a peer went, raised just before JAX's abort), and all that follows them
-        if line.startswith(PY_TRACE) or self.fatal:
+        # (a C++ stack trace too: its frames may come slowly, a pause must not show them)
+        if line.startswith((PY_TRACE, TRACE)) or self.fatal:
             self.holding = True
         if self.holding:
             self.held += [(r, True) for r in self.service]
@@ -294,7 +297,7 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
         children.append(child)
         for signum in early:
             child.send_signal(signum)
-        fd, rest = child.stderr.fileno(), b""
+        fd, part = child.stderr.fileno(), []  # part: the pieces of a line not ended yet
         while True:  # read as it comes: a pause ends a held record (QUIET_S)
             if lines.waiting() and not select.select([fd], [], [], QUIET_S)[0]:
                 shown = lines.quiet()
@@ -302,13 +305,16 @@ def run(command: list[str], checkpoints: str | None = None, env=None,
                 chunk = os.read(fd, 1 << 16)
                 if not chunk:
                     break
-                *whole, rest = (rest + chunk).split(b"\n")
+                *whole, tail = chunk.split(b"\n")  # (only the new bytes searched)
+                if whole:
+                    whole[0], part = b"".join(part) + whole[0], []
+                part += [tail] if tail else []
                 shown = b"".join(lines.line(raw + b"\n") for raw in whole)
             if shown:
                 out.write(shown)
                 out.flush()
-        if rest:  # a last line with no newline
-            out.write(lines.line(rest))
+        if part:  # a last line with no newline
+            out.write(lines.line(b"".join(part)))
         code = child.wait()
     finally:
         for s, h in before.items():
