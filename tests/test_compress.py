@@ -954,54 +954,9 @@ def test_prune_out_inside_the_source_run_is_refused(tmp_path, capsys):
         assert "is inside --workdir" in err[0] and not (w / "pruned").exists(), err
 
 
-def test_a_resumed_round_says_what_it_does(tmp_path, monkeypatch):
-    """A round an earlier call pruned (and distilled): its line says it resumes the
-    distillation, or only quantizes it, not that it prunes and distils. Through
-    ``make_round`` with its pruning, trainer and quantizing stood in for."""
-    import argparse
-
-    from hybridpar.tools import compress, quantize, tune
-
-    w = tmp_path / "t"
-    w.mkdir()
-    config = tiny_digits(**LONGER)
-    monkeypatch.setattr(prune, "prune_run", lambda *a, **k: None)
-    monkeypatch.setattr(tune, "run_trainer", lambda c, d: (None, {}))
-    monkeypatch.setattr(quantize, "run", lambda *a, **k: {})
-    monkeypatch.setattr(compress, "round_config", lambda *a: config)
-    args = argparse.Namespace(workdir=str(w), budget_kb=100.0, budget_of="weights", step=0.5,
-                              epochs=3.0, criterion="l1", seed=None, init="pruned", alpha=None,
-                              calibration_batches=1, calibration="max", percentile=None,
-                              repeats=1)  # fmt: skip
-    rd, lines = tmp_path / "round_01", []
-
-    def line():
-        compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
-                            lines.append)  # fmt: skip
-        return lines[-1]
-
-    rd.mkdir()
-    assert line().startswith("round 1: pruning to 0.500 of the teacher's channels, then 3 ")
-    (rd / "pruned").mkdir()
-    (rd / "run").mkdir()  # stopped before its first checkpoint: the trainer starts at step 0
-    # (planted bug that fails it: a run/ folder taken for a run to resume)
-    assert line().startswith("round 1: distilling from step 0 the model an earlier call "
-                             "pruned to 0.500 of the teacher's channels (3 epochs "), lines
-    (rd / "run" / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir(parents=True)
-    assert line().startswith("round 1: distilling from step 0 "), lines  # not committed
-    (rd / "run" / "checkpoints" / "5").mkdir()
-    assert line().startswith("round 1: resuming its distillation run (pruned to 0.500 "), lines
-    (rd / "run" / "summary.json").write_text(json.dumps({"completed": True}))
-    assert line() == ("round 1: its distillation run finished in an earlier call (pruned to "
-                      "0.500 of the teacher's channels); quantizing it"), lines  # fmt: skip
-
-
-@pytest.mark.parametrize("epochs,said",
-                         [(1.0, "1 epoch "), (1.5, "1.5 epochs "), (3.0, "3 epochs ")])
-def test_a_rounds_line_counts_its_epochs_in_words(tmp_path, monkeypatch, epochs, said):
-    """``--epochs 1`` printed "1 epochs of distillation". Each of the round's lines (a new
-    round, one from step 0, one resumed), through ``make_round`` with its pruning, trainer
-    and quantizing stood in for."""
+def _stubbed_round(tmp_path, monkeypatch, epochs: float = 3.0):
+    """``(line, rd)``: ``line()`` runs round 1's ``make_round`` (its pruning, trainer and
+    quantizing stood in for) and returns the line it said; ``rd``: the round's folder."""
     import argparse
 
     from hybridpar.tools import compress, quantize, tune
@@ -1019,13 +974,45 @@ def test_a_rounds_line_counts_its_epochs_in_words(tmp_path, monkeypatch, epochs,
                               percentile=None, repeats=1)  # fmt: skip
     rd, lines = tmp_path / "round_01", []
     rd.mkdir()
-    for then in ("pruned", "run/checkpoints/5"):  # from step 0 after the first, then resumed
+
+    def line():
         compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
                             lines.append)  # fmt: skip
+        return lines[-1]
+
+    return line, rd
+
+
+def test_a_resumed_round_says_what_it_does(tmp_path, monkeypatch):
+    """A round an earlier call pruned (and distilled): its line says it resumes the
+    distillation, or only quantizes it, not that it prunes and distils."""
+    line, rd = _stubbed_round(tmp_path, monkeypatch)
+    assert line().startswith("round 1: pruning to 0.500 of the teacher's channels, then 3 ")
+    (rd / "pruned").mkdir()
+    (rd / "run").mkdir()  # stopped before its first checkpoint: the trainer starts at step 0
+    # (planted bug that fails it: a run/ folder taken for a run to resume)
+    assert line().startswith("round 1: distilling from step 0 the model an earlier call "
+                             "pruned to 0.500 of the teacher's channels (3 epochs ")
+    (rd / "run" / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir(parents=True)
+    assert line().startswith("round 1: distilling from step 0 ")  # not committed
+    (rd / "run" / "checkpoints" / "5").mkdir()
+    assert line().startswith("round 1: resuming its distillation run (pruned to 0.500 ")
+    (rd / "run" / "summary.json").write_text(json.dumps({"completed": True}))
+    assert line() == ("round 1: its distillation run finished in an earlier call (pruned to "
+                      "0.500 of the teacher's channels); quantizing it")  # fmt: skip
+
+
+@pytest.mark.parametrize("epochs,said",
+                         [(1.0, "1 epoch "), (1.5, "1.5 epochs "), (3.0, "3 epochs ")])
+def test_a_rounds_line_counts_its_epochs_in_words(tmp_path, monkeypatch, epochs, said):
+    """``--epochs 1`` printed "1 epochs of distillation". Each of the round's lines (a new
+    round, one from step 0, one resumed)."""
+    line, rd = _stubbed_round(tmp_path, monkeypatch, epochs)
+    lines = [line()]
+    for then in ("pruned", "run/checkpoints/5"):  # from step 0 after the first, then resumed
         (rd / then).mkdir(parents=True, exist_ok=True)
-    compress.make_round(config, args, 1, 0.5, str(rd), [{"run": str(w), "keep": 1.0}], {},
-                        lines.append)  # fmt: skip
-    assert [said in line for line in lines] == [True] * 3, lines
+        lines.append(line())
+    assert [said in x for x in lines] == [True] * 3, lines
 
 
 # ---- distillation --------------------------------------------------------------------------
