@@ -246,8 +246,8 @@ device_description_str: "{kind}"
 
 # libtpu 0.0.42.1 overflows a thread's stack compiling the digits job for tpu:v6e-8
 # (SIGSEGV, "STACK OVERFLOW", whatever the flags) unless the process starts with no stack
-# limit: 8 MiB to 1 GiB crashed alike (5 of 5), raising the limit in a running process did
-# not help, and started unlimited it compiled 6 times of 7. Seen 2026-12-08.
+# limit: 8 MiB to 1 GiB crash alike, and raising the limit in a running process does not
+# help; started unlimited, it compiled in all tries but one (the crash is not deterministic).
 STACK_RAISED = "HYBRIDPAR_STACK_RAISED"  # set in the command started again: once only
 
 
