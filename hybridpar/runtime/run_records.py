@@ -217,15 +217,15 @@ def from_dict(d: dict) -> Record:
 
 
 def read_records(
-    path: str, offset: int = 0, unread: list | None = None, torn: list | None = None
+    path: str, offset: int = 0, unread: list | None = None, count_torn: bool = True
 ) -> tuple[list[Record], int]:
     """The records of ``path`` from byte ``offset`` on, and the offset after the last whole
     line: a line cut short (its writer killed, or still writing) is left out, and so is a
     line that is not a JSON object. A missing file has none. ``unread``: a list that gets,
     for each whole line left out (blank ones aside), the index in the records of the record
-    after it (a reader that must know what it did not get: report). ``torn``: where given,
-    such a line that starts as a record does (its writer killed mid-line, the next start's
-    writer ended it) goes there instead."""
+    after it (a reader that must know what it did not get: report). ``count_torn=False``:
+    not such a line that starts as a record does (its writer killed mid-line, the next
+    start's writer ended it)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
@@ -241,10 +241,9 @@ def read_records(
             d = None
         if isinstance(d, dict):
             records.append(from_dict(d))
-        elif torn is not None and d is None and line.startswith(b'{"event": '):
-            torn.append(len(records))
         elif unread is not None and line.strip():
-            unread.append(len(records))
+            if count_torn or d is not None or not line.startswith(b'{"event": '):
+                unread.append(len(records))
     return records, offset + end
 
 
@@ -438,7 +437,7 @@ def read_run(workdir: str, unreadable: str = START_OVER) -> RunRecords:
     # evaluates that checkpoint again (the trainer's such line is told by the resume after it)
     bad = []
     path = os.path.join(workdir, "evaluator", "metrics.jsonl")
-    for r in read_records(path, unread=bad, torn=[])[0]:
+    for r in read_records(path, unread=bad, count_torn=False)[0]:
         if isinstance(r, Eval) and whole(r):
             evals.setdefault(r.step, r)
         elif isinstance(r, Eval):
